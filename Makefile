@@ -1,0 +1,44 @@
+# Two commands work on a fresh clone: `make test` and `make bench`. Both install what they need (once), configure,
+# build incrementally and run. BUILD, CMAKE_ARGS and BENCH_ARGS can be overridden.
+BUILD ?= build
+CMAKE_ARGS ?=
+BENCH_ARGS ?=
+JOBS ?= $(shell nproc)
+GENERATOR := $(shell command -v ninja >/dev/null 2>&1 && echo Ninja || echo "Unix Makefiles")
+
+.PHONY: all deps configure build test test-unit test-gpu bench format clean
+
+all: build
+
+deps:
+	@scripts/install-deps.sh
+
+$(BUILD)/CMakeCache.txt:
+	@scripts/install-deps.sh
+	cmake -S . -B $(BUILD) -G "$(GENERATOR)" $(CMAKE_ARGS)
+
+configure: $(BUILD)/CMakeCache.txt
+
+build: configure
+	cmake --build $(BUILD) -j $(JOBS)
+
+# Every test this machine can run: host unit tests always; GPU tests run (or skip with a message) by themselves.
+test: build
+	cd $(BUILD) && ctest --output-on-failure --timeout 600 -j $(JOBS)
+	@scripts/python-tests.sh $(BUILD)
+
+test-unit: build
+	cd $(BUILD) && ctest --output-on-failure -L unit -j $(JOBS)
+
+test-gpu: build
+	cd $(BUILD) && ctest --output-on-failure -L gpu
+
+# ferry bench on every local GPU, or on 4 cpu ranks (with a notice) when there is none.
+bench: build
+	$(BUILD)/ferry bench $(BENCH_ARGS)
+
+format:
+	@git ls-files '*.cpp' '*.hpp' '*.cu' '*.cuh' | xargs clang-format -i
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,56 @@
+// Bootstrap: how ranks find each other and exchange small host messages before (and beside) the device transport.
+// Every operation is collective (all ranks call it in the same order) and bounded: a rank that never arrives or
+// dies makes the others throw BootstrapError naming it, within the timeout, never hang.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ferry {
+
+class Bootstrap {
+ public:
+  virtual ~Bootstrap() = default;
+
+  virtual int rank() const = 0;
+  virtual int world() const = 0;
+  // Rank within this host (selects the GPU). Equal to rank() for single-host jobs.
+  virtual int local_rank() const = 0;
+  // Number of ranks on this host.
+  virtual int local_world() const = 0;
+
+  // recv must hold world() * bytes; block r of recv receives rank r's send (send may alias recv + rank*bytes).
+  virtual void allgather(void const* send, void* recv, std::size_t bytes) = 0;
+  // data (bytes long) on root is copied to every rank's data.
+  virtual void broadcast(void* data, std::size_t bytes, int root) = 0;
+  // Returns once every rank has entered.
+  virtual void barrier() = 0;
+};
+
+struct SocketBootstrapOptions {
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  int rank = 0;
+  int world = 1;
+  int local_rank = 0;
+  int local_world = 1;
+  // Deadline for connecting (with retries) and for each collective operation.
+  std::chrono::milliseconds timeout{60000};
+};
+
+// TCP rendezvous: rank 0 listens on master_addr:master_port, every rank connects to it; collectives go through
+// rank 0 (the messages are small: ids, counts, addresses). Throws BootstrapError on failure.
+std::unique_ptr<Bootstrap> make_socket_bootstrap(SocketBootstrapOptions const& options);
+
+// The torchrun environment: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK (LOCAL_WORLD_SIZE if set),
+// timeout from FERRY_BOOTSTRAP_TIMEOUT_S. Throws BootstrapError naming a missing or malformed variable.
+SocketBootstrapOptions socket_bootstrap_options_from_env();
+
+// world bootstraps for ranks that are threads of one process (tests). Each must be used by its own thread.
+std::vector<std::unique_ptr<Bootstrap>> make_local_bootstraps(
+    int world, std::chrono::milliseconds timeout = std::chrono::seconds(30));
+
+}  // namespace ferry

@@ -1,0 +1,77 @@
+// Communicator: rank, world, local peers, the symmetric heap, and the POD DeviceView handed to kernels.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "ferry/bootstrap.hpp"
+#include "ferry/device_view.hpp"
+
+// The same declaration CUDA's runtime makes; keeps this header free of CUDA includes.
+typedef struct CUstream_st* cudaStream_t;
+
+namespace ferry {
+
+enum class Backend {
+  cpu,   // POSIX shared memory mapped by every rank process; the reference backend
+  cuda,  // NCCL 2.28+ device API: symmetric windows, LSA pointers over NVLink
+};
+
+char const* backend_name(Backend backend);
+// "cpu" / "cuda"; throws ConfigError naming the value and the choices.
+Backend parse_backend(std::string const& name);
+// True when this build has the cuda backend and at least one GPU is visible.
+bool cuda_available();
+// Number of visible GPUs (0 when the build has no cuda backend).
+int cuda_device_count();
+
+struct CommunicatorOptions {
+  Backend backend = Backend::cpu;
+  // cuda: the GPU of this rank; -1 means bootstrap.local_rank().
+  int device = -1;
+};
+
+// One region of symmetric memory: `bytes` on every rank. Owned by the communicator; valid until it is destroyed.
+struct SymmetricRegion {
+  void* local = nullptr;  // this rank's copy (host memory on cpu, device memory on cuda)
+  SymmetricView view{};   // every rank's copy as addressable from here
+};
+
+class Communicator {
+ public:
+  // Collective: every rank calls it with the same backend. Takes ownership of the bootstrap.
+  // Throws ConfigError (bad options), CudaError / NcclError (transport setup), BootstrapError.
+  static std::unique_ptr<Communicator> create(std::unique_ptr<Bootstrap> bootstrap, CommunicatorOptions const& options);
+
+  virtual ~Communicator() = default;
+
+  virtual Backend backend() const = 0;
+  int rank() const { return bootstrap().rank(); }
+  int world() const { return bootstrap().world(); }
+  virtual Bootstrap& bootstrap() const = 0;
+  // cuda: the device ordinal; cpu: -1.
+  virtual int device() const = 0;
+
+  // Collective, same order and sizes on every rank: allocates `bytes` (rounded up to the window alignment) of
+  // zeroed symmetric memory. Throws ConfigError if sizes differ between ranks.
+  virtual SymmetricRegion alloc_symmetric(std::size_t bytes) = 0;
+
+  // The view kernels (or the cpu reference) receive. Stable for the communicator's lifetime.
+  virtual DeviceView const& device_view() const = 0;
+
+  // Raises the error a kernel recorded in the error block (TimeoutError naming rank, peer and phase; InputError
+  // for ids dropped on the device), then marks the communicator failed. Cheap: reads host-visible memory.
+  // stream is synchronised first on cuda when non-null.
+  virtual void check_errors(cudaStream_t stream = nullptr) = 0;
+  // True after a device timeout; every later call then throws Error saying so.
+  virtual bool failed() const = 0;
+  // Throws if failed() (naming the original failure).
+  virtual void ensure_usable() const = 0;
+
+  // A barrier over every rank through the transport (device barrier on cuda, enqueued on stream; shared memory on
+  // cpu). Bounded by FERRY_TIMEOUT_S.
+  virtual void barrier(cudaStream_t stream = nullptr) = 0;
+};
+
+}  // namespace ferry

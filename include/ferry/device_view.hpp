@@ -1,0 +1,64 @@
+// Plain-old-data views that kernels receive. No framework or CUDA header: usable from host and device code.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace ferry {
+
+// Most ranks that share load/store access (one NVLink domain). Past this, ranks talk through the network seam.
+inline constexpr int kMaxLocalPeers = 32;
+
+// Phases a bounded wait can time out in (recorded in DeviceErrorBlock::phase).
+enum class WaitPhase : int32_t {
+  none = 0,
+  barrier = 1,
+  count_exchange = 2,
+  dispatch_data = 3,
+  combine_data = 4,
+  ll_dispatch = 5,
+  ll_combine = 6,
+  test = 7,
+};
+
+char const* wait_phase_name(WaitPhase phase);
+
+// Host-visible (mapped pinned memory on cuda) record of the first failure a kernel saw. The first writer wins
+// (status moves 0 -> 1 by compare-and-swap, then the fields are filled, then status moves to 2).
+struct DeviceErrorBlock {
+  uint32_t status;        // 0 none, 1 being written, 2 timeout recorded
+  int32_t rank;           // the rank that waited
+  int32_t peer;           // the rank it waited for (-1: several or unknown)
+  int32_t phase;          // WaitPhase
+  uint64_t expected;      // value the wait wanted (>=)
+  uint64_t observed;      // last value it saw
+  uint32_t input_errors;  // count of ids dropped on the device (out of range, capacity overflow)
+  int32_t first_bad_value;
+  uint32_t overflow_rows;  // rows dropped because a capacity (expert_capacity / max_recv_tokens) was exceeded
+  uint32_t reserved;
+};
+
+// Symmetric memory as a kernel sees it: one region of the same size on every rank; ptr[r] is rank r's copy,
+// addressable from this rank (an LSA / IPC flat address on cuda, a shared mapping on cpu).
+struct SymmetricView {
+  char* ptr[kMaxLocalPeers];
+  std::size_t bytes;
+};
+
+// What every kernel gets from its communicator.
+struct DeviceView {
+  int32_t rank;
+  int32_t world;
+  uint64_t timeout_ns;      // bound of every device wait (FERRY_TIMEOUT_S)
+  DeviceErrorBlock* error;  // host-visible error block of this rank
+  // Communicator-owned signal area: per rank kSignalSlots 64-bit words, written by peers with release stores.
+  // signals.ptr[r] + slot * 8. Slots [0, world) are the barrier slots (slot p written by rank p).
+  SymmetricView signals;
+  // Device word this rank's barrier epochs count in (local only; incremented by the barrier itself, so barriers
+  // work inside CUDA graphs without host involvement).
+  uint64_t* barrier_epoch;
+};
+
+inline constexpr int kSignalSlots = 1024;
+
+}  // namespace ferry

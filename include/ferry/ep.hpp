@@ -1,0 +1,121 @@
+// Expert-parallel dispatch and combine. See DESIGN.md "Semantics": one contract for every backend and mode.
+//
+// Threading and streams: an EpBuffer belongs to one host thread. On the cuda backend every call is enqueued on the
+// given stream (work is asynchronous unless `eager`); on the cpu backend calls run synchronously and stream must be
+// null. Outputs are views of buffers the EpBuffer owns; they stay valid until the next dispatch on the same buffer.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "ferry/communicator.hpp"
+#include "ferry/tuning.hpp"
+#include "ferry/wire_format.hpp"
+
+namespace ferry {
+
+enum class Mode { normal, low_latency };
+char const* mode_name(Mode mode);
+Mode parse_mode(std::string const& name);  // "normal" | "ll"
+
+// The largest topk any path supports.
+inline constexpr int kMaxTopk = 16;
+
+// The shape of one MoE layer's communication. Validated once by validate(); EpBuffer's constructor calls it.
+struct EpConfig {
+  int hidden = 7168;               // elements per row
+  int num_experts = 256;           // global experts, split evenly over ranks
+  int topk = 8;                    // experts per token (columns of topk_idx)
+  int max_tokens_per_rank = 4096;  // most tokens any rank passes to one dispatch
+  WireFormat dispatch_format = WireFormat::bf16;
+  WireFormat combine_format = WireFormat::bf16;
+  Mode mode = Mode::normal;
+  std::optional<Geometry> dispatch_geometry;  // pins the dispatch launch geometry
+  std::optional<Geometry> combine_geometry;   // pins the combine launch geometry
+  // Cap on rows one rank can receive (default world * max_tokens_per_rank). Rows past it are dropped and reported.
+  std::optional<int> max_recv_tokens;
+  // Rows per local expert in the expert-major layout (default: max_recv_tokens, or world * max_tokens_per_rank).
+  std::optional<int> expert_capacity;
+
+  // Throws ConfigError naming the field, the value and the rule for the first rule broken.
+  void validate(int world) const;
+
+  int num_local_experts(int world) const { return num_experts / world; }
+  int recv_capacity(int world) const;  // rows of the rank-major receive buffers
+  int expert_slots(int world) const;   // rows per expert of the expert-major layout
+};
+
+enum class IndexType { int32, int64 };
+
+struct DispatchArgs {
+  void const* x = nullptr;         // [num_tokens, hidden] bf16, row-major, contiguous
+  int num_tokens = 0;              // 0 <= num_tokens <= max_tokens_per_rank
+  void const* topk_idx = nullptr;  // [num_tokens, topk] global expert ids in [-1, num_experts)
+  IndexType topk_idx_type = IndexType::int64;
+  float const* topk_weights = nullptr;  // [num_tokens, topk]
+  bool expand = false;                  // also fill the expert-major layout
+  // Eager: synchronise after the call, set num_recv_host and raise device-side errors now. Not graph-capturable.
+  bool eager = true;
+};
+
+// Views of the buffers the dispatch filled. Rows ordered by (source rank, source token).
+struct DispatchResult {
+  void* recv_x = nullptr;              // [recv_capacity, hidden] bf16
+  int32_t* recv_topk_idx = nullptr;    // [recv_capacity, topk] local expert index, -1 where not on this rank
+  float* recv_topk_weights = nullptr;  // [recv_capacity, topk]
+  int32_t* recv_src = nullptr;         // [recv_capacity, 2] (source rank, source token)
+  int32_t* num_recv = nullptr;         // device (cpu: host) scalar: rows received
+  int64_t num_recv_host = -1;          // eager only
+  int32_t* expert_counts = nullptr;    // [num_local_experts] rows per local expert
+  int recv_capacity = 0;
+  // expert-major (expand only)
+  void* expert_x = nullptr;           // [num_local_experts, expert_slots, hidden] bf16
+  int32_t* expert_src_row = nullptr;  // [num_local_experts, expert_slots] rank-major row of each slot
+  int expert_slots = 0;
+};
+
+enum class CombineLayout { rank_major, expert_major };
+
+// Combine always refers to the most recent dispatch on the same EpBuffer.
+struct CombineArgs {
+  CombineLayout layout = CombineLayout::expert_major;
+  // rank_major: [num_recv, hidden] rows already reduced over this rank's experts (weights applied by the caller).
+  // expert_major: [num_local_experts, expert_slots, hidden]: expert outputs; weights applied by combine.
+  void const* x = nullptr;
+  void* y = nullptr;  // [num_tokens of that dispatch, hidden] bf16
+  bool eager = true;
+};
+
+namespace detail {
+class EpBackendImpl;
+}
+
+class EpBuffer {
+ public:
+  // Collective: allocates the symmetric buffers. Throws ConfigError for an invalid config.
+  EpBuffer(std::shared_ptr<Communicator> comm, EpConfig const& config);
+  ~EpBuffer();
+  EpBuffer(EpBuffer const&) = delete;
+  EpBuffer& operator=(EpBuffer const&) = delete;
+
+  EpConfig const& config() const { return config_; }
+  Communicator& communicator() const { return *comm_; }
+
+  // Collective. Throws InputError for bad arguments (before anything is written), TimeoutError when a peer does
+  // not arrive, Error when the communicator already failed.
+  DispatchResult dispatch(DispatchArgs const& args, cudaStream_t stream = nullptr);
+  void combine(CombineArgs const& args, cudaStream_t stream = nullptr);
+
+  // Name of the kernel path the last call of each leg took, and why (for `ferry bench --explain`).
+  std::string explain() const;
+
+ private:
+  std::shared_ptr<Communicator> comm_;
+  EpConfig config_;
+  std::unique_ptr<detail::EpBackendImpl> impl_;
+};
+
+}  // namespace ferry

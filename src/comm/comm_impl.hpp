@@ -1,0 +1,22 @@
+// Backend factories behind Communicator::create.
+#pragma once
+
+#include <memory>
+
+#include "ferry/communicator.hpp"
+
+namespace ferry::detail {
+
+std::unique_ptr<Communicator> make_cpu_communicator(std::unique_ptr<Bootstrap> bootstrap,
+                                                    CommunicatorOptions const& options);
+#if FERRY_HAVE_CUDA
+std::unique_ptr<Communicator> make_cuda_communicator(std::unique_ptr<Bootstrap> bootstrap,
+                                                     CommunicatorOptions const& options);
+int cuda_visible_devices();  // cudaGetDeviceCount, 0 on any error (no driver, no device)
+#endif
+
+// The message of a recorded device failure ("rank 0 timed out in phase barrier waiting for rank 1: expected >= 3,
+// observed 2 after 30 s"); empty when status is 0.
+std::string describe_device_error(DeviceErrorBlock const& block, double timeout_s);
+
+}  // namespace ferry::detail

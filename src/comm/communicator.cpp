@@ -1,0 +1,79 @@
+#include "comm/comm_impl.hpp"
+#include "ferry/error.hpp"
+
+namespace ferry {
+
+char const* wait_phase_name(WaitPhase phase) {
+  switch (phase) {
+    case WaitPhase::none:
+      return "none";
+    case WaitPhase::barrier:
+      return "barrier";
+    case WaitPhase::count_exchange:
+      return "count exchange";
+    case WaitPhase::dispatch_data:
+      return "dispatch data";
+    case WaitPhase::combine_data:
+      return "combine data";
+    case WaitPhase::ll_dispatch:
+      return "low-latency dispatch";
+    case WaitPhase::ll_combine:
+      return "low-latency combine";
+    case WaitPhase::test:
+      return "test";
+  }
+  return "unknown";
+}
+
+char const* backend_name(Backend backend) {
+  return backend == Backend::cpu ? "cpu" : "cuda";
+}
+
+Backend parse_backend(std::string const& name) {
+  if (name == "cpu") return Backend::cpu;
+  if (name == "cuda") return Backend::cuda;
+  FERRY_THROW(ConfigError, "config", "backend '", name, "' is unknown; use cpu or cuda");
+}
+
+int cuda_device_count() {
+#if FERRY_HAVE_CUDA
+  return detail::cuda_visible_devices();
+#else
+  return 0;
+#endif
+}
+
+bool cuda_available() {
+  return cuda_device_count() > 0;
+}
+
+std::unique_ptr<Communicator> Communicator::create(std::unique_ptr<Bootstrap> bootstrap,
+                                                   CommunicatorOptions const& options) {
+  FERRY_CHECK_CONFIG(bootstrap != nullptr, "Communicator::create needs a bootstrap");
+  switch (options.backend) {
+    case Backend::cpu:
+      return detail::make_cpu_communicator(std::move(bootstrap), options);
+    case Backend::cuda:
+#if FERRY_HAVE_CUDA
+      return detail::make_cuda_communicator(std::move(bootstrap), options);
+#else
+      FERRY_THROW(ConfigError, "config",
+                  "backend cuda is not compiled into this build (no nvcc at configure time); "
+                  "rebuild with FERRY_ENABLE_CUDA=ON or use backend cpu");
+#endif
+  }
+  FERRY_THROW(ConfigError, "config", "unknown backend ", static_cast<int>(options.backend));
+}
+
+namespace detail {
+
+std::string describe_device_error(DeviceErrorBlock const& block, double timeout_s) {
+  if (block.status == 0) return {};
+  return concat("rank ", block.rank, " timed out after ", timeout_s, " s in phase '",
+                wait_phase_name(static_cast<WaitPhase>(block.phase)), "' waiting for rank ", block.peer,
+                " (expected signal >= ", block.expected, ", observed ", block.observed, "); rank ", block.peer,
+                " did not arrive: it is stuck, crashed, or skipped a collective call");
+}
+
+}  // namespace detail
+}  // namespace ferry

@@ -1,0 +1,45 @@
+// Vector copies of rows: 16 bytes per thread per step, several loads in flight before the stores.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "comm/device/arch_sm90.cuh"
+
+namespace ferry::device {
+
+inline constexpr int kVecBytes = 16;
+
+// Copies `bytes` (a multiple of 16, both pointers 16-byte aligned) with the threads [lane, lane + stride, ...] of a
+// group of `stride` threads. Unrolled by kUnroll so that kUnroll loads are in flight before the first store.
+// kNcSource: the source is read-only for the kernel's duration (caller input) and may use the non-coherent path.
+template <bool kNcSource, int kUnroll = 4>
+__device__ __forceinline__ void copy_16B(void* dst, void const* src, std::size_t bytes, int lane, int stride) {
+  auto* d = static_cast<int4*>(dst);
+  auto const* s = static_cast<int4 const*>(src);
+  std::size_t const n = bytes / kVecBytes;
+  std::size_t i = lane;
+  for (; i + (kUnroll - 1) * stride < n; i += kUnroll * stride) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      v[u] = kNcSource ? arch::load_nc_v4(s + i + u * stride) : arch::load_v4(s + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) arch::store_na_v4(d + i + u * stride, v[u]);
+  }
+  for (; i < n; i += stride) arch::store_na_v4(d + i, kNcSource ? arch::load_nc_v4(s + i) : arch::load_v4(s + i));
+}
+
+// Warp-wide copy: every lane of the warp must call it.
+template <bool kNcSource = false>
+__device__ __forceinline__ void copy_warp_16B(void* dst, void const* src, std::size_t bytes) {
+  copy_16B<kNcSource>(dst, src, bytes, static_cast<int>(threadIdx.x % 32), 32);
+}
+
+// Block-wide copy: every thread of the block must call it.
+template <bool kNcSource = false>
+__device__ __forceinline__ void copy_block_16B(void* dst, void const* src, std::size_t bytes) {
+  copy_16B<kNcSource>(dst, src, bytes, static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x));
+}
+
+}  // namespace ferry::device

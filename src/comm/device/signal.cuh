@@ -1,0 +1,74 @@
+// Signals between ranks and bounded waits. Every wait here ends: on FERRY_TIMEOUT_S it records (rank, peer, phase,
+// expected, observed) in the host-visible error block and returns false; the host raises TimeoutError.
+#pragma once
+
+#include <cstdint>
+
+#include "comm/device/arch_sm90.cuh"
+#include "ferry/device_view.hpp"
+
+namespace ferry::device {
+
+// Publishes `value` at a peer's (or our own) signal word. Release at system scope: writes this thread made before
+// are visible to whoever acquires the value. To publish a whole CTA's writes, __syncthreads() first, then one
+// thread signals (the barrier orders the CTA's writes before the release; cumulativity carries them).
+__device__ __forceinline__ void signal_set(uint64_t* signal, uint64_t value) {
+  arch::store_release_sys_u64(signal, value);
+}
+
+// Adds to a signal word (several writers counting into one word), release at system scope.
+__device__ __forceinline__ void signal_add(uint64_t* signal, uint64_t value) {
+  arch::atomic_add_release_sys_u64(signal, value);
+}
+
+// True once another thread of this rank recorded a failure: waits stop early instead of each running to its bound.
+__device__ __forceinline__ bool device_failed(DeviceView const& view) {
+  return *reinterpret_cast<uint32_t const volatile*>(&view.error->status) != 0;
+}
+
+// Records a timeout in the error block; only the first failure on this rank is kept.
+__device__ __forceinline__ void record_timeout(DeviceView const& view, int peer, WaitPhase phase, uint64_t expected,
+                                               uint64_t observed) {
+  DeviceErrorBlock* block = view.error;
+  if (atomicCAS(&block->status, 0u, 1u) == 0u) {
+    block->rank = view.rank;
+    block->peer = peer;
+    block->phase = static_cast<int32_t>(phase);
+    block->expected = expected;
+    block->observed = observed;
+    __threadfence_system();
+    atomicExch(&block->status, 2u);
+  }
+}
+
+// Spins until *signal >= expected (acquire). Returns false on timeout (recorded) or when this rank already failed.
+// Called by one thread; the caller broadcasts the outcome to its group.
+__device__ __forceinline__ bool wait_signal_geq(DeviceView const& view, uint64_t const* signal, uint64_t expected,
+                                                int peer, WaitPhase phase) {
+  uint64_t observed = arch::load_acquire_sys_u64(signal);
+  if (observed >= expected) return true;
+  uint64_t const start = arch::global_timer_ns();
+  uint32_t spins = 0;
+  while (true) {
+    observed = arch::load_acquire_sys_u64(signal);
+    if (observed >= expected) return true;
+    if ((++spins & 255u) == 0u) {
+      if (device_failed(view)) return false;
+      if (arch::global_timer_ns() - start > view.timeout_ns) {
+        record_timeout(view, peer, phase, expected, observed);
+        return false;
+      }
+    }
+  }
+}
+
+// Counts an id the device had to drop (out of range, or a capacity overflow when overflow is true).
+__device__ __forceinline__ void record_input_error(DeviceView const& view, int bad_value, bool overflow) {
+  if (overflow) {
+    atomicAdd(&view.error->overflow_rows, 1u);
+  } else if (atomicAdd(&view.error->input_errors, 1u) == 0u) {
+    view.error->first_bad_value = bad_value;
+  }
+}
+
+}  // namespace ferry::device

@@ -1,0 +1,50 @@
+// Starts one process per rank on this host (what `ferry` and the multi-GPU tests use), torchrun-style: each child
+// gets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and the NVLink-multicast safety
+// variables. The first child that fails (or the deadline) ends the others, so a launch never hangs.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace ferry {
+
+struct LaunchOptions {
+  std::vector<std::string> argv;  // program and arguments, the same for every rank
+  int nproc = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;                                   // 0: pick a free port
+  std::vector<std::pair<std::string, std::string>> env;  // extra variables for every child
+  std::chrono::milliseconds timeout{0};                  // 0: none; else SIGKILL everything past it
+  // How long the others may run on after one child failed before they are killed (lets them report their error).
+  std::chrono::milliseconds grace{5000};
+};
+
+struct RankExit {
+  int exit_code = -1;  // exit status, or -1 if killed by a signal
+  int signal = 0;      // the signal that ended it, 0 if none
+  bool killed_by_launcher = false;
+};
+
+struct LaunchResult {
+  std::vector<RankExit> ranks;
+  bool timed_out = false;
+  bool ok() const;
+  // One line per failed rank ("rank 1: exit 3", "rank 2: killed by signal 9 (after rank 1 failed)").
+  std::string describe() const;
+};
+
+// Blocks until every child has ended. Throws Error if a process cannot be started.
+LaunchResult launch_ranks(LaunchOptions const& options);
+
+// A TCP port on 127.0.0.1 that was free a moment ago.
+int pick_free_port();
+
+// Path of the running executable (/proc/self/exe).
+std::string self_executable();
+
+// The variables that keep NVLink multicast off, set in every process Ferry starts (and by the cuda communicator).
+void set_multicast_safety_env();
+
+}  // namespace ferry

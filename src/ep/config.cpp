@@ -1,0 +1,83 @@
+#include <algorithm>
+
+#include "ferry/ep.hpp"
+#include "ferry/error.hpp"
+
+namespace ferry {
+
+char const* mode_name(Mode mode) {
+  return mode == Mode::normal ? "normal" : "ll";
+}
+
+Mode parse_mode(std::string const& name) {
+  if (name == "normal") return Mode::normal;
+  if (name == "ll" || name == "low_latency") return Mode::low_latency;
+  FERRY_THROW(ConfigError, "config", "mode '", name, "' is unknown; use normal or ll");
+}
+
+namespace {
+// Largest token count per rank the int32 row indices of the buffers can address at kMaxLocalPeers ranks.
+constexpr int kMaxTokensPerRank = 1 << 20;
+constexpr int kMaxWarpsPerBlock = 32;
+
+void validate_geometry(char const* field, std::optional<Geometry> const& geometry) {
+  if (!geometry) return;
+  FERRY_CHECK_CONFIG(geometry->blocks >= 0, field, ".blocks=", geometry->blocks,
+                     " is negative; use 0 (choose) or a CTA count");
+  FERRY_CHECK_CONFIG(geometry->warps >= 0 && geometry->warps <= kMaxWarpsPerBlock, field, ".warps=", geometry->warps,
+                     " is outside [0, ", kMaxWarpsPerBlock, "]; a CTA holds at most 1024 threads");
+}
+}  // namespace
+
+void EpConfig::validate(int world) const {
+  FERRY_CHECK_CONFIG(world >= 1, "world=", world, " must be at least 1");
+  FERRY_CHECK_CONFIG(hidden > 0, "hidden=", hidden, " must be positive");
+  // NOTE: rows move as 16-byte vectors; a bf16 row must be a whole number of them.
+  FERRY_CHECK_CONFIG(hidden % 8 == 0, "hidden=", hidden,
+                     " is not a multiple of 8 elements (16 bytes of bf16); pad the ",
+                     "hidden dimension or use hidden=", (hidden / 8 + 1) * 8);
+  for (WireFormat format : {dispatch_format, combine_format}) {
+    int const block = wire_block_elems(format);
+    // NOTE: every scale block must be whole, so the last block of a row has as many elements as the others.
+    FERRY_CHECK_CONFIG(hidden % block == 0, "hidden=", hidden, " is not a multiple of ", block,
+                       " elements, the scale block of wire format ", wire_format_name(format),
+                       "; use hidden=", (hidden / block + 1) * block, " or another format");
+  }
+  FERRY_CHECK_CONFIG(num_experts >= 1, "num_experts=", num_experts, " must be at least 1");
+  // NOTE: rank r owns experts [r*E/W, (r+1)*E/W); an uneven split has no agreed owner for the remainder.
+  FERRY_CHECK_CONFIG(num_experts % world == 0, "num_experts=", num_experts, " is not divisible by the world size ",
+                     world, "; experts are split evenly over ranks: use a multiple of ", world, " (e.g. ",
+                     (num_experts / world + 1) * world, ")");
+  FERRY_CHECK_CONFIG(topk >= 1 && topk <= kMaxTopk, "topk=", topk, " is outside [1, ", kMaxTopk,
+                     "], the supported range");
+  FERRY_CHECK_CONFIG(topk <= num_experts, "topk=", topk, " is larger than num_experts=", num_experts,
+                     "; a token picks distinct experts");
+  FERRY_CHECK_CONFIG(max_tokens_per_rank >= 1 && max_tokens_per_rank <= kMaxTokensPerRank,
+                     "max_tokens_per_rank=", max_tokens_per_rank, " is outside [1, ", kMaxTokensPerRank, "]");
+  FERRY_CHECK_CONFIG(world <= kMaxLocalPeers, "world=", world, " exceeds ", kMaxLocalPeers,
+                     " ranks, the most that share one load/store domain in this version");
+  if (max_recv_tokens)
+    FERRY_CHECK_CONFIG(*max_recv_tokens >= 1, "max_recv_tokens=", *max_recv_tokens, " must be at least 1 (or unset)");
+  if (expert_capacity)
+    FERRY_CHECK_CONFIG(*expert_capacity >= 1, "expert_capacity=", *expert_capacity, " must be at least 1 (or unset)");
+  validate_geometry("dispatch_geometry", dispatch_geometry);
+  validate_geometry("combine_geometry", combine_geometry);
+  // NOTE: only what is implemented is accepted; a config that cannot run fails here, not at the first call.
+  FERRY_CHECK_CONFIG(mode == Mode::normal, "mode=", mode_name(mode),
+                     " is not available in this version; use mode=normal");
+  FERRY_CHECK_CONFIG(dispatch_format == WireFormat::bf16, "dispatch_format=", wire_format_name(dispatch_format),
+                     " is not available in this version; use bf16");
+  FERRY_CHECK_CONFIG(combine_format == WireFormat::bf16, "combine_format=", wire_format_name(combine_format),
+                     " is not available in this version; use bf16");
+}
+
+int EpConfig::recv_capacity(int world) const {
+  int64_t const worst = static_cast<int64_t>(world) * max_tokens_per_rank;
+  return static_cast<int>(max_recv_tokens ? std::min<int64_t>(*max_recv_tokens, worst) : worst);
+}
+
+int EpConfig::expert_slots(int world) const {
+  return expert_capacity ? *expert_capacity : recv_capacity(world);
+}
+
+}  // namespace ferry

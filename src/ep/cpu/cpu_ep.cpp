@@ -1,0 +1,8 @@
+// PLACEHOLDER (cpu helper replaces this file)
+#include "ep/ep_impl.hpp"
+#include "ferry/error.hpp"
+namespace ferry::detail {
+std::unique_ptr<EpBackendImpl> make_cpu_ep(Communicator&, EpConfig const&) {
+  FERRY_THROW(Error, "ferry", "placeholder");
+}
+}  // namespace ferry::detail

@@ -1,0 +1,42 @@
+// Multi-process tests: a "rank case" is a function that runs in every rank process. The gtest process starts one
+// child per rank through ferry's own launcher (the same one `ferry bench` uses); each child re-executes the test
+// binary with --ferry-rank-case=NAME and runs the registered function.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/launcher.hpp"
+
+namespace ferry::test {
+
+// Returns the process exit code (0 = pass). Exceptions escaping it are printed and turned into exit code 1.
+using RankCaseFn = int (*)();
+
+struct RankCaseRegistrar {
+  RankCaseRegistrar(char const* name, RankCaseFn fn);
+};
+
+// Arguments after --ferry-rank-case=NAME on the child's command line.
+std::vector<std::string> const& rank_case_args();
+
+struct RankCaseOptions {
+  std::vector<std::string> args;
+  std::vector<std::pair<std::string, std::string>> env;
+  std::chrono::milliseconds timeout{std::chrono::seconds(120)};
+};
+
+// Starts nproc children running the case; blocks until they end.
+LaunchResult run_rank_case(char const* name, int nproc, RankCaseOptions const& options = {});
+
+// main() of a test binary: runs a rank case when asked, gtest otherwise.
+int test_main(int argc, char** argv);
+
+}  // namespace ferry::test
+
+#define FERRY_RANK_CASE(name)                                                         \
+  static int name##_rank_case();                                                      \
+  static ::ferry::test::RankCaseRegistrar name##_registrar(#name, &name##_rank_case); \
+  static int name##_rank_case()

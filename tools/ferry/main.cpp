@@ -1,0 +1,4 @@
+// PLACEHOLDER (lead replaces this file)
+int main() {
+  return 0;
+}
