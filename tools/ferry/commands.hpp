@@ -1,0 +1,12 @@
+// Subcommands of the ferry CLI. Each takes the arguments after its name and returns the process exit code.
+#pragma once
+
+namespace ferry::cli {
+
+int bench_main(int argc, char** argv);
+int env_main(int argc, char** argv);
+#if FERRY_HAVE_CUDA
+int p2p_main(int argc, char** argv);  // tools/ferry/p2p.cu
+#endif
+
+}  // namespace ferry::cli
