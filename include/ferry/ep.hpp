@@ -37,15 +37,17 @@ struct EpConfig {
   std::optional<Geometry> combine_geometry;   // pins the combine launch geometry
   // Cap on rows one rank can receive (default world * max_tokens_per_rank). Rows past it are dropped and reported.
   std::optional<int> max_recv_tokens;
-  // Rows per local expert in the expert-major layout (default: max_recv_tokens, or world * max_tokens_per_rank).
+  // Rows per local expert of the expert-major layout (DispatchArgs::expand). Unset: no expert-major buffers are
+  // allocated and expand is refused (the worst case, world * max_tokens_per_rank rows for every local expert, is
+  // rarely affordable in normal mode; size it for the routing you expect). Slots past it are dropped and reported.
   std::optional<int> expert_capacity;
 
   // Throws ConfigError naming the field, the value and the rule for the first rule broken.
   void validate(int world) const;
 
   int num_local_experts(int world) const { return num_experts / world; }
-  int recv_capacity(int world) const;  // rows of the rank-major receive buffers
-  int expert_slots(int world) const;   // rows per expert of the expert-major layout
+  int recv_capacity(int world) const;                               // rows of the rank-major receive buffers
+  int expert_slots() const { return expert_capacity.value_or(0); }  // rows per expert (0: no expert-major)
 };
 
 enum class IndexType { int32, int64 };

@@ -76,8 +76,4 @@ int EpConfig::recv_capacity(int world) const {
   return static_cast<int>(max_recv_tokens ? std::min<int64_t>(*max_recv_tokens, worst) : worst);
 }
 
-int EpConfig::expert_slots(int world) const {
-  return expert_capacity ? *expert_capacity : recv_capacity(world);
-}
-
 }  // namespace ferry

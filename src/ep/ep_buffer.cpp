@@ -8,6 +8,8 @@ void validate_dispatch_args(EpConfig const& config, DispatchArgs const& args) {
   FERRY_CHECK_INPUT(args.num_tokens >= 0 && args.num_tokens <= config.max_tokens_per_rank,
                     "num_tokens=", args.num_tokens, " is outside [0, max_tokens_per_rank=", config.max_tokens_per_rank,
                     "]; split the batch or raise max_tokens_per_rank");
+  FERRY_CHECK_INPUT(!args.expand || config.expert_slots() > 0, "expand=true needs EpConfig::expert_capacity (rows per ",
+                    "local expert of the expert-major layout); set it when creating the EpBuffer");
   if (args.num_tokens == 0) return;
   FERRY_CHECK_INPUT(args.x != nullptr, "x is null for num_tokens=", args.num_tokens);
   FERRY_CHECK_INPUT(args.topk_idx != nullptr, "topk_idx is null for num_tokens=", args.num_tokens);
