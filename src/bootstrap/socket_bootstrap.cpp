@@ -8,7 +8,4 @@ std::unique_ptr<Bootstrap> make_socket_bootstrap(SocketBootstrapOptions const&) 
 SocketBootstrapOptions socket_bootstrap_options_from_env() {
   FERRY_THROW(Error, "ferry", "placeholder");
 }
-std::vector<std::unique_ptr<Bootstrap>> make_local_bootstraps(int, std::chrono::milliseconds) {
-  FERRY_THROW(Error, "ferry", "placeholder");
-}
 }  // namespace ferry
