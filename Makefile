@@ -2,7 +2,7 @@
 # build incrementally and run. BUILD, CMAKE_ARGS and BENCH_ARGS can be overridden.
 BUILD ?= build
 CMAKE_ARGS ?=
-BENCH_ARGS ?=
+BENCH_ARGS ?= --check --routing random,ring,grouped,hot
 JOBS ?= $(shell nproc)
 GENERATOR := $(shell command -v ninja >/dev/null 2>&1 && echo Ninja || echo "Unix Makefiles")
 

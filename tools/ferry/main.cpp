@@ -1,4 +1,46 @@
-// PLACEHOLDER (lead replaces this file)
-int main() {
-  return 0;
+// ferry: the command-line tool. `ferry bench`, `ferry p2p`, `ferry env`; each starts one process per local GPU
+// itself (or joins a job launched by torchrun from the environment).
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "commands.hpp"
+#include "ferry/error.hpp"
+
+namespace {
+
+void print_usage() {
+  std::printf(
+      "usage: ferry <command> [options]\n\n"
+      "commands:\n"
+      "  bench   time dispatch and combine (normal mode), check them against the cpu reference, compare with NCCL\n"
+#if FERRY_HAVE_CUDA
+      "  p2p     NVLink put / get bandwidth and one-way latency between two GPUs, next to the copy engine\n"
+#endif
+      "  env     the FERRY_* environment parameters, their defaults and the values in force\n\n"
+      "`ferry <command> --help` lists a command's options with their defaults.\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
+    print_usage();
+    return argc < 2 ? 2 : 0;
+  }
+  std::string const command = argv[1];
+  try {
+    if (command == "bench") return ferry::cli::bench_main(argc - 2, argv + 2);
+    if (command == "env") return ferry::cli::env_main(argc - 2, argv + 2);
+#if FERRY_HAVE_CUDA
+    if (command == "p2p") return ferry::cli::p2p_main(argc - 2, argv + 2);
+#endif
+  } catch (std::exception const& error) {
+    // One line: what is wrong and what is allowed (the error's own message).
+    std::fprintf(stderr, "ferry %s: %s\n", command.c_str(), error.what());
+    return 2;
+  }
+  std::fprintf(stderr, "ferry: unknown command '%s'; run ferry --help\n", command.c_str());
+  return 2;
 }

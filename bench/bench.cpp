@@ -1,0 +1,534 @@
+// ferry bench: times normal-mode dispatch and combine on every rank, checks them against the cpu reference
+// semantics, and (with --baseline nccl) runs the NCCL all-to-all dispatcher on the same inputs in the same run.
+// Metrics are DESIGN.md's: a leg's time is the slowest rank's median; NVLink GB/s counts the bytes a rank sends to
+// other ranks; logical GB/s counts received rows including the rank's own.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <sstream>
+
+#include "bench_memory.hpp"
+#include "commands.hpp"
+#include "ep/reference.hpp"
+#include "ep/routing.hpp"
+#include "ferry/ep.hpp"
+#include "ferry/error.hpp"
+#include "options.hpp"
+#include "ranks.hpp"
+#if FERRY_HAVE_CUDA && __has_include("nccl_baseline.hpp")
+#define FERRY_BENCH_NCCL 1
+#include "nccl_baseline.hpp"
+#else
+#define FERRY_BENCH_NCCL 0
+#endif
+
+#ifndef FERRY_GIT_COMMIT
+#define FERRY_GIT_COMMIT ""
+#endif
+
+namespace ferry::cli {
+namespace {
+
+using bench::BenchMemory;
+using bench::device_name;
+using bench::LegGraph;
+using bench::LegTimer;
+
+constexpr int kCpuDefaultRanks = 4;
+
+Options make_options() {
+  return Options(
+      "bench",
+      "Times normal-mode dispatch and combine on every rank (one process per GPU, or 4 cpu ranks without a GPU),\n"
+      "checks them against the reference semantics, and compares with the NCCL all-to-all baseline.\n"
+      "Leg time = slowest rank's median. NVLink GB/s = bytes a rank sends to other ranks (rows + metadata) / time,\n"
+      "averaged over ranks. Logical GB/s = rows received including the rank's own x row bytes / time.",
+      {
+          {"tokens", "128,512,4096", "tokens per rank, a comma-separated list (one table each)"},
+          {"hidden", "7168", "elements per row"},
+          {"topk", "8", "routed experts per token"},
+          {"experts", "256", "global experts (divisible by the number of ranks)"},
+          {"routing", "random", "random | ring | grouped | hot, or a comma-separated list"},
+          {"expert-groups", "8", "grouped routing: groups of experts"},
+          {"topk-groups", "4", "grouped routing: groups a token may use"},
+          {"shared-experts", "0", "extra columns pinned to an expert on the token's own rank"},
+          {"hot-fraction", "0.5", "hot routing: share of tokens sent to the hot expert"},
+          {"mask-rate", "0", "probability that a routed entry is -1"},
+          {"mode", "normal", "normal (ll is not in this version)"},
+          {"dispatch", "bf16", "dispatch wire format"},
+          {"combine", "bf16", "combine wire format"},
+          {"layout", "rank", "combine input: rank (caller-reduced rows) | expert (expert-major, weighted by combine)"},
+          {"expert-capacity", "0", "rows per local expert for --layout expert (0: the largest load of the routing)"},
+          {"backend", "auto", "auto (cuda when a GPU is visible, else cpu) | cuda | cpu"},
+          {"nproc", "0", "ranks to start (0: one per GPU, or 4 on the cpu backend)"},
+          {"warmup", "5", "untimed iterations per leg"},
+          {"iters", "20", "timed iterations per leg (median, p10, p90 reported)"},
+          {"seed", "0", "input seed (0: a fresh random seed, printed)"},
+          {"graph", "", "capture each leg as a CUDA graph and time replays (cuda)", true},
+          {"check", "", "compare every output row with the reference (exact for bf16)", true},
+          {"baseline", "", "nccl: also time the NCCL all-to-all dispatcher on the same inputs"},
+          {"explain", "", "print which kernel path each leg took and why", true},
+          {"per-rank", "", "print every rank's medians", true},
+          {"json", "", "write the records to this file (DESIGN.md result-file format)"},
+      });
+}
+
+struct Shape {
+  EpConfig config;
+  RoutingOptions routing;
+  int routed_topk = 0;
+};
+
+Backend choose_backend(Options const& options, bool print_notice) {
+  std::string const name = options.str("backend");
+  if (name == "auto") {
+    if (cuda_available()) return Backend::cuda;
+    if (print_notice)
+      std::printf("notice: no GPU found (or the cuda backend is not built): running on the cpu backend with %d ranks\n",
+                  options.integer("nproc") > 0 ? options.integer("nproc") : kCpuDefaultRanks);
+    return Backend::cpu;
+  }
+  Backend const backend = parse_backend(name);
+  FERRY_CHECK_CONFIG(backend != Backend::cuda || cuda_available(), "--backend cuda but no GPU is visible (or the cuda ",
+                     "backend is not built); use --backend cpu");
+  return backend;
+}
+
+int choose_nproc(Options const& options, Backend backend) {
+  if (options.integer("nproc") > 0) return options.integer("nproc");
+  return backend == Backend::cuda ? cuda_device_count() : kCpuDefaultRanks;
+}
+
+std::vector<RoutingKind> routing_kinds(Options const& options) {
+  std::vector<RoutingKind> kinds;
+  std::stringstream stream(options.str("routing"));
+  std::string item;
+  while (std::getline(stream, item, ',')) kinds.push_back(parse_routing(item));
+  return kinds;
+}
+
+Shape make_shape(Options const& options, int world, int tokens, RoutingKind kind, uint64_t seed) {
+  Shape shape;
+  shape.routed_topk = options.integer("topk");
+  shape.routing.kind = kind;
+  shape.routing.expert_groups = options.integer("expert-groups");
+  shape.routing.topk_groups = options.integer("topk-groups");
+  shape.routing.shared_experts = options.integer("shared-experts");
+  shape.routing.hot_fraction = options.number("hot-fraction");
+  shape.routing.mask_rate = options.number("mask-rate");
+  shape.routing.seed = seed;
+  shape.config.hidden = options.integer("hidden");
+  shape.config.num_experts = options.integer("experts");
+  shape.config.topk = routing_columns(shape.routing, shape.routed_topk);
+  shape.config.max_tokens_per_rank = tokens;
+  shape.config.mode = parse_mode(options.str("mode"));
+  shape.config.dispatch_format = parse_wire_format(options.str("dispatch"));
+  shape.config.combine_format = parse_wire_format(options.str("combine"));
+  shape.config.validate(world);
+  validate_routing(shape.routing, shape.config.num_experts, world, shape.routed_topk);
+  return shape;
+}
+
+ref::RankInput make_input(Shape const& shape, int world, int rank, int tokens) {
+  ref::RankInput input;
+  input.num_tokens = tokens;
+  int const columns = shape.config.topk;
+  input.x = generate_tokens(shape.routing.seed, rank, tokens, shape.config.hidden);
+  input.topk_idx.resize(static_cast<std::size_t>(tokens) * columns);
+  input.topk_weights.resize(input.topk_idx.size());
+  generate_routing(shape.routing, shape.config.num_experts, world, rank, tokens, shape.routed_topk, input.topk_idx,
+                   input.topk_weights);
+  return input;
+}
+
+// Destination ranks of a token, ascending (a token crosses once per destination rank).
+std::vector<int> destinations(EpConfig const& config, int world, ref::RankInput const& input, int token) {
+  int const per_rank = config.num_experts / world;
+  std::vector<bool> hit(world, false);
+  for (int k = 0; k < config.topk; ++k) {
+    int64_t const expert = input.topk_idx[static_cast<std::size_t>(token) * config.topk + k];
+    if (expert >= 0) hit[expert / per_rank] = true;
+  }
+  std::vector<int> out;
+  for (int d = 0; d < world; ++d)
+    if (hit[d]) out.push_back(d);
+  return out;
+}
+
+// The y an identity expert layer must produce (expert outputs = the rows received), by the canonical order of
+// reference.hpp: receiver reduces its experts with fmaf over k ascending and rounds to bf16; the source sums the
+// destination ranks ascending in fp32 and rounds once. Needs only this rank's input.
+std::vector<uint16_t> expected_identity_combine(EpConfig const& config, int world, ref::RankInput const& input,
+                                                CombineLayout layout) {
+  int const hidden = config.hidden;
+  int const per_rank = config.num_experts / world;
+  std::vector<uint16_t> y(static_cast<std::size_t>(input.num_tokens) * hidden, 0);
+  std::vector<float> acc(hidden);
+  for (int t = 0; t < input.num_tokens; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    uint16_t const* x = &input.x[static_cast<std::size_t>(t) * hidden];
+    for (int d : destinations(config, world, input, t)) {
+      for (int h = 0; h < hidden; ++h) {
+        float row = ref::bf16_to_float(x[h]);
+        if (layout == CombineLayout::expert_major) {
+          float partial = 0.0f;
+          for (int k = 0; k < config.topk; ++k) {
+            std::size_t const at = static_cast<std::size_t>(t) * config.topk + k;
+            int64_t const expert = input.topk_idx[at];
+            if (expert >= 0 && expert / per_rank == d) partial = std::fmaf(input.topk_weights[at], row, partial);
+          }
+          row = ref::bf16_to_float(ref::float_to_bf16(partial));
+        }
+        acc[h] += row;
+      }
+    }
+    for (int h = 0; h < hidden; ++h) y[static_cast<std::size_t>(t) * hidden + h] = ref::float_to_bf16(acc[h]);
+  }
+  return y;
+}
+
+struct LegStats {
+  double median_us = 0, p10_us = 0, p90_us = 0;
+};
+
+LegStats summarize(std::vector<double> samples) {
+  FERRY_CHECK(!samples.empty(), "no timed iterations (--iters must be at least 1)");
+  std::sort(samples.begin(), samples.end());
+  auto const at = [&](double q) { return samples[static_cast<std::size_t>(q * (samples.size() - 1) + 0.5)]; };
+  return {at(0.5), at(0.1), at(0.9)};
+}
+
+struct Record {
+  std::string leg;
+  int tokens;
+  std::string routing;
+  LegStats stats;
+  double nvlink_gbps, logical_gbps;
+  std::string check;
+  double baseline_us = -1;
+};
+
+std::string json_escape(std::string const& text) {
+  std::string out;
+  for (char c : text) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out;
+}
+
+std::string iso_date() {
+  std::time_t const now = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  return buf;
+}
+
+void write_json(std::string const& path, Options const& options, Shape const& shape, std::string const& device,
+                int world, bool graph, std::vector<Record> const& records) {
+  std::ofstream out(path);
+  FERRY_CHECK_CONFIG(out.good(), "--json ", path, " cannot be written");
+  out << "{\"tool\": \"ferry bench\", \"version\": \"" << FERRY_VERSION << "\", \"commit\": \"" << FERRY_GIT_COMMIT
+      << "\", \"date\": \"" << iso_date() << "\", \"device\": \"" << json_escape(device) << "\", \"world\": " << world
+      << ", \"records\": [";
+  for (std::size_t i = 0; i < records.size(); ++i) {
+    Record const& r = records[i];
+    out << (i ? ",\n  " : "\n  ") << "{\"mode\": \"" << options.str("mode") << "\", \"leg\": \"" << r.leg
+        << "\", \"tokens\": " << r.tokens << ", \"hidden\": " << shape.config.hidden
+        << ", \"topk\": " << shape.config.topk << ", \"experts\": " << shape.config.num_experts << ", \"routing\": \""
+        << r.routing << "\", \"dispatch_format\": \"" << options.str("dispatch") << "\", \"combine_format\": \""
+        << options.str("combine") << "\", \"graph\": " << (graph ? "true" : "false")
+        << ", \"median_us\": " << r.stats.median_us << ", \"p10_us\": " << r.stats.p10_us
+        << ", \"p90_us\": " << r.stats.p90_us << ", \"nvlink_gbps\": " << r.nvlink_gbps
+        << ", \"logical_gbps\": " << r.logical_gbps << ", \"check\": \"" << r.check << "\"";
+    if (r.baseline_us > 0)
+      out << ", \"baseline_us\": " << r.baseline_us
+          << ", \"speedup_vs_baseline\": " << r.baseline_us / r.stats.median_us;
+    out << "}";
+  }
+  out << "\n]}\n";
+}
+
+// Slowest rank's figures: allgathers every rank's values and takes the max of each.
+std::vector<double> max_over_ranks(Bootstrap& bootstrap, std::vector<double> const& mine, bool print_per_rank,
+                                   char const* label) {
+  std::vector<double> all(mine.size() * bootstrap.world());
+  bootstrap.allgather(mine.data(), all.data(), mine.size() * sizeof(double));
+  std::vector<double> out(mine.size(), 0.0);
+  for (int r = 0; r < bootstrap.world(); ++r) {
+    if (print_per_rank && bootstrap.rank() == 0) {
+      std::printf("  %-10s rank %d:", label, r);
+      for (std::size_t i = 0; i < mine.size(); ++i) std::printf(" %10.2f", all[r * mine.size() + i]);
+      std::printf("\n");
+    }
+    for (std::size_t i = 0; i < mine.size(); ++i) out[i] = std::max(out[i], all[r * mine.size() + i]);
+  }
+  return out;
+}
+
+double sum_over_ranks(Bootstrap& bootstrap, double mine) {
+  std::vector<double> all(bootstrap.world());
+  bootstrap.allgather(&mine, all.data(), sizeof(double));
+  double total = 0;
+  for (double v : all) total += v;
+  return total;
+}
+
+int run_bench_rank(Options const& options) {
+  Backend const backend = choose_backend(options, false);
+  auto comm = std::shared_ptr<Communicator>(
+      Communicator::create(make_socket_bootstrap(socket_bootstrap_options_from_env()), {backend}));
+  Bootstrap& bootstrap = comm->bootstrap();
+  int const world = comm->world();
+  int const rank = comm->rank();
+  bool const graph = options.flag("graph");
+  bool const check = options.flag("check");
+  std::string const baseline = options.str("baseline");
+  FERRY_CHECK_CONFIG(!graph || backend == Backend::cuda, "--graph needs the cuda backend");
+  FERRY_CHECK_CONFIG(baseline.empty() || baseline == "nccl", "--baseline=", baseline, " is unknown; use nccl");
+  FERRY_CHECK_CONFIG(baseline.empty() || (backend == Backend::cuda && FERRY_BENCH_NCCL),
+                     "--baseline nccl needs the cuda backend");
+  CombineLayout const layout =
+      options.str("layout") == "expert" ? CombineLayout::expert_major : CombineLayout::rank_major;
+  FERRY_CHECK_CONFIG(options.str("layout") == "expert" || options.str("layout") == "rank",
+                     "--layout=", options.str("layout"), " is unknown; use rank or expert");
+
+  // One seed for every rank: rank 0 draws it (or takes --seed) and broadcasts it.
+  uint64_t seed = static_cast<uint64_t>(options.integer("seed"));
+  if (seed == 0) seed = (static_cast<uint64_t>(std::random_device{}()) << 20) ^ std::random_device{}();
+  bootstrap.broadcast(&seed, sizeof(seed), 0);
+  std::string const device = device_name(backend);
+  if (rank == 0)
+    std::printf("ferry bench: %d ranks, backend %s (%s), seed %llu%s\n", world, backend_name(backend), device.c_str(),
+                static_cast<unsigned long long>(seed), graph ? ", graph mode" : "");
+
+  std::vector<Record> records;
+  Shape last_shape;
+  int const warmup = options.integer("warmup");
+  int const iters = options.integer("iters");
+  for (RoutingKind kind : routing_kinds(options)) {
+    for (int tokens : options.int_list("tokens")) {
+      Shape shape = make_shape(options, world, tokens, kind, seed + tokens);
+      EpConfig& config = shape.config;
+      // Every rank's input (a pure function of the seed): the reference needs them all.
+      std::vector<ref::RankInput> inputs;
+      for (int r = 0; r < world; ++r) inputs.push_back(make_input(shape, world, r, tokens));
+      ref::RankInput const& mine = inputs[rank];
+      if (layout == CombineLayout::expert_major) {
+        int capacity = options.integer("expert-capacity");
+        if (capacity == 0) {
+          // The largest load any local expert of any rank sees under this routing.
+          std::vector<int> load(config.num_experts, 0);
+          for (auto const& in : inputs)
+            for (int64_t e : in.topk_idx)
+              if (e >= 0) ++load[e];
+          capacity = std::max(1, *std::max_element(load.begin(), load.end()));
+        }
+        config.expert_capacity = capacity;
+      }
+      EpBuffer buffer(comm, config);
+      BenchMemory memory(backend);
+      int const hidden = config.hidden;
+      std::size_t const row_bytes = static_cast<std::size_t>(hidden) * 2;
+      void* x = memory.alloc(std::max<std::size_t>(1, tokens * row_bytes));
+      void* idx = memory.alloc(std::max<std::size_t>(1, mine.topk_idx.size() * sizeof(int64_t)));
+      void* weights = memory.alloc(std::max<std::size_t>(1, mine.topk_weights.size() * sizeof(float)));
+      void* y = memory.alloc(std::max<std::size_t>(1, tokens * row_bytes));
+      memory.upload(x, mine.x.data(), tokens * row_bytes);
+      memory.upload(idx, mine.topk_idx.data(), mine.topk_idx.size() * sizeof(int64_t));
+      memory.upload(weights, mine.topk_weights.data(), mine.topk_weights.size() * sizeof(float));
+
+      DispatchArgs dargs;
+      dargs.x = x;
+      dargs.num_tokens = tokens;
+      dargs.topk_idx = idx;
+      dargs.topk_idx_type = IndexType::int64;
+      dargs.topk_weights = static_cast<float const*>(weights);
+      dargs.expand = layout == CombineLayout::expert_major;
+
+      // 1. one eager dispatch: exact counts, and the combine input (a copy of what arrived: identity experts)
+      DispatchResult result = buffer.dispatch(dargs, memory.stream());
+      int64_t const num_recv = result.num_recv_host;
+      std::size_t const combine_rows =
+          layout == CombineLayout::expert_major
+              ? static_cast<std::size_t>(config.num_local_experts(world)) * config.expert_slots()
+              : static_cast<std::size_t>(std::max<int64_t>(num_recv, 1));
+      void* combine_in = memory.alloc(combine_rows * row_bytes);
+      memory.copy(
+          combine_in, layout == CombineLayout::expert_major ? result.expert_x : result.recv_x,
+          (layout == CombineLayout::expert_major ? combine_rows : static_cast<std::size_t>(num_recv)) * row_bytes);
+      memory.synchronize();
+      CombineArgs cargs;
+      cargs.layout = layout;
+      cargs.x = combine_in;
+      cargs.y = y;
+
+      // 2. timed legs; a barrier before each so the ranks start together
+      dargs.eager = false;
+      cargs.eager = false;
+      auto const time_leg = [&](std::function<void()> const& enqueue) {
+        std::unique_ptr<LegGraph> leg_graph;
+        if (graph) leg_graph = std::make_unique<LegGraph>(memory, enqueue);
+        LegTimer timer(memory);
+        std::vector<double> samples;
+        for (int i = 0; i < warmup + iters; ++i) {
+          comm->barrier(memory.stream());
+          timer.start();
+          if (leg_graph)
+            leg_graph->replay();
+          else
+            enqueue();
+          timer.stop();
+          double const us = timer.elapsed_us();
+          if (i >= warmup) samples.push_back(us);
+        }
+        comm->check_errors(memory.stream());
+        return summarize(samples);
+      };
+      LegStats const dispatch_stats = time_leg([&] { buffer.dispatch(dargs, memory.stream()); });
+      LegStats const combine_stats = time_leg([&] { buffer.combine(cargs, memory.stream()); });
+
+      LegStats baseline_dispatch, baseline_combine;
+#if FERRY_BENCH_NCCL
+      if (baseline == "nccl") {
+        NcclBaseline nccl(*comm, config);
+        baseline_dispatch = time_leg([&] { nccl.dispatch(dargs, memory.stream()); });
+        baseline_combine = time_leg([&] { nccl.combine(dargs, y, memory.stream()); });
+      }
+#endif
+
+      // 3. check: the last outputs against the reference (poisoned first, then one more eager call of each leg)
+      std::string check_result = "skipped";
+      if (check) {
+        bool ok = true;
+        std::string why;
+        memory.fill(result.recv_x, 0xff, static_cast<std::size_t>(config.recv_capacity(world)) * row_bytes);
+        memory.fill(y, 0xff, tokens * row_bytes);
+        dargs.eager = true;
+        cargs.eager = true;
+        result = buffer.dispatch(dargs, memory.stream());
+        ref::RankDispatch const want = ref::dispatch(config, world, rank, inputs);
+        std::vector<uint16_t> got_x(static_cast<std::size_t>(want.num_recv) * hidden);
+        std::vector<int32_t> got_idx(static_cast<std::size_t>(want.num_recv) * config.topk);
+        std::vector<float> got_w(got_idx.size());
+        std::vector<int32_t> got_src(static_cast<std::size_t>(want.num_recv) * 2);
+        if (result.num_recv_host != want.num_recv) {
+          ok = false;
+          why = detail::concat("num_recv ", result.num_recv_host, " != ", want.num_recv);
+        } else {
+          memory.download(got_x.data(), result.recv_x, got_x.size() * 2);
+          memory.download(got_idx.data(), result.recv_topk_idx, got_idx.size() * 4);
+          memory.download(got_w.data(), result.recv_topk_weights, got_w.size() * 4);
+          memory.download(got_src.data(), result.recv_src, got_src.size() * 4);
+          if (got_x != want.recv_x) ok = false, why = "recv_x differs";
+          if (got_idx != want.recv_topk_idx) ok = false, why = "recv_topk_idx differs";
+          if (got_src != want.recv_src) ok = false, why = "recv_src differs";
+          for (std::size_t i = 0; i < got_w.size() && ok; ++i)
+            if (want.recv_topk_idx[i] >= 0 && got_w[i] != want.recv_topk_weights[i])
+              ok = false, why = "recv_topk_weights differ";
+        }
+        if (layout == CombineLayout::expert_major) {
+          memory.copy(combine_in, result.expert_x, combine_rows * row_bytes);
+        } else {
+          memory.copy(combine_in, result.recv_x,
+                      static_cast<std::size_t>(std::max<int64_t>(result.num_recv_host, 0)) * row_bytes);
+        }
+        buffer.combine(cargs, memory.stream());
+        std::vector<uint16_t> got_y(static_cast<std::size_t>(tokens) * hidden);
+        memory.download(got_y.data(), y, got_y.size() * 2);
+        if (got_y != expected_identity_combine(config, world, mine, layout)) ok = false, why += " combine y differs";
+        // Every rank must pass.
+        int const failed = sum_over_ranks(bootstrap, ok ? 0.0 : 1.0) > 0;
+        check_result = failed ? "fail" : "pass";
+        if (!ok)
+          std::fprintf(stderr, "ferry bench: rank %d check failed at %d tokens: %s\n", rank, tokens, why.c_str());
+      }
+
+      // 4. bytes and rates
+      int const per_rank = config.num_experts / world;
+      double rows_to_others = 0, rows_received = 0;
+      for (int t = 0; t < tokens; ++t)
+        for (int d : destinations(config, world, mine, t)) rows_to_others += d != rank;
+      for (auto const& in : inputs)
+        for (int t = 0; t < in.num_tokens; ++t)
+          for (int k = 0, hit = 0; k < config.topk && !hit; ++k) {
+            int64_t const e = in.topk_idx[static_cast<std::size_t>(t) * config.topk + k];
+            if (e >= 0 && e / per_rank == rank) hit = 1, rows_received += 1;
+          }
+      double const meta_bytes = config.topk * (4.0 + 4.0) + 8.0;
+      double const dispatch_bytes = rows_to_others * (wire_row_bytes(config.dispatch_format, hidden) + meta_bytes);
+      double const combine_bytes = rows_to_others * wire_row_bytes(config.combine_format, hidden);
+      std::vector<double> const slow = max_over_ranks(
+          bootstrap,
+          {dispatch_stats.median_us, dispatch_stats.p10_us, dispatch_stats.p90_us, combine_stats.median_us,
+           combine_stats.p10_us, combine_stats.p90_us, baseline_dispatch.median_us, baseline_combine.median_us},
+          options.flag("per-rank"), "medians");
+      double const mean_dispatch_bytes = sum_over_ranks(bootstrap, dispatch_bytes) / world;
+      double const mean_combine_bytes = sum_over_ranks(bootstrap, combine_bytes) / world;
+      double const mean_logical = sum_over_ranks(bootstrap, rows_received * row_bytes) / world;
+      Record dispatch_record{"dispatch",
+                             tokens,
+                             routing_name(kind),
+                             {slow[0], slow[1], slow[2]},
+                             mean_dispatch_bytes / slow[0] / 1e3,
+                             mean_logical / slow[0] / 1e3,
+                             check_result,
+                             slow[6]};
+      Record combine_record{"combine",
+                            tokens,
+                            routing_name(kind),
+                            {slow[3], slow[4], slow[5]},
+                            mean_combine_bytes / slow[3] / 1e3,
+                            mean_logical / slow[3] / 1e3,
+                            check_result,
+                            slow[7]};
+      if (rank == 0) {
+        std::printf("\ntokens %d/rank  hidden %d  topk %d  experts %d  routing %s  layout %s  world %d  %s%s\n", tokens,
+                    hidden, config.topk, config.num_experts, routing_name(kind), options.str("layout").c_str(), world,
+                    backend_name(backend), graph ? "  graph" : "");
+        std::printf("%-9s %10s %10s %10s %12s %13s %11s %8s %6s\n", "leg", "median_us", "p10_us", "p90_us",
+                    "nvlink_GB/s", "logical_GB/s", "nccl_us", "speedup", "check");
+        for (Record const* r : {&dispatch_record, &combine_record}) {
+          std::printf("%-9s %10.1f %10.1f %10.1f %12.1f %13.1f", r->leg.c_str(), r->stats.median_us, r->stats.p10_us,
+                      r->stats.p90_us, r->nvlink_gbps, r->logical_gbps);
+          if (r->baseline_us > 0)
+            std::printf(" %11.1f %7.2fx", r->baseline_us, r->baseline_us / r->stats.median_us);
+          else
+            std::printf(" %11s %8s", "-", "-");
+          std::printf(" %6s\n", r->check == "pass" ? "PASS" : r->check == "fail" ? "FAIL" : "-");
+        }
+        if (options.flag("explain")) std::printf("explain: %s\n", buffer.explain().c_str());
+      }
+      records.push_back(dispatch_record);
+      records.push_back(combine_record);
+      last_shape = shape;
+    }
+  }
+  if (rank == 0 && !options.str("json").empty())
+    write_json(options.str("json"), options, last_shape, device, world, graph, records);
+  bool const any_fail = std::any_of(records.begin(), records.end(), [](Record const& r) { return r.check == "fail"; });
+  return any_fail ? 3 : 0;
+}
+
+}  // namespace
+
+int bench_main(int argc, char** argv) {
+  Options options = make_options();
+  if (!options.parse(argc, argv)) return 0;
+  if (is_rank_process()) return run_rank("bench", [&] { return run_bench_rank(options); });
+  // Launching process: refuse a shape that cannot run before starting anything (one line, exit 2 from main).
+  Backend const backend = choose_backend(options, false);
+  int const nproc = choose_nproc(options, backend);
+  FERRY_CHECK_CONFIG(nproc >= 1, "no ranks to run: --backend cuda found no GPU; use --backend cpu");
+  for (RoutingKind kind : routing_kinds(options))
+    for (int tokens : options.int_list("tokens")) make_shape(options, nproc, tokens, kind, 1);
+  choose_backend(options, true);  // the notice, once the shape is known to be valid
+  return launch_self("bench", argc, argv, nproc);
+}
+
+}  // namespace ferry::cli

@@ -1,0 +1,68 @@
+// Memory, streams, timers and graphs for `ferry bench`, for either backend: device memory and CUDA events on cuda,
+// host memory and a steady clock on cpu. Keeps the bench itself free of backend branches.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "ferry/communicator.hpp"
+
+namespace ferry::bench {
+
+class BenchMemory {
+ public:
+  explicit BenchMemory(Backend backend);
+  ~BenchMemory();
+  BenchMemory(BenchMemory const&) = delete;
+  BenchMemory& operator=(BenchMemory const&) = delete;
+
+  Backend backend() const { return backend_; }
+  cudaStream_t stream() const { return stream_; }
+  void* alloc(std::size_t bytes);  // freed with the BenchMemory
+  void upload(void* dst, void const* src, std::size_t bytes);
+  void download(void* dst, void const* src, std::size_t bytes);
+  void copy(void* dst, void const* src, std::size_t bytes);
+  void fill(void* dst, uint8_t byte, std::size_t bytes);  // poison
+  void synchronize();
+
+ private:
+  Backend backend_;
+  cudaStream_t stream_ = nullptr;
+  std::vector<void*> allocations_;
+};
+
+// Times one region per call: start() and stop() around it; elapsed_us() after the fact.
+class LegTimer {
+ public:
+  explicit LegTimer(BenchMemory& memory);
+  ~LegTimer();
+  void start();
+  void stop();
+  double elapsed_us();  // synchronises
+
+ private:
+  BenchMemory& memory_;
+  void* start_event_ = nullptr;
+  void* stop_event_ = nullptr;
+  double start_host_ = 0, stop_host_ = 0;
+};
+
+// A CUDA graph of one leg (cuda only): captured from a function enqueuing on the stream, then replayed.
+class LegGraph {
+ public:
+  LegGraph(BenchMemory& memory, std::function<void()> const& enqueue);
+  ~LegGraph();
+  void replay();
+
+ private:
+  BenchMemory& memory_;
+  void* graph_ = nullptr;
+  void* exec_ = nullptr;
+};
+
+// Name of this rank's device ("NVIDIA H200", or the cpu model on the cpu backend).
+std::string device_name(Backend backend);
+
+}  // namespace ferry::bench
