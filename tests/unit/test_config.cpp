@@ -1,8 +1,152 @@
+// EpConfig validation, wire-format sizes, the env table, and the error format: every rule's message names the
+// field, the value and what is allowed.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <set>
+#include <string>
+
+#include "ferry/env.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
+#include "ferry/wire_format.hpp"
 
-TEST(Config, Placeholder) {
-  EXPECT_NO_THROW(ferry::EpConfig{}.validate(4));
+namespace ferry {
+namespace {
+
+// Runs validate and returns the ConfigError message ("" if it passed).
+std::string config_error(EpConfig const& config, int world) {
+  try {
+    config.validate(world);
+  } catch (ConfigError const& error) {
+    return error.what();
+  }
+  return "";
 }
+
+void expect_message(EpConfig const& config, int world, std::initializer_list<char const*> parts) {
+  std::string const message = config_error(config, world);
+  ASSERT_FALSE(message.empty()) << "expected a ConfigError";
+  for (char const* part : parts)
+    EXPECT_NE(message.find(part), std::string::npos) << "'" << part << "' not in: " << message;
+  EXPECT_EQ(message.rfind("config error (", 0), 0u) << message;
+}
+
+TEST(Config, DefaultsAreValidForCommonWorlds) {
+  for (int world : {1, 2, 4, 8}) EXPECT_EQ(config_error(EpConfig{}, world), "") << "world " << world;
+}
+
+TEST(Config, ExpertsNotDivisibleByWorld) {
+  EpConfig config;
+  config.num_experts = 255;
+  expect_message(config, 4, {"num_experts=255", "not divisible by the world size 4", "256"});
+}
+
+TEST(Config, HiddenNotMultipleOf16Bytes) {
+  EpConfig config;
+  config.hidden = 7004;
+  expect_message(config, 2, {"hidden=7004", "16 bytes", "7008"});
+}
+
+TEST(Config, TopkRules) {
+  EpConfig config;
+  config.topk = 0;
+  expect_message(config, 2, {"topk=0", "[1, 16]"});
+  config.topk = kMaxTopk + 1;
+  expect_message(config, 2, {"topk=17", "[1, 16]"});
+  config.topk = 9;
+  config.num_experts = 8;
+  expect_message(config, 2, {"topk=9", "num_experts=8"});
+  static_assert(kMaxTopk >= 16, "the issue requires a supported topk of at least 16");
+}
+
+TEST(Config, TokensAndCaps) {
+  EpConfig config;
+  config.max_tokens_per_rank = 0;
+  expect_message(config, 2, {"max_tokens_per_rank=0"});
+  config = EpConfig{};
+  config.max_recv_tokens = 0;
+  expect_message(config, 2, {"max_recv_tokens=0"});
+  config = EpConfig{};
+  config.expert_capacity = -3;
+  expect_message(config, 2, {"expert_capacity=-3"});
+  config = EpConfig{};
+  EXPECT_EQ(config.recv_capacity(2), 2 * config.max_tokens_per_rank);
+  config.max_recv_tokens = 100;
+  EXPECT_EQ(config.recv_capacity(2), 100);
+  EXPECT_EQ(config.expert_slots(), 0);
+  config.expert_capacity = 64;
+  EXPECT_EQ(config.expert_slots(), 64);
+}
+
+TEST(Config, GeometryAndWorld) {
+  EpConfig config;
+  config.dispatch_geometry = Geometry{-1, 4};
+  expect_message(config, 2, {"dispatch_geometry.blocks=-1"});
+  config.dispatch_geometry = Geometry{8, 33};
+  expect_message(config, 2, {"dispatch_geometry.warps=33"});
+  expect_message(EpConfig{}, 0, {"world=0"});
+  config = EpConfig{};
+  config.num_experts = 64 * 64;
+  expect_message(config, 64, {"world=64", "32"});
+}
+
+TEST(Config, UnavailableModesAndFormatsAreRefusedUpFront) {
+  EpConfig config;
+  config.mode = Mode::low_latency;
+  expect_message(config, 2, {"mode=ll", "not available"});
+  config = EpConfig{};
+  config.dispatch_format = WireFormat::fp8_e4m3;
+  expect_message(config, 2, {"dispatch_format=fp8", "not available"});
+}
+
+TEST(WireFormat, RowBytes) {
+  EXPECT_EQ(wire_row_bytes(WireFormat::bf16, 7168), 14336u);
+  EXPECT_EQ(wire_row_bytes(WireFormat::fp8_e4m3, 7168), 7168u + 56u * 4u);
+  EXPECT_EQ(wire_row_bytes(WireFormat::fp8_e4m3_ue8m0, 7168), 7168u + 56u);
+  EXPECT_EQ(wire_row_bytes(WireFormat::nvfp4, 7168), 3584u + 448u + 4u);
+  EXPECT_EQ(wire_row_bytes(WireFormat::mxfp4, 7168), 3584u + 224u);
+  for (char const* name : {"bf16", "fp8", "fp8_ue8m0", "nvfp4", "mxfp4"})
+    EXPECT_STREQ(wire_format_name(parse_wire_format(name)), name);
+  EXPECT_THROW(parse_wire_format("fp16"), ConfigError);
+}
+
+TEST(Env, TableIsUniqueAndDocumented) {
+  std::set<std::string> names;
+  for (EnvParam const& param : env_params()) {
+    EXPECT_TRUE(names.insert(param.name).second) << "duplicate " << param.name;
+    EXPECT_GT(std::string(param.meaning).size(), 10u) << param.name;
+  }
+  EXPECT_TRUE(names.count("FERRY_TIMEOUT_S"));
+}
+
+TEST(Env, ParsesAndRejects) {
+  ::unsetenv("FERRY_TIMEOUT_S");
+  EXPECT_EQ(env_double("FERRY_TIMEOUT_S"), 30.0);
+  ::setenv("FERRY_TIMEOUT_S", "2.5", 1);
+  EXPECT_EQ(env_double("FERRY_TIMEOUT_S"), 2.5);
+  ::setenv("FERRY_TIMEOUT_S", "soon", 1);
+  try {
+    env_double("FERRY_TIMEOUT_S");
+    ADD_FAILURE() << "expected ConfigError";
+  } catch (ConfigError const& error) {
+    EXPECT_NE(std::string(error.what()).find("FERRY_TIMEOUT_S=soon"), std::string::npos) << error.what();
+  }
+  ::unsetenv("FERRY_TIMEOUT_S");
+  EXPECT_FALSE(env_optional_int("FERRY_DISPATCH_BLOCKS").has_value());
+  EXPECT_THROW(env_string("FERRY_NOT_DECLARED"), ConfigError);
+}
+
+TEST(Error, FormatNamesSubsystemFileAndLine) {
+  try {
+    FERRY_CHECK_INPUT(1 + 1 == 3, "x=", 3, " is wrong; use 2");
+    ADD_FAILURE() << "FERRY_CHECK_INPUT did not throw";
+  } catch (InputError const& error) {
+    std::string const message = error.what();
+    EXPECT_EQ(message.rfind("input error (test_config.cpp:", 0), 0u) << message;
+    EXPECT_NE(message.find("): x=3 is wrong; use 2"), std::string::npos) << message;
+  }
+}
+
+}  // namespace
+}  // namespace ferry
