@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <set>
 #include <string>
 
@@ -146,6 +148,21 @@ TEST(Error, FormatNamesSubsystemFileAndLine) {
     EXPECT_EQ(message.rfind("input error (test_config.cpp:", 0), 0u) << message;
     EXPECT_NE(message.find("): x=3 is wrong; use 2"), std::string::npos) << message;
   }
+}
+
+}  // namespace
+}  // namespace ferry
+
+namespace ferry {
+namespace {
+
+// The README's environment table must list every declared parameter (one table, no drift).
+TEST(Env, ReadmeListsEveryParameter) {
+  std::ifstream readme(FERRY_SOURCE_DIR "/README.md");
+  ASSERT_TRUE(readme.good()) << "README.md not found under " << FERRY_SOURCE_DIR;
+  std::string const text((std::istreambuf_iterator<char>(readme)), std::istreambuf_iterator<char>());
+  for (EnvParam const& param : env_params())
+    EXPECT_NE(text.find(std::string("`") + param.name + "`"), std::string::npos) << param.name << " missing from README";
 }
 
 }  // namespace
