@@ -4,60 +4,105 @@
 //
 // Canonical arithmetic (the cuda kernels follow the same order so results are bit-identical):
 // - Expert-major combine, receiver side, per rank-major row i: acc = 0.0f; for k = 0..topk-1 ascending, where the
-//   entry is a local expert: acc = fmaf(w[i,k], float(expert_out[e, slot(i,k)]), acc). The row sent back is
-//   bf16_rne(acc).
+//   entry is a local expert with a slot: acc = fmaf(w[i,k], float(expert_out[e, slot(i,k)]), acc). The row sent
+//   back is bf16_rne(acc).
 // - Source side, per token t: y = 0.0f; for destination rank d = 0..world-1 ascending that received t:
-//   y += float(row_d(t)). y[t] = bf16_rne(y). A token with no valid expert gets 0.
+//   y += float(row_d(t)). y[t] = bf16_rne(y). A token with no valid expert gets 0. (Start from +0.0f and add, even
+//   for the first row: 0.0f + -0.0f is +0.0f, and the kernels must do the same to stay bit-identical.)
 // - Rank-major combine: row_d(t) is the caller's row; the source sum is the same.
+// - fp32 arithmetic is IEEE binary32 with subnormals (no flush to zero), fmaf rounded once.
 // Expert-major slots: each valid (row, k) entry of a local expert takes one slot; slots of an expert are in
 // rank-major row order (then k ascending), so the layout is deterministic.
+//
+// Capacities (what the device does, so the reference does it too):
+// - Rows past config.recv_capacity(world) in rank-major order are not delivered: num_recv stops at the capacity and
+//   dropped_rows counts the rest. A token whose row to rank d was dropped gets nothing back from d in combine.
+// - expert_counts[e] counts every valid (row, k) entry of local expert e among the delivered rows. Entries past
+//   config.expert_slots() of an expert get no slot: recv_slot is -1 there (recv_topk_idx still names the local
+//   expert), the filled slots of e are min(expert_counts[e], expert_slots), and dropped_slots counts the rest. The
+//   expert-major combine skips entries without a slot. Without an expert capacity (expert_slots() == 0) there is no
+//   expert-major layout: no slots and nothing counted as dropped.
 #pragma once
 
+#include <bit>
 #include <cstdint>
 #include <span>
 #include <vector>
 
+#include "ep/routing.hpp"
 #include "ferry/ep.hpp"
 
 namespace ferry::ref {
 
 struct RankInput {
   int num_tokens = 0;
-  std::vector<uint16_t> x;             // [num_tokens * hidden] bf16 bits
-  std::vector<int64_t> topk_idx;       // [num_tokens * topk]
-  std::vector<float> topk_weights;     // [num_tokens * topk]
+  std::vector<uint16_t> x;          // [num_tokens * hidden] bf16 bits
+  std::vector<int64_t> topk_idx;    // [num_tokens * topk]
+  std::vector<float> topk_weights;  // [num_tokens * topk]
 };
 
 struct RankDispatch {
   int num_recv = 0;
-  std::vector<uint16_t> recv_x;            // [num_recv * hidden]
-  std::vector<int32_t> recv_topk_idx;      // [num_recv * topk] local expert or -1
-  std::vector<float> recv_topk_weights;    // [num_recv * topk] (0 where recv_topk_idx is -1)
-  std::vector<int32_t> recv_src;           // [num_recv * 2] (source rank, source token)
-  std::vector<int32_t> expert_counts;      // [num_local_experts] valid (row, k) entries per local expert
-  std::vector<int32_t> recv_slot;          // [num_recv * topk] slot within its expert, -1 where not local
-  std::vector<int32_t> expert_src_row;     // [num_local_experts * expert_slots] rank-major row, -1 if unused
-  int expert_slots = 0;
+  std::vector<uint16_t> recv_x;          // [num_recv * hidden]
+  std::vector<int32_t> recv_topk_idx;    // [num_recv * topk] local expert or -1
+  std::vector<float> recv_topk_weights;  // [num_recv * topk] (0 where recv_topk_idx is -1)
+  std::vector<int32_t> recv_src;         // [num_recv * 2] (source rank, source token)
+  std::vector<int32_t> expert_counts;    // [num_local_experts] valid (row, k) entries per local expert
+  std::vector<int32_t> recv_slot;        // [num_recv * topk] slot within its expert, -1 where not local or dropped
+  std::vector<int32_t> expert_src_row;   // [num_local_experts * expert_slots] rank-major row, -1 if unused
+  int expert_slots = 0;                  // config.expert_slots()
+  int dropped_rows = 0;                  // rows past recv_capacity, not delivered
+  int dropped_slots = 0;                 // local (row, k) entries past expert_slots, without a slot
 };
 
-// bf16 <-> float, round to nearest even (as CUDA's __float2bfloat16_rn; NaN becomes a quiet NaN).
-uint16_t float_to_bf16(float value);
-float bf16_to_float(uint16_t bits);
+// Every rank's inputs, as a test or benchmark builds them from one shared seed: rank r gets num_tokens[r] tokens
+// from generate_tokens(routing.seed, r, ...) and routing from generate_routing(routing, ..., r, ...) with
+// config.topk - routing.shared_experts routed columns. Any process can rebuild any rank's input.
+std::vector<RankInput> generate_inputs(EpConfig const& config, int world, RoutingOptions const& routing,
+                                       std::span<int const> num_tokens);
+
+// bf16 <-> float, round to nearest even, exactly as CUDA's __float2bfloat16_rn (cuda_bf16.hpp): every NaN becomes
+// 0x7fff (positive quiet NaN, sign dropped), infinities stay, subnormals are kept (no flush to zero).
+inline uint16_t float_to_bf16(float value) {
+  uint32_t const bits = std::bit_cast<uint32_t>(value);
+  if ((bits & 0x7fffffffU) > 0x7f800000U) return 0x7fff;
+  uint32_t const rounded = bits + 0x7fffU + ((bits >> 16) & 1U);
+  return static_cast<uint16_t>(rounded >> 16);
+}
+inline float bf16_to_float(uint16_t bits) {
+  return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
+}
+
+// Throws InputError for an id outside [-1, num_experts), naming rank, token, column, value and the range.
+// topk_idx holds num_tokens * config.topk entries.
+void validate_topk_idx(EpConfig const& config, int rank, int num_tokens, std::span<int64_t const> topk_idx);
 
 // Throws InputError for ids outside [-1, num_experts) or more tokens than max_tokens_per_rank, naming rank,
-// token, column and value.
+// token, column and value; also for vectors whose sizes do not match num_tokens.
 void validate_input(EpConfig const& config, int world, int rank, RankInput const& input);
 
-// What rank `rank` receives. inputs[r] is rank r's input.
+// What rank `rank` receives. inputs[r] is rank r's input (all are validated).
 RankDispatch dispatch(EpConfig const& config, int world, int rank, std::span<RankInput const> inputs);
 
-// Fills the expert-major layout [num_local_experts * expert_slots * hidden] from a rank-major dispatch.
+// The expert-major slots of num_recv received rows (recv_topk_idx: [num_recv * topk] local expert or -1), as
+// documented above. Shared by the reference and the cpu backend, which builds its layout from the rows it received.
+struct ExpertLayout {
+  std::vector<int32_t> expert_counts;   // [num_local_experts]
+  std::vector<int32_t> recv_slot;       // [num_recv * topk]
+  std::vector<int32_t> expert_src_row;  // [num_local_experts * expert_slots]
+  int expert_slots = 0;
+  int dropped_slots = 0;
+};
+ExpertLayout expert_layout(EpConfig const& config, int world, int num_recv, std::span<int32_t const> recv_topk_idx);
+
+// Fills the expert-major layout [num_local_experts * expert_slots * hidden] from a rank-major dispatch. Slots that
+// are not filled (at or past min(expert_counts[e], expert_slots)) are zero.
 std::vector<uint16_t> expand(EpConfig const& config, int world, RankDispatch const& received);
 
 // y[num_tokens * hidden] of rank `rank` from every rank's expert outputs ([num_local_experts * expert_slots *
 // hidden] bf16 each).
-std::vector<uint16_t> combine_expert_major(EpConfig const& config, int world, int rank, std::span<RankInput const> inputs,
-                                           std::span<RankDispatch const> received,
+std::vector<uint16_t> combine_expert_major(EpConfig const& config, int world, int rank,
+                                           std::span<RankInput const> inputs, std::span<RankDispatch const> received,
                                            std::span<std::vector<uint16_t> const> expert_out);
 
 // y of rank `rank` from every rank's rank-major rows ([num_recv * hidden] bf16 each, already reduced).
@@ -68,5 +113,16 @@ std::vector<uint16_t> combine_rank_major(EpConfig const& config, int world, int 
 // The receiver side of an expert-major combine alone: the bf16 row each received row sends back.
 std::vector<uint16_t> reduce_local_experts(EpConfig const& config, int world, RankDispatch const& received,
                                            std::vector<uint16_t> const& expert_out);
+
+// Per-row arithmetic of combine, the one implementation the reference and the cpu backend share.
+// Receiver side for one rank-major row: the fmaf chain above over its topk entries (local_idx: local expert or -1,
+// slot: slot or -1, weights), reading expert_out [num_local_experts * expert_slots * hidden]; writes bf16 to out.
+// scratch holds hidden floats.
+void reduce_row(int hidden, int topk, int expert_slots, int32_t const* local_idx, int32_t const* slot,
+                float const* weights, uint16_t const* expert_out, float* scratch, uint16_t* out);
+// Source side: acc[h] += float(row[h]).
+void accumulate_row(int hidden, uint16_t const* row, float* acc);
+// out[h] = bf16_rne(acc[h]).
+void round_row(int hidden, float const* acc, uint16_t* out);
 
 }  // namespace ferry::ref

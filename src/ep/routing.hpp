@@ -9,11 +9,17 @@
 
 namespace ferry {
 
+// Every kind gives each token distinct experts (ignoring -1 entries). Each token draws from its own stream of a
+// self-contained generator seeded from (seed, rank, token), using exact integer and binary arithmetic only: the output
+// is the same on every machine, and a token's routing does not depend on how many tokens follow it.
 enum class RoutingKind {
   random,   // k distinct experts per token, uniform
-  ring,     // deterministic: token t of rank r goes to experts of the next ranks (r+1, r+2, ...)
-  grouped,  // DeepSeek-V3 group-limited: experts in expert_groups groups, each token picks topk_groups groups first
-  hot,      // a fraction hot_fraction of tokens pick hot_expert (the rest of their experts random)
+  ring,     // deterministic: column j of token t of rank r goes to rank (r+1+j) % world; the m-th column that lands
+            // on a rank takes its local expert (t + m) % experts_per_rank
+  grouped,  // DeepSeek-V3 group-limited: experts in expert_groups groups, each token picks topk_groups groups first,
+            // then topk distinct experts uniformly within them
+  hot,      // a fraction hot_fraction of tokens pick hot_expert (the rest of their experts random); the other tokens
+            // avoid it, so the share of tokens using it is hot_fraction (before masking)
 };
 
 char const* routing_name(RoutingKind kind);
@@ -21,12 +27,14 @@ RoutingKind parse_routing(std::string const& name);  // throws ConfigError namin
 
 struct RoutingOptions {
   RoutingKind kind = RoutingKind::random;
-  int expert_groups = 8;    // grouped: number of groups (must divide num_experts)
-  int topk_groups = 4;      // grouped: groups each token may use (topk <= topk_groups * experts per group)
-  int shared_experts = 0;   // extra columns after the routed ones, pinned to an expert on the token's own rank
+  int expert_groups = 8;  // grouped: number of groups (must divide num_experts)
+  int topk_groups = 4;    // grouped: groups each token may use (topk <= topk_groups * experts per group)
+  // Extra columns after the routed ones: random distinct experts of the token's own rank that none of its routed
+  // columns uses; never masked.
+  int shared_experts = 0;
   double hot_fraction = 0.5;  // hot: share of tokens that pick hot_expert
   int hot_expert = 0;
-  double mask_rate = 0.0;   // probability that a routed entry is replaced by -1
+  double mask_rate = 0.0;  // probability that a routed entry is replaced by -1
   uint64_t seed = 1;
 };
 
@@ -34,7 +42,8 @@ struct RoutingOptions {
 int routing_columns(RoutingOptions const& options, int routed_topk);
 
 // Throws ConfigError when the options cannot produce routing for this shape (e.g. groups not dividing experts,
-// topk larger than the experts topk_groups groups hold), naming the option and the rule.
+// topk larger than the experts topk_groups groups hold, shared_experts more than the rank's experts left beside the
+// routed columns that can be local), naming the option, the value and the rule.
 void validate_routing(RoutingOptions const& options, int num_experts, int world, int routed_topk);
 
 // Fills topk_idx[num_tokens * columns] (row-major) and topk_weights (same shape; positive for valid entries,
@@ -42,7 +51,8 @@ void validate_routing(RoutingOptions const& options, int num_experts, int world,
 void generate_routing(RoutingOptions const& options, int num_experts, int world, int rank, int num_tokens,
                       int routed_topk, std::span<int64_t> topk_idx, std::span<float> topk_weights);
 
-// Random bf16 bit patterns (finite, roughly N(0,1)) for num_tokens x hidden, deterministic in (seed, rank).
+// Random bf16 bit patterns (finite, roughly N(0,1): a scaled sum of four uniforms, within +-3.47) for
+// num_tokens x hidden, deterministic in (seed, rank); row t does not depend on num_tokens.
 std::vector<uint16_t> generate_tokens(uint64_t seed, int rank, int num_tokens, int hidden);
 
 }  // namespace ferry
