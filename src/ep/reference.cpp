@@ -1,0 +1,310 @@
+#include "ep/reference.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "ferry/error.hpp"
+
+namespace ferry::ref {
+namespace {
+
+std::size_t at(int64_t row, int64_t width) {
+  return static_cast<std::size_t>(row * width);
+}
+
+// True when token row `idx` (topk ids) has a valid expert in [lo, hi).
+bool reaches(int64_t const* idx, int topk, int64_t lo, int64_t hi) {
+  for (int k = 0; k < topk; ++k)
+    if (idx[k] >= lo && idx[k] < hi) return true;
+  return false;
+}
+
+void check_world(int world, int rank, std::size_t num_inputs) {
+  FERRY_CHECK_INPUT(world >= 1 && rank >= 0 && rank < world, "rank=", rank, " is outside [0, world=", world, ")");
+  FERRY_CHECK_INPUT(num_inputs == static_cast<std::size_t>(world), "got ", num_inputs,
+                    " per-rank inputs for world=", world, "; pass one per rank");
+}
+
+void check_received(int world, int rank, std::size_t num_inputs, std::size_t num_received) {
+  check_world(world, rank, num_inputs);
+  FERRY_CHECK_INPUT(num_received == static_cast<std::size_t>(world), "got ", num_received,
+                    " received layouts for world=", world, "; pass every rank's dispatch result");
+}
+
+// For each token of source rank `source`, the row it landed on in `received` (-1 if it was not delivered there).
+// Rows are rank-major, so the source's rows are one contiguous run, ordered by token.
+std::vector<int> rows_of_source(RankDispatch const& received, int source, int num_tokens) {
+  std::vector<int> rows(static_cast<std::size_t>(num_tokens), -1);
+  for (int i = 0; i < received.num_recv; ++i) {
+    if (received.recv_src[at(i, 2)] != source) continue;
+    int const token = received.recv_src[at(i, 2) + 1];
+    FERRY_CHECK_INPUT(token >= 0 && token < num_tokens, "received row ", i, " names token ", token, " of rank ", source,
+                      ", which has ", num_tokens, " tokens");
+    rows[static_cast<std::size_t>(token)] = i;
+  }
+  return rows;
+}
+
+// The source side shared by both combine layouts: y[t] = bf16(sum over d ascending of float(row_d(t))), where
+// row_of(d, i, out) yields the bf16 row that rank d sends back for its received row i.
+template <typename RowOf>
+std::vector<uint16_t> source_sum(EpConfig const& config, int world, int rank, std::span<RankInput const> inputs,
+                                 std::span<RankDispatch const> received, RowOf&& row_of) {
+  check_received(world, rank, inputs.size(), received.size());
+  int const hidden = config.hidden;
+  int const num_tokens = inputs[static_cast<std::size_t>(rank)].num_tokens;
+  std::vector<std::vector<int>> rows(static_cast<std::size_t>(world));
+  for (int d = 0; d < world; ++d)
+    rows[static_cast<std::size_t>(d)] = rows_of_source(received[static_cast<std::size_t>(d)], rank, num_tokens);
+
+  std::vector<uint16_t> y(at(num_tokens, hidden));
+  std::vector<float> acc(static_cast<std::size_t>(hidden));
+  std::vector<uint16_t> row(static_cast<std::size_t>(hidden));
+  for (int t = 0; t < num_tokens; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int d = 0; d < world; ++d) {
+      int const i = rows[static_cast<std::size_t>(d)][static_cast<std::size_t>(t)];
+      if (i < 0) continue;
+      uint16_t const* sent = row_of(d, i, row.data());
+      accumulate_row(hidden, sent, acc.data());
+    }
+    round_row(hidden, acc.data(), y.data() + at(t, hidden));
+  }
+  return y;
+}
+
+}  // namespace
+
+// NOTE: the row loops are compiled twice, for x86-64 with FMA and for the baseline, and picked at load time: fmaf is
+// one instruction with FMA and a libm call without it. Both round once, so the results are identical.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FERRY_ROW_LOOP __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define FERRY_ROW_LOOP
+#endif
+
+FERRY_ROW_LOOP void reduce_row(int hidden, int topk, int expert_slots, int32_t const* local_idx, int32_t const* slot,
+                               float const* weights, uint16_t const* expert_out, float* scratch, uint16_t* out) {
+  for (int h = 0; h < hidden; ++h) scratch[h] = 0.0f;
+  for (int k = 0; k < topk; ++k) {
+    if (local_idx[k] < 0 || slot[k] < 0) continue;
+    float const w = weights[k];
+    uint16_t const* src = expert_out + (static_cast<std::size_t>(local_idx[k]) * expert_slots + slot[k]) * hidden;
+    for (int h = 0; h < hidden; ++h) scratch[h] = std::fmaf(w, bf16_to_float(src[h]), scratch[h]);
+  }
+  round_row(hidden, scratch, out);
+}
+
+FERRY_ROW_LOOP void accumulate_row(int hidden, uint16_t const* row, float* acc) {
+  for (int h = 0; h < hidden; ++h) acc[h] += bf16_to_float(row[h]);
+}
+
+FERRY_ROW_LOOP void round_row(int hidden, float const* acc, uint16_t* out) {
+  for (int h = 0; h < hidden; ++h) out[h] = float_to_bf16(acc[h]);
+}
+
+std::vector<RankInput> generate_inputs(EpConfig const& config, int world, RoutingOptions const& routing,
+                                       std::span<int const> num_tokens) {
+  FERRY_CHECK_CONFIG(num_tokens.size() == static_cast<std::size_t>(world), "got ", num_tokens.size(),
+                     " token counts for world=", world, "; pass one per rank");
+  int const routed_topk = config.topk - routing.shared_experts;
+  FERRY_CHECK_CONFIG(routed_topk >= 1, "topk=", config.topk,
+                     " leaves no routed column beside shared_experts=", routing.shared_experts);
+  std::vector<RankInput> inputs(static_cast<std::size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    RankInput& input = inputs[static_cast<std::size_t>(r)];
+    input.num_tokens = num_tokens[static_cast<std::size_t>(r)];
+    input.x = generate_tokens(routing.seed, r, input.num_tokens, config.hidden);
+    input.topk_idx.resize(at(input.num_tokens, config.topk));
+    input.topk_weights.resize(input.topk_idx.size());
+    generate_routing(routing, config.num_experts, world, r, input.num_tokens, routed_topk, input.topk_idx,
+                     input.topk_weights);
+  }
+  return inputs;
+}
+
+void validate_topk_idx(EpConfig const& config, int rank, int num_tokens, std::span<int64_t const> topk_idx) {
+  int const topk = config.topk;
+  FERRY_CHECK_INPUT(topk_idx.size() >= at(num_tokens, topk), "rank ", rank, ": topk_idx holds ", topk_idx.size(),
+                    " ids, num_tokens=", num_tokens, " x topk=", topk, " needs ", at(num_tokens, topk));
+  for (int t = 0; t < num_tokens; ++t) {
+    for (int k = 0; k < topk; ++k) {
+      int64_t const id = topk_idx[at(t, topk) + k];
+      FERRY_CHECK_INPUT(id >= -1 && id < config.num_experts, "rank ", rank, ": topk_idx[", t, ", ", k, "]=", id,
+                        " is outside [-1, num_experts=", config.num_experts,
+                        "); use a global expert id, or -1 for no expert");
+    }
+  }
+}
+
+void validate_input(EpConfig const& config, int /*world*/, int rank, RankInput const& input) {
+  FERRY_CHECK_INPUT(input.num_tokens >= 0 && input.num_tokens <= config.max_tokens_per_rank, "rank ", rank,
+                    ": num_tokens=", input.num_tokens,
+                    " is outside [0, max_tokens_per_rank=", config.max_tokens_per_rank,
+                    "]; split the batch or raise max_tokens_per_rank");
+  FERRY_CHECK_INPUT(input.x.size() == at(input.num_tokens, config.hidden), "rank ", rank, ": x holds ", input.x.size(),
+                    " elements, num_tokens=", input.num_tokens, " x hidden=", config.hidden, " needs ",
+                    at(input.num_tokens, config.hidden));
+  FERRY_CHECK_INPUT(input.topk_idx.size() == at(input.num_tokens, config.topk), "rank ", rank, ": topk_idx holds ",
+                    input.topk_idx.size(), " ids, num_tokens=", input.num_tokens, " x topk=", config.topk, " needs ",
+                    at(input.num_tokens, config.topk));
+  FERRY_CHECK_INPUT(input.topk_weights.size() == at(input.num_tokens, config.topk), "rank ", rank,
+                    ": topk_weights holds ", input.topk_weights.size(), " weights, num_tokens=", input.num_tokens,
+                    " x topk=", config.topk, " needs ", at(input.num_tokens, config.topk));
+  validate_topk_idx(config, rank, input.num_tokens, input.topk_idx);
+}
+
+ExpertLayout expert_layout(EpConfig const& config, int world, int num_recv, std::span<int32_t const> recv_topk_idx) {
+  int const topk = config.topk;
+  int const num_local = config.num_local_experts(world);
+  ExpertLayout layout;
+  layout.expert_slots = config.expert_slots();
+  layout.expert_counts.assign(static_cast<std::size_t>(num_local), 0);
+  layout.recv_slot.assign(at(num_recv, topk), -1);
+  layout.expert_src_row.assign(at(num_local, layout.expert_slots), -1);
+  for (int i = 0; i < num_recv; ++i) {
+    for (int k = 0; k < topk; ++k) {
+      int32_t const e = recv_topk_idx[at(i, topk) + k];
+      if (e < 0) continue;
+      FERRY_CHECK_INPUT(e < num_local, "received row ", i, " column ", k, " names local expert ", e, " of ", num_local);
+      int32_t const slot = layout.expert_counts[static_cast<std::size_t>(e)]++;
+      if (layout.expert_slots == 0) continue;  // no expert-major layout
+      if (slot >= layout.expert_slots) {
+        ++layout.dropped_slots;
+        continue;
+      }
+      layout.recv_slot[at(i, topk) + k] = slot;
+      layout.expert_src_row[at(e, layout.expert_slots) + slot] = i;
+    }
+  }
+  return layout;
+}
+
+RankDispatch dispatch(EpConfig const& config, int world, int rank, std::span<RankInput const> inputs) {
+  check_world(world, rank, inputs.size());
+  for (int s = 0; s < world; ++s) validate_input(config, world, s, inputs[static_cast<std::size_t>(s)]);
+  int const hidden = config.hidden;
+  int const topk = config.topk;
+  int const num_local = config.num_local_experts(world);
+  int64_t const lo = static_cast<int64_t>(rank) * num_local;
+  int64_t const hi = lo + num_local;
+  int const capacity = config.recv_capacity(world);
+
+  // 1. rows in (source rank, source token) order: one per token with at least one expert on this rank
+  std::vector<std::pair<int, int>> rows;
+  for (int s = 0; s < world; ++s) {
+    RankInput const& input = inputs[static_cast<std::size_t>(s)];
+    for (int t = 0; t < input.num_tokens; ++t)
+      if (reaches(input.topk_idx.data() + at(t, topk), topk, lo, hi)) rows.emplace_back(s, t);
+  }
+  RankDispatch out;
+  out.num_recv = static_cast<int>(std::min<std::size_t>(rows.size(), static_cast<std::size_t>(capacity)));
+  out.dropped_rows = static_cast<int>(rows.size()) - out.num_recv;
+
+  // 2. the delivered rows: data, local expert ids (-1 elsewhere), weights (0 where -1), source
+  out.recv_x.resize(at(out.num_recv, hidden));
+  out.recv_topk_idx.resize(at(out.num_recv, topk));
+  out.recv_topk_weights.resize(at(out.num_recv, topk));
+  out.recv_src.resize(at(out.num_recv, 2));
+  for (int i = 0; i < out.num_recv; ++i) {
+    auto const [s, t] = rows[static_cast<std::size_t>(i)];
+    RankInput const& input = inputs[static_cast<std::size_t>(s)];
+    std::memcpy(out.recv_x.data() + at(i, hidden), input.x.data() + at(t, hidden), at(hidden, sizeof(uint16_t)));
+    for (int k = 0; k < topk; ++k) {
+      int64_t const id = input.topk_idx[at(t, topk) + k];
+      bool const local = id >= lo && id < hi;
+      out.recv_topk_idx[at(i, topk) + k] = local ? static_cast<int32_t>(id - lo) : -1;
+      out.recv_topk_weights[at(i, topk) + k] = local ? input.topk_weights[at(t, topk) + k] : 0.0f;
+    }
+    out.recv_src[at(i, 2)] = s;
+    out.recv_src[at(i, 2) + 1] = t;
+  }
+
+  // 3. expert-major slots
+  ExpertLayout layout = expert_layout(config, world, out.num_recv, out.recv_topk_idx);
+  out.expert_counts = std::move(layout.expert_counts);
+  out.recv_slot = std::move(layout.recv_slot);
+  out.expert_src_row = std::move(layout.expert_src_row);
+  out.expert_slots = layout.expert_slots;
+  out.dropped_slots = layout.dropped_slots;
+  return out;
+}
+
+std::vector<uint16_t> expand(EpConfig const& config, int world, RankDispatch const& received) {
+  int const hidden = config.hidden;
+  int const num_local = config.num_local_experts(world);
+  int const slots = received.expert_slots;
+  std::vector<uint16_t> expert_x(at(static_cast<int64_t>(num_local) * slots, hidden), 0);
+  for (int e = 0; e < num_local; ++e) {
+    int const filled = std::min(received.expert_counts[static_cast<std::size_t>(e)], slots);
+    for (int s = 0; s < filled; ++s) {
+      int32_t const row = received.expert_src_row[at(e, slots) + s];
+      std::memcpy(expert_x.data() + at(static_cast<int64_t>(e) * slots + s, hidden),
+                  received.recv_x.data() + at(row, hidden), at(hidden, sizeof(uint16_t)));
+    }
+  }
+  return expert_x;
+}
+
+std::vector<uint16_t> reduce_local_experts(EpConfig const& config, int world, RankDispatch const& received,
+                                           std::vector<uint16_t> const& expert_out) {
+  int const hidden = config.hidden;
+  int const topk = config.topk;
+  std::size_t const expected =
+      at(static_cast<int64_t>(config.num_local_experts(world)) * received.expert_slots, hidden);
+  FERRY_CHECK_INPUT(expert_out.size() == expected, "expert_out holds ", expert_out.size(),
+                    " elements; num_local_experts x expert_slots x hidden needs ", expected);
+  std::vector<uint16_t> rows(at(received.num_recv, hidden));
+  std::vector<float> scratch(static_cast<std::size_t>(hidden));
+  for (int i = 0; i < received.num_recv; ++i)
+    reduce_row(hidden, topk, received.expert_slots, received.recv_topk_idx.data() + at(i, topk),
+               received.recv_slot.data() + at(i, topk), received.recv_topk_weights.data() + at(i, topk),
+               expert_out.data(), scratch.data(), rows.data() + at(i, hidden));
+  return rows;
+}
+
+std::vector<uint16_t> combine_expert_major(EpConfig const& config, int world, int rank,
+                                           std::span<RankInput const> inputs, std::span<RankDispatch const> received,
+                                           std::span<std::vector<uint16_t> const> expert_out) {
+  check_received(world, rank, inputs.size(), received.size());
+  FERRY_CHECK_INPUT(expert_out.size() == static_cast<std::size_t>(world), "got ", expert_out.size(),
+                    " expert outputs for world=", world);
+  int const hidden = config.hidden;
+  int const topk = config.topk;
+  for (int d = 0; d < world; ++d) {
+    RankDispatch const& rd = received[static_cast<std::size_t>(d)];
+    std::size_t const expected = at(static_cast<int64_t>(config.num_local_experts(world)) * rd.expert_slots, hidden);
+    FERRY_CHECK_INPUT(expert_out[static_cast<std::size_t>(d)].size() == expected, "expert_out[", d, "] holds ",
+                      expert_out[static_cast<std::size_t>(d)].size(),
+                      " elements; num_local_experts x expert_slots x hidden needs ", expected);
+  }
+  // Only the rows that came from `rank` are reduced (the receiver does this for every row; the result per row is
+  // the same).
+  std::vector<float> scratch(static_cast<std::size_t>(hidden));
+  return source_sum(config, world, rank, inputs, received, [&](int d, int i, uint16_t* row) -> uint16_t const* {
+    RankDispatch const& rd = received[static_cast<std::size_t>(d)];
+    reduce_row(hidden, topk, rd.expert_slots, rd.recv_topk_idx.data() + at(i, topk), rd.recv_slot.data() + at(i, topk),
+               rd.recv_topk_weights.data() + at(i, topk), expert_out[static_cast<std::size_t>(d)].data(),
+               scratch.data(), row);
+    return row;
+  });
+}
+
+std::vector<uint16_t> combine_rank_major(EpConfig const& config, int world, int rank, std::span<RankInput const> inputs,
+                                         std::span<RankDispatch const> received,
+                                         std::span<std::vector<uint16_t> const> rows) {
+  check_received(world, rank, inputs.size(), received.size());
+  FERRY_CHECK_INPUT(rows.size() == static_cast<std::size_t>(world), "got ", rows.size(), " row sets for world=", world);
+  int const hidden = config.hidden;
+  for (int d = 0; d < world; ++d) {
+    std::size_t const expected = at(received[static_cast<std::size_t>(d)].num_recv, hidden);
+    FERRY_CHECK_INPUT(rows[static_cast<std::size_t>(d)].size() == expected, "rows[", d, "] holds ",
+                      rows[static_cast<std::size_t>(d)].size(), " elements; num_recv x hidden needs ", expected);
+  }
+  return source_sum(config, world, rank, inputs, received, [&](int d, int i, uint16_t*) -> uint16_t const* {
+    return rows[static_cast<std::size_t>(d)].data() + at(i, hidden);
+  });
+}
+
+}  // namespace ferry::ref
