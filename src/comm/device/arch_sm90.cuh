@@ -45,6 +45,12 @@ __device__ __forceinline__ void store_release_sys_u32(uint32_t* ptr, uint32_t va
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
 }
 
+// Relaxed store at system scope: a flag that publishes no data (latency ping-pong), so it needs no release fence;
+// strong (not weak) so the polling peer is guaranteed to observe it eventually.
+__device__ __forceinline__ void store_relaxed_sys_u64(uint64_t* ptr, uint64_t value) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
+}
+
 // Acquire load at system scope: later reads see everything published before the matching release.
 __device__ __forceinline__ uint64_t load_acquire_sys_u64(uint64_t const* ptr) {
   uint64_t value;

@@ -62,6 +62,31 @@ __device__ __forceinline__ bool wait_signal_geq(DeviceView const& view, uint64_t
   }
 }
 
+// Like wait_signal_geq, but the bound counts from start_ns (a global_timer_ns() reading) instead of from the call:
+// a thread that waits for several peers in turn shares one deadline between them, so the whole wait is bounded by
+// FERRY_TIMEOUT_S, not by (peers x FERRY_TIMEOUT_S).
+__device__ __forceinline__ bool wait_signal_geq_since(DeviceView const& view, uint64_t const* signal, uint64_t expected,
+                                                      int peer, WaitPhase phase, uint64_t start_ns) {
+  uint32_t spins = 0;
+  while (true) {
+    uint64_t const observed = arch::load_acquire_sys_u64(signal);
+    if (observed >= expected) return true;
+    if ((++spins & 255u) == 0u) {
+      if (device_failed(view)) return false;
+      if (arch::global_timer_ns() - start_ns > view.timeout_ns) {
+        record_timeout(view, peer, phase, expected, observed);
+        return false;
+      }
+    }
+  }
+}
+
+// Sets a flag that publishes no data (nothing written before it needs to be seen with it), e.g. a latency ping-pong.
+// Relaxed: skips the release fence a signal_set pays for; never use it to publish rows.
+__device__ __forceinline__ void flag_set_relaxed(uint64_t* flag, uint64_t value) {
+  arch::store_relaxed_sys_u64(flag, value);
+}
+
 // Counts an id the device had to drop (out of range, or a capacity overflow when overflow is true).
 __device__ __forceinline__ void record_input_error(DeviceView const& view, int bad_value, bool overflow) {
   if (overflow) {

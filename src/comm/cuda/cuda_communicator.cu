@@ -1,0 +1,403 @@
+// The cuda backend of Communicator: NCCL 2.28's device API (symmetric windows, LSA pointers over NVLink), a
+// host-visible error block, and a bounded device barrier over Ferry's own signal area.
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "comm/comm_impl.hpp"
+#include "comm/device/barrier.cuh"
+#include "core/cuda_check.hpp"
+#include "core/launcher.hpp"
+#include "core/log.hpp"
+#include "ferry/env.hpp"
+#include "ferry/error.hpp"
+
+#if !defined(NCCL_VERSION_CODE) || NCCL_VERSION_CODE < 22800 || NCCL_VERSION_CODE >= 22900
+#error \
+    "Ferry's cuda backend is written against the NCCL 2.28 device API (2.29 changed ncclDevCommRequirements); point FERRY_NCCL_ROOT at an NCCL 2.28.x install"
+#endif
+
+namespace ferry::detail {
+namespace {
+
+// ---- kernels ------------------------------------------------------------------------------------------------------
+
+struct LsaPointerParams {
+  ncclWindow_t window;
+  int world;
+  int lsa_peer[kMaxLocalPeers];  // world rank -> LSA rank
+  char** out;                    // world entries, device memory
+};
+
+// One thread per world rank reads the window's flat LSA address of that rank. The window struct lives in device
+// memory, so this is the only way to learn the addresses; they are fixed for the window's lifetime.
+__global__ void fetch_lsa_pointers_kernel(LsaPointerParams const params) {
+  int const r = static_cast<int>(threadIdx.x);
+  if (r < params.world) params.out[r] = static_cast<char*>(ncclGetLsaPointer(params.window, 0, params.lsa_peer[r]));
+}
+
+struct BarrierParams {
+  DeviceView view;
+};
+
+// The whole grid is one thread: barrier_ranks needs exactly one caller per rank.
+__global__ void barrier_kernel(BarrierParams const params) {
+  device::barrier_ranks(params.view, WaitPhase::barrier);
+}
+
+// ---- helpers ------------------------------------------------------------------------------------------------------
+
+std::string nccl_version_text(int code) {
+  // NCCL >= 2.9 encodes major * 10000 + minor * 100 + patch.
+  return concat(code / 10000, ".", (code / 100) % 100, ".", code % 100, " (", code, ")");
+}
+
+std::size_t round_up(std::size_t value, std::size_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
+
+// cuMemGetAllocationGranularity through the runtime's driver entry point: linking libcuda directly would stop every
+// Ferry binary from starting on a machine without a driver (CI runs the GPU tests there, and they must skip).
+using MemGetAllocationGranularityFn = CUresult (*)(std::size_t*, CUmemAllocationProp const*,
+                                                   CUmemAllocationGranularity_flags);
+
+MemGetAllocationGranularityFn driver_mem_get_allocation_granularity() {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult status{};
+  FERRY_CHECK_CUDA(
+      cudaGetDriverEntryPointByVersion("cuMemGetAllocationGranularity", &fn, 12000, cudaEnableDefault, &status));
+  FERRY_CHECK(status == cudaDriverEntryPointSuccess && fn != nullptr,
+              "the CUDA driver does not provide cuMemGetAllocationGranularity (query status ", static_cast<int>(status),
+              "); update the NVIDIA driver to one that supports CUDA 12 or newer");
+  return reinterpret_cast<MemGetAllocationGranularityFn>(fn);
+}
+
+// Teardown cannot throw: failures are logged (FERRY_LOG) and the rest of the teardown goes on.
+void log_teardown(int rank, char const* step, char const* what) noexcept {
+  try {
+    FERRY_LOG_ERROR("cuda communicator teardown (rank ", rank, "): ", step, " failed: ", what);
+  } catch (...) {
+  }
+}
+
+// ---- the communicator ---------------------------------------------------------------------------------------------
+
+class CudaCommunicator final : public Communicator {
+ public:
+  explicit CudaCommunicator(std::unique_ptr<Bootstrap> bootstrap) : bootstrap_(std::move(bootstrap)) {}
+  ~CudaCommunicator() override { teardown(); }
+
+  CudaCommunicator(CudaCommunicator const&) = delete;
+  CudaCommunicator& operator=(CudaCommunicator const&) = delete;
+
+  void init(CommunicatorOptions const& options);
+
+  Backend backend() const override { return Backend::cuda; }
+  Bootstrap& bootstrap() const override { return *bootstrap_; }
+  int device() const override { return device_; }
+  DeviceView const& device_view() const override { return view_; }
+
+  SymmetricRegion alloc_symmetric(std::size_t bytes) override {
+    ensure_usable();
+    FERRY_CHECK_CONFIG(bytes > 0, "alloc_symmetric(0): ask for at least one byte");
+    return alloc_region(bytes);
+  }
+
+  void check_errors(cudaStream_t stream) override;
+  bool failed() const override { return failed_; }
+  void ensure_usable() const override {
+    if (failed_) FERRY_THROW(Error, "ferry", "communicator failed earlier: ", failure_, "; create a new communicator");
+  }
+
+  void barrier(cudaStream_t stream) override {
+    ensure_usable();
+    FERRY_CHECK_CUDA(cudaSetDevice(device_));
+    barrier_kernel<<<1, 1, 0, stream>>>(BarrierParams{view_});
+    FERRY_CHECK_CUDA(cudaGetLastError());
+  }
+
+ private:
+  struct Region {
+    void* ptr = nullptr;
+    std::size_t bytes = 0;
+    ncclWindow_t window = nullptr;
+  };
+
+  SymmetricRegion alloc_region(std::size_t bytes);
+  void teardown() noexcept;
+
+  std::unique_ptr<Bootstrap> bootstrap_;
+  int device_ = -1;
+  ncclComm_t comm_ = nullptr;
+  ncclDevComm dev_comm_{};
+  bool dev_comm_created_ = false;
+  std::vector<Region> regions_;  // in allocation order; released in reverse
+  std::size_t alignment_ = NCCL_WIN_REQUIRED_ALIGNMENT;
+  DeviceErrorBlock* error_host_ = nullptr;  // mapped pinned memory; view_.error is its device address
+  uint64_t* barrier_epoch_ = nullptr;
+  char** pointer_scratch_ = nullptr;
+  double timeout_s_ = 30;
+  DeviceView view_{};
+  bool initialized_ = false;
+  bool failed_ = false;
+  std::string failure_;
+};
+
+void CudaCommunicator::init(CommunicatorOptions const& options) {
+  // 1. NVLink multicast stays off in this process before NCCL reads its environment (DESIGN "Safety").
+  set_multicast_safety_env();
+  int const rank = bootstrap_->rank();
+  int const world = bootstrap_->world();
+  // NOTE: DeviceView carries one pointer per rank; past kMaxLocalPeers ranks need the network path.
+  FERRY_CHECK_CONFIG(world >= 1 && world <= kMaxLocalPeers, "the cuda backend supports 1..", kMaxLocalPeers,
+                     " ranks in one NVLink domain, got world=", world);
+  timeout_s_ = env_double("FERRY_TIMEOUT_S");
+  FERRY_CHECK_CONFIG(timeout_s_ > 0, "FERRY_TIMEOUT_S=", timeout_s_, " must be positive (seconds)");
+
+  // 2. the GPU of this rank
+  int num_devices = 0;
+  FERRY_CHECK_CUDA(cudaGetDeviceCount(&num_devices));
+  device_ = options.device >= 0 ? options.device : bootstrap_->local_rank();
+  FERRY_CHECK_CONFIG(device_ < num_devices, "rank ", rank, " wants GPU ", device_, " but only ", num_devices,
+                     " are visible; start at most one rank per GPU or fix CUDA_VISIBLE_DEVICES / LOCAL_RANK");
+  FERRY_CHECK_CUDA(cudaSetDevice(device_));
+
+  // 3. the loaded NCCL must be the one whose headers we compiled against.
+  // NOTE: the device structs (ncclDevComm, the window struct embedded in it, ncclDevCommRequirements) change inside
+  // a minor series (2.28.9 inserted barrierCount before lsaBarrierCount): a mismatch corrupts memory silently.
+  int loaded = 0;
+  FERRY_CHECK_NCCL(ncclGetVersion(&loaded));
+  if (loaded != NCCL_VERSION_CODE && env_int("FERRY_NCCL_VERSION_CHECK") != 0) {
+    FERRY_THROW(NcclError, "nccl", "the loaded NCCL is ", nccl_version_text(loaded),
+                " but Ferry was compiled against NCCL headers ", nccl_version_text(NCCL_VERSION_CODE),
+                "; NCCL's device structs change inside a minor series, so the mix would corrupt memory silently. "
+                "Load the matching libnccl.so.2 (LD_LIBRARY_PATH, or import torch first) or rebuild Ferry with "
+                "FERRY_NCCL_ROOT pointing at the loaded NCCL; FERRY_NCCL_VERSION_CHECK=0 skips this check at your "
+                "own risk");
+  }
+
+  // 4. the NCCL communicator: rank 0's unique id travels through the bootstrap
+  ncclUniqueId id{};
+  if (rank == 0) FERRY_CHECK_NCCL(ncclGetUniqueId(&id));
+  bootstrap_->broadcast(&id, sizeof(id), 0);
+  FERRY_CHECK_NCCL(ncclCommInitRank(&comm_, world, id, rank));
+
+  // 5. every rank must be load/store reachable (one LSA team)
+  ncclTeam_t const lsa = ncclTeamLsa(comm_);
+  FERRY_CHECK_CONFIG(lsa.nRanks == world, "only ", lsa.nRanks, " of ", world,
+                     " ranks share load/store access (NVLink) with rank ", rank,
+                     "; ranks on several nodes need the network path, which this version does not have: run all "
+                     "ranks on one NVLink-connected host");
+
+  // 6. the device communicator. NOTE: never lsaMultimem: NVLink multicast can take the host's GPUs out of service.
+  ncclDevCommRequirements requirements;
+  std::memset(&requirements, 0, sizeof(requirements));  // 2.28 has no initializer macro; zero means "none"
+  requirements.lsaBarrierCount = 1;
+  FERRY_CHECK_NCCL(ncclDevCommCreate(comm_, &requirements, &dev_comm_));
+  dev_comm_created_ = true;
+
+  // 7. allocation granularity of symmetric memory (ncclMemAlloc uses cuMem with the recommended granularity)
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device_;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  std::size_t granularity = 0;
+  FERRY_CHECK_CU(driver_mem_get_allocation_granularity()(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+  alignment_ = std::max<std::size_t>(granularity, NCCL_WIN_REQUIRED_ALIGNMENT);
+
+  // 8. host-visible error block, barrier epoch, scratch for pointer fetches
+  FERRY_CHECK_CUDA(
+      cudaHostAlloc(reinterpret_cast<void**>(&error_host_), sizeof(DeviceErrorBlock), cudaHostAllocMapped));
+  std::memset(error_host_, 0, sizeof(DeviceErrorBlock));
+  DeviceErrorBlock* error_device = nullptr;
+  FERRY_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_device), error_host_, 0));
+  FERRY_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&barrier_epoch_), sizeof(uint64_t)));
+  FERRY_CHECK_CUDA(cudaMemset(barrier_epoch_, 0, sizeof(uint64_t)));
+  FERRY_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&pointer_scratch_), kMaxLocalPeers * sizeof(char*)));
+
+  // 9. the signal area: kSignalSlots words per rank, zeroed (barrier epochs start at 0)
+  SymmetricRegion const signals = alloc_region(kSignalSlots * sizeof(uint64_t));
+
+  view_.rank = rank;
+  view_.world = world;
+  view_.timeout_ns = static_cast<uint64_t>(timeout_s_ * 1e9);
+  view_.error = error_device;
+  view_.signals = signals.view;
+  view_.barrier_epoch = barrier_epoch_;
+  initialized_ = true;
+}
+
+SymmetricRegion CudaCommunicator::alloc_region(std::size_t bytes) {
+  int const rank = bootstrap_->rank();
+  int const world = bootstrap_->world();
+  FERRY_CHECK_CUDA(cudaSetDevice(device_));
+
+  // 1. every rank must ask for the same size (the window is collective and symmetric)
+  std::vector<uint64_t> sizes(world);
+  uint64_t const mine = bytes;
+  bootstrap_->allgather(&mine, sizes.data(), sizeof(uint64_t));
+  for (int r = 0; r < world; ++r) {
+    FERRY_CHECK_CONFIG(sizes[r] == mine, "alloc_symmetric is collective with equal sizes, but rank ", rank,
+                       " asked for ", mine, " bytes and rank ", r, " for ", sizes[r],
+                       "; call it in the same order with the same size on every rank");
+  }
+
+  // 2. allocate, zero, register (collective, same order on every rank)
+  Region region;
+  region.bytes = round_up(bytes, alignment_);
+  FERRY_CHECK_NCCL(ncclMemAlloc(&region.ptr, region.bytes));
+  try {
+    FERRY_CHECK_CUDA(cudaMemset(region.ptr, 0, region.bytes));
+    // Zeroes must land before any peer can reach the window (registration below is where peers learn of it).
+    FERRY_CHECK_CUDA(cudaDeviceSynchronize());
+    FERRY_CHECK_NCCL(ncclCommWindowRegister(comm_, region.ptr, region.bytes, &region.window, NCCL_WIN_COLL_SYMMETRIC));
+  } catch (...) {
+    ncclMemFree(region.ptr);
+    throw;
+  }
+  regions_.push_back(region);
+
+  // 3. every rank's flat LSA address, fetched once (world rank -> LSA rank through the world team)
+  LsaPointerParams params{};
+  params.window = region.window;
+  params.world = world;
+  ncclTeam_t const world_team = ncclTeamWorld(comm_);
+  for (int r = 0; r < world; ++r) params.lsa_peer[r] = ncclTeamRankToLsa(comm_, world_team, r);
+  params.out = pointer_scratch_;
+  fetch_lsa_pointers_kernel<<<1, kMaxLocalPeers>>>(params);
+  FERRY_CHECK_CUDA(cudaGetLastError());
+  char* pointers[kMaxLocalPeers] = {};
+  FERRY_CHECK_CUDA(cudaMemcpy(pointers, pointer_scratch_, world * sizeof(char*), cudaMemcpyDeviceToHost));
+
+  SymmetricRegion out{};
+  out.local = region.ptr;
+  out.view.bytes = region.bytes;
+  for (int r = 0; r < world; ++r) out.view.ptr[r] = pointers[r];
+  FERRY_CHECK(out.view.ptr[rank] == region.ptr, "NCCL's LSA pointer of rank ", rank, " (",
+              static_cast<void*>(out.view.ptr[rank]), ") is not its own buffer (", region.ptr,
+              "); the loaded NCCL does not match its headers: check FERRY_NCCL_VERSION_CHECK and the library path");
+  return out;
+}
+
+void CudaCommunicator::check_errors(cudaStream_t stream) {
+  ensure_usable();
+  if (stream != nullptr) FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
+
+  // 1. a recorded timeout: status reaches 2 only after the kernel filled the fields (and fenced at system scope)
+  if (__atomic_load_n(&error_host_->status, __ATOMIC_ACQUIRE) == 2u) {
+    DeviceErrorBlock block;
+    std::memcpy(&block, const_cast<DeviceErrorBlock const*>(error_host_), sizeof(block));
+    failure_ = format_error("timeout", __FILE__, __LINE__,
+                            concat(describe_device_error(block, timeout_s_),
+                                   "; this communicator is now unusable: destroy it and create a new one"));
+    failed_ = true;
+    throw TimeoutError(failure_);
+  }
+
+  // 2. ids the device dropped: an input problem of the last calls, the communicator stays usable
+  uint32_t const input_errors = __atomic_load_n(&error_host_->input_errors, __ATOMIC_ACQUIRE);
+  uint32_t const overflow_rows = __atomic_load_n(&error_host_->overflow_rows, __ATOMIC_ACQUIRE);
+  if (input_errors != 0 || overflow_rows != 0) {
+    int32_t const first_bad = __atomic_load_n(&error_host_->first_bad_value, __ATOMIC_ACQUIRE);
+    __atomic_store_n(&error_host_->input_errors, 0u, __ATOMIC_RELEASE);
+    __atomic_store_n(&error_host_->overflow_rows, 0u, __ATOMIC_RELEASE);
+    __atomic_store_n(&error_host_->first_bad_value, 0, __ATOMIC_RELEASE);
+    std::string message;
+    if (input_errors != 0)
+      message += concat(input_errors, " id(s) outside the allowed range were dropped on the device (first bad value ",
+                        first_bad, "); check topk_idx against [-1, num_experts)");
+    if (overflow_rows != 0)
+      message += concat(message.empty() ? "" : "; ", overflow_rows,
+                        " row(s) were dropped because a capacity was exceeded; raise expert_capacity / "
+                        "max_recv_tokens or send fewer tokens per call");
+    FERRY_THROW(InputError, "input", message);
+  }
+}
+
+void CudaCommunicator::teardown() noexcept {
+  int const rank = bootstrap_ ? bootstrap_->rank() : -1;
+  // A peer may be gone after a failure (or a failed start): then only local, non-collective calls are safe.
+  bool abort = failed_ || !initialized_;
+  if (device_ >= 0) cudaSetDevice(device_);
+  if (device_ >= 0) {
+    cudaError_t const error = cudaDeviceSynchronize();
+    if (error != cudaSuccess) {
+      log_teardown(rank, "cudaDeviceSynchronize", cudaGetErrorString(error));
+      abort = true;
+    }
+  }
+  // 1. every rank is done with every peer's memory before any rank unmaps or frees its own
+  if (!abort && bootstrap_) {
+    try {
+      bootstrap_->barrier();
+    } catch (std::exception const& error) {
+      log_teardown(rank, "the closing bootstrap barrier", error.what());
+      abort = true;
+    }
+  }
+  if (comm_ != nullptr && !abort) {
+    // 2. windows (collective, reverse order), their memory, the device communicator, the communicator
+    for (auto it = regions_.rbegin(); it != regions_.rend(); ++it) {
+      ncclResult_t const result = ncclCommWindowDeregister(comm_, it->window);
+      if (result != ncclSuccess) log_teardown(rank, "ncclCommWindowDeregister", ncclGetErrorString(result));
+    }
+    for (auto it = regions_.rbegin(); it != regions_.rend(); ++it) {
+      ncclResult_t const result = ncclMemFree(it->ptr);
+      if (result != ncclSuccess) log_teardown(rank, "ncclMemFree", ncclGetErrorString(result));
+    }
+    if (dev_comm_created_) {
+      ncclResult_t const result = ncclDevCommDestroy(comm_, &dev_comm_);
+      if (result != ncclSuccess) log_teardown(rank, "ncclDevCommDestroy", ncclGetErrorString(result));
+    }
+    ncclResult_t const result = ncclCommDestroy(comm_);
+    if (result != ncclSuccess) log_teardown(rank, "ncclCommDestroy", ncclGetErrorString(result));
+  } else if (comm_ != nullptr) {
+    // 2'. a peer may be gone: abort (local; releases the windows and the device communicator), then the memory
+    ncclResult_t const result = ncclCommAbort(comm_);
+    if (result != ncclSuccess) log_teardown(rank, "ncclCommAbort", ncclGetErrorString(result));
+    for (auto it = regions_.rbegin(); it != regions_.rend(); ++it) {
+      ncclResult_t const freed = ncclMemFree(it->ptr);
+      if (freed != ncclSuccess) log_teardown(rank, "ncclMemFree", ncclGetErrorString(freed));
+    }
+  }
+  regions_.clear();
+  comm_ = nullptr;
+  // 3. the communicator's own small allocations
+  if (pointer_scratch_) cudaFree(pointer_scratch_);
+  if (barrier_epoch_) cudaFree(barrier_epoch_);
+  if (error_host_) cudaFreeHost(error_host_);
+  pointer_scratch_ = nullptr;
+  barrier_epoch_ = nullptr;
+  error_host_ = nullptr;
+}
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_cuda_communicator(std::unique_ptr<Bootstrap> bootstrap,
+                                                     CommunicatorOptions const& options) {
+  // init() may throw half-way: the destructor then releases what it got, with local calls only.
+  auto comm = std::make_unique<CudaCommunicator>(std::move(bootstrap));
+  comm->init(options);
+  return comm;
+}
+
+int cuda_visible_devices() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // clear it: no driver or no device is an answer here, not an error
+    return 0;
+  }
+  return count;
+}
+
+}  // namespace ferry::detail
