@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repo root: build Ferry (build-device/), run the GPU tests, `ferry p2p` and a short
+# `ferry bench`, keep every log (in $OUT when set, else build-device/logs), and print a short summary last.
+# Exit status: non-zero when the build, a GPU test or ferry p2p failed (a bench that is missing or fails is reported,
+# not fatal).
+#
+# usage: scripts/device-check.sh [--tests REGEX] [--no-tests] [--no-p2p] [--no-bench] [--p2p-args "ARGS"]
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+
+# NVLink multicast stays off in everything this starts (DESIGN "Safety": it can take the host's GPUs out of service).
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+
+BUILD=build-device
+LOGS="${OUT:-$BUILD/logs}"
+TEST_REGEX=""
+RUN_TESTS=1 RUN_P2P=1 RUN_BENCH=1
+P2P_ARGS=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --tests) TEST_REGEX="$2"; shift 2 ;;
+    --no-tests) RUN_TESTS=0; shift ;;
+    --no-p2p) RUN_P2P=0; shift ;;
+    --no-bench) RUN_BENCH=0; shift ;;
+    --p2p-args) P2P_ARGS="$2"; shift 2 ;;
+    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+    *) echo "device-check: unknown argument '$1'; see --help" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$LOGS"
+START=$SECONDS
+stamp() { echo "== [$((SECONDS - START)) s] $*"; }
+
+# 1. configure + build (cmake picks the PyTorch wheel's NCCL, the libnccl a torch process loads)
+stamp "configure + build into $BUILD"
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >"$LOGS/configure.log" 2>&1
+BUILD_RC=$?
+grep -E "Ferry: cuda backend" "$LOGS/configure.log"
+if [[ $BUILD_RC -ne 0 ]]; then
+  tail -n 40 "$LOGS/configure.log"
+  echo "device-check: configure failed (logs in $LOGS)"
+  exit 2
+fi
+# Keep going past a failed target (-k 0): the GPU tests and ferry p2p still run when only another target broke.
+cmake --build "$BUILD" -j "$(nproc)" -- -k 0 >"$LOGS/build.log" 2>&1
+BUILD_RC=$?
+if [[ $BUILD_RC -ne 0 ]]; then
+  grep -E "FAILED|error" "$LOGS/build.log" | head -n 20
+  echo "device-check: the build failed (continuing with what was built; logs in $LOGS)"
+fi
+[[ -x "$BUILD/tests/ferry_gpu_tests" ]] || RUN_TESTS=0
+[[ -x "$BUILD/ferry" ]] || { RUN_P2P=0; RUN_BENCH=0; }
+
+# 2. GPU tests (each starts one process per rank; a hang is bounded by the tests' own timeouts)
+TESTS_RC=0
+if [[ $RUN_TESTS -eq 1 ]]; then
+  stamp "GPU tests"
+  (cd "$BUILD" && ctest -L gpu --output-on-failure --timeout 450 ${TEST_REGEX:+-R "$TEST_REGEX"}) \
+    >"$LOGS/gpu-tests.log" 2>&1
+  TESTS_RC=$?
+  grep -E "Test +#|tests passed|rank [0-9]+:" "$LOGS/gpu-tests.log" | tail -n 40
+fi
+
+# 3. ferry p2p
+P2P_RC=0
+if [[ $RUN_P2P -eq 1 ]]; then
+  stamp "ferry p2p"
+  # shellcheck disable=SC2086
+  timeout 180 "$BUILD/ferry" p2p --json "$LOGS/p2p.json" $P2P_ARGS >"$LOGS/p2p.log" 2>&1
+  P2P_RC=$?
+  cat "$LOGS/p2p.log"
+fi
+
+# 4. a short ferry bench (guarded: a feature it lacks must not stop the check)
+BENCH_RC=0
+if [[ $RUN_BENCH -eq 1 ]]; then
+  stamp "ferry bench"
+  timeout 240 "$BUILD/ferry" bench --tokens 128,4096 --graph --check --baseline nccl --json "$LOGS/bench.json" \
+    >"$LOGS/bench.log" 2>&1
+  BENCH_RC=$?
+  tail -n 30 "$LOGS/bench.log"
+fi
+
+# 5. summary
+stamp "done"
+echo
+echo "================ device-check summary ================"
+python3 - "$LOGS" "$BUILD_RC" "$TESTS_RC" "$P2P_RC" "$BENCH_RC" "$RUN_TESTS" "$RUN_P2P" "$RUN_BENCH" <<'PY' || echo "(summary failed; logs in $LOGS)"
+import json, os, re, sys
+logs, build_rc, tests_rc, p2p_rc, bench_rc = sys.argv[1], *map(int, sys.argv[2:6])
+run_tests, run_p2p, run_bench = (a == "1" for a in sys.argv[6:9])
+
+def load(name):
+    try:
+        with open(os.path.join(logs, name)) as f:
+            return json.load(f)
+    except Exception:
+        return None
+
+print(f"build                  {'ok' if build_rc == 0 else f'FAILED (exit {build_rc}), see build.log'}")
+if run_tests:
+    text = open(os.path.join(logs, "gpu-tests.log"), errors="replace").read()
+    m = re.search(r"(\d+)% tests passed, (\d+) tests failed out of (\d+)", text)
+    skipped = len(re.findall(r"\*\*\*Skipped|\(Skipped\)", text))
+    if m:
+        total, failed = int(m.group(3)), int(m.group(2))
+        print(f"gpu tests              {total - failed - skipped} passed, {failed} failed, {skipped} skipped "
+              f"(of {total})")
+    else:
+        print(f"gpu tests              no ctest summary (exit {tests_rc})")
+    for line in re.findall(r"\d+ - \S+ \(Failed\)|\d+ - \S+ \(Timeout\)", text):
+        print(f"  failed: {line}")
+if run_p2p:
+    p2p = load("p2p.json")
+    if p2p is None:
+        print(f"p2p                    no result (exit {p2p_rc}); see p2p.log")
+    else:
+        recs = p2p["records"]
+        def best(op, direction, size):
+            rows = [r for r in recs if r["op"] == op and r["direction"] == direction and r["bytes"] == size]
+            return max(rows, key=lambda r: r["gbps"]) if rows else None
+        size = 256 << 20
+        for op in ("push", "pull", "copy_engine"):
+            one, bi = best(op, "oneway", size), best(op, "bidir", size)
+            if one or bi:
+                parts = []
+                if one: parts.append(f"oneway {one['gbps']:.1f} GB/s" + (f" @{one['ctas']} CTAs" if one['ctas'] else ""))
+                if bi: parts.append(f"bidir {bi['gbps']:.1f}/dir = {bi.get('gbps_sum', 2 * bi['gbps']):.1f} GB/s sum"
+                                    + (f" @{bi['ctas']} CTAs" if bi['ctas'] else ""))
+                print(f"p2p {op:<11} 256MiB {'; '.join(parts)}")
+        for r in recs:
+            if r["op"] == "latency":
+                print(f"p2p latency            one-way {r['latency_us']:.2f} us")
+        print(f"  (targets: push 256MiB >= 350 oneway, >= 690 bidir sum; latency <= 1.5 us)")
+if run_bench:
+    bench = load("bench.json")
+    if bench is None:
+        print(f"bench                  no result (exit {bench_rc}); see bench.log")
+    else:
+        for r in bench.get("records", []):
+            speed = r.get("speedup_vs_baseline")
+            print(f"bench {r.get('mode','?'):<6} {r.get('leg','?'):<8} tokens {r.get('tokens','?'):>5} "
+                  f"graph {str(r.get('graph','?')):<5} {r.get('median_us', 0):9.1f} us "
+                  f"nvlink {r.get('nvlink_gbps', 0):7.1f} GB/s check {r.get('check','?')}"
+                  + (f" x{speed:.2f} vs nccl" if isinstance(speed, (int, float)) else ""))
+print(f"logs                   {logs}")
+PY
+
+if [[ $BUILD_RC -ne 0 || $TESTS_RC -ne 0 || $P2P_RC -ne 0 ]]; then
+  echo "device-check: FAILED (build exit $BUILD_RC, gpu tests exit $TESTS_RC, p2p exit $P2P_RC)"
+  exit 1
+fi
+echo "device-check: OK"
