@@ -1,8 +1,208 @@
-// PLACEHOLDER (kernels helper replaces this file)
+// The cuda backend of EpBuffer, normal mode: owns the symmetric region and the local scratch, sequences the kernels
+// (dispatch.cu, expand.cu, combine.cu) and, in eager mode, synchronises and raises device-side errors.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <sstream>
+
+#include "core/cuda_check.hpp"
+#include "ep/cuda/buffers.hpp"
 #include "ep/ep_impl.hpp"
 #include "ferry/error.hpp"
-namespace ferry::detail {
-std::unique_ptr<EpBackendImpl> make_cuda_ep(Communicator&, EpConfig const&) {
-  FERRY_THROW(Error, "ferry", "placeholder");
+
+namespace ferry::cuda_ep {
+
+namespace {
+std::size_t align_up(std::size_t value, std::size_t alignment) {
+  return (value + alignment - 1) / alignment * alignment;
 }
+}  // namespace
+
+SymLayout make_sym_layout(EpConfig const& config, int world) {
+  // NOTE: 256-byte alignment keeps every row and word area on its own cache lines and 16-byte vectors aligned.
+  constexpr std::size_t kAlign = 256;
+  std::size_t const cap = static_cast<std::size_t>(config.recv_capacity(world));
+  std::size_t const row_bytes = static_cast<std::size_t>(config.hidden) * 2;
+  std::size_t const topk = static_cast<std::size_t>(config.topk);
+  SymLayout layout;
+  layout.count_words = 1 + world + config.num_local_experts(world);
+  std::size_t offset = 0;
+  auto take = [&](std::size_t bytes) {
+    std::size_t const at = offset;
+    offset = align_up(offset + bytes, kAlign);
+    return at;
+  };
+  layout.recv_x = take(cap * row_bytes);
+  layout.recv_idx = take(cap * topk * sizeof(int32_t));
+  layout.recv_w = take(cap * topk * sizeof(float));
+  layout.recv_src = take(cap * 2 * sizeof(int32_t));
+  layout.counts = take(2ull * world * layout.count_words * sizeof(uint64_t));
+  layout.data_signal = take(static_cast<std::size_t>(world) * sizeof(uint64_t));
+  layout.tile_flags = take(static_cast<std::size_t>(world) * kMaxCombineTiles * sizeof(uint64_t));
+  layout.landing = take(2ull * world * static_cast<std::size_t>(config.max_tokens_per_rank) * row_bytes);
+  layout.total = offset;
+  return layout;
+}
+
+namespace {
+
+template <typename T>
+T* device_alloc(std::size_t count) {
+  void* ptr = nullptr;
+  FERRY_CHECK_CUDA(cudaMalloc(&ptr, std::max<std::size_t>(count, 1) * sizeof(T)));
+  return static_cast<T*>(ptr);
+}
+
+class CudaEp final : public detail::EpBackendImpl {
+ public:
+  CudaEp(Communicator& comm, EpConfig const& config) : comm_(comm) {
+    Buffers& b = buffers_;
+    b.config = config;
+    b.world = comm.world();
+    b.rank = comm.rank();
+    b.num_local_experts = config.num_local_experts(b.world);
+    b.recv_capacity = config.recv_capacity(b.world);
+    b.expert_slots = config.expert_slots();
+    // NOTE: the token mask of a destination set is one 32-bit word, and kernels index peers by LSA pointer.
+    FERRY_CHECK_CONFIG(b.world <= kMaxLocalPeers, "world=", b.world, " exceeds ", kMaxLocalPeers,
+                       " ranks of one NVLink domain, the most normal mode supports in this version");
+    // NOTE: the dispatch layout keeps one counter per global expert in shared memory.
+    FERRY_CHECK_CONFIG(dispatch_smem_bytes(b.world, config.num_experts) <= kMaxDispatchSmem,
+                       "num_experts=", config.num_experts, " needs ", dispatch_smem_bytes(b.world, config.num_experts),
+                       " bytes of shared memory for the dispatch layout, more than ", kMaxDispatchSmem,
+                       "; use at most ", kMaxDispatchSmem / 4 - b.world, " experts");
+    for (auto const* geometry : {&config.dispatch_geometry, &config.combine_geometry})
+      FERRY_CHECK_CONFIG(!*geometry || (*geometry)->warps == 0 || (*geometry)->warps == kWarps,
+                         "geometry warps=", (*geometry)->warps, " is not available: the normal-mode kernels run ",
+                         kWarps, " warps per CTA; use 0 (choose) or ", kWarps);
+    FERRY_CHECK_CUDA(cudaSetDevice(comm.device()));
+    FERRY_CHECK_CUDA(cudaDeviceGetAttribute(&b.num_sms, cudaDevAttrMultiProcessorCount, comm.device()));
+    b.view = comm.device_view();
+    b.layout = make_sym_layout(config, b.world);
+    SymmetricRegion const region = comm.alloc_symmetric(b.layout.total);
+    b.sym = region.view;
+
+    std::size_t const max_tokens = static_cast<std::size_t>(config.max_tokens_per_rank);
+    b.max_dispatch_ctas = b.num_sms;
+    b.state = device_alloc<DeviceState>(1);
+    b.token_mask = device_alloc<uint32_t>(max_tokens);
+    b.token_pos = device_alloc<int32_t>(max_tokens * b.world);
+    b.block_counts =
+        device_alloc<int32_t>(static_cast<std::size_t>(b.max_dispatch_ctas) * (b.world + config.num_experts));
+    b.expert_counts = device_alloc<int32_t>(b.num_local_experts);
+    b.recv_slot = device_alloc<int32_t>(static_cast<std::size_t>(b.recv_capacity) * config.topk);
+    if (b.expert_slots > 0) {
+      std::size_t const slots = static_cast<std::size_t>(b.num_local_experts) * b.expert_slots;
+      b.expert_x = device_alloc<uint16_t>(slots * config.hidden);
+      b.expert_src_row = device_alloc<int32_t>(slots);
+    }
+    FERRY_CHECK_CUDA(cudaMemset(b.state, 0, sizeof(DeviceState)));
+    FERRY_CHECK_CUDA(cudaMemset(b.expert_counts, 0, sizeof(int32_t) * std::max(1, b.num_local_experts)));
+    FERRY_CHECK_CUDA(cudaDeviceSynchronize());
+    // every rank's buffers exist before any peer can push into them
+    comm.bootstrap().barrier();
+  }
+
+  ~CudaEp() override {
+    // NOTE: never throws; a failed free at teardown has no one to report to.
+    Buffers& b = buffers_;
+    for (void* ptr : {static_cast<void*>(b.state), static_cast<void*>(b.token_mask), static_cast<void*>(b.token_pos),
+                      static_cast<void*>(b.block_counts), static_cast<void*>(b.expert_counts),
+                      static_cast<void*>(b.recv_slot), b.expert_x, static_cast<void*>(b.expert_src_row)})
+      if (ptr) cudaFree(ptr);
+  }
+
+  DispatchResult dispatch(DispatchArgs const& args, cudaStream_t stream) override {
+    Buffers const& b = buffers_;
+    LaunchPlan const plan = plan_dispatch(b, args.num_tokens);
+    launch_dispatch(b, args, plan, stream);
+    if (args.expand) launch_expand(b, /*copy_rows=*/true, stream);
+    have_dispatch_ = true;
+    slots_ready_ = args.expand;
+    last_num_tokens_ = args.num_tokens;
+    std::ostringstream why;
+    why << "dispatch: normal/nvlink-push fused (layout + count exchange + push in one kernel), " << plan.ctas
+        << " CTAs x " << kWarps << " warps (" << plan.why << "), ids "
+        << (args.topk_idx_type == IndexType::int64 ? "int64" : "int32")
+        << (args.expand ? ", then expand (one CTA per local expert)" : "") << "; fast path";
+    dispatch_explain_ = why.str();
+
+    DispatchResult result;
+    result.recv_x = b.sym.ptr[b.rank] + b.layout.recv_x;
+    result.recv_topk_idx = reinterpret_cast<int32_t*>(b.sym.ptr[b.rank] + b.layout.recv_idx);
+    result.recv_topk_weights = reinterpret_cast<float*>(b.sym.ptr[b.rank] + b.layout.recv_w);
+    result.recv_src = reinterpret_cast<int32_t*>(b.sym.ptr[b.rank] + b.layout.recv_src);
+    result.num_recv = &b.state->num_recv;
+    result.expert_counts = b.expert_counts;
+    result.recv_capacity = b.recv_capacity;
+    if (args.expand) {
+      result.expert_x = b.expert_x;
+      result.expert_src_row = b.expert_src_row;
+      result.expert_slots = b.expert_slots;
+    }
+    if (args.eager) {
+      int32_t num_recv = 0;
+      FERRY_CHECK_CUDA(
+          cudaMemcpyAsync(&num_recv, &b.state->num_recv, sizeof(num_recv), cudaMemcpyDeviceToHost, stream));
+      sync_and_check(stream);
+      result.num_recv_host = num_recv;
+    }
+    return result;
+  }
+
+  void combine(CombineArgs const& args, cudaStream_t stream) override {
+    Buffers const& b = buffers_;
+    detail::validate_combine_args(b.config, args, have_dispatch_);
+    bool const expert_major = args.layout == CombineLayout::expert_major;
+    // NOTE: decided by the last dispatch call alone (not by earlier combines), so a captured combine graph holds the
+    // slot kernel whenever its dispatch does not expand, whatever ran before the capture.
+    bool const need_slots = expert_major && !slots_ready_;
+    LaunchPlan const plan = plan_combine(b, last_num_tokens_);
+    if (need_slots) {
+      // the expert-major input is laid out by the slots of the last dispatch; it did not expand, so compute them
+      launch_expand(b, /*copy_rows=*/false, stream);
+    }
+    launch_combine(b, args, plan, last_num_tokens_, stream);
+    std::ostringstream why;
+    why << "combine: normal/nvlink-push pipelined (" << plan.push_ctas << " push + " << (plan.ctas - plan.push_ctas)
+        << " sum CTAs x " << kWarps << " warps, " << plan.why << "), "
+        << (expert_major ? "expert-major (receiver reduces its experts, fmaf k-ascending)" : "rank-major")
+        << (need_slots ? ", slots computed first (the last dispatch did not expand)" : "")
+        << "; push chosen: the receiver reduces and stores in one pass, pull would add a write + read of every row"
+        << "; fast path";
+    combine_explain_ = why.str();
+    if (args.eager) sync_and_check(stream);
+  }
+
+  std::string explain() const override {
+    std::string out = dispatch_explain_.empty() ? std::string("dispatch: not run") : dispatch_explain_;
+    out += "\n";
+    out += combine_explain_.empty() ? std::string("combine: not run") : combine_explain_;
+    return out;
+  }
+
+ private:
+  void sync_and_check(cudaStream_t stream) {
+    FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
+    comm_.check_errors(stream);
+  }
+
+  Communicator& comm_;
+  Buffers buffers_;
+  bool have_dispatch_ = false;
+  bool slots_ready_ = false;  // the last dispatch expanded (recv_slot holds its slots)
+  int last_num_tokens_ = 0;
+  std::string dispatch_explain_;
+  std::string combine_explain_;
+};
+
+}  // namespace
+}  // namespace ferry::cuda_ep
+
+namespace ferry::detail {
+
+std::unique_ptr<EpBackendImpl> make_cuda_ep(Communicator& comm, EpConfig const& config) {
+  return std::make_unique<cuda_ep::CudaEp>(comm, config);
+}
+
 }  // namespace ferry::detail

@@ -1,0 +1,59 @@
+// Host-side description of one EpBuffer's device memory on the cuda backend, shared by the launchers (dispatch.cu,
+// expand.cu, combine.cu) and the backend (cuda_ep.cu). Included by .cu files only (params.cuh is CUDA).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "ep/cuda/params.cuh"
+#include "ferry/ep.hpp"
+
+namespace ferry::cuda_ep {
+
+struct Buffers {
+  EpConfig config;
+  int world = 0;
+  int rank = 0;
+  int num_local_experts = 0;
+  int recv_capacity = 0;
+  int expert_slots = 0;
+  int num_sms = 0;
+  DeviceView view{};
+  SymmetricView sym{};
+  SymLayout layout;
+  DeviceState* state = nullptr;
+  uint32_t* token_mask = nullptr;   // [max_tokens]
+  int32_t* token_pos = nullptr;     // [max_tokens, world]
+  int32_t* block_counts = nullptr;  // [max_dispatch_ctas, world + num_experts]
+  int max_dispatch_ctas = 0;
+  int32_t* expert_counts = nullptr;   // [num_local_experts]
+  int32_t* recv_slot = nullptr;       // [recv_capacity, topk]
+  void* expert_x = nullptr;           // [num_local_experts, expert_slots, hidden] (expert_capacity set)
+  int32_t* expert_src_row = nullptr;  // [num_local_experts, expert_slots]
+};
+
+// The symmetric region's layout for a config (the same on every rank).
+SymLayout make_sym_layout(EpConfig const& config, int world);
+
+// Launch geometry chosen for a leg, and the reason (for explain()).
+struct LaunchPlan {
+  int ctas = 0;
+  int push_ctas = 0;  // combine only
+  std::string why;
+};
+
+// Each launcher validates its arguments (to_params), picks the template instance and launches on `stream`.
+LaunchPlan plan_dispatch(Buffers const& buffers, int num_tokens);
+void launch_dispatch(Buffers const& buffers, DispatchArgs const& args, LaunchPlan const& plan, cudaStream_t stream);
+void launch_expand(Buffers const& buffers, bool copy_rows, cudaStream_t stream);
+LaunchPlan plan_combine(Buffers const& buffers, int num_tokens);
+void launch_combine(Buffers const& buffers, CombineArgs const& args, LaunchPlan const& plan, int num_tokens,
+                    cudaStream_t stream);
+
+// Launches a persistent kernel whose CTAs wait for each other: cooperative, so the runtime refuses a grid that
+// cannot be co-resident instead of letting it deadlock until the timeout.
+template <typename Params>
+void launch_persistent(void (*kernel)(Params), Params const& params, int ctas, std::size_t smem, cudaStream_t stream);
+
+}  // namespace ferry::cuda_ep

@@ -1,0 +1,76 @@
+// Host launcher of the normal-mode combine kernel (combine.cuh).
+#include <algorithm>
+
+#include "core/cuda_check.hpp"
+#include "ep/cuda/buffers.hpp"
+#include "ep/cuda/combine.cuh"
+#include "ferry/env.hpp"
+
+namespace ferry::cuda_ep {
+
+LaunchPlan plan_combine(Buffers const& buffers, int num_tokens) {
+  LaunchPlan plan;
+  std::string pinned_by;
+  if (buffers.config.combine_geometry && buffers.config.combine_geometry->blocks > 0) {
+    plan.ctas = buffers.config.combine_geometry->blocks;
+    pinned_by = "pinned by EpConfig::combine_geometry";
+  } else if (auto const pinned = env_optional_int("FERRY_COMBINE_BLOCKS"); pinned && *pinned > 0) {
+    plan.ctas = static_cast<int>(*pinned);
+    pinned_by = "pinned by FERRY_COMBINE_BLOCKS";
+  } else {
+    plan.ctas = buffers.num_sms;
+  }
+  plan.ctas = std::clamp(plan.ctas, 2, buffers.num_sms);
+  // NOTE: push items are (tile, source): world * tiles of at most kMaxCombineTiles; sum items are this rank's tiles.
+  // The push side moves and (expert-major) reduces every row, the sum side reads the landing rows once: two thirds
+  // of the grid push, one third sums, and neither side gets more CTAs than it has items.
+  int const tiles = std::max(1, combine_num_tiles(std::max(num_tokens, 1)));
+  int const sum_ctas = std::clamp(plan.ctas / 3, 1, tiles);
+  plan.push_ctas = std::min(plan.ctas - sum_ctas, buffers.world * kMaxCombineTiles);
+  plan.ctas = plan.push_ctas + sum_ctas;
+  plan.why = (pinned_by.empty() ? std::string("grid = SMs") : pinned_by) + ", tile " +
+             std::to_string(combine_tile_tokens(num_tokens)) + " tokens";
+  return plan;
+}
+
+namespace {
+
+CombineParams to_params(Buffers const& b, CombineArgs const& args, LaunchPlan const& plan, int num_tokens) {
+  FERRY_CHECK_INPUT(num_tokens == 0 || args.y != nullptr, "combine y is null for num_tokens=", num_tokens,
+                    " of the last dispatch");
+  FERRY_CHECK_INPUT(args.layout != CombineLayout::expert_major || b.expert_slots > 0,
+                    "expert-major combine needs EpConfig::expert_capacity (rows per local expert of its input); set "
+                    "it when creating the EpBuffer or use layout rank_major");
+  FERRY_CHECK(plan.push_ctas >= 1 && plan.ctas > plan.push_ctas && plan.ctas <= b.num_sms, "combine grid ", plan.ctas,
+              " CTAs with ", plan.push_ctas, " pushing is not valid on ", b.num_sms, " SMs");
+  CombineParams p{};
+  p.view = b.view;
+  for (int r = 0; r < b.world; ++r) p.sym[r] = b.sym.ptr[r];
+  p.layout = b.layout;
+  p.x = args.x;
+  p.y = args.y;
+  p.hidden = b.config.hidden;
+  p.topk = b.config.topk;
+  p.expert_slots = b.expert_slots;
+  p.max_tokens = b.config.max_tokens_per_rank;
+  p.num_push_ctas = plan.push_ctas;
+  p.num_ctas = plan.ctas;
+  p.state = b.state;
+  p.token_mask = b.token_mask;
+  p.recv_slot = b.recv_slot;
+  return p;
+}
+
+}  // namespace
+
+void launch_combine(Buffers const& buffers, CombineArgs const& args, LaunchPlan const& plan, int num_tokens,
+                    cudaStream_t stream) {
+  // num_tokens is only checked here; the kernel reads the device copy of the last dispatch's count
+  CombineParams const p = to_params(buffers, args, plan, num_tokens);
+  if (args.layout == CombineLayout::expert_major)
+    launch_persistent(combine_kernel<true>, p, p.num_ctas, 0, stream);
+  else
+    launch_persistent(combine_kernel<false>, p, p.num_ctas, 0, stream);
+}
+
+}  // namespace ferry::cuda_ep

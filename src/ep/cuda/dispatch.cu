@@ -1,0 +1,111 @@
+// Host launcher of the normal-mode dispatch kernel (dispatch.cuh): geometry, validation, template instance, launch.
+#include <algorithm>
+
+#include "core/cuda_check.hpp"
+#include "ep/cuda/buffers.hpp"
+#include "ep/cuda/dispatch.cuh"
+#include "ferry/env.hpp"
+
+namespace ferry::cuda_ep {
+
+template <typename Params>
+void launch_persistent(void (*kernel)(Params), Params const& params, int ctas, std::size_t smem, cudaStream_t stream) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(ctas));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeCooperative;
+  attribute.val.cooperative = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  FERRY_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, params));
+}
+
+template void launch_persistent<DispatchParams>(void (*)(DispatchParams), DispatchParams const&, int, std::size_t,
+                                                cudaStream_t);
+template void launch_persistent<CombineParams>(void (*)(CombineParams), CombineParams const&, int, std::size_t,
+                                               cudaStream_t);
+
+LaunchPlan plan_dispatch(Buffers const& buffers, int num_tokens) {
+  LaunchPlan plan;
+  if (buffers.config.dispatch_geometry && buffers.config.dispatch_geometry->blocks > 0) {
+    plan.ctas = buffers.config.dispatch_geometry->blocks;
+    plan.why = "pinned by EpConfig::dispatch_geometry";
+  } else if (auto const pinned = env_optional_int("FERRY_DISPATCH_BLOCKS"); pinned && *pinned > 0) {
+    plan.ctas = static_cast<int>(*pinned);
+    plan.why = "pinned by FERRY_DISPATCH_BLOCKS";
+  } else {
+    // NOTE: a warp per token in flight: no more CTAs than tokens need (fewer CTAs also make the grid arrival
+    // cheaper at small batches), at least 8 so the push can fill NVLink, at most one per SM (persistent grid).
+    int const wanted = (num_tokens + kWarps - 1) / kWarps;
+    plan.ctas = std::clamp(wanted, 8, buffers.num_sms);
+    plan.why = "one warp per token up to one CTA per SM (min 8 CTAs to fill NVLink)";
+  }
+  plan.ctas = std::min(plan.ctas, buffers.max_dispatch_ctas);
+  return plan;
+}
+
+namespace {
+
+DispatchParams to_params(Buffers const& b, DispatchArgs const& args, LaunchPlan const& plan) {
+  FERRY_CHECK_INPUT(args.num_tokens >= 0 && args.num_tokens <= b.config.max_tokens_per_rank,
+                    "num_tokens=", args.num_tokens,
+                    " is outside [0, max_tokens_per_rank=", b.config.max_tokens_per_rank, "]");
+  FERRY_CHECK_INPUT(args.num_tokens == 0 || (args.x && args.topk_idx && args.topk_weights),
+                    "x, topk_idx and topk_weights must be non-null for num_tokens=", args.num_tokens);
+  FERRY_CHECK(plan.ctas >= 1 && plan.ctas <= b.max_dispatch_ctas, "dispatch grid of ", plan.ctas,
+              " CTAs is outside [1, ", b.max_dispatch_ctas, "]");
+  DispatchParams p{};
+  p.view = b.view;
+  for (int r = 0; r < b.world; ++r) p.sym[r] = b.sym.ptr[r];
+  p.layout = b.layout;
+  p.x = args.x;
+  p.topk_idx = args.topk_idx;
+  p.topk_weights = args.topk_weights;
+  p.num_tokens = args.num_tokens;
+  p.hidden = b.config.hidden;
+  p.topk = b.config.topk;
+  p.num_experts = b.config.num_experts;
+  p.num_local_experts = b.num_local_experts;
+  p.recv_capacity = b.recv_capacity;
+  p.num_ctas = plan.ctas;
+  p.state = b.state;
+  p.token_mask = b.token_mask;
+  p.token_pos = b.token_pos;
+  p.block_counts = b.block_counts;
+  p.expert_counts = b.expert_counts;
+  return p;
+}
+
+template <typename IdxT>
+void launch_instance(DispatchParams const& p, std::size_t smem, cudaStream_t stream) {
+  static bool const configured = [&] {
+    FERRY_CHECK_CUDA(cudaFuncSetAttribute(dispatch_kernel<IdxT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(kMaxDispatchSmem)));
+    return true;
+  }();
+  (void)configured;
+  launch_persistent(dispatch_kernel<IdxT>, p, p.num_ctas, smem, stream);
+}
+
+}  // namespace
+
+void launch_dispatch(Buffers const& buffers, DispatchArgs const& args, LaunchPlan const& plan, cudaStream_t stream) {
+  DispatchParams const p = to_params(buffers, args, plan);
+  std::size_t const smem = dispatch_smem_bytes(buffers.world, buffers.config.num_experts);
+  switch (args.topk_idx_type) {
+    case IndexType::int64:
+      launch_instance<int64_t>(p, smem, stream);
+      break;
+    case IndexType::int32:
+      launch_instance<int32_t>(p, smem, stream);
+      break;
+    default:
+      FERRY_THROW(InputError, "input", "topk_idx_type=", static_cast<int>(args.topk_idx_type),
+                  " is not int32 or int64");
+  }
+}
+
+}  // namespace ferry::cuda_ep

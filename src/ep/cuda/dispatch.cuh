@@ -1,0 +1,316 @@
+// Normal-mode dispatch over NVLink: one fused kernel does the layout, the count exchange and the push.
+//
+// Steps (every CTA owns a contiguous range of this rank's tokens):
+//  1. layout: per token the mask of destination ranks, its position among this CTA's rows for each destination
+//     (warp ballots + a CTA scan), and this CTA's entries per expert; bad ids are dropped and counted.
+//  2. grid arrival: every CTA publishes its counts in local scratch; all wait until every CTA has (local word).
+//  3. CTA 0 sums the CTAs' counts and writes this rank's row of the count matrix into every rank (tokens, rows per
+//     destination, entries per expert of that destination), then one release signal per destination.
+//  4. every CTA waits for every source's row, and computes its base on each destination itself: rows of lower
+//     source ranks there, then rows of lower CTAs of this rank. No atomics: the order is (source rank, token).
+//  5. push: warp per token; 16-byte loads of the row (several in flight), stored straight into the final row of every
+//     destination (LSA pointers), with the metadata (local expert ids, weights, source).
+//  6. the last CTA to finish signals every destination once (release) and waits for every source's signal, then
+//     writes num_recv, per-source offsets and expert counts, resets the grid counters and advances the sequence.
+// Sequence numbers (DeviceState::dispatch_seq) grow every call on the device, so a graph replays with no reset and a
+// signal of call n is never mistaken for call n+1; count slots alternate by parity because a fast peer may write
+// call n+1's row while this rank still reads call n's.
+#pragma once
+
+#include <cstdint>
+
+#include "comm/device/memory.cuh"
+#include "comm/device/signal.cuh"
+#include "ep/cuda/params.cuh"
+
+namespace ferry::cuda_ep {
+
+// 16-byte vectors per lane loaded before the stores of one step (loads in flight per warp).
+inline constexpr int kDispatchUnroll = 4;
+
+__device__ __forceinline__ uint64_t* count_word(char* sym, SymLayout const& layout, int parity, int world, int source,
+                                                int word) {
+  return reinterpret_cast<uint64_t*>(sym + layout.counts) +
+         (static_cast<std::size_t>(parity * world + source) * layout.count_words + word);
+}
+
+__device__ __forceinline__ int32_t count_value(uint64_t word) {
+  return static_cast<int32_t>(static_cast<uint32_t>(word & 0xffffffffull));
+}
+
+template <typename IdxT>
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams const p) {
+  static_assert(sizeof(IdxT) == 4 || sizeof(IdxT) == 8, "topk_idx is int32 or int64");
+  extern __shared__ int32_t s_cnt[];  // [world] rows per destination, then [num_experts] entries per expert
+  __shared__ int32_t s_warp_cnt[kWarps][kMaxLocalPeers];
+  __shared__ int32_t s_warp_off[kWarps][kMaxLocalPeers];
+  __shared__ int32_t s_dest_base[kMaxLocalPeers];
+  __shared__ int32_t s_row[kWarps][kMaxLocalPeers];
+  __shared__ uint64_t s_seq;
+  __shared__ int s_ok;
+  __shared__ int s_last;
+  __shared__ int s_total;
+
+  int const world = p.view.world;
+  int const rank = p.view.rank;
+  int const tid = static_cast<int>(threadIdx.x);
+  int const lane = tid & 31;
+  int const warp = tid >> 5;
+  int const cta = static_cast<int>(blockIdx.x);
+  int const topk = p.topk;
+  int const num_experts = p.num_experts;
+  int const num_local = p.num_local_experts;
+  int const num_counts = world + num_experts;
+  int const t0 = static_cast<int>(static_cast<int64_t>(p.num_tokens) * cta / p.num_ctas);
+  int const t1 = static_cast<int>(static_cast<int64_t>(p.num_tokens) * (cta + 1) / p.num_ctas);
+  auto const* topk_idx = static_cast<IdxT const*>(p.topk_idx);
+
+  // 0. this call's sequence number (written by the previous call's last CTA; stream order makes it visible)
+  if (tid == 0) {
+    s_seq = p.state->dispatch_seq + 1;
+    s_ok = 1;
+  }
+  for (int i = tid; i < num_counts; i += kThreads) s_cnt[i] = 0;
+  __syncthreads();
+  uint64_t const seq = s_seq;
+  int const parity = static_cast<int>(seq & 1);
+
+  // 1. layout of this CTA's tokens, kThreads tokens per step
+  for (int base = t0; base < t1; base += kThreads) {
+    int const t = base + tid;
+    bool const valid = t < t1;
+    uint32_t mask = 0;
+    if (valid) {
+      for (int k = 0; k < topk; ++k) {
+        int64_t const e = static_cast<int64_t>(topk_idx[static_cast<std::size_t>(t) * topk + k]);
+        if (e == -1) continue;
+        if (e < -1 || e >= num_experts) {  // dropped and reported (InputError at the next check)
+          device::record_input_error(p.view,
+                                     static_cast<int>(e < INT32_MIN   ? INT32_MIN
+                                                      : e > INT32_MAX ? INT32_MAX
+                                                                      : e),
+                                     false);
+          continue;
+        }
+        mask |= 1u << (static_cast<int>(e) / num_local);
+        atomicAdd(&s_cnt[world + static_cast<int>(e)], 1);
+      }
+    }
+    for (int d = 0; d < world; ++d) {
+      uint32_t const bits = __ballot_sync(0xffffffffu, (mask >> d) & 1u);
+      if (lane == 0) s_warp_cnt[warp][d] = __popc(bits);
+    }
+    __syncthreads();
+    if (tid < world) {  // scan over warps, one thread per destination
+      int running = s_cnt[tid];
+      for (int w = 0; w < kWarps; ++w) {
+        s_warp_off[w][tid] = running;
+        running += s_warp_cnt[w][tid];
+      }
+      s_cnt[tid] = running;
+    }
+    __syncthreads();
+    uint32_t const lower = (1u << lane) - 1u;
+    for (int d = 0; d < world; ++d) {
+      uint32_t const bits = __ballot_sync(0xffffffffu, (mask >> d) & 1u);
+      if (valid && ((mask >> d) & 1u))
+        p.token_pos[static_cast<std::size_t>(t) * world + d] = s_warp_off[warp][d] + __popc(bits & lower);
+    }
+    if (valid) p.token_mask[t] = mask;
+  }
+  __syncthreads();
+
+  // 2. this CTA's counts to local scratch, then wait until every CTA of this rank has published its own
+  int32_t* mine = p.block_counts + static_cast<std::size_t>(cta) * num_counts;
+  for (int i = tid; i < num_counts; i += kThreads) mine[i] = s_cnt[i];
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();  // the counts above before the arrival (gpu scope: only this GPU's CTAs read them)
+    atomicAdd(reinterpret_cast<unsigned long long*>(&p.state->dispatch_arrive), 1ull);
+    if (!device::wait_signal_geq(p.view, &p.state->dispatch_arrive, static_cast<uint64_t>(p.num_ctas), rank,
+                                 WaitPhase::count_exchange))
+      s_ok = 0;
+  }
+  __syncthreads();
+  if (!s_ok) return;
+
+  // 3. CTA 0: this rank's row of the count matrix into every rank
+  if (cta == 0) {
+    for (int i = tid; i < num_counts; i += kThreads) {
+      int32_t sum = 0;
+      for (int c = 0; c < p.num_ctas; ++c)
+        sum +=
+            *reinterpret_cast<int32_t const volatile*>(p.block_counts + static_cast<std::size_t>(c) * num_counts + i);
+      s_cnt[i] = sum;
+    }
+    __syncthreads();
+    int const words = p.layout.count_words;
+    uint64_t const tag = seq << 32;
+    for (int i = tid; i < world * words; i += kThreads) {
+      int const d = i / words;
+      int const w = i % words;
+      if (w == 0) continue;  // word 0 is the signal, written last
+      int32_t const value = w <= world ? s_cnt[w - 1] : s_cnt[world + d * num_local + (w - 1 - world)];
+      *reinterpret_cast<uint64_t volatile*>(count_word(p.sym[d], p.layout, parity, world, rank, w)) =
+          tag | static_cast<uint32_t>(value);
+    }
+    device::arch::fence_acq_rel_sys();  // each thread's words reach the peers before the signal below
+    __syncthreads();
+    if (tid == 0) {
+      // release: the words above (every thread's, ordered by the fence + barrier) are visible with the signal
+      for (int d = 0; d < world; ++d)
+        device::signal_set(count_word(p.sym[d], p.layout, parity, world, rank, 0),
+                           tag | static_cast<uint32_t>(p.num_tokens));
+    }
+  }
+
+  // 4. every source's row of the count matrix (thread s waits for source s; acquire)
+  if (tid < world) {
+    if (!device::wait_signal_geq(p.view, count_word(p.sym[rank], p.layout, parity, world, tid, 0), seq << 32, tid,
+                                 WaitPhase::count_exchange))
+      s_ok = 0;
+  }
+  __syncthreads();
+  if (!s_ok) return;
+  if (tid < world) {
+    int const d = tid;
+    int32_t base = 0;
+    for (int s = 0; s < rank; ++s)
+      base +=
+          count_value(device::arch::load_relaxed_sys_u64(count_word(p.sym[rank], p.layout, parity, world, s, 1 + d)));
+    for (int c = 0; c < cta; ++c)
+      base += *reinterpret_cast<int32_t const volatile*>(p.block_counts + static_cast<std::size_t>(c) * num_counts + d);
+    s_dest_base[d] = base;
+  }
+  __syncthreads();
+
+  // 5. push: warp per token, every destination of the token from one load of the row
+  int const num_vec = p.hidden / 8;
+  std::size_t const row_bytes = static_cast<std::size_t>(p.hidden) * 2;
+  for (int t = t0 + warp; t < t1; t += kWarps) {
+    uint32_t const mask = p.token_mask[t];
+    int row = -1;
+    if (lane < world && ((mask >> lane) & 1u)) {
+      row = s_dest_base[lane] + p.token_pos[static_cast<std::size_t>(t) * world + lane];
+      if (row >= p.recv_capacity) {  // past the receiver's capacity: dropped and counted
+        device::record_input_error(p.view, row, true);
+        row = -1;
+      }
+    }
+    uint32_t const send = __ballot_sync(0xffffffffu, row >= 0);
+    if (lane < world) s_row[warp][lane] = row;
+    // the source learns which destinations really hold the token (combine sums only those)
+    if (lane == 0 && send != mask) p.token_mask[t] = send;
+    __syncwarp();
+    if (send == 0) continue;
+
+    // metadata: lane k writes column k for each destination
+    int64_t e = -1;
+    float w = 0.0f;
+    if (lane < topk) {
+      e = static_cast<int64_t>(topk_idx[static_cast<std::size_t>(t) * topk + lane]);
+      w = p.topk_weights[static_cast<std::size_t>(t) * topk + lane];
+    }
+    bool const e_valid = e >= 0 && e < num_experts;
+    for (uint32_t m = send; m != 0; m &= m - 1) {
+      int const d = __ffs(m) - 1;
+      std::size_t const r = static_cast<std::size_t>(s_row[warp][d]);
+      char* dst = p.sym[d];
+      if (lane < topk) {
+        bool const local = e_valid && static_cast<int>(e) / num_local == d;
+        reinterpret_cast<int32_t*>(dst + p.layout.recv_idx)[r * topk + lane] =
+            local ? static_cast<int32_t>(e) - d * num_local : -1;
+        reinterpret_cast<float*>(dst + p.layout.recv_w)[r * topk + lane] = local ? w : 0.0f;
+      }
+      if (lane == 0) reinterpret_cast<int2*>(dst + p.layout.recv_src)[r] = make_int2(rank, t);
+    }
+
+    // row: kDispatchUnroll loads in flight per lane, then the stores to every destination
+    auto const* src =
+        reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes);
+    for (int i = lane; i < num_vec; i += 32 * kDispatchUnroll) {
+      int4 v[kDispatchUnroll];
+#pragma unroll
+      for (int u = 0; u < kDispatchUnroll; ++u)
+        if (i + u * 32 < num_vec) v[u] = device::arch::load_nc_v4(src + i + u * 32);
+      for (uint32_t m = send; m != 0; m &= m - 1) {
+        int const d = __ffs(m) - 1;
+        auto* dst =
+            reinterpret_cast<int4*>(p.sym[d] + p.layout.recv_x + static_cast<std::size_t>(s_row[warp][d]) * row_bytes);
+#pragma unroll
+        for (int u = 0; u < kDispatchUnroll; ++u)
+          if (i + u * 32 < num_vec) device::arch::store_na_v4(dst + i + u * 32, v[u]);
+      }
+    }
+  }
+
+  // 6. arrival; the last CTA publishes one signal per destination and collects every source's
+  device::arch::fence_acq_rel_sys();  // this thread's rows reach the destinations before the arrival
+  __syncthreads();
+  if (tid == 0) {
+    unsigned long long const old = atomicAdd(reinterpret_cast<unsigned long long*>(&p.state->dispatch_done), 1ull);
+    s_last = old == static_cast<unsigned long long>(p.num_ctas - 1);
+    if (s_last) {
+      device::arch::fence_acq_rel_sys();  // every CTA's rows (ordered by their fences and arrivals) before the signals
+      for (int d = 0; d < world; ++d)
+        device::signal_set(reinterpret_cast<uint64_t*>(p.sym[d] + p.layout.data_signal) + rank, seq);
+    }
+  }
+  __syncthreads();
+  if (!s_last) return;
+  if (tid < world) {
+    if (!device::wait_signal_geq(p.view, reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.data_signal) + tid,
+                                 seq, tid, WaitPhase::dispatch_data))
+      s_ok = 0;
+  }
+  __syncthreads();
+  if (!s_ok) return;
+
+  // 7. outputs: rows per source, num_recv, expert counts (from the exchanged counts unless rows were dropped)
+  if (tid == 0) {
+    int32_t offset = 0;
+    for (int s = 0; s < world; ++s) {
+      uint64_t const* row = count_word(p.sym[rank], p.layout, parity, world, s, 0);
+      int32_t const count = count_value(device::arch::load_relaxed_sys_u64(row + 1 + rank));
+      int32_t const first = offset < p.recv_capacity ? offset : p.recv_capacity;
+      int32_t const room = p.recv_capacity - first;
+      p.state->src_offset[s] = first;
+      p.state->src_count[s] = count < room ? count : room;
+      p.state->src_tokens[s] = count_value(device::arch::load_relaxed_sys_u64(row));
+      offset += count;
+    }
+    s_total = offset;
+    p.state->num_recv = offset < p.recv_capacity ? offset : p.recv_capacity;
+    p.state->num_tokens = p.num_tokens;
+  }
+  __syncthreads();
+  if (s_total <= p.recv_capacity) {
+    for (int el = tid; el < num_local; el += kThreads) {
+      int32_t sum = 0;
+      for (int s = 0; s < world; ++s)
+        sum += count_value(
+            device::arch::load_relaxed_sys_u64(count_word(p.sym[rank], p.layout, parity, world, s, 1 + world + el)));
+      p.expert_counts[el] = sum;
+    }
+  } else {  // rows were dropped: count the delivered rows' entries (the exchanged counts include the dropped ones)
+    for (int el = tid; el < num_local; el += kThreads) s_cnt[el] = 0;
+    __syncthreads();
+    auto const* recv_idx = reinterpret_cast<int32_t const volatile*>(p.sym[rank] + p.layout.recv_idx);
+    int const entries = p.recv_capacity * topk;
+    for (int f = tid; f < entries; f += kThreads) {
+      int32_t const el = recv_idx[f];
+      if (el >= 0 && el < num_local) atomicAdd(&s_cnt[el], 1);
+    }
+    __syncthreads();
+    for (int el = tid; el < num_local; el += kThreads) p.expert_counts[el] = s_cnt[el];
+  }
+  __syncthreads();
+  if (tid == 0) {
+    // every CTA has passed both grid counters (it arrived at dispatch_done after dispatch_arrive): reset them
+    p.state->dispatch_arrive = 0;
+    p.state->dispatch_done = 0;
+    p.state->dispatch_seq = seq;
+  }
+}
+
+}  // namespace ferry::cuda_ep

@@ -1,0 +1,43 @@
+// Host launcher of the expert-major layout kernel (expand.cuh).
+#include <algorithm>
+
+#include "core/cuda_check.hpp"
+#include "ep/cuda/buffers.hpp"
+#include "ep/cuda/expand.cuh"
+
+namespace ferry::cuda_ep {
+namespace {
+
+ExpandParams to_params(Buffers const& b, bool copy_rows) {
+  FERRY_CHECK_INPUT(b.expert_slots > 0, "the expert-major layout needs EpConfig::expert_capacity (rows per local ",
+                    "expert); set it when creating the EpBuffer");
+  FERRY_CHECK(!copy_rows || (b.expert_x && b.expert_src_row), "expert-major buffers are not allocated");
+  ExpandParams p{};
+  p.view = b.view;
+  p.sym_local = b.sym.ptr[b.rank];
+  p.layout = b.layout;
+  p.hidden = b.config.hidden;
+  p.topk = b.config.topk;
+  p.num_local_experts = b.num_local_experts;
+  p.expert_slots = b.expert_slots;
+  p.state = b.state;
+  p.recv_slot = b.recv_slot;
+  p.expert_x = b.expert_x;
+  p.expert_src_row = b.expert_src_row;
+  return p;
+}
+
+}  // namespace
+
+void launch_expand(Buffers const& buffers, bool copy_rows, cudaStream_t stream) {
+  ExpandParams const p = to_params(buffers, copy_rows);
+  // NOTE: one CTA per local expert (each scans every entry, ordered); the grid never needs to be co-resident.
+  unsigned const ctas = static_cast<unsigned>(std::max(1, buffers.num_local_experts));
+  if (copy_rows)
+    expand_kernel<true><<<ctas, kThreads, 0, stream>>>(p);
+  else
+    expand_kernel<false><<<ctas, kThreads, 0, stream>>>(p);
+  FERRY_CHECK_CUDA(cudaGetLastError());
+}
+
+}  // namespace ferry::cuda_ep

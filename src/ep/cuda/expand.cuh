@@ -1,0 +1,88 @@
+// Expert-major layout of the rows the last dispatch received (local memory only: the wire carried one copy per rank).
+//
+// One CTA per local expert (looping when there are more experts than CTAs) walks the received (row, k) entries in
+// rank-major row order, k ascending, and gives each entry of its expert the next slot: an ordered compaction (warp
+// ballots + a scan over warps), so slots are deterministic and match the reference. kCopyRows: also copy the rows
+// into expert_x and fill expert_src_row (DispatchArgs::expand); without it only recv_slot is written (what an
+// expert-major combine needs after a dispatch that did not expand).
+#pragma once
+
+#include <cstdint>
+
+#include "comm/device/memory.cuh"
+#include "comm/device/signal.cuh"
+#include "ep/cuda/params.cuh"
+
+namespace ferry::cuda_ep {
+
+template <bool kCopyRows>
+__global__ void __launch_bounds__(kThreads) expand_kernel(ExpandParams const p) {
+  __shared__ int32_t s_warp_off[kWarps];
+  __shared__ int32_t s_warp_cnt[kWarps];
+  __shared__ int32_t s_total;
+  __shared__ int32_t s_rows[kThreads];  // rows whose entries took the slots of this step, in slot order
+
+  int const tid = static_cast<int>(threadIdx.x);
+  int const lane = tid & 31;
+  int const warp = tid >> 5;
+  int const topk = p.topk;
+  int const slots = p.expert_slots;
+  int const entries = p.state->num_recv * topk;
+  auto const* recv_idx = reinterpret_cast<int32_t const*>(p.sym_local + p.layout.recv_idx);
+  std::size_t const row_bytes = static_cast<std::size_t>(p.hidden) * 2;
+  uint32_t const lower = (1u << lane) - 1u;
+
+  for (int e = static_cast<int>(blockIdx.x); e < p.num_local_experts; e += static_cast<int>(gridDim.x)) {
+    int running = 0;
+    for (int base = 0; base < entries; base += kThreads) {
+      int const f = base + tid;
+      int32_t const v = f < entries ? recv_idx[f] : -2;
+      bool const hit = v == e;
+      // entries of no local expert get slot -1; CTA 0 writes them during its first expert
+      if (e == 0 && f < entries && v < 0) p.recv_slot[f] = -1;
+      uint32_t const bits = __ballot_sync(0xffffffffu, hit);
+      if (lane == 0) s_warp_cnt[warp] = __popc(bits);
+      __syncthreads();
+      if (tid == 0) {
+        int run = running;
+        for (int w = 0; w < kWarps; ++w) {
+          s_warp_off[w] = run;
+          run += s_warp_cnt[w];
+        }
+        s_total = run;
+      }
+      __syncthreads();
+      if (hit) {
+        int const slot = s_warp_off[warp] + __popc(bits & lower);
+        if (slot < slots) {
+          p.recv_slot[f] = slot;
+          if constexpr (kCopyRows) {
+            p.expert_src_row[static_cast<std::size_t>(e) * slots + slot] = f / topk;
+            s_rows[slot - running] = f / topk;
+          }
+        } else {
+          p.recv_slot[f] = -1;
+          if constexpr (kCopyRows) device::record_input_error(p.view, slot, true);  // counted once, by the expand
+        }
+      }
+      __syncthreads();
+      int const total = s_total;
+      if constexpr (kCopyRows) {
+        int const filled_end = total < slots ? total : slots;
+        for (int j = warp; running + j < filled_end; j += kWarps) {
+          char const* src = p.sym_local + p.layout.recv_x + static_cast<std::size_t>(s_rows[j]) * row_bytes;
+          char* dst = static_cast<char*>(p.expert_x) + (static_cast<std::size_t>(e) * slots + running + j) * row_bytes;
+          device::copy_warp_16B<true>(dst, src, row_bytes);
+        }
+      }
+      running = total;
+      __syncthreads();  // s_rows and the scan words are reused by the next step
+    }
+    if constexpr (kCopyRows) {
+      for (int s = (running < slots ? running : slots) + tid; s < slots; s += kThreads)
+        p.expert_src_row[static_cast<std::size_t>(e) * slots + s] = -1;
+    }
+  }
+}
+
+}  // namespace ferry::cuda_ep

@@ -1,0 +1,119 @@
+// Shared by the normal-mode kernels of the cuda backend: the device state word block, the layout of the symmetric
+// region, and the kernels' Params structs (built and validated on the host by the launchers' to_params()).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "ferry/device_view.hpp"
+
+namespace ferry::cuda_ep {
+
+// Threads per CTA of every normal-mode kernel: 16 warps, enough 16-byte accesses in flight per SM for NVLink and HBM.
+inline constexpr int kThreads = 512;
+inline constexpr int kWarps = kThreads / 32;
+// Combine works in token tiles (one flag per (rank, tile)); at most this many tiles per source rank, so the flag
+// area is fixed and each tile carries enough rows that its publish fence is amortised.
+inline constexpr int kMaxCombineTiles = 64;
+inline constexpr int kMinTileTokens = 8;
+
+// Dynamic shared memory of the dispatch kernel: one counter per destination and per global expert.
+inline constexpr std::size_t kMaxDispatchSmem = 200 * 1024;
+__host__ __device__ inline std::size_t dispatch_smem_bytes(int world, int num_experts) {
+  return static_cast<std::size_t>(world + num_experts) * sizeof(int32_t);
+}
+
+// Tokens per combine tile for a source rank with num_tokens tokens. Both sides of a pair compute it from the same
+// number (the source's token count travels in the count exchange), so they agree on the tiling.
+__host__ __device__ inline int combine_tile_tokens(int num_tokens) {
+  int const per_tile = (num_tokens + kMaxCombineTiles - 1) / kMaxCombineTiles;
+  int const rounded = (per_tile + kMinTileTokens - 1) / kMinTileTokens * kMinTileTokens;
+  return rounded < kMinTileTokens ? kMinTileTokens : rounded;
+}
+__host__ __device__ inline int combine_num_tiles(int num_tokens) {
+  int const tile = combine_tile_tokens(num_tokens);
+  return (num_tokens + tile - 1) / tile;
+}
+
+// Device words of one EpBuffer (local memory, zeroed at construction). Sequence numbers live here, not on the host,
+// so a captured graph replays with increasing sequence numbers and no reset kernel.
+struct DeviceState {
+  uint64_t dispatch_seq;     // sequence number of the last finished dispatch (the next one uses +1)
+  uint64_t combine_seq;      // same for combine
+  uint64_t dispatch_arrive;  // CTAs of the running dispatch that finished their layout (reset by the last CTA)
+  uint64_t dispatch_done;    // CTAs of the running dispatch that finished pushing (reset by the last CTA)
+  uint64_t combine_done;     // CTAs of the running combine that finished (reset by the last CTA)
+  int32_t num_recv;          // rows received by the last dispatch (clipped to recv_capacity)
+  int32_t num_tokens;        // this rank's tokens in the last dispatch
+  int32_t src_offset[kMaxLocalPeers];  // first row of source s in the receive buffers
+  int32_t src_count[kMaxLocalPeers];   // rows of source s that were delivered
+  int32_t src_tokens[kMaxLocalPeers];  // tokens source s passed to the last dispatch
+};
+
+// Byte offsets inside the symmetric region (the same on every rank).
+struct SymLayout {
+  std::size_t recv_x = 0;       // [recv_capacity, hidden] bf16
+  std::size_t recv_idx = 0;     // [recv_capacity, topk] int32
+  std::size_t recv_w = 0;       // [recv_capacity, topk] float
+  std::size_t recv_src = 0;     // [recv_capacity, 2] int32
+  std::size_t counts = 0;       // [2 parities][world sources][count_words] uint64, (seq << 32 | value)
+  std::size_t data_signal = 0;  // [world sources] uint64 = seq of the dispatch whose rows from that source landed
+  std::size_t landing = 0;      // [2 parities][world senders][max_tokens, hidden] bf16: combine rows coming back
+  std::size_t tile_flags = 0;   // [world senders][kMaxCombineTiles] uint64 = seq of the combine that filled the tile
+  std::size_t total = 0;
+  int count_words = 0;  // 1 (tokens) + world (rows per destination) + num_local_experts (entries per expert)
+};
+
+struct DispatchParams {
+  DeviceView view;
+  char* sym[kMaxLocalPeers];  // every rank's symmetric region
+  SymLayout layout;
+  void const* x;
+  void const* topk_idx;
+  float const* topk_weights;
+  int num_tokens;
+  int hidden;
+  int topk;
+  int num_experts;
+  int num_local_experts;
+  int recv_capacity;
+  int num_ctas;
+  DeviceState* state;
+  uint32_t* token_mask;    // [max_tokens] destinations of each token (kept for combine)
+  int32_t* token_pos;      // [max_tokens, world] position of the token within this CTA's rows for a destination
+  int32_t* block_counts;   // [num_ctas, world + num_experts] per-CTA rows per destination and entries per expert
+  int32_t* expert_counts;  // [num_local_experts] output
+};
+
+struct ExpandParams {
+  DeviceView view;
+  char* sym_local;
+  SymLayout layout;
+  int hidden;
+  int topk;
+  int num_local_experts;
+  int expert_slots;
+  DeviceState const* state;
+  int32_t* recv_slot;       // [recv_capacity, topk]
+  void* expert_x;           // [num_local_experts, expert_slots, hidden] (copy only)
+  int32_t* expert_src_row;  // [num_local_experts, expert_slots] (copy only)
+};
+
+struct CombineParams {
+  DeviceView view;
+  char* sym[kMaxLocalPeers];
+  SymLayout layout;
+  void const* x;  // expert-major [num_local_experts, expert_slots, hidden] or rank-major [num_recv, hidden]
+  void* y;        // [num_tokens, hidden]
+  int hidden;
+  int topk;
+  int expert_slots;
+  int max_tokens;  // rows per sender of the landing zone
+  int num_push_ctas;
+  int num_ctas;
+  DeviceState* state;
+  uint32_t const* token_mask;
+  int32_t const* recv_slot;
+};
+
+}  // namespace ferry::cuda_ep
