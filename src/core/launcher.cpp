@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -12,7 +13,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "ferry/error.hpp"
 
@@ -76,32 +79,74 @@ std::string self_executable() {
   return std::string(path, static_cast<std::size_t>(n));
 }
 
+namespace {
+
+// The child's environment: the parent's, with name=value set (replacing an earlier value of name).
+void set_env_entry(std::vector<std::string>& env, std::string const& name, std::string const& value) {
+  std::string const prefix = name + "=";
+  std::erase_if(env, [&](std::string const& entry) { return entry.compare(0, prefix.size(), prefix) == 0; });
+  env.push_back(prefix + value);
+}
+
+// Ends and reaps the children started so far (a launch that cannot start every rank runs none).
+void kill_started(std::vector<pid_t> const& pids) {
+  for (pid_t const pid : pids)
+    if (pid > 0) kill(pid, SIGKILL);
+  for (pid_t const pid : pids)
+    if (pid > 0) waitpid(pid, nullptr, 0);
+}
+
+}  // namespace
+
 LaunchResult launch_ranks(LaunchOptions const& options) {
   FERRY_CHECK(options.nproc >= 1, "launch_ranks: nproc=", options.nproc, " must be at least 1");
   FERRY_CHECK(!options.argv.empty(), "launch_ranks: empty argv");
   int const port = options.master_port ? options.master_port : pick_free_port();
 
+  // Build every child's argv and environment before forking: between fork and exec the child may only make
+  // async-signal-safe calls (setenv or malloc there can deadlock when the parent has other threads, e.g. Python).
+  std::vector<char*> argv;
+  for (auto const& arg : options.argv) argv.push_back(const_cast<char*>(arg.c_str()));
+  argv.push_back(nullptr);
+  std::vector<std::string> base_env;
+  for (char** entry = environ; *entry; ++entry) base_env.emplace_back(*entry);
+  std::vector<std::vector<std::string>> child_env(options.nproc);
+  std::vector<std::vector<char*>> child_envp(options.nproc);
+  for (int rank = 0; rank < options.nproc; ++rank) {
+    std::vector<std::string>& env = child_env[rank];
+    env = base_env;
+    set_env_entry(env, "MASTER_ADDR", options.master_addr);
+    set_env_entry(env, "MASTER_PORT", std::to_string(port));
+    set_env_entry(env, "RANK", std::to_string(rank));
+    set_env_entry(env, "WORLD_SIZE", std::to_string(options.nproc));
+    set_env_entry(env, "LOCAL_RANK", std::to_string(rank));
+    set_env_entry(env, "LOCAL_WORLD_SIZE", std::to_string(options.nproc));
+    for (auto const& [name, value] : options.env) set_env_entry(env, name, value);
+    for (auto const& [name, value] : kSafetyEnv) set_env_entry(env, name, value);
+    for (auto& entry : env) child_envp[rank].push_back(entry.data());
+    child_envp[rank].push_back(nullptr);
+  }
+  std::string const exec_failed = "ferry launcher: execve(" + options.argv[0] + ") failed for a rank\n";
+
+  pid_t const parent = getpid();
   std::vector<pid_t> pids(options.nproc, -1);
   LaunchResult result;
   result.ranks.resize(options.nproc);
   for (int rank = 0; rank < options.nproc; ++rank) {
     pid_t const pid = fork();
-    FERRY_CHECK(pid >= 0, "fork() failed for rank ", rank, ": ", std::strerror(errno));
+    if (pid < 0) {
+      int const error = errno;
+      kill_started(pids);
+      FERRY_THROW(Error, "ferry", "fork() failed for rank ", rank, ": ", std::strerror(error),
+                  "; no rank was left running");
+    }
     if (pid == 0) {
-      // Child: its own process group is not needed; the launcher tracks pids. Die with the parent.
-      setenv("MASTER_ADDR", options.master_addr.c_str(), 1);
-      setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      setenv("RANK", std::to_string(rank).c_str(), 1);
-      setenv("WORLD_SIZE", std::to_string(options.nproc).c_str(), 1);
-      setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
-      setenv("LOCAL_WORLD_SIZE", std::to_string(options.nproc).c_str(), 1);
-      for (auto const& [name, value] : options.env) setenv(name.c_str(), value.c_str(), 1);
-      set_multicast_safety_env();
-      std::vector<char*> argv;
-      for (auto const& arg : options.argv) argv.push_back(const_cast<char*>(arg.c_str()));
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      std::fprintf(stderr, "ferry launcher: execv(%s) failed for rank %d: %s\n", argv[0], rank, std::strerror(errno));
+      // Child: die with the launcher, so a killed launcher (Ctrl-C, a test timeout) leaves no rank behind.
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(126);  // the launcher died before prctl took effect
+      execve(argv[0], argv.data(), child_envp[rank].data());
+      ssize_t const ignored = write(STDERR_FILENO, exec_failed.data(), exec_failed.size());
+      (void)ignored;
       _exit(127);
     }
     pids[rank] = pid;
@@ -112,24 +157,29 @@ LaunchResult launch_ranks(LaunchOptions const& options) {
   std::optional<Clock::time_point> first_failure;
   int running = options.nproc;
   while (running > 0) {
-    int status = 0;
-    pid_t const pid = waitpid(-1, &status, WNOHANG);
-    if (pid > 0) {
-      for (int rank = 0; rank < options.nproc; ++rank) {
-        if (pids[rank] != pid) continue;
-        RankExit& exit = result.ranks[rank];
-        if (WIFEXITED(status)) {
-          exit.exit_code = WEXITSTATUS(status);
-        } else if (WIFSIGNALED(status)) {
-          exit.exit_code = -1;
-          exit.signal = WTERMSIG(status);
-        }
-        if (exit.exit_code != 0 && !first_failure) first_failure = Clock::now();
-        pids[rank] = -1;
-        --running;
+    // Reap only this launch's children (waitpid(-1) would steal those of another launch or of the caller).
+    bool reaped = false;
+    for (int rank = 0; rank < options.nproc; ++rank) {
+      if (pids[rank] <= 0) continue;
+      int status = 0;
+      pid_t const got = waitpid(pids[rank], &status, WNOHANG);
+      if (got == 0 || (got < 0 && errno == EINTR)) continue;
+      RankExit& exit = result.ranks[rank];
+      if (got < 0) {
+        // ECHILD: reaped behind our back (the caller ignores SIGCHLD); its status is lost, count it as failed
+        exit.exit_code = -1;
+      } else if (WIFEXITED(status)) {
+        exit.exit_code = WEXITSTATUS(status);
+      } else if (WIFSIGNALED(status)) {
+        exit.exit_code = -1;
+        exit.signal = WTERMSIG(status);
       }
-      continue;
+      if (exit.exit_code != 0 && !first_failure) first_failure = Clock::now();
+      pids[rank] = -1;
+      --running;
+      reaped = true;
     }
+    if (reaped) continue;
     auto const now = Clock::now();
     bool const past_deadline = options.timeout.count() > 0 && now - start > options.timeout;
     bool const past_grace = first_failure && now - *first_failure > options.grace;
