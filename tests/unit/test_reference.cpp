@@ -37,8 +37,8 @@ uint64_t test_seed() {
 class Reference : public testing::Test {
  protected:
   void SetUp() override {
-    std::printf("seed %llu (FERRY_TEST_SEED=%llu replays it)\n", static_cast<unsigned long long>(test_seed()),
-                static_cast<unsigned long long>(test_seed()));
+    std::printf("reference test seed %llu (FERRY_TEST_SEED=%llu replays it)\n",
+                static_cast<unsigned long long>(test_seed()), static_cast<unsigned long long>(test_seed()));
   }
 };
 
@@ -149,11 +149,12 @@ struct World {
   std::vector<ref::RankDispatch> received;
 };
 
-World make_world(Case const& c, uint64_t seed, EpConfig config) {
+World make_world(Case const& c, uint64_t seed, EpConfig config, bool full = false) {
   World w;
   w.config = config;
   w.world = c.world;
-  std::vector<int> const counts = token_counts(c.world, config.max_tokens_per_rank, seed);
+  std::vector<int> const counts = full ? std::vector<int>(c.world, config.max_tokens_per_rank)
+                                       : token_counts(c.world, config.max_tokens_per_rank, seed);
   w.inputs = ref::generate_inputs(config, c.world, routing_for(c, seed), counts);
   for (int d = 0; d < c.world; ++d) w.received.push_back(ref::dispatch(config, c.world, d, w.inputs));
   return w;
@@ -435,8 +436,8 @@ TEST_F(Reference, MaskedTokenAndEmptyRank) {
 TEST_F(Reference, RowsPastTheReceiveCapacityAreDroppedAndCounted) {
   Case const c{"w4 capped", 4, 4, RoutingKind::random, 0, 0.0, 16};
   EpConfig config = small_config(4, 4, 32, 16, 64);
-  config.max_recv_tokens = 40;  // well under the ~4 * 64 * 0.7 rows a rank gets
-  World const w = make_world(c, test_seed(), config);
+  config.max_recv_tokens = 40;  // well under the ~4 * 64 * 0.73 rows a rank gets
+  World const w = make_world(c, test_seed(), config, /*full=*/true);
   int total_dropped = 0;
   for (int d = 0; d < 4; ++d) {
     expect_dispatch_matches_semantics(w, d);
@@ -466,8 +467,8 @@ TEST_F(Reference, RowsPastTheReceiveCapacityAreDroppedAndCounted) {
 TEST_F(Reference, EntriesPastTheExpertCapacityGetNoSlot) {
   Case const c{"w2 slots", 2, 4, RoutingKind::hot, 0, 0.0, 8};
   EpConfig config = small_config(2, 4, 32, 8, 64);
-  config.expert_capacity = 5;
-  World const w = make_world(c, test_seed(), config);
+  config.expert_capacity = 5;  // the hot expert alone gets about 64 entries
+  World const w = make_world(c, test_seed(), config, /*full=*/true);
   int dropped = 0;
   for (int d = 0; d < 2; ++d) {
     expect_dispatch_matches_semantics(w, d);

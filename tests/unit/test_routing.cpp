@@ -4,6 +4,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
 #include <set>
 #include <string>
 #include <vector>
@@ -14,6 +17,24 @@
 
 namespace ferry {
 namespace {
+
+// A fresh seed per run (printed), or FERRY_TEST_SEED to replay one. The statistical checks allow 5 standard
+// deviations.
+uint64_t test_seed() {
+  static uint64_t const seed = [] {
+    uint64_t value = 0;
+    if (char const* pinned = std::getenv("FERRY_TEST_SEED"); pinned && *pinned) {
+      value = static_cast<uint64_t>(std::strtoull(pinned, nullptr, 0));
+    } else {
+      std::random_device device;
+      value = (static_cast<uint64_t>(device()) << 32) ^ device();
+    }
+    std::printf("routing test seed %llu (FERRY_TEST_SEED=%llu replays it)\n", static_cast<unsigned long long>(value),
+                static_cast<unsigned long long>(value));
+    return value;
+  }();
+  return seed;
+}
 
 struct Routing {
   int columns = 0;
@@ -79,7 +100,7 @@ TEST(Routing, EveryKindHasTheCommonProperties) {
           options.expert_groups = shape.num_experts >= 8 ? 8 : 1;
           options.topk_groups = options.expert_groups / 2 > 0 ? options.expert_groups / 2 : 1;
           options.hot_expert = shape.num_experts - 1;
-          options.seed = 1234;
+          options.seed = test_seed();
           if (routing_columns(options, shape.topk) > kMaxTopk) continue;
           try {
             validate_routing(options, shape.num_experts, shape.world, shape.topk);
@@ -126,6 +147,7 @@ TEST(Routing, RingGoesToTheNextRanks) {
 
 TEST(Routing, GroupedStaysWithinTopkGroups) {
   RoutingOptions options;
+  options.seed = test_seed();
   options.kind = RoutingKind::grouped;
   options.expert_groups = 8;
   options.topk_groups = 3;
@@ -144,6 +166,7 @@ TEST(Routing, GroupedStaysWithinTopkGroups) {
 
 TEST(Routing, HotFractionIsRoughlyRight) {
   RoutingOptions options;
+  options.seed = test_seed();
   options.kind = RoutingKind::hot;
   options.hot_fraction = 0.3;
   options.hot_expert = 5;
@@ -160,6 +183,7 @@ TEST(Routing, HotFractionIsRoughlyRight) {
 
 TEST(Routing, MaskRateIsRoughlyRight) {
   RoutingOptions options;
+  options.seed = test_seed();
   options.mask_rate = 0.25;
   options.shared_experts = 1;
   int const num_tokens = 4000;
@@ -185,6 +209,7 @@ TEST(Routing, FullMaskGivesZeroWeights) {
 
 TEST(Routing, RandomUsesEveryExpertEvenly) {
   RoutingOptions options;
+  options.seed = test_seed();
   int const num_experts = 32;
   Routing const routing = generate(options, num_experts, 4, 3, 8000, 4);
   std::vector<int> hits(num_experts, 0);

@@ -1,8 +1,312 @@
-// PLACEHOLDER (cpu helper replaces this file)
+// The cpu reference backend of EpBuffer: the normal-mode protocol of DESIGN.md ("Modes") as host loops over the
+// communicator's shared memory. Dispatch: count exchange (each rank writes its row of the W x W count matrix into
+// every peer), barrier, each sender computes its offsets in every destination and pushes rows and metadata straight
+// into their final slots, barrier. Combine: each receiver reduces its rows into its own send-back area, barrier,
+// each source pulls and sums its tokens' rows over the destinations in ascending order, barrier. The per-row
+// arithmetic is ref::reduce_row / accumulate_row / round_row, so results are bit-identical with ref::.
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/log.hpp"
 #include "ep/ep_impl.hpp"
+#include "ep/reference.hpp"
 #include "ferry/error.hpp"
+
 namespace ferry::detail {
-std::unique_ptr<EpBackendImpl> make_cpu_ep(Communicator&, EpConfig const&) {
-  FERRY_THROW(Error, "ferry", "placeholder");
+namespace {
+
+constexpr std::size_t kRowElemBytes = sizeof(uint16_t);  // bf16
+
+std::size_t at(int64_t row, int64_t width) {
+  return static_cast<std::size_t>(row * width);
 }
+
+// Private, lazily backed memory for the expert-major layout: only the pages of filled slots are ever touched.
+class LocalPages {
+ public:
+  LocalPages() = default;
+  explicit LocalPages(std::size_t bytes) : bytes_(bytes) {
+    if (bytes_ == 0) return;
+    void* const base =
+        mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    FERRY_CHECK_CONFIG(base != MAP_FAILED, "the expert-major layout needs ", bytes_, " bytes (num_local_experts x ",
+                       "expert_capacity x hidden x 2) and mmap failed: ", std::strerror(errno),
+                       "; lower expert_capacity");
+    base_ = static_cast<char*>(base);
+  }
+  ~LocalPages() {
+    if (base_ && munmap(base_, bytes_) != 0)
+      FERRY_LOG_WARN("cpu ep: munmap of the expert-major layout failed: ", std::strerror(errno));
+  }
+  LocalPages(LocalPages&& other) noexcept : base_(std::exchange(other.base_, nullptr)), bytes_(other.bytes_) {}
+  LocalPages& operator=(LocalPages&& other) noexcept {
+    std::swap(base_, other.base_);
+    std::swap(bytes_, other.bytes_);
+    return *this;
+  }
+  char* data() const { return base_; }
+
+ private:
+  char* base_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+class CpuEp final : public EpBackendImpl {
+ public:
+  CpuEp(Communicator& comm, EpConfig const& config);
+
+  DispatchResult dispatch(DispatchArgs const& args, cudaStream_t stream) override;
+  void combine(CombineArgs const& args, cudaStream_t stream) override;
+  std::string explain() const override;
+
+ private:
+  void report_drops(int64_t dropped, bool eager);
+
+  Communicator& comm_;
+  EpConfig config_;
+  int rank_;
+  int world_;
+  int hidden_;
+  int topk_;
+  int num_local_;
+  int capacity_;
+  int slots_;
+  std::size_t row_bytes_;
+
+  // symmetric memory (every rank's copy reachable from here)
+  SymmetricRegion counts_;        // [world x world] int64: entry (s, d) = rows rank s sends to rank d
+  SymmetricRegion recv_x_;        // [capacity x hidden] bf16, rank-major landing zone
+  SymmetricRegion recv_idx_;      // [capacity x topk] int32 local expert or -1
+  SymmetricRegion recv_weights_;  // [capacity x topk] float
+  SymmetricRegion recv_src_;      // [capacity x 2] int32 (source rank, source token)
+  SymmetricRegion combine_rows_;  // [capacity x hidden] bf16, the rows this rank sends back in combine
+
+  // this rank's view of the last dispatch
+  bool have_dispatch_ = false;
+  bool last_expand_ = false;
+  int num_tokens_ = 0;
+  int32_t num_recv_ = 0;
+  std::vector<uint32_t> dest_mask_;   // [num_tokens] bit d: the token went to rank d
+  std::vector<int64_t> dest_offset_;  // [world] first row of this rank's tokens on rank d
+  ref::ExpertLayout layout_;
+  LocalPages expert_x_;  // [num_local x slots x hidden] bf16, only with an expert capacity
+  std::vector<float> scratch_;
+  std::string last_dispatch_ = "dispatch: not called yet";
+  std::string last_combine_ = "combine: not called yet";
+};
+
+static_assert(kMaxLocalPeers <= 32, "destination masks are 32-bit");
+
+CpuEp::CpuEp(Communicator& comm, EpConfig const& config)
+    : comm_(comm),
+      config_(config),
+      rank_(comm.rank()),
+      world_(comm.world()),
+      hidden_(config.hidden),
+      topk_(config.topk),
+      num_local_(config.num_local_experts(comm.world())),
+      capacity_(config.recv_capacity(comm.world())),
+      slots_(config.expert_slots()),
+      row_bytes_(at(config.hidden, kRowElemBytes)) {
+  // Collective: every rank allocates the same regions in the same order.
+  counts_ = comm_.alloc_symmetric(at(world_, world_) * sizeof(int64_t));
+  recv_x_ = comm_.alloc_symmetric(at(capacity_, 1) * row_bytes_);
+  recv_idx_ = comm_.alloc_symmetric(at(capacity_, topk_) * sizeof(int32_t));
+  recv_weights_ = comm_.alloc_symmetric(at(capacity_, topk_) * sizeof(float));
+  recv_src_ = comm_.alloc_symmetric(at(capacity_, 2) * sizeof(int32_t));
+  combine_rows_ = comm_.alloc_symmetric(at(capacity_, 1) * row_bytes_);
+  if (slots_ > 0) expert_x_ = LocalPages(at(static_cast<int64_t>(num_local_) * slots_, 1) * row_bytes_);
+  scratch_.resize(static_cast<std::size_t>(hidden_));
+  dest_offset_.assign(static_cast<std::size_t>(world_), 0);
+}
+
+void CpuEp::report_drops(int64_t dropped, bool eager) {
+  if (dropped > 0) {
+    DeviceErrorBlock& block = *comm_.device_view().error;
+    block.overflow_rows += static_cast<uint32_t>(std::min<int64_t>(dropped, UINT32_MAX - block.overflow_rows));
+  }
+  if (eager) comm_.check_errors(nullptr);
+}
+
+DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t stream) {
+  FERRY_CHECK_INPUT(stream == nullptr, "the cpu backend runs on the host: stream must be null, got ",
+                    static_cast<void*>(stream));
+  int const num_tokens = args.num_tokens;
+
+  // 1. host checks before anything is written: every id in [-1, num_experts)
+  std::vector<int64_t> ids(at(num_tokens, topk_));
+  if (ids.empty()) {
+    // nothing to read (topk_idx may be null for num_tokens=0)
+  } else if (args.topk_idx_type == IndexType::int64) {
+    std::memcpy(ids.data(), args.topk_idx, ids.size() * sizeof(int64_t));
+  } else {
+    auto const* narrow = static_cast<int32_t const*>(args.topk_idx);
+    std::copy(narrow, narrow + ids.size(), ids.begin());
+  }
+  ref::validate_topk_idx(config_, rank_, num_tokens, ids);
+
+  // 2. destinations of every token, rows per destination
+  dest_mask_.assign(static_cast<std::size_t>(num_tokens), 0);
+  std::vector<int64_t> sends(static_cast<std::size_t>(world_), 0);
+  for (int t = 0; t < num_tokens; ++t) {
+    uint32_t mask = 0;
+    for (int k = 0; k < topk_; ++k) {
+      int64_t const id = ids[at(t, topk_) + k];
+      if (id >= 0) mask |= 1U << (id / num_local_);
+    }
+    dest_mask_[static_cast<std::size_t>(t)] = mask;
+    for (int d = 0; d < world_; ++d) sends[static_cast<std::size_t>(d)] += mask >> d & 1U;
+  }
+  num_tokens_ = num_tokens;
+  have_dispatch_ = false;  // until the dispatch completes
+
+  // 3. count exchange: this rank's row of the count matrix into every rank (no one reads the matrix after the last
+  //    barrier of the previous dispatch, so it is free to overwrite)
+  for (int p = 0; p < world_; ++p)
+    std::memcpy(counts_.view.ptr[p] + at(rank_, world_) * sizeof(int64_t), sends.data(), at(world_, sizeof(int64_t)));
+  comm_.barrier(nullptr);  // counts visible everywhere (release/acquire in the barrier)
+
+  // 4. offsets: rank s's rows on rank d follow the rows of ranks 0..s-1 (rank-major order, no atomics)
+  auto const* matrix = reinterpret_cast<int64_t const*>(counts_.local);
+  int64_t total_recv = 0;
+  for (int d = 0; d < world_; ++d) {
+    int64_t offset = 0;
+    for (int s = 0; s < rank_; ++s) offset += matrix[at(s, world_) + d];
+    dest_offset_[static_cast<std::size_t>(d)] = offset;
+  }
+  for (int s = 0; s < world_; ++s) total_recv += matrix[at(s, world_) + rank_];
+  int32_t const num_recv = static_cast<int32_t>(std::min<int64_t>(total_recv, capacity_));
+
+  // 5. push each row and its metadata into its final slot on the destination; rows past its capacity are dropped
+  //    (and counted by the receiver)
+  // This rank's rows on rank d start at dest_offset_[d] and follow in token order.
+  auto const* x = static_cast<uint16_t const*>(args.x);
+  std::vector<int64_t> next = dest_offset_;
+  for (int t = 0; t < num_tokens; ++t) {
+    for (int d = 0; d < world_; ++d) {
+      if (!(dest_mask_[static_cast<std::size_t>(t)] >> d & 1U)) continue;
+      int64_t const row = next[static_cast<std::size_t>(d)]++;
+      if (row >= capacity_) continue;
+      std::memcpy(recv_x_.view.ptr[d] + at(row, 1) * row_bytes_, x + at(t, hidden_), row_bytes_);
+      auto* const idx = reinterpret_cast<int32_t*>(recv_idx_.view.ptr[d]) + at(row, topk_);
+      auto* const weights = reinterpret_cast<float*>(recv_weights_.view.ptr[d]) + at(row, topk_);
+      int64_t const lo = static_cast<int64_t>(d) * num_local_;
+      for (int k = 0; k < topk_; ++k) {
+        int64_t const id = ids[at(t, topk_) + k];
+        bool const local = id >= lo && id < lo + num_local_;
+        idx[k] = local ? static_cast<int32_t>(id - lo) : -1;
+        weights[k] = local ? args.topk_weights[at(t, topk_) + k] : 0.0f;
+      }
+      auto* const src = reinterpret_cast<int32_t*>(recv_src_.view.ptr[d]) + at(row, 2);
+      src[0] = rank_;
+      src[1] = t;
+    }
+  }
+  comm_.barrier(nullptr);  // every row has landed
+
+  // 6. receiver: the expert-major layout from the rows that arrived
+  num_recv_ = num_recv;
+  auto const* recv_idx = reinterpret_cast<int32_t const*>(recv_idx_.local);
+  layout_ = ref::expert_layout(config_, world_, num_recv, std::span<int32_t const>(recv_idx, at(num_recv, topk_)));
+  if (args.expand) {
+    for (int e = 0; e < num_local_; ++e) {
+      int const filled = std::min(layout_.expert_counts[static_cast<std::size_t>(e)], slots_);
+      for (int s = 0; s < filled; ++s) {
+        int32_t const row = layout_.expert_src_row[at(e, slots_) + s];
+        std::memcpy(expert_x_.data() + at(static_cast<int64_t>(e) * slots_ + s, 1) * row_bytes_,
+                    static_cast<char const*>(recv_x_.local) + at(row, 1) * row_bytes_, row_bytes_);
+      }
+    }
+  }
+  have_dispatch_ = true;
+  last_expand_ = args.expand;
+  last_dispatch_ = concat("dispatch: cpu reference (host push through shared memory, rank-major",
+                          args.expand ? " + expand" : "", ")");
+
+  DispatchResult result;
+  result.recv_x = recv_x_.local;
+  result.recv_topk_idx = reinterpret_cast<int32_t*>(recv_idx_.local);
+  result.recv_topk_weights = reinterpret_cast<float*>(recv_weights_.local);
+  result.recv_src = reinterpret_cast<int32_t*>(recv_src_.local);
+  result.num_recv = &num_recv_;
+  result.num_recv_host = num_recv_;  // calls are synchronous on cpu: known whether eager or not
+  result.expert_counts = layout_.expert_counts.data();
+  result.recv_capacity = capacity_;
+  if (args.expand) {
+    result.expert_x = expert_x_.data();
+    result.expert_src_row = layout_.expert_src_row.data();
+    result.expert_slots = slots_;
+  }
+
+  // 7. drops: rows past max_recv_tokens, and with expand, entries past expert_capacity (reported as InputError by the
+  //    check eager calls make; the result stays valid for the rows that fit)
+  report_drops((total_recv - num_recv) + (args.expand ? layout_.dropped_slots : 0), args.eager);
+  return result;
+}
+
+void CpuEp::combine(CombineArgs const& args, cudaStream_t stream) {
+  FERRY_CHECK_INPUT(stream == nullptr, "the cpu backend runs on the host: stream must be null, got ",
+                    static_cast<void*>(stream));
+  validate_combine_args(config_, args, have_dispatch_);
+  FERRY_CHECK_INPUT(num_tokens_ == 0 || args.y != nullptr, "combine y is null for the ", num_tokens_,
+                    " tokens of the last dispatch");
+  bool const expert_major = args.layout == CombineLayout::expert_major;
+  // NOTE: expert outputs are laid out by the slots of the last dispatch's expert-major layout.
+  FERRY_CHECK_INPUT(!expert_major || last_expand_,
+                    "combine layout=expert_major needs the last dispatch to have expand=true (its expert-major "
+                    "layout gives each row's slots); dispatch with expand=true or combine with layout=rank_major");
+
+  // 1. receiver: the row each received row sends back, in this rank's send-back area
+  auto* const out = reinterpret_cast<uint16_t*>(combine_rows_.local);
+  if (expert_major) {
+    auto const* expert_out = static_cast<uint16_t const*>(args.x);
+    auto const* idx = reinterpret_cast<int32_t const*>(recv_idx_.local);
+    auto const* weights = reinterpret_cast<float const*>(recv_weights_.local);
+    for (int i = 0; i < num_recv_; ++i)
+      ref::reduce_row(hidden_, topk_, slots_, idx + at(i, topk_), layout_.recv_slot.data() + at(i, topk_),
+                      weights + at(i, topk_), expert_out, scratch_.data(), out + at(i, hidden_));
+  } else {
+    std::memcpy(out, args.x, at(num_recv_, 1) * row_bytes_);
+  }
+  comm_.barrier(nullptr);  // every rank's rows are ready
+
+  // 2. source: pull and sum this rank's rows over the destinations in ascending order (rows beyond a destination's
+  //    capacity were never delivered and add nothing)
+  auto* const y = static_cast<uint16_t*>(args.y);
+  std::vector<int64_t> next = dest_offset_;
+  for (int t = 0; t < num_tokens_; ++t) {
+    std::fill(scratch_.begin(), scratch_.end(), 0.0f);
+    for (int d = 0; d < world_; ++d) {
+      if (!(dest_mask_[static_cast<std::size_t>(t)] >> d & 1U)) continue;
+      int64_t const row = next[static_cast<std::size_t>(d)]++;
+      if (row >= capacity_) continue;
+      auto const* sent = reinterpret_cast<uint16_t const*>(combine_rows_.view.ptr[d]) + at(row, hidden_);
+      ref::accumulate_row(hidden_, sent, scratch_.data());
+    }
+    ref::round_row(hidden_, scratch_.data(), y + at(t, hidden_));
+  }
+  comm_.barrier(nullptr);  // every source has read the rows: the areas may be reused
+
+  last_combine_ = concat("combine: cpu reference (host pull-reduce through shared memory, ",
+                         expert_major ? "expert_major" : "rank_major", ")");
+  if (args.eager) comm_.check_errors(nullptr);
+}
+
+std::string CpuEp::explain() const {
+  return concat(last_dispatch_, "\n", last_combine_);
+}
+
+}  // namespace
+
+std::unique_ptr<EpBackendImpl> make_cpu_ep(Communicator& comm, EpConfig const& config) {
+  return std::make_unique<CpuEp>(comm, config);
+}
+
 }  // namespace ferry::detail
