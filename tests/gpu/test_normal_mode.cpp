@@ -252,7 +252,20 @@ int normal_mode_case() {
         std::fprintf(stderr, "rank %d: InputError as expected: %s\n", rank, error.what());
       }
       std::fflush(stderr);
-      std::_Exit(raised == (mine.dropped_rows > 0) ? 0 : 1);
+      // the drop is counted by the rank whose rows were dropped (the sender knows each row's final position)
+      bool my_rows_dropped = false;
+      for (int dst = 0; dst < world; ++dst) {
+        int const lo = dst * num_local, hi = lo + num_local;
+        int reaching = 0, delivered = 0;
+        for (int t = 0; t < in.num_tokens; ++t) {
+          bool any = false;
+          for (int k = 0; k < topk; ++k) any |= in.topk_idx[t * topk + k] >= lo && in.topk_idx[t * topk + k] < hi;
+          reaching += any;
+        }
+        for (int i = 0; i < expected[dst].num_recv; ++i) delivered += expected[dst].recv_src[2 * i] == rank;
+        my_rows_dropped |= delivered < reaching;
+      }
+      std::_Exit(raised == my_rows_dropped ? 0 : 1);
     }
     if (!spec.graph) {
       result = buffer.dispatch(dargs, stream);

@@ -14,8 +14,8 @@ inline constexpr int kThreads = 512;
 inline constexpr int kWarps = kThreads / 32;
 // Combine works in token tiles (one flag per (rank, tile)); at most this many tiles per source rank, so the flag
 // area is fixed and each tile carries enough rows that its publish fence is amortised.
-inline constexpr int kMaxCombineTiles = 64;
-inline constexpr int kMinTileTokens = 8;
+inline constexpr int kMaxCombineTiles = 256;
+inline constexpr int kMinTileTokens = 4;
 
 // Dynamic shared memory of the dispatch kernel: one counter per destination and per global expert.
 inline constexpr std::size_t kMaxDispatchSmem = 200 * 1024;
