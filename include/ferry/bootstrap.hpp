@@ -22,6 +22,11 @@ class Bootstrap {
   // Number of ranks on this host.
   virtual int local_world() const = 0;
 
+  // Errors of the three collectives below: BootstrapError when a rank does not arrive within the timeout, dies or
+  // closes its bootstrap, or makes a different call at the same position (the message names the ranks and both
+  // calls); after the first failure every later call throws too. InputError for a null buffer with bytes > 0 or
+  // a root outside [0, world()).
+
   // recv must hold world() * bytes; block r of recv receives rank r's send (send may alias recv + rank*bytes).
   virtual void allgather(void const* send, void* recv, std::size_t bytes) = 0;
   // data (bytes long) on root is copied to every rank's data.
@@ -41,15 +46,20 @@ struct SocketBootstrapOptions {
   std::chrono::milliseconds timeout{60000};
 };
 
-// TCP rendezvous: rank 0 listens on master_addr:master_port, every rank connects to it; collectives go through
-// rank 0 (the messages are small: ids, counts, addresses). Throws BootstrapError on failure.
+// TCP rendezvous: rank 0 listens on master_port (every interface; master_addr is how the others reach it), every
+// rank connects to it; collectives go through rank 0 (the messages are small: ids, counts, addresses). Returns
+// once all world ranks have joined (a world of 1 opens no socket). Throws BootstrapError on failure (invalid
+// options, a rank missing at the deadline, a mismatched WORLD_SIZE, a duplicate RANK, a foreign process on the
+// port), with the same reason on every rank that rank 0 can still reach.
 std::unique_ptr<Bootstrap> make_socket_bootstrap(SocketBootstrapOptions const& options);
 
 // The torchrun environment: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK (LOCAL_WORLD_SIZE if set),
 // timeout from FERRY_BOOTSTRAP_TIMEOUT_S. Throws BootstrapError naming a missing or malformed variable.
 SocketBootstrapOptions socket_bootstrap_options_from_env();
 
-// world bootstraps for ranks that are threads of one process (tests). Each must be used by its own thread.
+// world bootstraps for ranks that are threads of one process (tests). Each must be used by its own thread; a
+// destroyed one makes the others fail at once in calls it never joined. Throws ConfigError for world < 1 or a
+// timeout that is not positive.
 std::vector<std::unique_ptr<Bootstrap>> make_local_bootstraps(
     int world, std::chrono::milliseconds timeout = std::chrono::seconds(30));
 
