@@ -371,9 +371,9 @@ int run_bench_rank(Options const& options) {
       // 2. timed legs; a barrier before each so the ranks start together
       dargs.eager = false;
       cargs.eager = false;
-      auto const time_leg = [&](std::function<void()> const& enqueue) {
+      auto const time_leg = [&](std::function<void()> const& enqueue, bool use_graph) {
         std::unique_ptr<LegGraph> leg_graph;
-        if (graph) leg_graph = std::make_unique<LegGraph>(memory, enqueue);
+        if (use_graph) leg_graph = std::make_unique<LegGraph>(memory, enqueue);
         LegTimer timer(memory);
         std::vector<double> samples;
         for (int i = 0; i < warmup + iters; ++i) {
@@ -390,15 +390,23 @@ int run_bench_rank(Options const& options) {
         comm->check_errors(memory.stream());
         return summarize(samples);
       };
-      LegStats const dispatch_stats = time_leg([&] { buffer.dispatch(dargs, memory.stream()); });
-      LegStats const combine_stats = time_leg([&] { buffer.combine(cargs, memory.stream()); });
+      LegStats const dispatch_stats = time_leg([&] { buffer.dispatch(dargs, memory.stream()); }, graph);
+      LegStats const combine_stats = time_leg([&] { buffer.combine(cargs, memory.stream()); }, graph);
 
       LegStats baseline_dispatch, baseline_combine;
 #if FERRY_BENCH_NCCL
       if (baseline == "nccl") {
+        // The NCCL dispatcher syncs the host on the counts, so it cannot be captured: its legs are timed as plain
+        // launches. It has no expert-major layout; its combine takes its own rank-major rows (identity experts).
         NcclBaseline nccl(*comm, config);
-        baseline_dispatch = time_leg([&] { nccl.dispatch(dargs, memory.stream()); });
-        baseline_combine = time_leg([&] { nccl.combine(dargs, y, memory.stream()); });
+        DispatchArgs bargs = dargs;
+        bargs.expand = false;
+        DispatchResult const got = nccl.dispatch(bargs, memory.stream());
+        void* rows = memory.alloc(std::max<int64_t>(got.num_recv_host, 1) * row_bytes);
+        memory.copy(rows, got.recv_x, std::max<int64_t>(got.num_recv_host, 0) * row_bytes);
+        memory.synchronize();
+        baseline_dispatch = time_leg([&] { nccl.dispatch(bargs, memory.stream()); }, false);
+        baseline_combine = time_leg([&] { nccl.combine(rows, y, memory.stream()); }, false);
       }
 #endif
 
