@@ -100,10 +100,10 @@ def load(name):
 print(f"build                  {'ok' if build_rc == 0 else f'FAILED (exit {build_rc}), see build.log'}")
 if run_tests:
     text = open(os.path.join(logs, "gpu-tests.log"), errors="replace").read()
-    m = re.search(r"(\d+)% tests passed, (\d+) tests failed out of (\d+)", text)
+    m = re.search(r"(\d+)% tests passed(?:, (\d+) tests failed)? out of (\d+)", text)
     skipped = len(re.findall(r"\*\*\*Skipped|\(Skipped\)", text))
     if m:
-        total, failed = int(m.group(3)), int(m.group(2))
+        total, failed = int(m.group(3)), int(m.group(2) or 0)
         print(f"gpu tests              {total - failed - skipped} passed, {failed} failed, {skipped} skipped "
               f"(of {total})")
     else:

@@ -97,11 +97,18 @@ FERRY_RANK_CASE(symmetric_peer_rw) {
   cudaStream_t stream = nullptr;
   FERRY_CHECK_CUDA(cudaStreamCreate(&stream));
 
-  // 1. the region: rounded up, this rank's pointer is its own buffer, zeroed
+  // 1. the region: rounded up, ptr[rank] aliases the local buffer, zeroed
   SymmetricRegion region = comm->alloc_symmetric(kBytes);
   FERRY_CHECK(region.view.bytes >= kBytes && region.view.bytes % 4096 == 0, "region of ", region.view.bytes,
               " bytes for ", kBytes, " requested");
-  FERRY_CHECK(region.view.ptr[rank] == region.local, "ptr[rank] is not the local buffer");
+  // ptr[rank] is NCCL's flat LSA alias of the local buffer (another address, the same memory)
+  uint32_t const probe = 0xc0ffee00u + static_cast<uint32_t>(rank);
+  uint32_t seen = 0;
+  FERRY_CHECK_CUDA(cudaMemcpy(region.view.ptr[rank] + 64, &probe, sizeof(probe), cudaMemcpyHostToDevice));
+  FERRY_CHECK_CUDA(cudaMemcpy(&seen, static_cast<char*>(region.local) + 64, sizeof(seen), cudaMemcpyDeviceToHost));
+  FERRY_CHECK(seen == probe, "a word written through ptr[rank] reads back as ", seen, " through local, expected ",
+              probe, ": ptr[rank] does not alias this rank's buffer");
+  FERRY_CHECK_CUDA(cudaMemset(static_cast<char*>(region.local) + 64, 0, sizeof(probe)));
   std::vector<uint32_t> host(kCount, 1);
   FERRY_CHECK_CUDA(cudaMemcpy(host.data(), region.local, kBytes, cudaMemcpyDeviceToHost));
   check_words(host, std::vector<uint32_t>(kCount, 0), "fresh region");

@@ -39,11 +39,12 @@ struct CopyParams {
 // Grid-strided 16-byte copy: at every step the grid covers one contiguous span, so each warp's accesses coalesce.
 // Push reads local input that nothing writes meanwhile (non-coherent path) and stores to the peer; pull loads from
 // the peer (coherent path) and needs more loads in flight to cover the NVLink round trip.
-template <bool kPull>
+template <bool kPull, int kUnroll>
 __global__ void copy_kernel(CopyParams const params) {
+  static_assert(kUnroll == 4 || kUnroll == 8, "copy_kernel: kUnroll must be 4 or 8 (see --unroll)");
   int const lane = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
   int const stride = static_cast<int>(gridDim.x * blockDim.x);
-  device::copy_16B<!kPull, kPull ? 8 : 4>(params.dst, params.src, params.bytes, lane, stride);
+  device::copy_16B<!kPull, kUnroll>(params.dst, params.src, params.bytes, lane, stride);
 }
 
 struct PingPongParams {
@@ -153,6 +154,7 @@ Options make_options() {
           {"ctas", "8,16,32,132",
            "CTA counts of the kernel ops (a count that leaves whole CTAs idle at a size is skipped there)"},
           {"threads", "512", "threads per CTA of the kernel ops"},
+          {"unroll", "0", "16-byte loads in flight per thread before its stores: 4 or 8; 0 = push 4, pull 8"},
           {"ops", "push,pull,copy_engine,latency", "what to measure: push, pull, copy_engine, latency"},
           {"directions", "oneway,bidir", "oneway (rank 0 sends) and/or bidir (ranks 0 and 1 send at once)"},
           {"warmup", "5", "untimed runs before each measurement"},
@@ -167,6 +169,7 @@ struct Settings {
   std::vector<std::size_t> sizes;
   std::vector<int> ctas;
   int threads = 512;
+  int unroll = 0;
   std::vector<Op> ops;
   std::vector<Direction> directions;
   int warmup = 5;
@@ -184,6 +187,8 @@ Settings settings_from(Options const& options) {
   s.threads = options.integer("threads");
   FERRY_CHECK_CONFIG(s.threads >= 32 && s.threads <= 1024 && s.threads % 32 == 0, "--threads ", s.threads,
                      " must be a multiple of 32 in [32, 1024]");
+  s.unroll = options.integer("unroll");
+  FERRY_CHECK_CONFIG(s.unroll == 0 || s.unroll == 4 || s.unroll == 8, "--unroll ", s.unroll, " must be 0, 4 or 8");
   for (auto const& item : split_list(options.str("ops"))) {
     if (item == "push")
       s.ops.push_back(Op::push);
@@ -313,12 +318,20 @@ class P2p {
  private:
   void enqueue(Op op, std::size_t bytes, int ctas) {
     void* peer_window = window_.view.ptr[peer_];
+    // Pull waits a full NVLink round trip per load, so it wants more loads in flight than push by default.
+    int const unroll = s_.unroll != 0 ? s_.unroll : (op == Op::pull ? 8 : 4);
     switch (op) {
       case Op::push:
-        copy_kernel<false><<<ctas, s_.threads, 0, stream_>>>(CopyParams{local_, peer_window, bytes});
+        if (unroll == 8)
+          copy_kernel<false, 8><<<ctas, s_.threads, 0, stream_>>>(CopyParams{local_, peer_window, bytes});
+        else
+          copy_kernel<false, 4><<<ctas, s_.threads, 0, stream_>>>(CopyParams{local_, peer_window, bytes});
         break;
       case Op::pull:
-        copy_kernel<true><<<ctas, s_.threads, 0, stream_>>>(CopyParams{peer_window, local_, bytes});
+        if (unroll == 8)
+          copy_kernel<true, 8><<<ctas, s_.threads, 0, stream_>>>(CopyParams{peer_window, local_, bytes});
+        else
+          copy_kernel<true, 4><<<ctas, s_.threads, 0, stream_>>>(CopyParams{peer_window, local_, bytes});
         break;
       case Op::copy_engine:
         FERRY_CHECK_CUDA(cudaMemcpyAsync(peer_window, local_, bytes, cudaMemcpyDeviceToDevice, stream_));
