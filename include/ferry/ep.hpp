@@ -23,6 +23,9 @@ Mode parse_mode(std::string const& name);  // "normal" | "ll"
 
 // The largest topk any path supports.
 inline constexpr int kMaxTopk = 16;
+// The most tokens per rank low-latency mode accepts: its buffers are sized for the worst case (every token of every
+// rank to every local expert), which past this is better served by normal mode.
+inline constexpr int kMaxLowLatencyTokens = 1024;
 
 // The shape of one MoE layer's communication. Validated once by validate(); EpBuffer's constructor calls it.
 struct EpConfig {
@@ -36,14 +39,21 @@ struct EpConfig {
   std::optional<Geometry> dispatch_geometry;  // pins the dispatch launch geometry
   std::optional<Geometry> combine_geometry;   // pins the combine launch geometry
   // Cap on rows one rank can receive (default world * max_tokens_per_rank). Rows past it are dropped and reported.
+  // Normal mode only: low-latency mode always receives every row (ConfigError if set there).
   std::optional<int> max_recv_tokens;
-  // Rows per local expert of the expert-major layout (DispatchArgs::expand). Unset: no expert-major buffers are
-  // allocated and expand is refused (the worst case, world * max_tokens_per_rank rows for every local expert, is
-  // rarely affordable in normal mode; size it for the routing you expect). Slots past it are dropped and reported.
+  // Rows per local expert of the expert-major layout (DispatchArgs::expand). Unset: normal mode allocates no
+  // expert-major buffers and refuses expand (the worst case, world * max_tokens_per_rank rows for every local expert,
+  // is rarely affordable in normal mode; size it for the routing you expect); low-latency mode uses that worst case
+  // (see resolved()). Slots past it are dropped and reported.
   std::optional<int> expert_capacity;
 
   // Throws ConfigError naming the field, the value and the rule for the first rule broken.
+  // Low-latency mode also needs max_tokens_per_rank <= kMaxLowLatencyTokens and max_recv_tokens unset.
   void validate(int world) const;
+  // The config with the mode's defaults filled in for `world` ranks: in low-latency mode an unset expert_capacity
+  // becomes world * max_tokens_per_rank (no slot can be dropped unless a token names one expert twice). Normal mode
+  // is returned unchanged. EpBuffer::config() is the resolved config; pass it to ref:: to get the same layout.
+  EpConfig resolved(int world) const;
 
   int num_local_experts(int world) const { return num_experts / world; }
   int recv_capacity(int world) const;                               // rows of the rank-major receive buffers
@@ -58,14 +68,22 @@ struct DispatchArgs {
   void const* topk_idx = nullptr;  // [num_tokens, topk] global expert ids in [-1, num_experts)
   IndexType topk_idx_type = IndexType::int64;
   float const* topk_weights = nullptr;  // [num_tokens, topk]
-  bool expand = false;                  // also fill the expert-major layout
+  bool expand = false;                  // also fill the expert-major layout (always filled in low-latency mode)
   // Eager: synchronise after the call, set num_recv_host and raise device-side errors now. Not graph-capturable.
+  // With return_recv_hook, this applies to complete_dispatch (the send half never synchronises).
   bool eager = true;
+  // Low-latency mode only (InputError otherwise): return after the send half (the rows are on their way, nothing of
+  // this rank's inputs is read afterwards) and leave the receive half to EpBuffer::complete_dispatch, so the caller
+  // can run other work on the stream in between. The returned views are valid only after complete_dispatch.
+  bool return_recv_hook = false;
 };
 
 // Views of the buffers the dispatch filled. Rows ordered by (source rank, source token).
+// Low-latency mode fills the expert-major layout, num_recv, expert_counts and the rank-major metadata (recv_topk_idx,
+// recv_topk_weights, recv_src: what combine needs per row) but not recv_x (null there): the rows land per source and
+// are copied once, into expert_x.
 struct DispatchResult {
-  void* recv_x = nullptr;              // [recv_capacity, hidden] bf16
+  void* recv_x = nullptr;              // [recv_capacity, hidden] bf16 (normal mode only)
   int32_t* recv_topk_idx = nullptr;    // [recv_capacity, topk] local expert index, -1 where not on this rank
   float* recv_topk_weights = nullptr;  // [recv_capacity, topk]
   int32_t* recv_src = nullptr;         // [recv_capacity, 2] (source rank, source token)
@@ -88,7 +106,10 @@ struct CombineArgs {
   // expert_major: [num_local_experts, expert_slots, hidden]: expert outputs; weights applied by combine.
   void const* x = nullptr;
   void* y = nullptr;  // [num_tokens of that dispatch, hidden] bf16
-  bool eager = true;
+  bool eager = true;  // with return_recv_hook, applies to complete_combine
+  // Low-latency mode only (InputError otherwise): return after the send half (x has been read and this rank's rows
+  // are on their way back) and leave the receive half (the sum into y) to EpBuffer::complete_combine.
+  bool return_recv_hook = false;
 };
 
 namespace detail {
@@ -103,13 +124,31 @@ class EpBuffer {
   EpBuffer(EpBuffer const&) = delete;
   EpBuffer& operator=(EpBuffer const&) = delete;
 
-  EpConfig const& config() const { return config_; }
+  EpConfig const& config() const { return config_; }  // resolved for the communicator's world (EpConfig::resolved)
   Communicator& communicator() const { return *comm_; }
 
   // Collective. Throws InputError for bad arguments (before anything is written), TimeoutError when a peer does
   // not arrive, Error when the communicator already failed.
   DispatchResult dispatch(DispatchArgs const& args, cudaStream_t stream = nullptr);
   void combine(CombineArgs const& args, cudaStream_t stream = nullptr);
+
+  // The receive halves of a dispatch / combine called with return_recv_hook (low-latency mode), "the hook".
+  // Contract:
+  //  - Exactly one completion per hooked call, before any other dispatch or combine on this EpBuffer: a dispatch or
+  //    combine while a hook is pending, a completion without a pending hooked call of that leg (never started, or
+  //    already completed: a second call), all throw InputError before anything is enqueued.
+  //  - cuda: enqueued on `stream`; use the stream of the send half, or order it after that one yourself (an event).
+  //    What runs between the halves must not write the call's inputs (the send half may still be reading them on the
+  //    device until it finishes) nor read its outputs. cpu: runs now; stream must be null.
+  //  - complete_dispatch returns the same views as the send half, with num_recv_host set when the call was eager.
+  //  - A hook that is never completed leaves the EpBuffer refusing every later call; the peers' receive halves of
+  //    the next call then wait for this rank and end in TimeoutError (FERRY_TIMEOUT_S), never hang.
+  // Collective like the calls themselves. Throws TimeoutError when a peer does not arrive (eager: now; otherwise at
+  // the next check).
+  DispatchResult complete_dispatch(cudaStream_t stream = nullptr);
+  void complete_combine(cudaStream_t stream = nullptr);
+  // The leg whose receive half is pending ("" when none).
+  char const* pending_hook() const;
 
   // Name of the kernel path the last call of each leg took, and why (for `ferry bench --explain`).
   std::string explain() const;
@@ -118,6 +157,8 @@ class EpBuffer {
   std::shared_ptr<Communicator> comm_;
   EpConfig config_;
   std::unique_ptr<detail::EpBackendImpl> impl_;
+  enum class Pending { none, dispatch, combine };
+  Pending pending_ = Pending::none;
 };
 
 }  // namespace ferry

@@ -62,13 +62,29 @@ void EpConfig::validate(int world) const {
     FERRY_CHECK_CONFIG(*expert_capacity >= 1, "expert_capacity=", *expert_capacity, " must be at least 1 (or unset)");
   validate_geometry("dispatch_geometry", dispatch_geometry);
   validate_geometry("combine_geometry", combine_geometry);
+  if (mode == Mode::low_latency) {
+    // NOTE: low-latency buffers are sized for the worst case (world x max_tokens_per_rank rows landing, as many slots
+    // per local expert); past a few hundred tokens that memory is better spent on normal mode's buffers.
+    FERRY_CHECK_CONFIG(max_tokens_per_rank <= kMaxLowLatencyTokens, "max_tokens_per_rank=", max_tokens_per_rank,
+                       " is more than mode=ll accepts (", kMaxLowLatencyTokens,
+                       "); split the decode batch or use mode=normal for larger batches");
+    // NOTE: the landing zone holds every row a rank can receive; there is nothing to cap.
+    FERRY_CHECK_CONFIG(!max_recv_tokens, "max_recv_tokens=", *max_recv_tokens,
+                       " is not used by mode=ll (every row is received: the landing zone holds world x "
+                       "max_tokens_per_rank rows); leave it unset");
+  }
   // NOTE: only what is implemented is accepted; a config that cannot run fails here, not at the first call.
-  FERRY_CHECK_CONFIG(mode == Mode::normal, "mode=", mode_name(mode),
-                     " is not available in this version; use mode=normal");
   FERRY_CHECK_CONFIG(dispatch_format == WireFormat::bf16, "dispatch_format=", wire_format_name(dispatch_format),
                      " is not available in this version; use bf16");
   FERRY_CHECK_CONFIG(combine_format == WireFormat::bf16, "combine_format=", wire_format_name(combine_format),
                      " is not available in this version; use bf16");
+}
+
+EpConfig EpConfig::resolved(int world) const {
+  EpConfig out = *this;
+  if (mode == Mode::low_latency && !expert_capacity)
+    out.expert_capacity = static_cast<int>(static_cast<int64_t>(world) * max_tokens_per_rank);
+  return out;
 }
 
 int EpConfig::recv_capacity(int world) const {

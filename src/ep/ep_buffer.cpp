@@ -4,6 +4,14 @@
 namespace ferry {
 namespace detail {
 
+DispatchResult EpBackendImpl::complete_dispatch(cudaStream_t) {
+  FERRY_THROW(Error, "ferry", "this backend has no split dispatch (return_recv_hook); use mode=ll");
+}
+
+void EpBackendImpl::complete_combine(cudaStream_t) {
+  FERRY_THROW(Error, "ferry", "this backend has no split combine (return_recv_hook); use mode=ll");
+}
+
 void validate_dispatch_args(EpConfig const& config, DispatchArgs const& args) {
   FERRY_CHECK_INPUT(args.num_tokens >= 0 && args.num_tokens <= config.max_tokens_per_rank,
                     "num_tokens=", args.num_tokens, " is outside [0, max_tokens_per_rank=", config.max_tokens_per_rank,
@@ -33,6 +41,7 @@ EpBuffer::EpBuffer(std::shared_ptr<Communicator> comm, EpConfig const& config)
     : comm_(std::move(comm)), config_(config) {
   FERRY_CHECK_CONFIG(comm_ != nullptr, "EpBuffer needs a communicator");
   config_.validate(comm_->world());
+  config_ = config_.resolved(comm_->world());
   comm_->ensure_usable();
   switch (comm_->backend()) {
     case Backend::cpu:
@@ -40,7 +49,8 @@ EpBuffer::EpBuffer(std::shared_ptr<Communicator> comm, EpConfig const& config)
       break;
     case Backend::cuda:
 #if FERRY_HAVE_CUDA
-      impl_ = detail::make_cuda_ep(*comm_, config_);
+      impl_ = config_.mode == Mode::low_latency ? detail::make_cuda_ll_ep(*comm_, config_)
+                                                : detail::make_cuda_ep(*comm_, config_);
       break;
 #else
       FERRY_THROW(ConfigError, "config",
@@ -51,15 +61,66 @@ EpBuffer::EpBuffer(std::shared_ptr<Communicator> comm, EpConfig const& config)
 
 EpBuffer::~EpBuffer() = default;
 
+namespace {
+// NOTE: a leg whose receive half is pending still owns the buffers (the send half's rows are landing in them), so
+// nothing else may start until the hook is completed.
+void check_no_pending(char const* call, char const* pending) {
+  FERRY_CHECK_INPUT(*pending == '\0', call, " called while the receive half of a ", pending,
+                    " (return_recv_hook=true) is pending; call complete_", pending, " first");
+}
+void check_hook_mode(EpConfig const& config, bool hook, char const* leg) {
+  FERRY_CHECK_INPUT(!hook || config.mode == Mode::low_latency, leg, " return_recv_hook=true needs mode=ll (this ",
+                    "EpBuffer is mode=", mode_name(config.mode), ")");
+}
+}  // namespace
+
 DispatchResult EpBuffer::dispatch(DispatchArgs const& args, cudaStream_t stream) {
   comm_->ensure_usable();
+  check_no_pending("dispatch", pending_hook());
+  check_hook_mode(config_, args.return_recv_hook, "dispatch");
   detail::validate_dispatch_args(config_, args);
-  return impl_->dispatch(args, stream);
+  DispatchResult result = impl_->dispatch(args, stream);
+  if (args.return_recv_hook) pending_ = Pending::dispatch;
+  return result;
 }
 
 void EpBuffer::combine(CombineArgs const& args, cudaStream_t stream) {
   comm_->ensure_usable();
+  check_no_pending("combine", pending_hook());
+  check_hook_mode(config_, args.return_recv_hook, "combine");
   impl_->combine(args, stream);
+  if (args.return_recv_hook) pending_ = Pending::combine;
+}
+
+DispatchResult EpBuffer::complete_dispatch(cudaStream_t stream) {
+  comm_->ensure_usable();
+  FERRY_CHECK_INPUT(
+      pending_ == Pending::dispatch, "complete_dispatch called without a pending dispatch (",
+      *pending_hook() ? detail::concat("the pending hook is of ", pending_hook()) : std::string("none is pending"),
+      "); call it once after each dispatch with return_recv_hook=true");
+  pending_ = Pending::none;
+  return impl_->complete_dispatch(stream);
+}
+
+void EpBuffer::complete_combine(cudaStream_t stream) {
+  comm_->ensure_usable();
+  FERRY_CHECK_INPUT(
+      pending_ == Pending::combine, "complete_combine called without a pending combine (",
+      *pending_hook() ? detail::concat("the pending hook is of ", pending_hook()) : std::string("none is pending"),
+      "); call it once after each combine with return_recv_hook=true");
+  pending_ = Pending::none;
+  impl_->complete_combine(stream);
+}
+
+char const* EpBuffer::pending_hook() const {
+  switch (pending_) {
+    case Pending::dispatch:
+      return "dispatch";
+    case Pending::combine:
+      return "combine";
+    default:
+      return "";
+  }
 }
 
 std::string EpBuffer::explain() const {

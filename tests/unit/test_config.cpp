@@ -93,11 +93,33 @@ TEST(Config, GeometryAndWorld) {
   expect_message(config, 64, {"world=64", "32"});
 }
 
-TEST(Config, UnavailableModesAndFormatsAreRefusedUpFront) {
+TEST(Config, LowLatencyRules) {
   EpConfig config;
   config.mode = Mode::low_latency;
-  expect_message(config, 2, {"mode=ll", "not available"});
-  config = EpConfig{};
+  config.max_tokens_per_rank = 128;
+  EXPECT_EQ(config_error(config, 2), "");
+  config.max_tokens_per_rank = kMaxLowLatencyTokens;
+  EXPECT_EQ(config_error(config, 8), "");
+  config.max_tokens_per_rank = kMaxLowLatencyTokens + 1;
+  expect_message(config, 2, {"max_tokens_per_rank=1025", "mode=ll", "1024", "mode=normal"});
+  config.max_tokens_per_rank = 128;
+  config.max_recv_tokens = 100;
+  expect_message(config, 2, {"max_recv_tokens=100", "mode=ll", "unset"});
+  // the default capacity of ll is the worst case; an explicit one is kept; normal mode is left alone
+  config.max_recv_tokens.reset();
+  EXPECT_EQ(config.resolved(4).expert_slots(), 4 * 128);
+  config.expert_capacity = 17;
+  EXPECT_EQ(config.resolved(4).expert_slots(), 17);
+  EpConfig normal;
+  normal.max_tokens_per_rank = 8192;
+  EXPECT_EQ(config_error(normal, 2), "");
+  EXPECT_EQ(normal.resolved(2).expert_slots(), 0);
+  EXPECT_EQ(parse_mode("ll"), Mode::low_latency);
+  EXPECT_STREQ(mode_name(Mode::low_latency), "ll");
+}
+
+TEST(Config, UnavailableFormatsAreRefusedUpFront) {
+  EpConfig config;
   config.dispatch_format = WireFormat::fp8_e4m3;
   expect_message(config, 2, {"dispatch_format=fp8", "not available"});
 }
@@ -162,7 +184,8 @@ TEST(Env, ReadmeListsEveryParameter) {
   ASSERT_TRUE(readme.good()) << "README.md not found under " << FERRY_SOURCE_DIR;
   std::string const text((std::istreambuf_iterator<char>(readme)), std::istreambuf_iterator<char>());
   for (EnvParam const& param : env_params())
-    EXPECT_NE(text.find(std::string("`") + param.name + "`"), std::string::npos) << param.name << " missing from README";
+    EXPECT_NE(text.find(std::string("`") + param.name + "`"), std::string::npos)
+        << param.name << " missing from README";
 }
 
 }  // namespace

@@ -4,6 +4,12 @@
 // into their final slots, barrier. Combine: each receiver reduces its rows into its own send-back area, barrier,
 // each source pulls and sums its tokens' rows over the destinations in ascending order, barrier. The per-row
 // arithmetic is ref::reduce_row / accumulate_row / round_row, so results are bit-identical with ref::.
+//
+// Low-latency mode has the same semantics (DESIGN.md "Semantics") with its own output contract: every dispatch fills
+// the expert-major layout, recv_x is not returned, and each leg splits into a send half (dispatch: steps 1-5, the rows
+// have landed on every rank; combine: step 1, the rows to send back are published) and a receive half (dispatch: the
+// expert-major layout; combine: the sum). With return_recv_hook the receive half waits for complete_dispatch /
+// complete_combine; otherwise it follows at once.
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -65,9 +71,13 @@ class CpuEp final : public EpBackendImpl {
   DispatchResult dispatch(DispatchArgs const& args, cudaStream_t stream) override;
   void combine(CombineArgs const& args, cudaStream_t stream) override;
   std::string explain() const override;
+  DispatchResult complete_dispatch(cudaStream_t stream) override;
+  void complete_combine(cudaStream_t stream) override;
 
  private:
   void report_drops(int64_t dropped, bool eager);
+  DispatchResult receive_dispatch();  // the receive half: expert-major layout, results, drop report
+  void receive_combine();             // the receive half: sum into y
 
   Communicator& comm_;
   EpConfig config_;
@@ -98,6 +108,12 @@ class CpuEp final : public EpBackendImpl {
   ref::ExpertLayout layout_;
   LocalPages expert_x_;  // [num_local x slots x hidden] bf16, only with an expert capacity
   std::vector<float> scratch_;
+  bool low_latency_ = false;
+  // what the receive half of the current call needs from its send half
+  bool pending_expand_ = false;
+  bool pending_eager_ = true;
+  int64_t pending_total_recv_ = 0;
+  void* pending_y_ = nullptr;
   std::string last_dispatch_ = "dispatch: not called yet";
   std::string last_combine_ = "combine: not called yet";
 };
@@ -114,7 +130,8 @@ CpuEp::CpuEp(Communicator& comm, EpConfig const& config)
       num_local_(config.num_local_experts(comm.world())),
       capacity_(config.recv_capacity(comm.world())),
       slots_(config.expert_slots()),
-      row_bytes_(at(config.hidden, kRowElemBytes)) {
+      row_bytes_(at(config.hidden, kRowElemBytes)),
+      low_latency_(config.mode == Mode::low_latency) {
   // Collective: every rank allocates the same regions in the same order.
   counts_ = comm_.alloc_symmetric(at(world_, world_) * sizeof(int64_t));
   recv_x_ = comm_.alloc_symmetric(at(capacity_, 1) * row_bytes_);
@@ -210,12 +227,37 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t stream) {
     }
   }
   comm_.barrier(nullptr);  // every row has landed
-
-  // 6. receiver: the expert-major layout from the rows that arrived
   num_recv_ = num_recv;
+  // NOTE: low-latency mode always fills the expert-major layout (its output contract).
+  pending_expand_ = args.expand || low_latency_;
+  pending_eager_ = args.eager;
+  pending_total_recv_ = total_recv;
+  last_dispatch_ = low_latency_ ? concat("dispatch: cpu reference, ll (host push through shared memory + expert-major",
+                                         args.return_recv_hook ? ", split: receive half in complete_dispatch" : "", ")")
+                                : concat("dispatch: cpu reference (host push through shared memory, rank-major",
+                                         args.expand ? " + expand" : "", ")");
+  if (args.return_recv_hook) {
+    // the send half is done: this rank's rows are on every destination. Views are valid after complete_dispatch.
+    DispatchResult pending;
+    pending.recv_capacity = capacity_;
+    return pending;
+  }
+  return receive_dispatch();
+}
+
+DispatchResult CpuEp::complete_dispatch(cudaStream_t stream) {
+  FERRY_CHECK_INPUT(stream == nullptr, "the cpu backend runs on the host: stream must be null, got ",
+                    static_cast<void*>(stream));
+  return receive_dispatch();
+}
+
+DispatchResult CpuEp::receive_dispatch() {
+  int32_t const num_recv = num_recv_;
+  bool const expand = pending_expand_;
+  // 6. receiver: the expert-major layout from the rows that arrived
   auto const* recv_idx = reinterpret_cast<int32_t const*>(recv_idx_.local);
   layout_ = ref::expert_layout(config_, world_, num_recv, std::span<int32_t const>(recv_idx, at(num_recv, topk_)));
-  if (args.expand) {
+  if (expand) {
     for (int e = 0; e < num_local_; ++e) {
       int const filled = std::min(layout_.expert_counts[static_cast<std::size_t>(e)], slots_);
       for (int s = 0; s < filled; ++s) {
@@ -226,12 +268,10 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t stream) {
     }
   }
   have_dispatch_ = true;
-  last_expand_ = args.expand;
-  last_dispatch_ = concat("dispatch: cpu reference (host push through shared memory, rank-major",
-                          args.expand ? " + expand" : "", ")");
+  last_expand_ = expand;
 
   DispatchResult result;
-  result.recv_x = recv_x_.local;
+  result.recv_x = low_latency_ ? nullptr : recv_x_.local;
   result.recv_topk_idx = reinterpret_cast<int32_t*>(recv_idx_.local);
   result.recv_topk_weights = reinterpret_cast<float*>(recv_weights_.local);
   result.recv_src = reinterpret_cast<int32_t*>(recv_src_.local);
@@ -239,7 +279,7 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t stream) {
   result.num_recv_host = num_recv_;  // calls are synchronous on cpu: known whether eager or not
   result.expert_counts = layout_.expert_counts.data();
   result.recv_capacity = capacity_;
-  if (args.expand) {
+  if (expand) {
     result.expert_x = expert_x_.data();
     result.expert_src_row = layout_.expert_src_row.data();
     result.expert_slots = slots_;
@@ -247,7 +287,7 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t stream) {
 
   // 7. drops: rows past max_recv_tokens, and with expand, entries past expert_capacity (reported as InputError by the
   //    check eager calls make; the result stays valid for the rows that fit)
-  report_drops((total_recv - num_recv) + (args.expand ? layout_.dropped_slots : 0), args.eager);
+  report_drops((pending_total_recv_ - num_recv) + (expand ? layout_.dropped_slots : 0), pending_eager_);
   return result;
 }
 
@@ -276,10 +316,24 @@ void CpuEp::combine(CombineArgs const& args, cudaStream_t stream) {
     std::memcpy(out, args.x, at(num_recv_, 1) * row_bytes_);
   }
   comm_.barrier(nullptr);  // every rank's rows are ready
+  pending_y_ = args.y;
+  pending_eager_ = args.eager;
+  last_combine_ = concat("combine: cpu reference", low_latency_ ? ", ll" : "",
+                         " (host pull-reduce through shared memory, ", expert_major ? "expert_major" : "rank_major",
+                         args.return_recv_hook ? ", split: sum in complete_combine" : "", ")");
+  if (!args.return_recv_hook) receive_combine();
+}
 
+void CpuEp::complete_combine(cudaStream_t stream) {
+  FERRY_CHECK_INPUT(stream == nullptr, "the cpu backend runs on the host: stream must be null, got ",
+                    static_cast<void*>(stream));
+  receive_combine();
+}
+
+void CpuEp::receive_combine() {
   // 2. source: pull and sum this rank's rows over the destinations in ascending order (rows beyond a destination's
   //    capacity were never delivered and add nothing)
-  auto* const y = static_cast<uint16_t*>(args.y);
+  auto* const y = static_cast<uint16_t*>(pending_y_);
   std::vector<int64_t> next = dest_offset_;
   for (int t = 0; t < num_tokens_; ++t) {
     std::fill(scratch_.begin(), scratch_.end(), 0.0f);
@@ -293,10 +347,7 @@ void CpuEp::combine(CombineArgs const& args, cudaStream_t stream) {
     ref::round_row(hidden_, scratch_.data(), y + at(t, hidden_));
   }
   comm_.barrier(nullptr);  // every source has read the rows: the areas may be reused
-
-  last_combine_ = concat("combine: cpu reference (host pull-reduce through shared memory, ",
-                         expert_major ? "expert_major" : "rank_major", ")");
-  if (args.eager) comm_.check_errors(nullptr);
+  if (pending_eager_) comm_.check_errors(nullptr);
 }
 
 std::string CpuEp::explain() const {

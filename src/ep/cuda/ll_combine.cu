@@ -1,0 +1,63 @@
+// Host launcher of the low-latency combine kernel (ll_combine.cuh): validation, template instance, launch.
+#include "core/cuda_check.hpp"
+#include "ep/cuda/ll_buffers.hpp"
+#include "ep/cuda/ll_combine.cuh"
+
+namespace ferry::cuda_ll {
+
+namespace {
+
+LlCombineParams to_params(LlBuffers const& b, CombineArgs const& args, int num_tokens) {
+  FERRY_CHECK_INPUT(num_tokens == 0 || args.y != nullptr, "combine y is null for num_tokens=", num_tokens,
+                    " of the last dispatch");
+  FERRY_CHECK_INPUT(args.layout == CombineLayout::rank_major || b.expert_slots > 0,
+                    "expert-major combine needs expert slots; the LL config resolves them at construction");
+  FERRY_CHECK(b.num_ctas >= 1 && b.num_ctas <= kMaxCtas, "LL grid of ", b.num_ctas, " CTAs is outside [1, ", kMaxCtas,
+              "]");
+  LlCombineParams p{};
+  p.view = b.view;
+  for (int r = 0; r < b.world; ++r) p.sym[r] = b.sym.ptr[r];
+  p.layout = b.layout;
+  p.x = args.x;
+  p.y = args.y;
+  p.hidden = b.config.hidden;
+  p.topk = b.config.topk;
+  p.expert_slots = b.expert_slots;
+  p.max_tokens = b.config.max_tokens_per_rank;
+  p.num_ctas = b.num_ctas;
+  p.state = b.state;
+  p.token_mask = b.token_mask;
+  p.recv_src = b.recv_src;
+  p.recv_idx = b.recv_idx;
+  p.recv_w = b.recv_w;
+  p.recv_slot = b.recv_slot;
+  return p;
+}
+
+using CombineKernel = void (*)(LlCombineParams);
+
+// The instances, in one place: (layout) x (halves). The receive half reads no expert outputs: one instance.
+template <bool kExpertMajor>
+CombineKernel pick(Half half) {
+  switch (half) {
+    case Half::both:
+      return ll_combine_kernel<kExpertMajor, true, true>;
+    case Half::send:
+      return ll_combine_kernel<kExpertMajor, true, false>;
+    case Half::recv:
+      return ll_combine_kernel<true, false, true>;
+  }
+  FERRY_THROW(Error, "ferry", "unknown LL combine half ", static_cast<int>(half));
+}
+
+}  // namespace
+
+void launch_ll_combine(LlBuffers const& buffers, CombineArgs const& args, int num_tokens, Half half,
+                       cudaStream_t stream) {
+  // num_tokens is only checked here; the kernel reads the device copy of the last dispatch's count
+  LlCombineParams const p = to_params(buffers, args, num_tokens);
+  CombineKernel const kernel = args.layout == CombineLayout::expert_major ? pick<true>(half) : pick<false>(half);
+  launch_ll_grid(kernel, p, p.num_ctas, stream);
+}
+
+}  // namespace ferry::cuda_ll

@@ -1,0 +1,102 @@
+// Host launcher of the low-latency dispatch kernel (ll_dispatch.cuh): validation, template instance, launch.
+#include "core/cuda_check.hpp"
+#include "ep/cuda/ll_buffers.hpp"
+#include "ep/cuda/ll_dispatch.cuh"
+
+namespace ferry::cuda_ll {
+
+template <typename Params>
+void launch_ll_grid(void (*kernel)(Params), Params const& params, int ctas, cudaStream_t stream) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(ctas));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeCooperative;
+  attribute.val.cooperative = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  FERRY_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, params));
+}
+
+template void launch_ll_grid<LlDispatchParams>(void (*)(LlDispatchParams), LlDispatchParams const&, int, cudaStream_t);
+template void launch_ll_grid<LlCombineParams>(void (*)(LlCombineParams), LlCombineParams const&, int, cudaStream_t);
+
+namespace {
+
+LlDispatchParams to_params(LlBuffers const& b, DispatchArgs const& args) {
+  FERRY_CHECK_INPUT(args.num_tokens >= 0 && args.num_tokens <= b.config.max_tokens_per_rank,
+                    "num_tokens=", args.num_tokens,
+                    " is outside [0, max_tokens_per_rank=", b.config.max_tokens_per_rank, "]");
+  FERRY_CHECK_INPUT(args.num_tokens == 0 || (args.x && args.topk_idx && args.topk_weights),
+                    "x, topk_idx and topk_weights must be non-null for num_tokens=", args.num_tokens);
+  FERRY_CHECK(b.num_ctas >= 1 && b.num_ctas <= kMaxCtas, "LL grid of ", b.num_ctas, " CTAs is outside [1, ", kMaxCtas,
+              "]");
+  FERRY_CHECK(b.expert_parts >= 1 && b.expert_parts <= b.num_ctas, "expert_parts=", b.expert_parts,
+              " is outside [1, num_ctas=", b.num_ctas, "]");
+  LlDispatchParams p{};
+  p.view = b.view;
+  for (int r = 0; r < b.world; ++r) p.sym[r] = b.sym.ptr[r];
+  p.layout = b.layout;
+  p.x = args.x;
+  p.topk_idx = args.topk_idx;
+  p.topk_weights = args.topk_weights;
+  p.num_tokens = args.num_tokens;
+  p.hidden = b.config.hidden;
+  p.topk = b.config.topk;
+  p.num_experts = b.config.num_experts;
+  p.num_local_experts = b.num_local_experts;
+  p.max_tokens = b.config.max_tokens_per_rank;
+  p.expert_slots = b.expert_slots;
+  p.num_ctas = b.num_ctas;
+  p.expert_parts = b.expert_parts;
+  p.state = b.state;
+  p.token_mask = b.token_mask;
+  p.recv_src = b.recv_src;
+  p.recv_idx = b.recv_idx;
+  p.recv_w = b.recv_w;
+  p.recv_slot = b.recv_slot;
+  p.expert_counts = b.expert_counts;
+  p.expert_x = b.expert_x;
+  p.expert_src_row = b.expert_src_row;
+  p.slot_landing = b.slot_landing;
+  return p;
+}
+
+using DispatchKernel = void (*)(LlDispatchParams);
+
+// The instances, in one place: (index type) x (halves). The receive half reads no ids, so it has one instance.
+template <typename IdxT>
+DispatchKernel pick(Half half) {
+  switch (half) {
+    case Half::both:
+      return ll_dispatch_kernel<IdxT, true, true>;
+    case Half::send:
+      return ll_dispatch_kernel<IdxT, true, false>;
+    case Half::recv:
+      return ll_dispatch_kernel<int64_t, false, true>;
+  }
+  FERRY_THROW(Error, "ferry", "unknown LL dispatch half ", static_cast<int>(half));
+}
+
+}  // namespace
+
+void launch_ll_dispatch(LlBuffers const& buffers, DispatchArgs const& args, Half half, cudaStream_t stream) {
+  LlDispatchParams const p = to_params(buffers, args);
+  DispatchKernel kernel = nullptr;
+  switch (args.topk_idx_type) {
+    case IndexType::int64:
+      kernel = pick<int64_t>(half);
+      break;
+    case IndexType::int32:
+      kernel = pick<int32_t>(half);
+      break;
+    default:
+      FERRY_THROW(InputError, "input", "topk_idx_type=", static_cast<int>(args.topk_idx_type),
+                  " is not int32 or int64");
+  }
+  launch_ll_grid(kernel, p, p.num_ctas, stream);
+}
+
+}  // namespace ferry::cuda_ll

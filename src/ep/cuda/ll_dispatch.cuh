@@ -1,0 +1,281 @@
+// Low-latency dispatch over NVLink: one kernel (or, with the hook, its send half and its receive half apart).
+//
+// Send half (every CTA, warp per token, no step waits for another CTA):
+//  1. the token's destination ranks from its topk ids (bad ids dropped and counted);
+//  2. its metadata record (local expert ids for that rank, weights) to EVERY rank, so each receiver knows the full
+//     routing of the source without a count exchange; the row itself only to the ranks that hold one of its experts
+//     (wire de-duplication), at landing slot (source, token) of the destination's current parity;
+//  3. per CTA: fence, then +1 on every destination's arrival counter of this source (release).
+// Receive half (CTA per (local expert, part)):
+//  4. wait until every source's arrivals reach seq * num_ctas (acquire; bounded);
+//  5. scan the received records in (source, token) order with a CTA scan: a row is present when one of its ids is
+//     local; its rank-major index is the count of present rows before it; entry (row, k) of expert e gets the next
+//     slot of e. This is exactly ref::expert_layout's order, computed by every CTA for its expert, no atomics;
+//  6. copy each filled slot's row from the landing zone into expert_x (the wire carried one copy per rank; the
+//     expert-major duplicates are made locally). The CTA of expert 0 also writes the rank-major metadata.
+#pragma once
+
+#include <cstdint>
+
+#include "comm/device/memory.cuh"
+#include "comm/device/signal.cuh"
+#include "ep/cuda/ll_params.cuh"
+
+namespace ferry::cuda_ll {
+
+__device__ __forceinline__ std::size_t landing_index(int parity, int world, int source, int max_tokens, int token) {
+  return (static_cast<std::size_t>(parity) * world + source) * static_cast<std::size_t>(max_tokens) + token;
+}
+
+template <typename IdxT>
+__device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, uint64_t seq) {
+  static_assert(sizeof(IdxT) == 4 || sizeof(IdxT) == 8, "topk_idx is int32 or int64");
+  int const world = p.view.world;
+  int const rank = p.view.rank;
+  int const tid = static_cast<int>(threadIdx.x);
+  int const lane = tid & 31;
+  int const warp = tid >> 5;
+  int const cta = static_cast<int>(blockIdx.x);
+  int const parity = static_cast<int>(seq & 1);
+  int const topk = p.topk;
+  int const num_local = p.num_local_experts;
+  std::size_t const row_bytes = static_cast<std::size_t>(p.hidden) * 2;
+  int const num_vec = p.hidden / 8;
+  auto const* topk_idx = static_cast<IdxT const*>(p.topk_idx);
+
+  // 1. this call's token count to every destination (covered by CTA 0's arrival below)
+  if (cta == 0 && tid < world) {
+    auto* word = reinterpret_cast<uint64_t volatile*>(p.sym[tid] + p.layout.dispatch_tokens) + parity * world + rank;
+    *word = static_cast<uint64_t>(p.num_tokens);
+  }
+  if (cta == 0 && tid == 0) p.state->num_tokens = p.num_tokens;
+
+  // 2. warp per token
+  for (int t = cta * kWarps + warp; t < p.num_tokens; t += p.num_ctas * kWarps) {
+    int64_t e = -1;
+    float w = 0.0f;
+    if (lane < topk) {
+      e = static_cast<int64_t>(topk_idx[static_cast<std::size_t>(t) * topk + lane]);
+      w = p.topk_weights[static_cast<std::size_t>(t) * topk + lane];
+      if (e < -1 || e >= p.num_experts) {  // dropped and reported (InputError at the next check)
+        device::record_input_error(p.view,
+                                   static_cast<int>(e < INT32_MIN   ? INT32_MIN
+                                                    : e > INT32_MAX ? INT32_MAX
+                                                                    : e),
+                                   false);
+        e = -1;
+      }
+    }
+    int const dest = e >= 0 ? static_cast<int>(e) / num_local : -1;
+    uint32_t const mask = __reduce_or_sync(0xffffffffu, dest >= 0 ? 1u << dest : 0u);
+    if (lane == 0) p.token_mask[t] = mask;
+
+    // metadata to every rank: lanes [0, topk) write the local ids, lanes [topk, 2 topk) the weights
+    int const k = (lane < topk ? lane : lane - topk) & 31;
+    int const dest_k = __shfl_sync(0xffffffffu, dest, k);
+    int const e_k = static_cast<int>(__shfl_sync(0xffffffffu, static_cast<long long>(e), k));
+    float const w_k = __shfl_sync(0xffffffffu, w, k);
+    for (int d = 0; d < world; ++d) {
+      char* record =
+          p.sym[d] + p.layout.dispatch_meta + landing_index(parity, world, rank, p.max_tokens, t) * p.layout.meta_bytes;
+      if (lane < topk)
+        reinterpret_cast<int32_t*>(record)[lane] = dest_k == d ? e_k - d * num_local : -1;
+      else if (lane < 2 * topk)
+        reinterpret_cast<float*>(record)[lane] = dest_k == d ? w_k : 0.0f;
+    }
+
+    // the row, once per destination rank: kUnroll loads in flight per lane, then the stores to every destination
+    auto const* src =
+        reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes);
+    std::size_t const slot = landing_index(parity, world, rank, p.max_tokens, t);
+    for (int i = lane; i < num_vec; i += 32 * kUnroll) {
+      int4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (i + u * 32 < num_vec) v[u] = device::arch::load_nc_v4(src + i + u * 32);
+      for (uint32_t m = mask; m != 0; m &= m - 1) {
+        int const d = __ffs(m) - 1;
+        auto* dst = reinterpret_cast<int4*>(p.sym[d] + p.layout.dispatch_rows + slot * row_bytes);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (i + u * 32 < num_vec) device::arch::store_na_v4(dst + i + u * 32, v[u]);
+      }
+    }
+  }
+
+  // 3. arrival: every thread's stores reach the destinations (fence), the CTA agrees (barrier), then one release add
+  //    per destination (cumulative over the fenced stores)
+  device::arch::fence_acq_rel_sys();
+  __syncthreads();
+  if (tid < world) device::signal_add(reinterpret_cast<uint64_t*>(p.sym[tid] + p.layout.dispatch_arrivals) + rank, 1);
+}
+
+__device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint64_t seq) {
+  __shared__ int32_t s_base[kMaxLocalPeers + 1];  // first rank-major landing row of each source
+  __shared__ int32_t s_warp_rows[kWarps];
+  __shared__ int32_t s_warp_hits[kWarps];
+  __shared__ int32_t s_chunk[2];
+  __shared__ int s_ok;
+
+  int const world = p.view.world;
+  int const rank = p.view.rank;
+  int const tid = static_cast<int>(threadIdx.x);
+  int const lane = tid & 31;
+  int const warp = tid >> 5;
+  int const cta = static_cast<int>(blockIdx.x);
+  int const parity = static_cast<int>(seq & 1);
+  int const topk = p.topk;
+  int const slots = p.expert_slots;
+  std::size_t const row_bytes = static_cast<std::size_t>(p.hidden) * 2;
+  uint32_t const lower = (1u << lane) - 1u;
+
+  // 4. every source's send CTAs of this call (thread s waits for source s; acquire, bounded)
+  if (tid == 0) s_ok = 1;
+  __syncthreads();
+  if (tid < world) {
+    auto const* arrivals = reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.dispatch_arrivals);
+    if (!device::wait_signal_geq(p.view, arrivals + tid, seq * static_cast<uint64_t>(p.num_ctas), tid,
+                                 WaitPhase::ll_dispatch))
+      s_ok = 0;
+    auto const* tokens = reinterpret_cast<uint64_t const volatile*>(p.sym[rank] + p.layout.dispatch_tokens);
+    s_base[tid + 1] = static_cast<int32_t>(tokens[parity * world + tid]);
+  }
+  __syncthreads();
+  if (!s_ok) return;
+  if (tid == 0) {
+    s_base[0] = 0;
+    for (int s = 0; s < world; ++s) s_base[s + 1] += s_base[s];
+  }
+  __syncthreads();
+  int const num_landed = s_base[world];
+
+  int const parts = p.expert_parts;
+  int const part = cta % parts;
+  int const expert_stride = p.num_ctas / parts;
+  for (int e = cta / parts; e < p.num_local_experts; e += expert_stride) {
+    bool const meta_role = e == 0 && part == 0;  // writes the rank-major metadata and num_recv
+    int running_rows = 0;
+    int running_slots = 0;
+    // 5. ordered scan of the landed records, kThreads per step
+    for (int base = 0; base < num_landed; base += kThreads) {
+      int const r = base + tid;
+      int source = 0;
+      int token = 0;
+      int present = 0;
+      int hits = 0;
+      int32_t const volatile* record = nullptr;
+      if (r < num_landed) {
+        while (s_base[source + 1] <= r) ++source;
+        token = r - s_base[source];
+        record = reinterpret_cast<int32_t const volatile*>(p.sym[rank] + p.layout.dispatch_meta +
+                                                           landing_index(parity, world, source, p.max_tokens, token) *
+                                                               p.layout.meta_bytes);
+        for (int k = 0; k < topk; ++k) {
+          int32_t const id = record[k];
+          present |= id >= 0;
+          hits += id == e;
+        }
+      }
+      // CTA scan of (present rows, hits): warp ballots / shuffles, then one thread over the warps
+      uint32_t const present_bits = __ballot_sync(0xffffffffu, present);
+      int hits_incl = hits;
+#pragma unroll
+      for (int offset = 1; offset < 32; offset <<= 1) {
+        int const other = __shfl_up_sync(0xffffffffu, hits_incl, offset);
+        if (lane >= offset) hits_incl += other;
+      }
+      if (lane == 31) {
+        s_warp_rows[warp] = __popc(present_bits);
+        s_warp_hits[warp] = hits_incl;
+      }
+      __syncthreads();
+      if (tid == 0) {
+        int rows = 0;
+        int hit_sum = 0;
+        for (int w = 0; w < kWarps; ++w) {
+          int const wr = s_warp_rows[w];
+          int const wh = s_warp_hits[w];
+          s_warp_rows[w] = rows;
+          s_warp_hits[w] = hit_sum;
+          rows += wr;
+          hit_sum += wh;
+        }
+        s_chunk[0] = rows;
+        s_chunk[1] = hit_sum;
+      }
+      __syncthreads();
+      if (present) {
+        int const row = running_rows + s_warp_rows[warp] + __popc(present_bits & lower);
+        std::size_t const entry0 = static_cast<std::size_t>(row) * topk;
+        if (meta_role) {
+          auto const volatile* weights = reinterpret_cast<float const volatile*>(record + topk);
+          p.recv_src[2 * row] = source;
+          p.recv_src[2 * row + 1] = token;
+          for (int k = 0; k < topk; ++k) {
+            int32_t const id = record[k];
+            p.recv_idx[entry0 + k] = id;
+            p.recv_w[entry0 + k] = weights[k];
+            if (id < 0) p.recv_slot[entry0 + k] = -1;
+          }
+        }
+        if (hits) {
+          int slot = running_slots + s_warp_hits[warp] + hits_incl - hits;
+          for (int k = 0; k < topk; ++k) {
+            if (record[k] != e) continue;
+            if (slot < slots) {
+              if (part == 0) p.recv_slot[entry0 + k] = slot;
+              if (slot % parts == part) {
+                std::size_t const at = static_cast<std::size_t>(e) * slots + slot;
+                p.expert_src_row[at] = row;
+                p.slot_landing[at] = source * p.max_tokens + token;
+              }
+            } else if (part == 0) {  // past expert_capacity: no slot, dropped and counted
+              p.recv_slot[entry0 + k] = -1;
+              device::record_input_error(p.view, slot, true);
+            }
+            ++slot;
+          }
+        }
+      }
+      running_rows += s_chunk[0];
+      running_slots += s_chunk[1];
+      __syncthreads();  // the scan words are reused by the next step
+    }
+    if (tid == 0) {
+      if (part == 0) p.expert_counts[e] = running_slots;
+      if (meta_role) p.state->num_recv = running_rows;
+    }
+    int const filled = running_slots < slots ? running_slots : slots;
+    for (int slot = filled + tid; slot < slots; slot += kThreads)
+      if (slot % parts == part) p.expert_src_row[static_cast<std::size_t>(e) * slots + slot] = -1;
+
+    // 6. this part's filled slots: warp per slot (slot_landing was written by this CTA above: the barrier orders it)
+    char const* landing =
+        p.sym[rank] + p.layout.dispatch_rows + static_cast<std::size_t>(parity) * world * p.max_tokens * row_bytes;
+    for (int slot = part + parts * warp; slot < filled; slot += parts * kWarps) {
+      std::size_t const at = static_cast<std::size_t>(e) * slots + slot;
+      char const* src = landing + static_cast<std::size_t>(p.slot_landing[at]) * row_bytes;
+      char* dst = static_cast<char*>(p.expert_x) + at * row_bytes;
+      device::copy_warp_16B<false>(dst, src, row_bytes);  // coherent loads: a peer wrote the row
+    }
+    __syncthreads();  // shared words are reused by the next expert
+  }
+}
+
+// kSend / kRecv: which halves this instance runs (both: the one-kernel leg; one: the hook's halves).
+template <typename IdxT, bool kSend, bool kRecv>
+__global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(LlDispatchParams const p) {
+  static_assert(kSend || kRecv, "an LL dispatch kernel runs at least one half");
+  __shared__ uint64_t s_seq[2];
+  int const cta = static_cast<int>(blockIdx.x);
+  // 0. this CTA's sequence numbers (its own words: no other CTA touches them, stream order carries them across calls)
+  if (threadIdx.x == 0) {
+    if constexpr (kSend) s_seq[0] = ++p.state->dispatch_send_seq[cta];
+    if constexpr (kRecv) s_seq[1] = ++p.state->dispatch_recv_seq[cta];
+  }
+  __syncthreads();
+  if constexpr (kSend) ll_dispatch_send<IdxT>(p, s_seq[0]);
+  if constexpr (kRecv) ll_dispatch_recv(p, s_seq[1]);
+}
+
+}  // namespace ferry::cuda_ll

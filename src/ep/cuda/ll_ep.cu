@@ -1,0 +1,231 @@
+// The cuda backend of EpBuffer, low-latency mode: owns the fixed symmetric region and the local buffers, launches one
+// kernel per leg (ll_dispatch.cu, ll_combine.cu) or its two halves (return_recv_hook), and, in eager mode,
+// synchronises and raises device-side errors. No host synchronisation, memset or reset launch per call: sequence
+// numbers and arrival counters live on the device and only grow.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+#include <vector>
+
+#include "core/cuda_check.hpp"
+#include "ep/cuda/ll_buffers.hpp"
+#include "ep/ep_impl.hpp"
+#include "ferry/error.hpp"
+
+namespace ferry::cuda_ll {
+
+namespace {
+std::size_t align_up(std::size_t value, std::size_t alignment) {
+  return (value + alignment - 1) / alignment * alignment;
+}
+}  // namespace
+
+LlLayout make_ll_layout(EpConfig const& config, int world) {
+  // NOTE: 256-byte alignment keeps each area on its own cache lines and 16-byte vectors aligned.
+  constexpr std::size_t kAlign = 256;
+  std::size_t const slots = 2ull * world * static_cast<std::size_t>(config.max_tokens_per_rank);
+  std::size_t const row_bytes = static_cast<std::size_t>(config.hidden) * 2;
+  LlLayout layout;
+  layout.meta_bytes = align_up(static_cast<std::size_t>(config.topk) * 8, 16);
+  std::size_t offset = 0;
+  auto take = [&](std::size_t bytes) {
+    std::size_t const at = offset;
+    offset = align_up(offset + bytes, kAlign);
+    return at;
+  };
+  layout.dispatch_arrivals = take(static_cast<std::size_t>(world) * sizeof(uint64_t));
+  layout.combine_arrivals = take(static_cast<std::size_t>(world) * sizeof(uint64_t));
+  layout.dispatch_tokens = take(2ull * world * sizeof(uint64_t));
+  layout.dispatch_meta = take(slots * layout.meta_bytes);
+  layout.dispatch_rows = take(slots * row_bytes);
+  layout.combine_rows = take(slots * row_bytes);
+  layout.total = offset;
+  return layout;
+}
+
+namespace {
+
+template <typename T>
+T* device_alloc(std::size_t count) {
+  void* ptr = nullptr;
+  FERRY_CHECK_CUDA(cudaMalloc(&ptr, std::max<std::size_t>(count, 1) * sizeof(T)));
+  return static_cast<T*>(ptr);
+}
+
+class CudaLlEp final : public detail::EpBackendImpl {
+ public:
+  CudaLlEp(Communicator& comm, EpConfig const& config) : comm_(comm) {
+    LlBuffers& b = buffers_;
+    b.config = config;
+    b.world = comm.world();
+    b.rank = comm.rank();
+    b.num_local_experts = config.num_local_experts(b.world);
+    b.expert_slots = config.expert_slots();
+    FERRY_CHECK_CONFIG(b.expert_slots > 0, "mode=ll needs a resolved config (EpConfig::resolved) with expert slots");
+    FERRY_CHECK_CONFIG(b.world <= kMaxLocalPeers, "world=", b.world, " exceeds ", kMaxLocalPeers,
+                       " ranks of one NVLink domain, the most mode=ll supports in this version");
+    for (auto const* geometry : {&config.dispatch_geometry, &config.combine_geometry})
+      FERRY_CHECK_CONFIG(!*geometry || (*geometry)->warps == 0 || (*geometry)->warps == kWarps,
+                         "geometry warps=", (*geometry)->warps, " is not available: the LL kernels run ", kWarps,
+                         " warps per CTA; use 0 (choose) or ", kWarps);
+    FERRY_CHECK_CUDA(cudaSetDevice(comm.device()));
+    int num_sms = 0;
+    FERRY_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, comm.device()));
+
+    // 1. the grid: one CTA per SM (co-resident for the cooperative launch), or the pinned count; every rank must use
+    //    the same, because receivers count arrivals as seq * num_ctas: agree on the smallest
+    int wanted = std::min(num_sms, kMaxCtas);
+    if (config.dispatch_geometry && config.dispatch_geometry->blocks > 0)
+      wanted = std::min(wanted, config.dispatch_geometry->blocks);
+    std::vector<int32_t> all(static_cast<std::size_t>(b.world));
+    int32_t const mine = wanted;
+    comm.bootstrap().allgather(&mine, all.data(), sizeof(mine));
+    b.num_ctas = *std::min_element(all.begin(), all.end());
+    b.expert_parts = std::max(1, b.num_ctas / std::max(1, b.num_local_experts));
+
+    // 2. symmetric region (zeroed by the communicator: counters and sequence numbers start at 0) and local buffers
+    b.view = comm.device_view();
+    b.layout = make_ll_layout(config, b.world);
+    SymmetricRegion const region = comm.alloc_symmetric(b.layout.total);
+    b.sym = region.view;
+    std::size_t const max_tokens = static_cast<std::size_t>(config.max_tokens_per_rank);
+    std::size_t const rows = static_cast<std::size_t>(b.world) * max_tokens;
+    std::size_t const topk = static_cast<std::size_t>(config.topk);
+    std::size_t const slots = static_cast<std::size_t>(b.num_local_experts) * b.expert_slots;
+    b.state = device_alloc<LlState>(1);
+    b.token_mask = device_alloc<uint32_t>(max_tokens);
+    b.recv_src = device_alloc<int32_t>(rows * 2);
+    b.recv_idx = device_alloc<int32_t>(rows * topk);
+    b.recv_w = device_alloc<float>(rows * topk);
+    b.recv_slot = device_alloc<int32_t>(rows * topk);
+    b.expert_counts = device_alloc<int32_t>(static_cast<std::size_t>(b.num_local_experts));
+    b.expert_x = device_alloc<uint16_t>(slots * static_cast<std::size_t>(config.hidden));
+    b.expert_src_row = device_alloc<int32_t>(slots);
+    b.slot_landing = device_alloc<int32_t>(slots);
+    FERRY_CHECK_CUDA(cudaMemset(b.state, 0, sizeof(LlState)));
+    FERRY_CHECK_CUDA(cudaMemset(b.expert_counts, 0, sizeof(int32_t) * std::max(1, b.num_local_experts)));
+    FERRY_CHECK_CUDA(cudaDeviceSynchronize());
+    // every rank's buffers exist before any peer can push into them
+    comm.bootstrap().barrier();
+  }
+
+  ~CudaLlEp() override {
+    // NOTE: never throws; a failed free at teardown has no one to report to.
+    LlBuffers& b = buffers_;
+    for (void* ptr : {static_cast<void*>(b.state), static_cast<void*>(b.token_mask), static_cast<void*>(b.recv_src),
+                      static_cast<void*>(b.recv_idx), static_cast<void*>(b.recv_w), static_cast<void*>(b.recv_slot),
+                      static_cast<void*>(b.expert_counts), b.expert_x, static_cast<void*>(b.expert_src_row),
+                      static_cast<void*>(b.slot_landing)})
+      if (ptr) cudaFree(ptr);
+  }
+
+  DispatchResult dispatch(DispatchArgs const& args, cudaStream_t stream) override {
+    LlBuffers const& b = buffers_;
+    bool const split = args.return_recv_hook;
+    launch_ll_dispatch(b, args, split ? Half::send : Half::both, stream);
+    have_dispatch_ = !split;
+    last_num_tokens_ = args.num_tokens;
+    pending_args_ = args;
+    std::ostringstream why;
+    why << "dispatch: ll/nvlink-push "
+        << (split ? "split (send kernel now, receive kernel in complete_dispatch)" : "one kernel (send + receive)")
+        << ", " << b.num_ctas << " CTAs x " << kWarps << " warps (one per SM, cooperative), warp per token, "
+        << "receive: " << b.expert_parts << " CTA(s) per local expert (ordered scan + copy into expert_x), ids "
+        << (args.topk_idx_type == IndexType::int64 ? "int64" : "int32") << "; fast path";
+    dispatch_explain_ = why.str();
+    if (split) return views();
+    return finish_dispatch(args.eager, stream);
+  }
+
+  DispatchResult complete_dispatch(cudaStream_t stream) override {
+    launch_ll_dispatch(buffers_, pending_args_, Half::recv, stream);
+    have_dispatch_ = true;
+    return finish_dispatch(pending_args_.eager, stream);
+  }
+
+  void combine(CombineArgs const& args, cudaStream_t stream) override {
+    LlBuffers const& b = buffers_;
+    detail::validate_combine_args(b.config, args, have_dispatch_);
+    bool const split = args.return_recv_hook;
+    launch_ll_combine(b, args, last_num_tokens_, split ? Half::send : Half::both, stream);
+    pending_combine_ = args;
+    std::ostringstream why;
+    why << "combine: ll/nvlink-push "
+        << (split ? "split (send kernel now, receive kernel in complete_combine)" : "one kernel (send + receive)")
+        << ", " << b.num_ctas << " CTAs x " << kWarps << " warps, warp per (row, " << kChunkVecs * 8
+        << "-element chunk), "
+        << (args.layout == CombineLayout::expert_major ? "expert-major (receiver reduces its experts, fmaf k-ascending)"
+                                                       : "rank-major")
+        << "; fast path";
+    combine_explain_ = why.str();
+    if (!split && args.eager) sync_and_check(stream);
+  }
+
+  void complete_combine(cudaStream_t stream) override {
+    launch_ll_combine(buffers_, pending_combine_, last_num_tokens_, Half::recv, stream);
+    if (pending_combine_.eager) sync_and_check(stream);
+  }
+
+  std::string explain() const override {
+    std::string out = dispatch_explain_.empty() ? std::string("dispatch: not run") : dispatch_explain_;
+    out += "\n";
+    out += combine_explain_.empty() ? std::string("combine: not run") : combine_explain_;
+    return out;
+  }
+
+ private:
+  DispatchResult views() const {
+    LlBuffers const& b = buffers_;
+    DispatchResult result;
+    result.recv_x = nullptr;  // LL returns the expert-major layout (see DispatchResult)
+    result.recv_topk_idx = b.recv_idx;
+    result.recv_topk_weights = b.recv_w;
+    result.recv_src = b.recv_src;
+    result.num_recv = &b.state->num_recv;
+    result.expert_counts = b.expert_counts;
+    result.recv_capacity = b.world * b.config.max_tokens_per_rank;
+    result.expert_x = b.expert_x;
+    result.expert_src_row = b.expert_src_row;
+    result.expert_slots = b.expert_slots;
+    return result;
+  }
+
+  DispatchResult finish_dispatch(bool eager, cudaStream_t stream) {
+    DispatchResult result = views();
+    if (eager) {
+      int32_t num_recv = 0;
+      FERRY_CHECK_CUDA(
+          cudaMemcpyAsync(&num_recv, &buffers_.state->num_recv, sizeof(num_recv), cudaMemcpyDeviceToHost, stream));
+      sync_and_check(stream);
+      result.num_recv_host = num_recv;
+    }
+    return result;
+  }
+
+  void sync_and_check(cudaStream_t stream) {
+    FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
+    comm_.check_errors(stream);
+  }
+
+  Communicator& comm_;
+  LlBuffers buffers_;
+  bool have_dispatch_ = false;
+  int last_num_tokens_ = 0;
+  DispatchArgs pending_args_;    // the send half's arguments, for its receive half
+  CombineArgs pending_combine_;  // same for combine
+  std::string dispatch_explain_;
+  std::string combine_explain_;
+};
+
+}  // namespace
+}  // namespace ferry::cuda_ll
+
+namespace ferry::detail {
+
+std::unique_ptr<EpBackendImpl> make_cuda_ll_ep(Communicator& comm, EpConfig const& config) {
+  return std::make_unique<cuda_ll::CudaLlEp>(comm, config);
+}
+
+}  // namespace ferry::detail

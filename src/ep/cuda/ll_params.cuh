@@ -1,0 +1,123 @@
+// Low-latency mode of the cuda backend: constants, the device state words, the layout of the symmetric region and
+// the kernels' Params structs (built and validated on the host by the launchers' to_params()).
+//
+// Protocol (one kernel per leg; the send and receive halves are the same code compiled apart for the hook):
+//  - Every rank launches the same fixed grid (num_ctas, agreed at construction), so a call adds exactly num_ctas to
+//    each destination's arrival counter of this source. Counters only grow (seq * num_ctas after call seq), so a
+//    captured graph replays with no reset, and a wait for call seq is satisfied by nothing older.
+//  - Sequence numbers are per CTA (each CTA only touches its own word): no grid-wide step decides when a call ends.
+//  - Landing zones alternate by parity (seq & 1): a fast peer may send call n+1 while this rank still reads call n,
+//    never call n+2 (that needs this rank's send of n+1, which stream order puts after its receive of n).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "ferry/device_view.hpp"
+#include "ferry/ep.hpp"
+
+namespace ferry::cuda_ll {
+
+// Threads per CTA: 16 warps, one token (dispatch) or one row chunk (combine) per warp.
+inline constexpr int kThreads = 512;
+inline constexpr int kWarps = kThreads / 32;
+// Most CTAs of an LL grid (per-CTA sequence words are sized for it).
+inline constexpr int kMaxCtas = 256;
+// 16-byte vectors per lane in flight before the stores; a combine work item is one such step of a row.
+inline constexpr int kUnroll = 4;
+inline constexpr int kChunkVecs = 32 * kUnroll;
+
+static_assert(kMaxTopk * 2 <= 32, "dispatch metadata is written by one warp: topk ids + topk weights, one per lane");
+static_assert(kMaxLocalPeers <= 32, "destination masks are 32-bit and waits use one thread per source");
+static_assert(kThreads >= kMaxLocalPeers, "one thread per source waits for its arrivals");
+
+// Device words of one LL EpBuffer (local memory, zeroed at construction).
+struct LlState {
+  uint64_t dispatch_send_seq[kMaxCtas];  // per CTA: calls whose send half this CTA ran
+  uint64_t dispatch_recv_seq[kMaxCtas];
+  uint64_t combine_send_seq[kMaxCtas];
+  uint64_t combine_recv_seq[kMaxCtas];
+  int32_t num_tokens;  // this rank's tokens in the last dispatch (send half, CTA 0)
+  int32_t num_recv;    // rows received by the last dispatch (receive half, the CTA of expert 0)
+};
+
+// Byte offsets inside the symmetric region (the same on every rank). "source" is the sending rank.
+struct LlLayout {
+  std::size_t dispatch_arrivals = 0;  // [world sources] u64: send CTAs of that source finished, over all calls
+  std::size_t combine_arrivals = 0;   // [world sources] u64
+  std::size_t dispatch_tokens = 0;    // [2 parities][world sources] u64: tokens of the source's call
+  std::size_t dispatch_meta = 0;      // [2][world][max_tokens] records: topk int32 local ids, topk float weights
+  std::size_t dispatch_rows = 0;      // [2][world][max_tokens][hidden] bf16, row t of source s at (s, t)
+  std::size_t combine_rows = 0;       // [2][world][max_tokens][hidden] bf16, the row rank d sends back at (d, t)
+  std::size_t meta_bytes = 0;         // bytes of one record (topk * 8, 16-byte aligned)
+  std::size_t total = 0;
+};
+
+struct LlDispatchParams {
+  DeviceView view;
+  char* sym[kMaxLocalPeers];
+  LlLayout layout;
+  void const* x;
+  void const* topk_idx;
+  float const* topk_weights;
+  int num_tokens;
+  int hidden;
+  int topk;
+  int num_experts;
+  int num_local_experts;
+  int max_tokens;
+  int expert_slots;
+  int num_ctas;
+  int expert_parts;  // CTAs per local expert in the receive half (1 when experts >= CTAs)
+  LlState* state;
+  uint32_t* token_mask;     // [max_tokens] destination ranks of each token (for combine)
+  int32_t* recv_src;        // [world * max_tokens, 2] (source rank, source token), rank-major
+  int32_t* recv_idx;        // [world * max_tokens, topk] local expert or -1
+  float* recv_w;            // [world * max_tokens, topk]
+  int32_t* recv_slot;       // [world * max_tokens, topk] slot within its expert or -1
+  int32_t* expert_counts;   // [num_local_experts]
+  void* expert_x;           // [num_local_experts, expert_slots, hidden] bf16
+  int32_t* expert_src_row;  // [num_local_experts, expert_slots] rank-major row, -1 past the count
+  int32_t* slot_landing;    // [num_local_experts, expert_slots] landing row (source * max_tokens + token)
+};
+
+struct LlCombineParams {
+  DeviceView view;
+  char* sym[kMaxLocalPeers];
+  LlLayout layout;
+  void const* x;  // expert-major [num_local_experts, expert_slots, hidden] or rank-major [num_recv, hidden]
+  void* y;        // [num_tokens, hidden]
+  int hidden;
+  int topk;
+  int expert_slots;
+  int max_tokens;
+  int num_ctas;
+  LlState* state;
+  uint32_t const* token_mask;
+  int32_t const* recv_src;
+  int32_t const* recv_idx;
+  float const* recv_w;
+  int32_t const* recv_slot;
+};
+
+__device__ __forceinline__ void bf16x8_to_float(int4 v, float* out) {
+  auto const* h = reinterpret_cast<__nv_bfloat162 const*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 const f = __bfloat1622float2(h[i]);
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
+__device__ __forceinline__ int4 float_to_bf16x8(float const* in) {
+  int4 v;
+  auto* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
+  return v;
+}
+
+}  // namespace ferry::cuda_ll

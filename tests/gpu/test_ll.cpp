@@ -1,0 +1,500 @@
+// Low-latency mode on the cuda backend, compared bit for bit with the reference (src/ep/reference.hpp): expert-major
+// dispatch, both combine layouts, the split API (return_recv_hook), consecutive calls and layers (several EpBuffers
+// on one communicator), 1000 graph replays with fresh inputs, and a rank that skips a call (TimeoutError naming it).
+// Each test starts one process per rank (2 GPUs); every child rebuilds every rank's inputs from the seed the parent
+// passes (printed), so the children agree on the expected results without talking.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ep/reference.hpp"
+#include "ep/routing.hpp"
+#include "ferry/communicator.hpp"
+#include "ferry/ep.hpp"
+#include "ferry/error.hpp"
+#include "support/rank_case.hpp"
+
+#if FERRY_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#endif
+
+namespace ferry::test {
+namespace {
+
+constexpr int kWorld = 2;
+
+uint64_t fresh_seed() {
+  return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) % 1000000007ull;
+}
+
+// Runs `name` on 2 ranks with `args`; skips below 2 GPUs.
+void run_case(char const* name, std::vector<std::string> args,
+              std::vector<std::pair<std::string, std::string>> env = {}) {
+  int const gpus = ferry::cuda_device_count();
+  if (gpus < kWorld) GTEST_SKIP() << "needs " << kWorld << " GPUs, found " << gpus;
+  RankCaseOptions options;
+  options.args = std::move(args);
+  options.env = std::move(env);
+  options.timeout = std::chrono::seconds(300);
+  LaunchResult const result = run_rank_case(name, kWorld, options);
+  EXPECT_TRUE(result.ok()) << result.describe();
+}
+
+#if FERRY_HAVE_CUDA
+
+#define CK(expr)                                                                                   \
+  do {                                                                                             \
+    cudaError_t const e_ = (expr);                                                                 \
+    if (e_ != cudaSuccess) FERRY_THROW(Error, "test", #expr, " failed: ", cudaGetErrorString(e_)); \
+  } while (0)
+
+struct Spec {
+  std::string routing = "random";
+  std::vector<int> tokens{64, 64};  // per rank
+  int max_tokens = 0;               // 0: the largest of tokens
+  int capacity = 0;                 // expert_capacity (0: ll's default, world * max_tokens)
+  int hidden = 2048;
+  int topk = 8;
+  int experts = 64;
+  double mask_rate = 0.0;
+  int iters = 1;
+  int check_every = 1;  // graph: check every n-th replay fully (and the last)
+  int layers = 1;       // EpBuffers on one communicator, used in turn
+  bool hook = false;
+  bool graph = false;
+  bool int32_ids = false;
+  uint64_t seed = 1;
+};
+
+Spec parse_spec(std::vector<std::string> const& args) {
+  Spec s;
+  for (auto const& a : args) {
+    auto const eq = a.find('=');
+    std::string const key = a.substr(0, eq);
+    std::string const value = eq == std::string::npos ? "" : a.substr(eq + 1);
+    if (key == "routing") s.routing = value;
+    if (key == "tokens") {
+      s.tokens.clear();
+      std::size_t pos = 0;
+      while (pos <= value.size()) {
+        auto const comma = value.find(',', pos);
+        s.tokens.push_back(std::stoi(value.substr(pos, comma - pos)));
+        if (comma == std::string::npos) break;
+        pos = comma + 1;
+      }
+    }
+    if (key == "max_tokens") s.max_tokens = std::stoi(value);
+    if (key == "capacity") s.capacity = std::stoi(value);
+    if (key == "hidden") s.hidden = std::stoi(value);
+    if (key == "topk") s.topk = std::stoi(value);
+    if (key == "experts") s.experts = std::stoi(value);
+    if (key == "mask") s.mask_rate = std::stod(value);
+    if (key == "iters") s.iters = std::stoi(value);
+    if (key == "check_every") s.check_every = std::stoi(value);
+    if (key == "layers") s.layers = std::stoi(value);
+    if (key == "hook") s.hook = value == "1";
+    if (key == "graph") s.graph = value == "1";
+    if (key == "int32") s.int32_ids = value == "1";
+    if (key == "seed") s.seed = std::stoull(value);
+  }
+  return s;
+}
+
+std::shared_ptr<Communicator> make_comm() {
+  return Communicator::create(make_socket_bootstrap(socket_bootstrap_options_from_env()),
+                              CommunicatorOptions{Backend::cuda, -1});
+}
+
+template <typename T>
+std::vector<T> to_host(void const* dev, std::size_t count) {
+  std::vector<T> out(count);
+  if (count) CK(cudaMemcpy(out.data(), dev, count * sizeof(T), cudaMemcpyDeviceToHost));
+  return out;
+}
+
+int fail(char const* what, int rank, int iter, long index) {
+  std::fprintf(stderr, "rank %d iter %d: %s mismatch at %ld\n", rank, iter, what, index);
+  return 1;
+}
+
+template <typename T>
+long first_diff(T const* a, T const* b, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i)
+    if (std::memcmp(a + i, b + i, sizeof(T)) != 0) return static_cast<long>(i);
+  return -1;
+}
+
+// Device inputs at fixed addresses (a captured graph reads whatever is copied into them before a replay).
+struct DeviceInputs {
+  void* x = nullptr;
+  void* idx = nullptr;
+  void* w = nullptr;
+  void* rows = nullptr;  // rank-major combine input
+  void* eout = nullptr;  // expert-major combine input
+  void* y_em = nullptr;
+  void* y_rm = nullptr;
+  std::size_t y_bytes = 0;
+  DeviceInputs(std::size_t x_bytes, std::size_t idx_bytes, std::size_t w_bytes, std::size_t rows_bytes,
+               std::size_t eout_bytes, std::size_t y_bytes_) {
+    y_bytes = std::max<std::size_t>(y_bytes_, 16);
+    CK(cudaMalloc(&x, std::max<std::size_t>(x_bytes, 16)));
+    CK(cudaMalloc(&idx, std::max<std::size_t>(idx_bytes, 16)));
+    CK(cudaMalloc(&w, std::max<std::size_t>(w_bytes, 16)));
+    CK(cudaMalloc(&rows, std::max<std::size_t>(rows_bytes, 16)));
+    CK(cudaMalloc(&eout, std::max<std::size_t>(eout_bytes, 16)));
+    CK(cudaMalloc(&y_em, y_bytes + 4096));  // + a guard row area that must stay poisoned
+    CK(cudaMalloc(&y_rm, y_bytes + 4096));
+  }
+  ~DeviceInputs() {
+    for (void* p : {x, idx, w, rows, eout, y_em, y_rm}) cudaFree(p);
+  }
+};
+
+// One call of every leg on one layer: dispatch (+ hook), expert-major combine (+ hook), rank-major combine.
+void enqueue_layer(EpBuffer& buffer, DispatchArgs const& dargs, CombineArgs const& em, CombineArgs const& rm, bool hook,
+                   cudaStream_t stream) {
+  buffer.dispatch(dargs, stream);
+  if (hook) buffer.complete_dispatch(stream);
+  buffer.combine(em, stream);
+  if (hook) buffer.complete_combine(stream);
+  buffer.combine(rm, stream);
+  if (hook) buffer.complete_combine(stream);
+}
+
+int ll_case() {
+  Spec const spec = parse_spec(rank_case_args());
+  auto comm = make_comm();
+  int const rank = comm->rank();
+  int const world = comm->world();
+  CK(cudaSetDevice(comm->device()));
+
+  EpConfig user;
+  user.mode = Mode::low_latency;
+  user.hidden = spec.hidden;
+  user.topk = spec.topk;
+  user.num_experts = spec.experts;
+  user.max_tokens_per_rank =
+      spec.max_tokens > 0 ? spec.max_tokens : std::max(1, *std::max_element(spec.tokens.begin(), spec.tokens.end()));
+  // NOTE: large shapes pin a capacity well above the expected load: the reference needs every rank's full
+  // [experts, slots, hidden] expert outputs on the host, which at the default (world x max_tokens slots) is gigabytes.
+  if (spec.capacity > 0) user.expert_capacity = spec.capacity;
+  std::vector<std::unique_ptr<EpBuffer>> layers;
+  for (int l = 0; l < spec.layers; ++l) layers.push_back(std::make_unique<EpBuffer>(comm, user));
+  EpConfig const config = layers[0]->config();  // resolved
+  int const hidden = spec.hidden;
+  int const topk = spec.topk;
+  int const num_local = config.num_local_experts(world);
+  int const slots = config.expert_slots();
+  int const my_tokens = spec.tokens[rank];
+  int const max_rows = world * config.max_tokens_per_rank;
+  std::fprintf(stderr, "rank %d: seed %llu routing %s tokens %d hidden %d topk %d experts %d hook %d graph %d\n", rank,
+               static_cast<unsigned long long>(spec.seed), spec.routing.c_str(), my_tokens, hidden, topk, spec.experts,
+               spec.hook, spec.graph);
+
+  std::size_t const row_bytes = static_cast<std::size_t>(hidden) * 2;
+  std::size_t const idx_bytes = spec.int32_ids ? 4 : 8;
+  DeviceInputs dev(my_tokens * row_bytes, static_cast<std::size_t>(my_tokens) * topk * idx_bytes,
+                   static_cast<std::size_t>(my_tokens) * topk * 4, max_rows * row_bytes,
+                   static_cast<std::size_t>(num_local) * slots * row_bytes, my_tokens * row_bytes);
+  cudaStream_t stream;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  DispatchArgs dargs;
+  dargs.x = dev.x;
+  dargs.num_tokens = my_tokens;
+  dargs.topk_idx = dev.idx;
+  dargs.topk_idx_type = spec.int32_ids ? IndexType::int32 : IndexType::int64;
+  dargs.topk_weights = static_cast<float const*>(dev.w);
+  dargs.eager = !spec.graph;
+  dargs.return_recv_hook = spec.hook;
+  CombineArgs em{CombineLayout::expert_major, dev.eout, dev.y_em, !spec.graph, spec.hook};
+  CombineArgs rm{CombineLayout::rank_major, dev.rows, dev.y_rm, !spec.graph, spec.hook};
+
+  RoutingOptions routing;
+  routing.kind = parse_routing(spec.routing);
+  routing.mask_rate = spec.mask_rate;
+  cudaGraphExec_t graph = nullptr;
+  std::vector<DispatchResult> results(spec.layers);
+  bool eout_uploaded = false;
+
+  for (int iter = 0; iter < spec.iters; ++iter) {
+    bool const check = !spec.graph || iter % spec.check_every == 0 || iter == spec.iters - 1;
+    routing.seed = spec.seed + static_cast<uint64_t>(iter) * 7919u;
+    auto const inputs = ref::generate_inputs(config, world, routing, spec.tokens);
+    auto const& in = inputs[rank];
+    // upload this rank's dispatch inputs (fresh every iteration)
+    // (on the stream: after the previous replay has read the old ones)
+    CK(cudaMemcpyAsync(dev.x, in.x.data(), in.x.size() * 2, cudaMemcpyHostToDevice, stream));
+    std::vector<int32_t> const idx32(in.topk_idx.begin(), in.topk_idx.end());
+    if (spec.int32_ids)
+      CK(cudaMemcpyAsync(dev.idx, idx32.data(), idx32.size() * 4, cudaMemcpyHostToDevice, stream));
+    else
+      CK(cudaMemcpyAsync(dev.idx, in.topk_idx.data(), in.topk_idx.size() * 8, cudaMemcpyHostToDevice, stream));
+    CK(cudaMemcpyAsync(dev.w, in.topk_weights.data(), in.topk_weights.size() * 4, cudaMemcpyHostToDevice, stream));
+    CK(cudaStreamSynchronize(stream));  // the host vectors die with this iteration
+
+    std::vector<ref::RankDispatch> expected;
+    std::vector<std::vector<uint16_t>> rows(world), eout(world);
+    if (check) {
+      for (int r = 0; r < world; ++r) expected.push_back(ref::dispatch(config, world, r, inputs));
+      // combine inputs of every rank, deterministic in (seed, rank); fresh on checked iterations only (cost)
+      for (int r = 0; r < world; ++r) {
+        rows[r] = generate_tokens(routing.seed + 101, r, expected[r].num_recv, hidden);
+        eout[r] = generate_tokens(routing.seed + 202, r, num_local * slots, hidden);
+      }
+      CK(cudaMemcpy(dev.rows, rows[rank].data(), rows[rank].size() * 2, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(dev.eout, eout[rank].data(), eout[rank].size() * 2, cudaMemcpyHostToDevice));
+      eout_uploaded = true;
+      // poison what the calls write
+      CK(cudaMemset(dev.y_em, 0xEE, dev.y_bytes + 4096));
+      CK(cudaMemset(dev.y_rm, 0xEE, dev.y_bytes + 4096));
+      for (auto const& result : results) {
+        if (!result.expert_x) continue;
+        CK(cudaMemset(result.expert_src_row, 0xEE, static_cast<std::size_t>(num_local) * slots * 4));
+        CK(cudaMemset(result.expert_counts, 0xEE, static_cast<std::size_t>(num_local) * 4));
+        CK(cudaMemset(result.recv_src, 0xEE, static_cast<std::size_t>(max_rows) * 8));
+      }
+    } else if (!eout_uploaded) {
+      CK(cudaMemset(dev.eout, 0, static_cast<std::size_t>(num_local) * slots * row_bytes));
+      eout_uploaded = true;
+    }
+    CK(cudaDeviceSynchronize());
+
+    if (!spec.graph) {
+      for (int l = 0; l < spec.layers; ++l) {
+        EpBuffer& buffer = *layers[l];
+        DispatchResult result = buffer.dispatch(dargs, stream);
+        if (spec.hook) {
+          if (result.num_recv_host != -1) return fail("num_recv_host before the hook", rank, iter, 0);
+          result = buffer.complete_dispatch(stream);
+        }
+        results[l] = result;
+        if (result.num_recv_host != expected[rank].num_recv)
+          return fail("num_recv_host", rank, iter, result.num_recv_host);
+        if (result.recv_x != nullptr) return fail("recv_x not null", rank, iter, 0);
+        buffer.combine(em, stream);
+        if (spec.hook) buffer.complete_combine(stream);
+        if (l + 1 == spec.layers) {  // rank-major on the last layer (its rows are checked below)
+          buffer.combine(rm, stream);
+          if (spec.hook) buffer.complete_combine(stream);
+        }
+      }
+    } else {
+      if (!graph) {
+        // one eager round first (result pointers), then the capture of every layer's legs
+        for (int l = 0; l < spec.layers; ++l) {
+          DispatchArgs eager = dargs;
+          eager.eager = true;
+          eager.return_recv_hook = false;
+          results[l] = layers[l]->dispatch(eager, stream);
+          layers[l]->combine(CombineArgs{CombineLayout::expert_major, dev.eout, dev.y_em, true}, stream);
+        }
+        cudaGraph_t g;
+        CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        for (int l = 0; l < spec.layers; ++l) enqueue_layer(*layers[l], dargs, em, rm, spec.hook, stream);
+        CK(cudaStreamEndCapture(stream, &g));
+        CK(cudaGraphInstantiate(&graph, g, 0));
+        CK(cudaGraphDestroy(g));
+        CK(cudaMemset(dev.y_em, 0xEE, dev.y_bytes + 4096));  // the eager round wrote y
+        CK(cudaDeviceSynchronize());
+      }
+      CK(cudaGraphLaunch(graph, stream));
+      if (!check) continue;  // unchecked replays queue back to back (a hang would end in TimeoutError below)
+      CK(cudaStreamSynchronize(stream));
+      comm->check_errors(stream);
+    }
+    if (!check) continue;
+
+    // dispatch outputs of every layer (the same inputs)
+    ref::RankDispatch const& mine = expected[rank];
+    auto const ex_ref = ref::expand(config, world, mine);
+    for (int l = 0; l < spec.layers; ++l) {
+      DispatchResult const& result = results[l];
+      int32_t const num_recv = to_host<int32_t>(result.num_recv, 1)[0];
+      if (num_recv != mine.num_recv) return fail("num_recv", rank, iter, num_recv);
+      long d;
+      auto const ri = to_host<int32_t>(result.recv_topk_idx, static_cast<std::size_t>(num_recv) * topk);
+      if ((d = first_diff(ri.data(), mine.recv_topk_idx.data(), ri.size())) >= 0)
+        return fail("recv_topk_idx", rank, iter, d);
+      auto const rw = to_host<float>(result.recv_topk_weights, static_cast<std::size_t>(num_recv) * topk);
+      if ((d = first_diff(rw.data(), mine.recv_topk_weights.data(), rw.size())) >= 0)
+        return fail("recv_topk_weights", rank, iter, d);
+      auto const rs = to_host<int32_t>(result.recv_src, static_cast<std::size_t>(num_recv) * 2);
+      if ((d = first_diff(rs.data(), mine.recv_src.data(), rs.size())) >= 0) return fail("recv_src", rank, iter, d);
+      auto const ec = to_host<int32_t>(result.expert_counts, num_local);
+      if ((d = first_diff(ec.data(), mine.expert_counts.data(), ec.size())) >= 0)
+        return fail("expert_counts", rank, iter, d);
+      auto const esr = to_host<int32_t>(result.expert_src_row, static_cast<std::size_t>(num_local) * slots);
+      if ((d = first_diff(esr.data(), mine.expert_src_row.data(), esr.size())) >= 0)
+        return fail("expert_src_row", rank, iter, d);
+      auto const ex = to_host<uint16_t>(result.expert_x, ex_ref.size());
+      for (int e = 0; e < num_local; ++e) {
+        std::size_t const filled = static_cast<std::size_t>(std::min(mine.expert_counts[e], slots)) * hidden;
+        std::size_t const first = static_cast<std::size_t>(e) * slots * hidden;
+        if ((d = first_diff(ex.data() + first, ex_ref.data() + first, filled)) >= 0)
+          return fail("expert_x", rank, iter, static_cast<long>(first) + d);
+      }
+    }
+
+    // combine outputs (the last layer's, written last)
+    long d;
+    auto const y_ref_em = ref::combine_expert_major(config, world, rank, inputs, expected, eout);
+    auto const y1 = to_host<uint16_t>(dev.y_em, y_ref_em.size() + 2048);
+    if ((d = first_diff(y1.data(), y_ref_em.data(), y_ref_em.size())) >= 0)
+      return fail("y expert-major", rank, iter, d);
+    for (std::size_t i = y_ref_em.size(); i < y1.size(); ++i)
+      if (y1[i] != 0xEEEE) return fail("y expert-major written past num_tokens", rank, iter, static_cast<long>(i));
+    auto const y_ref_rm = ref::combine_rank_major(config, world, rank, inputs, expected, rows);
+    auto const y2 = to_host<uint16_t>(dev.y_rm, y_ref_rm.size());
+    if ((d = first_diff(y2.data(), y_ref_rm.data(), y2.size())) >= 0) return fail("y rank-major", rank, iter, d);
+  }
+  CK(cudaStreamSynchronize(stream));
+  comm->check_errors(stream);
+  if (graph) cudaGraphExecDestroy(graph);
+  cudaStreamDestroy(stream);
+  std::fprintf(stderr, "rank %d: %d iterations exact\n", rank, spec.iters);
+  return 0;
+}
+
+FERRY_RANK_CASE(ll) {
+  return ll_case();
+}
+
+// Hook misuse is refused on the host (both ranks misuse it alike, so nobody waits); then rank 1 skips a dispatch:
+// rank 0 must raise TimeoutError naming rank 1 within FERRY_TIMEOUT_S, not hang.
+FERRY_RANK_CASE(ll_hook_misuse_and_timeout) {
+  auto comm = make_comm();
+  CK(cudaSetDevice(comm->device()));
+  EpConfig config;
+  config.mode = Mode::low_latency;
+  config.hidden = 2048;
+  config.num_experts = 64;
+  config.max_tokens_per_rank = 32;
+  EpBuffer buffer(comm, config);
+  int code = 0;
+  auto expect_input_error = [&](auto&& fn, char const* part) {
+    try {
+      fn();
+      std::fprintf(stderr, "rank %d: no InputError (%s)\n", comm->rank(), part);
+      code = 1;
+    } catch (InputError const& error) {
+      if (std::string(error.what()).find(part) == std::string::npos) {
+        std::fprintf(stderr, "rank %d: '%s' not in %s\n", comm->rank(), part, error.what());
+        code = 1;
+      }
+    }
+  };
+  expect_input_error([&] { buffer.complete_dispatch(); }, "none is pending");
+  DispatchArgs hooked;  // zero tokens: takes part in the exchange
+  hooked.return_recv_hook = true;
+  buffer.dispatch(hooked);
+  expect_input_error([&] { buffer.dispatch(hooked); }, "complete_dispatch first");
+  buffer.complete_dispatch();
+  expect_input_error([&] { buffer.complete_dispatch(); }, "none is pending");
+
+  if (comm->rank() == 0) {
+    DispatchArgs args;
+    try {
+      buffer.dispatch(args);
+      std::fprintf(stderr, "rank 0: dispatch returned without rank 1\n");
+      code = 1;
+    } catch (TimeoutError const& error) {
+      std::string const what = error.what();
+      std::fprintf(stderr, "rank 0: TimeoutError as expected: %s\n", what.c_str());
+      if (what.find('1') == std::string::npos) code = 1;
+    }
+  } else {
+    std::this_thread::sleep_for(std::chrono::seconds(5));
+  }
+  std::fflush(stderr);
+  std::_Exit(code);  // the communicator failed: skip the collective teardown
+}
+
+std::string spec_seed() {
+  uint64_t const seed = fresh_seed();
+  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  return "seed=" + std::to_string(seed);
+}
+
+#endif  // FERRY_HAVE_CUDA
+
+TEST(LowLatency, Matrix) {
+#if FERRY_HAVE_CUDA
+  struct Row {
+    char const* routing;
+    char const* tokens;
+    int hidden, topk, experts;
+    char const* extra;
+  };
+  Row const rows[] = {
+      {"random", "128,128", 7168, 8, 256, "capacity=64"},  {"random", "1,1", 7168, 8, 256, "mask=0"},
+      {"random", "512,512", 7168, 8, 256, "capacity=128"}, {"random", "0,37", 2048, 9, 64, "mask=0.5"},
+      {"ring", "100,0", 4096, 1, 16, "int32=1"},           {"grouped", "64,64", 2880, 6, 64, "mask=0"},
+      {"hot", "77,128", 5120, 2, 8, "mask=0.2"},           {"random", "0,0", 2048, 4, 64, "mask=0"},
+      {"random", "1024,1", 2048, 8, 256, "capacity=128"},
+  };
+  for (Row const& row : rows) {
+    SCOPED_TRACE(std::string(row.routing) + " tokens=" + row.tokens + " hidden=" + std::to_string(row.hidden) +
+                 " topk=" + std::to_string(row.topk) + " experts=" + std::to_string(row.experts) + " " + row.extra);
+    run_case("ll", {spec_seed(), std::string("routing=") + row.routing, std::string("tokens=") + row.tokens,
+                    "hidden=" + std::to_string(row.hidden), "topk=" + std::to_string(row.topk),
+                    "experts=" + std::to_string(row.experts), row.extra, "iters=2"});
+  }
+#else
+  GTEST_SKIP() << "built without the cuda backend";
+#endif
+}
+
+TEST(LowLatency, HookSplitsEachLeg) {
+#if FERRY_HAVE_CUDA
+  run_case("ll",
+           {spec_seed(), "tokens=128,96", "hidden=7168", "topk=8", "experts=256", "hook=1", "iters=4", "capacity=64"});
+#else
+  GTEST_SKIP() << "built without the cuda backend";
+#endif
+}
+
+TEST(LowLatency, ConsecutiveCallsAndLayers) {
+#if FERRY_HAVE_CUDA
+  run_case("ll", {spec_seed(), "tokens=50,70", "hidden=2048", "topk=8", "experts=64", "layers=3", "iters=30"});
+#else
+  GTEST_SKIP() << "built without the cuda backend";
+#endif
+}
+
+TEST(LowLatency, GraphReplays1000WithFreshInputs) {
+#if FERRY_HAVE_CUDA
+  run_case("ll", {spec_seed(), "tokens=64,48", "hidden=2048", "topk=8", "experts=64", "graph=1", "iters=1000",
+                  "check_every=100", "layers=2"});
+#else
+  GTEST_SKIP() << "built without the cuda backend";
+#endif
+}
+
+TEST(LowLatency, GraphReplaysOfTheHookPath) {
+#if FERRY_HAVE_CUDA
+  run_case("ll", {spec_seed(), "tokens=32,32", "hidden=7168", "topk=8", "experts=256", "graph=1", "hook=1", "iters=200",
+                  "check_every=50"});
+#else
+  GTEST_SKIP() << "built without the cuda backend";
+#endif
+}
+
+TEST(LowLatency, HookMisuseAndSkippedCallTimesOut) {
+#if FERRY_HAVE_CUDA
+  run_case("ll_hook_misuse_and_timeout", {}, {{"FERRY_TIMEOUT_S", "2"}});
+#else
+  GTEST_SKIP() << "built without the cuda backend";
+#endif
+}
+
+}  // namespace
+}  // namespace ferry::test
