@@ -59,7 +59,7 @@ Options make_options() {
           {"shared-experts", "0", "extra columns pinned to an expert on the token's own rank"},
           {"hot-fraction", "0.5", "hot routing: share of tokens sent to the hot expert"},
           {"mask-rate", "0", "probability that a routed entry is -1"},
-          {"mode", "normal", "normal (ll is not in this version)"},
+          {"mode", "normal", "normal | ll (low-latency: expert-major, combine weighted) | both (side by side)"},
           {"dispatch", "bf16", "dispatch wire format"},
           {"combine", "bf16", "combine wire format"},
           {"layout", "rank", "combine input: rank (caller-reduced rows) | expert (expert-major, weighted by combine)"},
@@ -112,7 +112,13 @@ std::vector<RoutingKind> routing_kinds(Options const& options) {
   return kinds;
 }
 
-Shape make_shape(Options const& options, int world, int tokens, RoutingKind kind, uint64_t seed) {
+// The modes --mode names: "both" runs normal then ll at every size.
+std::vector<Mode> bench_modes(Options const& options) {
+  if (options.str("mode") == "both") return {Mode::normal, Mode::low_latency};
+  return {parse_mode(options.str("mode"))};
+}
+
+Shape make_shape(Options const& options, int world, int tokens, RoutingKind kind, uint64_t seed, Mode mode) {
   Shape shape;
   shape.routed_topk = options.integer("topk");
   shape.routing.kind = kind;
@@ -126,7 +132,7 @@ Shape make_shape(Options const& options, int world, int tokens, RoutingKind kind
   shape.config.num_experts = options.integer("experts");
   shape.config.topk = routing_columns(shape.routing, shape.routed_topk);
   shape.config.max_tokens_per_rank = tokens;
-  shape.config.mode = parse_mode(options.str("mode"));
+  shape.config.mode = mode;
   shape.config.dispatch_format = parse_wire_format(options.str("dispatch"));
   shape.config.combine_format = parse_wire_format(options.str("combine"));
   shape.config.validate(world);
@@ -204,6 +210,7 @@ LegStats summarize(std::vector<double> samples) {
 }
 
 struct Record {
+  std::string mode;
   std::string leg;
   int tokens;
   std::string routing;
@@ -238,7 +245,7 @@ void write_json(std::string const& path, Options const& options, Shape const& sh
       << ", \"records\": [";
   for (std::size_t i = 0; i < records.size(); ++i) {
     Record const& r = records[i];
-    out << (i ? ",\n  " : "\n  ") << "{\"mode\": \"" << options.str("mode") << "\", \"leg\": \"" << r.leg
+    out << (i ? ",\n  " : "\n  ") << "{\"mode\": \"" << r.mode << "\", \"leg\": \"" << r.leg
         << "\", \"tokens\": " << r.tokens << ", \"hidden\": " << shape.config.hidden
         << ", \"topk\": " << shape.config.topk << ", \"experts\": " << shape.config.num_experts << ", \"routing\": \""
         << r.routing << "\", \"dispatch_format\": \"" << options.str("dispatch") << "\", \"combine_format\": \""
@@ -293,7 +300,7 @@ int run_bench_rank(Options const& options) {
   FERRY_CHECK_CONFIG(baseline.empty() || baseline == "nccl", "--baseline=", baseline, " is unknown; use nccl");
   FERRY_CHECK_CONFIG(baseline.empty() || (backend == Backend::cuda && FERRY_BENCH_NCCL),
                      "--baseline nccl needs the cuda backend");
-  CombineLayout const layout =
+  CombineLayout const user_layout =
       options.str("layout") == "expert" ? CombineLayout::expert_major : CombineLayout::rank_major;
   FERRY_CHECK_CONFIG(options.str("layout") == "expert" || options.str("layout") == "rank",
                      "--layout=", options.str("layout"), " is unknown; use rank or expert");
@@ -312,14 +319,21 @@ int run_bench_rank(Options const& options) {
   int const warmup = options.integer("warmup");
   int const iters = options.integer("iters");
   for (RoutingKind kind : routing_kinds(options)) {
-    for (int tokens : options.int_list("tokens")) {
-      Shape shape = make_shape(options, world, tokens, kind, seed + tokens);
+    std::vector<std::pair<Mode, int>> runs;  // (mode, tokens): --mode both times both modes at each size
+    for (int tokens : options.int_list("tokens"))
+      for (Mode mode : bench_modes(options)) runs.emplace_back(mode, tokens);
+    for (auto const& [mode, tokens] : runs) {
+      Shape shape = make_shape(options, world, tokens, kind, seed + tokens, mode);
       EpConfig& config = shape.config;
+      bool const ll = mode == Mode::low_latency;
+      // NOTE: low-latency mode returns the expert-major layout (its slots default to the worst case), so its combine
+      // takes expert outputs: identity experts = a copy of expert_x.
+      CombineLayout const layout = ll ? CombineLayout::expert_major : user_layout;
       // Every rank's input (a pure function of the seed): the reference needs them all.
       std::vector<ref::RankInput> inputs;
       for (int r = 0; r < world; ++r) inputs.push_back(make_input(shape, world, r, tokens));
       ref::RankInput const& mine = inputs[rank];
-      if (layout == CombineLayout::expert_major) {
+      if (layout == CombineLayout::expert_major && !ll) {
         int capacity = options.integer("expert-capacity");
         if (capacity == 0) {
           // The largest load any local expert of any rank sees under this routing.
@@ -332,6 +346,7 @@ int run_bench_rank(Options const& options) {
         config.expert_capacity = capacity;
       }
       EpBuffer buffer(comm, config);
+      config = buffer.config();  // resolved (ll: expert slots)
       BenchMemory memory(backend);
       int const hidden = config.hidden;
       std::size_t const row_bytes = static_cast<std::size_t>(hidden) * 2;
@@ -415,7 +430,10 @@ int run_bench_rank(Options const& options) {
       if (check) {
         bool ok = true;
         std::string why;
-        memory.fill(result.recv_x, 0xff, static_cast<std::size_t>(config.recv_capacity(world)) * row_bytes);
+        if (result.recv_x)
+          memory.fill(result.recv_x, 0xff, static_cast<std::size_t>(config.recv_capacity(world)) * row_bytes);
+        else
+          memory.fill(result.expert_x, 0xff, combine_rows * row_bytes);
         memory.fill(y, 0xff, tokens * row_bytes);
         dargs.eager = true;
         cargs.eager = true;
@@ -429,11 +447,23 @@ int run_bench_rank(Options const& options) {
           ok = false;
           why = detail::concat("num_recv ", result.num_recv_host, " != ", want.num_recv);
         } else {
-          memory.download(got_x.data(), result.recv_x, got_x.size() * 2);
+          if (result.recv_x) memory.download(got_x.data(), result.recv_x, got_x.size() * 2);
           memory.download(got_idx.data(), result.recv_topk_idx, got_idx.size() * 4);
           memory.download(got_w.data(), result.recv_topk_weights, got_w.size() * 4);
           memory.download(got_src.data(), result.recv_src, got_src.size() * 4);
-          if (got_x != want.recv_x) ok = false, why = "recv_x differs";
+          if (result.recv_x && got_x != want.recv_x) ok = false, why = "recv_x differs";
+          if (!result.recv_x) {  // ll: the expert-major rows (filled slots) instead
+            std::vector<uint16_t> const want_ex = ref::expand(config, world, want);
+            std::vector<uint16_t> got_ex(want_ex.size());
+            memory.download(got_ex.data(), result.expert_x, got_ex.size() * 2);
+            int const slots = config.expert_slots();
+            for (int e = 0; e < config.num_local_experts(world) && ok; ++e) {
+              std::size_t const first = static_cast<std::size_t>(e) * slots * hidden;
+              std::size_t const filled = static_cast<std::size_t>(std::min(want.expert_counts[e], slots)) * hidden;
+              if (!std::equal(got_ex.begin() + first, got_ex.begin() + first + filled, want_ex.begin() + first))
+                ok = false, why = "expert_x differs";
+            }
+          }
           if (got_idx != want.recv_topk_idx) ok = false, why = "recv_topk_idx differs";
           if (got_src != want.recv_src) ok = false, why = "recv_src differs";
           for (std::size_t i = 0; i < got_w.size() && ok; ++i)
@@ -479,7 +509,8 @@ int run_bench_rank(Options const& options) {
       double const mean_dispatch_bytes = sum_over_ranks(bootstrap, dispatch_bytes) / world;
       double const mean_combine_bytes = sum_over_ranks(bootstrap, combine_bytes) / world;
       double const mean_logical = sum_over_ranks(bootstrap, rows_received * row_bytes) / world;
-      Record dispatch_record{"dispatch",
+      Record dispatch_record{mode_name(mode),
+                             "dispatch",
                              tokens,
                              routing_name(kind),
                              {slow[0], slow[1], slow[2]},
@@ -487,7 +518,8 @@ int run_bench_rank(Options const& options) {
                              mean_logical / slow[0] / 1e3,
                              check_result,
                              slow[6]};
-      Record combine_record{"combine",
+      Record combine_record{mode_name(mode),
+                            "combine",
                             tokens,
                             routing_name(kind),
                             {slow[3], slow[4], slow[5]},
@@ -496,9 +528,10 @@ int run_bench_rank(Options const& options) {
                             check_result,
                             slow[7]};
       if (rank == 0) {
-        std::printf("\ntokens %d/rank  hidden %d  topk %d  experts %d  routing %s  layout %s  world %d  %s%s\n", tokens,
-                    hidden, config.topk, config.num_experts, routing_name(kind), options.str("layout").c_str(), world,
-                    backend_name(backend), graph ? "  graph" : "");
+        std::printf("\n%s  tokens %d/rank  hidden %d  topk %d  experts %d  routing %s  layout %s  world %d  %s%s\n",
+                    mode_name(mode), tokens, hidden, config.topk, config.num_experts, routing_name(kind),
+                    layout == CombineLayout::expert_major ? "expert" : "rank", world, backend_name(backend),
+                    graph ? "  graph" : "");
         std::printf("%-9s %10s %10s %10s %12s %13s %11s %8s %6s\n", "leg", "median_us", "p10_us", "p90_us",
                     "nvlink_GB/s", "logical_GB/s", "nccl_us", "speedup", "check");
         for (Record const* r : {&dispatch_record, &combine_record}) {
@@ -515,6 +548,18 @@ int run_bench_rank(Options const& options) {
       records.push_back(dispatch_record);
       records.push_back(combine_record);
       last_shape = shape;
+    }
+  }
+  if (rank == 0 && bench_modes(options).size() > 1) {
+    // --mode both: normal and ll side by side at the same sizes (slowest rank's medians)
+    std::printf("\nnormal vs ll (median us, slowest rank)\n%-9s %-9s %8s %10s %10s %8s\n", "routing", "leg", "tokens",
+                "normal_us", "ll_us", "ll_gain");
+    for (Record const& n : records) {
+      if (n.mode != "normal") continue;
+      for (Record const& l : records)
+        if (l.mode == "ll" && l.leg == n.leg && l.tokens == n.tokens && l.routing == n.routing)
+          std::printf("%-9s %-9s %8d %10.1f %10.1f %7.2fx\n", n.routing.c_str(), n.leg.c_str(), n.tokens,
+                      n.stats.median_us, l.stats.median_us, n.stats.median_us / l.stats.median_us);
     }
   }
   if (rank == 0 && !options.str("json").empty())
@@ -534,7 +579,8 @@ int bench_main(int argc, char** argv) {
   int const nproc = choose_nproc(options, backend);
   FERRY_CHECK_CONFIG(nproc >= 1, "no ranks to run: --backend cuda found no GPU; use --backend cpu");
   for (RoutingKind kind : routing_kinds(options))
-    for (int tokens : options.int_list("tokens")) make_shape(options, nproc, tokens, kind, 1);
+    for (int tokens : options.int_list("tokens"))
+      for (Mode mode : bench_modes(options)) make_shape(options, nproc, tokens, kind, 1, mode);
   choose_backend(options, true);  // the notice, once the shape is known to be valid
   return launch_self("bench", argc, argv, nproc);
 }
