@@ -62,6 +62,14 @@ class LegGraph {
   void* exec_ = nullptr;
 };
 
+// Enqueues a kernel that keeps the stream busy for `us` microseconds (cuda; nothing on cpu). Before a timed leg it
+// lets the host queue the leg behind it, so the GPU never idles waiting for the host's launch.
+#if FERRY_HAVE_CUDA
+void enqueue_delay(BenchMemory& memory, double us);
+#else
+inline void enqueue_delay(BenchMemory&, double) {}
+#endif
+
 // Name of this rank's device ("NVIDIA H200", or the cpu model on the cpu backend).
 std::string device_name(Backend backend);
 

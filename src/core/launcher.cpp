@@ -12,7 +12,9 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -57,19 +59,47 @@ std::string LaunchResult::describe() const {
   return out;
 }
 
-int pick_free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  FERRY_CHECK(fd >= 0, "socket() failed: ", std::strerror(errno));
+namespace {
+
+// True when a listening socket could bind `port` on every interface right now (rank 0 listens on all of them).
+bool port_is_free(int port) {
+  int const fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return false;
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  bool const ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-                  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  bool const ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
   close(fd);
-  FERRY_CHECK(ok, "could not find a free TCP port on 127.0.0.1: ", std::strerror(errno));
-  return ntohs(addr.sin_port);
+  return ok;
+}
+
+// The kernel's ephemeral port range (ports it hands out for bind(0) and outgoing connections).
+std::pair<int, int> ephemeral_range() {
+  std::ifstream file("/proc/sys/net/ipv4/ip_local_port_range");
+  int lo = 32768, hi = 60999;
+  file >> lo >> hi;
+  return {lo, hi};
+}
+
+}  // namespace
+
+int pick_free_port() {
+  // NOTE: below the ephemeral range: a port the kernel handed out once (bind to port 0) is handed out again to the
+  // next bind(0) or outgoing connection, and NCCL opens many of those; between this check and rank 0's listen such
+  // a socket took the port on the GPU machine. Ports below the range are never handed out by the kernel.
+  auto const [lo, hi] = ephemeral_range();
+  int const first = std::max(1024, lo - 16384);
+  int const last = std::max(first, lo - 1);
+  std::random_device seed;
+  std::mt19937 random(seed());
+  std::uniform_int_distribution<int> pick(first, last);
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    int const port = pick(random);
+    if (port_is_free(port)) return port;
+  }
+  FERRY_THROW(Error, "ferry", "could not find a free TCP port in [", first, ", ", last, "] (below the ephemeral range ",
+              lo, "-", hi, "); set MASTER_PORT yourself");
 }
 
 std::string self_executable() {

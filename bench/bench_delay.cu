@@ -1,0 +1,26 @@
+// A device-side delay for `ferry bench`: keeps the stream busy while the host enqueues the timed leg, so the timed
+// region measures the leg on a stream that already holds it (as inside an engine's captured forward pass), not the
+// host's launch latency.
+#include <cuda_runtime.h>
+
+#include "bench_memory.hpp"
+#include "comm/device/arch_sm90.cuh"
+#include "core/cuda_check.hpp"
+
+namespace ferry::bench {
+namespace {
+
+__global__ void delay_kernel(uint64_t ns) {
+  uint64_t const start = device::arch::global_timer_ns();
+  while (device::arch::global_timer_ns() - start < ns) __nanosleep(1000);
+}
+
+}  // namespace
+
+void enqueue_delay(BenchMemory& memory, double us) {
+  if (memory.backend() != Backend::cuda) return;
+  delay_kernel<<<1, 1, 0, memory.stream()>>>(static_cast<uint64_t>(us * 1000.0));
+  FERRY_CHECK_CUDA(cudaGetLastError());
+}
+
+}  // namespace ferry::bench
