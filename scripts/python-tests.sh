@@ -1,6 +1,42 @@
 #!/usr/bin/env bash
-# Runs the Python tests when the Python package is present (python/tests). Nothing to do otherwise.
+# Runs the Python tests (python/tests) against the module built in the CMake build directory $1 (default: build), as
+# `make test` does after the C++ tests:
+#   1. installs from PyPI what is missing: nanobind (to build the module), numpy and pytest (to run the tests);
+#   2. reconfigures that build with -DFERRY_BUILD_PYTHON=ON and builds the target ferry_python: the module
+#      (linked against the library the build already compiled) and the package files, in BUILD/python/ferry;
+#   3. runs pytest with BUILD/python first on PYTHONPATH. pytest's exit status 5 (no tests collected) is success.
+# Nothing to do when there are no Python tests. PYTHON picks the interpreter (default python3).
 set -euo pipefail
-if [ -d python/tests ] && ls python/tests/test_*.py >/dev/null 2>&1; then
-  python3 -m pytest -q python/tests
+cd "$(dirname "$0")/.."
+if ! ls python/tests/test_*.py >/dev/null 2>&1; then
+  echo "python tests: none (python/tests/test_*.py)"
+  exit 0
 fi
+
+BUILD=${1:-build}
+case "$BUILD" in /*) ;; *) BUILD="$PWD/$BUILD" ;; esac
+PYTHON=${PYTHON:-python3}
+PYTHON_PATH=$(command -v "$PYTHON")
+
+missing=()
+for module in nanobind numpy pytest; do
+  "$PYTHON_PATH" -c "import $module" >/dev/null 2>&1 || missing+=("$module")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "python tests: installing ${missing[*]} (pip)"
+  "$PYTHON_PATH" -m pip install --quiet --disable-pip-version-check "${missing[@]}"
+fi
+
+start=$(date +%s)
+cmake -S . -B "$BUILD" -DFERRY_BUILD_PYTHON=ON -DPython_EXECUTABLE="$PYTHON_PATH" >/dev/null
+cmake --build "$BUILD" --target ferry_python -j "$(nproc)"
+echo "python tests: module built in $(($(date +%s) - start)) s ($BUILD/python/ferry)"
+
+export PYTHONPATH="$BUILD/python${PYTHONPATH:+:$PYTHONPATH}"
+status=0
+"$PYTHON_PATH" -m pytest -q -rs python/tests || status=$?
+if [ "$status" -eq 5 ]; then
+  echo "python tests: pytest collected no tests"
+  status=0
+fi
+exit "$status"

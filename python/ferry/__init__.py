@@ -1,0 +1,111 @@
+"""Ferry: Mixture-of-Experts dispatch and combine between GPUs (and, on the cpu backend, between processes).
+
+A thin layer over the C++ API (include/ferry/): arrays go in and out through DLPack (torch CUDA tensors on the cuda
+backend; NumPy arrays or torch CPU tensors on the cpu backend), outputs are zero-copy views of the library's
+buffers, and errors are the C++ error family with the same messages.
+
+    comm = ferry.init()                      # torchrun environment (or ferry.init(group=...) from torch.distributed)
+    buf = ferry.EpBuffer(comm, hidden=7168, num_experts=256, topk=8, max_tokens_per_rank=4096, expert_capacity=1024)
+    got = buf.dispatch(x, topk_idx, topk_weights, expand=True)
+    y = buf.combine(run_experts(got.expert_x, got.expert_counts), layout="expert")
+
+See docs/python.md.
+"""
+
+from __future__ import annotations
+
+from ._ext import (  # noqa: F401  (the public names)
+    BootstrapError,
+    Communicator,
+    ConfigError,
+    CudaError,
+    DispatchResult,
+    EpBuffer,
+    EpConfig,
+    Error,
+    InputError,
+    NcclError,
+    TimeoutError,
+    __version__,
+    cuda_available,
+    cuda_backend_compiled,
+    cuda_device_count,
+    env_params,
+)
+from . import _ext
+
+__all__ = [
+    "BootstrapError",
+    "Communicator",
+    "ConfigError",
+    "CudaError",
+    "DispatchResult",
+    "EpBuffer",
+    "EpConfig",
+    "Error",
+    "InputError",
+    "NcclError",
+    "TimeoutError",
+    "cuda_available",
+    "cuda_backend_compiled",
+    "cuda_device_count",
+    "env_params",
+    "init",
+]
+
+
+def init(
+    *,
+    backend: str | None = None,
+    group=None,
+    bootstrap=None,
+    device: int = -1,
+    rank: int | None = None,
+    world: int | None = None,
+    master_addr: str = "127.0.0.1",
+    master_port: int = 29500,
+    local_rank: int | None = None,
+    local_world: int | None = None,
+    timeout_s: float = 60.0,
+) -> Communicator:
+    """Creates this rank's communicator. Collective: every rank calls it with the same backend.
+
+    How the ranks find each other (the first that applies):
+      group=G        a torch.distributed process group (ferry exchanges its setup messages over a gloo group with
+                     the same ranks; see ferry.torch_bootstrap.TorchGroupBootstrap)
+      bootstrap=B    any object with rank, world, local_rank, local_world and allgather / broadcast / barrier
+                     (the protocol of ferry.torch_bootstrap.TorchGroupBootstrap)
+      rank=, world=  a TCP rendezvous on master_addr:master_port (rank 0 listens), without the environment
+      (none)         the torchrun environment: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK
+                     (what torchrun and python -m ferry.launch set)
+
+    backend: "cuda" or "cpu"; default "cuda" when ferry.cuda_available(), else "cpu".
+    device: cuda only, the GPU of this rank; -1 means the local rank.
+    Raises BootstrapError (rendezvous), ConfigError (backend or options), CudaError / NcclError (transport setup).
+    """
+    if backend is None:
+        backend = "cuda" if cuda_available() else "cpu"
+    if group is not None and bootstrap is not None:
+        raise ConfigError("config error: pass group= or bootstrap=, not both")
+    if group is not None:
+        from .torch_bootstrap import TorchGroupBootstrap
+
+        bootstrap = TorchGroupBootstrap(group)
+    if bootstrap is not None:
+        return _ext._init_python(bootstrap, backend, device)
+    if rank is not None or world is not None:
+        if rank is None or world is None:
+            raise ConfigError("config error: ferry.init needs both rank= and world= (or neither, to read the env)")
+        return _ext._init_socket(
+            backend,
+            device,
+            master_addr,
+            master_port,
+            rank,
+            world,
+            rank if local_rank is None else local_rank,
+            world if local_world is None else local_world,
+            timeout_s,
+        )
+    return _ext._init_env(backend, device)
+

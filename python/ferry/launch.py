@@ -1,0 +1,69 @@
+"""Starts N ranks of a Python program on this host, torchrun-style, without torch:
+
+    python -m ferry.launch --nproc 2 examples/moe_layer.py [args...]
+    python -m ferry.launch --nproc 2 -m some.module [args...]
+
+Each rank gets MASTER_ADDR, MASTER_PORT (a free port unless given), RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE
+and the NVLink-multicast safety variables; ferry.init() reads them. It is Ferry's C++ launcher (the one the `ferry`
+tool uses): the first rank that fails ends the others after a grace period, ranks die with the launcher, and an
+optional deadline kills everything, so a launch never hangs. The exit status is 0 when every rank exited 0, else
+the lowest failing rank's exit status (or 128 + signal when the failing ranks were all killed by a signal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import _ext
+
+
+def launch(
+    argv: list[str],
+    nproc: int,
+    *,
+    master_addr: str = "127.0.0.1",
+    master_port: int = 0,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 0.0,
+    grace_s: float = 5.0,
+) -> tuple[bool, str, list[int]]:
+    """Runs argv (argv[0] an absolute path) as nproc ranks. Returns (ok, description of failures, exit codes:
+    the exit status, or -signal)."""
+    pairs = sorted((env or {}).items())
+    return _ext._launch_ranks(list(argv), nproc, master_addr, master_port, pairs, timeout_s, grace_s)
+
+
+def main(args: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ferry.launch",
+        description="Start N ranks of a Python program on this host with the torchrun environment.",
+    )
+    parser.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--master-addr", default="127.0.0.1", help="rendezvous address (default 127.0.0.1)")
+    parser.add_argument("--master-port", type=int, default=0, help="rendezvous port (default: a free one)")
+    parser.add_argument("--timeout", type=float, default=0.0, help="kill every rank after this many seconds (0: none)")
+    parser.add_argument("--grace", type=float, default=5.0,
+                        help="seconds the others may run after one rank failed (default 5)")
+    parser.add_argument("-m", dest="module", action="store_true", help="run the program as a module (python -m)")
+    parser.add_argument("program", help="script path (or module name with -m)")
+    parser.add_argument("program_args", nargs=argparse.REMAINDER, help="arguments passed to every rank")
+    opts = parser.parse_args(args)
+    if opts.nproc < 1:
+        parser.error(f"--nproc={opts.nproc} must be at least 1")
+    argv = [sys.executable] + (["-m", opts.program] if opts.module else [opts.program]) + opts.program_args
+    ok, description, codes = launch(
+        argv, opts.nproc, master_addr=opts.master_addr, master_port=opts.master_port,
+        timeout_s=opts.timeout, grace_s=opts.grace,
+    )
+    if ok:
+        return 0
+    for line in description.strip().splitlines():
+        sys.stderr.write(f"ferry.launch: {line}\n")
+    exited = [code for code in codes if code > 0]
+    signalled = [128 - code for code in codes if code < 0]
+    return (exited or signalled or [1])[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

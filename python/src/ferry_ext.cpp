@@ -1,0 +1,953 @@
+// ferry._ext: the nanobind module over Ferry's C++ API (include/ferry/). Thin by design:
+// - arrays come in through DLPack or the buffer protocol (nb::ndarray); since the C++ API takes raw pointers, the
+//   shape, dtype, contiguity and device checks a pointer cannot carry are made here, as InputError in the library's
+//   own message format;
+// - outputs are views of the EpBuffer's buffers (DispatchResult pointers), created once per (buffer, framework) and
+//   reused, so a call allocates only the small view objects it returns (a slice in eager mode, the result record);
+// - every C++ call that can block or run long is made with the GIL released.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "core/launcher.hpp"
+#include "ferry/bootstrap.hpp"
+#include "ferry/communicator.hpp"
+#include "ferry/env.hpp"
+#include "ferry/ep.hpp"
+#include "ferry/error.hpp"
+#include "ferry/wire_format.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace ferry::python {
+namespace {
+
+using detail::concat;
+
+// ---- frameworks --------------------------------------------------------------------------------------------------
+
+// The framework outputs are returned in: the one the call's main input came from.
+enum Framework { kNumpy = 0, kTorch = 1, kDlpack = 2, kNumFrameworks = 3 };
+
+constexpr nb::dlpack::dtype kBf16{static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
+constexpr nb::dlpack::dtype kU16 = nb::dtype<uint16_t>();
+constexpr nb::dlpack::dtype kI32 = nb::dtype<int32_t>();
+constexpr nb::dlpack::dtype kI64 = nb::dtype<int64_t>();
+constexpr nb::dlpack::dtype kF32 = nb::dtype<float>();
+
+// Types and callables found lazily (numpy at the first call that needs it; torch once something imported it).
+struct Frameworks {
+  PyTypeObject* numpy_ndarray = nullptr;
+  PyTypeObject* torch_tensor = nullptr;
+  nb::object numpy_empty;
+  nb::object torch_empty;
+  nb::object torch_bf16;
+  nb::object torch_current_stream;   // (device index) -> raw cudaStream_t as int
+  bool torch_stream_is_raw = false;  // torch._C._cuda_getCurrentRawStream (an int directly) vs current_stream()
+};
+
+Frameworks& frameworks() {
+  static Frameworks* state = new Frameworks();  // NOTE: leaked on purpose: no Python calls at process teardown
+  return *state;
+}
+
+PyTypeObject* numpy_ndarray_type() {
+  Frameworks& f = frameworks();
+  if (!f.numpy_ndarray) {
+    nb::object np = nb::module_::import_("numpy");
+    f.numpy_ndarray = reinterpret_cast<PyTypeObject*>(np.attr("ndarray").ptr());
+    f.numpy_empty = np.attr("empty");
+  }
+  return f.numpy_ndarray;
+}
+
+// torch.Tensor when torch is loaded (never imports torch itself).
+PyTypeObject* torch_tensor_type() {
+  Frameworks& f = frameworks();
+  if (!f.torch_tensor) {
+    PyObject* torch = PyDict_GetItemString(PyImport_GetModuleDict(), "torch");  // borrowed
+    if (!torch) return nullptr;
+    nb::handle module(torch);
+    if (!nb::hasattr(module, "Tensor")) return nullptr;  // torch still importing
+    f.torch_tensor = reinterpret_cast<PyTypeObject*>(module.attr("Tensor").ptr());
+    f.torch_empty = module.attr("empty");
+    f.torch_bf16 = module.attr("bfloat16");
+  }
+  return f.torch_tensor;
+}
+
+Framework framework_of(nb::handle array) {
+  PyTypeObject* const type = Py_TYPE(array.ptr());
+  if (PyTypeObject* torch = torch_tensor_type(); torch && PyType_IsSubtype(type, torch)) return kTorch;
+  if (PyType_IsSubtype(type, numpy_ndarray_type())) return kNumpy;
+  return kDlpack;
+}
+
+// The current torch stream of a GPU as a cudaStream_t.
+cudaStream_t torch_current_stream(int device) {
+  Frameworks& f = frameworks();
+  if (!f.torch_current_stream.is_valid()) {
+    nb::object c = nb::module_::import_("torch._C");
+    // NOTE: torch._C._cuda_getCurrentRawStream returns the raw pointer as an int, several times cheaper than
+    // torch.cuda.current_stream(device).cuda_stream, which is the fallback (and the documented meaning).
+    f.torch_stream_is_raw = nb::hasattr(c, "_cuda_getCurrentRawStream");
+    f.torch_current_stream = f.torch_stream_is_raw ? c.attr("_cuda_getCurrentRawStream")
+                                                   : nb::module_::import_("torch.cuda").attr("current_stream");
+  }
+  nb::object got = f.torch_current_stream(device);
+  if (!f.torch_stream_is_raw) got = got.attr("cuda_stream");
+  return reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(nb::cast<uint64_t>(got)));
+}
+
+// ---- argument conversion -----------------------------------------------------------------------------------------
+
+std::string python_type_name(nb::handle object) {
+  return nb::cast<std::string>(nb::type_name(object.type()));
+}
+
+char const* dtype_name(nb::dlpack::dtype dtype) {
+  auto const code = static_cast<nb::dlpack::dtype_code>(dtype.code);
+  if (dtype.lanes != 1) return "a vector dtype";
+  switch (code) {
+    case nb::dlpack::dtype_code::Int:
+      return dtype.bits == 8 ? "int8" : dtype.bits == 16 ? "int16" : dtype.bits == 32 ? "int32" : "int64";
+    case nb::dlpack::dtype_code::UInt:
+      return dtype.bits == 8 ? "uint8" : dtype.bits == 16 ? "uint16" : dtype.bits == 32 ? "uint32" : "uint64";
+    case nb::dlpack::dtype_code::Float:
+      return dtype.bits == 16 ? "float16" : dtype.bits == 32 ? "float32" : "float64";
+    case nb::dlpack::dtype_code::Bfloat:
+      return "bfloat16";
+    case nb::dlpack::dtype_code::Bool:
+      return "bool";
+    default:
+      return "an unsupported dtype";
+  }
+}
+
+std::string shape_text(nb::ndarray<nb::ro> const& array) {
+  std::string out = "[";
+  for (size_t i = 0; i < array.ndim(); ++i) out += concat(i ? ", " : "", array.shape(i));
+  return out + "]";
+}
+
+std::string device_text(int device_type, int device_id) {
+  if (device_type == nb::device::cpu::value) return "cpu";
+  if (device_type == nb::device::cuda_host::value) return "cuda_host";
+  if (device_type == nb::device::cuda::value) return concat("cuda:", device_id);
+  return concat("DLPack device type ", device_type);
+}
+
+// Row-major and dense (dimensions of extent 1 may have any stride).
+bool is_c_contiguous(nb::ndarray<nb::ro> const& array) {
+  if (array.size() == 0) return true;
+  int64_t expected = 1;
+  for (size_t i = array.ndim(); i-- > 0;) {
+    if (array.shape(i) != 1 && array.stride(i) != expected) return false;
+    expected *= static_cast<int64_t>(array.shape(i));
+  }
+  return true;
+}
+
+// The allowed shapes as text: dimensions < 0 are free.
+std::string wanted_shape(std::initializer_list<int64_t> dims, char const* free_name) {
+  std::string out = "[";
+  bool first = true;
+  for (int64_t dim : dims) {
+    out += first ? "" : ", ";
+    out += dim < 0 ? std::string(free_name) : std::to_string(dim);
+    first = false;
+  }
+  return out + "]";
+}
+
+}  // namespace
+
+// Everything a call needs to know about where its arrays must live.
+class Placement {
+ public:
+  Placement(Backend backend, int device) : backend_(backend), device_(device) {}
+
+  Backend backend() const { return backend_; }
+  int device() const { return device_; }
+  int dlpack_device_type() const {
+    return backend_ == Backend::cuda ? nb::device::cuda::value : nb::device::cpu::value;
+  }
+  int dlpack_device_id() const { return backend_ == Backend::cuda ? device_ : 0; }
+
+  // Imports `object` as an array without copying (no conversion), checking placement, contiguity and rank.
+  template <typename Array>
+  Array import(nb::handle object, char const* name, std::initializer_list<int64_t> dims, char const* free_name) const {
+    Array array;
+    FERRY_CHECK_INPUT(nb::try_cast(object, array, /*convert=*/false), name,
+                      " must be an array (DLPack or the buffer protocol: NumPy, torch, ...)",
+                      Array::ReadOnly ? "" : " that is writable", ", got ", python_type_name(object));
+    nb::ndarray<nb::ro> const view(array);
+    int const type = array.device_type();
+    if (backend_ == Backend::cpu) {
+      FERRY_CHECK_INPUT(type == nb::device::cpu::value || type == nb::device::cuda_host::value, name, " is on ",
+                        device_text(type, array.device_id()),
+                        "; the cpu backend takes host arrays (NumPy, torch CPU tensors)");
+    } else {
+      FERRY_CHECK_INPUT(type == nb::device::cuda::value && array.device_id() == device_, name, " is on ",
+                        device_text(type, array.device_id()), "; this communicator's GPU is cuda:", device_);
+    }
+    bool shape_ok = array.ndim() == dims.size();
+    size_t i = 0;
+    for (int64_t dim : dims) {
+      if (shape_ok && dim >= 0 && static_cast<int64_t>(array.shape(i)) != dim) shape_ok = false;
+      ++i;
+    }
+    FERRY_CHECK_INPUT(shape_ok, name, " has shape ", shape_text(view), "; expected ", wanted_shape(dims, free_name));
+    FERRY_CHECK_INPUT(is_c_contiguous(view), name, " of shape ", shape_text(view),
+                      " is not contiguous (row-major); pass a contiguous array (.contiguous() / np.ascontiguousarray)");
+    return array;
+  }
+
+ private:
+  Backend backend_;
+  int device_;
+};
+
+namespace {
+
+void check_dtype(nb::dlpack::dtype got, char const* name, std::initializer_list<nb::dlpack::dtype> allowed,
+                 char const* allowed_text) {
+  for (nb::dlpack::dtype dtype : allowed)
+    if (got == dtype) return;
+  FERRY_THROW(InputError, "input", name, " has dtype ", dtype_name(got), "; expected ", allowed_text);
+}
+
+cudaStream_t stream_from(nb::handle stream) {
+  if (stream.is_none()) return nullptr;
+  nb::handle value = stream;
+  nb::object attribute;
+  if (!PyLong_Check(stream.ptr())) {
+    FERRY_CHECK_INPUT(nb::hasattr(stream, "cuda_stream"), "stream must be None, an int (a cudaStream_t) or an ",
+                      "object with a cuda_stream attribute (torch.cuda.Stream), got ", python_type_name(stream));
+    attribute = stream.attr("cuda_stream");
+    value = attribute;
+  }
+  return reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(nb::cast<uint64_t>(value)));
+}
+
+// ---- a Bootstrap implemented in Python ---------------------------------------------------------------------------
+
+// Calls back into a Python object with rank, world, local_rank, local_world attributes and the methods
+// allgather(data: bytes) -> list[bytes], broadcast(data: bytes, root: int) -> bytes, barrier(). ferry.init(group=...)
+// passes one built over torch.distributed. The GIL is taken for each call (the C++ caller runs without it).
+class PythonBootstrap final : public Bootstrap {
+ public:
+  explicit PythonBootstrap(nb::object impl) : impl_(std::move(impl)) {
+    rank_ = nb::cast<int>(impl_.attr("rank"));
+    world_ = nb::cast<int>(impl_.attr("world"));
+    local_rank_ = nb::cast<int>(impl_.attr("local_rank"));
+    local_world_ = nb::cast<int>(impl_.attr("local_world"));
+    FERRY_CHECK_AS(BootstrapError, "bootstrap", world_ >= 1 && rank_ >= 0 && rank_ < world_, "Python bootstrap ",
+                   python_type_name(impl_), " has rank=", rank_, " world=", world_, "; need 0 <= rank < world");
+    FERRY_CHECK_AS(BootstrapError, "bootstrap", local_world_ >= 1 && local_rank_ >= 0 && local_rank_ < local_world_,
+                   "Python bootstrap ", python_type_name(impl_), " has local_rank=", local_rank_,
+                   " local_world=", local_world_, "; need 0 <= local_rank < local_world");
+  }
+  ~PythonBootstrap() override {
+    // NOTE: the last reference may go away at interpreter shutdown, when no Python call is allowed: leak it then.
+#if PY_VERSION_HEX >= 0x030D0000
+    bool const finalizing = Py_IsFinalizing();
+#else
+    bool const finalizing = _Py_IsFinalizing();
+#endif
+    if (!Py_IsInitialized() || finalizing) {
+      impl_.release();
+      return;
+    }
+    nb::gil_scoped_acquire gil;
+    impl_.reset();
+  }
+
+  int rank() const override {
+    return rank_;
+  }
+  int world() const override {
+    return world_;
+  }
+  int local_rank() const override {
+    return local_rank_;
+  }
+  int local_world() const override {
+    return local_world_;
+  }
+
+  void allgather(void const* send, void* recv, std::size_t bytes) override {
+    FERRY_CHECK_INPUT((send && recv) || bytes == 0, "bootstrap allgather: null buffer for ", bytes, " bytes");
+    check_usable();
+    nb::gil_scoped_acquire gil;
+    // NOTE: copy send first: it may alias recv + rank * bytes.
+    nb::bytes const mine(static_cast<char const*>(send), bytes);
+    call("allgather", [&] {
+      nb::object blocks = impl_.attr("allgather")(mine);
+      size_t const count = nb::len(blocks);
+      FERRY_CHECK_AS(BootstrapError, "bootstrap", count == static_cast<size_t>(world_), "allgather returned ", count,
+                     " blocks for world=", world_);
+      for (size_t r = 0; r < count; ++r) {
+        nb::bytes const block = nb::cast<nb::bytes>(blocks[r]);
+        FERRY_CHECK_AS(BootstrapError, "bootstrap", block.size() == bytes, "allgather: rank ", r, " sent ",
+                       block.size(), " bytes, this rank ", bytes, "; every rank must make the same call");
+        if (bytes) std::memcpy(static_cast<char*>(recv) + r * bytes, block.c_str(), bytes);
+      }
+    });
+  }
+
+  void broadcast(void* data, std::size_t bytes, int root) override {
+    FERRY_CHECK_INPUT(data || bytes == 0, "bootstrap broadcast: null buffer for ", bytes, " bytes");
+    FERRY_CHECK_INPUT(root >= 0 && root < world_, "bootstrap broadcast: root=", root, " is outside [0, ", world_, ")");
+    check_usable();
+    nb::gil_scoped_acquire gil;
+    call("broadcast", [&] {
+      nb::bytes const mine(static_cast<char const*>(data), bytes);
+      nb::bytes const got = nb::cast<nb::bytes>(impl_.attr("broadcast")(mine, root));
+      FERRY_CHECK_AS(BootstrapError, "bootstrap", got.size() == bytes, "broadcast from root ", root, ": got ",
+                     got.size(), " bytes, expected ", bytes, "; every rank must make the same call");
+      if (bytes) std::memcpy(data, got.c_str(), bytes);
+    });
+  }
+
+  void barrier() override {
+    check_usable();
+    nb::gil_scoped_acquire gil;
+    call("barrier", [&] { impl_.attr("barrier")(); });
+  }
+
+ private:
+  void check_usable() const {
+    FERRY_CHECK_AS(BootstrapError, "bootstrap", failure_.empty(), "the Python bootstrap already failed: ", failure_);
+  }
+
+  // Runs one collective; a Python exception (or a malformed answer) becomes BootstrapError, and every later call
+  // fails the same way (the ranks are out of step after a failed collective).
+  template <typename Body>
+  void call(char const* what, Body&& body) {
+    try {
+      body();
+    } catch (nb::python_error& error) {
+      failure_ = concat(what, " raised ", error.what());
+      FERRY_THROW(BootstrapError, "bootstrap", "the Python bootstrap's ", failure_);
+    } catch (nb::cast_error const&) {
+      failure_ = concat(what, " returned a value of the wrong type (allgather: list of bytes, broadcast: bytes)");
+      FERRY_THROW(BootstrapError, "bootstrap", "the Python bootstrap's ", failure_);
+    } catch (BootstrapError const& error) {
+      failure_ = error.what();
+      throw;
+    }
+  }
+
+  nb::object impl_;
+  int rank_ = 0;
+  int world_ = 1;
+  int local_rank_ = 0;
+  int local_world_ = 1;
+  std::string failure_;
+};
+
+std::shared_ptr<Communicator> create_communicator(std::unique_ptr<Bootstrap> bootstrap, std::string const& backend,
+                                                  int device) {
+  CommunicatorOptions options;
+  options.backend = parse_backend(backend);
+  options.device = device;
+  nb::gil_scoped_release release;
+  return std::shared_ptr<Communicator>(Communicator::create(std::move(bootstrap), options));
+}
+
+}  // namespace
+
+// ---- EpBuffer ----------------------------------------------------------------------------------------------------
+
+// What one dispatch returns: views of the EpBuffer's buffers (valid until its next dispatch), None where the call
+// filled nothing.
+struct PyDispatchResult {
+  nb::object recv_x, recv_topk_idx, recv_topk_weights, recv_src, num_recv, expert_counts, expert_x, expert_src_row;
+  std::optional<int64_t> num_recv_host;
+  int recv_capacity = 0;
+  int expert_slots = 0;
+};
+
+class PyEpBuffer {
+ public:
+  PyEpBuffer(std::shared_ptr<Communicator> comm, EpConfig const& config)
+      : placement_(comm ? comm->backend() : Backend::cpu, comm ? comm->device() : -1) {
+    FERRY_CHECK_CONFIG(comm != nullptr, "EpBuffer needs a communicator");
+    {
+      nb::gil_scoped_release release;  // collective (symmetric allocations through the bootstrap)
+      buffer_ = std::make_shared<EpBuffer>(std::move(comm), config);
+    }
+    EpConfig const& resolved = buffer_->config();
+    int const world = buffer_->communicator().world();
+    hidden_ = resolved.hidden;
+    topk_ = resolved.topk;
+    num_local_ = resolved.num_local_experts(world);
+    capacity_ = resolved.recv_capacity(world);
+    slots_ = resolved.expert_slots();
+    max_tokens_ = resolved.max_tokens_per_rank;
+    // Every view holds this capsule: the EpBuffer (and its communicator) live as long as any view of its memory.
+    owner_ = nb::capsule(new std::shared_ptr<EpBuffer>(buffer_),
+                         [](void* p) noexcept { delete static_cast<std::shared_ptr<EpBuffer>*>(p); });
+  }
+
+  EpBuffer& buffer() const { return *buffer_; }
+  Placement const& placement() const { return placement_; }
+
+  struct Inputs {
+    DispatchArgs args;
+    Framework framework;
+    cudaStream_t stream;
+  };
+
+  // Converts and checks dispatch arguments (no C++ call).
+  Inputs dispatch_inputs(nb::handle x, nb::handle topk_idx, nb::handle topk_weights, bool expand, bool eager,
+                         nb::handle stream, bool return_recv_hook = false) const {
+    auto const xa = placement_.import <nb::ndarray<nb::ro>>(x, "x", {-1, hidden_}, "num_tokens");
+    check_dtype(xa.dtype(), "x", {kBf16, kU16}, "bfloat16 (or uint16 holding bf16 bits)");
+    int64_t const num_tokens = static_cast<int64_t>(xa.shape(0));
+    auto const idx = placement_.import <nb::ndarray<nb::ro>>(topk_idx, "topk_idx", {num_tokens, topk_}, "num_tokens");
+    check_dtype(idx.dtype(), "topk_idx", {kI32, kI64}, "int32 or int64");
+    auto const weights =
+        placement_.import <nb::ndarray<nb::ro>>(topk_weights, "topk_weights", {num_tokens, topk_}, "num_tokens");
+    check_dtype(weights.dtype(), "topk_weights", {kF32}, "float32");
+    FERRY_CHECK_INPUT(num_tokens <= max_tokens_, "num_tokens=", num_tokens, " (rows of x) is outside [0, ",
+                      "max_tokens_per_rank=", max_tokens_, "]; split the batch or raise max_tokens_per_rank");
+    Inputs in;
+    in.args.x = xa.data();
+    in.args.num_tokens = static_cast<int>(num_tokens);
+    in.args.topk_idx = idx.data();
+    in.args.topk_idx_type = idx.dtype() == kI32 ? IndexType::int32 : IndexType::int64;
+    in.args.topk_weights = static_cast<float const*>(weights.data());
+    in.args.expand = expand;
+    in.args.eager = eager;
+    in.args.return_recv_hook = return_recv_hook;
+    in.framework = framework_of(x);
+    in.stream = resolve_stream(stream, in.framework);
+    return in;
+  }
+
+  PyDispatchResult dispatch(nb::handle x, nb::handle topk_idx, nb::handle topk_weights, bool expand, bool eager,
+                            bool return_recv_hook, nb::handle stream) {
+    Inputs const in = dispatch_inputs(x, topk_idx, topk_weights, expand, eager, stream, return_recv_hook);
+    DispatchResult got;
+    {
+      Exclusive const exclusive(*this);
+      // NOTE: set before the call: an eager dispatch that dropped rows raises after it completed, and the combine
+      // that follows refers to it.
+      last_num_tokens_ = in.args.num_tokens;
+      last_num_recv_host_ = -1;
+      last_framework_ = in.framework;
+      last_eager_ = eager;
+      nb::gil_scoped_release release;
+      got = buffer_->dispatch(in.args, in.stream);
+    }
+    last_num_recv_host_ = got.num_recv_host;
+    return result(got, in.framework, eager && !return_recv_hook);
+  }
+
+  // The receive half of a dispatch made with return_recv_hook (low-latency mode).
+  PyDispatchResult complete_dispatch(nb::handle stream) {
+    cudaStream_t const s = resolve_stream(stream, last_framework_);
+    DispatchResult got;
+    {
+      Exclusive const exclusive(*this);
+      nb::gil_scoped_release release;
+      got = buffer_->complete_dispatch(s);
+    }
+    last_num_recv_host_ = got.num_recv_host;
+    return result(got, last_framework_, last_eager_);
+  }
+
+  void complete_combine(nb::handle stream) {
+    cudaStream_t const s = resolve_stream(stream, last_framework_);
+    Exclusive const exclusive(*this);
+    nb::gil_scoped_release release;
+    buffer_->complete_combine(s);
+  }
+
+  struct CombineInputs {
+    CombineArgs args;
+    cudaStream_t stream;
+    nb::object y;
+  };
+
+  CombineInputs combine_inputs(nb::handle x, std::string const& layout, nb::handle out, bool eager, nb::handle stream,
+                               bool return_recv_hook = false) const {
+    CombineInputs in;
+    bool const expert_major = layout == "expert";
+    FERRY_CHECK_INPUT(expert_major || layout == "rank", "layout='", layout,
+                      "' is not a combine layout; use 'expert' (expert outputs [num_local_experts, expert_capacity, ",
+                      "hidden], weights applied by combine) or 'rank' (rows [num_recv, hidden], already reduced)");
+    nb::ndarray<nb::ro> xa;
+    if (expert_major) {
+      FERRY_CHECK_INPUT(slots_ > 0, "combine layout='expert' needs an expert-major layout: create the EpBuffer with ",
+                        "expert_capacity and dispatch with expand=True, or combine with layout='rank'");
+      xa = placement_.import <nb::ndarray<nb::ro>>(x, "x", {num_local_, slots_, hidden_}, "");
+    } else {
+      xa = placement_.import <nb::ndarray<nb::ro>>(x, "x", {-1, hidden_}, "rows");
+      // Rows the C++ side reads: num_recv (known on the host after an eager dispatch), else up to the capacity.
+      int64_t const needed = last_num_recv_host_ >= 0 ? last_num_recv_host_ : capacity_;
+      FERRY_CHECK_INPUT(static_cast<int64_t>(xa.shape(0)) >= needed, "x has ", xa.shape(0), " rows; combine ",
+                        "layout='rank' reads ", needed,
+                        last_num_recv_host_ >= 0 ? " (num_recv of the last dispatch)" : " (recv_capacity)",
+                        " rows of [rows, hidden=", hidden_, "]");
+    }
+    check_dtype(xa.dtype(), "x", {kBf16, kU16}, "bfloat16 (or uint16 holding bf16 bits)");
+    Framework const framework = framework_of(x);
+    if (last_num_tokens_ >= 0) {
+      if (out.is_none()) {
+        in.y = allocate_y(framework, x);
+      } else {
+        in.y = nb::borrow(out);
+      }
+      auto const ya = placement_.import <nb::ndarray<>>(in.y, "out", {last_num_tokens_, hidden_}, "");
+      check_dtype(ya.dtype(), "out", {kBf16, kU16}, "bfloat16 (or uint16 holding bf16 bits)");
+      in.args.y = ya.data();
+    }
+    // else: no dispatch yet; the C++ call refuses with its own message
+    in.args.layout = expert_major ? CombineLayout::expert_major : CombineLayout::rank_major;
+    in.args.x = xa.data();
+    in.args.eager = eager;
+    in.args.return_recv_hook = return_recv_hook;
+    in.stream = resolve_stream(stream, framework);
+    return in;
+  }
+
+  nb::object combine(nb::handle x, std::string const& layout, nb::handle out, bool eager, bool return_recv_hook,
+                     nb::handle stream) {
+    CombineInputs in = combine_inputs(x, layout, out, eager, stream, return_recv_hook);
+    {
+      Exclusive const exclusive(*this);
+      nb::gil_scoped_release release;
+      buffer_->combine(in.args, in.stream);
+    }
+    return in.y.is_valid() ? in.y : nb::none();
+  }
+
+  // Host seconds of `iters` dispatch + combine pairs run in a C++ loop (arguments converted once): what the same
+  // calls cost without Python, for bench_overhead.py.
+  double time_cpp_loop(int iters, nb::handle x, nb::handle topk_idx, nb::handle topk_weights, bool expand,
+                       nb::handle combine_x, std::string const& layout, nb::handle out, bool eager, nb::handle stream) {
+    FERRY_CHECK_INPUT(iters >= 1, "iters=", iters, " must be at least 1");
+    Inputs const d = dispatch_inputs(x, topk_idx, topk_weights, expand, eager, stream);
+    last_num_tokens_ = d.args.num_tokens;
+    CombineInputs const c = combine_inputs(combine_x, layout, out, eager, stream);
+    Exclusive const exclusive(*this);
+    nb::gil_scoped_release release;
+    auto const start = std::chrono::steady_clock::now();
+    for (int i = 0; i < iters; ++i) {
+      buffer_->dispatch(d.args, d.stream);
+      buffer_->combine(c.args, c.stream);
+    }
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+
+  int num_local_experts() const { return num_local_; }
+  int recv_capacity() const { return capacity_; }
+  int expert_slots() const { return slots_; }
+
+ private:
+  // NOTE: an EpBuffer belongs to one host thread; with the GIL released two Python threads could enter it at once.
+  class Exclusive {
+   public:
+    explicit Exclusive(PyEpBuffer& owner) : owner_(owner) {
+      FERRY_CHECK_INPUT(!owner_.busy_.exchange(true), "this EpBuffer is in use by another thread; an EpBuffer ",
+                        "belongs to one thread (create one per thread)");
+    }
+    ~Exclusive() { owner_.busy_.store(false); }
+    Exclusive(Exclusive const&) = delete;
+    Exclusive& operator=(Exclusive const&) = delete;
+
+   private:
+    PyEpBuffer& owner_;
+  };
+
+  cudaStream_t resolve_stream(nb::handle stream, Framework framework) const {
+    if (!stream.is_none()) return stream_from(stream);
+    // Default: the current torch stream of this GPU for torch CUDA tensors; else the default stream (null).
+    if (placement_.backend() == Backend::cuda && framework == kTorch) return torch_current_stream(placement_.device());
+    return nullptr;
+  }
+
+  nb::object allocate_y(Framework framework, nb::handle like) const {
+    nb::tuple const shape = nb::make_tuple(last_num_tokens_, hidden_);
+    if (framework == kTorch) {
+      Frameworks const& f = frameworks();
+      return f.torch_empty(shape, "dtype"_a = f.torch_bf16, "device"_a = like.attr("device"));
+    }
+    FERRY_CHECK_INPUT(placement_.backend() == Backend::cpu, "combine cannot allocate its output for a ",
+                      python_type_name(like), " on the cuda backend; pass out=[", last_num_tokens_, ", ", hidden_,
+                      "] bfloat16 on cuda:", placement_.device());
+    numpy_ndarray_type();
+    return frameworks().numpy_empty(shape, "dtype"_a = "uint16");
+  }
+
+  // ---- cached views
+
+  struct View {
+    void const* data = nullptr;
+    nb::object object;
+  };
+  struct Views {
+    View recv_x, recv_topk_idx, recv_topk_weights, recv_src, num_recv, expert_counts, expert_x, expert_src_row;
+  };
+
+  nb::object view(View& slot, void* data, Framework framework, nb::dlpack::dtype dtype,
+                  std::initializer_list<size_t> shape) {
+    if (data == nullptr) return nb::none();
+    if (slot.data != data || !slot.object.is_valid()) {
+      if (framework == kNumpy && dtype == kBf16) dtype = kU16;  // NOTE: NumPy has no bfloat16: raw bits
+      int const type = placement_.dlpack_device_type();
+      int const id = placement_.dlpack_device_id();
+      size_t const ndim = shape.size();
+      switch (framework) {
+        case kNumpy:
+          slot.object = nb::ndarray<nb::numpy>(data, ndim, shape.begin(), owner_, nullptr, dtype, type, id).cast();
+          break;
+        case kTorch:
+          slot.object = nb::ndarray<nb::pytorch>(data, ndim, shape.begin(), owner_, nullptr, dtype, type, id).cast();
+          break;
+        default:
+          slot.object = nb::ndarray<>(data, ndim, shape.begin(), owner_, nullptr, dtype, type, id).cast();
+          break;
+      }
+      slot.data = data;
+    }
+    return slot.object;
+  }
+
+  static nb::object head(nb::object const& full, int64_t rows) {
+    if (full.is_none()) return full;
+    nb::object const slice = nb::steal(PySlice_New(nullptr, nb::int_(rows).ptr(), nullptr));
+    return nb::steal(PyObject_GetItem(full.ptr(), slice.ptr()));
+  }
+
+  PyDispatchResult result(DispatchResult const& got, Framework framework, bool eager) {
+    Views& v = views_[framework];
+    size_t const cap = static_cast<size_t>(capacity_);
+    size_t const topk = static_cast<size_t>(topk_);
+    size_t const hidden = static_cast<size_t>(hidden_);
+    size_t const local = static_cast<size_t>(num_local_);
+    PyDispatchResult out;
+    out.recv_x = view(v.recv_x, got.recv_x, framework, kBf16, {cap, hidden});
+    out.recv_topk_idx = view(v.recv_topk_idx, got.recv_topk_idx, framework, kI32, {cap, topk});
+    out.recv_topk_weights = view(v.recv_topk_weights, got.recv_topk_weights, framework, kF32, {cap, topk});
+    out.recv_src = view(v.recv_src, got.recv_src, framework, kI32, {cap, 2});
+    out.num_recv = view(v.num_recv, got.num_recv, framework, kI32, {1});
+    out.expert_counts = view(v.expert_counts, got.expert_counts, framework, kI32, {local});
+    size_t const slots = static_cast<size_t>(got.expert_slots);
+    out.expert_x = view(v.expert_x, got.expert_x, framework, kBf16, {local, slots, hidden});
+    out.expert_src_row = view(v.expert_src_row, got.expert_src_row, framework, kI32, {local, slots});
+    if (got.num_recv_host >= 0) out.num_recv_host = got.num_recv_host;
+    if (eager && got.num_recv_host >= 0) {
+      out.recv_x = head(out.recv_x, got.num_recv_host);
+      out.recv_topk_idx = head(out.recv_topk_idx, got.num_recv_host);
+      out.recv_topk_weights = head(out.recv_topk_weights, got.num_recv_host);
+      out.recv_src = head(out.recv_src, got.num_recv_host);
+    }
+    out.recv_capacity = got.recv_capacity;
+    out.expert_slots = got.expert_slots;
+    return out;
+  }
+
+  Placement placement_;
+  std::shared_ptr<EpBuffer> buffer_;
+  nb::object owner_;
+  int hidden_ = 0;
+  int topk_ = 0;
+  int num_local_ = 0;
+  int capacity_ = 0;
+  int slots_ = 0;
+  int max_tokens_ = 0;
+  int last_num_tokens_ = -1;
+  int64_t last_num_recv_host_ = -1;
+  Framework last_framework_ = kNumpy;  // of the last dispatch (the completion of a hook returns views in it)
+  bool last_eager_ = true;
+  Views views_[kNumFrameworks];
+  std::atomic<bool> busy_{false};
+};
+
+namespace {
+
+std::optional<Geometry> geometry_from(std::optional<std::pair<int, int>> const& value) {
+  if (!value) return std::nullopt;
+  return Geometry{value->first, value->second};
+}
+
+std::optional<std::pair<int, int>> geometry_to(std::optional<Geometry> const& value) {
+  if (!value) return std::nullopt;
+  return std::make_pair(value->blocks, value->warps);
+}
+
+EpConfig make_config(int hidden, int num_experts, int topk, int max_tokens_per_rank, std::optional<int> expert_capacity,
+                     std::optional<int> max_recv_tokens, std::string const& dispatch_format,
+                     std::string const& combine_format, std::string const& mode,
+                     std::optional<std::pair<int, int>> dispatch_geometry,
+                     std::optional<std::pair<int, int>> combine_geometry) {
+  EpConfig config;
+  config.hidden = hidden;
+  config.num_experts = num_experts;
+  config.topk = topk;
+  config.max_tokens_per_rank = max_tokens_per_rank;
+  config.expert_capacity = expert_capacity;
+  config.max_recv_tokens = max_recv_tokens;
+  config.dispatch_format = parse_wire_format(dispatch_format);
+  config.combine_format = parse_wire_format(combine_format);
+  config.mode = parse_mode(mode);
+  config.dispatch_geometry = geometry_from(dispatch_geometry);
+  config.combine_geometry = geometry_from(combine_geometry);
+  return config;
+}
+
+[[noreturn]] void raise_for_test(std::string const& kind, std::string const& message) {
+  if (kind == "Error") FERRY_THROW(Error, "test", message);
+  if (kind == "ConfigError") FERRY_THROW(ConfigError, "test", message);
+  if (kind == "InputError") FERRY_THROW(InputError, "test", message);
+  if (kind == "CudaError") FERRY_THROW(CudaError, "test", message);
+  if (kind == "NcclError") FERRY_THROW(NcclError, "test", message);
+  if (kind == "TimeoutError") FERRY_THROW(TimeoutError, "test", message);
+  if (kind == "BootstrapError") FERRY_THROW(BootstrapError, "test", message);
+  throw std::runtime_error(message);
+}
+
+}  // namespace
+}  // namespace ferry::python
+
+NB_MODULE(_ext, m) {
+  using namespace ferry;
+  using namespace ferry::python;
+  m.doc() = "Ferry's C++ API (include/ferry/) for Python; use the ferry package, not this module directly";
+  m.attr("__version__") = FERRY_VERSION;
+  m.attr("cuda_backend_compiled") = static_cast<bool>(FERRY_HAVE_CUDA);
+
+  // ---- errors: the C++ family, same messages. Translators run last-registered first, so subclasses come after Error.
+  nb::exception<Error> error(m, "Error", PyExc_RuntimeError);
+  error.attr("__doc__") = "Base of every Ferry error; the message says what happened and what to do.";
+  nb::exception<ConfigError>(m, "ConfigError", error).attr("__doc__") =
+      "An EpConfig / communicator option that can never work (checked at construction).";
+  nb::exception<InputError>(m, "InputError", error).attr("__doc__") =
+      "A call argument that is wrong (shape, dtype, device, expert id, token count).";
+  nb::exception<CudaError>(m, "CudaError", error).attr("__doc__") = "A CUDA runtime or driver call failed.";
+  nb::exception<NcclError>(m, "NcclError", error).attr("__doc__") =
+      "An NCCL call failed, or the loaded NCCL differs from the one Ferry was built with.";
+  nb::exception<TimeoutError>(m, "TimeoutError", error).attr("__doc__") =
+      "A bounded wait expired; the message names the rank that did not arrive.";
+  nb::exception<BootstrapError>(m, "BootstrapError", error).attr("__doc__") =
+      "The rendezvous between ranks failed: a rank is missing, died, or sent something else.";
+  m.def("_raise_for_test", &raise_for_test, "kind"_a, "message"_a,
+        "Throws the C++ exception `kind` (tests of the exception translation).");
+
+  // ---- module functions
+  m.def("cuda_available", &cuda_available, "True when this build has the cuda backend and a GPU is visible.");
+  m.def("cuda_device_count", &cuda_device_count, "Visible GPUs (0 without the cuda backend).");
+  m.def(
+      "env_params",
+      [] {
+        std::vector<std::tuple<std::string, std::string, std::string>> out;
+        for (EnvParam const& p : env_params()) out.emplace_back(p.name, p.default_value, p.meaning);
+        return out;
+      },
+      "Every environment parameter Ferry reads: (name, default, meaning).");
+
+  // ---- communicators
+  nb::class_<Communicator>(m, "Communicator",
+                           "Rank, world and the symmetric heap shared by the ranks. Create with ferry.init().")
+      .def_prop_ro("rank", &Communicator::rank)
+      .def_prop_ro("world", &Communicator::world)
+      .def_prop_ro("local_rank", [](Communicator const& c) { return c.bootstrap().local_rank(); })
+      .def_prop_ro("local_world", [](Communicator const& c) { return c.bootstrap().local_world(); })
+      .def_prop_ro("backend", [](Communicator const& c) { return std::string(backend_name(c.backend())); })
+      .def_prop_ro("device", &Communicator::device, "cuda: the GPU ordinal; cpu: -1.")
+      .def_prop_ro("failed", &Communicator::failed, "True after a timeout; every later call then raises.")
+      .def(
+          "barrier",
+          [](Communicator& c, nb::handle stream) {
+            cudaStream_t const s = stream_from(stream);
+            nb::gil_scoped_release release;
+            c.barrier(s);
+          },
+          "stream"_a = nb::none(), "Collective barrier through the transport (enqueued on stream on cuda).")
+      .def(
+          "check_errors",
+          [](Communicator& c, nb::handle stream) {
+            cudaStream_t const s = stream_from(stream);
+            nb::gil_scoped_release release;
+            c.check_errors(s);
+          },
+          "stream"_a = nb::none(),
+          "Raises what a kernel recorded (TimeoutError, InputError for ids dropped on the device); synchronises "
+          "stream first on cuda when given.");
+
+  m.def(
+      "_init_env",
+      [](std::string const& backend, int device) {
+        SocketBootstrapOptions const options = socket_bootstrap_options_from_env();
+        std::unique_ptr<Bootstrap> bootstrap;
+        {
+          nb::gil_scoped_release release;
+          bootstrap = make_socket_bootstrap(options);
+        }
+        return create_communicator(std::move(bootstrap), backend, device);
+      },
+      "backend"_a, "device"_a);
+  m.def(
+      "_init_socket",
+      [](std::string const& backend, int device, std::string const& master_addr, int master_port, int rank, int world,
+         int local_rank, int local_world, double timeout_s) {
+        SocketBootstrapOptions options;
+        options.master_addr = master_addr;
+        options.master_port = master_port;
+        options.rank = rank;
+        options.world = world;
+        options.local_rank = local_rank;
+        options.local_world = local_world;
+        options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
+        std::unique_ptr<Bootstrap> bootstrap;
+        {
+          nb::gil_scoped_release release;
+          bootstrap = make_socket_bootstrap(options);
+        }
+        return create_communicator(std::move(bootstrap), backend, device);
+      },
+      "backend"_a, "device"_a, "master_addr"_a, "master_port"_a, "rank"_a, "world"_a, "local_rank"_a, "local_world"_a,
+      "timeout_s"_a);
+  m.def(
+      "_init_python",
+      [](nb::object bootstrap, std::string const& backend, int device) {
+        return create_communicator(std::make_unique<PythonBootstrap>(std::move(bootstrap)), backend, device);
+      },
+      "bootstrap"_a, "backend"_a, "device"_a);
+
+  // ---- EpConfig
+  EpConfig const defaults;
+  nb::class_<EpConfig>(m, "EpConfig", "The shape of one MoE layer's communication (resolved for the world size).")
+      .def_ro("hidden", &EpConfig::hidden)
+      .def_ro("num_experts", &EpConfig::num_experts)
+      .def_ro("topk", &EpConfig::topk)
+      .def_ro("max_tokens_per_rank", &EpConfig::max_tokens_per_rank)
+      .def_ro("expert_capacity", &EpConfig::expert_capacity)
+      .def_ro("max_recv_tokens", &EpConfig::max_recv_tokens)
+      .def_prop_ro("dispatch_format",
+                   [](EpConfig const& c) { return std::string(wire_format_name(c.dispatch_format)); })
+      .def_prop_ro("combine_format", [](EpConfig const& c) { return std::string(wire_format_name(c.combine_format)); })
+      .def_prop_ro("mode", [](EpConfig const& c) { return std::string(mode_name(c.mode)); })
+      .def_prop_ro("dispatch_geometry", [](EpConfig const& c) { return geometry_to(c.dispatch_geometry); })
+      .def_prop_ro("combine_geometry", [](EpConfig const& c) { return geometry_to(c.combine_geometry); })
+      .def("__repr__", [](EpConfig const& c) {
+        return concat("EpConfig(hidden=", c.hidden, ", num_experts=", c.num_experts, ", topk=", c.topk,
+                      ", max_tokens_per_rank=", c.max_tokens_per_rank,
+                      ", expert_capacity=", c.expert_capacity ? std::to_string(*c.expert_capacity) : "None",
+                      ", max_recv_tokens=", c.max_recv_tokens ? std::to_string(*c.max_recv_tokens) : "None", ", mode='",
+                      mode_name(c.mode), "')");
+      });
+
+  // ---- dispatch results and EpBuffer
+  nb::class_<PyDispatchResult>(
+      m, "DispatchResult",
+      "Views of the EpBuffer's buffers filled by one dispatch (zero-copy; valid until the next dispatch). Rows are "
+      "ordered by (source rank, source token). Eager calls slice the rank-major views to num_recv_host rows; "
+      "otherwise they span recv_capacity rows and the count stays on the device (num_recv).")
+      .def_ro("recv_x", &PyDispatchResult::recv_x, "[rows, hidden] bf16 (uint16 bits on NumPy)")
+      .def_ro("recv_topk_idx", &PyDispatchResult::recv_topk_idx, "[rows, topk] int32 local expert, -1 elsewhere")
+      .def_ro("recv_topk_weights", &PyDispatchResult::recv_topk_weights, "[rows, topk] float32")
+      .def_ro("recv_src", &PyDispatchResult::recv_src, "[rows, 2] int32 (source rank, source token)")
+      .def_ro("num_recv", &PyDispatchResult::num_recv, "[1] int32 rows received, where the data lives")
+      .def_ro("num_recv_host", &PyDispatchResult::num_recv_host, "rows received as an int (eager), else None")
+      .def_ro("expert_counts", &PyDispatchResult::expert_counts, "[num_local_experts] int32 entries per expert")
+      .def_ro("expert_x", &PyDispatchResult::expert_x, "[num_local_experts, expert_capacity, hidden] bf16 (expand)")
+      .def_ro("expert_src_row", &PyDispatchResult::expert_src_row,
+              "[num_local_experts, expert_capacity] int32 rank-major row of each slot (expand)")
+      .def_ro("recv_capacity", &PyDispatchResult::recv_capacity)
+      .def_ro("expert_slots", &PyDispatchResult::expert_slots);
+
+  nb::class_<PyEpBuffer>(m, "EpBuffer",
+                         "Dispatch and combine of one MoE layer's tokens (collective: every rank creates it with the "
+                         "same arguments).")
+      .def(
+          "__init__",
+          [](PyEpBuffer* self, std::shared_ptr<Communicator> comm, int hidden, int num_experts, int topk,
+             int max_tokens_per_rank, std::optional<int> expert_capacity, std::optional<int> max_recv_tokens,
+             std::string const& dispatch_format, std::string const& combine_format, std::string const& mode,
+             std::optional<std::pair<int, int>> dispatch_geometry,
+             std::optional<std::pair<int, int>> combine_geometry) {
+            EpConfig const config =
+                make_config(hidden, num_experts, topk, max_tokens_per_rank, expert_capacity, max_recv_tokens,
+                            dispatch_format, combine_format, mode, dispatch_geometry, combine_geometry);
+            new (self) PyEpBuffer(std::move(comm), config);
+          },
+          "comm"_a, nb::kw_only(), "hidden"_a = defaults.hidden, "num_experts"_a = defaults.num_experts,
+          "topk"_a = defaults.topk, "max_tokens_per_rank"_a = defaults.max_tokens_per_rank,
+          "expert_capacity"_a = nb::none(), "max_recv_tokens"_a = nb::none(), "dispatch_format"_a = "bf16",
+          "combine_format"_a = "bf16", "mode"_a = "normal", "dispatch_geometry"_a = nb::none(),
+          "combine_geometry"_a = nb::none())
+      .def("dispatch", &PyEpBuffer::dispatch, "x"_a, "topk_idx"_a, "topk_weights"_a, nb::kw_only(), "expand"_a = false,
+           "eager"_a = true, "return_recv_hook"_a = false, "stream"_a = nb::none(),
+           "Sends each token to the ranks of its experts. x [T, hidden] bf16, topk_idx [T, topk] int32/int64 "
+           "(global ids, -1 = none), topk_weights [T, topk] float32. Returns a DispatchResult of views. "
+           "return_recv_hook (mode='ll'): return after the send half; complete_dispatch() runs the receive half.")
+      .def("combine", &PyEpBuffer::combine, "x"_a, "layout"_a = "expert", nb::kw_only(), "out"_a = nb::none(),
+           "eager"_a = true, "return_recv_hook"_a = false, "stream"_a = nb::none(),
+           "Brings the expert outputs of the last dispatch back: layout='expert' takes [num_local_experts, "
+           "expert_capacity, hidden] and applies the weights; layout='rank' takes [num_recv, hidden] rows already "
+           "reduced. Returns out (allocated when None) [T, hidden] bf16. return_recv_hook (mode='ll'): return "
+           "after the send half; out is filled by complete_combine().")
+      .def("complete_dispatch", &PyEpBuffer::complete_dispatch, "stream"_a = nb::none(),
+           "The receive half of a dispatch made with return_recv_hook; returns its DispatchResult.")
+      .def("complete_combine", &PyEpBuffer::complete_combine, "stream"_a = nb::none(),
+           "The receive half of a combine made with return_recv_hook (fills its out).")
+      .def_prop_ro(
+          "pending_hook", [](PyEpBuffer const& b) { return std::string(b.buffer().pending_hook()); },
+          "The leg whose receive half is pending ('dispatch', 'combine', or '' when none).")
+      .def(
+          "explain", [](PyEpBuffer const& b) { return b.buffer().explain(); },
+          "The kernel path the last call of each leg took, and why.")
+      .def_prop_ro("config", [](PyEpBuffer const& b) { return b.buffer().config(); })
+      .def_prop_ro("num_local_experts", &PyEpBuffer::num_local_experts)
+      .def_prop_ro("recv_capacity", &PyEpBuffer::recv_capacity)
+      .def_prop_ro("expert_capacity", &PyEpBuffer::expert_slots)
+      .def("_time_cpp_loop", &PyEpBuffer::time_cpp_loop, "iters"_a, "x"_a, "topk_idx"_a, "topk_weights"_a, "expand"_a,
+           "combine_x"_a, "layout"_a, "out"_a, "eager"_a, "stream"_a = nb::none(),
+           "Host seconds of iters dispatch + combine pairs in a C++ loop (for bench_overhead.py).");
+
+  // ---- the launcher (ferry.launch)
+  m.def(
+      "_launch_ranks",
+      [](std::vector<std::string> argv, int nproc, std::string const& master_addr, int master_port,
+         std::vector<std::pair<std::string, std::string>> env, double timeout_s, double grace_s) {
+        LaunchOptions options;
+        options.argv = std::move(argv);
+        options.nproc = nproc;
+        options.master_addr = master_addr;
+        options.master_port = master_port;
+        options.env = std::move(env);
+        options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
+        options.grace = std::chrono::milliseconds(static_cast<int64_t>(grace_s * 1000.0));
+        LaunchResult result;
+        {
+          nb::gil_scoped_release release;
+          result = launch_ranks(options);
+        }
+        std::vector<int> codes;
+        for (RankExit const& rank : result.ranks) codes.push_back(rank.signal ? -rank.signal : rank.exit_code);
+        return std::make_tuple(result.ok(), result.describe(), codes);
+      },
+      "argv"_a, "nproc"_a, "master_addr"_a, "master_port"_a, "env"_a, "timeout_s"_a, "grace_s"_a);
+}

@@ -1,0 +1,48 @@
+"""python -m ferry.launch (Ferry's C++ launcher under Python) and the MoE layer example on the cpu backend."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ferry
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(args, timeout=120):
+    env = dict(os.environ)
+    package_root = str(Path(ferry.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return subprocess.run([sys.executable, "-m", "ferry.launch"] + args, capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
+
+
+def test_moe_layer_example_on_the_cpu_backend():
+    done = _run(["--nproc", "2", "--timeout", "100", str(REPO / "examples" / "moe_layer.py"), "--backend", "cpu",
+                 "--framework", "numpy"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
+    assert len(lines) == 2 and all(line.endswith("OK") for line in lines), done.stdout
+
+
+def test_environment_and_failure_status(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import os, sys\n"
+        "names = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'NCCL_NVLS_ENABLE')\n"
+        "sys.stdout.write(' '.join(['env'] + [os.environ[n] for n in names]) + '\\n')\n"
+        "sys.stdout.flush()\n"
+        "sys.exit(3 if os.environ['RANK'] == '1' and len(sys.argv) > 1 else 0)\n"
+    )
+    done = _run(["--nproc", "3", str(script)])
+    assert done.returncode == 0, done.stderr
+    seen = sorted(line.split()[1:5] for line in done.stdout.splitlines() if line.startswith("env"))
+    assert [s[0] for s in seen] == ["0", "1", "2"] and all(s[1:3] == ["3", s[0]] for s in seen), done.stdout
+    assert all(line.split()[-1] == "0" for line in done.stdout.splitlines() if line.startswith("env"))
+
+    failed = _run(["--nproc", "2", "--grace", "1", str(script), "fail"])
+    assert failed.returncode == 3, failed.stdout + failed.stderr
+    assert "ferry.launch: rank 1: exit 3" in failed.stderr
