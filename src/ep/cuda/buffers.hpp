@@ -8,6 +8,7 @@
 
 #include "ep/cuda/params.cuh"
 #include "ferry/ep.hpp"
+#include "tuning/choose.hpp"
 
 namespace ferry::cuda_ep {
 
@@ -31,6 +32,10 @@ struct Buffers {
   int32_t* recv_slot = nullptr;       // [recv_capacity, topk]
   void* expert_x = nullptr;           // [num_local_experts, expert_slots, hidden] (expert_capacity set)
   int32_t* expert_src_row = nullptr;  // [num_local_experts, expert_slots]
+  // Launch geometry inputs fixed at construction: the EpConfig pin and the tuning table rows of this GPU model and
+  // shape (plan_dispatch / plan_combine add the env pins and the analytic default per call).
+  tuning::LegTuning dispatch_tuning;
+  tuning::LegTuning combine_tuning;
 };
 
 // The symmetric region's layout for a config (the same on every rank).

@@ -4,23 +4,21 @@
 #include "core/cuda_check.hpp"
 #include "ep/cuda/buffers.hpp"
 #include "ep/cuda/combine.cuh"
-#include "ferry/env.hpp"
+#include "tuning/choose.hpp"
 
 namespace ferry::cuda_ep {
 
 LaunchPlan plan_combine(Buffers const& buffers, int num_tokens) {
+  // NOTE: the analytic default is one CTA per SM; EpConfig::combine_geometry, FERRY_COMBINE_{BLOCKS,WARPS} and the
+  // tuning table come first (choose.hpp). At least 2 CTAs (one push, one sum), at most one per SM (persistent grid).
+  Geometry const analytic{buffers.num_sms, kWarps};
+  tuning::Choice const choice = tuning::choose(buffers.combine_tuning, tuning::read_env_pin(tuning::Leg::combine),
+                                               num_tokens, analytic, "grid = SMs", kWarps);
   LaunchPlan plan;
-  std::string pinned_by;
-  if (buffers.config.combine_geometry && buffers.config.combine_geometry->blocks > 0) {
-    plan.ctas = buffers.config.combine_geometry->blocks;
-    pinned_by = "pinned by EpConfig::combine_geometry";
-  } else if (auto const pinned = env_optional_int("FERRY_COMBINE_BLOCKS"); pinned && *pinned > 0) {
-    plan.ctas = static_cast<int>(*pinned);
-    pinned_by = "pinned by FERRY_COMBINE_BLOCKS";
-  } else {
-    plan.ctas = buffers.num_sms;
-  }
-  plan.ctas = std::clamp(plan.ctas, 2, buffers.num_sms);
+  plan.ctas = std::clamp(choice.geometry.blocks, 2, buffers.num_sms);
+  std::string clamped;
+  if (plan.ctas != choice.geometry.blocks)
+    clamped = detail::concat("; ", choice.geometry.blocks, " CTAs clamped to ", plan.ctas, " (2 to one per SM)");
   // NOTE: push items are (tile, source): world * tiles of at most kMaxCombineTiles; sum items are this rank's tiles.
   // The push side moves and (expert-major) reduces every row, the sum side reads the landing rows once: two thirds
   // of the grid push, one third sums, and neither side gets more CTAs than it has items.
@@ -28,8 +26,7 @@ LaunchPlan plan_combine(Buffers const& buffers, int num_tokens) {
   int const sum_ctas = std::clamp(plan.ctas / 3, 1, tiles);
   plan.push_ctas = std::min(plan.ctas - sum_ctas, buffers.world * kMaxCombineTiles);
   plan.ctas = plan.push_ctas + sum_ctas;
-  plan.why = (pinned_by.empty() ? std::string("grid = SMs") : pinned_by) + ", tile " +
-             std::to_string(combine_tile_tokens(num_tokens)) + " tokens";
+  plan.why = choice.source + clamped + ", tile " + std::to_string(combine_tile_tokens(num_tokens)) + " tokens";
   return plan;
 }
 

@@ -77,6 +77,12 @@ class CudaEp final : public detail::EpBackendImpl {
                          kWarps, " warps per CTA; use 0 (choose) or ", kWarps);
     FERRY_CHECK_CUDA(cudaSetDevice(comm.device()));
     FERRY_CHECK_CUDA(cudaDeviceGetAttribute(&b.num_sms, cudaDevAttrMultiProcessorCount, comm.device()));
+    cudaDeviceProp prop{};
+    FERRY_CHECK_CUDA(cudaGetDeviceProperties(&prop, comm.device()));
+    tuning::TuningKey const key = tuning::make_key(prop.name, b.world, config);
+    auto const tables = tuning::active_tables();
+    b.dispatch_tuning = tuning::resolve_leg(tuning::Leg::dispatch, key, config.dispatch_geometry, *tables);
+    b.combine_tuning = tuning::resolve_leg(tuning::Leg::combine, key, config.combine_geometry, *tables);
     b.view = comm.device_view();
     b.layout = make_sym_layout(config, b.world);
     SymmetricRegion const region = comm.alloc_symmetric(b.layout.total);

@@ -4,7 +4,7 @@
 #include "core/cuda_check.hpp"
 #include "ep/cuda/buffers.hpp"
 #include "ep/cuda/dispatch.cuh"
-#include "ferry/env.hpp"
+#include "tuning/choose.hpp"
 
 namespace ferry::cuda_ep {
 
@@ -29,21 +29,20 @@ template void launch_persistent<CombineParams>(void (*)(CombineParams), CombineP
                                                cudaStream_t);
 
 LaunchPlan plan_dispatch(Buffers const& buffers, int num_tokens) {
+  // NOTE: the analytic default: a warp per token in flight: no more CTAs than tokens need (fewer CTAs also make the
+  // grid arrival cheaper at small batches), at least 8 so the push can fill NVLink, at most one per SM (persistent
+  // grid). EpConfig::dispatch_geometry, FERRY_DISPATCH_{BLOCKS,WARPS} and the tuning table come first (choose.hpp).
+  int const wanted = (num_tokens + kWarps - 1) / kWarps;
+  Geometry const analytic{std::clamp(wanted, 8, buffers.num_sms), kWarps};
+  tuning::Choice const choice =
+      tuning::choose(buffers.dispatch_tuning, tuning::read_env_pin(tuning::Leg::dispatch), num_tokens, analytic,
+                     "one warp per token up to one CTA per SM, min 8 CTAs to fill NVLink", kWarps);
   LaunchPlan plan;
-  if (buffers.config.dispatch_geometry && buffers.config.dispatch_geometry->blocks > 0) {
-    plan.ctas = buffers.config.dispatch_geometry->blocks;
-    plan.why = "pinned by EpConfig::dispatch_geometry";
-  } else if (auto const pinned = env_optional_int("FERRY_DISPATCH_BLOCKS"); pinned && *pinned > 0) {
-    plan.ctas = static_cast<int>(*pinned);
-    plan.why = "pinned by FERRY_DISPATCH_BLOCKS";
-  } else {
-    // NOTE: a warp per token in flight: no more CTAs than tokens need (fewer CTAs also make the grid arrival
-    // cheaper at small batches), at least 8 so the push can fill NVLink, at most one per SM (persistent grid).
-    int const wanted = (num_tokens + kWarps - 1) / kWarps;
-    plan.ctas = std::clamp(wanted, 8, buffers.num_sms);
-    plan.why = "one warp per token up to one CTA per SM (min 8 CTAs to fill NVLink)";
-  }
-  plan.ctas = std::min(plan.ctas, buffers.max_dispatch_ctas);
+  plan.ctas = std::min(choice.geometry.blocks, buffers.max_dispatch_ctas);
+  plan.why = choice.source;
+  if (plan.ctas != choice.geometry.blocks)
+    plan.why += detail::concat("; ", choice.geometry.blocks, " CTAs clamped to ", plan.ctas,
+                               " (at most one per SM: the grid is persistent)");
   return plan;
 }
 

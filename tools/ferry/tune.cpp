@@ -1,0 +1,527 @@
+// ferry tune: measures normal-mode dispatch and combine over candidate launch geometries, per token bucket, under
+// several routings, picks per bucket the fewest blocks within --tolerance of the best under every routing
+// (tuning/picker.hpp), and merges the picks into a tuning table (tuning/table.hpp) without touching its other
+// entries. `--verify` re-measures a table's rows against the sweep's best instead of writing.
+//
+// Candidates are applied through FERRY_{DISPATCH,COMBINE}_{BLOCKS,WARPS}, which the plan functions read at every call
+// (ahead of the table, behind an EpConfig pin, which tune never sets), so one EpBuffer serves every candidate.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "bench_memory.hpp"
+#include "commands.hpp"
+#include "ep/routing.hpp"
+#include "ferry/env.hpp"
+#include "ferry/ep.hpp"
+#include "ferry/error.hpp"
+#include "options.hpp"
+#include "ranks.hpp"
+#include "tuning/picker.hpp"
+#include "tuning/table.hpp"
+#if FERRY_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#ifndef FERRY_GIT_COMMIT
+#define FERRY_GIT_COMMIT ""
+#endif
+#ifndef FERRY_SOURCE_DIR
+#define FERRY_SOURCE_DIR ""
+#endif
+
+namespace ferry::cli {
+#if FERRY_HAVE_CUDA
+int normal_mode_kernel_warps();  // tools/ferry/kernel_geometry.cu
+#endif
+
+namespace {
+
+using bench::BenchMemory;
+using bench::LegGraph;
+using bench::LegTimer;
+using tuning::Leg;
+
+constexpr int kCpuDefaultRanks = 2;
+// The cpu backend has no SMs and ignores the geometry: candidates are nominal, derived from this pretend SM count.
+constexpr int kCpuNominalSms = 8;
+constexpr int kCpuNominalWarps = 16;
+constexpr Leg kLegs[] = {Leg::dispatch, Leg::combine};
+
+Options make_options() {
+  return Options(
+      "tune",
+      "Sweeps launch geometries (blocks x warps) of normal-mode dispatch and combine per token bucket under each\n"
+      "routing, scores each by its median (CUDA events around graph replays; slowest rank), and per bucket picks the\n"
+      "fewest blocks within --tolerance of the best under every routing (ties: fewer blocks, then fewer warps).\n"
+      "Merges the picks into --table (other entries untouched) and prints them. --verify re-measures the table's\n"
+      "rows for this shape against the sweep's best and prints the ratio per bucket. On the cpu backend the geometry\n"
+      "has no effect: a cpu run exercises the machinery only. See docs/tuning.md.",
+      {
+          {"tokens", "128,256,512,1024,2048,4096",
+           "token buckets (inclusive upper bounds), each measured at its bound"},
+          {"hidden", "7168", "elements per row"},
+          {"topk", "8", "routed experts per token"},
+          {"experts", "256", "global experts (divisible by the number of ranks)"},
+          {"dispatch", "bf16", "dispatch wire format"},
+          {"combine", "bf16", "combine wire format"},
+          {"mode", "normal", "normal (the mode whose kernels are tuned)"},
+          {"routing", "random,grouped", "routings a pick must be near-best under (comma-separated)"},
+          {"expert-groups", "8", "grouped routing: groups of experts"},
+          {"topk-groups", "4", "grouped routing: groups a token may use"},
+          {"blocks", "", "candidate CTA counts, comma-separated (unset: fractions 1/16..1 of the SM count)"},
+          {"warps", "", "candidate warps per CTA, comma-separated (unset: what the kernels run)"},
+          {"rounds", "3", "sweep rounds; each visits every candidate once (drift spreads over all of them)"},
+          {"warmup", "3", "untimed replays per candidate and round"},
+          {"iters", "10", "timed replays per candidate and round (score: median over all rounds)"},
+          {"tolerance", "0.03", "a pick may be this much slower than the best (fraction) under every routing"},
+          {"graph", "auto", "time CUDA-graph replays: auto (on for cuda, off for cpu) | on | off"},
+          {"table", "", "table file (unset: $FERRY_TUNING_DIR/<gpu>.json, else the source tree's src/tuning/tables/)"},
+          {"verify", "", "re-measure the table's rows for this shape instead of tuning; exit 3 if one fails", true},
+          {"verify-tolerance", "0.05", "--verify: a row passes within this fraction of the sweep's best"},
+          {"dry-run", "", "print the picks and the merged entry without writing the table", true},
+          {"backend", "auto", "auto (cuda when a GPU is visible, else cpu) | cuda | cpu"},
+          {"nproc", "0", "ranks to start (0: one per GPU, or 2 on the cpu backend)"},
+          {"seed", "0", "input seed (0: a fresh random seed, printed)"},
+      });
+}
+
+Backend choose_backend(Options const& options) {
+  std::string const name = options.str("backend");
+  if (name == "auto") return cuda_available() ? Backend::cuda : Backend::cpu;
+  Backend const backend = parse_backend(name);
+  FERRY_CHECK_CONFIG(backend != Backend::cuda || cuda_available(), "--backend cuda but no GPU is visible (or the cuda ",
+                     "backend is not built); use --backend cpu");
+  return backend;
+}
+
+int choose_nproc(Options const& options, Backend backend) {
+  if (options.integer("nproc") > 0) return options.integer("nproc");
+  return backend == Backend::cuda ? cuda_device_count() : kCpuDefaultRanks;
+}
+
+std::vector<std::string> split(std::string const& text) {
+  std::vector<std::string> out;
+  std::stringstream stream(text);
+  std::string item;
+  while (std::getline(stream, item, ','))
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+std::vector<RoutingKind> routing_kinds(Options const& options) {
+  std::vector<RoutingKind> kinds;
+  for (std::string const& name : split(options.str("routing"))) {
+    RoutingKind const kind = parse_routing(name);
+    FERRY_CHECK_CONFIG(std::find(kinds.begin(), kinds.end(), kind) == kinds.end(), "--routing lists ", name, " twice");
+    kinds.push_back(kind);
+  }
+  FERRY_CHECK_CONFIG(!kinds.empty(), "--routing is empty; give at least one of random, ring, grouped, hot");
+  return kinds;
+}
+
+// Sorted, distinct, positive.
+std::vector<int> sorted_list(Options const& options, char const* name) {
+  std::vector<int> values = options.int_list(name);
+  std::sort(values.begin(), values.end());
+  FERRY_CHECK_CONFIG(values.front() >= 1, "--", name, "=", options.str(name), " must list positive values");
+  FERRY_CHECK_CONFIG(std::adjacent_find(values.begin(), values.end()) == values.end(), "--", name, "=",
+                     options.str(name), " repeats a value");
+  return values;
+}
+
+EpConfig make_config(Options const& options, int world, int max_tokens) {
+  EpConfig config;
+  config.hidden = options.integer("hidden");
+  config.num_experts = options.integer("experts");
+  config.topk = options.integer("topk");
+  config.max_tokens_per_rank = max_tokens;
+  config.mode = parse_mode(options.str("mode"));
+  config.dispatch_format = parse_wire_format(options.str("dispatch"));
+  config.combine_format = parse_wire_format(options.str("combine"));
+  config.validate(world);
+  return config;
+}
+
+RoutingOptions make_routing(Options const& options, RoutingKind kind, uint64_t seed) {
+  RoutingOptions routing;
+  routing.kind = kind;
+  routing.expert_groups = options.integer("expert-groups");
+  routing.topk_groups = options.integer("topk-groups");
+  routing.seed = seed;
+  return routing;
+}
+
+// Candidate CTA counts from the SM count: fractions 1/16 .. 1 rounded to even counts (at least 2), and the SM count.
+std::vector<int> default_blocks(int sms) {
+  std::set<int> blocks;
+  for (double fraction : {1.0 / 16, 1.0 / 8, 1.0 / 6, 1.0 / 4, 1.0 / 3, 1.0 / 2, 2.0 / 3, 3.0 / 4})
+    blocks.insert(std::clamp(static_cast<int>(std::lround(sms * fraction / 2)) * 2, 2, sms));
+  blocks.insert(sms);
+  return {blocks.begin(), blocks.end()};
+}
+
+double median(std::vector<double> samples) {
+  FERRY_CHECK(!samples.empty(), "no timed replays (--iters must be at least 1)");
+  std::sort(samples.begin(), samples.end());
+  std::size_t const n = samples.size();
+  return n % 2 ? samples[n / 2] : 0.5 * (samples[n / 2 - 1] + samples[n / 2]);
+}
+
+std::string iso_date() {
+  std::time_t const now = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  return buf;
+}
+
+// Sets (or clears, for 0) the variables the plan functions read at every call.
+void apply_candidate(Geometry geometry) {
+  std::string const blocks = std::to_string(geometry.blocks);
+  std::string const warps = std::to_string(geometry.warps);
+  for (char const* name : {"FERRY_DISPATCH_BLOCKS", "FERRY_COMBINE_BLOCKS"})
+    geometry.blocks > 0 ? setenv(name, blocks.c_str(), 1) : unsetenv(name);
+  for (char const* name : {"FERRY_DISPATCH_WARPS", "FERRY_COMBINE_WARPS"})
+    geometry.warps > 0 ? setenv(name, warps.c_str(), 1) : unsetenv(name);
+}
+
+std::string table_path(Options const& options, std::string const& gpu) {
+  if (!options.str("table").empty()) return options.str("table");
+  std::string const file = tuning::table_file_stem(gpu) + ".json";
+  if (std::string const dir = env_string("FERRY_TUNING_DIR"); !dir.empty()) return dir + "/" + file;
+  std::string const source_tables = std::string(FERRY_SOURCE_DIR) + "/src/tuning/tables";
+  FERRY_CHECK_CONFIG(!std::string(FERRY_SOURCE_DIR).empty() && std::filesystem::is_directory(source_tables),
+                     "no table to write: the source tree this ferry was built from (", source_tables,
+                     ") is not here; give --table FILE or set FERRY_TUNING_DIR");
+  return source_tables + "/" + file;
+}
+
+// One bucket's measurements, reduced over ranks: us[leg][candidate][routing].
+using Scores = std::vector<std::vector<std::vector<double>>>;
+
+struct Sweep {
+  std::vector<int> buckets;
+  std::vector<RoutingKind> routings;
+  std::vector<Geometry> candidates;
+  std::vector<Scores> scores;  // per bucket
+};
+
+int run_tune_rank(Options const& options) {
+  Backend const backend = choose_backend(options);
+  auto comm = std::shared_ptr<Communicator>(
+      Communicator::create(make_socket_bootstrap(socket_bootstrap_options_from_env()), {backend}));
+  Bootstrap& bootstrap = comm->bootstrap();
+  int const world = comm->world();
+  int const rank = comm->rank();
+  bool const verify = options.flag("verify");
+  std::string const graph_option = options.str("graph");
+  FERRY_CHECK_CONFIG(graph_option == "auto" || graph_option == "on" || graph_option == "off", "--graph=", graph_option,
+                     " is unknown; use auto, on or off");
+  bool const graph = graph_option == "on" || (graph_option == "auto" && backend == Backend::cuda);
+  FERRY_CHECK_CONFIG(!graph || backend == Backend::cuda, "--graph on needs the cuda backend");
+  int const rounds = options.integer("rounds");
+  int const warmup = options.integer("warmup");
+  int const iters = options.integer("iters");
+  double const tolerance = options.number("tolerance");
+  FERRY_CHECK_CONFIG(rounds >= 1 && iters >= 1 && warmup >= 0, "--rounds and --iters must be at least 1, --warmup 0");
+  FERRY_CHECK_CONFIG(tolerance >= 0 && tolerance < 1, "--tolerance=", tolerance, " must be in [0, 1)");
+
+  // 1. the device, its candidates and the table
+  std::string const device = bench::device_name(backend);
+  std::string const gpu = backend == Backend::cuda ? tuning::canonical_gpu_name(device) : std::string("CPU");
+  int sms = kCpuNominalSms;
+  int kernel_warps = kCpuNominalWarps;
+#if FERRY_HAVE_CUDA
+  if (backend == Backend::cuda) {
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, comm->device());
+    kernel_warps = normal_mode_kernel_warps();
+  }
+#endif
+  std::vector<int> const blocks = options.str("blocks").empty() ? default_blocks(sms) : sorted_list(options, "blocks");
+  std::vector<int> const warps =
+      options.str("warps").empty() ? std::vector<int>{kernel_warps} : sorted_list(options, "warps");
+  for (int w : warps)
+    FERRY_CHECK_CONFIG(backend == Backend::cpu || w == kernel_warps, "--warps lists ", w,
+                       ": the normal-mode kernels run ", kernel_warps, " warps per CTA only");
+  for (int b : blocks)
+    FERRY_CHECK_CONFIG(backend == Backend::cpu || b <= sms, "--blocks lists ", b, ", more than the ", sms,
+                       " SMs (the grids are persistent: at most one CTA per SM)");
+  std::string const path = table_path(options, gpu);
+  std::vector<RoutingKind> const routings = routing_kinds(options);
+
+  Sweep sweep;
+  sweep.routings = routings;
+  for (int b : blocks)
+    for (int w : warps) sweep.candidates.push_back({b, w});
+  EpConfig probe = make_config(options, world, 1);
+  tuning::TuningKey const key = tuning::make_key(gpu, world, probe);
+  std::optional<tuning::Entry> verified;
+  if (verify) {
+    // the buckets are the table's, and its rows are candidates too
+    tuning::Table const table = tuning::read_table_file(path);
+    for (tuning::Entry const& entry : table.entries)
+      if (entry.key == key) verified = entry;
+    FERRY_CHECK_CONFIG(verified.has_value(), "--verify: ", path, " has no entry for ", tuning::describe(key),
+                       "; run ferry tune without --verify first");
+    std::set<int> bounds;
+    for (Leg leg : kLegs)
+      for (tuning::Bucket const& bucket : verified->buckets(leg)) {
+        bounds.insert(bucket.max_tokens);
+        // a row these kernels cannot run fails below; it is not measured
+        bool const runnable = backend == Backend::cpu || bucket.geometry.warps == kernel_warps;
+        if (runnable &&
+            std::find(sweep.candidates.begin(), sweep.candidates.end(), bucket.geometry) == sweep.candidates.end())
+          sweep.candidates.push_back(bucket.geometry);
+      }
+    sweep.buckets.assign(bounds.begin(), bounds.end());
+  } else {
+    sweep.buckets = sorted_list(options, "tokens");
+  }
+  FERRY_CHECK_CONFIG(!sweep.buckets.empty(), "--verify: the entry for ", tuning::describe(key), " has no buckets");
+  int const max_tokens = sweep.buckets.back();
+
+  uint64_t seed = static_cast<uint64_t>(options.integer("seed"));
+  if (seed == 0) seed = (static_cast<uint64_t>(std::random_device{}()) << 20) ^ std::random_device{}();
+  bootstrap.broadcast(&seed, sizeof(seed), 0);
+  if (rank == 0) {
+    std::printf("ferry tune%s: %d ranks, backend %s (%s), seed %llu, %s\n", verify ? " --verify" : "", world,
+                backend_name(backend), device.c_str(), static_cast<unsigned long long>(seed),
+                tuning::describe(key).c_str());
+    std::printf("table %s\n", path.c_str());
+    std::printf("%zu candidates (blocks ", sweep.candidates.size());
+    for (std::size_t i = 0; i < blocks.size(); ++i) std::printf("%s%d", i ? "," : "", blocks[i]);
+    std::printf(" x warps ");
+    for (std::size_t i = 0; i < warps.size(); ++i) std::printf("%s%d", i ? "," : "", warps[i]);
+    std::printf(")%s, %zu buckets, %zu routings, %d rounds x (%d warmup + %d timed)%s\n",
+                sweep.candidates.size() > blocks.size() * warps.size() ? " + the table's rows" : "",
+                sweep.buckets.size(), routings.size(), rounds, warmup, iters, graph ? ", graph replays" : "");
+    if (backend == Backend::cpu)
+      std::printf(
+          "notice: cpu backend: the launch geometry has no effect on the cpu reference backend; this run "
+          "exercises the tuning machinery only and its picks mean nothing for a GPU\n");
+    std::fflush(stdout);
+  }
+
+  // 2. one EpBuffer for every bucket and candidate (num_tokens varies per call); inputs per routing for the largest
+  //    bucket (a token's routing does not depend on the tokens after it, so a bucket uses a prefix)
+  EpConfig const config = make_config(options, world, max_tokens);
+  EpBuffer buffer(comm, config);
+  BenchMemory memory(backend);
+  std::size_t const row_bytes = static_cast<std::size_t>(config.hidden) * 2;
+  struct Inputs {
+    void* x;
+    void* idx;
+    void* weights;
+  };
+  std::vector<Inputs> inputs;
+  for (RoutingKind kind : routings) {
+    RoutingOptions const routing = make_routing(options, kind, seed + static_cast<uint64_t>(kind));
+    validate_routing(routing, config.num_experts, world, config.topk);
+    std::vector<uint16_t> const x = generate_tokens(routing.seed, rank, max_tokens, config.hidden);
+    std::vector<int64_t> idx(static_cast<std::size_t>(max_tokens) * config.topk);
+    std::vector<float> weights(idx.size());
+    generate_routing(routing, config.num_experts, world, rank, max_tokens, config.topk, idx, weights);
+    Inputs in{memory.alloc(x.size() * 2), memory.alloc(idx.size() * 8), memory.alloc(weights.size() * 4)};
+    memory.upload(in.x, x.data(), x.size() * 2);
+    memory.upload(in.idx, idx.data(), idx.size() * 8);
+    memory.upload(in.weights, weights.data(), weights.size() * 4);
+    inputs.push_back(in);
+  }
+  void* combine_in = memory.alloc(static_cast<std::size_t>(config.recv_capacity(world)) * row_bytes);
+  void* y = memory.alloc(static_cast<std::size_t>(max_tokens) * row_bytes);
+
+  // samples[bucket][routing][candidate][leg]
+  std::size_t const num_candidates = sweep.candidates.size();
+  auto const slot = [&](std::size_t b, std::size_t r, std::size_t c, int leg) {
+    return ((b * routings.size() + r) * num_candidates + c) * 2 + static_cast<std::size_t>(leg);
+  };
+  std::vector<std::vector<double>> samples(sweep.buckets.size() * routings.size() * num_candidates * 2);
+  auto const time_leg = [&](std::function<void()> const& enqueue, std::vector<double>& out) {
+    std::unique_ptr<LegGraph> leg_graph;
+    if (graph) leg_graph = std::make_unique<LegGraph>(memory, enqueue);
+    LegTimer timer(memory);
+    for (int i = 0; i < warmup + iters; ++i) {
+      comm->barrier(memory.stream());
+      timer.start();
+      if (leg_graph)
+        leg_graph->replay();
+      else
+        enqueue();
+      timer.stop();
+      double const us = timer.elapsed_us();
+      if (i >= warmup) out.push_back(us);
+    }
+    comm->check_errors(memory.stream());
+  };
+
+  // 3. the sweep: rounds outermost, so slow drift (clocks, temperature) touches every candidate alike
+  auto const start = std::chrono::steady_clock::now();
+  std::size_t const steps = static_cast<std::size_t>(rounds) * sweep.buckets.size() * routings.size();
+  std::size_t step = 0;
+  for (int round = 0; round < rounds; ++round)
+    for (std::size_t b = 0; b < sweep.buckets.size(); ++b)
+      for (std::size_t r = 0; r < routings.size(); ++r) {
+        int const tokens = sweep.buckets[b];
+        DispatchArgs dargs;
+        dargs.x = inputs[r].x;
+        dargs.num_tokens = tokens;
+        dargs.topk_idx = inputs[r].idx;
+        dargs.topk_idx_type = IndexType::int64;
+        dargs.topk_weights = static_cast<float const*>(inputs[r].weights);
+        // one eager dispatch (the analytic or table geometry) gives the combine its input: the rows received
+        apply_candidate({});
+        DispatchResult const result = buffer.dispatch(dargs, memory.stream());
+        memory.copy(combine_in, result.recv_x, static_cast<std::size_t>(result.num_recv_host) * row_bytes);
+        memory.synchronize();
+        CombineArgs cargs;
+        cargs.layout = CombineLayout::rank_major;
+        cargs.x = combine_in;
+        cargs.y = y;
+        dargs.eager = false;
+        cargs.eager = false;
+        for (std::size_t c = 0; c < num_candidates; ++c) {
+          apply_candidate(sweep.candidates[c]);
+          time_leg([&] { buffer.dispatch(dargs, memory.stream()); }, samples[slot(b, r, c, 0)]);
+          time_leg([&] { buffer.combine(cargs, memory.stream()); }, samples[slot(b, r, c, 1)]);
+        }
+        apply_candidate({});
+        ++step;
+        if (rank == 0) {
+          double const elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          std::printf("  [%3zu/%zu] round %d/%d  %5d tokens  %-8s %zu candidates  %.1f s\n", step, steps, round + 1,
+                      rounds, tokens, routing_name(routings[r]), num_candidates, elapsed);
+          std::fflush(stdout);
+        }
+      }
+
+  // 4. scores: each rank's median, then the slowest rank's (a collective leg is as slow as its slowest member)
+  std::vector<double> mine(samples.size());
+  for (std::size_t i = 0; i < samples.size(); ++i) mine[i] = median(samples[i]);
+  std::vector<double> all(mine.size() * world);
+  bootstrap.allgather(mine.data(), all.data(), mine.size() * sizeof(double));
+  std::vector<double> slowest(mine.size(), 0.0);
+  for (int q = 0; q < world; ++q)
+    for (std::size_t i = 0; i < mine.size(); ++i)
+      slowest[i] = std::max(slowest[i], all[static_cast<std::size_t>(q) * mine.size() + i]);
+  if (rank != 0) return 0;
+
+  // 5. picks (rank 0 prints and writes)
+  int failures = 0;
+  tuning::Entry entry;
+  entry.key = key;
+  for (std::size_t b = 0; b < sweep.buckets.size(); ++b) {
+    int const tokens = sweep.buckets[b];
+    std::printf("\nbucket <=%d tokens\n  %-9s %6s %5s", tokens, "leg", "blocks", "warps");
+    for (RoutingKind kind : routings) std::printf(" %11s_us", routing_name(kind));
+    std::printf(" %7s\n", "worst");
+    for (int leg = 0; leg < 2; ++leg) {
+      std::vector<tuning::Measurement> measured;
+      for (std::size_t c = 0; c < num_candidates; ++c) {
+        tuning::Measurement m{sweep.candidates[c], {}};
+        for (std::size_t r = 0; r < routings.size(); ++r) m.us.push_back(slowest[slot(b, r, c, leg)]);
+        measured.push_back(m);
+      }
+      tuning::Pick const pick = tuning::pick_geometry(measured, tolerance);
+      for (tuning::Measurement const& m : measured) {
+        double worst = 0;
+        for (std::size_t r = 0; r < routings.size(); ++r) worst = std::max(worst, m.us[r] / pick.best_us[r]);
+        std::printf("  %-9s %6d %5d", tuning::leg_name(kLegs[leg]), m.geometry.blocks, m.geometry.warps);
+        for (double us : m.us) std::printf(" %14.1f", us);
+        std::printf(" %7.3f%s\n", worst, m.geometry == pick.geometry ? "  <- pick" : "");
+      }
+      if (!pick.within_tolerance)
+        std::printf(
+            "  %s: no candidate is within %.0f%% of the best under every routing; picked the smallest "
+            "worst ratio (%.3f)\n",
+            tuning::leg_name(kLegs[leg]), tolerance * 100, pick.worst_ratio);
+      if (verified) {
+        std::vector<tuning::Bucket> const& rows = verified->buckets(kLegs[leg]);
+        auto const row = std::find_if(rows.begin(), rows.end(),
+                                      [&](tuning::Bucket const& bucket) { return bucket.max_tokens == tokens; });
+        if (row == rows.end()) continue;
+        auto const it = std::find_if(measured.begin(), measured.end(),
+                                     [&](tuning::Measurement const& m) { return m.geometry == row->geometry; });
+        if (it == measured.end()) {
+          ++failures;
+          std::printf("  verify %-8s <=%-6d row blocks %d warps %d: these kernels run %d warps per CTA only  FAIL\n",
+                      tuning::leg_name(kLegs[leg]), tokens, row->geometry.blocks, row->geometry.warps, kernel_warps);
+          continue;
+        }
+        double ratio = 0;
+        for (std::size_t r = 0; r < routings.size(); ++r) ratio = std::max(ratio, it->us[r] / pick.best_us[r]);
+        bool const pass = ratio <= 1.0 + options.number("verify-tolerance");
+        failures += !pass;
+        std::printf("  verify %-8s <=%-6d row blocks %d warps %d: %.3f x the best  %s\n", tuning::leg_name(kLegs[leg]),
+                    tokens, row->geometry.blocks, row->geometry.warps, ratio, pass ? "PASS" : "FAIL");
+      } else {
+        double slower = 0;
+        for (double us : pick.us) slower = std::max(slower, us);
+        entry.buckets(kLegs[leg]).push_back({tokens, pick.geometry, std::round(slower * 100) / 100});
+      }
+    }
+  }
+  std::fflush(stdout);
+  if (verified) {
+    std::printf("\nverify: %s (tolerance %.0f%%)%s\n", failures ? "FAIL" : "PASS",
+                options.number("verify-tolerance") * 100,
+                backend == Backend::cpu ? "; cpu backend: the geometry has no effect there" : "");
+    return failures ? 3 : 0;
+  }
+
+  // 6. merge into the table: other keys untouched, buckets with the same bound replaced
+  entry.provenance = tuning::Provenance{
+      std::string("ferry tune ") + FERRY_VERSION, FERRY_GIT_COMMIT, iso_date(), device, rounds, tolerance};
+  tuning::Table table;
+  table.source = path;
+  if (std::filesystem::exists(path)) table = tuning::read_table_file(path);
+  tuning::Table const merged = tuning::merge_entry(table, entry);
+  std::printf("\n%s %s, entry %s:\n", options.flag("dry-run") ? "would write" : "wrote", path.c_str(),
+              tuning::describe(key).c_str());
+  for (Leg leg : kLegs)
+    for (tuning::Bucket const& bucket : entry.buckets(leg))
+      std::printf("  %-8s <=%-6d blocks %3d warps %2d  (%.1f us, slower routing)\n", tuning::leg_name(leg),
+                  bucket.max_tokens, bucket.geometry.blocks, bucket.geometry.warps, bucket.us.value_or(0));
+  if (!options.flag("dry-run")) {
+    tuning::write_table_file(path, merged);
+    std::printf(
+        "other entries of the table untouched (%zu in all). The library reads it after a rebuild (it embeds "
+        "src/tuning/tables/), or now with FERRY_TUNING_DIR=%s\n",
+        merged.entries.size(), std::filesystem::path(path).parent_path().string().c_str());
+  }
+  if (backend == Backend::cpu)
+    std::printf("cpu backend: these rows exercise the machinery only; never commit them to a GPU table\n");
+  return 0;
+}
+
+}  // namespace
+
+int tune_main(int argc, char** argv) {
+  Options options = make_options();
+  if (!options.parse(argc, argv)) return 0;
+  if (is_rank_process()) return run_rank("tune", [&] { return run_tune_rank(options); });
+  // Launching process: refuse what cannot run before starting anything.
+  Backend const backend = choose_backend(options);
+  int const nproc = choose_nproc(options, backend);
+  FERRY_CHECK_CONFIG(nproc >= 1, "no ranks to run: --backend cuda found no GPU; use --backend cpu");
+  FERRY_CHECK_CONFIG(backend == Backend::cuda || !options.str("table").empty(),
+                     "the cpu backend needs --table FILE: its rows mean nothing for a GPU, so a cpu run never "
+                     "writes into the shipped tables");
+  EpConfig const config = make_config(options, nproc, sorted_list(options, "tokens").back());
+  for (RoutingKind kind : routing_kinds(options))
+    validate_routing(make_routing(options, kind, 1), config.num_experts, nproc, config.topk);
+  if (backend == Backend::cpu && options.str("backend") == "auto")
+    std::printf("notice: no GPU found (or the cuda backend is not built): running on the cpu backend with %d ranks\n",
+                nproc);
+  std::fflush(stdout);
+  return launch_self("tune", argc, argv, nproc);
+}
+
+}  // namespace ferry::cli
