@@ -120,6 +120,16 @@ class CpuEp final : public EpBackendImpl {
 
 static_assert(kMaxLocalPeers <= 32, "destination masks are 32-bit");
 
+namespace {
+// Copies src into dst, whose size was fixed at construction to the largest src can be; the rest of dst is zeroed.
+void keep_storage_copy(std::vector<int32_t> const& src, std::vector<int32_t>& dst) {
+  FERRY_CHECK(src.size() <= dst.size(), "cpu backend: layout of ", src.size(), " entries exceeds its storage of ",
+              dst.size());
+  std::copy(src.begin(), src.end(), dst.begin());
+  std::fill(dst.begin() + static_cast<std::ptrdiff_t>(src.size()), dst.end(), 0);
+}
+}  // namespace
+
 CpuEp::CpuEp(Communicator& comm, EpConfig const& config)
     : comm_(comm),
       config_(config),
@@ -140,6 +150,10 @@ CpuEp::CpuEp(Communicator& comm, EpConfig const& config)
   recv_src_ = comm_.alloc_symmetric(at(capacity_, 2) * sizeof(int32_t));
   combine_rows_ = comm_.alloc_symmetric(at(capacity_, 1) * row_bytes_);
   if (slots_ > 0) expert_x_ = LocalPages(at(static_cast<int64_t>(num_local_) * slots_, 1) * row_bytes_);
+  // the expert layout's storage, sized once for the largest call (see receive_dispatch)
+  layout_.expert_counts.assign(static_cast<std::size_t>(num_local_), 0);
+  layout_.recv_slot.assign(at(capacity_, topk_), 0);
+  layout_.expert_src_row.assign(at(static_cast<int64_t>(num_local_) * slots_, 1), 0);
   scratch_.resize(static_cast<std::size_t>(hidden_));
   dest_offset_.assign(static_cast<std::size_t>(world_), 0);
 }
@@ -256,7 +270,15 @@ DispatchResult CpuEp::receive_dispatch() {
   bool const expand = pending_expand_;
   // 6. receiver: the expert-major layout from the rows that arrived
   auto const* recv_idx = reinterpret_cast<int32_t const*>(recv_idx_.local);
-  layout_ = ref::expert_layout(config_, world_, num_recv, std::span<int32_t const>(recv_idx, at(num_recv, topk_)));
+  // NOTE: copied into storage sized once (not assigned): DispatchResult hands out pointers into these vectors, and a
+  // view the caller kept from an earlier call must stay valid memory (bindings cache such views).
+  ref::ExpertLayout fresh =
+      ref::expert_layout(config_, world_, num_recv, std::span<int32_t const>(recv_idx, at(num_recv, topk_)));
+  keep_storage_copy(fresh.expert_counts, layout_.expert_counts);
+  keep_storage_copy(fresh.recv_slot, layout_.recv_slot);
+  keep_storage_copy(fresh.expert_src_row, layout_.expert_src_row);
+  layout_.expert_slots = fresh.expert_slots;
+  layout_.dropped_slots = fresh.dropped_slots;
   if (expand) {
     for (int e = 0; e < num_local_; ++e) {
       int const filled = std::min(layout_.expert_counts[static_cast<std::size_t>(e)], slots_);
