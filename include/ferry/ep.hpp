@@ -12,6 +12,7 @@
 #include <string>
 
 #include "ferry/communicator.hpp"
+#include "ferry/trace.hpp"
 #include "ferry/tuning.hpp"
 #include "ferry/wire_format.hpp"
 
@@ -152,6 +153,15 @@ class EpBuffer {
 
   // Name of the kernel path the last call of each leg took, and why (for `ferry bench --explain`).
   std::string explain() const;
+
+  // In-kernel trace (include/ferry/trace.hpp): normal mode on the cuda backend, in builds with -DFERRY_TRACE=ON.
+  // enable_trace allocates max_events_per_warp 16-byte events for every warp of each kernel family (0: frees them,
+  // tracing off); every later call records its phases. FERRY_TRACE_EVENTS enables it at construction. Not collective.
+  // read_trace synchronises `stream` and copies out the last traced call of `kernel`. Both throw ConfigError when
+  // tracing is not compiled in (saying to rebuild with -DFERRY_TRACE=ON), for other modes and backends, and (read)
+  // when tracing is off or the kernel has not run since it was enabled.
+  void enable_trace(int max_events_per_warp);
+  TraceBuffer read_trace(TraceKernel kernel, cudaStream_t stream = nullptr) const;
 
  private:
   std::shared_ptr<Communicator> comm_;

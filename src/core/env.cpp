@@ -22,6 +22,8 @@ constexpr std::array kParams = {
     EnvParam{"FERRY_COMBINE_WARPS", "", "pin the warps per CTA of the combine kernels"},
     EnvParam{"FERRY_TUNING_DIR", "",
              "folder of tuning tables (*.json) used instead of the compiled-in ones (docs/tuning.md)"},
+    EnvParam{"FERRY_TRACE_EVENTS", "",
+             "builds with FERRY_TRACE=ON: trace every EpBuffer from construction, this many events per warp"},
     EnvParam{"FERRY_NCCL_VERSION_CHECK", "1",
              "refuse to start when the loaded NCCL differs from the headers (0 disables; unsafe)"},
     EnvParam{"MASTER_ADDR", "127.0.0.1", "torchrun rendezvous host (rank 0 listens there)"},

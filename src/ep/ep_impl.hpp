@@ -21,6 +21,9 @@ class EpBackendImpl {
   // The receive halves (low-latency mode). EpBuffer refuses hooks in modes whose backend does not override these.
   virtual DispatchResult complete_dispatch(cudaStream_t stream);
   virtual void complete_combine(cudaStream_t stream);
+  // In-kernel tracing (src/trace/): backends whose kernels record override these; the defaults throw ConfigError.
+  virtual void enable_trace(EpConfig const& config, int max_events_per_warp);
+  virtual TraceBuffer read_trace(EpConfig const& config, TraceKernel kernel, cudaStream_t stream);
 };
 
 std::unique_ptr<EpBackendImpl> make_cpu_ep(Communicator& comm, EpConfig const& config);

@@ -19,6 +19,7 @@ void print_usage() {
       "  p2p     NVLink put / get bandwidth and one-way latency between two GPUs, next to the copy engine\n"
 #endif
       "  tune    sweep launch geometries per token bucket and merge the picks into the tuning table (--verify checks)\n"
+      "  trace   decode ferry bench --trace DIR: Chrome trace + per-phase table (builds with -DFERRY_TRACE=ON)\n"
       "  env     the FERRY_* environment parameters, their defaults and the values in force\n\n"
       "`ferry <command> --help` lists a command's options with their defaults.\n");
 }
@@ -35,6 +36,7 @@ int main(int argc, char** argv) {
     if (command == "bench") return ferry::cli::bench_main(argc - 2, argv + 2);
     if (command == "env") return ferry::cli::env_main(argc - 2, argv + 2);
     if (command == "tune") return ferry::cli::tune_main(argc - 2, argv + 2);
+    if (command == "trace") return ferry::cli::trace_main(argc - 2, argv + 2);
 #if FERRY_HAVE_CUDA
     if (command == "p2p") return ferry::cli::p2p_main(argc - 2, argv + 2);
 #endif

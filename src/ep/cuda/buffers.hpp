@@ -8,6 +8,7 @@
 
 #include "ep/cuda/params.cuh"
 #include "ferry/ep.hpp"
+#include "trace/cuda/recorder.hpp"
 #include "tuning/choose.hpp"
 
 namespace ferry::cuda_ep {
@@ -36,6 +37,7 @@ struct Buffers {
   // shape (plan_dispatch / plan_combine add the env pins and the analytic default per call).
   tuning::LegTuning dispatch_tuning;
   tuning::LegTuning combine_tuning;
+  trace::DeviceRecorder* trace = nullptr;  // in-kernel trace buffers (src/trace/), owned by the backend
 };
 
 // The symmetric region's layout for a config (the same on every rank).

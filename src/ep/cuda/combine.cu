@@ -55,6 +55,7 @@ CombineParams to_params(Buffers const& b, CombineArgs const& args, LaunchPlan co
   p.state = b.state;
   p.token_mask = b.token_mask;
   p.recv_slot = b.recv_slot;
+  p.trace = b.trace ? b.trace->launch(TraceKernel::combine, plan.ctas, kWarps) : trace::TraceView{};
   return p;
 }
 

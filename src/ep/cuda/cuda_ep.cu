@@ -104,6 +104,8 @@ class CudaEp final : public detail::EpBackendImpl {
     }
     FERRY_CHECK_CUDA(cudaMemset(b.state, 0, sizeof(DeviceState)));
     FERRY_CHECK_CUDA(cudaMemset(b.expert_counts, 0, sizeof(int32_t) * std::max(1, b.num_local_experts)));
+    b.trace = &trace_;
+    if (int const events = trace::env_events_per_warp(); events > 0) trace_.enable(b.rank, b.num_sms * kWarps, events);
     FERRY_CHECK_CUDA(cudaDeviceSynchronize());
     // every rank's buffers exist before any peer can push into them
     comm.bootstrap().barrier();
@@ -180,6 +182,15 @@ class CudaEp final : public detail::EpBackendImpl {
     if (args.eager) sync_and_check(stream);
   }
 
+  void enable_trace(EpConfig const&, int max_events_per_warp) override {
+    FERRY_CHECK_CUDA(cudaSetDevice(comm_.device()));
+    trace_.enable(buffers_.rank, buffers_.num_sms * kWarps, max_events_per_warp);
+  }
+
+  TraceBuffer read_trace(EpConfig const&, TraceKernel kernel, cudaStream_t stream) override {
+    return trace_.read(kernel, stream);
+  }
+
   std::string explain() const override {
     std::string out = dispatch_explain_.empty() ? std::string("dispatch: not run") : dispatch_explain_;
     out += "\n";
@@ -195,6 +206,7 @@ class CudaEp final : public detail::EpBackendImpl {
 
   Communicator& comm_;
   Buffers buffers_;
+  trace::DeviceRecorder trace_;  // Buffers::trace points here
   bool have_dispatch_ = false;
   bool slots_ready_ = false;  // the last dispatch expanded (recv_slot holds its slots)
   int last_num_tokens_ = 0;

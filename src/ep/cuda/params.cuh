@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "ferry/device_view.hpp"
+#include "trace/trace_format.hpp"
 
 namespace ferry::cuda_ep {
 
@@ -83,6 +84,7 @@ struct DispatchParams {
   int32_t* token_pos;      // [max_tokens, world] position of the token within this CTA's rows for a destination
   int32_t* block_counts;   // [num_ctas, world + num_experts] per-CTA rows per destination and entries per expert
   int32_t* expert_counts;  // [num_local_experts] output
+  trace::TraceView trace;  // in-kernel trace (empty unless built with FERRY_TRACE=ON)
 };
 
 struct ExpandParams {
@@ -114,6 +116,7 @@ struct CombineParams {
   DeviceState* state;
   uint32_t const* token_mask;
   int32_t const* recv_slot;
+  trace::TraceView trace;  // in-kernel trace (empty unless built with FERRY_TRACE=ON)
 };
 
 }  // namespace ferry::cuda_ep

@@ -1,0 +1,23 @@
+// The named phases ("slots") the kernels record, declared once: the device enum (trace_format.hpp), the host name
+// table and the decoder are all generated from this list, so a slot cannot exist on one side only.
+//
+// X(kernel, name): `kernel` is a TraceKernel (include/ferry/trace.hpp) and the slot's id is `kernel_name`
+// (TraceSlot::dispatch_layout). Append new slots at the end of a kernel's group or of the list; a trace file records
+// the names it was written with and the decoder refuses a file whose table differs.
+#pragma once
+
+#define FERRY_TRACE_SLOTS(X)                                                                                      \
+  /* dispatch.cuh: steps 1-7 */                                                                                   \
+  X(dispatch, layout)         /* 1. destinations, positions and expert entries of the CTA's tokens */             \
+  X(dispatch, grid_arrival)   /* 2. CTA counts to scratch, wait until every CTA of the rank has published */      \
+  X(dispatch, count_exchange) /* 3. CTA 0: sum the CTAs' counts, write this rank's row into every rank, signal */ \
+  X(dispatch, wait_counts)    /* 4. wait for every source's row of the count matrix, compute the bases */         \
+  X(dispatch, push)           /* 5. rows and metadata straight into every destination */                          \
+  X(dispatch, signal)         /* 6. CTA arrival; the last CTA signals every destination */                        \
+  X(dispatch, wait_data)      /* 6. last CTA: wait for every source's data signal */                              \
+  X(dispatch, outputs)        /* 7. last CTA: num_recv, per-source offsets, expert counts */                      \
+  /* combine.cuh: steps 1-3 */                                                                                    \
+  X(combine, push)      /* 1. one item (tile, source): reduce and store its rows, release the tile's flag */      \
+  X(combine, wait_tile) /* 2. wait for every rank's flag of one of this rank's tiles */                           \
+  X(combine, sum)       /* 2. sum the tile's landing rows into y */                                               \
+  X(combine, finish)    /* 3. arrival; the last CTA advances the sequence */
