@@ -78,6 +78,12 @@ __device__ __forceinline__ uint64_t atomic_add_release_sys_u64(uint64_t* ptr, ui
   return old;
 }
 
+// Reduction (no return value) with release semantics at system scope: a counting signal that does not wait for the
+// peer's reply (an atom would stall the thread for an NVLink round trip).
+__device__ __forceinline__ void red_add_release_sys_u64(uint64_t* ptr, uint64_t value) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
+}
+
 // Full fence at system scope (acquire + release) for a thread that polled with relaxed loads or wrote with plain
 // stores that another GPU must see.
 __device__ __forceinline__ void fence_acq_rel_sys() {

@@ -18,7 +18,7 @@ __device__ __forceinline__ void signal_set(uint64_t* signal, uint64_t value) {
 
 // Adds to a signal word (several writers counting into one word), release at system scope.
 __device__ __forceinline__ void signal_add(uint64_t* signal, uint64_t value) {
-  arch::atomic_add_release_sys_u64(signal, value);
+  arch::red_add_release_sys_u64(signal, value);
 }
 
 // True once another thread of this rank recorded a failure: waits stop early instead of each running to its bound.

@@ -4,7 +4,7 @@
 //  1. expert-major: acc = fmaf(w[k], out(e_k, slot_k), acc) over the row's local entries, k ascending, rounded to bf16
 //     (the canonical receiver order); rank-major: the caller's row. Stored straight into the source's landing zone
 //     at (this rank, token) of the current parity: one row per (token, rank) on the wire;
-//  2. per CTA: fence, then +1 on every source's arrival counter of this rank (release).
+//  2. per CTA: barrier, then +1 on every source's arrival counter of this rank (release, cumulative).
 // Receive half (every CTA, warp per (own token, chunk)):
 //  3. wait until every rank's arrivals reach seq * num_ctas (acquire; bounded);
 //  4. y[t] = bf16(sum over destination ranks d ascending that hold t of float(landing[d][t])), from +0.0f.
@@ -95,8 +95,8 @@ __device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, uint64
     }
   }
 
-  // 2. arrival (fence: this thread's rows reach the sources; barrier: the CTA's; release add: cumulative over both)
-  device::arch::fence_acq_rel_sys();
+  // 2. arrival: the barrier orders every thread's rows before the release adds, which are cumulative over them
+  //    (no per-thread fence, which would drain each thread's NVLink stores)
   __syncthreads();
   if (tid < world) device::signal_add(reinterpret_cast<uint64_t*>(p.sym[tid] + p.layout.combine_arrivals) + rank, 1);
 }

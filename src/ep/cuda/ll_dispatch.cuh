@@ -5,7 +5,7 @@
 //  2. its metadata record (local expert ids for that rank, weights) to EVERY rank, so each receiver knows the full
 //     routing of the source without a count exchange; the row itself only to the ranks that hold one of its experts
 //     (wire de-duplication), at landing slot (source, token) of the destination's current parity;
-//  3. per CTA: fence, then +1 on every destination's arrival counter of this source (release).
+//  3. per CTA: barrier, then +1 on every destination's arrival counter of this source (release, cumulative).
 // Receive half (CTA per (local expert, part)):
 //  4. wait until every source's arrivals reach seq * num_ctas (acquire; bounded);
 //  5. scan the received records in (source, token) order with a CTA scan: a row is present when one of its ids is
@@ -103,9 +103,8 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, uint
     }
   }
 
-  // 3. arrival: every thread's stores reach the destinations (fence), the CTA agrees (barrier), then one release add
-  //    per destination (cumulative over the fenced stores)
-  device::arch::fence_acq_rel_sys();
+  // 3. arrival: the barrier orders every thread's stores before the release adds, which are cumulative over them
+  //    (one release per destination; no per-thread fence, which would drain each thread's NVLink stores)
   __syncthreads();
   if (tid < world) device::signal_add(reinterpret_cast<uint64_t*>(p.sym[tid] + p.layout.dispatch_arrivals) + rank, 1);
 }
