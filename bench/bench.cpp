@@ -16,10 +16,12 @@
 #include "commands.hpp"
 #include "ep/reference.hpp"
 #include "ep/routing.hpp"
+#include "ferry/env.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
 #include "options.hpp"
 #include "ranks.hpp"
+#include "trace/trace_file.hpp"
 #if FERRY_HAVE_CUDA && __has_include("nccl_baseline.hpp")
 #define FERRY_BENCH_NCCL 1
 #include "nccl_baseline.hpp"
@@ -40,6 +42,8 @@ using bench::LegGraph;
 using bench::LegTimer;
 
 constexpr int kCpuDefaultRanks = 4;
+// Device-side delay before each timed leg (see enqueue_delay); long enough for the host to queue the leg.
+constexpr double kHostCoverUs = 100.0;
 
 Options make_options() {
   return Options(
@@ -75,6 +79,9 @@ Options make_options() {
           {"explain", "", "print which kernel path each leg took and why", true},
           {"per-rank", "", "print every rank's medians", true},
           {"json", "", "write the records to this file (DESIGN.md result-file format)"},
+          {"trace", "",
+           "after the timed legs, one traced call of each leg (normal mode), dumped per rank into this "
+           "folder for ferry trace --dir (builds with -DFERRY_TRACE=ON; FERRY_TRACE_EVENTS per warp)"},
       });
 }
 
@@ -97,6 +104,15 @@ Backend choose_backend(Options const& options, bool print_notice) {
   FERRY_CHECK_CONFIG(backend != Backend::cuda || cuda_available(), "--backend cuda but no GPU is visible (or the cuda ",
                      "backend is not built); use --backend cpu");
   return backend;
+}
+
+// --trace records in-kernel traces: only builds with them compiled in, only the cuda kernels.
+void check_trace_option(Options const& options, Backend backend) {
+  if (options.str("trace").empty()) return;
+  FERRY_CHECK_CONFIG(trace_compiled_in(),
+                     "--trace needs in-kernel tracing, which this build does not have; rebuild "
+                     "with -DFERRY_TRACE=ON (cmake -S . -B build -DFERRY_TRACE=ON)");
+  FERRY_CHECK_CONFIG(backend == Backend::cuda, "--trace records the cuda kernels; use --backend cuda");
 }
 
 int choose_nproc(Options const& options, Backend backend) {
@@ -297,6 +313,7 @@ int run_bench_rank(Options const& options) {
   bool const check = options.flag("check");
   std::string const baseline = options.str("baseline");
   FERRY_CHECK_CONFIG(!graph || backend == Backend::cuda, "--graph needs the cuda backend");
+  check_trace_option(options, backend);
   FERRY_CHECK_CONFIG(baseline.empty() || baseline == "nccl", "--baseline=", baseline, " is unknown; use nccl");
   FERRY_CHECK_CONFIG(baseline.empty() || (backend == Backend::cuda && FERRY_BENCH_NCCL),
                      "--baseline nccl needs the cuda backend");
@@ -392,6 +409,9 @@ int run_bench_rank(Options const& options) {
         LegTimer timer(memory);
         std::vector<double> samples;
         for (int i = 0; i < warmup + iters; ++i) {
+          // NOTE: the delay covers the host's launch latency (tens of us for barrier + events + graph launch): the
+          // timed region then starts on a stream that already holds the leg, and measures the leg alone.
+          bench::enqueue_delay(memory, kHostCoverUs);
           comm->barrier(memory.stream());
           timer.start();
           if (leg_graph)
@@ -407,6 +427,21 @@ int run_bench_rank(Options const& options) {
       };
       LegStats const dispatch_stats = time_leg([&] { buffer.dispatch(dargs, memory.stream()); }, graph);
       LegStats const combine_stats = time_leg([&] { buffer.combine(cargs, memory.stream()); }, graph);
+
+      // 2b. --trace: one more call of each leg with the in-kernel recorder on, dumped per rank (ferry trace reads it)
+      if (!options.str("trace").empty() && mode == Mode::normal) {
+        int64_t const events = env_optional_int("FERRY_TRACE_EVENTS").value_or(0);  // events per warp
+        buffer.enable_trace(events > 0 ? static_cast<int>(events) : 1024);
+        comm->barrier(memory.stream());
+        buffer.dispatch(dargs, memory.stream());
+        comm->barrier(memory.stream());
+        buffer.combine(cargs, memory.stream());
+        std::string const label = detail::concat(mode_name(mode), "-", routing_name(kind), "-", tokens);
+        for (TraceKernel kernel : {TraceKernel::dispatch, TraceKernel::combine})
+          trace::write_trace_files(options.str("trace"), label, buffer.read_trace(kernel, memory.stream()));
+        buffer.enable_trace(0);
+        if (rank == 0) std::printf("trace: %s written to %s\n", label.c_str(), options.str("trace").c_str());
+      }
 
       LegStats baseline_dispatch, baseline_combine;
 #if FERRY_BENCH_NCCL
@@ -576,6 +611,7 @@ int bench_main(int argc, char** argv) {
   if (is_rank_process()) return run_rank("bench", [&] { return run_bench_rank(options); });
   // Launching process: refuse a shape that cannot run before starting anything (one line, exit 2 from main).
   Backend const backend = choose_backend(options, false);
+  check_trace_option(options, backend);
   int const nproc = choose_nproc(options, backend);
   FERRY_CHECK_CONFIG(nproc >= 1, "no ranks to run: --backend cuda found no GPU; use --backend cpu");
   for (RoutingKind kind : routing_kinds(options))

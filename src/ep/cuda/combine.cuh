@@ -21,6 +21,7 @@
 #include "comm/device/memory.cuh"
 #include "comm/device/signal.cuh"
 #include "ep/cuda/params.cuh"
+#include "trace/device_trace.cuh"
 
 namespace ferry::cuda_ep {
 
@@ -117,6 +118,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
   int const cta = static_cast<int>(blockIdx.x);
   int const num_vec = p.hidden / 8;
   std::size_t const row_bytes = static_cast<std::size_t>(p.hidden) * 2;
+  FERRY_TRACE_WARP(trace, p.trace);
 
   // 0. this call's sequence number (written by the previous call's last CTA; stream order makes it visible)
   if (tid == 0) {
@@ -137,6 +139,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
       int const s = (rank + 1 + q % world) % world;
       int const src_tokens = p.state->src_tokens[s];
       if (j >= combine_num_tiles(src_tokens)) continue;
+      FERRY_TRACE_BEGIN(trace, combine_push);
       int const tile = combine_tile_tokens(src_tokens);
       if (tid < 2) {
         int const first = p.state->src_offset[s];
@@ -156,12 +159,14 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
           device::copy_16B<true, kCombineUnroll>(dst, src, row_bytes, lane, 32);
         }
       }
-      device::arch::fence_acq_rel_sys();  // this thread's rows reach rank s before the tile's flag
+      // NOTE: no per-thread fence (it would drain every thread's NVLink stores after each tile and stall the
+      // pipeline): the barrier orders every thread's rows before thread 0's release, which is cumulative.
       __syncthreads();
-      // release: every row of the tile (all threads, ordered by their fences and the barrier) before the flag
+      // release: every row of the tile (all threads, ordered by the barrier) before the flag
       if (tid == 0)
         device::signal_set(reinterpret_cast<uint64_t*>(p.sym[s] + p.layout.tile_flags) + rank * kMaxCombineTiles + j,
                            seq);
+      FERRY_TRACE_END(trace, combine_push);
     }
   } else {
     // 2. sum role: this rank's tiles in order
@@ -173,11 +178,14 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
     char const* landing = p.sym[rank] + p.layout.landing;
     for (int j = cta - p.num_push_ctas; j < num_tiles; j += num_sum_ctas) {
       // every rank flags every tile (acquire: its rows of the tile are visible after the barrier)
+      FERRY_TRACE_BEGIN(trace, combine_wait_tile);
       if (tid < world &&
           !device::wait_signal_geq(p.view, flags + tid * kMaxCombineTiles + j, seq, tid, WaitPhase::combine_data))
         s_ok = 0;
       __syncthreads();
       if (!s_ok) break;
+      FERRY_TRACE_END(trace, combine_wait_tile);
+      FERRY_TRACE_BEGIN(trace, combine_sum);
       int const t_end = min((j + 1) * tile, my_tokens);
       for (int t = j * tile + warp; t < t_end; t += kWarps) {
         uint32_t const mask = p.token_mask[t];
@@ -210,10 +218,12 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
         }
       }
       __syncthreads();  // the flags of the next tile are waited by tid < world only after every warp is done here
+      FERRY_TRACE_END(trace, combine_sum);
     }
   }
 
   // 3. the last CTA advances the sequence (every CTA read it at step 0) and resets the arrival counter
+  FERRY_TRACE_BEGIN(trace, combine_finish);
   __syncthreads();
   if (tid == 0) {
     unsigned long long const old = atomicAdd(reinterpret_cast<unsigned long long*>(&p.state->combine_done), 1ull);
@@ -222,6 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
       p.state->combine_seq = seq;
     }
   }
+  FERRY_TRACE_END(trace, combine_finish);
 }
 
 }  // namespace ferry::cuda_ep

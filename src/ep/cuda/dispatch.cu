@@ -29,14 +29,14 @@ template void launch_persistent<CombineParams>(void (*)(CombineParams), CombineP
                                                cudaStream_t);
 
 LaunchPlan plan_dispatch(Buffers const& buffers, int num_tokens) {
-  // NOTE: the analytic default: a warp per token in flight: no more CTAs than tokens need (fewer CTAs also make the
-  // grid arrival cheaper at small batches), at least 8 so the push can fill NVLink, at most one per SM (persistent
-  // grid). EpConfig::dispatch_geometry, FERRY_DISPATCH_{BLOCKS,WARPS} and the tuning table come first (choose.hpp).
-  int const wanted = (num_tokens + kWarps - 1) / kWarps;
-  Geometry const analytic{std::clamp(wanted, 8, buffers.num_sms), kWarps};
+  // NOTE: the analytic default: small batches are latency-bound, so they are spread over the whole grid (one token
+  // per CTA at most, its row split over the CTA's warps) and every SM has bytes in flight; large ones take a warp per
+  // token on every SM. At least 8 CTAs so the push can fill NVLink, at most one per SM (persistent grid).
+  // EpConfig::dispatch_geometry, FERRY_DISPATCH_{BLOCKS,WARPS} and the tuning table come first (choose.hpp).
+  Geometry const analytic{std::clamp(num_tokens, 8, buffers.num_sms), kWarps};
   tuning::Choice const choice =
       tuning::choose(buffers.dispatch_tuning, tuning::read_env_pin(tuning::Leg::dispatch), num_tokens, analytic,
-                     "one warp per token up to one CTA per SM, min 8 CTAs to fill NVLink", kWarps);
+                     "every SM up to one CTA per token, rows split over warps, min 8 CTAs to fill NVLink", kWarps);
   LaunchPlan plan;
   plan.ctas = std::min(choice.geometry.blocks, buffers.max_dispatch_ctas);
   plan.why = choice.source;
@@ -75,6 +75,7 @@ DispatchParams to_params(Buffers const& b, DispatchArgs const& args, LaunchPlan 
   p.token_pos = b.token_pos;
   p.block_counts = b.block_counts;
   p.expert_counts = b.expert_counts;
+  p.trace = b.trace ? b.trace->launch(TraceKernel::dispatch, plan.ctas, kWarps) : trace::TraceView{};
   return p;
 }
 

@@ -22,6 +22,7 @@
 #include "comm/device/memory.cuh"
 #include "comm/device/signal.cuh"
 #include "ep/cuda/params.cuh"
+#include "trace/device_trace.cuh"
 
 namespace ferry::cuda_ep {
 
@@ -64,6 +65,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
   int const t0 = static_cast<int>(static_cast<int64_t>(p.num_tokens) * cta / p.num_ctas);
   int const t1 = static_cast<int>(static_cast<int64_t>(p.num_tokens) * (cta + 1) / p.num_ctas);
   auto const* topk_idx = static_cast<IdxT const*>(p.topk_idx);
+  FERRY_TRACE_WARP(trace, p.trace);
 
   // 0. this call's sequence number (written by the previous call's last CTA; stream order makes it visible)
   if (tid == 0) {
@@ -76,6 +78,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
   int const parity = static_cast<int>(seq & 1);
 
   // 1. layout of this CTA's tokens, kThreads tokens per step
+  FERRY_TRACE_BEGIN(trace, dispatch_layout);
   for (int base = t0; base < t1; base += kThreads) {
     int const t = base + tid;
     bool const valid = t < t1;
@@ -119,8 +122,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
     if (valid) p.token_mask[t] = mask;
   }
   __syncthreads();
+  FERRY_TRACE_END(trace, dispatch_layout);
 
   // 2. this CTA's counts to local scratch, then wait until every CTA of this rank has published its own
+  FERRY_TRACE_BEGIN(trace, dispatch_grid_arrival);
   int32_t* mine = p.block_counts + static_cast<std::size_t>(cta) * num_counts;
   for (int i = tid; i < num_counts; i += kThreads) mine[i] = s_cnt[i];
   __syncthreads();
@@ -133,9 +138,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
   }
   __syncthreads();
   if (!s_ok) return;
+  FERRY_TRACE_END(trace, dispatch_grid_arrival);
 
   // 3. CTA 0: this rank's row of the count matrix into every rank
   if (cta == 0) {
+    FERRY_TRACE_BEGIN(trace, dispatch_count_exchange);
     for (int i = tid; i < num_counts; i += kThreads) {
       int32_t sum = 0;
       for (int c = 0; c < p.num_ctas; ++c)
@@ -154,17 +161,18 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
       *reinterpret_cast<uint64_t volatile*>(count_word(p.sym[d], p.layout, parity, world, rank, w)) =
           tag | static_cast<uint32_t>(value);
     }
-    device::arch::fence_acq_rel_sys();  // each thread's words reach the peers before the signal below
     __syncthreads();
     if (tid == 0) {
-      // release: the words above (every thread's, ordered by the fence + barrier) are visible with the signal
+      // release (cumulative): the barrier orders every thread's words before this thread's signals
       for (int d = 0; d < world; ++d)
         device::signal_set(count_word(p.sym[d], p.layout, parity, world, rank, 0),
                            tag | static_cast<uint32_t>(p.num_tokens));
     }
+    FERRY_TRACE_END(trace, dispatch_count_exchange);
   }
 
   // 4. every source's row of the count matrix (thread s waits for source s; acquire)
+  FERRY_TRACE_BEGIN(trace, dispatch_wait_counts);
   if (tid < world) {
     if (!device::wait_signal_geq(p.view, count_word(p.sym[rank], p.layout, parity, world, tid, 0), seq << 32, tid,
                                  WaitPhase::count_exchange))
@@ -183,71 +191,88 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
     s_dest_base[d] = base;
   }
   __syncthreads();
+  FERRY_TRACE_END(trace, dispatch_wait_counts);
 
-  // 5. push: warp per token, every destination of the token from one load of the row
+  // 5. push: items (token, chunk); every destination of the token from one load of the row. A CTA with fewer tokens
+  //    than warps splits each row into chunks so every warp has bytes in flight (small batches are latency-bound:
+  //    one warp per token would leave most of the grid idle); with >= kWarps tokens a chunk is the whole row.
+  FERRY_TRACE_BEGIN(trace, dispatch_push);
   int const num_vec = p.hidden / 8;
   std::size_t const row_bytes = static_cast<std::size_t>(p.hidden) * 2;
-  for (int t = t0 + warp; t < t1; t += kWarps) {
+  int const cta_tokens = t1 - t0;
+  int const chunks = cta_tokens > 0 && cta_tokens < kWarps ? kWarps / cta_tokens : 1;
+  for (int item = warp; item < cta_tokens * chunks; item += kWarps) {
+    int const t = t0 + item % cta_tokens;
+    int const chunk = item / cta_tokens;
     uint32_t const mask = p.token_mask[t];
     int row = -1;
     if (lane < world && ((mask >> lane) & 1u)) {
       row = s_dest_base[lane] + p.token_pos[static_cast<std::size_t>(t) * world + lane];
-      if (row >= p.recv_capacity) {  // past the receiver's capacity: dropped and counted
-        device::record_input_error(p.view, row, true);
+      if (row >= p.recv_capacity) {  // past the receiver's capacity: dropped and counted (once, by chunk 0)
+        if (chunk == 0) device::record_input_error(p.view, row, true);
         row = -1;
       }
     }
     uint32_t const send = __ballot_sync(0xffffffffu, row >= 0);
     if (lane < world) s_row[warp][lane] = row;
-    // the source learns which destinations really hold the token (combine sums only those)
-    if (lane == 0 && send != mask) p.token_mask[t] = send;
     __syncwarp();
     if (send == 0) continue;
 
-    // metadata: lane k writes column k for each destination
-    int64_t e = -1;
-    float w = 0.0f;
-    if (lane < topk) {
-      e = static_cast<int64_t>(topk_idx[static_cast<std::size_t>(t) * topk + lane]);
-      w = p.topk_weights[static_cast<std::size_t>(t) * topk + lane];
-    }
-    bool const e_valid = e >= 0 && e < num_experts;
-    for (uint32_t m = send; m != 0; m &= m - 1) {
-      int const d = __ffs(m) - 1;
-      std::size_t const r = static_cast<std::size_t>(s_row[warp][d]);
-      char* dst = p.sym[d];
+    if (chunk == 0) {
+      // the source learns which destinations really hold the token (combine sums only those); another chunk of
+      // this token may read the updated word, which yields the same `send`
+      if (lane == 0 && send != mask) p.token_mask[t] = send;
+      // metadata: lane k writes column k for each destination
+      int64_t e = -1;
+      float w = 0.0f;
       if (lane < topk) {
-        bool const local = e_valid && static_cast<int>(e) / num_local == d;
-        reinterpret_cast<int32_t*>(dst + p.layout.recv_idx)[r * topk + lane] =
-            local ? static_cast<int32_t>(e) - d * num_local : -1;
-        reinterpret_cast<float*>(dst + p.layout.recv_w)[r * topk + lane] = local ? w : 0.0f;
+        e = static_cast<int64_t>(topk_idx[static_cast<std::size_t>(t) * topk + lane]);
+        w = p.topk_weights[static_cast<std::size_t>(t) * topk + lane];
       }
-      if (lane == 0) reinterpret_cast<int2*>(dst + p.layout.recv_src)[r] = make_int2(rank, t);
+      bool const e_valid = e >= 0 && e < num_experts;
+      for (uint32_t m = send; m != 0; m &= m - 1) {
+        int const d = __ffs(m) - 1;
+        std::size_t const r = static_cast<std::size_t>(s_row[warp][d]);
+        char* dst = p.sym[d];
+        if (lane < topk) {
+          bool const local = e_valid && static_cast<int>(e) / num_local == d;
+          reinterpret_cast<int32_t*>(dst + p.layout.recv_idx)[r * topk + lane] =
+              local ? static_cast<int32_t>(e) - d * num_local : -1;
+          reinterpret_cast<float*>(dst + p.layout.recv_w)[r * topk + lane] = local ? w : 0.0f;
+        }
+        if (lane == 0) reinterpret_cast<int2*>(dst + p.layout.recv_src)[r] = make_int2(rank, t);
+      }
     }
 
-    // row: kDispatchUnroll loads in flight per lane, then the stores to every destination
+    // this chunk of the row: kDispatchUnroll loads in flight per lane, then the stores to every destination
+    int const v_begin = static_cast<int>(static_cast<int64_t>(num_vec) * chunk / chunks);
+    int const v_end = static_cast<int>(static_cast<int64_t>(num_vec) * (chunk + 1) / chunks);
     auto const* src =
         reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes);
-    for (int i = lane; i < num_vec; i += 32 * kDispatchUnroll) {
+    for (int i = v_begin + lane; i < v_end; i += 32 * kDispatchUnroll) {
       int4 v[kDispatchUnroll];
 #pragma unroll
       for (int u = 0; u < kDispatchUnroll; ++u)
-        if (i + u * 32 < num_vec) v[u] = device::arch::load_nc_v4(src + i + u * 32);
+        if (i + u * 32 < v_end) v[u] = device::arch::load_nc_v4(src + i + u * 32);
       for (uint32_t m = send; m != 0; m &= m - 1) {
         int const d = __ffs(m) - 1;
         auto* dst =
             reinterpret_cast<int4*>(p.sym[d] + p.layout.recv_x + static_cast<std::size_t>(s_row[warp][d]) * row_bytes);
 #pragma unroll
         for (int u = 0; u < kDispatchUnroll; ++u)
-          if (i + u * 32 < num_vec) device::arch::store_na_v4(dst + i + u * 32, v[u]);
+          if (i + u * 32 < v_end) device::arch::store_na_v4(dst + i + u * 32, v[u]);
       }
     }
   }
+  FERRY_TRACE_END(trace, dispatch_push);
 
   // 6. arrival; the last CTA publishes one signal per destination and collects every source's
-  device::arch::fence_acq_rel_sys();  // this thread's rows reach the destinations before the arrival
+  // NOTE: one fence per CTA, not per thread: the barrier orders every thread's stores before thread 0's fence, and
+  // the fence is cumulative over what thread 0 has observed, so the arrival below publishes the whole CTA's rows.
+  FERRY_TRACE_BEGIN(trace, dispatch_signal);
   __syncthreads();
   if (tid == 0) {
+    device::arch::fence_acq_rel_sys();  // the CTA's rows reach the destinations before the arrival
     unsigned long long const old = atomicAdd(reinterpret_cast<unsigned long long*>(&p.state->dispatch_done), 1ull);
     s_last = old == static_cast<unsigned long long>(p.num_ctas - 1);
     if (s_last) {
@@ -257,7 +282,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
     }
   }
   __syncthreads();
+  FERRY_TRACE_END(trace, dispatch_signal);
   if (!s_last) return;
+  FERRY_TRACE_BEGIN(trace, dispatch_wait_data);
   if (tid < world) {
     if (!device::wait_signal_geq(p.view, reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.data_signal) + tid,
                                  seq, tid, WaitPhase::dispatch_data))
@@ -265,8 +292,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
   }
   __syncthreads();
   if (!s_ok) return;
+  FERRY_TRACE_END(trace, dispatch_wait_data);
 
   // 7. outputs: rows per source, num_recv, expert counts (from the exchanged counts unless rows were dropped)
+  FERRY_TRACE_BEGIN(trace, dispatch_outputs);
   if (tid == 0) {
     int32_t offset = 0;
     for (int s = 0; s < world; ++s) {
@@ -311,6 +340,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
     p.state->dispatch_done = 0;
     p.state->dispatch_seq = seq;
   }
+  FERRY_TRACE_END(trace, dispatch_outputs);
 }
 
 }  // namespace ferry::cuda_ep
