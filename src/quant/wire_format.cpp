@@ -1,57 +1,109 @@
 #include "ferry/wire_format.hpp"
 
 #include "ferry/error.hpp"
+#include "quant/layout.hpp"
 
 namespace ferry {
 
 namespace {
-struct FormatInfo {
+struct FormatName {
   WireFormat format;
   char const* name;
-  int block_elems;        // elements per scale
-  int bits_per_elem;      // payload bits
-  int scale_bytes;        // bytes per block scale
-  int token_scale_bytes;  // bytes per row scale
 };
 
-constexpr FormatInfo kFormats[] = {
-    {WireFormat::bf16, "bf16", 1, 16, 0, 0},
-    {WireFormat::fp8_e4m3, "fp8", 128, 8, 4, 0},
-    {WireFormat::fp8_e4m3_ue8m0, "fp8_ue8m0", 128, 8, 1, 0},
-    {WireFormat::nvfp4, "nvfp4", 16, 4, 1, 4},
-    {WireFormat::mxfp4, "mxfp4", 32, 4, 1, 0},
+constexpr FormatName kFormats[] = {
+    {WireFormat::bf16, "bf16"},   {WireFormat::fp8_e4m3, "fp8"}, {WireFormat::fp8_e4m3_ue8m0, "fp8_ue8m0"},
+    {WireFormat::nvfp4, "nvfp4"}, {WireFormat::mxfp4, "mxfp4"},
 };
 
-FormatInfo const& info(WireFormat format) {
-  for (auto const& entry : kFormats)
-    if (entry.format == format) return entry;
+constexpr struct {
+  ScaleLayout layout;
+  char const* name;
+} kScaleLayouts[] = {
+    {ScaleLayout::row_major, "row_major"},
+    {ScaleLayout::mn_major_tma, "mn_major_tma"},
+    {ScaleLayout::mn_major_tma_packed_ue8m0, "mn_major_tma_packed_ue8m0"},
+    {ScaleLayout::blocked_128x4, "blocked_128x4"},
+};
+
+FormatName const& entry(WireFormat format) {
+  for (auto const& item : kFormats)
+    if (item.format == format) return item;
   FERRY_THROW(ConfigError, "config", "unknown wire format ", static_cast<int>(format));
+}
+
+void check_hidden(WireFormat format, int hidden) {
+  int const block = quant::format_traits(entry(format).format).block_elems;
+  // NOTE: rows move as 16-byte vectors of bf16 (8 elements), and every scale block must be whole.
+  int const unit = block > 8 ? block : 8;
+  FERRY_CHECK_CONFIG(hidden > 0 && hidden % unit == 0, "hidden=", hidden, " is not a positive multiple of ", unit,
+                     " elements, which wire format ", wire_format_name(format),
+                     " needs (16-byte vectors and whole scale blocks); use hidden=",
+                     (hidden > 0 ? (hidden + unit - 1) / unit : 1) * unit);
+}
+
+void check_scale_layout(WireFormat format, ScaleLayout layout, int hidden) {
+  check_hidden(format, hidden);
+  FERRY_CHECK_CONFIG(quant::supports_scale_layout(format, layout), "scale layout ", scale_layout_name(layout),
+                     " cannot hold the scales of wire format ", wire_format_name(format),
+                     format == WireFormat::bf16 ? " (bf16 has no scales)" : "",
+                     "; row_major and mn_major_tma hold every scaled format, mn_major_tma_packed_ue8m0 the UE8M0 ones "
+                     "(fp8_ue8m0, mxfp4), blocked_128x4 the fp4 ones (nvfp4, mxfp4)");
 }
 }  // namespace
 
 char const* wire_format_name(WireFormat format) {
-  return info(format).name;
+  return entry(format).name;
 }
 
 WireFormat parse_wire_format(std::string const& name) {
-  for (auto const& entry : kFormats)
-    if (name == entry.name) return entry.format;
+  for (auto const& item : kFormats)
+    if (name == item.name) return item.format;
   FERRY_THROW(ConfigError, "config", "wire format '", name,
               "' is unknown; use one of bf16, fp8, fp8_ue8m0, nvfp4, mxfp4");
 }
 
 int wire_block_elems(WireFormat format) {
-  return info(format).block_elems;
+  return quant::format_traits(entry(format).format).block_elems;
 }
 
 std::size_t wire_payload_bytes(WireFormat format, int hidden) {
-  return static_cast<std::size_t>(hidden) * info(format).bits_per_elem / 8;
+  return wire_row_layout(format, hidden).payload_bytes;
 }
 
 std::size_t wire_row_bytes(WireFormat format, int hidden) {
-  FormatInfo const& entry = info(format);
-  std::size_t const blocks = entry.scale_bytes ? (static_cast<std::size_t>(hidden) / entry.block_elems) : 0;
-  return wire_payload_bytes(format, hidden) + blocks * entry.scale_bytes + entry.token_scale_bytes;
+  return wire_row_layout(format, hidden).row_bytes;
+}
+
+WireRowLayout wire_row_layout(WireFormat format, int hidden) {
+  check_hidden(format, hidden);
+  return quant::make_row_layout(format, hidden);
+}
+
+char const* scale_layout_name(ScaleLayout layout) {
+  for (auto const& item : kScaleLayouts)
+    if (item.layout == layout) return item.name;
+  FERRY_THROW(ConfigError, "config", "unknown scale layout ", static_cast<int>(layout));
+}
+
+bool scale_layout_supported(WireFormat format, ScaleLayout layout) {
+  return quant::supports_scale_layout(entry(format).format, layout);
+}
+
+std::size_t scale_tensor_bytes(WireFormat format, ScaleLayout layout, int rows, int hidden) {
+  check_scale_layout(format, layout, hidden);
+  FERRY_CHECK_INPUT(rows >= 0, "rows=", rows, " is negative; pass the number of received rows (0 or more)");
+  return quant::scale_tensor_size(format, layout, static_cast<std::size_t>(rows), hidden);
+}
+
+std::size_t scale_byte_offset(WireFormat format, ScaleLayout layout, int rows, int hidden, int row, int block) {
+  check_scale_layout(format, layout, hidden);
+  int const num_scales = hidden / wire_block_elems(format);
+  FERRY_CHECK_INPUT(row >= 0 && row < rows, "row=", row, " is outside [0, ", rows, ")");
+  FERRY_CHECK_INPUT(block >= 0 && block < num_scales, "block=", block, " is outside [0, ", num_scales,
+                    "), the scale blocks of a row of ", hidden, " elements");
+  return quant::scale_offset(format, layout, static_cast<std::size_t>(rows), hidden, static_cast<std::size_t>(row),
+                             static_cast<std::size_t>(block));
 }
 
 }  // namespace ferry

@@ -1,0 +1,360 @@
+// Device codecs of the wire formats, the functions the dispatch and combine kernels call: one warp quantizes a row
+// into its wire layout, or dequantizes a wire row, with 16-byte vector loads and CUDA's conversion intrinsics
+// (cuda_fp8.h, cuda_fp4.h, cuda_bf16.h). The scale rules are rules.hpp's, shared with the host codecs, so the bytes
+// and values equal host_codec.cpp's (tests/gpu/test_quant_device.cu). docs/quant.md specifies formats and rules.
+//
+// Work split: lane l takes the 16-byte vectors l, l + 32, ... of the row (8 bf16 or 4 fp32 elements each). A scale
+// block spans kGroup consecutive lanes (block elements / vector elements: 2 to 32), which reduce its amax with
+// shuffles; the block's first lane writes the scale. nvfp4 reads the row twice: the per-token scale (from the row's
+// amax) enters every block scale.
+//
+// Build without -ftz=true (--use_fast_math sets it): flushing denormal inputs to zero would change the codes of
+// denormal elements (bf16 denormals times a 2^126 inverse scale are ordinary e4m3 values), and the host does not flush.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp4.h>
+#include <cuda_fp8.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "comm/device/arch_sm90.cuh"
+#include "quant/layout.hpp"
+#include "quant/rules.hpp"
+
+namespace ferry::device {
+
+namespace quant_detail {
+
+inline constexpr int kWarpSize = 32;
+inline constexpr unsigned kFullWarp = 0xFFFFFFFFu;
+
+// Elements of T in one 16-byte vector.
+template <typename T>
+inline constexpr int kVecElems = 16 / static_cast<int>(sizeof(T));
+
+template <typename T>
+inline constexpr bool kSupportedElem = std::is_same_v<T, float> || std::is_same_v<T, __nv_bfloat16>;
+
+template <bool kNcSource>
+__device__ __forceinline__ int4 load_vec(int4 const* ptr) {
+  if constexpr (kNcSource)
+    return arch::load_nc_v4(ptr);
+  else
+    return arch::load_v4(ptr);
+}
+
+// 16 bytes of T -> fp32 (exact). bf16 element 2w is the low half of word w.
+template <typename T>
+__device__ __forceinline__ void unpack(int4 raw, float (&x)[kVecElems<T>]) {
+  uint32_t const words[4] = {static_cast<uint32_t>(raw.x), static_cast<uint32_t>(raw.y), static_cast<uint32_t>(raw.z),
+                             static_cast<uint32_t>(raw.w)};
+  if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[i] = __uint_as_float(words[i]);
+  } else {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      x[2 * w] = __uint_as_float(words[w] << 16);
+      x[2 * w + 1] = __uint_as_float(words[w] & 0xFFFF0000u);
+    }
+  }
+}
+
+// Max over the kGroup consecutive lanes of an aligned lane group (exact, order-free: values are finite and >= 0).
+template <int kGroup>
+__device__ __forceinline__ float group_max(float value) {
+#pragma unroll
+  for (int offset = kGroup / 2; offset > 0; offset /= 2)
+    value = fmaxf(value, __shfl_xor_sync(kFullWarp, value, offset));
+  return value;
+}
+
+template <int kGroup>
+__device__ __forceinline__ int group_any(int flag) {
+#pragma unroll
+  for (int offset = kGroup / 2; offset > 0; offset /= 2) flag |= __shfl_xor_sync(kFullWarp, flag, offset);
+  return flag;
+}
+
+// Stores kBytes (2, 4, 8 or 16; ptr aligned to them) taken from the low bytes of words.
+template <int kBytes>
+__device__ __forceinline__ void store_bytes(uint8_t* ptr, uint32_t const (&words)[4]) {
+  static_assert(kBytes == 2 || kBytes == 4 || kBytes == 8 || kBytes == 16, "payload pieces are 2, 4, 8 or 16 bytes");
+  if constexpr (kBytes == 16)
+    *reinterpret_cast<uint4*>(ptr) = make_uint4(words[0], words[1], words[2], words[3]);
+  else if constexpr (kBytes == 8)
+    *reinterpret_cast<uint2*>(ptr) = make_uint2(words[0], words[1]);
+  else if constexpr (kBytes == 4)
+    *reinterpret_cast<uint32_t*>(ptr) = words[0];
+  else
+    *reinterpret_cast<uint16_t*>(ptr) = static_cast<uint16_t>(words[0]);
+}
+
+template <int kBytes>
+__device__ __forceinline__ void load_bytes(uint8_t const* ptr, uint32_t (&words)[4]) {
+  static_assert(kBytes == 2 || kBytes == 4 || kBytes == 8 || kBytes == 16, "payload pieces are 2, 4, 8 or 16 bytes");
+  words[0] = words[1] = words[2] = words[3] = 0;
+  if constexpr (kBytes == 16) {
+    uint4 const v = *reinterpret_cast<uint4 const*>(ptr);
+    words[0] = v.x, words[1] = v.y, words[2] = v.z, words[3] = v.w;
+  } else if constexpr (kBytes == 8) {
+    uint2 const v = *reinterpret_cast<uint2 const*>(ptr);
+    words[0] = v.x, words[1] = v.y;
+  } else if constexpr (kBytes == 4) {
+    words[0] = *reinterpret_cast<uint32_t const*>(ptr);
+  } else {
+    words[0] = *reinterpret_cast<uint16_t const*>(ptr);
+  }
+}
+
+__device__ __forceinline__ float e4m3_value(uint8_t code) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(code, __NV_E4M3)));
+}
+
+// e4m3 codes of x * inverse, element 2k in byte 2k; non-finite x become e4m3's NaN (0x7F).
+template <int kN>
+__device__ __forceinline__ void e4m3_codes(float const (&x)[kN], float inverse, uint32_t (&words)[4]) {
+  static_assert(kN % 4 == 0, "whole 32-bit words of codes");
+#pragma unroll
+  for (int w = 0; w < kN / 4; ++w) {
+    uint32_t word = 0;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      float const a = x[4 * w + 2 * k], b = x[4 * w + 2 * k + 1];
+      uint32_t pair = __nv_cvt_float2_to_fp8x2(make_float2(quant::mul_rn(a, inverse), quant::mul_rn(b, inverse)),
+                                               __NV_SATFINITE, __NV_E4M3);
+      if (!quant::is_finite(a)) pair = (pair & 0xFF00u) | quant::kE4m3Nan;
+      if (!quant::is_finite(b)) pair = (pair & 0x00FFu) | (static_cast<uint32_t>(quant::kE4m3Nan) << 8);
+      word |= pair << (16 * k);
+    }
+    words[w] = word;
+  }
+}
+
+// e2m1 codes of x * inverse, element 2k in the low nibble of byte k.
+template <int kN>
+__device__ __forceinline__ void e2m1_codes(float const (&x)[kN], float inverse, uint32_t (&words)[4]) {
+  static_assert(kN % 2 == 0, "whole bytes of codes");
+  words[0] = words[1] = words[2] = words[3] = 0;
+#pragma unroll
+  for (int k = 0; k < kN / 2; ++k) {
+    uint32_t const byte =
+        __nv_cvt_float2_to_fp4x2(make_float2(quant::mul_rn(x[2 * k], inverse), quant::mul_rn(x[2 * k + 1], inverse)),
+                                 __NV_E2M1, cudaRoundNearest);
+    words[k / 4] |= byte << (8 * (k % 4));
+  }
+}
+
+// Signed zeros (the sign bit of each x), for an nvfp4 block whose scale rounded to zero.
+template <int kN>
+__device__ __forceinline__ void e2m1_signed_zeros(float const (&x)[kN], uint32_t (&words)[4]) {
+  words[0] = words[1] = words[2] = words[3] = 0;
+#pragma unroll
+  for (int i = 0; i < kN; ++i) words[i / 8] |= static_cast<uint32_t>(quant::e2m1_signed_zero(x[i])) << (4 * (i % 8));
+}
+
+__device__ __forceinline__ void zero_range(uint8_t* dst, std::size_t begin, std::size_t end, int lane) {
+  for (std::size_t i = begin + lane; i < end; i += kWarpSize) dst[i] = 0;
+}
+
+}  // namespace quant_detail
+
+// Quantizes one row of `hidden` elements (T = __nv_bfloat16 or float) into its wire layout
+// (quant::make_row_layout(kFormat, hidden)), padding bytes included. Every lane of the warp must call it with the same
+// arguments. src: 16-byte aligned; dst: 16-byte aligned, row_bytes long, local or a peer's (plain stores); hidden: a
+// positive multiple of 8 and of the format's block (validated on the host). kNcSource: src is read-only for the
+// kernel's lifetime and may be read through the non-coherent path.
+template <WireFormat kFormat, typename T, bool kNcSource = false, int kUnroll = 4>
+__device__ __forceinline__ void quantize_row_warp(T const* __restrict__ src, int hidden, uint8_t* __restrict__ dst) {
+  using namespace quant_detail;
+  static_assert(kSupportedElem<T>, "quantize_row_warp reads rows of __nv_bfloat16 or float");
+  constexpr quant::FormatTraits kTraits = quant::format_traits(kFormat);
+  constexpr int kVec = kVecElems<T>;
+  constexpr int kPayloadBytes = kVec * kTraits.bits_per_elem / 8;
+  constexpr int kGroup = kTraits.block_elems > kVec ? kTraits.block_elems / kVec : 1;
+  static_assert(kTraits.block_elems % kVec == 0 || kFormat == WireFormat::bf16,
+                "a 16-byte vector must not straddle two scale blocks");
+  static_assert(kGroup <= kWarpSize, "a scale block must fit in one warp step");
+  static_assert(kUnroll >= 1, "kUnroll counts the vectors each lane loads before converting");
+
+  int const lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  WireRowLayout const layout = quant::make_row_layout(kFormat, hidden);
+  int const num_vecs = hidden / kVec;
+  auto const* in = reinterpret_cast<int4 const*>(src);
+
+  float token_scale = 0.0f;
+  if constexpr (kFormat == WireFormat::nvfp4) {
+    // 1. the row's amax over its finite elements, then the per-token scale (lane 0 stores it)
+    float amax = 0.0f;
+    for (int v = lane; v < num_vecs; v += kWarpSize) {
+      float x[kVec];
+      unpack<T>(load_vec<kNcSource>(in + v), x);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i)
+        if (quant::is_finite(x[i])) amax = fmaxf(amax, quant::abs_value(x[i]));
+    }
+    amax = group_max<kWarpSize>(amax);
+    token_scale = quant::nvfp4_token_scale(amax);
+    if (lane == 0) *reinterpret_cast<float*>(dst + layout.token_scale_offset) = token_scale;
+  }
+
+  // 2. kUnroll vectors per lane in flight, then block by block: amax over the group, scale, codes
+  for (int base = 0; base < num_vecs; base += kWarpSize * kUnroll) {
+    int4 raw[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      int const v = base + u * kWarpSize + lane;
+      raw[u] = v < num_vecs ? load_vec<kNcSource>(in + v) : make_int4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      // Lanes past the row's end join the shuffles with zeros and store nothing. num_vecs is a multiple of kGroup, so
+      // a group is all in or all out.
+      int const v = base + u * kWarpSize + lane;
+      bool const active = v < num_vecs;
+      float x[kVec];
+      unpack<T>(raw[u], x);
+      uint32_t words[4] = {0, 0, 0, 0};
+      if constexpr (kFormat == WireFormat::bf16) {
+        if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+          words[0] = raw[u].x, words[1] = raw[u].y, words[2] = raw[u].z, words[3] = raw[u].w;
+        } else {
+#pragma unroll
+          for (int i = 0; i < kVec; ++i)
+            words[i / 2] |= static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(x[i]))) << (16 * (i % 2));
+        }
+      } else {
+        float amax = 0.0f;
+        int non_finite = 0;
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) {
+          if (quant::is_finite(x[i]))
+            amax = fmaxf(amax, quant::abs_value(x[i]));
+          else
+            non_finite = 1;
+        }
+        amax = group_max<kGroup>(amax);
+        non_finite = group_any<kGroup>(non_finite);
+        bool const leader = active && lane % kGroup == 0;
+        std::size_t const block = static_cast<std::size_t>(v) * kVec / kTraits.block_elems;
+        uint8_t* const scale_ptr = dst + layout.scales_offset + block * kTraits.scale_bytes;
+
+        if constexpr (kFormat == WireFormat::fp8_e4m3) {
+          float const scale = quant::fp8_scale(amax);
+          if (leader) *reinterpret_cast<float*>(scale_ptr) = scale;
+          e4m3_codes<kVec>(x, quant::div_rn(1.0f, scale), words);
+        } else if constexpr (kFormat == WireFormat::fp8_e4m3_ue8m0) {
+          uint8_t const byte =
+              __nv_cvt_float_to_e8m0(quant::fp8_ue8m0_scale_target(amax), __NV_SATFINITE, cudaRoundPosInf);
+          if (leader) *scale_ptr = byte;
+          e4m3_codes<kVec>(x, quant::ue8m0_inverse(byte), words);
+        } else if constexpr (kFormat == WireFormat::nvfp4) {
+          // e2m1 has no NaN: a block with a non-finite element gets a NaN scale and zero codes
+          uint8_t byte = quant::kE4m3Nan;
+          if (!non_finite) {
+            byte = __nv_cvt_float_to_fp8(quant::nvfp4_block_scale_target(amax, token_scale), __NV_SATFINITE, __NV_E4M3);
+            float const block_scale = e4m3_value(byte);
+            if (block_scale == 0.0f)
+              e2m1_signed_zeros<kVec>(x, words);
+            else
+              e2m1_codes<kVec>(x, quant::div_rn(1.0f, quant::nvfp4_effective_scale(block_scale, token_scale)), words);
+          }
+          if (leader) *scale_ptr = byte;
+        } else if constexpr (kFormat == WireFormat::mxfp4) {
+          uint8_t byte = quant::kUe8m0Nan;
+          if (!non_finite) {
+            byte = __nv_cvt_float_to_e8m0(quant::mxfp4_scale_target(amax), __NV_SATFINITE, cudaRoundPosInf);
+            e2m1_codes<kVec>(x, quant::ue8m0_inverse(byte), words);
+          }
+          if (leader) *scale_ptr = byte;
+        }
+      }
+      if (active) store_bytes<kPayloadBytes>(dst + static_cast<std::size_t>(v) * kPayloadBytes, words);
+    }
+  }
+
+  // 3. zero the padding so the row's bytes are fully defined
+  std::size_t const scales_end =
+      layout.scales_offset + static_cast<std::size_t>(layout.num_scales) * static_cast<std::size_t>(layout.scale_bytes);
+  zero_range(dst, layout.payload_bytes, layout.scales_offset, lane);
+  if (layout.has_token_scale) {
+    zero_range(dst, scales_end, layout.token_scale_offset, lane);
+    zero_range(dst, layout.token_scale_offset + sizeof(float), layout.row_bytes, lane);
+  } else {
+    zero_range(dst, scales_end, layout.row_bytes, lane);
+  }
+}
+
+// Dequantizes one wire row into `hidden` values of T (__nv_bfloat16 or float): y = code * scale as one fp32 product
+// (nvfp4: code * (block scale * token scale)), rounded once to bf16 for bf16 output. Every lane of the warp must call
+// it with the same arguments. src: 16-byte aligned wire row, already visible to this thread (plain loads); dst:
+// 16-byte aligned.
+template <WireFormat kFormat, typename T>
+__device__ __forceinline__ void dequantize_row_warp(uint8_t const* __restrict__ src, int hidden, T* __restrict__ dst) {
+  using namespace quant_detail;
+  static_assert(kSupportedElem<T>, "dequantize_row_warp writes rows of __nv_bfloat16 or float");
+  constexpr quant::FormatTraits kTraits = quant::format_traits(kFormat);
+  constexpr int kVec = kVecElems<T>;
+  constexpr int kPayloadBytes = kVec * kTraits.bits_per_elem / 8;
+
+  int const lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  WireRowLayout const layout = quant::make_row_layout(kFormat, hidden);
+  int const num_vecs = hidden / kVec;
+  uint8_t const* const scales = src + layout.scales_offset;
+  float token_scale = 0.0f;
+  if constexpr (kFormat == WireFormat::nvfp4)
+    token_scale = *reinterpret_cast<float const*>(src + layout.token_scale_offset);
+
+  for (int v = lane; v < num_vecs; v += kWarpSize) {
+    uint32_t words[4];
+    load_bytes<kPayloadBytes>(src + static_cast<std::size_t>(v) * kPayloadBytes, words);
+    uint4* const out = reinterpret_cast<uint4*>(dst) + v;
+    if constexpr (kFormat == WireFormat::bf16 && std::is_same_v<T, __nv_bfloat16>) {
+      *out = make_uint4(words[0], words[1], words[2], words[3]);
+    } else {
+      float y[kVec];
+      std::size_t const block = static_cast<std::size_t>(v) * kVec / kTraits.block_elems;
+      if constexpr (kFormat == WireFormat::bf16) {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) y[i] = __uint_as_float((words[i / 2] >> (16 * (i % 2))) << 16);
+      } else if constexpr (kFormat == WireFormat::fp8_e4m3 || kFormat == WireFormat::fp8_e4m3_ue8m0) {
+        float const scale = kFormat == WireFormat::fp8_e4m3 ? *reinterpret_cast<float const*>(scales + 4 * block)
+                                                            : quant::ue8m0_value(scales[block]);
+#pragma unroll
+        for (int k = 0; k < kVec / 2; ++k) {
+          auto const pair = static_cast<__nv_fp8x2_storage_t>(words[k / 2] >> (16 * (k % 2)));
+          float2 const q = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+          y[2 * k] = quant::mul_rn(q.x, scale);
+          y[2 * k + 1] = quant::mul_rn(q.y, scale);
+        }
+      } else {
+        float const scale = kFormat == WireFormat::nvfp4
+                                ? quant::nvfp4_effective_scale(e4m3_value(scales[block]), token_scale)
+                                : quant::ue8m0_value(scales[block]);
+#pragma unroll
+        for (int k = 0; k < kVec / 2; ++k) {
+          auto const pair = static_cast<__nv_fp4x2_storage_t>(words[k / 4] >> (8 * (k % 4)));
+          float2 const q = __half22float2(__half2(__nv_cvt_fp4x2_to_halfraw2(pair, __NV_E2M1)));
+          y[2 * k] = quant::mul_rn(q.x, scale);
+          y[2 * k + 1] = quant::mul_rn(q.y, scale);
+        }
+      }
+      uint32_t packed[4] = {0, 0, 0, 0};
+      if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) packed[i] = __float_as_uint(y[i]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i)
+          packed[i / 2] |= static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(y[i]))) << (16 * (i % 2));
+      }
+      *out = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    }
+  }
+}
+
+}  // namespace ferry::device
