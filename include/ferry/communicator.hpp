@@ -61,8 +61,9 @@ class Communicator {
   virtual DeviceView const& device_view() const = 0;
 
   // Raises the error a kernel recorded in the error block (TimeoutError naming rank, peer and phase; InputError
-  // for ids dropped on the device), then marks the communicator failed. Cheap: reads host-visible memory.
-  // stream is synchronised first on cuda when non-null.
+  // for ids or rows dropped on the device). Only a timeout marks the communicator failed: a peer may be gone, so no
+  // later collective can be trusted; after an InputError the communicator stays usable. Cheap: reads host-visible
+  // memory. stream is synchronised first on cuda when non-null.
   virtual void check_errors(cudaStream_t stream = nullptr) = 0;
   // True after a device timeout; every later call then throws Error saying so.
   virtual bool failed() const = 0;

@@ -89,8 +89,9 @@ struct DispatchResult {
   float* recv_topk_weights = nullptr;  // [recv_capacity, topk]
   int32_t* recv_src = nullptr;         // [recv_capacity, 2] (source rank, source token)
   int32_t* num_recv = nullptr;         // device (cpu: host) scalar: rows received
-  int64_t num_recv_host = -1;          // eager only
-  int32_t* expert_counts = nullptr;    // [num_local_experts] rows per local expert
+  int64_t num_recv_host = -1;          // eager only (the cpu backend, being synchronous, always sets it)
+  int32_t* expert_counts = nullptr;    // [num_local_experts] valid (row, k) entries per local expert (not capped by
+                                       // expert_capacity: min(count, expert_slots) slots are filled)
   int recv_capacity = 0;
   // expert-major (expand only)
   void* expert_x = nullptr;           // [num_local_experts, expert_slots, hidden] bf16

@@ -925,13 +925,12 @@ SocketBootstrapOptions socket_bootstrap_options_from_env() {
   options.world = static_cast<int>(parse_env_int("WORLD_SIZE", env_string("WORLD_SIZE"), "the number of ranks"));
   options.local_rank =
       static_cast<int>(parse_env_int("LOCAL_RANK", env_string("LOCAL_RANK"), "this process's rank on its host"));
-  // NOTE: LOCAL_WORLD_SIZE is optional (defaults to WORLD_SIZE: one host) and not in the env table yet, where
-  // env_string would refuse it; read it directly.
-  char const* local_world = std::getenv("LOCAL_WORLD_SIZE");
+  // NOTE: LOCAL_WORLD_SIZE is optional (defaults to WORLD_SIZE: one host).
+  std::string const local_world = env_string("LOCAL_WORLD_SIZE");
   options.local_world =
-      local_world && *local_world
-          ? static_cast<int>(parse_env_int("LOCAL_WORLD_SIZE", local_world, "the number of ranks on this host"))
-          : options.world;
+      local_world.empty()
+          ? options.world
+          : static_cast<int>(parse_env_int("LOCAL_WORLD_SIZE", local_world, "the number of ranks on this host"));
   int64_t const timeout_s = parse_env_int("FERRY_BOOTSTRAP_TIMEOUT_S", env_string("FERRY_BOOTSTRAP_TIMEOUT_S"),
                                           "the bootstrap deadline in seconds");
   if (timeout_s <= 0)

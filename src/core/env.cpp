@@ -31,6 +31,7 @@ constexpr std::array kParams = {
     EnvParam{"RANK", "", "global rank of this process (torchrun)"},
     EnvParam{"WORLD_SIZE", "", "number of ranks (torchrun)"},
     EnvParam{"LOCAL_RANK", "", "rank within this host; selects the GPU (torchrun)"},
+    EnvParam{"LOCAL_WORLD_SIZE", "", "ranks on this host (torchrun; default WORLD_SIZE: one host)"},
 };
 
 EnvParam const& find(char const* name) {

@@ -127,8 +127,8 @@ TEST(Config, UnavailableFormatsAreRefusedUpFront) {
 TEST(WireFormat, RowBytes) {
   EXPECT_EQ(wire_row_bytes(WireFormat::bf16, 7168), 14336u);
   EXPECT_EQ(wire_row_bytes(WireFormat::fp8_e4m3, 7168), 7168u + 56u * 4u);
-  EXPECT_EQ(wire_row_bytes(WireFormat::fp8_e4m3_ue8m0, 7168), 7168u + 56u);
-  EXPECT_EQ(wire_row_bytes(WireFormat::nvfp4, 7168), 3584u + 448u + 4u);
+  EXPECT_EQ(wire_row_bytes(WireFormat::fp8_e4m3_ue8m0, 7168), 7168u + 64u);  // 56 scale bytes, padded to 16
+  EXPECT_EQ(wire_row_bytes(WireFormat::nvfp4, 7168), 3584u + 448u + 16u);    // token scale padded to 16
   EXPECT_EQ(wire_row_bytes(WireFormat::mxfp4, 7168), 3584u + 224u);
   for (char const* name : {"bf16", "fp8", "fp8_ue8m0", "nvfp4", "mxfp4"})
     EXPECT_STREQ(wire_format_name(parse_wire_format(name)), name);
