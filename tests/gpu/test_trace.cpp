@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <sstream>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -66,8 +67,8 @@ int traced_legs_case() {
   std::vector<std::string> const& args = rank_case_args();
   std::string const dir = args.at(0);
   int const tokens = std::stoi(args.at(1));
-  auto comm = Communicator::create(make_socket_bootstrap(socket_bootstrap_options_from_env()),
-                                   CommunicatorOptions{Backend::cuda, -1});
+  std::shared_ptr<Communicator> comm = Communicator::create(make_socket_bootstrap(socket_bootstrap_options_from_env()),
+                                                            CommunicatorOptions{Backend::cuda, -1});
   int const rank = comm->rank();
   int const world = comm->world();
   CK(cudaSetDevice(comm->device()));
