@@ -18,6 +18,7 @@
 
 #include <cstdint>
 
+#include "comm/device/bf16x8.cuh"
 #include "comm/device/memory.cuh"
 #include "comm/device/signal.cuh"
 #include "ep/cuda/params.cuh"
@@ -28,23 +29,8 @@ namespace ferry::cuda_ep {
 // 16-byte vectors per lane per step (8 bf16 each): loads in flight per entry before the arithmetic.
 inline constexpr int kCombineUnroll = 4;
 
-__device__ __forceinline__ void bf16x8_to_float(int4 v, float* out) {
-  auto const* h = reinterpret_cast<__nv_bfloat162 const*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float2 const f = __bfloat1622float2(h[i]);
-    out[2 * i] = f.x;
-    out[2 * i + 1] = f.y;
-  }
-}
-
-__device__ __forceinline__ int4 float_to_bf16x8(float const* in) {
-  int4 v;
-  auto* h = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
-  return v;
-}
+using device::bf16x8_to_float;
+using device::float_to_bf16x8;
 
 // Receiver side of one row, expert-major: the canonical fmaf chain over the row's local entries (k ascending).
 __device__ __forceinline__ void reduce_expert_row(CombineParams const& p, int row, int4* dst, int lane) {

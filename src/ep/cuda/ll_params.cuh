@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "comm/device/bf16x8.cuh"
 #include "ferry/device_view.hpp"
 #include "ferry/ep.hpp"
 
@@ -102,22 +103,7 @@ struct LlCombineParams {
   int32_t const* recv_slot;
 };
 
-__device__ __forceinline__ void bf16x8_to_float(int4 v, float* out) {
-  auto const* h = reinterpret_cast<__nv_bfloat162 const*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float2 const f = __bfloat1622float2(h[i]);
-    out[2 * i] = f.x;
-    out[2 * i + 1] = f.y;
-  }
-}
-
-__device__ __forceinline__ int4 float_to_bf16x8(float const* in) {
-  int4 v;
-  auto* h = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
-  return v;
-}
+using device::bf16x8_to_float;
+using device::float_to_bf16x8;
 
 }  // namespace ferry::cuda_ll
