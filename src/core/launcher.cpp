@@ -10,6 +10,7 @@
 
 #include <cerrno>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -158,6 +159,9 @@ LaunchResult launch_ranks(LaunchOptions const& options) {
   }
   std::string const exec_failed = "ferry launcher: execve(" + options.argv[0] + ") failed for a rank\n";
 
+  // What the launching process printed so far comes out before the ranks' output (stdio buffers are not flushed
+  // across exec).
+  std::fflush(nullptr);
   pid_t const parent = getpid();
   std::vector<pid_t> pids(options.nproc, -1);
   LaunchResult result;
