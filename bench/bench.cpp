@@ -48,7 +48,8 @@ constexpr double kHostCoverUs = 100.0;
 Options make_options() {
   return Options(
       "bench",
-      "Times normal-mode dispatch and combine on every rank (one process per GPU, or 4 cpu ranks without a GPU),\n"
+      "Times dispatch and combine (normal and low-latency modes) on every rank (one process per GPU, or 4 cpu ranks\n"
+      "without a GPU),\n"
       "checks them against the reference semantics, and compares with the NCCL all-to-all baseline.\n"
       "Leg time = slowest rank's median. NVLink GB/s = bytes a rank sends to other ranks (rows + metadata) / time,\n"
       "averaged over ranks. Logical GB/s = rows received including the rank's own x row bytes / time.",

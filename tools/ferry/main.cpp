@@ -14,7 +14,8 @@ void print_usage() {
   std::printf(
       "usage: ferry <command> [options]\n\n"
       "commands:\n"
-      "  bench   time dispatch and combine (normal mode), check them against the cpu reference, compare with NCCL\n"
+      "  bench   time dispatch and combine (normal and low-latency modes), check them against the reference, compare\n"
+      "          with NCCL\n"
 #if FERRY_HAVE_CUDA
       "  p2p     NVLink put / get bandwidth and one-way latency between two GPUs, next to the copy engine\n"
 #endif
