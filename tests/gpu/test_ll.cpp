@@ -18,7 +18,7 @@
 #include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
-#include "support/rank_case.hpp"
+#include "support/gpu_case.hpp"
 
 #if FERRY_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -31,30 +31,13 @@ namespace {
 
 constexpr int kWorld = 2;
 
-uint64_t fresh_seed() {
-  return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) % 1000000007ull;
-}
-
 // Runs `name` on 2 ranks with `args`; skips below 2 GPUs.
 void run_case(char const* name, std::vector<std::string> args,
               std::vector<std::pair<std::string, std::string>> env = {}) {
-  int const gpus = ferry::cuda_device_count();
-  if (gpus < kWorld) GTEST_SKIP() << "needs " << kWorld << " GPUs, found " << gpus;
-  RankCaseOptions options;
-  options.args = std::move(args);
-  options.env = std::move(env);
-  options.timeout = std::chrono::seconds(300);
-  LaunchResult const result = run_rank_case(name, kWorld, options);
-  EXPECT_TRUE(result.ok()) << result.describe();
+  run_gpu_case(kWorld, name, std::move(args), std::move(env));
 }
 
 #if FERRY_HAVE_CUDA
-
-#define CK(expr)                                                                                   \
-  do {                                                                                             \
-    cudaError_t const e_ = (expr);                                                                 \
-    if (e_ != cudaSuccess) FERRY_THROW(Error, "test", #expr, " failed: ", cudaGetErrorString(e_)); \
-  } while (0)
 
 struct Spec {
   std::string routing = "random";
@@ -74,50 +57,25 @@ struct Spec {
   uint64_t seed = 1;
 };
 
-Spec parse_spec(std::vector<std::string> const& args) {
+Spec parse_spec(std::vector<std::string> const& words) {
+  CaseArgs const args(words);
   Spec s;
-  for (auto const& a : args) {
-    auto const eq = a.find('=');
-    std::string const key = a.substr(0, eq);
-    std::string const value = eq == std::string::npos ? "" : a.substr(eq + 1);
-    if (key == "routing") s.routing = value;
-    if (key == "tokens") {
-      s.tokens.clear();
-      std::size_t pos = 0;
-      while (pos <= value.size()) {
-        auto const comma = value.find(',', pos);
-        s.tokens.push_back(std::stoi(value.substr(pos, comma - pos)));
-        if (comma == std::string::npos) break;
-        pos = comma + 1;
-      }
-    }
-    if (key == "max_tokens") s.max_tokens = std::stoi(value);
-    if (key == "capacity") s.capacity = std::stoi(value);
-    if (key == "hidden") s.hidden = std::stoi(value);
-    if (key == "topk") s.topk = std::stoi(value);
-    if (key == "experts") s.experts = std::stoi(value);
-    if (key == "mask") s.mask_rate = std::stod(value);
-    if (key == "iters") s.iters = std::stoi(value);
-    if (key == "check_every") s.check_every = std::stoi(value);
-    if (key == "layers") s.layers = std::stoi(value);
-    if (key == "hook") s.hook = value == "1";
-    if (key == "graph") s.graph = value == "1";
-    if (key == "int32") s.int32_ids = value == "1";
-    if (key == "seed") s.seed = std::stoull(value);
-  }
+  s.routing = args.text("routing", s.routing);
+  s.tokens = args.integers("tokens", s.tokens);
+  s.max_tokens = args.integer("max_tokens", s.max_tokens);
+  s.capacity = args.integer("capacity", s.capacity);
+  s.hidden = args.integer("hidden", s.hidden);
+  s.topk = args.integer("topk", s.topk);
+  s.experts = args.integer("experts", s.experts);
+  s.mask_rate = args.number("mask", s.mask_rate);
+  s.iters = args.integer("iters", s.iters);
+  s.check_every = args.integer("check_every", s.check_every);
+  s.layers = args.integer("layers", s.layers);
+  s.hook = args.flag("hook", s.hook);
+  s.graph = args.flag("graph", s.graph);
+  s.int32_ids = args.flag("int32", s.int32_ids);
+  s.seed = args.u64("seed", s.seed);
   return s;
-}
-
-std::shared_ptr<Communicator> make_comm() {
-  return Communicator::create(make_socket_bootstrap(socket_bootstrap_options_from_env()),
-                              CommunicatorOptions{Backend::cuda, -1});
-}
-
-template <typename T>
-std::vector<T> to_host(void const* dev, std::size_t count) {
-  std::vector<T> out(count);
-  if (count) CK(cudaMemcpy(out.data(), dev, count * sizeof(T), cudaMemcpyDeviceToHost));
-  return out;
 }
 
 int fail(char const* what, int rank, int iter, long index) {
@@ -171,7 +129,7 @@ void enqueue_layer(EpBuffer& buffer, DispatchArgs const& dargs, CombineArgs cons
 
 int ll_case() {
   Spec const spec = parse_spec(rank_case_args());
-  auto comm = make_comm();
+  auto comm = make_cuda_comm();
   int const rank = comm->rank();
   int const world = comm->world();
   CK(cudaSetDevice(comm->device()));
@@ -371,7 +329,7 @@ FERRY_RANK_CASE(ll) {
 // Hook misuse is refused on the host (both ranks misuse it alike, so nobody waits); then rank 1 skips a dispatch:
 // rank 0 must raise TimeoutError naming rank 1 within FERRY_TIMEOUT_S, not hang.
 FERRY_RANK_CASE(ll_hook_misuse_and_timeout) {
-  auto comm = make_comm();
+  auto comm = make_cuda_comm();
   CK(cudaSetDevice(comm->device()));
   EpConfig config;
   config.mode = Mode::low_latency;

@@ -16,7 +16,7 @@
 #include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
-#include "support/rank_case.hpp"
+#include "support/gpu_case.hpp"
 
 #if FERRY_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -30,30 +30,13 @@ namespace {
 
 constexpr int kWorld = 2;
 
-uint64_t fresh_seed() {
-  return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) % 1000000007ull;
-}
-
 // Runs `name` on 2 ranks with `args`; skips below 2 GPUs.
 void run_case(char const* name, std::vector<std::string> args,
               std::vector<std::pair<std::string, std::string>> env = {}) {
-  int const gpus = ferry::cuda_device_count();
-  if (gpus < kWorld) GTEST_SKIP() << "needs " << kWorld << " GPUs, found " << gpus;
-  RankCaseOptions options;
-  options.args = std::move(args);
-  options.env = std::move(env);
-  options.timeout = std::chrono::seconds(300);
-  LaunchResult const result = run_rank_case(name, kWorld, options);
-  EXPECT_TRUE(result.ok()) << result.describe();
+  run_gpu_case(kWorld, name, std::move(args), std::move(env));
 }
 
 #if FERRY_HAVE_CUDA
-
-#define CK(expr)                                                                                   \
-  do {                                                                                             \
-    cudaError_t const e_ = (expr);                                                                 \
-    if (e_ != cudaSuccess) FERRY_THROW(Error, "test", #expr, " failed: ", cudaGetErrorString(e_)); \
-  } while (0)
 
 // One shape of the matrix, passed on the command line as key=value words.
 struct Spec {
@@ -71,47 +54,22 @@ struct Spec {
   uint64_t seed = 1;
 };
 
-Spec parse_spec(std::vector<std::string> const& args) {
+Spec parse_spec(std::vector<std::string> const& words) {
+  CaseArgs const args(words);
   Spec s;
-  for (auto const& a : args) {
-    auto const eq = a.find('=');
-    std::string const key = a.substr(0, eq);
-    std::string const value = eq == std::string::npos ? "" : a.substr(eq + 1);
-    if (key == "routing") s.routing = value;
-    if (key == "tokens") {
-      s.tokens.clear();
-      std::size_t pos = 0;
-      while (pos <= value.size()) {
-        auto const comma = value.find(',', pos);
-        s.tokens.push_back(std::stoi(value.substr(pos, comma - pos)));
-        if (comma == std::string::npos) break;
-        pos = comma + 1;
-      }
-    }
-    if (key == "hidden") s.hidden = std::stoi(value);
-    if (key == "topk") s.topk = std::stoi(value);
-    if (key == "experts") s.experts = std::stoi(value);
-    if (key == "mask") s.mask_rate = std::stod(value);
-    if (key == "iters") s.iters = std::stoi(value);
-    if (key == "expand") s.expand = value == "1";
-    if (key == "graph") s.graph = value == "1";
-    if (key == "int32") s.int32_ids = value == "1";
-    if (key == "max_recv") s.max_recv = std::stoi(value);
-    if (key == "seed") s.seed = std::stoull(value);
-  }
+  s.routing = args.text("routing", s.routing);
+  s.tokens = args.integers("tokens", s.tokens);
+  s.hidden = args.integer("hidden", s.hidden);
+  s.topk = args.integer("topk", s.topk);
+  s.experts = args.integer("experts", s.experts);
+  s.mask_rate = args.number("mask", s.mask_rate);
+  s.iters = args.integer("iters", s.iters);
+  s.expand = args.flag("expand", s.expand);
+  s.graph = args.flag("graph", s.graph);
+  s.int32_ids = args.flag("int32", s.int32_ids);
+  s.max_recv = args.integer("max_recv", s.max_recv);
+  s.seed = args.u64("seed", s.seed);
   return s;
-}
-
-std::shared_ptr<Communicator> make_comm() {
-  return Communicator::create(make_socket_bootstrap(socket_bootstrap_options_from_env()),
-                              CommunicatorOptions{Backend::cuda, -1});
-}
-
-template <typename T>
-std::vector<T> to_host(void const* dev, std::size_t count) {
-  std::vector<T> out(count);
-  if (count) CK(cudaMemcpy(out.data(), dev, count * sizeof(T), cudaMemcpyDeviceToHost));
-  return out;
 }
 
 // Device buffer with poisoned guard regions on both sides; check() says whether they are intact.
@@ -152,7 +110,7 @@ long first_diff(T const* a, T const* b, std::size_t n) {
 // through captured graphs replayed with new inputs copied into the captured buffers.
 int normal_mode_case() {
   Spec const spec = parse_spec(rank_case_args());
-  auto comm = make_comm();
+  auto comm = make_cuda_comm();
   int const rank = comm->rank();
   int const world = comm->world();
   CK(cudaSetDevice(comm->device()));
@@ -363,7 +321,7 @@ FERRY_RANK_CASE(normal_mode) {
 
 // Rank 1 skips a dispatch: rank 0 must raise TimeoutError naming rank 1 within FERRY_TIMEOUT_S, not hang.
 FERRY_RANK_CASE(normal_mode_timeout) {
-  auto comm = make_comm();
+  auto comm = make_cuda_comm();
   EpConfig config;
   config.hidden = 2048;
   config.num_experts = 64;
@@ -391,7 +349,7 @@ FERRY_RANK_CASE(normal_mode_timeout) {
 // Bad input: ids only the device sees (id = E, id = -2) become InputError; host checks refuse too many tokens and
 // null pointers before anything is written.
 FERRY_RANK_CASE(normal_mode_bad_input) {
-  auto comm = make_comm();
+  auto comm = make_cuda_comm();
   int const rank = comm->rank();
   CK(cudaSetDevice(comm->device()));
   EpConfig config;
@@ -457,7 +415,7 @@ FERRY_RANK_CASE(normal_mode_bad_input) {
 
 // Walks the supported (world, topk, hidden) grid: the fast path must be taken everywhere.
 FERRY_RANK_CASE(normal_mode_fast_path_grid) {
-  auto comm = make_comm();
+  auto comm = make_cuda_comm();
   CK(cudaSetDevice(comm->device()));
   int code = 0;
   for (int hidden : {2048, 2880, 4096, 7168}) {

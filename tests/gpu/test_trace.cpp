@@ -16,7 +16,7 @@
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
 #include "ferry/trace.hpp"
-#include "support/rank_case.hpp"
+#include "support/gpu_case.hpp"
 #include "trace/decode.hpp"
 #include "trace/trace_file.hpp"
 #include "tuning/json.hpp"
@@ -31,12 +31,6 @@ namespace {
 constexpr int kWorld = 2;
 
 #if FERRY_HAVE_CUDA
-
-#define CK(expr)                                                                                   \
-  do {                                                                                             \
-    cudaError_t const e_ = (expr);                                                                 \
-    if (e_ != cudaSuccess) FERRY_THROW(Error, "test", #expr, " failed: ", cudaGetErrorString(e_)); \
-  } while (0)
 
 // Every slot of `kernel` must have spans on every rank in `ranks`; prints what is missing.
 int check_every_phase(trace::Decoded const& decoded, TraceKernel kernel, std::vector<int> const& ranks,
@@ -67,8 +61,7 @@ int traced_legs_case() {
   std::vector<std::string> const& args = rank_case_args();
   std::string const dir = args.at(0);
   int const tokens = std::stoi(args.at(1));
-  std::shared_ptr<Communicator> comm = Communicator::create(make_socket_bootstrap(socket_bootstrap_options_from_env()),
-                                                            CommunicatorOptions{Backend::cuda, -1});
+  std::shared_ptr<Communicator> comm = make_cuda_comm();
   int const rank = comm->rank();
   int const world = comm->world();
   CK(cudaSetDevice(comm->device()));

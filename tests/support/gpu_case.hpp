@@ -1,0 +1,103 @@
+// What the multi-GPU tests share: the skip-or-launch step of a TEST, the key=value arguments a rank case receives,
+// and (cuda builds) a checked CUDA call, the communicator a rank case starts with, and device-to-host copies.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ferry/communicator.hpp"
+#include "ferry/error.hpp"
+#include "support/rank_case.hpp"
+
+#if FERRY_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace ferry::test {
+
+// A seed that differs between runs (printed by the callers), small enough to pass as text.
+inline uint64_t fresh_seed() {
+  return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) % 1000000007ull;
+}
+
+// Runs rank case `name` on `world` processes (one per GPU); skips the calling test below `world` GPUs.
+inline void run_gpu_case(int world, char const* name, std::vector<std::string> args,
+                         std::vector<std::pair<std::string, std::string>> env = {},
+                         std::chrono::seconds timeout = std::chrono::seconds(300)) {
+  int const gpus = ferry::cuda_device_count();
+  if (gpus < world) GTEST_SKIP() << "needs " << world << " GPUs, found " << gpus;
+  RankCaseOptions options;
+  options.args = std::move(args);
+  options.env = std::move(env);
+  options.timeout = timeout;
+  LaunchResult const result = run_rank_case(name, world, options);
+  EXPECT_TRUE(result.ok()) << result.describe();
+}
+
+// The key=value words of a rank case's command line (a word without '=' has an empty value).
+class CaseArgs {
+ public:
+  explicit CaseArgs(std::vector<std::string> const& words) {
+    for (auto const& word : words) {
+      auto const eq = word.find('=');
+      values_[word.substr(0, eq)] = eq == std::string::npos ? "" : word.substr(eq + 1);
+    }
+  }
+  std::string text(char const* key, std::string fallback) const {
+    auto const found = values_.find(key);
+    return found == values_.end() ? fallback : found->second;
+  }
+  int integer(char const* key, int fallback) const { return has(key) ? std::stoi(values_.at(key)) : fallback; }
+  double number(char const* key, double fallback) const { return has(key) ? std::stod(values_.at(key)) : fallback; }
+  uint64_t u64(char const* key, uint64_t fallback) const { return has(key) ? std::stoull(values_.at(key)) : fallback; }
+  bool flag(char const* key, bool fallback) const { return has(key) ? values_.at(key) == "1" : fallback; }
+  // "100,37" -> {100, 37}
+  std::vector<int> integers(char const* key, std::vector<int> fallback) const {
+    if (!has(key)) return fallback;
+    std::vector<int> out;
+    std::string const& value = values_.at(key);
+    std::size_t pos = 0;
+    while (pos <= value.size()) {
+      auto const comma = value.find(',', pos);
+      out.push_back(std::stoi(value.substr(pos, comma - pos)));
+      if (comma == std::string::npos) break;
+      pos = comma + 1;
+    }
+    return out;
+  }
+
+ private:
+  bool has(char const* key) const { return values_.count(key) > 0; }
+  std::map<std::string, std::string> values_;
+};
+
+#if FERRY_HAVE_CUDA
+
+#define CK(expr)                                                                                   \
+  do {                                                                                             \
+    cudaError_t const e_ = (expr);                                                                 \
+    if (e_ != cudaSuccess) FERRY_THROW(Error, "test", #expr, " failed: ", cudaGetErrorString(e_)); \
+  } while (0)
+
+// The cuda communicator of a rank case, from the environment ferry's launcher sets.
+inline std::shared_ptr<Communicator> make_cuda_comm() {
+  return Communicator::create(make_socket_bootstrap(socket_bootstrap_options_from_env()),
+                              CommunicatorOptions{Backend::cuda, -1});
+}
+
+template <typename T>
+std::vector<T> to_host(void const* dev, std::size_t count) {
+  std::vector<T> out(count);
+  if (count) CK(cudaMemcpy(out.data(), dev, count * sizeof(T), cudaMemcpyDeviceToHost));
+  return out;
+}
+
+#endif
+
+}  // namespace ferry::test
