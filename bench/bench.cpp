@@ -38,12 +38,8 @@ namespace {
 
 using bench::BenchMemory;
 using bench::device_name;
-using bench::LegGraph;
-using bench::LegTimer;
 
 constexpr int kCpuDefaultRanks = 4;
-// Device-side delay before each timed leg (see enqueue_delay); long enough for the host to queue the leg.
-constexpr double kHostCoverUs = 100.0;
 
 Options make_options() {
   return Options(
@@ -405,26 +401,7 @@ int run_bench_rank(Options const& options) {
       dargs.eager = false;
       cargs.eager = false;
       auto const time_leg = [&](std::function<void()> const& enqueue, bool use_graph) {
-        std::unique_ptr<LegGraph> leg_graph;
-        if (use_graph) leg_graph = std::make_unique<LegGraph>(memory, enqueue);
-        LegTimer timer(memory);
-        std::vector<double> samples;
-        for (int i = 0; i < warmup + iters; ++i) {
-          // NOTE: the delay covers the host's launch latency (tens of us for barrier + events + graph launch): the
-          // timed region then starts on a stream that already holds the leg, and measures the leg alone.
-          bench::enqueue_delay(memory, kHostCoverUs);
-          comm->barrier(memory.stream());
-          timer.start();
-          if (leg_graph)
-            leg_graph->replay();
-          else
-            enqueue();
-          timer.stop();
-          double const us = timer.elapsed_us();
-          if (i >= warmup) samples.push_back(us);
-        }
-        comm->check_errors(memory.stream());
-        return summarize(samples);
+        return summarize(bench::time_leg(memory, *comm, enqueue, use_graph, warmup, iters));
       };
       LegStats const dispatch_stats = time_leg([&] { buffer.dispatch(dargs, memory.stream()); }, graph);
       LegStats const combine_stats = time_leg([&] { buffer.combine(cargs, memory.stream()); }, graph);

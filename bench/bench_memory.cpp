@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <string>
 
 #include "ferry/error.hpp"
@@ -203,6 +204,31 @@ void LegGraph::replay() {
 #if FERRY_HAVE_CUDA
   BENCH_CHECK_CUDA(cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec_), memory_.stream()));
 #endif
+}
+
+std::vector<double> time_leg(BenchMemory& memory, Communicator& comm, std::function<void()> const& enqueue, bool graph,
+                             int warmup, int iters) {
+  // NOTE: the delay covers the host's launch latency (tens of us for barrier + events + graph launch): the timed
+  // region then starts on a stream that already holds the leg, and measures the leg alone.
+  constexpr double kHostCoverUs = 100.0;
+  std::unique_ptr<LegGraph> leg_graph;
+  if (graph) leg_graph = std::make_unique<LegGraph>(memory, enqueue);
+  LegTimer timer(memory);
+  std::vector<double> samples;
+  for (int i = 0; i < warmup + iters; ++i) {
+    enqueue_delay(memory, kHostCoverUs);
+    comm.barrier(memory.stream());
+    timer.start();
+    if (leg_graph)
+      leg_graph->replay();
+    else
+      enqueue();
+    timer.stop();
+    double const us = timer.elapsed_us();
+    if (i >= warmup) samples.push_back(us);
+  }
+  comm.check_errors(memory.stream());
+  return samples;
 }
 
 std::string device_name(Backend backend) {

@@ -70,6 +70,12 @@ void enqueue_delay(BenchMemory& memory, double us);
 inline void enqueue_delay(BenchMemory&, double) {}
 #endif
 
+// Times one leg warmup + iters times and returns the timed samples (us). Before each: a device-side delay (the host
+// queues the leg behind it) and a barrier over the ranks (they start together); in graph mode the leg is captured
+// once and replayed. Raises a device error recorded meanwhile (Communicator::check_errors).
+std::vector<double> time_leg(BenchMemory& memory, Communicator& comm, std::function<void()> const& enqueue, bool graph,
+                             int warmup, int iters);
+
 // Name of this rank's device ("NVIDIA H200", or the cpu model on the cpu backend).
 std::string device_name(Backend backend);
 

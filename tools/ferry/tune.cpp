@@ -46,8 +46,6 @@ int normal_mode_kernel_warps();  // tools/ferry/kernel_geometry.cu
 namespace {
 
 using bench::BenchMemory;
-using bench::LegGraph;
-using bench::LegTimer;
 using tuning::Leg;
 
 constexpr int kCpuDefaultRanks = 2;
@@ -345,21 +343,8 @@ int run_tune_rank(Options const& options) {
   };
   std::vector<std::vector<double>> samples(sweep.buckets.size() * routings.size() * num_candidates * 2);
   auto const time_leg = [&](std::function<void()> const& enqueue, std::vector<double>& out) {
-    std::unique_ptr<LegGraph> leg_graph;
-    if (graph) leg_graph = std::make_unique<LegGraph>(memory, enqueue);
-    LegTimer timer(memory);
-    for (int i = 0; i < warmup + iters; ++i) {
-      comm->barrier(memory.stream());
-      timer.start();
-      if (leg_graph)
-        leg_graph->replay();
-      else
-        enqueue();
-      timer.stop();
-      double const us = timer.elapsed_us();
-      if (i >= warmup) out.push_back(us);
-    }
-    comm->check_errors(memory.stream());
+    std::vector<double> const timed = bench::time_leg(memory, *comm, enqueue, graph, warmup, iters);
+    out.insert(out.end(), timed.begin(), timed.end());
   };
 
   // 3. the sweep: rounds outermost, so slow drift (clocks, temperature) touches every candidate alike
