@@ -34,8 +34,16 @@ struct EpConfig {
   int num_experts = 256;           // global experts, split evenly over ranks
   int topk = 8;                    // experts per token (columns of topk_idx)
   int max_tokens_per_rank = 4096;  // most tokens any rank passes to one dispatch
+  // How rows travel (include/ferry/wire_format.hpp, docs/quant.md). A quantized dispatch_format quantizes on send
+  // (or forwards pre-quantized input, DispatchArgs::x_scales) and delivers the quantized rows with their scales, or,
+  // with dispatch_dequantize, bf16 rows. A quantized combine_format sends the partial sums quantized; the source
+  // dequantizes them and accumulates in fp32. Every format is accepted for both legs.
   WireFormat dispatch_format = WireFormat::bf16;
   WireFormat combine_format = WireFormat::bf16;
+  // Quantized dispatch_format only: deliver bf16 rows (dequantized by the receiver) instead of payload + scales.
+  bool dispatch_dequantize = false;
+  // Quantized delivery only: the layout of recv_scales / expert_scales (scale_layout_supported must hold).
+  ScaleLayout recv_scale_layout = ScaleLayout::row_major;
   Mode mode = Mode::normal;
   std::optional<Geometry> dispatch_geometry;  // pins the dispatch launch geometry
   std::optional<Geometry> combine_geometry;   // pins the combine launch geometry
@@ -57,6 +65,10 @@ struct EpConfig {
   EpConfig resolved(int world) const;
 
   int num_local_experts(int world) const { return num_experts / world; }
+  // Whether dispatch delivers quantized rows + scales (a quantized dispatch_format without dispatch_dequantize).
+  bool delivers_quantized() const { return dispatch_format != WireFormat::bf16 && !dispatch_dequantize; }
+  // Bytes of one delivered row of recv_x / expert_x: hidden * 2 (bf16), or the quantized payload.
+  std::size_t recv_row_bytes() const;
   int recv_capacity(int world) const;                               // rows of the rank-major receive buffers
   int expert_slots() const { return expert_capacity.value_or(0); }  // rows per expert (0: no expert-major)
 };
@@ -64,9 +76,16 @@ struct EpConfig {
 enum class IndexType { int32, int64 };
 
 struct DispatchArgs {
-  void const* x = nullptr;         // [num_tokens, hidden] bf16, row-major, contiguous
-  int num_tokens = 0;              // 0 <= num_tokens <= max_tokens_per_rank
-  void const* topk_idx = nullptr;  // [num_tokens, topk] global expert ids in [-1, num_experts)
+  // [num_tokens, hidden] bf16, row-major, contiguous; or, pre-quantized (x_scales set), the dispatch_format payload
+  // [num_tokens, wire_payload_bytes(dispatch_format, hidden)] (fp8: one byte per element; fp4: two per byte, element
+  // 2i in the low nibble), which dispatch forwards as is.
+  void const* x = nullptr;
+  // Pre-quantized input (a quantized dispatch_format only; InputError otherwise): the block scales of x, row-major
+  // [num_tokens, hidden / wire_block_elems] (fp32 for fp8_e4m3, one byte for the others: UE8M0 or e4m3).
+  void const* x_scales = nullptr;
+  float const* x_token_scales = nullptr;  // pre-quantized nvfp4: [num_tokens] per-token fp32 scales (required there)
+  int num_tokens = 0;                     // 0 <= num_tokens <= max_tokens_per_rank
+  void const* topk_idx = nullptr;         // [num_tokens, topk] global expert ids in [-1, num_experts)
   IndexType topk_idx_type = IndexType::int64;
   float const* topk_weights = nullptr;  // [num_tokens, topk]
   bool expand = false;                  // also fill the expert-major layout (always filled in low-latency mode)
@@ -84,7 +103,14 @@ struct DispatchArgs {
 // recv_topk_weights, recv_src: what combine needs per row) but not recv_x (null there): the rows land per source and
 // are copied once, into expert_x.
 struct DispatchResult {
-  void* recv_x = nullptr;              // [recv_capacity, hidden] bf16 (normal mode only)
+  // [recv_capacity, recv_row_bytes] (normal mode only): bf16 rows, or the quantized payload (delivers_quantized()).
+  void* recv_x = nullptr;
+  std::size_t recv_row_bytes = 0;  // EpConfig::recv_row_bytes()
+  // Quantized delivery (normal mode only): the block scales of recv_x, a scale tensor of recv_capacity rows in
+  // recv_scale_layout (scale_tensor_bytes / scale_byte_offset of wire_format.hpp), and nvfp4's per-token scales.
+  // Entries of rows at or past num_recv are unspecified.
+  void* recv_scales = nullptr;
+  float* recv_token_scales = nullptr;  // nvfp4: [recv_capacity]
   int32_t* recv_topk_idx = nullptr;    // [recv_capacity, topk] local expert index, -1 where not on this rank
   float* recv_topk_weights = nullptr;  // [recv_capacity, topk]
   int32_t* recv_src = nullptr;         // [recv_capacity, 2] (source rank, source token)
@@ -94,9 +120,14 @@ struct DispatchResult {
                                        // expert_capacity: min(count, expert_slots) slots are filled)
   int recv_capacity = 0;
   // expert-major (expand only)
-  void* expert_x = nullptr;           // [num_local_experts, expert_slots, hidden] bf16
+  void* expert_x = nullptr;           // [num_local_experts, expert_slots, recv_row_bytes] (bf16 or payload)
   int32_t* expert_src_row = nullptr;  // [num_local_experts, expert_slots] rank-major row of each slot
   int expert_slots = 0;
+  // Quantized delivery: one scale tensor of expert_slots rows per local expert, back to back (each
+  // scale_tensor_bytes(dispatch_format, recv_scale_layout, expert_slots, hidden) long), and nvfp4's per-token
+  // scales [num_local_experts, expert_slots]. Entries of unfilled slots are unspecified.
+  void* expert_scales = nullptr;
+  float* expert_token_scales = nullptr;
 };
 
 enum class CombineLayout { rank_major, expert_major };

@@ -70,6 +70,8 @@ enum class ScaleLayout {
 };
 
 char const* scale_layout_name(ScaleLayout layout);
+// Accepts the names scale_layout_name() prints; throws ConfigError naming the value and the choices.
+ScaleLayout parse_scale_layout(std::string const& name);
 // Whether `layout` can hold the scales of `format` (see the list above; bf16 has no scales).
 bool scale_layout_supported(WireFormat format, ScaleLayout layout);
 // Bytes of the scale tensor of `rows` rows of `hidden` elements, padding included. Throws ConfigError for an

@@ -73,11 +73,20 @@ void EpConfig::validate(int world) const {
                        " is not used by mode=ll (every row is received: the landing zone holds world x "
                        "max_tokens_per_rank rows); leave it unset");
   }
-  // NOTE: only what is implemented is accepted; a config that cannot run fails here, not at the first call.
-  FERRY_CHECK_CONFIG(dispatch_format == WireFormat::bf16, "dispatch_format=", wire_format_name(dispatch_format),
-                     " is not available in this version; use bf16");
-  FERRY_CHECK_CONFIG(combine_format == WireFormat::bf16, "combine_format=", wire_format_name(combine_format),
-                     " is not available in this version; use bf16");
+  FERRY_CHECK_CONFIG(!dispatch_dequantize || dispatch_format != WireFormat::bf16,
+                     "dispatch_dequantize=true needs a quantized dispatch_format (got bf16, which is delivered as is); "
+                     "set dispatch_format or leave dispatch_dequantize false");
+  // NOTE: the scale layout is what the receiver's GEMM reads; a layout that cannot hold the format's scales is a
+  // config error even when nothing quantized is delivered yet, so a typo is not silently ignored.
+  if (dispatch_format != WireFormat::bf16)
+    FERRY_CHECK_CONFIG(scale_layout_supported(dispatch_format, recv_scale_layout),
+                       "recv_scale_layout=", scale_layout_name(recv_scale_layout), " cannot hold the scales of ",
+                       "dispatch_format=", wire_format_name(dispatch_format),
+                       "; see ScaleLayout in ferry/wire_format.hpp for the layouts each format supports");
+}
+
+std::size_t EpConfig::recv_row_bytes() const {
+  return delivers_quantized() ? wire_payload_bytes(dispatch_format, hidden) : static_cast<std::size_t>(hidden) * 2;
 }
 
 EpConfig EpConfig::resolved(int world) const {

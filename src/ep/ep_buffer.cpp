@@ -18,7 +18,24 @@ void validate_dispatch_args(EpConfig const& config, DispatchArgs const& args) {
                     "]; split the batch or raise max_tokens_per_rank");
   FERRY_CHECK_INPUT(!args.expand || config.expert_slots() > 0, "expand=true needs EpConfig::expert_capacity (rows per ",
                     "local expert of the expert-major layout); set it when creating the EpBuffer");
+  bool const prequantized = args.x_scales != nullptr;
+  FERRY_CHECK_INPUT(!prequantized || config.dispatch_format != WireFormat::bf16,
+                    "x_scales is set (pre-quantized input) but dispatch_format=bf16 has no scales; pass bf16 x without "
+                    "x_scales, or create the EpBuffer with the format x is quantized in");
+  bool const token_scales = config.dispatch_format == WireFormat::nvfp4;
+  FERRY_CHECK_INPUT(args.x_token_scales == nullptr || (prequantized && token_scales),
+                    "x_token_scales is set, but it belongs only to pre-quantized nvfp4 input (x_scales set, "
+                    "dispatch_format=nvfp4; here dispatch_format=",
+                    wire_format_name(config.dispatch_format), prequantized ? "" : ", x_scales null", ")");
   if (args.num_tokens == 0) return;
+  FERRY_CHECK_INPUT(
+      !prequantized || !token_scales || args.x_token_scales != nullptr,
+      "pre-quantized nvfp4 input needs x_token_scales (the per-token fp32 scales) for num_tokens=", args.num_tokens);
+  // NOTE: scale rows are read as 4-byte words (fp32 scales) or bytes; payload rows as 16-byte vectors.
+  FERRY_CHECK_INPUT(!prequantized || reinterpret_cast<uintptr_t>(args.x_scales) % 4 == 0, "x_scales=", args.x_scales,
+                    " is not 4-byte aligned");
+  FERRY_CHECK_INPUT(args.x_token_scales == nullptr || reinterpret_cast<uintptr_t>(args.x_token_scales) % 4 == 0,
+                    "x_token_scales=", static_cast<void const*>(args.x_token_scales), " is not 4-byte aligned");
   FERRY_CHECK_INPUT(args.x != nullptr, "x is null for num_tokens=", args.num_tokens);
   FERRY_CHECK_INPUT(args.topk_idx != nullptr, "topk_idx is null for num_tokens=", args.num_tokens);
   FERRY_CHECK_INPUT(args.topk_weights != nullptr, "topk_weights is null for num_tokens=", args.num_tokens);

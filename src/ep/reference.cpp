@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "ferry/error.hpp"
+#include "quant/codec.hpp"
 
 namespace ferry::ref {
 namespace {
@@ -61,13 +62,15 @@ std::vector<uint16_t> source_sum(EpConfig const& config, int world, int rank, st
   std::vector<uint16_t> y(at(num_tokens, hidden));
   std::vector<float> acc(static_cast<std::size_t>(hidden));
   std::vector<uint16_t> row(static_cast<std::size_t>(hidden));
+  std::vector<uint8_t> wire_scratch;
+  std::vector<float> value_scratch;
   for (int t = 0; t < num_tokens; ++t) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int d = 0; d < world; ++d) {
       int const i = rows[static_cast<std::size_t>(d)][static_cast<std::size_t>(t)];
       if (i < 0) continue;
       uint16_t const* sent = row_of(d, i, row.data());
-      accumulate_row(hidden, sent, acc.data());
+      accumulate_combined_row(config.combine_format, hidden, sent, wire_scratch, value_scratch, acc.data());
     }
     round_row(hidden, acc.data(), y.data() + at(t, hidden));
   }
@@ -98,6 +101,19 @@ FERRY_ROW_LOOP void reduce_row(int hidden, int topk, int expert_slots, int32_t c
 
 FERRY_ROW_LOOP void accumulate_row(int hidden, uint16_t const* row, float* acc) {
   for (int h = 0; h < hidden; ++h) acc[h] += bf16_to_float(row[h]);
+}
+
+void accumulate_combined_row(WireFormat format, int hidden, uint16_t const* row, std::vector<uint8_t>& wire_scratch,
+                             std::vector<float>& value_scratch, float* acc) {
+  if (format == WireFormat::bf16) {
+    accumulate_row(hidden, row, acc);
+    return;
+  }
+  wire_scratch.resize(wire_row_bytes(format, hidden));
+  value_scratch.resize(static_cast<std::size_t>(hidden));
+  quant::quantize_row(format, row, hidden, wire_scratch.data());
+  quant::dequantize_row(format, wire_scratch.data(), hidden, value_scratch.data());
+  for (int h = 0; h < hidden; ++h) acc[h] += value_scratch[static_cast<std::size_t>(h)];
 }
 
 FERRY_ROW_LOOP void round_row(int hidden, float const* acc, uint16_t* out) {
@@ -143,9 +159,19 @@ void validate_input(EpConfig const& config, int /*world*/, int rank, RankInput c
                     ": num_tokens=", input.num_tokens,
                     " is outside [0, max_tokens_per_rank=", config.max_tokens_per_rank,
                     "]; split the batch or raise max_tokens_per_rank");
-  FERRY_CHECK_INPUT(input.x.size() == at(input.num_tokens, config.hidden), "rank ", rank, ": x holds ", input.x.size(),
-                    " elements, num_tokens=", input.num_tokens, " x hidden=", config.hidden, " needs ",
-                    at(input.num_tokens, config.hidden));
+  if (input.x_wire.empty()) {
+    FERRY_CHECK_INPUT(input.x.size() == at(input.num_tokens, config.hidden), "rank ", rank, ": x holds ",
+                      input.x.size(), " elements, num_tokens=", input.num_tokens, " x hidden=", config.hidden,
+                      " needs ", at(input.num_tokens, config.hidden));
+  } else {
+    std::size_t const row_bytes = wire_row_bytes(config.dispatch_format, config.hidden);
+    FERRY_CHECK_INPUT(config.dispatch_format != WireFormat::bf16, "rank ", rank,
+                      ": pre-quantized input (x_wire) needs a quantized dispatch_format, not bf16");
+    FERRY_CHECK_INPUT(input.x_wire.size() == at(input.num_tokens, static_cast<int64_t>(row_bytes)), "rank ", rank,
+                      ": x_wire holds ", input.x_wire.size(), " bytes, num_tokens=", input.num_tokens,
+                      " x wire_row_bytes=", row_bytes, " needs ",
+                      at(input.num_tokens, static_cast<int64_t>(row_bytes)));
+  }
   FERRY_CHECK_INPUT(input.topk_idx.size() == at(input.num_tokens, config.topk), "rank ", rank, ": topk_idx holds ",
                     input.topk_idx.size(), " ids, num_tokens=", input.num_tokens, " x topk=", config.topk, " needs ",
                     at(input.num_tokens, config.topk));
@@ -192,8 +218,11 @@ RankDispatch dispatch(EpConfig const& config, int world, int rank, std::span<Ran
   int const capacity = config.recv_capacity(world);
 
   // 1. rows in (source rank, source token) order: one per token with at least one expert on this rank
+  std::size_t const wire_bytes = wire_row_bytes(config.dispatch_format, hidden);
+  std::vector<std::vector<uint8_t>> source_wire(static_cast<std::size_t>(world));
   std::vector<std::pair<int, int>> rows;
   for (int s = 0; s < world; ++s) {
+    source_wire[static_cast<std::size_t>(s)] = source_wire_rows(config, inputs[static_cast<std::size_t>(s)]);
     RankInput const& input = inputs[static_cast<std::size_t>(s)];
     for (int t = 0; t < input.num_tokens; ++t)
       if (reaches(input.topk_idx.data() + at(t, topk), topk, lo, hi)) rows.emplace_back(s, t);
@@ -204,13 +233,20 @@ RankDispatch dispatch(EpConfig const& config, int world, int rank, std::span<Ran
 
   // 2. the delivered rows: data, local expert ids (-1 elsewhere), weights (0 where -1), source
   out.recv_x.resize(at(out.num_recv, hidden));
+  out.recv_wire.resize(at(out.num_recv, static_cast<int64_t>(wire_bytes)));
   out.recv_topk_idx.resize(at(out.num_recv, topk));
   out.recv_topk_weights.resize(at(out.num_recv, topk));
   out.recv_src.resize(at(out.num_recv, 2));
   for (int i = 0; i < out.num_recv; ++i) {
     auto const [s, t] = rows[static_cast<std::size_t>(i)];
     RankInput const& input = inputs[static_cast<std::size_t>(s)];
-    std::memcpy(out.recv_x.data() + at(i, hidden), input.x.data() + at(t, hidden), at(hidden, sizeof(uint16_t)));
+    uint8_t* wire = out.recv_wire.data() + at(i, static_cast<int64_t>(wire_bytes));
+    std::memcpy(wire, source_wire[static_cast<std::size_t>(s)].data() + at(t, static_cast<int64_t>(wire_bytes)),
+                wire_bytes);
+    if (config.dispatch_format == WireFormat::bf16)
+      std::memcpy(out.recv_x.data() + at(i, hidden), wire, wire_bytes);
+    else
+      quant::dequantize_row(config.dispatch_format, wire, hidden, out.recv_x.data() + at(i, hidden));
     for (int k = 0; k < topk; ++k) {
       int64_t const id = input.topk_idx[at(t, topk) + k];
       bool const local = id >= lo && id < hi;
@@ -245,6 +281,106 @@ std::vector<uint16_t> expand(EpConfig const& config, int world, RankDispatch con
     }
   }
   return expert_x;
+}
+
+std::vector<uint8_t> expand_wire(EpConfig const& config, int world, RankDispatch const& received) {
+  std::size_t const row_bytes = wire_row_bytes(config.dispatch_format, config.hidden);
+  int const num_local = config.num_local_experts(world);
+  int const slots = received.expert_slots;
+  FERRY_CHECK_INPUT(received.recv_wire.size() == at(received.num_recv, static_cast<int64_t>(row_bytes)),
+                    "recv_wire holds ", received.recv_wire.size(), " bytes; num_recv x wire_row_bytes needs ",
+                    at(received.num_recv, static_cast<int64_t>(row_bytes)));
+  std::vector<uint8_t> out(at(static_cast<int64_t>(num_local) * slots, static_cast<int64_t>(row_bytes)), 0);
+  for (int e = 0; e < num_local; ++e) {
+    int const filled = std::min(received.expert_counts[static_cast<std::size_t>(e)], slots);
+    for (int s = 0; s < filled; ++s) {
+      int32_t const row = received.expert_src_row[at(e, slots) + s];
+      std::memcpy(out.data() + at(static_cast<int64_t>(e) * slots + s, static_cast<int64_t>(row_bytes)),
+                  received.recv_wire.data() + at(row, static_cast<int64_t>(row_bytes)), row_bytes);
+    }
+  }
+  return out;
+}
+
+std::vector<uint8_t> source_wire_rows(EpConfig const& config, RankInput const& input) {
+  if (!input.x_wire.empty()) return input.x_wire;
+  int const hidden = config.hidden;
+  std::size_t const row_bytes = wire_row_bytes(config.dispatch_format, hidden);
+  std::vector<uint8_t> wire(at(input.num_tokens, static_cast<int64_t>(row_bytes)));
+  if (config.dispatch_format == WireFormat::bf16) {
+    std::memcpy(wire.data(), input.x.data(), wire.size());
+    return wire;
+  }
+  for (int t = 0; t < input.num_tokens; ++t)
+    quant::quantize_row(config.dispatch_format, input.x.data() + at(t, hidden), hidden,
+                        wire.data() + at(t, static_cast<int64_t>(row_bytes)));
+  return wire;
+}
+
+QuantizedInput split_wire_rows(EpConfig const& config, std::span<uint8_t const> wire, int num_rows) {
+  WireRowLayout const layout = wire_row_layout(config.dispatch_format, config.hidden);
+  FERRY_CHECK_INPUT(config.dispatch_format != WireFormat::bf16, "split_wire_rows needs a quantized dispatch_format");
+  FERRY_CHECK_INPUT(wire.size() >= at(num_rows, static_cast<int64_t>(layout.row_bytes)), "wire holds ", wire.size(),
+                    " bytes, ", num_rows, " rows need ", at(num_rows, static_cast<int64_t>(layout.row_bytes)));
+  std::size_t const scale_row = static_cast<std::size_t>(layout.num_scales) * layout.scale_bytes;
+  QuantizedInput out;
+  out.payload.resize(at(num_rows, static_cast<int64_t>(layout.payload_bytes)));
+  out.scales.resize(at(num_rows, static_cast<int64_t>(scale_row)));
+  if (layout.has_token_scale) out.token_scales.resize(static_cast<std::size_t>(num_rows));
+  for (int r = 0; r < num_rows; ++r) {
+    uint8_t const* row = wire.data() + at(r, static_cast<int64_t>(layout.row_bytes));
+    std::memcpy(out.payload.data() + at(r, static_cast<int64_t>(layout.payload_bytes)), row, layout.payload_bytes);
+    std::memcpy(out.scales.data() + at(r, static_cast<int64_t>(scale_row)), row + layout.scales_offset, scale_row);
+    if (layout.has_token_scale)
+      std::memcpy(&out.token_scales[static_cast<std::size_t>(r)], row + layout.token_scale_offset, sizeof(float));
+  }
+  return out;
+}
+
+std::vector<uint8_t> join_wire_rows(EpConfig const& config, QuantizedInput const& input, int num_rows) {
+  WireRowLayout const layout = wire_row_layout(config.dispatch_format, config.hidden);
+  FERRY_CHECK_INPUT(config.dispatch_format != WireFormat::bf16, "join_wire_rows needs a quantized dispatch_format");
+  std::size_t const scale_row = static_cast<std::size_t>(layout.num_scales) * layout.scale_bytes;
+  FERRY_CHECK_INPUT(input.payload.size() >= at(num_rows, static_cast<int64_t>(layout.payload_bytes)) &&
+                        input.scales.size() >= at(num_rows, static_cast<int64_t>(scale_row)) &&
+                        (!layout.has_token_scale || input.token_scales.size() >= static_cast<std::size_t>(num_rows)),
+                    "pre-quantized input too short for ", num_rows, " rows");
+  std::vector<uint8_t> wire(at(num_rows, static_cast<int64_t>(layout.row_bytes)), 0);
+  for (int r = 0; r < num_rows; ++r) {
+    uint8_t* row = wire.data() + at(r, static_cast<int64_t>(layout.row_bytes));
+    std::memcpy(row, input.payload.data() + at(r, static_cast<int64_t>(layout.payload_bytes)), layout.payload_bytes);
+    std::memcpy(row + layout.scales_offset, input.scales.data() + at(r, static_cast<int64_t>(scale_row)), scale_row);
+    if (layout.has_token_scale)
+      std::memcpy(row + layout.token_scale_offset, &input.token_scales[static_cast<std::size_t>(r)], sizeof(float));
+  }
+  return wire;
+}
+
+DeliveredRows deliver(EpConfig const& config, std::span<uint8_t const> wire, int num_rows, int tensor_rows) {
+  WireFormat const format = config.dispatch_format;
+  FERRY_CHECK_INPUT(format != WireFormat::bf16, "deliver needs a quantized dispatch_format");
+  FERRY_CHECK_INPUT(num_rows >= 0 && num_rows <= tensor_rows, "num_rows=", num_rows,
+                    " is outside [0, tensor_rows=", tensor_rows, "]");
+  WireRowLayout const layout = wire_row_layout(format, config.hidden);
+  FERRY_CHECK_INPUT(wire.size() >= at(num_rows, static_cast<int64_t>(layout.row_bytes)), "wire holds ", wire.size(),
+                    " bytes, ", num_rows, " rows need ", at(num_rows, static_cast<int64_t>(layout.row_bytes)));
+  DeliveredRows out;
+  out.payload.resize(at(num_rows, static_cast<int64_t>(layout.payload_bytes)));
+  for (int r = 0; r < num_rows; ++r)
+    std::memcpy(out.payload.data() + at(r, static_cast<int64_t>(layout.payload_bytes)),
+                wire.data() + at(r, static_cast<int64_t>(layout.row_bytes)), layout.payload_bytes);
+  // the scale tensor of tensor_rows rows: the first num_rows from the wire, the rest zero rows
+  std::vector<uint8_t> padded(at(tensor_rows, static_cast<int64_t>(layout.row_bytes)), 0);
+  if (num_rows > 0) std::memcpy(padded.data(), wire.data(), at(num_rows, static_cast<int64_t>(layout.row_bytes)));
+  out.scales.resize(scale_tensor_bytes(format, config.recv_scale_layout, tensor_rows, config.hidden));
+  quant::write_scale_tensor(format, config.recv_scale_layout, padded.data(), layout.row_bytes, tensor_rows,
+                            config.hidden, out.scales.data());
+  if (layout.has_token_scale) {
+    out.token_scales.resize(static_cast<std::size_t>(tensor_rows));
+    quant::write_token_scales(format, padded.data(), layout.row_bytes, tensor_rows, config.hidden,
+                              out.token_scales.data());
+  }
+  return out;
 }
 
 std::vector<uint16_t> reduce_local_experts(EpConfig const& config, int world, RankDispatch const& received,

@@ -11,6 +11,12 @@
 //   for the first row: 0.0f + -0.0f is +0.0f, and the kernels must do the same to stay bit-identical.)
 // - Rank-major combine: row_d(t) is the caller's row; the source sum is the same.
 // - fp32 arithmetic is IEEE binary32 with subnormals (no flush to zero), fmaf rounded once.
+// - Wire formats (docs/quant.md): every row travels as its wire row (quant::quantize_row of the bf16 row;
+//   bf16 is the row's own bytes). Dispatch: the source quantizes each token once (or forwards its pre-quantized wire
+//   row); the receiver gets those bytes (recv_wire) and delivers either the payload + scales (ref::deliver) or the
+//   dequantized bf16 rows (recv_x). Combine: the bf16 row a receiver sends back travels as
+//   quantize_row(combine_format, row); the source adds its dequantized fp32 values (quant::dequantize_row) in the
+//   order above. With bf16 on both legs this is exactly the bf16 arithmetic.
 // Expert-major slots: each valid (row, k) entry of a local expert takes one slot; slots of an expert are in
 // rank-major row order (then k ascending), so the layout is deterministic.
 //
@@ -36,14 +42,18 @@ namespace ferry::ref {
 
 struct RankInput {
   int num_tokens = 0;
-  std::vector<uint16_t> x;          // [num_tokens * hidden] bf16 bits
+  std::vector<uint16_t> x;  // [num_tokens * hidden] bf16 bits
+  // Pre-quantized input (DispatchArgs::x_scales): the wire rows [num_tokens * wire_row_bytes(dispatch_format)] that
+  // are sent instead of quantizing x. Empty: x is quantized (or sent as is for bf16).
+  std::vector<uint8_t> x_wire;
   std::vector<int64_t> topk_idx;    // [num_tokens * topk]
   std::vector<float> topk_weights;  // [num_tokens * topk]
 };
 
 struct RankDispatch {
   int num_recv = 0;
-  std::vector<uint16_t> recv_x;          // [num_recv * hidden]
+  std::vector<uint16_t> recv_x;          // [num_recv * hidden] bf16: the rows, or the dequantized wire rows
+  std::vector<uint8_t> recv_wire;        // [num_recv * wire_row_bytes(dispatch_format)] the wire rows received
   std::vector<int32_t> recv_topk_idx;    // [num_recv * topk] local expert or -1
   std::vector<float> recv_topk_weights;  // [num_recv * topk] (0 where recv_topk_idx is -1)
   std::vector<int32_t> recv_src;         // [num_recv * 2] (source rank, source token)
@@ -98,6 +108,32 @@ ExpertLayout expert_layout(EpConfig const& config, int world, int num_recv, std:
 // Fills the expert-major layout [num_local_experts * expert_slots * hidden] from a rank-major dispatch. Slots that
 // are not filled (at or past min(expert_counts[e], expert_slots)) are zero.
 std::vector<uint16_t> expand(EpConfig const& config, int world, RankDispatch const& received);
+// The same for the wire rows: [num_local_experts * expert_slots * wire_row_bytes(dispatch_format)], zero where
+// unfilled.
+std::vector<uint8_t> expand_wire(EpConfig const& config, int world, RankDispatch const& received);
+
+// The wire rows source `input` sends, [num_tokens * wire_row_bytes(dispatch_format)]: input.x_wire when set, else
+// each row of x quantized with dispatch_format (bf16: x's bytes).
+std::vector<uint8_t> source_wire_rows(EpConfig const& config, RankInput const& input);
+// Pre-quantized input as DispatchArgs takes it, split from (or joined into) wire rows of dispatch_format.
+struct QuantizedInput {
+  std::vector<uint8_t> payload;     // [num_tokens * wire_payload_bytes]
+  std::vector<uint8_t> scales;      // row-major [num_tokens * num_scales * scale_bytes]
+  std::vector<float> token_scales;  // nvfp4: [num_tokens]; else empty
+};
+QuantizedInput split_wire_rows(EpConfig const& config, std::span<uint8_t const> wire, int num_rows);
+std::vector<uint8_t> join_wire_rows(EpConfig const& config, QuantizedInput const& input, int num_rows);
+
+// What a quantized delivery (EpConfig::delivers_quantized) hands the receiver for `num_rows` wire rows of
+// dispatch_format: the payload rows [num_rows * wire_payload_bytes], the scale tensor of `tensor_rows` rows
+// (>= num_rows) in recv_scale_layout (scale_tensor_bytes; rows past num_rows and padding zero), and nvfp4's
+// per-token scales [tensor_rows] (zero past num_rows; empty for other formats).
+struct DeliveredRows {
+  std::vector<uint8_t> payload;
+  std::vector<uint8_t> scales;
+  std::vector<float> token_scales;
+};
+DeliveredRows deliver(EpConfig const& config, std::span<uint8_t const> wire, int num_rows, int tensor_rows);
 
 // y[num_tokens * hidden] of rank `rank` from every rank's expert outputs ([num_local_experts * expert_slots *
 // hidden] bf16 each).
@@ -122,6 +158,10 @@ void reduce_row(int hidden, int topk, int expert_slots, int32_t const* local_idx
                 float const* weights, uint16_t const* expert_out, float* scratch, uint16_t* out);
 // Source side: acc[h] += float(row[h]).
 void accumulate_row(int hidden, uint16_t const* row, float* acc);
+// Source side of a combine in `format`: acc[h] += dequantize_row(format, quantize_row(format, row))[h] (bf16: the
+// row's own values, as accumulate_row). scratch holds wire_row_bytes(format, hidden) bytes and hidden floats.
+void accumulate_combined_row(WireFormat format, int hidden, uint16_t const* row, std::vector<uint8_t>& wire_scratch,
+                             std::vector<float>& value_scratch, float* acc);
 // out[h] = bf16_rne(acc[h]).
 void round_row(int hidden, float const* acc, uint16_t* out);
 

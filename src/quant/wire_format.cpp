@@ -52,6 +52,15 @@ void check_scale_layout(WireFormat format, ScaleLayout layout, int hidden) {
 }
 }  // namespace
 
+ScaleLayout parse_scale_layout(std::string const& name) {
+  std::string choices;
+  for (auto const& item : kScaleLayouts) {
+    if (name == item.name) return item.layout;
+    choices += choices.empty() ? item.name : std::string(", ") + item.name;
+  }
+  FERRY_THROW(ConfigError, "config", "scale layout '", name, "' is unknown; use one of ", choices);
+}
+
 char const* wire_format_name(WireFormat format) {
   return entry(format).name;
 }

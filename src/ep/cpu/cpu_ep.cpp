@@ -24,11 +24,10 @@
 #include "ep/ep_impl.hpp"
 #include "ep/reference.hpp"
 #include "ferry/error.hpp"
+#include "quant/codec.hpp"
 
 namespace ferry::detail {
 namespace {
-
-constexpr std::size_t kRowElemBytes = sizeof(uint16_t);  // bf16
 
 std::size_t at(int64_t row, int64_t width) {
   return static_cast<std::size_t>(row * width);
@@ -88,15 +87,18 @@ class CpuEp final : public EpBackendImpl {
   int num_local_;
   int capacity_;
   int slots_;
-  std::size_t row_bytes_;
+  std::size_t row_bytes_;        // a bf16 row
+  WireRowLayout dispatch_wire_;  // a dispatch wire row (bf16: the row itself)
+  WireRowLayout combine_wire_;   // a combine wire row
+  std::size_t out_row_bytes_;    // a delivered row: bf16, or the quantized payload
 
   // symmetric memory (every rank's copy reachable from here)
   SymmetricRegion counts_;        // [world x world] int64: entry (s, d) = rows rank s sends to rank d
-  SymmetricRegion recv_x_;        // [capacity x hidden] bf16, rank-major landing zone
+  SymmetricRegion recv_x_;        // [capacity x dispatch wire row], rank-major landing zone (bf16: recv_x itself)
   SymmetricRegion recv_idx_;      // [capacity x topk] int32 local expert or -1
   SymmetricRegion recv_weights_;  // [capacity x topk] float
   SymmetricRegion recv_src_;      // [capacity x 2] int32 (source rank, source token)
-  SymmetricRegion combine_rows_;  // [capacity x hidden] bf16, the rows this rank sends back in combine
+  SymmetricRegion combine_rows_;  // [capacity x combine wire row], the rows this rank sends back in combine
 
   // this rank's view of the last dispatch
   bool have_dispatch_ = false;
@@ -106,7 +108,16 @@ class CpuEp final : public EpBackendImpl {
   std::vector<uint32_t> dest_mask_;   // [num_tokens] bit d: the token went to rank d
   std::vector<int64_t> dest_offset_;  // [world] first row of this rank's tokens on rank d
   ref::ExpertLayout layout_;
-  LocalPages expert_x_;  // [num_local x slots x hidden] bf16, only with an expert capacity
+  LocalPages expert_x_;  // [num_local x slots x out_row_bytes_], only with an expert capacity
+  // quantized formats: what is delivered (payload + scales, or dequantized bf16 rows), in local memory
+  std::vector<uint8_t> recv_out_;           // [capacity x out_row_bytes_] (not for bf16, which is recv_x_)
+  std::vector<uint8_t> recv_scales_;        // scale tensor of capacity rows (delivers_quantized)
+  std::vector<float> recv_token_scales_;    // [capacity] (nvfp4)
+  std::vector<uint8_t> expert_scales_;      // num_local scale tensors of slots rows
+  std::vector<float> expert_token_scales_;  // [num_local x slots] (nvfp4)
+  std::vector<uint8_t> wire_scratch_;       // one wire row
+  std::vector<uint8_t> gather_scratch_;     // one expert's wire rows
+  std::vector<uint16_t> row_scratch_;       // one bf16 row
   std::vector<float> scratch_;
   bool low_latency_ = false;
   // what the receive half of the current call needs from its send half
@@ -140,16 +151,34 @@ CpuEp::CpuEp(Communicator& comm, EpConfig const& config)
       num_local_(config.num_local_experts(comm.world())),
       capacity_(config.recv_capacity(comm.world())),
       slots_(config.expert_slots()),
-      row_bytes_(at(config.hidden, kRowElemBytes)),
+      row_bytes_(at(config.hidden, sizeof(uint16_t))),
+      dispatch_wire_(wire_row_layout(config.dispatch_format, config.hidden)),
+      combine_wire_(wire_row_layout(config.combine_format, config.hidden)),
+      out_row_bytes_(config.recv_row_bytes()),
       low_latency_(config.mode == Mode::low_latency) {
   // Collective: every rank allocates the same regions in the same order.
   counts_ = comm_.alloc_symmetric(at(world_, world_) * sizeof(int64_t));
-  recv_x_ = comm_.alloc_symmetric(at(capacity_, 1) * row_bytes_);
+  recv_x_ = comm_.alloc_symmetric(at(capacity_, 1) * dispatch_wire_.row_bytes);
   recv_idx_ = comm_.alloc_symmetric(at(capacity_, topk_) * sizeof(int32_t));
   recv_weights_ = comm_.alloc_symmetric(at(capacity_, topk_) * sizeof(float));
   recv_src_ = comm_.alloc_symmetric(at(capacity_, 2) * sizeof(int32_t));
-  combine_rows_ = comm_.alloc_symmetric(at(capacity_, 1) * row_bytes_);
-  if (slots_ > 0) expert_x_ = LocalPages(at(static_cast<int64_t>(num_local_) * slots_, 1) * row_bytes_);
+  combine_rows_ = comm_.alloc_symmetric(at(capacity_, 1) * combine_wire_.row_bytes);
+  if (slots_ > 0) expert_x_ = LocalPages(at(static_cast<int64_t>(num_local_) * slots_, 1) * out_row_bytes_);
+  WireFormat const format = config.dispatch_format;
+  if (format != WireFormat::bf16 && !low_latency_) recv_out_.resize(at(capacity_, 1) * out_row_bytes_);
+  if (config.delivers_quantized()) {
+    if (!low_latency_) {
+      recv_scales_.resize(scale_tensor_bytes(format, config.recv_scale_layout, capacity_, hidden_));
+      if (dispatch_wire_.has_token_scale) recv_token_scales_.resize(static_cast<std::size_t>(capacity_));
+    }
+    if (slots_ > 0) {
+      expert_scales_.resize(at(num_local_, 1) * scale_tensor_bytes(format, config.recv_scale_layout, slots_, hidden_));
+      if (dispatch_wire_.has_token_scale) expert_token_scales_.resize(at(num_local_, slots_));
+      gather_scratch_.resize(at(slots_, 1) * dispatch_wire_.row_bytes);
+    }
+  }
+  wire_scratch_.resize(std::max(dispatch_wire_.row_bytes, combine_wire_.row_bytes));
+  row_scratch_.resize(static_cast<std::size_t>(hidden_));
   // the expert layout's storage, sized once for the largest call (see receive_dispatch)
   layout_.expert_counts.assign(static_cast<std::size_t>(num_local_), 0);
   layout_.recv_slot.assign(at(capacity_, topk_), 0);
@@ -218,14 +247,36 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t stream) {
   // 5. push each row and its metadata into its final slot on the destination; rows past its capacity are dropped
   //    (and counted by the receiver)
   // This rank's rows on rank d start at dest_offset_[d] and follow in token order.
+  // NOTE: the wire row of each token is built once (quantized, or joined from the pre-quantized input) and pushed
+  // to every destination, as the kernels do.
   auto const* x = static_cast<uint16_t const*>(args.x);
+  auto const* payload = static_cast<uint8_t const*>(args.x);
+  auto const* scales = static_cast<uint8_t const*>(args.x_scales);
+  bool const prequantized = args.x_scales != nullptr;
+  WireFormat const format = config_.dispatch_format;
+  std::size_t const scale_row = static_cast<std::size_t>(dispatch_wire_.num_scales) * dispatch_wire_.scale_bytes;
+  auto const wire_row = [&](int t) -> uint8_t const* {
+    if (format == WireFormat::bf16) return reinterpret_cast<uint8_t const*>(x + at(t, hidden_));
+    uint8_t* wire = wire_scratch_.data();
+    if (!prequantized) {
+      quant::quantize_row(format, x + at(t, hidden_), hidden_, wire);
+      return wire;
+    }
+    std::memset(wire, 0, dispatch_wire_.row_bytes);
+    std::memcpy(wire, payload + at(t, 1) * dispatch_wire_.payload_bytes, dispatch_wire_.payload_bytes);
+    std::memcpy(wire + dispatch_wire_.scales_offset, scales + at(t, 1) * scale_row, scale_row);
+    if (dispatch_wire_.has_token_scale)
+      std::memcpy(wire + dispatch_wire_.token_scale_offset, args.x_token_scales + t, sizeof(float));
+    return wire;
+  };
   std::vector<int64_t> next = dest_offset_;
   for (int t = 0; t < num_tokens; ++t) {
+    uint8_t const* wire = dest_mask_[static_cast<std::size_t>(t)] != 0 ? wire_row(t) : nullptr;
     for (int d = 0; d < world_; ++d) {
       if (!(dest_mask_[static_cast<std::size_t>(t)] >> d & 1U)) continue;
       int64_t const row = next[static_cast<std::size_t>(d)]++;
       if (row >= capacity_) continue;
-      std::memcpy(recv_x_.view.ptr[d] + at(row, 1) * row_bytes_, x + at(t, hidden_), row_bytes_);
+      std::memcpy(recv_x_.view.ptr[d] + at(row, 1) * dispatch_wire_.row_bytes, wire, dispatch_wire_.row_bytes);
       auto* const idx = reinterpret_cast<int32_t*>(recv_idx_.view.ptr[d]) + at(row, topk_);
       auto* const weights = reinterpret_cast<float*>(recv_weights_.view.ptr[d]) + at(row, topk_);
       int64_t const lo = static_cast<int64_t>(d) * num_local_;
@@ -279,13 +330,50 @@ DispatchResult CpuEp::receive_dispatch() {
   keep_storage_copy(fresh.expert_src_row, layout_.expert_src_row);
   layout_.expert_slots = fresh.expert_slots;
   layout_.dropped_slots = fresh.dropped_slots;
+  // the delivered rows: bf16 rows are the landing zone itself; quantized rows are delivered as payload + scales or
+  // dequantized (ll delivers the expert-major layout only)
+  auto const* landing = static_cast<uint8_t const*>(recv_x_.local);
+  std::size_t const wire_bytes = dispatch_wire_.row_bytes;
+  WireFormat const format = config_.dispatch_format;
+  bool const quantized_out = config_.delivers_quantized();
+  auto const deliver_row = [&](uint8_t const* wire, uint8_t* out) {
+    if (quantized_out)
+      std::memcpy(out, wire, out_row_bytes_);
+    else if (format == WireFormat::bf16)
+      std::memcpy(out, wire, row_bytes_);
+    else
+      quant::dequantize_row(format, wire, hidden_, reinterpret_cast<uint16_t*>(out));
+  };
+  if (!low_latency_ && format != WireFormat::bf16) {
+    for (int i = 0; i < num_recv; ++i)
+      deliver_row(landing + at(i, 1) * wire_bytes, recv_out_.data() + at(i, 1) * out_row_bytes_);
+    if (quantized_out) {
+      quant::write_scale_tensor(format, config_.recv_scale_layout, landing, wire_bytes, capacity_, hidden_,
+                                recv_scales_.data());
+      if (dispatch_wire_.has_token_scale)
+        quant::write_token_scales(format, landing, wire_bytes, capacity_, hidden_, recv_token_scales_.data());
+    }
+  }
   if (expand) {
+    std::size_t const scale_tensor =
+        quantized_out ? scale_tensor_bytes(format, config_.recv_scale_layout, slots_, hidden_) : 0;
     for (int e = 0; e < num_local_; ++e) {
       int const filled = std::min(layout_.expert_counts[static_cast<std::size_t>(e)], slots_);
       for (int s = 0; s < filled; ++s) {
         int32_t const row = layout_.expert_src_row[at(e, slots_) + s];
-        std::memcpy(expert_x_.data() + at(static_cast<int64_t>(e) * slots_ + s, 1) * row_bytes_,
-                    static_cast<char const*>(recv_x_.local) + at(row, 1) * row_bytes_, row_bytes_);
+        uint8_t const* wire = landing + at(row, 1) * wire_bytes;
+        deliver_row(wire, reinterpret_cast<uint8_t*>(expert_x_.data()) +
+                              at(static_cast<int64_t>(e) * slots_ + s, 1) * out_row_bytes_);
+        if (quantized_out) std::memcpy(gather_scratch_.data() + at(s, 1) * wire_bytes, wire, wire_bytes);
+      }
+      if (quantized_out) {
+        // NOTE: unfilled slots' scale entries are unspecified (the kernels leave them); zero rows here
+        std::memset(gather_scratch_.data() + at(filled, 1) * wire_bytes, 0, at(slots_ - filled, 1) * wire_bytes);
+        quant::write_scale_tensor(format, config_.recv_scale_layout, gather_scratch_.data(), wire_bytes, slots_,
+                                  hidden_, expert_scales_.data() + at(e, 1) * scale_tensor);
+        if (dispatch_wire_.has_token_scale)
+          quant::write_token_scales(format, gather_scratch_.data(), wire_bytes, slots_, hidden_,
+                                    expert_token_scales_.data() + at(e, slots_));
       }
     }
   }
@@ -293,7 +381,14 @@ DispatchResult CpuEp::receive_dispatch() {
   last_expand_ = expand;
 
   DispatchResult result;
-  result.recv_x = low_latency_ ? nullptr : recv_x_.local;
+  result.recv_x = low_latency_                                  ? nullptr
+                  : config_.dispatch_format == WireFormat::bf16 ? recv_x_.local
+                                                                : static_cast<void*>(recv_out_.data());
+  result.recv_row_bytes = out_row_bytes_;
+  if (!low_latency_ && config_.delivers_quantized()) {
+    result.recv_scales = recv_scales_.data();
+    if (dispatch_wire_.has_token_scale) result.recv_token_scales = recv_token_scales_.data();
+  }
   result.recv_topk_idx = reinterpret_cast<int32_t*>(recv_idx_.local);
   result.recv_topk_weights = reinterpret_cast<float*>(recv_weights_.local);
   result.recv_src = reinterpret_cast<int32_t*>(recv_src_.local);
@@ -305,6 +400,10 @@ DispatchResult CpuEp::receive_dispatch() {
     result.expert_x = expert_x_.data();
     result.expert_src_row = layout_.expert_src_row.data();
     result.expert_slots = slots_;
+    if (config_.delivers_quantized()) {
+      result.expert_scales = expert_scales_.data();
+      if (dispatch_wire_.has_token_scale) result.expert_token_scales = expert_token_scales_.data();
+    }
   }
 
   // 7. drops: rows past max_recv_tokens, and with expand, entries past expert_capacity (reported as InputError by the
@@ -326,16 +425,27 @@ void CpuEp::combine(CombineArgs const& args, cudaStream_t stream) {
                     "layout gives each row's slots); dispatch with expand=true or combine with layout=rank_major");
 
   // 1. receiver: the row each received row sends back, in this rank's send-back area
-  auto* const out = reinterpret_cast<uint16_t*>(combine_rows_.local);
-  if (expert_major) {
-    auto const* expert_out = static_cast<uint16_t const*>(args.x);
-    auto const* idx = reinterpret_cast<int32_t const*>(recv_idx_.local);
-    auto const* weights = reinterpret_cast<float const*>(recv_weights_.local);
-    for (int i = 0; i < num_recv_; ++i)
+  auto* const out = static_cast<uint8_t*>(combine_rows_.local);
+  WireFormat const format = config_.combine_format;
+  std::size_t const wire_bytes = combine_wire_.row_bytes;
+  auto const* expert_out = static_cast<uint16_t const*>(args.x);
+  auto const* idx = reinterpret_cast<int32_t const*>(recv_idx_.local);
+  auto const* weights = reinterpret_cast<float const*>(recv_weights_.local);
+  for (int i = 0; i < num_recv_; ++i) {
+    // the bf16 row this received row sends back, then its wire row (bf16: the row itself)
+    uint16_t const* row = nullptr;
+    if (expert_major) {
       ref::reduce_row(hidden_, topk_, slots_, idx + at(i, topk_), layout_.recv_slot.data() + at(i, topk_),
-                      weights + at(i, topk_), expert_out, scratch_.data(), out + at(i, hidden_));
-  } else {
-    std::memcpy(out, args.x, at(num_recv_, 1) * row_bytes_);
+                      weights + at(i, topk_), expert_out, scratch_.data(), row_scratch_.data());
+      row = row_scratch_.data();
+    } else {
+      row = expert_out + at(i, hidden_);
+    }
+    uint8_t* wire = out + at(i, 1) * wire_bytes;
+    if (format == WireFormat::bf16)
+      std::memcpy(wire, row, row_bytes_);
+    else
+      quant::quantize_row(format, row, hidden_, wire);
   }
   comm_.barrier(nullptr);  // every rank's rows are ready
   pending_y_ = args.y;
@@ -356,6 +466,8 @@ void CpuEp::receive_combine() {
   // 2. source: pull and sum this rank's rows over the destinations in ascending order (rows beyond a destination's
   //    capacity were never delivered and add nothing)
   auto* const y = static_cast<uint16_t*>(pending_y_);
+  WireFormat const format = config_.combine_format;
+  std::vector<float> values(static_cast<std::size_t>(hidden_));
   std::vector<int64_t> next = dest_offset_;
   for (int t = 0; t < num_tokens_; ++t) {
     std::fill(scratch_.begin(), scratch_.end(), 0.0f);
@@ -363,8 +475,14 @@ void CpuEp::receive_combine() {
       if (!(dest_mask_[static_cast<std::size_t>(t)] >> d & 1U)) continue;
       int64_t const row = next[static_cast<std::size_t>(d)]++;
       if (row >= capacity_) continue;
-      auto const* sent = reinterpret_cast<uint16_t const*>(combine_rows_.view.ptr[d]) + at(row, hidden_);
-      ref::accumulate_row(hidden_, sent, scratch_.data());
+      auto const* sent =
+          reinterpret_cast<uint8_t const*>(combine_rows_.view.ptr[d]) + at(row, 1) * combine_wire_.row_bytes;
+      if (format == WireFormat::bf16) {
+        ref::accumulate_row(hidden_, reinterpret_cast<uint16_t const*>(sent), scratch_.data());
+      } else {
+        quant::dequantize_row(format, sent, hidden_, values.data());
+        for (int h = 0; h < hidden_; ++h) scratch_[static_cast<std::size_t>(h)] += values[static_cast<std::size_t>(h)];
+      }
     }
     ref::round_row(hidden_, scratch_.data(), y + at(t, hidden_));
   }
