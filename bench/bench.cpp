@@ -6,11 +6,16 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <fstream>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <random>
+#include <span>
 #include <sstream>
+#include <tuple>
 
 #include "bench_memory.hpp"
 #include "commands.hpp"
@@ -20,6 +25,7 @@
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
 #include "options.hpp"
+#include "quant/codec.hpp"
 #include "ranks.hpp"
 #include "trace/trace_file.hpp"
 #if FERRY_HAVE_CUDA && __has_include("nccl_baseline.hpp")
@@ -61,8 +67,10 @@ Options make_options() {
           {"hot-fraction", "0.5", "hot routing: share of tokens sent to the hot expert"},
           {"mask-rate", "0", "probability that a routed entry is -1"},
           {"mode", "normal", "normal | ll (low-latency: expert-major, combine weighted) | both (side by side)"},
-          {"dispatch", "bf16", "dispatch wire format"},
-          {"combine", "bf16", "combine wire format"},
+          {"dispatch", "bf16",
+           "dispatch wire formats, comma-separated (bf16 | fp8 | fp8_ue8m0 | nvfp4 | mxfp4); lists of equal length "
+           "pair up with --combine, a single value pairs with each entry of the other"},
+          {"combine", "bf16", "combine wire formats, comma-separated (as --dispatch)"},
           {"layout", "rank", "combine input: rank (caller-reduced rows) | expert (expert-major, weighted by combine)"},
           {"expert-capacity", "0", "rows per local expert for --layout expert (0: the largest load of the routing)"},
           {"backend", "auto", "auto (cuda when a GPU is visible, else cpu) | cuda | cpu"},
@@ -71,9 +79,20 @@ Options make_options() {
           {"iters", "20", "timed iterations per leg (median, p10, p90 reported)"},
           {"seed", "0", "input seed (0: a fresh random seed, printed)"},
           {"graph", "", "capture each leg as a CUDA graph and time replays (cuda)", true},
+          {"graph-calls", "10",
+           "graph mode: consecutive calls of a leg in one graph; time per call = replay / calls (1: one call per "
+           "replay, which adds the timer's floor, see --floor)"},
+          {"scale-layout", "row_major",
+           "quantized dispatch: scale tensor layout (row_major | mn_major_tma | mn_major_tma_packed_ue8m0 | "
+           "blocked_128x4)"},
+          {"dequantize", "", "quantized dispatch: deliver bf16 rows (dequantized by the receiver)", true},
           {"check", "", "compare every output row with the reference (exact for bf16)", true},
           {"baseline", "", "nccl: also time the NCCL all-to-all dispatcher on the same inputs"},
           {"explain", "", "print which kernel path each leg took and why", true},
+          {"floor", "",
+           "first time what is not a leg, like a leg: empty kernels (1 CTA; 132 CTAs x 512 threads, plain and "
+           "cooperative) and the cross-rank barrier: the timer's floor under every row (cuda)",
+           true},
           {"per-rank", "", "print every rank's medians", true},
           {"json", "", "write the records to this file (DESIGN.md result-file format)"},
           {"trace", "",
@@ -131,7 +150,26 @@ std::vector<Mode> bench_modes(Options const& options) {
   return {parse_mode(options.str("mode"))};
 }
 
-Shape make_shape(Options const& options, int world, int tokens, RoutingKind kind, uint64_t seed, Mode mode) {
+// (dispatch, combine) wire formats of each run: --dispatch and --combine pair up (see their help).
+std::vector<std::pair<WireFormat, WireFormat>> format_pairs(Options const& options) {
+  std::vector<WireFormat> dispatch, combine;
+  std::string item;
+  std::stringstream d_stream(options.str("dispatch"));
+  while (std::getline(d_stream, item, ',')) dispatch.push_back(parse_wire_format(item));
+  std::stringstream c_stream(options.str("combine"));
+  while (std::getline(c_stream, item, ',')) combine.push_back(parse_wire_format(item));
+  FERRY_CHECK_CONFIG(!dispatch.empty() && !combine.empty(), "--dispatch and --combine need at least one format");
+  FERRY_CHECK_CONFIG(dispatch.size() == combine.size() || dispatch.size() == 1 || combine.size() == 1,
+                     "--dispatch has ", dispatch.size(), " formats and --combine ", combine.size(),
+                     "; give lists of equal length (they pair up) or a single value for one of them");
+  std::vector<std::pair<WireFormat, WireFormat>> pairs;
+  for (std::size_t i = 0; i < std::max(dispatch.size(), combine.size()); ++i)
+    pairs.emplace_back(dispatch[dispatch.size() == 1 ? 0 : i], combine[combine.size() == 1 ? 0 : i]);
+  return pairs;
+}
+
+Shape make_shape(Options const& options, int world, int tokens, RoutingKind kind, uint64_t seed, Mode mode,
+                 std::pair<WireFormat, WireFormat> formats) {
   Shape shape;
   shape.routed_topk = options.integer("topk");
   shape.routing.kind = kind;
@@ -146,8 +184,11 @@ Shape make_shape(Options const& options, int world, int tokens, RoutingKind kind
   shape.config.topk = routing_columns(shape.routing, shape.routed_topk);
   shape.config.max_tokens_per_rank = tokens;
   shape.config.mode = mode;
-  shape.config.dispatch_format = parse_wire_format(options.str("dispatch"));
-  shape.config.combine_format = parse_wire_format(options.str("combine"));
+  shape.config.dispatch_format = formats.first;
+  shape.config.combine_format = formats.second;
+  shape.config.dispatch_dequantize = options.flag("dequantize") && formats.first != WireFormat::bf16;
+  if (formats.first != WireFormat::bf16)
+    shape.config.recv_scale_layout = parse_scale_layout(options.str("scale-layout"));
   shape.config.validate(world);
   validate_routing(shape.routing, shape.config.num_experts, world, shape.routed_topk);
   return shape;
@@ -179,36 +220,156 @@ std::vector<int> destinations(EpConfig const& config, int world, ref::RankInput 
   return out;
 }
 
-// The y an identity expert layer must produce (expert outputs = the rows received), by the canonical order of
-// reference.hpp: receiver reduces its experts with fmaf over k ascending and rounds to bf16; the source sums the
-// destination ranks ascending in fp32 and rounds once. Needs only this rank's input.
-std::vector<uint16_t> expected_identity_combine(EpConfig const& config, int world, ref::RankInput const& input,
-                                                CombineLayout layout) {
+// The y an identity expert layer must produce (expert outputs = the bf16 rows delivered: the token's row, or its
+// dequantized wire row), by the canonical order of reference.hpp: each destination reduces its experts with fmaf over
+// k ascending and rounds to bf16 (rank-major: the row itself); that partial travels in combine_format; the source
+// sums the dequantized partials of the destination ranks ascending in fp32 and rounds once. Needs only this rank's
+// input. Also measures the combine's error against the exact sum of the partials and its derived bound
+// (quant::combine_error_bound): the largest |error| / bound, and the relative L2 error.
+struct IdentityCombine {
+  std::vector<uint16_t> y;
+  double worst_bound_ratio = 0;  // max over elements of |y - exact| / bound (quantized combine formats)
+  double rel_l2 = 0;             // ||y - exact|| / ||exact||
+};
+
+IdentityCombine expected_identity_combine(EpConfig const& config, int world, ref::RankInput const& input,
+                                          CombineLayout layout) {
   int const hidden = config.hidden;
   int const per_rank = config.num_experts / world;
-  std::vector<uint16_t> y(static_cast<std::size_t>(input.num_tokens) * hidden, 0);
-  std::vector<float> acc(hidden);
+  WireFormat const dformat = config.dispatch_format;
+  WireFormat const cformat = config.combine_format;
+  int const block = wire_block_elems(cformat);
+  IdentityCombine out;
+  out.y.assign(static_cast<std::size_t>(input.num_tokens) * hidden, 0);
+  std::vector<float> acc(hidden), delivered(hidden), values(hidden);
+  std::vector<uint8_t> wire(std::max(wire_row_bytes(dformat, hidden), wire_row_bytes(cformat, hidden)));
+  std::vector<std::vector<uint16_t>> partials;
+  double err2 = 0, ref2 = 0;
   for (int t = 0; t < input.num_tokens; ++t) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     uint16_t const* x = &input.x[static_cast<std::size_t>(t) * hidden];
+    // the bf16 row every destination delivers (and an identity expert returns)
+    if (dformat == WireFormat::bf16) {
+      for (int h = 0; h < hidden; ++h) delivered[h] = ref::bf16_to_float(x[h]);
+    } else {
+      std::vector<uint16_t> row(hidden);
+      quant::quantize_row(dformat, x, hidden, wire.data());
+      quant::dequantize_row(dformat, wire.data(), hidden, row.data());
+      for (int h = 0; h < hidden; ++h) delivered[h] = ref::bf16_to_float(row[h]);
+    }
+    partials.clear();
     for (int d : destinations(config, world, input, t)) {
+      std::vector<uint16_t> partial(hidden);
       for (int h = 0; h < hidden; ++h) {
-        float row = ref::bf16_to_float(x[h]);
+        float value = delivered[h];
         if (layout == CombineLayout::expert_major) {
-          float partial = 0.0f;
+          float sum = 0.0f;
           for (int k = 0; k < config.topk; ++k) {
             std::size_t const at = static_cast<std::size_t>(t) * config.topk + k;
             int64_t const expert = input.topk_idx[at];
-            if (expert >= 0 && expert / per_rank == d) partial = std::fmaf(input.topk_weights[at], row, partial);
+            if (expert >= 0 && expert / per_rank == d) sum = std::fmaf(input.topk_weights[at], value, sum);
           }
-          row = ref::bf16_to_float(ref::float_to_bf16(partial));
+          value = sum;
         }
-        acc[h] += row;
+        partial[h] = ref::float_to_bf16(value);
       }
+      if (cformat == WireFormat::bf16) {
+        for (int h = 0; h < hidden; ++h) acc[h] += ref::bf16_to_float(partial[h]);
+      } else {
+        quant::quantize_row(cformat, partial.data(), hidden, wire.data());
+        quant::dequantize_row(cformat, wire.data(), hidden, values.data());
+        for (int h = 0; h < hidden; ++h) acc[h] += values[h];
+      }
+      partials.push_back(std::move(partial));
     }
-    for (int h = 0; h < hidden; ++h) y[static_cast<std::size_t>(t) * hidden + h] = ref::float_to_bf16(acc[h]);
+    uint16_t* y = &out.y[static_cast<std::size_t>(t) * hidden];
+    for (int h = 0; h < hidden; ++h) y[h] = ref::float_to_bf16(acc[h]);
+    if (partials.empty()) continue;
+    // error against the exact sum of the partials, and the bound for this element
+    quant::ErrorBound const bound = quant::combine_error_bound(cformat, static_cast<int>(partials.size()));
+    std::vector<double> row_amax(partials.size(), 0.0);
+    for (std::size_t i = 0; i < partials.size(); ++i)
+      for (int h = 0; h < hidden; ++h)
+        row_amax[i] = std::max<double>(row_amax[i], std::fabs(ref::bf16_to_float(partials[i][h])));
+    for (int h = 0; h < hidden; ++h) {
+      double exact = 0, abs_sum = 0, block_sum = 0, row_sum = 0;
+      for (std::size_t i = 0; i < partials.size(); ++i) {
+        double const v = ref::bf16_to_float(partials[i][h]);
+        exact += v;
+        abs_sum += std::fabs(v);
+        double block_amax = 0;
+        for (int b = h / block * block; b < (h / block + 1) * block; ++b)
+          block_amax = std::max<double>(block_amax, std::fabs(ref::bf16_to_float(partials[i][b])));
+        block_sum += block_amax;
+        row_sum += row_amax[i];
+      }
+      double const error = std::fabs(ref::bf16_to_float(y[h]) - exact);
+      double const limit = bound.at(abs_sum, block_sum, row_sum);
+      if (limit > 0) out.worst_bound_ratio = std::max(out.worst_bound_ratio, error / limit);
+      err2 += error * error;
+      ref2 += exact * exact;
+    }
   }
-  return y;
+  out.rel_l2 = ref2 > 0 ? std::sqrt(err2 / ref2) : 0.0;
+  return out;
+}
+
+// A quantized delivery against the reference: payload bytes and scale entries of every received row (normal mode)
+// and of every filled expert-major slot (low-latency mode, or expand). "" when they match.
+std::string check_quantized_delivery(EpConfig const& config, int world, ref::RankDispatch const& want,
+                                     DispatchResult const& got, BenchMemory& memory) {
+  WireFormat const format = config.dispatch_format;
+  ScaleLayout const layout = config.recv_scale_layout;
+  int const hidden = config.hidden;
+  WireRowLayout const row = wire_row_layout(format, hidden);
+  // rows [0, num_rows) of a delivered (payload, scales, token scales) set of tensor_rows rows
+  auto const compare = [&](ref::DeliveredRows const& expected, void const* payload, void const* scales,
+                           float const* token_scales, int num_rows, int tensor_rows,
+                           std::string const& what) -> std::string {
+    std::vector<uint8_t> got_payload(static_cast<std::size_t>(num_rows) * row.payload_bytes);
+    memory.download(got_payload.data(), payload, got_payload.size());
+    if (got_payload != expected.payload) return what + " payload differs";
+    std::vector<uint8_t> got_scales(scale_tensor_bytes(format, layout, tensor_rows, hidden));
+    memory.download(got_scales.data(), scales, got_scales.size());
+    for (int r = 0; r < num_rows; ++r)
+      for (int j = 0; j < row.num_scales; ++j) {
+        std::size_t const at = scale_byte_offset(format, layout, tensor_rows, hidden, r, j);
+        if (std::memcmp(&got_scales[at], &expected.scales[at], static_cast<std::size_t>(row.scale_bytes)) != 0)
+          return detail::concat(what, " scale of row ", r, " block ", j, " differs");
+      }
+    if (row.has_token_scale && num_rows > 0) {
+      std::vector<float> got_tokens(static_cast<std::size_t>(num_rows));
+      memory.download(got_tokens.data(), token_scales, got_tokens.size() * sizeof(float));
+      if (std::memcmp(got_tokens.data(), expected.token_scales.data(), got_tokens.size() * sizeof(float)) != 0)
+        return what + " token scales differ";
+    }
+    return "";
+  };
+  if (got.recv_x) {
+    ref::DeliveredRows const expected =
+        ref::deliver(config, want.recv_wire, want.num_recv, config.recv_capacity(world));
+    std::string const problem = compare(expected, got.recv_x, got.recv_scales, got.recv_token_scales, want.num_recv,
+                                        config.recv_capacity(world), "recv");
+    if (!problem.empty()) return problem;
+  }
+  if (got.expert_x) {
+    int const slots = config.expert_slots();
+    std::vector<uint8_t> const wire = ref::expand_wire(config, world, want);
+    std::size_t const tensor = scale_tensor_bytes(format, layout, slots, hidden);
+    for (int e = 0; e < config.num_local_experts(world); ++e) {
+      int const filled = std::min(want.expert_counts[static_cast<std::size_t>(e)], slots);
+      std::span<uint8_t const> const rows(wire.data() + static_cast<std::size_t>(e) * slots * row.row_bytes,
+                                          static_cast<std::size_t>(filled) * row.row_bytes);
+      ref::DeliveredRows const expected = ref::deliver(config, rows, filled, slots);
+      std::string const problem = compare(
+          expected, static_cast<char const*>(got.expert_x) + static_cast<std::size_t>(e) * slots * row.payload_bytes,
+          static_cast<char const*>(got.expert_scales) + e * tensor,
+          got.expert_token_scales ? got.expert_token_scales + static_cast<std::size_t>(e) * slots : nullptr, filled,
+          slots, detail::concat("expert ", e));
+      if (!problem.empty()) return problem;
+    }
+  }
+  return "";
 }
 
 struct LegStats {
@@ -227,10 +388,13 @@ struct Record {
   std::string leg;
   int tokens;
   std::string routing;
+  std::string format;  // the leg's wire format
   LegStats stats;
   double nvlink_gbps, logical_gbps;
   std::string check;
   double baseline_us = -1;
+  double bound_ratio = -1;  // combine, quantized, --check: max |error| / derived bound
+  double rel_l2 = -1;       // combine, quantized, --check: relative L2 error against the unquantized sum
 };
 
 std::string json_escape(std::string const& text) {
@@ -261,14 +425,15 @@ void write_json(std::string const& path, Options const& options, Shape const& sh
     out << (i ? ",\n  " : "\n  ") << "{\"mode\": \"" << r.mode << "\", \"leg\": \"" << r.leg
         << "\", \"tokens\": " << r.tokens << ", \"hidden\": " << shape.config.hidden
         << ", \"topk\": " << shape.config.topk << ", \"experts\": " << shape.config.num_experts << ", \"routing\": \""
-        << r.routing << "\", \"dispatch_format\": \"" << options.str("dispatch") << "\", \"combine_format\": \""
-        << options.str("combine") << "\", \"graph\": " << (graph ? "true" : "false")
+        << r.routing << "\", \"format\": \"" << r.format << "\", \"graph\": " << (graph ? "true" : "false")
+        << ", \"graph_calls\": " << (graph ? options.integer("graph-calls") : 1)
         << ", \"median_us\": " << r.stats.median_us << ", \"p10_us\": " << r.stats.p10_us
         << ", \"p90_us\": " << r.stats.p90_us << ", \"nvlink_gbps\": " << r.nvlink_gbps
         << ", \"logical_gbps\": " << r.logical_gbps << ", \"check\": \"" << r.check << "\"";
     if (r.baseline_us > 0)
       out << ", \"baseline_us\": " << r.baseline_us
           << ", \"speedup_vs_baseline\": " << r.baseline_us / r.stats.median_us;
+    if (r.bound_ratio >= 0) out << ", \"error_over_bound\": " << r.bound_ratio << ", \"rel_l2_error\": " << r.rel_l2;
     out << "}";
   }
   out << "\n]}\n";
@@ -297,6 +462,36 @@ double sum_over_ranks(Bootstrap& bootstrap, double mine) {
   double total = 0;
   for (double v : all) total += v;
   return total;
+}
+
+// --floor: what the timer reads for work that moves nothing, timed exactly like a leg (delay, barrier, event, replay).
+void print_floor(Options const& options, Communicator& comm, Backend backend, bool graph) {
+  FERRY_CHECK_CONFIG(backend == Backend::cuda, "--floor times cuda launches; use --backend cuda");
+  BenchMemory memory(backend);
+  int const warmup = options.integer("warmup");
+  int const iters = options.integer("iters");
+  struct Item {
+    char const* what;
+    std::function<void()> enqueue;
+  };
+  std::vector<Item> const items = {
+      {"empty kernel, 1 CTA x 32", [&] { bench::enqueue_empty(memory, 1, 32, false); }},
+      {"empty kernel, 132 CTAs x 512", [&] { bench::enqueue_empty(memory, 132, 512, false); }},
+      {"empty kernel, 132 CTAs x 512, cooperative", [&] { bench::enqueue_empty(memory, 132, 512, true); }},
+      {"cross-rank barrier (1 thread)", [&] { comm.barrier(memory.stream()); }},
+  };
+  if (comm.rank() == 0)
+    std::printf("timer floor (%s):\n",
+                graph ? detail::concat("graph replay of ", options.integer("graph-calls"), " calls, per call").c_str()
+                      : "stream launch");
+  for (auto const& item : items) {
+    LegStats const stats =
+        summarize(bench::time_leg(memory, comm, item.enqueue, graph, warmup, iters, options.integer("graph-calls")));
+    std::vector<double> const worst =
+        max_over_ranks(comm.bootstrap(), {stats.median_us, stats.p10_us, stats.p90_us}, false, item.what);
+    if (comm.rank() == 0)
+      std::printf("  %-44s median %6.2f us  p10 %6.2f  p90 %6.2f\n", item.what, worst[0], worst[1], worst[2]);
+  }
 }
 
 int run_bench_rank(Options const& options) {
@@ -328,16 +523,21 @@ int run_bench_rank(Options const& options) {
     std::printf("ferry bench: %d ranks, backend %s (%s), seed %llu%s\n", world, backend_name(backend), device.c_str(),
                 static_cast<unsigned long long>(seed), graph ? ", graph mode" : "");
 
+  if (options.flag("floor")) print_floor(options, *comm, backend, graph);
+
   std::vector<Record> records;
   Shape last_shape;
   int const warmup = options.integer("warmup");
   int const iters = options.integer("iters");
+  int const graph_calls = options.integer("graph-calls");
   for (RoutingKind kind : routing_kinds(options)) {
-    std::vector<std::pair<Mode, int>> runs;  // (mode, tokens): --mode both times both modes at each size
+    // (mode, tokens, formats): --mode both times both modes at each size, every format pair at each
+    std::vector<std::tuple<Mode, int, std::pair<WireFormat, WireFormat>>> runs;
     for (int tokens : options.int_list("tokens"))
-      for (Mode mode : bench_modes(options)) runs.emplace_back(mode, tokens);
-    for (auto const& [mode, tokens] : runs) {
-      Shape shape = make_shape(options, world, tokens, kind, seed + tokens, mode);
+      for (Mode mode : bench_modes(options))
+        for (auto const& formats : format_pairs(options)) runs.emplace_back(mode, tokens, formats);
+    for (auto const& [mode, tokens, formats] : runs) {
+      Shape shape = make_shape(options, world, tokens, kind, seed + tokens, mode, formats);
       EpConfig& config = shape.config;
       bool const ll = mode == Mode::low_latency;
       // NOTE: low-latency mode returns the expert-major layout (its slots default to the worst case), so its combine
@@ -380,17 +580,31 @@ int run_bench_rank(Options const& options) {
       dargs.topk_weights = static_cast<float const*>(weights);
       dargs.expand = layout == CombineLayout::expert_major;
 
-      // 1. one eager dispatch: exact counts, and the combine input (a copy of what arrived: identity experts)
+      // 1. one eager dispatch: exact counts, and the combine input (identity experts: the bf16 rows that arrived; for
+      //    a quantized delivery, their dequantized values, computed by the reference)
       DispatchResult result = buffer.dispatch(dargs, memory.stream());
       int64_t const num_recv = result.num_recv_host;
+      bool const quantized_out = config.delivers_quantized();
+      std::optional<ref::RankDispatch> want;  // every rank's inputs through the reference (quantized delivery, --check)
+      if (quantized_out || check) want = ref::dispatch(config, world, rank, inputs);
       std::size_t const combine_rows =
           layout == CombineLayout::expert_major
               ? static_cast<std::size_t>(config.num_local_experts(world)) * config.expert_slots()
               : static_cast<std::size_t>(std::max<int64_t>(num_recv, 1));
       void* combine_in = memory.alloc(combine_rows * row_bytes);
-      memory.copy(
-          combine_in, layout == CombineLayout::expert_major ? result.expert_x : result.recv_x,
-          (layout == CombineLayout::expert_major ? combine_rows : static_cast<std::size_t>(num_recv)) * row_bytes);
+      auto const fill_combine_input = [&](DispatchResult const& from) {
+        if (!quantized_out) {
+          memory.copy(
+              combine_in, layout == CombineLayout::expert_major ? from.expert_x : from.recv_x,
+              (layout == CombineLayout::expert_major ? combine_rows : static_cast<std::size_t>(num_recv)) * row_bytes);
+        } else if (layout == CombineLayout::expert_major) {
+          std::vector<uint16_t> const rows = ref::expand(config, world, *want);
+          memory.upload(combine_in, rows.data(), rows.size() * 2);
+        } else {
+          memory.upload(combine_in, want->recv_x.data(), want->recv_x.size() * 2);
+        }
+      };
+      fill_combine_input(result);
       memory.synchronize();
       CombineArgs cargs;
       cargs.layout = layout;
@@ -401,7 +615,7 @@ int run_bench_rank(Options const& options) {
       dargs.eager = false;
       cargs.eager = false;
       auto const time_leg = [&](std::function<void()> const& enqueue, bool use_graph) {
-        return summarize(bench::time_leg(memory, *comm, enqueue, use_graph, warmup, iters));
+        return summarize(bench::time_leg(memory, *comm, enqueue, use_graph, warmup, iters, graph_calls));
       };
       LegStats const dispatch_stats = time_leg([&] { buffer.dispatch(dargs, memory.stream()); }, graph);
       LegStats const combine_stats = time_leg([&] { buffer.combine(cargs, memory.stream()); }, graph);
@@ -440,59 +654,76 @@ int run_bench_rank(Options const& options) {
 
       // 3. check: the last outputs against the reference (poisoned first, then one more eager call of each leg)
       std::string check_result = "skipped";
+      double combine_bound_ratio = -1, combine_rel_l2 = -1;
       if (check) {
         bool ok = true;
         std::string why;
+        std::size_t const out_row = config.recv_row_bytes();
+        std::size_t const expert_rows =
+            static_cast<std::size_t>(config.num_local_experts(world)) * config.expert_slots();
         if (result.recv_x)
-          memory.fill(result.recv_x, 0xff, static_cast<std::size_t>(config.recv_capacity(world)) * row_bytes);
-        else
-          memory.fill(result.expert_x, 0xff, combine_rows * row_bytes);
+          memory.fill(result.recv_x, 0xff, static_cast<std::size_t>(config.recv_capacity(world)) * out_row);
+        if (result.expert_x) memory.fill(result.expert_x, 0xff, expert_rows * out_row);
+        if (result.recv_scales)
+          memory.fill(result.recv_scales, 0xff,
+                      scale_tensor_bytes(config.dispatch_format, config.recv_scale_layout, config.recv_capacity(world),
+                                         hidden));
         memory.fill(y, 0xff, tokens * row_bytes);
         dargs.eager = true;
         cargs.eager = true;
         result = buffer.dispatch(dargs, memory.stream());
-        ref::RankDispatch const want = ref::dispatch(config, world, rank, inputs);
-        std::vector<uint16_t> got_x(static_cast<std::size_t>(want.num_recv) * hidden);
-        std::vector<int32_t> got_idx(static_cast<std::size_t>(want.num_recv) * config.topk);
+        ref::RankDispatch const& ref_dispatch = *want;
+        std::vector<uint16_t> got_x(static_cast<std::size_t>(ref_dispatch.num_recv) * hidden);
+        std::vector<int32_t> got_idx(static_cast<std::size_t>(ref_dispatch.num_recv) * config.topk);
         std::vector<float> got_w(got_idx.size());
-        std::vector<int32_t> got_src(static_cast<std::size_t>(want.num_recv) * 2);
-        if (result.num_recv_host != want.num_recv) {
+        std::vector<int32_t> got_src(static_cast<std::size_t>(ref_dispatch.num_recv) * 2);
+        if (result.num_recv_host != ref_dispatch.num_recv) {
           ok = false;
-          why = detail::concat("num_recv ", result.num_recv_host, " != ", want.num_recv);
+          why = detail::concat("num_recv ", result.num_recv_host, " != ", ref_dispatch.num_recv);
+        } else if (quantized_out) {
+          std::string const problem = check_quantized_delivery(config, world, ref_dispatch, result, memory);
+          if (!problem.empty()) ok = false, why = problem;
         } else {
           if (result.recv_x) memory.download(got_x.data(), result.recv_x, got_x.size() * 2);
-          memory.download(got_idx.data(), result.recv_topk_idx, got_idx.size() * 4);
-          memory.download(got_w.data(), result.recv_topk_weights, got_w.size() * 4);
-          memory.download(got_src.data(), result.recv_src, got_src.size() * 4);
-          if (result.recv_x && got_x != want.recv_x) ok = false, why = "recv_x differs";
+          if (result.recv_x && got_x != ref_dispatch.recv_x) ok = false, why = "recv_x differs";
           if (!result.recv_x) {  // ll: the expert-major rows (filled slots) instead
-            std::vector<uint16_t> const want_ex = ref::expand(config, world, want);
+            std::vector<uint16_t> const want_ex = ref::expand(config, world, ref_dispatch);
             std::vector<uint16_t> got_ex(want_ex.size());
             memory.download(got_ex.data(), result.expert_x, got_ex.size() * 2);
             int const slots = config.expert_slots();
             for (int e = 0; e < config.num_local_experts(world) && ok; ++e) {
               std::size_t const first = static_cast<std::size_t>(e) * slots * hidden;
-              std::size_t const filled = static_cast<std::size_t>(std::min(want.expert_counts[e], slots)) * hidden;
+              std::size_t const filled =
+                  static_cast<std::size_t>(std::min(ref_dispatch.expert_counts[e], slots)) * hidden;
               if (!std::equal(got_ex.begin() + first, got_ex.begin() + first + filled, want_ex.begin() + first))
                 ok = false, why = "expert_x differs";
             }
           }
-          if (got_idx != want.recv_topk_idx) ok = false, why = "recv_topk_idx differs";
-          if (got_src != want.recv_src) ok = false, why = "recv_src differs";
+        }
+        if (result.num_recv_host == ref_dispatch.num_recv) {
+          memory.download(got_idx.data(), result.recv_topk_idx, got_idx.size() * 4);
+          memory.download(got_w.data(), result.recv_topk_weights, got_w.size() * 4);
+          memory.download(got_src.data(), result.recv_src, got_src.size() * 4);
+          if (got_idx != ref_dispatch.recv_topk_idx) ok = false, why = "recv_topk_idx differs";
+          if (got_src != ref_dispatch.recv_src) ok = false, why = "recv_src differs";
           for (std::size_t i = 0; i < got_w.size() && ok; ++i)
-            if (want.recv_topk_idx[i] >= 0 && got_w[i] != want.recv_topk_weights[i])
+            if (ref_dispatch.recv_topk_idx[i] >= 0 && got_w[i] != ref_dispatch.recv_topk_weights[i])
               ok = false, why = "recv_topk_weights differ";
         }
-        if (layout == CombineLayout::expert_major) {
-          memory.copy(combine_in, result.expert_x, combine_rows * row_bytes);
-        } else {
-          memory.copy(combine_in, result.recv_x,
-                      static_cast<std::size_t>(std::max<int64_t>(result.num_recv_host, 0)) * row_bytes);
-        }
+        fill_combine_input(result);
         buffer.combine(cargs, memory.stream());
         std::vector<uint16_t> got_y(static_cast<std::size_t>(tokens) * hidden);
         memory.download(got_y.data(), y, got_y.size() * 2);
-        if (got_y != expected_identity_combine(config, world, mine, layout)) ok = false, why += " combine y differs";
+        IdentityCombine const expected = expected_identity_combine(config, world, mine, layout);
+        if (got_y != expected.y) ok = false, why += " combine y differs";
+        if (expected.worst_bound_ratio > 1.0) ok = false, why += " combine error exceeds its derived bound";
+        if (config.combine_format != WireFormat::bf16) {
+          // the worst rank's error figures
+          std::vector<double> const worst =
+              max_over_ranks(bootstrap, {expected.worst_bound_ratio, expected.rel_l2}, false, "error");
+          combine_bound_ratio = worst[0];
+          combine_rel_l2 = worst[1];
+        }
         // Every rank must pass.
         int const failed = sum_over_ranks(bootstrap, ok ? 0.0 : 1.0) > 0;
         check_result = failed ? "fail" : "pass";
@@ -526,6 +757,7 @@ int run_bench_rank(Options const& options) {
                              "dispatch",
                              tokens,
                              routing_name(kind),
+                             wire_format_name(config.dispatch_format),
                              {slow[0], slow[1], slow[2]},
                              mean_dispatch_bytes / slow[0] / 1e3,
                              mean_logical / slow[0] / 1e3,
@@ -535,16 +767,28 @@ int run_bench_rank(Options const& options) {
                             "combine",
                             tokens,
                             routing_name(kind),
+                            wire_format_name(config.combine_format),
                             {slow[3], slow[4], slow[5]},
                             mean_combine_bytes / slow[3] / 1e3,
                             mean_logical / slow[3] / 1e3,
                             check_result,
-                            slow[7]};
+                            slow[7],
+                            combine_bound_ratio,
+                            combine_rel_l2};
       if (rank == 0) {
-        std::printf("\n%s  tokens %d/rank  hidden %d  topk %d  experts %d  routing %s  layout %s  world %d  %s%s\n",
-                    mode_name(mode), tokens, hidden, config.topk, config.num_experts, routing_name(kind),
-                    layout == CombineLayout::expert_major ? "expert" : "rank", world, backend_name(backend),
-                    graph ? "  graph" : "");
+        std::printf(
+            "\n%s  tokens %d/rank  hidden %d  topk %d  experts %d  routing %s  layout %s  world %d  %s%s  dispatch "
+            "%s%s  "
+            "combine %s\n",
+            mode_name(mode), tokens, hidden, config.topk, config.num_experts, routing_name(kind),
+            layout == CombineLayout::expert_major ? "expert" : "rank", world, backend_name(backend),
+            graph ? detail::concat("  graph x", graph_calls).c_str() : "", wire_format_name(config.dispatch_format),
+            config.dispatch_format == WireFormat::bf16
+                ? ""
+                : (config.dispatch_dequantize
+                       ? " (dequantized)"
+                       : detail::concat(" (", scale_layout_name(config.recv_scale_layout), ")").c_str()),
+            wire_format_name(config.combine_format));
         std::printf("%-9s %10s %10s %10s %12s %13s %11s %8s %6s\n", "leg", "median_us", "p10_us", "p90_us",
                     "nvlink_GB/s", "logical_GB/s", "nccl_us", "speedup", "check");
         for (Record const* r : {&dispatch_record, &combine_record}) {
@@ -556,6 +800,10 @@ int run_bench_rank(Options const& options) {
             std::printf(" %11s %8s", "-", "-");
           std::printf(" %6s\n", r->check == "pass" ? "PASS" : r->check == "fail" ? "FAIL" : "-");
         }
+        if (combine_record.bound_ratio >= 0)
+          std::printf(
+              "combine %s error: max |y - exact| / derived bound = %.3f (must be <= 1), relative L2 error %.3g\n",
+              combine_record.format.c_str(), combine_record.bound_ratio, combine_record.rel_l2);
         if (options.flag("explain")) std::printf("explain: %s\n", buffer.explain().c_str());
       }
       records.push_back(dispatch_record);
@@ -565,14 +813,33 @@ int run_bench_rank(Options const& options) {
   }
   if (rank == 0 && bench_modes(options).size() > 1) {
     // --mode both: normal and ll side by side at the same sizes (slowest rank's medians)
-    std::printf("\nnormal vs ll (median us, slowest rank)\n%-9s %-9s %8s %10s %10s %8s\n", "routing", "leg", "tokens",
-                "normal_us", "ll_us", "ll_gain");
+    std::printf("\nnormal vs ll (median us, slowest rank)\n%-9s %-9s %-10s %8s %10s %10s %8s\n", "routing", "leg",
+                "format", "tokens", "normal_us", "ll_us", "ll_gain");
     for (Record const& n : records) {
       if (n.mode != "normal") continue;
       for (Record const& l : records)
-        if (l.mode == "ll" && l.leg == n.leg && l.tokens == n.tokens && l.routing == n.routing)
-          std::printf("%-9s %-9s %8d %10.1f %10.1f %7.2fx\n", n.routing.c_str(), n.leg.c_str(), n.tokens,
-                      n.stats.median_us, l.stats.median_us, n.stats.median_us / l.stats.median_us);
+        if (l.mode == "ll" && l.leg == n.leg && l.tokens == n.tokens && l.routing == n.routing &&
+            l.format == n.format) {
+          std::printf("%-9s %-9s %-10s %8d %10.1f %10.1f %7.2fx\n", n.routing.c_str(), n.leg.c_str(), n.format.c_str(),
+                      n.tokens, n.stats.median_us, l.stats.median_us, n.stats.median_us / l.stats.median_us);
+          break;
+        }
+    }
+  }
+  if (rank == 0 && format_pairs(options).size() > 1) {
+    // several formats: each quantized leg against the bf16 leg of the same run (same mode, size and routing)
+    std::printf("\nwire formats vs bf16 (median us, slowest rank)\n%-6s %-9s %-9s %8s %-10s %10s %10s %7s\n", "mode",
+                "routing", "leg", "tokens", "format", "bf16_us", "format_us", "ratio");
+    for (Record const& q : records) {
+      if (q.format == "bf16") continue;
+      for (Record const& b : records)
+        if (b.format == "bf16" && b.mode == q.mode && b.leg == q.leg && b.tokens == q.tokens &&
+            b.routing == q.routing) {
+          std::printf("%-6s %-9s %-9s %8d %-10s %10.1f %10.1f %6.2fx\n", q.mode.c_str(), q.routing.c_str(),
+                      q.leg.c_str(), q.tokens, q.format.c_str(), b.stats.median_us, q.stats.median_us,
+                      q.stats.median_us / b.stats.median_us);
+          break;
+        }
     }
   }
   if (rank == 0 && !options.str("json").empty())
@@ -594,7 +861,8 @@ int bench_main(int argc, char** argv) {
   FERRY_CHECK_CONFIG(nproc >= 1, "no ranks to run: --backend cuda found no GPU; use --backend cpu");
   for (RoutingKind kind : routing_kinds(options))
     for (int tokens : options.int_list("tokens"))
-      for (Mode mode : bench_modes(options)) make_shape(options, nproc, tokens, kind, 1, mode);
+      for (Mode mode : bench_modes(options))
+        for (auto const& formats : format_pairs(options)) make_shape(options, nproc, tokens, kind, 1, mode, formats);
   choose_backend(options, true);  // the notice, once the shape is known to be valid
   return launch_self("bench", argc, argv, nproc);
 }

@@ -15,7 +15,23 @@ __global__ void delay_kernel(uint64_t ns) {
   while (device::arch::global_timer_ns() - start < ns) __nanosleep(1000);
 }
 
+__global__ void empty_kernel() {}
+
 }  // namespace
+
+void enqueue_empty(BenchMemory& memory, int ctas, int threads, bool cooperative) {
+  if (memory.backend() != Backend::cuda) return;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(ctas));
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.stream = memory.stream();
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeCooperative;
+  attribute.val.cooperative = cooperative ? 1 : 0;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  FERRY_CHECK_CUDA(cudaLaunchKernelEx(&config, empty_kernel));
+}
 
 void enqueue_delay(BenchMemory& memory, double us) {
   if (memory.backend() != Backend::cuda) return;

@@ -207,12 +207,17 @@ void LegGraph::replay() {
 }
 
 std::vector<double> time_leg(BenchMemory& memory, Communicator& comm, std::function<void()> const& enqueue, bool graph,
-                             int warmup, int iters) {
+                             int warmup, int iters, int graph_calls) {
+  FERRY_CHECK_CONFIG(graph_calls >= 1, "graph_calls=", graph_calls, " must be at least 1");
+  int const calls = graph ? graph_calls : 1;
   // NOTE: the delay covers the host's launch latency (tens of us for barrier + events + graph launch): the timed
   // region then starts on a stream that already holds the leg, and measures the leg alone.
   constexpr double kHostCoverUs = 100.0;
   std::unique_ptr<LegGraph> leg_graph;
-  if (graph) leg_graph = std::make_unique<LegGraph>(memory, enqueue);
+  if (graph)
+    leg_graph = std::make_unique<LegGraph>(memory, [&] {
+      for (int c = 0; c < calls; ++c) enqueue();
+    });
   LegTimer timer(memory);
   std::vector<double> samples;
   for (int i = 0; i < warmup + iters; ++i) {
@@ -224,7 +229,7 @@ std::vector<double> time_leg(BenchMemory& memory, Communicator& comm, std::funct
     else
       enqueue();
     timer.stop();
-    double const us = timer.elapsed_us();
+    double const us = timer.elapsed_us() / calls;
     if (i >= warmup) samples.push_back(us);
   }
   comm.check_errors(memory.stream());

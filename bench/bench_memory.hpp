@@ -64,17 +64,24 @@ class LegGraph {
 
 // Enqueues a kernel that keeps the stream busy for `us` microseconds (cuda; nothing on cpu). Before a timed leg it
 // lets the host queue the leg behind it, so the GPU never idles waiting for the host's launch.
+// Enqueues an empty kernel of `ctas` x `threads` (cuda; nothing on cpu): `ferry bench --floor` times it like a leg,
+// which gives the floor of the timer (event records, launch, graph replay) under a leg's numbers.
 #if FERRY_HAVE_CUDA
 void enqueue_delay(BenchMemory& memory, double us);
+void enqueue_empty(BenchMemory& memory, int ctas, int threads, bool cooperative);
 #else
 inline void enqueue_delay(BenchMemory&, double) {}
+inline void enqueue_empty(BenchMemory&, int, int, bool) {}
 #endif
 
-// Times one leg warmup + iters times and returns the timed samples (us). Before each: a device-side delay (the host
-// queues the leg behind it) and a barrier over the ranks (they start together); in graph mode the leg is captured
-// once and replayed. Raises a device error recorded meanwhile (Communicator::check_errors).
+// Times one leg warmup + iters times and returns the timed samples (us per call). Before each: a device-side delay
+// (the host queues the leg behind it) and a barrier over the ranks (they start together). In graph mode `graph_calls`
+// consecutive calls of the leg are captured into one graph, each sample is one replay divided by graph_calls: the
+// time a leg takes inside a captured forward pass (kernel after kernel), without the ~4-6 us of event records and
+// graph launch that a lone call adds (`ferry bench --floor` measures that floor). graph_calls = 1 times one call per
+// replay. Raises a device error recorded meanwhile (Communicator::check_errors).
 std::vector<double> time_leg(BenchMemory& memory, Communicator& comm, std::function<void()> const& enqueue, bool graph,
-                             int warmup, int iters);
+                             int warmup, int iters, int graph_calls = 1);
 
 // Name of this rank's device ("NVIDIA H200", or the cpu model on the cpu backend).
 std::string device_name(Backend backend);
