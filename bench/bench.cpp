@@ -86,6 +86,8 @@ Options make_options() {
            "quantized dispatch: scale tensor layout (row_major | mn_major_tma | mn_major_tma_packed_ue8m0 | "
            "blocked_128x4)"},
           {"dequantize", "", "quantized dispatch: deliver bf16 rows (dequantized by the receiver)", true},
+          {"dispatch-blocks", "0", "pin the dispatch CTA count (EpConfig::dispatch_geometry; 0: tables / default)"},
+          {"combine-blocks", "0", "pin the combine CTA count (EpConfig::combine_geometry; 0: tables / default)"},
           {"check", "", "compare every output row with the reference (exact for bf16)", true},
           {"baseline", "", "nccl: also time the NCCL all-to-all dispatcher on the same inputs"},
           {"explain", "", "print which kernel path each leg took and why", true},
@@ -184,6 +186,10 @@ Shape make_shape(Options const& options, int world, int tokens, RoutingKind kind
   shape.config.topk = routing_columns(shape.routing, shape.routed_topk);
   shape.config.max_tokens_per_rank = tokens;
   shape.config.mode = mode;
+  if (options.integer("dispatch-blocks") > 0)
+    shape.config.dispatch_geometry = Geometry{options.integer("dispatch-blocks"), 0};
+  if (options.integer("combine-blocks") > 0)
+    shape.config.combine_geometry = Geometry{options.integer("combine-blocks"), 0};
   shape.config.dispatch_format = formats.first;
   shape.config.combine_format = formats.second;
   shape.config.dispatch_dequantize = options.flag("dequantize") && formats.first != WireFormat::bf16;

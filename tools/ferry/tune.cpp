@@ -3,8 +3,11 @@
 // (tuning/picker.hpp), and merges the picks into a tuning table (tuning/table.hpp) without touching its other
 // entries. `--verify` re-measures a table's rows against the sweep's best instead of writing.
 //
-// Candidates are applied through FERRY_{DISPATCH,COMBINE}_{BLOCKS,WARPS}, which the plan functions read at every call
-// (ahead of the table, behind an EpConfig pin, which tune never sets), so one EpBuffer serves every candidate.
+// Normal mode: candidates are applied through FERRY_{DISPATCH,COMBINE}_{BLOCKS,WARPS}, which the plan functions read at
+// every call (ahead of the table, behind an EpConfig pin, which tune never sets), so one EpBuffer serves every
+// candidate. Low-latency mode: an EpBuffer's CTA count is fixed when it is created (its arrival counters count CTAs)
+// and serves both legs, so each (bucket, candidate) gets its own EpBuffer with the geometry pinned, bucket = its
+// max_tokens_per_rank, and one geometry is picked per bucket on the sum of the two legs and written to both.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -71,7 +74,7 @@ Options make_options() {
           {"experts", "256", "global experts (divisible by the number of ranks)"},
           {"dispatch", "bf16", "dispatch wire format"},
           {"combine", "bf16", "combine wire format"},
-          {"mode", "normal", "normal (the mode whose kernels are tuned)"},
+          {"mode", "normal", "normal | ll (low-latency: a bucket is an EpBuffer's max_tokens_per_rank)"},
           {"routing", "random,grouped", "routings a pick must be near-best under (comma-separated)"},
           {"expert-groups", "8", "grouped routing: groups of experts"},
           {"topk-groups", "4", "grouped routing: groups a token may use"},
@@ -80,6 +83,7 @@ Options make_options() {
           {"rounds", "3", "sweep rounds; each visits every candidate once (drift spreads over all of them)"},
           {"warmup", "3", "untimed replays per candidate and round"},
           {"iters", "10", "timed replays per candidate and round (score: median over all rounds)"},
+          {"graph-calls", "10", "consecutive calls of a leg per graph replay (as ferry bench --graph-calls)"},
           {"tolerance", "0.03", "a pick may be this much slower than the best (fraction) under every routing"},
           {"graph", "auto", "time CUDA-graph replays: auto (on for cuda, off for cpu) | on | off"},
           {"table", "", "table file (unset: $FERRY_TUNING_DIR/<gpu>.json, else the source tree's src/tuning/tables/)"},
@@ -228,6 +232,7 @@ int run_tune_rank(Options const& options) {
   int const rounds = options.integer("rounds");
   int const warmup = options.integer("warmup");
   int const iters = options.integer("iters");
+  int const graph_calls = options.integer("graph-calls");
   double const tolerance = options.number("tolerance");
   FERRY_CHECK_CONFIG(rounds >= 1 && iters >= 1 && warmup >= 0, "--rounds and --iters must be at least 1, --warmup 0");
   FERRY_CHECK_CONFIG(tolerance >= 0 && tolerance < 1, "--tolerance=", tolerance, " must be in [0, 1)");
@@ -308,10 +313,10 @@ int run_tune_rank(Options const& options) {
     std::fflush(stdout);
   }
 
-  // 2. one EpBuffer for every bucket and candidate (num_tokens varies per call); inputs per routing for the largest
-  //    bucket (a token's routing does not depend on the tokens after it, so a bucket uses a prefix)
+  // 2. inputs per routing for the largest bucket (a token's routing does not depend on the tokens after it, so a
+  //    bucket uses a prefix)
+  bool const ll = probe.mode == Mode::low_latency;
   EpConfig const config = make_config(options, world, max_tokens);
-  EpBuffer buffer(comm, config);
   BenchMemory memory(backend);
   std::size_t const row_bytes = static_cast<std::size_t>(config.hidden) * 2;
   struct Inputs {
@@ -333,7 +338,12 @@ int run_tune_rank(Options const& options) {
     memory.upload(in.weights, weights.data(), weights.size() * 4);
     inputs.push_back(in);
   }
-  void* combine_in = memory.alloc(static_cast<std::size_t>(config.recv_capacity(world)) * row_bytes);
+  // the combine input: the bf16 rows received (rank-major in normal mode, expert-major in ll), or, when the dispatch
+  // delivers quantized rows, bf16 rows of that count (combine's time does not depend on the values)
+  std::size_t const combine_rows = ll ? static_cast<std::size_t>(config.num_local_experts(world)) * world * max_tokens
+                                      : static_cast<std::size_t>(config.recv_capacity(world));
+  void* combine_in = memory.alloc(combine_rows * row_bytes);
+  memory.fill(combine_in, 0x3c, combine_rows * row_bytes);
   void* y = memory.alloc(static_cast<std::size_t>(max_tokens) * row_bytes);
 
   // samples[bucket][routing][candidate][leg]
@@ -343,49 +353,74 @@ int run_tune_rank(Options const& options) {
   };
   std::vector<std::vector<double>> samples(sweep.buckets.size() * routings.size() * num_candidates * 2);
   auto const time_leg = [&](std::function<void()> const& enqueue, std::vector<double>& out) {
-    std::vector<double> const timed = bench::time_leg(memory, *comm, enqueue, graph, warmup, iters);
+    std::vector<double> const timed = bench::time_leg(memory, *comm, enqueue, graph, warmup, iters, graph_calls);
     out.insert(out.end(), timed.begin(), timed.end());
   };
+  // one eager dispatch of `tokens` tokens of routing r on `buffer`, then every leg of candidate c timed
+  auto const measure = [&](EpBuffer& buffer, std::size_t b, std::size_t r, std::size_t c) {
+    DispatchArgs dargs;
+    dargs.x = inputs[r].x;
+    dargs.num_tokens = sweep.buckets[b];
+    dargs.topk_idx = inputs[r].idx;
+    dargs.topk_idx_type = IndexType::int64;
+    dargs.topk_weights = static_cast<float const*>(inputs[r].weights);
+    DispatchResult const result = buffer.dispatch(dargs, memory.stream());
+    if (!buffer.config().delivers_quantized()) {
+      std::size_t const rows =
+          ll ? static_cast<std::size_t>(buffer.config().num_local_experts(world)) * buffer.config().expert_slots()
+             : static_cast<std::size_t>(result.num_recv_host);
+      memory.copy(combine_in, ll ? result.expert_x : result.recv_x, rows * row_bytes);
+    }
+    memory.synchronize();
+    CombineArgs cargs;
+    cargs.layout = ll ? CombineLayout::expert_major : CombineLayout::rank_major;
+    cargs.x = combine_in;
+    cargs.y = y;
+    dargs.eager = false;
+    cargs.eager = false;
+    time_leg([&] { buffer.dispatch(dargs, memory.stream()); }, samples[slot(b, r, c, 0)]);
+    time_leg([&] { buffer.combine(cargs, memory.stream()); }, samples[slot(b, r, c, 1)]);
+  };
 
-  // 3. the sweep: rounds outermost, so slow drift (clocks, temperature) touches every candidate alike
+  // 3. the sweep. Normal mode: rounds outermost, so slow drift (clocks, temperature) touches every candidate alike;
+  //    one EpBuffer, candidates through the variables. ll: an EpBuffer per (bucket, candidate), rounds inside it.
   auto const start = std::chrono::steady_clock::now();
-  std::size_t const steps = static_cast<std::size_t>(rounds) * sweep.buckets.size() * routings.size();
+  std::size_t const steps = static_cast<std::size_t>(rounds) * sweep.buckets.size() * (ll ? num_candidates : 1);
   std::size_t step = 0;
-  for (int round = 0; round < rounds; ++round)
+  auto const progress = [&](int round, std::size_t b, char const* what) {
+    ++step;
+    if (rank != 0) return;
+    double const elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::printf("  [%3zu/%zu] round %d/%d  %5d tokens  %s  %.1f s\n", step, steps, round + 1, rounds, sweep.buckets[b],
+                what, elapsed);
+    std::fflush(stdout);
+  };
+  if (!ll) {
+    EpBuffer buffer(comm, config);
+    for (int round = 0; round < rounds; ++round)
+      for (std::size_t b = 0; b < sweep.buckets.size(); ++b) {
+        for (std::size_t r = 0; r < routings.size(); ++r)
+          for (std::size_t c = 0; c < num_candidates; ++c) {
+            apply_candidate(sweep.candidates[c]);
+            measure(buffer, b, r, c);
+          }
+        apply_candidate({});
+        progress(round, b, detail::concat(num_candidates, " candidates x ", routings.size(), " routings").c_str());
+      }
+  } else {
     for (std::size_t b = 0; b < sweep.buckets.size(); ++b)
-      for (std::size_t r = 0; r < routings.size(); ++r) {
-        int const tokens = sweep.buckets[b];
-        DispatchArgs dargs;
-        dargs.x = inputs[r].x;
-        dargs.num_tokens = tokens;
-        dargs.topk_idx = inputs[r].idx;
-        dargs.topk_idx_type = IndexType::int64;
-        dargs.topk_weights = static_cast<float const*>(inputs[r].weights);
-        // one eager dispatch (the analytic or table geometry) gives the combine its input: the rows received
-        apply_candidate({});
-        DispatchResult const result = buffer.dispatch(dargs, memory.stream());
-        memory.copy(combine_in, result.recv_x, static_cast<std::size_t>(result.num_recv_host) * row_bytes);
-        memory.synchronize();
-        CombineArgs cargs;
-        cargs.layout = CombineLayout::rank_major;
-        cargs.x = combine_in;
-        cargs.y = y;
-        dargs.eager = false;
-        cargs.eager = false;
-        for (std::size_t c = 0; c < num_candidates; ++c) {
-          apply_candidate(sweep.candidates[c]);
-          time_leg([&] { buffer.dispatch(dargs, memory.stream()); }, samples[slot(b, r, c, 0)]);
-          time_leg([&] { buffer.combine(cargs, memory.stream()); }, samples[slot(b, r, c, 1)]);
-        }
-        apply_candidate({});
-        ++step;
-        if (rank == 0) {
-          double const elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-          std::printf("  [%3zu/%zu] round %d/%d  %5d tokens  %-8s %zu candidates  %.1f s\n", step, steps, round + 1,
-                      rounds, tokens, routing_name(routings[r]), num_candidates, elapsed);
-          std::fflush(stdout);
+      for (std::size_t c = 0; c < num_candidates; ++c) {
+        EpConfig pinned = make_config(options, world, sweep.buckets[b]);
+        pinned.dispatch_geometry = sweep.candidates[c];
+        pinned.combine_geometry = sweep.candidates[c];
+        EpBuffer buffer(comm, pinned);
+        for (int round = 0; round < rounds; ++round) {
+          for (std::size_t r = 0; r < routings.size(); ++r) measure(buffer, b, r, c);
+          progress(round, b,
+                   detail::concat("blocks ", sweep.candidates[c].blocks, " x ", routings.size(), " routings").c_str());
         }
       }
+  }
 
   // 4. scores: each rank's median, then the slowest rank's (a collective leg is as slow as its slowest member)
   std::vector<double> mine(samples.size());
@@ -407,18 +442,21 @@ int run_tune_rank(Options const& options) {
     std::printf("\nbucket <=%d tokens\n  %-9s %6s %5s", tokens, "leg", "blocks", "warps");
     for (RoutingKind kind : routings) std::printf(" %11s_us", routing_name(kind));
     std::printf(" %7s\n", "worst");
-    for (int leg = 0; leg < 2; ++leg) {
+    // ll: one geometry serves both legs, scored on their sum
+    for (int leg = 0; leg < (ll ? 1 : 2); ++leg) {
+      char const* const label = ll ? "both legs" : tuning::leg_name(kLegs[leg]);
       std::vector<tuning::Measurement> measured;
       for (std::size_t c = 0; c < num_candidates; ++c) {
         tuning::Measurement m{sweep.candidates[c], {}};
-        for (std::size_t r = 0; r < routings.size(); ++r) m.us.push_back(slowest[slot(b, r, c, leg)]);
+        for (std::size_t r = 0; r < routings.size(); ++r)
+          m.us.push_back(ll ? slowest[slot(b, r, c, 0)] + slowest[slot(b, r, c, 1)] : slowest[slot(b, r, c, leg)]);
         measured.push_back(m);
       }
       tuning::Pick const pick = tuning::pick_geometry(measured, tolerance);
       for (tuning::Measurement const& m : measured) {
         double worst = 0;
         for (std::size_t r = 0; r < routings.size(); ++r) worst = std::max(worst, m.us[r] / pick.best_us[r]);
-        std::printf("  %-9s %6d %5d", tuning::leg_name(kLegs[leg]), m.geometry.blocks, m.geometry.warps);
+        std::printf("  %-9s %6d %5d", label, m.geometry.blocks, m.geometry.warps);
         for (double us : m.us) std::printf(" %14.1f", us);
         std::printf(" %7.3f%s\n", worst, m.geometry == pick.geometry ? "  <- pick" : "");
       }
@@ -426,7 +464,7 @@ int run_tune_rank(Options const& options) {
         std::printf(
             "  %s: no candidate is within %.0f%% of the best under every routing; picked the smallest "
             "worst ratio (%.3f)\n",
-            tuning::leg_name(kLegs[leg]), tolerance * 100, pick.worst_ratio);
+            label, tolerance * 100, pick.worst_ratio);
       if (verified) {
         std::vector<tuning::Bucket> const& rows = verified->buckets(kLegs[leg]);
         auto const row = std::find_if(rows.begin(), rows.end(),
@@ -437,19 +475,20 @@ int run_tune_rank(Options const& options) {
         if (it == measured.end()) {
           ++failures;
           std::printf("  verify %-8s <=%-6d row blocks %d warps %d: these kernels run %d warps per CTA only  FAIL\n",
-                      tuning::leg_name(kLegs[leg]), tokens, row->geometry.blocks, row->geometry.warps, kernel_warps);
+                      label, tokens, row->geometry.blocks, row->geometry.warps, kernel_warps);
           continue;
         }
         double ratio = 0;
         for (std::size_t r = 0; r < routings.size(); ++r) ratio = std::max(ratio, it->us[r] / pick.best_us[r]);
         bool const pass = ratio <= 1.0 + options.number("verify-tolerance");
         failures += !pass;
-        std::printf("  verify %-8s <=%-6d row blocks %d warps %d: %.3f x the best  %s\n", tuning::leg_name(kLegs[leg]),
-                    tokens, row->geometry.blocks, row->geometry.warps, ratio, pass ? "PASS" : "FAIL");
+        std::printf("  verify %-8s <=%-6d row blocks %d warps %d: %.3f x the best  %s\n", label, tokens,
+                    row->geometry.blocks, row->geometry.warps, ratio, pass ? "PASS" : "FAIL");
       } else {
         double slower = 0;
         for (double us : pick.us) slower = std::max(slower, us);
-        entry.buckets(kLegs[leg]).push_back({tokens, pick.geometry, std::round(slower * 100) / 100});
+        for (int written = leg; written < (ll ? 2 : leg + 1); ++written)
+          entry.buckets(kLegs[written]).push_back({tokens, pick.geometry, std::round(slower * 100) / 100});
       }
     }
   }
