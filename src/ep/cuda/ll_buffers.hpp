@@ -27,9 +27,16 @@ struct LlBuffers {
   float* recv_w = nullptr;            // [world * max_tokens, topk]
   int32_t* recv_slot = nullptr;       // [world * max_tokens, topk]
   int32_t* expert_counts = nullptr;   // [num_local_experts]
-  void* expert_x = nullptr;           // [num_local_experts, expert_slots, hidden]
+  void* expert_x = nullptr;           // [num_local_experts, expert_slots, config.recv_row_bytes()]
   int32_t* expert_src_row = nullptr;  // [num_local_experts, expert_slots]
   int32_t* slot_landing = nullptr;    // [num_local_experts, expert_slots]
+  // Quantized delivery (config.delivers_quantized()): one scale tensor per local expert, scale_tensor_bytes each
+  // (zeroed once: padding entries stay zero), and nvfp4's per-token scales [num_local_experts, expert_slots].
+  std::size_t scale_tensor_bytes = 0;
+  void* expert_scales = nullptr;
+  float* expert_token_scales = nullptr;
+  // combine_format nvfp4: one bf16 row per warp of the grid (LlCombineParams::scratch).
+  void* combine_scratch = nullptr;
 };
 
 // The symmetric region's layout for a config (the same on every rank).

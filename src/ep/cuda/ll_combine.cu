@@ -31,23 +31,48 @@ LlCombineParams to_params(LlBuffers const& b, CombineArgs const& args, int num_t
   p.recv_idx = b.recv_idx;
   p.recv_w = b.recv_w;
   p.recv_slot = b.recv_slot;
+  p.scratch = b.combine_scratch;
+  FERRY_CHECK(b.config.combine_format != WireFormat::nvfp4 || p.scratch != nullptr,
+              "nvfp4 combine needs its scratch rows (allocated at construction)");
   return p;
 }
 
 using CombineKernel = void (*)(LlCombineParams);
 
-// The instances, in one place: (layout) x (halves). The receive half reads no expert outputs: one instance.
-template <bool kExpertMajor>
-CombineKernel pick(Half half) {
+// The instances, in one place: (combine_format) x (layout) x (halves). The receive half reads no expert outputs: one
+// instance per format.
+template <WireFormat kFormat, bool kExpertMajor>
+CombineKernel pick_half(Half half) {
   switch (half) {
     case Half::both:
-      return ll_combine_kernel<kExpertMajor, true, true>;
+      return ll_combine_kernel<kExpertMajor, kFormat, true, true>;
     case Half::send:
-      return ll_combine_kernel<kExpertMajor, true, false>;
+      return ll_combine_kernel<kExpertMajor, kFormat, true, false>;
     case Half::recv:
-      return ll_combine_kernel<true, false, true>;
+      return ll_combine_kernel<true, kFormat, false, true>;
   }
   FERRY_THROW(Error, "ferry", "unknown LL combine half ", static_cast<int>(half));
+}
+
+template <WireFormat kFormat>
+CombineKernel pick_layout(CombineLayout layout, Half half) {
+  return layout == CombineLayout::expert_major ? pick_half<kFormat, true>(half) : pick_half<kFormat, false>(half);
+}
+
+CombineKernel pick(WireFormat format, CombineLayout layout, Half half) {
+  switch (format) {
+    case WireFormat::bf16:
+      return pick_layout<WireFormat::bf16>(layout, half);
+    case WireFormat::fp8_e4m3:
+      return pick_layout<WireFormat::fp8_e4m3>(layout, half);
+    case WireFormat::fp8_e4m3_ue8m0:
+      return pick_layout<WireFormat::fp8_e4m3_ue8m0>(layout, half);
+    case WireFormat::nvfp4:
+      return pick_layout<WireFormat::nvfp4>(layout, half);
+    case WireFormat::mxfp4:
+      return pick_layout<WireFormat::mxfp4>(layout, half);
+  }
+  FERRY_THROW(ConfigError, "config", "combine_format=", static_cast<int>(format), " has no LL combine kernel");
 }
 
 }  // namespace
@@ -56,7 +81,7 @@ void launch_ll_combine(LlBuffers const& buffers, CombineArgs const& args, int nu
                        cudaStream_t stream) {
   // num_tokens is only checked here; the kernel reads the device copy of the last dispatch's count
   LlCombineParams const p = to_params(buffers, args, num_tokens);
-  CombineKernel const kernel = args.layout == CombineLayout::expert_major ? pick<true>(half) : pick<false>(half);
+  CombineKernel const kernel = pick(buffers.config.combine_format, args.layout, half);
   launch_ll_grid(kernel, p, p.num_ctas, stream);
 }
 

@@ -3,11 +3,15 @@
 // Send half (every CTA, warp per (received row, 1024-element chunk)):
 //  1. expert-major: acc = fmaf(w[k], out(e_k, slot_k), acc) over the row's local entries, k ascending, rounded to bf16
 //     (the canonical receiver order); rank-major: the caller's row. Stored straight into the source's landing zone
-//     at (this rank, token) of the current parity: one row per (token, rank) on the wire;
+//     at (this rank, token) of the current parity: one row per (token, rank) on the wire. A quantized combine_format
+//     quantizes the bf16 chunk where it is (registers; its scale blocks lie inside the chunk) into the wire row's
+//     payload and scales. nvfp4 takes a warp per row instead: its per-token scale needs the whole row's amax, so the
+//     warp writes the bf16 row to its scratch row first and quantizes it from there with the device codec;
 //  2. per CTA: barrier, then +1 on every source's arrival counter of this rank (release, cumulative).
 // Receive half (every CTA, warp per (own token, chunk)):
 //  3. wait until every rank's arrivals reach seq * num_ctas (acquire; bounded);
-//  4. y[t] = bf16(sum over destination ranks d ascending that hold t of float(landing[d][t])), from +0.0f.
+//  4. y[t] = bf16(sum over destination ranks d ascending that hold t of float(landing[d][t])), from +0.0f; a quantized
+//     combine_format dequantizes each rank's row to fp32 (code * scale, one product) in the same loop.
 #pragma once
 
 #include <cstdint>
@@ -15,22 +19,74 @@
 #include "comm/device/memory.cuh"
 #include "comm/device/signal.cuh"
 #include "ep/cuda/ll_params.cuh"
+#include "quant/device_codec.cuh"
+#include "quant/device_scales.cuh"
 
 namespace ferry::cuda_ll {
 
-template <bool kExpertMajor>
-__device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, uint64_t seq) {
+// The local entries of received row `row` (expert-major combine): lane k < topk holds its weight and the address of
+// its expert output row, valid when the entry is a local expert with a slot.
+struct RowEntries {
+  int4 const* entry = nullptr;
+  float w = 0.0f;
+  uint32_t mask = 0;  // lanes with a valid entry
+};
+
+__device__ __forceinline__ RowEntries row_entries(LlCombineParams const& p, int row, int lane, int num_vec) {
+  RowEntries r;
+  bool valid = false;
+  if (lane < p.topk) {
+    std::size_t const at = static_cast<std::size_t>(row) * p.topk + lane;
+    int32_t const el = p.recv_idx[at];
+    int32_t const slot = p.recv_slot[at];
+    valid = el >= 0 && slot >= 0;
+    if (valid) {
+      r.w = p.recv_w[at];
+      r.entry = static_cast<int4 const*>(p.x) + (static_cast<std::size_t>(el) * p.expert_slots + slot) * num_vec;
+    }
+  }
+  r.mask = __ballot_sync(0xffffffffu, valid);
+  return r;
+}
+
+// acc[u] = the canonical fmaf chain (k ascending) over the entries, for vectors v0 + u * 32 of the row.
+__device__ __forceinline__ void reduce_chunk(RowEntries const& r, int v0, int num_vec, float (&acc)[kUnroll][8]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
+  for (uint32_t m = r.mask; m != 0; m &= m - 1) {
+    int const k = __ffs(m) - 1;
+    float const wk = __shfl_sync(0xffffffffu, r.w, k);
+    auto const* src =
+        reinterpret_cast<int4 const*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(r.entry), k));
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (v0 + u * 32 < num_vec) v[u] = device::arch::load_nc_v4(src + v0 + u * 32);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      float f[8];
+      bf16x8_to_float(v[u], f);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[u][j] = __fmaf_rn(wk, f[j], acc[u][j]);
+    }
+  }
+}
+
+// Chunked send (bf16 and the formats whose scale blocks lie inside a 1024-element chunk): warp per (row, chunk).
+template <bool kExpertMajor, WireFormat kFormat>
+__device__ __forceinline__ void ll_combine_send_chunks(LlCombineParams const& p, int parity) {
   int const world = p.view.world;
   int const rank = p.view.rank;
   int const tid = static_cast<int>(threadIdx.x);
   int const lane = tid & 31;
   int const warp = tid >> 5;
   int const cta = static_cast<int>(blockIdx.x);
-  int const parity = static_cast<int>(seq & 1);
-  int const topk = p.topk;
   int const num_vec = p.hidden / 8;
   int const num_chunks = (num_vec + kChunkVecs - 1) / kChunkVecs;
-  std::size_t const row_bytes = static_cast<std::size_t>(p.hidden) * 2;
+  std::size_t const wire_bytes = p.layout.combine_row_bytes;
+  std::size_t const scales_offset = quant::make_row_layout(kFormat, p.hidden).scales_offset;
   // written by the dispatch's receive half, earlier on the stream
   int const num_recv = p.state->num_recv;
   int const items = num_recv * num_chunks;
@@ -40,60 +96,100 @@ __device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, uint64
     int const v0 = (item % num_chunks) * kChunkVecs + lane;
     int const source = p.recv_src[2 * row];
     int const token = p.recv_src[2 * row + 1];
-    auto* dst =
-        reinterpret_cast<int4*>(p.sym[source] + p.layout.combine_rows +
-                                ((static_cast<std::size_t>(parity) * world + rank) * p.max_tokens + token) * row_bytes);
+    char* const dst_row = p.sym[source] + p.layout.combine_rows +
+                          ((static_cast<std::size_t>(parity) * world + rank) * p.max_tokens + token) * wire_bytes;
+    auto* dst = reinterpret_cast<int4*>(dst_row);
     if constexpr (kExpertMajor) {
-      int4 const* entry = nullptr;
-      float w = 0.0f;
-      bool valid = false;
-      if (lane < topk) {
-        std::size_t const at = static_cast<std::size_t>(row) * topk + lane;
-        int32_t const el = p.recv_idx[at];
-        int32_t const slot = p.recv_slot[at];
-        valid = el >= 0 && slot >= 0;
-        if (valid) {
-          w = p.recv_w[at];
-          entry = static_cast<int4 const*>(p.x) + (static_cast<std::size_t>(el) * p.expert_slots + slot) * num_vec;
-        }
-      }
-      uint32_t const entries = __ballot_sync(0xffffffffu, valid);
       float acc[kUnroll][8];
+      reduce_chunk(row_entries(p, row, lane, num_vec), v0, num_vec, acc);
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
-      for (uint32_t m = entries; m != 0; m &= m - 1) {
-        int const k = __ffs(m) - 1;
-        float const wk = __shfl_sync(0xffffffffu, w, k);
-        auto const* src =
-            reinterpret_cast<int4 const*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(entry), k));
-        int4 v[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (v0 + u * 32 < num_vec) v[u] = device::arch::load_nc_v4(src + v0 + u * 32);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          float f[8];
-          bf16x8_to_float(v[u], f);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) acc[u][j] = __fmaf_rn(wk, f[j], acc[u][j]);
+      for (int u = 0; u < kUnroll; ++u) {
+        int const v = v0 + u * 32;
+        if constexpr (kFormat == WireFormat::bf16) {
+          if (v < num_vec) device::arch::store_na_v4(dst + v, float_to_bf16x8(acc[u]));
+        } else {
+          // the bf16 row's values (what the reference quantizes), then the codec's step for this vector
+          float x[8];
+          bf16x8_to_float(float_to_bf16x8(acc[u]), x);
+          device::quantize_vec<kFormat>(x, v < num_vec, v, reinterpret_cast<uint8_t*>(dst_row), scales_offset, 0.0f);
         }
       }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (v0 + u * 32 < num_vec) device::arch::store_na_v4(dst + v0 + u * 32, float_to_bf16x8(acc[u]));
     } else {
       auto const* src = static_cast<int4 const*>(p.x) + static_cast<std::size_t>(row) * num_vec;
       int4 v[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
+      for (int u = 0; u < kUnroll; ++u) {
+        if constexpr (kFormat != WireFormat::bf16) v[u] = make_int4(0, 0, 0, 0);  // lanes past the row quantize zeros
         if (v0 + u * 32 < num_vec) v[u] = device::arch::load_nc_v4(src + v0 + u * 32);
+      }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (v0 + u * 32 < num_vec) device::arch::store_na_v4(dst + v0 + u * 32, v[u]);
+      for (int u = 0; u < kUnroll; ++u) {
+        int const vi = v0 + u * 32;
+        if constexpr (kFormat == WireFormat::bf16) {
+          if (vi < num_vec) device::arch::store_na_v4(dst + vi, v[u]);
+        } else {
+          float x[8];
+          bf16x8_to_float(v[u], x);
+          device::quantize_vec<kFormat>(x, vi < num_vec, vi, reinterpret_cast<uint8_t*>(dst_row), scales_offset, 0.0f);
+        }
+      }
     }
   }
+}
+
+// nvfp4 send: warp per row. Expert-major: the bf16 row chunk by chunk into this warp's scratch row, then the device
+// codec from there (it reads the row twice: amax, then codes); rank-major: the codec straight from the caller's row.
+template <bool kExpertMajor>
+__device__ __forceinline__ void ll_combine_send_rows_nvfp4(LlCombineParams const& p, int parity) {
+  int const world = p.view.world;
+  int const rank = p.view.rank;
+  int const tid = static_cast<int>(threadIdx.x);
+  int const lane = tid & 31;
+  int const warp_id = static_cast<int>(blockIdx.x) * kWarps + (tid >> 5);
+  int const num_warps = p.num_ctas * kWarps;
+  int const num_vec = p.hidden / 8;
+  std::size_t const wire_bytes = p.layout.combine_row_bytes;
+  int const num_recv = p.state->num_recv;
+  // warp_id < num_recv <= world * max_tokens here, so it indexes the scratch rows (min of the two)
+  auto* const stage = static_cast<int4*>(p.scratch) + static_cast<std::size_t>(warp_id) * num_vec;
+
+  for (int row = warp_id; row < num_recv; row += num_warps) {
+    int const source = p.recv_src[2 * row];
+    int const token = p.recv_src[2 * row + 1];
+    auto* const dst = reinterpret_cast<uint8_t*>(
+        p.sym[source] + p.layout.combine_rows +
+        ((static_cast<std::size_t>(parity) * world + rank) * p.max_tokens + token) * wire_bytes);
+    if constexpr (kExpertMajor) {
+      RowEntries const entries = row_entries(p, row, lane, num_vec);
+      for (int base = 0; base < num_vec; base += kChunkVecs) {
+        float acc[kUnroll][8];
+        reduce_chunk(entries, base + lane, num_vec, acc);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (base + lane + u * 32 < num_vec) stage[base + lane + u * 32] = float_to_bf16x8(acc[u]);
+      }
+      __syncwarp();  // the codec's lanes read vectors other lanes may have written
+      device::quantize_row_warp<WireFormat::nvfp4, __nv_bfloat16, false, kUnroll>(
+          reinterpret_cast<__nv_bfloat16 const*>(stage), p.hidden, dst);
+      __syncwarp();  // the codec's reads are done before the next row overwrites the scratch row
+    } else {
+      device::quantize_row_warp<WireFormat::nvfp4, __nv_bfloat16, true, kUnroll>(
+          static_cast<__nv_bfloat16 const*>(p.x) + static_cast<std::size_t>(row) * p.hidden, p.hidden, dst);
+    }
+  }
+}
+
+template <bool kExpertMajor, WireFormat kFormat>
+__device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, uint64_t seq) {
+  int const world = p.view.world;
+  int const rank = p.view.rank;
+  int const tid = static_cast<int>(threadIdx.x);
+  int const parity = static_cast<int>(seq & 1);
+  // 1. the rows, into each source's landing zone
+  if constexpr (kFormat == WireFormat::nvfp4)
+    ll_combine_send_rows_nvfp4<kExpertMajor>(p, parity);
+  else
+    ll_combine_send_chunks<kExpertMajor, kFormat>(p, parity);
 
   // 2. arrival: the barrier orders every thread's rows before the release adds, which are cumulative over them
   //    (no per-thread fence, which would drain each thread's NVLink stores)
@@ -101,6 +197,7 @@ __device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, uint64
   if (tid < world) device::signal_add(reinterpret_cast<uint64_t*>(p.sym[tid] + p.layout.combine_arrivals) + rank, 1);
 }
 
+template <WireFormat kFormat>
 __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, uint64_t seq) {
   __shared__ int s_ok;
   int const world = p.view.world;
@@ -112,7 +209,7 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, uint64
   int const parity = static_cast<int>(seq & 1);
   int const num_vec = p.hidden / 8;
   int const num_chunks = (num_vec + kChunkVecs - 1) / kChunkVecs;
-  std::size_t const row_bytes = static_cast<std::size_t>(p.hidden) * 2;
+  std::size_t const row_bytes = p.layout.combine_row_bytes;
 
   // 3. every rank's send CTAs of this call (thread d waits for rank d; acquire, bounded)
   if (tid == 0) s_ok = 1;
@@ -129,6 +226,7 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, uint64
   // 4. the sum, destination ranks ascending
   int const num_tokens = p.state->num_tokens;
   int const items = num_tokens * num_chunks;
+  WireRowLayout const wl = quant::make_row_layout(kFormat, p.hidden);
   char const* landing =
       p.sym[rank] + p.layout.combine_rows + static_cast<std::size_t>(parity) * world * p.max_tokens * row_bytes;
   for (int item = cta * kWarps + warp; item < items; item += p.num_ctas * kWarps) {
@@ -142,18 +240,34 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, uint64
       for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
     for (uint32_t m = mask; m != 0; m &= m - 1) {
       int const d = __ffs(m) - 1;
-      auto const* src =
-          reinterpret_cast<int4 const*>(landing + (static_cast<std::size_t>(d) * p.max_tokens + token) * row_bytes);
-      int4 v[kUnroll];
+      char const* const row = landing + (static_cast<std::size_t>(d) * p.max_tokens + token) * row_bytes;
+      if constexpr (kFormat == WireFormat::bf16) {
+        auto const* src = reinterpret_cast<int4 const*>(row);
+        int4 v[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (v0 + u * 32 < num_vec) v[u] = device::arch::load_v4(src + v0 + u * 32);  // coherent: a peer wrote it
+        for (int u = 0; u < kUnroll; ++u)
+          if (v0 + u * 32 < num_vec) v[u] = device::arch::load_v4(src + v0 + u * 32);  // coherent: a peer wrote it
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        float f[8];
-        bf16x8_to_float(v[u], f);
+        for (int u = 0; u < kUnroll; ++u) {
+          float f[8];
+          bf16x8_to_float(v[u], f);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[u][j] = __fadd_rn(acc[u][j], f[j]);
+          for (int j = 0; j < 8; ++j) acc[u][j] = __fadd_rn(acc[u][j], f[j]);
+        }
+      } else {
+        // y = code * scale in fp32 (plain loads: the acquire above made the peer's row visible)
+        auto const* wire = reinterpret_cast<uint8_t const*>(row);
+        float token_scale = 0.0f;
+        if constexpr (kFormat == WireFormat::nvfp4)
+          token_scale = *reinterpret_cast<float const*>(wire + wl.token_scale_offset);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (v0 + u * 32 >= num_vec) continue;
+          float f[8];
+          device::dequantize_vec<kFormat>(wire, wl.scales_offset, v0 + u * 32, token_scale, f);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[u][j] = __fadd_rn(acc[u][j], f[j]);
+        }
       }
     }
     auto* y = static_cast<int4*>(p.y) + static_cast<std::size_t>(token) * num_vec;
@@ -163,7 +277,8 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, uint64
   }
 }
 
-template <bool kExpertMajor, bool kSend, bool kRecv>
+// kFormat: the combine_format.
+template <bool kExpertMajor, WireFormat kFormat, bool kSend, bool kRecv>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(LlCombineParams const p) {
   static_assert(kSend || kRecv, "an LL combine kernel runs at least one half");
   __shared__ uint64_t s_seq[2];
@@ -174,8 +289,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(LlCombineParams
     if constexpr (kRecv) s_seq[1] = ++p.state->combine_recv_seq[cta];
   }
   __syncthreads();
-  if constexpr (kSend) ll_combine_send<kExpertMajor>(p, s_seq[0]);
-  if constexpr (kRecv) ll_combine_recv(p, s_seq[1]);
+  if constexpr (kSend) ll_combine_send<kExpertMajor, kFormat>(p, s_seq[0]);
+  if constexpr (kRecv) ll_combine_recv<kFormat>(p, s_seq[1]);
 }
 
 }  // namespace ferry::cuda_ll

@@ -35,11 +35,19 @@ LlDispatchParams to_params(LlBuffers const& b, DispatchArgs const& args) {
               "]");
   FERRY_CHECK(b.expert_parts >= 1 && b.expert_parts <= b.num_ctas, "expert_parts=", b.expert_parts,
               " is outside [1, num_ctas=", b.num_ctas, "]");
+  WireFormat const format = b.config.dispatch_format;
+  // Pre-quantized arguments were validated by EpBuffer (validate_dispatch_args); the kernel relies on these two.
+  bool const prequantized = args.x_scales != nullptr;
+  FERRY_CHECK_INPUT(!prequantized || format != WireFormat::bf16, "x_scales is set but dispatch_format=bf16");
+  FERRY_CHECK_INPUT(!prequantized || format != WireFormat::nvfp4 || args.num_tokens == 0 || args.x_token_scales,
+                    "pre-quantized nvfp4 input needs x_token_scales");
   LlDispatchParams p{};
   p.view = b.view;
   for (int r = 0; r < b.world; ++r) p.sym[r] = b.sym.ptr[r];
   p.layout = b.layout;
   p.x = args.x;
+  p.x_scales = args.x_scales;
+  p.x_token_scales = args.x_token_scales;
   p.topk_idx = args.topk_idx;
   p.topk_weights = args.topk_weights;
   p.num_tokens = args.num_tokens;
@@ -61,41 +69,64 @@ LlDispatchParams to_params(LlBuffers const& b, DispatchArgs const& args) {
   p.expert_x = b.expert_x;
   p.expert_src_row = b.expert_src_row;
   p.slot_landing = b.slot_landing;
+  p.expert_row_bytes = b.config.recv_row_bytes();
+  p.dequantize = format != WireFormat::bf16 && b.config.dispatch_dequantize;
+  p.scale_layout = b.config.recv_scale_layout;
+  p.scale_tensor_bytes = b.scale_tensor_bytes;
+  p.expert_scales = b.expert_scales;
+  p.expert_token_scales = b.expert_token_scales;
   return p;
 }
 
 using DispatchKernel = void (*)(LlDispatchParams);
 
-// The instances, in one place: (index type) x (halves). The receive half reads no ids, so it has one instance.
-template <typename IdxT>
-DispatchKernel pick(Half half) {
+// The instances, in one place: (dispatch_format) x (index type) x (halves). The receive half reads no ids, so it has
+// one instance per format.
+template <WireFormat kFormat, typename IdxT>
+DispatchKernel pick_half(Half half) {
   switch (half) {
     case Half::both:
-      return ll_dispatch_kernel<IdxT, true, true>;
+      return ll_dispatch_kernel<IdxT, kFormat, true, true>;
     case Half::send:
-      return ll_dispatch_kernel<IdxT, true, false>;
+      return ll_dispatch_kernel<IdxT, kFormat, true, false>;
     case Half::recv:
-      return ll_dispatch_kernel<int64_t, false, true>;
+      return ll_dispatch_kernel<int64_t, kFormat, false, true>;
   }
   FERRY_THROW(Error, "ferry", "unknown LL dispatch half ", static_cast<int>(half));
+}
+
+template <WireFormat kFormat>
+DispatchKernel pick_index(IndexType type, Half half) {
+  switch (type) {
+    case IndexType::int64:
+      return pick_half<kFormat, int64_t>(half);
+    case IndexType::int32:
+      return pick_half<kFormat, int32_t>(half);
+  }
+  FERRY_THROW(InputError, "input", "topk_idx_type=", static_cast<int>(type), " is not int32 or int64");
+}
+
+DispatchKernel pick(WireFormat format, IndexType type, Half half) {
+  switch (format) {
+    case WireFormat::bf16:
+      return pick_index<WireFormat::bf16>(type, half);
+    case WireFormat::fp8_e4m3:
+      return pick_index<WireFormat::fp8_e4m3>(type, half);
+    case WireFormat::fp8_e4m3_ue8m0:
+      return pick_index<WireFormat::fp8_e4m3_ue8m0>(type, half);
+    case WireFormat::nvfp4:
+      return pick_index<WireFormat::nvfp4>(type, half);
+    case WireFormat::mxfp4:
+      return pick_index<WireFormat::mxfp4>(type, half);
+  }
+  FERRY_THROW(ConfigError, "config", "dispatch_format=", static_cast<int>(format), " has no LL dispatch kernel");
 }
 
 }  // namespace
 
 void launch_ll_dispatch(LlBuffers const& buffers, DispatchArgs const& args, Half half, cudaStream_t stream) {
   LlDispatchParams const p = to_params(buffers, args);
-  DispatchKernel kernel = nullptr;
-  switch (args.topk_idx_type) {
-    case IndexType::int64:
-      kernel = pick<int64_t>(half);
-      break;
-    case IndexType::int32:
-      kernel = pick<int32_t>(half);
-      break;
-    default:
-      FERRY_THROW(InputError, "input", "topk_idx_type=", static_cast<int>(args.topk_idx_type),
-                  " is not int32 or int64");
-  }
+  DispatchKernel const kernel = pick(buffers.config.dispatch_format, args.topk_idx_type, half);
   launch_ll_grid(kernel, p, p.num_ctas, stream);
 }
 

@@ -4,7 +4,11 @@
 //  1. the token's destination ranks from its topk ids (bad ids dropped and counted);
 //  2. its metadata record (local expert ids for that rank, weights) to EVERY rank, so each receiver knows the full
 //     routing of the source without a count exchange; the row itself only to the ranks that hold one of its experts
-//     (wire de-duplication), at landing slot (source, token) of the destination's current parity;
+//     (wire de-duplication), at landing slot (source, token) of the destination's current parity. A quantized
+//     dispatch_format sends the token's wire row: quantized once by this warp with the device codec (or forwarded
+//     from pre-quantized input), straight into the destination when there is one, else built in this rank's own
+//     landing slot (t's slot of the source's own region: only this warp writes it, and when no local expert takes t
+//     the receive half never reads it) and copied from there to the other destinations;
 //  3. per CTA: barrier, then +1 on every destination's arrival counter of this source (release, cumulative).
 // Receive half (CTA per (local expert, part)):
 //  4. wait until every source's arrivals reach seq * num_ctas (acquire; bounded);
@@ -12,7 +16,9 @@
 //     local; its rank-major index is the count of present rows before it; entry (row, k) of expert e gets the next
 //     slot of e. This is exactly ref::expert_layout's order, computed by every CTA for its expert, no atomics;
 //  6. copy each filled slot's row from the landing zone into expert_x (the wire carried one copy per rank; the
-//     expert-major duplicates are made locally). The CTA of expert 0 also writes the rank-major metadata.
+//     expert-major duplicates are made locally). A quantized dispatch_format copies the payload and writes the block
+//     scales into the expert's scale tensor (and nvfp4's token scale), or dequantizes the row into bf16
+//     (dispatch_dequantize), in the same copy. The CTA of expert 0 also writes the rank-major metadata.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +26,8 @@
 #include "comm/device/memory.cuh"
 #include "comm/device/signal.cuh"
 #include "ep/cuda/ll_params.cuh"
+#include "quant/device_codec.cuh"
+#include "quant/device_scales.cuh"
 
 namespace ferry::cuda_ll {
 
@@ -27,7 +35,92 @@ __device__ __forceinline__ std::size_t landing_index(int parity, int world, int 
   return (static_cast<std::size_t>(parity) * world + source) * static_cast<std::size_t>(max_tokens) + token;
 }
 
-template <typename IdxT>
+// Warp copy of `bytes` (a multiple of 8; both pointers 8-byte aligned, and 16-byte aligned when bytes is a multiple of
+// 16): 16-byte vectors where the length allows, else 8-byte ones (an nvfp4 payload of hidden % 32 == 16 elements).
+template <bool kNcSource>
+__device__ __forceinline__ void copy_payload_warp(void* dst, void const* src, std::size_t bytes, int lane) {
+  if (bytes % 16 == 0) {
+    device::copy_16B<kNcSource>(dst, src, bytes, lane, 32);
+    return;
+  }
+  auto* d = static_cast<uint2*>(dst);
+  auto const* s = static_cast<uint2 const*>(src);
+  for (std::size_t i = lane; i < bytes / 8; i += 32) d[i] = kNcSource ? __ldg(s + i) : s[i];
+}
+
+// Builds the wire row of pre-quantized token t (payload row of x, its block scales, nvfp4's token scale) at `dst`,
+// padding written as zero: the bytes the codec would have sent for the same codes and scales.
+template <WireFormat kFormat>
+__device__ __forceinline__ void forward_wire_row_warp(LlDispatchParams const& p, int t, uint8_t* dst, int lane) {
+  constexpr quant::FormatTraits kTraits = quant::format_traits(kFormat);
+  WireRowLayout const wl = quant::make_row_layout(kFormat, p.hidden);
+  // 1. payload, then the zero pad up to the scales (0 or 8 bytes)
+  copy_payload_warp<true>(dst, static_cast<uint8_t const*>(p.x) + static_cast<std::size_t>(t) * wl.payload_bytes,
+                          wl.payload_bytes, lane);
+  if (lane == 0 && wl.scales_offset > wl.payload_bytes)
+    *reinterpret_cast<uint2*>(dst + wl.payload_bytes) = make_uint2(0, 0);
+  // 2. the scales as 32-bit words up to the next 16 bytes (zero past the last scale)
+  std::size_t const scale_bytes = static_cast<std::size_t>(wl.num_scales) * kTraits.scale_bytes;
+  int const words = static_cast<int>(quant::align_up(scale_bytes, quant::kWireAlign) / 4);
+  for (int w = lane; w < words; w += 32) {
+    uint32_t word = 0;
+    if constexpr (kTraits.scale_bytes == 4) {
+      auto const* scales = static_cast<uint32_t const*>(p.x_scales) + static_cast<std::size_t>(t) * wl.num_scales;
+      if (w < wl.num_scales) word = __ldg(scales + w);
+    } else {
+      auto const* scales = static_cast<uint8_t const*>(p.x_scales) + static_cast<std::size_t>(t) * wl.num_scales;
+#pragma unroll
+      for (int b = 0; b < 4; ++b)
+        if (4 * w + b < wl.num_scales) word |= static_cast<uint32_t>(__ldg(scales + 4 * w + b)) << (8 * b);
+    }
+    *reinterpret_cast<uint32_t*>(dst + wl.scales_offset + 4 * static_cast<std::size_t>(w)) = word;
+  }
+  // 3. nvfp4: the token scale and the zero pad after it (16 bytes, one word per lane)
+  if constexpr (kTraits.token_scale_bytes != 0)
+    if (lane < 4)
+      *reinterpret_cast<uint32_t*>(dst + wl.token_scale_offset + 4 * lane) =
+          lane == 0 ? __float_as_uint(__ldg(p.x_token_scales + t)) : 0u;
+}
+
+// The wire row of token t to every destination rank of `mask` (non-empty), landing slot `slot`: quantized once (or
+// forwarded), then copied to the other destinations from where it was built.
+template <WireFormat kFormat>
+__device__ __forceinline__ void send_wire_row_warp(LlDispatchParams const& p, int t, uint32_t mask, std::size_t slot,
+                                                   int lane) {
+  int const rank = p.view.rank;
+  std::size_t const wire_bytes = p.layout.dispatch_row_bytes;
+  std::size_t const at = p.layout.dispatch_rows + slot * wire_bytes;
+  // 1. where the row is built: the only destination, else this rank's own slot (a destination, or unused this call)
+  bool const single = (mask & (mask - 1)) == 0;
+  int const built_on = single ? __ffs(mask) - 1 : rank;
+  uint8_t* const built = reinterpret_cast<uint8_t*>(p.sym[built_on] + at);
+  if (p.x_scales != nullptr)
+    forward_wire_row_warp<kFormat>(p, t, built, lane);
+  else
+    device::quantize_row_warp<kFormat, __nv_bfloat16, true, kUnroll>(
+        static_cast<__nv_bfloat16 const*>(p.x) + static_cast<std::size_t>(t) * p.hidden, p.hidden, built);
+  uint32_t const rest = mask & ~(1u << built_on);
+  if (rest == 0) return;
+  // 2. the other destinations: kUnroll coherent loads in flight per lane (this warp just wrote them; __syncwarp
+  //    orders its lanes' stores before the loads), then the stores to each destination
+  __syncwarp();
+  auto const* src = reinterpret_cast<int4 const*>(built);
+  int const num_vec = static_cast<int>(wire_bytes / 16);
+  for (int i = lane; i < num_vec; i += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i + u * 32 < num_vec) v[u] = device::arch::load_v4(src + i + u * 32);
+    for (uint32_t m = rest; m != 0; m &= m - 1) {
+      auto* dst = reinterpret_cast<int4*>(p.sym[__ffs(m) - 1] + at);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (i + u * 32 < num_vec) device::arch::store_na_v4(dst + i + u * 32, v[u]);
+    }
+  }
+}
+
+template <typename IdxT, WireFormat kFormat>
 __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, uint64_t seq) {
   static_assert(sizeof(IdxT) == 4 || sizeof(IdxT) == 8, "topk_idx is int32 or int64");
   int const world = p.view.world;
@@ -84,21 +177,26 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, uint
         reinterpret_cast<float*>(record)[lane] = dest_k == d ? w_k : 0.0f;
     }
 
-    // the row, once per destination rank: kUnroll loads in flight per lane, then the stores to every destination
-    auto const* src =
-        reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes);
+    // the row, once per destination rank
     std::size_t const slot = landing_index(parity, world, rank, p.max_tokens, t);
-    for (int i = lane; i < num_vec; i += 32 * kUnroll) {
-      int4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (i + u * 32 < num_vec) v[u] = device::arch::load_nc_v4(src + i + u * 32);
-      for (uint32_t m = mask; m != 0; m &= m - 1) {
-        int const d = __ffs(m) - 1;
-        auto* dst = reinterpret_cast<int4*>(p.sym[d] + p.layout.dispatch_rows + slot * row_bytes);
+    if constexpr (kFormat != WireFormat::bf16) {
+      if (mask != 0) send_wire_row_warp<kFormat>(p, t, mask, slot, lane);
+    } else {
+      // bf16: kUnroll loads in flight per lane, then the stores to every destination
+      auto const* src =
+          reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes);
+      for (int i = lane; i < num_vec; i += 32 * kUnroll) {
+        int4 v[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
-          if (i + u * 32 < num_vec) device::arch::store_na_v4(dst + i + u * 32, v[u]);
+          if (i + u * 32 < num_vec) v[u] = device::arch::load_nc_v4(src + i + u * 32);
+        for (uint32_t m = mask; m != 0; m &= m - 1) {
+          int const d = __ffs(m) - 1;
+          auto* dst = reinterpret_cast<int4*>(p.sym[d] + p.layout.dispatch_rows + slot * row_bytes);
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+            if (i + u * 32 < num_vec) device::arch::store_na_v4(dst + i + u * 32, v[u]);
+        }
       }
     }
   }
@@ -109,6 +207,7 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, uint
   if (tid < world) device::signal_add(reinterpret_cast<uint64_t*>(p.sym[tid] + p.layout.dispatch_arrivals) + rank, 1);
 }
 
+template <WireFormat kFormat>
 __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint64_t seq) {
   __shared__ int32_t s_base[kMaxLocalPeers + 1];  // first rank-major landing row of each source
   __shared__ int32_t s_warp_rows[kWarps];
@@ -125,7 +224,8 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint
   int const parity = static_cast<int>(seq & 1);
   int const topk = p.topk;
   int const slots = p.expert_slots;
-  std::size_t const row_bytes = static_cast<std::size_t>(p.hidden) * 2;
+  std::size_t const wire_bytes = p.layout.dispatch_row_bytes;
+  std::size_t const row_bytes = p.expert_row_bytes;
   uint32_t const lower = (1u << lane) - 1u;
 
   // 4. every source's send CTAs of this call (thread s waits for source s; acquire, bounded)
@@ -250,19 +350,31 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint
 
     // 6. this part's filled slots: warp per slot (slot_landing was written by this CTA above: the barrier orders it)
     char const* landing =
-        p.sym[rank] + p.layout.dispatch_rows + static_cast<std::size_t>(parity) * world * p.max_tokens * row_bytes;
+        p.sym[rank] + p.layout.dispatch_rows + static_cast<std::size_t>(parity) * world * p.max_tokens * wire_bytes;
     for (int slot = part + parts * warp; slot < filled; slot += parts * kWarps) {
       std::size_t const at = static_cast<std::size_t>(e) * slots + slot;
-      char const* src = landing + static_cast<std::size_t>(p.slot_landing[at]) * row_bytes;
+      char const* src = landing + static_cast<std::size_t>(p.slot_landing[at]) * wire_bytes;
       char* dst = static_cast<char*>(p.expert_x) + at * row_bytes;
-      device::copy_warp_16B<false>(dst, src, row_bytes);  // coherent loads: a peer wrote the row
+      if constexpr (kFormat == WireFormat::bf16) {
+        device::copy_warp_16B<false>(dst, src, row_bytes);  // coherent loads: a peer wrote the row
+      } else if (p.dequantize) {
+        device::dequantize_row_warp<kFormat, __nv_bfloat16>(reinterpret_cast<uint8_t const*>(src), p.hidden,
+                                                            reinterpret_cast<__nv_bfloat16*>(dst));
+      } else {
+        copy_payload_warp<false>(dst, src, row_bytes, lane);
+        device::deliver_scales_warp<kFormat>(reinterpret_cast<uint8_t const*>(src), p.hidden, p.scale_layout,
+                                             static_cast<std::size_t>(slots), static_cast<std::size_t>(slot),
+                                             static_cast<uint8_t*>(p.expert_scales) + e * p.scale_tensor_bytes,
+                                             p.expert_token_scales ? p.expert_token_scales + at : nullptr);
+      }
     }
     __syncthreads();  // shared words are reused by the next expert
   }
 }
 
-// kSend / kRecv: which halves this instance runs (both: the one-kernel leg; one: the hook's halves).
-template <typename IdxT, bool kSend, bool kRecv>
+// kSend / kRecv: which halves this instance runs (both: the one-kernel leg; one: the hook's halves). kFormat: the
+// dispatch_format.
+template <typename IdxT, WireFormat kFormat, bool kSend, bool kRecv>
 __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(LlDispatchParams const p) {
   static_assert(kSend || kRecv, "an LL dispatch kernel runs at least one half");
   __shared__ uint64_t s_seq[2];
@@ -273,8 +385,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(LlDispatchPara
     if constexpr (kRecv) s_seq[1] = ++p.state->dispatch_recv_seq[cta];
   }
   __syncthreads();
-  if constexpr (kSend) ll_dispatch_send<IdxT>(p, s_seq[0]);
-  if constexpr (kRecv) ll_dispatch_recv(p, s_seq[1]);
+  if constexpr (kSend) ll_dispatch_send<IdxT, kFormat>(p, s_seq[0]);
+  if constexpr (kRecv) ll_dispatch_recv<kFormat>(p, s_seq[1]);
 }
 
 }  // namespace ferry::cuda_ll

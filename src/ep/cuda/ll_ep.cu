@@ -26,9 +26,11 @@ LlLayout make_ll_layout(EpConfig const& config, int world) {
   // NOTE: 256-byte alignment keeps each area on its own cache lines and 16-byte vectors aligned.
   constexpr std::size_t kAlign = 256;
   std::size_t const slots = 2ull * world * static_cast<std::size_t>(config.max_tokens_per_rank);
-  std::size_t const row_bytes = static_cast<std::size_t>(config.hidden) * 2;
   LlLayout layout;
   layout.meta_bytes = align_up(static_cast<std::size_t>(config.topk) * 8, 16);
+  // NOTE: landing rows are wire rows (multiples of 16 bytes): a quantized leg's zone shrinks with its format.
+  layout.dispatch_row_bytes = wire_row_bytes(config.dispatch_format, config.hidden);
+  layout.combine_row_bytes = wire_row_bytes(config.combine_format, config.hidden);
   std::size_t offset = 0;
   auto take = [&](std::size_t bytes) {
     std::size_t const at = offset;
@@ -39,13 +41,24 @@ LlLayout make_ll_layout(EpConfig const& config, int world) {
   layout.combine_arrivals = take(static_cast<std::size_t>(world) * sizeof(uint64_t));
   layout.dispatch_tokens = take(2ull * world * sizeof(uint64_t));
   layout.dispatch_meta = take(slots * layout.meta_bytes);
-  layout.dispatch_rows = take(slots * row_bytes);
-  layout.combine_rows = take(slots * row_bytes);
+  layout.dispatch_rows = take(slots * layout.dispatch_row_bytes);
+  layout.combine_rows = take(slots * layout.combine_row_bytes);
   layout.total = offset;
   return layout;
 }
 
 namespace {
+
+// How the dispatch rows travel, for explain().
+std::string format_explain(EpConfig const& config, DispatchArgs const& args) {
+  if (config.dispatch_format == WireFormat::bf16) return "bf16";
+  std::string out = wire_format_name(config.dispatch_format);
+  out += args.x_scales ? " (pre-quantized input forwarded" : " (quantized once per token in the send loop";
+  out += config.dispatch_dequantize ? "; receiver dequantizes to bf16 in the copy)"
+                                    : std::string("; payload + ") + scale_layout_name(config.recv_scale_layout) +
+                                          " scales delivered in the copy)";
+  return out;
+}
 
 template <typename T>
 T* device_alloc(std::size_t count) {
@@ -101,9 +114,24 @@ class CudaLlEp final : public detail::EpBackendImpl {
     b.recv_w = device_alloc<float>(rows * topk);
     b.recv_slot = device_alloc<int32_t>(rows * topk);
     b.expert_counts = device_alloc<int32_t>(static_cast<std::size_t>(b.num_local_experts));
-    b.expert_x = device_alloc<uint16_t>(slots * static_cast<std::size_t>(config.hidden));
+    b.expert_x = device_alloc<uint8_t>(slots * config.recv_row_bytes());
     b.expert_src_row = device_alloc<int32_t>(slots);
     b.slot_landing = device_alloc<int32_t>(slots);
+    if (config.delivers_quantized()) {
+      b.scale_tensor_bytes =
+          scale_tensor_bytes(config.dispatch_format, config.recv_scale_layout, b.expert_slots, config.hidden);
+      std::size_t const all = static_cast<std::size_t>(b.num_local_experts) * b.scale_tensor_bytes;
+      b.expert_scales = device_alloc<uint8_t>(all);
+      // NOTE: zeroed once: the kernels write only the entries of (slot, block) pairs, so padding entries stay zero
+      // for every later call without a per-call memset.
+      FERRY_CHECK_CUDA(cudaMemset(b.expert_scales, 0, std::max<std::size_t>(all, 1)));
+      if (config.dispatch_format == WireFormat::nvfp4) b.expert_token_scales = device_alloc<float>(slots);
+    }
+    if (config.combine_format == WireFormat::nvfp4) {
+      // NOTE: one bf16 row per warp that can hold a received row (nvfp4 combine sends warp per row).
+      std::size_t const warps = std::min<std::size_t>(static_cast<std::size_t>(b.num_ctas) * kWarps, rows);
+      b.combine_scratch = device_alloc<uint16_t>(warps * static_cast<std::size_t>(config.hidden));
+    }
     FERRY_CHECK_CUDA(cudaMemset(b.state, 0, sizeof(LlState)));
     FERRY_CHECK_CUDA(cudaMemset(b.expert_counts, 0, sizeof(int32_t) * std::max(1, b.num_local_experts)));
     FERRY_CHECK_CUDA(cudaDeviceSynchronize());
@@ -117,7 +145,8 @@ class CudaLlEp final : public detail::EpBackendImpl {
     for (void* ptr : {static_cast<void*>(b.state), static_cast<void*>(b.token_mask), static_cast<void*>(b.recv_src),
                       static_cast<void*>(b.recv_idx), static_cast<void*>(b.recv_w), static_cast<void*>(b.recv_slot),
                       static_cast<void*>(b.expert_counts), b.expert_x, static_cast<void*>(b.expert_src_row),
-                      static_cast<void*>(b.slot_landing)})
+                      static_cast<void*>(b.slot_landing), b.expert_scales, static_cast<void*>(b.expert_token_scales),
+                      b.combine_scratch})
       if (ptr) cudaFree(ptr);
   }
 
@@ -133,7 +162,8 @@ class CudaLlEp final : public detail::EpBackendImpl {
         << (split ? "split (send kernel now, receive kernel in complete_dispatch)" : "one kernel (send + receive)")
         << ", " << b.num_ctas << " CTAs x " << kWarps << " warps (one per SM, cooperative), warp per token, "
         << "receive: " << b.expert_parts << " CTA(s) per local expert (ordered scan + copy into expert_x), ids "
-        << (args.topk_idx_type == IndexType::int64 ? "int64" : "int32") << "; fast path";
+        << (args.topk_idx_type == IndexType::int64 ? "int64" : "int32") << ", wire " << format_explain(b.config, args)
+        << "; fast path";
     dispatch_explain_ = why.str();
     if (split) return views();
     return finish_dispatch(args.eager, stream);
@@ -158,6 +188,12 @@ class CudaLlEp final : public detail::EpBackendImpl {
         << "-element chunk), "
         << (args.layout == CombineLayout::expert_major ? "expert-major (receiver reduces its experts, fmaf k-ascending)"
                                                        : "rank-major")
+        << ", wire " << wire_format_name(b.config.combine_format)
+        << (b.config.combine_format == WireFormat::bf16 ? ""
+            : b.config.combine_format == WireFormat::nvfp4
+                ? " (warp per row: the per-token scale needs the row's amax; partial row staged in a per-warp "
+                  "scratch row, device codec; source dequantizes and sums in fp32)"
+                : " (chunk quantized in registers; source dequantizes and sums in fp32)")
         << "; fast path";
     combine_explain_ = why.str();
     if (!split && args.eager) sync_and_check(stream);
@@ -187,8 +223,11 @@ class CudaLlEp final : public detail::EpBackendImpl {
     result.expert_counts = b.expert_counts;
     result.recv_capacity = b.world * b.config.max_tokens_per_rank;
     result.expert_x = b.expert_x;
+    result.recv_row_bytes = b.config.recv_row_bytes();
     result.expert_src_row = b.expert_src_row;
     result.expert_slots = b.expert_slots;
+    result.expert_scales = b.expert_scales;              // null unless quantized delivery
+    result.expert_token_scales = b.expert_token_scales;  // null unless nvfp4 delivery
     return result;
   }
 

@@ -46,13 +46,15 @@ struct LlState {
 
 // Byte offsets inside the symmetric region (the same on every rank). "source" is the sending rank.
 struct LlLayout {
-  std::size_t dispatch_arrivals = 0;  // [world sources] u64: send CTAs of that source finished, over all calls
-  std::size_t combine_arrivals = 0;   // [world sources] u64
-  std::size_t dispatch_tokens = 0;    // [2 parities][world sources] u64: tokens of the source's call
-  std::size_t dispatch_meta = 0;      // [2][world][max_tokens] records: topk int32 local ids, topk float weights
-  std::size_t dispatch_rows = 0;      // [2][world][max_tokens][hidden] bf16, row t of source s at (s, t)
-  std::size_t combine_rows = 0;       // [2][world][max_tokens][hidden] bf16, the row rank d sends back at (d, t)
-  std::size_t meta_bytes = 0;         // bytes of one record (topk * 8, 16-byte aligned)
+  std::size_t dispatch_arrivals = 0;   // [world sources] u64: send CTAs of that source finished, over all calls
+  std::size_t combine_arrivals = 0;    // [world sources] u64
+  std::size_t dispatch_tokens = 0;     // [2 parities][world sources] u64: tokens of the source's call
+  std::size_t dispatch_meta = 0;       // [2][world][max_tokens] records: topk int32 local ids, topk float weights
+  std::size_t dispatch_rows = 0;       // [2][world][max_tokens] dispatch wire rows, row t of source s at (s, t)
+  std::size_t combine_rows = 0;        // [2][world][max_tokens] combine wire rows, the row rank d sends back at (d, t)
+  std::size_t meta_bytes = 0;          // bytes of one record (topk * 8, 16-byte aligned)
+  std::size_t dispatch_row_bytes = 0;  // wire_row_bytes(dispatch_format, hidden) (bf16: hidden * 2)
+  std::size_t combine_row_bytes = 0;   // wire_row_bytes(combine_format, hidden)
   std::size_t total = 0;
 };
 
@@ -60,7 +62,11 @@ struct LlDispatchParams {
   DeviceView view;
   char* sym[kMaxLocalPeers];
   LlLayout layout;
-  void const* x;
+  void const* x;  // bf16 rows, or the pre-quantized payload (x_scales set)
+  // Pre-quantized input (a quantized dispatch_format): block scales [num_tokens, num_scales] row-major, nvfp4's
+  // per-token scales [num_tokens]; null when x is bf16 (quantized by the send half).
+  void const* x_scales;
+  float const* x_token_scales;
   void const* topk_idx;
   float const* topk_weights;
   int num_tokens;
@@ -73,15 +79,25 @@ struct LlDispatchParams {
   int num_ctas;
   int expert_parts;  // CTAs per local expert in the receive half (1 when experts >= CTAs)
   LlState* state;
-  uint32_t* token_mask;     // [max_tokens] destination ranks of each token (for combine)
-  int32_t* recv_src;        // [world * max_tokens, 2] (source rank, source token), rank-major
-  int32_t* recv_idx;        // [world * max_tokens, topk] local expert or -1
-  float* recv_w;            // [world * max_tokens, topk]
-  int32_t* recv_slot;       // [world * max_tokens, topk] slot within its expert or -1
-  int32_t* expert_counts;   // [num_local_experts]
-  void* expert_x;           // [num_local_experts, expert_slots, hidden] bf16
-  int32_t* expert_src_row;  // [num_local_experts, expert_slots] rank-major row, -1 past the count
-  int32_t* slot_landing;    // [num_local_experts, expert_slots] landing row (source * max_tokens + token)
+  uint32_t* token_mask;          // [max_tokens] destination ranks of each token (for combine)
+  int32_t* recv_src;             // [world * max_tokens, 2] (source rank, source token), rank-major
+  int32_t* recv_idx;             // [world * max_tokens, topk] local expert or -1
+  float* recv_w;                 // [world * max_tokens, topk]
+  int32_t* recv_slot;            // [world * max_tokens, topk] slot within its expert or -1
+  int32_t* expert_counts;        // [num_local_experts]
+  void* expert_x;                // [num_local_experts, expert_slots, expert_row_bytes] bf16 rows or wire payloads
+  int32_t* expert_src_row;       // [num_local_experts, expert_slots] rank-major row, -1 past the count
+  int32_t* slot_landing;         // [num_local_experts, expert_slots] landing row (source * max_tokens + token)
+  std::size_t expert_row_bytes;  // EpConfig::recv_row_bytes(): hidden * 2, or the payload (quantized delivery)
+  // Quantized dispatch_format: deliver bf16 rows dequantized from the wire (else payload + scales).
+  bool dequantize;
+  // Quantized delivery: one scale tensor of expert_slots rows per local expert in scale_layout, scale_tensor_bytes
+  // apart (padding entries zeroed at construction, never written), and nvfp4's [num_local_experts, expert_slots]
+  // per-token scales.
+  ScaleLayout scale_layout;
+  std::size_t scale_tensor_bytes;
+  void* expert_scales;
+  float* expert_token_scales;
 };
 
 struct LlCombineParams {
@@ -101,6 +117,9 @@ struct LlCombineParams {
   int32_t const* recv_idx;
   float const* recv_w;
   int32_t const* recv_slot;
+  // nvfp4 combine_format: [min(num_ctas * kWarps, world * max_tokens), hidden] bf16, one row per warp of the grid: the
+  // warp's partial row before it is quantized (the per-token scale needs the whole row's amax).
+  void* scratch;
 };
 
 using device::bf16x8_to_float;

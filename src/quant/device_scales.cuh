@@ -1,0 +1,156 @@
+// Device pieces of the wire formats that kernels need beside the row codecs of device_codec.cuh:
+//  - quantize_vec / dequantize_vec: one 16-byte vector of 8 bf16 elements, for kernels that hold a row chunk in
+//    registers (the LL combine computes each partial row chunk by chunk and quantizes it where it is). They are the
+//    inner step of quantize_row_warp / dequantize_row_warp, built from the same rules (rules.hpp) and the same
+//    conversion helpers (quant_detail), so the bytes and values are the codec's (tests/gpu/test_ll_quant.cpp
+//    compares the rows they make with the host codecs).
+//  - deliver_scales_warp: a wire row's block scales into a receiver scale tensor (entry offsets from
+//    quant::scale_offset, the function the host's scale_byte_offset uses) and its per-token scale.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "quant/device_codec.cuh"
+#include "quant/layout.hpp"
+#include "quant/rules.hpp"
+
+namespace ferry::device {
+
+// Elements of one bf16 vector (16 bytes).
+inline constexpr int kBf16VecElems = 8;
+
+// Quantizes vector v of a row (elements [8v, 8v + 8), as fp32 values x of bf16 numbers) into the wire row at `row`:
+// its payload piece and, from the first lane of its scale block, the block scale. Every lane of the warp must call it
+// (the block amax is reduced over the lanes that hold the block), with lane l holding vector base + l for a base that
+// is a multiple of the block's vectors; lanes whose vector is past the row (active false) pass zeros and store
+// nothing (a block is all active or all not). token_scale: nvfp4's per-token scale (ignored otherwise). Padding
+// bytes of the row are not written. kFormat: a scaled format.
+template <WireFormat kFormat>
+__device__ __forceinline__ void quantize_vec(float const (&x)[kBf16VecElems], bool active, int v, uint8_t* row,
+                                             std::size_t scales_offset, float token_scale) {
+  using namespace quant_detail;
+  static_assert(kFormat != WireFormat::bf16, "quantize_vec is for the scaled formats; bf16 is a copy");
+  constexpr quant::FormatTraits kTraits = quant::format_traits(kFormat);
+  constexpr int kVec = kBf16VecElems;
+  constexpr int kPayloadBytes = kVec * kTraits.bits_per_elem / 8;
+  constexpr int kGroup = kTraits.block_elems > kVec ? kTraits.block_elems / kVec : 1;
+  static_assert(kTraits.block_elems % kVec == 0, "a 16-byte vector must not straddle two scale blocks");
+  static_assert(kGroup <= kWarpSize, "a scale block must fit in one warp step");
+
+  int const lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  float amax = 0.0f;
+  int non_finite = 0;
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) {
+    if (quant::is_finite(x[i]))
+      amax = fmaxf(amax, quant::abs_value(x[i]));
+    else
+      non_finite = 1;
+  }
+  amax = group_max<kGroup>(amax);
+  non_finite = group_any<kGroup>(non_finite);
+  bool const leader = active && lane % kGroup == 0;
+  std::size_t const block = static_cast<std::size_t>(v) * kVec / kTraits.block_elems;
+  uint8_t* const scale_ptr = row + scales_offset + block * kTraits.scale_bytes;
+  uint32_t words[4] = {0, 0, 0, 0};
+
+  if constexpr (kFormat == WireFormat::fp8_e4m3) {
+    float const scale = quant::fp8_scale(amax);
+    if (leader) *reinterpret_cast<float*>(scale_ptr) = scale;
+    e4m3_codes<kVec>(x, quant::div_rn(1.0f, scale), words);
+  } else if constexpr (kFormat == WireFormat::fp8_e4m3_ue8m0) {
+    uint8_t const byte = __nv_cvt_float_to_e8m0(quant::fp8_ue8m0_scale_target(amax), __NV_SATFINITE, cudaRoundPosInf);
+    if (leader) *scale_ptr = byte;
+    e4m3_codes<kVec>(x, quant::ue8m0_inverse(byte), words);
+  } else if constexpr (kFormat == WireFormat::nvfp4) {
+    // e2m1 has no NaN: a block with a non-finite element gets a NaN scale and zero codes
+    uint8_t byte = quant::kE4m3Nan;
+    if (!non_finite) {
+      byte = __nv_cvt_float_to_fp8(quant::nvfp4_block_scale_target(amax, token_scale), __NV_SATFINITE, __NV_E4M3);
+      float const block_scale = e4m3_value(byte);
+      if (block_scale == 0.0f)
+        e2m1_signed_zeros<kVec>(x, words);
+      else
+        e2m1_codes<kVec>(x, quant::div_rn(1.0f, quant::nvfp4_effective_scale(block_scale, token_scale)), words);
+    }
+    if (leader) *scale_ptr = byte;
+  } else if constexpr (kFormat == WireFormat::mxfp4) {
+    uint8_t byte = quant::kUe8m0Nan;
+    if (!non_finite) {
+      byte = __nv_cvt_float_to_e8m0(quant::mxfp4_scale_target(amax), __NV_SATFINITE, cudaRoundPosInf);
+      e2m1_codes<kVec>(x, quant::ue8m0_inverse(byte), words);
+    }
+    if (leader) *scale_ptr = byte;
+  }
+  if (active) store_bytes<kPayloadBytes>(row + static_cast<std::size_t>(v) * kPayloadBytes, words);
+}
+
+// Vector v of the wire row at `row` (elements [8v, 8v + 8)) as fp32: y = code * scale, one fp32 product (nvfp4: code
+// * (block scale * token scale), token_scale read by the caller from the row), the values dequantize_row_warp gives.
+// bf16: the exact fp32 of each element. The row must be visible to this thread (plain loads).
+template <WireFormat kFormat>
+__device__ __forceinline__ void dequantize_vec(uint8_t const* row, std::size_t scales_offset, int v, float token_scale,
+                                               float (&y)[kBf16VecElems]) {
+  using namespace quant_detail;
+  constexpr quant::FormatTraits kTraits = quant::format_traits(kFormat);
+  constexpr int kVec = kBf16VecElems;
+  constexpr int kPayloadBytes = kVec * kTraits.bits_per_elem / 8;
+  uint32_t words[4];
+  load_bytes<kPayloadBytes>(row + static_cast<std::size_t>(v) * kPayloadBytes, words);
+  if constexpr (kFormat == WireFormat::bf16) {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) y[i] = __uint_as_float((words[i / 2] >> (16 * (i % 2))) << 16);
+  } else {
+    uint8_t const* const scales = row + scales_offset;
+    std::size_t const block = static_cast<std::size_t>(v) * kVec / kTraits.block_elems;
+    if constexpr (kFormat == WireFormat::fp8_e4m3 || kFormat == WireFormat::fp8_e4m3_ue8m0) {
+      float const scale = kFormat == WireFormat::fp8_e4m3 ? *reinterpret_cast<float const*>(scales + 4 * block)
+                                                          : quant::ue8m0_value(scales[block]);
+#pragma unroll
+      for (int k = 0; k < kVec / 2; ++k) {
+        auto const pair = static_cast<__nv_fp8x2_storage_t>(words[k / 2] >> (16 * (k % 2)));
+        float2 const q = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+        y[2 * k] = quant::mul_rn(q.x, scale);
+        y[2 * k + 1] = quant::mul_rn(q.y, scale);
+      }
+    } else {
+      float const scale = kFormat == WireFormat::nvfp4
+                              ? quant::nvfp4_effective_scale(e4m3_value(scales[block]), token_scale)
+                              : quant::ue8m0_value(scales[block]);
+#pragma unroll
+      for (int k = 0; k < kVec / 2; ++k) {
+        auto const pair = static_cast<__nv_fp4x2_storage_t>(words[k / 4] >> (8 * (k % 4)));
+        float2 const q = __half22float2(__half2(__nv_cvt_fp4x2_to_halfraw2(pair, __NV_E2M1)));
+        y[2 * k] = quant::mul_rn(q.x, scale);
+        y[2 * k + 1] = quant::mul_rn(q.y, scale);
+      }
+    }
+  }
+}
+
+// Copies the block scales of the wire row at `wire` into entry (row, block) of a scale tensor of `rows` rows in
+// `layout` (tensor: its first byte; quant::scale_offset gives the entry), and nvfp4's per-token scale to
+// *token_scale (when non-null). Every lane of the warp calls it with the same arguments; the row must be visible to
+// this thread. Padding entries of the tensor are not written (zero them once where the tensor is allocated).
+template <WireFormat kFormat>
+__device__ __forceinline__ void deliver_scales_warp(uint8_t const* wire, int hidden, ScaleLayout layout,
+                                                    std::size_t rows, std::size_t row, uint8_t* tensor,
+                                                    float* token_scale) {
+  static_assert(kFormat != WireFormat::bf16, "bf16 rows have no scales");
+  constexpr quant::FormatTraits kTraits = quant::format_traits(kFormat);
+  WireRowLayout const wl = quant::make_row_layout(kFormat, hidden);
+  int const lane = static_cast<int>(threadIdx.x) % quant_detail::kWarpSize;
+  for (int j = lane; j < wl.num_scales; j += quant_detail::kWarpSize) {
+    std::size_t const at = quant::scale_offset(kFormat, layout, rows, hidden, row, static_cast<std::size_t>(j));
+    if constexpr (kTraits.scale_bytes == 4)
+      *reinterpret_cast<uint32_t*>(tensor + at) = *reinterpret_cast<uint32_t const*>(wire + wl.scales_offset + 4 * j);
+    else
+      tensor[at] = wire[wl.scales_offset + j];
+  }
+  if constexpr (kTraits.token_scale_bytes != 0)
+    if (lane == 0 && token_scale != nullptr)
+      *token_scale = *reinterpret_cast<float const*>(wire + wl.token_scale_offset);
+}
+
+}  // namespace ferry::device
