@@ -540,8 +540,16 @@ int run_bench_rank(Options const& options) {
     // (mode, tokens, formats): --mode both times both modes at each size, every format pair at each
     std::vector<std::tuple<Mode, int, std::pair<WireFormat, WireFormat>>> runs;
     for (int tokens : options.int_list("tokens"))
-      for (Mode mode : bench_modes(options))
+      for (Mode mode : bench_modes(options)) {
+        // --mode both: low-latency mode stops at kMaxLowLatencyTokens; larger sizes run in normal mode only
+        if (mode == Mode::low_latency && tokens > kMaxLowLatencyTokens && bench_modes(options).size() > 1) {
+          if (rank == 0 && kind == routing_kinds(options).front())
+            std::printf("note: %d tokens/rank is past low-latency mode's %d: normal mode only at that size\n", tokens,
+                        kMaxLowLatencyTokens);
+          continue;
+        }
         for (auto const& formats : format_pairs(options)) runs.emplace_back(mode, tokens, formats);
+      }
     for (auto const& [mode, tokens, formats] : runs) {
       Shape shape = make_shape(options, world, tokens, kind, seed + tokens, mode, formats);
       EpConfig& config = shape.config;
@@ -868,7 +876,9 @@ int bench_main(int argc, char** argv) {
   for (RoutingKind kind : routing_kinds(options))
     for (int tokens : options.int_list("tokens"))
       for (Mode mode : bench_modes(options))
-        for (auto const& formats : format_pairs(options)) make_shape(options, nproc, tokens, kind, 1, mode, formats);
+        for (auto const& formats : format_pairs(options))
+          if (mode == Mode::normal || tokens <= kMaxLowLatencyTokens || bench_modes(options).size() == 1)
+            make_shape(options, nproc, tokens, kind, 1, mode, formats);
   choose_backend(options, true);  // the notice, once the shape is known to be valid
   return launch_self("bench", argc, argv, nproc);
 }

@@ -79,7 +79,12 @@ int perf_case() {
   cudaStream_t stream;
   PK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
-  DispatchArgs d{x, tokens, idx, IndexType::int64, static_cast<float const*>(w), false, true};
+  DispatchArgs d;
+  d.x = x;
+  d.num_tokens = tokens;
+  d.topk_idx = idx;
+  d.topk_idx_type = IndexType::int64;
+  d.topk_weights = static_cast<float const*>(w);
   CombineArgs crm{CombineLayout::rank_major, rows, y, true};
   CombineArgs cem{CombineLayout::expert_major, eout, y, true};
   buffer.dispatch(d, stream);
