@@ -13,6 +13,7 @@
 #include "ep/cuda/ll_buffers.hpp"
 #include "ep/ep_impl.hpp"
 #include "ferry/error.hpp"
+#include "tuning/choose.hpp"
 
 namespace ferry::cuda_ll {
 
@@ -87,15 +88,26 @@ class CudaLlEp final : public detail::EpBackendImpl {
     int num_sms = 0;
     FERRY_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, comm.device()));
 
-    // 1. the grid: one CTA per SM (co-resident for the cooperative launch), or the pinned count; every rank must use
-    //    the same, because receivers count arrivals as seq * num_ctas: agree on the smallest
-    int wanted = std::min(num_sms, kMaxCtas);
-    if (config.dispatch_geometry && config.dispatch_geometry->blocks > 0)
-      wanted = std::min(wanted, config.dispatch_geometry->blocks);
+    // 1. the grid, fixed for the EpBuffer (receivers count arrivals as seq * num_ctas) and shared by both legs: the
+    //    EpConfig pin, FERRY_DISPATCH_BLOCKS, the tuning table's dispatch row for the bucket of max_tokens_per_rank
+    //    (ferry tune --mode ll writes the same row to both legs), or one CTA per SM; at most one per SM (co-resident
+    //    for the cooperative launch). Every rank must use the same count: agree on the smallest.
+    cudaDeviceProp prop{};
+    FERRY_CHECK_CUDA(cudaGetDeviceProperties(&prop, comm.device()));
+    auto const tables = tuning::active_tables();
+    tuning::LegTuning const leg_tuning = tuning::resolve_leg(
+        tuning::Leg::dispatch, tuning::make_key(prop.name, b.world, config), config.dispatch_geometry, *tables);
+    tuning::Choice const choice =
+        tuning::choose(leg_tuning, tuning::read_env_pin(tuning::Leg::dispatch), config.max_tokens_per_rank,
+                       Geometry{std::min(num_sms, kMaxCtas), kWarps}, "one CTA per SM", kWarps);
+    int const wanted = std::clamp(choice.geometry.blocks, 1, std::min(num_sms, kMaxCtas));
     std::vector<int32_t> all(static_cast<std::size_t>(b.world));
     int32_t const mine = wanted;
     comm.bootstrap().allgather(&mine, all.data(), sizeof(mine));
     b.num_ctas = *std::min_element(all.begin(), all.end());
+    grid_why_ = choice.source;
+    if (b.num_ctas != choice.geometry.blocks)
+      grid_why_ += detail::concat("; ran ", b.num_ctas, " CTAs (at most one per SM, the same on every rank)");
     b.expert_parts = std::max(1, b.num_ctas / std::max(1, b.num_local_experts));
 
     // 2. symmetric region (zeroed by the communicator: counters and sequence numbers start at 0) and local buffers
@@ -160,7 +172,8 @@ class CudaLlEp final : public detail::EpBackendImpl {
     std::ostringstream why;
     why << "dispatch: ll/nvlink-push "
         << (split ? "split (send kernel now, receive kernel in complete_dispatch)" : "one kernel (send + receive)")
-        << ", " << b.num_ctas << " CTAs x " << kWarps << " warps (one per SM, cooperative), warp per token, "
+        << ", " << b.num_ctas << " CTAs x " << kWarps << " warps (cooperative; grid: " << grid_why_
+        << "), warp per token, "
         << "receive: " << b.expert_parts << " CTA(s) per local expert (ordered scan + copy into expert_x), ids "
         << (args.topk_idx_type == IndexType::int64 ? "int64" : "int32") << ", wire " << format_explain(b.config, args)
         << "; fast path";
@@ -184,8 +197,8 @@ class CudaLlEp final : public detail::EpBackendImpl {
     std::ostringstream why;
     why << "combine: ll/nvlink-push "
         << (split ? "split (send kernel now, receive kernel in complete_combine)" : "one kernel (send + receive)")
-        << ", " << b.num_ctas << " CTAs x " << kWarps << " warps, warp per (row, " << kChunkVecs * 8
-        << "-element chunk), "
+        << ", " << b.num_ctas << " CTAs x " << kWarps << " warps (grid: " << grid_why_ << "), warp per (row, "
+        << kChunkVecs * 8 << "-element chunk), "
         << (args.layout == CombineLayout::expert_major ? "expert-major (receiver reduces its experts, fmaf k-ascending)"
                                                        : "rank-major")
         << ", wire " << wire_format_name(b.config.combine_format)
@@ -256,6 +269,7 @@ class CudaLlEp final : public detail::EpBackendImpl {
   CombineArgs pending_combine_;  // same for combine
   std::string dispatch_explain_;
   std::string combine_explain_;
+  std::string grid_why_;  // where the CTA count came from
 };
 
 }  // namespace
