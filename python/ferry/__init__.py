@@ -31,6 +31,9 @@ from ._ext import (  # noqa: F401  (the public names)
     cuda_backend_compiled,
     cuda_device_count,
     env_params,
+    scale_layout_supported,
+    scale_tensor_bytes,
+    wire_payload_bytes,
 )
 from . import _ext
 
@@ -51,6 +54,9 @@ __all__ = [
     "cuda_device_count",
     "env_params",
     "init",
+    "scale_layout_supported",
+    "scale_tensor_bytes",
+    "wire_payload_bytes",
 ]
 
 
@@ -76,8 +82,9 @@ def init(
       bootstrap=B    any object with rank, world, local_rank, local_world and allgather / broadcast / barrier
                      (the protocol of ferry.torch_bootstrap.TorchGroupBootstrap)
       rank=, world=  a TCP rendezvous on master_addr:master_port (rank 0 listens), without the environment
-      (none)         the torchrun environment: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK
-                     (what torchrun and python -m ferry.launch set)
+      (none)         the torchrun environment: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK (what torchrun
+                     and python -m ferry.launch set); under torchrun, whose agent holds a store on MASTER_PORT, through
+                     that store (ferry.torch_bootstrap.TorchStoreBootstrap), else a TCP rendezvous on MASTER_PORT
 
     backend: "cuda" or "cpu"; default "cuda" when ferry.cuda_available(), else "cpu".
     device: cuda only, the GPU of this rank; -1 means the local rank.
@@ -107,5 +114,9 @@ def init(
             world if local_world is None else local_world,
             timeout_s,
         )
+    from .torch_bootstrap import TorchStoreBootstrap, torchrun_agent_store
+
+    if torchrun_agent_store():
+        return _ext._init_python(TorchStoreBootstrap(timeout_s=timeout_s), backend, device)
     return _ext._init_env(backend, device)
 

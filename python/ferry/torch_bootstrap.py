@@ -1,9 +1,10 @@
-"""A ferry bootstrap over an existing torch.distributed process group (ferry.init(group=...)).
+"""Ferry bootstraps over torch.distributed: an existing process group (ferry.init(group=...)), or torchrun's own store
+(what ferry.init() uses under torchrun).
 
-Ferry's communicator needs a few small host exchanges while it sets up (segment names, addresses, versions). This
-object provides them through torch.distributed's object collectives on a CPU (gloo) group, so a job that already
-has a process group needs no second rendezvous. The C++ side calls it back (with the GIL) and turns any exception
-into ferry.BootstrapError. Every wait is bounded by the group's own timeout (init_process_group(timeout=...)).
+Ferry's communicator needs a few small host exchanges while it sets up (segment names, addresses, versions). These
+objects provide them through torch, so a job that already has a process group, or runs under torchrun, needs no
+second rendezvous. The C++ side calls them back (with the GIL) and turns any exception into ferry.BootstrapError.
+Every wait is bounded (the group's timeout, init_process_group(timeout=...); the store's timeout).
 
 The protocol (any object with these members can be passed as ferry.init(bootstrap=...)):
     rank, world, local_rank, local_world: int
@@ -14,6 +15,8 @@ The protocol (any object with these members can be passed as ferry.init(bootstra
 
 from __future__ import annotations
 
+import datetime
+import os
 import socket
 
 
@@ -56,3 +59,55 @@ class TorchGroupBootstrap:
 
     def barrier(self) -> None:
         self._dist.barrier(group=self._group)
+
+
+def torchrun_agent_store() -> bool:
+    """True in a worker that torchrun started with its agent holding the store on MASTER_ADDR:MASTER_PORT."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true")
+
+
+class TorchStoreBootstrap:
+    """Bootstrap over torchrun's store: ferry.init() under torchrun.
+
+    torchrun's agent process holds a TCPStore on MASTER_ADDR:MASTER_PORT (its workers see
+    TORCHELASTIC_USE_AGENT_STORE=True), so Ferry's own socket rendezvous, whose rank 0 listens on MASTER_PORT, cannot
+    start there; the workers reach that store as clients instead, as init_process_group does. RANK, WORLD_SIZE,
+    LOCAL_RANK and LOCAL_WORLD_SIZE come from the environment. Each collective writes this rank's block under a key
+    of its own (ferry/<bootstrap>/<call>/<rank>) and reads the others' (store.get waits for them, up to timeout_s).
+    <bootstrap> counts the bootstraps this process made: communicators are created collectively, in the same order
+    on every rank.
+    """
+
+    _made = 0
+
+    def __init__(self, timeout_s: float = 60.0, store=None):
+        env = os.environ
+        self.rank = int(env["RANK"])
+        self.world = int(env["WORLD_SIZE"])
+        self.local_rank = int(env.get("LOCAL_RANK", self.rank))
+        self.local_world = int(env.get("LOCAL_WORLD_SIZE", self.world))
+        if store is None:
+            import torch.distributed as dist
+
+            store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+        self._store = store
+        TorchStoreBootstrap._made += 1
+        self._prefix = f"ferry/{TorchStoreBootstrap._made}/"
+        self._calls = 0
+
+    def allgather(self, data: bytes) -> list[bytes]:
+        self._calls += 1
+        key = f"{self._prefix}{self._calls}/"
+        self._store.set(key + str(self.rank), bytes(data))
+        return [bytes(self._store.get(key + str(r))) for r in range(self.world)]
+
+    def broadcast(self, data: bytes, root: int) -> bytes:
+        self._calls += 1
+        key = f"{self._prefix}{self._calls}/{root}"
+        if self.rank == root:
+            self._store.set(key, bytes(data))
+        return bytes(self._store.get(key))
+
+    def barrier(self) -> None:
+        self.allgather(b"")

@@ -51,6 +51,11 @@ constexpr nb::dlpack::dtype kU16 = nb::dtype<uint16_t>();
 constexpr nb::dlpack::dtype kI32 = nb::dtype<int32_t>();
 constexpr nb::dlpack::dtype kI64 = nb::dtype<int64_t>();
 constexpr nb::dlpack::dtype kF32 = nb::dtype<float>();
+constexpr nb::dlpack::dtype kU8 = nb::dtype<uint8_t>();
+constexpr nb::dlpack::dtype kI8 = nb::dtype<int8_t>();
+// One-byte float types of DLPack: e4m3 (the fp8 payload, nvfp4's block scales) and UE8M0 (power-of-two scales).
+constexpr nb::dlpack::dtype kFp8{static_cast<uint8_t>(nb::dlpack::dtype_code::Float8_E4M3FN), 8, 1};
+constexpr nb::dlpack::dtype kE8M0{static_cast<uint8_t>(nb::dlpack::dtype_code::Float8_E8M0FNU), 8, 1};
 
 // Types and callables found lazily (numpy at the first call that needs it; torch once something imported it).
 struct Frameworks {
@@ -59,6 +64,11 @@ struct Frameworks {
   nb::object numpy_empty;
   nb::object torch_empty;
   nb::object torch_bf16;
+  nb::object torch_uint8;
+  // torch's one-byte float dtypes (None where this torch lacks them): outputs of fp8 payload are uint8 views made
+  // float8_e4m3fn with Tensor.view(dtype), inputs of these dtypes are viewed as uint8 before import (both work on
+  // every torch with float8, whether or not its DLPack knows the type).
+  nb::object torch_fp8_e4m3fn, torch_fp8_e8m0fnu, torch_fp4_e2m1fn_x2;
   nb::object torch_current_stream;   // (device index) -> raw cudaStream_t as int
   bool torch_stream_is_raw = false;  // torch._C._cuda_getCurrentRawStream (an int directly) vs current_stream()
 };
@@ -89,6 +99,10 @@ PyTypeObject* torch_tensor_type() {
     f.torch_tensor = reinterpret_cast<PyTypeObject*>(module.attr("Tensor").ptr());
     f.torch_empty = module.attr("empty");
     f.torch_bf16 = module.attr("bfloat16");
+    f.torch_uint8 = module.attr("uint8");
+    f.torch_fp8_e4m3fn = nb::getattr(module, "float8_e4m3fn", nb::none());
+    f.torch_fp8_e8m0fnu = nb::getattr(module, "float8_e8m0fnu", nb::none());
+    f.torch_fp4_e2m1fn_x2 = nb::getattr(module, "float4_e2m1fn_x2", nb::none());
   }
   return f.torch_tensor;
 }
@@ -136,6 +150,14 @@ char const* dtype_name(nb::dlpack::dtype dtype) {
       return "bfloat16";
     case nb::dlpack::dtype_code::Bool:
       return "bool";
+    case nb::dlpack::dtype_code::Float8_E4M3FN:
+      return "float8_e4m3fn";
+    case nb::dlpack::dtype_code::Float8_E8M0FNU:
+      return "float8_e8m0fnu";
+    case nb::dlpack::dtype_code::Float8_E5M2:
+      return "float8_e5m2";
+    case nb::dlpack::dtype_code::Float4_E2M1FN:
+      return "float4_e2m1fn";
     default:
       return "an unsupported dtype";
   }
@@ -194,20 +216,8 @@ class Placement {
   // Imports `object` as an array without copying (no conversion), checking placement, contiguity and rank.
   template <typename Array>
   Array import(nb::handle object, char const* name, std::initializer_list<int64_t> dims, char const* free_name) const {
-    Array array;
-    FERRY_CHECK_INPUT(nb::try_cast(object, array, /*convert=*/false), name,
-                      " must be an array (DLPack or the buffer protocol: NumPy, torch, ...)",
-                      Array::ReadOnly ? "" : " that is writable", ", got ", python_type_name(object));
+    Array array = import_any<Array>(object, name);
     nb::ndarray<nb::ro> const view(array);
-    int const type = array.device_type();
-    if (backend_ == Backend::cpu) {
-      FERRY_CHECK_INPUT(type == nb::device::cpu::value || type == nb::device::cuda_host::value, name, " is on ",
-                        device_text(type, array.device_id()),
-                        "; the cpu backend takes host arrays (NumPy, torch CPU tensors)");
-    } else {
-      FERRY_CHECK_INPUT(type == nb::device::cuda::value && array.device_id() == device_, name, " is on ",
-                        device_text(type, array.device_id()), "; this communicator's GPU is cuda:", device_);
-    }
     bool shape_ok = array.ndim() == dims.size();
     size_t i = 0;
     for (int64_t dim : dims) {
@@ -217,6 +227,26 @@ class Placement {
     FERRY_CHECK_INPUT(shape_ok, name, " has shape ", shape_text(view), "; expected ", wanted_shape(dims, free_name));
     FERRY_CHECK_INPUT(is_c_contiguous(view), name, " of shape ", shape_text(view),
                       " is not contiguous (row-major); pass a contiguous array (.contiguous() / np.ascontiguousarray)");
+    return array;
+  }
+
+  // Imports `object` as an array, checking only that it is one and where it lives (for an argument the C++ call
+  // refuses by itself, whatever its shape).
+  template <typename Array>
+  Array import_any(nb::handle object, char const* name) const {
+    Array array;
+    FERRY_CHECK_INPUT(nb::try_cast(object, array, /*convert=*/false), name,
+                      " must be an array (DLPack or the buffer protocol: NumPy, torch, ...)",
+                      Array::ReadOnly ? "" : " that is writable", ", got ", python_type_name(object));
+    int const type = array.device_type();
+    if (backend_ == Backend::cpu) {
+      FERRY_CHECK_INPUT(type == nb::device::cpu::value || type == nb::device::cuda_host::value, name, " is on ",
+                        device_text(type, array.device_id()),
+                        "; the cpu backend takes host arrays (NumPy, torch CPU tensors)");
+    } else {
+      FERRY_CHECK_INPUT(type == nb::device::cuda::value && array.device_id() == device_, name, " is on ",
+                        device_text(type, array.device_id()), "; this communicator's GPU is cuda:", device_);
+    }
     return array;
   }
 
@@ -381,6 +411,7 @@ std::shared_ptr<Communicator> create_communicator(std::unique_ptr<Bootstrap> boo
 // filled nothing.
 struct PyDispatchResult {
   nb::object recv_x, recv_topk_idx, recv_topk_weights, recv_src, num_recv, expert_counts, expert_x, expert_src_row;
+  nb::object recv_scales, recv_token_scales, expert_scales, expert_token_scales;  // quantized delivery
   std::optional<int64_t> num_recv_host;
   int recv_capacity = 0;
   int expert_slots = 0;
@@ -403,6 +434,19 @@ class PyEpBuffer {
     capacity_ = resolved.recv_capacity(world);
     slots_ = resolved.expert_slots();
     max_tokens_ = resolved.max_tokens_per_rank;
+    format_ = resolved.dispatch_format;
+    wire_ = wire_row_layout(format_, hidden_);
+    scale_layout_ = resolved.recv_scale_layout;
+    quantized_ = resolved.delivers_quantized();
+    size_t const cap = static_cast<size_t>(capacity_);
+    size_t const local = static_cast<size_t>(num_local_);
+    size_t const slots = static_cast<size_t>(slots_);
+    recv_x_spec_ = row_spec(0, cap, resolved.recv_row_bytes());
+    expert_x_spec_ = row_spec(local, slots, resolved.recv_row_bytes());
+    if (quantized_) {
+      recv_scales_spec_ = scale_spec(0, capacity_);
+      expert_scales_spec_ = scale_spec(local, slots_);
+    }
     // Every view holds this capsule: the EpBuffer (and its communicator) live as long as any view of its memory.
     owner_ = nb::capsule(new std::shared_ptr<EpBuffer>(buffer_),
                          [](void* p) noexcept { delete static_cast<std::shared_ptr<EpBuffer>*>(p); });
@@ -415,14 +459,67 @@ class PyEpBuffer {
     DispatchArgs args;
     Framework framework;
     cudaStream_t stream;
+    nb::object x_bytes, scales_bytes;  // uint8 views made of torch fp8 / fp4 inputs, alive for the call
   };
 
-  // Converts and checks dispatch arguments (no C++ call).
-  Inputs dispatch_inputs(nb::handle x, nb::handle topk_idx, nb::handle topk_weights, bool expand, bool eager,
-                         nb::handle stream, bool return_recv_hook = false) const {
-    auto const xa = placement_.import <nb::ndarray<nb::ro>>(x, "x", {-1, hidden_}, "num_tokens");
-    check_dtype(xa.dtype(), "x", {kBf16, kU16}, "bfloat16 (or uint16 holding bf16 bits)");
+  // Converts and checks dispatch arguments (no C++ call). Pre-quantized input (x_scales given, a quantized
+  // dispatch_format): x is the payload, one byte per element (fp8) or two elements per byte (fp4), x_scales the block
+  // scales [num_tokens, num_scales], x_token_scales nvfp4's per-token scales. x_scales with bf16, or x_token_scales
+  // where it does not belong, go to the C++ call as given: it refuses them with its own message.
+  Inputs dispatch_inputs(nb::handle x, nb::handle topk_idx, nb::handle topk_weights, nb::handle x_scales,
+                         nb::handle x_token_scales, bool expand, bool eager, nb::handle stream,
+                         bool return_recv_hook = false) const {
+    Inputs in;
+    in.framework = framework_of(x);
+    bool const prequantized = !x_scales.is_none() && format_ != WireFormat::bf16;
+    bool const fp8 = format_ == WireFormat::fp8_e4m3 || format_ == WireFormat::fp8_e4m3_ue8m0;
+    nb::ndarray<nb::ro> xa;
+    if (prequantized) {
+      Frameworks const& f = frameworks();
+      in.x_bytes = torch_bytes(x, in.framework, fp8 ? f.torch_fp8_e4m3fn : f.torch_fp4_e2m1fn_x2);
+      xa = placement_.import <nb::ndarray<nb::ro>>(in.x_bytes, "x", {-1, static_cast<int64_t>(wire_.payload_bytes)},
+                                                   "num_tokens");
+      if (fp8)
+        check_dtype(xa.dtype(), "x", {kFp8, kU8, kI8},
+                    "float8_e4m3fn or uint8 (pre-quantized x is the fp8 payload: one byte per element)");
+      else
+        check_dtype(xa.dtype(), "x", {kU8, kI8},
+                    "uint8 (pre-quantized x is the e2m1 payload: two elements per byte, element 2i in the low nibble)");
+    } else {
+      xa = placement_.import <nb::ndarray<nb::ro>>(x, "x", {-1, hidden_}, "num_tokens");
+      check_dtype(xa.dtype(), "x", {kBf16, kU16}, "bfloat16 (or uint16 holding bf16 bits)");
+    }
     int64_t const num_tokens = static_cast<int64_t>(xa.shape(0));
+    if (!x_scales.is_none()) {
+      if (prequantized) {
+        Frameworks const& f = frameworks();
+        in.scales_bytes = torch_bytes(x_scales, in.framework,
+                                      format_ == WireFormat::nvfp4 ? f.torch_fp8_e4m3fn
+                                      : wire_.scale_bytes == 1     ? f.torch_fp8_e8m0fnu
+                                                                   : nb::none());
+        auto const sa =
+            placement_.import <nb::ndarray<nb::ro>>(in.scales_bytes, "x_scales", {num_tokens, wire_.num_scales}, "");
+        if (wire_.scale_bytes == 4)
+          check_dtype(sa.dtype(), "x_scales", {kF32}, "float32 (the fp32 block scales of dispatch_format=fp8)");
+        else if (format_ == WireFormat::nvfp4)
+          check_dtype(sa.dtype(), "x_scales", {kU8, kFp8}, "uint8 or float8_e4m3fn (nvfp4's e4m3 block scales)");
+        else
+          check_dtype(sa.dtype(), "x_scales", {kU8, kE8M0}, "uint8 or float8_e8m0fnu (UE8M0 block scales)");
+        in.args.x_scales = nonnull(sa.data());
+      } else {
+        in.args.x_scales = nonnull(placement_.import_any<nb::ndarray<nb::ro>>(x_scales, "x_scales").data());
+      }
+    }
+    if (!x_token_scales.is_none()) {
+      if (prequantized && wire_.has_token_scale) {
+        auto const ta = placement_.import <nb::ndarray<nb::ro>>(x_token_scales, "x_token_scales", {num_tokens}, "");
+        check_dtype(ta.dtype(), "x_token_scales", {kF32}, "float32 (nvfp4's per-token scales)");
+        in.args.x_token_scales = static_cast<float const*>(nonnull(ta.data()));
+      } else {
+        in.args.x_token_scales = static_cast<float const*>(
+            nonnull(placement_.import_any<nb::ndarray<nb::ro>>(x_token_scales, "x_token_scales").data()));
+      }
+    }
     auto const idx = placement_.import <nb::ndarray<nb::ro>>(topk_idx, "topk_idx", {num_tokens, topk_}, "num_tokens");
     check_dtype(idx.dtype(), "topk_idx", {kI32, kI64}, "int32 or int64");
     auto const weights =
@@ -430,7 +527,6 @@ class PyEpBuffer {
     check_dtype(weights.dtype(), "topk_weights", {kF32}, "float32");
     FERRY_CHECK_INPUT(num_tokens <= max_tokens_, "num_tokens=", num_tokens, " (rows of x) is outside [0, ",
                       "max_tokens_per_rank=", max_tokens_, "]; split the batch or raise max_tokens_per_rank");
-    Inputs in;
     in.args.x = xa.data();
     in.args.num_tokens = static_cast<int>(num_tokens);
     in.args.topk_idx = idx.data();
@@ -439,14 +535,15 @@ class PyEpBuffer {
     in.args.expand = expand;
     in.args.eager = eager;
     in.args.return_recv_hook = return_recv_hook;
-    in.framework = framework_of(x);
     in.stream = resolve_stream(stream, in.framework);
     return in;
   }
 
-  PyDispatchResult dispatch(nb::handle x, nb::handle topk_idx, nb::handle topk_weights, bool expand, bool eager,
-                            bool return_recv_hook, nb::handle stream) {
-    Inputs const in = dispatch_inputs(x, topk_idx, topk_weights, expand, eager, stream, return_recv_hook);
+  PyDispatchResult dispatch(nb::handle x, nb::handle topk_idx, nb::handle topk_weights, nb::handle x_scales,
+                            nb::handle x_token_scales, bool expand, bool eager, bool return_recv_hook,
+                            nb::handle stream) {
+    Inputs const in =
+        dispatch_inputs(x, topk_idx, topk_weights, x_scales, x_token_scales, expand, eager, stream, return_recv_hook);
     DispatchResult got;
     {
       Exclusive const exclusive(*this);
@@ -547,7 +644,7 @@ class PyEpBuffer {
   double time_cpp_loop(int iters, nb::handle x, nb::handle topk_idx, nb::handle topk_weights, bool expand,
                        nb::handle combine_x, std::string const& layout, nb::handle out, bool eager, nb::handle stream) {
     FERRY_CHECK_INPUT(iters >= 1, "iters=", iters, " must be at least 1");
-    Inputs const d = dispatch_inputs(x, topk_idx, topk_weights, expand, eager, stream);
+    Inputs const d = dispatch_inputs(x, topk_idx, topk_weights, nb::none(), nb::none(), expand, eager, stream);
     last_num_tokens_ = d.args.num_tokens;
     CombineInputs const c = combine_inputs(combine_x, layout, out, eager, stream);
     Exclusive const exclusive(*this);
@@ -602,31 +699,107 @@ class PyEpBuffer {
 
   // ---- cached views
 
+  // A torch input of one of the given one-byte float dtypes (None: none) as a uint8 view of the same memory, so that
+  // its import does not depend on whether torch's DLPack knows the type; anything else as it is.
+  static nb::object torch_bytes(nb::handle object, Framework framework, nb::handle dtype) {
+    if (framework == kTorch && !dtype.is_none() && object.attr("dtype").is(dtype))
+      return object.attr("view")(frameworks().torch_uint8);
+    return nb::borrow(object);
+  }
+
+  // The C++ API tells "given" by a non-null pointer; an empty array may have none.
+  static void const* nonnull(void const* data) {
+    alignas(16) static float const kEmpty[4] = {};
+    return data ? data : kEmpty;
+  }
+
   struct View {
     void const* data = nullptr;
     nb::object object;
   };
   struct Views {
     View recv_x, recv_topk_idx, recv_topk_weights, recv_src, num_recv, expert_counts, expert_x, expert_src_row;
+    View recv_scales, recv_token_scales, expert_scales, expert_token_scales;
   };
 
-  nb::object view(View& slot, void* data, Framework framework, nb::dlpack::dtype dtype,
-                  std::initializer_list<size_t> shape) {
+  // dtype and shape of a view (at most 4 dimensions)
+  struct ViewSpec {
+    nb::dlpack::dtype dtype = kU8;
+    size_t ndim = 0;
+    size_t dims[4] = {};
+    ViewSpec() = default;
+    ViewSpec(nb::dlpack::dtype type, std::initializer_list<size_t> shape) : dtype(type), ndim(shape.size()) {
+      std::copy(shape.begin(), shape.end(), dims);
+    }
+  };
+
+  // Delivered rows (recv_x, expert_x: `groups` > 0 adds a leading dimension): bf16 [rows, hidden], or the quantized
+  // payload, fp8 [rows, hidden] (float8_e4m3fn) or fp4 [rows, hidden / 2] (uint8, two elements per byte).
+  ViewSpec row_spec(size_t groups, size_t rows, size_t row_bytes) const {
+    nb::dlpack::dtype const dtype = !quantized_                                           ? kBf16
+                                    : wire_.payload_bytes == static_cast<size_t>(hidden_) ? kFp8
+                                                                                          : kU8;
+    size_t const cols = quantized_ ? row_bytes : static_cast<size_t>(hidden_);
+    return groups ? ViewSpec(dtype, {groups, rows, cols}) : ViewSpec(dtype, {rows, cols});
+  }
+
+  // One scale tensor of `rows` rows in recv_scale_layout (`groups` > 0: that many back to back, a leading dimension),
+  // its shape read off scale_tensor_bytes: row_major [rows, num_scales]; mn_major_tma [num_scales, rows_aligned];
+  // mn_major_tma_packed_ue8m0 int32 [ceil(num_scales / 4), rows_aligned]; blocked_128x4 uint8 [bytes]. Elements
+  // are float32 (fp8's scales) or one byte (uint8).
+  ViewSpec scale_spec(size_t groups, int rows) const {
+    size_t const bytes = scale_tensor_bytes(format_, scale_layout_, rows, hidden_);
+    size_t const num_scales = static_cast<size_t>(wire_.num_scales);
+    size_t const elem = static_cast<size_t>(wire_.scale_bytes);
+    nb::dlpack::dtype const dtype = elem == 4 ? kF32 : kU8;
+    ViewSpec spec;
+    switch (scale_layout_) {
+      case ScaleLayout::row_major:
+        spec = ViewSpec(dtype, {static_cast<size_t>(rows), num_scales});
+        break;
+      case ScaleLayout::mn_major_tma:
+        spec = ViewSpec(dtype, {num_scales, bytes / (num_scales * elem)});
+        break;
+      case ScaleLayout::mn_major_tma_packed_ue8m0: {
+        size_t const words = (num_scales + 3) / 4;
+        spec = ViewSpec(kI32, {words, bytes / (words * 4)});
+        break;
+      }
+      case ScaleLayout::blocked_128x4:
+        spec = ViewSpec(kU8, {bytes});
+        break;
+    }
+    if (groups) {
+      std::copy_backward(spec.dims, spec.dims + spec.ndim, spec.dims + spec.ndim + 1);
+      spec.dims[0] = groups;
+      ++spec.ndim;
+    }
+    return spec;
+  }
+
+  nb::object view(View& slot, void const* data, Framework framework, ViewSpec const& spec) {
     if (data == nullptr) return nb::none();
     if (slot.data != data || !slot.object.is_valid()) {
+      nb::dlpack::dtype dtype = spec.dtype;
       if (framework == kNumpy && dtype == kBf16) dtype = kU16;  // NOTE: NumPy has no bfloat16: raw bits
+      // NOTE: NumPy has no fp8 (raw bytes); torch gets uint8 made float8_e4m3fn by Tensor.view, which works whether
+      // or not its DLPack knows fp8. Other DLPack consumers get DLPack's float8_e4m3fn.
+      bool const torch_fp8 = framework == kTorch && dtype == kFp8;
+      if (dtype == kFp8 && framework != kDlpack) dtype = kU8;
       int const type = placement_.dlpack_device_type();
       int const id = placement_.dlpack_device_id();
-      size_t const ndim = shape.size();
+      void* const ptr = const_cast<void*>(data);
       switch (framework) {
         case kNumpy:
-          slot.object = nb::ndarray<nb::numpy>(data, ndim, shape.begin(), owner_, nullptr, dtype, type, id).cast();
+          slot.object = nb::ndarray<nb::numpy>(ptr, spec.ndim, spec.dims, owner_, nullptr, dtype, type, id).cast();
           break;
         case kTorch:
-          slot.object = nb::ndarray<nb::pytorch>(data, ndim, shape.begin(), owner_, nullptr, dtype, type, id).cast();
+          slot.object = nb::ndarray<nb::pytorch>(ptr, spec.ndim, spec.dims, owner_, nullptr, dtype, type, id).cast();
+          if (torch_fp8 && !frameworks().torch_fp8_e4m3fn.is_none())
+            slot.object = slot.object.attr("view")(frameworks().torch_fp8_e4m3fn);
           break;
         default:
-          slot.object = nb::ndarray<>(data, ndim, shape.begin(), owner_, nullptr, dtype, type, id).cast();
+          slot.object = nb::ndarray<>(ptr, spec.ndim, spec.dims, owner_, nullptr, dtype, type, id).cast();
           break;
       }
       slot.data = data;
@@ -644,24 +817,38 @@ class PyEpBuffer {
     Views& v = views_[framework];
     size_t const cap = static_cast<size_t>(capacity_);
     size_t const topk = static_cast<size_t>(topk_);
-    size_t const hidden = static_cast<size_t>(hidden_);
     size_t const local = static_cast<size_t>(num_local_);
     PyDispatchResult out;
-    out.recv_x = view(v.recv_x, got.recv_x, framework, kBf16, {cap, hidden});
-    out.recv_topk_idx = view(v.recv_topk_idx, got.recv_topk_idx, framework, kI32, {cap, topk});
-    out.recv_topk_weights = view(v.recv_topk_weights, got.recv_topk_weights, framework, kF32, {cap, topk});
-    out.recv_src = view(v.recv_src, got.recv_src, framework, kI32, {cap, 2});
-    out.num_recv = view(v.num_recv, got.num_recv, framework, kI32, {1});
-    out.expert_counts = view(v.expert_counts, got.expert_counts, framework, kI32, {local});
+    out.recv_x = view(v.recv_x, got.recv_x, framework, recv_x_spec_);
+    out.recv_topk_idx = view(v.recv_topk_idx, got.recv_topk_idx, framework, ViewSpec(kI32, {cap, topk}));
+    out.recv_topk_weights = view(v.recv_topk_weights, got.recv_topk_weights, framework, ViewSpec(kF32, {cap, topk}));
+    out.recv_src = view(v.recv_src, got.recv_src, framework, ViewSpec(kI32, {cap, 2}));
+    out.num_recv = view(v.num_recv, got.num_recv, framework, ViewSpec(kI32, {1}));
+    out.expert_counts = view(v.expert_counts, got.expert_counts, framework, ViewSpec(kI32, {local}));
     size_t const slots = static_cast<size_t>(got.expert_slots);
-    out.expert_x = view(v.expert_x, got.expert_x, framework, kBf16, {local, slots, hidden});
-    out.expert_src_row = view(v.expert_src_row, got.expert_src_row, framework, kI32, {local, slots});
+    out.expert_x = view(v.expert_x, got.expert_x, framework, expert_x_spec_);
+    out.expert_src_row = view(v.expert_src_row, got.expert_src_row, framework, ViewSpec(kI32, {local, slots}));
+    if (quantized_) {
+      out.recv_scales = view(v.recv_scales, got.recv_scales, framework, recv_scales_spec_);
+      out.recv_token_scales = view(v.recv_token_scales, got.recv_token_scales, framework, ViewSpec(kF32, {cap}));
+      out.expert_scales = view(v.expert_scales, got.expert_scales, framework, expert_scales_spec_);
+      out.expert_token_scales =
+          view(v.expert_token_scales, got.expert_token_scales, framework, ViewSpec(kF32, {local, slots}));
+    } else {
+      out.recv_scales = out.recv_token_scales = out.expert_scales = out.expert_token_scales = nb::none();
+    }
     if (got.num_recv_host >= 0) out.num_recv_host = got.num_recv_host;
     if (eager && got.num_recv_host >= 0) {
       out.recv_x = head(out.recv_x, got.num_recv_host);
       out.recv_topk_idx = head(out.recv_topk_idx, got.num_recv_host);
       out.recv_topk_weights = head(out.recv_topk_weights, got.num_recv_host);
       out.recv_src = head(out.recv_src, got.num_recv_host);
+      if (quantized_) {
+        // NOTE: only the row-major scales have rows as their first dimension; the other layouts stay whole tensors
+        // of recv_capacity rows (their strides depend on the row count).
+        if (scale_layout_ == ScaleLayout::row_major) out.recv_scales = head(out.recv_scales, got.num_recv_host);
+        out.recv_token_scales = head(out.recv_token_scales, got.num_recv_host);
+      }
     }
     out.recv_capacity = got.recv_capacity;
     out.expert_slots = got.expert_slots;
@@ -677,6 +864,11 @@ class PyEpBuffer {
   int capacity_ = 0;
   int slots_ = 0;
   int max_tokens_ = 0;
+  WireFormat format_ = WireFormat::bf16;  // dispatch_format
+  WireRowLayout wire_;                    // of dispatch_format
+  ScaleLayout scale_layout_ = ScaleLayout::row_major;
+  bool quantized_ = false;  // EpConfig::delivers_quantized
+  ViewSpec recv_x_spec_, expert_x_spec_, recv_scales_spec_, expert_scales_spec_;
   int last_num_tokens_ = -1;
   int64_t last_num_recv_host_ = -1;
   Framework last_framework_ = kNumpy;  // of the last dispatch (the completion of a hook returns views in it)
@@ -699,8 +891,8 @@ std::optional<std::pair<int, int>> geometry_to(std::optional<Geometry> const& va
 
 EpConfig make_config(int hidden, int num_experts, int topk, int max_tokens_per_rank, std::optional<int> expert_capacity,
                      std::optional<int> max_recv_tokens, std::string const& dispatch_format,
-                     std::string const& combine_format, std::string const& mode,
-                     std::optional<std::pair<int, int>> dispatch_geometry,
+                     std::string const& combine_format, bool dispatch_dequantize, std::string const& recv_scale_layout,
+                     std::string const& mode, std::optional<std::pair<int, int>> dispatch_geometry,
                      std::optional<std::pair<int, int>> combine_geometry) {
   EpConfig config;
   config.hidden = hidden;
@@ -711,6 +903,8 @@ EpConfig make_config(int hidden, int num_experts, int topk, int max_tokens_per_r
   config.max_recv_tokens = max_recv_tokens;
   config.dispatch_format = parse_wire_format(dispatch_format);
   config.combine_format = parse_wire_format(combine_format);
+  config.dispatch_dequantize = dispatch_dequantize;
+  config.recv_scale_layout = parse_scale_layout(recv_scale_layout);
   config.mode = parse_mode(mode);
   config.dispatch_geometry = geometry_from(dispatch_geometry);
   config.combine_geometry = geometry_from(combine_geometry);
@@ -766,6 +960,28 @@ NB_MODULE(_ext, m) {
         return out;
       },
       "Every environment parameter Ferry reads: (name, default, meaning).");
+
+  // ---- wire formats (include/ferry/wire_format.hpp; docs/quant.md)
+  m.def(
+      "wire_payload_bytes",
+      [](std::string const& format, int hidden) { return wire_payload_bytes(parse_wire_format(format), hidden); },
+      "format"_a, "hidden"_a,
+      "Bytes of one row's quantized payload (fp8: hidden, fp4: hidden / 2, bf16: 2 * hidden). ConfigError for an "
+      "unknown format or a hidden the format cannot hold.");
+  m.def(
+      "scale_layout_supported",
+      [](std::string const& format, std::string const& layout) {
+        return scale_layout_supported(parse_wire_format(format), parse_scale_layout(layout));
+      },
+      "format"_a, "layout"_a, "Whether recv_scale_layout=layout can hold the scales of the wire format.");
+  m.def(
+      "scale_tensor_bytes",
+      [](std::string const& format, std::string const& layout, int rows, int hidden) {
+        return scale_tensor_bytes(parse_wire_format(format), parse_scale_layout(layout), rows, hidden);
+      },
+      "format"_a, "layout"_a, "rows"_a, "hidden"_a,
+      "Bytes of the scale tensor of `rows` rows in `layout`, padding included (one group of expert_scales, or "
+      "recv_scales with rows = recv_capacity).");
 
   // ---- communicators
   nb::class_<Communicator>(m, "Communicator",
@@ -848,6 +1064,14 @@ NB_MODULE(_ext, m) {
       .def_prop_ro("dispatch_format",
                    [](EpConfig const& c) { return std::string(wire_format_name(c.dispatch_format)); })
       .def_prop_ro("combine_format", [](EpConfig const& c) { return std::string(wire_format_name(c.combine_format)); })
+      .def_ro("dispatch_dequantize", &EpConfig::dispatch_dequantize)
+      .def_prop_ro("recv_scale_layout",
+                   [](EpConfig const& c) { return std::string(scale_layout_name(c.recv_scale_layout)); })
+      .def_prop_ro("delivers_quantized", &EpConfig::delivers_quantized,
+                   "True when dispatch delivers the quantized payload + scales (a quantized dispatch_format without "
+                   "dispatch_dequantize).")
+      .def_prop_ro("recv_row_bytes", &EpConfig::recv_row_bytes,
+                   "Bytes of one delivered row: hidden * 2 (bf16) or the quantized payload.")
       .def_prop_ro("mode", [](EpConfig const& c) { return std::string(mode_name(c.mode)); })
       .def_prop_ro("dispatch_geometry", [](EpConfig const& c) { return geometry_to(c.dispatch_geometry); })
       .def_prop_ro("combine_geometry", [](EpConfig const& c) { return geometry_to(c.combine_geometry); })
@@ -855,8 +1079,11 @@ NB_MODULE(_ext, m) {
         return concat("EpConfig(hidden=", c.hidden, ", num_experts=", c.num_experts, ", topk=", c.topk,
                       ", max_tokens_per_rank=", c.max_tokens_per_rank,
                       ", expert_capacity=", c.expert_capacity ? std::to_string(*c.expert_capacity) : "None",
-                      ", max_recv_tokens=", c.max_recv_tokens ? std::to_string(*c.max_recv_tokens) : "None", ", mode='",
-                      mode_name(c.mode), "')");
+                      ", max_recv_tokens=", c.max_recv_tokens ? std::to_string(*c.max_recv_tokens) : "None",
+                      ", dispatch_format='", wire_format_name(c.dispatch_format), "', combine_format='",
+                      wire_format_name(c.combine_format),
+                      "', dispatch_dequantize=", c.dispatch_dequantize ? "True" : "False", ", recv_scale_layout='",
+                      scale_layout_name(c.recv_scale_layout), "', mode='", mode_name(c.mode), "')");
       });
 
   // ---- dispatch results and EpBuffer
@@ -865,16 +1092,28 @@ NB_MODULE(_ext, m) {
       "Views of the EpBuffer's buffers filled by one dispatch (zero-copy; valid until the next dispatch). Rows are "
       "ordered by (source rank, source token). Eager calls slice the rank-major views to num_recv_host rows; "
       "otherwise they span recv_capacity rows and the count stays on the device (num_recv).")
-      .def_ro("recv_x", &PyDispatchResult::recv_x, "[rows, hidden] bf16 (uint16 bits on NumPy)")
+      .def_ro("recv_x", &PyDispatchResult::recv_x,
+              "[rows, hidden] bf16 (uint16 bits on NumPy); quantized delivery: the payload, fp8 [rows, hidden] "
+              "float8_e4m3fn (uint8 on NumPy), fp4 [rows, hidden / 2] uint8")
       .def_ro("recv_topk_idx", &PyDispatchResult::recv_topk_idx, "[rows, topk] int32 local expert, -1 elsewhere")
       .def_ro("recv_topk_weights", &PyDispatchResult::recv_topk_weights, "[rows, topk] float32")
       .def_ro("recv_src", &PyDispatchResult::recv_src, "[rows, 2] int32 (source rank, source token)")
       .def_ro("num_recv", &PyDispatchResult::num_recv, "[1] int32 rows received, where the data lives")
       .def_ro("num_recv_host", &PyDispatchResult::num_recv_host, "rows received as an int (eager), else None")
       .def_ro("expert_counts", &PyDispatchResult::expert_counts, "[num_local_experts] int32 entries per expert")
-      .def_ro("expert_x", &PyDispatchResult::expert_x, "[num_local_experts, expert_capacity, hidden] bf16 (expand)")
+      .def_ro("expert_x", &PyDispatchResult::expert_x,
+              "[num_local_experts, expert_capacity, hidden] bf16 (expand), or the quantized payload as recv_x")
       .def_ro("expert_src_row", &PyDispatchResult::expert_src_row,
               "[num_local_experts, expert_capacity] int32 rank-major row of each slot (expand)")
+      .def_ro("recv_scales", &PyDispatchResult::recv_scales,
+              "Quantized delivery (normal mode): the block scales of recv_x in recv_scale_layout (docs/python.md), "
+              "else None")
+      .def_ro("recv_token_scales", &PyDispatchResult::recv_token_scales,
+              "nvfp4 delivery: [rows] float32 per-token scales, else None")
+      .def_ro("expert_scales", &PyDispatchResult::expert_scales,
+              "Quantized delivery with expand: one scale tensor per local expert, [num_local_experts, ...], else None")
+      .def_ro("expert_token_scales", &PyDispatchResult::expert_token_scales,
+              "nvfp4 delivery with expand: [num_local_experts, expert_capacity] float32, else None")
       .def_ro("recv_capacity", &PyDispatchResult::recv_capacity)
       .def_ro("expert_slots", &PyDispatchResult::expert_slots);
 
@@ -885,23 +1124,29 @@ NB_MODULE(_ext, m) {
           "__init__",
           [](PyEpBuffer* self, std::shared_ptr<Communicator> comm, int hidden, int num_experts, int topk,
              int max_tokens_per_rank, std::optional<int> expert_capacity, std::optional<int> max_recv_tokens,
-             std::string const& dispatch_format, std::string const& combine_format, std::string const& mode,
+             std::string const& dispatch_format, std::string const& combine_format, bool dispatch_dequantize,
+             std::string const& recv_scale_layout, std::string const& mode,
              std::optional<std::pair<int, int>> dispatch_geometry,
              std::optional<std::pair<int, int>> combine_geometry) {
-            EpConfig const config =
-                make_config(hidden, num_experts, topk, max_tokens_per_rank, expert_capacity, max_recv_tokens,
-                            dispatch_format, combine_format, mode, dispatch_geometry, combine_geometry);
+            EpConfig const config = make_config(hidden, num_experts, topk, max_tokens_per_rank, expert_capacity,
+                                                max_recv_tokens, dispatch_format, combine_format, dispatch_dequantize,
+                                                recv_scale_layout, mode, dispatch_geometry, combine_geometry);
             new (self) PyEpBuffer(std::move(comm), config);
           },
           "comm"_a, nb::kw_only(), "hidden"_a = defaults.hidden, "num_experts"_a = defaults.num_experts,
           "topk"_a = defaults.topk, "max_tokens_per_rank"_a = defaults.max_tokens_per_rank,
           "expert_capacity"_a = nb::none(), "max_recv_tokens"_a = nb::none(), "dispatch_format"_a = "bf16",
-          "combine_format"_a = "bf16", "mode"_a = "normal", "dispatch_geometry"_a = nb::none(),
-          "combine_geometry"_a = nb::none())
-      .def("dispatch", &PyEpBuffer::dispatch, "x"_a, "topk_idx"_a, "topk_weights"_a, nb::kw_only(), "expand"_a = false,
-           "eager"_a = true, "return_recv_hook"_a = false, "stream"_a = nb::none(),
+          "combine_format"_a = "bf16", "dispatch_dequantize"_a = defaults.dispatch_dequantize,
+          "recv_scale_layout"_a = scale_layout_name(defaults.recv_scale_layout), "mode"_a = "normal",
+          "dispatch_geometry"_a = nb::none(), "combine_geometry"_a = nb::none())
+      .def("dispatch", &PyEpBuffer::dispatch, "x"_a, "topk_idx"_a, "topk_weights"_a, nb::kw_only(),
+           "x_scales"_a = nb::none(), "x_token_scales"_a = nb::none(), "expand"_a = false, "eager"_a = true,
+           "return_recv_hook"_a = false, "stream"_a = nb::none(),
            "Sends each token to the ranks of its experts. x [T, hidden] bf16, topk_idx [T, topk] int32/int64 "
            "(global ids, -1 = none), topk_weights [T, topk] float32. Returns a DispatchResult of views. "
+           "Pre-quantized input (a quantized dispatch_format): x the payload (fp8 [T, hidden] float8_e4m3fn or "
+           "uint8; fp4 [T, hidden / 2] uint8), x_scales [T, num_scales] (float32 for fp8, uint8 otherwise), "
+           "x_token_scales [T] float32 (nvfp4). "
            "return_recv_hook (mode='ll'): return after the send half; complete_dispatch() runs the receive half.")
       .def("combine", &PyEpBuffer::combine, "x"_a, "layout"_a = "expert", nb::kw_only(), "out"_a = nb::none(),
            "eager"_a = true, "return_recv_hook"_a = false, "stream"_a = nb::none(),

@@ -1,5 +1,6 @@
 """The torch path on GPUs: 2 ranks (one process per GPU, through ferry.launch) run gpu_worker.py, which compares the
-cuda backend with the NumPy reference bit for bit. Skips without torch, without the cuda backend or below 2 GPUs."""
+cuda backend with the NumPy reference bit for bit (bf16; with --quant the fp8 wire format, see gpu_worker.py). Skips
+without torch, without the cuda backend or below 2 GPUs."""
 
 from __future__ import annotations
 
@@ -50,6 +51,10 @@ def test_torch_cuda_tensors_match_the_reference():
 
 def test_bootstrap_from_a_torch_gloo_group():
     _launch("--torch-group")
+
+
+def test_fp8_wire_format_matches_the_numpy_quantizer():
+    _launch("--quant")
 
 
 def test_moe_layer_example_on_gpus():

@@ -1,4 +1,5 @@
-"""python -m ferry.launch (Ferry's C++ launcher under Python) and the MoE layer example on the cpu backend."""
+"""python -m ferry.launch (Ferry's C++ launcher under Python) and the MoE layer example on the cpu backend, also under
+torchrun (whose agent holds the store on MASTER_PORT: ferry.init() goes through it)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import ferry
 
@@ -46,3 +49,18 @@ def test_environment_and_failure_status(tmp_path):
     failed = _run(["--nproc", "2", "--grace", "1", str(script), "fail"])
     assert failed.returncode == 3, failed.stdout + failed.stderr
     assert "ferry.launch: rank 1: exit 3" in failed.stderr
+
+
+def test_moe_layer_example_under_torchrun():
+    pytest.importorskip("torch")
+    from support import free_port
+
+    env = dict(os.environ)
+    package_root = str(Path(ferry.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), str(REPO / "examples" / "moe_layer.py"), "--backend", "cpu",
+                           "--framework", "torch"], capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
+    assert len(lines) == 2 and all(line.endswith("OK") for line in lines), done.stdout
