@@ -78,7 +78,7 @@ IMPORT_RC=${PIPESTATUS[0]}
 
 # 2. the Python tests (GPU torch tests included; each of those starts 2 ranks through ferry.launch)
 stamp "pytest python/tests"
-timeout "$(limit 240 100)" "$PYTHON" -m pytest python/tests -q -rs -p no:cacheprovider >"$LOGS/pytest.log" 2>&1
+timeout "$(limit 240 100)" "$PYTHON" -m pytest python/tests -q -rs --durations=8 -p no:cacheprovider >"$LOGS/pytest.log" 2>&1
 PYTEST_RC=$?
 grep -E "passed|failed|error|SKIPPED|FAILED" "$LOGS/pytest.log" | tail -n 25
 [[ $PYTEST_RC -ne 0 ]] && failed "pytest" "$PYTEST_RC" "$LOGS/pytest.log"
