@@ -29,10 +29,20 @@ struct Buffers {
   int32_t* token_pos = nullptr;     // [max_tokens, world]
   int32_t* block_counts = nullptr;  // [max_dispatch_ctas, world + num_experts]
   int max_dispatch_ctas = 0;
-  int32_t* expert_counts = nullptr;   // [num_local_experts]
-  int32_t* recv_slot = nullptr;       // [recv_capacity, topk]
-  void* expert_x = nullptr;           // [num_local_experts, expert_slots, hidden] (expert_capacity set)
+  int32_t* expert_counts = nullptr;  // [num_local_experts]
+  int32_t* recv_slot = nullptr;      // [recv_capacity, topk]
+  std::size_t recv_row_bytes = 0;    // EpConfig::recv_row_bytes(): bf16 row or quantized payload
+  // Quantized delivery in a scale layout other than row_major: the scale tensor of recv_capacity rows the receiver
+  // pass fills from the row-major recv_scales (zeroed once: padding entries stay zero). Null otherwise (the
+  // symmetric recv_scales is the output).
+  void* recv_scales_final = nullptr;
+  void* expert_x = nullptr;           // [num_local_experts, expert_slots, recv_row_bytes] (expert_capacity set)
   int32_t* expert_src_row = nullptr;  // [num_local_experts, expert_slots]
+  // Quantized delivery with expert_capacity: one scale tensor of expert_slots rows per local expert (zeroed once),
+  // and nvfp4's token scales [num_local_experts, expert_slots].
+  std::size_t expert_scale_bytes = 0;  // scale_tensor_bytes(dispatch_format, recv_scale_layout, expert_slots, hidden)
+  void* expert_scales = nullptr;
+  float* expert_token_scales = nullptr;
   // Launch geometry inputs fixed at construction: the EpConfig pin and the tuning table rows of this GPU model and
   // shape (plan_dispatch / plan_combine add the env pins and the analytic default per call).
   tuning::LegTuning dispatch_tuning;

@@ -1,5 +1,6 @@
 // Host launcher of the normal-mode combine kernel (combine.cuh).
 #include <algorithm>
+#include <iterator>
 
 #include "core/cuda_check.hpp"
 #include "ep/cuda/buffers.hpp"
@@ -46,6 +47,7 @@ CombineParams to_params(Buffers const& b, CombineArgs const& args, LaunchPlan co
   p.layout = b.layout;
   p.x = args.x;
   p.y = args.y;
+  p.landing_row_bytes = wire_row_bytes(b.config.combine_format, b.config.hidden);
   p.hidden = b.config.hidden;
   p.topk = b.config.topk;
   p.expert_slots = b.expert_slots;
@@ -59,16 +61,45 @@ CombineParams to_params(Buffers const& b, CombineArgs const& args, LaunchPlan co
   return p;
 }
 
+using CombineKernel = void (*)(CombineParams);
+
+// The instances: (layout, wire format, unit elements). bf16 rows are copied (no unit).
+struct Instance {
+  bool expert_major;
+  WireFormat format;
+  int unit;
+  CombineKernel kernel;
+};
+
+template <bool kExpertMajor>
+constexpr Instance kInstances[] = {
+    {kExpertMajor, WireFormat::bf16, 0, combine_kernel<kExpertMajor, WireFormat::bf16, 0>},
+    {kExpertMajor, WireFormat::fp8_e4m3, 16, combine_kernel<kExpertMajor, WireFormat::fp8_e4m3, 16>},
+    {kExpertMajor, WireFormat::fp8_e4m3_ue8m0, 16, combine_kernel<kExpertMajor, WireFormat::fp8_e4m3_ue8m0, 16>},
+    {kExpertMajor, WireFormat::nvfp4, 32, combine_kernel<kExpertMajor, WireFormat::nvfp4, 32>},
+    {kExpertMajor, WireFormat::nvfp4, 16, combine_kernel<kExpertMajor, WireFormat::nvfp4, 16>},
+    {kExpertMajor, WireFormat::mxfp4, 32, combine_kernel<kExpertMajor, WireFormat::mxfp4, 32>},
+};
+
+CombineKernel pick_kernel(bool expert_major, WireFormat format, int hidden) {
+  int const unit = format == WireFormat::bf16 ? 0 : device::unit_elems_for(format, hidden);
+  for (auto const* table : {kInstances<true>, kInstances<false>})
+    for (std::size_t i = 0; i < std::size(kInstances<true>); ++i)
+      if (table[i].expert_major == expert_major && table[i].format == format && table[i].unit == unit)
+        return table[i].kernel;
+  FERRY_THROW(ConfigError, "config", "no combine kernel for combine_format=", wire_format_name(format), " with ", unit,
+              "-element units (hidden=", hidden, ")");
+}
+
 }  // namespace
 
 void launch_combine(Buffers const& buffers, CombineArgs const& args, LaunchPlan const& plan, int num_tokens,
                     cudaStream_t stream) {
   // num_tokens is only checked here; the kernel reads the device copy of the last dispatch's count
   CombineParams const p = to_params(buffers, args, plan, num_tokens);
-  if (args.layout == CombineLayout::expert_major)
-    launch_persistent(combine_kernel<true>, p, p.num_ctas, 0, stream);
-  else
-    launch_persistent(combine_kernel<false>, p, p.num_ctas, 0, stream);
+  CombineKernel const kernel =
+      pick_kernel(args.layout == CombineLayout::expert_major, buffers.config.combine_format, buffers.config.hidden);
+  launch_persistent(kernel, p, p.num_ctas, 0, stream);
 }
 
 }  // namespace ferry::cuda_ep

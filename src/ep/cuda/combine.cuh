@@ -7,6 +7,11 @@
 //    straight into s's landing zone at [this rank][token] over NVLink. After the tile, one release flag on s.
 //  - sum CTAs take this rank's tiles in order, wait for the flag of every rank, and write
 //    y[t] = bf16(sum over d ascending of float(landing[d][t])) for the destinations d that hold t.
+// A quantized combine_format changes only what a row is on the wire: the push side quantizes the bf16 partial row in
+// registers as it produces it (device_unit_codec.cuh) and stores the wire row (payload, scales, nvfp4 token scale);
+// the sum side dequantizes each rank's row to fp32 (code * scale, one product) and sums ranks in ascending order from
+// +0.0f, rounding once to bf16. nvfp4 produces the row twice (its token scale is the row's amax), as its codec reads
+// the row twice.
 // Items go in tile order on both sides, so a source's first tiles complete while later ones are still in flight:
 // the HBM-bound sum overlaps the NVLink-bound push instead of following it.
 // Sequence numbers (DeviceState::combine_seq) make flags monotone; the landing zone alternates by parity because a
@@ -22,6 +27,8 @@
 #include "comm/device/memory.cuh"
 #include "comm/device/signal.cuh"
 #include "ep/cuda/params.cuh"
+#include "quant/device_unit_codec.cuh"
+#include "quant/layout.hpp"
 #include "trace/device_trace.cuh"
 
 namespace ferry::cuda_ep {
@@ -78,6 +85,168 @@ __device__ __forceinline__ void reduce_expert_row(CombineParams const& p, int ro
   }
 }
 
+// Receiver side of one row with a quantized combine_format: the bf16 partial row (expert-major: the fmaf chain over
+// the row's local entries, k ascending, rounded to bf16; rank-major: the caller's row) quantized unit by unit into its
+// wire row at dst (padding not written: no one reads it).
+template <bool kExpertMajor, WireFormat kFormat, int kUnitElems>
+__device__ __forceinline__ void push_quantized_partial(CombineParams const& p, int row, uint8_t* dst, int lane) {
+  using Codec = device::UnitCodec<kFormat, kUnitElems>;
+  constexpr int kInFlight = kCombineUnroll / Codec::kVecs;  // units per lane per step: 4 vectors in flight per entry
+  static_assert(kInFlight >= 1, "a unit is at most kCombineUnroll vectors");
+  int const num_units = p.hidden / kUnitElems;
+  int const num_vec = p.hidden / 8;
+  WireRowLayout const wire = quant::make_row_layout(kFormat, p.hidden);
+
+  int4 const* entry = nullptr;  // expert-major: lane k holds entry k's row and weight
+  float w = 0.0f;
+  bool valid = false;
+  if constexpr (kExpertMajor) {
+    int const topk = p.topk;
+    if (lane < topk) {
+      int32_t const el = reinterpret_cast<int32_t const*>(p.sym[p.view.rank] + p.layout.recv_idx)[row * topk + lane];
+      int32_t const slot = p.recv_slot[row * topk + lane];
+      valid = el >= 0 && slot >= 0;
+      if (valid) {
+        w = reinterpret_cast<float const*>(p.sym[p.view.rank] + p.layout.recv_w)[row * topk + lane];
+        entry = static_cast<int4 const*>(p.x) + (static_cast<std::size_t>(el) * p.expert_slots + slot) * num_vec;
+      }
+    }
+  }
+  uint32_t const entries = __ballot_sync(0xffffffffu, valid);
+  auto const* const src_row = static_cast<int4 const*>(p.x) + static_cast<std::size_t>(row) * num_vec;
+
+  // The values of units base + f * 32 + lane (zeros past the row): the bf16 partial row, in fp32.
+  auto values = [&](int base, float(&x)[kInFlight][kUnitElems]) {
+    if constexpr (kExpertMajor) {
+#pragma unroll
+      for (int f = 0; f < kInFlight; ++f)
+#pragma unroll
+        for (int i = 0; i < kUnitElems; ++i) x[f][i] = 0.0f;
+      for (uint32_t m = entries; m != 0; m &= m - 1) {
+        int const k = __ffs(m) - 1;
+        float const wk = __shfl_sync(0xffffffffu, w, k);
+        auto const* src =
+            reinterpret_cast<int4 const*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(entry), k));
+        int4 v[kInFlight][Codec::kVecs];
+#pragma unroll
+        for (int f = 0; f < kInFlight; ++f) {
+          int const u = base + f * 32 + lane;
+#pragma unroll
+          for (int i = 0; i < Codec::kVecs; ++i)
+            v[f][i] = u < num_units ? device::arch::load_nc_v4(src + static_cast<std::size_t>(u) * Codec::kVecs + i)
+                                    : make_int4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int f = 0; f < kInFlight; ++f) {
+          float e[kUnitElems];
+          Codec::unpack_bf16(v[f], e);
+#pragma unroll
+          for (int i = 0; i < kUnitElems; ++i) x[f][i] = __fmaf_rn(wk, e[i], x[f][i]);
+        }
+      }
+      // the partial row is bf16 (as with a bf16 combine_format), then quantized
+#pragma unroll
+      for (int f = 0; f < kInFlight; ++f)
+#pragma unroll
+        for (int i = 0; i < kUnitElems; ++i) x[f][i] = __bfloat162float(__float2bfloat16_rn(x[f][i]));
+    } else {
+#pragma unroll
+      for (int f = 0; f < kInFlight; ++f) {
+        int const u = base + f * 32 + lane;
+        int4 v[Codec::kVecs];
+#pragma unroll
+        for (int i = 0; i < Codec::kVecs; ++i)
+          v[i] = u < num_units ? device::arch::load_nc_v4(src_row + static_cast<std::size_t>(u) * Codec::kVecs + i)
+                               : make_int4(0, 0, 0, 0);
+        Codec::unpack_bf16(v, x[f]);
+      }
+    }
+  };
+
+  float token_scale = 0.0f;
+  if constexpr (kFormat == WireFormat::nvfp4) {
+    // first pass: the row's amax (the per-token scale enters every block scale)
+    float amax = 0.0f;
+    for (int base = 0; base < num_units; base += 32 * kInFlight) {
+      float x[kInFlight][kUnitElems];
+      values(base, x);
+#pragma unroll
+      for (int f = 0; f < kInFlight; ++f) amax = fmaxf(amax, Codec::finite_amax(x[f]));
+    }
+    token_scale = Codec::token_scale_from_lane_amax(amax);
+    if (lane == 0) *reinterpret_cast<float*>(dst + wire.token_scale_offset) = token_scale;
+  }
+  for (int base = 0; base < num_units; base += 32 * kInFlight) {
+    float x[kInFlight][kUnitElems];
+    values(base, x);
+#pragma unroll
+    for (int f = 0; f < kInFlight; ++f) {
+      uint32_t payload[4];
+      uint32_t scales;
+      Codec::quantize(x[f], token_scale, payload, scales);  // every lane: block reductions are shuffles
+      int const u = base + f * 32 + lane;
+      if (u < num_units) {
+        Codec::store_piece(dst + static_cast<std::size_t>(u) * Codec::kPieceBytes, payload);
+        if (Codec::leader(lane))
+          Codec::store_scales(dst + wire.scales_offset + Codec::block_of(u) * Codec::kTraits.scale_bytes, scales);
+      }
+    }
+  }
+}
+
+// Source side of one token with a quantized combine_format: y[t] = bf16(sum over d ascending in mask of
+// dequantize(row_d)), the sum in fp32 from +0.0f. rows: the landing row of rank 0 for this token; rank d's is
+// d * rank_stride bytes further.
+template <WireFormat kFormat, int kUnitElems>
+__device__ __forceinline__ void sum_quantized_token(CombineParams const& p, uint32_t mask, char const* rows,
+                                                    std::size_t rank_stride, int4* y, int lane) {
+  using Codec = device::UnitCodec<kFormat, kUnitElems>;
+  constexpr int kInFlight = kCombineUnroll / Codec::kVecs;
+  int const num_units = p.hidden / kUnitElems;
+  WireRowLayout const wire = quant::make_row_layout(kFormat, p.hidden);
+  for (int base = lane; base < num_units; base += 32 * kInFlight) {
+    float acc[kInFlight][kUnitElems];
+#pragma unroll
+    for (int f = 0; f < kInFlight; ++f)
+#pragma unroll
+      for (int i = 0; i < kUnitElems; ++i) acc[f][i] = 0.0f;
+    for (uint32_t m = mask; m != 0; m &= m - 1) {
+      int const d = __ffs(m) - 1;
+      char const* const src = rows + static_cast<std::size_t>(d) * rank_stride;
+      float token_scale = 0.0f;
+      if constexpr (kFormat == WireFormat::nvfp4)
+        token_scale = *reinterpret_cast<float const*>(src + wire.token_scale_offset);
+      uint32_t payload[kInFlight][4];
+      uint32_t scales[kInFlight];
+#pragma unroll
+      for (int f = 0; f < kInFlight; ++f) {
+        int const u = base + f * 32;
+        scales[f] = 0;
+        if (u < num_units) {  // coherent loads: a peer wrote the row
+          Codec::template load_piece<false>(src + static_cast<std::size_t>(u) * Codec::kPieceBytes, payload[f]);
+          scales[f] = Codec::load_scales(src + wire.scales_offset + Codec::block_of(u) * Codec::kTraits.scale_bytes);
+        }
+      }
+#pragma unroll
+      for (int f = 0; f < kInFlight; ++f) {
+        if (base + f * 32 >= num_units) continue;
+        float v[kUnitElems];
+        Codec::dequantize(payload[f], scales[f], token_scale, v);
+#pragma unroll
+        for (int i = 0; i < kUnitElems; ++i) acc[f][i] = __fadd_rn(acc[f][i], v[i]);
+      }
+    }
+#pragma unroll
+    for (int f = 0; f < kInFlight; ++f) {
+      int const u = base + f * 32;
+      if (u >= num_units) continue;
+#pragma unroll
+      for (int i = 0; i < Codec::kVecs; ++i)
+        device::arch::store_na_v4(y + static_cast<std::size_t>(u) * Codec::kVecs + i, float_to_bf16x8(acc[f] + 8 * i));
+    }
+  }
+}
+
 // First row in [lo, hi) of the receive buffers whose source token is >= token (rows of one source ascend by token).
 __device__ __forceinline__ int lower_bound_token(int2 const* recv_src, int lo, int hi, int token) {
   while (lo < hi) {
@@ -90,8 +259,9 @@ __device__ __forceinline__ int lower_bound_token(int2 const* recv_src, int lo, i
   return lo;
 }
 
-template <bool kExpertMajor>
+template <bool kExpertMajor, WireFormat kFormat, int kUnitElems>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams const p) {
+  static_assert((kFormat == WireFormat::bf16) == (kUnitElems == 0), "bf16 rows are copied; quantized rows need a unit");
   __shared__ uint64_t s_seq;
   __shared__ int s_ok;
   __shared__ int s_rows[2];
@@ -103,7 +273,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
   int const warp = tid >> 5;
   int const cta = static_cast<int>(blockIdx.x);
   int const num_vec = p.hidden / 8;
-  std::size_t const row_bytes = static_cast<std::size_t>(p.hidden) * 2;
+  std::size_t const row_bytes = static_cast<std::size_t>(p.hidden) * 2;  // a bf16 row of x and y
+  std::size_t const landing_bytes = p.landing_row_bytes;                 // a row of the landing zone (the wire row)
   FERRY_TRACE_WARP(trace, p.trace);
 
   // 0. this call's sequence number (written by the previous call's last CTA; stream order makes it visible)
@@ -134,11 +305,13 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
       }
       __syncthreads();
       char* landing =
-          p.sym[s] + p.layout.landing + static_cast<std::size_t>(parity * world + rank) * p.max_tokens * row_bytes;
+          p.sym[s] + p.layout.landing + static_cast<std::size_t>(parity * world + rank) * p.max_tokens * landing_bytes;
       for (int row = s_rows[0] + warp; row < s_rows[1]; row += kWarps) {
         int const t = recv_src[row].y;
-        auto* dst = reinterpret_cast<int4*>(landing + static_cast<std::size_t>(t) * row_bytes);
-        if constexpr (kExpertMajor) {
+        auto* dst = reinterpret_cast<int4*>(landing + static_cast<std::size_t>(t) * landing_bytes);
+        if constexpr (kFormat != WireFormat::bf16) {
+          push_quantized_partial<kExpertMajor, kFormat, kUnitElems>(p, row, reinterpret_cast<uint8_t*>(dst), lane);
+        } else if constexpr (kExpertMajor) {
           reduce_expert_row(p, row, dst, lane);
         } else {
           auto const* src = static_cast<int4 const*>(p.x) + static_cast<std::size_t>(row) * num_vec;
@@ -176,31 +349,38 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
       for (int t = j * tile + warp; t < t_end; t += kWarps) {
         uint32_t const mask = p.token_mask[t];
         auto* y = static_cast<int4*>(p.y) + static_cast<std::size_t>(t) * num_vec;
-        for (int i = lane; i < num_vec; i += 32 * kCombineUnroll) {
-          float acc[kCombineUnroll][8];
-#pragma unroll
-          for (int u = 0; u < kCombineUnroll; ++u)
-#pragma unroll
-            for (int k = 0; k < 8; ++k) acc[u][k] = 0.0f;
-          for (uint32_t m = mask; m != 0; m &= m - 1) {
-            int const d = __ffs(m) - 1;
-            auto const* src = reinterpret_cast<int4 const*>(
-                landing + (static_cast<std::size_t>(parity * world + d) * p.max_tokens + t) * row_bytes);
-            int4 v[kCombineUnroll];
+        if constexpr (kFormat != WireFormat::bf16) {
+          std::size_t const rank_stride = static_cast<std::size_t>(p.max_tokens) * landing_bytes;
+          sum_quantized_token<kFormat, kUnitElems>(
+              p, mask, landing + (static_cast<std::size_t>(parity * world) * p.max_tokens + t) * landing_bytes,
+              rank_stride, y, lane);
+        } else {
+          for (int i = lane; i < num_vec; i += 32 * kCombineUnroll) {
+            float acc[kCombineUnroll][8];
 #pragma unroll
             for (int u = 0; u < kCombineUnroll; ++u)
-              if (i + u * 32 < num_vec) v[u] = device::arch::load_v4(src + i + u * 32);  // coherent: a peer wrote it
 #pragma unroll
-            for (int u = 0; u < kCombineUnroll; ++u) {
-              float f[8];
-              bf16x8_to_float(v[u], f);
+              for (int k = 0; k < 8; ++k) acc[u][k] = 0.0f;
+            for (uint32_t m = mask; m != 0; m &= m - 1) {
+              int const d = __ffs(m) - 1;
+              auto const* src = reinterpret_cast<int4 const*>(
+                  landing + (static_cast<std::size_t>(parity * world + d) * p.max_tokens + t) * landing_bytes);
+              int4 v[kCombineUnroll];
 #pragma unroll
-              for (int k = 0; k < 8; ++k) acc[u][k] = __fadd_rn(acc[u][k], f[k]);
+              for (int u = 0; u < kCombineUnroll; ++u)
+                if (i + u * 32 < num_vec) v[u] = device::arch::load_v4(src + i + u * 32);  // coherent: a peer wrote it
+#pragma unroll
+              for (int u = 0; u < kCombineUnroll; ++u) {
+                float f[8];
+                bf16x8_to_float(v[u], f);
+#pragma unroll
+                for (int k = 0; k < 8; ++k) acc[u][k] = __fadd_rn(acc[u][k], f[k]);
+              }
             }
-          }
 #pragma unroll
-          for (int u = 0; u < kCombineUnroll; ++u)
-            if (i + u * 32 < num_vec) device::arch::store_na_v4(y + i + u * 32, float_to_bf16x8(acc[u]));
+            for (int u = 0; u < kCombineUnroll; ++u)
+              if (i + u * 32 < num_vec) device::arch::store_na_v4(y + i + u * 32, float_to_bf16x8(acc[u]));
+          }
         }
       }
       __syncthreads();  // the flags of the next tile are waited by tid < world only after every warp is done here

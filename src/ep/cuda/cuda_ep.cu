@@ -9,6 +9,7 @@
 #include "ep/cuda/buffers.hpp"
 #include "ep/ep_impl.hpp"
 #include "ferry/error.hpp"
+#include "quant/device_unit_codec.cuh"
 
 namespace ferry::cuda_ep {
 
@@ -22,8 +23,14 @@ SymLayout make_sym_layout(EpConfig const& config, int world) {
   // NOTE: 256-byte alignment keeps every row and word area on its own cache lines and 16-byte vectors aligned.
   constexpr std::size_t kAlign = 256;
   std::size_t const cap = static_cast<std::size_t>(config.recv_capacity(world));
-  std::size_t const row_bytes = static_cast<std::size_t>(config.hidden) * 2;
   std::size_t const topk = static_cast<std::size_t>(config.topk);
+  // The areas a format needs (docs/quant.md "Row layout on the wire"): a quantized delivery lands the payload in
+  // recv_x and the scales row-major in recv_scales (+ the nvfp4 token scales); dispatch_dequantize lands whole wire
+  // rows in recv_wire and delivers bf16 in recv_x; combine rows come back as wire rows of combine_format.
+  WireRowLayout const dispatch_wire = wire_row_layout(config.dispatch_format, config.hidden);
+  bool const quantized_delivery = config.delivers_quantized();
+  bool const dequantize = config.dispatch_format != WireFormat::bf16 && config.dispatch_dequantize;
+  std::size_t const combine_row = wire_row_bytes(config.combine_format, config.hidden);
   SymLayout layout;
   layout.count_words = 1 + world + config.num_local_experts(world);
   std::size_t offset = 0;
@@ -32,14 +39,20 @@ SymLayout make_sym_layout(EpConfig const& config, int world) {
     offset = align_up(offset + bytes, kAlign);
     return at;
   };
-  layout.recv_x = take(cap * row_bytes);
+  layout.recv_x = take(cap * config.recv_row_bytes());
+  if (quantized_delivery) {
+    layout.recv_scales = take(cap * static_cast<std::size_t>(dispatch_wire.num_scales) *
+                              static_cast<std::size_t>(dispatch_wire.scale_bytes));
+    if (dispatch_wire.has_token_scale) layout.recv_token_scales = take(cap * sizeof(float));
+  }
+  if (dequantize) layout.recv_wire = take(cap * dispatch_wire.row_bytes);
   layout.recv_idx = take(cap * topk * sizeof(int32_t));
   layout.recv_w = take(cap * topk * sizeof(float));
   layout.recv_src = take(cap * 2 * sizeof(int32_t));
   layout.counts = take(2ull * world * layout.count_words * sizeof(uint64_t));
   layout.data_signal = take(static_cast<std::size_t>(world) * sizeof(uint64_t));
   layout.tile_flags = take(static_cast<std::size_t>(world) * kMaxCombineTiles * sizeof(uint64_t));
-  layout.landing = take(2ull * world * static_cast<std::size_t>(config.max_tokens_per_rank) * row_bytes);
+  layout.landing = take(2ull * world * static_cast<std::size_t>(config.max_tokens_per_rank) * combine_row);
   layout.total = offset;
   return layout;
 }
@@ -97,10 +110,28 @@ class CudaEp final : public detail::EpBackendImpl {
         device_alloc<int32_t>(static_cast<std::size_t>(b.max_dispatch_ctas) * (b.world + config.num_experts));
     b.expert_counts = device_alloc<int32_t>(b.num_local_experts);
     b.recv_slot = device_alloc<int32_t>(static_cast<std::size_t>(b.recv_capacity) * config.topk);
+    b.recv_row_bytes = config.recv_row_bytes();
+    bool const quantized_delivery = config.delivers_quantized();
+    // NOTE: scale tensors are zeroed once: calls write every (row, block) entry of the rows they deliver and never the
+    // padding entries (rows or blocks past the end), which the layouts define as zero.
+    auto zeroed = [](std::size_t bytes) {
+      auto* ptr = device_alloc<uint8_t>(bytes);
+      FERRY_CHECK_CUDA(cudaMemset(ptr, 0, std::max<std::size_t>(bytes, 1)));
+      return ptr;
+    };
+    if (quantized_delivery && config.recv_scale_layout != ScaleLayout::row_major)
+      b.recv_scales_final =
+          zeroed(scale_tensor_bytes(config.dispatch_format, config.recv_scale_layout, b.recv_capacity, config.hidden));
     if (b.expert_slots > 0) {
       std::size_t const slots = static_cast<std::size_t>(b.num_local_experts) * b.expert_slots;
-      b.expert_x = device_alloc<uint16_t>(slots * config.hidden);
+      b.expert_x = device_alloc<uint8_t>(slots * b.recv_row_bytes);
       b.expert_src_row = device_alloc<int32_t>(slots);
+      if (quantized_delivery) {
+        b.expert_scale_bytes =
+            scale_tensor_bytes(config.dispatch_format, config.recv_scale_layout, b.expert_slots, config.hidden);
+        b.expert_scales = zeroed(b.expert_scale_bytes * b.num_local_experts);
+        if (config.dispatch_format == WireFormat::nvfp4) b.expert_token_scales = device_alloc<float>(slots);
+      }
     }
     FERRY_CHECK_CUDA(cudaMemset(b.state, 0, sizeof(DeviceState)));
     FERRY_CHECK_CUDA(cudaMemset(b.expert_counts, 0, sizeof(int32_t) * std::max(1, b.num_local_experts)));
@@ -116,7 +147,8 @@ class CudaEp final : public detail::EpBackendImpl {
     Buffers& b = buffers_;
     for (void* ptr : {static_cast<void*>(b.state), static_cast<void*>(b.token_mask), static_cast<void*>(b.token_pos),
                       static_cast<void*>(b.block_counts), static_cast<void*>(b.expert_counts),
-                      static_cast<void*>(b.recv_slot), b.expert_x, static_cast<void*>(b.expert_src_row)})
+                      static_cast<void*>(b.recv_slot), b.recv_scales_final, b.expert_x,
+                      static_cast<void*>(b.expert_src_row), b.expert_scales, static_cast<void*>(b.expert_token_scales)})
       if (ptr) cudaFree(ptr);
   }
 
@@ -131,12 +163,19 @@ class CudaEp final : public detail::EpBackendImpl {
     std::ostringstream why;
     why << "dispatch: normal/nvlink-push fused (layout + count exchange + push in one kernel), " << plan.ctas
         << " CTAs x " << kWarps << " warps (" << plan.why << "), ids "
-        << (args.topk_idx_type == IndexType::int64 ? "int64" : "int32")
+        << (args.topk_idx_type == IndexType::int64 ? "int64" : "int32") << ", " << dispatch_format_explain(args)
         << (args.expand ? ", then expand (one CTA per local expert)" : "") << "; fast path";
     dispatch_explain_ = why.str();
 
     DispatchResult result;
-    result.recv_x = b.sym.ptr[b.rank] + b.layout.recv_x;
+    char* const sym = b.sym.ptr[b.rank];
+    result.recv_x = sym + b.layout.recv_x;
+    result.recv_row_bytes = b.recv_row_bytes;
+    if (b.config.delivers_quantized()) {
+      result.recv_scales = b.recv_scales_final ? b.recv_scales_final : sym + b.layout.recv_scales;
+      if (b.config.dispatch_format == WireFormat::nvfp4)
+        result.recv_token_scales = reinterpret_cast<float*>(sym + b.layout.recv_token_scales);
+    }
     result.recv_topk_idx = reinterpret_cast<int32_t*>(b.sym.ptr[b.rank] + b.layout.recv_idx);
     result.recv_topk_weights = reinterpret_cast<float*>(b.sym.ptr[b.rank] + b.layout.recv_w);
     result.recv_src = reinterpret_cast<int32_t*>(b.sym.ptr[b.rank] + b.layout.recv_src);
@@ -147,6 +186,8 @@ class CudaEp final : public detail::EpBackendImpl {
       result.expert_x = b.expert_x;
       result.expert_src_row = b.expert_src_row;
       result.expert_slots = b.expert_slots;
+      result.expert_scales = b.expert_scales;
+      result.expert_token_scales = b.expert_token_scales;
     }
     if (args.eager) {
       int32_t num_recv = 0;
@@ -174,8 +215,8 @@ class CudaEp final : public detail::EpBackendImpl {
     std::ostringstream why;
     why << "combine: normal/nvlink-push pipelined (" << plan.push_ctas << " push + " << (plan.ctas - plan.push_ctas)
         << " sum CTAs x " << kWarps << " warps, " << plan.why << "), "
-        << (expert_major ? "expert-major (receiver reduces its experts, fmaf k-ascending)" : "rank-major")
-        << (need_slots ? ", slots computed first (the last dispatch did not expand)" : "")
+        << (expert_major ? "expert-major (receiver reduces its experts, fmaf k-ascending)" : "rank-major") << ", "
+        << combine_format_explain() << (need_slots ? ", slots computed first (the last dispatch did not expand)" : "")
         << "; push chosen: the receiver reduces and stores in one pass, pull would add a write + read of every row"
         << "; fast path";
     combine_explain_ = why.str();
@@ -199,6 +240,40 @@ class CudaEp final : public detail::EpBackendImpl {
   }
 
  private:
+  // The wire format part of explain().
+  std::string dispatch_format_explain(DispatchArgs const& args) const {
+    EpConfig const& config = buffers_.config;
+    WireFormat const format = config.dispatch_format;
+    if (format == WireFormat::bf16) return "format bf16 (rows copied)";
+    std::ostringstream out;
+    out << "format " << wire_format_name(format) << " ("
+        << (args.num_tokens > 0 && args.x_scales ? "pre-quantized input forwarded"
+                                                 : "quantized once per token in the push, no extra pass")
+        << ", " << device::unit_elems_for(format, config.hidden) << "-element units), ";
+    if (config.dispatch_dequantize)
+      out << "delivered as bf16 (wire rows land, then the receiver dequantizes them: a local pass over the rows)";
+    else if (config.recv_scale_layout == ScaleLayout::row_major)
+      out << "delivered quantized: payload + row_major scales written by the senders in place (no receiver pass)";
+    else
+      out << "delivered quantized: payload in place; scales land row-major and a receiver pass writes them in "
+          << scale_layout_name(config.recv_scale_layout)
+          << " (direct stores to that layout would scatter small NVLink writes)";
+    return out.str();
+  }
+
+  std::string combine_format_explain() const {
+    EpConfig const& config = buffers_.config;
+    WireFormat const format = config.combine_format;
+    if (format == WireFormat::bf16) return "format bf16";
+    std::ostringstream out;
+    out << "format " << wire_format_name(format) << " (partial rows quantized in the push, "
+        << device::unit_elems_for(format, config.hidden)
+        << "-element units; the source dequantizes to fp32 and sums ranks ascending"
+        << (format == WireFormat::nvfp4 ? "; nvfp4 produces each row twice: its token scale needs the row's amax" : "")
+        << ")";
+    return out.str();
+  }
+
   void sync_and_check(cudaStream_t stream) {
     FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
     comm_.check_errors(stream);

@@ -1,5 +1,6 @@
 // Host launcher of the normal-mode dispatch kernel (dispatch.cuh): geometry, validation, template instance, launch.
 #include <algorithm>
+#include <cstdint>
 
 #include "core/cuda_check.hpp"
 #include "ep/cuda/buffers.hpp"
@@ -56,6 +57,19 @@ DispatchParams to_params(Buffers const& b, DispatchArgs const& args, LaunchPlan 
                     "x, topk_idx and topk_weights must be non-null for num_tokens=", args.num_tokens);
   FERRY_CHECK(plan.ctas >= 1 && plan.ctas <= b.max_dispatch_ctas, "dispatch grid of ", plan.ctas,
               " CTAs is outside [1, ", b.max_dispatch_ctas, "]");
+  WireFormat const format = b.config.dispatch_format;
+  bool const prequantized = args.num_tokens > 0 && args.x_scales != nullptr;
+  if (prequantized) {
+    // NOTE: pre-quantized rows are forwarded piece by piece: fp32 scales are read as words, the token scales as floats.
+    FERRY_CHECK_INPUT(format != WireFormat::bf16, "x_scales is set but dispatch_format is bf16; pass bf16 rows ",
+                      "without scales, or create the EpBuffer with a quantized dispatch_format");
+    FERRY_CHECK_INPUT(format != WireFormat::fp8_e4m3 || reinterpret_cast<uintptr_t>(args.x_scales) % 4 == 0,
+                      "x_scales=", args.x_scales, " is not 4-byte aligned (fp32 scales of fp8_e4m3)");
+    FERRY_CHECK_INPUT(format != WireFormat::nvfp4 || args.x_token_scales != nullptr,
+                      "pre-quantized nvfp4 input needs x_token_scales (the per-token fp32 scales)");
+    FERRY_CHECK_INPUT(args.x_token_scales == nullptr || reinterpret_cast<uintptr_t>(args.x_token_scales) % 4 == 0,
+                      "x_token_scales=", args.x_token_scales, " is not 4-byte aligned");
+  }
   DispatchParams p{};
   p.view = b.view;
   for (int r = 0; r < b.world; ++r) p.sym[r] = b.sym.ptr[r];
@@ -76,18 +90,80 @@ DispatchParams to_params(Buffers const& b, DispatchArgs const& args, LaunchPlan 
   p.block_counts = b.block_counts;
   p.expert_counts = b.expert_counts;
   p.trace = b.trace ? b.trace->launch(TraceKernel::dispatch, plan.ctas, kWarps) : trace::TraceView{};
+  p.recv_pass = RecvPass::none;
+  p.scale_layout = b.config.recv_scale_layout;
+  if (format != WireFormat::bf16) {
+    p.x_scales = prequantized ? args.x_scales : nullptr;
+    p.x_token_scales = prequantized ? args.x_token_scales : nullptr;
+    WireRowLayout const wire = wire_row_layout(format, b.config.hidden);
+    if (b.config.dispatch_dequantize) {
+      // whole wire rows land in recv_wire; the receiver dequantizes them into recv_x
+      p.qdst = QuantDst{b.layout.recv_wire,
+                        wire.row_bytes,
+                        b.layout.recv_wire + wire.scales_offset,
+                        wire.row_bytes,
+                        b.layout.recv_wire + wire.token_scale_offset,
+                        wire.row_bytes};
+      p.recv_pass = RecvPass::dequantize;
+    } else {
+      // the payload, the scales (row-major) and the token scale straight into the delivered buffers
+      p.qdst = QuantDst{b.layout.recv_x,
+                        wire.payload_bytes,
+                        b.layout.recv_scales,
+                        static_cast<std::size_t>(wire.num_scales) * wire.scale_bytes,
+                        b.layout.recv_token_scales,
+                        sizeof(float)};
+      if (b.config.recv_scale_layout != ScaleLayout::row_major) {
+        p.recv_pass = RecvPass::relayout;
+        p.recv_scales_final = b.recv_scales_final;
+      }
+    }
+  }
   return p;
 }
 
-template <typename IdxT>
-void launch_instance(DispatchParams const& p, std::size_t smem, cudaStream_t stream) {
-  static bool const configured = [&] {
-    FERRY_CHECK_CUDA(cudaFuncSetAttribute(dispatch_kernel<IdxT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(kMaxDispatchSmem)));
+using DispatchKernel = void (*)(DispatchParams);
+
+// Sets the kernel's shared-memory limit once, then launches it.
+template <DispatchKernel kKernel>
+void launch_kernel(DispatchParams const& p, std::size_t smem, cudaStream_t stream) {
+  static bool const configured = [] {
+    FERRY_CHECK_CUDA(
+        cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kMaxDispatchSmem)));
     return true;
   }();
   (void)configured;
-  launch_persistent(dispatch_kernel<IdxT>, p, p.num_ctas, smem, stream);
+  launch_persistent(kKernel, p, p.num_ctas, smem, stream);
+}
+
+// The instances: (wire format, unit elements) for each index type. bf16 copies rows (no unit).
+struct Instance {
+  WireFormat format;
+  int unit;
+  void (*launch)(DispatchParams const&, std::size_t, cudaStream_t);
+};
+
+template <typename IdxT>
+constexpr Instance kInstances[] = {
+    {WireFormat::bf16, 0, launch_kernel<dispatch_kernel<IdxT, WireFormat::bf16, 0>>},
+    {WireFormat::fp8_e4m3, 16, launch_kernel<dispatch_kernel<IdxT, WireFormat::fp8_e4m3, 16>>},
+    {WireFormat::fp8_e4m3_ue8m0, 16, launch_kernel<dispatch_kernel<IdxT, WireFormat::fp8_e4m3_ue8m0, 16>>},
+    {WireFormat::nvfp4, 32, launch_kernel<dispatch_kernel<IdxT, WireFormat::nvfp4, 32>>},
+    {WireFormat::nvfp4, 16, launch_kernel<dispatch_kernel<IdxT, WireFormat::nvfp4, 16>>},
+    {WireFormat::mxfp4, 32, launch_kernel<dispatch_kernel<IdxT, WireFormat::mxfp4, 32>>},
+};
+
+template <typename IdxT>
+void launch_instance(WireFormat format, int hidden, DispatchParams const& p, std::size_t smem, cudaStream_t stream) {
+  int const unit = format == WireFormat::bf16 ? 0 : device::unit_elems_for(format, hidden);
+  for (Instance const& instance : kInstances<IdxT>) {
+    if (instance.format == format && instance.unit == unit) {
+      instance.launch(p, smem, stream);
+      return;
+    }
+  }
+  FERRY_THROW(ConfigError, "config", "no dispatch kernel for dispatch_format=", wire_format_name(format), " with ",
+              unit, "-element units (hidden=", hidden, ")");
 }
 
 }  // namespace
@@ -95,12 +171,14 @@ void launch_instance(DispatchParams const& p, std::size_t smem, cudaStream_t str
 void launch_dispatch(Buffers const& buffers, DispatchArgs const& args, LaunchPlan const& plan, cudaStream_t stream) {
   DispatchParams const p = to_params(buffers, args, plan);
   std::size_t const smem = dispatch_smem_bytes(buffers.world, buffers.config.num_experts);
+  WireFormat const format = buffers.config.dispatch_format;
+  int const hidden = buffers.config.hidden;
   switch (args.topk_idx_type) {
     case IndexType::int64:
-      launch_instance<int64_t>(p, smem, stream);
+      launch_instance<int64_t>(format, hidden, p, smem, stream);
       break;
     case IndexType::int32:
-      launch_instance<int32_t>(p, smem, stream);
+      launch_instance<int32_t>(format, hidden, p, smem, stream);
       break;
     default:
       FERRY_THROW(InputError, "input", "topk_idx_type=", static_cast<int>(args.topk_idx_type),

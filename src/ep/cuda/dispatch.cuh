@@ -9,9 +9,16 @@
 //  4. every CTA waits for every source's row, and computes its base on each destination itself: rows of lower
 //     source ranks there, then rows of lower CTAs of this rank. No atomics: the order is (source rank, token).
 //  5. push: warp per token; 16-byte loads of the row (several in flight), stored straight into the final row of every
-//     destination (LSA pointers), with the metadata (local expert ids, weights, source).
-//  6. the last CTA to finish signals every destination once (release) and waits for every source's signal, then
-//     writes num_recv, per-source offsets and expert counts, resets the grid counters and advances the sequence.
+//     destination (LSA pointers), with the metadata (local expert ids, weights, source). A quantized dispatch_format
+//     quantizes the row in registers on the way (device_unit_codec.cuh: once per token, whatever the number of
+//     destinations), or forwards pre-quantized input, and stores the payload, the block scales and the nvfp4 token
+//     scale straight into their places on every destination (no receiver pass over the payload).
+//  6. the last CTA to finish signals every destination once (release) and waits for every source's signal.
+//  7. only where the delivery needs it (RecvPass): every CTA waits for every source, then a local pass over the
+//     received rows: the row-major scales into another scale layout, or (dispatch_dequantize) the wire rows into
+//     bf16 rows.
+//  8. the last CTA writes num_recv, per-source offsets and expert counts, resets the grid counters and advances the
+//     sequence.
 // Sequence numbers (DeviceState::dispatch_seq) grow every call on the device, so a graph replays with no reset and a
 // signal of call n is never mistaken for call n+1; count slots alternate by parity because a fast peer may write
 // call n+1's row while this rank still reads call n's.
@@ -19,9 +26,14 @@
 
 #include <cstdint>
 
+#include <cuda_bf16.h>
+
 #include "comm/device/memory.cuh"
 #include "comm/device/signal.cuh"
 #include "ep/cuda/params.cuh"
+#include "quant/device_codec.cuh"
+#include "quant/device_unit_codec.cuh"
+#include "quant/layout.hpp"
 #include "trace/device_trace.cuh"
 
 namespace ferry::cuda_ep {
@@ -39,9 +51,148 @@ __device__ __forceinline__ int32_t count_value(uint64_t word) {
   return static_cast<int32_t>(static_cast<uint32_t>(word & 0xffffffffull));
 }
 
-template <typename IdxT>
+// Push of one quantized row (items (token, chunk) as the bf16 push): the warp quantizes its chunk of the row unit by
+// unit (or loads the pre-quantized pieces) and stores each unit's payload and scales into every destination of
+// `send` at its final row rows[d]. Chunks are whole scale blocks, so a block's lanes are all in one chunk.
+template <WireFormat kFormat, int kUnitElems>
+__device__ __forceinline__ void push_quantized_row(DispatchParams const& p, int t, int chunk, int chunks, uint32_t send,
+                                                   int32_t const* rows, int lane) {
+  using Codec = device::UnitCodec<kFormat, kUnitElems>;
+  // units per lane loaded before the conversions: 4 vectors of bf16 in flight per lane, as the bf16 push
+  constexpr int kInFlight = kDispatchUnroll / Codec::kVecs;
+  constexpr int kScaleBytes = Codec::kTraits.scale_bytes;
+  static_assert(kInFlight >= 1, "a unit is at most kDispatchUnroll vectors");
+  int const num_units = p.hidden / kUnitElems;
+  int const num_groups = num_units / Codec::kLanesPerBlock;
+  int const u_begin = static_cast<int>(static_cast<int64_t>(num_groups) * chunk / chunks) * Codec::kLanesPerBlock;
+  int const u_end = static_cast<int>(static_cast<int64_t>(num_groups) * (chunk + 1) / chunks) * Codec::kLanesPerBlock;
+  bool const prequantized = p.x_scales != nullptr;
+  std::size_t const num_scales = static_cast<std::size_t>(p.hidden) / Codec::kTraits.block_elems;
+  std::size_t const payload_bytes = static_cast<std::size_t>(num_units) * Codec::kPieceBytes;
+  char const* const x_payload = static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * payload_bytes;
+  char const* const x_scales =
+      static_cast<char const*>(p.x_scales) + static_cast<std::size_t>(t) * num_scales * kScaleBytes;
+  auto const* const x_row = static_cast<int4 const*>(p.x) + static_cast<std::size_t>(t) * (p.hidden / 8);
+
+  float token_scale = 0.0f;
+  if constexpr (kFormat == WireFormat::nvfp4) {
+    // the per-token scale comes from the whole row's amax (every chunk needs it: it enters every block scale)
+    if (prequantized) {
+      token_scale = p.x_token_scales[t];
+    } else {
+      float amax = 0.0f;
+      for (int v = lane; v < p.hidden / 8; v += 32) {
+        float x[8];
+        device::quant_detail::unpack<__nv_bfloat16>(device::arch::load_nc_v4(x_row + v), x);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          if (quant::is_finite(x[i])) amax = fmaxf(amax, quant::abs_value(x[i]));
+      }
+      token_scale = Codec::token_scale_from_lane_amax(amax);
+    }
+    if (chunk == 0 && lane == 0) {
+      for (uint32_t m = send; m != 0; m &= m - 1) {
+        int const d = __ffs(m) - 1;
+        *reinterpret_cast<float*>(p.sym[d] + p.qdst.token + static_cast<std::size_t>(rows[d]) * p.qdst.token_stride) =
+            token_scale;
+      }
+    }
+  }
+
+  for (int base = u_begin; base < u_end; base += 32 * kInFlight) {
+    uint32_t payload[kInFlight][4];
+    uint32_t scales[kInFlight];
+    if (prequantized) {  // forwarded as is: the same pieces the quantizer would have produced
+#pragma unroll
+      for (int f = 0; f < kInFlight; ++f) {
+        int const u = base + f * 32 + lane;
+        scales[f] = 0;
+        if (u < u_end) {
+          Codec::template load_piece<true>(x_payload + static_cast<std::size_t>(u) * Codec::kPieceBytes, payload[f]);
+          if (Codec::leader(lane)) scales[f] = Codec::load_scales(x_scales + Codec::block_of(u) * kScaleBytes);
+        }
+      }
+    } else {
+      int4 raw[kInFlight][Codec::kVecs];
+#pragma unroll
+      for (int f = 0; f < kInFlight; ++f) {
+        int const u = base + f * 32 + lane;
+#pragma unroll
+        for (int i = 0; i < Codec::kVecs; ++i)
+          raw[f][i] = u < u_end ? device::arch::load_nc_v4(x_row + static_cast<std::size_t>(u) * Codec::kVecs + i)
+                                : make_int4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int f = 0; f < kInFlight; ++f) {
+        // every lane converts (the block reductions are shuffles); lanes past the chunk hold zeros and store nothing
+        float x[kUnitElems];
+        Codec::unpack_bf16(raw[f], x);
+        Codec::quantize(x, token_scale, payload[f], scales[f]);
+      }
+    }
+#pragma unroll
+    for (int f = 0; f < kInFlight; ++f) {
+      int const u = base + f * 32 + lane;
+      if (u >= u_end) continue;
+      for (uint32_t m = send; m != 0; m &= m - 1) {
+        int const d = __ffs(m) - 1;
+        std::size_t const r = static_cast<std::size_t>(rows[d]);
+        char* const dst = p.sym[d];
+        Codec::store_piece(
+            dst + p.qdst.payload + r * p.qdst.payload_stride + static_cast<std::size_t>(u) * Codec::kPieceBytes,
+            payload[f]);
+        if (Codec::leader(lane))
+          Codec::store_scales(dst + p.qdst.scales + r * p.qdst.scales_stride + Codec::block_of(u) * kScaleBytes,
+                              scales[f]);
+      }
+    }
+  }
+}
+
+// The receiver's local pass over rows [0, num_recv) once every source's rows have landed, spread over the whole grid.
+template <WireFormat kFormat>
+__device__ __forceinline__ void dispatch_recv_pass(DispatchParams const& p, int num_recv) {
+  int const tid = static_cast<int>(threadIdx.x);
+  int const cta = static_cast<int>(blockIdx.x);
+  char* const sym = p.sym[p.view.rank];
+  if (p.recv_pass == RecvPass::dequantize) {
+    // warp per row: wire row -> bf16 row (device codec: y = code * scale in fp32, rounded once)
+    std::size_t const wire_bytes = quant::make_row_layout(kFormat, p.hidden).row_bytes;
+    auto* const out = reinterpret_cast<__nv_bfloat16*>(sym + p.layout.recv_x);
+    for (int row = cta * kWarps + (tid >> 5); row < num_recv; row += p.num_ctas * kWarps)
+      device::dequantize_row_warp<kFormat, __nv_bfloat16>(
+          reinterpret_cast<uint8_t const*>(sym + p.layout.recv_wire + static_cast<std::size_t>(row) * wire_bytes),
+          p.hidden, out + static_cast<std::size_t>(row) * p.hidden);
+  } else if (p.recv_pass == RecvPass::relayout) {
+    // thread per scale: row-major -> recv_scale_layout. MN-major layouts take rows fastest (their stores coalesce).
+    constexpr int kScaleBytes = quant::format_traits(kFormat).scale_bytes;
+    int const num_scales = p.hidden / quant::format_traits(kFormat).block_elems;
+    bool const rows_fastest =
+        p.scale_layout == ScaleLayout::mn_major_tma || p.scale_layout == ScaleLayout::mn_major_tma_packed_ue8m0;
+    int64_t const total = static_cast<int64_t>(num_recv) * num_scales;
+    auto const* const src = reinterpret_cast<uint8_t const*>(sym + p.layout.recv_scales);
+    auto* const dst = static_cast<uint8_t*>(p.recv_scales_final);
+    for (int64_t i = static_cast<int64_t>(cta) * kThreads + tid; i < total;
+         i += static_cast<int64_t>(p.num_ctas) * kThreads) {
+      int const row = static_cast<int>(rows_fastest ? i % num_recv : i / num_scales);
+      int const block = static_cast<int>(rows_fastest ? i / num_recv : i % num_scales);
+      std::size_t const from = (static_cast<std::size_t>(row) * num_scales + block) * kScaleBytes;
+      std::size_t const to =
+          quant::scale_offset(kFormat, p.scale_layout, static_cast<std::size_t>(p.recv_capacity), p.hidden,
+                              static_cast<std::size_t>(row), static_cast<std::size_t>(block));
+      // volatile loads: peers wrote the scales during this kernel (never the non-coherent path)
+      if constexpr (kScaleBytes == 4)
+        *reinterpret_cast<uint32_t*>(dst + to) = *reinterpret_cast<uint32_t const volatile*>(src + from);
+      else
+        dst[to] = *reinterpret_cast<uint8_t const volatile*>(src + from);
+    }
+  }
+}
+
+template <typename IdxT, WireFormat kFormat, int kUnitElems>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams const p) {
   static_assert(sizeof(IdxT) == 4 || sizeof(IdxT) == 8, "topk_idx is int32 or int64");
+  static_assert((kFormat == WireFormat::bf16) == (kUnitElems == 0), "bf16 rows are copied; quantized rows need a unit");
   extern __shared__ int32_t s_cnt[];  // [world] rows per destination, then [num_experts] entries per expert
   __shared__ int32_t s_warp_cnt[kWarps][kMaxLocalPeers];
   __shared__ int32_t s_warp_off[kWarps][kMaxLocalPeers];
@@ -51,6 +202,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
   __shared__ int s_ok;
   __shared__ int s_last;
   __shared__ int s_total;
+  __shared__ int s_num_recv;
 
   int const world = p.view.world;
   int const rank = p.view.rank;
@@ -244,23 +396,27 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
       }
     }
 
-    // this chunk of the row: kDispatchUnroll loads in flight per lane, then the stores to every destination
-    int const v_begin = static_cast<int>(static_cast<int64_t>(num_vec) * chunk / chunks);
-    int const v_end = static_cast<int>(static_cast<int64_t>(num_vec) * (chunk + 1) / chunks);
-    auto const* src =
-        reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes);
-    for (int i = v_begin + lane; i < v_end; i += 32 * kDispatchUnroll) {
-      int4 v[kDispatchUnroll];
-#pragma unroll
-      for (int u = 0; u < kDispatchUnroll; ++u)
-        if (i + u * 32 < v_end) v[u] = device::arch::load_nc_v4(src + i + u * 32);
-      for (uint32_t m = send; m != 0; m &= m - 1) {
-        int const d = __ffs(m) - 1;
-        auto* dst =
-            reinterpret_cast<int4*>(p.sym[d] + p.layout.recv_x + static_cast<std::size_t>(s_row[warp][d]) * row_bytes);
+    if constexpr (kFormat != WireFormat::bf16) {
+      push_quantized_row<kFormat, kUnitElems>(p, t, chunk, chunks, send, s_row[warp], lane);
+    } else {
+      // this chunk of the row: kDispatchUnroll loads in flight per lane, then the stores to every destination
+      int const v_begin = static_cast<int>(static_cast<int64_t>(num_vec) * chunk / chunks);
+      int const v_end = static_cast<int>(static_cast<int64_t>(num_vec) * (chunk + 1) / chunks);
+      auto const* src =
+          reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes);
+      for (int i = v_begin + lane; i < v_end; i += 32 * kDispatchUnroll) {
+        int4 v[kDispatchUnroll];
 #pragma unroll
         for (int u = 0; u < kDispatchUnroll; ++u)
-          if (i + u * 32 < v_end) device::arch::store_na_v4(dst + i + u * 32, v[u]);
+          if (i + u * 32 < v_end) v[u] = device::arch::load_nc_v4(src + i + u * 32);
+        for (uint32_t m = send; m != 0; m &= m - 1) {
+          int const d = __ffs(m) - 1;
+          auto* dst = reinterpret_cast<int4*>(p.sym[d] + p.layout.recv_x +
+                                              static_cast<std::size_t>(s_row[warp][d]) * row_bytes);
+#pragma unroll
+          for (int u = 0; u < kDispatchUnroll; ++u)
+            if (i + u * 32 < v_end) device::arch::store_na_v4(dst + i + u * 32, v[u]);
+        }
       }
     }
   }
@@ -283,7 +439,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
   }
   __syncthreads();
   FERRY_TRACE_END(trace, dispatch_signal);
-  if (!s_last) return;
+  // without a receiver pass only the last CTA waits; with one, every CTA waits for every source's rows
+  bool const recv_pass = kFormat != WireFormat::bf16 && p.recv_pass != RecvPass::none;
+  if (!s_last && !recv_pass) return;
   FERRY_TRACE_BEGIN(trace, dispatch_wait_data);
   if (tid < world) {
     if (!device::wait_signal_geq(p.view, reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.data_signal) + tid,
@@ -294,7 +452,22 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
   if (!s_ok) return;
   FERRY_TRACE_END(trace, dispatch_wait_data);
 
-  // 7. outputs: rows per source, num_recv, expert counts (from the exchanged counts unless rows were dropped)
+  if (recv_pass) {
+    // 7. the local pass over the received rows (every source's rows have landed: acquired above)
+    if (tid == 0) {
+      int32_t total = 0;
+      for (int s = 0; s < world; ++s)
+        total += count_value(
+            device::arch::load_relaxed_sys_u64(count_word(p.sym[rank], p.layout, parity, world, s, 1 + rank)));
+      s_num_recv = total < p.recv_capacity ? total : p.recv_capacity;
+    }
+    __syncthreads();
+    if constexpr (kFormat != WireFormat::bf16) dispatch_recv_pass<kFormat>(p, s_num_recv);
+    if (!s_last) return;
+    __syncthreads();
+  }
+
+  // 8. outputs: rows per source, num_recv, expert counts (from the exchanged counts unless rows were dropped)
   FERRY_TRACE_BEGIN(trace, dispatch_outputs);
   if (tid == 0) {
     int32_t offset = 0;

@@ -12,10 +12,19 @@ ExpandParams to_params(Buffers const& b, bool copy_rows) {
   FERRY_CHECK_INPUT(b.expert_slots > 0, "the expert-major layout needs EpConfig::expert_capacity (rows per local ",
                     "expert); set it when creating the EpBuffer");
   FERRY_CHECK(!copy_rows || (b.expert_x && b.expert_src_row), "expert-major buffers are not allocated");
+  FERRY_CHECK(!copy_rows || !b.config.delivers_quantized() || b.expert_scales,
+              "expert-major scale tensors are not allocated");
   ExpandParams p{};
   p.view = b.view;
   p.sym_local = b.sym.ptr[b.rank];
   p.layout = b.layout;
+  p.row_bytes = b.recv_row_bytes;
+  // NOTE: dispatch_dequantize delivers bf16 rows: expand copies them like bf16 transport.
+  p.format = b.config.delivers_quantized() ? b.config.dispatch_format : WireFormat::bf16;
+  p.scale_layout = b.config.recv_scale_layout;
+  p.expert_scale_bytes = b.expert_scale_bytes;
+  p.expert_scales = b.expert_scales;
+  p.expert_token_scales = b.expert_token_scales;
   p.hidden = b.config.hidden;
   p.topk = b.config.topk;
   p.num_local_experts = b.num_local_experts;
@@ -33,7 +42,9 @@ void launch_expand(Buffers const& buffers, bool copy_rows, cudaStream_t stream) 
   ExpandParams const p = to_params(buffers, copy_rows);
   // NOTE: one CTA per local expert (each scans every entry, ordered); the grid never needs to be co-resident.
   unsigned const ctas = static_cast<unsigned>(std::max(1, buffers.num_local_experts));
-  if (copy_rows)
+  if (copy_rows && p.format != WireFormat::bf16)
+    expand_kernel<true, true><<<ctas, kThreads, 0, stream>>>(p);
+  else if (copy_rows)
     expand_kernel<true><<<ctas, kThreads, 0, stream>>>(p);
   else
     expand_kernel<false><<<ctas, kThreads, 0, stream>>>(p);

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "ferry/device_view.hpp"
+#include "ferry/wire_format.hpp"
 #include "trace/trace_format.hpp"
 
 namespace ferry::cuda_ep {
@@ -51,25 +52,54 @@ struct DeviceState {
   int32_t src_tokens[kMaxLocalPeers];  // tokens source s passed to the last dispatch
 };
 
-// Byte offsets inside the symmetric region (the same on every rank).
+// Byte offsets inside the symmetric region (the same on every rank). Areas a config does not use are empty.
 struct SymLayout {
-  std::size_t recv_x = 0;       // [recv_capacity, hidden] bf16
-  std::size_t recv_idx = 0;     // [recv_capacity, topk] int32
-  std::size_t recv_w = 0;       // [recv_capacity, topk] float
-  std::size_t recv_src = 0;     // [recv_capacity, 2] int32
-  std::size_t counts = 0;       // [2 parities][world sources][count_words] uint64, (seq << 32 | value)
-  std::size_t data_signal = 0;  // [world sources] uint64 = seq of the dispatch whose rows from that source landed
-  std::size_t landing = 0;      // [2 parities][world senders][max_tokens, hidden] bf16: combine rows coming back
-  std::size_t tile_flags = 0;   // [world senders][kMaxCombineTiles] uint64 = seq of the combine that filled the tile
+  std::size_t recv_x = 0;             // [recv_capacity, recv_row_bytes]: bf16 rows, or the quantized payload
+  std::size_t recv_scales = 0;        // quantized delivery: [recv_capacity][num_scales] scale elements, row-major
+  std::size_t recv_token_scales = 0;  // quantized nvfp4 delivery: [recv_capacity] float
+  std::size_t recv_wire = 0;          // dispatch_dequantize: [recv_capacity, wire_row_bytes] wire rows landing
+  std::size_t recv_idx = 0;           // [recv_capacity, topk] int32
+  std::size_t recv_w = 0;             // [recv_capacity, topk] float
+  std::size_t recv_src = 0;           // [recv_capacity, 2] int32
+  std::size_t counts = 0;             // [2 parities][world sources][count_words] uint64, (seq << 32 | value)
+  std::size_t data_signal = 0;        // [world sources] uint64 = seq of the dispatch whose rows from that source landed
+  std::size_t landing = 0;     // [2 parities][world senders][max_tokens, combine wire row]: combine rows coming back
+  std::size_t tile_flags = 0;  // [world senders][kMaxCombineTiles] uint64 = seq of the combine that filled the tile
   std::size_t total = 0;
   int count_words = 0;  // 1 (tokens) + world (rows per destination) + num_local_experts (entries per expert)
+};
+
+// Where the pieces of a quantized dispatch row land on its destination: byte offsets inside the symmetric region of
+// row 0 and strides per row. Quantized delivery: the payload in recv_x, the scales in recv_scales (row-major), the
+// token scale in recv_token_scales; dispatch_dequantize: all three inside the wire row of recv_wire.
+struct QuantDst {
+  std::size_t payload = 0;
+  std::size_t payload_stride = 0;
+  std::size_t scales = 0;
+  std::size_t scales_stride = 0;
+  std::size_t token = 0;
+  std::size_t token_stride = 0;
+};
+
+// What the dispatch receiver does after every row has landed (a local pass, inside the dispatch kernel).
+enum class RecvPass : int {
+  none,        // bf16, or quantized delivery with row-major scales: the senders wrote the final places
+  relayout,    // quantized delivery in another scale layout: row-major scales -> recv_scale_layout
+  dequantize,  // dispatch_dequantize: wire rows -> bf16 recv_x
 };
 
 struct DispatchParams {
   DeviceView view;
   char* sym[kMaxLocalPeers];  // every rank's symmetric region
   SymLayout layout;
-  void const* x;
+  void const* x;  // bf16 rows, or (pre-quantized) the payload rows [num_tokens, payload_bytes]
+  // Quantized dispatch_format (the kernel's kFormat) only:
+  void const* x_scales;         // pre-quantized: [num_tokens][num_scales] scale elements (null: quantize x)
+  float const* x_token_scales;  // pre-quantized nvfp4: [num_tokens]
+  QuantDst qdst;
+  RecvPass recv_pass;
+  ScaleLayout scale_layout;  // of recv_scales_final (relayout)
+  void* recv_scales_final;   // relayout: the scale tensor of recv_capacity rows in scale_layout (local memory)
   void const* topk_idx;
   float const* topk_weights;
   int num_tokens;
@@ -91,13 +121,21 @@ struct ExpandParams {
   DeviceView view;
   char* sym_local;
   SymLayout layout;
+  std::size_t row_bytes;  // bytes of one row of recv_x / expert_x (EpConfig::recv_row_bytes)
+  // Quantized delivery (format != bf16): the scales and nvfp4 token scales of each slot, from the row-major
+  // recv_scales and recv_token_scales into one scale tensor of expert_slots rows per expert.
+  WireFormat format;
+  ScaleLayout scale_layout;
+  std::size_t expert_scale_bytes;  // scale_tensor_bytes(format, scale_layout, expert_slots, hidden)
+  void* expert_scales;             // [num_local_experts] tensors of expert_scale_bytes
+  float* expert_token_scales;      // nvfp4: [num_local_experts, expert_slots]
   int hidden;
   int topk;
   int num_local_experts;
   int expert_slots;
   DeviceState const* state;
   int32_t* recv_slot;       // [recv_capacity, topk]
-  void* expert_x;           // [num_local_experts, expert_slots, hidden] (copy only)
+  void* expert_x;           // [num_local_experts, expert_slots, row_bytes] (copy only)
   int32_t* expert_src_row;  // [num_local_experts, expert_slots] (copy only)
 };
 
@@ -107,6 +145,7 @@ struct CombineParams {
   SymLayout layout;
   void const* x;  // expert-major [num_local_experts, expert_slots, hidden] or rank-major [num_recv, hidden]
   void* y;        // [num_tokens, hidden]
+  std::size_t landing_row_bytes;  // wire_row_bytes(combine_format, hidden): one row of the landing zone
   int hidden;
   int topk;
   int expert_slots;

@@ -1,0 +1,242 @@
+// Lane-level pieces of the device codecs, for kernels that move the pieces of a wire row to different places (the
+// payload into one buffer, the block scales into a tensor of the receiver's layout, the nvfp4 token scale into a
+// third) or that produce and consume rows on the fly (combine reduces its partial row as it quantizes it). The rules
+// are rules.hpp's and the arithmetic is device_codec.cuh's, operation for operation, so the bytes and values equal
+// quantize_row_warp / dequantize_row_warp and the host codecs (tests/gpu/test_quant_device.cu).
+//
+// Work split: a row is cut into units of kUnitElems consecutive elements; lane l of a warp takes units l, l + 32, ...
+// A unit's payload is one store: 16 bytes (fp8 x 16 elements, e2m1 x 32) or 8 bytes (e2m1 x 16). A unit holds one or
+// two whole scale blocks (fp4), or a scale block spans kLanesPerBlock consecutive lanes (fp8: 8 lanes of 16), which
+// reduce its amax with shuffles; the block's first lane (the leader) stores its scale(s).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "quant/device_codec.cuh"
+
+namespace ferry::device {
+
+template <WireFormat kFormat, int kUnitElems>
+struct UnitCodec {
+  static constexpr quant::FormatTraits kTraits = quant::format_traits(kFormat);
+  static_assert(kFormat != WireFormat::bf16, "UnitCodec is for the quantized formats (bf16 rows are copied)");
+  static_assert(kUnitElems == 16 || kUnitElems == 32, "a unit is 16 or 32 elements (two or four bf16 vectors)");
+  static_assert(kUnitElems % kTraits.block_elems == 0 || kTraits.block_elems % kUnitElems == 0,
+                "a unit holds whole scale blocks or a scale block holds whole units");
+  // Payload bytes of one unit.
+  static constexpr int kPieceBytes = kUnitElems * kTraits.bits_per_elem / 8;
+  static_assert(kPieceBytes == 8 || kPieceBytes == 16, "a unit's payload is one 8- or 16-byte store");
+  // Elements of one scale block inside one unit, scale blocks per unit, lanes per scale block.
+  static constexpr int kBlockInUnit = kTraits.block_elems < kUnitElems ? kTraits.block_elems : kUnitElems;
+  static constexpr int kScalesPerUnit = kUnitElems / kBlockInUnit;
+  static constexpr int kLanesPerBlock = kTraits.block_elems / kBlockInUnit;
+  static_assert(kLanesPerBlock <= quant_detail::kWarpSize, "a scale block must fit in one warp step");
+  // Bytes of scale a leader lane stores for its unit (its blocks' scales are consecutive in every row-major place).
+  static constexpr int kScaleStoreBytes = kScalesPerUnit * kTraits.scale_bytes;
+  static_assert(kScaleStoreBytes == 1 || kScaleStoreBytes == 2 || kScaleStoreBytes == 4,
+                "a unit's scales are one 1-, 2- or 4-byte store");
+  // 16-byte bf16 vectors of one unit.
+  static constexpr int kVecs = kUnitElems / 8;
+
+  // The first scale block of unit u.
+  __device__ static std::size_t block_of(std::size_t unit) { return unit * kUnitElems / kTraits.block_elems; }
+  // Whether this lane stores the scales of its unit.
+  __device__ static bool leader(int lane) { return lane % kLanesPerBlock == 0; }
+
+  // Largest |x| over the finite elements of a unit (a lane's share of a row amax).
+  __device__ static float finite_amax(float const (&x)[kUnitElems]) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kUnitElems; ++i)
+      if (quant::is_finite(x[i])) amax = fmaxf(amax, quant::abs_value(x[i]));
+    return amax;
+  }
+
+  // nvfp4: the per-token scale from a row amax that every lane holds its share of (reduced over the warp here).
+  __device__ static float token_scale_from_lane_amax(float lane_amax) {
+    return quant::nvfp4_token_scale(quant_detail::group_max<quant_detail::kWarpSize>(lane_amax));
+  }
+
+  // Quantizes one unit: its payload bytes into payload (kPieceBytes, low word first, element 0 in the lowest byte /
+  // nibble) and its scale element(s) into scales (kScaleStoreBytes, the first block in the low bytes; fp8_e4m3: the
+  // fp32 bits). Every lane of the warp must call it (the block reductions are shuffles); a lane without a unit passes
+  // zeros and stores nothing. token_scale: nvfp4's per-token scale (unused otherwise).
+  __device__ static void quantize(float const (&x)[kUnitElems], float token_scale, uint32_t (&payload)[4],
+                                  uint32_t& scales) {
+    using namespace quant_detail;
+    payload[0] = payload[1] = payload[2] = payload[3] = 0;
+    scales = 0;
+    if constexpr (kFormat == WireFormat::fp8_e4m3 || kFormat == WireFormat::fp8_e4m3_ue8m0) {
+      // non-finite elements become e4m3's NaN in e4m3_codes; they are left out of the amax
+      float const amax = group_max<kLanesPerBlock>(finite_amax(x));
+      if constexpr (kFormat == WireFormat::fp8_e4m3) {
+        float const scale = quant::fp8_scale(amax);
+        scales = __float_as_uint(scale);
+        e4m3_codes<kUnitElems>(x, quant::div_rn(1.0f, scale), payload);
+      } else {
+        uint8_t const byte =
+            __nv_cvt_float_to_e8m0(quant::fp8_ue8m0_scale_target(amax), __NV_SATFINITE, cudaRoundPosInf);
+        scales = byte;
+        e4m3_codes<kUnitElems>(x, quant::ue8m0_inverse(byte), payload);
+      }
+    } else {
+#pragma unroll
+      for (int b = 0; b < kScalesPerUnit; ++b) {
+        float amax = 0.0f;
+        int non_finite = 0;
+#pragma unroll
+        for (int i = 0; i < kBlockInUnit; ++i) {
+          float const v = x[b * kBlockInUnit + i];
+          if (quant::is_finite(v))
+            amax = fmaxf(amax, quant::abs_value(v));
+          else
+            non_finite = 1;
+        }
+        amax = group_max<kLanesPerBlock>(amax);
+        non_finite = group_any<kLanesPerBlock>(non_finite);
+        // e2m1 has no NaN: a block with a non-finite element gets a NaN scale and zero codes
+        uint32_t byte = kFormat == WireFormat::nvfp4 ? quant::kE4m3Nan : quant::kUe8m0Nan;
+        if (!non_finite) {
+          float inverse = 0.0f;
+          bool zeros = false;
+          if constexpr (kFormat == WireFormat::nvfp4) {
+            byte = __nv_cvt_float_to_fp8(quant::nvfp4_block_scale_target(amax, token_scale), __NV_SATFINITE, __NV_E4M3);
+            float const block_scale = e4m3_value(static_cast<uint8_t>(byte));
+            zeros = block_scale == 0.0f;
+            if (!zeros) inverse = quant::div_rn(1.0f, quant::nvfp4_effective_scale(block_scale, token_scale));
+          } else {
+            byte = __nv_cvt_float_to_e8m0(quant::mxfp4_scale_target(amax), __NV_SATFINITE, cudaRoundPosInf);
+            inverse = quant::ue8m0_inverse(static_cast<uint8_t>(byte));
+          }
+#pragma unroll
+          for (int k = 0; k < kBlockInUnit / 2; ++k) {
+            float const a = x[b * kBlockInUnit + 2 * k], c = x[b * kBlockInUnit + 2 * k + 1];
+            uint32_t pair;
+            if (zeros) {
+              pair = static_cast<uint32_t>(quant::e2m1_signed_zero(a)) |
+                     (static_cast<uint32_t>(quant::e2m1_signed_zero(c)) << 4);
+            } else {
+              pair = __nv_cvt_float2_to_fp4x2(make_float2(quant::mul_rn(a, inverse), quant::mul_rn(c, inverse)),
+                                              __NV_E2M1, cudaRoundNearest);
+            }
+            int const byte_idx = b * kBlockInUnit / 2 + k;
+            payload[byte_idx / 4] |= (pair & 0xFFu) << (8 * (byte_idx % 4));
+          }
+        }
+        scales |= byte << (8 * b);
+      }
+    }
+  }
+
+  // Dequantizes one unit to fp32: y = code * scale as one fp32 product (nvfp4: code * (block scale * token scale)),
+  // exactly as dequantize_row_warp. payload / scales as quantize() produces them.
+  __device__ static void dequantize(uint32_t const (&payload)[4], uint32_t scales, float token_scale,
+                                    float (&y)[kUnitElems]) {
+    using namespace quant_detail;
+    if constexpr (kFormat == WireFormat::fp8_e4m3 || kFormat == WireFormat::fp8_e4m3_ue8m0) {
+      float const scale =
+          kFormat == WireFormat::fp8_e4m3 ? __uint_as_float(scales) : quant::ue8m0_value(static_cast<uint8_t>(scales));
+#pragma unroll
+      for (int k = 0; k < kUnitElems / 2; ++k) {
+        auto const pair = static_cast<__nv_fp8x2_storage_t>(payload[k / 2] >> (16 * (k % 2)));
+        float2 const q = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+        y[2 * k] = quant::mul_rn(q.x, scale);
+        y[2 * k + 1] = quant::mul_rn(q.y, scale);
+      }
+    } else {
+#pragma unroll
+      for (int b = 0; b < kScalesPerUnit; ++b) {
+        auto const byte = static_cast<uint8_t>(scales >> (8 * b));
+        float const scale = kFormat == WireFormat::nvfp4 ? quant::nvfp4_effective_scale(e4m3_value(byte), token_scale)
+                                                         : quant::ue8m0_value(byte);
+#pragma unroll
+        for (int k = 0; k < kBlockInUnit / 2; ++k) {
+          int const byte_idx = b * kBlockInUnit / 2 + k;
+          auto const pair = static_cast<__nv_fp4x2_storage_t>(payload[byte_idx / 4] >> (8 * (byte_idx % 4)));
+          float2 const q = __half22float2(__half2(__nv_cvt_fp4x2_to_halfraw2(pair, __NV_E2M1)));
+          y[2 * k + b * kBlockInUnit] = quant::mul_rn(q.x, scale);
+          y[2 * k + 1 + b * kBlockInUnit] = quant::mul_rn(q.y, scale);
+        }
+      }
+    }
+  }
+
+  // A unit's payload to dst (kPieceBytes, aligned to them; local or a peer's memory).
+  __device__ static void store_piece(void* dst, uint32_t const (&payload)[4]) {
+    if constexpr (kPieceBytes == 16)
+      arch::store_na_v4(static_cast<int4*>(dst), make_int4(static_cast<int>(payload[0]), static_cast<int>(payload[1]),
+                                                           static_cast<int>(payload[2]), static_cast<int>(payload[3])));
+    else
+      *static_cast<uint2*>(dst) = make_uint2(payload[0], payload[1]);
+  }
+
+  // A unit's payload from src: kNcSource for the caller's input (read-only during the kernel), otherwise a coherent
+  // load (data a peer published before a signal this CTA acquired).
+  template <bool kNcSource>
+  __device__ static void load_piece(void const* src, uint32_t (&payload)[4]) {
+    payload[0] = payload[1] = payload[2] = payload[3] = 0;
+    if constexpr (kPieceBytes == 16) {
+      int4 const v =
+          kNcSource ? arch::load_nc_v4(static_cast<int4 const*>(src)) : arch::load_v4(static_cast<int4 const*>(src));
+      payload[0] = static_cast<uint32_t>(v.x), payload[1] = static_cast<uint32_t>(v.y);
+      payload[2] = static_cast<uint32_t>(v.z), payload[3] = static_cast<uint32_t>(v.w);
+    } else {
+      uint2 const v = *static_cast<uint2 const*>(src);  // plain (coherent) load: no __restrict__, no __ldg
+      payload[0] = v.x, payload[1] = v.y;
+    }
+  }
+
+  // A unit's scales (kScaleStoreBytes) to dst, aligned to them.
+  __device__ static void store_scales(void* dst, uint32_t scales) {
+    if constexpr (kScaleStoreBytes == 4)
+      *static_cast<uint32_t*>(dst) = scales;
+    else if constexpr (kScaleStoreBytes == 2)
+      *static_cast<uint16_t*>(dst) = static_cast<uint16_t>(scales);
+    else
+      *static_cast<uint8_t*>(dst) = static_cast<uint8_t>(scales);
+  }
+
+  // A unit's scales from src. Byte by byte for one-byte scales, so src needs no alignment beyond the element's
+  // (pre-quantized inputs are row-major [rows][num_scales]); volatile: never the non-coherent path.
+  __device__ static uint32_t load_scales(void const* src) {
+    if constexpr (kTraits.scale_bytes == 4) {
+      return *static_cast<uint32_t const volatile*>(src);
+    } else {
+      auto const* bytes = static_cast<uint8_t const volatile*>(src);
+      uint32_t scales = 0;
+#pragma unroll
+      for (int b = 0; b < kScaleStoreBytes; ++b) scales |= static_cast<uint32_t>(bytes[b]) << (8 * b);
+      return scales;
+    }
+  }
+
+  // kVecs 16-byte bf16 vectors of a unit -> fp32 (exact).
+  __device__ static void unpack_bf16(int4 const (&raw)[kVecs], float (&x)[kUnitElems]) {
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      float part[8];
+      quant_detail::unpack<__nv_bfloat16>(raw[v], part);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[8 * v + i] = part[i];
+    }
+  }
+};
+
+// The unit size kernels use for a format and hidden: 16-byte payload stores where the row allows it (fp8 x 16,
+// e2m1 x 32), else 8 bytes (nvfp4 with hidden not a multiple of 32).
+__host__ __device__ constexpr int unit_elems_for(WireFormat format, int hidden) {
+  switch (format) {
+    case WireFormat::fp8_e4m3:
+    case WireFormat::fp8_e4m3_ue8m0:
+      return 16;
+    case WireFormat::nvfp4:
+      return hidden % 32 == 0 ? 32 : 16;
+    case WireFormat::mxfp4:
+      return 32;
+    default:
+      return 0;
+  }
+}
+
+}  // namespace ferry::device
