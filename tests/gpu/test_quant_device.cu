@@ -86,6 +86,26 @@ __global__ void dequantize_kernel(DequantizeParams<T> const params) {
                                           params.y + static_cast<std::size_t>(row) * params.hidden);
 }
 
+// One (format, layout, rows, hidden, row, block) query of the receiver scale layouts, answered on the device.
+struct OffsetQuery {
+  WireFormat format;
+  ScaleLayout layout;
+  int rows;
+  int hidden;
+  int row;
+  int block;
+};
+
+__global__ void scale_offset_kernel(OffsetQuery const* queries, int count, std::size_t* offsets,
+                                    std::size_t* tensor_bytes) {
+  int const i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i >= count) return;
+  OffsetQuery const q = queries[i];
+  offsets[i] = quant::scale_offset(q.format, q.layout, static_cast<std::size_t>(q.rows), q.hidden,
+                                   static_cast<std::size_t>(q.row), static_cast<std::size_t>(q.block));
+  tensor_bytes[i] = quant::scale_tensor_size(q.format, q.layout, static_cast<std::size_t>(q.rows), q.hidden);
+}
+
 template <typename T>
 struct DeviceBuffer {
   T* ptr = nullptr;
@@ -318,6 +338,63 @@ TEST(QuantDevice, DequantizeMatchesHost) {
                         << ", bf16 device 0x" << std::hex << dev16 << " host 0x" << host_bf16[i];
         }
       }
+    }
+  }
+#endif
+}
+
+// The scale-tensor offsets kernels use (quant::scale_offset on the device) equal the host's scale_byte_offset and
+// scale_tensor_bytes for every supported (format, layout), odd and aligned row counts, every (row, block) corner and
+// random ones.
+TEST(QuantDevice, ScaleOffsetsMatchHost) {
+#if !FERRY_HAVE_CUDA
+  GTEST_SKIP() << "needs the cuda backend (built with FERRY_ENABLE_CUDA=OFF)";
+#else
+  FERRY_REQUIRE_GPU();
+  std::mt19937_64 rng(test_seed() ^ 0x5ca1e);
+  ScaleLayout const layouts[] = {ScaleLayout::row_major, ScaleLayout::mn_major_tma,
+                                 ScaleLayout::mn_major_tma_packed_ue8m0, ScaleLayout::blocked_128x4};
+  std::vector<OffsetQuery> queries;
+  for (WireFormat format : kFormats) {
+    for (ScaleLayout layout : layouts) {
+      if (!scale_layout_supported(format, layout)) continue;
+      int const block = wire_block_elems(format);
+      for (int hidden : {block * 8 > 128 ? block * 8 : 128, block * 17, 7168, 2176}) {
+        if (hidden % block != 0 || hidden % 8 != 0) continue;
+        int const num_scales = hidden / block;
+        for (int rows : {1, 5, 128, 131, 4096 + 3}) {
+          for (int row : {0, rows / 2, rows - 1})
+            for (int j : {0, num_scales / 2, num_scales - 1}) queries.push_back({format, layout, rows, hidden, row, j});
+          for (int k = 0; k < 16; ++k)
+            queries.push_back({format, layout, rows, hidden, static_cast<int>(rng() % static_cast<uint64_t>(rows)),
+                               static_cast<int>(rng() % static_cast<uint64_t>(num_scales))});
+        }
+      }
+    }
+  }
+  int const count = static_cast<int>(queries.size());
+  DeviceBuffer<OffsetQuery> d_queries(queries.size());
+  DeviceBuffer<std::size_t> d_offsets(queries.size()), d_bytes(queries.size());
+  FERRY_CHECK_CUDA(
+      cudaMemcpy(d_queries.ptr, queries.data(), queries.size() * sizeof(OffsetQuery), cudaMemcpyHostToDevice));
+  scale_offset_kernel<<<(count + 127) / 128, 128>>>(d_queries.ptr, count, d_offsets.ptr, d_bytes.ptr);
+  FERRY_CHECK_CUDA(cudaGetLastError());
+  FERRY_CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<std::size_t> offsets(queries.size()), bytes(queries.size());
+  FERRY_CHECK_CUDA(
+      cudaMemcpy(offsets.data(), d_offsets.ptr, offsets.size() * sizeof(std::size_t), cudaMemcpyDeviceToHost));
+  FERRY_CHECK_CUDA(cudaMemcpy(bytes.data(), d_bytes.ptr, bytes.size() * sizeof(std::size_t), cudaMemcpyDeviceToHost));
+  int reported = 0;
+  for (int i = 0; i < count && reported < 10; ++i) {
+    OffsetQuery const& q = queries[static_cast<std::size_t>(i)];
+    std::size_t const host = scale_byte_offset(q.format, q.layout, q.rows, q.hidden, q.row, q.block);
+    std::size_t const host_bytes = scale_tensor_bytes(q.format, q.layout, q.rows, q.hidden);
+    if (offsets[static_cast<std::size_t>(i)] != host || bytes[static_cast<std::size_t>(i)] != host_bytes) {
+      ++reported;
+      ADD_FAILURE() << wire_format_name(q.format) << " " << scale_layout_name(q.layout) << " rows " << q.rows
+                    << " hidden " << q.hidden << " (row " << q.row << ", block " << q.block << "): device offset "
+                    << offsets[static_cast<std::size_t>(i)] << " host " << host << ", tensor bytes device "
+                    << bytes[static_cast<std::size_t>(i)] << " host " << host_bytes;
     }
   }
 #endif

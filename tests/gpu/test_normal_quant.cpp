@@ -1,0 +1,575 @@
+// Normal-mode dispatch / expand / combine with quantized wire formats on the cuda backend, compared bit for bit with
+// the reference (src/ep/reference.hpp, host codecs of src/quant/codec.hpp):
+//  - quantized delivery: every received row's payload bytes, block scales (at their offsets in recv_scale_layout) and
+//    nvfp4 token scale equal ref::deliver of the reference's wire rows;
+//  - pre-quantized input (DispatchArgs::x_scales): the caller's pieces arrive unchanged;
+//  - dispatch_dequantize: the bf16 rows equal the reference's recv_x;
+//  - expand: each expert's payload rows, scale tensor entries and token scales equal ref::deliver of expand_wire;
+//  - combine in every combine_format, rank-major and expert-major: y equals the reference combine exactly.
+// Outputs are poisoned before every call, so every checked entry was written by it. Each test starts one process per
+// rank (2 GPUs; skipped below) and every child rebuilds every rank's inputs from the printed seed.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ep/reference.hpp"
+#include "ep/routing.hpp"
+#include "ferry/communicator.hpp"
+#include "ferry/ep.hpp"
+#include "ferry/error.hpp"
+#include "ferry/wire_format.hpp"
+#include "support/gpu_case.hpp"
+
+#if FERRY_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#endif
+
+namespace ferry::test {
+namespace {
+
+constexpr int kWorld = 2;
+
+#if FERRY_HAVE_CUDA
+
+struct Spec {
+  WireFormat dispatch_format = WireFormat::fp8_e4m3;
+  WireFormat combine_format = WireFormat::bf16;
+  ScaleLayout layout = ScaleLayout::row_major;
+  bool dequantize = false;
+  bool prequantized = false;
+  std::vector<int> tokens{64, 64};
+  int hidden = 2048;
+  int topk = 8;
+  int experts = 64;
+  double mask_rate = 0.0;
+  int iters = 1;
+  bool expand = false;
+  bool graph = false;
+  uint64_t seed = 1;
+};
+
+Spec parse_spec(std::vector<std::string> const& words) {
+  CaseArgs const args(words);
+  Spec s;
+  s.dispatch_format = parse_wire_format(args.text("format", wire_format_name(s.dispatch_format)));
+  s.combine_format = parse_wire_format(args.text("combine", wire_format_name(s.combine_format)));
+  s.layout = parse_scale_layout(args.text("layout", scale_layout_name(s.layout)));
+  s.dequantize = args.flag("dequantize", s.dequantize);
+  s.prequantized = args.flag("prequant", s.prequantized);
+  s.tokens = args.integers("tokens", s.tokens);
+  s.hidden = args.integer("hidden", s.hidden);
+  s.topk = args.integer("topk", s.topk);
+  s.experts = args.integer("experts", s.experts);
+  s.mask_rate = args.number("mask", s.mask_rate);
+  s.iters = args.integer("iters", s.iters);
+  s.expand = args.flag("expand", s.expand);
+  s.graph = args.flag("graph", s.graph);
+  s.seed = args.u64("seed", s.seed);
+  return s;
+}
+
+int fail(char const* what, int rank, int iter, long index) {
+  std::fprintf(stderr, "rank %d iter %d: %s mismatch at %ld\n", rank, iter, what, index);
+  return 1;
+}
+
+template <typename T>
+long first_diff(T const* a, T const* b, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i)
+    if (std::memcmp(a + i, b + i, sizeof(T)) != 0) return static_cast<long>(i);
+  return -1;
+}
+
+// Rows with more than N(0,1) noise, so scales differ between blocks: zero blocks, blocks scaled by powers of two
+// over many binades, bf16 denormals, and (dispatch input only) NaN / +-Inf elements.
+void vary_rows(std::vector<uint16_t>& x, int rows, int hidden, uint64_t seed, bool non_finite) {
+  for (int r = 0; r < rows; ++r) {
+    uint16_t* row = x.data() + static_cast<std::size_t>(r) * hidden;
+    uint64_t const h = (seed * 0x9E3779B97F4A7C15ull) ^ (static_cast<uint64_t>(r) * 0xBF58476D1CE4E5B9ull);
+    int const kind = static_cast<int>(h % 8);
+    int const block = static_cast<int>((h >> 8) % static_cast<uint64_t>(hidden / 32)) * 32;
+    for (int i = block; i < block + 32; ++i) {
+      float v = ref::bf16_to_float(row[i]);
+      switch (kind) {
+        case 1:
+          v = 0.0f;
+          break;
+        case 2:
+          v = std::ldexp(v, -20);
+          break;
+        case 3:
+          v = std::ldexp(v, 24);
+          break;
+        case 4:
+          v = std::ldexp(v, -130);  // bf16 denormals
+          break;
+        default:
+          break;
+      }
+      row[i] = ref::float_to_bf16(v);
+    }
+    if (non_finite && kind == 5) {
+      row[(h >> 20) % static_cast<uint64_t>(hidden)] = 0x7FC0;  // NaN
+      row[(h >> 30) % static_cast<uint64_t>(hidden)] = 0xFF80;  // -Inf
+    }
+  }
+}
+
+template <typename T>
+T* device_copy(std::vector<T> const& host, std::size_t min_count = 1) {
+  void* ptr = nullptr;
+  CK(cudaMalloc(&ptr, std::max(host.size(), min_count) * sizeof(T)));
+  if (!host.empty()) CK(cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return static_cast<T*>(ptr);
+}
+
+template <typename T>
+void upload(void* dev, std::vector<T> const& host) {
+  if (!host.empty()) CK(cudaMemcpy(dev, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+}
+
+// Compares the (row, block) entries of rows [0, num_rows) of two scale tensors of `tensor_rows` rows.
+long scale_diff(EpConfig const& config, int tensor_rows, int num_rows, std::vector<uint8_t> const& got,
+                std::vector<uint8_t> const& want) {
+  WireRowLayout const wire = wire_row_layout(config.dispatch_format, config.hidden);
+  for (int r = 0; r < num_rows; ++r)
+    for (int j = 0; j < wire.num_scales; ++j) {
+      std::size_t const at =
+          scale_byte_offset(config.dispatch_format, config.recv_scale_layout, tensor_rows, config.hidden, r, j);
+      if (std::memcmp(got.data() + at, want.data() + at, static_cast<std::size_t>(wire.scale_bytes)) != 0)
+        return static_cast<long>(r) * wire.num_scales + j;
+    }
+  return -1;
+}
+
+// Milliseconds since the rank process started its case (progress lines: where a slow or stuck case spends time).
+double elapsed_ms() {
+  static auto const start = std::chrono::steady_clock::now();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+}
+
+// One shape on an EpBuffer of its own over `comm`: dispatch (+ expand) and both combines, iters times.
+int run_spec(std::shared_ptr<Communicator> const& comm, Spec const& spec) {
+  int const rank = comm->rank();
+  int const world = comm->world();
+
+  EpConfig config;
+  config.hidden = spec.hidden;
+  config.topk = spec.topk;
+  config.num_experts = spec.experts;
+  config.max_tokens_per_rank = std::max(1, *std::max_element(spec.tokens.begin(), spec.tokens.end()));
+  config.dispatch_format = spec.dispatch_format;
+  config.combine_format = spec.combine_format;
+  config.dispatch_dequantize = spec.dequantize;
+  config.recv_scale_layout = spec.layout;
+  if (spec.expand) config.expert_capacity = config.recv_capacity(world);
+  EpBuffer buffer(comm, config);
+  int const hidden = spec.hidden;
+  int const topk = spec.topk;
+  int const num_local = config.num_local_experts(world);
+  int const slots = config.expert_slots();
+  int const my_tokens = spec.tokens[rank];
+  int const cap = config.recv_capacity(world);
+  bool const quantized = config.delivers_quantized();
+  WireRowLayout const wire = wire_row_layout(config.dispatch_format, hidden);
+  std::size_t const recv_row_bytes = config.recv_row_bytes();
+  std::size_t const scale_row_bytes = static_cast<std::size_t>(wire.num_scales) * wire.scale_bytes;
+  std::fprintf(
+      stderr, "rank %d: seed %llu dispatch %s%s%s layout %s combine %s tokens %d hidden %d topk %d experts %d\n", rank,
+      static_cast<unsigned long long>(spec.seed), wire_format_name(spec.dispatch_format),
+      spec.dequantize ? " (dequantized)" : "", spec.prequantized ? " (pre-quantized)" : "",
+      scale_layout_name(spec.layout), wire_format_name(spec.combine_format), my_tokens, hidden, topk, spec.experts);
+
+  std::fprintf(stderr, "rank %d: %.0f ms: communicator and buffer ready\n", rank, elapsed_ms());
+  // inputs at fixed device addresses (a captured graph reads new inputs copied into them)
+  std::size_t const t_alloc = static_cast<std::size_t>(std::max(1, my_tokens));
+  void* x_dev = device_copy(std::vector<uint8_t>{}, t_alloc * hidden * 2);
+  void* x_scales_dev = device_copy(std::vector<uint8_t>{}, t_alloc * std::max<std::size_t>(scale_row_bytes, 4));
+  float* x_token_dev = device_copy(std::vector<float>{}, t_alloc);
+  void* idx_dev = device_copy(std::vector<int64_t>{}, t_alloc * topk);
+  float* w_dev = device_copy(std::vector<float>{}, t_alloc * topk);
+  void* rows_dev = device_copy(std::vector<uint16_t>{}, static_cast<std::size_t>(cap) * hidden);
+  void* eout_dev =
+      slots > 0 ? device_copy(std::vector<uint16_t>{}, static_cast<std::size_t>(num_local) * slots * hidden) : nullptr;
+  void* y_rm = device_copy(std::vector<uint16_t>{}, t_alloc * hidden);
+  void* y_em = device_copy(std::vector<uint16_t>{}, t_alloc * hidden);
+  std::size_t const y_bytes = static_cast<std::size_t>(my_tokens) * hidden * 2;
+
+  cudaStream_t stream;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  DispatchArgs dargs;
+  dargs.x = x_dev;
+  dargs.num_tokens = my_tokens;
+  dargs.topk_idx = idx_dev;
+  dargs.topk_idx_type = IndexType::int64;
+  dargs.topk_weights = w_dev;
+  dargs.expand = spec.expand;
+  dargs.eager = !spec.graph;
+  if (spec.prequantized) {
+    dargs.x_scales = x_scales_dev;
+    if (wire.has_token_scale) dargs.x_token_scales = x_token_dev;
+  }
+  CombineArgs const cargs_rm{CombineLayout::rank_major, rows_dev, y_rm, !spec.graph};
+  CombineArgs const cargs_em{CombineLayout::expert_major, eout_dev, y_em, !spec.graph};
+
+  RoutingOptions routing;
+  routing.mask_rate = spec.mask_rate;
+  cudaGraphExec_t graph = nullptr;
+  DispatchResult result{};
+  std::size_t const recv_scale_bytes =
+      quantized ? scale_tensor_bytes(config.dispatch_format, config.recv_scale_layout, cap, hidden) : 0;
+  std::size_t const expert_scale_bytes =
+      quantized && slots > 0 ? scale_tensor_bytes(config.dispatch_format, config.recv_scale_layout, slots, hidden) : 0;
+
+  for (int iter = 0; iter < spec.iters; ++iter) {
+    routing.seed = spec.seed + static_cast<uint64_t>(iter) * 7919u;
+    auto inputs = ref::generate_inputs(config, world, routing, spec.tokens);
+    for (int r = 0; r < world; ++r) {
+      ref::RankInput& in = inputs[r];
+      vary_rows(in.x, in.num_tokens, hidden, routing.seed + 17 * r, /*non_finite=*/true);
+      if (spec.prequantized) {
+        // the caller's own quantization of other rows: what arrives must be these bytes, not a re-quantized x
+        ref::RankInput other = in;
+        other.x = generate_tokens(routing.seed + 999, r, in.num_tokens, hidden);
+        vary_rows(other.x, in.num_tokens, hidden, routing.seed + 31 * r, true);
+        in.x_wire = ref::source_wire_rows(config, other);
+      }
+    }
+    std::vector<ref::RankDispatch> expected;
+    for (int r = 0; r < world; ++r) expected.push_back(ref::dispatch(config, world, r, inputs));
+    std::fprintf(stderr, "rank %d: %.0f ms: iter %d reference dispatch ready\n", rank, elapsed_ms(), iter);
+    ref::RankDispatch const& mine = expected[rank];
+    std::vector<std::vector<uint16_t>> rows(world), eout(world);
+    for (int r = 0; r < world; ++r) {
+      rows[r] = generate_tokens(routing.seed + 101, r, expected[r].num_recv, hidden);
+      vary_rows(rows[r], expected[r].num_recv, hidden, routing.seed + 5 * r, false);
+      if (slots > 0) {
+        eout[r] = generate_tokens(routing.seed + 202, r, num_local * slots, hidden);
+        vary_rows(eout[r], num_local * slots, hidden, routing.seed + 7 * r, false);
+      }
+    }
+
+    // upload this rank's inputs
+    ref::RankInput const& in = inputs[rank];
+    if (spec.prequantized) {
+      ref::QuantizedInput const q = ref::split_wire_rows(config, in.x_wire, in.num_tokens);
+      upload(x_dev, q.payload);
+      upload(x_scales_dev, q.scales);
+      upload(x_token_dev, q.token_scales);
+    } else {
+      upload(x_dev, in.x);
+    }
+    upload(idx_dev, in.topk_idx);
+    upload(w_dev, in.topk_weights);
+    upload(rows_dev, rows[rank]);
+    if (slots > 0) upload(eout_dev, eout[rank]);
+    // poison what the calls write (the buffers are known after the first call)
+    if (result.recv_x) {
+      CK(cudaMemset(result.recv_x, 0xEE, static_cast<std::size_t>(cap) * recv_row_bytes));
+      CK(cudaMemset(result.recv_topk_idx, 0xEE, static_cast<std::size_t>(cap) * topk * 4));
+      if (result.recv_scales) CK(cudaMemset(result.recv_scales, 0xEE, recv_scale_bytes));
+      if (result.recv_token_scales) CK(cudaMemset(result.recv_token_scales, 0xEE, static_cast<std::size_t>(cap) * 4));
+      if (result.expert_x)
+        CK(cudaMemset(result.expert_x, 0xEE, static_cast<std::size_t>(num_local) * slots * recv_row_bytes));
+      if (result.expert_scales) CK(cudaMemset(result.expert_scales, 0xEE, expert_scale_bytes * num_local));
+      if (result.expert_token_scales)
+        CK(cudaMemset(result.expert_token_scales, 0xEE, static_cast<std::size_t>(num_local) * slots * 4));
+    }
+    CK(cudaMemset(y_rm, 0xEE, y_bytes));
+    CK(cudaMemset(y_em, 0xEE, y_bytes));
+    CK(cudaDeviceSynchronize());
+
+    if (!spec.graph) {
+      result = buffer.dispatch(dargs, stream);
+      if (result.num_recv_host != mine.num_recv) return fail("num_recv_host", rank, iter, result.num_recv_host);
+    } else {
+      if (!graph) {
+        // one eager call first (pointers of the results), then the capture of dispatch + both combines
+        DispatchArgs eager = dargs;
+        eager.eager = true;
+        buffer.dispatch(eager, stream);
+        buffer.combine(CombineArgs{CombineLayout::rank_major, rows_dev, y_rm, true}, stream);
+        cudaGraph_t g;
+        CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        result = buffer.dispatch(dargs, stream);
+        buffer.combine(cargs_rm, stream);
+        if (slots > 0) buffer.combine(cargs_em, stream);
+        CK(cudaStreamEndCapture(stream, &g));
+        CK(cudaGraphInstantiate(&graph, g, 0));
+        CK(cudaGraphDestroy(g));
+        CK(cudaMemset(y_rm, 0xEE, y_bytes));
+        CK(cudaDeviceSynchronize());
+      }
+      CK(cudaGraphLaunch(graph, stream));
+      CK(cudaStreamSynchronize(stream));
+      comm->check_errors(stream);
+    }
+
+    std::fprintf(stderr, "rank %d: %.0f ms: iter %d dispatched\n", rank, elapsed_ms(), iter);
+    // 1. dispatch: metadata as in bf16 transport
+    int32_t const num_recv = to_host<int32_t>(result.num_recv, 1)[0];
+    if (num_recv != mine.num_recv) return fail("num_recv", rank, iter, num_recv);
+    if (result.recv_row_bytes != recv_row_bytes) return fail("recv_row_bytes", rank, iter, result.recv_row_bytes);
+    long d;
+    auto const ri = to_host<int32_t>(result.recv_topk_idx, static_cast<std::size_t>(num_recv) * topk);
+    if ((d = first_diff(ri.data(), mine.recv_topk_idx.data(), ri.size())) >= 0)
+      return fail("recv_topk_idx", rank, iter, d);
+    auto const rs = to_host<int32_t>(result.recv_src, static_cast<std::size_t>(num_recv) * 2);
+    if ((d = first_diff(rs.data(), mine.recv_src.data(), rs.size())) >= 0) return fail("recv_src", rank, iter, d);
+    auto const ec = to_host<int32_t>(result.expert_counts, num_local);
+    if ((d = first_diff(ec.data(), mine.expert_counts.data(), ec.size())) >= 0)
+      return fail("expert_counts", rank, iter, d);
+
+    // 2. dispatch: the rows
+    if (quantized) {
+      ref::DeliveredRows const want = ref::deliver(config, mine.recv_wire, num_recv, cap);
+      auto const payload = to_host<uint8_t>(result.recv_x, static_cast<std::size_t>(num_recv) * recv_row_bytes);
+      if ((d = first_diff(payload.data(), want.payload.data(), payload.size())) >= 0)
+        return fail("recv_x payload", rank, iter, d);
+      if (!result.recv_scales) return fail("recv_scales null", rank, iter, -1);
+      auto const scales = to_host<uint8_t>(result.recv_scales, recv_scale_bytes);
+      if ((d = scale_diff(config, cap, num_recv, scales, want.scales)) >= 0) return fail("recv_scales", rank, iter, d);
+      if (wire.has_token_scale) {
+        if (!result.recv_token_scales) return fail("recv_token_scales null", rank, iter, -1);
+        auto const ts = to_host<float>(result.recv_token_scales, num_recv);
+        if ((d = first_diff(ts.data(), want.token_scales.data(), ts.size())) >= 0)
+          return fail("recv_token_scales", rank, iter, d);
+      }
+      if (iter > 0 && num_recv < cap) {  // the row past the last received one was poisoned and must stay so
+        auto const past =
+            to_host<uint8_t>(static_cast<char*>(result.recv_x) + num_recv * recv_row_bytes, recv_row_bytes);
+        for (auto v : past)
+          if (v != 0xEE) return fail("row past num_recv written", rank, iter, num_recv);
+      }
+    } else {
+      auto const rx = to_host<uint16_t>(result.recv_x, static_cast<std::size_t>(num_recv) * hidden);
+      if ((d = first_diff(rx.data(), mine.recv_x.data(), rx.size())) >= 0) return fail("recv_x bf16", rank, iter, d);
+    }
+
+    // 3. expand
+    if (spec.expand) {
+      auto const esr = to_host<int32_t>(result.expert_src_row, static_cast<std::size_t>(num_local) * slots);
+      if ((d = first_diff(esr.data(), mine.expert_src_row.data(), esr.size())) >= 0)
+        return fail("expert_src_row", rank, iter, d);
+      if (quantized) {
+        std::vector<uint8_t> const ex_wire = ref::expand_wire(config, world, mine);
+        auto const ex = to_host<uint8_t>(result.expert_x, static_cast<std::size_t>(num_local) * slots * recv_row_bytes);
+        auto const es = to_host<uint8_t>(result.expert_scales, expert_scale_bytes * num_local);
+        std::vector<float> ets;
+        if (wire.has_token_scale)
+          ets = to_host<float>(result.expert_token_scales, static_cast<std::size_t>(num_local) * slots);
+        for (int e = 0; e < num_local; ++e) {
+          int const filled = std::min(mine.expert_counts[e], slots);
+          std::span<uint8_t const> const rows_of_e(
+              ex_wire.data() + static_cast<std::size_t>(e) * slots * wire.row_bytes,
+              static_cast<std::size_t>(filled) * wire.row_bytes);
+          ref::DeliveredRows const want = ref::deliver(config, rows_of_e, filled, slots);
+          std::size_t const at = static_cast<std::size_t>(e) * slots * recv_row_bytes;
+          if ((d = first_diff(ex.data() + at, want.payload.data(), want.payload.size())) >= 0)
+            return fail("expert_x payload", rank, iter, static_cast<long>(at) + d);
+          std::vector<uint8_t> const got(es.begin() + static_cast<std::ptrdiff_t>(e * expert_scale_bytes),
+                                         es.begin() + static_cast<std::ptrdiff_t>((e + 1) * expert_scale_bytes));
+          if ((d = scale_diff(config, slots, filled, got, want.scales)) >= 0)
+            return fail("expert_scales", rank, iter, static_cast<long>(e) * 1000000 + d);
+          if (wire.has_token_scale && (d = first_diff(ets.data() + static_cast<std::size_t>(e) * slots,
+                                                      want.token_scales.data(), static_cast<std::size_t>(filled))) >= 0)
+            return fail("expert_token_scales", rank, iter, static_cast<long>(e) * slots + d);
+        }
+      } else {
+        auto const ex_ref = ref::expand(config, world, mine);
+        auto const ex = to_host<uint16_t>(result.expert_x, ex_ref.size());
+        for (int e = 0; e < num_local; ++e) {
+          std::size_t const filled = static_cast<std::size_t>(std::min(mine.expert_counts[e], slots)) * hidden;
+          std::size_t const at = static_cast<std::size_t>(e) * slots * hidden;
+          if ((d = first_diff(ex.data() + at, ex_ref.data() + at, filled)) >= 0)
+            return fail("expert_x bf16", rank, iter, static_cast<long>(at) + d);
+        }
+      }
+    }
+
+    std::fprintf(stderr, "rank %d: %.0f ms: iter %d dispatch checked\n", rank, elapsed_ms(), iter);
+    // 4. combine in combine_format, both layouts
+    if (!spec.graph) buffer.combine(cargs_rm, stream);
+    auto const y_ref_rm = ref::combine_rank_major(config, world, rank, inputs, expected, rows);
+    auto const y1 = to_host<uint16_t>(y_rm, y_ref_rm.size());
+    if ((d = first_diff(y1.data(), y_ref_rm.data(), y1.size())) >= 0) return fail("y rank-major", rank, iter, d);
+    if (slots > 0) {
+      if (!spec.graph) buffer.combine(cargs_em, stream);
+      auto const y_ref_em = ref::combine_expert_major(config, world, rank, inputs, expected, eout);
+      auto const y2 = to_host<uint16_t>(y_em, y_ref_em.size());
+      if ((d = first_diff(y2.data(), y_ref_em.data(), y2.size())) >= 0) return fail("y expert-major", rank, iter, d);
+    }
+  }
+  std::fprintf(stderr, "rank %d: %.0f ms: combines checked\n", rank, elapsed_ms());
+  std::string const why = buffer.explain();
+  if (why.find(wire_format_name(spec.dispatch_format)) == std::string::npos ||
+      why.find(wire_format_name(spec.combine_format)) == std::string::npos) {
+    std::fprintf(stderr, "rank %d: explain() does not name the formats: %s\n", rank, why.c_str());
+    return 1;
+  }
+  CK(cudaStreamSynchronize(stream));
+  comm->check_errors(stream);
+  if (graph) cudaGraphExecDestroy(graph);
+  cudaStreamDestroy(stream);
+  for (void* ptr : {x_dev, x_scales_dev, static_cast<void*>(x_token_dev), idx_dev, static_cast<void*>(w_dev), rows_dev,
+                    eout_dev, y_rm, y_em})
+    if (ptr) cudaFree(ptr);
+  std::fprintf(stderr, "rank %d: %.0f ms: %d iterations exact\n", rank, elapsed_ms(), spec.iters);
+  return 0;
+}
+
+// The shapes of one case, separated by the word "|" on the command line, run one after the other on one
+// communicator (a process and a communicator per shape would cost more than most shapes).
+int normal_quant_case() {
+  elapsed_ms();
+  std::vector<std::vector<std::string>> groups(1);
+  for (auto const& word : rank_case_args()) {
+    if (word == "|")
+      groups.emplace_back();
+    else
+      groups.back().push_back(word);
+  }
+  auto comm = make_cuda_comm();
+  CK(cudaSetDevice(comm->device()));
+  for (auto const& words : groups)
+    if (int const code = run_spec(comm, parse_spec(words)); code != 0) return code;
+  return 0;
+}
+
+FERRY_RANK_CASE(normal_quant) {
+  return normal_quant_case();
+}
+
+std::string seed_arg() {
+  uint64_t const seed = fresh_seed();
+  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  return "seed=" + std::to_string(seed);
+}
+
+// Runs the shapes (each a list of key=value words; a fresh seed is added to each) in one rank case on 2 ranks.
+void run_cases(std::vector<std::vector<std::string>> const& shapes) {
+  std::vector<std::string> args;
+  for (auto const& shape : shapes) {
+    if (!args.empty()) args.push_back("|");
+    args.push_back(seed_arg());
+    args.insert(args.end(), shape.begin(), shape.end());
+  }
+  auto const start = std::chrono::steady_clock::now();
+  // NOTE: a shape takes about a second; the bound turns a stuck case into a failure instead of eating the suite
+  run_gpu_case(kWorld, "normal_quant", std::move(args), {}, std::chrono::seconds(40 + 15 * shapes.size()));
+  std::printf("%zu shapes took %.1f s\n", shapes.size(),
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  std::fflush(stdout);
+}
+
+#endif  // FERRY_HAVE_CUDA
+
+// Each dispatch format delivered quantized, in two scale layouts each (row_major: the senders write every scale in
+// place; the others: the receiver pass), with a different combine format each time, expand on.
+TEST(NormalQuant, DeliverQuantizedEveryFormatAndLayout) {
+#if FERRY_HAVE_CUDA
+  struct Row {
+    char const* format;
+    char const* layout;
+    char const* combine;
+    char const* tokens;
+    int hidden;
+  };
+  Row const rows[] = {
+      {"fp8", "row_major", "fp8", "100,37", 2048},
+      {"fp8", "mn_major_tma", "bf16", "160,129", 7168},
+      {"fp8_ue8m0", "mn_major_tma_packed_ue8m0", "fp8_ue8m0", "300,200", 2048},
+      {"fp8_ue8m0", "row_major", "mxfp4", "64,1", 2176},
+      {"nvfp4", "blocked_128x4", "nvfp4", "200,150", 2048},
+      {"nvfp4", "mn_major_tma", "bf16", "70,90", 4096},
+      {"mxfp4", "mn_major_tma_packed_ue8m0", "fp8", "129,300", 2048},
+      {"mxfp4", "blocked_128x4", "nvfp4", "0,50", 7168},
+  };
+  std::vector<std::vector<std::string>> shapes;
+  for (Row const& row : rows)
+    shapes.push_back({std::string("format=") + row.format, std::string("layout=") + row.layout,
+                      std::string("combine=") + row.combine, std::string("tokens=") + row.tokens,
+                      "hidden=" + std::to_string(row.hidden), "experts=64", "topk=8", "expand=1", "iters=2",
+                      "mask=0.1"});
+  run_cases(shapes);
+#else
+  GTEST_SKIP() << "built without the cuda backend";
+#endif
+}
+
+// Pre-quantized input (payload + scales + token scales) is forwarded byte for byte.
+TEST(NormalQuant, PrequantizedInputForwarded) {
+#if FERRY_HAVE_CUDA
+  std::vector<std::vector<std::string>> shapes;
+  for (char const* format : {"fp8", "fp8_ue8m0", "nvfp4", "mxfp4"})
+    shapes.push_back({std::string("format=") + format, "prequant=1",
+                      std::string("layout=") + (std::string(format) == "fp8" ? "mn_major_tma" : "row_major"),
+                      "tokens=150,90", "hidden=2048", "expand=1", "iters=2"});
+  run_cases(shapes);
+#else
+  GTEST_SKIP() << "built without the cuda backend";
+#endif
+}
+
+// dispatch_dequantize: wire rows land, the receiver dequantizes them to bf16.
+TEST(NormalQuant, DequantizedDelivery) {
+#if FERRY_HAVE_CUDA
+  std::vector<std::vector<std::string>> shapes;
+  for (char const* format : {"fp8", "fp8_ue8m0", "nvfp4", "mxfp4"})
+    shapes.push_back({std::string("format=") + format, "dequantize=1", "combine=bf16", "tokens=180,120", "hidden=2048",
+                      "expand=1", "iters=2", "mask=0.2"});
+  shapes.push_back({"format=nvfp4", "dequantize=1", "prequant=1", "tokens=64,64", "hidden=2048", "iters=1"});
+  run_cases(shapes);
+#else
+  GTEST_SKIP() << "built without the cuda backend";
+#endif
+}
+
+// Combine in every quantized format after a bf16 dispatch (both layouts), at the production hidden size.
+TEST(NormalQuant, CombineEveryFormat) {
+#if FERRY_HAVE_CUDA
+  std::vector<std::vector<std::string>> shapes;
+  for (char const* combine : {"fp8", "fp8_ue8m0", "nvfp4", "mxfp4"})
+    shapes.push_back({"format=bf16", std::string("combine=") + combine, "tokens=160,96", "hidden=7168", "experts=64",
+                      "topk=8", "expand=1", "iters=2", "mask=0.1"});
+  run_cases(shapes);
+#else
+  GTEST_SKIP() << "built without the cuda backend";
+#endif
+}
+
+// Captured graphs of a quantized dispatch + both combines, replayed with new inputs.
+TEST(NormalQuant, GraphReplay) {
+#if FERRY_HAVE_CUDA
+  run_cases({{"format=fp8", "layout=mn_major_tma", "combine=fp8", "tokens=128,128", "hidden=7168", "expand=1",
+              "graph=1", "iters=8"},
+             {"format=nvfp4", "layout=blocked_128x4", "combine=nvfp4", "prequant=1", "tokens=96,160", "hidden=2048",
+              "expand=1", "graph=1", "iters=6"}});
+#else
+  GTEST_SKIP() << "built without the cuda backend";
+#endif
+}
+
+// nvfp4 with hidden % 32 != 0: 16-element units (8-byte payload pieces, 8-byte row copies in expand), both legs.
+TEST(NormalQuant, Nvfp4HiddenNotMultipleOf32) {
+#if FERRY_HAVE_CUDA
+  run_cases(
+      {{"format=nvfp4", "layout=row_major", "combine=nvfp4", "tokens=33,70", "hidden=2064", "expand=1", "iters=2"},
+       {"format=nvfp4", "dequantize=1", "combine=nvfp4", "tokens=40,20", "hidden=2064", "iters=2"}});
+#else
+  GTEST_SKIP() << "built without the cuda backend";
+#endif
+}
+
+}  // namespace
+}  // namespace ferry::test
