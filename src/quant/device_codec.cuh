@@ -135,6 +135,46 @@ __device__ __forceinline__ void e4m3_codes(float const (&x)[kN], float inverse, 
   }
 }
 
+// ---- e2m1 conversions
+// sm_100 and later convert in hardware. sm_90 has no fp4 instruction: cuda_fp4.hpp emulates it (encode through
+// double, decode through fp6), tens of instructions per element, which made the fp4 legs 9-25x slower than bf16 on an
+// H200. On sm_90 these are the same conversions (round to nearest even, saturating at +-6, a zero result keeps the
+// sign, NaN -> +6) in a few compares, bit-exact with quant::e2m1_from_float / e2m1_to_float (themselves bit-exact
+// with cuda_fp4.h; checked on the host for every non-NaN fp32, and the device tests compare every row).
+__device__ __forceinline__ uint32_t e2m1_code(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+  return static_cast<uint32_t>(__nv_cvt_float_to_fp4(x, __NV_E2M1, cudaRoundNearest)) & 0xFu;
+#else
+  float const a = fabsf(x);
+  if (a != a) return 0x7u;
+  // ties: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4 (the even code)
+  uint32_t const code = static_cast<uint32_t>(a > 0.25f) + static_cast<uint32_t>(a >= 0.75f) +
+                        static_cast<uint32_t>(a > 1.25f) + static_cast<uint32_t>(a >= 1.75f) +
+                        static_cast<uint32_t>(a > 2.5f) + static_cast<uint32_t>(a >= 3.5f) +
+                        static_cast<uint32_t>(a > 5.0f);
+  return code | ((__float_as_uint(x) >> 28) & 8u);
+#endif
+}
+
+// Two elements into one byte, lo in the low nibble.
+__device__ __forceinline__ uint32_t e2m1_pair(float lo, float hi) {
+  return e2m1_code(lo) | (e2m1_code(hi) << 4);
+}
+
+// The value of an e2m1 code (low nibble of `code`), exact.
+__device__ __forceinline__ float e2m1_value(uint32_t code) {
+  uint32_t const c = code & 7u;
+  // 0, 0.5, then 1, 1.5, 2, 3, 4, 6: exponent 126 + c / 2, mantissa bit c & 1
+  uint32_t bits = c >= 2u ? ((126u + (c >> 1)) << 23) | ((c & 1u) << 22) : (c == 1u ? 126u << 23 : 0u);
+  bits |= (code & 8u) << 28;
+  return __uint_as_float(bits);
+}
+
+// Both values of a byte of e2m1 codes (low nibble first).
+__device__ __forceinline__ float2 e2m1_pair_values(uint32_t byte) {
+  return make_float2(e2m1_value(byte), e2m1_value(byte >> 4));
+}
+
 // e2m1 codes of x * inverse, element 2k in the low nibble of byte k.
 template <int kN>
 __device__ __forceinline__ void e2m1_codes(float const (&x)[kN], float inverse, uint32_t (&words)[4]) {
@@ -142,9 +182,7 @@ __device__ __forceinline__ void e2m1_codes(float const (&x)[kN], float inverse, 
   words[0] = words[1] = words[2] = words[3] = 0;
 #pragma unroll
   for (int k = 0; k < kN / 2; ++k) {
-    uint32_t const byte =
-        __nv_cvt_float2_to_fp4x2(make_float2(quant::mul_rn(x[2 * k], inverse), quant::mul_rn(x[2 * k + 1], inverse)),
-                                 __NV_E2M1, cudaRoundNearest);
+    uint32_t const byte = e2m1_pair(quant::mul_rn(x[2 * k], inverse), quant::mul_rn(x[2 * k + 1], inverse));
     words[k / 4] |= byte << (8 * (k % 4));
   }
 }
@@ -337,8 +375,7 @@ __device__ __forceinline__ void dequantize_row_warp(uint8_t const* __restrict__ 
                                 : quant::ue8m0_value(scales[block]);
 #pragma unroll
         for (int k = 0; k < kVec / 2; ++k) {
-          auto const pair = static_cast<__nv_fp4x2_storage_t>(words[k / 4] >> (8 * (k % 4)));
-          float2 const q = __half22float2(__half2(__nv_cvt_fp4x2_to_halfraw2(pair, __NV_E2M1)));
+          float2 const q = e2m1_pair_values(words[k / 4] >> (8 * (k % 4)));
           y[2 * k] = quant::mul_rn(q.x, scale);
           y[2 * k + 1] = quant::mul_rn(q.y, scale);
         }

@@ -120,8 +120,7 @@ __device__ __forceinline__ void dequantize_vec(uint8_t const* row, std::size_t s
                               : quant::ue8m0_value(scales[block]);
 #pragma unroll
       for (int k = 0; k < kVec / 2; ++k) {
-        auto const pair = static_cast<__nv_fp4x2_storage_t>(words[k / 4] >> (8 * (k % 4)));
-        float2 const q = __half22float2(__half2(__nv_cvt_fp4x2_to_halfraw2(pair, __NV_E2M1)));
+        float2 const q = quant_detail::e2m1_pair_values(words[k / 4] >> (8 * (k % 4)));
         y[2 * k] = quant::mul_rn(q.x, scale);
         y[2 * k + 1] = quant::mul_rn(q.y, scale);
       }

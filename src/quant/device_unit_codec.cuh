@@ -117,8 +117,7 @@ struct UnitCodec {
               pair = static_cast<uint32_t>(quant::e2m1_signed_zero(a)) |
                      (static_cast<uint32_t>(quant::e2m1_signed_zero(c)) << 4);
             } else {
-              pair = __nv_cvt_float2_to_fp4x2(make_float2(quant::mul_rn(a, inverse), quant::mul_rn(c, inverse)),
-                                              __NV_E2M1, cudaRoundNearest);
+              pair = quant_detail::e2m1_pair(quant::mul_rn(a, inverse), quant::mul_rn(c, inverse));
             }
             int const byte_idx = b * kBlockInUnit / 2 + k;
             payload[byte_idx / 4] |= (pair & 0xFFu) << (8 * (byte_idx % 4));
@@ -153,8 +152,7 @@ struct UnitCodec {
 #pragma unroll
         for (int k = 0; k < kBlockInUnit / 2; ++k) {
           int const byte_idx = b * kBlockInUnit / 2 + k;
-          auto const pair = static_cast<__nv_fp4x2_storage_t>(payload[byte_idx / 4] >> (8 * (byte_idx % 4)));
-          float2 const q = __half22float2(__half2(__nv_cvt_fp4x2_to_halfraw2(pair, __NV_E2M1)));
+          float2 const q = quant_detail::e2m1_pair_values(payload[byte_idx / 4] >> (8 * (byte_idx % 4)));
           y[2 * k + b * kBlockInUnit] = quant::mul_rn(q.x, scale);
           y[2 * k + 1 + b * kBlockInUnit] = quant::mul_rn(q.y, scale);
         }
