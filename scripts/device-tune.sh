@@ -28,7 +28,7 @@ mkdir -p "$LOGS"
 # model shapes: name hidden topk experts
 declare -A SHAPE=([deepseek]="7168 8 256" [qwen3]="4096 8 128" [gptoss]="2880 4 128")
 if [[ $QUICK -eq 1 ]]; then
-  NORMAL_TOKENS="128,1024,4096" LL_TOKENS="128,512" BLOCKS="24,48,96,132" COMMON="--rounds 2 --warmup 2 --iters 5"
+  NORMAL_TOKENS="128,1024,4096" LL_TOKENS="128,512" BLOCKS="32,66,132" COMMON="--rounds 2 --warmup 2 --iters 5"
 else
   NORMAL_TOKENS="128,256,512,1024,2048,4096" LL_TOKENS="1,128,256,512" BLOCKS="" COMMON="--rounds 3"
 fi
