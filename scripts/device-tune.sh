@@ -37,7 +37,9 @@ summary=()
 IFS=',' read -r -a shape_list <<<"$SHAPES"
 for name in "${shape_list[@]}"; do
   read -r hidden topk experts <<<"${SHAPE[$name]}"
-  for format in bf16 fp8; do
+  formats="bf16 fp8"
+  [[ $name == gptoss ]] && formats="bf16 mxfp4"  # hidden 2880 is not a multiple of fp8's 128-element block
+  for format in $formats; do
     for mode in normal ll; do
       tokens=$NORMAL_TOKENS
       [[ $mode == ll ]] && tokens=$LL_TOKENS
