@@ -76,18 +76,6 @@ Spec parse_spec(std::vector<std::string> const& words) {
   return s;
 }
 
-int fail(char const* what, int rank, int iter, long index) {
-  std::fprintf(stderr, "rank %d iter %d: %s mismatch at %ld\n", rank, iter, what, index);
-  return 1;
-}
-
-template <typename T>
-long first_diff(T const* a, T const* b, std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i)
-    if (std::memcmp(a + i, b + i, sizeof(T)) != 0) return static_cast<long>(i);
-  return -1;
-}
-
 // A device allocation at a fixed address (a captured graph reads whatever is copied into it before a replay).
 struct DeviceBuffer {
   void* ptr = nullptr;

@@ -94,18 +94,6 @@ struct Guarded {
   }
 };
 
-int fail(char const* what, int rank, int iter, long index) {
-  std::fprintf(stderr, "rank %d iter %d: %s mismatch at %ld\n", rank, iter, what, index);
-  return 1;
-}
-
-template <typename T>
-long first_diff(T const* a, T const* b, std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i)
-    if (std::memcmp(a + i, b + i, sizeof(T)) != 0) return static_cast<long>(i);
-  return -1;
-}
-
 // The main correctness case: dispatch (+ expand) + both combine layouts, iters times with fresh inputs, eager or
 // through captured graphs replayed with new inputs copied into the captured buffers.
 int normal_mode_case() {

@@ -78,18 +78,6 @@ Spec parse_spec(std::vector<std::string> const& words) {
   return s;
 }
 
-int fail(char const* what, int rank, int iter, long index) {
-  std::fprintf(stderr, "rank %d iter %d: %s mismatch at %ld\n", rank, iter, what, index);
-  return 1;
-}
-
-template <typename T>
-long first_diff(T const* a, T const* b, std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i)
-    if (std::memcmp(a + i, b + i, sizeof(T)) != 0) return static_cast<long>(i);
-  return -1;
-}
-
 // Rows with more than N(0,1) noise, so scales differ between blocks: zero blocks, blocks scaled by powers of two
 // over many binades, bf16 denormals, and (dispatch input only) NaN / +-Inf elements.
 void vary_rows(std::vector<uint16_t>& x, int rows, int hidden, uint64_t seed, bool non_finite) {

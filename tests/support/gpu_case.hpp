@@ -5,7 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
 #include <map>
 #include <string>
 #include <utility>
@@ -99,5 +102,19 @@ std::vector<T> to_host(void const* dev, std::size_t count) {
 }
 
 #endif
+
+// A rank case's mismatch report: prints what, where, and returns the failing exit code.
+inline int fail(char const* what, int rank, int iter, long index) {
+  std::fprintf(stderr, "rank %d iter %d: %s mismatch at %ld\n", rank, iter, what, index);
+  return 1;
+}
+
+// Index of the first element of a and b whose bytes differ, -1 when none.
+template <typename T>
+long first_diff(T const* a, T const* b, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i)
+    if (std::memcmp(a + i, b + i, sizeof(T)) != 0) return static_cast<long>(i);
+  return -1;
+}
 
 }  // namespace ferry::test
