@@ -118,10 +118,19 @@ TEST(Config, LowLatencyRules) {
   EXPECT_STREQ(mode_name(Mode::low_latency), "ll");
 }
 
-TEST(Config, UnavailableFormatsAreRefusedUpFront) {
+TEST(Config, QuantizedFormatsNeedWholeScaleBlocks) {
   EpConfig config;
+  for (WireFormat format : {WireFormat::fp8_e4m3, WireFormat::fp8_e4m3_ue8m0, WireFormat::nvfp4, WireFormat::mxfp4}) {
+    config.dispatch_format = format;
+    config.combine_format = format;
+    EXPECT_NO_THROW(config.validate(2)) << wire_format_name(format);  // hidden 7168: whole blocks of 16, 32 and 128
+  }
   config.dispatch_format = WireFormat::fp8_e4m3;
-  expect_message(config, 2, {"dispatch_format=fp8", "not available"});
+  config.combine_format = WireFormat::bf16;
+  config.hidden = 2880;  // gpt-oss-120b: 22.5 blocks of 128
+  expect_message(config, 2, {"hidden=2880", "multiple of 128", "fp8", "use hidden=2944"});
+  config.dispatch_format = WireFormat::mxfp4;  // 90 blocks of 32
+  EXPECT_NO_THROW(config.validate(2));
 }
 
 TEST(WireFormat, RowBytes) {
