@@ -76,7 +76,7 @@ BENCH_RC=0
 if [[ $RUN_BENCH -eq 1 ]]; then
   stamp "ferry bench"
   timeout 240 "$BUILD/ferry" bench --tokens 128,4096 --graph --check --baseline nccl --json "$LOGS/bench.json" \
-    >"$LOGS/bench.log" 2>&1
+    --dispatch bf16,fp8,mxfp4,bf16 --combine bf16,bf16,bf16,fp8 --iters 10 >"$LOGS/bench.log" 2>&1
   BENCH_RC=$?
   tail -n 30 "$LOGS/bench.log"
 fi
@@ -139,7 +139,7 @@ if run_bench:
     else:
         for r in bench.get("records", []):
             speed = r.get("speedup_vs_baseline")
-            print(f"bench {r.get('mode','?'):<6} {r.get('leg','?'):<8} tokens {r.get('tokens','?'):>5} "
+            print(f"bench {r.get('mode','?'):<6} {r.get('leg','?'):<8} {r.get('format','?'):<6} tokens {r.get('tokens','?'):>5} "
                   f"graph {str(r.get('graph','?')):<5} {r.get('median_us', 0):9.1f} us "
                   f"nvlink {r.get('nvlink_gbps', 0):7.1f} GB/s check {r.get('check','?')}"
                   + (f" x{speed:.2f} vs nccl" if isinstance(speed, (int, float)) else ""))
