@@ -76,6 +76,26 @@ fi
   2>&1 | tee "$LOGS/import.log"
 IMPORT_RC=${PIPESTATUS[0]}
 
+# 1b. the cuda communicator at world 2, without and with `import torch` first (the crash seen on 2026-11-30: SIGSEGV
+#     in ferry.init only with torch imported). Unbuffered output, Python's fault handler and NCCL's INFO log in
+#     files, so a crash leaves its last steps behind: $LOGS/probe-*.log and $LOGS/nccl-probe.*.log.
+stamp "ferry.init probe (world 2, cuda, without / with torch)"
+cat >"$LOGS/probe.py" <<'PYEOF'
+import sys
+if "torch" in sys.argv[1:]:
+    import torch  # noqa: F401
+import ferry
+comm = ferry.init(backend="cuda")
+comm.barrier()
+print(f"probe rank {comm.rank}: init + barrier ok ({'with' if 'torch' in sys.argv[1:] else 'without'} torch)", flush=True)
+PYEOF
+for variant in plain torch; do
+  (cd /tmp && PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 FERRY_LOG=debug NCCL_DEBUG=INFO \
+    NCCL_DEBUG_FILE="$LOGS/nccl-probe-$variant.%p.log" timeout 60 "$PYTHON" -m ferry.launch --nproc 2 \
+    "$LOGS/probe.py" $variant) >"$LOGS/probe-$variant.log" 2>&1
+  echo "probe $variant: exit $? ($(grep -c 'init + barrier ok' "$LOGS/probe-$variant.log") of 2 ranks ok)"
+done
+
 # 2. the Python tests (GPU torch tests included; each of those starts 2 ranks through ferry.launch)
 stamp "pytest python/tests"
 timeout "$(limit 240 100)" "$PYTHON" -m pytest python/tests -q -rs --durations=8 -p no:cacheprovider >"$LOGS/pytest.log" 2>&1
