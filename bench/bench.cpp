@@ -244,11 +244,10 @@ IdentityCombine expected_identity_combine(EpConfig const& config, int world, ref
   int const per_rank = config.num_experts / world;
   WireFormat const dformat = config.dispatch_format;
   WireFormat const cformat = config.combine_format;
-  int const block = wire_block_elems(cformat);
   IdentityCombine out;
   out.y.assign(static_cast<std::size_t>(input.num_tokens) * hidden, 0);
-  std::vector<float> acc(hidden), delivered(hidden), values(hidden);
-  std::vector<uint8_t> wire(std::max(wire_row_bytes(dformat, hidden), wire_row_bytes(cformat, hidden)));
+  std::vector<float> acc(hidden), delivered(hidden), combine_values;
+  std::vector<uint8_t> wire(wire_row_bytes(dformat, hidden)), combine_wire;
   std::vector<std::vector<uint16_t>> partials;
   double err2 = 0, ref2 = 0;
   for (int t = 0; t < input.num_tokens; ++t) {
@@ -279,42 +278,20 @@ IdentityCombine expected_identity_combine(EpConfig const& config, int world, ref
         }
         partial[h] = ref::float_to_bf16(value);
       }
-      if (cformat == WireFormat::bf16) {
-        for (int h = 0; h < hidden; ++h) acc[h] += ref::bf16_to_float(partial[h]);
-      } else {
-        quant::quantize_row(cformat, partial.data(), hidden, wire.data());
-        quant::dequantize_row(cformat, wire.data(), hidden, values.data());
-        for (int h = 0; h < hidden; ++h) acc[h] += values[h];
-      }
+      ref::accumulate_combined_row(cformat, hidden, partial.data(), combine_wire, combine_values, acc.data());
       partials.push_back(std::move(partial));
     }
     uint16_t* y = &out.y[static_cast<std::size_t>(t) * hidden];
     for (int h = 0; h < hidden; ++h) y[h] = ref::float_to_bf16(acc[h]);
     if (partials.empty()) continue;
     // error against the exact sum of the partials, and the bound for this element
-    quant::ErrorBound const bound = quant::combine_error_bound(cformat, static_cast<int>(partials.size()));
-    std::vector<double> row_amax(partials.size(), 0.0);
-    for (std::size_t i = 0; i < partials.size(); ++i)
-      for (int h = 0; h < hidden; ++h)
-        row_amax[i] = std::max<double>(row_amax[i], std::fabs(ref::bf16_to_float(partials[i][h])));
-    for (int h = 0; h < hidden; ++h) {
-      double exact = 0, abs_sum = 0, block_sum = 0, row_sum = 0;
-      for (std::size_t i = 0; i < partials.size(); ++i) {
-        double const v = ref::bf16_to_float(partials[i][h]);
-        exact += v;
-        abs_sum += std::fabs(v);
-        double block_amax = 0;
-        for (int b = h / block * block; b < (h / block + 1) * block; ++b)
-          block_amax = std::max<double>(block_amax, std::fabs(ref::bf16_to_float(partials[i][b])));
-        block_sum += block_amax;
-        row_sum += row_amax[i];
-      }
-      double const error = std::fabs(ref::bf16_to_float(y[h]) - exact);
-      double const limit = bound.at(abs_sum, block_sum, row_sum);
-      if (limit > 0) out.worst_bound_ratio = std::max(out.worst_bound_ratio, error / limit);
-      err2 += error * error;
-      ref2 += exact * exact;
-    }
+    std::vector<uint16_t const*> rows;
+    for (auto const& partial : partials) rows.push_back(partial.data());
+    quant::CombineRowError const measured =
+        quant::measure_combine_row(cformat, hidden, rows.data(), static_cast<int>(rows.size()), y);
+    out.worst_bound_ratio = std::max(out.worst_bound_ratio, measured.worst_ratio);
+    err2 += measured.error_sq;
+    ref2 += measured.exact_sq;
   }
   out.rel_l2 = ref2 > 0 ? std::sqrt(err2 / ref2) : 0.0;
   return out;
@@ -337,19 +314,11 @@ std::string check_quantized_delivery(EpConfig const& config, int world, ref::Ran
     if (got_payload != expected.payload) return what + " payload differs";
     std::vector<uint8_t> got_scales(scale_tensor_bytes(format, layout, tensor_rows, hidden));
     memory.download(got_scales.data(), scales, got_scales.size());
-    for (int r = 0; r < num_rows; ++r)
-      for (int j = 0; j < row.num_scales; ++j) {
-        std::size_t const at = scale_byte_offset(format, layout, tensor_rows, hidden, r, j);
-        if (std::memcmp(&got_scales[at], &expected.scales[at], static_cast<std::size_t>(row.scale_bytes)) != 0)
-          return detail::concat(what, " scale of row ", r, " block ", j, " differs");
-      }
-    if (row.has_token_scale && num_rows > 0) {
-      std::vector<float> got_tokens(static_cast<std::size_t>(num_rows));
-      memory.download(got_tokens.data(), token_scales, got_tokens.size() * sizeof(float));
-      if (std::memcmp(got_tokens.data(), expected.token_scales.data(), got_tokens.size() * sizeof(float)) != 0)
-        return what + " token scales differ";
-    }
-    return "";
+    std::vector<float> got_tokens(row.has_token_scale ? static_cast<std::size_t>(num_rows) : 0);
+    if (!got_tokens.empty()) memory.download(got_tokens.data(), token_scales, got_tokens.size() * sizeof(float));
+    std::string const problem =
+        ref::compare_delivered_scales(config, expected, got_scales.data(), got_tokens.data(), num_rows, tensor_rows);
+    return problem.empty() ? problem : what + " " + problem;
   };
   if (got.recv_x) {
     ref::DeliveredRows const expected =

@@ -346,14 +346,21 @@ std::vector<uint8_t> join_wire_rows(EpConfig const& config, QuantizedInput const
                         (!layout.has_token_scale || input.token_scales.size() >= static_cast<std::size_t>(num_rows)),
                     "pre-quantized input too short for ", num_rows, " rows");
   std::vector<uint8_t> wire(at(num_rows, static_cast<int64_t>(layout.row_bytes)), 0);
-  for (int r = 0; r < num_rows; ++r) {
-    uint8_t* row = wire.data() + at(r, static_cast<int64_t>(layout.row_bytes));
-    std::memcpy(row, input.payload.data() + at(r, static_cast<int64_t>(layout.payload_bytes)), layout.payload_bytes);
-    std::memcpy(row + layout.scales_offset, input.scales.data() + at(r, static_cast<int64_t>(scale_row)), scale_row);
-    if (layout.has_token_scale)
-      std::memcpy(row + layout.token_scale_offset, &input.token_scales[static_cast<std::size_t>(r)], sizeof(float));
-  }
+  for (int r = 0; r < num_rows; ++r)
+    join_wire_row(layout, input.payload.data() + at(r, static_cast<int64_t>(layout.payload_bytes)),
+                  input.scales.data() + at(r, static_cast<int64_t>(scale_row)),
+                  layout.has_token_scale ? &input.token_scales[static_cast<std::size_t>(r)] : nullptr,
+                  wire.data() + at(r, static_cast<int64_t>(layout.row_bytes)));
   return wire;
+}
+
+void join_wire_row(WireRowLayout const& layout, uint8_t const* payload, uint8_t const* scales, float const* token_scale,
+                   uint8_t* wire) {
+  std::size_t const scale_row = static_cast<std::size_t>(layout.num_scales) * layout.scale_bytes;
+  std::memset(wire, 0, layout.row_bytes);
+  std::memcpy(wire, payload, layout.payload_bytes);
+  std::memcpy(wire + layout.scales_offset, scales, scale_row);
+  if (layout.has_token_scale) std::memcpy(wire + layout.token_scale_offset, token_scale, sizeof(float));
 }
 
 DeliveredRows deliver(EpConfig const& config, std::span<uint8_t const> wire, int num_rows, int tensor_rows) {
@@ -381,6 +388,24 @@ DeliveredRows deliver(EpConfig const& config, std::span<uint8_t const> wire, int
                               out.token_scales.data());
   }
   return out;
+}
+
+std::string compare_delivered_scales(EpConfig const& config, DeliveredRows const& want, void const* scales,
+                                     float const* token_scales, int num_rows, int tensor_rows) {
+  WireFormat const format = config.dispatch_format;
+  WireRowLayout const row = wire_row_layout(format, config.hidden);
+  auto const* got = static_cast<uint8_t const*>(scales);
+  for (int r = 0; r < num_rows; ++r) {
+    for (int j = 0; j < row.num_scales; ++j) {
+      std::size_t const offset = scale_byte_offset(format, config.recv_scale_layout, tensor_rows, config.hidden, r, j);
+      if (std::memcmp(got + offset, want.scales.data() + offset, static_cast<std::size_t>(row.scale_bytes)) != 0)
+        return detail::concat("scale of row ", r, " block ", j, " differs");
+    }
+    if (row.has_token_scale &&
+        std::memcmp(&token_scales[r], &want.token_scales[static_cast<std::size_t>(r)], sizeof(float)) != 0)
+      return detail::concat("token scale of row ", r, " differs");
+  }
+  return "";
 }
 
 std::vector<uint16_t> reduce_local_experts(EpConfig const& config, int world, RankDispatch const& received,

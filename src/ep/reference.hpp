@@ -33,6 +33,7 @@
 #include <bit>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "ep/routing.hpp"
@@ -122,6 +123,10 @@ struct QuantizedInput {
   std::vector<float> token_scales;  // nvfp4: [num_tokens]; else empty
 };
 QuantizedInput split_wire_rows(EpConfig const& config, std::span<uint8_t const> wire, int num_rows);
+// One pre-quantized row into its wire row (padding zero): payload (layout.payload_bytes), row-major scales
+// (num_scales * scale_bytes), and nvfp4's token scale (read only when the layout has one).
+void join_wire_row(WireRowLayout const& layout, uint8_t const* payload, uint8_t const* scales, float const* token_scale,
+                   uint8_t* wire);
 std::vector<uint8_t> join_wire_rows(EpConfig const& config, QuantizedInput const& input, int num_rows);
 
 // What a quantized delivery (EpConfig::delivers_quantized) hands the receiver for `num_rows` wire rows of
@@ -134,6 +139,11 @@ struct DeliveredRows {
   std::vector<float> token_scales;
 };
 DeliveredRows deliver(EpConfig const& config, std::span<uint8_t const> wire, int num_rows, int tensor_rows);
+// Compares the scale entries of rows [0, num_rows) of a delivered scale tensor of tensor_rows rows (host memory, in
+// recv_scale_layout) and nvfp4's token scales with `want`; padding and rows past num_rows are not compared (they are
+// unspecified). "" when equal, else which entry differs.
+std::string compare_delivered_scales(EpConfig const& config, DeliveredRows const& want, void const* scales,
+                                     float const* token_scales, int num_rows, int tensor_rows);
 
 // y[num_tokens * hidden] of rank `rank` from every rank's expert outputs ([num_local_experts * expert_slots *
 // hidden] bf16 each).

@@ -93,4 +93,17 @@ ErrorBound quant_error_bound(WireFormat format, DequantTo to);
 // next to a large one in its block is quantized with the large one's scale.
 ErrorBound combine_error_bound(WireFormat format, int num_terms);
 
+// One combined row y (bf16) against the exact sum of its terms (the bf16 rows the ranks sent back, combined in
+// `format`), element by element under combine_error_bound(format, number of terms).
+struct CombineRowError {
+  double worst_ratio = 0;  // max of |y - exact| / bound over the elements whose bound is positive
+  double error_sq = 0;     // sum of (y - exact)^2
+  double exact_sq = 0;     // sum of exact^2
+  int first_over = -1;     // the first element with |y - exact| > bound (-1: none); its figures follow
+  double over_y = 0, over_exact = 0, over_error = 0, over_bound = 0;
+};
+// terms: num_terms pointers to rows of `hidden` bf16 values (num_terms >= 1, InputError otherwise).
+CombineRowError measure_combine_row(WireFormat format, int hidden, uint16_t const* const* terms, int num_terms,
+                                    uint16_t const* y);
+
 }  // namespace ferry::quant

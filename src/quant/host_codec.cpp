@@ -3,6 +3,7 @@
 // bit-exact against CUDA's host-callable conversions.
 #include "quant/codec.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -369,6 +370,41 @@ ErrorBound combine_error_bound(WireFormat format, int num_terms) {
   bound.row = term.row * (1.0 + k);
   bound.floor = static_cast<double>(num_terms) * term.floor * (1.0 + k) + kBf16Denormal;
   return bound;
+}
+
+CombineRowError measure_combine_row(WireFormat format, int hidden, uint16_t const* const* terms, int num_terms,
+                                    uint16_t const* y) {
+  ErrorBound const bound = combine_error_bound(format, num_terms);
+  int const block = wire_block_elems(format);
+  auto const value = [](uint16_t bits) { return static_cast<double>(bf16_to_float(bits)); };
+  std::vector<double> row_amax(static_cast<std::size_t>(num_terms), 0.0);
+  for (int i = 0; i < num_terms; ++i)
+    for (int h = 0; h < hidden; ++h) row_amax[i] = std::max(row_amax[i], std::fabs(value(terms[i][h])));
+  CombineRowError out;
+  for (int h = 0; h < hidden; ++h) {
+    double exact = 0, abs_sum = 0, block_sum = 0, row_sum = 0;
+    for (int i = 0; i < num_terms; ++i) {
+      double const v = value(terms[i][h]);
+      exact += v;
+      abs_sum += std::fabs(v);
+      double block_amax = 0;
+      for (int b = h / block * block; b < (h / block + 1) * block; ++b)
+        block_amax = std::max(block_amax, std::fabs(value(terms[i][b])));
+      block_sum += block_amax;
+      row_sum += row_amax[i];
+    }
+    double const got = value(y[h]);
+    double const error = std::fabs(got - exact);
+    double const limit = bound.at(abs_sum, block_sum, row_sum);
+    if (limit > 0) out.worst_ratio = std::max(out.worst_ratio, error / limit);
+    if (!(error <= limit) && out.first_over < 0) {
+      out.first_over = h;
+      out.over_y = got, out.over_exact = exact, out.over_error = error, out.over_bound = limit;
+    }
+    out.error_sq += error * error;
+    out.exact_sq += exact * exact;
+  }
+  return out;
 }
 
 }  // namespace ferry::quant

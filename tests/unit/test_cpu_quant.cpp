@@ -60,19 +60,8 @@ constexpr ScaleLayout kLayouts[] = {ScaleLayout::row_major, ScaleLayout::mn_majo
 // num_rows are unspecified), and the token scales.
 std::string compare_scales(EpConfig const& config, ref::DeliveredRows const& want, void const* scales,
                            float const* token_scales, int num_rows, int tensor_rows, std::string const& what) {
-  WireFormat const format = config.dispatch_format;
-  WireRowLayout const row = wire_row_layout(format, config.hidden);
-  auto const* got = static_cast<uint8_t const*>(scales);
-  for (int r = 0; r < num_rows; ++r) {
-    for (int j = 0; j < row.num_scales; ++j) {
-      std::size_t const offset = scale_byte_offset(format, config.recv_scale_layout, tensor_rows, config.hidden, r, j);
-      if (std::memcmp(got + offset, want.scales.data() + offset, static_cast<std::size_t>(row.scale_bytes)) != 0)
-        return concat(what, ": scale of row ", r, " block ", j, " differs");
-    }
-    if (row.has_token_scale && std::memcmp(&token_scales[r], &want.token_scales[static_cast<std::size_t>(r)], 4) != 0)
-      return concat(what, ": token scale of row ", r, " differs");
-  }
-  return "";
+  std::string const problem = ref::compare_delivered_scales(config, want, scales, token_scales, num_rows, tensor_rows);
+  return problem.empty() ? problem : concat(what, ": ", problem);
 }
 
 struct Variant {
@@ -111,34 +100,16 @@ std::vector<Variant> variants() {
 std::string check_error_bound(WireFormat format, int hidden,
                               std::vector<std::vector<std::vector<uint16_t>>> const& terms,
                               std::vector<uint16_t> const& y, double* worst_ratio) {
-  int const block = wire_block_elems(format);
   for (std::size_t t = 0; t < terms.size(); ++t) {
     if (terms[t].empty()) continue;
-    quant::ErrorBound const bound = quant::combine_error_bound(format, static_cast<int>(terms[t].size()));
-    std::vector<double> row_amax(terms[t].size(), 0.0);
-    for (std::size_t i = 0; i < terms[t].size(); ++i)
-      for (int h = 0; h < hidden; ++h)
-        row_amax[i] = std::max(row_amax[i], std::fabs(static_cast<double>(ref::bf16_to_float(terms[t][i][h]))));
-    for (int h = 0; h < hidden; ++h) {
-      double sum = 0, abs_sum = 0, block_sum = 0, row_sum = 0;
-      for (std::size_t i = 0; i < terms[t].size(); ++i) {
-        double const v = ref::bf16_to_float(terms[t][i][h]);
-        sum += v;
-        abs_sum += std::fabs(v);
-        double block_amax = 0;
-        int const first = h / block * block;
-        for (int b = first; b < first + block; ++b)
-          block_amax = std::max(block_amax, std::fabs(static_cast<double>(ref::bf16_to_float(terms[t][i][b]))));
-        block_sum += block_amax;
-        row_sum += row_amax[i];
-      }
-      double const got = ref::bf16_to_float(y[at(static_cast<int64_t>(t), hidden) + h]);
-      double const error = std::fabs(got - sum);
-      double const limit = bound.at(abs_sum, block_sum, row_sum);
-      if (!(error <= limit))
-        return concat("token ", t, " element ", h, ": |", got, " - ", sum, "| = ", error, " > bound ", limit);
-      if (limit > 0) *worst_ratio = std::max(*worst_ratio, error / limit);
-    }
+    std::vector<uint16_t const*> rows;
+    for (auto const& row : terms[t]) rows.push_back(row.data());
+    quant::CombineRowError const measured = quant::measure_combine_row(
+        format, hidden, rows.data(), static_cast<int>(rows.size()), y.data() + at(static_cast<int64_t>(t), hidden));
+    *worst_ratio = std::max(*worst_ratio, measured.worst_ratio);
+    if (measured.first_over >= 0)
+      return concat("token ", t, " element ", measured.first_over, ": |", measured.over_y, " - ", measured.over_exact,
+                    "| = ", measured.over_error, " > bound ", measured.over_bound);
   }
   return "";
 }

@@ -262,11 +262,8 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t stream) {
       quant::quantize_row(format, x + at(t, hidden_), hidden_, wire);
       return wire;
     }
-    std::memset(wire, 0, dispatch_wire_.row_bytes);
-    std::memcpy(wire, payload + at(t, 1) * dispatch_wire_.payload_bytes, dispatch_wire_.payload_bytes);
-    std::memcpy(wire + dispatch_wire_.scales_offset, scales + at(t, 1) * scale_row, scale_row);
-    if (dispatch_wire_.has_token_scale)
-      std::memcpy(wire + dispatch_wire_.token_scale_offset, args.x_token_scales + t, sizeof(float));
+    ref::join_wire_row(dispatch_wire_, payload + at(t, 1) * dispatch_wire_.payload_bytes, scales + at(t, 1) * scale_row,
+                       dispatch_wire_.has_token_scale ? args.x_token_scales + t : nullptr, wire);
     return wire;
   };
   std::vector<int64_t> next = dest_offset_;
