@@ -10,7 +10,8 @@
 # build-py/logs. Exit status: non-zero when any step failed. Takes about 5 minutes (most of it the CUDA build); every
 # step has a time limit, cut so that the whole script ends within FERRY_DEVICE_BUDGET_S (default 560 s).
 #
-# usage: scripts/device-python.sh [--no-install]
+# usage: scripts/device-python.sh [--no-install] [--probe-only]
+#   --probe-only            install (unless --no-install) and run the world-2 ferry.init probe only (step 1b)
 #   PYTHON=...              the interpreter (default: torch's venv, /opt/torch/.venv/bin/python3)
 #   FERRY_ENABLE_CUDA=OFF   a cpu-only build (default ON: a build without the cuda backend fails instead)
 set -uo pipefail
@@ -24,7 +25,14 @@ if [[ -z "${PYTHON:-}" ]]; then
   [[ -x /opt/torch/.venv/bin/python3 ]] && PYTHON=/opt/torch/.venv/bin/python3
 fi
 INSTALL=1
-[[ "${1:-}" == "--no-install" ]] && INSTALL=0
+PROBE_ONLY=0
+for arg in "$@"; do
+  case "$arg" in
+    --no-install) INSTALL=0 ;;
+    --probe-only) PROBE_ONLY=1 ;;
+    *) echo "usage: scripts/device-python.sh [--no-install] [--probe-only]" >&2; exit 2 ;;
+  esac
+done
 LOGS="${OUT:-build-py/logs}"
 mkdir -p "$LOGS"
 START=$SECONDS
@@ -89,12 +97,33 @@ comm = ferry.init(backend="cuda")
 comm.barrier()
 print(f"probe rank {comm.rank}: init + barrier ok ({'with' if 'torch' in sys.argv[1:] else 'without'} torch)", flush=True)
 PYEOF
+# A native crash prints its frames (library+offset) through scripts/native-backtrace.c, preloaded: no gdb there.
+PRELOAD=""
+if cc -shared -fPIC -O1 -o "$LOGS/libnative-backtrace.so" scripts/native-backtrace.c -ldl 2>"$LOGS/preload.log"; then
+  PRELOAD="$LOGS/libnative-backtrace.so"
+else
+  echo "(no native backtraces: $(head -c 200 "$LOGS/preload.log"))"
+fi
 for variant in plain torch; do
-  (cd /tmp && PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 FERRY_LOG=debug NCCL_DEBUG=INFO \
+  (cd /tmp && PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 FERRY_LOG=debug NCCL_DEBUG=INFO LD_PRELOAD="$PRELOAD" \
     NCCL_DEBUG_FILE="$LOGS/nccl-probe-$variant.%p.log" timeout 60 "$PYTHON" -m ferry.launch --nproc 2 \
     "$LOGS/probe.py" $variant) >"$LOGS/probe-$variant.log" 2>&1
-  echo "probe $variant: exit $? ($(grep -c 'init + barrier ok' "$LOGS/probe-$variant.log") of 2 ranks ok)"
+  echo "probe $variant: exit $? ($(grep -o 'init + barrier ok' "$LOGS/probe-$variant.log" | wc -l) of 2 ranks ok)"
+  if grep -q "native-backtrace\]  #" "$LOGS/probe-$variant.log"; then
+    # Frames in libraries with a symbol table get a function name (and a line where there is debug info).
+    grep -m 40 "native-backtrace\]" "$LOGS/probe-$variant.log" | while read -r line; do
+      echo "  $line"
+      frame=$(sed -n 's/.*#[0-9]* \(\/[^ ]*\)+\(0x[0-9a-f]*\) .*/\1 \2/p' <<<"$line")
+      [[ -n "$frame" ]] && command -v addr2line >/dev/null &&
+        echo "      $(addr2line -f -C -i -e ${frame% *} ${frame#* } 2>/dev/null | tr '\n' ' ' | head -c 300)"
+    done
+  fi
 done
+if [[ $PROBE_ONLY -eq 1 ]]; then
+  tail -n 30 "$LOGS"/probe-torch.log
+  for f in "$LOGS"/nccl-probe-torch.*.log; do [[ -f "$f" ]] && { echo "== $f"; tail -n 15 "$f"; }; done
+  exit 0
+fi
 
 # 2. the Python tests (GPU torch tests included; each of those starts 2 ranks through ferry.launch)
 stamp "pytest python/tests"
