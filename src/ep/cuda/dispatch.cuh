@@ -80,13 +80,24 @@ __device__ __forceinline__ void push_quantized_row(DispatchParams const& p, int 
     if (prequantized) {
       token_scale = p.x_token_scales[t];
     } else {
+      // kAmaxInFlight loads per lane before the arithmetic: one at a time, a 7168-wide row took 28 dependent
+      // round trips to memory per token
+      constexpr int kAmaxInFlight = 8;
+      int const num_vec = p.hidden / 8;
       float amax = 0.0f;
-      for (int v = lane; v < p.hidden / 8; v += 32) {
-        float x[8];
-        device::quant_detail::unpack<__nv_bfloat16>(device::arch::load_nc_v4(x_row + v), x);
+      for (int v0 = lane; v0 < num_vec; v0 += 32 * kAmaxInFlight) {
+        int4 raw[kAmaxInFlight];
 #pragma unroll
-        for (int i = 0; i < 8; ++i)
-          if (quant::is_finite(x[i])) amax = fmaxf(amax, quant::abs_value(x[i]));
+        for (int i = 0; i < kAmaxInFlight; ++i)
+          raw[i] = v0 + i * 32 < num_vec ? device::arch::load_nc_v4(x_row + v0 + i * 32) : make_int4(0, 0, 0, 0);
+#pragma unroll
+        for (int i = 0; i < kAmaxInFlight; ++i) {
+          float x[8];
+          device::quant_detail::unpack<__nv_bfloat16>(raw[i], x);
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            if (quant::is_finite(x[j])) amax = fmaxf(amax, quant::abs_value(x[j]));
+        }
       }
       token_scale = Codec::token_scale_from_lane_amax(amax);
     }
@@ -99,6 +110,21 @@ __device__ __forceinline__ void push_quantized_row(DispatchParams const& p, int 
     }
   }
 
+  // The bf16 units of the step at `base` (zeros past the chunk).
+  auto load_step = [&](int base, int4(&raw)[kInFlight][Codec::kVecs]) {
+#pragma unroll
+    for (int f = 0; f < kInFlight; ++f) {
+      int const u = base + f * 32 + lane;
+#pragma unroll
+      for (int i = 0; i < Codec::kVecs; ++i)
+        raw[f][i] = u < u_end ? device::arch::load_nc_v4(x_row + static_cast<std::size_t>(u) * Codec::kVecs + i)
+                              : make_int4(0, 0, 0, 0);
+    }
+  };
+  // Software pipeline: the next step's loads are issued before this step's conversions and stores, so the memory
+  // round trip overlaps the arithmetic (one step at a time, each step waited for its loads with nothing to do).
+  int4 raw[kInFlight][Codec::kVecs];
+  if (!prequantized) load_step(u_begin, raw);
   for (int base = u_begin; base < u_end; base += 32 * kInFlight) {
     uint32_t payload[kInFlight][4];
     uint32_t scales[kInFlight];
@@ -113,15 +139,8 @@ __device__ __forceinline__ void push_quantized_row(DispatchParams const& p, int 
         }
       }
     } else {
-      int4 raw[kInFlight][Codec::kVecs];
-#pragma unroll
-      for (int f = 0; f < kInFlight; ++f) {
-        int const u = base + f * 32 + lane;
-#pragma unroll
-        for (int i = 0; i < Codec::kVecs; ++i)
-          raw[f][i] = u < u_end ? device::arch::load_nc_v4(x_row + static_cast<std::size_t>(u) * Codec::kVecs + i)
-                                : make_int4(0, 0, 0, 0);
-      }
+      int4 next[kInFlight][Codec::kVecs];
+      load_step(base + 32 * kInFlight, next);  // past the chunk: no loads (zeros)
 #pragma unroll
       for (int f = 0; f < kInFlight; ++f) {
         // every lane converts (the block reductions are shuffles); lanes past the chunk hold zeros and store nothing
@@ -129,6 +148,10 @@ __device__ __forceinline__ void push_quantized_row(DispatchParams const& p, int 
         Codec::unpack_bf16(raw[f], x);
         Codec::quantize(x, token_scale, payload[f], scales[f]);
       }
+#pragma unroll
+      for (int f = 0; f < kInFlight; ++f)
+#pragma unroll
+        for (int i = 0; i < Codec::kVecs; ++i) raw[f][i] = next[f][i];
     }
 #pragma unroll
     for (int f = 0; f < kInFlight; ++f) {
