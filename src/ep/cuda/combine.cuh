@@ -26,6 +26,7 @@
 #include "comm/device/bf16x8.cuh"
 #include "comm/device/memory.cuh"
 #include "comm/device/signal.cuh"
+#include "ep/cuda/entry_reduce.cuh"
 #include "ep/cuda/params.cuh"
 #include "quant/device_unit_codec.cuh"
 #include "quant/layout.hpp"
@@ -40,6 +41,7 @@ using device::bf16x8_to_float;
 using device::float_to_bf16x8;
 
 // Receiver side of one row, expert-major: the canonical fmaf chain over the row's local entries (k ascending).
+// The step loop is the same on every lane (the reduction's shuffles need the whole warp).
 __device__ __forceinline__ void reduce_expert_row(CombineParams const& p, int row, int4* dst, int lane) {
   int const topk = p.topk;
   int const num_vec = p.hidden / 8;
@@ -56,29 +58,10 @@ __device__ __forceinline__ void reduce_expert_row(CombineParams const& p, int ro
     }
   }
   uint32_t const entries = __ballot_sync(0xffffffffu, valid);
-  for (int i = lane; i < num_vec; i += 32 * kCombineUnroll) {
+  for (int i0 = 0; i0 < num_vec; i0 += 32 * kCombineUnroll) {
+    int const i = i0 + lane;
     float acc[kCombineUnroll][8];
-#pragma unroll
-    for (int u = 0; u < kCombineUnroll; ++u)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
-    for (uint32_t m = entries; m != 0; m &= m - 1) {
-      int const k = __ffs(m) - 1;
-      float const wk = __shfl_sync(0xffffffffu, w, k);
-      auto const* src =
-          reinterpret_cast<int4 const*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(entry), k));
-      int4 v[kCombineUnroll];
-#pragma unroll
-      for (int u = 0; u < kCombineUnroll; ++u)
-        if (i + u * 32 < num_vec) v[u] = device::arch::load_nc_v4(src + i + u * 32);
-#pragma unroll
-      for (int u = 0; u < kCombineUnroll; ++u) {
-        float f[8];
-        bf16x8_to_float(v[u], f);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[u][j] = __fmaf_rn(wk, f[j], acc[u][j]);
-      }
-    }
+    device::reduce_entries_step<kCombineUnroll>(entries, w, entry, i, num_vec, acc);
 #pragma unroll
     for (int u = 0; u < kCombineUnroll; ++u)
       if (i + u * 32 < num_vec) device::arch::store_na_v4(dst + i + u * 32, float_to_bf16x8(acc[u]));
@@ -122,12 +105,13 @@ __device__ __forceinline__ void push_quantized_partial(CombineParams const& p, i
       for (int f = 0; f < kInFlight; ++f)
 #pragma unroll
         for (int i = 0; i < kUnitElems; ++i) x[f][i] = 0.0f;
-      for (uint32_t m = entries; m != 0; m &= m - 1) {
+      // pipelined over the entries as reduce_expert_row: entry k+1's loads before entry k's arithmetic
+      auto fetch = [&](uint32_t& m, float& wk, int4(&v)[kInFlight][Codec::kVecs]) {
         int const k = __ffs(m) - 1;
-        float const wk = __shfl_sync(0xffffffffu, w, k);
+        m &= m - 1;
+        wk = __shfl_sync(0xffffffffu, w, k);
         auto const* src =
             reinterpret_cast<int4 const*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(entry), k));
-        int4 v[kInFlight][Codec::kVecs];
 #pragma unroll
         for (int f = 0; f < kInFlight; ++f) {
           int const u = base + f * 32 + lane;
@@ -136,12 +120,30 @@ __device__ __forceinline__ void push_quantized_partial(CombineParams const& p, i
             v[f][i] = u < num_units ? device::arch::load_nc_v4(src + static_cast<std::size_t>(u) * Codec::kVecs + i)
                                     : make_int4(0, 0, 0, 0);
         }
+      };
+      uint32_t m = entries;
+      if (m != 0) {
+        float wk;
+        int4 v[kInFlight][Codec::kVecs];
+        fetch(m, wk, v);
+        while (true) {
+          bool const more = m != 0;  // the same for every lane
+          float next_w = 0.0f;
+          int4 next[kInFlight][Codec::kVecs];
+          if (more) fetch(m, next_w, next);
 #pragma unroll
-        for (int f = 0; f < kInFlight; ++f) {
-          float e[kUnitElems];
-          Codec::unpack_bf16(v[f], e);
+          for (int f = 0; f < kInFlight; ++f) {
+            float e[kUnitElems];
+            Codec::unpack_bf16(v[f], e);
 #pragma unroll
-          for (int i = 0; i < kUnitElems; ++i) x[f][i] = __fmaf_rn(wk, e[i], x[f][i]);
+            for (int i = 0; i < kUnitElems; ++i) x[f][i] = __fmaf_rn(wk, e[i], x[f][i]);
+          }
+          if (!more) break;
+          wk = next_w;
+#pragma unroll
+          for (int f = 0; f < kInFlight; ++f)
+#pragma unroll
+            for (int i = 0; i < Codec::kVecs; ++i) v[f][i] = next[f][i];
         }
       }
       // the partial row is bf16 (as with a bf16 combine_format), then quantized

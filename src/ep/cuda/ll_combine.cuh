@@ -18,6 +18,7 @@
 
 #include "comm/device/memory.cuh"
 #include "comm/device/signal.cuh"
+#include "ep/cuda/entry_reduce.cuh"
 #include "ep/cuda/ll_params.cuh"
 #include "quant/device_codec.cuh"
 #include "quant/device_scales.cuh"
@@ -51,27 +52,7 @@ __device__ __forceinline__ RowEntries row_entries(LlCombineParams const& p, int 
 
 // acc[u] = the canonical fmaf chain (k ascending) over the entries, for vectors v0 + u * 32 of the row.
 __device__ __forceinline__ void reduce_chunk(RowEntries const& r, int v0, int num_vec, float (&acc)[kUnroll][8]) {
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
-  for (uint32_t m = r.mask; m != 0; m &= m - 1) {
-    int const k = __ffs(m) - 1;
-    float const wk = __shfl_sync(0xffffffffu, r.w, k);
-    auto const* src =
-        reinterpret_cast<int4 const*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(r.entry), k));
-    int4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (v0 + u * 32 < num_vec) v[u] = device::arch::load_nc_v4(src + v0 + u * 32);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      float f[8];
-      bf16x8_to_float(v[u], f);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[u][j] = __fmaf_rn(wk, f[j], acc[u][j]);
-    }
-  }
+  device::reduce_entries_step<kUnroll>(r.mask, r.w, r.entry, v0, num_vec, acc);
 }
 
 // Chunked send (bf16 and the formats whose scale blocks lie inside a 1024-element chunk): warp per (row, chunk).
