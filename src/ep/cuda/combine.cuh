@@ -40,9 +40,10 @@ inline constexpr int kCombineUnroll = 4;
 using device::bf16x8_to_float;
 using device::float_to_bf16x8;
 
-// Receiver side of one row, expert-major: the canonical fmaf chain over the row's local entries (k ascending).
-// The step loop is the same on every lane (the reduction's shuffles need the whole warp).
-__device__ __forceinline__ void reduce_expert_row(CombineParams const& p, int row, int4* dst, int lane) {
+// Receiver side of vectors [v_begin, v_end) of one row, expert-major: the canonical fmaf chain over the row's local
+// entries (k ascending). The step loop is the same on every lane (the reduction's shuffles need the whole warp).
+__device__ __forceinline__ void reduce_expert_row(CombineParams const& p, int row, int4* dst, int lane, int v_begin,
+                                                  int v_end) {
   int const topk = p.topk;
   int const num_vec = p.hidden / 8;
   int4 const* entry = nullptr;
@@ -58,13 +59,13 @@ __device__ __forceinline__ void reduce_expert_row(CombineParams const& p, int ro
     }
   }
   uint32_t const entries = __ballot_sync(0xffffffffu, valid);
-  for (int i0 = 0; i0 < num_vec; i0 += 32 * kCombineUnroll) {
+  for (int i0 = v_begin; i0 < v_end; i0 += 32 * kCombineUnroll) {
     int const i = i0 + lane;
     float acc[kCombineUnroll][8];
-    device::reduce_entries_step<kCombineUnroll>(entries, w, entry, i, num_vec, acc);
+    device::reduce_entries_step<kCombineUnroll>(entries, w, entry, i, v_end, acc);
 #pragma unroll
     for (int u = 0; u < kCombineUnroll; ++u)
-      if (i + u * 32 < num_vec) device::arch::store_na_v4(dst + i + u * 32, float_to_bf16x8(acc[u]));
+      if (i + u * 32 < v_end) device::arch::store_na_v4(dst + i + u * 32, float_to_bf16x8(acc[u]));
   }
 }
 
@@ -249,6 +250,13 @@ __device__ __forceinline__ void sum_quantized_token(CombineParams const& p, uint
   }
 }
 
+// Items per row (or token) for a tile of `items` rows: a bf16 row is split into kWarps / items chunks when the tile
+// has fewer rows than the CTA has warps (quantized rows stay whole: their codec works on whole rows).
+template <WireFormat kFormat>
+__device__ __forceinline__ int small_batch_chunks(int items) {
+  return kFormat == WireFormat::bf16 && items > 0 && items < kWarps ? kWarps / items : 1;
+}
+
 // First row in [lo, hi) of the receive buffers whose source token is >= token (rows of one source ascend by token).
 __device__ __forceinline__ int lower_bound_token(int2 const* recv_src, int lo, int hi, int token) {
   while (lo < hi) {
@@ -275,8 +283,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
   int const warp = tid >> 5;
   int const cta = static_cast<int>(blockIdx.x);
   int const num_vec = p.hidden / 8;
-  std::size_t const row_bytes = static_cast<std::size_t>(p.hidden) * 2;  // a bf16 row of x and y
-  std::size_t const landing_bytes = p.landing_row_bytes;                 // a row of the landing zone (the wire row)
+  std::size_t const landing_bytes = p.landing_row_bytes;  // a row of the landing zone (the wire row)
   FERRY_TRACE_WARP(trace, p.trace);
 
   // 0. this call's sequence number (written by the previous call's last CTA; stream order makes it visible)
@@ -308,16 +315,25 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
       __syncthreads();
       char* landing =
           p.sym[s] + p.layout.landing + static_cast<std::size_t>(parity * world + rank) * p.max_tokens * landing_bytes;
-      for (int row = s_rows[0] + warp; row < s_rows[1]; row += kWarps) {
+      // items (row, chunk): a tile with fewer rows than warps splits each bf16 row into chunks, so every warp has
+      // bytes in flight (a small batch is latency-bound: a warp per row left most of the CTA idle)
+      int const rows = s_rows[1] - s_rows[0];
+      int const chunks = small_batch_chunks<kFormat>(rows);
+      for (int item = warp; item < rows * chunks; item += kWarps) {
+        int const row = s_rows[0] + item % rows;
+        int const chunk = item / rows;
+        int const v_begin = static_cast<int>(static_cast<int64_t>(num_vec) * chunk / chunks);
+        int const v_end = static_cast<int>(static_cast<int64_t>(num_vec) * (chunk + 1) / chunks);
         int const t = recv_src[row].y;
         auto* dst = reinterpret_cast<int4*>(landing + static_cast<std::size_t>(t) * landing_bytes);
         if constexpr (kFormat != WireFormat::bf16) {
           push_quantized_partial<kExpertMajor, kFormat, kUnitElems>(p, row, reinterpret_cast<uint8_t*>(dst), lane);
         } else if constexpr (kExpertMajor) {
-          reduce_expert_row(p, row, dst, lane);
+          reduce_expert_row(p, row, dst, lane, v_begin, v_end);
         } else {
           auto const* src = static_cast<int4 const*>(p.x) + static_cast<std::size_t>(row) * num_vec;
-          device::copy_16B<true, kCombineUnroll>(dst, src, row_bytes, lane, 32);
+          device::copy_16B<true, kCombineUnroll>(dst + v_begin, src + v_begin,
+                                                 static_cast<std::size_t>(v_end - v_begin) * 16, lane, 32);
         }
       }
       // NOTE: no per-thread fence (it would drain every thread's NVLink stores after each tile and stall the
@@ -347,8 +363,12 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
       if (!s_ok) break;
       FERRY_TRACE_END(trace, combine_wait_tile);
       FERRY_TRACE_BEGIN(trace, combine_sum);
-      int const t_end = min((j + 1) * tile, my_tokens);
-      for (int t = j * tile + warp; t < t_end; t += kWarps) {
+      int const t_begin = j * tile;
+      int const tokens = min((j + 1) * tile, my_tokens) - t_begin;
+      int const chunks = small_batch_chunks<kFormat>(tokens);  // as the push role: (token, chunk) items
+      for (int item = warp; item < tokens * chunks; item += kWarps) {
+        int const t = t_begin + item % tokens;
+        int const chunk = item / tokens;
         uint32_t const mask = p.token_mask[t];
         auto* y = static_cast<int4*>(p.y) + static_cast<std::size_t>(t) * num_vec;
         if constexpr (kFormat != WireFormat::bf16) {
@@ -357,7 +377,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
               p, mask, landing + (static_cast<std::size_t>(parity * world) * p.max_tokens + t) * landing_bytes,
               rank_stride, y, lane);
         } else {
-          for (int i = lane; i < num_vec; i += 32 * kCombineUnroll) {
+          int const v_begin = static_cast<int>(static_cast<int64_t>(num_vec) * chunk / chunks);
+          int const v_end = static_cast<int>(static_cast<int64_t>(num_vec) * (chunk + 1) / chunks);
+          for (int i = v_begin + lane; i < v_end; i += 32 * kCombineUnroll) {
             float acc[kCombineUnroll][8];
 #pragma unroll
             for (int u = 0; u < kCombineUnroll; ++u)
@@ -370,7 +392,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
               int4 v[kCombineUnroll];
 #pragma unroll
               for (int u = 0; u < kCombineUnroll; ++u)
-                if (i + u * 32 < num_vec) v[u] = device::arch::load_v4(src + i + u * 32);  // coherent: a peer wrote it
+                if (i + u * 32 < v_end) v[u] = device::arch::load_v4(src + i + u * 32);  // coherent: a peer wrote it
 #pragma unroll
               for (int u = 0; u < kCombineUnroll; ++u) {
                 float f[8];
@@ -381,7 +403,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
             }
 #pragma unroll
             for (int u = 0; u < kCombineUnroll; ++u)
-              if (i + u * 32 < num_vec) device::arch::store_na_v4(y + i + u * 32, float_to_bf16x8(acc[u]));
+              if (i + u * 32 < v_end) device::arch::store_na_v4(y + i + u * 32, float_to_bf16x8(acc[u]));
           }
         }
       }
