@@ -382,35 +382,31 @@ void write_chrome_json(std::ostream& out, Decoded const& decoded) {
     p = put_str(p, "\"}}");
     flush(false);
   }
-  for (Span const& s : decoded.spans) {
+  // {"name":<slot>,"cat":<kernel>,"ph":<phase>,"pid":<rank>,"tid":<warp>,"ts":<time>: what every event starts with
+  auto put_event_head = [&](int slot, char const* phase, int rank, uint32_t tid, int64_t time_ns) {
     sep();
     p = put_str(p, "{\"name\":\"");
-    p = put_str(p, kSlotNames[s.slot]);
+    p = put_str(p, kSlotNames[slot]);
     p = put_str(p, "\",\"cat\":\"");
-    p = put_str(p, trace_kernel_name(kSlotKernel[s.slot]));
-    p = put_str(p, "\",\"ph\":\"X\",\"pid\":");
-    p = put_int(p, s.rank);
+    p = put_str(p, trace_kernel_name(kSlotKernel[slot]));
+    p = put_str(p, "\",\"ph\":");
+    p = put_str(p, phase);
+    p = put_str(p, ",\"pid\":");
+    p = put_int(p, rank);
     p = put_str(p, ",\"tid\":");
-    p = put_int(p, s.tid);
+    p = put_int(p, tid);
     p = put_str(p, ",\"ts\":");
-    p = put_us(p, s.begin_ns);
+    p = put_us(p, time_ns);
+  };
+  for (Span const& s : decoded.spans) {
+    put_event_head(s.slot, "\"X\"", s.rank, s.tid, s.begin_ns);
     p = put_str(p, ",\"dur\":");
     p = put_us(p, s.end_ns - s.begin_ns);
     *p++ = '}';
     flush(false);
   }
   for (Instant const& i : decoded.instants) {
-    sep();
-    p = put_str(p, "{\"name\":\"");
-    p = put_str(p, kSlotNames[i.slot]);
-    p = put_str(p, "\",\"cat\":\"");
-    p = put_str(p, trace_kernel_name(kSlotKernel[i.slot]));
-    p = put_str(p, "\",\"ph\":\"i\",\"s\":\"t\",\"pid\":");
-    p = put_int(p, i.rank);
-    p = put_str(p, ",\"tid\":");
-    p = put_int(p, i.tid);
-    p = put_str(p, ",\"ts\":");
-    p = put_us(p, i.time_ns);
+    put_event_head(i.slot, "\"i\",\"s\":\"t\"", i.rank, i.tid, i.time_ns);
     p = put_str(p, ",\"args\":{\"value\":");
     p = put_int(p, i.value);
     p = put_str(p, "}}");
