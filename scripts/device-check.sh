@@ -5,6 +5,7 @@
 # not fatal).
 #
 # usage: scripts/device-check.sh [--tests REGEX] [--no-tests] [--no-p2p] [--no-bench] [--p2p-args "ARGS"]
+#   FERRY_TEST_WORLD=N      the EP GPU tests (normal, LL, quantized, trace) at N ranks, one per GPU (default 2)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
@@ -23,7 +24,7 @@ while [[ $# -gt 0 ]]; do
     --no-p2p) RUN_P2P=0; shift ;;
     --no-bench) RUN_BENCH=0; shift ;;
     --p2p-args) P2P_ARGS="$2"; shift 2 ;;
-    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
     *) echo "device-check: unknown argument '$1'; see --help" >&2; exit 2 ;;
   esac
 done

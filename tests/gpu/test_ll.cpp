@@ -29,12 +29,11 @@
 namespace ferry::test {
 namespace {
 
-constexpr int kWorld = 2;
-
-// Runs `name` on 2 ranks with `args`; skips below 2 GPUs.
+// Runs `name` on gpu_test_world() ranks (2 unless FERRY_TEST_WORLD says otherwise) with `args`; skips below that
+// many GPUs.
 void run_case(char const* name, std::vector<std::string> args,
               std::vector<std::pair<std::string, std::string>> env = {}) {
-  run_gpu_case(kWorld, name, std::move(args), std::move(env));
+  run_gpu_case(gpu_test_world(), name, std::move(args), std::move(env));
 }
 
 #if FERRY_HAVE_CUDA
@@ -120,6 +119,7 @@ int ll_case() {
   auto comm = make_cuda_comm();
   int const rank = comm->rank();
   int const world = comm->world();
+  std::vector<int> const tokens = per_rank(spec.tokens, world);  // the lists are written for 2 ranks
   CK(cudaSetDevice(comm->device()));
 
   EpConfig user;
@@ -139,7 +139,7 @@ int ll_case() {
   int const topk = spec.topk;
   int const num_local = config.num_local_experts(world);
   int const slots = config.expert_slots();
-  int const my_tokens = spec.tokens[rank];
+  int const my_tokens = tokens[rank];
   int const max_rows = world * config.max_tokens_per_rank;
   std::fprintf(stderr, "rank %d: seed %llu routing %s tokens %d hidden %d topk %d experts %d hook %d graph %d\n", rank,
                static_cast<unsigned long long>(spec.seed), spec.routing.c_str(), my_tokens, hidden, topk, spec.experts,
@@ -174,7 +174,7 @@ int ll_case() {
   for (int iter = 0; iter < spec.iters; ++iter) {
     bool const check = !spec.graph || iter % spec.check_every == 0 || iter == spec.iters - 1;
     routing.seed = spec.seed + static_cast<uint64_t>(iter) * 7919u;
-    auto const inputs = ref::generate_inputs(config, world, routing, spec.tokens);
+    auto const inputs = ref::generate_inputs(config, world, routing, tokens);
     auto const& in = inputs[rank];
     // upload this rank's dispatch inputs (fresh every iteration)
     // (on the stream: after the previous replay has read the old ones)

@@ -29,8 +29,6 @@
 namespace ferry::test {
 namespace {
 
-constexpr int kWorld = 2;
-
 #if FERRY_HAVE_CUDA
 
 struct Spec {
@@ -215,6 +213,7 @@ int ll_quant_case() {
   auto comm = make_cuda_comm();
   int const rank = comm->rank();
   int const world = comm->world();
+  std::vector<int> const tokens = per_rank(spec.tokens, world);  // the lists are written for 2 ranks
   CK(cudaSetDevice(comm->device()));
 
   EpConfig user;
@@ -234,7 +233,7 @@ int ll_quant_case() {
   int const topk = spec.topk;
   int const num_local = config.num_local_experts(world);
   int const slots = config.expert_slots();
-  int const my_tokens = spec.tokens[rank];
+  int const my_tokens = tokens[rank];
   int const max_rows = world * config.max_tokens_per_rank;
   std::fprintf(stderr,
                "rank %d: seed %llu routing %s tokens %d hidden %d topk %d experts %d dispatch %s%s%s combine %s "
@@ -286,7 +285,7 @@ int ll_quant_case() {
   for (int iter = 0; iter < spec.iters; ++iter) {
     bool const check = !spec.graph || iter % spec.check_every == 0 || iter == spec.iters - 1;
     routing.seed = spec.seed + static_cast<uint64_t>(iter) * 7919u;
-    auto inputs = ref::generate_inputs(config, world, routing, spec.tokens);
+    auto inputs = ref::generate_inputs(config, world, routing, tokens);
     if (spec.prequantized) make_prequantized(config, routing.seed, inputs);
     auto const& in = inputs[rank];
     // this rank's dispatch inputs, fresh every iteration (on the stream: after the previous replay read the old ones)
@@ -412,7 +411,7 @@ void run_rows(std::vector<std::vector<std::string>> const& rows) {
     SCOPED_TRACE(label);
     std::vector<std::string> args = row;
     args.push_back(spec_seed());
-    run_gpu_case(kWorld, "ll_quant", args);
+    run_gpu_case(gpu_test_world(), "ll_quant", args);
   }
 }
 

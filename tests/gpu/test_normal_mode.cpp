@@ -28,12 +28,11 @@
 namespace ferry::test {
 namespace {
 
-constexpr int kWorld = 2;
-
-// Runs `name` on 2 ranks with `args`; skips below 2 GPUs.
+// Runs `name` on gpu_test_world() ranks (2 unless FERRY_TEST_WORLD says otherwise) with `args`; skips below that
+// many GPUs.
 void run_case(char const* name, std::vector<std::string> args,
               std::vector<std::pair<std::string, std::string>> env = {}) {
-  run_gpu_case(kWorld, name, std::move(args), std::move(env));
+  run_gpu_case(gpu_test_world(), name, std::move(args), std::move(env));
 }
 
 #if FERRY_HAVE_CUDA
@@ -101,6 +100,7 @@ int normal_mode_case() {
   auto comm = make_cuda_comm();
   int const rank = comm->rank();
   int const world = comm->world();
+  std::vector<int> const tokens = per_rank(spec.tokens, world);  // the lists are written for 2 ranks
   CK(cudaSetDevice(comm->device()));
 
   EpConfig config;
@@ -115,7 +115,7 @@ int normal_mode_case() {
   int const topk = spec.topk;
   int const num_local = config.num_local_experts(world);
   int const slots = config.expert_slots();
-  int const my_tokens = spec.tokens[rank];
+  int const my_tokens = tokens[rank];
   int const cap = config.recv_capacity(world);
   std::fprintf(stderr, "rank %d: seed %llu routing %s tokens %d hidden %d topk %d experts %d\n", rank,
                static_cast<unsigned long long>(spec.seed), spec.routing.c_str(), my_tokens, hidden, topk, spec.experts);
@@ -153,7 +153,7 @@ int normal_mode_case() {
 
   for (int iter = 0; iter < spec.iters; ++iter) {
     routing.seed = spec.seed + static_cast<uint64_t>(iter) * 7919u;
-    auto const inputs = ref::generate_inputs(config, world, routing, spec.tokens);
+    auto const inputs = ref::generate_inputs(config, world, routing, tokens);
     std::vector<ref::RankDispatch> expected;
     for (int r = 0; r < world; ++r) expected.push_back(ref::dispatch(config, world, r, inputs));
     ref::RankDispatch const& mine = expected[rank];
@@ -387,7 +387,7 @@ FERRY_RANK_CASE(normal_mode_bad_input) {
   bool raised = false;
   try {
     DispatchResult const r = buffer.dispatch(args);
-    if (r.num_recv_host < 0 || r.num_recv_host > config.recv_capacity(2)) code = 1;
+    if (r.num_recv_host < 0 || r.num_recv_host > config.recv_capacity(comm->world())) code = 1;
   } catch (InputError const& error) {
     raised = true;
     std::fprintf(stderr, "rank %d: InputError as expected: %s\n", rank, error.what());

@@ -37,8 +37,6 @@
 namespace ferry::test {
 namespace {
 
-constexpr int kWorld = 2;
-
 #if FERRY_HAVE_CUDA
 
 struct Spec {
@@ -150,6 +148,7 @@ double elapsed_ms() {
 int run_spec(std::shared_ptr<Communicator> const& comm, Spec const& spec) {
   int const rank = comm->rank();
   int const world = comm->world();
+  std::vector<int> const tokens = per_rank(spec.tokens, world);  // the lists are written for 2 ranks
 
   EpConfig config;
   config.hidden = spec.hidden;
@@ -166,7 +165,7 @@ int run_spec(std::shared_ptr<Communicator> const& comm, Spec const& spec) {
   int const topk = spec.topk;
   int const num_local = config.num_local_experts(world);
   int const slots = config.expert_slots();
-  int const my_tokens = spec.tokens[rank];
+  int const my_tokens = tokens[rank];
   int const cap = config.recv_capacity(world);
   bool const quantized = config.delivers_quantized();
   WireRowLayout const wire = wire_row_layout(config.dispatch_format, hidden);
@@ -221,7 +220,7 @@ int run_spec(std::shared_ptr<Communicator> const& comm, Spec const& spec) {
 
   for (int iter = 0; iter < spec.iters; ++iter) {
     routing.seed = spec.seed + static_cast<uint64_t>(iter) * 7919u;
-    auto inputs = ref::generate_inputs(config, world, routing, spec.tokens);
+    auto inputs = ref::generate_inputs(config, world, routing, tokens);
     for (int r = 0; r < world; ++r) {
       ref::RankInput& in = inputs[r];
       vary_rows(in.x, in.num_tokens, hidden, routing.seed + 17 * r, /*non_finite=*/true);
@@ -444,7 +443,8 @@ std::string seed_arg() {
   return "seed=" + std::to_string(seed);
 }
 
-// Runs the shapes (each a list of key=value words; a fresh seed is added to each) in one rank case on 2 ranks.
+// Runs the shapes (each a list of key=value words; a fresh seed is added to each) in one rank case on gpu_test_world()
+// ranks.
 void run_cases(std::vector<std::vector<std::string>> const& shapes) {
   std::vector<std::string> args;
   for (auto const& shape : shapes) {
@@ -454,7 +454,7 @@ void run_cases(std::vector<std::vector<std::string>> const& shapes) {
   }
   auto const start = std::chrono::steady_clock::now();
   // NOTE: a shape takes about a second; the bound turns a stuck case into a failure instead of eating the suite
-  run_gpu_case(kWorld, "normal_quant", std::move(args), {}, std::chrono::seconds(40 + 15 * shapes.size()));
+  run_gpu_case(gpu_test_world(), "normal_quant", std::move(args), {}, std::chrono::seconds(40 + 15 * shapes.size()));
   std::printf("%zu shapes took %.1f s\n", shapes.size(),
               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   std::fflush(stdout);

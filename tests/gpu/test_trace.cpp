@@ -28,8 +28,6 @@
 namespace ferry::test {
 namespace {
 
-constexpr int kWorld = 2;
-
 #if FERRY_HAVE_CUDA
 
 // Every slot of `kernel` must have spans on every rank in `ranks`; prints what is missing.
@@ -165,7 +163,8 @@ FERRY_RANK_CASE(traced_legs) {
 TEST(Trace, EveryPhaseOnEveryRank) {
   if (!trace_compiled_in()) GTEST_SKIP() << "in-kernel tracing is not compiled in (configure with -DFERRY_TRACE=ON)";
   int const gpus = cuda_device_count();
-  if (gpus < kWorld) GTEST_SKIP() << "needs " << kWorld << " GPUs, found " << gpus;
+  int const world = gpu_test_world();
+  if (gpus < world) GTEST_SKIP() << "needs " << world << " GPUs, found " << gpus;
   std::filesystem::path const dir =
       std::filesystem::temp_directory_path() /
       ("ferry-trace-gpu-" + std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
@@ -174,7 +173,7 @@ TEST(Trace, EveryPhaseOnEveryRank) {
     RankCaseOptions options;
     options.args = {dir.string(), tokens};
     options.timeout = std::chrono::seconds(300);
-    LaunchResult const result = run_rank_case("traced_legs", kWorld, options);
+    LaunchResult const result = run_rank_case("traced_legs", world, options);
     EXPECT_TRUE(result.ok()) << tokens << " tokens: " << result.describe();
   }
   std::filesystem::remove_all(dir);

@@ -8,8 +8,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -27,6 +29,26 @@ namespace ferry::test {
 // A seed that differs between runs (printed by the callers), small enough to pass as text.
 inline uint64_t fresh_seed() {
   return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) % 1000000007ull;
+}
+
+// The world the EP tests run at: FERRY_TEST_WORLD when set (2 to 8, one process per GPU), else 2. Their matrices
+// are written for any world: per-rank lists given for 2 ranks repeat over the ranks (per_rank), expectations come
+// from the reference at the communicator's world. NOTE: only world 2 has run so far (no 4- or 8-GPU machine lent).
+inline int gpu_test_world() {
+  char const* text = std::getenv("FERRY_TEST_WORLD");
+  if (!text || !*text) return 2;
+  char* end = nullptr;
+  long const world = std::strtol(text, &end, 10);
+  if (*end != '\0' || world < 2 || world > 8)
+    throw std::invalid_argument(std::string("FERRY_TEST_WORLD=") + text + ": expected a world size from 2 to 8");
+  return static_cast<int>(world);
+}
+
+// values[r] for each of `world` ranks, the list repeated when it is shorter (the matrices' lists are for 2 ranks).
+inline std::vector<int> per_rank(std::vector<int> const& values, int world) {
+  std::vector<int> out(static_cast<std::size_t>(world));
+  for (int r = 0; r < world; ++r) out[r] = values.empty() ? 0 : values[r % values.size()];
+  return out;
 }
 
 // Runs rank case `name` on `world` processes (one per GPU); skips the calling test below `world` GPUs.
