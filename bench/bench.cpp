@@ -98,7 +98,7 @@ Options make_options() {
           {"per-rank", "", "print every rank's medians", true},
           {"json", "", "write the records to this file (DESIGN.md result-file format)"},
           {"trace", "",
-           "after the timed legs, one traced call of each leg (normal mode), dumped per rank into this "
+           "after the timed legs, one traced call of each leg (normal and LL modes), dumped per rank into this "
            "folder for ferry trace --dir (builds with -DFERRY_TRACE=ON; FERRY_TRACE_EVENTS per warp)"},
       });
 }
@@ -604,7 +604,7 @@ int run_bench_rank(Options const& options) {
       LegStats const combine_stats = time_leg([&] { buffer.combine(cargs, memory.stream()); }, graph);
 
       // 2b. --trace: one more call of each leg with the in-kernel recorder on, dumped per rank (ferry trace reads it)
-      if (!options.str("trace").empty() && mode == Mode::normal) {
+      if (!options.str("trace").empty()) {
         int64_t const events = env_optional_int("FERRY_TRACE_EVENTS").value_or(0);  // events per warp
         buffer.enable_trace(events > 0 ? static_cast<int>(events) : 1024);
         comm->barrier(memory.stream());
@@ -612,7 +612,9 @@ int run_bench_rank(Options const& options) {
         comm->barrier(memory.stream());
         buffer.combine(cargs, memory.stream());
         std::string const label = detail::concat(mode_name(mode), "-", routing_name(kind), "-", tokens);
-        for (TraceKernel kernel : {TraceKernel::dispatch, TraceKernel::combine})
+        bool const ll = mode == Mode::low_latency;
+        for (TraceKernel kernel : {ll ? TraceKernel::ll_dispatch : TraceKernel::dispatch,
+                                   ll ? TraceKernel::ll_combine : TraceKernel::combine})
           trace::write_trace_files(options.str("trace"), label, buffer.read_trace(kernel, memory.stream()));
         buffer.enable_trace(0);
         if (rank == 0) std::printf("trace: %s written to %s\n", label.c_str(), options.str("trace").c_str());

@@ -15,10 +15,12 @@
 namespace ferry {
 
 // The traced kernel families.
-enum class TraceKernel : uint8_t { dispatch = 0, combine = 1 };
-inline constexpr int kNumTraceKernels = 2;
+// dispatch / combine: normal mode; ll_dispatch / ll_combine: low-latency mode (with the receive hook, the send and
+// receive halves are two launches and the trace holds the last of them).
+enum class TraceKernel : uint8_t { dispatch = 0, combine = 1, ll_dispatch = 2, ll_combine = 3 };
+inline constexpr int kNumTraceKernels = 4;
 
-char const* trace_kernel_name(TraceKernel kernel);  // "dispatch" | "combine"
+char const* trace_kernel_name(TraceKernel kernel);  // "dispatch" | "combine" | "ll_dispatch" | "ll_combine"
 // Throws ConfigError naming the allowed names.
 TraceKernel parse_trace_kernel(std::string const& name);
 

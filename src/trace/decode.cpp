@@ -20,6 +20,10 @@ char const* trace_kernel_name(TraceKernel kernel) {
       return "dispatch";
     case TraceKernel::combine:
       return "combine";
+    case TraceKernel::ll_dispatch:
+      return "ll_dispatch";
+    case TraceKernel::ll_combine:
+      return "ll_combine";
   }
   return "unknown";
 }
@@ -27,7 +31,8 @@ char const* trace_kernel_name(TraceKernel kernel) {
 TraceKernel parse_trace_kernel(std::string const& name) {
   for (int k = 0; k < kNumTraceKernels; ++k)
     if (name == trace_kernel_name(static_cast<TraceKernel>(k))) return static_cast<TraceKernel>(k);
-  FERRY_THROW(ConfigError, "config", "trace kernel '", name, "' is unknown; use dispatch or combine");
+  FERRY_THROW(ConfigError, "config", "trace kernel '", name,
+              "' is unknown; use dispatch, combine, ll_dispatch or ll_combine");
 }
 
 bool trace_compiled_in() {

@@ -58,6 +58,10 @@ class WarpTrace {
 }  // namespace ferry::trace
 
 #define FERRY_TRACE_WARP(trace, view) ::ferry::trace::WarpTrace trace(view)
+// A device function that records into its caller's warp recorder: FERRY_TRACE_PARAM(trace) last in its parameter
+// list (no comma before it), FERRY_TRACE_ARG(trace) last in the call's arguments.
+#define FERRY_TRACE_PARAM(trace) , ::ferry::trace::WarpTrace& trace
+#define FERRY_TRACE_ARG(trace) , trace
 #define FERRY_TRACE_BEGIN(trace, slot) \
   (trace).record(::ferry::trace::TraceSlot::slot, ::ferry::trace::TraceEventKind::begin, 0u)
 #define FERRY_TRACE_END(trace, slot) \
@@ -66,6 +70,8 @@ class WarpTrace {
   (trace).record(::ferry::trace::TraceSlot::slot, ::ferry::trace::TraceEventKind::instant, static_cast<uint32_t>(value))
 #else
 #define FERRY_TRACE_WARP(trace, view)
+#define FERRY_TRACE_PARAM(trace)
+#define FERRY_TRACE_ARG(trace)
 #define FERRY_TRACE_BEGIN(trace, slot)
 #define FERRY_TRACE_END(trace, slot)
 #define FERRY_TRACE_INSTANT(trace, slot, value)

@@ -59,11 +59,15 @@ int traced_legs_case() {
   std::vector<std::string> const& args = rank_case_args();
   std::string const dir = args.at(0);
   int const tokens = std::stoi(args.at(1));
+  bool const ll = args.size() > 2 && args.at(2) == "ll";  // low-latency mode: its kernel families and phases
+  TraceKernel const dispatch_kernel = ll ? TraceKernel::ll_dispatch : TraceKernel::dispatch;
+  TraceKernel const combine_kernel = ll ? TraceKernel::ll_combine : TraceKernel::combine;
   std::shared_ptr<Communicator> comm = make_cuda_comm();
   int const rank = comm->rank();
   int const world = comm->world();
   CK(cudaSetDevice(comm->device()));
   EpConfig config;
+  if (ll) config.mode = Mode::low_latency;
   config.hidden = 2048;
   config.topk = 8;
   config.num_experts = 64;
@@ -98,7 +102,7 @@ int traced_legs_case() {
   buffer.combine(cargs);
   bool refused = false;
   try {
-    buffer.read_trace(TraceKernel::dispatch);
+    buffer.read_trace(dispatch_kernel);
   } catch (ConfigError const&) {
     refused = true;
   }
@@ -109,18 +113,19 @@ int traced_legs_case() {
 
   buffer.enable_trace(256);
   DispatchResult const got = buffer.dispatch(dargs);
-  CK(cudaMemcpy(rows_dev, got.recv_x, static_cast<std::size_t>(got.num_recv_host) * row_bytes,
-                cudaMemcpyDeviceToDevice));
+  if (got.recv_x != nullptr && got.num_recv_host > 0)  // the combine's input (its values do not matter here)
+    CK(cudaMemcpy(rows_dev, got.recv_x, static_cast<std::size_t>(got.num_recv_host) * row_bytes,
+                  cudaMemcpyDeviceToDevice));
   buffer.combine(cargs);
   std::vector<TraceBuffer> mine;
-  for (TraceKernel kernel : {TraceKernel::dispatch, TraceKernel::combine}) {
+  for (TraceKernel kernel : {dispatch_kernel, combine_kernel}) {
     mine.push_back(buffer.read_trace(kernel));
     trace::write_trace_files(dir, "gpu", mine.back());
   }
   int failures = 0;
   trace::Decoded const decoded = trace::decode(mine);
-  failures += check_every_phase(decoded, TraceKernel::dispatch, {rank}, "own dispatch");
-  failures += check_every_phase(decoded, TraceKernel::combine, {rank}, "own combine");
+  failures += check_every_phase(decoded, dispatch_kernel, {rank}, "own dispatch");
+  failures += check_every_phase(decoded, combine_kernel, {rank}, "own combine");
   std::fprintf(stderr, "rank %d: %lld events, %zu spans\n%s", rank, static_cast<long long>(decoded.events),
                decoded.spans.size(), trace::format_phase_table(trace::phase_table(decoded), decoded).c_str());
 
@@ -134,14 +139,15 @@ int traced_legs_case() {
     }
     trace::DecodeOptions options;
     options.align = trace::Align::slot_end;
+    if (ll) options.align_slot = trace::TraceSlot::ll_dispatch_wait_arrivals;
     trace::Decoded const together = trace::decode(all, options);
     std::vector<int> ranks;
     for (int r = 0; r < world; ++r) ranks.push_back(r);
-    failures += check_every_phase(together, TraceKernel::dispatch, ranks, "all dispatch");
-    failures += check_every_phase(together, TraceKernel::combine, ranks, "all combine");
+    failures += check_every_phase(together, dispatch_kernel, ranks, "all dispatch");
+    failures += check_every_phase(together, combine_kernel, ranks, "all combine");
     if (together.unaligned_ranks != 0) {
-      std::fprintf(stderr, "%lld ranks without dispatch.wait_counts\n",
-                   static_cast<long long>(together.unaligned_ranks));
+      std::fprintf(stderr, "%lld ranks without %s\n", static_cast<long long>(together.unaligned_ranks),
+                   trace::kSlotNames[static_cast<int>(options.align_slot)]);
       ++failures;
     }
     std::ostringstream json;
@@ -168,13 +174,14 @@ TEST(Trace, EveryPhaseOnEveryRank) {
   std::filesystem::path const dir =
       std::filesystem::temp_directory_path() /
       ("ferry-trace-gpu-" + std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
-  for (char const* tokens : {"4096", "3"}) {
+  // normal mode at a large and a tiny batch, low-latency mode at a decode batch and a tiny one
+  for (auto const& [tokens, mode] : {std::pair{"4096", "normal"}, {"3", "normal"}, {"128", "ll"}, {"3", "ll"}}) {
     std::filesystem::remove_all(dir);
     RankCaseOptions options;
-    options.args = {dir.string(), tokens};
+    options.args = {dir.string(), tokens, mode};
     options.timeout = std::chrono::seconds(300);
     LaunchResult const result = run_rank_case("traced_legs", world, options);
-    EXPECT_TRUE(result.ok()) << tokens << " tokens: " << result.describe();
+    EXPECT_TRUE(result.ok()) << mode << " mode, " << tokens << " tokens: " << result.describe();
   }
   std::filesystem::remove_all(dir);
 }

@@ -6,6 +6,7 @@
 
 #include "ep/cuda/ll_params.cuh"
 #include "ferry/ep.hpp"
+#include "trace/cuda/recorder.hpp"
 
 namespace ferry::cuda_ll {
 
@@ -37,6 +38,7 @@ struct LlBuffers {
   float* expert_token_scales = nullptr;
   // combine_format nvfp4: one bf16 row per warp of the grid (LlCombineParams::scratch).
   void* combine_scratch = nullptr;
+  trace::DeviceRecorder* trace = nullptr;  // in-kernel trace buffers (src/trace/), owned by the backend
 };
 
 // The symmetric region's layout for a config (the same on every rank).

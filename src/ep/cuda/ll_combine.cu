@@ -25,6 +25,7 @@ LlCombineParams to_params(LlBuffers const& b, CombineArgs const& args, int num_t
   p.expert_slots = b.expert_slots;
   p.max_tokens = b.config.max_tokens_per_rank;
   p.num_ctas = b.num_ctas;
+  p.trace = b.trace ? b.trace->launch(TraceKernel::ll_combine, b.num_ctas, kWarps) : trace::TraceView{};
   p.state = b.state;
   p.token_mask = b.token_mask;
   p.recv_src = b.recv_src;

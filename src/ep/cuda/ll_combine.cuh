@@ -22,6 +22,7 @@
 #include "ep/cuda/ll_params.cuh"
 #include "quant/device_codec.cuh"
 #include "quant/device_scales.cuh"
+#include "trace/device_trace.cuh"
 
 namespace ferry::cuda_ll {
 
@@ -161,25 +162,29 @@ __device__ __forceinline__ void ll_combine_send_rows_nvfp4(LlCombineParams const
 }
 
 template <bool kExpertMajor, WireFormat kFormat>
-__device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, uint64_t seq) {
+__device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, uint64_t seq FERRY_TRACE_PARAM(trace)) {
   int const world = p.view.world;
   int const rank = p.view.rank;
   int const tid = static_cast<int>(threadIdx.x);
   int const parity = static_cast<int>(seq & 1);
   // 1. the rows, into each source's landing zone
+  FERRY_TRACE_BEGIN(trace, ll_combine_send);
   if constexpr (kFormat == WireFormat::nvfp4)
     ll_combine_send_rows_nvfp4<kExpertMajor>(p, parity);
   else
     ll_combine_send_chunks<kExpertMajor, kFormat>(p, parity);
+  FERRY_TRACE_END(trace, ll_combine_send);
 
   // 2. arrival: the barrier orders every thread's rows before the release adds, which are cumulative over them
   //    (no per-thread fence, which would drain each thread's NVLink stores)
+  FERRY_TRACE_BEGIN(trace, ll_combine_send_arrival);
   __syncthreads();
   if (tid < world) device::signal_add(reinterpret_cast<uint64_t*>(p.sym[tid] + p.layout.combine_arrivals) + rank, 1);
+  FERRY_TRACE_END(trace, ll_combine_send_arrival);
 }
 
 template <WireFormat kFormat>
-__device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, uint64_t seq) {
+__device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, uint64_t seq FERRY_TRACE_PARAM(trace)) {
   __shared__ int s_ok;
   int const world = p.view.world;
   int const rank = p.view.rank;
@@ -193,6 +198,7 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, uint64
   std::size_t const row_bytes = p.layout.combine_row_bytes;
 
   // 3. every rank's send CTAs of this call (thread d waits for rank d; acquire, bounded)
+  FERRY_TRACE_BEGIN(trace, ll_combine_wait_arrivals);
   if (tid == 0) s_ok = 1;
   __syncthreads();
   if (tid < world) {
@@ -203,8 +209,10 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, uint64
   }
   __syncthreads();
   if (!s_ok) return;
+  FERRY_TRACE_END(trace, ll_combine_wait_arrivals);
 
   // 4. the sum, destination ranks ascending
+  FERRY_TRACE_BEGIN(trace, ll_combine_sum);
   int const num_tokens = p.state->num_tokens;
   int const items = num_tokens * num_chunks;
   WireRowLayout const wl = quant::make_row_layout(kFormat, p.hidden);
@@ -256,6 +264,7 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, uint64
     for (int u = 0; u < kUnroll; ++u)
       if (v0 + u * 32 < num_vec) device::arch::store_na_v4(y + v0 + u * 32, float_to_bf16x8(acc[u]));
   }
+  FERRY_TRACE_END(trace, ll_combine_sum);
 }
 
 // kFormat: the combine_format.
@@ -270,8 +279,9 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(LlCombineParams
     if constexpr (kRecv) s_seq[1] = ++p.state->combine_recv_seq[cta];
   }
   __syncthreads();
-  if constexpr (kSend) ll_combine_send<kExpertMajor, kFormat>(p, s_seq[0]);
-  if constexpr (kRecv) ll_combine_recv<kFormat>(p, s_seq[1]);
+  FERRY_TRACE_WARP(trace, p.trace);
+  if constexpr (kSend) ll_combine_send<kExpertMajor, kFormat>(p, s_seq[0] FERRY_TRACE_ARG(trace));
+  if constexpr (kRecv) ll_combine_recv<kFormat>(p, s_seq[1] FERRY_TRACE_ARG(trace));
 }
 
 }  // namespace ferry::cuda_ll

@@ -58,6 +58,7 @@ LlDispatchParams to_params(LlBuffers const& b, DispatchArgs const& args) {
   p.max_tokens = b.config.max_tokens_per_rank;
   p.expert_slots = b.expert_slots;
   p.num_ctas = b.num_ctas;
+  p.trace = b.trace ? b.trace->launch(TraceKernel::ll_dispatch, b.num_ctas, kWarps) : trace::TraceView{};
   p.expert_parts = b.expert_parts;
   p.state = b.state;
   p.token_mask = b.token_mask;

@@ -28,6 +28,7 @@
 #include "ep/cuda/ll_params.cuh"
 #include "quant/device_codec.cuh"
 #include "quant/device_scales.cuh"
+#include "trace/device_trace.cuh"
 
 namespace ferry::cuda_ll {
 
@@ -121,7 +122,7 @@ __device__ __forceinline__ void send_wire_row_warp(LlDispatchParams const& p, in
 }
 
 template <typename IdxT, WireFormat kFormat>
-__device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, uint64_t seq) {
+__device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, uint64_t seq FERRY_TRACE_PARAM(trace)) {
   static_assert(sizeof(IdxT) == 4 || sizeof(IdxT) == 8, "topk_idx is int32 or int64");
   int const world = p.view.world;
   int const rank = p.view.rank;
@@ -137,6 +138,7 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, uint
   auto const* topk_idx = static_cast<IdxT const*>(p.topk_idx);
 
   // 1. this call's token count to every destination (covered by CTA 0's arrival below)
+  FERRY_TRACE_BEGIN(trace, ll_dispatch_send);
   if (cta == 0 && tid < world) {
     auto* word = reinterpret_cast<uint64_t volatile*>(p.sym[tid] + p.layout.dispatch_tokens) + parity * world + rank;
     *word = static_cast<uint64_t>(p.num_tokens);
@@ -201,14 +203,18 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, uint
     }
   }
 
+  FERRY_TRACE_END(trace, ll_dispatch_send);
+
   // 3. arrival: the barrier orders every thread's stores before the release adds, which are cumulative over them
   //    (one release per destination; no per-thread fence, which would drain each thread's NVLink stores)
+  FERRY_TRACE_BEGIN(trace, ll_dispatch_send_arrival);
   __syncthreads();
   if (tid < world) device::signal_add(reinterpret_cast<uint64_t*>(p.sym[tid] + p.layout.dispatch_arrivals) + rank, 1);
+  FERRY_TRACE_END(trace, ll_dispatch_send_arrival);
 }
 
 template <WireFormat kFormat>
-__device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint64_t seq) {
+__device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint64_t seq FERRY_TRACE_PARAM(trace)) {
   __shared__ int32_t s_base[kMaxLocalPeers + 1];  // first rank-major landing row of each source
   __shared__ int32_t s_warp_rows[kWarps];
   __shared__ int32_t s_warp_hits[kWarps];
@@ -229,6 +235,7 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint
   uint32_t const lower = (1u << lane) - 1u;
 
   // 4. every source's send CTAs of this call (thread s waits for source s; acquire, bounded)
+  FERRY_TRACE_BEGIN(trace, ll_dispatch_wait_arrivals);
   if (tid == 0) s_ok = 1;
   __syncthreads();
   if (tid < world) {
@@ -247,11 +254,13 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint
   }
   __syncthreads();
   int const num_landed = s_base[world];
+  FERRY_TRACE_END(trace, ll_dispatch_wait_arrivals);
 
   int const parts = p.expert_parts;
   int const part = cta % parts;
   int const expert_stride = p.num_ctas / parts;
   for (int e = cta / parts; e < p.num_local_experts; e += expert_stride) {
+    FERRY_TRACE_BEGIN(trace, ll_dispatch_scan);
     bool const meta_role = e == 0 && part == 0;  // writes the rank-major metadata and num_recv
     int running_rows = 0;
     int running_slots = 0;
@@ -348,7 +357,10 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint
     for (int slot = filled + tid; slot < slots; slot += kThreads)
       if (slot % parts == part) p.expert_src_row[static_cast<std::size_t>(e) * slots + slot] = -1;
 
+    FERRY_TRACE_END(trace, ll_dispatch_scan);
+
     // 6. this part's filled slots: warp per slot (slot_landing was written by this CTA above: the barrier orders it)
+    FERRY_TRACE_BEGIN(trace, ll_dispatch_copy);
     char const* landing =
         p.sym[rank] + p.layout.dispatch_rows + static_cast<std::size_t>(parity) * world * p.max_tokens * wire_bytes;
     for (int slot = part + parts * warp; slot < filled; slot += parts * kWarps) {
@@ -368,6 +380,7 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint
                                              p.expert_token_scales ? p.expert_token_scales + at : nullptr);
       }
     }
+    FERRY_TRACE_END(trace, ll_dispatch_copy);
     __syncthreads();  // shared words are reused by the next expert
   }
 }
@@ -385,8 +398,9 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(LlDispatchPara
     if constexpr (kRecv) s_seq[1] = ++p.state->dispatch_recv_seq[cta];
   }
   __syncthreads();
-  if constexpr (kSend) ll_dispatch_send<IdxT, kFormat>(p, s_seq[0]);
-  if constexpr (kRecv) ll_dispatch_recv<kFormat>(p, s_seq[1]);
+  FERRY_TRACE_WARP(trace, p.trace);
+  if constexpr (kSend) ll_dispatch_send<IdxT, kFormat>(p, s_seq[0] FERRY_TRACE_ARG(trace));
+  if constexpr (kRecv) ll_dispatch_recv<kFormat>(p, s_seq[1] FERRY_TRACE_ARG(trace));
 }
 
 }  // namespace ferry::cuda_ll

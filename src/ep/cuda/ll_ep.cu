@@ -146,6 +146,8 @@ class CudaLlEp final : public detail::EpBackendImpl {
     }
     FERRY_CHECK_CUDA(cudaMemset(b.state, 0, sizeof(LlState)));
     FERRY_CHECK_CUDA(cudaMemset(b.expert_counts, 0, sizeof(int32_t) * std::max(1, b.num_local_experts)));
+    b.trace = &trace_;
+    if (int const events = trace::env_events_per_warp(); events > 0) trace_.enable(b.rank, b.num_ctas * kWarps, events);
     FERRY_CHECK_CUDA(cudaDeviceSynchronize());
     // every rank's buffers exist before any peer can push into them
     comm.bootstrap().barrier();
@@ -256,12 +258,23 @@ class CudaLlEp final : public detail::EpBackendImpl {
     return result;
   }
 
+  void enable_trace(EpConfig const&, int max_events_per_warp) override {
+    FERRY_CHECK_CUDA(cudaSetDevice(comm_.device()));
+    trace_.enable(buffers_.rank, buffers_.num_ctas * kWarps, max_events_per_warp);
+  }
+
+  // NOTE: with the receive hook a leg is two launches of the same family; the trace holds the last (receive) half.
+  TraceBuffer read_trace(EpConfig const&, TraceKernel kernel, cudaStream_t stream) override {
+    return trace_.read(kernel, stream);
+  }
+
   void sync_and_check(cudaStream_t stream) {
     FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
     comm_.check_errors(stream);
   }
 
   Communicator& comm_;
+  trace::DeviceRecorder trace_;  // LlBuffers::trace points here
   LlBuffers buffers_;
   bool have_dispatch_ = false;
   int last_num_tokens_ = 0;

@@ -18,6 +18,7 @@
 #include "comm/device/bf16x8.cuh"
 #include "ferry/device_view.hpp"
 #include "ferry/ep.hpp"
+#include "trace/trace_format.hpp"
 
 namespace ferry::cuda_ll {
 
@@ -98,6 +99,7 @@ struct LlDispatchParams {
   std::size_t scale_tensor_bytes;
   void* expert_scales;
   float* expert_token_scales;
+  trace::TraceView trace;  // in-kernel trace of this launch (empty unless a FERRY_TRACE build has tracing enabled)
 };
 
 struct LlCombineParams {
@@ -120,6 +122,7 @@ struct LlCombineParams {
   // nvfp4 combine_format: [min(num_ctas * kWarps, world * max_tokens), hidden] bf16, one row per warp of the grid: the
   // warp's partial row before it is quantized (the per-token scale needs the whole row's amax).
   void* scratch;
+  trace::TraceView trace;  // in-kernel trace of this launch (empty unless a FERRY_TRACE build has tracing enabled)
 };
 
 using device::bf16x8_to_float;
