@@ -112,8 +112,7 @@ class CaseArgs {
 
 // The cuda communicator of a rank case, from the environment ferry's launcher sets.
 inline std::shared_ptr<Communicator> make_cuda_comm() {
-  return Communicator::create(make_socket_bootstrap(socket_bootstrap_options_from_env()),
-                              CommunicatorOptions{Backend::cuda, -1});
+  return connect_rank(Backend::cuda);
 }
 
 template <typename T>

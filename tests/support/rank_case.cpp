@@ -7,6 +7,9 @@
 #include <exception>
 #include <map>
 
+#include "ferry/bootstrap.hpp"
+#include "ferry/error.hpp"
+
 namespace ferry::test {
 namespace {
 
@@ -30,6 +33,17 @@ RankCaseRegistrar::RankCaseRegistrar(char const* name, RankCaseFn fn) {
 
 std::vector<std::string> const& rank_case_args() {
   return args_storage();
+}
+
+uint64_t seed_arg() {
+  for (std::string const& arg : rank_case_args())
+    if (arg.rfind("--seed=", 0) == 0) return std::stoull(arg.substr(7));
+  FERRY_THROW(Error, "test", "rank case started without --seed=");
+}
+
+std::shared_ptr<Communicator> connect_rank(Backend backend) {
+  return Communicator::create(make_socket_bootstrap(socket_bootstrap_options_from_env()),
+                              CommunicatorOptions{backend, -1});
 }
 
 LaunchResult run_rank_case(char const* name, int nproc, RankCaseOptions const& options) {

@@ -4,11 +4,14 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "core/launcher.hpp"
+#include "ferry/communicator.hpp"
 
 namespace ferry::test {
 
@@ -21,6 +24,12 @@ struct RankCaseRegistrar {
 
 // Arguments after --ferry-rank-case=NAME on the child's command line.
 std::vector<std::string> const& rank_case_args();
+
+// In a rank case: the value of its --seed=N argument (throws when the case was started without one).
+uint64_t seed_arg();
+
+// In a rank case: the communicator of `backend` over the socket bootstrap ferry's launcher set up in the environment.
+std::shared_ptr<Communicator> connect_rank(Backend backend);
 
 struct RankCaseOptions {
   std::vector<std::string> args;

@@ -323,16 +323,6 @@ std::vector<SubCase> sub_cases(int world, uint64_t seed) {
   return list;
 }
 
-uint64_t seed_arg() {
-  for (std::string const& arg : test::rank_case_args())
-    if (arg.rfind("--seed=", 0) == 0) return std::stoull(arg.substr(7));
-  FERRY_THROW(Error, "test", "rank case started without --seed=");
-}
-
-std::shared_ptr<Communicator> connect_cpu() {
-  return Communicator::create(make_socket_bootstrap(socket_bootstrap_options_from_env()), {Backend::cpu});
-}
-
 // First difference of two byte ranges, "" when equal.
 std::string compare(char const* what, void const* got, void const* want, std::size_t bytes, std::size_t elem) {
   if (bytes == 0 || std::memcmp(got, want, bytes) == 0) return "";
@@ -474,8 +464,8 @@ std::vector<std::string> run_sub_case(std::shared_ptr<Communicator> const& comm,
 }
 
 FERRY_RANK_CASE(cpu_ep_matches_reference) {
-  uint64_t const seed = seed_arg();
-  std::shared_ptr<Communicator> const comm = connect_cpu();
+  uint64_t const seed = test::seed_arg();
+  std::shared_ptr<Communicator> const comm = test::connect_rank(Backend::cpu);
   int failures = 0;
   for (SubCase const& c : sub_cases(comm->world(), seed)) {
     for (std::string const& problem : run_sub_case(comm, c, seed)) {
@@ -519,7 +509,7 @@ std::string expect_input_error(Fn&& fn, std::vector<std::string> const& parts) {
 }
 
 FERRY_RANK_CASE(cpu_ep_bad_input) {
-  std::shared_ptr<Communicator> const comm = connect_cpu();
+  std::shared_ptr<Communicator> const comm = test::connect_rank(Backend::cpu);
   int const rank = comm->rank();
   int const world = comm->world();
   EpConfig config;
@@ -529,7 +519,7 @@ FERRY_RANK_CASE(cpu_ep_bad_input) {
   config.max_tokens_per_rank = 8;
   config.expert_capacity = 32;
   RoutingOptions routing;
-  routing.seed = seed_arg();
+  routing.seed = test::seed_arg();
   std::vector<ref::RankInput> const inputs = ref::generate_inputs(config, world, routing, std::vector<int>(world, 8));
   ref::RankInput const& in = inputs[static_cast<std::size_t>(rank)];
   EpBuffer buffer(comm, config);

@@ -41,12 +41,6 @@ uint64_t fresh_seed() {
   return seed;
 }
 
-uint64_t seed_arg() {
-  for (std::string const& arg : test::rank_case_args())
-    if (arg.rfind("--seed=", 0) == 0) return std::stoull(arg.substr(7));
-  FERRY_THROW(Error, "test", "rank case started without --seed=");
-}
-
 std::size_t at(int64_t row, int64_t width) {
   return static_cast<std::size_t>(row * width);
 }
@@ -260,9 +254,8 @@ std::vector<std::string> run_variant(std::shared_ptr<Communicator> const& comm, 
 }
 
 FERRY_RANK_CASE(cpu_quant_matches_reference) {
-  uint64_t const seed = seed_arg();
-  std::shared_ptr<Communicator> const comm =
-      Communicator::create(make_socket_bootstrap(socket_bootstrap_options_from_env()), {Backend::cpu});
+  uint64_t const seed = test::seed_arg();
+  std::shared_ptr<Communicator> const comm = test::connect_rank(Backend::cpu);
   int failures = 0;
   uint64_t variant_seed = seed;
   for (Variant const& v : variants()) {
@@ -323,8 +316,7 @@ TEST(CpuQuantConfig, DequantizeNeedsAQuantizedFormatAndTheLayoutMustHoldTheScale
 }
 
 FERRY_RANK_CASE(cpu_quant_bad_arguments) {
-  std::shared_ptr<Communicator> const comm =
-      Communicator::create(make_socket_bootstrap(socket_bootstrap_options_from_env()), {Backend::cpu});
+  std::shared_ptr<Communicator> const comm = test::connect_rank(Backend::cpu);
   std::vector<std::string> problems;
   auto note = [&](std::string const& problem) {
     if (!problem.empty()) problems.push_back(problem);

@@ -35,16 +35,6 @@ uint64_t fresh_seed() {
   return seed;
 }
 
-uint64_t seed_arg() {
-  for (std::string const& arg : test::rank_case_args())
-    if (arg.rfind("--seed=", 0) == 0) return std::stoull(arg.substr(7));
-  FERRY_THROW(Error, "test", "rank case started without --seed=");
-}
-
-std::shared_ptr<Communicator> connect_cpu() {
-  return Communicator::create(make_socket_bootstrap(socket_bootstrap_options_from_env()), {Backend::cpu});
-}
-
 std::size_t at(int64_t row, int64_t width) {
   return static_cast<std::size_t>(row * width);
 }
@@ -181,8 +171,8 @@ std::vector<std::string> run_sub_case(std::shared_ptr<Communicator> const& comm,
 }
 
 FERRY_RANK_CASE(ll_cpu_matches_reference) {
-  uint64_t const seed = seed_arg();
-  std::shared_ptr<Communicator> const comm = connect_cpu();
+  uint64_t const seed = test::seed_arg();
+  std::shared_ptr<Communicator> const comm = test::connect_rank(Backend::cpu);
   int failures = 0;
   for (SubCase const& c : sub_cases(comm->world())) {
     for (std::string const& problem : run_sub_case(comm, c, seed)) {
@@ -226,7 +216,7 @@ std::string expect_input_error(Fn&& fn, std::vector<std::string> const& parts) {
 // Misuse of the hook is refused on the host before anything runs; every rank misuses it the same way, so no rank
 // waits. Then rank 1 skips a dispatch: rank 0 times out naming it.
 FERRY_RANK_CASE(ll_cpu_hook_misuse) {
-  std::shared_ptr<Communicator> const comm = connect_cpu();
+  std::shared_ptr<Communicator> const comm = test::connect_rank(Backend::cpu);
   int const rank = comm->rank();
   int const world = comm->world();
   std::vector<std::string> problems;
@@ -240,7 +230,7 @@ FERRY_RANK_CASE(ll_cpu_hook_misuse) {
   config.topk = 2;
   config.max_tokens_per_rank = 4;
   RoutingOptions routing;
-  routing.seed = seed_arg();
+  routing.seed = test::seed_arg();
   EpBuffer buffer(comm, config);
   std::vector<ref::RankInput> const inputs =
       ref::generate_inputs(buffer.config(), world, routing, std::vector<int>(static_cast<std::size_t>(world), 4));
