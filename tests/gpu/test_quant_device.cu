@@ -25,6 +25,7 @@
 #include "ferry/wire_format.hpp"
 #include "quant/codec.hpp"
 #include "quant/device_codec.cuh"
+#include "support/rank_case.hpp"
 #endif
 
 namespace ferry::test {
@@ -33,23 +34,6 @@ namespace {
 #if FERRY_HAVE_CUDA
 
 constexpr int kWarpsPerBlock = 4;
-
-// A fresh seed per run (printed), or FERRY_TEST_SEED to replay one.
-uint64_t test_seed() {
-  static uint64_t const seed = [] {
-    uint64_t value;
-    if (char const* pinned = std::getenv("FERRY_TEST_SEED"); pinned && *pinned) {
-      value = static_cast<uint64_t>(std::strtoull(pinned, nullptr, 0));
-    } else {
-      std::random_device device;
-      value = (static_cast<uint64_t>(device()) << 32) ^ device();
-    }
-    std::printf("quant device test seed %llu (FERRY_TEST_SEED=%llu replays it)\n",
-                static_cast<unsigned long long>(value), static_cast<unsigned long long>(value));
-    return value;
-  }();
-  return seed;
-}
 
 template <typename T>
 struct QuantizeParams {

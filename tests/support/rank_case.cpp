@@ -3,9 +3,11 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <map>
+#include <random>
 
 #include "ferry/bootstrap.hpp"
 #include "ferry/error.hpp"
@@ -33,6 +35,22 @@ RankCaseRegistrar::RankCaseRegistrar(char const* name, RankCaseFn fn) {
 
 std::vector<std::string> const& rank_case_args() {
   return args_storage();
+}
+
+uint64_t test_seed() {
+  static uint64_t const seed = [] {
+    uint64_t value;
+    if (char const* pinned = std::getenv("FERRY_TEST_SEED"); pinned && *pinned) {
+      value = static_cast<uint64_t>(std::strtoull(pinned, nullptr, 0));
+    } else {
+      std::random_device device;
+      value = (static_cast<uint64_t>(device()) << 32) ^ device();
+    }
+    std::printf("test seed %llu (FERRY_TEST_SEED=%llu replays it)\n", static_cast<unsigned long long>(value),
+                static_cast<unsigned long long>(value));
+    return value;
+  }();
+  return seed;
 }
 
 uint64_t seed_arg() {

@@ -25,6 +25,10 @@ struct RankCaseRegistrar {
 // Arguments after --ferry-rank-case=NAME on the child's command line.
 std::vector<std::string> const& rank_case_args();
 
+// This test process's seed for random inputs: FERRY_TEST_SEED when set (to replay a run), else a fresh random one;
+// the same for every call, printed once with how to replay it.
+uint64_t test_seed();
+
 // In a rank case: the value of its --seed=N argument (throws when the case was started without one).
 uint64_t seed_arg();
 

@@ -31,16 +31,6 @@ namespace {
 
 using detail::concat;
 
-uint64_t fresh_seed() {
-  static uint64_t const seed = [] {
-    std::random_device device;
-    uint64_t const value = (static_cast<uint64_t>(device()) << 32) ^ device();
-    std::printf("cpu quant test seed %llu\n", static_cast<unsigned long long>(value));
-    return value;
-  }();
-  return seed;
-}
-
 std::size_t at(int64_t row, int64_t width) {
   return static_cast<std::size_t>(row * width);
 }
@@ -271,11 +261,11 @@ class CpuQuantWorld : public testing::TestWithParam<int> {};
 
 TEST_P(CpuQuantWorld, DeliveryIsExactAndCombineIsExactAndWithinItsBound) {
   test::RankCaseOptions options;
-  options.args = {concat("--seed=", fresh_seed())};
+  options.args = {concat("--seed=", test::test_seed())};
   options.env = {{"FERRY_TIMEOUT_S", "20"}};
   options.timeout = std::chrono::seconds(240);
   LaunchResult const result = test::run_rank_case("cpu_quant_matches_reference", GetParam(), options);
-  EXPECT_TRUE(result.ok()) << result.describe() << " (seed " << fresh_seed() << ")";
+  EXPECT_TRUE(result.ok()) << result.describe() << " (seed " << test::test_seed() << ")";
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, CpuQuantWorld, testing::Values(1, 3));

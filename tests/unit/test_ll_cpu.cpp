@@ -25,16 +25,6 @@ namespace {
 
 using detail::concat;
 
-uint64_t fresh_seed() {
-  static uint64_t const seed = [] {
-    std::random_device device;
-    uint64_t const value = (static_cast<uint64_t>(device()) << 32) ^ device();
-    std::printf("ll cpu test seed %llu\n", static_cast<unsigned long long>(value));
-    return value;
-  }();
-  return seed;
-}
-
 std::size_t at(int64_t row, int64_t width) {
   return static_cast<std::size_t>(row * width);
 }
@@ -186,7 +176,7 @@ FERRY_RANK_CASE(ll_cpu_matches_reference) {
 
 test::RankCaseOptions case_options(char const* timeout_s = "10") {
   test::RankCaseOptions options;
-  options.args = {concat("--seed=", fresh_seed())};
+  options.args = {concat("--seed=", test::test_seed())};
   options.env = {{"FERRY_TIMEOUT_S", timeout_s}};
   options.timeout = std::chrono::seconds(120);
   return options;
@@ -196,7 +186,7 @@ class LowLatencyCpuWorld : public testing::TestWithParam<int> {};
 
 TEST_P(LowLatencyCpuWorld, MatchesTheReferenceBitForBitWithAndWithoutTheHook) {
   LaunchResult const result = test::run_rank_case("ll_cpu_matches_reference", GetParam(), case_options());
-  EXPECT_TRUE(result.ok()) << result.describe() << " (seed " << fresh_seed() << ")";
+  EXPECT_TRUE(result.ok()) << result.describe() << " (seed " << test::test_seed() << ")";
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, LowLatencyCpuWorld, testing::Values(1, 2, 4));

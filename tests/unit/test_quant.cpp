@@ -20,6 +20,7 @@
 #include "ferry/wire_format.hpp"
 #include "quant/codec.hpp"
 #include "quant/rules.hpp"
+#include "support/rank_case.hpp"
 
 #if FERRY_HAVE_CUDA
 #include <cuda_bf16.h>
@@ -36,23 +37,6 @@ constexpr WireFormat kScaledFormats[] = {WireFormat::fp8_e4m3, WireFormat::fp8_e
                                          WireFormat::mxfp4};
 constexpr ScaleLayout kAllLayouts[] = {ScaleLayout::row_major, ScaleLayout::mn_major_tma,
                                        ScaleLayout::mn_major_tma_packed_ue8m0, ScaleLayout::blocked_128x4};
-
-// A fresh seed per run (printed), or FERRY_TEST_SEED to replay one.
-uint64_t test_seed() {
-  static uint64_t const seed = [] {
-    uint64_t value;
-    if (char const* pinned = std::getenv("FERRY_TEST_SEED"); pinned && *pinned) {
-      value = static_cast<uint64_t>(std::strtoull(pinned, nullptr, 0));
-    } else {
-      std::random_device device;
-      value = (static_cast<uint64_t>(device()) << 32) ^ device();
-    }
-    std::printf("quant test seed %llu (FERRY_TEST_SEED=%llu replays it)\n", static_cast<unsigned long long>(value),
-                static_cast<unsigned long long>(value));
-    return value;
-  }();
-  return seed;
-}
 
 float from_bits(uint32_t bits) {
   float value;
@@ -263,7 +247,7 @@ TEST(QuantLayout, UnsupportedScaleLayoutsAndBadIndicesAreRefused) {
 }
 
 TEST(QuantLayout, ScaleTensorsGatherTheWireScales) {
-  std::mt19937_64 rng(test_seed() ^ 0x5ca1e);
+  std::mt19937_64 rng(test::test_seed() ^ 0x5ca1e);
   for (WireFormat format : kScaledFormats) {
     int const hidden = wire_block_elems(format) * 7;
     std::size_t const row_bytes = wire_row_bytes(format, hidden);
@@ -418,7 +402,7 @@ TEST(QuantElement, MatchCudaConversionsOnEveryBf16Input) {
 #if !FERRY_HAVE_CUDA
   GTEST_SKIP() << "needs the CUDA headers (cuda_fp8.h, cuda_fp4.h): built with FERRY_ENABLE_CUDA=OFF";
 #else
-  std::mt19937_64 rng(test_seed() ^ 0xc0da);
+  std::mt19937_64 rng(test::test_seed() ^ 0xc0da);
   int mismatches = 0;
   for (float const x : cuda_comparison_inputs(rng)) {
     uint8_t const e4m3 = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
@@ -475,7 +459,7 @@ RoundTrip round_trip(WireFormat format, float const* x, int hidden) {
 }
 
 TEST(QuantRow, RoundTripStaysWithinTheDerivedBound) {
-  std::mt19937_64 rng(test_seed() ^ 0xb0);
+  std::mt19937_64 rng(test::test_seed() ^ 0xb0);
   for (WireFormat format : kAllFormats) {
     int const block = wire_block_elems(format);
     int const hidden = 7168;
@@ -580,7 +564,7 @@ TEST(QuantRow, ScalesFollowTheDocumentedRules) {
 }
 
 TEST(QuantRow, Bf16InputGivesTheBytesOfTheSameFloats) {
-  std::mt19937_64 rng(test_seed() ^ 0xbf);
+  std::mt19937_64 rng(test::test_seed() ^ 0xbf);
   for (WireFormat format : kAllFormats) {
     int const hidden = 2048;
     std::vector<float> const x = random_rows(rng, 1, hidden, 128, true);
@@ -601,7 +585,7 @@ TEST(QuantRow, Bf16InputGivesTheBytesOfTheSameFloats) {
 }
 
 TEST(QuantRow, PaddingBytesAreZero) {
-  std::mt19937_64 rng(test_seed() ^ 0x9ad);
+  std::mt19937_64 rng(test::test_seed() ^ 0x9ad);
   for (WireFormat format : kAllFormats) {
     for (int hidden : {std::max(wire_block_elems(format), 8) * 3, 7168}) {
       std::vector<float> const x = random_rows(rng, 1, hidden, wire_block_elems(format), false);
@@ -713,7 +697,7 @@ TEST(QuantRow, LargeValuesUpTo2Pow127StayFiniteAndBounded) {
 // fp4 formats give the whole block a NaN scale (and zero codes); every other block, and nvfp4's token scale, are
 // those of the row with the element set to 0.
 TEST(QuantRow, NonFiniteInputsBecomeNaNWithoutTouchingOtherBlocks) {
-  std::mt19937_64 rng(test_seed() ^ 0x4a4);
+  std::mt19937_64 rng(test::test_seed() ^ 0x4a4);
   float const specials[] = {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN(),
                             std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()};
   for (WireFormat format : kAllFormats) {
@@ -763,7 +747,7 @@ TEST(QuantRow, NonFiniteInputsBecomeNaNWithoutTouchingOtherBlocks) {
 // ---- combine -------------------------------------------------------------------------------------------------------
 
 TEST(QuantCombine, SumOfQuantizedTermsStaysWithinTheDerivedBound) {
-  std::mt19937_64 rng(test_seed() ^ 0xc0b);
+  std::mt19937_64 rng(test::test_seed() ^ 0xc0b);
   int const hidden = 1024;
   for (WireFormat format : kAllFormats) {
     int const block = wire_block_elems(format);
