@@ -39,18 +39,26 @@ def check(name: str, got: np.ndarray, want: np.ndarray) -> None:
         raise AssertionError(f"{name}: mismatch (shapes {got.shape} vs {want.shape}; first bad {bad[:3] if bad is not None else '-'})")
 
 
-def run_case(comm, device, seed: int, eager: bool, layout: str, stream_mode: str) -> None:
+def case_inputs(comm, device, seed: int):
+    """The shape both cases run: the reference's config and inputs, what every rank receives (received[rank]: this
+    rank), and this rank's inputs and dispatch arguments as torch CUDA tensors (x, topk_idx, topk_weights)."""
     world, rank = comm.world, comm.rank
     config = ref.Config(hidden=512, num_experts=4 * world, topk=3, max_tokens_per_rank=64, expert_capacity=96)
     num_tokens = [64 - 9 * r for r in range(world)]
     inputs = ref.make_inputs(config, num_tokens, seed, mask_rate=0.1)
     received = [ref.dispatch(config, world, d, inputs) for d in range(world)]
-    want = received[rank]
-    buf = ferry.EpBuffer(comm, **config.kwargs())
     mine = inputs[rank]
     x = to_torch(mine.x, device)
     idx = torch.from_numpy(mine.topk_idx).to(device)
     w = torch.from_numpy(mine.topk_weights).to(device)
+    return config, inputs, received, mine, (x, idx, w)
+
+
+def run_case(comm, device, seed: int, eager: bool, layout: str, stream_mode: str) -> None:
+    world, rank = comm.world, comm.rank
+    config, inputs, received, mine, (x, idx, w) = case_inputs(comm, device, seed)
+    want = received[rank]
+    buf = ferry.EpBuffer(comm, **config.kwargs())
 
     side = torch.cuda.Stream(device)
     kwargs = {}
@@ -116,17 +124,10 @@ def to_bytes(tensor: torch.Tensor) -> np.ndarray:
 
 def run_quant_case(comm, device, seed: int) -> None:
     world, rank = comm.world, comm.rank
-    config = ref.Config(hidden=512, num_experts=4 * world, topk=3, max_tokens_per_rank=64, expert_capacity=96)
-    num_tokens = [64 - 9 * r for r in range(world)]
-    inputs = ref.make_inputs(config, num_tokens, seed, mask_rate=0.1)
-    received = [ref.dispatch(config, world, d, inputs) for d in range(world)]
+    config, inputs, received, mine, (x, idx, w) = case_inputs(comm, device, seed)
     want = received[rank]
     n = want.num_recv
     payload, scales = q.quantize_fp8(want.recv_x)  # bit for bit what the sender's quantizer writes
-    mine = inputs[rank]
-    x = to_torch(mine.x, device)
-    idx = torch.from_numpy(mine.topk_idx).to(device)
-    w = torch.from_numpy(mine.topk_weights).to(device)
     filled = np.minimum(want.expert_counts, config.slots())
 
     for layout in ("row_major", "mn_major_tma"):
