@@ -322,8 +322,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
       for (int item = warp; item < rows * chunks; item += kWarps) {
         int const row = s_rows[0] + item % rows;
         int const chunk = item / rows;
-        int const v_begin = static_cast<int>(static_cast<int64_t>(num_vec) * chunk / chunks);
-        int const v_end = static_cast<int>(static_cast<int64_t>(num_vec) * (chunk + 1) / chunks);
+        auto const [v_begin, v_end] = device::chunk_range(num_vec, chunk, chunks);
         int const t = recv_src[row].y;
         auto* dst = reinterpret_cast<int4*>(landing + static_cast<std::size_t>(t) * landing_bytes);
         if constexpr (kFormat != WireFormat::bf16) {
@@ -377,8 +376,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
               p, mask, landing + (static_cast<std::size_t>(parity * world) * p.max_tokens + t) * landing_bytes,
               rank_stride, y, lane);
         } else {
-          int const v_begin = static_cast<int>(static_cast<int64_t>(num_vec) * chunk / chunks);
-          int const v_end = static_cast<int>(static_cast<int64_t>(num_vec) * (chunk + 1) / chunks);
+          auto const [v_begin, v_end] = device::chunk_range(num_vec, chunk, chunks);
           for (int i = v_begin + lane; i < v_end; i += 32 * kCombineUnroll) {
             float acc[kCombineUnroll][8];
 #pragma unroll

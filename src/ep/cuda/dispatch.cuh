@@ -64,8 +64,9 @@ __device__ __forceinline__ void push_quantized_row(DispatchParams const& p, int 
   static_assert(kInFlight >= 1, "a unit is at most kDispatchUnroll vectors");
   int const num_units = p.hidden / kUnitElems;
   int const num_groups = num_units / Codec::kLanesPerBlock;
-  int const u_begin = static_cast<int>(static_cast<int64_t>(num_groups) * chunk / chunks) * Codec::kLanesPerBlock;
-  int const u_end = static_cast<int>(static_cast<int64_t>(num_groups) * (chunk + 1) / chunks) * Codec::kLanesPerBlock;
+  device::ChunkRange const groups = device::chunk_range(num_groups, chunk, chunks);
+  int const u_begin = groups.begin * Codec::kLanesPerBlock;
+  int const u_end = groups.end * Codec::kLanesPerBlock;
   bool const prequantized = p.x_scales != nullptr;
   std::size_t const num_scales = static_cast<std::size_t>(p.hidden) / Codec::kTraits.block_elems;
   std::size_t const payload_bytes = static_cast<std::size_t>(num_units) * Codec::kPieceBytes;
@@ -423,8 +424,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
       push_quantized_row<kFormat, kUnitElems>(p, t, chunk, chunks, send, s_row[warp], lane);
     } else {
       // this chunk of the row: kDispatchUnroll loads in flight per lane, then the stores to every destination
-      int const v_begin = static_cast<int>(static_cast<int64_t>(num_vec) * chunk / chunks);
-      int const v_end = static_cast<int>(static_cast<int64_t>(num_vec) * (chunk + 1) / chunks);
+      auto const [v_begin, v_end] = device::chunk_range(num_vec, chunk, chunks);
       auto const* src =
           reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes);
       for (int i = v_begin + lane; i < v_end; i += 32 * kDispatchUnroll) {
