@@ -1,24 +1,26 @@
 // Low-latency dispatch over NVLink: one kernel (or, with the hook, its send half and its receive half apart).
 //
-// Send half (every CTA, warp per token, no step waits for another CTA):
+// Send half (every CTA, warp per (token, chunk of its row), no step waits for another CTA):
 //  1. the token's destination ranks from its topk ids (bad ids dropped and counted);
 //  2. its metadata record (local expert ids for that rank, weights) to EVERY rank, so each receiver knows the full
 //     routing of the source without a count exchange; the row itself only to the ranks that hold one of its experts
-//     (wire de-duplication), at landing slot (source, token) of the destination's current parity. A quantized
-//     dispatch_format sends the token's wire row: quantized once by this warp with the device codec (or forwarded
-//     from pre-quantized input), straight into the destination when there is one, else built in this rank's own
-//     landing slot (t's slot of the source's own region: only this warp writes it, and when no local expert takes t
-//     the receive half never reads it) and copied from there to the other destinations;
+//     (wire de-duplication), at landing slot (source, token) of the destination's current parity. A bf16 batch with
+//     fewer tokens than the grid has warps splits each row over several warps. A quantized dispatch_format sends the
+//     token's wire row (warp per token): quantized once by this warp with the device codec (or forwarded from
+//     pre-quantized input), straight into the destination when there is one, else built in this rank's own landing
+//     slot (t's slot of the source's own region: only this warp writes it, and when no local expert takes t the
+//     receive half never reads it) and copied from there to the other destinations;
 //  3. per CTA: barrier, then +1 on every destination's arrival counter of this source (release, cumulative).
 // Receive half (CTA per (local expert, part)):
 //  4. wait until every source's arrivals reach seq * num_ctas (acquire; bounded);
 //  5. scan the received records in (source, token) order with a CTA scan: a row is present when one of its ids is
 //     local; its rank-major index is the count of present rows before it; entry (row, k) of expert e gets the next
-//     slot of e. This is exactly ref::expert_layout's order, computed by every CTA for its expert, no atomics;
+//     slot of e. This is exactly ref::expert_layout's order, computed by every CTA for its expert, no atomics. The
+//     rank-major metadata of the rows is written in the same scan, each record by one CTA (spread over the grid);
 //  6. copy each filled slot's row from the landing zone into expert_x (the wire carried one copy per rank; the
 //     expert-major duplicates are made locally). A quantized dispatch_format copies the payload and writes the block
 //     scales into the expert's scale tensor (and nvfp4's token scale), or dequantizes the row into bf16
-//     (dispatch_dequantize), in the same copy. The CTA of expert 0 also writes the rank-major metadata.
+//     (dispatch_dequantize), in the same copy. A bf16 row is split over warps when a CTA has fewer rows than warps.
 #pragma once
 
 #include <cstdint>
@@ -121,6 +123,30 @@ __device__ __forceinline__ void send_wire_row_warp(LlDispatchParams const& p, in
   }
 }
 
+// Lane k < topk: the rank holding token t's k-th expert (-1 for a masked or bad id), its id in e and weight in w. A bad
+// id (outside [-1, num_experts)) is dropped; `report` records it (InputError at the next check) once per token.
+template <typename IdxT>
+__device__ __forceinline__ int token_destination(LlDispatchParams const& p, int t, int lane, bool report, int64_t& e,
+                                                 float& w) {
+  auto const* topk_idx = static_cast<IdxT const*>(p.topk_idx);
+  e = -1;
+  w = 0.0f;
+  if (lane < p.topk) {
+    e = static_cast<int64_t>(topk_idx[static_cast<std::size_t>(t) * p.topk + lane]);
+    w = p.topk_weights[static_cast<std::size_t>(t) * p.topk + lane];
+    if (e < -1 || e >= p.num_experts) {
+      if (report)
+        device::record_input_error(p.view,
+                                   static_cast<int>(e < INT32_MIN   ? INT32_MIN
+                                                    : e > INT32_MAX ? INT32_MAX
+                                                                    : e),
+                                   false);
+      e = -1;
+    }
+  }
+  return e >= 0 ? static_cast<int>(e) / p.num_local_experts : -1;
+}
+
 template <typename IdxT, WireFormat kFormat>
 __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, uint64_t seq FERRY_TRACE_PARAM(trace)) {
   static_assert(sizeof(IdxT) == 4 || sizeof(IdxT) == 8, "topk_idx is int32 or int64");
@@ -135,7 +161,7 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, uint
   int const num_local = p.num_local_experts;
   std::size_t const row_bytes = static_cast<std::size_t>(p.hidden) * 2;
   int const num_vec = p.hidden / 8;
-  auto const* topk_idx = static_cast<IdxT const*>(p.topk_idx);
+  int const total_warps = p.num_ctas * kWarps;
 
   // 1. this call's token count to every destination (covered by CTA 0's arrival below)
   FERRY_TRACE_BEGIN(trace, ll_dispatch_send);
@@ -145,64 +171,59 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, uint
   }
   if (cta == 0 && tid == 0) p.state->num_tokens = p.num_tokens;
 
-  // 2. warp per token
-  for (int t = cta * kWarps + warp; t < p.num_tokens; t += p.num_ctas * kWarps) {
-    int64_t e = -1;
-    float w = 0.0f;
-    if (lane < topk) {
-      e = static_cast<int64_t>(topk_idx[static_cast<std::size_t>(t) * topk + lane]);
-      w = p.topk_weights[static_cast<std::size_t>(t) * topk + lane];
-      if (e < -1 || e >= p.num_experts) {  // dropped and reported (InputError at the next check)
-        device::record_input_error(p.view,
-                                   static_cast<int>(e < INT32_MIN   ? INT32_MIN
-                                                    : e > INT32_MAX ? INT32_MAX
-                                                                    : e),
-                                   false);
-        e = -1;
+  // 2. items (token, chunk): a bf16 batch with fewer tokens than the grid has warps splits each row into chunks so
+  //    that every warp has bytes in flight (a warp walking a whole row waits for ~7 round trips in a row); quantized
+  //    rows stay whole (the codec works on a row). Chunk 0 reports bad ids and writes the token's mask and metadata.
+  int const chunks = kFormat == WireFormat::bf16 ? device::chunks_per_row(p.num_tokens, total_warps, num_vec) : 1;
+  int const items = p.num_tokens * chunks;
+  for (int item = cta * kWarps + warp; item < items; item += total_warps) {
+    int const t = item / chunks;
+    int const chunk = item % chunks;
+    int64_t e;
+    float w;
+    int const dest = token_destination<IdxT>(p, t, lane, chunk == 0, e, w);
+    uint32_t const mask = __reduce_or_sync(0xffffffffu, dest >= 0 ? 1u << dest : 0u);
+    std::size_t const slot = landing_index(parity, world, rank, p.max_tokens, t);
+
+    if (chunk == 0) {
+      if (lane == 0) p.token_mask[t] = mask;
+      // metadata to every rank: lanes [0, topk) write the local ids, lanes [topk, 2 topk) the weights
+      int const k = (lane < topk ? lane : lane - topk) & 31;
+      int const dest_k = __shfl_sync(0xffffffffu, dest, k);
+      int const e_k = static_cast<int>(__shfl_sync(0xffffffffu, static_cast<long long>(e), k));
+      float const w_k = __shfl_sync(0xffffffffu, w, k);
+      for (int d = 0; d < world; ++d) {
+        char* record = p.sym[d] + p.layout.dispatch_meta + slot * p.layout.meta_bytes;
+        if (lane < topk)
+          reinterpret_cast<int32_t*>(record)[lane] = dest_k == d ? e_k - d * num_local : -1;
+        else if (lane < 2 * topk)
+          reinterpret_cast<float*>(record)[lane] = dest_k == d ? w_k : 0.0f;
       }
     }
-    int const dest = e >= 0 ? static_cast<int>(e) / num_local : -1;
-    uint32_t const mask = __reduce_or_sync(0xffffffffu, dest >= 0 ? 1u << dest : 0u);
-    if (lane == 0) p.token_mask[t] = mask;
 
-    // metadata to every rank: lanes [0, topk) write the local ids, lanes [topk, 2 topk) the weights
-    int const k = (lane < topk ? lane : lane - topk) & 31;
-    int const dest_k = __shfl_sync(0xffffffffu, dest, k);
-    int const e_k = static_cast<int>(__shfl_sync(0xffffffffu, static_cast<long long>(e), k));
-    float const w_k = __shfl_sync(0xffffffffu, w, k);
-    for (int d = 0; d < world; ++d) {
-      char* record =
-          p.sym[d] + p.layout.dispatch_meta + landing_index(parity, world, rank, p.max_tokens, t) * p.layout.meta_bytes;
-      if (lane < topk)
-        reinterpret_cast<int32_t*>(record)[lane] = dest_k == d ? e_k - d * num_local : -1;
-      else if (lane < 2 * topk)
-        reinterpret_cast<float*>(record)[lane] = dest_k == d ? w_k : 0.0f;
-    }
-
-    // the row, once per destination rank
-    std::size_t const slot = landing_index(parity, world, rank, p.max_tokens, t);
+    // the row (this chunk of it), once per destination rank
     if constexpr (kFormat != WireFormat::bf16) {
       if (mask != 0) send_wire_row_warp<kFormat>(p, t, mask, slot, lane);
     } else {
       // bf16: kUnroll loads in flight per lane, then the stores to every destination
+      auto const [v_begin, v_end] = device::chunk_range(num_vec, chunk, chunks);
       auto const* src =
           reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes);
-      for (int i = lane; i < num_vec; i += 32 * kUnroll) {
+      for (int i = v_begin + lane; i < v_end; i += 32 * kUnroll) {
         int4 v[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
-          if (i + u * 32 < num_vec) v[u] = device::arch::load_nc_v4(src + i + u * 32);
+          if (i + u * 32 < v_end) v[u] = device::arch::load_nc_v4(src + i + u * 32);
         for (uint32_t m = mask; m != 0; m &= m - 1) {
           int const d = __ffs(m) - 1;
           auto* dst = reinterpret_cast<int4*>(p.sym[d] + p.layout.dispatch_rows + slot * row_bytes);
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u)
-            if (i + u * 32 < num_vec) device::arch::store_na_v4(dst + i + u * 32, v[u]);
+            if (i + u * 32 < v_end) device::arch::store_na_v4(dst + i + u * 32, v[u]);
         }
       }
     }
   }
-
   FERRY_TRACE_END(trace, ll_dispatch_send);
 
   // 3. arrival: the barrier orders every thread's stores before the release adds, which are cumulative over them
@@ -259,9 +280,12 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint
   int const parts = p.expert_parts;
   int const part = cta % parts;
   int const expert_stride = p.num_ctas / parts;
+  // The CTAs that run an expert pass share the rank-major metadata: landed record r is written by CTA r % meta_ctas
+  // in its first pass (one CTA writing all of it was the last to finish at 128 tokens).
+  int const meta_ctas = min(p.num_ctas, p.num_local_experts * parts);
   for (int e = cta / parts; e < p.num_local_experts; e += expert_stride) {
     FERRY_TRACE_BEGIN(trace, ll_dispatch_scan);
-    bool const meta_role = e == 0 && part == 0;  // writes the rank-major metadata and num_recv
+    bool const first_pass = e == cta / parts;
     int running_rows = 0;
     int running_slots = 0;
     // 5. ordered scan of the landed records, kThreads per step
@@ -271,17 +295,34 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint
       int token = 0;
       int present = 0;
       int hits = 0;
-      int32_t const volatile* record = nullptr;
+      int32_t const* record = nullptr;
+      // the record's ids in registers, all loads issued before any is used (the slot loop below branches on them:
+      // loading there made one dependent round trip per k)
+      int32_t ids[kMaxTopk];
+#pragma unroll
+      for (int k = 0; k < kMaxTopk; ++k) ids[k] = -1;
       if (r < num_landed) {
         while (s_base[source + 1] <= r) ++source;
         token = r - s_base[source];
-        record = reinterpret_cast<int32_t const volatile*>(p.sym[rank] + p.layout.dispatch_meta +
-                                                           landing_index(parity, world, source, p.max_tokens, token) *
-                                                               p.layout.meta_bytes);
-        for (int k = 0; k < topk; ++k) {
-          int32_t const id = record[k];
-          present |= id >= 0;
-          hits += id == e;
+        record = reinterpret_cast<int32_t const*>(p.sym[rank] + p.layout.dispatch_meta +
+                                                  landing_index(parity, world, source, p.max_tokens, token) *
+                                                      p.layout.meta_bytes);
+        static_assert(kMaxTopk % 4 == 0, "ids are loaded 4 at a time");
+        // 16-byte loads (the record is 16-byte aligned): every CTA reads every record, and 4-byte loads made the
+        // scan bound by L2 requests on those few lines (4.6 us at 128 tokens, 12 us at 512)
+#pragma unroll
+        for (int q = 0; q < kMaxTopk / 4; ++q) {
+          if (4 * q >= topk) break;
+          int4 const v = device::arch::load_v4(reinterpret_cast<int4 const*>(record) + q);
+          ids[4 * q] = v.x;
+          ids[4 * q + 1] = 4 * q + 1 < topk ? v.y : -1;
+          ids[4 * q + 2] = 4 * q + 2 < topk ? v.z : -1;
+          ids[4 * q + 3] = 4 * q + 3 < topk ? v.w : -1;
+        }
+#pragma unroll
+        for (int k = 0; k < kMaxTopk; ++k) {
+          present |= ids[k] >= 0;
+          hits += ids[k] == e;
         }
       }
       // CTA scan of (present rows, hits): warp ballots / shuffles, then one thread over the warps
@@ -315,21 +356,26 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint
       if (present) {
         int const row = running_rows + s_warp_rows[warp] + __popc(present_bits & lower);
         std::size_t const entry0 = static_cast<std::size_t>(row) * topk;
-        if (meta_role) {
-          auto const volatile* weights = reinterpret_cast<float const volatile*>(record + topk);
+        if (first_pass && r % meta_ctas == cta) {
+          auto const* weights = reinterpret_cast<float const*>(record + topk);
+          float w[kMaxTopk];
+#pragma unroll
+          for (int k = 0; k < kMaxTopk; ++k) w[k] = k < topk ? weights[k] : 0.0f;
           p.recv_src[2 * row] = source;
           p.recv_src[2 * row + 1] = token;
-          for (int k = 0; k < topk; ++k) {
-            int32_t const id = record[k];
-            p.recv_idx[entry0 + k] = id;
-            p.recv_w[entry0 + k] = weights[k];
-            if (id < 0) p.recv_slot[entry0 + k] = -1;
+#pragma unroll
+          for (int k = 0; k < kMaxTopk; ++k) {
+            if (k >= topk) break;
+            p.recv_idx[entry0 + k] = ids[k];
+            p.recv_w[entry0 + k] = w[k];
+            if (ids[k] < 0) p.recv_slot[entry0 + k] = -1;
           }
         }
         if (hits) {
           int slot = running_slots + s_warp_hits[warp] + hits_incl - hits;
-          for (int k = 0; k < topk; ++k) {
-            if (record[k] != e) continue;
+#pragma unroll
+          for (int k = 0; k < kMaxTopk; ++k) {
+            if (ids[k] != e) continue;  // -1 past topk
             if (slot < slots) {
               if (part == 0) p.recv_slot[entry0 + k] = slot;
               if (slot % parts == part) {
@@ -351,7 +397,7 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint
     }
     if (tid == 0) {
       if (part == 0) p.expert_counts[e] = running_slots;
-      if (meta_role) p.state->num_recv = running_rows;
+      if (e == 0 && part == 0) p.state->num_recv = running_rows;
     }
     int const filled = running_slots < slots ? running_slots : slots;
     for (int slot = filled + tid; slot < slots; slot += kThreads)
@@ -359,16 +405,24 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint
 
     FERRY_TRACE_END(trace, ll_dispatch_scan);
 
-    // 6. this part's filled slots: warp per slot (slot_landing was written by this CTA above: the barrier orders it)
-    FERRY_TRACE_BEGIN(trace, ll_dispatch_copy);
+    // 6. this part's filled slots (slot_landing was written by this CTA above: the barrier orders it) as items (slot,
+    //    chunk), a bf16 row split over the warps when the part has fewer slots than warps (as in the send half)
     char const* landing =
         p.sym[rank] + p.layout.dispatch_rows + static_cast<std::size_t>(parity) * world * p.max_tokens * wire_bytes;
-    for (int slot = part + parts * warp; slot < filled; slot += parts * kWarps) {
+    int const row_vecs = static_cast<int>(row_bytes / 16);
+    FERRY_TRACE_BEGIN(trace, ll_dispatch_copy);
+    int const count = filled > part ? (filled - part + parts - 1) / parts : 0;  // this part's slots
+    int const chunks = kFormat == WireFormat::bf16 ? device::chunks_per_row(count, kWarps, row_vecs) : 1;
+    for (int item = warp; item < count * chunks; item += kWarps) {
+      int const slot = part + parts * (item / chunks);
       std::size_t const at = static_cast<std::size_t>(e) * slots + slot;
       char const* src = landing + static_cast<std::size_t>(p.slot_landing[at]) * wire_bytes;
       char* dst = static_cast<char*>(p.expert_x) + at * row_bytes;
       if constexpr (kFormat == WireFormat::bf16) {
-        device::copy_warp_16B<false>(dst, src, row_bytes);  // coherent loads: a peer wrote the row
+        auto const [v_begin, v_end] = device::chunk_range(row_vecs, item % chunks, chunks);
+        device::copy_16B<false>(dst + static_cast<std::size_t>(v_begin) * 16,
+                                src + static_cast<std::size_t>(v_begin) * 16,
+                                static_cast<std::size_t>(v_end - v_begin) * 16, lane, 32);  // coherent loads
       } else if (p.dequantize) {
         device::dequantize_row_warp<kFormat, __nv_bfloat16>(reinterpret_cast<uint8_t const*>(src), p.hidden,
                                                             reinterpret_cast<__nv_bfloat16*>(dst));
