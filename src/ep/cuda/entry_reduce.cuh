@@ -58,4 +58,46 @@ __device__ __forceinline__ void reduce_entries_step(uint32_t entries, float w, i
   }
 }
 
+// The same chain for a small step (kVecs vectors per lane: v0 + u * 32 below v_end), with the loads of kGroup entries
+// issued before the first product: a row of up to kGroup local entries costs one memory round trip instead of one per
+// entry. For small batches, whose rows are split into chunks of 32 or 64 vectors so that every warp of the grid has
+// one (the pipelined step above needs kUnroll vectors per lane to pay off).
+template <int kVecs, int kGroup>
+__device__ __forceinline__ void reduce_entries_grouped(uint32_t entries, float w, int4 const* entry, int v0, int v_end,
+                                                       float (&acc)[kVecs][8]) {
+#pragma unroll
+  for (int u = 0; u < kVecs; ++u)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
+  for (uint32_t m = entries; m != 0;) {  // m is the same on every lane
+    float wk[kGroup];
+    int4 v[kGroup][kVecs];
+    int n = 0;
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      if (m == 0) break;
+      int const k = __ffs(m) - 1;
+      m &= m - 1;
+      wk[g] = __shfl_sync(0xffffffffu, w, k);
+      auto const* src =
+          reinterpret_cast<int4 const*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(entry), k));
+#pragma unroll
+      for (int u = 0; u < kVecs; ++u)
+        if (v0 + u * 32 < v_end) v[g][u] = arch::load_nc_v4(src + v0 + u * 32);
+      n = g + 1;
+    }
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      if (g >= n) break;
+#pragma unroll
+      for (int u = 0; u < kVecs; ++u) {
+        float f[8];
+        bf16x8_to_float(v[g][u], f);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[u][j] = __fmaf_rn(wk[g], f[j], acc[u][j]);
+      }
+    }
+  }
+}
+
 }  // namespace ferry::device

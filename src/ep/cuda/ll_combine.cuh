@@ -1,6 +1,7 @@
 // Low-latency combine over NVLink: one kernel (or, with the hook, its send half and its receive half apart).
 //
-// Send half (every CTA, warp per (received row, 1024-element chunk)):
+// Send half (every CTA, warp per (received row, chunk of at most 1024 elements; smaller bf16 chunks when the batch has
+// fewer rows than the grid has warps)):
 //  1. expert-major: acc = fmaf(w[k], out(e_k, slot_k), acc) over the row's local entries, k ascending, rounded to bf16
 //     (the canonical receiver order); rank-major: the caller's row. Stored straight into the source's landing zone
 //     at (this rank, token) of the current parity: one row per (token, rank) on the wire. A quantized combine_format
@@ -41,9 +42,10 @@ __device__ __forceinline__ RowEntries row_entries(LlCombineParams const& p, int 
     std::size_t const at = static_cast<std::size_t>(row) * p.topk + lane;
     int32_t const el = p.recv_idx[at];
     int32_t const slot = p.recv_slot[at];
+    float const w = p.recv_w[at];  // loaded with the ids, not after them (one round trip, not two)
     valid = el >= 0 && slot >= 0;
     if (valid) {
-      r.w = p.recv_w[at];
+      r.w = w;
       r.entry = static_cast<int4 const*>(p.x) + (static_cast<std::size_t>(el) * p.expert_slots + slot) * num_vec;
     }
   }
@@ -51,9 +53,9 @@ __device__ __forceinline__ RowEntries row_entries(LlCombineParams const& p, int 
   return r;
 }
 
-// acc[u] = the canonical fmaf chain (k ascending) over the entries, for vectors v0 + u * 32 of the row.
-__device__ __forceinline__ void reduce_chunk(RowEntries const& r, int v0, int num_vec, float (&acc)[kUnroll][8]) {
-  device::reduce_entries_step<kUnroll>(r.mask, r.w, r.entry, v0, num_vec, acc);
+// acc[u] = the canonical fmaf chain (k ascending) over the entries, for vectors v0 + u * 32 below v_end.
+__device__ __forceinline__ void reduce_chunk(RowEntries const& r, int v0, int v_end, float (&acc)[kUnroll][8]) {
+  device::reduce_entries_step<kUnroll>(r.mask, r.w, r.entry, v0, v_end, acc);
 }
 
 // Chunked send (bf16 and the formats whose scale blocks lie inside a 1024-element chunk): warp per (row, chunk).
@@ -71,29 +73,55 @@ __device__ __forceinline__ void ll_combine_send_chunks(LlCombineParams const& p,
   std::size_t const scales_offset = quant::make_row_layout(kFormat, p.hidden).scales_offset;
   // written by the dispatch's receive half, earlier on the stream
   int const num_recv = p.state->num_recv;
-  int const items = num_recv * num_chunks;
+  // bf16: a batch with fewer rows than the grid has warps splits rows into more (smaller) chunks, so that every warp
+  // has bytes in flight; quantized formats keep 1024-element chunks (their scale blocks lie inside a chunk)
+  int const total_warps = p.num_ctas * kWarps;
+  int const chunks = kFormat == WireFormat::bf16
+                         ? max(num_chunks, device::chunks_per_row(num_recv, total_warps, num_vec))
+                         : num_chunks;
+  int const items = num_recv * chunks;
 
-  for (int item = cta * kWarps + warp; item < items; item += p.num_ctas * kWarps) {
-    int const row = item / num_chunks;
-    int const v0 = (item % num_chunks) * kChunkVecs + lane;
+  for (int item = cta * kWarps + warp; item < items; item += total_warps) {
+    int const row = item / chunks;
+    int const chunk = item % chunks;
+    // this item's vectors: v0 + u * 32 below v_end (at most kChunkVecs of them)
+    int v_begin = chunk * kChunkVecs;
+    int v_end = min(v_begin + kChunkVecs, num_vec);
+    if constexpr (kFormat == WireFormat::bf16) {
+      device::ChunkRange const range = device::chunk_range(num_vec, chunk, chunks);
+      v_begin = range.begin;
+      v_end = range.end;
+    }
+    int const v0 = v_begin + lane;
     int const source = p.recv_src[2 * row];
     int const token = p.recv_src[2 * row + 1];
     char* const dst_row = p.sym[source] + p.layout.combine_rows +
                           ((static_cast<std::size_t>(parity) * world + rank) * p.max_tokens + token) * wire_bytes;
     auto* dst = reinterpret_cast<int4*>(dst_row);
     if constexpr (kExpertMajor) {
+      RowEntries const entries = row_entries(p, row, lane, num_vec);
+      if constexpr (kFormat == WireFormat::bf16) {
+        if (v_end - v_begin <= 32) {
+          // one vector per lane (small batches): every entry's loads issued at once, one round trip (the pipelined
+          // step below waits one per entry)
+          float a[1][8];
+          device::reduce_entries_grouped<1, 6>(entries.mask, entries.w, entries.entry, v0, v_end, a);
+          if (v0 < v_end) device::arch::store_na_v4(dst + v0, float_to_bf16x8(a[0]));
+          continue;
+        }
+      }
       float acc[kUnroll][8];
-      reduce_chunk(row_entries(p, row, lane, num_vec), v0, num_vec, acc);
+      reduce_chunk(entries, v0, v_end, acc);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         int const v = v0 + u * 32;
         if constexpr (kFormat == WireFormat::bf16) {
-          if (v < num_vec) device::arch::store_na_v4(dst + v, float_to_bf16x8(acc[u]));
+          if (v < v_end) device::arch::store_na_v4(dst + v, float_to_bf16x8(acc[u]));
         } else {
           // the bf16 row's values (what the reference quantizes), then the codec's step for this vector
           float x[8];
           bf16x8_to_float(float_to_bf16x8(acc[u]), x);
-          device::quantize_vec<kFormat>(x, v < num_vec, v, reinterpret_cast<uint8_t*>(dst_row), scales_offset, 0.0f);
+          device::quantize_vec<kFormat>(x, v < v_end, v, reinterpret_cast<uint8_t*>(dst_row), scales_offset, 0.0f);
         }
       }
     } else {
@@ -102,17 +130,17 @@ __device__ __forceinline__ void ll_combine_send_chunks(LlCombineParams const& p,
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if constexpr (kFormat != WireFormat::bf16) v[u] = make_int4(0, 0, 0, 0);  // lanes past the row quantize zeros
-        if (v0 + u * 32 < num_vec) v[u] = device::arch::load_nc_v4(src + v0 + u * 32);
+        if (v0 + u * 32 < v_end) v[u] = device::arch::load_nc_v4(src + v0 + u * 32);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         int const vi = v0 + u * 32;
         if constexpr (kFormat == WireFormat::bf16) {
-          if (vi < num_vec) device::arch::store_na_v4(dst + vi, v[u]);
+          if (vi < v_end) device::arch::store_na_v4(dst + vi, v[u]);
         } else {
           float x[8];
           bf16x8_to_float(v[u], x);
-          device::quantize_vec<kFormat>(x, vi < num_vec, vi, reinterpret_cast<uint8_t*>(dst_row), scales_offset, 0.0f);
+          device::quantize_vec<kFormat>(x, vi < v_end, vi, reinterpret_cast<uint8_t*>(dst_row), scales_offset, 0.0f);
         }
       }
     }
