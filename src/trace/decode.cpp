@@ -494,7 +494,7 @@ PhaseTable phase_table(Decoded const& decoded) {
     table.windows.push_back(WindowRow{static_cast<TraceKernel>(k), static_cast<int>(windows.size()), stat_of(windows)});
   }
   for (int slot = 0; slot < kNumSlots; ++slot) {
-    std::vector<double> warp_us, extent_us, share;
+    std::vector<double> warp_us, extent_us, share, begin_us, end_us;
     PhaseRow row;
     row.slot = static_cast<TraceSlot>(slot);
     for (int r = 0; r < num_ranks; ++r) {
@@ -507,12 +507,17 @@ PhaseTable phase_table(Decoded const& decoded) {
       std::size_t const at = static_cast<std::size_t>(r) * kNumTraceKernels + static_cast<int>(kSlotKernel[slot]);
       double const window = win_first[at] == kNone ? 0.0 : static_cast<double>(win_last[at] - win_first[at]) / 1e3;
       share.push_back(window > 0 ? extent / window : 0.0);
+      int64_t const start = win_first[at] == kNone ? a.first : win_first[at];
+      begin_us.push_back(static_cast<double>(a.first - start) / 1e3);
+      end_us.push_back(static_cast<double>(a.last - start) / 1e3);
     }
     if (warp_us.empty()) continue;
     row.ranks = static_cast<int>(warp_us.size());
     row.warp_us = stat_of(warp_us);
     row.extent_us = stat_of(extent_us);
     row.share = stat_of(share);
+    row.begin_us = stat_of(begin_us);
+    row.end_us = stat_of(end_us);
     table.phases.push_back(row);
   }
   return table;
@@ -529,14 +534,15 @@ std::string format_phase_table(PhaseTable const& table, Decoded const& decoded) 
                   w.window_us.min, w.window_us.median, w.window_us.max);
     out += line;
   }
-  std::snprintf(line, sizeof(line), "\n%-24s %5s %8s  %-26s  %-26s  %-20s\n", "phase", "ranks", "spans",
-                "warp_us min/median/max", "extent_us min/median/max", "share % min/med/max");
+  std::snprintf(line, sizeof(line), "\n%-24s %5s %8s  %-26s  %-26s  %-20s  %-17s\n", "phase", "ranks", "spans",
+                "warp_us min/median/max", "extent_us min/median/max", "share % min/med/max", "begin..end_us med");
   out += line;
   for (PhaseRow const& r : table.phases) {
-    std::snprintf(line, sizeof(line), "%-24s %5d %8lld  %8.2f %8.2f %8.2f  %8.2f %8.2f %8.2f  %6.1f %6.1f %6.1f\n",
+    std::snprintf(line, sizeof(line),
+                  "%-24s %5d %8lld  %8.2f %8.2f %8.2f  %8.2f %8.2f %8.2f  %6.1f %6.1f %6.1f  %7.2f..%.2f\n",
                   kSlotNames[static_cast<int>(r.slot)], r.ranks, static_cast<long long>(r.spans), r.warp_us.min,
                   r.warp_us.median, r.warp_us.max, r.extent_us.min, r.extent_us.median, r.extent_us.max,
-                  100 * r.share.min, 100 * r.share.median, 100 * r.share.max);
+                  100 * r.share.min, 100 * r.share.median, 100 * r.share.max, r.begin_us.median, r.end_us.median);
     out += line;
   }
   std::snprintf(line, sizeof(line),

@@ -107,7 +107,9 @@ void write_chrome_json(std::ostream& out, Decoded const& decoded);
 
 // Per phase, across ranks (min / median / max): warp_us = mean time a warp that entered the phase spent in it;
 // extent_us = from the phase's first begin to its last end on the rank; share = extent / the rank's window of the
-// kernel (its first to last event).
+// kernel (its first to last event); begin_us / end_us = the phase's first begin and last end, from the start of the
+// rank's window (where the phase sits on the kernel's timeline: a phase whose warps are short but whose end is late
+// waits for something earlier).
 struct Stat {
   double min = 0, median = 0, max = 0;
 };
@@ -118,6 +120,8 @@ struct PhaseRow {
   Stat warp_us;
   Stat extent_us;
   Stat share;  // fraction of the window, 0..1
+  Stat begin_us;
+  Stat end_us;
 };
 struct WindowRow {
   TraceKernel kernel = TraceKernel::dispatch;

@@ -261,8 +261,16 @@ TEST(TracePhaseTable, MinMedianMaxAcrossRanks) {
   EXPECT_DOUBLE_EQ(wait->warp_us.max, 0.14);
   EXPECT_DOUBLE_EQ(wait->share.min, 0.1);
   EXPECT_NEAR(wait->share.max, 0.14 / 1.04, 1e-12);
+  // on each rank's timeline: wait_counts starts 100 ns after the window's first event on both ranks and ends at
+  // 200 ns (rank 0) and 240 ns (rank 1)
+  EXPECT_DOUBLE_EQ(wait->begin_us.min, 0.1);
+  EXPECT_DOUBLE_EQ(wait->begin_us.max, 0.1);
+  EXPECT_DOUBLE_EQ(wait->end_us.min, 0.2);
+  EXPECT_DOUBLE_EQ(wait->end_us.max, 0.24);
+  EXPECT_DOUBLE_EQ(wait->end_us.median, 0.22);
   std::string const text = format_phase_table(table, d);
   EXPECT_NE(text.find("dispatch.wait_counts"), std::string::npos) << text;
+  EXPECT_NE(text.find("   0.10..0.22\n"), std::string::npos) << "wait_counts' median begin..end\n" << text;
   EXPECT_NE(text.find("combine.push"), std::string::npos) << text;
   EXPECT_EQ(text.find("combine.wait_tile"), std::string::npos) << "a phase nobody recorded is not listed\n" << text;
 }
