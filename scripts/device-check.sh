@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repo root: build Ferry (build-device/), run the GPU tests, `ferry p2p` and a short
-# `ferry bench`, keep every log (in $OUT when set, else build-device/logs), and print a short summary last.
+# `ferry bench` (normal mode with wire formats at 128 / 4096 tokens, then normal vs low-latency at 1 / 128 tokens),
+# keep every log (in $OUT when set, else build-device/logs), and print a short summary last.
 # Exit status: non-zero when the build, a GPU test or ferry p2p failed (a bench that is missing or fails is reported,
 # not fatal).
 #
@@ -80,6 +81,11 @@ if [[ $RUN_BENCH -eq 1 ]]; then
     --dispatch bf16,fp8,mxfp4,bf16 --combine bf16,bf16,bf16,fp8 --iters 10 >"$LOGS/bench.log" 2>&1
   BENCH_RC=$?
   tail -n 30 "$LOGS/bench.log"
+  # low-latency mode beside normal mode at decode sizes (its goals: docs/perf.md)
+  stamp "ferry bench --mode both (small batches)"
+  timeout 120 "$BUILD/ferry" bench --mode both --tokens 1,128 --graph --check --baseline nccl --iters 10 \
+    --json "$LOGS/bench-ll.json" >"$LOGS/bench-ll.log" 2>&1 || BENCH_RC=$?
+  tail -n 12 "$LOGS/bench-ll.log"
 fi
 
 # 5. summary
@@ -134,10 +140,11 @@ if run_p2p:
                 print(f"p2p latency            one-way {r['latency_us']:.2f} us")
         print(f"  (targets: push 256MiB >= 350 oneway, >= 690 bidir sum; latency <= 1.5 us)")
 if run_bench:
-    bench = load("bench.json")
-    if bench is None:
-        print(f"bench                  no result (exit {bench_rc}); see bench.log")
-    else:
+    for name in ("bench.json", "bench-ll.json"):
+        bench = load(name)
+        if bench is None:
+            print(f"bench                  no result in {name} (exit {bench_rc}); see {name[:-5]}.log")
+            continue
         for r in bench.get("records", []):
             speed = r.get("speedup_vs_baseline")
             print(f"bench {r.get('mode','?'):<6} {r.get('leg','?'):<8} {r.get('format','?'):<6} tokens {r.get('tokens','?'):>5} "
