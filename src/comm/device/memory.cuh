@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "comm/device/arch_sm90.cuh"
+#include "comm/device/work_items.hpp"  // chunk_range, chunks_per_row: the (row, chunk) items of the kernels
 
 namespace ferry::device {
 
@@ -40,27 +41,6 @@ __device__ __forceinline__ void copy_warp_16B(void* dst, void const* src, std::s
 template <bool kNcSource = false>
 __device__ __forceinline__ void copy_block_16B(void* dst, void const* src, std::size_t bytes) {
   copy_16B<kNcSource>(dst, src, bytes, static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x));
-}
-
-// Part `chunk` of `chunks` near-equal parts of [0, n): the vectors a (row, chunk) work item covers.
-struct ChunkRange {
-  int begin;
-  int end;
-};
-
-__device__ __forceinline__ ChunkRange chunk_range(int n, int chunk, int chunks) {
-  return {static_cast<int>(static_cast<int64_t>(n) * chunk / chunks),
-          static_cast<int>(static_cast<int64_t>(n) * (chunk + 1) / chunks)};
-}
-
-// Chunks per row when `warps` warps share `rows` rows of `num_vec` 16-byte vectors as (row, chunk) work items: a batch
-// with fewer rows than warps splits each row so that every warp has bytes in flight (one warp walking a 14 KB row
-// waits for ~7 memory round trips one after another), down to one vector per lane (32 vectors a chunk).
-__device__ __forceinline__ int chunks_per_row(int rows, int warps, int num_vec) {
-  if (rows <= 0 || rows >= warps) return 1;
-  int const most = (num_vec + 31) / 32;
-  int const want = warps / rows;
-  return want < most ? want : most;
 }
 
 }  // namespace ferry::device
