@@ -108,11 +108,7 @@ __device__ __forceinline__ void push_quantized_partial(CombineParams const& p, i
         for (int i = 0; i < kUnitElems; ++i) x[f][i] = 0.0f;
       // pipelined over the entries as reduce_expert_row: entry k+1's loads before entry k's arithmetic
       auto fetch = [&](uint32_t& m, float& wk, int4(&v)[kInFlight][Codec::kVecs]) {
-        int const k = __ffs(m) - 1;
-        m &= m - 1;
-        wk = __shfl_sync(0xffffffffu, w, k);
-        auto const* src =
-            reinterpret_cast<int4 const*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(entry), k));
+        int4 const* const src = device::next_entry(m, w, entry, wk);
 #pragma unroll
         for (int f = 0; f < kInFlight; ++f) {
           int const u = base + f * 32 + lane;

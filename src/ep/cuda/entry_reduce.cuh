@@ -10,6 +10,23 @@
 
 namespace ferry::device {
 
+// Takes the lowest entry of m (m loses it): its weight into wk, and its expert row's address, shuffled from the lane
+// that holds them (lane k holds entry k's w and entry). Every lane of the warp must call it with the same m.
+__device__ __forceinline__ int4 const* next_entry(uint32_t& m, float w, int4 const* entry, float& wk) {
+  int const k = __ffs(m) - 1;
+  m &= m - 1;
+  wk = __shfl_sync(0xffffffffu, w, k);
+  return reinterpret_cast<int4 const*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(entry), k));
+}
+
+template <int kRows>
+__device__ __forceinline__ void zero_acc(float (&acc)[kRows][8]) {
+#pragma unroll
+  for (int u = 0; u < kRows; ++u)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
+}
+
 // entries: the lanes k holding a valid entry (the same on every lane); lane k holds that entry's weight in w and its
 // row's address in entry. Every lane of the warp must call it with the same entries (the shuffles need the warp);
 // vectors at or past num_vec are neither loaded nor summed.
@@ -19,18 +36,11 @@ namespace ferry::device {
 template <int kUnroll>
 __device__ __forceinline__ void reduce_entries_step(uint32_t entries, float w, int4 const* entry, int v0, int num_vec,
                                                     float (&acc)[kUnroll][8]) {
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
+  zero_acc(acc);
   if (entries == 0) return;
   // the next entry of m (m loses it): its weight into wk and its vectors of this step into v
   auto fetch = [&](uint32_t& m, float& wk, int4(&v)[kUnroll]) {
-    int const k = __ffs(m) - 1;
-    m &= m - 1;
-    wk = __shfl_sync(0xffffffffu, w, k);
-    auto const* src =
-        reinterpret_cast<int4 const*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(entry), k));
+    int4 const* const src = next_entry(m, w, entry, wk);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       if (v0 + u * 32 < num_vec) v[u] = arch::load_nc_v4(src + v0 + u * 32);
@@ -65,10 +75,7 @@ __device__ __forceinline__ void reduce_entries_step(uint32_t entries, float w, i
 template <int kVecs, int kGroup>
 __device__ __forceinline__ void reduce_entries_grouped(uint32_t entries, float w, int4 const* entry, int v0, int v_end,
                                                        float (&acc)[kVecs][8]) {
-#pragma unroll
-  for (int u = 0; u < kVecs; ++u)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
+  zero_acc(acc);
   for (uint32_t m = entries; m != 0;) {  // m is the same on every lane
     float wk[kGroup];
     int4 v[kGroup][kVecs];
@@ -76,11 +83,7 @@ __device__ __forceinline__ void reduce_entries_grouped(uint32_t entries, float w
 #pragma unroll
     for (int g = 0; g < kGroup; ++g) {
       if (m == 0) break;
-      int const k = __ffs(m) - 1;
-      m &= m - 1;
-      wk[g] = __shfl_sync(0xffffffffu, w, k);
-      auto const* src =
-          reinterpret_cast<int4 const*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(entry), k));
+      int4 const* const src = next_entry(m, w, entry, wk[g]);
 #pragma unroll
       for (int u = 0; u < kVecs; ++u)
         if (v0 + u * 32 < v_end) v[g][u] = arch::load_nc_v4(src + v0 + u * 32);

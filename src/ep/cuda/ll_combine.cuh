@@ -251,10 +251,7 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, uint64
     int const v0 = (item % num_chunks) * kChunkVecs + lane;
     uint32_t const mask = p.token_mask[token];
     float acc[kUnroll][8];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
+    device::zero_acc(acc);
     for (uint32_t m = mask; m != 0; m &= m - 1) {
       int const d = __ffs(m) - 1;
       char const* const row = landing + (static_cast<std::size_t>(d) * p.max_tokens + token) * row_bytes;
