@@ -33,12 +33,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
-uint64_t fresh_seed() {
-  uint64_t const seed = (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
-  std::printf("seed=%llu\n", static_cast<unsigned long long>(seed));
-  return seed;
-}
-
 // Deterministic bytes for (seed, rank, op index): every rank can compute every other rank's block.
 std::vector<unsigned char> pattern(uint64_t seed, int rank, int op_idx, std::size_t bytes) {
   std::mt19937_64 rng(seed ^ (uint64_t(rank) * 0x9E3779B97F4A7C15ull) ^ (uint64_t(op_idx) << 40));
@@ -107,7 +101,7 @@ TEST(LocalBootstrap, RejectsBadArguments) {
 // Allgather (every block checked, in place too), broadcast from every root and barriers, repeated, for several
 // worlds and sizes (0 bytes included).
 TEST(LocalBootstrap, CollectivesDeliverEveryBlock) {
-  uint64_t const seed = fresh_seed();
+  uint64_t const seed = ferry::test::test_seed();
   for (int world : {1, 2, 4, 8}) {
     SCOPED_TRACE("world=" + std::to_string(world));
     auto bootstraps = ferry::make_local_bootstraps(world, 10s);
@@ -528,7 +522,8 @@ class SocketBootstrapWorld : public testing::TestWithParam<int> {};
 
 TEST_P(SocketBootstrapWorld, CollectivesDeliverEveryBlock) {
   int const world = GetParam();
-  auto const result = ferry::test::run_rank_case("socket_collectives", world, case_options(30, fresh_seed()));
+  auto const result =
+      ferry::test::run_rank_case("socket_collectives", world, case_options(30, ferry::test::test_seed()));
   expect_exit_codes(result, world, {});
 }
 

@@ -33,22 +33,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using detail::concat;
 
-// A fresh seed per run (printed), or FERRY_TEST_SEED to replay one.
-uint64_t test_seed() {
-  static uint64_t const seed = [] {
-    uint64_t value = 0;
-    if (char const* pinned = std::getenv("FERRY_TEST_SEED"); pinned && *pinned) {
-      value = static_cast<uint64_t>(std::strtoull(pinned, nullptr, 0));
-    } else {
-      std::random_device device;
-      value = (static_cast<uint64_t>(device()) << 32) ^ device();
-    }
-    std::printf("cpu backend test seed %llu (FERRY_TEST_SEED=%llu replays it)\n",
-                static_cast<unsigned long long>(value), static_cast<unsigned long long>(value));
-    return value;
-  }();
-  return seed;
-}
+using test::test_seed;  // fresh per run and printed; FERRY_TEST_SEED replays one
 
 std::size_t at(int64_t row, int64_t width) {
   return static_cast<std::size_t>(row * width);

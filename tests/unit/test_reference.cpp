@@ -19,27 +19,16 @@
 #include "ep/reference.hpp"
 #include "ep/routing.hpp"
 #include "ferry/error.hpp"
+#include "support/rank_case.hpp"
 
 namespace ferry {
 namespace {
 
-// A fresh seed per run (printed), or FERRY_TEST_SEED to replay one.
-uint64_t test_seed() {
-  static uint64_t const seed = [] {
-    if (char const* pinned = std::getenv("FERRY_TEST_SEED"); pinned && *pinned)
-      return static_cast<uint64_t>(std::strtoull(pinned, nullptr, 0));
-    std::random_device device;
-    return (static_cast<uint64_t>(device()) << 32) ^ device();
-  }();
-  return seed;
-}
+using test::test_seed;  // fresh per run and printed; FERRY_TEST_SEED replays one
 
 class Reference : public testing::Test {
  protected:
-  void SetUp() override {
-    std::printf("reference test seed %llu (FERRY_TEST_SEED=%llu replays it)\n",
-                static_cast<unsigned long long>(test_seed()), static_cast<unsigned long long>(test_seed()));
-  }
+  void SetUp() override { test_seed(); }  // the seed is printed before the test's output
 };
 
 std::size_t at(int64_t row, int64_t width) {

@@ -4,9 +4,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <random>
 #include <set>
 #include <string>
 #include <vector>
@@ -14,27 +11,14 @@
 #include "ep/reference.hpp"
 #include "ep/routing.hpp"
 #include "ferry/error.hpp"
+#include "support/rank_case.hpp"
 
 namespace ferry {
 namespace {
 
-// A fresh seed per run (printed), or FERRY_TEST_SEED to replay one. The statistical checks allow 5 standard
-// deviations.
-uint64_t test_seed() {
-  static uint64_t const seed = [] {
-    uint64_t value = 0;
-    if (char const* pinned = std::getenv("FERRY_TEST_SEED"); pinned && *pinned) {
-      value = static_cast<uint64_t>(std::strtoull(pinned, nullptr, 0));
-    } else {
-      std::random_device device;
-      value = (static_cast<uint64_t>(device()) << 32) ^ device();
-    }
-    std::printf("routing test seed %llu (FERRY_TEST_SEED=%llu replays it)\n", static_cast<unsigned long long>(value),
-                static_cast<unsigned long long>(value));
-    return value;
-  }();
-  return seed;
-}
+// Inputs come from test::test_seed() (fresh per run and printed, FERRY_TEST_SEED replays one). The statistical
+// checks allow 5 standard deviations.
+using test::test_seed;
 
 struct Routing {
   int columns = 0;
