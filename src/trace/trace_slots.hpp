@@ -16,6 +16,11 @@
   X(dispatch, signal)         /* 6. CTA arrival; the last CTA signals every destination */                        \
   X(dispatch, wait_data)      /* 6. last CTA: wait for every source's data signal */                              \
   X(dispatch, outputs)        /* 7. last CTA: num_recv, per-source offsets, expert counts */                      \
+  /* land_dispatch.cuh (normal mode, small batches): steps 1-4 */                                                 \
+  X(dispatch, land_send) /* 1. metadata to every rank, rows to their destinations' landing slots, arrival */      \
+  X(dispatch, land_wait) /* 2. wait for every source's send CTAs */                                               \
+  X(dispatch, land_scan) /* 3. ordered scan of the landed records: rank-major rows, metadata, counts */           \
+  X(dispatch, land_copy) /* 4. landed rows into recv_x */                                                         \
   /* combine.cuh: steps 1-3 */                                                                                    \
   X(combine, push)      /* 1. one item (tile, source): reduce and store its rows, release the tile's flag */      \
   X(combine, wait_tile) /* 2. wait for every rank's flag of one of this rank's tiles */                           \

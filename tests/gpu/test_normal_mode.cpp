@@ -51,6 +51,9 @@ struct Spec {
   bool int32_ids = false;
   int max_recv = 0;  // 0: default capacity
   uint64_t seed = 1;
+  // The dispatch protocol explain() must name: landing (nvlink-landing), counts (count exchange), or any. Pin it with
+  // FERRY_NORMAL_LANDING in the case's environment.
+  std::string protocol = "any";
 };
 
 Spec parse_spec(std::vector<std::string> const& words) {
@@ -68,6 +71,7 @@ Spec parse_spec(std::vector<std::string> const& words) {
   s.int32_ids = args.flag("int32", s.int32_ids);
   s.max_recv = args.integer("max_recv", s.max_recv);
   s.seed = args.u64("seed", s.seed);
+  s.protocol = args.text("protocol", s.protocol);
   return s;
 }
 
@@ -180,6 +184,7 @@ int normal_mode_case() {
     if (result.recv_x) {
       CK(cudaMemset(result.recv_x, 0xEE, static_cast<std::size_t>(cap) * hidden * 2));
       CK(cudaMemset(result.recv_topk_idx, 0xEE, static_cast<std::size_t>(cap) * topk * 4));
+      CK(cudaMemset(result.recv_topk_weights, 0xEE, static_cast<std::size_t>(cap) * topk * 4));
       CK(cudaMemset(result.recv_src, 0xEE, static_cast<std::size_t>(cap) * 8));
       CK(cudaMemset(result.expert_counts, 0xEE, static_cast<std::size_t>(num_local) * 4));
     }
@@ -237,6 +242,15 @@ int normal_mode_case() {
       CK(cudaGraphLaunch(graph, stream));
       CK(cudaStreamSynchronize(stream));
       comm->check_errors(stream);
+    }
+
+    if (iter == 0 && spec.protocol != "any") {
+      bool const landing = buffer.explain().find("nvlink-landing") != std::string::npos;
+      if (landing != (spec.protocol == "landing")) {
+        std::fprintf(stderr, "rank %d: protocol=%s expected, explain: %s\n", rank, spec.protocol.c_str(),
+                     buffer.explain().c_str());
+        return 1;
+      }
     }
 
     // dispatch outputs
@@ -470,6 +484,37 @@ TEST(NormalMode, Matrix) {
                              "hidden=" + std::to_string(row.hidden), "topk=" + std::to_string(row.topk),
                              "experts=" + std::to_string(row.experts), row.extra});
   }
+#else
+  GTEST_SKIP() << "built without the cuda backend";
+#endif
+}
+
+// Both dispatch protocols on the same shapes (FERRY_NORMAL_LANDING pins one; the default picks the landing zone up to
+// 256 max_tokens_per_rank): the landing zone past its automatic bound, with int32 ids, masks and a zero-token rank;
+// the count exchange below it, expanded and graph-replayed.
+TEST(NormalMode, BothDispatchProtocols) {
+#if FERRY_HAVE_CUDA
+  std::vector<std::pair<std::string, std::string>> const landing{{"FERRY_NORMAL_LANDING", "on"}};
+  std::vector<std::pair<std::string, std::string>> const counts{{"FERRY_NORMAL_LANDING", "off"}};
+  run_case("normal_mode",
+           {spec_seed(), "protocol=landing", "routing=hot", "tokens=257,129", "hidden=7168", "topk=8", "experts=256",
+            "mask=0.2", "iters=2"},
+           landing);
+  run_case("normal_mode",
+           {spec_seed(), "protocol=landing", "routing=ring", "tokens=300,0", "hidden=2880", "topk=9", "experts=64",
+            "int32=1", "expand=1", "iters=2"},
+           landing);
+  run_case("normal_mode",
+           {spec_seed(), "protocol=counts", "routing=random", "tokens=100,37", "hidden=2048", "topk=8", "experts=64",
+            "expand=1", "iters=3"},
+           counts);
+  run_case("normal_mode",
+           {spec_seed(), "protocol=counts", "routing=grouped", "tokens=128,128", "hidden=7168", "topk=8", "experts=64",
+            "expand=1", "graph=1", "iters=5"},
+           counts);
+  run_case("normal_mode", {spec_seed(), "protocol=landing", "routing=grouped", "tokens=128,128", "hidden=7168",
+                           "topk=8", "experts=64", "expand=1", "graph=1", "iters=5"});
+  run_case("normal_mode_timeout", {}, {{"FERRY_TIMEOUT_S", "2"}, {"FERRY_NORMAL_LANDING", "off"}});
 #else
   GTEST_SKIP() << "built without the cuda backend";
 #endif

@@ -29,6 +29,11 @@ struct Buffers {
   int32_t* token_pos = nullptr;     // [max_tokens, world]
   int32_t* block_counts = nullptr;  // [max_dispatch_ctas, world + num_experts]
   int max_dispatch_ctas = 0;
+  // Dispatch protocol, fixed at construction (ep/landing_policy.hpp): the landing zone of small batches
+  // (land_dispatch.cuh, a grid of land_ctas CTAs on every call) or the count exchange (dispatch.cuh).
+  bool landing = false;
+  int land_ctas = 0;
+  std::string landing_why;
   int32_t* expert_counts = nullptr;  // [num_local_experts]
   int32_t* recv_slot = nullptr;      // [recv_capacity, topk]
   std::size_t recv_row_bytes = 0;    // EpConfig::recv_row_bytes(): bf16 row or quantized payload
@@ -50,8 +55,8 @@ struct Buffers {
   trace::DeviceRecorder* trace = nullptr;  // in-kernel trace buffers (src/trace/), owned by the backend
 };
 
-// The symmetric region's layout for a config (the same on every rank).
-SymLayout make_sym_layout(EpConfig const& config, int world);
+// The symmetric region's layout for a config (the same on every rank); `landing` adds the landing zone's areas.
+SymLayout make_sym_layout(EpConfig const& config, int world, bool landing);
 
 // Launch geometry chosen for a leg, and the reason (for explain()).
 struct LaunchPlan {

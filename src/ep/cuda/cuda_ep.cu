@@ -7,7 +7,10 @@
 
 #include "core/cuda_check.hpp"
 #include "ep/cuda/buffers.hpp"
+#include "ep/cuda/landing.cuh"
 #include "ep/ep_impl.hpp"
+#include "ep/landing_policy.hpp"
+#include "ferry/env.hpp"
 #include "ferry/error.hpp"
 #include "quant/device_unit_codec.cuh"
 
@@ -19,7 +22,7 @@ std::size_t align_up(std::size_t value, std::size_t alignment) {
 }
 }  // namespace
 
-SymLayout make_sym_layout(EpConfig const& config, int world) {
+SymLayout make_sym_layout(EpConfig const& config, int world, bool landing) {
   // NOTE: 256-byte alignment keeps every row and word area on its own cache lines and 16-byte vectors aligned.
   constexpr std::size_t kAlign = 256;
   std::size_t const cap = static_cast<std::size_t>(config.recv_capacity(world));
@@ -53,6 +56,13 @@ SymLayout make_sym_layout(EpConfig const& config, int world) {
   layout.data_signal = take(static_cast<std::size_t>(world) * sizeof(uint64_t));
   layout.tile_flags = take(static_cast<std::size_t>(world) * kMaxCombineTiles * sizeof(uint64_t));
   layout.landing = take(2ull * world * static_cast<std::size_t>(config.max_tokens_per_rank) * combine_row);
+  if (landing) {
+    std::size_t const slots = 2ull * world * static_cast<std::size_t>(config.max_tokens_per_rank);
+    layout.land_arrivals = take(static_cast<std::size_t>(world) * sizeof(uint64_t));
+    layout.land_tokens = take(2ull * world * sizeof(uint64_t));
+    layout.land_meta = take(slots * landing::record_bytes(config.topk));
+    layout.land_rows = take(slots * static_cast<std::size_t>(config.hidden) * 2);
+  }
   layout.total = offset;
   return layout;
 }
@@ -97,7 +107,12 @@ class CudaEp final : public detail::EpBackendImpl {
     b.dispatch_tuning = tuning::resolve_leg(tuning::Leg::dispatch, key, config.dispatch_geometry, *tables);
     b.combine_tuning = tuning::resolve_leg(tuning::Leg::combine, key, config.combine_geometry, *tables);
     b.view = comm.device_view();
-    b.layout = make_sym_layout(config, b.world);
+    detail::LandingChoice const landing =
+        detail::choose_normal_landing(config, b.world, env_string("FERRY_NORMAL_LANDING"));
+    b.landing = landing.use;
+    b.landing_why = landing.why;
+    b.land_ctas = std::min(b.num_sms, kMaxLandCtas);
+    b.layout = make_sym_layout(config, b.world, b.landing);
     SymmetricRegion const region = comm.alloc_symmetric(b.layout.total);
     b.sym = region.view;
 
@@ -161,8 +176,14 @@ class CudaEp final : public detail::EpBackendImpl {
     slots_ready_ = args.expand;
     last_num_tokens_ = args.num_tokens;
     std::ostringstream why;
-    why << "dispatch: normal/nvlink-push fused (layout + count exchange + push in one kernel), " << plan.ctas
-        << " CTAs x " << kWarps << " warps (" << plan.why << "), ids "
+    if (b.landing)
+      why << "dispatch: normal/nvlink-landing (rows land in per-source slots, the receiver compacts them: no count "
+             "exchange; "
+          << b.landing_why << "), ";
+    else
+      why << "dispatch: normal/nvlink-push fused (layout + count exchange + push in one kernel; " << b.landing_why
+          << "), ";
+    why << plan.ctas << " CTAs x " << kWarps << " warps (" << plan.why << "), ids "
         << (args.topk_idx_type == IndexType::int64 ? "int64" : "int32") << ", " << dispatch_format_explain(args)
         << (args.expand ? ", then expand (one CTA per local expert)" : "") << "; fast path";
     dispatch_explain_ = why.str();

@@ -5,6 +5,8 @@
 #include "core/cuda_check.hpp"
 #include "ep/cuda/buffers.hpp"
 #include "ep/cuda/dispatch.cuh"
+#include "ep/cuda/land_dispatch.cuh"
+#include "ep/landing_policy.hpp"
 #include "tuning/choose.hpp"
 
 namespace ferry::cuda_ep {
@@ -30,6 +32,13 @@ template void launch_persistent<CombineParams>(void (*)(CombineParams), CombineP
                                                cudaStream_t);
 
 LaunchPlan plan_dispatch(Buffers const& buffers, int num_tokens) {
+  if (buffers.landing) {
+    // NOTE: every CTA of the landing dispatch keeps its own sequence word, so its grid is fixed per EpBuffer.
+    LaunchPlan plan;
+    plan.ctas = buffers.land_ctas;
+    plan.why = "one CTA per SM, fixed per EpBuffer (per-CTA sequence words; tuning pins do not apply)";
+    return plan;
+  }
   // NOTE: the analytic default: small batches are latency-bound, so they are spread over the whole grid (one token
   // per CTA at most, its row split over the CTA's warps) and every SM has bytes in flight; large ones take a warp per
   // token on every SM. At least 8 CTAs so the push can fill NVLink, at most one per SM (persistent grid).
@@ -83,6 +92,7 @@ DispatchParams to_params(Buffers const& b, DispatchArgs const& args, LaunchPlan 
   p.num_experts = b.config.num_experts;
   p.num_local_experts = b.num_local_experts;
   p.recv_capacity = b.recv_capacity;
+  p.max_tokens = b.config.max_tokens_per_rank;
   p.num_ctas = plan.ctas;
   p.state = b.state;
   p.token_mask = b.token_mask;
@@ -168,8 +178,30 @@ void launch_instance(WireFormat format, int hidden, DispatchParams const& p, std
 
 }  // namespace
 
+namespace {
+// The landing dispatch of small batches (land_dispatch.cuh): bf16 only, its receiver's shared memory checked at
+// construction (choose_normal_landing).
+template <typename IdxT>
+void launch_landing(DispatchParams const& p, std::size_t smem, cudaStream_t stream) {
+  static_assert(detail::kLandingMaxSmem <= kMaxDispatchSmem, "the landing receiver's budget fits the dispatch limit");
+  launch_kernel<land_dispatch_kernel<IdxT>>(p, smem, stream);
+}
+}  // namespace
+
 void launch_dispatch(Buffers const& buffers, DispatchArgs const& args, LaunchPlan const& plan, cudaStream_t stream) {
   DispatchParams const p = to_params(buffers, args, plan);
+  if (buffers.landing) {
+    FERRY_CHECK(plan.ctas == buffers.land_ctas, "landing dispatch grid of ", plan.ctas, " CTAs differs from the ",
+                buffers.land_ctas, " its sequence words were counted with");
+    std::size_t const smem = detail::landing_smem_bytes(buffers.config, buffers.world);
+    switch (args.topk_idx_type) {
+      case IndexType::int64:
+        return launch_landing<int64_t>(p, smem, stream);
+      case IndexType::int32:
+        return launch_landing<int32_t>(p, smem, stream);
+    }
+    FERRY_THROW(InputError, "input", "topk_idx_type=", static_cast<int>(args.topk_idx_type), " is not int32 or int64");
+  }
   std::size_t const smem = dispatch_smem_bytes(buffers.world, buffers.config.num_experts);
   WireFormat const format = buffers.config.dispatch_format;
   int const hidden = buffers.config.hidden;

@@ -30,6 +30,7 @@
 
 #include "comm/device/memory.cuh"
 #include "comm/device/signal.cuh"
+#include "ep/cuda/landing.cuh"  // send_row_chunk
 #include "ep/cuda/params.cuh"
 #include "quant/device_codec.cuh"
 #include "quant/device_unit_codec.cuh"
@@ -37,9 +38,6 @@
 #include "trace/device_trace.cuh"
 
 namespace ferry::cuda_ep {
-
-// 16-byte vectors per lane loaded before the stores of one step (loads in flight per warp).
-inline constexpr int kDispatchUnroll = 4;
 
 __device__ __forceinline__ uint64_t* count_word(char* sym, SymLayout const& layout, int parity, int world, int source,
                                                 int word) {
@@ -423,24 +421,16 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
     if constexpr (kFormat != WireFormat::bf16) {
       push_quantized_row<kFormat, kUnitElems>(p, t, chunk, chunks, send, s_row[warp], lane);
     } else {
-      // this chunk of the row: kDispatchUnroll loads in flight per lane, then the stores to every destination
+      // this chunk of the row, straight into its final row on every destination
       auto const [v_begin, v_end] = device::chunk_range(num_vec, chunk, chunks);
-      auto const* src =
-          reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes);
-      for (int i = v_begin + lane; i < v_end; i += 32 * kDispatchUnroll) {
-        int4 v[kDispatchUnroll];
-#pragma unroll
-        for (int u = 0; u < kDispatchUnroll; ++u)
-          if (i + u * 32 < v_end) v[u] = device::arch::load_nc_v4(src + i + u * 32);
-        for (uint32_t m = send; m != 0; m &= m - 1) {
-          int const d = __ffs(m) - 1;
-          auto* dst = reinterpret_cast<int4*>(p.sym[d] + p.layout.recv_x +
-                                              static_cast<std::size_t>(s_row[warp][d]) * row_bytes);
-#pragma unroll
-          for (int u = 0; u < kDispatchUnroll; ++u)
-            if (i + u * 32 < v_end) device::arch::store_na_v4(dst + i + u * 32, v[u]);
-        }
-      }
+      landing::send_row_chunk<kDispatchUnroll>(
+          reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes),
+          v_begin, v_end, send,
+          [&](int d) {
+            return reinterpret_cast<int4*>(p.sym[d] + p.layout.recv_x +
+                                           static_cast<std::size_t>(s_row[warp][d]) * row_bytes);
+          },
+          lane);
     }
   }
   FERRY_TRACE_END(trace, dispatch_push);

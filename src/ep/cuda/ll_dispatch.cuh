@@ -27,16 +27,13 @@
 
 #include "comm/device/memory.cuh"
 #include "comm/device/signal.cuh"
+#include "ep/cuda/landing.cuh"
 #include "ep/cuda/ll_params.cuh"
 #include "quant/device_codec.cuh"
 #include "quant/device_scales.cuh"
 #include "trace/device_trace.cuh"
 
 namespace ferry::cuda_ll {
-
-__device__ __forceinline__ std::size_t landing_index(int parity, int world, int source, int max_tokens, int token) {
-  return (static_cast<std::size_t>(parity) * world + source) * static_cast<std::size_t>(max_tokens) + token;
-}
 
 // Warp copy of `bytes` (a multiple of 8; both pointers 8-byte aligned, and 16-byte aligned when bytes is a multiple of
 // 16): 16-byte vectors where the length allows, else 8-byte ones (an nvfp4 payload of hidden % 32 == 16 elements).
@@ -123,30 +120,6 @@ __device__ __forceinline__ void send_wire_row_warp(LlDispatchParams const& p, in
   }
 }
 
-// Lane k < topk: the rank holding token t's k-th expert (-1 for a masked or bad id), its id in e and weight in w. A bad
-// id (outside [-1, num_experts)) is dropped; `report` records it (InputError at the next check) once per token.
-template <typename IdxT>
-__device__ __forceinline__ int token_destination(LlDispatchParams const& p, int t, int lane, bool report, int64_t& e,
-                                                 float& w) {
-  auto const* topk_idx = static_cast<IdxT const*>(p.topk_idx);
-  e = -1;
-  w = 0.0f;
-  if (lane < p.topk) {
-    e = static_cast<int64_t>(topk_idx[static_cast<std::size_t>(t) * p.topk + lane]);
-    w = p.topk_weights[static_cast<std::size_t>(t) * p.topk + lane];
-    if (e < -1 || e >= p.num_experts) {
-      if (report)
-        device::record_input_error(p.view,
-                                   static_cast<int>(e < INT32_MIN   ? INT32_MIN
-                                                    : e > INT32_MAX ? INT32_MAX
-                                                                    : e),
-                                   false);
-      e = -1;
-    }
-  }
-  return e >= 0 ? static_cast<int>(e) / p.num_local_experts : -1;
-}
-
 template <typename IdxT, WireFormat kFormat>
 __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, uint64_t seq FERRY_TRACE_PARAM(trace)) {
   static_assert(sizeof(IdxT) == 4 || sizeof(IdxT) == 8, "topk_idx is int32 or int64");
@@ -162,6 +135,7 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, uint
   std::size_t const row_bytes = static_cast<std::size_t>(p.hidden) * 2;
   int const num_vec = p.hidden / 8;
   int const total_warps = p.num_ctas * kWarps;
+  landing::Routing const routing{p.view, p.topk_idx, p.topk_weights, topk, p.num_experts, num_local};
 
   // 1. this call's token count to every destination (covered by CTA 0's arrival below)
   FERRY_TRACE_BEGIN(trace, ll_dispatch_send);
@@ -181,47 +155,25 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, uint
     int const chunk = item % chunks;
     int64_t e;
     float w;
-    int const dest = token_destination<IdxT>(p, t, lane, chunk == 0, e, w);
+    int const dest = landing::token_destination<IdxT>(routing, t, lane, chunk == 0, e, w);
     uint32_t const mask = __reduce_or_sync(0xffffffffu, dest >= 0 ? 1u << dest : 0u);
-    std::size_t const slot = landing_index(parity, world, rank, p.max_tokens, t);
+    std::size_t const slot = landing::slot_index(parity, world, rank, p.max_tokens, t);
 
     if (chunk == 0) {
       if (lane == 0) p.token_mask[t] = mask;
-      // metadata to every rank: lanes [0, topk) write the local ids, lanes [topk, 2 topk) the weights
-      int const k = (lane < topk ? lane : lane - topk) & 31;
-      int const dest_k = __shfl_sync(0xffffffffu, dest, k);
-      int const e_k = static_cast<int>(__shfl_sync(0xffffffffu, static_cast<long long>(e), k));
-      float const w_k = __shfl_sync(0xffffffffu, w, k);
-      for (int d = 0; d < world; ++d) {
-        char* record = p.sym[d] + p.layout.dispatch_meta + slot * p.layout.meta_bytes;
-        if (lane < topk)
-          reinterpret_cast<int32_t*>(record)[lane] = dest_k == d ? e_k - d * num_local : -1;
-        else if (lane < 2 * topk)
-          reinterpret_cast<float*>(record)[lane] = dest_k == d ? w_k : 0.0f;
-      }
+      landing::write_records(p.sym, world, p.layout.dispatch_meta, slot, p.layout.meta_bytes, topk, num_local, dest, e,
+                             w, lane);
     }
 
     // the row (this chunk of it), once per destination rank
     if constexpr (kFormat != WireFormat::bf16) {
       if (mask != 0) send_wire_row_warp<kFormat>(p, t, mask, slot, lane);
     } else {
-      // bf16: kUnroll loads in flight per lane, then the stores to every destination
       auto const [v_begin, v_end] = device::chunk_range(num_vec, chunk, chunks);
-      auto const* src =
-          reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes);
-      for (int i = v_begin + lane; i < v_end; i += 32 * kUnroll) {
-        int4 v[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (i + u * 32 < v_end) v[u] = device::arch::load_nc_v4(src + i + u * 32);
-        for (uint32_t m = mask; m != 0; m &= m - 1) {
-          int const d = __ffs(m) - 1;
-          auto* dst = reinterpret_cast<int4*>(p.sym[d] + p.layout.dispatch_rows + slot * row_bytes);
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u)
-            if (i + u * 32 < v_end) device::arch::store_na_v4(dst + i + u * 32, v[u]);
-        }
-      }
+      std::size_t const at = p.layout.dispatch_rows + slot * row_bytes;
+      landing::send_row_chunk<kUnroll>(
+          reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes),
+          v_begin, v_end, mask, [&](int d) { return reinterpret_cast<int4*>(p.sym[d] + at); }, lane);
     }
   }
   FERRY_TRACE_END(trace, ll_dispatch_send);
@@ -259,22 +211,12 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint
   FERRY_TRACE_BEGIN(trace, ll_dispatch_wait_arrivals);
   if (tid == 0) s_ok = 1;
   __syncthreads();
-  if (tid < world) {
-    auto const* arrivals = reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.dispatch_arrivals);
-    if (!device::wait_signal_geq(p.view, arrivals + tid, seq * static_cast<uint64_t>(p.num_ctas), tid,
-                                 WaitPhase::ll_dispatch))
-      s_ok = 0;
-    auto const* tokens = reinterpret_cast<uint64_t const volatile*>(p.sym[rank] + p.layout.dispatch_tokens);
-    s_base[tid + 1] = static_cast<int32_t>(tokens[parity * world + tid]);
-  }
-  __syncthreads();
-  if (!s_ok) return;
-  if (tid == 0) {
-    s_base[0] = 0;
-    for (int s = 0; s < world; ++s) s_base[s + 1] += s_base[s];
-  }
-  __syncthreads();
-  int const num_landed = s_base[world];
+  int const num_landed = landing::wait_sources(
+      p.view, reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.dispatch_arrivals),
+      seq * static_cast<uint64_t>(p.num_ctas),
+      reinterpret_cast<uint64_t const volatile*>(p.sym[rank] + p.layout.dispatch_tokens) + parity * world,
+      WaitPhase::ll_dispatch, s_base, &s_ok);
+  if (num_landed < 0) return;
   FERRY_TRACE_END(trace, ll_dispatch_wait_arrivals);
 
   int const parts = p.expert_parts;
@@ -305,20 +247,10 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint
         while (s_base[source + 1] <= r) ++source;
         token = r - s_base[source];
         record = reinterpret_cast<int32_t const*>(p.sym[rank] + p.layout.dispatch_meta +
-                                                  landing_index(parity, world, source, p.max_tokens, token) *
+                                                  landing::slot_index(parity, world, source, p.max_tokens, token) *
                                                       p.layout.meta_bytes);
-        static_assert(kMaxTopk % 4 == 0, "ids are loaded 4 at a time");
-        // 16-byte loads (the record is 16-byte aligned): every CTA reads every record, and 4-byte loads made the
-        // scan bound by L2 requests on those few lines (4.6 us at 128 tokens, 12 us at 512)
-#pragma unroll
-        for (int q = 0; q < kMaxTopk / 4; ++q) {
-          if (4 * q >= topk) break;
-          int4 const v = device::arch::load_v4(reinterpret_cast<int4 const*>(record) + q);
-          ids[4 * q] = v.x;
-          ids[4 * q + 1] = 4 * q + 1 < topk ? v.y : -1;
-          ids[4 * q + 2] = 4 * q + 2 < topk ? v.z : -1;
-          ids[4 * q + 3] = 4 * q + 3 < topk ? v.w : -1;
-        }
+        // 16-byte loads: 4-byte ones made the scan bound by L2 requests (4.6 us at 128 tokens, 12 us at 512)
+        landing::load_record_ids(record, topk, ids);
 #pragma unroll
         for (int k = 0; k < kMaxTopk; ++k) {
           present |= ids[k] >= 0;

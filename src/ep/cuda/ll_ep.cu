@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/cuda_check.hpp"
+#include "ep/cuda/landing.cuh"
 #include "ep/cuda/ll_buffers.hpp"
 #include "ep/ep_impl.hpp"
 #include "ferry/error.hpp"
@@ -28,7 +29,7 @@ LlLayout make_ll_layout(EpConfig const& config, int world) {
   constexpr std::size_t kAlign = 256;
   std::size_t const slots = 2ull * world * static_cast<std::size_t>(config.max_tokens_per_rank);
   LlLayout layout;
-  layout.meta_bytes = align_up(static_cast<std::size_t>(config.topk) * 8, 16);
+  layout.meta_bytes = landing::record_bytes(config.topk);
   // NOTE: landing rows are wire rows (multiples of 16 bytes): a quantized leg's zone shrinks with its format.
   layout.dispatch_row_bytes = wire_row_bytes(config.dispatch_format, config.hidden);
   layout.combine_row_bytes = wire_row_bytes(config.combine_format, config.hidden);

@@ -14,6 +14,9 @@ namespace ferry::cuda_ep {
 // Threads per CTA of every normal-mode kernel: 16 warps, enough 16-byte accesses in flight per SM for NVLink and HBM.
 inline constexpr int kThreads = 512;
 inline constexpr int kWarps = kThreads / 32;
+// 16-byte vectors per lane loaded before the stores of one dispatch step (loads in flight per warp).
+inline constexpr int kDispatchUnroll = 4;
+
 // Combine works in token tiles (one flag per (rank, tile)); at most this many tiles per source rank, so the flag
 // area is fixed and each tile carries enough rows that its publish fence is amortised.
 inline constexpr int kMaxCombineTiles = 256;
@@ -37,6 +40,12 @@ __host__ __device__ inline int combine_num_tiles(int num_tokens) {
   return (num_tokens + tile - 1) / tile;
 }
 
+// Small-batch dispatch (land_dispatch.cuh): most CTAs of its grid (per-CTA sequence words), and what the CTAs of one
+// source add to a destination's arrival counter per call, whatever the source's grid: CTA 0 adds
+// kLandArrivalsPerCall - (ctas - 1), every other CTA 1.
+inline constexpr int kMaxLandCtas = 256;
+inline constexpr uint64_t kLandArrivalsPerCall = 1ull << 20;
+
 // Device words of one EpBuffer (local memory, zeroed at construction). Sequence numbers live here, not on the host,
 // so a captured graph replays with increasing sequence numbers and no reset kernel.
 struct DeviceState {
@@ -50,6 +59,7 @@ struct DeviceState {
   int32_t src_offset[kMaxLocalPeers];  // first row of source s in the receive buffers
   int32_t src_count[kMaxLocalPeers];   // rows of source s that were delivered
   int32_t src_tokens[kMaxLocalPeers];  // tokens source s passed to the last dispatch
+  uint64_t land_seq[kMaxLandCtas];     // small-batch dispatch: calls this CTA ran (each CTA only touches its own)
 };
 
 // Byte offsets inside the symmetric region (the same on every rank). Areas a config does not use are empty.
@@ -65,6 +75,12 @@ struct SymLayout {
   std::size_t data_signal = 0;        // [world sources] uint64 = seq of the dispatch whose rows from that source landed
   std::size_t landing = 0;     // [2 parities][world senders][max_tokens, combine wire row]: combine rows coming back
   std::size_t tile_flags = 0;  // [world senders][kMaxCombineTiles] uint64 = seq of the combine that filled the tile
+  // Small-batch dispatch only (land_dispatch.cuh; empty otherwise): every source's rows land in fixed slots
+  // (parity, source, token) and the receiver compacts them into recv_x.
+  std::size_t land_arrivals = 0;  // [world sources] u64: sum over calls of kLandArrivalsPerCall
+  std::size_t land_tokens = 0;    // [2 parities][world sources] u64: tokens of the source's call
+  std::size_t land_meta = 0;      // [2][world][max_tokens] records (landing::record_bytes(topk) each)
+  std::size_t land_rows = 0;      // [2][world][max_tokens] bf16 rows
   std::size_t total = 0;
   int count_words = 0;  // 1 (tokens) + world (rows per destination) + num_local_experts (entries per expert)
 };
@@ -108,6 +124,7 @@ struct DispatchParams {
   int num_experts;
   int num_local_experts;
   int recv_capacity;
+  int max_tokens;  // max_tokens_per_rank (the small-batch dispatch's slots per source)
   int num_ctas;
   DeviceState* state;
   uint32_t* token_mask;    // [max_tokens] destinations of each token (kept for combine)

@@ -1,0 +1,221 @@
+// Normal-mode dispatch of small batches through a landing zone: one kernel, no count exchange (bf16 rows).
+//
+// The count-exchange dispatch (dispatch.cuh) needs every source's counts before its first row can move: a grid-wide
+// arrival, CTA 0's count row over NVLink, the peers' rows back, then the push and a second signal. At a few hundred
+// tokens that chain, not the bytes, is the leg. Here every source owns a fixed slot per token on every destination
+// (landing.cuh), so the rows move first and the receiver puts them in order itself:
+//  1. send (every CTA, warp per (token, chunk of its row)): the token's metadata record to every rank, its row to the
+//     ranks holding one of its experts, into landing slot (parity, source, token); then per CTA: barrier, and one
+//     release add per destination (CTA 0 adds kLandArrivalsPerCall - (ctas - 1), the others 1: a source's call adds
+//     exactly kLandArrivalsPerCall whatever its grid);
+//  2. wait until every source's arrivals reach seq * kLandArrivalsPerCall (acquire; bounded);
+//  3. every CTA scans the landed records in (source, token) order (a CTA scan): a record is present when one of its
+//     ids is local, and its rank-major row is the count of present records before it: the order of the
+//     count-exchange dispatch and of ref::dispatch. Row r's metadata (recv_src, recv_idx, recv_w) is written by CTA
+//     r % ctas; CTA 0 counts rows per source and entries per local expert;
+//  4. the rows into recv_x, items (row, chunk) over the whole grid: a peer's from the landing zone, this rank's own
+//     straight from x (they never travel to its own landing zone); CTA 0 writes num_recv, the per-source offsets and
+//     the expert counts.
+// Only used when no row can be dropped (recv_capacity = world * max_tokens_per_rank): the senders cannot know a
+// receiver's drops, and combine trusts token_mask. Landing areas alternate by parity: a fast peer may send call n+1
+// while this rank still reads call n, never call n+2 (that needs this rank's send of n+1, which comes after its
+// receive of n). recv_x and the metadata are written by this rank only, so a peer's next call never touches them.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+
+#include "comm/device/memory.cuh"
+#include "comm/device/signal.cuh"
+#include "ep/cuda/landing.cuh"
+#include "ep/cuda/params.cuh"
+#include "trace/device_trace.cuh"
+
+namespace ferry::cuda_ep {
+
+template <typename IdxT>
+__global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchParams const p) {
+  static_assert(sizeof(IdxT) == 4 || sizeof(IdxT) == 8, "topk_idx is int32 or int64");
+  extern __shared__ int32_t s_dyn[];  // [world * max_tokens] landing slot of each rank-major row, [num_local] entries
+  __shared__ int32_t s_base[kMaxLocalPeers + 1];  // first landed record of each source
+  __shared__ int32_t s_src_rows[kMaxLocalPeers];  // CTA 0: present rows per source
+  __shared__ int32_t s_warp_rows[kWarps];
+  __shared__ int32_t s_step_rows;
+  __shared__ uint64_t s_seq;
+  __shared__ int s_ok;
+
+  int const world = p.view.world;
+  int const rank = p.view.rank;
+  int const tid = static_cast<int>(threadIdx.x);
+  int const lane = tid & 31;
+  int const warp = tid >> 5;
+  int const cta = static_cast<int>(blockIdx.x);
+  int const ctas = p.num_ctas;
+  int const topk = p.topk;
+  int const num_local = p.num_local_experts;
+  int const max_tokens = p.max_tokens;
+  int const num_vec = p.hidden / 8;
+  int const total_warps = ctas * kWarps;
+  std::size_t const row_bytes = static_cast<std::size_t>(p.hidden) * 2;
+  std::size_t const record_bytes = landing::record_bytes(topk);
+  int32_t* const s_land = s_dyn;
+  int32_t* const s_entries = s_dyn + world * max_tokens;
+  FERRY_TRACE_WARP(trace, p.trace);
+
+  // 0. this CTA's sequence number (its own word: stream order carries it across calls)
+  if (tid == 0) {
+    s_seq = ++p.state->land_seq[cta];
+    s_ok = 1;
+  }
+  if (cta == 0) {
+    for (int i = tid; i < num_local; i += kThreads) s_entries[i] = 0;
+    if (tid < world) s_src_rows[tid] = 0;
+  }
+  __syncthreads();
+  uint64_t const seq = s_seq;
+  int const parity = static_cast<int>(seq & 1);
+
+  // 1. send: this call's token count to every destination (covered by CTA 0's release), then items (token, chunk)
+  FERRY_TRACE_BEGIN(trace, dispatch_land_send);
+  if (cta == 0 && tid < world)
+    *(reinterpret_cast<uint64_t volatile*>(p.sym[tid] + p.layout.land_tokens) + parity * world + rank) =
+        static_cast<uint64_t>(p.num_tokens);
+  if (cta == 0 && tid == 0) p.state->num_tokens = p.num_tokens;
+  landing::Routing const routing{p.view, p.topk_idx, p.topk_weights, topk, p.num_experts, num_local};
+  int const send_chunks = device::chunks_per_row(p.num_tokens, total_warps, num_vec);
+  for (int item = cta * kWarps + warp; item < p.num_tokens * send_chunks; item += total_warps) {
+    int const t = item / send_chunks;
+    int const chunk = item % send_chunks;
+    int64_t e;
+    float w;
+    int const dest = landing::token_destination<IdxT>(routing, t, lane, chunk == 0, e, w);
+    uint32_t const mask = __reduce_or_sync(0xffffffffu, dest >= 0 ? 1u << dest : 0u);
+    std::size_t const slot = landing::slot_index(parity, world, rank, max_tokens, t);
+    if (chunk == 0) {
+      if (lane == 0) p.token_mask[t] = mask;  // no receiver drops a row here: every destination holds it
+      landing::write_records(p.sym, world, p.layout.land_meta, slot, record_bytes, topk, num_local, dest, e, w, lane);
+    }
+    // the row to the other destinations only: this rank's receive half copies its own rows straight from x
+    auto const [v_begin, v_end] = device::chunk_range(num_vec, chunk, send_chunks);
+    std::size_t const at = p.layout.land_rows + slot * row_bytes;
+    landing::send_row_chunk<kDispatchUnroll>(
+        reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes), v_begin,
+        v_end, mask & ~(1u << rank), [&](int d) { return reinterpret_cast<int4*>(p.sym[d] + at); }, lane);
+  }
+  // the barrier orders every thread's stores before the release adds, which are cumulative over them
+  __syncthreads();
+  if (tid < world)
+    device::signal_add(reinterpret_cast<uint64_t*>(p.sym[tid] + p.layout.land_arrivals) + rank,
+                       cta == 0 ? kLandArrivalsPerCall - static_cast<uint64_t>(ctas - 1) : 1ull);
+  FERRY_TRACE_END(trace, dispatch_land_send);
+
+  // 2. every source's send CTAs of this call (thread s waits for source s; acquire, bounded)
+  FERRY_TRACE_BEGIN(trace, dispatch_land_wait);
+  int const num_landed = landing::wait_sources(
+      p.view, reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.land_arrivals), seq * kLandArrivalsPerCall,
+      reinterpret_cast<uint64_t const volatile*>(p.sym[rank] + p.layout.land_tokens) + parity * world,
+      WaitPhase::dispatch_data, s_base, &s_ok);
+  if (num_landed < 0) return;
+  FERRY_TRACE_END(trace, dispatch_land_wait);
+
+  // 3. ordered scan of the landed records, kThreads per step (every CTA: each needs the whole order)
+  FERRY_TRACE_BEGIN(trace, dispatch_land_scan);
+  char* const sym = p.sym[rank];
+  auto* const recv_src = reinterpret_cast<int2*>(sym + p.layout.recv_src);
+  auto* const recv_idx = reinterpret_cast<int32_t*>(sym + p.layout.recv_idx);
+  auto* const recv_w = reinterpret_cast<float*>(sym + p.layout.recv_w);
+  uint32_t const lower = (1u << lane) - 1u;
+  int num_recv = 0;
+  for (int base = 0; base < num_landed; base += kThreads) {
+    int const r = base + tid;
+    int source = 0;
+    int token = 0;
+    int32_t const* record = nullptr;
+    int32_t ids[kMaxTopk];
+    bool present = false;
+    if (r < num_landed) {
+      while (s_base[source + 1] <= r) ++source;
+      token = r - s_base[source];
+      record = reinterpret_cast<int32_t const*>(
+          sym + p.layout.land_meta + landing::slot_index(parity, world, source, max_tokens, token) * record_bytes);
+      landing::load_record_ids(record, topk, ids);
+#pragma unroll
+      for (int k = 0; k < kMaxTopk; ++k) present |= ids[k] >= 0;
+    }
+    uint32_t const bits = __ballot_sync(0xffffffffu, present);
+    if (lane == 0) s_warp_rows[warp] = __popc(bits);
+    __syncthreads();
+    if (tid == 0) {
+      int rows = 0;
+      for (int w = 0; w < kWarps; ++w) {
+        int const wr = s_warp_rows[w];
+        s_warp_rows[w] = rows;
+        rows += wr;
+      }
+      s_step_rows = rows;
+    }
+    __syncthreads();
+    if (present) {
+      int const row = num_recv + s_warp_rows[warp] + __popc(bits & lower);
+      s_land[row] = source * max_tokens + token;
+      if (row % ctas == cta) {
+        float const* weights = reinterpret_cast<float const*>(record + topk);
+        recv_src[row] = make_int2(source, token);
+#pragma unroll
+        for (int k = 0; k < kMaxTopk; ++k) {
+          if (k >= topk) break;  // ids stay in registers: a runtime index would put them in local memory
+          recv_idx[static_cast<std::size_t>(row) * topk + k] = ids[k];
+          recv_w[static_cast<std::size_t>(row) * topk + k] = weights[k];
+        }
+      }
+      if (cta == 0) {
+        atomicAdd(&s_src_rows[source], 1);
+#pragma unroll
+        for (int k = 0; k < kMaxTopk; ++k)
+          if (ids[k] >= 0) atomicAdd(&s_entries[ids[k]], 1);
+      }
+    }
+    num_recv += s_step_rows;
+    __syncthreads();  // the scan words are reused by the next step
+  }
+  FERRY_TRACE_END(trace, dispatch_land_scan);
+
+  // 4. the rows into recv_x, items (row, chunk) over the grid: a peer's from the landing zone (coherent loads: written
+  //    during this kernel), this rank's own from x (one coherent copy loop for both: a second, non-coherent one
+  //    spilled)
+  FERRY_TRACE_BEGIN(trace, dispatch_land_copy);
+  char const* const landed =
+      sym + p.layout.land_rows +
+      static_cast<std::size_t>(parity) * world * static_cast<std::size_t>(max_tokens) * row_bytes;
+  char* const recv_x = sym + p.layout.recv_x;
+  int const copy_chunks = device::chunks_per_row(num_recv, total_warps, num_vec);
+  for (int item = cta * kWarps + warp; item < num_recv * copy_chunks; item += total_warps) {
+    int const row = item / copy_chunks;
+    auto const [v_begin, v_end] = device::chunk_range(num_vec, item % copy_chunks, copy_chunks);
+    int const slot = s_land[row];
+    std::size_t const skip = static_cast<std::size_t>(v_begin) * 16;
+    std::size_t const bytes = static_cast<std::size_t>(v_end - v_begin) * 16;
+    char* const dst = recv_x + static_cast<std::size_t>(row) * row_bytes + skip;
+    char const* const src = slot / max_tokens == rank ? static_cast<char const*>(p.x) +
+                                                            static_cast<std::size_t>(slot % max_tokens) * row_bytes
+                                                      : landed + static_cast<std::size_t>(slot) * row_bytes;
+    device::copy_16B<false>(dst, src + skip, bytes, lane, 32);
+  }
+  if (cta == 0) {
+    if (tid == 0) {
+      int32_t offset = 0;
+      for (int s = 0; s < world; ++s) {
+        p.state->src_offset[s] = offset;
+        p.state->src_count[s] = s_src_rows[s];
+        p.state->src_tokens[s] = s_base[s + 1] - s_base[s];
+        offset += s_src_rows[s];
+      }
+      p.state->num_recv = num_recv;
+    }
+    for (int el = tid; el < num_local; el += kThreads) p.expert_counts[el] = s_entries[el];
+  }
+  FERRY_TRACE_END(trace, dispatch_land_copy);
+}
+
+}  // namespace ferry::cuda_ep

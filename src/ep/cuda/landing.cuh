@@ -1,0 +1,142 @@
+// The send side of a landing-zone dispatch, shared by low-latency mode (ll_dispatch.cuh) and normal mode's small
+// batches (land_dispatch.cuh): every source owns a fixed slot per token on every destination, so a sender needs no
+// count exchange before its first NVLink write.
+//  - a token's metadata record (its local expert ids on that rank, -1 elsewhere, and the weights) goes to EVERY rank,
+//    so a receiver can scan a source's tokens in order and tell which rows it holds;
+//  - its row goes only to the ranks holding one of its experts (wire de-duplication).
+// The receiver reads a record's ids as 16-byte vectors into registers (load_record_ids): every CTA of a receive half
+// reads every record, and 4-byte loads made those scans bound by L2 requests.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "comm/device/arch_sm90.cuh"
+#include "comm/device/signal.cuh"
+#include "ferry/device_view.hpp"
+#include "ferry/ep.hpp"
+
+namespace ferry::landing {
+
+// Index of landing slot (source, token) in parity `parity` of a [2][world][max_tokens] area.
+__device__ __forceinline__ std::size_t slot_index(int parity, int world, int source, int max_tokens, int token) {
+  return (static_cast<std::size_t>(parity) * world + source) * static_cast<std::size_t>(max_tokens) + token;
+}
+
+// Bytes of one metadata record: topk int32 local ids, then topk float weights, 16-byte aligned (the ids are read as
+// 16-byte vectors).
+__host__ __device__ constexpr std::size_t record_bytes(int topk) {
+  return (static_cast<std::size_t>(topk) * 8 + 15) / 16 * 16;
+}
+
+// What a token's routing needs from the caller's inputs.
+struct Routing {
+  DeviceView view;
+  void const* topk_idx;  // [num_tokens, topk] IdxT
+  float const* topk_weights;
+  int topk;
+  int num_experts;
+  int num_local_experts;
+};
+
+// Lane k < topk: the rank holding token t's k-th expert (-1 for a masked or bad id), its id in e and weight in w. A bad
+// id (outside [-1, num_experts)) is dropped; `report` records it (InputError at the next check) once per token.
+template <typename IdxT>
+__device__ __forceinline__ int token_destination(Routing const& r, int t, int lane, bool report, int64_t& e, float& w) {
+  auto const* topk_idx = static_cast<IdxT const*>(r.topk_idx);
+  e = -1;
+  w = 0.0f;
+  if (lane < r.topk) {
+    e = static_cast<int64_t>(topk_idx[static_cast<std::size_t>(t) * r.topk + lane]);
+    w = r.topk_weights[static_cast<std::size_t>(t) * r.topk + lane];
+    if (e < -1 || e >= r.num_experts) {
+      if (report)
+        device::record_input_error(r.view,
+                                   static_cast<int>(e < INT32_MIN   ? INT32_MIN
+                                                    : e > INT32_MAX ? INT32_MAX
+                                                                    : e),
+                                   false);
+      e = -1;
+    }
+  }
+  return e >= 0 ? static_cast<int>(e) / r.num_local_experts : -1;
+}
+
+// The token's record into slot `slot` of every rank's record area at byte offset `meta` (warp-wide; dest, e, w as
+// token_destination left them): lanes [0, topk) write the local ids, lanes [topk, 2 topk) the weights.
+__device__ __forceinline__ void write_records(char* const* sym, int world, std::size_t meta, std::size_t slot,
+                                              std::size_t record, int topk, int num_local, int dest, int64_t e, float w,
+                                              int lane) {
+  int const k = (lane < topk ? lane : lane - topk) & 31;
+  int const dest_k = __shfl_sync(0xffffffffu, dest, k);
+  int const e_k = static_cast<int>(__shfl_sync(0xffffffffu, static_cast<long long>(e), k));
+  float const w_k = __shfl_sync(0xffffffffu, w, k);
+  for (int d = 0; d < world; ++d) {
+    char* at = sym[d] + meta + slot * record;
+    if (lane < topk)
+      reinterpret_cast<int32_t*>(at)[lane] = dest_k == d ? e_k - d * num_local : -1;
+    else if (lane < 2 * topk)
+      reinterpret_cast<float*>(at)[lane] = dest_k == d ? w_k : 0.0f;
+  }
+}
+
+// Vectors [v_begin, v_end) of a bf16 row (src) to every destination d in `mask`, at dst_of(d) (an int4* to the row's
+// first vector there), warp-wide: kUnroll loads in flight per lane, then the stores to every destination.
+template <int kUnroll, typename DstOf>
+__device__ __forceinline__ void send_row_chunk(int4 const* src, int v_begin, int v_end, uint32_t mask, DstOf dst_of,
+                                               int lane) {
+  for (int i = v_begin + lane; i < v_end; i += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i + u * 32 < v_end) v[u] = device::arch::load_nc_v4(src + i + u * 32);
+    for (uint32_t m = mask; m != 0; m &= m - 1) {
+      int4* const dst = dst_of(__ffs(m) - 1);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (i + u * 32 < v_end) device::arch::store_na_v4(dst + i + u * 32, v[u]);
+    }
+  }
+}
+
+// Receive side, every thread of the CTA: thread s < world waits until source s's arrival counter reaches `expected`
+// (acquire, bounded) and reads its token count from tokens[s] (this call's parity); then s_base[s] = the first landed
+// record of source s (s_base[world] = all of them). Returns that total, or -1 for the whole CTA when a wait failed
+// (recorded). *s_ok must be 1 on entry, set before a barrier.
+__device__ __forceinline__ int wait_sources(DeviceView const& view, uint64_t const* arrivals, uint64_t expected,
+                                            uint64_t const volatile* tokens, WaitPhase phase, int32_t* s_base,
+                                            int* s_ok) {
+  int const tid = static_cast<int>(threadIdx.x);
+  int const world = view.world;
+  if (tid < world) {
+    if (!device::wait_signal_geq(view, arrivals + tid, expected, tid, phase)) *s_ok = 0;
+    s_base[tid + 1] = static_cast<int32_t>(tokens[tid]);
+  }
+  __syncthreads();
+  if (!*s_ok) return -1;
+  if (tid == 0) {
+    s_base[0] = 0;
+    for (int s = 0; s < world; ++s) s_base[s + 1] += s_base[s];
+  }
+  __syncthreads();
+  return s_base[world];
+}
+
+// A landed record's ids into registers, -1 past topk: 16-byte loads, all issued before any id is used (the record is
+// 16-byte aligned and written by a peer during this kernel: coherent loads).
+__device__ __forceinline__ void load_record_ids(int32_t const* record, int topk, int32_t (&ids)[kMaxTopk]) {
+  static_assert(kMaxTopk % 4 == 0, "ids are loaded 4 at a time");
+#pragma unroll
+  for (int k = 0; k < kMaxTopk; ++k) ids[k] = -1;
+#pragma unroll
+  for (int q = 0; q < kMaxTopk / 4; ++q) {
+    if (4 * q >= topk) break;
+    int4 const v = device::arch::load_v4(reinterpret_cast<int4 const*>(record) + q);
+    ids[4 * q] = v.x;
+    ids[4 * q + 1] = 4 * q + 1 < topk ? v.y : -1;
+    ids[4 * q + 2] = 4 * q + 2 < topk ? v.z : -1;
+    ids[4 * q + 3] = 4 * q + 3 < topk ? v.w : -1;
+  }
+}
+
+}  // namespace ferry::landing

@@ -1,0 +1,54 @@
+#include "ep/landing_policy.hpp"
+
+#include <cstdint>
+
+#include "ferry/error.hpp"
+
+namespace ferry::detail {
+
+std::size_t landing_smem_bytes(EpConfig const& config, int world) {
+  return (static_cast<std::size_t>(world) * static_cast<std::size_t>(config.max_tokens_per_rank) +
+          static_cast<std::size_t>(config.num_local_experts(world))) *
+         sizeof(int32_t);
+}
+
+namespace {
+
+// Empty when the landing zone can serve the config, else the rule it breaks.
+std::string landing_unsupported(EpConfig const& config, int world) {
+  if (config.mode != Mode::normal) return "the landing zone is a normal-mode dispatch";
+  if (config.dispatch_format != WireFormat::bf16)
+    return concat("dispatch_format=", wire_format_name(config.dispatch_format),
+                  ": the landing zone carries bf16 rows (quantized rows take the count exchange)");
+  int64_t const worst = static_cast<int64_t>(world) * config.max_tokens_per_rank;
+  if (config.recv_capacity(world) < worst)
+    return concat("max_recv_tokens=", config.recv_capacity(world), " caps the receive buffers below world * ",
+                  "max_tokens_per_rank=", worst, ": senders could not tell which rows the receiver drops");
+  if (landing_smem_bytes(config, world) > kLandingMaxSmem)
+    return concat("world * max_tokens_per_rank=", worst, " landing slots need ", landing_smem_bytes(config, world),
+                  " bytes of shared memory in the receiver, more than ", kLandingMaxSmem);
+  return {};
+}
+
+}  // namespace
+
+LandingChoice choose_normal_landing(EpConfig const& config, int world, std::string const& pin) {
+  bool const forced_on = pin == "on" || pin == "1";
+  bool const forced_off = pin == "off" || pin == "0";
+  FERRY_CHECK_CONFIG(forced_on || forced_off || pin.empty() || pin == "auto", "FERRY_NORMAL_LANDING=", pin,
+                     " is not one of auto, on, off");
+  std::string const unsupported = landing_unsupported(config, world);
+  if (forced_on) {
+    FERRY_CHECK_CONFIG(unsupported.empty(), "FERRY_NORMAL_LANDING=on, but ", unsupported);
+    return {true, "landing zone (FERRY_NORMAL_LANDING=on)"};
+  }
+  if (forced_off) return {false, "count exchange (FERRY_NORMAL_LANDING=off)"};
+  if (!unsupported.empty()) return {false, concat("count exchange (", unsupported, ")")};
+  if (config.max_tokens_per_rank > kLandingAutoMaxTokens)
+    return {false, concat("count exchange (max_tokens_per_rank=", config.max_tokens_per_rank, " > ",
+                          kLandingAutoMaxTokens, ", the largest small batch)")};
+  return {true, concat("landing zone (max_tokens_per_rank=", config.max_tokens_per_rank, " <= ", kLandingAutoMaxTokens,
+                       ": small batch)")};
+}
+
+}  // namespace ferry::detail

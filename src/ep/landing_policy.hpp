@@ -1,0 +1,33 @@
+// Which dispatch protocol a normal-mode EpBuffer of the cuda backend runs, decided once at construction (host code,
+// so CI tests it): the count exchange (dispatch.cuh: rows pushed straight into their final rank-major row), or, for
+// small batches, the landing zone (land_dispatch.cuh: rows land in fixed per-source slots, no count exchange, and the
+// receiver compacts them). Both deliver the same outputs. Every rank must decide the same: the inputs are the config
+// and FERRY_NORMAL_LANDING, which must be the same on every rank.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "ferry/ep.hpp"
+
+namespace ferry::detail {
+
+// Largest max_tokens_per_rank that takes the landing zone when FERRY_NORMAL_LANDING is auto (docs/perf.md: below it
+// the count exchange's serial chain costs more than the receiver's local compaction of the rows).
+inline constexpr int kLandingAutoMaxTokens = 256;
+// Shared memory the landing receiver may use: one int per landing slot of every source plus one per local expert.
+inline constexpr std::size_t kLandingMaxSmem = 200 * 1024;
+
+struct LandingChoice {
+  bool use = false;
+  std::string why;  // for explain(): which protocol and the rule that chose it
+};
+
+// pin: the text of FERRY_NORMAL_LANDING: "auto" (or empty), "on" / "1", "off" / "0"; anything else is a ConfigError.
+// "on" for a config the landing zone cannot serve is a ConfigError naming the rule.
+LandingChoice choose_normal_landing(EpConfig const& config, int world, std::string const& pin);
+
+// Dynamic shared memory of the landing receiver for a config.
+std::size_t landing_smem_bytes(EpConfig const& config, int world);
+
+}  // namespace ferry::detail

@@ -1,0 +1,98 @@
+// The choice between normal mode's two dispatch protocols (src/ep/landing_policy.hpp), made once per EpBuffer on the
+// host: the landing zone for small bf16 batches whose rows no receiver can drop, the count exchange otherwise, and
+// FERRY_NORMAL_LANDING's pins with a clear error for a pin the config cannot honour.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "ep/landing_policy.hpp"
+#include "ferry/error.hpp"
+
+namespace ferry::detail {
+namespace {
+
+EpConfig small_config(int max_tokens) {
+  EpConfig config;
+  config.hidden = 7168;
+  config.topk = 8;
+  config.num_experts = 256;
+  config.max_tokens_per_rank = max_tokens;
+  return config;
+}
+
+bool contains(std::string const& text, std::string const& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// The ConfigError message of choose_normal_landing, or "" when it did not throw.
+std::string config_error(EpConfig const& config, int world, std::string const& pin) {
+  try {
+    choose_normal_landing(config, world, pin);
+  } catch (ConfigError const& error) {
+    return error.what();
+  }
+  return {};
+}
+
+TEST(LandingPolicy, AutoTakesTheLandingZoneUpToTheSmallBatchBound) {
+  for (int world : {2, 8}) {
+    for (std::string const pin : {"", "auto"}) {
+      LandingChoice const small = choose_normal_landing(small_config(kLandingAutoMaxTokens), world, pin);
+      EXPECT_TRUE(small.use) << small.why;
+      EXPECT_TRUE(contains(small.why, "landing zone")) << small.why;
+      LandingChoice const one = choose_normal_landing(small_config(1), world, pin);
+      EXPECT_TRUE(one.use) << one.why;
+      LandingChoice const large = choose_normal_landing(small_config(kLandingAutoMaxTokens + 1), world, pin);
+      EXPECT_FALSE(large.use) << large.why;
+      EXPECT_TRUE(contains(large.why, "max_tokens_per_rank=257")) << large.why;
+    }
+  }
+}
+
+TEST(LandingPolicy, AutoKeepsTheCountExchangeWhereTheLandingZoneCannotServe) {
+  EpConfig quantized = small_config(128);
+  quantized.dispatch_format = WireFormat::fp8_e4m3;
+  LandingChoice const q = choose_normal_landing(quantized, 2, "auto");
+  EXPECT_FALSE(q.use);
+  EXPECT_TRUE(contains(q.why, "dispatch_format=fp8")) << q.why;
+
+  EpConfig capped = small_config(128);
+  capped.max_recv_tokens = 200;  // below 2 * 128: a receiver may drop rows the senders cannot know about
+  LandingChoice const c = choose_normal_landing(capped, 2, "auto");
+  EXPECT_FALSE(c.use);
+  EXPECT_TRUE(contains(c.why, "max_recv_tokens=200")) << c.why;
+  capped.max_recv_tokens = 256;  // a cap at the worst case drops nothing
+  EXPECT_TRUE(choose_normal_landing(capped, 2, "auto").use);
+
+  EpConfig ll = small_config(128);
+  ll.mode = Mode::low_latency;
+  EXPECT_FALSE(choose_normal_landing(ll, 2, "auto").use);
+}
+
+TEST(LandingPolicy, PinsOverrideTheBoundAndRefuseWhatCannotWork) {
+  LandingChoice const on = choose_normal_landing(small_config(4096), 2, "on");
+  EXPECT_TRUE(on.use);
+  EXPECT_TRUE(contains(on.why, "FERRY_NORMAL_LANDING=on")) << on.why;
+  EXPECT_TRUE(choose_normal_landing(small_config(512), 2, "1").use);
+  EXPECT_FALSE(choose_normal_landing(small_config(1), 2, "off").use);
+  EXPECT_FALSE(choose_normal_landing(small_config(1), 2, "0").use);
+
+  EpConfig quantized = small_config(16);
+  quantized.dispatch_format = WireFormat::mxfp4;
+  std::string const refused = config_error(quantized, 2, "on");
+  EXPECT_TRUE(contains(refused, "FERRY_NORMAL_LANDING=on")) << refused;
+  EXPECT_TRUE(contains(refused, "dispatch_format=mxfp4")) << refused;
+
+  // the receiver's shared memory: one int per landing slot of every source, plus one per local expert
+  EpConfig huge = small_config(8192);
+  EXPECT_GT(landing_smem_bytes(huge, 8), kLandingMaxSmem);
+  std::string const smem = config_error(huge, 8, "on");
+  EXPECT_TRUE(contains(smem, "shared memory")) << smem;
+  EXPECT_EQ(landing_smem_bytes(small_config(256), 2), (2u * 256 + 128) * 4);
+
+  std::string const bad = config_error(small_config(16), 2, "yes");
+  EXPECT_TRUE(contains(bad, "FERRY_NORMAL_LANDING=yes is not one of auto, on, off")) << bad;
+}
+
+}  // namespace
+}  // namespace ferry::detail
