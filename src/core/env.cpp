@@ -21,8 +21,8 @@ constexpr std::array kParams = {
     EnvParam{"FERRY_COMBINE_BLOCKS", "", "pin the number of CTAs of the combine kernels"},
     EnvParam{"FERRY_COMBINE_WARPS", "", "pin the warps per CTA of the combine kernels"},
     EnvParam{"FERRY_NORMAL_LANDING", "auto",
-             "normal-mode dispatch protocol: auto (landing zone up to 256 max_tokens_per_rank), on, off; same on every "
-             "rank"},
+             "normal-mode dispatch protocol: auto (landing zone while world * max_tokens_per_rank <= 1024), on, off; "
+             "same on every rank"},
     EnvParam{"FERRY_TUNING_DIR", "",
              "folder of tuning tables (*.json) used instead of the compiled-in ones (docs/tuning.md)"},
     EnvParam{"FERRY_TRACE_EVENTS", "",

@@ -44,11 +44,12 @@ LandingChoice choose_normal_landing(EpConfig const& config, int world, std::stri
   }
   if (forced_off) return {false, "count exchange (FERRY_NORMAL_LANDING=off)"};
   if (!unsupported.empty()) return {false, concat("count exchange (", unsupported, ")")};
-  if (config.max_tokens_per_rank > kLandingAutoMaxTokens)
-    return {false, concat("count exchange (max_tokens_per_rank=", config.max_tokens_per_rank, " > ",
-                          kLandingAutoMaxTokens, ", the largest small batch)")};
-  return {true, concat("landing zone (max_tokens_per_rank=", config.max_tokens_per_rank, " <= ", kLandingAutoMaxTokens,
-                       ": small batch)")};
+  int64_t const slots = static_cast<int64_t>(world) * config.max_tokens_per_rank;
+  if (slots > kLandingAutoMaxSlots)
+    return {false, concat("count exchange (world * max_tokens_per_rank=", slots, " > ", kLandingAutoMaxSlots,
+                          " landing slots: a large batch)")};
+  return {true, concat("landing zone (world * max_tokens_per_rank=", slots, " <= ", kLandingAutoMaxSlots,
+                       " landing slots: a small batch)")};
 }
 
 }  // namespace ferry::detail

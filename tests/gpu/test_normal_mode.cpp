@@ -489,9 +489,9 @@ TEST(NormalMode, Matrix) {
 #endif
 }
 
-// Both dispatch protocols on the same shapes (FERRY_NORMAL_LANDING pins one; the default picks the landing zone up to
-// 256 max_tokens_per_rank): the landing zone past its automatic bound, with int32 ids, masks and a zero-token rank;
-// the count exchange below it, expanded and graph-replayed.
+// Both dispatch protocols on the same shapes (FERRY_NORMAL_LANDING pins one; the default takes the landing zone while
+// world * max_tokens_per_rank <= 1024): the landing zone past its automatic bound, with int32 ids, masks and a
+// zero-token rank; the count exchange below it, expanded and graph-replayed.
 TEST(NormalMode, BothDispatchProtocols) {
 #if FERRY_HAVE_CUDA
   std::vector<std::pair<std::string, std::string>> const landing{{"FERRY_NORMAL_LANDING", "on"}};
@@ -501,7 +501,7 @@ TEST(NormalMode, BothDispatchProtocols) {
             "mask=0.2", "iters=2"},
            landing);
   run_case("normal_mode",
-           {spec_seed(), "protocol=landing", "routing=ring", "tokens=300,0", "hidden=2880", "topk=9", "experts=64",
+           {spec_seed(), "protocol=landing", "routing=ring", "tokens=600,0", "hidden=2880", "topk=9", "experts=64",
             "int32=1", "expand=1", "iters=2"},
            landing);
   run_case("normal_mode",

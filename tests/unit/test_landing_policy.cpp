@@ -34,19 +34,24 @@ std::string config_error(EpConfig const& config, int world, std::string const& p
   return {};
 }
 
-TEST(LandingPolicy, AutoTakesTheLandingZoneUpToTheSmallBatchBound) {
+TEST(LandingPolicy, AutoTakesTheLandingZoneUpToTheSlotBound) {
+  // world * max_tokens_per_rank <= kLandingAutoMaxSlots: 512 tokens per rank at EP2, 128 at EP8
   for (int world : {2, 8}) {
+    int const most = kLandingAutoMaxSlots / world;
     for (std::string const pin : {"", "auto"}) {
-      LandingChoice const small = choose_normal_landing(small_config(kLandingAutoMaxTokens), world, pin);
+      LandingChoice const small = choose_normal_landing(small_config(most), world, pin);
       EXPECT_TRUE(small.use) << small.why;
       EXPECT_TRUE(contains(small.why, "landing zone")) << small.why;
       LandingChoice const one = choose_normal_landing(small_config(1), world, pin);
       EXPECT_TRUE(one.use) << one.why;
-      LandingChoice const large = choose_normal_landing(small_config(kLandingAutoMaxTokens + 1), world, pin);
+      LandingChoice const large = choose_normal_landing(small_config(most + 1), world, pin);
       EXPECT_FALSE(large.use) << large.why;
-      EXPECT_TRUE(contains(large.why, "max_tokens_per_rank=257")) << large.why;
+      EXPECT_TRUE(contains(large.why, "world * max_tokens_per_rank=" + std::to_string(world * (most + 1))))
+          << large.why;
     }
   }
+  EXPECT_TRUE(choose_normal_landing(small_config(512), 2, "auto").use);
+  EXPECT_FALSE(choose_normal_landing(small_config(1024), 2, "auto").use);
 }
 
 TEST(LandingPolicy, AutoKeepsTheCountExchangeWhereTheLandingZoneCannotServe) {
