@@ -176,41 +176,31 @@ void launch_instance(WireFormat format, int hidden, DispatchParams const& p, std
               unit, "-element units (hidden=", hidden, ")");
 }
 
-}  // namespace
-
-namespace {
-// The landing dispatch of small batches (land_dispatch.cuh): bf16 only, its receiver's shared memory checked at
-// construction (choose_normal_landing).
+// The kernel of one index type: the landing zone's (small batches, bf16; its receiver's shared memory checked at
+// construction by choose_normal_landing), or the count exchange's instance for the wire format.
 template <typename IdxT>
-void launch_landing(DispatchParams const& p, std::size_t smem, cudaStream_t stream) {
-  static_assert(detail::kLandingMaxSmem <= kMaxDispatchSmem, "the landing receiver's budget fits the dispatch limit");
-  launch_kernel<land_dispatch_kernel<IdxT>>(p, smem, stream);
+void launch_protocol(Buffers const& buffers, DispatchParams const& p, cudaStream_t stream) {
+  if (buffers.landing) {
+    static_assert(detail::kLandingMaxSmem <= kMaxDispatchSmem, "the landing receiver's budget fits the dispatch limit");
+    launch_kernel<land_dispatch_kernel<IdxT>>(p, detail::landing_smem_bytes(buffers.config, buffers.world), stream);
+    return;
+  }
+  launch_instance<IdxT>(buffers.config.dispatch_format, buffers.config.hidden, p,
+                        dispatch_smem_bytes(buffers.world, buffers.config.num_experts), stream);
 }
+
 }  // namespace
 
 void launch_dispatch(Buffers const& buffers, DispatchArgs const& args, LaunchPlan const& plan, cudaStream_t stream) {
   DispatchParams const p = to_params(buffers, args, plan);
-  if (buffers.landing) {
-    FERRY_CHECK(plan.ctas == buffers.land_ctas, "landing dispatch grid of ", plan.ctas, " CTAs differs from the ",
-                buffers.land_ctas, " its sequence words were counted with");
-    std::size_t const smem = detail::landing_smem_bytes(buffers.config, buffers.world);
-    switch (args.topk_idx_type) {
-      case IndexType::int64:
-        return launch_landing<int64_t>(p, smem, stream);
-      case IndexType::int32:
-        return launch_landing<int32_t>(p, smem, stream);
-    }
-    FERRY_THROW(InputError, "input", "topk_idx_type=", static_cast<int>(args.topk_idx_type), " is not int32 or int64");
-  }
-  std::size_t const smem = dispatch_smem_bytes(buffers.world, buffers.config.num_experts);
-  WireFormat const format = buffers.config.dispatch_format;
-  int const hidden = buffers.config.hidden;
+  FERRY_CHECK(!buffers.landing || plan.ctas == buffers.land_ctas, "landing dispatch grid of ", plan.ctas,
+              " CTAs differs from the ", buffers.land_ctas, " its sequence words were counted with");
   switch (args.topk_idx_type) {
     case IndexType::int64:
-      launch_instance<int64_t>(format, hidden, p, smem, stream);
+      launch_protocol<int64_t>(buffers, p, stream);
       break;
     case IndexType::int32:
-      launch_instance<int32_t>(format, hidden, p, smem, stream);
+      launch_protocol<int32_t>(buffers, p, stream);
       break;
     default:
       FERRY_THROW(InputError, "input", "topk_idx_type=", static_cast<int>(args.topk_idx_type),
