@@ -139,20 +139,13 @@ __device__ __forceinline__ void e4m3_codes(float const (&x)[kN], float inverse, 
 // sm_100 and later convert in hardware. sm_90 has no fp4 instruction: cuda_fp4.hpp emulates it (encode through
 // double, decode through fp6), tens of instructions per element, which made the fp4 legs 9-25x slower than bf16 on an
 // H200. On sm_90 these are the same conversions (round to nearest even, saturating at +-6, a zero result keeps the
-// sign, NaN -> +6) in a few compares, bit-exact with quant::e2m1_from_float / e2m1_to_float (themselves bit-exact
-// with cuda_fp4.h; checked on the host for every non-NaN fp32, and the device tests compare every row).
+// sign, NaN -> +6) in a few integer operations (quant::e2m1_code_by_rounding, equal to quant::e2m1_from_float on
+// every fp32, itself bit-exact with cuda_fp4.h; the device tests compare every row).
 __device__ __forceinline__ uint32_t e2m1_code(float x) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
   return static_cast<uint32_t>(__nv_cvt_float_to_fp4(x, __NV_E2M1, cudaRoundNearest)) & 0xFu;
 #else
-  float const a = fabsf(x);
-  if (a != a) return 0x7u;
-  // ties: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4 (the even code)
-  uint32_t const code = static_cast<uint32_t>(a > 0.25f) + static_cast<uint32_t>(a >= 0.75f) +
-                        static_cast<uint32_t>(a > 1.25f) + static_cast<uint32_t>(a >= 1.75f) +
-                        static_cast<uint32_t>(a > 2.5f) + static_cast<uint32_t>(a >= 3.5f) +
-                        static_cast<uint32_t>(a > 5.0f);
-  return code | ((__float_as_uint(x) >> 28) & 8u);
+  return quant::e2m1_code_by_rounding(x);
 #endif
 }
 

@@ -383,6 +383,20 @@ TEST(QuantElement, Bf16RoundsToNearestEven) {
   }
 }
 
+// The device's e2m1 conversion on sm_90 (rounding the float's bits) against the host codec's midpoint compares, on
+// every fp32 bit pattern: NaNs, infinities, subnormals, every tie.
+TEST(QuantElement, E2m1ByRoundingMatchesTheCodecOnEveryFloat) {
+  uint64_t mismatches = 0;
+  uint32_t first_bad = 0;
+  for (uint64_t bits = 0; bits <= 0xFFFFFFFFull; ++bits) {
+    float const x = from_bits(static_cast<uint32_t>(bits));
+    if (e2m1_code_by_rounding(x) != e2m1_from_float(x) && mismatches++ == 0) first_bad = static_cast<uint32_t>(bits);
+  }
+  EXPECT_EQ(mismatches, 0u) << "first mismatch at bits 0x" << std::hex << first_bad << ": "
+                            << e2m1_code_by_rounding(from_bits(first_bad)) << " vs "
+                            << int(e2m1_from_float(from_bits(first_bad)));
+}
+
 #if FERRY_HAVE_CUDA
 // Every bf16 value (as fp32), then random fp32 bit patterns (the codecs convert x * 1/scale, which is no bf16).
 std::vector<float> cuda_comparison_inputs(std::mt19937_64& rng) {
