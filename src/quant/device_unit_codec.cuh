@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "quant/device_codec.cuh"
 
@@ -209,6 +210,19 @@ struct UnitCodec {
     }
   }
 
+  // The bf16 vectors of units base + f * 32 + lane (f < kInFlight) of a row, zeros for units at or past end (not
+  // loaded). row: read-only for the kernel's lifetime (non-coherent loads).
+  template <int kInFlight>
+  __device__ static void load_units(int4 const* row, int base, int end, int lane, int4 (&raw)[kInFlight][kVecs]) {
+#pragma unroll
+    for (int f = 0; f < kInFlight; ++f) {
+      int const u = base + f * 32 + lane;
+#pragma unroll
+      for (int i = 0; i < kVecs; ++i)
+        raw[f][i] = u < end ? arch::load_nc_v4(row + static_cast<std::size_t>(u) * kVecs + i) : make_int4(0, 0, 0, 0);
+    }
+  }
+
   // kVecs 16-byte bf16 vectors of a unit -> fp32 (exact).
   __device__ static void unpack_bf16(int4 const (&raw)[kVecs], float (&x)[kUnitElems]) {
 #pragma unroll
@@ -220,6 +234,52 @@ struct UnitCodec {
     }
   }
 };
+
+// The scales of a warp's walk along a row, gathered across its steps where a scale block spans several lanes (fp8: 8
+// lanes of 16 elements, so a step's leaders hold 4 scales per unit group): lane L keeps the scale of block first + L,
+// and a full window of 32 blocks goes out as one warp store of 32 consecutive scales (128 bytes of fp32 scales), where
+// the leaders stored 4 scales apiece every step (16-byte writes, each a separate NVLink packet to a peer).
+// kInFlight: units per lane per step (the walk's units of a step are base + f * 32 + lane, f < kInFlight).
+template <class Codec, int kInFlight>
+struct ScaleWindow {
+  static_assert(Codec::kScalesPerUnit == 1 && Codec::kLanesPerBlock > 1, "for blocks that span several lanes");
+  static constexpr int kBlocksPerGroup = quant_detail::kWarpSize / Codec::kLanesPerBlock;  // per f of a step
+  static constexpr int kBlocksPerStep = kInFlight * kBlocksPerGroup;
+  static_assert(quant_detail::kWarpSize % kBlocksPerStep == 0, "a window is whole steps");
+
+  std::size_t first;   // the block of lane 0's scale
+  uint32_t value = 0;  // this lane's scale (block first + lane)
+
+  __device__ explicit ScaleWindow(std::size_t first_block) : first(first_block) {}
+
+  // Takes the scales of the step whose first unit is `base` (scales[f]: the leaders' scales of units base + f * 32 +
+  // lane); every lane must call it (shuffles). Returns whether the window is full: the caller flushes, then next().
+  __device__ bool take(std::size_t base, uint32_t const (&scales)[kInFlight], int lane) {
+    std::size_t const step_first = Codec::block_of(base);
+    int const rel = lane - static_cast<int>(step_first - first);  // this lane's block relative to the step's first
+#pragma unroll
+    for (int f = 0; f < kInFlight; ++f) {
+      int const idx = rel - f * kBlocksPerGroup;
+      uint32_t const got = __shfl_sync(0xffffffffu, scales[f], (idx & (kBlocksPerGroup - 1)) * Codec::kLanesPerBlock);
+      if (idx >= 0 && idx < kBlocksPerGroup) value = got;
+    }
+    return step_first + kBlocksPerStep - first == static_cast<std::size_t>(quant_detail::kWarpSize);
+  }
+  // store(block, scale) for this lane's block if it is below end_block (the walk's end).
+  template <typename Store>
+  __device__ void flush(std::size_t end_block, int lane, Store&& store) const {
+    if (first + lane < end_block) store(first + lane, value);
+  }
+  __device__ void next() {
+    first += quant_detail::kWarpSize;
+  }
+};
+// Where a unit holds whole blocks (fp4) the leaders' stores of a step are already one contiguous warp store.
+struct NoScaleWindow {
+  __device__ explicit NoScaleWindow(std::size_t) {}
+};
+template <class Codec, int kInFlight>
+using ScaleWindowFor = std::conditional_t<(Codec::kLanesPerBlock > 1), ScaleWindow<Codec, kInFlight>, NoScaleWindow>;
 
 // The unit size kernels use for a format and hidden: 16-byte payload stores where the row allows it (fp8 x 16,
 // e2m1 x 32), else 8 bytes (nvfp4 with hidden not a multiple of 32).

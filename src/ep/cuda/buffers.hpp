@@ -27,7 +27,9 @@ struct Buffers {
   DeviceState* state = nullptr;
   uint32_t* token_mask = nullptr;   // [max_tokens]
   int32_t* token_pos = nullptr;     // [max_tokens, world]
-  int32_t* block_counts = nullptr;  // [max_dispatch_ctas, world + num_experts]
+  int32_t* block_counts = nullptr;  // [max_dispatch_ctas, world] rows per destination of each dispatch CTA
+  int32_t* count_totals = nullptr;  // [world + num_experts] the dispatch's running totals (zero between calls)
+  float* token_scales = nullptr;    // [max_tokens] nvfp4 dispatch_format: per-token scales of the call's tokens
   int max_dispatch_ctas = 0;
   // Dispatch protocol, fixed at construction (ep/landing_policy.hpp): the landing zone of small batches
   // (land_dispatch.cuh, a grid of land_ctas CTAs on every call) or the count exchange (dispatch.cuh).

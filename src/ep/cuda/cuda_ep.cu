@@ -121,9 +121,10 @@ class CudaEp final : public detail::EpBackendImpl {
     b.state = device_alloc<DeviceState>(1);
     b.token_mask = device_alloc<uint32_t>(max_tokens);
     b.token_pos = device_alloc<int32_t>(max_tokens * b.world);
-    b.block_counts =
-        device_alloc<int32_t>(static_cast<std::size_t>(b.max_dispatch_ctas) * (b.world + config.num_experts));
+    b.block_counts = device_alloc<int32_t>(static_cast<std::size_t>(b.max_dispatch_ctas) * b.world);
+    b.count_totals = device_alloc<int32_t>(static_cast<std::size_t>(b.world + config.num_experts));
     b.expert_counts = device_alloc<int32_t>(b.num_local_experts);
+    if (config.dispatch_format == WireFormat::nvfp4) b.token_scales = device_alloc<float>(max_tokens);
     b.recv_slot = device_alloc<int32_t>(static_cast<std::size_t>(b.recv_capacity) * config.topk);
     b.recv_row_bytes = config.recv_row_bytes();
     bool const quantized_delivery = config.delivers_quantized();
@@ -149,6 +150,7 @@ class CudaEp final : public detail::EpBackendImpl {
       }
     }
     FERRY_CHECK_CUDA(cudaMemset(b.state, 0, sizeof(DeviceState)));
+    FERRY_CHECK_CUDA(cudaMemset(b.count_totals, 0, sizeof(int32_t) * (b.world + config.num_experts)));
     FERRY_CHECK_CUDA(cudaMemset(b.expert_counts, 0, sizeof(int32_t) * std::max(1, b.num_local_experts)));
     b.trace = &trace_;
     if (int const events = trace::env_events_per_warp(); events > 0) trace_.enable(b.rank, b.num_sms * kWarps, events);
@@ -160,10 +162,11 @@ class CudaEp final : public detail::EpBackendImpl {
   ~CudaEp() override {
     // NOTE: never throws; a failed free at teardown has no one to report to.
     Buffers& b = buffers_;
-    for (void* ptr : {static_cast<void*>(b.state), static_cast<void*>(b.token_mask), static_cast<void*>(b.token_pos),
-                      static_cast<void*>(b.block_counts), static_cast<void*>(b.expert_counts),
-                      static_cast<void*>(b.recv_slot), b.recv_scales_final, b.expert_x,
-                      static_cast<void*>(b.expert_src_row), b.expert_scales, static_cast<void*>(b.expert_token_scales)})
+    for (void* ptr :
+         {static_cast<void*>(b.state), static_cast<void*>(b.token_mask), static_cast<void*>(b.token_pos),
+          static_cast<void*>(b.block_counts), static_cast<void*>(b.count_totals), static_cast<void*>(b.token_scales),
+          static_cast<void*>(b.expert_counts), static_cast<void*>(b.recv_slot), b.recv_scales_final, b.expert_x,
+          static_cast<void*>(b.expert_src_row), b.expert_scales, static_cast<void*>(b.expert_token_scales)})
       if (ptr) cudaFree(ptr);
   }
 

@@ -98,6 +98,7 @@ DispatchParams to_params(Buffers const& b, DispatchArgs const& args, LaunchPlan 
   p.token_mask = b.token_mask;
   p.token_pos = b.token_pos;
   p.block_counts = b.block_counts;
+  p.count_totals = b.count_totals;
   p.expert_counts = b.expert_counts;
   p.trace = b.trace ? b.trace->launch(TraceKernel::dispatch, plan.ctas, kWarps) : trace::TraceView{};
   p.recv_pass = RecvPass::none;
@@ -105,6 +106,7 @@ DispatchParams to_params(Buffers const& b, DispatchArgs const& args, LaunchPlan 
   if (format != WireFormat::bf16) {
     p.x_scales = prequantized ? args.x_scales : nullptr;
     p.x_token_scales = prequantized ? args.x_token_scales : nullptr;
+    p.token_scales = b.token_scales;
     WireRowLayout const wire = wire_row_layout(format, b.config.hidden);
     if (b.config.dispatch_dequantize) {
       // whole wire rows land in recv_wire; the receiver dequantizes them into recv_x

@@ -3,11 +3,15 @@
 // Steps (every CTA owns a contiguous range of this rank's tokens):
 //  1. layout: per token the mask of destination ranks, its position among this CTA's rows for each destination
 //     (warp ballots + a CTA scan), and this CTA's entries per expert; bad ids are dropped and counted.
-//  2. grid arrival: every CTA publishes its counts in local scratch; all wait until every CTA has (local word).
-//  3. CTA 0 sums the CTAs' counts and writes this rank's row of the count matrix into every rank (tokens, rows per
-//     destination, entries per expert of that destination), then one release signal per destination.
+//  2. arrival: every CTA publishes its rows per destination in local scratch and adds all its counts into the rank's
+//     totals (atomics: sums, whose order does not matter), then arrives; no CTA waits for the grid.
+//  3. the last CTA to arrive reads (and zeroes) the totals and writes this rank's row of the count matrix into every
+//     rank (tokens, rows per destination, entries per expert of that destination), then one release signal per
+//     destination. (CTA 0 used to wait for every arrival and then sum 132 CTAs' counts: ~5 us more on the chain that
+//     every push waits for.)
 //  4. every CTA waits for every source's row, and computes its base on each destination itself: rows of lower
-//     source ranks there, then rows of lower CTAs of this rank. No atomics: the order is (source rank, token).
+//     source ranks there, then rows of lower CTAs of this rank. Rows go in (source rank, token) order, whatever the
+//     order of the CTAs' arrivals. nvfp4 computes its tokens' scales before this wait (the peers' rows are in flight).
 //  5. push: warp per token; 16-byte loads of the row (several in flight), stored straight into the final row of every
 //     destination (LSA pointers), with the metadata (local expert ids, weights, source). A quantized dispatch_format
 //     quantizes the row in registers on the way (device_unit_codec.cuh: once per token, whatever the number of
@@ -49,6 +53,37 @@ __device__ __forceinline__ int32_t count_value(uint64_t word) {
   return static_cast<int32_t>(static_cast<uint32_t>(word & 0xffffffffull));
 }
 
+// nvfp4 without pre-quantized input: the per-token scale of this CTA's tokens [t0, t1) (a warp per token, the row's
+// amax), into p.token_scales. It runs while the CTA waits for the peers' counts, so the push reads each row once
+// (the warp that pushed a token first read the whole row for its amax, then again to quantize it).
+template <int kUnitElems>
+__device__ __forceinline__ void nvfp4_token_scales(DispatchParams const& p, int t0, int t1, int warp, int lane) {
+  using Codec = device::UnitCodec<WireFormat::nvfp4, kUnitElems>;
+  // kAmaxInFlight loads per lane before the arithmetic: one at a time, a 7168-wide row took 28 dependent round trips
+  constexpr int kAmaxInFlight = 8;
+  int const num_vec = p.hidden / 8;
+  for (int t = t0 + warp; t < t1; t += kWarps) {
+    auto const* const x_row = static_cast<int4 const*>(p.x) + static_cast<std::size_t>(t) * num_vec;
+    float amax = 0.0f;
+    for (int v0 = lane; v0 < num_vec; v0 += 32 * kAmaxInFlight) {
+      int4 raw[kAmaxInFlight];
+#pragma unroll
+      for (int i = 0; i < kAmaxInFlight; ++i)
+        raw[i] = v0 + i * 32 < num_vec ? device::arch::load_nc_v4(x_row + v0 + i * 32) : make_int4(0, 0, 0, 0);
+#pragma unroll
+      for (int i = 0; i < kAmaxInFlight; ++i) {
+        float x[8];
+        device::quant_detail::unpack<__nv_bfloat16>(raw[i], x);
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (quant::is_finite(x[j])) amax = fmaxf(amax, quant::abs_value(x[j]));
+      }
+    }
+    float const token_scale = Codec::token_scale_from_lane_amax(amax);
+    if (lane == 0) p.token_scales[t] = token_scale;
+  }
+}
+
 // Push of one quantized row (items (token, chunk) as the bf16 push): the warp quantizes its chunk of the row unit by
 // unit (or loads the pre-quantized pieces) and stores each unit's payload and scales into every destination of
 // `send` at its final row rows[d]. Chunks are whole scale blocks, so a block's lanes are all in one chunk.
@@ -75,31 +110,9 @@ __device__ __forceinline__ void push_quantized_row(DispatchParams const& p, int 
 
   float token_scale = 0.0f;
   if constexpr (kFormat == WireFormat::nvfp4) {
-    // the per-token scale comes from the whole row's amax (every chunk needs it: it enters every block scale)
-    if (prequantized) {
-      token_scale = p.x_token_scales[t];
-    } else {
-      // kAmaxInFlight loads per lane before the arithmetic: one at a time, a 7168-wide row took 28 dependent
-      // round trips to memory per token
-      constexpr int kAmaxInFlight = 8;
-      int const num_vec = p.hidden / 8;
-      float amax = 0.0f;
-      for (int v0 = lane; v0 < num_vec; v0 += 32 * kAmaxInFlight) {
-        int4 raw[kAmaxInFlight];
-#pragma unroll
-        for (int i = 0; i < kAmaxInFlight; ++i)
-          raw[i] = v0 + i * 32 < num_vec ? device::arch::load_nc_v4(x_row + v0 + i * 32) : make_int4(0, 0, 0, 0);
-#pragma unroll
-        for (int i = 0; i < kAmaxInFlight; ++i) {
-          float x[8];
-          device::quant_detail::unpack<__nv_bfloat16>(raw[i], x);
-#pragma unroll
-          for (int j = 0; j < 8; ++j)
-            if (quant::is_finite(x[j])) amax = fmaxf(amax, quant::abs_value(x[j]));
-        }
-      }
-      token_scale = Codec::token_scale_from_lane_amax(amax);
-    }
+    // the per-token scale (the whole row's amax enters every block scale): given, or computed by this CTA before the
+    // count exchange's wait (nvfp4_token_scales)
+    token_scale = prequantized ? p.x_token_scales[t] : p.token_scales[t];
     if (chunk == 0 && lane == 0) {
       for (uint32_t m = send; m != 0; m &= m - 1) {
         int const d = __ffs(m) - 1;
@@ -111,15 +124,21 @@ __device__ __forceinline__ void push_quantized_row(DispatchParams const& p, int 
 
   // The bf16 units of the step at `base` (zeros past the chunk).
   auto load_step = [&](int base, int4(&raw)[kInFlight][Codec::kVecs]) {
-#pragma unroll
-    for (int f = 0; f < kInFlight; ++f) {
-      int const u = base + f * 32 + lane;
-#pragma unroll
-      for (int i = 0; i < Codec::kVecs; ++i)
-        raw[f][i] = u < u_end ? device::arch::load_nc_v4(x_row + static_cast<std::size_t>(u) * Codec::kVecs + i)
-                              : make_int4(0, 0, 0, 0);
-    }
+    Codec::template load_units<kInFlight>(x_row, base, u_end, lane, raw);
   };
+  // Scales of blocks that span several lanes are gathered over the steps and stored 32 at a time (ScaleWindow).
+  constexpr bool kWindowed = Codec::kLanesPerBlock > 1;
+  auto store_scales = [&](int d, std::size_t block, uint32_t scales) {
+    Codec::store_scales(
+        p.sym[d] + p.qdst.scales + static_cast<std::size_t>(rows[d]) * p.qdst.scales_stride + block * kScaleBytes,
+        scales);
+  };
+  auto store_scales_everywhere = [&](std::size_t block, uint32_t scales) {
+    for (uint32_t m = send; m != 0; m &= m - 1) store_scales(__ffs(m) - 1, block, scales);
+  };
+  std::size_t const end_block = Codec::block_of(static_cast<std::size_t>(u_end));
+  device::ScaleWindowFor<Codec, kInFlight> window(Codec::block_of(static_cast<std::size_t>(u_begin)));
+
   // Software pipeline: the next step's loads are issued before this step's conversions and stores, so the memory
   // round trip overlaps the arithmetic (one step at a time, each step waited for its loads with nothing to do).
   int4 raw[kInFlight][Codec::kVecs];
@@ -163,12 +182,17 @@ __device__ __forceinline__ void push_quantized_row(DispatchParams const& p, int 
         Codec::store_piece(
             dst + p.qdst.payload + r * p.qdst.payload_stride + static_cast<std::size_t>(u) * Codec::kPieceBytes,
             payload[f]);
-        if (Codec::leader(lane))
-          Codec::store_scales(dst + p.qdst.scales + r * p.qdst.scales_stride + Codec::block_of(u) * kScaleBytes,
-                              scales[f]);
+        if (!kWindowed && Codec::leader(lane)) store_scales(d, Codec::block_of(u), scales[f]);
+      }
+    }
+    if constexpr (kWindowed) {
+      if (window.take(base, scales, lane)) {
+        window.flush(end_block, lane, store_scales_everywhere);
+        window.next();
       }
     }
   }
+  if constexpr (kWindowed) window.flush(end_block, lane, store_scales_everywhere);
 }
 
 // The receiver's local pass over rows [0, num_recv) once every source's rows have landed, spread over the whole grid.
@@ -222,6 +246,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
   __shared__ int32_t s_row[kWarps][kMaxLocalPeers];
   __shared__ uint64_t s_seq;
   __shared__ int s_ok;
+  __shared__ int s_last_arrival;
   __shared__ int s_last;
   __shared__ int s_total;
   __shared__ int s_num_recv;
@@ -298,32 +323,31 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
   __syncthreads();
   FERRY_TRACE_END(trace, dispatch_layout);
 
-  // 2. this CTA's counts to local scratch, then wait until every CTA of this rank has published its own
+  // 2. this CTA's rows per destination to local scratch (the later CTAs' bases), and all its counts added into the
+  //    rank's totals; then the arrival. No CTA waits for the grid: the last to arrive has every count.
   FERRY_TRACE_BEGIN(trace, dispatch_grid_arrival);
-  int32_t* mine = p.block_counts + static_cast<std::size_t>(cta) * num_counts;
-  for (int i = tid; i < num_counts; i += kThreads) mine[i] = s_cnt[i];
+  int32_t* mine = p.block_counts + static_cast<std::size_t>(cta) * world;
+  for (int i = tid; i < num_counts; i += kThreads) {
+    int32_t const count = s_cnt[i];
+    if (i < world) mine[i] = count;
+    if (count != 0) atomicAdd(p.count_totals + i, count);
+  }
   __syncthreads();
   if (tid == 0) {
     __threadfence();  // the counts above before the arrival (gpu scope: only this GPU's CTAs read them)
-    atomicAdd(reinterpret_cast<unsigned long long*>(&p.state->dispatch_arrive), 1ull);
-    if (!device::wait_signal_geq(p.view, &p.state->dispatch_arrive, static_cast<uint64_t>(p.num_ctas), rank,
-                                 WaitPhase::count_exchange))
-      s_ok = 0;
+    unsigned long long const old = atomicAdd(reinterpret_cast<unsigned long long*>(&p.state->dispatch_arrive), 1ull);
+    s_last_arrival = old == static_cast<unsigned long long>(p.num_ctas - 1);
+    if (s_last_arrival)
+      __threadfence();  // every CTA's counts (ordered by their fences and arrivals) before the reads below
   }
   __syncthreads();
-  if (!s_ok) return;
   FERRY_TRACE_END(trace, dispatch_grid_arrival);
 
-  // 3. CTA 0: this rank's row of the count matrix into every rank
-  if (cta == 0) {
+  // 3. the last CTA to arrive: the totals (read and zeroed for the next call: every CTA has added its counts), and
+  //    this rank's row of the count matrix into every rank
+  if (s_last_arrival) {
     FERRY_TRACE_BEGIN(trace, dispatch_count_exchange);
-    for (int i = tid; i < num_counts; i += kThreads) {
-      int32_t sum = 0;
-      for (int c = 0; c < p.num_ctas; ++c)
-        sum +=
-            *reinterpret_cast<int32_t const volatile*>(p.block_counts + static_cast<std::size_t>(c) * num_counts + i);
-      s_cnt[i] = sum;
-    }
+    for (int i = tid; i < num_counts; i += kThreads) s_cnt[i] = atomicExch(p.count_totals + i, 0);
     __syncthreads();
     int const words = p.layout.count_words;
     uint64_t const tag = seq << 32;
@@ -345,6 +369,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
     FERRY_TRACE_END(trace, dispatch_count_exchange);
   }
 
+  // nvfp4: the token scales of this CTA's tokens, while the peers' counts are in flight
+  if constexpr (kFormat == WireFormat::nvfp4) {
+    if (p.x_scales == nullptr) nvfp4_token_scales<kUnitElems>(p, t0, t1, warp, lane);
+  }
+
   // 4. every source's row of the count matrix (thread s waits for source s; acquire)
   FERRY_TRACE_BEGIN(trace, dispatch_wait_counts);
   if (tid < world) {
@@ -354,15 +383,20 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
   }
   __syncthreads();
   if (!s_ok) return;
-  if (tid < world) {
-    int const d = tid;
+  if (warp < world) {
+    // warp d: rows for destination d of lower source ranks there, then of this rank's lower CTAs (lanes share the
+    // CTAs: one round trip, where a thread walking them waited for each; this rank's own row was released after
+    // every CTA arrived, so their scratch is visible)
+    int const d = warp;
     int32_t base = 0;
-    for (int s = 0; s < rank; ++s)
+    for (int s = lane; s < rank; s += 32)
       base +=
           count_value(device::arch::load_relaxed_sys_u64(count_word(p.sym[rank], p.layout, parity, world, s, 1 + d)));
-    for (int c = 0; c < cta; ++c)
-      base += *reinterpret_cast<int32_t const volatile*>(p.block_counts + static_cast<std::size_t>(c) * num_counts + d);
-    s_dest_base[d] = base;
+    for (int c = lane; c < cta; c += 32)
+      base += *reinterpret_cast<int32_t const volatile*>(p.block_counts + static_cast<std::size_t>(c) * world + d);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) base += __shfl_xor_sync(0xffffffffu, base, offset);
+    if (lane == 0) s_dest_base[d] = base;
   }
   __syncthreads();
   FERRY_TRACE_END(trace, dispatch_wait_counts);

@@ -112,6 +112,7 @@ struct DispatchParams {
   // Quantized dispatch_format (the kernel's kFormat) only:
   void const* x_scales;         // pre-quantized: [num_tokens][num_scales] scale elements (null: quantize x)
   float const* x_token_scales;  // pre-quantized nvfp4: [num_tokens]
+  float* token_scales;          // nvfp4 quantized here: [max_tokens] each token's scale (written and read by its CTA)
   QuantDst qdst;
   RecvPass recv_pass;
   ScaleLayout scale_layout;  // of recv_scales_final (relayout)
@@ -129,7 +130,9 @@ struct DispatchParams {
   DeviceState* state;
   uint32_t* token_mask;    // [max_tokens] destinations of each token (kept for combine)
   int32_t* token_pos;      // [max_tokens, world] position of the token within this CTA's rows for a destination
-  int32_t* block_counts;   // [num_ctas, world + num_experts] per-CTA rows per destination and entries per expert
+  int32_t* block_counts;   // [num_ctas, world] per-CTA rows per destination
+  int32_t* count_totals;   // [world + num_experts] rows per destination, entries per expert: the CTAs add theirs, the
+                           // last to arrive reads and zeroes them
   int32_t* expert_counts;  // [num_local_experts] output
   trace::TraceView trace;  // in-kernel trace (empty unless built with FERRY_TRACE=ON)
 };
