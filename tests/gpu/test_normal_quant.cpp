@@ -523,13 +523,18 @@ TEST(NormalQuant, DequantizedDelivery) {
 #endif
 }
 
-// Combine in every quantized format after a bf16 dispatch (both layouts), at the production hidden size.
+// Combine in every quantized format after a bf16 dispatch (both layouts), at the production hidden size; and two
+// formats after an fp8 dispatch of more than 1024 tokens per rank.
 TEST(NormalQuant, CombineEveryFormat) {
 #if FERRY_HAVE_CUDA
   std::vector<std::vector<std::string>> shapes;
   for (char const* combine : {"fp8", "fp8_ue8m0", "nvfp4", "mxfp4"})
     shapes.push_back({"format=bf16", std::string("combine=") + combine, "tokens=160,96", "hidden=7168", "experts=64",
                       "topk=8", "expand=1", "iters=2", "mask=0.1"});
+  // past 1024 tokens the last tokens of a source go in finer tiles (combine_tiles.hpp): both tile sizes, both sides
+  for (char const* combine : {"fp8", "nvfp4"})
+    shapes.push_back({"format=fp8", std::string("combine=") + combine, "tokens=2100,1300", "hidden=4096", "experts=64",
+                      "topk=6", "iters=2", "mask=0.1"});
   run_cases(shapes);
 #else
   GTEST_SKIP() << "built without the cuda backend";

@@ -42,14 +42,16 @@ __device__ __forceinline__ void record_timeout(DeviceView const& view, int peer,
 }
 
 // Spins until *signal >= expected (acquire). Returns false on timeout (recorded) or when this rank already failed.
-// Called by one thread; the caller broadcasts the outcome to its group.
+// Called by one thread; the caller broadcasts the outcome to its group. sleep_ns > 0: a pause between polls, for
+// waits expected to last long (many CTAs polling for tens of us), at the cost of up to ~2 x sleep_ns of latency.
 __device__ __forceinline__ bool wait_signal_geq(DeviceView const& view, uint64_t const* signal, uint64_t expected,
-                                                int peer, WaitPhase phase) {
+                                                int peer, WaitPhase phase, unsigned sleep_ns = 0) {
   uint64_t observed = arch::load_acquire_sys_u64(signal);
   if (observed >= expected) return true;
   uint64_t const start = arch::global_timer_ns();
   uint32_t spins = 0;
   while (true) {
+    if (sleep_ns != 0) __nanosleep(sleep_ns);  // a wait expected to be long: fewer polls of the memory system
     observed = arch::load_acquire_sys_u64(signal);
     if (observed >= expected) return true;
     if ((++spins & 255u) == 0u) {

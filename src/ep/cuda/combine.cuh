@@ -7,6 +7,9 @@
 //    straight into s's landing zone at [this rank][token] over NVLink. After the tile, one release flag on s.
 //  - sum CTAs take this rank's tiles in order, wait for the flag of every rank, and write
 //    y[t] = bf16(sum over d ascending of float(landing[d][t])) for the destinations d that hold t.
+//  - the last wave of tiles (one per sum CTA, whose flags come with the last pushes) is cut into parts that every CTA
+//    done with its own items claims, push CTAs included (CombineTail): a tile summed by one CTA took 10-13 us after
+//    the last push, the whole tail of a 4096-token leg.
 // A quantized combine_format changes only what a row is on the wire: the push side quantizes the bf16 partial row in
 // registers as it produces it (device_unit_codec.cuh) and stores the wire row (payload, scales, nvfp4 token scale);
 // the sum side dequantizes each rank's row to fp32 (code * scale, one product) and sums ranks in ascending order from
@@ -36,6 +39,11 @@ namespace ferry::cuda_ep {
 
 // 16-byte vectors per lane per step (8 bf16 each): loads in flight per entry before the arithmetic.
 inline constexpr int kCombineUnroll = 4;
+// Pause between polls of a claimed tile's flags (wait_signal_geq's sleep_ns).
+inline constexpr unsigned kClaimPollSleepNs = 200;
+// 16-byte bf16 vectors of output per lane per step of a quantized sum (its loads are the wire pieces of those units,
+// from every rank of a pair).
+inline constexpr int kSumUnroll = 6;
 
 using device::bf16x8_to_float;
 using device::float_to_bf16x8;
@@ -99,6 +107,10 @@ __device__ __forceinline__ void push_quantized_partial(CombineParams const& p, i
   uint32_t const entries = __ballot_sync(0xffffffffu, valid);
   auto const* const src_row = static_cast<int4 const*>(p.x) + static_cast<std::size_t>(row) * num_vec;
 
+  // Rank-major: the caller's bf16 row, units base + f * 32 + lane (zeros past the row, not loaded).
+  auto load_row = [&](int base, int4(&v)[kInFlight][Codec::kVecs]) {
+    Codec::template load_units<kInFlight>(src_row, base, num_units, lane, v);
+  };
   // The values of units base + f * 32 + lane (zeros past the row): the bf16 partial row, in fp32.
   auto values = [&](int base, float(&x)[kInFlight][kUnitElems]) {
     if constexpr (kExpertMajor) {
@@ -108,15 +120,7 @@ __device__ __forceinline__ void push_quantized_partial(CombineParams const& p, i
         for (int i = 0; i < kUnitElems; ++i) x[f][i] = 0.0f;
       // pipelined over the entries as reduce_expert_row: entry k+1's loads before entry k's arithmetic
       auto fetch = [&](uint32_t& m, float& wk, int4(&v)[kInFlight][Codec::kVecs]) {
-        int4 const* const src = device::next_entry(m, w, entry, wk);
-#pragma unroll
-        for (int f = 0; f < kInFlight; ++f) {
-          int const u = base + f * 32 + lane;
-#pragma unroll
-          for (int i = 0; i < Codec::kVecs; ++i)
-            v[f][i] = u < num_units ? device::arch::load_nc_v4(src + static_cast<std::size_t>(u) * Codec::kVecs + i)
-                                    : make_int4(0, 0, 0, 0);
-        }
+        Codec::template load_units<kInFlight>(device::next_entry(m, w, entry, wk), base, num_units, lane, v);
       };
       uint32_t m = entries;
       if (m != 0) {
@@ -149,16 +153,10 @@ __device__ __forceinline__ void push_quantized_partial(CombineParams const& p, i
 #pragma unroll
         for (int i = 0; i < kUnitElems; ++i) x[f][i] = __bfloat162float(__float2bfloat16_rn(x[f][i]));
     } else {
+      int4 v[kInFlight][Codec::kVecs];
+      load_row(base, v);
 #pragma unroll
-      for (int f = 0; f < kInFlight; ++f) {
-        int const u = base + f * 32 + lane;
-        int4 v[Codec::kVecs];
-#pragma unroll
-        for (int i = 0; i < Codec::kVecs; ++i)
-          v[i] = u < num_units ? device::arch::load_nc_v4(src_row + static_cast<std::size_t>(u) * Codec::kVecs + i)
-                               : make_int4(0, 0, 0, 0);
-        Codec::unpack_bf16(v, x[f]);
-      }
+      for (int f = 0; f < kInFlight; ++f) Codec::unpack_bf16(v[f], x[f]);
     }
   };
 
@@ -175,70 +173,116 @@ __device__ __forceinline__ void push_quantized_partial(CombineParams const& p, i
     token_scale = Codec::token_scale_from_lane_amax(amax);
     if (lane == 0) *reinterpret_cast<float*>(dst + wire.token_scale_offset) = token_scale;
   }
+  // scales of blocks that span several lanes go out 32 at a time (ScaleWindow), else each leader stores its own
+  constexpr bool kWindowed = Codec::kLanesPerBlock > 1;
+  auto store_scales = [&](std::size_t block, uint32_t scales) {
+    Codec::store_scales(dst + wire.scales_offset + block * Codec::kTraits.scale_bytes, scales);
+  };
+  std::size_t const end_block = Codec::block_of(static_cast<std::size_t>(num_units));
+  device::ScaleWindowFor<Codec, kInFlight> window(0);
+  // rank-major: a software pipeline, the next step's loads issued before this step's conversions and stores (a warp
+  // walking a row otherwise waited one memory round trip per step with nothing to do)
+  int4 raw[kInFlight][Codec::kVecs];
+  if constexpr (!kExpertMajor) load_row(0, raw);
   for (int base = 0; base < num_units; base += 32 * kInFlight) {
     float x[kInFlight][kUnitElems];
-    values(base, x);
+    if constexpr (kExpertMajor) {
+      values(base, x);
+    } else {
+      int4 next[kInFlight][Codec::kVecs];
+      load_row(base + 32 * kInFlight, next);  // past the row: no loads (zeros)
+#pragma unroll
+      for (int f = 0; f < kInFlight; ++f) Codec::unpack_bf16(raw[f], x[f]);
+#pragma unroll
+      for (int f = 0; f < kInFlight; ++f)
+#pragma unroll
+        for (int i = 0; i < Codec::kVecs; ++i) raw[f][i] = next[f][i];
+    }
+    uint32_t scales[kInFlight];
 #pragma unroll
     for (int f = 0; f < kInFlight; ++f) {
       uint32_t payload[4];
-      uint32_t scales;
-      Codec::quantize(x[f], token_scale, payload, scales);  // every lane: block reductions are shuffles
+      Codec::quantize(x[f], token_scale, payload, scales[f]);  // every lane: block reductions are shuffles
       int const u = base + f * 32 + lane;
       if (u < num_units) {
         Codec::store_piece(dst + static_cast<std::size_t>(u) * Codec::kPieceBytes, payload);
-        if (Codec::leader(lane))
-          Codec::store_scales(dst + wire.scales_offset + Codec::block_of(u) * Codec::kTraits.scale_bytes, scales);
+        if (!kWindowed && Codec::leader(lane)) store_scales(Codec::block_of(u), scales[f]);
+      }
+    }
+    if constexpr (kWindowed) {
+      if (window.take(base, scales, lane)) {
+        window.flush(end_block, lane, store_scales);
+        window.next();
       }
     }
   }
+  if constexpr (kWindowed) window.flush(end_block, lane, store_scales);
 }
 
 // Source side of one token with a quantized combine_format: y[t] = bf16(sum over d ascending in mask of
 // dequantize(row_d)), the sum in fp32 from +0.0f. rows: the landing row of rank 0 for this token; rank d's is
-// d * rank_stride bytes further.
+// d * rank_stride bytes further; units [u_begin, u_end) of the row. Ranks go in pairs: both rows' pieces are loaded
+// before either is added (one memory round trip per step and pair, where a rank at a time waited for each rank's loads
+// in turn), and added in ascending rank order.
 template <WireFormat kFormat, int kUnitElems>
 __device__ __forceinline__ void sum_quantized_token(CombineParams const& p, uint32_t mask, char const* rows,
-                                                    std::size_t rank_stride, int4* y, int lane) {
+                                                    std::size_t rank_stride, int4* y, int u_begin, int u_end,
+                                                    int lane) {
   using Codec = device::UnitCodec<kFormat, kUnitElems>;
-  constexpr int kInFlight = kCombineUnroll / Codec::kVecs;
-  int const num_units = p.hidden / kUnitElems;
+  constexpr int kInFlight = kSumUnroll / Codec::kVecs;
+  static_assert(kInFlight >= 1, "a unit is at most kSumUnroll vectors");
   WireRowLayout const wire = quant::make_row_layout(kFormat, p.hidden);
-  for (int base = lane; base < num_units; base += 32 * kInFlight) {
+  // The pieces of units base + f * 32 of rank d's row (zeros past the row), and its nvfp4 token scale.
+  auto load = [&](int d, int base, uint32_t(&payload)[kInFlight][4], uint32_t(&scales)[kInFlight], float& token_scale) {
+    char const* const src = rows + static_cast<std::size_t>(d) * rank_stride;
+    token_scale = 0.0f;
+    if constexpr (kFormat == WireFormat::nvfp4)
+      token_scale = *reinterpret_cast<float const*>(src + wire.token_scale_offset);
+#pragma unroll
+    for (int f = 0; f < kInFlight; ++f) {
+      int const u = base + f * 32;
+      scales[f] = 0;
+      payload[f][0] = payload[f][1] = payload[f][2] = payload[f][3] = 0;
+      if (u < u_end) {  // coherent loads: a peer wrote the row
+        Codec::template load_piece<false>(src + static_cast<std::size_t>(u) * Codec::kPieceBytes, payload[f]);
+        scales[f] = Codec::load_scales(src + wire.scales_offset + Codec::block_of(u) * Codec::kTraits.scale_bytes);
+      }
+    }
+  };
+  auto add = [&](int base, uint32_t const(&payload)[kInFlight][4], uint32_t const(&scales)[kInFlight],
+                 float token_scale, float(&acc)[kInFlight][kUnitElems]) {
+#pragma unroll
+    for (int f = 0; f < kInFlight; ++f) {
+      if (base + f * 32 >= u_end) continue;
+      float v[kUnitElems];
+      Codec::dequantize(payload[f], scales[f], token_scale, v);
+#pragma unroll
+      for (int i = 0; i < kUnitElems; ++i) acc[f][i] = __fadd_rn(acc[f][i], v[i]);
+    }
+  };
+  for (int base = u_begin + lane; base < u_end; base += 32 * kInFlight) {
     float acc[kInFlight][kUnitElems];
 #pragma unroll
     for (int f = 0; f < kInFlight; ++f)
 #pragma unroll
       for (int i = 0; i < kUnitElems; ++i) acc[f][i] = 0.0f;
-    for (uint32_t m = mask; m != 0; m &= m - 1) {
-      int const d = __ffs(m) - 1;
-      char const* const src = rows + static_cast<std::size_t>(d) * rank_stride;
-      float token_scale = 0.0f;
-      if constexpr (kFormat == WireFormat::nvfp4)
-        token_scale = *reinterpret_cast<float const*>(src + wire.token_scale_offset);
-      uint32_t payload[kInFlight][4];
-      uint32_t scales[kInFlight];
-#pragma unroll
-      for (int f = 0; f < kInFlight; ++f) {
-        int const u = base + f * 32;
-        scales[f] = 0;
-        if (u < num_units) {  // coherent loads: a peer wrote the row
-          Codec::template load_piece<false>(src + static_cast<std::size_t>(u) * Codec::kPieceBytes, payload[f]);
-          scales[f] = Codec::load_scales(src + wire.scales_offset + Codec::block_of(u) * Codec::kTraits.scale_bytes);
-        }
-      }
-#pragma unroll
-      for (int f = 0; f < kInFlight; ++f) {
-        if (base + f * 32 >= num_units) continue;
-        float v[kUnitElems];
-        Codec::dequantize(payload[f], scales[f], token_scale, v);
-#pragma unroll
-        for (int i = 0; i < kUnitElems; ++i) acc[f][i] = __fadd_rn(acc[f][i], v[i]);
-      }
+    for (uint32_t m = mask; m != 0;) {
+      int const d0 = __ffs(m) - 1;
+      m &= m - 1;
+      int const d1 = m != 0 ? __ffs(m) - 1 : -1;
+      if (d1 >= 0) m &= m - 1;
+      uint32_t payload[2][kInFlight][4];
+      uint32_t scales[2][kInFlight];
+      float token_scale[2];
+      load(d0, base, payload[0], scales[0], token_scale[0]);
+      if (d1 >= 0) load(d1, base, payload[1], scales[1], token_scale[1]);
+      add(base, payload[0], scales[0], token_scale[0], acc);
+      if (d1 >= 0) add(base, payload[1], scales[1], token_scale[1], acc);
     }
 #pragma unroll
     for (int f = 0; f < kInFlight; ++f) {
       int const u = base + f * 32;
-      if (u >= num_units) continue;
+      if (u >= u_end) continue;
 #pragma unroll
       for (int i = 0; i < Codec::kVecs; ++i)
         device::arch::store_na_v4(y + static_cast<std::size_t>(u) * Codec::kVecs + i, float_to_bf16x8(acc[f] + 8 * i));
@@ -271,12 +315,55 @@ __device__ __forceinline__ int lower_bound_token_warp(int2 const* recv_src, int 
   return lo + __popc(__ballot_sync(0xffffffffu, i < hi && recv_src[i].y < token));
 }
 
+// Source side of tokens [t_begin, t_begin + tokens) of this rank, once every rank's rows of them have landed:
+// y[t] = bf16(sum over the ranks d that hold t, ascending, of the landing row of d), in fp32. (token, chunk) items
+// over the CTA's warps, so a few tokens still keep every warp busy.
+template <WireFormat kFormat, int kUnitElems>
+__device__ __forceinline__ void sum_tokens(CombineParams const& p, int t_begin, int tokens, int parity, int warp,
+                                           int lane) {
+  int const world = p.view.world;
+  int const num_vec = p.hidden / 8;
+  std::size_t const landing_bytes = p.landing_row_bytes;
+  char const* const landing = p.sym[p.view.rank] + p.layout.landing;
+  // bf16 rows split by 16-byte vectors, wire rows by units
+  int const row_items = kFormat == WireFormat::bf16 ? num_vec : p.hidden / (kUnitElems > 0 ? kUnitElems : 1);
+  int const chunks = device::chunks_per_row(tokens, kWarps, row_items);
+  for (int item = warp; item < tokens * chunks; item += kWarps) {
+    int const t = t_begin + item % tokens;
+    auto const [begin, end] = device::chunk_range(row_items, item / tokens, chunks);
+    uint32_t const mask = p.token_mask[t];
+    auto* y = static_cast<int4*>(p.y) + static_cast<std::size_t>(t) * num_vec;
+    if constexpr (kFormat != WireFormat::bf16) {
+      std::size_t const rank_stride = static_cast<std::size_t>(p.max_tokens) * landing_bytes;
+      sum_quantized_token<kFormat, kUnitElems>(
+          p, mask, landing + (static_cast<std::size_t>(parity * world) * p.max_tokens + t) * landing_bytes, rank_stride,
+          y, begin, end, lane);
+    } else {
+      for (int i = begin + lane; i < end; i += 32 * kCombineUnroll) {
+        float acc[kCombineUnroll][8];
+        device::zero_acc(acc);
+        for (uint32_t m = mask; m != 0; m &= m - 1) {
+          int const d = __ffs(m) - 1;
+          device::add_bf16_vectors(
+              reinterpret_cast<int4 const*>(
+                  landing + (static_cast<std::size_t>(parity * world + d) * p.max_tokens + t) * landing_bytes),
+              i, end, acc);
+        }
+#pragma unroll
+        for (int u = 0; u < kCombineUnroll; ++u)
+          if (i + u * 32 < end) device::arch::store_na_v4(y + i + u * 32, float_to_bf16x8(acc[u]));
+      }
+    }
+  }
+}
+
 template <bool kExpertMajor, WireFormat kFormat, int kUnitElems>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams const p) {
   static_assert((kFormat == WireFormat::bf16) == (kUnitElems == 0), "bf16 rows are copied; quantized rows need a unit");
   __shared__ uint64_t s_seq;
   __shared__ int s_ok;
   __shared__ int s_rows[2];
+  __shared__ int s_claim;
 
   int const world = p.view.world;
   int const rank = p.view.rank;
@@ -296,6 +383,16 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
   __syncthreads();
   uint64_t const seq = s_seq;
   int const parity = static_cast<int>(seq & 1);
+  CombineTail const tail = combine_tail(p.state->num_tokens, p.num_ctas - p.num_push_ctas);
+  // every rank's flag of this rank's tile j (acquire: its rows of the tile are visible after the barrier)
+  auto const* flags = reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.tile_flags);
+  auto wait_tile = [&](int j, unsigned sleep_ns) {
+    if (tid < world && !device::wait_signal_geq(p.view, flags + tid * kMaxCombineTiles + j, seq, tid,
+                                                WaitPhase::combine_data, sleep_ns))
+      s_ok = 0;
+    __syncthreads();
+    return s_ok != 0;
+  };
 
   if (cta < p.num_push_ctas) {
     // 1. push role: items (tile j, source s) in tile order; sources rotated so ranks start on different peers
@@ -348,69 +445,41 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
       FERRY_TRACE_END(trace, combine_push);
     }
   } else {
-    // 2. sum role: this rank's tiles in order
-    int const my_tokens = p.state->num_tokens;
-    int const tile = combine_tile_tokens(my_tokens);
-    int const num_tiles = combine_num_tiles(my_tokens);
+    // 2. sum role: this rank's tiles in order, but for the last wave (step 3)
     int const num_sum_ctas = p.num_ctas - p.num_push_ctas;
-    auto const* flags = reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.tile_flags);
-    char const* landing = p.sym[rank] + p.layout.landing;
-    for (int j = cta - p.num_push_ctas; j < num_tiles; j += num_sum_ctas) {
-      // every rank flags every tile (acquire: its rows of the tile are visible after the barrier)
+    for (int j = cta - p.num_push_ctas; j < tail.first_tile; j += num_sum_ctas) {
       FERRY_TRACE_BEGIN(trace, combine_wait_tile);
-      if (tid < world &&
-          !device::wait_signal_geq(p.view, flags + tid * kMaxCombineTiles + j, seq, tid, WaitPhase::combine_data))
-        s_ok = 0;
-      __syncthreads();
-      if (!s_ok) break;
+      if (!wait_tile(j, 0)) break;
       FERRY_TRACE_END(trace, combine_wait_tile);
       FERRY_TRACE_BEGIN(trace, combine_sum);
-      int const t_begin = j * tile;
-      int const tokens = min((j + 1) * tile, my_tokens) - t_begin;
-      int const chunks = small_batch_chunks<kFormat>(tokens);  // as the push role: (token, chunk) items
-      for (int item = warp; item < tokens * chunks; item += kWarps) {
-        int const t = t_begin + item % tokens;
-        int const chunk = item / tokens;
-        uint32_t const mask = p.token_mask[t];
-        auto* y = static_cast<int4*>(p.y) + static_cast<std::size_t>(t) * num_vec;
-        if constexpr (kFormat != WireFormat::bf16) {
-          std::size_t const rank_stride = static_cast<std::size_t>(p.max_tokens) * landing_bytes;
-          sum_quantized_token<kFormat, kUnitElems>(
-              p, mask, landing + (static_cast<std::size_t>(parity * world) * p.max_tokens + t) * landing_bytes,
-              rank_stride, y, lane);
-        } else {
-          auto const [v_begin, v_end] = device::chunk_range(num_vec, chunk, chunks);
-          for (int i = v_begin + lane; i < v_end; i += 32 * kCombineUnroll) {
-            float acc[kCombineUnroll][8];
-#pragma unroll
-            for (int u = 0; u < kCombineUnroll; ++u)
-#pragma unroll
-              for (int k = 0; k < 8; ++k) acc[u][k] = 0.0f;
-            for (uint32_t m = mask; m != 0; m &= m - 1) {
-              int const d = __ffs(m) - 1;
-              auto const* src = reinterpret_cast<int4 const*>(
-                  landing + (static_cast<std::size_t>(parity * world + d) * p.max_tokens + t) * landing_bytes);
-              int4 v[kCombineUnroll];
-#pragma unroll
-              for (int u = 0; u < kCombineUnroll; ++u)
-                if (i + u * 32 < v_end) v[u] = device::arch::load_v4(src + i + u * 32);  // coherent: a peer wrote it
-#pragma unroll
-              for (int u = 0; u < kCombineUnroll; ++u) {
-                float f[8];
-                bf16x8_to_float(v[u], f);
-#pragma unroll
-                for (int k = 0; k < 8; ++k) acc[u][k] = __fadd_rn(acc[u][k], f[k]);
-              }
-            }
-#pragma unroll
-            for (int u = 0; u < kCombineUnroll; ++u)
-              if (i + u * 32 < v_end) device::arch::store_na_v4(y + i + u * 32, float_to_bf16x8(acc[u]));
-          }
-        }
-      }
+      int const t_begin = j * tail.tile;
+      sum_tokens<kFormat, kUnitElems>(p, t_begin, min(t_begin + tail.tile, tail.num_tokens) - t_begin, parity, warp,
+                                      lane);
       __syncthreads();  // the flags of the next tile are waited by tid < world only after every warp is done here
       FERRY_TRACE_END(trace, combine_sum);
     }
+  }
+
+  // 3. the last wave of tiles, in parts claimed by every CTA done with its own items (sum CTAs and push CTAs alike):
+  //    their flags come with the last pushes, and a CTA alone on a tile would sum it at one SM's rate (a 16-token tile
+  //    took 10-13 us after the last push). A CTA that claims early (a push CTA done long before the wave lands) polls
+  //    its flags with pauses, so that dozens of waiting CTAs do not load the memory system the pushes go through.
+  while (s_ok && tail.num_parts() > 0) {
+    if (tid == 0) s_claim = static_cast<int>(atomicAdd(&p.state->combine_claim, 1u));
+    __syncthreads();
+    int const claim = s_claim;
+    if (claim >= tail.num_parts()) break;
+    int const j = tail.first_tile + claim / kTailParts;
+    FERRY_TRACE_BEGIN(trace, combine_wait_tile);
+    if (!wait_tile(j, kClaimPollSleepNs)) break;
+    FERRY_TRACE_END(trace, combine_wait_tile);
+    FERRY_TRACE_BEGIN(trace, combine_sum);
+    int const t_begin = j * tail.tile;
+    auto const [part_begin, part_end] =
+        device::chunk_range(min(t_begin + tail.tile, tail.num_tokens) - t_begin, claim % kTailParts, kTailParts);
+    sum_tokens<kFormat, kUnitElems>(p, t_begin + part_begin, part_end - part_begin, parity, warp, lane);
+    __syncthreads();  // s_claim is rewritten only after every warp is done with this part
+    FERRY_TRACE_END(trace, combine_sum);
   }
 
   // 3. the last CTA advances the sequence (every CTA read it at step 0) and resets the arrival counter
@@ -420,6 +489,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
     unsigned long long const old = atomicAdd(reinterpret_cast<unsigned long long*>(&p.state->combine_done), 1ull);
     if (old == static_cast<unsigned long long>(p.num_ctas - 1)) {
       p.state->combine_done = 0;
+      p.state->combine_claim = 0;  // every CTA has made its last claim
       p.state->combine_seq = seq;
     }
   }

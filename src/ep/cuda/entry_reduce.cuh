@@ -27,6 +27,23 @@ __device__ __forceinline__ void zero_acc(float (&acc)[kRows][8]) {
     for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
 }
 
+// acc[u] += the bf16 vector src[v0 + u * 32] for each u with v0 + u * 32 < end, in fp32: every load issued before the
+// first add. Coherent loads: the rows may be a peer's writes, acquired by the caller (never the non-coherent path).
+template <int kRows>
+__device__ __forceinline__ void add_bf16_vectors(int4 const* src, int v0, int end, float (&acc)[kRows][8]) {
+  int4 v[kRows];
+#pragma unroll
+  for (int u = 0; u < kRows; ++u)
+    if (v0 + u * 32 < end) v[u] = arch::load_v4(src + v0 + u * 32);
+#pragma unroll
+  for (int u = 0; u < kRows; ++u) {
+    float f[8];
+    bf16x8_to_float(v[u], f);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[u][j] = __fadd_rn(acc[u][j], f[j]);
+  }
+}
+
 // entries: the lanes k holding a valid entry (the same on every lane); lane k holds that entry's weight in w and its
 // row's address in entry. Every lane of the warp must call it with the same entries (the shuffles need the warp);
 // vectors at or past num_vec are neither loaded nor summed.

@@ -256,18 +256,7 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, uint64
       int const d = __ffs(m) - 1;
       char const* const row = landing + (static_cast<std::size_t>(d) * p.max_tokens + token) * row_bytes;
       if constexpr (kFormat == WireFormat::bf16) {
-        auto const* src = reinterpret_cast<int4 const*>(row);
-        int4 v[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (v0 + u * 32 < num_vec) v[u] = device::arch::load_v4(src + v0 + u * 32);  // coherent: a peer wrote it
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          float f[8];
-          bf16x8_to_float(v[u], f);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) acc[u][j] = __fadd_rn(acc[u][j], f[j]);
-        }
+        device::add_bf16_vectors(reinterpret_cast<int4 const*>(row), v0, num_vec, acc);
       } else {
         // y = code * scale in fp32 (plain loads: the acquire above made the peer's row visible)
         auto const* wire = reinterpret_cast<uint8_t const*>(row);

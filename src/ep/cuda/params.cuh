@@ -40,6 +40,24 @@ __host__ __device__ inline int combine_num_tiles(int num_tokens) {
   return (num_tokens + tile - 1) / tile;
 }
 
+// The sum side's split of this rank's tiles (sum_ctas CTAs sum): tiles [0, first_tile) go to the sum CTAs in turn;
+// when there is more than one wave of tiles, the last wave (one tile per sum CTA) is cut into kTailParts parts of
+// its tokens, which any CTA done with its own items claims (push CTAs included), so the tiles whose flags come with
+// the last pushes are summed by many SMs at once. Local to this rank: the pushes and flags do not change.
+inline constexpr int kTailParts = 4;
+struct CombineTail {
+  int num_tokens;
+  int tile;  // tokens per tile (combine_tile_tokens)
+  int num_tiles;
+  int first_tile;  // first tile of the claimed wave (num_tiles: none)
+  __host__ __device__ int num_parts() const { return (num_tiles - first_tile) * kTailParts; }
+};
+__host__ __device__ inline CombineTail combine_tail(int num_tokens, int sum_ctas) {
+  CombineTail t{num_tokens, combine_tile_tokens(num_tokens), combine_num_tiles(num_tokens), 0};
+  t.first_tile = t.num_tiles > sum_ctas ? t.num_tiles - sum_ctas : t.num_tiles;
+  return t;
+}
+
 // Small-batch dispatch (land_dispatch.cuh): most CTAs of its grid (per-CTA sequence words), and what the CTAs of one
 // source add to a destination's arrival counter per call, whatever the source's grid: CTA 0 adds
 // kLandArrivalsPerCall - (ctas - 1), every other CTA 1.
@@ -49,13 +67,14 @@ inline constexpr uint64_t kLandArrivalsPerCall = 1ull << 20;
 // Device words of one EpBuffer (local memory, zeroed at construction). Sequence numbers live here, not on the host,
 // so a captured graph replays with increasing sequence numbers and no reset kernel.
 struct DeviceState {
-  uint64_t dispatch_seq;     // sequence number of the last finished dispatch (the next one uses +1)
-  uint64_t combine_seq;      // same for combine
-  uint64_t dispatch_arrive;  // CTAs of the running dispatch that finished their layout (reset by the last CTA)
-  uint64_t dispatch_done;    // CTAs of the running dispatch that finished pushing (reset by the last CTA)
-  uint64_t combine_done;     // CTAs of the running combine that finished (reset by the last CTA)
-  int32_t num_recv;          // rows received by the last dispatch (clipped to recv_capacity)
-  int32_t num_tokens;        // this rank's tokens in the last dispatch
+  uint64_t dispatch_seq;       // sequence number of the last finished dispatch (the next one uses +1)
+  uint64_t combine_seq;        // same for combine
+  uint64_t dispatch_arrive;    // CTAs of the running dispatch that finished their layout (reset by the last CTA)
+  uint64_t dispatch_done;      // CTAs of the running dispatch that finished pushing (reset by the last CTA)
+  uint64_t combine_done;       // CTAs of the running combine that finished (reset by the last CTA)
+  unsigned int combine_claim;  // parts of the combine's last wave claimed so far (CombineTail; reset by the last CTA)
+  int32_t num_recv;            // rows received by the last dispatch (clipped to recv_capacity)
+  int32_t num_tokens;          // this rank's tokens in the last dispatch
   int32_t src_offset[kMaxLocalPeers];  // first row of source s in the receive buffers
   int32_t src_count[kMaxLocalPeers];   // rows of source s that were delivered
   int32_t src_tokens[kMaxLocalPeers];  // tokens source s passed to the last dispatch
