@@ -2,7 +2,7 @@
 //
 // The grid splits in two roles that run at the same time:
 //  - push CTAs take items (tile j of source s): the rows this rank received from s for s's tokens of tile j (found by
-//    binary search: a source's rows are contiguous and in token order). Each row is reduced on the spot
+//    a 32-ary warp search: a source's rows are contiguous and in token order). Each row is reduced on the spot
 //    (expert-major: acc = fmaf(w, x, acc) over k ascending, rounded to bf16; rank-major: the caller's row) and stored
 //    straight into s's landing zone at [this rank][token] over NVLink. After the tile, one release flag on s.
 //  - sum CTAs take this rank's tiles in order, wait for the flag of every rank, and write
@@ -469,20 +469,17 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
     __syncthreads();
     int const claim = s_claim;
     if (claim >= tail.num_parts()) break;
-    int const j = tail.first_tile + claim / kTailParts;
     FERRY_TRACE_BEGIN(trace, combine_wait_tile);
-    if (!wait_tile(j, kClaimPollSleepNs)) break;
+    if (!wait_tile(combine_tail_tile(tail, claim), kClaimPollSleepNs)) break;
     FERRY_TRACE_END(trace, combine_wait_tile);
     FERRY_TRACE_BEGIN(trace, combine_sum);
-    int const t_begin = j * tail.tile;
-    auto const [part_begin, part_end] =
-        device::chunk_range(min(t_begin + tail.tile, tail.num_tokens) - t_begin, claim % kTailParts, kTailParts);
-    sum_tokens<kFormat, kUnitElems>(p, t_begin + part_begin, part_end - part_begin, parity, warp, lane);
+    TokenRange const part = combine_tail_part(tail, claim);
+    sum_tokens<kFormat, kUnitElems>(p, part.begin, part.end - part.begin, parity, warp, lane);
     __syncthreads();  // s_claim is rewritten only after every warp is done with this part
     FERRY_TRACE_END(trace, combine_sum);
   }
 
-  // 3. the last CTA advances the sequence (every CTA read it at step 0) and resets the arrival counter
+  // 4. the last CTA advances the sequence (every CTA read it at step 0) and resets the arrival and claim counters
   FERRY_TRACE_BEGIN(trace, combine_finish);
   __syncthreads();
   if (tid == 0) {

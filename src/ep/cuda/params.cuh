@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "ep/combine_tiles.hpp"
 #include "ferry/device_view.hpp"
 #include "ferry/wire_format.hpp"
 #include "trace/trace_format.hpp"
@@ -17,45 +18,10 @@ inline constexpr int kWarps = kThreads / 32;
 // 16-byte vectors per lane loaded before the stores of one dispatch step (loads in flight per warp).
 inline constexpr int kDispatchUnroll = 4;
 
-// Combine works in token tiles (one flag per (rank, tile)); at most this many tiles per source rank, so the flag
-// area is fixed and each tile carries enough rows that its publish fence is amortised.
-inline constexpr int kMaxCombineTiles = 256;
-inline constexpr int kMinTileTokens = 4;
-
 // Dynamic shared memory of the dispatch kernel: one counter per destination and per global expert.
 inline constexpr std::size_t kMaxDispatchSmem = 200 * 1024;
 __host__ __device__ inline std::size_t dispatch_smem_bytes(int world, int num_experts) {
   return static_cast<std::size_t>(world + num_experts) * sizeof(int32_t);
-}
-
-// Tokens per combine tile for a source rank with num_tokens tokens. Both sides of a pair compute it from the same
-// number (the source's token count travels in the count exchange), so they agree on the tiling.
-__host__ __device__ inline int combine_tile_tokens(int num_tokens) {
-  int const per_tile = (num_tokens + kMaxCombineTiles - 1) / kMaxCombineTiles;
-  int const rounded = (per_tile + kMinTileTokens - 1) / kMinTileTokens * kMinTileTokens;
-  return rounded < kMinTileTokens ? kMinTileTokens : rounded;
-}
-__host__ __device__ inline int combine_num_tiles(int num_tokens) {
-  int const tile = combine_tile_tokens(num_tokens);
-  return (num_tokens + tile - 1) / tile;
-}
-
-// The sum side's split of this rank's tiles (sum_ctas CTAs sum): tiles [0, first_tile) go to the sum CTAs in turn;
-// when there is more than one wave of tiles, the last wave (one tile per sum CTA) is cut into kTailParts parts of
-// its tokens, which any CTA done with its own items claims (push CTAs included), so the tiles whose flags come with
-// the last pushes are summed by many SMs at once. Local to this rank: the pushes and flags do not change.
-inline constexpr int kTailParts = 4;
-struct CombineTail {
-  int num_tokens;
-  int tile;  // tokens per tile (combine_tile_tokens)
-  int num_tiles;
-  int first_tile;  // first tile of the claimed wave (num_tiles: none)
-  __host__ __device__ int num_parts() const { return (num_tiles - first_tile) * kTailParts; }
-};
-__host__ __device__ inline CombineTail combine_tail(int num_tokens, int sum_ctas) {
-  CombineTail t{num_tokens, combine_tile_tokens(num_tokens), combine_num_tiles(num_tokens), 0};
-  t.first_tile = t.num_tiles > sum_ctas ? t.num_tiles - sum_ctas : t.num_tiles;
-  return t;
 }
 
 // Small-batch dispatch (land_dispatch.cuh): most CTAs of its grid (per-CTA sequence words), and what the CTAs of one
