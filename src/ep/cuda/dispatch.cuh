@@ -56,30 +56,13 @@ __device__ __forceinline__ int32_t count_value(uint64_t word) {
 // nvfp4 without pre-quantized input: the per-token scale of this CTA's tokens [t0, t1) (a warp per token, the row's
 // amax), into p.token_scales. It runs while the CTA waits for the peers' counts, so the push reads each row once
 // (the warp that pushed a token first read the whole row for its amax, then again to quantize it).
-template <int kUnitElems>
 __device__ __forceinline__ void nvfp4_token_scales(DispatchParams const& p, int t0, int t1, int warp, int lane) {
-  using Codec = device::UnitCodec<WireFormat::nvfp4, kUnitElems>;
-  // kAmaxInFlight loads per lane before the arithmetic: one at a time, a 7168-wide row took 28 dependent round trips
-  constexpr int kAmaxInFlight = 8;
+  // 8 loads per lane in flight: one at a time, a 7168-wide row took 28 dependent round trips
   int const num_vec = p.hidden / 8;
   for (int t = t0 + warp; t < t1; t += kWarps) {
     auto const* const x_row = static_cast<int4 const*>(p.x) + static_cast<std::size_t>(t) * num_vec;
-    float amax = 0.0f;
-    for (int v0 = lane; v0 < num_vec; v0 += 32 * kAmaxInFlight) {
-      int4 raw[kAmaxInFlight];
-#pragma unroll
-      for (int i = 0; i < kAmaxInFlight; ++i)
-        raw[i] = v0 + i * 32 < num_vec ? device::arch::load_nc_v4(x_row + v0 + i * 32) : make_int4(0, 0, 0, 0);
-#pragma unroll
-      for (int i = 0; i < kAmaxInFlight; ++i) {
-        float x[8];
-        device::quant_detail::unpack<__nv_bfloat16>(raw[i], x);
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          if (quant::is_finite(x[j])) amax = fmaxf(amax, quant::abs_value(x[j]));
-      }
-    }
-    float const token_scale = Codec::token_scale_from_lane_amax(amax);
+    float const token_scale = quant::nvfp4_token_scale(
+        device::quant_detail::row_finite_amax_warp<__nv_bfloat16, true, 8>(x_row, num_vec, lane));
     if (lane == 0) p.token_scales[t] = token_scale;
   }
 }
@@ -371,7 +354,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
 
   // nvfp4: the token scales of this CTA's tokens, while the peers' counts are in flight
   if constexpr (kFormat == WireFormat::nvfp4) {
-    if (p.x_scales == nullptr) nvfp4_token_scales<kUnitElems>(p, t0, t1, warp, lane);
+    if (p.x_scales == nullptr) nvfp4_token_scales(p, t0, t1, warp, lane);
   }
 
   // 4. every source's row of the count matrix (thread s waits for source s; acquire)
