@@ -19,16 +19,18 @@ __device__ __forceinline__ void copy_16B(void* dst, void const* src, std::size_t
   auto* d = static_cast<int4*>(dst);
   auto const* s = static_cast<int4 const*>(src);
   std::size_t const n = bytes / kVecBytes;
-  std::size_t i = lane;
-  for (; i + (kUnroll - 1) * stride < n; i += kUnroll * stride) {
+  // every step issues up to kUnroll loads before its stores, the last one too (predicated): a tail copied one vector
+  // at a time waited one round trip per vector
+  for (std::size_t i = lane; i < n; i += kUnroll * static_cast<std::size_t>(stride)) {
     int4 v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      v[u] = kNcSource ? arch::load_nc_v4(s + i + u * stride) : arch::load_v4(s + i + u * stride);
+      if (i + u * stride < n)
+        v[u] = kNcSource ? arch::load_nc_v4(s + i + u * stride) : arch::load_v4(s + i + u * stride);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) arch::store_na_v4(d + i + u * stride, v[u]);
+    for (int u = 0; u < kUnroll; ++u)
+      if (i + u * stride < n) arch::store_na_v4(d + i + u * stride, v[u]);
   }
-  for (; i < n; i += stride) arch::store_na_v4(d + i, kNcSource ? arch::load_nc_v4(s + i) : arch::load_v4(s + i));
 }
 
 // Warp-wide copy: every lane of the warp must call it.
