@@ -225,6 +225,13 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, uint64
   int const num_chunks = (num_vec + kChunkVecs - 1) / kChunkVecs;
   std::size_t const row_bytes = p.layout.combine_row_bytes;
 
+  // The token count and the mask of this warp's first token, loaded before the wait (both written by the dispatch,
+  // earlier on the stream): the sum then starts with its row loads, one round trip sooner.
+  int const num_tokens = p.state->num_tokens;
+  int const items = num_tokens * num_chunks;
+  int const first_item = cta * kWarps + warp;
+  uint32_t const first_mask = first_item < items ? p.token_mask[first_item / num_chunks] : 0u;
+
   // 3. every rank's send CTAs of this call (thread d waits for rank d; acquire, bounded)
   FERRY_TRACE_BEGIN(trace, ll_combine_wait_arrivals);
   if (tid == 0) s_ok = 1;
@@ -241,15 +248,13 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, uint64
 
   // 4. the sum, destination ranks ascending
   FERRY_TRACE_BEGIN(trace, ll_combine_sum);
-  int const num_tokens = p.state->num_tokens;
-  int const items = num_tokens * num_chunks;
   WireRowLayout const wl = quant::make_row_layout(kFormat, p.hidden);
   char const* landing =
       p.sym[rank] + p.layout.combine_rows + static_cast<std::size_t>(parity) * world * p.max_tokens * row_bytes;
   for (int item = cta * kWarps + warp; item < items; item += p.num_ctas * kWarps) {
     int const token = item / num_chunks;
     int const v0 = (item % num_chunks) * kChunkVecs + lane;
-    uint32_t const mask = p.token_mask[token];
+    uint32_t const mask = item == first_item ? first_mask : p.token_mask[token];
     float acc[kUnroll][8];
     device::zero_acc(acc);
     for (uint32_t m = mask; m != 0; m &= m - 1) {
