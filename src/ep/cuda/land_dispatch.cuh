@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchPara
     char const* const src = slot / max_tokens == rank ? static_cast<char const*>(p.x) +
                                                             static_cast<std::size_t>(slot % max_tokens) * row_bytes
                                                       : landed + static_cast<std::size_t>(slot) * row_bytes;
-    device::copy_16B<false, 8>(dst, src + skip, bytes, lane, 32);
+    device::copy_16B<false, landing::kCopyUnroll>(dst, src + skip, bytes, lane, 32);
   }
   if (cta == 0) {
     if (tid == 0) {

@@ -18,6 +18,10 @@
 
 namespace ferry::landing {
 
+// 16-byte vectors per lane in flight when a receiver copies landed rows out of its landing zone (normal small
+// batches, LL dispatch): such a copy moves a few rows per CTA, so its loads' round trips set its pace.
+inline constexpr int kCopyUnroll = 8;
+
 // Index of landing slot (source, token) in parity `parity` of a [2][world][max_tokens] area.
 __device__ __forceinline__ std::size_t slot_index(int parity, int world, int source, int max_tokens, int token) {
   return (static_cast<std::size_t>(parity) * world + source) * static_cast<std::size_t>(max_tokens) + token;

@@ -40,6 +40,7 @@ namespace ferry::cuda_ll {
 template <bool kNcSource>
 __device__ __forceinline__ void copy_payload_warp(void* dst, void const* src, std::size_t bytes, int lane) {
   if (bytes % 16 == 0) {
+    // 2 in flight: with 4 or 8 the nvfp4 one-kernel leg spilled (ptxas -v), 2 spills in no instance
     device::copy_16B<kNcSource, 2>(dst, src, bytes, lane, 32);
     return;
   }
@@ -352,9 +353,9 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint
       char* dst = static_cast<char*>(p.expert_x) + at * row_bytes;
       if constexpr (kFormat == WireFormat::bf16) {
         auto const [v_begin, v_end] = device::chunk_range(row_vecs, item % chunks, chunks);
-        device::copy_16B<false, 8>(dst + static_cast<std::size_t>(v_begin) * 16,
-                                   src + static_cast<std::size_t>(v_begin) * 16,
-                                   static_cast<std::size_t>(v_end - v_begin) * 16, lane, 32);  // coherent loads
+        device::copy_16B<false, landing::kCopyUnroll>(
+            dst + static_cast<std::size_t>(v_begin) * 16, src + static_cast<std::size_t>(v_begin) * 16,
+            static_cast<std::size_t>(v_end - v_begin) * 16, lane, 32);  // coherent loads
       } else if (p.dequantize) {
         device::dequantize_row_warp<kFormat, __nv_bfloat16>(reinterpret_cast<uint8_t const*>(src), p.hidden,
                                                             reinterpret_cast<__nv_bfloat16*>(dst));
