@@ -64,6 +64,31 @@ __device__ __forceinline__ void unpack(int4 raw, float (&x)[kVecElems<T>]) {
   }
 }
 
+// max(m, |x|) with a NaN propagated (PTX max.NaN, sm_80 and later): over a set of values, a finite result is their
+// amax and says that every value was finite (an Inf is its own max, a NaN wins).
+__device__ __forceinline__ float max_abs_nan(float m, float x) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(m), "f"(fabsf(x)));
+  return r;
+}
+
+// The largest |x| over the finite elements of x[0, kN), and whether all of them are finite (non-finite elements stay
+// out of a block's amax: e4m3 codes them NaN, an e2m1 block gets a NaN scale). One max per element; the test of each
+// element runs only for a set that holds an Inf or a NaN, where a test and a select per element ran for every set.
+template <int kN>
+__device__ __forceinline__ float finite_amax(float const* x, bool& all_finite) {
+  float m = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kN; ++i) m = max_abs_nan(m, x[i]);
+  all_finite = quant::is_finite(m);
+  if (all_finite) return m;
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kN; ++i)
+    if (quant::is_finite(x[i])) amax = fmaxf(amax, quant::abs_value(x[i]));
+  return amax;
+}
+
 // Max over the kGroup consecutive lanes of an aligned lane group (exact, order-free: values are finite and >= 0).
 template <int kGroup>
 __device__ __forceinline__ float group_max(float value) {
@@ -115,9 +140,10 @@ __device__ __forceinline__ float e4m3_value(uint8_t code) {
   return __half2float(__half(__nv_cvt_fp8_to_halfraw(code, __NV_E4M3)));
 }
 
-// e4m3 codes of x * inverse, element 2k in byte 2k; non-finite x become e4m3's NaN (0x7F).
+// e4m3 codes of x * inverse, element i in byte i; non-finite x become e4m3's NaN (0x7F). all_finite: x holds no Inf
+// or NaN (finite_amax says so), and the codes need no test per element.
 template <int kN>
-__device__ __forceinline__ void e4m3_codes(float const (&x)[kN], float inverse, uint32_t (&words)[4]) {
+__device__ __forceinline__ void e4m3_codes(float const (&x)[kN], float inverse, bool all_finite, uint32_t (&words)[4]) {
   static_assert(kN % 4 == 0, "whole 32-bit words of codes");
 #pragma unroll
   for (int w = 0; w < kN / 4; ++w) {
@@ -125,14 +151,18 @@ __device__ __forceinline__ void e4m3_codes(float const (&x)[kN], float inverse, 
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       float const a = x[4 * w + 2 * k], b = x[4 * w + 2 * k + 1];
-      uint32_t pair = __nv_cvt_float2_to_fp8x2(make_float2(quant::mul_rn(a, inverse), quant::mul_rn(b, inverse)),
-                                               __NV_SATFINITE, __NV_E4M3);
-      if (!quant::is_finite(a)) pair = (pair & 0xFF00u) | quant::kE4m3Nan;
-      if (!quant::is_finite(b)) pair = (pair & 0x00FFu) | (static_cast<uint32_t>(quant::kE4m3Nan) << 8);
+      uint32_t const pair = __nv_cvt_float2_to_fp8x2(make_float2(quant::mul_rn(a, inverse), quant::mul_rn(b, inverse)),
+                                                     __NV_SATFINITE, __NV_E4M3);
       word |= pair << (16 * k);
     }
     words[w] = word;
   }
+  if (all_finite) return;
+#pragma unroll
+  for (int i = 0; i < kN; ++i)
+    if (!quant::is_finite(x[i]))
+      words[i / 4] =
+          (words[i / 4] & ~(0xFFu << (8 * (i % 4)))) | (static_cast<uint32_t>(quant::kE4m3Nan) << (8 * (i % 4)));
 }
 
 // ---- e2m1 conversions
@@ -207,9 +237,8 @@ __device__ __forceinline__ float row_finite_amax_warp(int4 const* in, int num_ve
     for (int i = 0; i < kInFlight; ++i) {
       float x[kVecElems<T>];
       unpack<T>(raw[i], x);
-#pragma unroll
-      for (int j = 0; j < kVecElems<T>; ++j)
-        if (quant::is_finite(x[j])) amax = fmaxf(amax, quant::abs_value(x[j]));
+      bool all_finite;
+      amax = fmaxf(amax, finite_amax<kVecElems<T>>(x, all_finite));
     }
   }
   return group_max<kWarpSize>(amax);
@@ -273,17 +302,9 @@ __device__ __forceinline__ void quantize_row_warp(T const* __restrict__ src, int
             words[i / 2] |= static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(x[i]))) << (16 * (i % 2));
         }
       } else {
-        float amax = 0.0f;
-        int non_finite = 0;
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) {
-          if (quant::is_finite(x[i]))
-            amax = fmaxf(amax, quant::abs_value(x[i]));
-          else
-            non_finite = 1;
-        }
-        amax = group_max<kGroup>(amax);
-        non_finite = group_any<kGroup>(non_finite);
+        bool all_finite;
+        float const amax = group_max<kGroup>(finite_amax<kVec>(x, all_finite));
+        int const non_finite = group_any<kGroup>(all_finite ? 0 : 1);
         bool const leader = active && lane % kGroup == 0;
         std::size_t const block = static_cast<std::size_t>(v) * kVec / kTraits.block_elems;
         uint8_t* const scale_ptr = dst + layout.scales_offset + block * kTraits.scale_bytes;
@@ -291,12 +312,12 @@ __device__ __forceinline__ void quantize_row_warp(T const* __restrict__ src, int
         if constexpr (kFormat == WireFormat::fp8_e4m3) {
           float const scale = quant::fp8_scale(amax);
           if (leader) *reinterpret_cast<float*>(scale_ptr) = scale;
-          e4m3_codes<kVec>(x, quant::div_rn(1.0f, scale), words);
+          e4m3_codes<kVec>(x, quant::div_rn(1.0f, scale), all_finite, words);
         } else if constexpr (kFormat == WireFormat::fp8_e4m3_ue8m0) {
           uint8_t const byte =
               __nv_cvt_float_to_e8m0(quant::fp8_ue8m0_scale_target(amax), __NV_SATFINITE, cudaRoundPosInf);
           if (leader) *scale_ptr = byte;
-          e4m3_codes<kVec>(x, quant::ue8m0_inverse(byte), words);
+          e4m3_codes<kVec>(x, quant::ue8m0_inverse(byte), all_finite, words);
         } else if constexpr (kFormat == WireFormat::nvfp4) {
           // e2m1 has no NaN: a block with a non-finite element gets a NaN scale and zero codes
           uint8_t byte = quant::kE4m3Nan;

@@ -39,17 +39,9 @@ __device__ __forceinline__ void quantize_vec(float const (&x)[kBf16VecElems], bo
   static_assert(kGroup <= kWarpSize, "a scale block must fit in one warp step");
 
   int const lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  float amax = 0.0f;
-  int non_finite = 0;
-#pragma unroll
-  for (int i = 0; i < kVec; ++i) {
-    if (quant::is_finite(x[i]))
-      amax = fmaxf(amax, quant::abs_value(x[i]));
-    else
-      non_finite = 1;
-  }
-  amax = group_max<kGroup>(amax);
-  non_finite = group_any<kGroup>(non_finite);
+  bool all_finite;
+  float const amax = group_max<kGroup>(finite_amax<kVec>(x, all_finite));
+  int const non_finite = group_any<kGroup>(all_finite ? 0 : 1);
   bool const leader = active && lane % kGroup == 0;
   std::size_t const block = static_cast<std::size_t>(v) * kVec / kTraits.block_elems;
   uint8_t* const scale_ptr = row + scales_offset + block * kTraits.scale_bytes;
@@ -58,11 +50,11 @@ __device__ __forceinline__ void quantize_vec(float const (&x)[kBf16VecElems], bo
   if constexpr (kFormat == WireFormat::fp8_e4m3) {
     float const scale = quant::fp8_scale(amax);
     if (leader) *reinterpret_cast<float*>(scale_ptr) = scale;
-    e4m3_codes<kVec>(x, quant::div_rn(1.0f, scale), words);
+    e4m3_codes<kVec>(x, quant::div_rn(1.0f, scale), all_finite, words);
   } else if constexpr (kFormat == WireFormat::fp8_e4m3_ue8m0) {
     uint8_t const byte = __nv_cvt_float_to_e8m0(quant::fp8_ue8m0_scale_target(amax), __NV_SATFINITE, cudaRoundPosInf);
     if (leader) *scale_ptr = byte;
-    e4m3_codes<kVec>(x, quant::ue8m0_inverse(byte), words);
+    e4m3_codes<kVec>(x, quant::ue8m0_inverse(byte), all_finite, words);
   } else if constexpr (kFormat == WireFormat::nvfp4) {
     // e2m1 has no NaN: a block with a non-finite element gets a NaN scale and zero codes
     uint8_t byte = quant::kE4m3Nan;

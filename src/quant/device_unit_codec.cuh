@@ -47,11 +47,8 @@ struct UnitCodec {
 
   // Largest |x| over the finite elements of a unit (a lane's share of a row amax).
   __device__ static float finite_amax(float const (&x)[kUnitElems]) {
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kUnitElems; ++i)
-      if (quant::is_finite(x[i])) amax = fmaxf(amax, quant::abs_value(x[i]));
-    return amax;
+    bool all_finite;
+    return quant_detail::finite_amax<kUnitElems>(x, all_finite);
   }
 
   // nvfp4: the per-token scale from a row amax that every lane holds its share of (reduced over the warp here).
@@ -70,32 +67,25 @@ struct UnitCodec {
     scales = 0;
     if constexpr (kFormat == WireFormat::fp8_e4m3 || kFormat == WireFormat::fp8_e4m3_ue8m0) {
       // non-finite elements become e4m3's NaN in e4m3_codes; they are left out of the amax
-      float const amax = group_max<kLanesPerBlock>(finite_amax(x));
+      bool all_finite;
+      float const amax = group_max<kLanesPerBlock>(quant_detail::finite_amax<kUnitElems>(x, all_finite));
       if constexpr (kFormat == WireFormat::fp8_e4m3) {
         float const scale = quant::fp8_scale(amax);
         scales = __float_as_uint(scale);
-        e4m3_codes<kUnitElems>(x, quant::div_rn(1.0f, scale), payload);
+        e4m3_codes<kUnitElems>(x, quant::div_rn(1.0f, scale), all_finite, payload);
       } else {
         uint8_t const byte =
             __nv_cvt_float_to_e8m0(quant::fp8_ue8m0_scale_target(amax), __NV_SATFINITE, cudaRoundPosInf);
         scales = byte;
-        e4m3_codes<kUnitElems>(x, quant::ue8m0_inverse(byte), payload);
+        e4m3_codes<kUnitElems>(x, quant::ue8m0_inverse(byte), all_finite, payload);
       }
     } else {
 #pragma unroll
       for (int b = 0; b < kScalesPerUnit; ++b) {
-        float amax = 0.0f;
-        int non_finite = 0;
-#pragma unroll
-        for (int i = 0; i < kBlockInUnit; ++i) {
-          float const v = x[b * kBlockInUnit + i];
-          if (quant::is_finite(v))
-            amax = fmaxf(amax, quant::abs_value(v));
-          else
-            non_finite = 1;
-        }
-        amax = group_max<kLanesPerBlock>(amax);
-        non_finite = group_any<kLanesPerBlock>(non_finite);
+        bool all_finite;
+        float const amax =
+            group_max<kLanesPerBlock>(quant_detail::finite_amax<kBlockInUnit>(x + b * kBlockInUnit, all_finite));
+        int const non_finite = group_any<kLanesPerBlock>(all_finite ? 0 : 1);
         // e2m1 has no NaN: a block with a non-finite element gets a NaN scale and zero codes
         uint32_t byte = kFormat == WireFormat::nvfp4 ? quant::kE4m3Nan : quant::kUe8m0Nan;
         if (!non_finite) {
