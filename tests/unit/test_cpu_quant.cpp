@@ -268,7 +268,7 @@ TEST_P(CpuQuantWorld, DeliveryIsExactAndCombineIsExactAndWithinItsBound) {
   EXPECT_TRUE(result.ok()) << result.describe() << " (seed " << test::test_seed() << ")";
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, CpuQuantWorld, testing::Values(1, 3));
+INSTANTIATE_TEST_SUITE_P(Worlds, CpuQuantWorld, testing::Values(1, 3, 8));
 
 // --- bad configurations and arguments ------------------------------------------------------------------------------
 

@@ -189,7 +189,7 @@ TEST_P(LowLatencyCpuWorld, MatchesTheReferenceBitForBitWithAndWithoutTheHook) {
   EXPECT_TRUE(result.ok()) << result.describe() << " (seed " << test::test_seed() << ")";
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, LowLatencyCpuWorld, testing::Values(1, 2, 4));
+INSTANTIATE_TEST_SUITE_P(Worlds, LowLatencyCpuWorld, testing::Values(1, 2, 4, 8));
 
 template <typename Fn>
 std::string expect_input_error(Fn&& fn, std::vector<std::string> const& parts) {
