@@ -611,7 +611,10 @@ int run_bench_rank(Options const& options) {
         buffer.dispatch(dargs, memory.stream());
         comm->barrier(memory.stream());
         buffer.combine(cargs, memory.stream());
-        std::string const label = detail::concat(mode_name(mode), "-", routing_name(kind), "-", tokens);
+        // one label per case: the wire formats too, or a later format pair would overwrite this one's files
+        std::string const label =
+            detail::concat(mode_name(mode), "-", routing_name(kind), "-", tokens, "-", wire_format_name(formats.first),
+                           "-", wire_format_name(formats.second));
         bool const ll = mode == Mode::low_latency;
         for (TraceKernel kernel : {ll ? TraceKernel::ll_dispatch : TraceKernel::dispatch,
                                    ll ? TraceKernel::ll_combine : TraceKernel::combine})
