@@ -560,5 +560,60 @@ std::string format_phase_table(PhaseTable const& table, Decoded const& decoded) 
   return out;
 }
 
+std::vector<CtaRow> cta_table(Decoded const& decoded, TraceSlot slot) {
+  TraceKernel const kernel = kSlotKernel[static_cast<int>(slot)];
+  // per rank: warps per CTA and the start of its window of the kernel (as phase_table)
+  std::map<int, std::pair<int, int64_t>> geometry;
+  for (BufferInfo const& info : decoded.buffers) {
+    if (info.kernel != kernel || info.events == 0) continue;
+    auto [it, fresh] = geometry.try_emplace(info.rank, info.warps_per_cta, info.first_ns);
+    if (!fresh) it->second.second = std::min(it->second.second, info.first_ns);
+  }
+  struct Acc {
+    std::vector<int64_t> durations;
+    int64_t first = 0;
+    int64_t last = 0;
+  };
+  std::map<std::pair<int, int>, Acc> per_cta;
+  for (Span const& s : decoded.spans) {
+    if (s.slot != static_cast<uint8_t>(slot)) continue;
+    auto const g = geometry.find(s.rank);
+    if (g == geometry.end()) continue;
+    int const cta = static_cast<int>(s.tid) / std::max(1, g->second.first);
+    Acc& a = per_cta[{s.rank, cta}];
+    a.first = a.durations.empty() ? s.begin_ns : std::min(a.first, s.begin_ns);
+    a.last = a.durations.empty() ? s.end_ns : std::max(a.last, s.end_ns);
+    a.durations.push_back(s.end_ns - s.begin_ns);
+  }
+  std::vector<CtaRow> rows;
+  rows.reserve(per_cta.size());
+  for (auto& [key, a] : per_cta) {
+    std::vector<double> us(a.durations.size());
+    std::transform(a.durations.begin(), a.durations.end(), us.begin(),
+                   [](int64_t ns) { return static_cast<double>(ns) / 1e3; });
+    int64_t const start = geometry.at(key.first).second;
+    rows.push_back(CtaRow{key.first, key.second, static_cast<int64_t>(a.durations.size()), stat_of(us).median,
+                          static_cast<double>(a.first - start) / 1e3, static_cast<double>(a.last - start) / 1e3});
+  }
+  return rows;
+}
+
+std::string format_cta_table(std::vector<CtaRow> const& rows, TraceSlot slot) {
+  std::string out;
+  char line[256];
+  std::snprintf(line, sizeof(line),
+                "\n%s per CTA (span us: median over the CTA's warps; first begin / last end from the "
+                "start of the rank's window)\n%5s %6s %8s %10s %10s %10s\n",
+                kSlotNames[static_cast<int>(slot)], "rank", "cta", "spans", "median_us", "first_us", "last_us");
+  out += line;
+  for (CtaRow const& r : rows) {
+    std::snprintf(line, sizeof(line), "%5d %6d %8lld %10.2f %10.2f %10.2f\n", r.rank, r.cta,
+                  static_cast<long long>(r.spans), r.median_us, r.first_us, r.last_us);
+    out += line;
+  }
+  if (rows.empty()) out += "(no spans of this phase)\n";
+  return out;
+}
+
 }  // namespace trace
 }  // namespace ferry

@@ -137,6 +137,23 @@ PhaseTable phase_table(Decoded const& decoded);
 // The table as text (one line per phase, windows first, then the decode counters).
 std::string format_phase_table(PhaseTable const& table, Decoded const& decoded);
 
+// One phase per (rank, CTA), rank then CTA order: the CTA's spans of the phase over its warps, their median duration,
+// and the first begin and last end from the start of the rank's window of the kernel. The phase table's medians hide
+// a grid whose CTAs differ (roles, or work items that fall to CTAs by a pattern: in the normal combine the push items
+// of one peer land on every other CTA); this shows it.
+struct CtaRow {
+  int rank = 0;
+  int cta = 0;
+  int64_t spans = 0;
+  double median_us = 0;
+  double first_us = 0;
+  double last_us = 0;
+};
+std::vector<CtaRow> cta_table(Decoded const& decoded, TraceSlot slot);
+
+// The rows as text: a header naming the phase, one line per (rank, CTA).
+std::string format_cta_table(std::vector<CtaRow> const& rows, TraceSlot slot);
+
 // The slot names this build decodes, in slot order (written into trace files and compared when reading them).
 std::vector<std::string> slot_names();
 

@@ -275,6 +275,50 @@ TEST(TracePhaseTable, MinMedianMaxAcrossRanks) {
   EXPECT_EQ(text.find("combine.wait_tile"), std::string::npos) << "a phase nobody recorded is not listed\n" << text;
 }
 
+TEST(TraceCtaTable, EachCtaOfOnePhaseOnEveryRank) {
+  using S = TraceSlot;
+  // combine on two ranks, 2 CTAs x 2 warps: CTA 0's warps push two items each (100 and 300 ns long), CTA 1's one
+  // item of 500 ns that starts late; a sum span that the table must leave out
+  std::vector<TraceBuffer> buffers;
+  for (int rank = 0; rank < 2; ++rank) {
+    int64_t const t0 = rank == 0 ? 1000 : 77'000;
+    std::vector<std::tuple<int64_t, TraceSlot, TraceEventKind, uint32_t>> const cta0 = {
+        {t0, S::combine_push, kBegin, 0},
+        {t0 + 100, S::combine_push, kEnd, 0},
+        {t0 + 100, S::combine_push, kBegin, 0},
+        {t0 + 400, S::combine_push, kEnd, 0}};
+    std::vector<std::tuple<int64_t, TraceSlot, TraceEventKind, uint32_t>> const cta1 = {
+        {t0 + 50, S::combine_sum, kBegin, 0},
+        {t0 + 60, S::combine_sum, kEnd, 0},
+        {t0 + 1000, S::combine_push, kBegin, 0},
+        {t0 + 1500 + rank, S::combine_push, kEnd, 0}};
+    buffers.push_back(make_buffer(rank, TraceKernel::combine, 2, 8, {cta0, cta0, cta1, cta1}));
+  }
+  Decoded const d = decode(buffers);
+  std::vector<CtaRow> const rows = cta_table(d, S::combine_push);
+  ASSERT_EQ(rows.size(), 4u);
+  for (int rank = 0; rank < 2; ++rank) {
+    CtaRow const& a = rows[2 * rank];
+    CtaRow const& b = rows[2 * rank + 1];
+    EXPECT_EQ(a.rank, rank);
+    EXPECT_EQ(a.cta, 0);
+    EXPECT_EQ(a.spans, 4);               // two warps, two items each
+    EXPECT_DOUBLE_EQ(a.median_us, 0.2);  // median of 0.1, 0.1, 0.3, 0.3
+    EXPECT_DOUBLE_EQ(a.first_us, 0.0);
+    EXPECT_DOUBLE_EQ(a.last_us, 0.4);
+    EXPECT_EQ(b.cta, 1);
+    EXPECT_EQ(b.spans, 2);
+    EXPECT_DOUBLE_EQ(b.median_us, 0.5 + rank * 0.001);
+    EXPECT_DOUBLE_EQ(b.first_us, 1.0);
+    EXPECT_DOUBLE_EQ(b.last_us, 1.5 + rank * 0.001);
+  }
+  std::string const text = format_cta_table(rows, S::combine_push);
+  EXPECT_NE(text.find("combine.push per CTA"), std::string::npos) << text;
+  EXPECT_NE(text.find("    1      1        2       0.50       1.00       1.50\n"), std::string::npos) << text;
+  EXPECT_TRUE(cta_table(d, S::dispatch_push).empty());
+  EXPECT_NE(format_cta_table({}, S::dispatch_push).find("no spans"), std::string::npos);
+}
+
 TEST(TraceChrome, JsonParsesBackWithEveryEvent) {
   std::vector<TraceBuffer> buffers = two_ranks();
   buffers.push_back(synthetic_trace(2, TraceKernel::combine, 3, 4, 7, 123456789));  // odd: one orphan per warp

@@ -7,6 +7,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <thread>
 
 #include "commands.hpp"
@@ -31,20 +32,23 @@ Options make_options() {
           {"out", "", "Chrome trace file (default DIR/trace.json; with several cases DIR/trace.CASE.json)"},
           {"align", "first", "t = 0 of each rank: first (its first event) | slot (first end of --align-slot) | raw"},
           {"align-slot", "dispatch.wait_counts", "phase whose first end aligns the ranks (--align slot)"},
+          {"per-cta", "",
+           "a phase (e.g. combine.push): also print its spans per rank and CTA (count, median, first "
+           "begin, last end)"},
           {"selftest", "", "time the decoder on a worst-case synthetic buffer (no input)", true},
           {"warps", "4096", "--selftest: warps of the synthetic buffer"},
           {"events", "16384", "--selftest: events per warp of the synthetic buffer"},
       });
 }
 
-trace::TraceSlot parse_slot(std::string const& name) {
+trace::TraceSlot parse_slot(std::string const& option, std::string const& name) {
   std::vector<std::string> const names = trace::slot_names();
   std::string allowed;
   for (std::size_t i = 0; i < names.size(); ++i) {
     if (names[i] == name) return static_cast<trace::TraceSlot>(i);
     allowed += (i ? ", " : "") + names[i];
   }
-  FERRY_THROW(ConfigError, "config", "--align-slot ", name, " is not a phase; use one of ", allowed);
+  FERRY_THROW(ConfigError, "config", "--", option, " ", name, " is not a phase; use one of ", allowed);
 }
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
@@ -90,7 +94,9 @@ int decode_dir(Options const& options) {
   FERRY_CHECK_CONFIG(!dir.empty(), "ferry trace needs --dir DIR (written by ferry bench --trace DIR) or --selftest");
   trace::DecodeOptions decode_options;
   decode_options.align = trace::parse_align(options.str("align"));
-  decode_options.align_slot = parse_slot(options.str("align-slot"));
+  decode_options.align_slot = parse_slot("align-slot", options.str("align-slot"));
+  std::optional<trace::TraceSlot> per_cta;
+  if (!options.str("per-cta").empty()) per_cta = parse_slot("per-cta", options.str("per-cta"));
   auto const cases = trace::read_trace_dir(dir);
   FERRY_CHECK_CONFIG(!cases.empty(), "no trace files (*.json with \"format\": \"ferry-trace\") in ", dir,
                      "; write them with ferry bench --trace ", dir, " (a build with -DFERRY_TRACE=ON)");
@@ -109,6 +115,7 @@ int decode_dir(Options const& options) {
     std::printf("\n%s: %zu buffers, aligned on %s; wrote %s (%zu spans, %zu instants)\n", label.c_str(), buffers.size(),
                 trace::align_name(decode_options.align), out.c_str(), decoded.spans.size(), decoded.instants.size());
     std::fputs(trace::format_phase_table(trace::phase_table(decoded), decoded).c_str(), stdout);
+    if (per_cta) std::fputs(trace::format_cta_table(trace::cta_table(decoded, *per_cta), *per_cta).c_str(), stdout);
   }
   return 0;
 }
