@@ -109,6 +109,22 @@ Stat stat_of(std::vector<double> values) {
   return s;
 }
 
+// Each (rank, kernel)'s window on the rank's timeline: the first to the last event over the rank's buffers of that
+// kernel that recorded any (phase_table's shares and the per-CTA table's times are measured from its start).
+struct Window {
+  int64_t first;
+  int64_t last;
+};
+std::map<std::pair<int, TraceKernel>, Window> kernel_windows(Decoded const& decoded) {
+  std::map<std::pair<int, TraceKernel>, Window> windows;
+  for (BufferInfo const& info : decoded.buffers) {
+    if (info.events == 0) continue;
+    auto [it, fresh] = windows.try_emplace({info.rank, info.kernel}, Window{info.first_ns, info.last_ns});
+    if (!fresh) it->second = Window{std::min(it->second.first, info.first_ns), std::max(it->second.last, info.last_ns)};
+  }
+  return windows;
+}
+
 // Nanoseconds as microseconds with three decimals, exactly ("-1.250").
 char* put_us(char* p, int64_t ns) {
   if (ns < 0) {
@@ -439,17 +455,7 @@ PhaseTable phase_table(Decoded const& decoded) {
   for (auto& [r, i] : rank_index) i = next++;
   int const num_ranks = next;
 
-  // windows per (rank, kernel)
-  constexpr int64_t kNone = std::numeric_limits<int64_t>::min();
-  std::vector<int64_t> win_first(static_cast<std::size_t>(num_ranks) * kNumTraceKernels, kNone);
-  std::vector<int64_t> win_last(win_first.size(), kNone);
-  for (BufferInfo const& info : decoded.buffers) {
-    if (info.events == 0) continue;
-    std::size_t const at =
-        static_cast<std::size_t>(rank_index.at(info.rank)) * kNumTraceKernels + static_cast<int>(info.kernel);
-    win_first[at] = win_first[at] == kNone ? info.first_ns : std::min(win_first[at], info.first_ns);
-    win_last[at] = win_last[at] == kNone ? info.last_ns : std::max(win_last[at], info.last_ns);
-  }
+  auto const windows_of = kernel_windows(decoded);
 
   // per (rank, slot): spans, summed duration, distinct warps, first begin, last end
   struct Acc {
@@ -486,10 +492,9 @@ PhaseTable phase_table(Decoded const& decoded) {
   PhaseTable table;
   for (int k = 0; k < kNumTraceKernels; ++k) {
     std::vector<double> windows;
-    for (int r = 0; r < num_ranks; ++r) {
-      std::size_t const at = static_cast<std::size_t>(r) * kNumTraceKernels + k;
-      if (win_first[at] != kNone) windows.push_back(static_cast<double>(win_last[at] - win_first[at]) / 1e3);
-    }
+    for (auto const& [rank, r] : rank_index)
+      if (auto const w = windows_of.find({rank, static_cast<TraceKernel>(k)}); w != windows_of.end())
+        windows.push_back(static_cast<double>(w->second.last - w->second.first) / 1e3);
     if (windows.empty()) continue;
     table.windows.push_back(WindowRow{static_cast<TraceKernel>(k), static_cast<int>(windows.size()), stat_of(windows)});
   }
@@ -497,17 +502,18 @@ PhaseTable phase_table(Decoded const& decoded) {
     std::vector<double> warp_us, extent_us, share, begin_us, end_us;
     PhaseRow row;
     row.slot = static_cast<TraceSlot>(slot);
-    for (int r = 0; r < num_ranks; ++r) {
+    for (auto const& [rank, r] : rank_index) {
       Acc const& a = acc[static_cast<std::size_t>(r) * kNumSlots + slot];
       if (a.spans == 0) continue;
       row.spans += a.spans;
       warp_us.push_back(static_cast<double>(a.sum_ns) / static_cast<double>(a.warps) / 1e3);
       double const extent = static_cast<double>(a.last - a.first) / 1e3;
       extent_us.push_back(extent);
-      std::size_t const at = static_cast<std::size_t>(r) * kNumTraceKernels + static_cast<int>(kSlotKernel[slot]);
-      double const window = win_first[at] == kNone ? 0.0 : static_cast<double>(win_last[at] - win_first[at]) / 1e3;
+      auto const w = windows_of.find({rank, kSlotKernel[slot]});
+      bool const has_window = w != windows_of.end();
+      double const window = has_window ? static_cast<double>(w->second.last - w->second.first) / 1e3 : 0.0;
       share.push_back(window > 0 ? extent / window : 0.0);
-      int64_t const start = win_first[at] == kNone ? a.first : win_first[at];
+      int64_t const start = has_window ? w->second.first : a.first;
       begin_us.push_back(static_cast<double>(a.first - start) / 1e3);
       end_us.push_back(static_cast<double>(a.last - start) / 1e3);
     }
@@ -562,13 +568,10 @@ std::string format_phase_table(PhaseTable const& table, Decoded const& decoded) 
 
 std::vector<CtaRow> cta_table(Decoded const& decoded, TraceSlot slot) {
   TraceKernel const kernel = kSlotKernel[static_cast<int>(slot)];
-  // per rank: warps per CTA and the start of its window of the kernel (as phase_table)
-  std::map<int, std::pair<int, int64_t>> geometry;
-  for (BufferInfo const& info : decoded.buffers) {
-    if (info.kernel != kernel || info.events == 0) continue;
-    auto [it, fresh] = geometry.try_emplace(info.rank, info.warps_per_cta, info.first_ns);
-    if (!fresh) it->second.second = std::min(it->second.second, info.first_ns);
-  }
+  auto const windows = kernel_windows(decoded);
+  std::map<int, int> warps_per_cta;  // rank -> warps per CTA of the kernel's buffers
+  for (BufferInfo const& info : decoded.buffers)
+    if (info.kernel == kernel) warps_per_cta[info.rank] = std::max(1, info.warps_per_cta);
   struct Acc {
     std::vector<int64_t> durations;
     int64_t first = 0;
@@ -577,9 +580,9 @@ std::vector<CtaRow> cta_table(Decoded const& decoded, TraceSlot slot) {
   std::map<std::pair<int, int>, Acc> per_cta;
   for (Span const& s : decoded.spans) {
     if (s.slot != static_cast<uint8_t>(slot)) continue;
-    auto const g = geometry.find(s.rank);
-    if (g == geometry.end()) continue;
-    int const cta = static_cast<int>(s.tid) / std::max(1, g->second.first);
+    auto const wpc = warps_per_cta.find(s.rank);
+    if (wpc == warps_per_cta.end()) continue;
+    int const cta = static_cast<int>(s.tid) / wpc->second;
     Acc& a = per_cta[{s.rank, cta}];
     a.first = a.durations.empty() ? s.begin_ns : std::min(a.first, s.begin_ns);
     a.last = a.durations.empty() ? s.end_ns : std::max(a.last, s.end_ns);
@@ -591,7 +594,7 @@ std::vector<CtaRow> cta_table(Decoded const& decoded, TraceSlot slot) {
     std::vector<double> us(a.durations.size());
     std::transform(a.durations.begin(), a.durations.end(), us.begin(),
                    [](int64_t ns) { return static_cast<double>(ns) / 1e3; });
-    int64_t const start = geometry.at(key.first).second;
+    int64_t const start = windows.at({key.first, kernel}).first;  // a span is an event: its window exists
     rows.push_back(CtaRow{key.first, key.second, static_cast<int64_t>(a.durations.size()), stat_of(us).median,
                           static_cast<double>(a.first - start) / 1e3, static_cast<double>(a.last - start) / 1e3});
   }
