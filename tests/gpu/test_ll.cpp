@@ -436,7 +436,7 @@ TEST(LowLatency, GraphReplaysOfTheHookPath) {
 
 TEST(LowLatency, HookMisuseAndSkippedCallTimesOut) {
 #if FERRY_HAVE_CUDA
-  run_case("ll_hook_misuse_and_timeout", {}, {{"FERRY_TIMEOUT_S", "2"}});
+  run_gpu_case(peer_case_world(), "ll_hook_misuse_and_timeout", {}, {{"FERRY_TIMEOUT_S", "2"}});
 #else
   GTEST_SKIP() << "built without the cuda backend";
 #endif
