@@ -98,4 +98,9 @@ __device__ __forceinline__ void record_input_error(DeviceView const& view, int b
   }
 }
 
+// Counts an expert id outside [-1, num_experts) that the device dropped; the reported value is the id clamped to int.
+__device__ __forceinline__ void record_bad_expert_id(DeviceView const& view, int64_t id) {
+  record_input_error(view, static_cast<int>(id < INT32_MIN ? INT32_MIN : id > INT32_MAX ? INT32_MAX : id), false);
+}
+
 }  // namespace ferry::device

@@ -290,13 +290,6 @@ __device__ __forceinline__ void sum_quantized_token(CombineParams const& p, uint
   }
 }
 
-// Items per row (or token) for a tile of `items` rows: a bf16 row is split into kWarps / items chunks when the tile
-// has fewer rows than the CTA has warps (quantized rows stay whole: their codec works on whole rows).
-template <WireFormat kFormat>
-__device__ __forceinline__ int small_batch_chunks(int items) {
-  return kFormat == WireFormat::bf16 && items > 0 && items < kWarps ? kWarps / items : 1;
-}
-
 // First row in [lo, hi) of the receive buffers whose source token is >= token (rows of one source ascend by token).
 // Warp-wide, 32-ary: each step the lanes test 32 evenly spaced rows at once, so a range of n rows takes
 // ceil(log32 n) dependent loads (2 at 128 rows) where a binary search took log2 n (7), each a memory round trip
@@ -416,9 +409,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
       char* landing =
           p.sym[s] + p.layout.landing + static_cast<std::size_t>(parity * world + rank) * p.max_tokens * landing_bytes;
       // items (row, chunk): a tile with fewer rows than warps splits each bf16 row into chunks, so every warp has
-      // bytes in flight (a small batch is latency-bound: a warp per row left most of the CTA idle)
+      // bytes in flight (a small batch is latency-bound: a warp per row left most of the CTA idle); quantized rows stay
+      // whole (their codec works on whole rows)
       int const rows = s_rows[1] - s_rows[0];
-      int const chunks = small_batch_chunks<kFormat>(rows);
+      int const chunks = kFormat == WireFormat::bf16 ? device::chunks_per_row(rows, kWarps, num_vec) : 1;
       for (int item = warp; item < rows * chunks; item += kWarps) {
         int const row = s_rows[0] + item % rows;
         int const chunk = item / rows;

@@ -270,11 +270,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
         int64_t const e = static_cast<int64_t>(topk_idx[static_cast<std::size_t>(t) * topk + k]);
         if (e == -1) continue;
         if (e < -1 || e >= num_experts) {  // dropped and reported (InputError at the next check)
-          device::record_input_error(p.view,
-                                     static_cast<int>(e < INT32_MIN   ? INT32_MIN
-                                                      : e > INT32_MAX ? INT32_MAX
-                                                                      : e),
-                                     false);
+          device::record_bad_expert_id(p.view, e);
           continue;
         }
         mask |= 1u << (static_cast<int>(e) / num_local);

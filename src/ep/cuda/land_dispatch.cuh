@@ -40,8 +40,7 @@ __global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchPara
   extern __shared__ int32_t s_dyn[];  // [world * max_tokens] landing slot of each rank-major row, [num_local] entries
   __shared__ int32_t s_base[kMaxLocalPeers + 1];  // first landed record of each source
   __shared__ int32_t s_src_rows[kMaxLocalPeers];  // CTA 0: present rows per source
-  __shared__ int32_t s_warp_rows[kWarps];
-  __shared__ int32_t s_step_rows;
+  __shared__ landing::ScanShared<kWarps> s_scan;
   __shared__ uint64_t s_seq;
   __shared__ int s_ok;
 
@@ -125,7 +124,6 @@ __global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchPara
   auto* const recv_src = reinterpret_cast<int2*>(sym + p.layout.recv_src);
   auto* const recv_idx = reinterpret_cast<int32_t*>(sym + p.layout.recv_idx);
   auto* const recv_w = reinterpret_cast<float*>(sym + p.layout.recv_w);
-  uint32_t const lower = (1u << lane) - 1u;
   int num_recv = 0;
   for (int base = 0; base < num_landed; base += kThreads) {
     int const r = base + tid;
@@ -143,21 +141,9 @@ __global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchPara
 #pragma unroll
       for (int k = 0; k < kMaxTopk; ++k) present |= ids[k] >= 0;
     }
-    uint32_t const bits = __ballot_sync(0xffffffffu, present);
-    if (lane == 0) s_warp_rows[warp] = __popc(bits);
-    __syncthreads();
-    if (tid == 0) {
-      int rows = 0;
-      for (int w = 0; w < kWarps; ++w) {
-        int const wr = s_warp_rows[w];
-        s_warp_rows[w] = rows;
-        rows += wr;
-      }
-      s_step_rows = rows;
-    }
-    __syncthreads();
+    landing::ScanOffsets const step = landing::scan_step<false>(present, 0, s_scan, warp, lane);
     if (present) {
-      int const row = num_recv + s_warp_rows[warp] + __popc(bits & lower);
+      int const row = num_recv + step.row;
       s_land[row] = source * max_tokens + token;
       if (row % ctas == cta) {
         float const* weights = reinterpret_cast<float const*>(record + topk);
@@ -176,7 +162,7 @@ __global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchPara
           if (ids[k] >= 0) atomicAdd(&s_entries[ids[k]], 1);
       }
     }
-    num_recv += s_step_rows;
+    num_recv += step.rows;
     __syncthreads();  // the scan words are reused by the next step
   }
   FERRY_TRACE_END(trace, dispatch_land_scan);

@@ -54,12 +54,7 @@ __device__ __forceinline__ int token_destination(Routing const& r, int t, int la
     e = static_cast<int64_t>(topk_idx[static_cast<std::size_t>(t) * r.topk + lane]);
     w = r.topk_weights[static_cast<std::size_t>(t) * r.topk + lane];
     if (e < -1 || e >= r.num_experts) {
-      if (report)
-        device::record_input_error(r.view,
-                                   static_cast<int>(e < INT32_MIN   ? INT32_MIN
-                                                    : e > INT32_MAX ? INT32_MAX
-                                                                    : e),
-                                   false);
+      if (report) device::record_bad_expert_id(r.view, e);
       e = -1;
     }
   }
@@ -141,6 +136,66 @@ __device__ __forceinline__ void load_record_ids(int32_t const* record, int topk,
     ids[4 * q + 2] = 4 * q + 2 < topk ? v.z : -1;
     ids[4 * q + 3] = 4 * q + 3 < topk ? v.w : -1;
   }
+}
+
+// Shared memory of scan_step: per-warp offsets, then the step's totals.
+template <int kWarpsPerCta>
+struct ScanShared {
+  int32_t warp_rows[kWarpsPerCta];
+  int32_t warp_hits[kWarpsPerCta];
+  int32_t step_rows;
+  int32_t step_hits;
+};
+
+// A thread's place in one step of a receiver's ordered scan (record base + thread, in (source, token) order).
+struct ScanOffsets {
+  int row;        // its row among the step's present records (meaningful when its record is present)
+  int first_hit;  // the index of its first hit among the step's hits (kHits)
+  int rows;       // the step's present records
+  int hits;       // the step's hits (kHits)
+};
+
+// One step of the CTA-wide exclusive scan of (present, hits) in thread order that the receive halves run over the
+// landed records: warp ballots (rows) and an inclusive warp scan (hits: the entries of the caller's expert, kHits),
+// then one thread over the warps. Every thread of the CTA calls it (two barriers); the caller needs a barrier before
+// the next step reuses `shared`.
+template <bool kHits, int kWarpsPerCta>
+__device__ __forceinline__ ScanOffsets scan_step(bool present, int hits, ScanShared<kWarpsPerCta>& shared, int warp,
+                                                 int lane) {
+  uint32_t const bits = __ballot_sync(0xffffffffu, present);
+  int hits_incl = hits;
+  if constexpr (kHits) {
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      int const other = __shfl_up_sync(0xffffffffu, hits_incl, offset);
+      if (lane >= offset) hits_incl += other;
+    }
+  }
+  if (lane == 31) {
+    shared.warp_rows[warp] = __popc(bits);
+    shared.warp_hits[warp] = hits_incl;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int rows = 0;
+    int hit_sum = 0;
+    for (int w = 0; w < kWarpsPerCta; ++w) {
+      int const wr = shared.warp_rows[w];
+      shared.warp_rows[w] = rows;
+      rows += wr;
+      if constexpr (kHits) {
+        int const wh = shared.warp_hits[w];
+        shared.warp_hits[w] = hit_sum;
+        hit_sum += wh;
+      }
+    }
+    shared.step_rows = rows;
+    shared.step_hits = hit_sum;
+  }
+  __syncthreads();
+  uint32_t const lower = (1u << lane) - 1u;
+  return {shared.warp_rows[warp] + __popc(bits & lower), kHits ? shared.warp_hits[warp] + hits_incl - hits : 0,
+          shared.step_rows, shared.step_hits};
 }
 
 }  // namespace ferry::landing

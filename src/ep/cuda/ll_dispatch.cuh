@@ -190,9 +190,7 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, uint
 template <WireFormat kFormat>
 __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint64_t seq FERRY_TRACE_PARAM(trace)) {
   __shared__ int32_t s_base[kMaxLocalPeers + 1];  // first rank-major landing row of each source
-  __shared__ int32_t s_warp_rows[kWarps];
-  __shared__ int32_t s_warp_hits[kWarps];
-  __shared__ int32_t s_chunk[2];
+  __shared__ landing::ScanShared<kWarps> s_scan;
   __shared__ int s_ok;
 
   int const world = p.view.world;
@@ -206,7 +204,6 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint
   int const slots = p.expert_slots;
   std::size_t const wire_bytes = p.layout.dispatch_row_bytes;
   std::size_t const row_bytes = p.expert_row_bytes;
-  uint32_t const lower = (1u << lane) - 1u;
 
   // 4. every source's send CTAs of this call (thread s waits for source s; acquire, bounded)
   FERRY_TRACE_BEGIN(trace, ll_dispatch_wait_arrivals);
@@ -258,36 +255,9 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint
           hits += ids[k] == e;
         }
       }
-      // CTA scan of (present rows, hits): warp ballots / shuffles, then one thread over the warps
-      uint32_t const present_bits = __ballot_sync(0xffffffffu, present);
-      int hits_incl = hits;
-#pragma unroll
-      for (int offset = 1; offset < 32; offset <<= 1) {
-        int const other = __shfl_up_sync(0xffffffffu, hits_incl, offset);
-        if (lane >= offset) hits_incl += other;
-      }
-      if (lane == 31) {
-        s_warp_rows[warp] = __popc(present_bits);
-        s_warp_hits[warp] = hits_incl;
-      }
-      __syncthreads();
-      if (tid == 0) {
-        int rows = 0;
-        int hit_sum = 0;
-        for (int w = 0; w < kWarps; ++w) {
-          int const wr = s_warp_rows[w];
-          int const wh = s_warp_hits[w];
-          s_warp_rows[w] = rows;
-          s_warp_hits[w] = hit_sum;
-          rows += wr;
-          hit_sum += wh;
-        }
-        s_chunk[0] = rows;
-        s_chunk[1] = hit_sum;
-      }
-      __syncthreads();
+      landing::ScanOffsets const step = landing::scan_step<true>(present, hits, s_scan, warp, lane);
       if (present) {
-        int const row = running_rows + s_warp_rows[warp] + __popc(present_bits & lower);
+        int const row = running_rows + step.row;
         std::size_t const entry0 = static_cast<std::size_t>(row) * topk;
         if (first_pass && r % meta_ctas == cta) {
           auto const* weights = reinterpret_cast<float const*>(record + topk);
@@ -305,7 +275,7 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint
           }
         }
         if (hits) {
-          int slot = running_slots + s_warp_hits[warp] + hits_incl - hits;
+          int slot = running_slots + step.first_hit;
 #pragma unroll
           for (int k = 0; k < kMaxTopk; ++k) {
             if (ids[k] != e) continue;  // -1 past topk
@@ -324,8 +294,8 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint
           }
         }
       }
-      running_rows += s_chunk[0];
-      running_slots += s_chunk[1];
+      running_rows += step.rows;
+      running_slots += step.hits;
       __syncthreads();  // the scan words are reused by the next step
     }
     if (tid == 0) {
