@@ -38,42 +38,25 @@ void run_case(char const* name, std::vector<std::string> args,
 
 #if FERRY_HAVE_CUDA
 
-struct Spec {
-  std::string routing = "random";
-  std::vector<int> tokens{64, 64};  // per rank
-  int max_tokens = 0;               // 0: the largest of tokens
-  int capacity = 0;                 // expert_capacity (0: ll's default, world * max_tokens)
-  int hidden = 2048;
-  int topk = 8;
-  int experts = 64;
-  double mask_rate = 0.0;
-  int iters = 1;
+struct Spec : CaseShape {
+  int max_tokens = 0;   // max_tokens= (0: the largest of tokens)
+  int capacity = 0;     // capacity=: expert_capacity (0: ll's default, world * max_tokens)
   int check_every = 1;  // graph: check every n-th replay fully (and the last)
   int layers = 1;       // EpBuffers on one communicator, used in turn
   bool hook = false;
-  bool graph = false;
   bool int32_ids = false;
-  uint64_t seed = 1;
 };
 
 Spec parse_spec(std::vector<std::string> const& words) {
   CaseArgs const args(words);
   Spec s;
-  s.routing = args.text("routing", s.routing);
-  s.tokens = args.integers("tokens", s.tokens);
+  s.read(args);
   s.max_tokens = args.integer("max_tokens", s.max_tokens);
   s.capacity = args.integer("capacity", s.capacity);
-  s.hidden = args.integer("hidden", s.hidden);
-  s.topk = args.integer("topk", s.topk);
-  s.experts = args.integer("experts", s.experts);
-  s.mask_rate = args.number("mask", s.mask_rate);
-  s.iters = args.integer("iters", s.iters);
   s.check_every = args.integer("check_every", s.check_every);
   s.layers = args.integer("layers", s.layers);
   s.hook = args.flag("hook", s.hook);
-  s.graph = args.flag("graph", s.graph);
   s.int32_ids = args.flag("int32", s.int32_ids);
-  s.seed = args.u64("seed", s.seed);
   return s;
 }
 
@@ -122,13 +105,9 @@ int ll_case() {
   std::vector<int> const tokens = per_rank(spec.tokens, world);  // the lists are written for 2 ranks
   CK(cudaSetDevice(comm->device()));
 
-  EpConfig user;
+  EpConfig user = spec.config();
   user.mode = Mode::low_latency;
-  user.hidden = spec.hidden;
-  user.topk = spec.topk;
-  user.num_experts = spec.experts;
-  user.max_tokens_per_rank =
-      spec.max_tokens > 0 ? spec.max_tokens : std::max(1, *std::max_element(spec.tokens.begin(), spec.tokens.end()));
+  if (spec.max_tokens > 0) user.max_tokens_per_rank = spec.max_tokens;
   // NOTE: large shapes pin a capacity well above the expected load: the reference needs every rank's full
   // [experts, slots, hidden] expert outputs on the host, which at the default (world x max_tokens slots) is gigabytes.
   if (spec.capacity > 0) user.expert_capacity = spec.capacity;
@@ -164,16 +143,13 @@ int ll_case() {
   CombineArgs em{CombineLayout::expert_major, dev.eout, dev.y_em, !spec.graph, spec.hook};
   CombineArgs rm{CombineLayout::rank_major, dev.rows, dev.y_rm, !spec.graph, spec.hook};
 
-  RoutingOptions routing;
-  routing.kind = parse_routing(spec.routing);
-  routing.mask_rate = spec.mask_rate;
   cudaGraphExec_t graph = nullptr;
   std::vector<DispatchResult> results(spec.layers);
   bool eout_uploaded = false;
 
   for (int iter = 0; iter < spec.iters; ++iter) {
     bool const check = !spec.graph || iter % spec.check_every == 0 || iter == spec.iters - 1;
-    routing.seed = spec.seed + static_cast<uint64_t>(iter) * 7919u;
+    RoutingOptions const routing = spec.routing_options(iter);
     auto const inputs = ref::generate_inputs(config, world, routing, tokens);
     auto const& in = inputs[rank];
     // upload this rank's dispatch inputs (fresh every iteration)

@@ -31,46 +31,29 @@ namespace {
 
 #if FERRY_HAVE_CUDA
 
-struct Spec {
-  std::string routing = "random";
-  std::vector<int> tokens{64, 64};  // per rank
-  int capacity = 0;                 // expert_capacity (0: ll's default, world * max_tokens)
-  int hidden = 2048;
-  int topk = 8;
-  int experts = 64;
-  double mask_rate = 0.0;
+struct Spec : CaseShape {
+  int capacity = 0;  // capacity=: expert_capacity (0: ll's default, world * max_tokens)
   WireFormat dispatch_format = WireFormat::bf16;
   WireFormat combine_format = WireFormat::bf16;
   ScaleLayout layout = ScaleLayout::row_major;
   bool dequantize = false;
   bool prequantized = false;  // pass x as payload + x_scales (+ x_token_scales)
-  int iters = 1;
-  int check_every = 1;  // graph: check every n-th replay fully (and the last)
+  int check_every = 1;        // graph: check every n-th replay fully (and the last)
   bool hook = false;
-  bool graph = false;
-  uint64_t seed = 1;
 };
 
 Spec parse_spec(std::vector<std::string> const& words) {
   CaseArgs const args(words);
   Spec s;
-  s.routing = args.text("routing", s.routing);
-  s.tokens = args.integers("tokens", s.tokens);
+  s.read(args);
   s.capacity = args.integer("capacity", s.capacity);
-  s.hidden = args.integer("hidden", s.hidden);
-  s.topk = args.integer("topk", s.topk);
-  s.experts = args.integer("experts", s.experts);
-  s.mask_rate = args.number("mask", s.mask_rate);
   s.dispatch_format = parse_wire_format(args.text("dispatch", "bf16"));
   s.combine_format = parse_wire_format(args.text("combine", "bf16"));
   s.layout = parse_scale_layout(args.text("layout", "row_major"));
   s.dequantize = args.flag("dequant", s.dequantize);
   s.prequantized = args.flag("prequant", s.prequantized);
-  s.iters = args.integer("iters", s.iters);
   s.check_every = args.integer("check_every", s.check_every);
   s.hook = args.flag("hook", s.hook);
-  s.graph = args.flag("graph", s.graph);
-  s.seed = args.u64("seed", s.seed);
   return s;
 }
 
@@ -216,12 +199,8 @@ int ll_quant_case() {
   std::vector<int> const tokens = per_rank(spec.tokens, world);  // the lists are written for 2 ranks
   CK(cudaSetDevice(comm->device()));
 
-  EpConfig user;
+  EpConfig user = spec.config();
   user.mode = Mode::low_latency;
-  user.hidden = spec.hidden;
-  user.topk = spec.topk;
-  user.num_experts = spec.experts;
-  user.max_tokens_per_rank = std::max(1, *std::max_element(spec.tokens.begin(), spec.tokens.end()));
   user.dispatch_format = spec.dispatch_format;
   user.combine_format = spec.combine_format;
   user.dispatch_dequantize = spec.dequantize;
@@ -276,15 +255,12 @@ int ll_quant_case() {
   CombineArgs em{CombineLayout::expert_major, eout.ptr, y_em.ptr, !spec.graph, spec.hook};
   CombineArgs rm{CombineLayout::rank_major, rows_in.ptr, y_rm.ptr, !spec.graph, spec.hook};
 
-  RoutingOptions routing;
-  routing.kind = parse_routing(spec.routing);
-  routing.mask_rate = spec.mask_rate;
   cudaGraphExec_t graph = nullptr;
   DispatchResult result;
 
   for (int iter = 0; iter < spec.iters; ++iter) {
     bool const check = !spec.graph || iter % spec.check_every == 0 || iter == spec.iters - 1;
-    routing.seed = spec.seed + static_cast<uint64_t>(iter) * 7919u;
+    RoutingOptions const routing = spec.routing_options(iter);
     auto inputs = ref::generate_inputs(config, world, routing, tokens);
     if (spec.prequantized) make_prequantized(config, routing.seed, inputs);
     auto const& in = inputs[rank];

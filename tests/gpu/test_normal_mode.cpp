@@ -38,19 +38,10 @@ void run_case(char const* name, std::vector<std::string> args,
 #if FERRY_HAVE_CUDA
 
 // One shape of the matrix, passed on the command line as key=value words.
-struct Spec {
-  std::string routing = "random";
-  std::vector<int> tokens{64, 64};  // per rank
-  int hidden = 2048;
-  int topk = 8;
-  int experts = 64;
-  double mask_rate = 0.0;
-  int iters = 1;
+struct Spec : CaseShape {
   bool expand = false;
-  bool graph = false;
   bool int32_ids = false;
   int max_recv = 0;  // 0: default capacity
-  uint64_t seed = 1;
   // The dispatch protocol explain() must name: landing (nvlink-landing), counts (count exchange), or any. Pin it with
   // FERRY_NORMAL_LANDING in the case's environment.
   std::string protocol = "any";
@@ -59,18 +50,10 @@ struct Spec {
 Spec parse_spec(std::vector<std::string> const& words) {
   CaseArgs const args(words);
   Spec s;
-  s.routing = args.text("routing", s.routing);
-  s.tokens = args.integers("tokens", s.tokens);
-  s.hidden = args.integer("hidden", s.hidden);
-  s.topk = args.integer("topk", s.topk);
-  s.experts = args.integer("experts", s.experts);
-  s.mask_rate = args.number("mask", s.mask_rate);
-  s.iters = args.integer("iters", s.iters);
+  s.read(args);
   s.expand = args.flag("expand", s.expand);
-  s.graph = args.flag("graph", s.graph);
   s.int32_ids = args.flag("int32", s.int32_ids);
   s.max_recv = args.integer("max_recv", s.max_recv);
-  s.seed = args.u64("seed", s.seed);
   s.protocol = args.text("protocol", s.protocol);
   return s;
 }
@@ -107,11 +90,7 @@ int normal_mode_case() {
   std::vector<int> const tokens = per_rank(spec.tokens, world);  // the lists are written for 2 ranks
   CK(cudaSetDevice(comm->device()));
 
-  EpConfig config;
-  config.hidden = spec.hidden;
-  config.topk = spec.topk;
-  config.num_experts = spec.experts;
-  config.max_tokens_per_rank = std::max(1, *std::max_element(spec.tokens.begin(), spec.tokens.end()));
+  EpConfig config = spec.config();
   if (spec.max_recv > 0) config.max_recv_tokens = spec.max_recv;
   if (spec.expand) config.expert_capacity = config.recv_capacity(world);
   EpBuffer buffer(comm, config);
@@ -149,14 +128,11 @@ int normal_mode_case() {
   CombineArgs cargs_rm{CombineLayout::rank_major, rows_dev, y_rm.ptr(), !spec.graph};
   CombineArgs cargs_em{CombineLayout::expert_major, eout_dev, y_em.ptr(), !spec.graph};
 
-  RoutingOptions routing;
-  routing.kind = parse_routing(spec.routing);
-  routing.mask_rate = spec.mask_rate;
   cudaGraphExec_t graph = nullptr;
   DispatchResult result{};
 
   for (int iter = 0; iter < spec.iters; ++iter) {
-    routing.seed = spec.seed + static_cast<uint64_t>(iter) * 7919u;
+    RoutingOptions const routing = spec.routing_options(iter);
     auto const inputs = ref::generate_inputs(config, world, routing, tokens);
     std::vector<ref::RankDispatch> expected;
     for (int r = 0; r < world; ++r) expected.push_back(ref::dispatch(config, world, r, inputs));

@@ -39,40 +39,25 @@ namespace {
 
 #if FERRY_HAVE_CUDA
 
-struct Spec {
+struct Spec : CaseShape {
   WireFormat dispatch_format = WireFormat::fp8_e4m3;
   WireFormat combine_format = WireFormat::bf16;
   ScaleLayout layout = ScaleLayout::row_major;
   bool dequantize = false;
   bool prequantized = false;
-  std::vector<int> tokens{64, 64};
-  int hidden = 2048;
-  int topk = 8;
-  int experts = 64;
-  double mask_rate = 0.0;
-  int iters = 1;
   bool expand = false;
-  bool graph = false;
-  uint64_t seed = 1;
 };
 
 Spec parse_spec(std::vector<std::string> const& words) {
   CaseArgs const args(words);
   Spec s;
+  s.read(args);
   s.dispatch_format = parse_wire_format(args.text("format", wire_format_name(s.dispatch_format)));
   s.combine_format = parse_wire_format(args.text("combine", wire_format_name(s.combine_format)));
   s.layout = parse_scale_layout(args.text("layout", scale_layout_name(s.layout)));
   s.dequantize = args.flag("dequantize", s.dequantize);
   s.prequantized = args.flag("prequant", s.prequantized);
-  s.tokens = args.integers("tokens", s.tokens);
-  s.hidden = args.integer("hidden", s.hidden);
-  s.topk = args.integer("topk", s.topk);
-  s.experts = args.integer("experts", s.experts);
-  s.mask_rate = args.number("mask", s.mask_rate);
-  s.iters = args.integer("iters", s.iters);
   s.expand = args.flag("expand", s.expand);
-  s.graph = args.flag("graph", s.graph);
-  s.seed = args.u64("seed", s.seed);
   return s;
 }
 
@@ -150,11 +135,7 @@ int run_spec(std::shared_ptr<Communicator> const& comm, Spec const& spec) {
   int const world = comm->world();
   std::vector<int> const tokens = per_rank(spec.tokens, world);  // the lists are written for 2 ranks
 
-  EpConfig config;
-  config.hidden = spec.hidden;
-  config.topk = spec.topk;
-  config.num_experts = spec.experts;
-  config.max_tokens_per_rank = std::max(1, *std::max_element(spec.tokens.begin(), spec.tokens.end()));
+  EpConfig config = spec.config();
   config.dispatch_format = spec.dispatch_format;
   config.combine_format = spec.combine_format;
   config.dispatch_dequantize = spec.dequantize;
@@ -209,8 +190,6 @@ int run_spec(std::shared_ptr<Communicator> const& comm, Spec const& spec) {
   CombineArgs const cargs_rm{CombineLayout::rank_major, rows_dev, y_rm, !spec.graph};
   CombineArgs const cargs_em{CombineLayout::expert_major, eout_dev, y_em, !spec.graph};
 
-  RoutingOptions routing;
-  routing.mask_rate = spec.mask_rate;
   cudaGraphExec_t graph = nullptr;
   DispatchResult result{};
   std::size_t const recv_scale_bytes =
@@ -219,7 +198,7 @@ int run_spec(std::shared_ptr<Communicator> const& comm, Spec const& spec) {
       quantized && slots > 0 ? scale_tensor_bytes(config.dispatch_format, config.recv_scale_layout, slots, hidden) : 0;
 
   for (int iter = 0; iter < spec.iters; ++iter) {
-    routing.seed = spec.seed + static_cast<uint64_t>(iter) * 7919u;
+    RoutingOptions const routing = spec.routing_options(iter);
     auto inputs = ref::generate_inputs(config, world, routing, tokens);
     for (int r = 0; r < world; ++r) {
       ref::RankInput& in = inputs[r];

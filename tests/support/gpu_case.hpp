@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -16,7 +17,9 @@
 #include <utility>
 #include <vector>
 
+#include "ep/routing.hpp"
 #include "ferry/communicator.hpp"
+#include "ferry/ep.hpp"
 #include "ferry/error.hpp"
 #include "support/rank_case.hpp"
 
@@ -108,6 +111,52 @@ class CaseArgs {
  private:
   bool has(char const* key) const { return values_.count(key) > 0; }
   std::map<std::string, std::string> values_;
+};
+
+// What every EP rank case reads from its key=value words (each case's Spec adds its own keys): the routing, the
+// tokens per rank (written for 2 ranks, repeated over the ranks by per_rank), the layer's shape, the iterations,
+// graph mode and the seed.
+struct CaseShape {
+  std::string routing = "random";   // routing=random|ring|grouped|hot
+  std::vector<int> tokens{64, 64};  // tokens=100,37
+  int hidden = 2048;                // hidden=
+  int topk = 8;                     // topk=
+  int experts = 64;                 // experts=
+  double mask_rate = 0.0;           // mask= (probability that a routed entry is -1)
+  int iters = 1;                    // iters= (fresh inputs each)
+  bool graph = false;               // graph=1: captured calls, replayed
+  uint64_t seed = 1;                // seed= (printed by the test that starts the case)
+
+  void read(CaseArgs const& args) {
+    routing = args.text("routing", routing);
+    tokens = args.integers("tokens", tokens);
+    hidden = args.integer("hidden", hidden);
+    topk = args.integer("topk", topk);
+    experts = args.integer("experts", experts);
+    mask_rate = args.number("mask", mask_rate);
+    iters = args.integer("iters", iters);
+    graph = args.flag("graph", graph);
+    seed = args.u64("seed", seed);
+  }
+  // The most tokens any rank passes (at least 1: the buffers' max_tokens_per_rank).
+  int most_tokens() const { return std::max(1, *std::max_element(tokens.begin(), tokens.end())); }
+  // The config of this shape; mode, formats and capacities are the case's.
+  EpConfig config() const {
+    EpConfig config;
+    config.hidden = hidden;
+    config.topk = topk;
+    config.num_experts = experts;
+    config.max_tokens_per_rank = most_tokens();
+    return config;
+  }
+  // The routing of iteration `iter`: fresh every iteration, reproducible from the seed.
+  RoutingOptions routing_options(int iter) const {
+    RoutingOptions options;
+    options.kind = parse_routing(routing);
+    options.mask_rate = mask_rate;
+    options.seed = seed + static_cast<uint64_t>(iter) * 7919u;
+    return options;
+  }
 };
 
 #if FERRY_HAVE_CUDA

@@ -72,5 +72,41 @@ TEST(GpuCaseSupport, PerRankListsRepeatOverTheRanks) {
   EXPECT_EQ(per_rank({}, 3), (std::vector<int>{0, 0, 0}));
 }
 
+TEST(GpuCaseSupport, CaseShapeReadsItsKeysAndLeavesTheRestAlone) {
+  CaseShape shape;
+  shape.read(CaseArgs({"routing=grouped", "tokens=100,37", "hidden=7168", "topk=6", "experts=256", "mask=0.25",
+                       "iters=3", "graph=1", "seed=99", "capacity=5"}));
+  EXPECT_EQ(shape.routing, "grouped");
+  EXPECT_EQ(shape.tokens, (std::vector<int>{100, 37}));
+  EXPECT_EQ(shape.hidden, 7168);
+  EXPECT_EQ(shape.topk, 6);
+  EXPECT_EQ(shape.experts, 256);
+  EXPECT_EQ(shape.mask_rate, 0.25);
+  EXPECT_EQ(shape.iters, 3);
+  EXPECT_TRUE(shape.graph);
+  EXPECT_EQ(shape.seed, 99u);
+  EXPECT_EQ(shape.most_tokens(), 100);
+
+  EpConfig const config = shape.config();
+  EXPECT_EQ(config.hidden, 7168);
+  EXPECT_EQ(config.topk, 6);
+  EXPECT_EQ(config.num_experts, 256);
+  EXPECT_EQ(config.max_tokens_per_rank, 100);
+
+  // every iteration its own routing seed, the kind and mask rate as read
+  RoutingOptions const first = shape.routing_options(0);
+  RoutingOptions const second = shape.routing_options(1);
+  EXPECT_EQ(first.kind, RoutingKind::grouped);
+  EXPECT_EQ(first.mask_rate, 0.25);
+  EXPECT_EQ(first.seed, 99u);
+  EXPECT_NE(second.seed, first.seed);
+
+  CaseShape defaults;
+  defaults.read(CaseArgs({"tokens=0,0"}));  // zero-token ranks still get buffers of one token
+  EXPECT_EQ(defaults.most_tokens(), 1);
+  EXPECT_EQ(defaults.routing_options(0).kind, RoutingKind::random);
+  EXPECT_FALSE(defaults.graph);
+}
+
 }  // namespace
 }  // namespace ferry::test
