@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# On the GPU machine, from the repo root: build Ferry (build-device/), run the GPU tests, `ferry p2p` and a short
-# `ferry bench` (normal mode with wire formats at 128 / 4096 tokens, then normal vs low-latency at 1 / 128 tokens),
-# keep every log (in $OUT when set, else build-device/logs), and print a short summary last.
-# Exit status: non-zero when the build, a GPU test or ferry p2p failed (a bench that is missing or fails is reported,
-# not fatal).
+# On the GPU machine, from the repo root: build Ferry (build-device/), run the GPU tests, the C++ example against the
+# installed package (examples/cpp, cuda backend), `ferry p2p` and a short `ferry bench` (normal mode with wire
+# formats at 128 / 4096 tokens, then normal vs low-latency at 1 / 128 tokens), keep every log (in $OUT when set, else
+# build-device/logs), and print a short summary last.
+# Exit status: non-zero when the build, a GPU test, the example or ferry p2p failed (a bench that is missing or fails
+# is reported, not fatal).
 #
 # usage: scripts/device-check.sh [--tests REGEX] [--no-tests] [--no-p2p] [--no-bench] [--p2p-args "ARGS"]
 #   FERRY_TEST_WORLD=N      the EP GPU tests (normal, LL, quantized, trace) at N ranks, one per GPU (default 2; 1 on a
@@ -26,7 +27,7 @@ while [[ $# -gt 0 ]]; do
     --no-p2p) RUN_P2P=0; shift ;;
     --no-bench) RUN_BENCH=0; shift ;;
     --p2p-args) P2P_ARGS="$2"; shift 2 ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
     *) echo "device-check: unknown argument '$1'; see --help" >&2; exit 2 ;;
   esac
 done
@@ -64,6 +65,20 @@ if [[ $RUN_TESTS -eq 1 ]]; then
   grep -E "Test +#|tests passed|rank [0-9]+:" "$LOGS/gpu-tests.log" | tail -n 40
 fi
 
+# 2b. the installed C++ package: examples/cpp built against `cmake --install` of this build, run on the cuda backend
+#     (one process alone; one per GPU through torchrun when there are more)
+EXAMPLE_RC=0
+if [[ $RUN_TESTS -eq 1 ]]; then
+  stamp "examples/cpp against the installed package"
+  tests/install/consume.sh "$BUILD" "$PWD" --cuda >"$LOGS/example.log" 2>&1 || EXAMPLE_RC=$?
+  GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
+  if [[ $EXAMPLE_RC -eq 0 && $GPUS -ge 2 ]] && command -v torchrun >/dev/null; then
+    timeout 120 torchrun --nproc-per-node "$GPUS" --no-python "$BUILD/install-check/consumer/moe_round_trip" --cuda \
+      >>"$LOGS/example.log" 2>&1 || EXAMPLE_RC=$?
+  fi
+  tail -n 4 "$LOGS/example.log"
+fi
+
 # 3. ferry p2p
 P2P_RC=0
 if [[ $RUN_P2P -eq 1 ]]; then
@@ -93,10 +108,11 @@ fi
 stamp "done"
 echo
 echo "================ device-check summary ================"
-python3 - "$LOGS" "$BUILD_RC" "$TESTS_RC" "$P2P_RC" "$BENCH_RC" "$RUN_TESTS" "$RUN_P2P" "$RUN_BENCH" <<'PY' || echo "(summary failed; logs in $LOGS)"
+python3 - "$LOGS" "$BUILD_RC" "$TESTS_RC" "$P2P_RC" "$BENCH_RC" "$RUN_TESTS" "$RUN_P2P" "$RUN_BENCH" "$EXAMPLE_RC" <<'PY' || echo "(summary failed; logs in $LOGS)"
 import json, os, re, sys
 logs, build_rc, tests_rc, p2p_rc, bench_rc = sys.argv[1], *map(int, sys.argv[2:6])
 run_tests, run_p2p, run_bench = (a == "1" for a in sys.argv[6:9])
+example_rc = int(sys.argv[9])
 
 def load(name):
     try:
@@ -106,6 +122,8 @@ def load(name):
         return None
 
 print(f"build                  {'ok' if build_rc == 0 else f'FAILED (exit {build_rc}), see build.log'}")
+if run_tests:
+    print(f"example (installed)    {'ok' if example_rc == 0 else f'FAILED (exit {example_rc}), see example.log'}")
 if run_tests:
     text = open(os.path.join(logs, "gpu-tests.log"), errors="replace").read()
     m = re.search(r"(\d+)% tests passed(?:, (\d+) tests failed)? out of (\d+)", text)
@@ -155,8 +173,8 @@ if run_bench:
 print(f"logs                   {logs}")
 PY
 
-if [[ $BUILD_RC -ne 0 || $TESTS_RC -ne 0 || $P2P_RC -ne 0 ]]; then
-  echo "device-check: FAILED (build exit $BUILD_RC, gpu tests exit $TESTS_RC, p2p exit $P2P_RC)"
+if [[ $BUILD_RC -ne 0 || $TESTS_RC -ne 0 || $P2P_RC -ne 0 || $EXAMPLE_RC -ne 0 ]]; then
+  echo "device-check: FAILED (build exit $BUILD_RC, gpu tests exit $TESTS_RC, p2p exit $P2P_RC, example exit $EXAMPLE_RC)"
   exit 1
 fi
 echo "device-check: OK"
