@@ -25,6 +25,7 @@
 #include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
+#include "support/host_fixtures.hpp"
 #include "support/rank_case.hpp"
 
 namespace ferry {
@@ -33,34 +34,13 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using detail::concat;
 
+using test::contains;
+using test::ScopedEnv;
 using test::test_seed;  // fresh per run and printed; FERRY_TEST_SEED replays one
 
 std::size_t at(int64_t row, int64_t width) {
   return static_cast<std::size_t>(row * width);
 }
-
-bool contains(std::string const& text, std::string const& part) {
-  return text.find(part) != std::string::npos;
-}
-
-// Sets an environment variable for the scope (the communicator reads FERRY_TIMEOUT_S when it is created).
-class ScopedEnv {
- public:
-  ScopedEnv(char const* name, char const* value) : name_(name) {
-    if (char const* old = std::getenv(name)) old_ = old;
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (old_)
-      setenv(name_, old_->c_str(), 1);
-    else
-      unsetenv(name_);
-  }
-
- private:
-  char const* name_;
-  std::optional<std::string> old_;
-};
 
 // Runs fn(rank, communicator) on world threads, each with its own cpu communicator over LocalBootstrap. Returns each
 // rank's failure message ("" when it passed).

@@ -18,6 +18,7 @@
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
 #include "ferry/trace.hpp"
+#include "support/host_fixtures.hpp"
 #include "trace/decode.hpp"
 #include "trace/synthetic.hpp"
 #include "trace/trace_file.hpp"
@@ -410,25 +411,14 @@ TEST(TraceDecode, SameResultOnAnyNumberOfThreads) {
   EXPECT_EQ(one.orphan_begins, 3 * 40 * 16 - 1);
 }
 
-struct TempDir {
-  std::filesystem::path path;
-  TempDir() {
-    path = std::filesystem::temp_directory_path() /
-           ("ferry-trace-test-" + std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path, ignored);
-  }
-};
-
 TEST(TraceFiles, RoundTripAndRefusals) {
-  TempDir dir;
+  test::TempDir const scratch;
+  std::filesystem::path const dir = scratch.path();
   std::vector<TraceBuffer> const buffers = two_ranks();
-  for (TraceBuffer const& b : buffers) write_trace_files(dir.path.string(), "normal-random-64", b);
-  write_trace_files(dir.path.string(), "other", buffers[0]);
-  std::ofstream(dir.path / "unrelated.json") << "{\"tool\": \"ferry bench\"}";
-  auto const cases = read_trace_dir(dir.path.string());
+  for (TraceBuffer const& b : buffers) write_trace_files(dir.string(), "normal-random-64", b);
+  write_trace_files(dir.string(), "other", buffers[0]);
+  std::ofstream(dir / "unrelated.json") << "{\"tool\": \"ferry bench\"}";
+  auto const cases = read_trace_dir(dir.string());
   ASSERT_EQ(cases.size(), 2u);
   auto const& got = cases.at("normal-random-64");
   ASSERT_EQ(got.size(), buffers.size());
@@ -444,22 +434,22 @@ TEST(TraceFiles, RoundTripAndRefusals) {
       EXPECT_EQ(got[i].events[e].meta, buffers[i].events[e].meta);
     }
   }
-  EXPECT_THROW(write_trace_files(dir.path.string(), "bad/label", buffers[0]), ConfigError);
+  EXPECT_THROW(write_trace_files(dir.string(), "bad/label", buffers[0]), ConfigError);
 
   // a truncated data file
-  std::filesystem::resize_file(dir.path / "other.rank0.dispatch.bin", 10);
-  EXPECT_THROW(read_trace_dir(dir.path.string()), ConfigError);
-  std::filesystem::remove(dir.path / "other.rank0.dispatch.bin");
-  std::filesystem::remove(dir.path / "other.rank0.dispatch.json");
+  std::filesystem::resize_file(dir / "other.rank0.dispatch.bin", 10);
+  EXPECT_THROW(read_trace_dir(dir.string()), ConfigError);
+  std::filesystem::remove(dir / "other.rank0.dispatch.bin");
+  std::filesystem::remove(dir / "other.rank0.dispatch.json");
   // a header written with another slot table
-  std::ifstream in(dir.path / "normal-random-64.rank0.dispatch.json");
+  std::ifstream in(dir / "normal-random-64.rank0.dispatch.json");
   std::stringstream text;
   text << in.rdbuf();
   std::string header = text.str();
   header.replace(header.find("dispatch.layout"), 15, "dispatch.layouts");
-  std::ofstream(dir.path / "normal-random-64.rank0.dispatch.json") << header;
-  EXPECT_THROW(read_trace_dir(dir.path.string()), ConfigError);
-  EXPECT_THROW(read_trace_dir((dir.path / "missing").string()), ConfigError);
+  std::ofstream(dir / "normal-random-64.rank0.dispatch.json") << header;
+  EXPECT_THROW(read_trace_dir(dir.string()), ConfigError);
+  EXPECT_THROW(read_trace_dir((dir / "missing").string()), ConfigError);
 }
 
 TEST(TraceApi, CpuBackendRefusesWithTheReason) {

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "ferry/error.hpp"
+#include "support/host_fixtures.hpp"
 #include "tuning/choose.hpp"
 #include "tuning/embedded.hpp"
 #include "tuning/json.hpp"
@@ -30,11 +31,15 @@
 namespace ferry::tuning {
 namespace {
 
-namespace fs = std::filesystem;
+using test::CliRun;
+using test::contains;
+using test::read_file;
+using test::run_ferry;
+using test::ScopedEnv;
+using test::TempDir;
+using test::write_file;
 
-bool contains(std::string const& text, std::string const& part) {
-  return text.find(part) != std::string::npos;
-}
+namespace fs = std::filesystem;
 
 // The ConfigError message of fn ("" if it did not throw).
 std::string config_error(std::function<void()> const& fn) {
@@ -50,49 +55,6 @@ void expect_error(std::function<void()> const& fn, std::initializer_list<std::st
   std::string const message = config_error(fn);
   ASSERT_FALSE(message.empty()) << "expected a ConfigError";
   for (std::string const& part : parts) EXPECT_TRUE(contains(message, part)) << "'" << part << "' not in: " << message;
-}
-
-// Sets (or unsets, for nullopt) an environment variable for the scope.
-class ScopedEnv {
- public:
-  ScopedEnv(char const* name, std::optional<std::string> const& value) : name_(name) {
-    if (char const* old = std::getenv(name)) old_ = old;
-    value ? setenv(name, value->c_str(), 1) : unsetenv(name);
-  }
-  ~ScopedEnv() { old_ ? setenv(name_, old_->c_str(), 1) : unsetenv(name_); }
-
- private:
-  char const* name_;
-  std::optional<std::string> old_;
-};
-
-// A fresh directory under the temp folder, removed with the object.
-class TempDir {
- public:
-  TempDir() {
-    std::random_device device;
-    path_ =
-        fs::temp_directory_path() / ("ferry_tuning_test_" + std::to_string(getpid()) + "_" + std::to_string(device()));
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  std::string file(std::string const& name) const { return (path_ / name).string(); }
-  std::string path() const { return path_.string(); }
-
- private:
-  fs::path path_;
-};
-
-void write_file(std::string const& path, std::string const& text) {
-  std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
-}
-
-std::string read_file(std::string const& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
 std::string key_json(std::string const& gpu, int world = 8, int hidden = 7168) {
@@ -601,24 +563,6 @@ TEST(TuningPicker, RefusesBadMeasurements) {
 }
 
 // ---- ferry tune on the cpu backend ---------------------------------------------------------------------------------
-
-struct CliRun {
-  int code = -1;
-  std::string output;
-};
-
-CliRun run_ferry(std::string const& args) {
-  std::string const command = std::string(FERRY_CLI_PATH) + " " + args + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  CliRun run;
-  if (!pipe) return run;
-  std::array<char, 4096> buf;
-  std::size_t n = 0;
-  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0) run.output.append(buf.data(), n);
-  int const status = pclose(pipe);
-  run.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return run;
-}
 
 TEST(TuneCli, SmokeOnTheCpuBackend) {
   ScopedEnv rank("RANK", std::nullopt);  // the launching process, not a rank

@@ -1,0 +1,92 @@
+// What the host tests share: a scratch folder, a scoped environment variable, file and text helpers, and a run of the
+// ferry CLI (the ferry_unit_tests binary knows its path as FERRY_CLI_PATH).
+#pragma once
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <optional>
+#include <random>
+#include <string>
+
+namespace ferry::test {
+
+// A fresh folder under the temp folder, removed (with what is in it) with the object.
+class TempDir {
+ public:
+  TempDir() {
+    std::random_device device;
+    path_ = std::filesystem::temp_directory_path() /
+            ("ferry_test_" + std::to_string(getpid()) + "_" + std::to_string(device()));
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  TempDir(TempDir const&) = delete;
+  TempDir& operator=(TempDir const&) = delete;
+  std::string file(std::string const& name) const { return (path_ / name).string(); }
+  std::string path() const { return path_.string(); }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// Sets (or, for nullopt, unsets) an environment variable for the scope.
+class ScopedEnv {
+ public:
+  ScopedEnv(char const* name, std::optional<std::string> const& value) : name_(name) {
+    if (char const* old = std::getenv(name)) old_ = old;
+    value ? setenv(name, value->c_str(), 1) : unsetenv(name);
+  }
+  ~ScopedEnv() { old_ ? setenv(name_, old_->c_str(), 1) : unsetenv(name_); }
+  ScopedEnv(ScopedEnv const&) = delete;
+  ScopedEnv& operator=(ScopedEnv const&) = delete;
+
+ private:
+  char const* name_;
+  std::optional<std::string> old_;
+};
+
+inline void write_file(std::string const& path, std::string const& text) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
+}
+
+inline std::string read_file(std::string const& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+inline bool contains(std::string const& text, std::string const& part) {
+  return text.find(part) != std::string::npos;
+}
+
+#ifdef FERRY_CLI_PATH
+struct CliRun {
+  int code = -1;       // exit status (-1: did not exit normally)
+  std::string output;  // stdout and stderr
+};
+
+// Runs `ferry ARGS` through the shell, stdout and stderr captured together.
+inline CliRun run_ferry(std::string const& args) {
+  std::string const command = std::string(FERRY_CLI_PATH) + " " + args + " 2>&1";
+  FILE* pipe = popen(command.c_str(), "r");
+  CliRun run;
+  if (!pipe) return run;
+  std::array<char, 4096> buf;
+  std::size_t n = 0;
+  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0) run.output.append(buf.data(), n);
+  int const status = pclose(pipe);
+  run.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return run;
+}
+#endif
+
+}  // namespace ferry::test
