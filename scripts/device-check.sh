@@ -66,14 +66,14 @@ if [[ $RUN_TESTS -eq 1 ]]; then
 fi
 
 # 2b. the installed C++ package: examples/cpp built against `cmake --install` of this build, run on the cuda backend
-#     (one process alone; one per GPU through torchrun when there are more)
+#     (one process alone; one per GPU through `ferry launch` when there are more)
 EXAMPLE_RC=0
 if [[ $RUN_TESTS -eq 1 ]]; then
   stamp "examples/cpp against the installed package"
   tests/install/consume.sh "$BUILD" "$PWD" --cuda >"$LOGS/example.log" 2>&1 || EXAMPLE_RC=$?
   GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
-  if [[ $EXAMPLE_RC -eq 0 && $GPUS -ge 2 ]] && command -v torchrun >/dev/null; then
-    timeout 120 torchrun --nproc-per-node "$GPUS" --no-python "$BUILD/install-check/consumer/moe_round_trip" --cuda \
+  if [[ $EXAMPLE_RC -eq 0 && $GPUS -ge 2 ]]; then
+    "$BUILD/ferry" launch --nproc "$GPUS" --timeout 120 "$BUILD/install-check/consumer/moe_round_trip" --cuda \
       >>"$LOGS/example.log" 2>&1 || EXAMPLE_RC=$?
   fi
   tail -n 4 "$LOGS/example.log"

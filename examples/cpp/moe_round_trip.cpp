@@ -5,8 +5,8 @@
 //
 //   ./moe_round_trip          two ranks as threads of this process on the cpu backend: runs on any machine
 //   ./moe_round_trip --cuda   one rank per process on the cuda backend (a build of Ferry with it): alone it is a
-//                             world of one GPU; for more, start it with a launcher that sets the torchrun variables,
-//                             e.g. torchrun --nproc-per-node 2 --no-python ./moe_round_trip --cuda
+//                             world of one GPU; for more, start it with a launcher that sets the torchrun variables:
+//                             ferry launch --nproc 2 ./moe_round_trip --cuda (or torchrun ... --no-python)
 #include <ferry/ep.hpp>
 
 #include <algorithm>

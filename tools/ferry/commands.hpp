@@ -5,8 +5,9 @@ namespace ferry::cli {
 
 int bench_main(int argc, char** argv);
 int env_main(int argc, char** argv);
-int tune_main(int argc, char** argv);   // tools/ferry/tune.cpp
-int trace_main(int argc, char** argv);  // tools/ferry/trace.cpp
+int launch_main(int argc, char** argv);  // tools/ferry/launch.cpp
+int tune_main(int argc, char** argv);    // tools/ferry/tune.cpp
+int trace_main(int argc, char** argv);   // tools/ferry/trace.cpp
 #if FERRY_HAVE_CUDA
 int p2p_main(int argc, char** argv);  // tools/ferry/p2p.cu
 #endif

@@ -1,5 +1,5 @@
-// ferry: the command-line tool. `ferry bench`, `ferry p2p`, `ferry env`; each starts one process per local GPU
-// itself (or joins a job launched by torchrun from the environment).
+// ferry: the command-line tool. `ferry bench`, `ferry p2p`, `ferry tune` start one process per local GPU themselves (or
+// join a job launched by torchrun from the environment); `ferry launch` starts any program that way.
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -21,6 +21,7 @@ void print_usage() {
 #endif
       "  tune    sweep launch geometries per token bucket and merge the picks into the tuning table (--verify checks)\n"
       "  trace   decode ferry bench --trace DIR: Chrome trace + per-phase table (builds with -DFERRY_TRACE=ON)\n"
+      "  launch  run any program as N ranks of this host with the torchrun environment (C++ programs without torch)\n"
       "  env     the FERRY_* environment parameters, their defaults and the values in force\n\n"
       "`ferry <command> --help` lists a command's options with their defaults.\n");
 }
@@ -36,6 +37,7 @@ int main(int argc, char** argv) {
   try {
     if (command == "bench") return ferry::cli::bench_main(argc - 2, argv + 2);
     if (command == "env") return ferry::cli::env_main(argc - 2, argv + 2);
+    if (command == "launch") return ferry::cli::launch_main(argc - 2, argv + 2);
     if (command == "tune") return ferry::cli::tune_main(argc - 2, argv + 2);
     if (command == "trace") return ferry::cli::trace_main(argc - 2, argv + 2);
 #if FERRY_HAVE_CUDA

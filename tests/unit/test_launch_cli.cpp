@@ -1,0 +1,81 @@
+// `ferry launch`: any program as N ranks of this host with the torchrun environment (tools/ferry/launch.cpp).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <set>
+#include <sstream>
+#include <string>
+
+#include "support/host_fixtures.hpp"
+
+namespace ferry::test {
+namespace {
+
+TEST(LaunchCli, EveryRankGetsTheTorchrunEnvironment) {
+  TempDir const dir;
+  CliRun const run = run_ferry(
+      "launch --nproc 3 -- sh -c 'echo \"$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT "
+      "$NCCL_NVLS_ENABLE $NVSHMEM_DISABLE_NVLS $TORCH_SYMM_MEM_DISABLE_MULTICAST\" > " +
+      dir.file("rank") + "$RANK'");
+  ASSERT_EQ(run.code, 0) << run.output;
+  std::set<std::string> ports;
+  for (int rank = 0; rank < 3; ++rank) {
+    std::istringstream line(read_file(dir.file("rank" + std::to_string(rank))));
+    int got_rank = -1, world = -1, local_rank = -1, local_world = -1;
+    std::string addr, port, nvls, nvshmem_nvls, torch_multicast;
+    line >> got_rank >> world >> local_rank >> local_world >> addr >> port >> nvls >> nvshmem_nvls >> torch_multicast;
+    EXPECT_EQ(got_rank, rank);
+    EXPECT_EQ(world, 3);
+    EXPECT_EQ(local_rank, rank);
+    EXPECT_EQ(local_world, 3);
+    EXPECT_EQ(addr, "127.0.0.1");
+    EXPECT_NE(port, "0");
+    EXPECT_EQ(nvls, "0");  // NVLink multicast stays off in every process Ferry starts
+    EXPECT_EQ(nvshmem_nvls, "1");
+    EXPECT_EQ(torch_multicast, "1");
+    ports.insert(port);
+  }
+  EXPECT_EQ(ports.size(), 1u) << "every rank must get the same rendezvous port";
+}
+
+TEST(LaunchCli, OptionsBeforeTheProgramAndItsOwnArgumentsAfter) {
+  TempDir const dir;
+  // --nproc after the program is the program's argument, not the launcher's
+  CliRun const run = run_ferry("launch --nproc=2 --master-port 29517 sh -c 'echo \"$MASTER_PORT $0\" > " +
+                               dir.file("out") + "$RANK' --nproc");
+  ASSERT_EQ(run.code, 0) << run.output;
+  EXPECT_EQ(read_file(dir.file("out0")), "29517 --nproc\n");
+  EXPECT_EQ(read_file(dir.file("out1")), "29517 --nproc\n");
+}
+
+TEST(LaunchCli, ExitStatusIsTheLowestFailingRanks) {
+  CliRun const run = run_ferry("launch --nproc 3 --grace 2 -- sh -c 'exit $((RANK + 3))'");
+  EXPECT_EQ(run.code, 3) << run.output;
+  EXPECT_TRUE(contains(run.output, "rank 0: exit 3")) << run.output;
+}
+
+TEST(LaunchCli, DeadlineKillsEveryRank) {
+  auto const start = std::chrono::steady_clock::now();
+  CliRun const run = run_ferry("launch --nproc 2 --timeout 1 -- sleep 60");
+  double const seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(run.code, 0) << run.output;
+  EXPECT_LT(seconds, 30.0) << "the deadline did not end the ranks";
+}
+
+TEST(LaunchCli, BadUseIsRefusedWithTheReason) {
+  struct Case {
+    char const* args;
+    char const* says;
+  };
+  for (Case const& c : {Case{"launch --nproc 2", "no PROGRAM given"},
+                        Case{"launch --nproc 2 ferry-no-such-program", "'ferry-no-such-program' was not found on PATH"},
+                        Case{"launch --nproc 2 ./ferry-no-such-file", "'./ferry-no-such-file' is not an executable"},
+                        Case{"launch --nproc -1 true", "--nproc=-1"}, Case{"launch --bogus 1 true", "bogus"}}) {
+    CliRun const run = run_ferry(c.args);
+    EXPECT_EQ(run.code, 2) << c.args << "\n" << run.output;
+    EXPECT_TRUE(contains(run.output, c.says)) << c.args << ": '" << c.says << "' not in:\n" << run.output;
+  }
+}
+
+}  // namespace
+}  // namespace ferry::test
