@@ -4,6 +4,7 @@
 // hangs. What a C++ program needs to start its ranks without torch (socket_bootstrap_options_from_env reads them).
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <cstdio>
@@ -65,19 +66,19 @@ int launch_main(int argc, char** argv) {
     option_words.push_back(argv[i]);
     if (word != "--help" && word.find('=') == std::string::npos && i + 1 < argc) option_words.push_back(argv[++i]);
   }
-  Options options("launch",
-                  "ferry launch [options] [--] PROGRAM [ARGS...]: runs PROGRAM with ARGS as N ranks of this host with "
-                  "the torchrun environment (MASTER_ADDR, "
-                  "MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), NVLink multicast off. The first rank "
-                  "that fails ends the others after --grace seconds; the exit status is 0 when every rank exited 0, "
-                  "else the lowest failing rank's exit status (128 + signal when killed).",
-                  {{"nproc", "0", "ranks to start (0: one per local GPU)"},
-                   {"master-addr", "127.0.0.1", "rendezvous address given to the ranks"},
-                   {"master-port", "0", "rendezvous port (0: a free one)"},
-                   {"timeout", "0", "kill every rank after this many seconds (0: no deadline)"},
-                   {"grace", "-1",
-                    "seconds the others may run on after a rank failed (-1: FERRY_TIMEOUT_S + 5, "
-                    "time for them to report their own timeout)"}});
+  Options options(
+      "launch",
+      "ferry launch [options] [--] PROGRAM [ARGS...]: runs PROGRAM with ARGS as N ranks of this host with the "
+      "torchrun environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), NVLink "
+      "multicast off. The first rank that fails ends the others after --grace seconds; the exit status is 0 when "
+      "every rank exited 0, else the lowest failing rank's exit status (128 + signal when killed).",
+      {{"nproc", "0", "ranks to start (0: one per local GPU)"},
+       {"master-addr", "127.0.0.1", "rendezvous address given to the ranks"},
+       {"master-port", "0", "rendezvous port (0: a free one)"},
+       {"timeout", "0", "kill every rank after this many seconds (0: no deadline)"},
+       {"grace", "-1",
+        "seconds the others may run on after a rank failed (-1: FERRY_TIMEOUT_S + 5, time for them to report their "
+        "own timeout)"}});
   if (!options.parse(static_cast<int>(option_words.size()), option_words.data())) return 0;
   if (program_at >= argc)
     FERRY_THROW(ConfigError, "launch", "no PROGRAM given: ferry launch [options] [--] PROGRAM [ARGS...]");
@@ -91,8 +92,7 @@ int launch_main(int argc, char** argv) {
     launch.nproc = cuda_device_count();
     if (launch.nproc == 0)
       FERRY_THROW(ConfigError, "launch",
-                  "--nproc=0 means one rank per local GPU, and this machine has none: give "
-                  "--nproc N");
+                  "--nproc=0 means one rank per local GPU, and this machine has none: give --nproc N");
   }
   launch.master_addr = options.str("master-addr");
   launch.master_port = options.integer("master-port");
