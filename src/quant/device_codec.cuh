@@ -244,6 +244,59 @@ __device__ __forceinline__ float row_finite_amax_warp(int4 const* in, int num_ve
   return group_max<kWarpSize>(amax);
 }
 
+// One vector's step of a scaled format's codec: vector v of a row (elements [v * kVec, (v + 1) * kVec), fp32 values
+// x) into the wire row at `row`: its payload piece and, from the first lane of its scale block, the block scale. Every
+// lane of the warp calls it (the block amax is reduced over the kGroup lanes that hold the block, lane l holding
+// vector base + l for a base that is a multiple of the block's vectors); lanes whose vector is past the row (active
+// false) pass zeros and store nothing (a block is all active or all not). token_scale: nvfp4's per-token scale.
+template <WireFormat kFormat, int kVec>
+__device__ __forceinline__ void quantize_vector_step(float const (&x)[kVec], bool active, int v, int lane, uint8_t* row,
+                                                     std::size_t scales_offset, float token_scale) {
+  static_assert(kFormat != WireFormat::bf16, "a scaled format; bf16 rows are copied");
+  constexpr quant::FormatTraits kTraits = quant::format_traits(kFormat);
+  constexpr int kPayloadBytes = kVec * kTraits.bits_per_elem / 8;
+  constexpr int kGroup = kTraits.block_elems > kVec ? kTraits.block_elems / kVec : 1;
+  static_assert(kTraits.block_elems % kVec == 0, "a 16-byte vector must not straddle two scale blocks");
+  static_assert(kGroup <= kWarpSize, "a scale block must fit in one warp step");
+  bool all_finite;
+  float const amax = group_max<kGroup>(finite_amax<kVec>(x, all_finite));
+  int const non_finite = group_any<kGroup>(all_finite ? 0 : 1);
+  bool const leader = active && lane % kGroup == 0;
+  std::size_t const block = static_cast<std::size_t>(v) * kVec / kTraits.block_elems;
+  uint8_t* const scale_ptr = row + scales_offset + block * kTraits.scale_bytes;
+  uint32_t words[4] = {0, 0, 0, 0};
+
+  if constexpr (kFormat == WireFormat::fp8_e4m3) {
+    float const scale = quant::fp8_scale(amax);
+    if (leader) *reinterpret_cast<float*>(scale_ptr) = scale;
+    e4m3_codes<kVec>(x, quant::div_rn(1.0f, scale), all_finite, words);
+  } else if constexpr (kFormat == WireFormat::fp8_e4m3_ue8m0) {
+    uint8_t const byte = __nv_cvt_float_to_e8m0(quant::fp8_ue8m0_scale_target(amax), __NV_SATFINITE, cudaRoundPosInf);
+    if (leader) *scale_ptr = byte;
+    e4m3_codes<kVec>(x, quant::ue8m0_inverse(byte), all_finite, words);
+  } else if constexpr (kFormat == WireFormat::nvfp4) {
+    // e2m1 has no NaN: a block with a non-finite element gets a NaN scale and zero codes
+    uint8_t byte = quant::kE4m3Nan;
+    if (!non_finite) {
+      byte = __nv_cvt_float_to_fp8(quant::nvfp4_block_scale_target(amax, token_scale), __NV_SATFINITE, __NV_E4M3);
+      float const block_scale = e4m3_value(byte);
+      if (block_scale == 0.0f)
+        e2m1_signed_zeros<kVec>(x, words);
+      else
+        e2m1_codes<kVec>(x, quant::div_rn(1.0f, quant::nvfp4_effective_scale(block_scale, token_scale)), words);
+    }
+    if (leader) *scale_ptr = byte;
+  } else if constexpr (kFormat == WireFormat::mxfp4) {
+    uint8_t byte = quant::kUe8m0Nan;
+    if (!non_finite) {
+      byte = __nv_cvt_float_to_e8m0(quant::mxfp4_scale_target(amax), __NV_SATFINITE, cudaRoundPosInf);
+      e2m1_codes<kVec>(x, quant::ue8m0_inverse(byte), words);
+    }
+    if (leader) *scale_ptr = byte;
+  }
+  if (active) store_bytes<kPayloadBytes>(row + static_cast<std::size_t>(v) * kPayloadBytes, words);
+}
+
 }  // namespace quant_detail
 
 // Quantizes one row of `hidden` elements (T = __nv_bfloat16 or float) into its wire layout
@@ -292,8 +345,8 @@ __device__ __forceinline__ void quantize_row_warp(T const* __restrict__ src, int
       bool const active = v < num_vecs;
       float x[kVec];
       unpack<T>(raw[u], x);
-      uint32_t words[4] = {0, 0, 0, 0};
       if constexpr (kFormat == WireFormat::bf16) {
+        uint32_t words[4] = {0, 0, 0, 0};
         if constexpr (std::is_same_v<T, __nv_bfloat16>) {
           words[0] = raw[u].x, words[1] = raw[u].y, words[2] = raw[u].z, words[3] = raw[u].w;
         } else {
@@ -301,45 +354,10 @@ __device__ __forceinline__ void quantize_row_warp(T const* __restrict__ src, int
           for (int i = 0; i < kVec; ++i)
             words[i / 2] |= static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(x[i]))) << (16 * (i % 2));
         }
+        if (active) store_bytes<kPayloadBytes>(dst + static_cast<std::size_t>(v) * kPayloadBytes, words);
       } else {
-        bool all_finite;
-        float const amax = group_max<kGroup>(finite_amax<kVec>(x, all_finite));
-        int const non_finite = group_any<kGroup>(all_finite ? 0 : 1);
-        bool const leader = active && lane % kGroup == 0;
-        std::size_t const block = static_cast<std::size_t>(v) * kVec / kTraits.block_elems;
-        uint8_t* const scale_ptr = dst + layout.scales_offset + block * kTraits.scale_bytes;
-
-        if constexpr (kFormat == WireFormat::fp8_e4m3) {
-          float const scale = quant::fp8_scale(amax);
-          if (leader) *reinterpret_cast<float*>(scale_ptr) = scale;
-          e4m3_codes<kVec>(x, quant::div_rn(1.0f, scale), all_finite, words);
-        } else if constexpr (kFormat == WireFormat::fp8_e4m3_ue8m0) {
-          uint8_t const byte =
-              __nv_cvt_float_to_e8m0(quant::fp8_ue8m0_scale_target(amax), __NV_SATFINITE, cudaRoundPosInf);
-          if (leader) *scale_ptr = byte;
-          e4m3_codes<kVec>(x, quant::ue8m0_inverse(byte), all_finite, words);
-        } else if constexpr (kFormat == WireFormat::nvfp4) {
-          // e2m1 has no NaN: a block with a non-finite element gets a NaN scale and zero codes
-          uint8_t byte = quant::kE4m3Nan;
-          if (!non_finite) {
-            byte = __nv_cvt_float_to_fp8(quant::nvfp4_block_scale_target(amax, token_scale), __NV_SATFINITE, __NV_E4M3);
-            float const block_scale = e4m3_value(byte);
-            if (block_scale == 0.0f)
-              e2m1_signed_zeros<kVec>(x, words);
-            else
-              e2m1_codes<kVec>(x, quant::div_rn(1.0f, quant::nvfp4_effective_scale(block_scale, token_scale)), words);
-          }
-          if (leader) *scale_ptr = byte;
-        } else if constexpr (kFormat == WireFormat::mxfp4) {
-          uint8_t byte = quant::kUe8m0Nan;
-          if (!non_finite) {
-            byte = __nv_cvt_float_to_e8m0(quant::mxfp4_scale_target(amax), __NV_SATFINITE, cudaRoundPosInf);
-            e2m1_codes<kVec>(x, quant::ue8m0_inverse(byte), words);
-          }
-          if (leader) *scale_ptr = byte;
-        }
+        quantize_vector_step<kFormat, kVec>(x, active, v, lane, dst, layout.scales_offset, token_scale);
       }
-      if (active) store_bytes<kPayloadBytes>(dst + static_cast<std::size_t>(v) * kPayloadBytes, words);
     }
   }
 

@@ -29,53 +29,9 @@ inline constexpr int kBf16VecElems = 8;
 template <WireFormat kFormat>
 __device__ __forceinline__ void quantize_vec(float const (&x)[kBf16VecElems], bool active, int v, uint8_t* row,
                                              std::size_t scales_offset, float token_scale) {
-  using namespace quant_detail;
   static_assert(kFormat != WireFormat::bf16, "quantize_vec is for the scaled formats; bf16 is a copy");
-  constexpr quant::FormatTraits kTraits = quant::format_traits(kFormat);
-  constexpr int kVec = kBf16VecElems;
-  constexpr int kPayloadBytes = kVec * kTraits.bits_per_elem / 8;
-  constexpr int kGroup = kTraits.block_elems > kVec ? kTraits.block_elems / kVec : 1;
-  static_assert(kTraits.block_elems % kVec == 0, "a 16-byte vector must not straddle two scale blocks");
-  static_assert(kGroup <= kWarpSize, "a scale block must fit in one warp step");
-
-  int const lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  bool all_finite;
-  float const amax = group_max<kGroup>(finite_amax<kVec>(x, all_finite));
-  int const non_finite = group_any<kGroup>(all_finite ? 0 : 1);
-  bool const leader = active && lane % kGroup == 0;
-  std::size_t const block = static_cast<std::size_t>(v) * kVec / kTraits.block_elems;
-  uint8_t* const scale_ptr = row + scales_offset + block * kTraits.scale_bytes;
-  uint32_t words[4] = {0, 0, 0, 0};
-
-  if constexpr (kFormat == WireFormat::fp8_e4m3) {
-    float const scale = quant::fp8_scale(amax);
-    if (leader) *reinterpret_cast<float*>(scale_ptr) = scale;
-    e4m3_codes<kVec>(x, quant::div_rn(1.0f, scale), all_finite, words);
-  } else if constexpr (kFormat == WireFormat::fp8_e4m3_ue8m0) {
-    uint8_t const byte = __nv_cvt_float_to_e8m0(quant::fp8_ue8m0_scale_target(amax), __NV_SATFINITE, cudaRoundPosInf);
-    if (leader) *scale_ptr = byte;
-    e4m3_codes<kVec>(x, quant::ue8m0_inverse(byte), all_finite, words);
-  } else if constexpr (kFormat == WireFormat::nvfp4) {
-    // e2m1 has no NaN: a block with a non-finite element gets a NaN scale and zero codes
-    uint8_t byte = quant::kE4m3Nan;
-    if (!non_finite) {
-      byte = __nv_cvt_float_to_fp8(quant::nvfp4_block_scale_target(amax, token_scale), __NV_SATFINITE, __NV_E4M3);
-      float const block_scale = e4m3_value(byte);
-      if (block_scale == 0.0f)
-        e2m1_signed_zeros<kVec>(x, words);
-      else
-        e2m1_codes<kVec>(x, quant::div_rn(1.0f, quant::nvfp4_effective_scale(block_scale, token_scale)), words);
-    }
-    if (leader) *scale_ptr = byte;
-  } else if constexpr (kFormat == WireFormat::mxfp4) {
-    uint8_t byte = quant::kUe8m0Nan;
-    if (!non_finite) {
-      byte = __nv_cvt_float_to_e8m0(quant::mxfp4_scale_target(amax), __NV_SATFINITE, cudaRoundPosInf);
-      e2m1_codes<kVec>(x, quant::ue8m0_inverse(byte), words);
-    }
-    if (leader) *scale_ptr = byte;
-  }
-  if (active) store_bytes<kPayloadBytes>(row + static_cast<std::size_t>(v) * kPayloadBytes, words);
+  quant_detail::quantize_vector_step<kFormat, kBf16VecElems>(
+      x, active, v, static_cast<int>(threadIdx.x) % quant_detail::kWarpSize, row, scales_offset, token_scale);
 }
 
 // Vector v of the wire row at `row` (elements [8v, 8v + 8)) as fp32: y = code * scale, one fp32 product (nvfp4: code
