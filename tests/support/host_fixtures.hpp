@@ -1,5 +1,5 @@
-// What the host tests share: a scratch folder, a scoped environment variable, file and text helpers, and a run of the
-// ferry CLI (the ferry_unit_tests binary knows its path as FERRY_CLI_PATH).
+// What the host tests share: a scratch folder, a scoped environment variable, file and text helpers, the check of an
+// error's type and message, and a run of the ferry CLI (the ferry_unit_tests binary knows its path as FERRY_CLI_PATH).
 #pragma once
 
 #include <sys/wait.h>
@@ -14,6 +14,10 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <utility>
+#include <vector>
+
+#include "ferry/error.hpp"
 
 namespace ferry::test {
 
@@ -66,6 +70,25 @@ inline std::string read_file(std::string const& path) {
 
 inline bool contains(std::string const& text, std::string const& part) {
   return text.find(part) != std::string::npos;
+}
+
+// "" when fn throws an ErrorType whose message holds every part; else what went wrong (for a rank case's list of
+// problems: it runs where a gtest assertion cannot report). Another exception propagates.
+template <typename ErrorType, typename Fn>
+std::string expect_error(Fn&& fn, std::vector<std::string> const& parts) {
+  try {
+    fn();
+    return "no error";
+  } catch (ErrorType const& error) {
+    for (auto const& part : parts)
+      if (!contains(error.what(), part)) return std::string("'") + part + "' missing from: " + error.what();
+    return "";
+  }
+}
+
+template <typename Fn>
+std::string expect_input_error(Fn&& fn, std::vector<std::string> const& parts) {
+  return expect_error<InputError>(std::forward<Fn>(fn), parts);
 }
 
 #ifdef FERRY_CLI_PATH

@@ -35,6 +35,7 @@ using Clock = std::chrono::steady_clock;
 using detail::concat;
 
 using test::contains;
+using test::expect_input_error;
 using test::ScopedEnv;
 using test::test_seed;  // fresh per run and printed; FERRY_TEST_SEED replays one
 
@@ -459,19 +460,6 @@ TEST_P(CpuEpWorld, EveryRoutingMatchesTheReferenceBitForBit) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, CpuEpWorld, testing::Values(1, 2, 4, 8));
-
-// Expects fn to throw InputError whose message holds every part; returns "" or what went wrong.
-template <typename Fn>
-std::string expect_input_error(Fn&& fn, std::vector<std::string> const& parts) {
-  try {
-    fn();
-    return "no InputError";
-  } catch (InputError const& error) {
-    for (auto const& part : parts)
-      if (!contains(error.what(), part)) return concat("'", part, "' missing from: ", error.what());
-    return "";
-  }
-}
 
 FERRY_RANK_CASE(cpu_ep_bad_input) {
   std::shared_ptr<Communicator> const comm = test::connect_rank(Backend::cpu);

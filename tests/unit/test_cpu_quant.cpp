@@ -24,12 +24,14 @@
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
 #include "quant/codec.hpp"
+#include "support/host_fixtures.hpp"
 #include "support/rank_case.hpp"
 
 namespace ferry {
 namespace {
 
 using detail::concat;
+using test::expect_error;
 
 std::size_t at(int64_t row, int64_t width) {
   return static_cast<std::size_t>(row * width);
@@ -271,19 +273,6 @@ TEST_P(CpuQuantWorld, DeliveryIsExactAndCombineIsExactAndWithinItsBound) {
 INSTANTIATE_TEST_SUITE_P(Worlds, CpuQuantWorld, testing::Values(1, 3, 8));
 
 // --- bad configurations and arguments ------------------------------------------------------------------------------
-
-template <typename Error, typename Fn>
-std::string expect_error(Fn&& fn, std::vector<std::string> const& parts) {
-  try {
-    fn();
-    return "no error";
-  } catch (Error const& error) {
-    for (auto const& part : parts)
-      if (std::string(error.what()).find(part) == std::string::npos)
-        return concat("'", part, "' missing from: ", error.what());
-    return "";
-  }
-}
 
 TEST(CpuQuantConfig, DequantizeNeedsAQuantizedFormatAndTheLayoutMustHoldTheScales) {
   EpConfig config;

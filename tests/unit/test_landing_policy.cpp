@@ -7,9 +7,12 @@
 
 #include "ep/landing_policy.hpp"
 #include "ferry/error.hpp"
+#include "support/host_fixtures.hpp"
 
 namespace ferry::detail {
 namespace {
+
+using test::contains;
 
 EpConfig small_config(int max_tokens) {
   EpConfig config;
@@ -18,10 +21,6 @@ EpConfig small_config(int max_tokens) {
   config.num_experts = 256;
   config.max_tokens_per_rank = max_tokens;
   return config;
-}
-
-bool contains(std::string const& text, std::string const& part) {
-  return text.find(part) != std::string::npos;
 }
 
 // The ConfigError message of choose_normal_landing, or "" when it did not throw.

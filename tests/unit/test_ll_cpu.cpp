@@ -18,19 +18,18 @@
 #include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
+#include "support/host_fixtures.hpp"
 #include "support/rank_case.hpp"
 
 namespace ferry {
 namespace {
 
 using detail::concat;
+using test::contains;
+using test::expect_input_error;
 
 std::size_t at(int64_t row, int64_t width) {
   return static_cast<std::size_t>(row * width);
-}
-
-bool contains(std::string const& text, std::string const& part) {
-  return text.find(part) != std::string::npos;
 }
 
 struct SubCase {
@@ -190,18 +189,6 @@ TEST_P(LowLatencyCpuWorld, MatchesTheReferenceBitForBitWithAndWithoutTheHook) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, LowLatencyCpuWorld, testing::Values(1, 2, 4, 8));
-
-template <typename Fn>
-std::string expect_input_error(Fn&& fn, std::vector<std::string> const& parts) {
-  try {
-    fn();
-    return "no InputError";
-  } catch (InputError const& error) {
-    for (auto const& part : parts)
-      if (!contains(error.what(), part)) return concat("'", part, "' missing from: ", error.what());
-    return "";
-  }
-}
 
 // Misuse of the hook is refused on the host before anything runs; every rank misuses it the same way, so no rank
 // waits. Then rank 1 skips a dispatch: rank 0 times out naming it.
