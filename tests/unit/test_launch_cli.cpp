@@ -70,6 +70,7 @@ TEST(LaunchCli, BadUseIsRefusedWithTheReason) {
   for (Case const& c : {Case{"launch --nproc 2", "no PROGRAM given"},
                         Case{"launch --nproc 2 ferry-no-such-program", "'ferry-no-such-program' was not found on PATH"},
                         Case{"launch --nproc 2 ./ferry-no-such-file", "'./ferry-no-such-file' is not an executable"},
+                        Case{"launch --nproc 2 /tmp", "'/tmp' is not an executable file"},
                         Case{"launch --nproc -1 true", "--nproc=-1"}, Case{"launch --bogus 1 true", "bogus"}}) {
     CliRun const run = run_ferry(c.args);
     EXPECT_EQ(run.code, 2) << c.args << "\n" << run.output;

@@ -2,6 +2,7 @@
 // LOCAL_RANK, LOCAL_WORLD_SIZE and the NVLink-multicast safety variables in each), through the launcher the other
 // commands and the tests use: the first rank that fails ends the others after a grace period, so a launch never
 // hangs. What a C++ program needs to start its ranks without torch (socket_bootstrap_options_from_env reads them).
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -29,10 +30,13 @@ std::string resolve_program(std::string const& program) {
     char resolved[PATH_MAX];
     return realpath(path.c_str(), resolved) ? std::string(resolved) : std::string();
   };
+  auto executable_file = [](std::string const& path) {
+    struct stat info {};
+    return !path.empty() && stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode) && access(path.c_str(), X_OK) == 0;
+  };
   if (program.find('/') != std::string::npos) {
     std::string const path = absolute(program);
-    if (path.empty() || access(path.c_str(), X_OK) != 0)
-      FERRY_THROW(ConfigError, "launch", "PROGRAM '", program, "' is not an executable file");
+    if (!executable_file(path)) FERRY_THROW(ConfigError, "launch", "PROGRAM '", program, "' is not an executable file");
     return path;
   }
   char const* env_path = std::getenv("PATH");
@@ -41,7 +45,7 @@ std::string resolve_program(std::string const& program) {
     std::size_t const end = std::min(dirs.find(':', begin), dirs.size());
     std::string const dir = end > begin ? dirs.substr(begin, end - begin) : ".";
     std::string const path = absolute(dir + "/" + program);
-    if (!path.empty() && access(path.c_str(), X_OK) == 0) return path;
+    if (executable_file(path)) return path;
     begin = end + 1;
   }
   FERRY_THROW(ConfigError, "launch", "PROGRAM '", program, "' was not found on PATH (give a path to run a file here)");
