@@ -2,6 +2,7 @@
 
     python -m ferry.launch --nproc 2 examples/moe_layer.py [args...]
     python -m ferry.launch --nproc 2 -m some.module [args...]
+    python -m ferry.launch --nproc 2 --no-python ./engine [args...]      (any executable; `ferry launch` does the same)
 
 Each rank gets MASTER_ADDR, MASTER_PORT (a free port unless given), RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE
 and the NVLink-multicast safety variables; ferry.init() reads them. It is Ferry's C++ launcher (the one the `ferry`
@@ -13,6 +14,8 @@ the lowest failing rank's exit status (or 128 + signal when the failing ranks we
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 
 from . import _ext
@@ -46,12 +49,22 @@ def main(args: list[str] | None = None) -> int:
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds the others may run after one rank failed (default 5)")
     parser.add_argument("-m", dest="module", action="store_true", help="run the program as a module (python -m)")
+    parser.add_argument("--no-python", dest="no_python", action="store_true",
+                        help="run the program as an executable (a path, or a name on PATH), not a Python script")
     parser.add_argument("program", help="script path (or module name with -m)")
     parser.add_argument("program_args", nargs=argparse.REMAINDER, help="arguments passed to every rank")
     opts = parser.parse_args(args)
     if opts.nproc < 1:
         parser.error(f"--nproc={opts.nproc} must be at least 1")
-    argv = [sys.executable] + (["-m", opts.program] if opts.module else [opts.program]) + opts.program_args
+    if opts.no_python:
+        if opts.module:
+            parser.error("-m and --no-python exclude each other")
+        program = shutil.which(opts.program) if os.sep not in opts.program else opts.program
+        if program is None or not os.path.isfile(program) or not os.access(program, os.X_OK):
+            parser.error(f"--no-python: '{opts.program}' is not an executable file (nor one on PATH)")
+        argv = [os.path.abspath(program)] + opts.program_args
+    else:
+        argv = [sys.executable] + (["-m", opts.program] if opts.module else [opts.program]) + opts.program_args
     ok, description, codes = launch(
         argv, opts.nproc, master_addr=opts.master_addr, master_port=opts.master_port,
         timeout_s=opts.timeout, grace_s=opts.grace,

@@ -51,6 +51,16 @@ def test_environment_and_failure_status(tmp_path):
     assert "ferry.launch: rank 1: exit 3" in failed.stderr
 
 
+def test_an_executable_with_no_python(tmp_path):
+    done = _run(["--nproc", "2", "--no-python", "sh", "-c", f"echo $RANK $WORLD_SIZE > {tmp_path}/rank$RANK"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["0 2\n", "1 2\n"]
+
+    missing = _run(["--nproc", "2", "--no-python", "ferry-no-such-program"])
+    assert missing.returncode == 2 and "'ferry-no-such-program' is not an executable file" in missing.stderr, (
+        missing.stderr)
+
+
 def test_moe_layer_example_under_torchrun():
     pytest.importorskip("torch")
     from support import free_port
