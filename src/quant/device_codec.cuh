@@ -310,11 +310,7 @@ __device__ __forceinline__ void quantize_row_warp(T const* __restrict__ src, int
   static_assert(kSupportedElem<T>, "quantize_row_warp reads rows of __nv_bfloat16 or float");
   constexpr quant::FormatTraits kTraits = quant::format_traits(kFormat);
   constexpr int kVec = kVecElems<T>;
-  constexpr int kPayloadBytes = kVec * kTraits.bits_per_elem / 8;
-  constexpr int kGroup = kTraits.block_elems > kVec ? kTraits.block_elems / kVec : 1;
-  static_assert(kTraits.block_elems % kVec == 0 || kFormat == WireFormat::bf16,
-                "a 16-byte vector must not straddle two scale blocks");
-  static_assert(kGroup <= kWarpSize, "a scale block must fit in one warp step");
+  constexpr int kPayloadBytes = kVec * kTraits.bits_per_elem / 8;  // bf16; quantize_vector_step has its own
   static_assert(kUnroll >= 1, "kUnroll counts the vectors each lane loads before converting");
 
   int const lane = static_cast<int>(threadIdx.x) % kWarpSize;
@@ -339,8 +335,8 @@ __device__ __forceinline__ void quantize_row_warp(T const* __restrict__ src, int
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      // Lanes past the row's end join the shuffles with zeros and store nothing. num_vecs is a multiple of kGroup, so
-      // a group is all in or all out.
+      // Lanes past the row's end join the shuffles with zeros and store nothing. num_vecs is a multiple of a scale
+      // block's vectors, so a block is all in or all out.
       int const v = base + u * kWarpSize + lane;
       bool const active = v < num_vecs;
       float x[kVec];
