@@ -124,7 +124,6 @@ def load(name):
 print(f"build                  {'ok' if build_rc == 0 else f'FAILED (exit {build_rc}), see build.log'}")
 if run_tests:
     print(f"example (installed)    {'ok' if example_rc == 0 else f'FAILED (exit {example_rc}), see example.log'}")
-if run_tests:
     text = open(os.path.join(logs, "gpu-tests.log"), errors="replace").read()
     m = re.search(r"(\d+)% tests passed(?:, (\d+) tests failed)? out of (\d+)", text)
     skipped = len(re.findall(r"\*\*\*Skipped", text))  # ctest's progress line (its closing list repeats them)
