@@ -119,7 +119,8 @@ struct DispatchResult {
   int32_t* expert_counts = nullptr;    // [num_local_experts] valid (row, k) entries per local expert (not capped by
                                        // expert_capacity: min(count, expert_slots) slots are filled)
   int recv_capacity = 0;
-  // expert-major (expand only)
+  // expert-major (expand only). An expert's slots follow the rank-major rows starting at this rank's own first row
+  // (its own tokens, then sources rank + 1, ..., world - 1, 0, ..., rank - 1), k ascending: deterministic.
   void* expert_x = nullptr;           // [num_local_experts, expert_slots, recv_row_bytes] (bf16 or payload)
   int32_t* expert_src_row = nullptr;  // [num_local_experts, expert_slots] rank-major row of each slot
   int expert_slots = 0;

@@ -23,6 +23,9 @@ constexpr std::array kParams = {
     EnvParam{"FERRY_NORMAL_LANDING", "auto",
              "normal-mode dispatch protocol: auto (landing zone while world * max_tokens_per_rank <= 1024), on, off; "
              "same on every rank"},
+    EnvParam{"FERRY_LL_OWN_ROWS", "landing",
+             "low-latency bf16 dispatch: a rank's own rows staged in its landing zone (landing), or copied from x into "
+             "their slots by the send half while the peers' rows are on the wire (direct; not yet measured on 2 GPUs)"},
     EnvParam{"FERRY_TUNING_DIR", "",
              "folder of tuning tables (*.json) used instead of the compiled-in ones (docs/tuning.md)"},
     EnvParam{"FERRY_TRACE_EVENTS", "",

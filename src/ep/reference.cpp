@@ -181,7 +181,14 @@ void validate_input(EpConfig const& config, int /*world*/, int rank, RankInput c
   validate_topk_idx(config, rank, input.num_tokens, input.topk_idx);
 }
 
-ExpertLayout expert_layout(EpConfig const& config, int world, int num_recv, std::span<int32_t const> recv_topk_idx) {
+int own_first_row(std::span<int32_t const> recv_src, int num_recv, int rank) {
+  int row = 0;
+  while (row < num_recv && recv_src[at(row, 2)] < rank) ++row;
+  return row;
+}
+
+ExpertLayout expert_layout(EpConfig const& config, int world, int num_recv, std::span<int32_t const> recv_topk_idx,
+                           int own_first_row) {
   int const topk = config.topk;
   int const num_local = config.num_local_experts(world);
   ExpertLayout layout;
@@ -189,7 +196,10 @@ ExpertLayout expert_layout(EpConfig const& config, int world, int num_recv, std:
   layout.expert_counts.assign(static_cast<std::size_t>(num_local), 0);
   layout.recv_slot.assign(at(num_recv, topk), -1);
   layout.expert_src_row.assign(at(num_local, layout.expert_slots), -1);
-  for (int i = 0; i < num_recv; ++i) {
+  FERRY_CHECK(own_first_row >= 0 && own_first_row <= num_recv, "own_first_row=", own_first_row, " is outside [0, ",
+              num_recv, "]");
+  for (int q = 0; q < num_recv; ++q) {
+    int const i = (own_first_row + q) % num_recv;  // own rows first, the rows of lower sources last
     for (int k = 0; k < topk; ++k) {
       int32_t const e = recv_topk_idx[at(i, topk) + k];
       if (e < 0) continue;
@@ -258,7 +268,8 @@ RankDispatch dispatch(EpConfig const& config, int world, int rank, std::span<Ran
   }
 
   // 3. expert-major slots
-  ExpertLayout layout = expert_layout(config, world, out.num_recv, out.recv_topk_idx);
+  ExpertLayout layout =
+      expert_layout(config, world, out.num_recv, out.recv_topk_idx, own_first_row(out.recv_src, out.num_recv, rank));
   out.expert_counts = std::move(layout.expert_counts);
   out.recv_slot = std::move(layout.recv_slot);
   out.expert_src_row = std::move(layout.expert_src_row);

@@ -17,8 +17,12 @@
 //   dequantized bf16 rows (recv_x). Combine: the bf16 row a receiver sends back travels as
 //   quantize_row(combine_format, row); the source adds its dequantized fp32 values (quant::dequantize_row) in the
 //   order above. With bf16 on both legs this is exactly the bf16 arithmetic.
-// Expert-major slots: each valid (row, k) entry of a local expert takes one slot; slots of an expert are in
-// rank-major row order (then k ascending), so the layout is deterministic.
+// Expert-major slots: each valid (row, k) entry of a local expert takes one slot; slots of an expert follow the
+// rank-major rows starting at the receiving rank's own first row (own_first_row: its own tokens first, then the
+// rows of sources rank + 1, ..., world - 1, 0, ..., rank - 1), then k ascending, so the layout is deterministic and a
+// rank's own rows take the first slots of every expert: low-latency mode copies them into their slots without
+// waiting for any peer's routing (docs/design-notes.md).
+// own_first_row(recv_src, num_recv, rank) is the first rank-major row of `rank`'s own tokens (num_recv when none).
 //
 // Capacities (what the device does, so the reference does it too):
 // - Rows past config.recv_capacity(world) in rank-major order are not delivered: num_recv stops at the capacity and
@@ -104,7 +108,11 @@ struct ExpertLayout {
   int expert_slots = 0;
   int dropped_slots = 0;
 };
-ExpertLayout expert_layout(EpConfig const& config, int world, int num_recv, std::span<int32_t const> recv_topk_idx);
+ExpertLayout expert_layout(EpConfig const& config, int world, int num_recv, std::span<int32_t const> recv_topk_idx,
+                           int own_first_row);
+// The first of num_recv rank-major rows (recv_src: [num_recv * 2] (source, token), sources ascending) whose source is
+// `rank` or above: the receiving rank's own first row.
+int own_first_row(std::span<int32_t const> recv_src, int num_recv, int rank);
 
 // Fills the expert-major layout [num_local_experts * expert_slots * hidden] from a rank-major dispatch. Slots that
 // are not filled (at or past min(expert_counts[e], expert_slots)) are zero.

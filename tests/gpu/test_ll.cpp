@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,6 +20,7 @@
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
 #include "support/gpu_case.hpp"
+#include "support/ll_check.hpp"
 
 #if FERRY_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -45,6 +47,7 @@ struct Spec : CaseShape {
   int layers = 1;       // EpBuffers on one communicator, used in turn
   bool hook = false;
   bool int32_ids = false;
+  int blocks = 0;  // blocks=: pins the LL grid (EpConfig::dispatch_geometry; 0: the default, one CTA per SM)
 };
 
 Spec parse_spec(std::vector<std::string> const& words) {
@@ -57,6 +60,7 @@ Spec parse_spec(std::vector<std::string> const& words) {
   s.layers = args.integer("layers", s.layers);
   s.hook = args.flag("hook", s.hook);
   s.int32_ids = args.flag("int32", s.int32_ids);
+  s.blocks = args.integer("blocks", s.blocks);
   return s;
 }
 
@@ -111,6 +115,7 @@ int ll_case() {
   // NOTE: large shapes pin a capacity well above the expected load: the reference needs every rank's full
   // [experts, slots, hidden] expert outputs on the host, which at the default (world x max_tokens slots) is gigabytes.
   if (spec.capacity > 0) user.expert_capacity = spec.capacity;
+  if (spec.blocks > 0) user.dispatch_geometry = Geometry{spec.blocks, 0};
   std::vector<std::unique_ptr<EpBuffer>> layers;
   for (int l = 0; l < spec.layers; ++l) layers.push_back(std::make_unique<EpBuffer>(comm, user));
   EpConfig const config = layers[0]->config();  // resolved
@@ -236,47 +241,15 @@ int ll_case() {
     if (!check) continue;
 
     // dispatch outputs of every layer (the same inputs)
-    ref::RankDispatch const& mine = expected[rank];
-    auto const ex_ref = ref::expand(config, world, mine);
-    for (int l = 0; l < spec.layers; ++l) {
-      DispatchResult const& result = results[l];
-      int32_t const num_recv = to_host<int32_t>(result.num_recv, 1)[0];
-      if (num_recv != mine.num_recv) return fail("num_recv", rank, iter, num_recv);
-      long d;
-      auto const ri = to_host<int32_t>(result.recv_topk_idx, static_cast<std::size_t>(num_recv) * topk);
-      if ((d = first_diff(ri.data(), mine.recv_topk_idx.data(), ri.size())) >= 0)
-        return fail("recv_topk_idx", rank, iter, d);
-      auto const rw = to_host<float>(result.recv_topk_weights, static_cast<std::size_t>(num_recv) * topk);
-      if ((d = first_diff(rw.data(), mine.recv_topk_weights.data(), rw.size())) >= 0)
-        return fail("recv_topk_weights", rank, iter, d);
-      auto const rs = to_host<int32_t>(result.recv_src, static_cast<std::size_t>(num_recv) * 2);
-      if ((d = first_diff(rs.data(), mine.recv_src.data(), rs.size())) >= 0) return fail("recv_src", rank, iter, d);
-      auto const ec = to_host<int32_t>(result.expert_counts, num_local);
-      if ((d = first_diff(ec.data(), mine.expert_counts.data(), ec.size())) >= 0)
-        return fail("expert_counts", rank, iter, d);
-      auto const esr = to_host<int32_t>(result.expert_src_row, static_cast<std::size_t>(num_local) * slots);
-      if ((d = first_diff(esr.data(), mine.expert_src_row.data(), esr.size())) >= 0)
-        return fail("expert_src_row", rank, iter, d);
-      auto const ex = to_host<uint16_t>(result.expert_x, ex_ref.size());
-      for (int e = 0; e < num_local; ++e) {
-        std::size_t const filled = static_cast<std::size_t>(std::min(mine.expert_counts[e], slots)) * hidden;
-        std::size_t const first = static_cast<std::size_t>(e) * slots * hidden;
-        if ((d = first_diff(ex.data() + first, ex_ref.data() + first, filled)) >= 0)
-          return fail("expert_x", rank, iter, static_cast<long>(first) + d);
-      }
-    }
+    for (int l = 0; l < spec.layers; ++l)
+      if (int const code = check_ll_dispatch(config, world, rank, iter, expected[rank], ll_outputs(results[l])))
+        return code;
 
     // combine outputs (the last layer's, written last)
-    long d;
     auto const y_ref_em = ref::combine_expert_major(config, world, rank, inputs, expected, eout);
-    auto const y1 = to_host<uint16_t>(dev.y_em, y_ref_em.size() + 2048);
-    if ((d = first_diff(y1.data(), y_ref_em.data(), y_ref_em.size())) >= 0)
-      return fail("y expert-major", rank, iter, d);
-    for (std::size_t i = y_ref_em.size(); i < y1.size(); ++i)
-      if (y1[i] != 0xEEEE) return fail("y expert-major written past num_tokens", rank, iter, static_cast<long>(i));
+    if (int const code = check_combined("y expert-major", dev.y_em, y_ref_em, 2048, rank, iter)) return code;
     auto const y_ref_rm = ref::combine_rank_major(config, world, rank, inputs, expected, rows);
-    auto const y2 = to_host<uint16_t>(dev.y_rm, y_ref_rm.size());
-    if ((d = first_diff(y2.data(), y_ref_rm.data(), y2.size())) >= 0) return fail("y rank-major", rank, iter, d);
+    if (int const code = check_combined("y rank-major", dev.y_rm, y_ref_rm, 0, rank, iter)) return code;
   }
   CK(cudaStreamSynchronize(stream));
   comm->check_errors(stream);
@@ -357,19 +330,53 @@ TEST(LowLatency, Matrix) {
     char const* extra;
   };
   Row const rows[] = {
-      {"random", "128,128", 7168, 8, 256, "capacity=64"},  {"random", "1,1", 7168, 8, 256, "mask=0"},
-      {"random", "512,512", 7168, 8, 256, "capacity=128"}, {"random", "0,37", 2048, 9, 64, "mask=0.5"},
-      {"ring", "100,0", 4096, 1, 16, "int32=1"},           {"grouped", "64,64", 2880, 6, 64, "mask=0"},
-      {"hot", "77,128", 5120, 2, 8, "mask=0.2"},           {"random", "0,0", 2048, 4, 64, "mask=0"},
+      {"random", "128,128", 7168, 8, 256, "capacity=64"},
+      {"random", "1,1", 7168, 8, 256, "mask=0"},
+      {"random", "512,512", 7168, 8, 256, "capacity=128"},
+      {"random", "0,37", 2048, 9, 64, "mask=0.5"},
+      {"ring", "100,0", 4096, 1, 16, "int32=1"},
+      {"grouped", "64,64", 2880, 6, 64, "mask=0"},
+      {"hot", "77,128", 5120, 2, 8, "mask=0.2"},
+      {"random", "0,0", 2048, 4, 64, "mask=0"},
       {"random", "1024,1", 2048, 8, 256, "capacity=128"},
+      // small grids: a CTA's share of the hits spans several windows of 512 (one step of records, then more)
+      {"random", "300,200", 2048, 8, 64, "blocks=1"},
+      {"random", "700,640", 2048, 8, 64, "blocks=5 capacity=256"},
   };
   for (Row const& row : rows) {
     SCOPED_TRACE(std::string(row.routing) + " tokens=" + row.tokens + " hidden=" + std::to_string(row.hidden) +
                  " topk=" + std::to_string(row.topk) + " experts=" + std::to_string(row.experts) + " " + row.extra);
-    run_case("ll", {spec_seed(), std::string("routing=") + row.routing, std::string("tokens=") + row.tokens,
-                    "hidden=" + std::to_string(row.hidden), "topk=" + std::to_string(row.topk),
-                    "experts=" + std::to_string(row.experts), row.extra, "iters=2"});
+    std::vector<std::string> args{spec_seed(),
+                                  std::string("routing=") + row.routing,
+                                  std::string("tokens=") + row.tokens,
+                                  "hidden=" + std::to_string(row.hidden),
+                                  "topk=" + std::to_string(row.topk),
+                                  "experts=" + std::to_string(row.experts),
+                                  "iters=2"};
+    std::istringstream extra(row.extra);  // its key=value words
+    for (std::string word; extra >> word;) args.push_back(word);
+    run_case("ll", args);
   }
+#else
+  GTEST_SKIP() << "built without the cuda backend";
+#endif
+}
+
+// FERRY_LL_OWN_ROWS=direct: the send half copies a bf16 dispatch's own rows into their slots (not staged).
+TEST(LowLatency, OwnRowsDirect) {
+#if FERRY_HAVE_CUDA
+  std::vector<std::pair<std::string, std::string>> const env{{"FERRY_LL_OWN_ROWS", "direct"}};
+  run_case("ll", {spec_seed(), "tokens=128,128", "hidden=7168", "topk=8", "experts=256", "capacity=64", "iters=3"},
+           env);
+  run_case("ll", {spec_seed(), "tokens=37,0", "hidden=2048", "topk=9", "experts=64", "mask=0.3", "iters=3"}, env);
+  run_case(
+      "ll",
+      {spec_seed(), "tokens=700,640", "hidden=2048", "topk=8", "experts=64", "blocks=5", "capacity=256", "iters=2"},
+      env);
+  run_case("ll",
+           {spec_seed(), "tokens=32,32", "hidden=7168", "topk=8", "experts=256", "graph=1", "hook=1", "iters=50",
+            "check_every=10"},
+           env);
 #else
   GTEST_SKIP() << "built without the cuda backend";
 #endif

@@ -21,6 +21,7 @@
 #include "ferry/error.hpp"
 #include "ferry/wire_format.hpp"
 #include "support/gpu_case.hpp"
+#include "support/ll_check.hpp"
 
 #if FERRY_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -57,16 +58,6 @@ Spec parse_spec(std::vector<std::string> const& words) {
   return s;
 }
 
-// A device allocation at a fixed address (a captured graph reads whatever is copied into it before a replay).
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  std::size_t bytes = 0;
-  explicit DeviceBuffer(std::size_t n) : bytes(std::max<std::size_t>(n, 16)) { CK(cudaMalloc(&ptr, bytes)); }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  DeviceBuffer(DeviceBuffer const&) = delete;
-  DeviceBuffer& operator=(DeviceBuffer const&) = delete;
-};
-
 // Every rank's pre-quantized input for this iteration: wire rows of other random bf16 rows (so a kernel that
 // re-quantized x instead of forwarding could not match), with some payload bytes flipped to codes the quantizer
 // would not produce from them.
@@ -81,114 +72,6 @@ void make_prequantized(EpConfig const& config, uint64_t seed, std::vector<ref::R
       for (std::size_t b = (t * 7) % 13; b < payload; b += 97)
         inputs[r].x_wire[t * row_bytes + b] ^= static_cast<uint8_t>(0x11 + t);
   }
-}
-
-// Checks the expert-major delivery of one iteration against the reference. Returns 0 or the fail() code.
-int check_dispatch(EpConfig const& config, int world, int rank, int iter, ref::RankDispatch const& mine,
-                   DispatchResult const& result) {
-  int const hidden = config.hidden;
-  int const topk = config.topk;
-  int const num_local = config.num_local_experts(world);
-  int const slots = config.expert_slots();
-  long d;
-  int32_t const num_recv = to_host<int32_t>(result.num_recv, 1)[0];
-  if (num_recv != mine.num_recv) return fail("num_recv", rank, iter, num_recv);
-  if (result.recv_x != nullptr) return fail("recv_x not null", rank, iter, 0);
-  if (result.recv_row_bytes != config.recv_row_bytes()) return fail("recv_row_bytes", rank, iter, 0);
-  auto const ri = to_host<int32_t>(result.recv_topk_idx, static_cast<std::size_t>(num_recv) * topk);
-  if ((d = first_diff(ri.data(), mine.recv_topk_idx.data(), ri.size())) >= 0)
-    return fail("recv_topk_idx", rank, iter, d);
-  auto const rs = to_host<int32_t>(result.recv_src, static_cast<std::size_t>(num_recv) * 2);
-  if ((d = first_diff(rs.data(), mine.recv_src.data(), rs.size())) >= 0) return fail("recv_src", rank, iter, d);
-  auto const ec = to_host<int32_t>(result.expert_counts, num_local);
-  if ((d = first_diff(ec.data(), mine.expert_counts.data(), ec.size())) >= 0)
-    return fail("expert_counts", rank, iter, d);
-  auto const esr = to_host<int32_t>(result.expert_src_row, static_cast<std::size_t>(num_local) * slots);
-  if ((d = first_diff(esr.data(), mine.expert_src_row.data(), esr.size())) >= 0)
-    return fail("expert_src_row", rank, iter, d);
-
-  if (!config.delivers_quantized()) {
-    // bf16 rows: the bf16 input, or the dequantized wire rows (the reference's recv_x)
-    auto const ex_ref = ref::expand(config, world, mine);
-    auto const ex = to_host<uint16_t>(result.expert_x, ex_ref.size());
-    for (int e = 0; e < num_local; ++e) {
-      std::size_t const filled = static_cast<std::size_t>(std::min(mine.expert_counts[e], slots)) * hidden;
-      std::size_t const first = static_cast<std::size_t>(e) * slots * hidden;
-      if ((d = first_diff(ex.data() + first, ex_ref.data() + first, filled)) >= 0)
-        return fail(config.dispatch_dequantize ? "expert_x (dequantized)" : "expert_x", rank, iter,
-                    static_cast<long>(first) + d);
-    }
-    if (result.expert_scales != nullptr) return fail("expert_scales set without quantized delivery", rank, iter, 0);
-    return 0;
-  }
-
-  // quantized delivery: per expert, ref::deliver of its expanded wire rows
-  WireFormat const format = config.dispatch_format;
-  std::size_t const wire_bytes = wire_row_bytes(format, hidden);
-  std::size_t const payload = wire_payload_bytes(format, hidden);
-  std::size_t const tensor = scale_tensor_bytes(format, config.recv_scale_layout, slots, hidden);
-  int const num_scales = hidden / wire_block_elems(format);
-  bool const nvfp4 = format == WireFormat::nvfp4;
-  if (result.expert_scales == nullptr) return fail("expert_scales null", rank, iter, 0);
-  if (nvfp4 != (result.expert_token_scales != nullptr)) return fail("expert_token_scales presence", rank, iter, 0);
-  auto const wire = ref::expand_wire(config, world, mine);
-  auto const ex = to_host<uint8_t>(result.expert_x, static_cast<std::size_t>(num_local) * slots * payload);
-  auto const sc = to_host<uint8_t>(result.expert_scales, static_cast<std::size_t>(num_local) * tensor);
-  std::vector<float> ts;
-  if (nvfp4) ts = to_host<float>(result.expert_token_scales, static_cast<std::size_t>(num_local) * slots);
-  std::vector<uint8_t> unfilled(tensor);
-  for (int e = 0; e < num_local; ++e) {
-    int const filled = std::min(mine.expert_counts[e], slots);
-    ref::DeliveredRows const want =
-        ref::deliver(config,
-                     std::span<uint8_t const>(wire.data() + static_cast<std::size_t>(e) * slots * wire_bytes,
-                                              static_cast<std::size_t>(slots) * wire_bytes),
-                     filled, slots);
-    std::size_t const x0 = static_cast<std::size_t>(e) * slots * payload;
-    if ((d = first_diff(ex.data() + x0, want.payload.data(), static_cast<std::size_t>(filled) * payload)) >= 0)
-      return fail("expert_x payload", rank, iter, static_cast<long>(x0) + d);
-    // every byte of the tensor but the entries of unfilled slots (unspecified): filled entries and zero padding
-    std::fill(unfilled.begin(), unfilled.end(), 0);
-    for (int s = filled; s < slots; ++s)
-      for (int j = 0; j < num_scales; ++j) {
-        std::size_t const at = scale_byte_offset(format, config.recv_scale_layout, slots, hidden, s, j);
-        for (int b = 0; b < (format == WireFormat::fp8_e4m3 ? 4 : 1); ++b) unfilled[at + b] = 1;
-      }
-    uint8_t const* got = sc.data() + static_cast<std::size_t>(e) * tensor;
-    for (std::size_t i = 0; i < tensor; ++i)
-      if (!unfilled[i] && got[i] != want.scales[i])
-        return fail("expert_scales", rank, iter, static_cast<long>(static_cast<std::size_t>(e) * tensor + i));
-    if (nvfp4 && (d = first_diff(ts.data() + static_cast<std::size_t>(e) * slots, want.token_scales.data(),
-                                 static_cast<std::size_t>(filled))) >= 0)
-      return fail("expert_token_scales", rank, iter, static_cast<long>(e) * slots + d);
-  }
-  return 0;
-}
-
-// Poisons what a dispatch writes: expert_x, the scale entries of every slot (not the padding, which the kernels never
-// write and must stay zero), the token scales and the metadata.
-void poison_dispatch(EpConfig const& config, int world, DispatchResult const& result) {
-  int const num_local = config.num_local_experts(world);
-  int const slots = config.expert_slots();
-  std::size_t const rows = static_cast<std::size_t>(num_local) * slots;
-  CK(cudaMemset(result.expert_x, 0xEE, rows * config.recv_row_bytes()));
-  CK(cudaMemset(result.expert_src_row, 0xEE, rows * 4));
-  CK(cudaMemset(result.expert_counts, 0xEE, static_cast<std::size_t>(num_local) * 4));
-  CK(cudaMemset(result.recv_src, 0xEE, static_cast<std::size_t>(world) * config.max_tokens_per_rank * 8));
-  if (!config.delivers_quantized()) return;
-  WireFormat const format = config.dispatch_format;
-  std::size_t const tensor = scale_tensor_bytes(format, config.recv_scale_layout, slots, config.hidden);
-  auto scales = to_host<uint8_t>(result.expert_scales, static_cast<std::size_t>(num_local) * tensor);
-  int const num_scales = config.hidden / wire_block_elems(format);
-  int const elem = format == WireFormat::fp8_e4m3 ? 4 : 1;
-  for (int e = 0; e < num_local; ++e)
-    for (int s = 0; s < slots; ++s)
-      for (int j = 0; j < num_scales; ++j) {
-        std::size_t const at = scale_byte_offset(format, config.recv_scale_layout, slots, config.hidden, s, j);
-        std::memset(scales.data() + static_cast<std::size_t>(e) * tensor + at, 0xEE, elem);
-      }
-  CK(cudaMemcpy(result.expert_scales, scales.data(), scales.size(), cudaMemcpyHostToDevice));
-  if (result.expert_token_scales) CK(cudaMemset(result.expert_token_scales, 0xEE, rows * 4));
 }
 
 int ll_quant_case() {
@@ -225,7 +108,7 @@ int ll_quant_case() {
   std::size_t const row_bytes = static_cast<std::size_t>(hidden) * 2;
   bool const quantized = spec.dispatch_format != WireFormat::bf16;
   std::size_t const scale_row = quantized ? static_cast<std::size_t>(hidden / wire_block_elems(spec.dispatch_format)) *
-                                                (spec.dispatch_format == WireFormat::fp8_e4m3 ? 4 : 1)
+                                                scale_entry_bytes(spec.dispatch_format)
                                           : 0;
   DeviceBuffer x(my_tokens * row_bytes);  // bf16 rows, or the pre-quantized payload (smaller)
   DeviceBuffer x_scales(my_tokens * scale_row);
@@ -297,7 +180,7 @@ int ll_quant_case() {
       CK(cudaMemcpy(eout.ptr, outs[rank].data(), outs[rank].size() * 2, cudaMemcpyHostToDevice));
       CK(cudaMemset(y_em.ptr, 0xEE, y_em.bytes));
       CK(cudaMemset(y_rm.ptr, 0xEE, y_rm.bytes));
-      if (result.expert_x) poison_dispatch(config, world, result);
+      if (result.expert_x) poison_ll_dispatch(config, world, ll_outputs(result));
     } else if (iter == 0) {
       CK(cudaMemset(eout.ptr, 0, eout.bytes));
       CK(cudaMemset(rows_in.ptr, 0, rows_in.bytes));
@@ -337,7 +220,7 @@ int ll_quant_case() {
         CK(cudaGraphDestroy(g));
         // the eager round wrote what this iteration checks
         CK(cudaMemset(y_em.ptr, 0xEE, y_em.bytes));
-        poison_dispatch(config, world, result);
+        poison_ll_dispatch(config, world, ll_outputs(result));
         CK(cudaDeviceSynchronize());
       }
       CK(cudaGraphLaunch(graph, stream));
@@ -347,19 +230,17 @@ int ll_quant_case() {
     }
     if (!check) continue;
 
-    if (int const code = check_dispatch(config, world, rank, iter, expected[rank], result)) return code;
-    long d;
+    if (result.recv_x != nullptr) return fail("recv_x not null", rank, iter, 0);
+    if (result.recv_row_bytes != config.recv_row_bytes()) return fail("recv_row_bytes", rank, iter, 0);
+    if (int const code = check_ll_dispatch(config, world, rank, iter, expected[rank], ll_outputs(result))) return code;
     auto const y_ref_em = ref::combine_expert_major(config, world, rank, inputs, expected, outs);
-    auto const y1 = to_host<uint16_t>(y_em.ptr, y_em.bytes / 2);
-    if ((d = first_diff(y1.data(), y_ref_em.data(), y_ref_em.size())) >= 0)
-      return fail("y expert-major", rank, iter, d);
-    for (std::size_t i = y_ref_em.size(); i < y1.size(); ++i)
-      if (y1[i] != 0xEEEE) return fail("y expert-major written past num_tokens", rank, iter, static_cast<long>(i));
+    if (int const code =
+            check_combined("y expert-major", y_em.ptr, y_ref_em, y_em.bytes / 2 - y_ref_em.size(), rank, iter))
+      return code;
     auto const y_ref_rm = ref::combine_rank_major(config, world, rank, inputs, expected, rows);
-    auto const y2 = to_host<uint16_t>(y_rm.ptr, y_rm.bytes / 2);
-    if ((d = first_diff(y2.data(), y_ref_rm.data(), y_ref_rm.size())) >= 0) return fail("y rank-major", rank, iter, d);
-    for (std::size_t i = y_ref_rm.size(); i < y2.size(); ++i)
-      if (y2[i] != 0xEEEE) return fail("y rank-major written past num_tokens", rank, iter, static_cast<long>(i));
+    if (int const code =
+            check_combined("y rank-major", y_rm.ptr, y_ref_rm, y_rm.bytes / 2 - y_ref_rm.size(), rank, iter))
+      return code;
   }
   CK(cudaStreamSynchronize(stream));
   comm->check_errors(stream);

@@ -1,5 +1,6 @@
 // What the multi-GPU tests share: the skip-or-launch step of a TEST, the key=value arguments a rank case receives,
-// and (cuda builds) a checked CUDA call, the communicator a rank case starts with, and device-to-host copies.
+// and (cuda builds) a checked CUDA call, the communicator a rank case starts with, device buffers and
+// device-to-host copies.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -171,6 +172,18 @@ struct CaseShape {
 inline std::shared_ptr<Communicator> make_cuda_comm() {
   return connect_rank(Backend::cuda);
 }
+
+// A device allocation of at least 16 bytes at a fixed address (a captured graph reads whatever is copied into it
+// before a replay). Movable, not copyable.
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  std::size_t bytes = 0;
+  explicit DeviceBuffer(std::size_t n) : bytes(std::max<std::size_t>(n, 16)) { CK(cudaMalloc(&ptr, bytes)); }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  DeviceBuffer(DeviceBuffer&& other) noexcept : ptr(std::exchange(other.ptr, nullptr)), bytes(other.bytes) {}
+  DeviceBuffer(DeviceBuffer const&) = delete;
+  DeviceBuffer& operator=(DeviceBuffer const&) = delete;
+};
 
 template <typename T>
 std::vector<T> to_host(void const* dev, std::size_t count) {

@@ -181,7 +181,7 @@ void expect_dispatch_matches_semantics(World const& w, int d) {
   ASSERT_EQ(got.recv_x.size(), at(delivered, hidden));
   ASSERT_EQ(got.recv_src.size(), at(delivered, 2));
 
-  std::vector<std::vector<std::pair<int, int>>> entries(static_cast<std::size_t>(local));  // (row, k) per expert
+  std::vector<std::vector<int>> row_entries(static_cast<std::size_t>(delivered));  // local (k) of each row
   for (int i = 0; i < delivered; ++i) {
     auto const [s, t] = expected[static_cast<std::size_t>(i)];
     ASSERT_EQ(got.recv_src[at(i, 2)], s) << "rank " << d << " row " << i;
@@ -194,11 +194,22 @@ void expect_dispatch_matches_semantics(World const& w, int d) {
       bool const here = id >= 0 && id / local == d;
       ASSERT_EQ(got.recv_topk_idx[at(i, topk) + k], here ? static_cast<int32_t>(id % local) : -1);
       ASSERT_EQ(got.recv_topk_weights[at(i, topk) + k], here ? in.topk_weights[at(t, topk) + k] : 0.0f);
-      if (here) entries[static_cast<std::size_t>(id % local)].emplace_back(i, k);
+      if (here) row_entries[static_cast<std::size_t>(i)].push_back(k);
     }
   }
 
-  // Slots: in (row, k) order per expert, up to expert_slots; the rest dropped.
+  // Slots: per expert in (row, k) order, the rows taken from rank d's own first row on and the rows of lower
+  // sources after them; up to expert_slots, the rest dropped.
+  int own_first = 0;
+  while (own_first < delivered && expected[static_cast<std::size_t>(own_first)].first < d) ++own_first;
+  std::vector<std::vector<std::pair<int, int>>> entries(static_cast<std::size_t>(local));  // (row, k) per expert
+  for (int q = 0; q < delivered; ++q) {
+    int const i = (own_first + q) % delivered;
+    auto const [s, t] = expected[static_cast<std::size_t>(i)];
+    for (int k : row_entries[static_cast<std::size_t>(i)])
+      entries[static_cast<std::size_t>(w.inputs[static_cast<std::size_t>(s)].topk_idx[at(t, topk) + k] % local)]
+          .emplace_back(i, k);
+  }
   int const slots = config.expert_slots();
   ASSERT_EQ(got.expert_slots, slots);
   int dropped = 0;

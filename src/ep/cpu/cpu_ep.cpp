@@ -318,10 +318,12 @@ DispatchResult CpuEp::receive_dispatch() {
   bool const expand = pending_expand_;
   // 6. receiver: the expert-major layout from the rows that arrived
   auto const* recv_idx = reinterpret_cast<int32_t const*>(recv_idx_.local);
+  auto const* recv_src = reinterpret_cast<int32_t const*>(recv_src_.local);
   // NOTE: copied into storage sized once (not assigned): DispatchResult hands out pointers into these vectors, and a
   // view the caller kept from an earlier call must stay valid memory (bindings cache such views).
   ref::ExpertLayout fresh =
-      ref::expert_layout(config_, world_, num_recv, std::span<int32_t const>(recv_idx, at(num_recv, topk_)));
+      ref::expert_layout(config_, world_, num_recv, std::span<int32_t const>(recv_idx, at(num_recv, topk_)),
+                         ref::own_first_row(std::span<int32_t const>(recv_src, at(num_recv, 2)), num_recv, rank_));
   keep_storage_copy(fresh.expert_counts, layout_.expert_counts);
   keep_storage_copy(fresh.recv_slot, layout_.recv_slot);
   keep_storage_copy(fresh.expert_src_row, layout_.expert_src_row);

@@ -1,7 +1,8 @@
 // Expert-major layout of the rows the last dispatch received (local memory only: the wire carried one copy per rank).
 //
 // One CTA per local expert (looping when there are more experts than CTAs) walks the received (row, k) entries in
-// rank-major row order, k ascending, and gives each entry of its expert the next slot: an ordered compaction (warp
+// rank-major row order starting at this rank's own first row (then wrapping around: ref::expert_layout's order), k
+// ascending, and gives each entry of its expert the next slot: an ordered compaction (warp
 // ballots + a scan over warps), so slots are deterministic and match the reference. kCopyRows: also copy the rows
 // into expert_x and fill expert_src_row (DispatchArgs::expand); without it only recv_slot is written (what an
 // expert-major combine needs after a dispatch that did not expand). With quantized delivery the rows are the
@@ -64,7 +65,10 @@ __global__ void __launch_bounds__(kThreads) expand_kernel(ExpandParams const p) 
   int const warp = tid >> 5;
   int const topk = p.topk;
   int const slots = p.expert_slots;
-  int const entries = p.state->num_recv * topk;
+  int const num_recv = p.state->num_recv;
+  int const entries = num_recv * topk;
+  // the walk starts at this rank's own first row (its rows take the first slots of every expert)
+  int const own_first = min(p.state->src_offset[p.view.rank], num_recv) * topk;
   auto const* recv_idx = reinterpret_cast<int32_t const*>(p.sym_local + p.layout.recv_idx);
   // bf16 rows: hidden * 2, the code of bf16 transport; quantized delivery: the payload (EpConfig::recv_row_bytes)
   std::size_t const row_bytes = kQuantized ? p.row_bytes : static_cast<std::size_t>(p.hidden) * 2;
@@ -73,11 +77,12 @@ __global__ void __launch_bounds__(kThreads) expand_kernel(ExpandParams const p) 
   for (int e = static_cast<int>(blockIdx.x); e < p.num_local_experts; e += static_cast<int>(gridDim.x)) {
     int running = 0;
     for (int base = 0; base < entries; base += kThreads) {
-      int const f = base + tid;
-      int32_t const v = f < entries ? recv_idx[f] : -2;
+      int const q = base + tid;  // position in the walk
+      int const f = q < entries ? (own_first + q) % entries : q;
+      int32_t const v = q < entries ? recv_idx[f] : -2;
       bool const hit = v == e;
       // entries of no local expert get slot -1; CTA 0 writes them during its first expert
-      if (e == 0 && f < entries && v < 0) p.recv_slot[f] = -1;
+      if (e == 0 && q < entries && v < 0) p.recv_slot[f] = -1;
       uint32_t const bits = __ballot_sync(0xffffffffu, hit);
       if (lane == 0) s_warp_cnt[warp] = __popc(bits);
       __syncthreads();

@@ -1,5 +1,6 @@
 // Host-side description of one low-latency EpBuffer's device memory on the cuda backend, shared by the LL launchers
-// (ll_dispatch.cu, ll_combine.cu) and the LL backend (ll_ep.cu). Included by .cu files only (ll_params.cuh is CUDA).
+// (ll_dispatch.cu, ll_combine.cu), the LL backend (ll_ep.cu) and the virtual-rank test (tests/gpu/test_ll_virtual.cu,
+// several ranks' buffers on one GPU). Included by .cu files only (ll_params.cuh is CUDA).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -16,8 +17,13 @@ struct LlBuffers {
   int rank = 0;
   int num_local_experts = 0;
   int expert_slots = 0;
-  int num_ctas = 0;      // the same on every rank (agreed at construction)
-  int expert_parts = 1;  // CTAs per local expert in the dispatch receive half
+  int num_ctas = 0;  // the same on every rank (agreed at construction)
+  // Launch the grids cooperatively (the runtime refuses a grid that cannot be co-resident). Only the virtual-rank
+  // tests turn it off: they run several ranks' grids side by side on one GPU, sized so that all of them fit.
+  bool cooperative = true;
+  // bf16 dispatch: the send half copies this rank's own rows from x into their slots (FERRY_LL_OWN_ROWS=direct)
+  // instead of staging them in the landing zone.
+  bool own_direct = false;
   DeviceView view{};
   SymmetricView sym{};
   LlLayout layout;
@@ -30,7 +36,7 @@ struct LlBuffers {
   int32_t* expert_counts = nullptr;   // [num_local_experts]
   void* expert_x = nullptr;           // [num_local_experts, expert_slots, config.recv_row_bytes()]
   int32_t* expert_src_row = nullptr;  // [num_local_experts, expert_slots]
-  int32_t* slot_landing = nullptr;    // [num_local_experts, expert_slots]
+  int32_t* own_slot = nullptr;        // [max_tokens, topk]
   // Quantized delivery (config.delivers_quantized()): one scale tensor per local expert, scale_tensor_bytes each
   // (zeroed once: padding entries stay zero), and nvfp4's per-token scales [num_local_experts, expert_slots].
   std::size_t scale_tensor_bytes = 0;
@@ -44,6 +50,16 @@ struct LlBuffers {
 // The symmetric region's layout for a config (the same on every rank).
 LlLayout make_ll_layout(EpConfig const& config, int world);
 
+// Allocates a rank's local device buffers (state, token_mask, recv_*, expert_*, quantized delivery's scales, nvfp4
+// combine's scratch) for b.config, b.world, b.num_local_experts, b.expert_slots and b.num_ctas, which must be set;
+// zeroes the state, the expert counts and the scale tensors, on the current device with cudaMemset (the default
+// stream: synchronize the device before another stream uses them). Throws CudaError; then nothing stays allocated.
+void allocate_ll_buffers(LlBuffers& b);
+// Frees what allocate_ll_buffers allocated and nulls the pointers (again: a no-op). Never throws.
+void free_ll_buffers(LlBuffers& b) noexcept;
+// The views a dispatch returns (device pointers into b; num_recv_host not set): what EpBuffer::dispatch hands out.
+DispatchResult ll_dispatch_result(LlBuffers const& b);
+
 // Which halves a launch runs: both (one kernel per leg), or one of them (return_recv_hook).
 enum class Half { both, send, recv };
 
@@ -55,7 +71,13 @@ void launch_ll_combine(LlBuffers const& buffers, CombineArgs const& args, int nu
 
 // Cooperative launch of an LL grid: the one-kernel legs wait inside the grid for this rank's own send CTAs, so the
 // grid must be co-resident; the runtime refuses one that cannot be instead of letting it deadlock until the timeout.
+// smem: dynamic shared memory bytes (at most 48 KiB, the default limit); cooperative: LlBuffers::cooperative.
 template <typename Params>
-void launch_ll_grid(void (*kernel)(Params), Params const& params, int ctas, cudaStream_t stream);
+void launch_ll_grid(void (*kernel)(Params), Params const& params, int ctas, std::size_t smem, bool cooperative,
+                    cudaStream_t stream);
+
+// Most local experts of an LL EpBuffer on the cuda backend: the dispatch kernels keep two counters per local
+// expert in shared memory (expand_smem_bytes), next to ~12 KiB of its own, under the 48 KiB a launch gets by default.
+inline constexpr int kMaxLlLocalExperts = 4096;
 
 }  // namespace ferry::cuda_ll

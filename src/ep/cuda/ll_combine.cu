@@ -83,7 +83,7 @@ void launch_ll_combine(LlBuffers const& buffers, CombineArgs const& args, int nu
   // num_tokens is only checked here; the kernel reads the device copy of the last dispatch's count
   LlCombineParams const p = to_params(buffers, args, num_tokens);
   CombineKernel const kernel = pick(buffers.config.combine_format, args.layout, half);
-  launch_ll_grid(kernel, p, p.num_ctas, stream);
+  launch_ll_grid(kernel, p, p.num_ctas, 0, buffers.cooperative, stream);
 }
 
 }  // namespace ferry::cuda_ll

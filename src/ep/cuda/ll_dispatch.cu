@@ -6,22 +6,25 @@
 namespace ferry::cuda_ll {
 
 template <typename Params>
-void launch_ll_grid(void (*kernel)(Params), Params const& params, int ctas, cudaStream_t stream) {
+void launch_ll_grid(void (*kernel)(Params), Params const& params, int ctas, std::size_t smem, bool cooperative,
+                    cudaStream_t stream) {
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(ctas));
   config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = 0;
+  config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeCooperative;
   attribute.val.cooperative = 1;
   config.attrs = &attribute;
-  config.numAttrs = 1;
+  config.numAttrs = cooperative ? 1 : 0;
   FERRY_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, params));
 }
 
-template void launch_ll_grid<LlDispatchParams>(void (*)(LlDispatchParams), LlDispatchParams const&, int, cudaStream_t);
-template void launch_ll_grid<LlCombineParams>(void (*)(LlCombineParams), LlCombineParams const&, int, cudaStream_t);
+template void launch_ll_grid<LlDispatchParams>(void (*)(LlDispatchParams), LlDispatchParams const&, int, std::size_t,
+                                               bool, cudaStream_t);
+template void launch_ll_grid<LlCombineParams>(void (*)(LlCombineParams), LlCombineParams const&, int, std::size_t, bool,
+                                              cudaStream_t);
 
 namespace {
 
@@ -33,8 +36,8 @@ LlDispatchParams to_params(LlBuffers const& b, DispatchArgs const& args) {
                     "x, topk_idx and topk_weights must be non-null for num_tokens=", args.num_tokens);
   FERRY_CHECK(b.num_ctas >= 1 && b.num_ctas <= kMaxCtas, "LL grid of ", b.num_ctas, " CTAs is outside [1, ", kMaxCtas,
               "]");
-  FERRY_CHECK(b.expert_parts >= 1 && b.expert_parts <= b.num_ctas, "expert_parts=", b.expert_parts,
-              " is outside [1, num_ctas=", b.num_ctas, "]");
+  FERRY_CHECK(b.num_local_experts >= 1 && b.num_local_experts <= kMaxLlLocalExperts,
+              "num_local_experts=", b.num_local_experts, " is outside [1, ", kMaxLlLocalExperts, "]");
   WireFormat const format = b.config.dispatch_format;
   // Pre-quantized arguments were validated by EpBuffer (validate_dispatch_args); the kernel relies on these two.
   bool const prequantized = args.x_scales != nullptr;
@@ -59,7 +62,6 @@ LlDispatchParams to_params(LlBuffers const& b, DispatchArgs const& args) {
   p.expert_slots = b.expert_slots;
   p.num_ctas = b.num_ctas;
   p.trace = b.trace ? b.trace->launch(TraceKernel::ll_dispatch, b.num_ctas, kWarps) : trace::TraceView{};
-  p.expert_parts = b.expert_parts;
   p.state = b.state;
   p.token_mask = b.token_mask;
   p.recv_src = b.recv_src;
@@ -69,7 +71,8 @@ LlDispatchParams to_params(LlBuffers const& b, DispatchArgs const& args) {
   p.expert_counts = b.expert_counts;
   p.expert_x = b.expert_x;
   p.expert_src_row = b.expert_src_row;
-  p.slot_landing = b.slot_landing;
+  p.own_slot = b.own_slot;
+  p.own_direct = b.own_direct;
   p.expert_row_bytes = b.config.recv_row_bytes();
   p.dequantize = format != WireFormat::bf16 && b.config.dispatch_dequantize;
   p.scale_layout = b.config.recv_scale_layout;
@@ -128,7 +131,9 @@ DispatchKernel pick(WireFormat format, IndexType type, Half half) {
 void launch_ll_dispatch(LlBuffers const& buffers, DispatchArgs const& args, Half half, cudaStream_t stream) {
   LlDispatchParams const p = to_params(buffers, args);
   DispatchKernel const kernel = pick(buffers.config.dispatch_format, args.topk_idx_type, half);
-  launch_ll_grid(kernel, p, p.num_ctas, stream);
+  // both halves expand (the send half a bf16 dispatch's own rows): per-expert counters in shared memory
+  std::size_t const smem = expand_smem_bytes(p.num_local_experts);
+  launch_ll_grid(kernel, p, p.num_ctas, smem, buffers.cooperative, stream);
 }
 
 }  // namespace ferry::cuda_ll

@@ -1,26 +1,37 @@
 // Low-latency dispatch over NVLink: one kernel (or, with the hook, its send half and its receive half apart).
 //
+// Expert-major order (ref::expert_layout): an expert's slots take the rank-major rows from this rank's own first row
+// on (own tokens, then sources rank + 1, ..., then 0, ..., rank - 1), k ascending. Own rows first is what lets a bf16
+// dispatch copy them into their slots while the peers' rows are still on the wire: their slots depend on no peer.
+//
 // Send half (every CTA, warp per (token, chunk of its row), no step waits for another CTA):
 //  1. the token's destination ranks from its topk ids (bad ids dropped and counted);
 //  2. its metadata record (local expert ids for that rank, weights) to EVERY rank, so each receiver knows the full
-//     routing of the source without a count exchange; the row itself only to the ranks that hold one of its experts
+//     routing of the source without a count exchange; the row itself only to the peers that hold one of its experts
 //     (wire de-duplication), at landing slot (source, token) of the destination's current parity. A bf16 batch with
 //     fewer tokens than the grid has warps splits each row over several warps. A quantized dispatch_format sends the
-//     token's wire row (warp per token): quantized once by this warp with the device codec (or forwarded from
-//     pre-quantized input), straight into the destination when there is one, else built in this rank's own landing
-//     slot (t's slot of the source's own region: only this warp writes it, and when no local expert takes t the
-//     receive half never reads it) and copied from there to the other destinations;
+//     token's wire row (warp per token) to every destination, this rank included: quantized once by this warp with
+//     the device codec (or forwarded from pre-quantized input), straight into the destination when there is one,
+//     else built in this rank's own landing slot and copied from there to the other destinations;
+//  2b. bf16 (expand_own): this rank's own hits (entries (token, k) of its experts) copied from x into their slots,
+//     spread evenly over the grid (as in 6), their slots kept in own_slot for the receive half's metadata;
 //  3. per CTA: barrier, then +1 on every destination's arrival counter of this source (release, cumulative).
-// Receive half (CTA per (local expert, part)):
+// Receive half (every CTA; the work is the hits, spread evenly over the grid):
 //  4. wait until every source's arrivals reach seq * num_ctas (acquire; bounded);
-//  5. scan the received records in (source, token) order with a CTA scan: a row is present when one of its ids is
-//     local; its rank-major index is the count of present rows before it; entry (row, k) of expert e gets the next
-//     slot of e. This is exactly ref::expert_layout's order, computed by every CTA for its expert, no atomics. The
-//     rank-major metadata of the rows is written in the same scan, each record by one CTA (spread over the grid);
-//  6. copy each filled slot's row from the landing zone into expert_x (the wire carried one copy per rank; the
-//     expert-major duplicates are made locally). A quantized dispatch_format copies the payload and writes the block
-//     scales into the expert's scale tensor (and nvfp4's token scale), or dequantizes the row into bf16
-//     (dispatch_dequantize), in the same copy. A bf16 row is split over warps when a CTA has fewer rows than warps.
+//  5. scan the landed records in (source, token) order with a CTA scan, in every CTA: a row is present when one of
+//     its ids is local; its rank-major index is the count of present rows before it; its hits are numbered in the
+//     expert-major order above. CTA c takes the hits [c H / C, (c + 1) H / C) of the H to copy here (bf16: the
+//     peers'; quantized: all): per expert, the hits before its share (shared-memory counters) give the share's first
+//     slots, and within the share an entry of expert e gets the next slot of e (one warp, in order): exactly
+//     ref::expert_layout, no global atomics. The rank-major metadata of the rows is written in the same scan, each
+//     record by one CTA (spread over the grid; an own bf16 row's slots come from own_slot);
+//  6. copy the share's rows from the landing zone into expert_x: each landed row loaded once and stored to each of
+//     its hits' slots (the wire carried one copy per rank; the expert-major duplicates are made locally). A quantized
+//     dispatch_format copies the payload and writes the block scales into the expert's scale tensor (and nvfp4's
+//     token scale), or dequantizes the row into bf16 (dispatch_dequantize), in the same copy. A bf16 row is split
+//     over warps when a share has fewer rows than warps.
+// Why the hits and not the experts are spread over the grid (one CTA per expert before): the CTA of the busiest
+// expert (about twice the mean rows with random routing) set the leg's length (docs/perf.md, session 10).
 #pragma once
 
 #include <cstdint>
@@ -121,8 +132,273 @@ __device__ __forceinline__ void send_wire_row_warp(LlDispatchParams const& p, in
   }
 }
 
+// ---- the expansion into expert_x, shared by the send half (this rank's own rows, bf16) and the receive half ----
+
+// Own rows of a bf16 dispatch with own_direct (LlDispatchParams) skip the landing zone: the send half copies them
+// from x straight into their slots. Otherwise (the default, and every quantized dispatch_format) they are staged in
+// the landing zone like a peer's and the receive half delivers every row.
+template <WireFormat kFormat>
+__device__ __forceinline__ bool own_direct(LlDispatchParams const& p) {
+  return kFormat == WireFormat::bf16 && p.own_direct;
+}
+
+// A row with its local expert ids as a thread holds it during a step of an ordered scan: a landed record (receive
+// half) or one of this rank's tokens (send half).
+struct HitRecord {
+  int r = 0;                        // its index in the scan's order
+  int landing = 0;                  // landed: landing row (source * max_tokens + token); own: the token
+  int32_t const* record = nullptr;  // landed: the record (its weights follow the ids)
+  int32_t ids[kMaxTopk];            // local expert ids, -1 for another rank's expert and past topk
+  bool present = false;             // one of its ids is local
+  int hits = 0;                     // its local ids (entries of this rank's experts)
+};
+
+__device__ __forceinline__ void count_hits(HitRecord& rec) {
+#pragma unroll
+  for (int k = 0; k < kMaxTopk; ++k) {
+    rec.present |= rec.ids[k] >= 0;
+    rec.hits += rec.ids[k] >= 0;
+  }
+}
+
+// Landed record r of this call (receive half), in (source, token) order.
+__device__ __forceinline__ HitRecord load_landed(LlDispatchParams const& p, int32_t const* s_base, int parity, int r,
+                                                 int num_landed) {
+  HitRecord rec;
+#pragma unroll
+  for (int k = 0; k < kMaxTopk; ++k) rec.ids[k] = -1;
+  rec.r = r;
+  if (r >= num_landed) return rec;
+  int source = 0;
+  while (s_base[source + 1] <= r) ++source;
+  int const token = r - s_base[source];
+  rec.landing = source * p.max_tokens + token;
+  rec.record = reinterpret_cast<int32_t const*>(p.sym[p.view.rank] + p.layout.dispatch_meta +
+                                                landing::slot_index(parity, p.view.world, source, p.max_tokens, token) *
+                                                    p.layout.meta_bytes);
+  // 16-byte loads, all issued before any id is used (4-byte ones made the scan bound by L2 requests)
+  landing::load_record_ids(rec.record, p.topk, rec.ids);
+  count_hits(rec);
+  return rec;
+}
+
+// This rank's token t (send half): the ids of its experts on this rank, from the caller's topk_idx (a bad id is no
+// local expert; the send loop reports it).
+template <typename IdxT>
+__device__ __forceinline__ HitRecord load_own(LlDispatchParams const& p, int t) {
+  HitRecord rec;
+#pragma unroll
+  for (int k = 0; k < kMaxTopk; ++k) rec.ids[k] = -1;
+  rec.r = t;
+  rec.landing = t;
+  if (t >= p.num_tokens) return rec;
+  auto const* idx = static_cast<IdxT const*>(p.topk_idx) + static_cast<std::size_t>(t) * p.topk;
+  int64_t const lo = static_cast<int64_t>(p.view.rank) * p.num_local_experts;
+  int64_t e[kMaxTopk];
+#pragma unroll
+  for (int k = 0; k < kMaxTopk; ++k) e[k] = k < p.topk ? static_cast<int64_t>(__ldg(idx + k)) : -1;
+#pragma unroll
+  for (int k = 0; k < kMaxTopk; ++k)
+    rec.ids[k] = e[k] >= lo && e[k] < lo + p.num_local_experts ? static_cast<int32_t>(e[k] - lo) : -1;
+  count_hits(rec);
+  return rec;
+}
+
+// A hit of a CTA's current window: entry (row, k) of local expert `expert`, its row at `landing` (HitRecord).
+struct WindowHit {
+  int32_t expert;
+  int32_t landing;
+  int32_t row;
+  int32_t k;
+};
+
+// Shared memory of an expansion (the two halves of the one-kernel leg use it in turn).
+struct ExpandShared {
+  landing::ScanShared<kWarps> scan;
+  WindowHit hit[kThreads];
+  int32_t slot[kThreads];
+  int32_t group[kThreads];  // first window entry of each row the window touches
+  int32_t groups;
+  int32_t marks[2];  // receive half: the hits of the sources below this rank, and up to the end of its own
+};
+
+// Bytes of dynamic shared memory of an LL dispatch kernel: per local expert, its hits before the CTA's window and all
+// its hits.
+__host__ __device__ constexpr std::size_t expand_smem_bytes(int num_local_experts) {
+  return static_cast<std::size_t>(num_local_experts) * 2 * sizeof(int32_t);
+}
+
+// The ordered scan over `count` records, kThreads per step: visit(record, rank-major row, index of its first hit)
+// for each thread's record of each step (meaningful when it is present; the first hit also when it is not). Returns
+// the totals. Every thread of the CTA calls it.
+struct ScanTotals {
+  int rows;
+  int hits;
+};
+
+template <typename Load, typename Visit>
+__device__ __forceinline__ ScanTotals scan_records(ExpandShared& s, int count, Load load, Visit visit) {
+  int const tid = static_cast<int>(threadIdx.x);
+  ScanTotals totals{0, 0};
+  for (int base = 0; base < count; base += kThreads) {
+    HitRecord const rec = load(base + tid);
+    landing::ScanOffsets const step = landing::scan_step<true>(rec.present, rec.hits, s.scan, tid >> 5, tid & 31);
+    visit(rec, totals.rows + step.row, totals.hits + step.first_hit);
+    totals.rows += step.rows;
+    totals.hits += step.hits;
+    __syncthreads();  // the scan words are reused by the next step
+  }
+  return totals;
+}
+
+// Slots of the window's n hits, in window order, by the last warp (an expert's next slot follows its previous hit;
+// the count of its hits before the window is s_before[e], which this advances), and the window's groups (runs of hits
+// of one row). on_slot(hit, slot) for each hit. The caller's barriers come before and after.
+template <typename OnSlot>
+__device__ __forceinline__ void assign_slots(ExpandShared& s, int32_t* s_before, int n, OnSlot on_slot) {
+  int const lane = static_cast<int>(threadIdx.x) & 31;
+  if ((static_cast<int>(threadIdx.x) >> 5) != kWarps - 1) return;
+  int groups = 0;
+  uint32_t const lower = (1u << lane) - 1u;
+  for (int base = 0; base < n; base += 32) {
+    int const j = base + lane;
+    bool const valid = j < n;
+    WindowHit const hit = valid ? s.hit[j] : WindowHit{-1, -1, 0, 0};
+    uint32_t const same = __match_any_sync(0xffffffffu, hit.expert);
+    int const slot = valid ? s_before[hit.expert] + __popc(same & lower) : 0;
+    __syncwarp();
+    if (valid && (same >> lane) == 1u) s_before[hit.expert] += __popc(same);  // the expert's last lane here
+    bool const starts = valid && (j == 0 || s.hit[j - 1].landing != hit.landing);
+    uint32_t const starts_mask = __ballot_sync(0xffffffffu, starts);
+    if (starts) s.group[groups + __popc(starts_mask & lower)] = j;
+    groups += __popc(starts_mask);
+    if (valid) {
+      s.slot[j] = slot;
+      on_slot(hit, slot);
+    }
+    __syncwarp();
+  }
+  if (lane == 0) s.groups = groups;
+}
+
+// The window's bf16 rows into their slots as items (group, chunk) over the CTA's warps: each row loaded once (from
+// src_of(landing): kNc for the caller's x, coherent for rows landed during this kernel) and stored to each of its
+// hits' slots below the capacity; a row split over the warps when the window has fewer rows than warps.
+template <bool kNc, typename SrcOf>
+__device__ __forceinline__ void copy_window_bf16(LlDispatchParams const& p, ExpandShared const& s, int n,
+                                                 SrcOf src_of) {
+  int const lane = static_cast<int>(threadIdx.x) & 31;
+  int const warp = static_cast<int>(threadIdx.x) >> 5;
+  int const slots = p.expert_slots;
+  int const row_vecs = p.hidden / 8;
+  int const groups = s.groups;
+  int const chunks = device::chunks_per_row(groups, kWarps, row_vecs);
+  for (int item = warp; item < groups * chunks; item += kWarps) {
+    int const g = item / chunks;
+    int const j0 = s.group[g];
+    int const j1 = g + 1 < groups ? s.group[g + 1] : n;
+    int4 const* const src = src_of(s.hit[j0].landing);
+    auto const [v_begin, v_end] = device::chunk_range(row_vecs, item % chunks, chunks);
+    for (int i = v_begin + lane; i < v_end; i += 32 * landing::kCopyUnroll) {
+      int4 v[landing::kCopyUnroll];
+#pragma unroll
+      for (int u = 0; u < landing::kCopyUnroll; ++u)
+        if (i + u * 32 < v_end)
+          v[u] = kNc ? device::arch::load_nc_v4(src + i + u * 32) : device::arch::load_v4(src + i + u * 32);
+      for (int j = j0; j < j1; ++j) {
+        if (s.slot[j] >= slots) continue;  // past expert_capacity (counted by the receive half)
+        auto* const d =
+            static_cast<int4*>(p.expert_x) + (static_cast<std::size_t>(s.hit[j].expert) * slots + s.slot[j]) * row_vecs;
+#pragma unroll
+        for (int u = 0; u < landing::kCopyUnroll; ++u)
+          if (i + u * 32 < v_end) device::arch::store_na_v4(d + i + u * 32, v[u]);
+      }
+    }
+  }
+}
+
+// Runs the windows of at most kThreads hits of [s0, s1) (a CTA's share; one window when the grid is the default
+// one): fill(w0, w1, first) puts the hits [w0, w1) into s.hit (and, first, counts each expert's hits before w0 into
+// s_before), then the slots, then copy(n). The first fill is peeled so that registers it reads can die after it.
+template <typename Fill, typename OnSlot, typename Copy>
+__device__ __forceinline__ void run_windows(ExpandShared& s, int32_t* s_before, int s0, int s1, Fill fill,
+                                            OnSlot on_slot, Copy copy) {
+  int w0 = s0;
+  int w1 = min(s0 + kThreads, s1);
+  fill(w0, w1, true);
+  for (;;) {
+    __syncthreads();
+    assign_slots(s, s_before, w1 - w0, on_slot);
+    __syncthreads();
+    copy(w1 - w0);
+    w0 += kThreads;
+    if (w0 >= s1) break;
+    __syncthreads();  // the window's shared words are reused by the next window
+    w1 = min(w0 + kThreads, s1);
+    fill(w0, w1, false);
+  }
+}
+
+// The part [c * total / C, (c + 1) * total / C) of `total` hits that CTA c of C takes, from `begin`.
+struct Share {
+  int begin;
+  int end;
+};
+__device__ __forceinline__ Share cta_share(int begin, int total, int cta, int ctas) {
+  return {begin + static_cast<int>(static_cast<int64_t>(total) * cta / ctas),
+          begin + static_cast<int>(static_cast<int64_t>(total) * (cta + 1) / ctas)};
+}
+
+// Send half, bf16: this rank's own hits into expert_x straight from x, spread evenly over the grid. Own rows take the
+// first slots of every expert (ref::expert_layout's order), so this needs no peer's routing; the receive half writes
+// their metadata (it knows their rank-major rows).
+template <typename IdxT>
+__device__ __forceinline__ void expand_own(LlDispatchParams const& p, ExpandShared& s, int32_t* s_before) {
+  int const tid = static_cast<int>(threadIdx.x);
+  auto const load = [&](int t) { return load_own<IdxT>(p, t); };
+  bool const one_step = p.num_tokens <= kThreads;
+  HitRecord const mine = one_step ? load(tid) : HitRecord{};
+  int hits = 0;
+  landing::ScanOffsets first_step{0, 0, 0, 0};
+  if (one_step) {
+    first_step = landing::scan_step<true>(mine.present, mine.hits, s.scan, tid >> 5, tid & 31);
+    hits = first_step.hits;
+  } else {
+    hits = scan_records(s, p.num_tokens, load, [](HitRecord const&, int, int) {}).hits;
+  }
+  Share const share = cta_share(0, hits, static_cast<int>(blockIdx.x), p.num_ctas);
+  auto const fill = [&](int w0, int w1, bool first) {
+    auto const visit = [&](HitRecord const& rec, int, int first_hit) {
+      if (!rec.present) return;
+      int j = first_hit;
+#pragma unroll
+      for (int k = 0; k < kMaxTopk; ++k) {
+        int const e = rec.ids[k];
+        if (e < 0) continue;
+        if (first && j < w0) atomicAdd(&s_before[e], 1);
+        if (j >= w0 && j < w1) s.hit[j - w0] = WindowHit{e, rec.landing, 0, k};
+        ++j;
+      }
+    };
+    if (first && one_step)
+      visit(mine, 0, first_step.first_hit);
+    else
+      scan_records(s, p.num_tokens, load, visit);
+  };
+  auto const* x = static_cast<int4 const*>(p.x);
+  std::size_t const row_vecs = static_cast<std::size_t>(p.hidden) / 8;
+  // each hit's slot for the receive half's metadata (own_slot: -1 past expert_capacity, dropped and counted here)
+  auto const on_slot = [&](WindowHit const& hit, int slot) {
+    p.own_slot[static_cast<std::size_t>(hit.landing) * p.topk + hit.k] = slot < p.expert_slots ? slot : -1;
+    if (slot >= p.expert_slots) device::record_input_error(p.view, slot, true);
+  };
+  run_windows(s, s_before, share.begin, share.end, fill, on_slot,
+              [&](int n) { copy_window_bf16<true>(p, s, n, [&](int t) { return x + t * row_vecs; }); });
+}
+
 template <typename IdxT, WireFormat kFormat>
-__device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, uint64_t seq FERRY_TRACE_PARAM(trace)) {
+__device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, ExpandShared& s, int32_t* s_counts,
+                                                 uint64_t seq FERRY_TRACE_PARAM(trace)) {
   static_assert(sizeof(IdxT) == 4 || sizeof(IdxT) == 8, "topk_idx is int32 or int64");
   int const world = p.view.world;
   int const rank = p.view.rank;
@@ -145,6 +421,8 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, uint
     *word = static_cast<uint64_t>(p.num_tokens);
   }
   if (cta == 0 && tid == 0) p.state->num_tokens = p.num_tokens;
+  if (own_direct<kFormat>(p))  // the own expansion's counters (the send loop's barriers order this)
+    for (int i = tid; i < num_local; i += kThreads) s_counts[i] = 0;
 
   // 2. items (token, chunk): a bf16 batch with fewer tokens than the grid has warps splits each row into chunks so
   //    that every warp has bytes in flight (a warp walking a whole row waits for ~7 round trips in a row); quantized
@@ -166,18 +444,29 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, uint
                              w, lane);
     }
 
-    // the row (this chunk of it), once per destination rank
+    // the row (this chunk of it), once per destination rank (with own_direct not to this rank: expand_own)
     if constexpr (kFormat != WireFormat::bf16) {
       if (mask != 0) send_wire_row_warp<kFormat>(p, t, mask, slot, lane);
-    } else {
+    } else if (uint32_t const to = own_direct<kFormat>(p) ? mask & ~(1u << rank) : mask; to != 0) {
       auto const [v_begin, v_end] = device::chunk_range(num_vec, chunk, chunks);
       std::size_t const at = p.layout.dispatch_rows + slot * row_bytes;
       landing::send_row_chunk<kUnroll>(
           reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes),
-          v_begin, v_end, mask, [&](int d) { return reinterpret_cast<int4*>(p.sym[d] + at); }, lane);
+          v_begin, v_end, to, [&](int d) { return reinterpret_cast<int4*>(p.sym[d] + at); }, lane);
     }
   }
   FERRY_TRACE_END(trace, ll_dispatch_send);
+
+  // 2b. own_direct: this rank's own rows into their slots while the peers' rows are on the wire (before the arrival:
+  //     its release would hold the CTA until the NVLink stores complete)
+  if constexpr (kFormat == WireFormat::bf16) {
+    if (p.own_direct) {
+      FERRY_TRACE_BEGIN(trace, ll_dispatch_own);
+      __syncthreads();  // the counters above
+      expand_own<IdxT>(p, s, s_counts);
+      FERRY_TRACE_END(trace, ll_dispatch_own);
+    }
+  }
 
   // 3. arrival: the barrier orders every thread's stores before the release adds, which are cumulative over them
   //    (one release per destination; no per-thread fence, which would drain each thread's NVLink stores)
@@ -188,22 +477,28 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, uint
 }
 
 template <WireFormat kFormat>
-__device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint64_t seq FERRY_TRACE_PARAM(trace)) {
+__device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, ExpandShared& s, int32_t* s_counts,
+                                                 uint64_t seq FERRY_TRACE_PARAM(trace)) {
   __shared__ int32_t s_base[kMaxLocalPeers + 1];  // first rank-major landing row of each source
-  __shared__ landing::ScanShared<kWarps> s_scan;
   __shared__ int s_ok;
 
   int const world = p.view.world;
   int const rank = p.view.rank;
   int const tid = static_cast<int>(threadIdx.x);
-  int const lane = tid & 31;
-  int const warp = tid >> 5;
   int const cta = static_cast<int>(blockIdx.x);
   int const parity = static_cast<int>(seq & 1);
   int const topk = p.topk;
+  int const num_local = p.num_local_experts;
   int const slots = p.expert_slots;
   std::size_t const wire_bytes = p.layout.dispatch_row_bytes;
   std::size_t const row_bytes = p.expert_row_bytes;
+  int32_t* const s_before = s_counts;
+  int32_t* const s_total = s_counts + num_local;
+  for (int i = tid; i < 2 * num_local; i += kThreads) s_counts[i] = 0;  // ordered by the wait's barriers
+  if (tid == 0) {
+    s.marks[0] = 0;
+    s.marks[1] = -1;
+  }
 
   // 4. every source's send CTAs of this call (thread s waits for source s; acquire, bounded)
   FERRY_TRACE_BEGIN(trace, ll_dispatch_wait_arrivals);
@@ -217,129 +512,144 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, uint
   if (num_landed < 0) return;
   FERRY_TRACE_END(trace, ll_dispatch_wait_arrivals);
 
-  int const parts = p.expert_parts;
-  int const part = cta % parts;
-  int const expert_stride = p.num_ctas / parts;
-  // The CTAs that run an expert pass share the rank-major metadata: landed record r is written by CTA r % meta_ctas
-  // in its first pass (one CTA writing all of it was the last to finish at 128 tokens).
-  int const meta_ctas = min(p.num_ctas, p.num_local_experts * parts);
-  for (int e = cta / parts; e < p.num_local_experts; e += expert_stride) {
-    FERRY_TRACE_BEGIN(trace, ll_dispatch_scan);
-    bool const first_pass = e == cta / parts;
-    int running_rows = 0;
-    int running_slots = 0;
-    // 5. ordered scan of the landed records, kThreads per step
-    for (int base = 0; base < num_landed; base += kThreads) {
-      int const r = base + tid;
-      int source = 0;
-      int token = 0;
-      int present = 0;
-      int hits = 0;
-      int32_t const* record = nullptr;
-      // the record's ids in registers, all loads issued before any is used (the slot loop below branches on them:
-      // loading there made one dependent round trip per k)
-      int32_t ids[kMaxTopk];
+  // 5. the totals, and where this rank's own records start and end in hit order (marks): one step keeps its records
+  //    in registers for the first windows below, more steps scan again
+  FERRY_TRACE_BEGIN(trace, ll_dispatch_scan);
+  auto const load = [&](int r) { return load_landed(p, s_base, parity, r, num_landed); };
+  auto const mark = [&](HitRecord const& rec, int first_hit) {
+    if (rec.r == s_base[rank] - 1) s.marks[0] = first_hit + rec.hits;
+    if (rec.r == s_base[rank + 1] - 1) s.marks[1] = first_hit + rec.hits;
+  };
+  bool const one_step = num_landed <= kThreads;
+  HitRecord const mine = one_step ? load(tid) : HitRecord{};
+  landing::ScanOffsets first_step{0, 0, 0, 0};
+  ScanTotals totals{0, 0};
+  if (one_step) {
+    first_step = landing::scan_step<true>(mine.present, mine.hits, s.scan, tid >> 5, tid & 31);
+    mark(mine, first_step.first_hit);
+    totals = {first_step.rows, first_step.hits};
+  } else {
+    totals = scan_records(s, num_landed, load, [&](HitRecord const& rec, int, int first_hit) { mark(rec, first_hit); });
+  }
+  __syncthreads();
+  // Hits are numbered in ref::expert_layout's order: this rank's own records first, then the sources above it, then
+  // those below (natural index j -> (j - below) mod total). A record's hits stay consecutive.
+  int const below = s.marks[0];
+  int const own = (s.marks[1] < 0 ? below : s.marks[1]) - below;
+  auto const rotate = [&](int j) { return j >= below ? j - below : j + totals.hits - below; };
+
+  // 5a. fill: the window's hits into shared memory; at the first fill of a run of windows, each expert's hits before
+  //     it; at the very first fill also every expert's hits in all and the rank-major metadata of the records this
+  //     CTA writes (record r: CTA r % num_ctas)
+  bool first_fill = true;
+  auto const fill = [&](int w0, int w1, bool first) {
+    auto const visit = [&](HitRecord const& rec, int row, int first_hit) {
+      if (!rec.present) return;
+      int j = rotate(first_hit);
 #pragma unroll
-      for (int k = 0; k < kMaxTopk; ++k) ids[k] = -1;
-      if (r < num_landed) {
-        while (s_base[source + 1] <= r) ++source;
-        token = r - s_base[source];
-        record = reinterpret_cast<int32_t const*>(p.sym[rank] + p.layout.dispatch_meta +
-                                                  landing::slot_index(parity, world, source, p.max_tokens, token) *
-                                                      p.layout.meta_bytes);
-        // 16-byte loads: 4-byte ones made the scan bound by L2 requests (4.6 us at 128 tokens, 12 us at 512)
-        landing::load_record_ids(record, topk, ids);
+      for (int k = 0; k < kMaxTopk; ++k) {
+        int const e = rec.ids[k];
+        if (e < 0) continue;
+        if (first_fill) atomicAdd(&s_total[e], 1);
+        if (first && j < w0) atomicAdd(&s_before[e], 1);
+        if (j >= w0 && j < w1) s.hit[j - w0] = WindowHit{e, rec.landing, row, k};
+        ++j;
+      }
+      if (first_fill && rec.r % p.num_ctas == cta) {
+        int const source = rec.landing / p.max_tokens;
+        int const token = rec.landing % p.max_tokens;
+        // bf16: an own row's slots come from expand_own (its hits take no window here)
+        bool const own_row = own_direct<kFormat>(p) && source == rank;
+        auto const* weights = reinterpret_cast<float const*>(rec.record + topk);
+        int32_t const* const own_slots = p.own_slot + static_cast<std::size_t>(token) * topk;
+        std::size_t const entry0 = static_cast<std::size_t>(row) * topk;
+        p.recv_src[2 * row] = source;
+        p.recv_src[2 * row + 1] = token;
+        float w[kMaxTopk];
+        int32_t own_slot[kMaxTopk];
 #pragma unroll
         for (int k = 0; k < kMaxTopk; ++k) {
-          present |= ids[k] >= 0;
-          hits += ids[k] == e;
+          w[k] = k < topk ? weights[k] : 0.0f;
+          own_slot[k] = own_row && k < topk && rec.ids[k] >= 0 ? own_slots[k] : -1;  // written for hits only
+        }
+#pragma unroll
+        for (int k = 0; k < kMaxTopk; ++k) {  // unrolled: the ids stay in registers
+          if (k >= topk) break;
+          p.recv_idx[entry0 + k] = rec.ids[k];
+          p.recv_w[entry0 + k] = w[k];
+          if (rec.ids[k] < 0 || own_row) p.recv_slot[entry0 + k] = own_slot[k];
+          if (rec.ids[k] >= 0 && own_slot[k] >= 0)
+            p.expert_src_row[static_cast<std::size_t>(rec.ids[k]) * slots + own_slot[k]] = row;
         }
       }
-      landing::ScanOffsets const step = landing::scan_step<true>(present, hits, s_scan, warp, lane);
-      if (present) {
-        int const row = running_rows + step.row;
-        std::size_t const entry0 = static_cast<std::size_t>(row) * topk;
-        if (first_pass && r % meta_ctas == cta) {
-          auto const* weights = reinterpret_cast<float const*>(record + topk);
-          float w[kMaxTopk];
-#pragma unroll
-          for (int k = 0; k < kMaxTopk; ++k) w[k] = k < topk ? weights[k] : 0.0f;
-          p.recv_src[2 * row] = source;
-          p.recv_src[2 * row + 1] = token;
-#pragma unroll
-          for (int k = 0; k < kMaxTopk; ++k) {
-            if (k >= topk) break;
-            p.recv_idx[entry0 + k] = ids[k];
-            p.recv_w[entry0 + k] = w[k];
-            if (ids[k] < 0) p.recv_slot[entry0 + k] = -1;
-          }
-        }
-        if (hits) {
-          int slot = running_slots + step.first_hit;
-#pragma unroll
-          for (int k = 0; k < kMaxTopk; ++k) {
-            if (ids[k] != e) continue;  // -1 past topk
-            if (slot < slots) {
-              if (part == 0) p.recv_slot[entry0 + k] = slot;
-              if (slot % parts == part) {
-                std::size_t const at = static_cast<std::size_t>(e) * slots + slot;
-                p.expert_src_row[at] = row;
-                p.slot_landing[at] = source * p.max_tokens + token;
-              }
-            } else if (part == 0) {  // past expert_capacity: no slot, dropped and counted
-              p.recv_slot[entry0 + k] = -1;
-              device::record_input_error(p.view, slot, true);
-            }
-            ++slot;
-          }
-        }
-      }
-      running_rows += step.rows;
-      running_slots += step.hits;
-      __syncthreads();  // the scan words are reused by the next step
+    };
+    if (first && one_step)
+      visit(mine, first_step.row, first_step.first_hit);
+    else
+      scan_records(s, num_landed, load, visit);
+    first_fill = false;
+  };
+  // 5b. every hit's slot (in window order), its recv_slot and expert_src_row; past expert_capacity dropped, counted
+  auto const on_slot = [&](WindowHit const& hit, int slot) {
+    std::size_t const entry = static_cast<std::size_t>(hit.row) * topk + hit.k;
+    if (slot < slots) {
+      p.recv_slot[entry] = slot;
+      p.expert_src_row[static_cast<std::size_t>(hit.expert) * slots + slot] = hit.row;
+    } else {
+      p.recv_slot[entry] = -1;
+      device::record_input_error(p.view, slot, true);
     }
-    if (tid == 0) {
-      if (part == 0) p.expert_counts[e] = running_slots;
-      if (e == 0 && part == 0) p.state->num_recv = running_rows;
-    }
-    int const filled = running_slots < slots ? running_slots : slots;
-    for (int slot = filled + tid; slot < slots; slot += kThreads)
-      if (slot % parts == part) p.expert_src_row[static_cast<std::size_t>(e) * slots + slot] = -1;
-
+  };
+  // 6. the window's landed rows into expert_x
+  char const* const landing_zone =
+      p.sym[rank] + p.layout.dispatch_rows + static_cast<std::size_t>(parity) * world * p.max_tokens * wire_bytes;
+  auto const copy = [&](int n) {
     FERRY_TRACE_END(trace, ll_dispatch_scan);
-
-    // 6. this part's filled slots (slot_landing was written by this CTA above: the barrier orders it) as items (slot,
-    //    chunk), a bf16 row split over the warps when the part has fewer slots than warps (as in the send half)
-    char const* landing =
-        p.sym[rank] + p.layout.dispatch_rows + static_cast<std::size_t>(parity) * world * p.max_tokens * wire_bytes;
-    int const row_vecs = static_cast<int>(row_bytes / 16);
     FERRY_TRACE_BEGIN(trace, ll_dispatch_copy);
-    int const count = filled > part ? (filled - part + parts - 1) / parts : 0;  // this part's slots
-    int const chunks = kFormat == WireFormat::bf16 ? device::chunks_per_row(count, kWarps, row_vecs) : 1;
-    for (int item = warp; item < count * chunks; item += kWarps) {
-      int const slot = part + parts * (item / chunks);
-      std::size_t const at = static_cast<std::size_t>(e) * slots + slot;
-      char const* src = landing + static_cast<std::size_t>(p.slot_landing[at]) * wire_bytes;
-      char* dst = static_cast<char*>(p.expert_x) + at * row_bytes;
-      if constexpr (kFormat == WireFormat::bf16) {
-        auto const [v_begin, v_end] = device::chunk_range(row_vecs, item % chunks, chunks);
-        device::copy_16B<false, landing::kCopyUnroll>(
-            dst + static_cast<std::size_t>(v_begin) * 16, src + static_cast<std::size_t>(v_begin) * 16,
-            static_cast<std::size_t>(v_end - v_begin) * 16, lane, 32);  // coherent loads
-      } else if (p.dequantize) {
-        device::dequantize_row_warp<kFormat, __nv_bfloat16>(reinterpret_cast<uint8_t const*>(src), p.hidden,
-                                                            reinterpret_cast<__nv_bfloat16*>(dst));
-      } else {
-        copy_payload_warp<false>(dst, src, row_bytes, lane);
-        device::deliver_scales_warp<kFormat>(reinterpret_cast<uint8_t const*>(src), p.hidden, p.scale_layout,
-                                             static_cast<std::size_t>(slots), static_cast<std::size_t>(slot),
-                                             static_cast<uint8_t*>(p.expert_scales) + e * p.scale_tensor_bytes,
-                                             p.expert_token_scales ? p.expert_token_scales + at : nullptr);
+    if constexpr (kFormat == WireFormat::bf16) {
+      copy_window_bf16<false>(p, s, n, [&](int landing) {
+        return reinterpret_cast<int4 const*>(landing_zone + static_cast<std::size_t>(landing) * wire_bytes);
+      });
+    } else {
+      // quantized: warp per hit (the codec's scale delivery works on a row)
+      int const lane = tid & 31;
+      for (int j = tid >> 5; j < n; j += kWarps) {
+        int const slot = s.slot[j];
+        if (slot >= slots) continue;
+        int const e = s.hit[j].expert;
+        std::size_t const at = static_cast<std::size_t>(e) * slots + slot;
+        auto const* src =
+            reinterpret_cast<uint8_t const*>(landing_zone + static_cast<std::size_t>(s.hit[j].landing) * wire_bytes);
+        char* const dst = static_cast<char*>(p.expert_x) + at * row_bytes;
+        if (p.dequantize) {
+          device::dequantize_row_warp<kFormat, __nv_bfloat16>(src, p.hidden, reinterpret_cast<__nv_bfloat16*>(dst));
+        } else {
+          copy_payload_warp<false>(dst, src, row_bytes, lane);
+          device::deliver_scales_warp<kFormat>(src, p.hidden, p.scale_layout, static_cast<std::size_t>(slots),
+                                               static_cast<std::size_t>(slot),
+                                               static_cast<uint8_t*>(p.expert_scales) + e * p.scale_tensor_bytes,
+                                               p.expert_token_scales ? p.expert_token_scales + at : nullptr);
+        }
       }
     }
     FERRY_TRACE_END(trace, ll_dispatch_copy);
-    __syncthreads();  // shared words are reused by the next expert
+    FERRY_TRACE_BEGIN(trace, ll_dispatch_scan);
+  };
+  // bf16: the own hits are in place with their slots (expand_own; the metadata above): only the peers' hits here
+  int const first_hit = own_direct<kFormat>(p) ? own : 0;
+  Share const share = cta_share(first_hit, totals.hits - first_hit, cta, p.num_ctas);
+  run_windows(s, s_before, share.begin, share.end, fill, on_slot, copy);
+  FERRY_TRACE_END(trace, ll_dispatch_scan);
+
+  // 7. the counts of the experts this CTA owns (e % num_ctas == cta), -1 past each one's filled slots
+  __syncthreads();  // s_total is complete after the first fill; the barrier orders it for every thread
+  for (int e = cta; e < num_local; e += p.num_ctas) {
+    int const count = s_total[e];
+    if (tid == 0) p.expert_counts[e] = count;
+    for (int slot = min(count, slots) + tid; slot < slots; slot += kThreads)
+      p.expert_src_row[static_cast<std::size_t>(e) * slots + slot] = -1;
   }
+  if (cta == 0 && tid == 0) p.state->num_recv = totals.rows;
 }
 
 // kSend / kRecv: which halves this instance runs (both: the one-kernel leg; one: the hook's halves). kFormat: the
@@ -348,6 +658,8 @@ template <typename IdxT, WireFormat kFormat, bool kSend, bool kRecv>
 __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(LlDispatchParams const p) {
   static_assert(kSend || kRecv, "an LL dispatch kernel runs at least one half");
   __shared__ uint64_t s_seq[2];
+  __shared__ ExpandShared s_expand;
+  extern __shared__ int32_t s_counts[];  // [2][num_local_experts] (expand_smem_bytes)
   int const cta = static_cast<int>(blockIdx.x);
   // 0. this CTA's sequence numbers (its own words: no other CTA touches them, stream order carries them across calls)
   if (threadIdx.x == 0) {
@@ -356,8 +668,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(LlDispatchPara
   }
   __syncthreads();
   FERRY_TRACE_WARP(trace, p.trace);
-  if constexpr (kSend) ll_dispatch_send<IdxT, kFormat>(p, s_seq[0] FERRY_TRACE_ARG(trace));
-  if constexpr (kRecv) ll_dispatch_recv<kFormat>(p, s_seq[1] FERRY_TRACE_ARG(trace));
+  if constexpr (kSend) ll_dispatch_send<IdxT, kFormat>(p, s_expand, s_counts, s_seq[0] FERRY_TRACE_ARG(trace));
+  if constexpr (kRecv) ll_dispatch_recv<kFormat>(p, s_expand, s_counts, s_seq[1] FERRY_TRACE_ARG(trace));
 }
 
 }  // namespace ferry::cuda_ll

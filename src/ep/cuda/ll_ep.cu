@@ -13,6 +13,7 @@
 #include "ep/cuda/landing.cuh"
 #include "ep/cuda/ll_buffers.hpp"
 #include "ep/ep_impl.hpp"
+#include "ferry/env.hpp"
 #include "ferry/error.hpp"
 #include "tuning/choose.hpp"
 
@@ -21,6 +22,13 @@ namespace ferry::cuda_ll {
 namespace {
 std::size_t align_up(std::size_t value, std::size_t alignment) {
   return (value + alignment - 1) / alignment * alignment;
+}
+
+template <typename T>
+T* device_alloc(std::size_t count) {
+  void* ptr = nullptr;
+  FERRY_CHECK_CUDA(cudaMalloc(&ptr, std::max<std::size_t>(count, 1) * sizeof(T)));
+  return static_cast<T*>(ptr);
 }
 }  // namespace
 
@@ -49,6 +57,86 @@ LlLayout make_ll_layout(EpConfig const& config, int world) {
   return layout;
 }
 
+void allocate_ll_buffers(LlBuffers& b) {
+  EpConfig const& config = b.config;
+  std::size_t const max_tokens = static_cast<std::size_t>(config.max_tokens_per_rank);
+  std::size_t const rows = static_cast<std::size_t>(b.world) * max_tokens;
+  std::size_t const topk = static_cast<std::size_t>(config.topk);
+  std::size_t const slots = static_cast<std::size_t>(b.num_local_experts) * b.expert_slots;
+  try {
+    b.state = device_alloc<LlState>(1);
+    b.token_mask = device_alloc<uint32_t>(max_tokens);
+    b.recv_src = device_alloc<int32_t>(rows * 2);
+    b.recv_idx = device_alloc<int32_t>(rows * topk);
+    b.recv_w = device_alloc<float>(rows * topk);
+    b.recv_slot = device_alloc<int32_t>(rows * topk);
+    b.expert_counts = device_alloc<int32_t>(static_cast<std::size_t>(b.num_local_experts));
+    b.expert_x = device_alloc<uint8_t>(slots * config.recv_row_bytes());
+    b.expert_src_row = device_alloc<int32_t>(slots);
+    b.own_slot = device_alloc<int32_t>(max_tokens * topk);
+    if (config.delivers_quantized()) {
+      b.scale_tensor_bytes =
+          scale_tensor_bytes(config.dispatch_format, config.recv_scale_layout, b.expert_slots, config.hidden);
+      std::size_t const all = static_cast<std::size_t>(b.num_local_experts) * b.scale_tensor_bytes;
+      b.expert_scales = device_alloc<uint8_t>(all);
+      // NOTE: zeroed once: the kernels write only the entries of (slot, block) pairs, so padding entries stay zero
+      // for every later call without a per-call memset.
+      FERRY_CHECK_CUDA(cudaMemset(b.expert_scales, 0, std::max<std::size_t>(all, 1)));
+      if (config.dispatch_format == WireFormat::nvfp4) b.expert_token_scales = device_alloc<float>(slots);
+    }
+    if (config.combine_format == WireFormat::nvfp4) {
+      // NOTE: one bf16 row per warp that can hold a received row (nvfp4 combine sends warp per row).
+      std::size_t const warps = std::min<std::size_t>(static_cast<std::size_t>(b.num_ctas) * kWarps, rows);
+      b.combine_scratch = device_alloc<uint16_t>(warps * static_cast<std::size_t>(config.hidden));
+    }
+    FERRY_CHECK_CUDA(cudaMemset(b.state, 0, sizeof(LlState)));
+    FERRY_CHECK_CUDA(cudaMemset(b.expert_counts, 0, sizeof(int32_t) * std::max(1, b.num_local_experts)));
+  } catch (...) {
+    free_ll_buffers(b);
+    throw;
+  }
+}
+
+void free_ll_buffers(LlBuffers& b) noexcept {
+  // NOTE: never throws; a failed free at teardown has no one to report to.
+  auto release = [](auto*& ptr) {
+    if (ptr) cudaFree(ptr);
+    ptr = nullptr;
+  };
+  release(b.state);
+  release(b.token_mask);
+  release(b.recv_src);
+  release(b.recv_idx);
+  release(b.recv_w);
+  release(b.recv_slot);
+  release(b.expert_counts);
+  release(b.expert_x);
+  release(b.expert_src_row);
+  release(b.own_slot);
+  release(b.expert_scales);
+  release(b.expert_token_scales);
+  release(b.combine_scratch);
+  b.scale_tensor_bytes = 0;
+}
+
+DispatchResult ll_dispatch_result(LlBuffers const& b) {
+  DispatchResult result;
+  result.recv_x = nullptr;  // LL returns the expert-major layout (see DispatchResult)
+  result.recv_topk_idx = b.recv_idx;
+  result.recv_topk_weights = b.recv_w;
+  result.recv_src = b.recv_src;
+  result.num_recv = &b.state->num_recv;
+  result.expert_counts = b.expert_counts;
+  result.recv_capacity = b.world * b.config.max_tokens_per_rank;
+  result.expert_x = b.expert_x;
+  result.recv_row_bytes = b.config.recv_row_bytes();
+  result.expert_src_row = b.expert_src_row;
+  result.expert_slots = b.expert_slots;
+  result.expert_scales = b.expert_scales;              // null unless quantized delivery
+  result.expert_token_scales = b.expert_token_scales;  // null unless nvfp4 delivery
+  return result;
+}
+
 namespace {
 
 // How the dispatch rows travel, for explain().
@@ -60,13 +148,6 @@ std::string format_explain(EpConfig const& config, DispatchArgs const& args) {
                                     : std::string("; payload + ") + scale_layout_name(config.recv_scale_layout) +
                                           " scales delivered in the copy)";
   return out;
-}
-
-template <typename T>
-T* device_alloc(std::size_t count) {
-  void* ptr = nullptr;
-  FERRY_CHECK_CUDA(cudaMalloc(&ptr, std::max<std::size_t>(count, 1) * sizeof(T)));
-  return static_cast<T*>(ptr);
 }
 
 class CudaLlEp final : public detail::EpBackendImpl {
@@ -81,6 +162,13 @@ class CudaLlEp final : public detail::EpBackendImpl {
     FERRY_CHECK_CONFIG(b.expert_slots > 0, "mode=ll needs a resolved config (EpConfig::resolved) with expert slots");
     FERRY_CHECK_CONFIG(b.world <= kMaxLocalPeers, "world=", b.world, " exceeds ", kMaxLocalPeers,
                        " ranks of one NVLink domain, the most mode=ll supports in this version");
+    FERRY_CHECK_CONFIG(b.num_local_experts <= kMaxLlLocalExperts, "num_experts=", config.num_experts, " gives ",
+                       b.num_local_experts, " local experts per rank at world=", b.world, "; mode=ll supports at most ",
+                       kMaxLlLocalExperts, " (use mode=normal, or more ranks)");
+    std::string const own_rows = env_string("FERRY_LL_OWN_ROWS");
+    FERRY_CHECK_CONFIG(own_rows == "landing" || own_rows == "direct", "FERRY_LL_OWN_ROWS=", own_rows,
+                       " is not one of: landing, direct");
+    b.own_direct = own_rows == "direct";  // a rank's own rows only: the ranks need not agree
     for (auto const* geometry : {&config.dispatch_geometry, &config.combine_geometry})
       FERRY_CHECK_CONFIG(!*geometry || (*geometry)->warps == 0 || (*geometry)->warps == kWarps,
                          "geometry warps=", (*geometry)->warps, " is not available: the LL kernels run ", kWarps,
@@ -109,44 +197,13 @@ class CudaLlEp final : public detail::EpBackendImpl {
     grid_why_ = choice.source;
     if (b.num_ctas != choice.geometry.blocks)
       grid_why_ += detail::concat("; ran ", b.num_ctas, " CTAs (at most one per SM, the same on every rank)");
-    b.expert_parts = std::max(1, b.num_ctas / std::max(1, b.num_local_experts));
 
     // 2. symmetric region (zeroed by the communicator: counters and sequence numbers start at 0) and local buffers
     b.view = comm.device_view();
     b.layout = make_ll_layout(config, b.world);
     SymmetricRegion const region = comm.alloc_symmetric(b.layout.total);
     b.sym = region.view;
-    std::size_t const max_tokens = static_cast<std::size_t>(config.max_tokens_per_rank);
-    std::size_t const rows = static_cast<std::size_t>(b.world) * max_tokens;
-    std::size_t const topk = static_cast<std::size_t>(config.topk);
-    std::size_t const slots = static_cast<std::size_t>(b.num_local_experts) * b.expert_slots;
-    b.state = device_alloc<LlState>(1);
-    b.token_mask = device_alloc<uint32_t>(max_tokens);
-    b.recv_src = device_alloc<int32_t>(rows * 2);
-    b.recv_idx = device_alloc<int32_t>(rows * topk);
-    b.recv_w = device_alloc<float>(rows * topk);
-    b.recv_slot = device_alloc<int32_t>(rows * topk);
-    b.expert_counts = device_alloc<int32_t>(static_cast<std::size_t>(b.num_local_experts));
-    b.expert_x = device_alloc<uint8_t>(slots * config.recv_row_bytes());
-    b.expert_src_row = device_alloc<int32_t>(slots);
-    b.slot_landing = device_alloc<int32_t>(slots);
-    if (config.delivers_quantized()) {
-      b.scale_tensor_bytes =
-          scale_tensor_bytes(config.dispatch_format, config.recv_scale_layout, b.expert_slots, config.hidden);
-      std::size_t const all = static_cast<std::size_t>(b.num_local_experts) * b.scale_tensor_bytes;
-      b.expert_scales = device_alloc<uint8_t>(all);
-      // NOTE: zeroed once: the kernels write only the entries of (slot, block) pairs, so padding entries stay zero
-      // for every later call without a per-call memset.
-      FERRY_CHECK_CUDA(cudaMemset(b.expert_scales, 0, std::max<std::size_t>(all, 1)));
-      if (config.dispatch_format == WireFormat::nvfp4) b.expert_token_scales = device_alloc<float>(slots);
-    }
-    if (config.combine_format == WireFormat::nvfp4) {
-      // NOTE: one bf16 row per warp that can hold a received row (nvfp4 combine sends warp per row).
-      std::size_t const warps = std::min<std::size_t>(static_cast<std::size_t>(b.num_ctas) * kWarps, rows);
-      b.combine_scratch = device_alloc<uint16_t>(warps * static_cast<std::size_t>(config.hidden));
-    }
-    FERRY_CHECK_CUDA(cudaMemset(b.state, 0, sizeof(LlState)));
-    FERRY_CHECK_CUDA(cudaMemset(b.expert_counts, 0, sizeof(int32_t) * std::max(1, b.num_local_experts)));
+    allocate_ll_buffers(b);
     b.trace = &trace_;
     if (int const events = trace::env_events_per_warp(); events > 0) trace_.enable(b.rank, b.num_ctas * kWarps, events);
     FERRY_CHECK_CUDA(cudaDeviceSynchronize());
@@ -154,16 +211,7 @@ class CudaLlEp final : public detail::EpBackendImpl {
     comm.bootstrap().barrier();
   }
 
-  ~CudaLlEp() override {
-    // NOTE: never throws; a failed free at teardown has no one to report to.
-    LlBuffers& b = buffers_;
-    for (void* ptr : {static_cast<void*>(b.state), static_cast<void*>(b.token_mask), static_cast<void*>(b.recv_src),
-                      static_cast<void*>(b.recv_idx), static_cast<void*>(b.recv_w), static_cast<void*>(b.recv_slot),
-                      static_cast<void*>(b.expert_counts), b.expert_x, static_cast<void*>(b.expert_src_row),
-                      static_cast<void*>(b.slot_landing), b.expert_scales, static_cast<void*>(b.expert_token_scales),
-                      b.combine_scratch})
-      if (ptr) cudaFree(ptr);
-  }
+  ~CudaLlEp() override { free_ll_buffers(buffers_); }
 
   DispatchResult dispatch(DispatchArgs const& args, cudaStream_t stream) override {
     LlBuffers const& b = buffers_;
@@ -176,12 +224,16 @@ class CudaLlEp final : public detail::EpBackendImpl {
     why << "dispatch: ll/nvlink-push "
         << (split ? "split (send kernel now, receive kernel in complete_dispatch)" : "one kernel (send + receive)")
         << ", " << b.num_ctas << " CTAs x " << kWarps << " warps (cooperative; grid: " << grid_why_
-        << "), warp per token, "
-        << "receive: " << b.expert_parts << " CTA(s) per local expert (ordered scan + copy into expert_x), ids "
+        << "), warp per token, own rows "
+        << (b.own_direct && b.config.dispatch_format == WireFormat::bf16
+                ? "copied from x into their slots by the send half (FERRY_LL_OWN_ROWS=direct)"
+                : "staged in the landing zone")
+        << ", receive: ordered scan in every CTA, the hits (row, expert) spread evenly over the CTAs, each landed row "
+           "loaded once per CTA and copied to its slots in expert_x, ids "
         << (args.topk_idx_type == IndexType::int64 ? "int64" : "int32") << ", wire " << format_explain(b.config, args)
         << "; fast path";
     dispatch_explain_ = why.str();
-    if (split) return views();
+    if (split) return ll_dispatch_result(buffers_);
     return finish_dispatch(args.eager, stream);
   }
 
@@ -228,27 +280,8 @@ class CudaLlEp final : public detail::EpBackendImpl {
   }
 
  private:
-  DispatchResult views() const {
-    LlBuffers const& b = buffers_;
-    DispatchResult result;
-    result.recv_x = nullptr;  // LL returns the expert-major layout (see DispatchResult)
-    result.recv_topk_idx = b.recv_idx;
-    result.recv_topk_weights = b.recv_w;
-    result.recv_src = b.recv_src;
-    result.num_recv = &b.state->num_recv;
-    result.expert_counts = b.expert_counts;
-    result.recv_capacity = b.world * b.config.max_tokens_per_rank;
-    result.expert_x = b.expert_x;
-    result.recv_row_bytes = b.config.recv_row_bytes();
-    result.expert_src_row = b.expert_src_row;
-    result.expert_slots = b.expert_slots;
-    result.expert_scales = b.expert_scales;              // null unless quantized delivery
-    result.expert_token_scales = b.expert_token_scales;  // null unless nvfp4 delivery
-    return result;
-  }
-
   DispatchResult finish_dispatch(bool eager, cudaStream_t stream) {
-    DispatchResult result = views();
+    DispatchResult result = ll_dispatch_result(buffers_);
     if (eager) {
       int32_t num_recv = 0;
       FERRY_CHECK_CUDA(

@@ -78,17 +78,19 @@ struct LlDispatchParams {
   int max_tokens;
   int expert_slots;
   int num_ctas;
-  int expert_parts;  // CTAs per local expert in the receive half (1 when experts >= CTAs)
   LlState* state;
-  uint32_t* token_mask;          // [max_tokens] destination ranks of each token (for combine)
-  int32_t* recv_src;             // [world * max_tokens, 2] (source rank, source token), rank-major
-  int32_t* recv_idx;             // [world * max_tokens, topk] local expert or -1
-  float* recv_w;                 // [world * max_tokens, topk]
-  int32_t* recv_slot;            // [world * max_tokens, topk] slot within its expert or -1
-  int32_t* expert_counts;        // [num_local_experts]
-  void* expert_x;                // [num_local_experts, expert_slots, expert_row_bytes] bf16 rows or wire payloads
-  int32_t* expert_src_row;       // [num_local_experts, expert_slots] rank-major row, -1 past the count
-  int32_t* slot_landing;         // [num_local_experts, expert_slots] landing row (source * max_tokens + token)
+  uint32_t* token_mask;     // [max_tokens] destination ranks of each token (for combine)
+  int32_t* recv_src;        // [world * max_tokens, 2] (source rank, source token), rank-major
+  int32_t* recv_idx;        // [world * max_tokens, topk] local expert or -1
+  float* recv_w;            // [world * max_tokens, topk]
+  int32_t* recv_slot;       // [world * max_tokens, topk] slot within its expert or -1
+  int32_t* expert_counts;   // [num_local_experts]
+  void* expert_x;           // [num_local_experts, expert_slots, expert_row_bytes] bf16 rows or wire payloads
+  int32_t* expert_src_row;  // [num_local_experts, expert_slots] rank-major row, -1 past the count
+  // bf16: [max_tokens, topk] the slot of this rank's own (token, k) entries (written by the send half's own
+  // expansion, read by the receive half for their metadata; -1 past expert_capacity or not a local expert)
+  int32_t* own_slot;
+  bool own_direct;               // LlBuffers::own_direct
   std::size_t expert_row_bytes;  // EpConfig::recv_row_bytes(): hidden * 2, or the payload (quantized delivery)
   // Quantized dispatch_format: deliver bf16 rows dequantized from the wire (else payload + scales).
   bool dequantize;
