@@ -1,6 +1,7 @@
 """The reference semantics of dispatch and combine (DESIGN.md "Semantics", src/ep/reference.hpp) in NumPy, bit for
 bit: bf16 rounding to nearest even, the receiver's fmaf chain over k ascending, the source's fp32 sum over
-destination ranks ascending starting from +0.0f, capacities that drop rows and slots."""
+destination ranks ascending starting from +0.0f, expert slots that take the own rank's rows first, capacities that drop
+rows and slots."""
 
 from __future__ import annotations
 
@@ -147,7 +148,10 @@ def dispatch(config: Config, world: int, rank: int, inputs: list[RankInput]) -> 
     recv_slot = np.full((n, config.topk), -1, np.int32)
     src_row = np.full((nl, slots), -1, np.int32)
     dropped_slots = 0
-    for i in range(n):
+    # an expert's slots take the rows from this rank's own first row on, then wrap around (own tokens first)
+    own_first = next((i for i, (s, _) in enumerate(delivered) if s >= rank), n)
+    for q in range(n):
+        i = (own_first + q) % n
         for k in range(config.topk):
             e = recv_idx[i, k]
             if e < 0:
