@@ -183,12 +183,8 @@ int ll_case() {
       // poison what the calls write
       CK(cudaMemset(dev.y_em, 0xEE, dev.y_bytes + 4096));
       CK(cudaMemset(dev.y_rm, 0xEE, dev.y_bytes + 4096));
-      for (auto const& result : results) {
-        if (!result.expert_x) continue;
-        CK(cudaMemset(result.expert_src_row, 0xEE, static_cast<std::size_t>(num_local) * slots * 4));
-        CK(cudaMemset(result.expert_counts, 0xEE, static_cast<std::size_t>(num_local) * 4));
-        CK(cudaMemset(result.recv_src, 0xEE, static_cast<std::size_t>(max_rows) * 8));
-      }
+      for (auto const& result : results)
+        if (result.expert_x) poison_ll_dispatch(config, world, ll_outputs(result));
     } else if (!eout_uploaded) {
       CK(cudaMemset(dev.eout, 0, static_cast<std::size_t>(num_local) * slots * row_bytes));
       eout_uploaded = true;
