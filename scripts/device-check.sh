@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repo root: build Ferry (build-device/), run the GPU tests, the C++ example against the
 # installed package (examples/cpp, cuda backend), `ferry p2p` and a short `ferry bench` (normal mode with wire
-# formats at 128 / 4096 tokens, then normal vs low-latency at 1 / 128 tokens), keep every log (in $OUT when set, else
+# formats at 128 / 4096 tokens, then normal vs low-latency at 1 / 128 tokens, then LL at 1 / 128 / 512 tokens with
+# FERRY_LL_OWN_ROWS=landing and =direct), keep every log (in $OUT when set, else
 # build-device/logs), and print a short summary last.
 # Exit status: non-zero when the build, a GPU test, the example or ferry p2p failed (a bench that is missing or fails
 # is reported, not fatal).
@@ -27,7 +28,7 @@ while [[ $# -gt 0 ]]; do
     --no-p2p) RUN_P2P=0; shift ;;
     --no-bench) RUN_BENCH=0; shift ;;
     --p2p-args) P2P_ARGS="$2"; shift 2 ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) echo "device-check: unknown argument '$1'; see --help" >&2; exit 2 ;;
   esac
 done
@@ -102,6 +103,14 @@ if [[ $RUN_BENCH -eq 1 ]]; then
   timeout 120 "$BUILD/ferry" bench --mode both --tokens 1,128 --graph --check --baseline nccl --iters 10 \
     --json "$LOGS/bench-ll.json" >"$LOGS/bench-ll.log" 2>&1 || BENCH_RC=$?
   tail -n 12 "$LOGS/bench-ll.log"
+  # LL dispatch with the own rows staged (default) and copied by the send half (FERRY_LL_OWN_ROWS=direct), same build
+  # (docs/perf.md, session 10: direct is unmeasured at world >= 2)
+  for own in landing direct; do
+    stamp "ferry bench --mode ll, FERRY_LL_OWN_ROWS=$own"
+    FERRY_LL_OWN_ROWS=$own timeout 120 "$BUILD/ferry" bench --mode ll --tokens 1,128,512 --graph --check --iters 10 \
+      --json "$LOGS/bench-ll-own-$own.json" >"$LOGS/bench-ll-own-$own.log" 2>&1 || BENCH_RC=$?
+    grep -E "^dispatch" "$LOGS/bench-ll-own-$own.log"
+  done
 fi
 
 # 5. summary
@@ -158,7 +167,8 @@ if run_p2p:
                 print(f"p2p latency            one-way {r['latency_us']:.2f} us")
         print(f"  (targets: push 256MiB >= 350 oneway, >= 690 bidir sum; latency <= 1.5 us)")
 if run_bench:
-    for name in ("bench.json", "bench-ll.json"):
+    for name, label in (("bench.json", ""), ("bench-ll.json", ""), ("bench-ll-own-landing.json", " own=landing"),
+                        ("bench-ll-own-direct.json", " own=direct")):
         bench = load(name)
         if bench is None:
             print(f"bench                  no result in {name} (exit {bench_rc}); see {name[:-5]}.log")
@@ -168,7 +178,7 @@ if run_bench:
             print(f"bench {r.get('mode','?'):<6} {r.get('leg','?'):<8} {r.get('format','?'):<6} tokens {r.get('tokens','?'):>5} "
                   f"graph {str(r.get('graph','?')):<5} {r.get('median_us', 0):9.1f} us "
                   f"nvlink {r.get('nvlink_gbps', 0):7.1f} GB/s check {r.get('check','?')}"
-                  + (f" x{speed:.2f} vs nccl" if isinstance(speed, (int, float)) else ""))
+                  + (f" x{speed:.2f} vs nccl" if isinstance(speed, (int, float)) else "") + label)
 print(f"logs                   {logs}")
 PY
 
