@@ -28,11 +28,11 @@
   X(combine, finish)    /* 3. arrival; the last CTA advances the sequence */                                      \
   /* ll_dispatch.cuh: send half 1-3, receive half 4-6 */                                                          \
   X(ll_dispatch, send)          /* 2. warp per token: metadata to every rank, the row to its destinations */      \
-  X(ll_dispatch, own)           /* 2b. bf16: this rank's own rows from x into their slots */                      \
   X(ll_dispatch, send_arrival)  /* 3. barrier, then +1 on every destination's arrival counter */                  \
   X(ll_dispatch, wait_arrivals) /* 4. wait for every source's send CTAs */                                        \
   X(ll_dispatch, scan)          /* 5. ordered scan of the landed records, the CTA's share of the slots */         \
   X(ll_dispatch, copy)          /* 6. the share's landed rows into expert_x */                                    \
+  X(ll_dispatch, own)           /* 2b. FERRY_LL_OWN_ROWS=direct: this rank's own rows from x into their slots */  \
   /* ll_combine.cuh: send half 1-2, receive half 3-4 */                                                           \
   X(ll_combine, send)          /* 1. the rows (reduced when expert-major) into each source's landing zone */      \
   X(ll_combine, send_arrival)  /* 2. barrier, then +1 on every source's arrival counter */                        \

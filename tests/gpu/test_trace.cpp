@@ -13,6 +13,7 @@
 
 #include "ep/routing.hpp"
 #include "ferry/communicator.hpp"
+#include "ferry/env.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
 #include "ferry/trace.hpp"
@@ -31,9 +32,11 @@ namespace {
 #if FERRY_HAVE_CUDA
 
 // Normal-mode dispatch runs one of two protocols (the count exchange, or the landing zone of small batches: slots
-// "dispatch.land_*"); `landing` says which one this EpBuffer runs, and the other's slots are not expected.
+// "dispatch.land_*"); `landing` says which one this EpBuffer runs, and the other's slots are not expected. The LL
+// dispatch's "ll_dispatch.own" (the send half copying the own rows) runs only with FERRY_LL_OWN_ROWS=direct.
 bool slot_expected(int slot, TraceKernel kernel, bool landing) {
   if (trace::kSlotKernel[slot] != kernel) return false;
+  if (slot == static_cast<int>(trace::TraceSlot::ll_dispatch_own)) return env_string("FERRY_LL_OWN_ROWS") == "direct";
   if (kernel != TraceKernel::dispatch) return true;
   bool const land_slot = std::string(trace::kSlotNames[slot]).rfind("dispatch.land_", 0) == 0;
   return land_slot == landing;
