@@ -184,7 +184,7 @@ int ll_case() {
       CK(cudaMemset(dev.y_em, 0xEE, dev.y_bytes + 4096));
       CK(cudaMemset(dev.y_rm, 0xEE, dev.y_bytes + 4096));
       for (auto const& result : results)
-        if (result.expert_x) poison_ll_dispatch(config, world, ll_outputs(result));
+        if (result.expert_x) poison_ll_dispatch(config, world, result);
     } else if (!eout_uploaded) {
       CK(cudaMemset(dev.eout, 0, static_cast<std::size_t>(num_local) * slots * row_bytes));
       eout_uploaded = true;
@@ -238,8 +238,7 @@ int ll_case() {
 
     // dispatch outputs of every layer (the same inputs)
     for (int l = 0; l < spec.layers; ++l)
-      if (int const code = check_ll_dispatch(config, world, rank, iter, expected[rank], ll_outputs(results[l])))
-        return code;
+      if (int const code = check_ll_dispatch(config, world, rank, iter, expected[rank], results[l])) return code;
 
     // combine outputs (the last layer's, written last)
     auto const y_ref_em = ref::combine_expert_major(config, world, rank, inputs, expected, eout);

@@ -180,7 +180,7 @@ int ll_quant_case() {
       CK(cudaMemcpy(eout.ptr, outs[rank].data(), outs[rank].size() * 2, cudaMemcpyHostToDevice));
       CK(cudaMemset(y_em.ptr, 0xEE, y_em.bytes));
       CK(cudaMemset(y_rm.ptr, 0xEE, y_rm.bytes));
-      if (result.expert_x) poison_ll_dispatch(config, world, ll_outputs(result));
+      if (result.expert_x) poison_ll_dispatch(config, world, result);
     } else if (iter == 0) {
       CK(cudaMemset(eout.ptr, 0, eout.bytes));
       CK(cudaMemset(rows_in.ptr, 0, rows_in.bytes));
@@ -220,7 +220,7 @@ int ll_quant_case() {
         CK(cudaGraphDestroy(g));
         // the eager round wrote what this iteration checks
         CK(cudaMemset(y_em.ptr, 0xEE, y_em.bytes));
-        poison_ll_dispatch(config, world, ll_outputs(result));
+        poison_ll_dispatch(config, world, result);
         CK(cudaDeviceSynchronize());
       }
       CK(cudaGraphLaunch(graph, stream));
@@ -232,7 +232,7 @@ int ll_quant_case() {
 
     if (result.recv_x != nullptr) return fail("recv_x not null", rank, iter, 0);
     if (result.recv_row_bytes != config.recv_row_bytes()) return fail("recv_row_bytes", rank, iter, 0);
-    if (int const code = check_ll_dispatch(config, world, rank, iter, expected[rank], ll_outputs(result))) return code;
+    if (int const code = check_ll_dispatch(config, world, rank, iter, expected[rank], result)) return code;
     auto const y_ref_em = ref::combine_expert_major(config, world, rank, inputs, expected, outs);
     if (int const code =
             check_combined("y expert-major", y_em.ptr, y_ref_em, y_em.bytes / 2 - y_ref_em.size(), rank, iter))

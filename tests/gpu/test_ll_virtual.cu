@@ -81,13 +81,6 @@ int ctas_per_rank(int world) {
   return std::min(cuda_ll::kMaxCtas, num_sms / world);
 }
 
-// The outputs of a virtual rank's dispatch: what its EpBuffer would hand out, and recv_slot (not in a DispatchResult).
-LlDispatchOutputs outputs_of(LlBuffers const& b) {
-  LlDispatchOutputs out = ll_outputs(cuda_ll::ll_dispatch_result(b));
-  out.recv_slot = b.recv_slot;
-  return out;
-}
-
 // `world` ranks of one LL EpBuffer on the current GPU: what CudaLlEp sets up per rank, except that the symmetric
 // regions are plain allocations every rank sees at the same addresses, and a grid of num_ctas launched side by side.
 class VirtualRanks {
@@ -271,7 +264,7 @@ void run_virtual(Spec const& spec, int num_ctas) {
       upload(io[r].rows, rows[r]);
       upload(io[r].eout, eout[r]);
       // 2. poison what the calls write
-      poison_ll_dispatch(config, world, outputs_of(ranks[r]));
+      poison_ll_dispatch(config, world, cuda_ll::ll_dispatch_result(ranks[r]), ranks[r].recv_slot);
       CK(cudaMemset(io[r].y_em.ptr, 0xEE, io[r].y_em.bytes));
       CK(cudaMemset(io[r].y_rm.ptr, 0xEE, io[r].y_rm.bytes));
     }
@@ -291,7 +284,9 @@ void run_virtual(Spec const& spec, int num_ctas) {
     // 4. every rank's outputs against the reference
     for (int r = 0; r < world; ++r) {
       SCOPED_TRACE("rank " + std::to_string(r) + " iter " + std::to_string(iter));
-      ASSERT_EQ(check_ll_dispatch(config, world, r, iter, expected[r], outputs_of(ranks[r])), 0);
+      ASSERT_EQ(check_ll_dispatch(config, world, r, iter, expected[r], cuda_ll::ll_dispatch_result(ranks[r]),
+                                  ranks[r].recv_slot),
+                0);
       auto const y_em = ref::combine_expert_major(config, world, r, inputs, expected, eout);
       ASSERT_EQ(check_combined("y expert-major", io[r].y_em.ptr, y_em, kGuardElems, r, iter), 0);
       auto const y_rm = ref::combine_rank_major(config, world, r, inputs, expected, rows);

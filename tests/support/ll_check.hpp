@@ -23,35 +23,6 @@
 
 namespace ferry::test {
 
-// One rank's LL dispatch outputs, in device memory (shapes as in DispatchResult; recv_capacity rows are
-// EpConfig::recv_capacity(world)).
-struct LlDispatchOutputs {
-  int32_t* num_recv = nullptr;
-  int32_t* recv_topk_idx = nullptr;      // [recv_capacity, topk]
-  float* recv_topk_weights = nullptr;    // [recv_capacity, topk]
-  int32_t* recv_src = nullptr;           // [recv_capacity, 2]
-  int32_t* recv_slot = nullptr;          // [recv_capacity, topk]; null: not compared (DispatchResult has none)
-  int32_t* expert_counts = nullptr;      // [num_local_experts]
-  void* expert_x = nullptr;              // [num_local_experts, expert_slots, recv_row_bytes]
-  int32_t* expert_src_row = nullptr;     // [num_local_experts, expert_slots]
-  void* expert_scales = nullptr;         // quantized delivery only
-  float* expert_token_scales = nullptr;  // nvfp4 delivery only
-};
-
-inline LlDispatchOutputs ll_outputs(DispatchResult const& result) {
-  LlDispatchOutputs out;
-  out.num_recv = result.num_recv;
-  out.recv_topk_idx = result.recv_topk_idx;
-  out.recv_topk_weights = result.recv_topk_weights;
-  out.recv_src = result.recv_src;
-  out.expert_counts = result.expert_counts;
-  out.expert_x = result.expert_x;
-  out.expert_src_row = result.expert_src_row;
-  out.expert_scales = result.expert_scales;
-  out.expert_token_scales = result.expert_token_scales;
-  return out;
-}
-
 // Bytes of one row's scales in a pre-quantized input or a scale tensor entry: fp32 for fp8_e4m3, one byte otherwise.
 inline int scale_entry_bytes(WireFormat format) {
   return format == WireFormat::fp8_e4m3 ? 4 : 1;
@@ -59,7 +30,9 @@ inline int scale_entry_bytes(WireFormat format) {
 
 // Poisons (0xEE) what a dispatch writes: the metadata, expert_x, the scale entries of every slot (not the padding,
 // which the kernels never write and must stay zero) and the token scales.
-inline void poison_ll_dispatch(EpConfig const& config, int world, LlDispatchOutputs const& out) {
+// recv_slot: [recv_capacity, topk] (not in a DispatchResult; the virtual-rank test has it), or null.
+inline void poison_ll_dispatch(EpConfig const& config, int world, DispatchResult const& out,
+                               int32_t* recv_slot = nullptr) {
   int const num_local = config.num_local_experts(world);
   int const slots = config.expert_slots();
   std::size_t const rows = static_cast<std::size_t>(num_local) * slots;
@@ -68,7 +41,7 @@ inline void poison_ll_dispatch(EpConfig const& config, int world, LlDispatchOutp
   CK(cudaMemset(out.recv_topk_idx, 0xEE, entries * 4));
   CK(cudaMemset(out.recv_topk_weights, 0xEE, entries * 4));
   CK(cudaMemset(out.recv_src, 0xEE, static_cast<std::size_t>(config.recv_capacity(world)) * 8));
-  if (out.recv_slot) CK(cudaMemset(out.recv_slot, 0xEE, entries * 4));
+  if (recv_slot) CK(cudaMemset(recv_slot, 0xEE, entries * 4));
   CK(cudaMemset(out.expert_x, 0xEE, rows * config.recv_row_bytes()));
   CK(cudaMemset(out.expert_src_row, 0xEE, rows * 4));
   CK(cudaMemset(out.expert_counts, 0xEE, static_cast<std::size_t>(num_local) * 4));
@@ -91,7 +64,7 @@ inline void poison_ll_dispatch(EpConfig const& config, int world, LlDispatchOutp
 // rows (payload of the filled slots; every byte of the scale tensor but the entries of unfilled slots, which are
 // unspecified, so the zero padding is compared too; nvfp4's token scales of the filled slots).
 inline int check_ll_quantized_delivery(EpConfig const& config, int world, int rank, int iter,
-                                       ref::RankDispatch const& mine, LlDispatchOutputs const& got) {
+                                       ref::RankDispatch const& mine, DispatchResult const& got) {
   int const hidden = config.hidden;
   int const num_local = config.num_local_experts(world);
   int const slots = config.expert_slots();
@@ -138,10 +111,10 @@ inline int check_ll_quantized_delivery(EpConfig const& config, int world, int ra
 }
 
 // Everything one rank's LL dispatch delivered against the reference's `mine`: num_recv, the rank-major metadata of
-// the num_recv rows (and recv_slot where given), expert_counts, expert_src_row, and the filled slots of expert_x
-// (bf16 rows, the dequantized rows, or the quantized delivery).
+// the num_recv rows (and recv_slot where given: not in a DispatchResult), expert_counts, expert_src_row, and the filled
+// slots of expert_x (bf16 rows, the dequantized rows, or the quantized delivery).
 inline int check_ll_dispatch(EpConfig const& config, int world, int rank, int iter, ref::RankDispatch const& mine,
-                             LlDispatchOutputs const& got) {
+                             DispatchResult const& got, int32_t const* recv_slot = nullptr) {
   int const hidden = config.hidden;
   int const topk = config.topk;
   int const num_local = config.num_local_experts(world);
@@ -158,8 +131,8 @@ inline int check_ll_dispatch(EpConfig const& config, int world, int rank, int it
     return fail("recv_topk_weights", rank, iter, d);
   auto const rs = to_host<int32_t>(got.recv_src, static_cast<std::size_t>(num_recv) * 2);
   if ((d = first_diff(rs.data(), mine.recv_src.data(), rs.size())) >= 0) return fail("recv_src", rank, iter, d);
-  if (got.recv_slot) {
-    auto const slot = to_host<int32_t>(got.recv_slot, entries);
+  if (recv_slot) {
+    auto const slot = to_host<int32_t>(recv_slot, entries);
     if ((d = first_diff(slot.data(), mine.recv_slot.data(), slot.size())) >= 0) return fail("recv_slot", rank, iter, d);
   }
   auto const ec = to_host<int32_t>(got.expert_counts, num_local);
