@@ -10,8 +10,8 @@
 // Each case draws fresh inputs every iteration (seed printed), poisons every output first, runs dispatch, the
 // expert-major combine and the rank-major combine back to back on every rank, checks every rank's error block and
 // compares every rank's outputs with the reference bit for bit (tests/support/ll_check.hpp): bf16 at worlds 2, 4 and
-// 8 over a table of shapes, fp8 with quantized delivery, and the hook path (every send half, then every receive half).
-// Needs one GPU; skips without one, and skips a world the GPU cannot hold one CTA per rank of.
+// 8 over a table of shapes, fp8, nvfp4 and mxfp4 with quantized delivery, and the hook path (every send half, then
+// every receive half). Needs one GPU; skips without one, and skips a world the GPU cannot hold one CTA per rank of.
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
@@ -371,6 +371,23 @@ TEST(LowLatencyVirtualRanks, Fp8QuantizedDelivery) {
                      "experts=256", "capacity=80", "iters=2"});
     table.push_back({w, "dispatch=fp8", "combine=bf16", "layout=mn_major_tma", "tokens=37,64,0,5", "hidden=2944",
                      "topk=6", "experts=64", "mask=0.2", "iters=2"});
+  }
+  run_rows(table);
+}
+
+// nvfp4 and mxfp4 dispatch (the send quantizes a row in chunks; nvfp4's token scale is met over the chunks' warps of
+// a CTA), delivered quantized: 8-byte nvfp4 payload units at hidden 2064, and at world 8 (16 CTAs a rank) more tokens
+// than warps, so a CTA's warps take several steps of rows.
+TEST(LowLatencyVirtualRanks, Fp4QuantizedDelivery) {
+  std::vector<std::vector<std::string>> table;
+  for (int world : {2, 8}) {
+    std::string const w = "world=" + std::to_string(world);
+    table.push_back({w, "dispatch=nvfp4", "combine=bf16", "layout=blocked_128x4", "tokens=128", "hidden=7168", "topk=8",
+                     "experts=256", "capacity=80", "iters=2"});
+    table.push_back({w, "dispatch=nvfp4", "combine=nvfp4", "layout=row_major", "tokens=300,17", "hidden=2064", "topk=4",
+                     "experts=64", "iters=2"});
+    table.push_back({w, "dispatch=mxfp4", "combine=bf16", "layout=mn_major_tma_packed_ue8m0", "tokens=300,0,64",
+                     "hidden=2080", "topk=6", "experts=64", "mask=0.2", "iters=2"});
   }
   run_rows(table);
 }

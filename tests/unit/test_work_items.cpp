@@ -58,5 +58,30 @@ TEST(WorkItems, ChunksPerRowFillTheGridWithinOneVectorPerLane) {
   }
 }
 
+TEST(WorkItems, CtaChunksPerRowArePowersOfTwoWithinOneCta) {
+  // hidden 7168 on a 132 x 16-warp grid: fp8 has 56 scale groups, e2m1 224 units
+  EXPECT_EQ(cta_chunks_per_row(1, 2112, 56, 16), 16);
+  EXPECT_EQ(cta_chunks_per_row(128, 2112, 56, 16), 16);  // 2112 / 128 = 16.5
+  EXPECT_EQ(cta_chunks_per_row(512, 2112, 224, 16), 4);  // 4.1
+  EXPECT_EQ(cta_chunks_per_row(300, 2112, 224, 16), 4);  // 7.04: the power of two below
+  EXPECT_EQ(cta_chunks_per_row(2112, 2112, 224, 16), 1);
+  EXPECT_EQ(cta_chunks_per_row(5000, 2112, 224, 16), 1);
+  EXPECT_EQ(cta_chunks_per_row(1, 2112, 3, 16), 2);  // never more chunks than groups
+  EXPECT_EQ(cta_chunks_per_row(0, 2112, 56, 16), 1);
+  for (int rows = 1; rows <= 600; rows += 7) {
+    for (int groups : {1, 2, 3, 16, 56, 224}) {
+      for (int warps : {16, 64, 2112}) {
+        int const chunks = cta_chunks_per_row(rows, warps, groups, 16);
+        ASSERT_GE(chunks, 1);
+        ASSERT_EQ(16 % chunks, 0) << "a row's chunks straddle CTAs: rows=" << rows << " groups=" << groups;
+        ASSERT_LE(chunks, groups) << "an empty chunk: rows=" << rows << " groups=" << groups;
+        if (chunks > 1) ASSERT_LE(rows * chunks, warps) << "more items than warps: rows=" << rows;
+        ASSERT_TRUE(chunks * 2 > 16 || chunks * 2 > groups || rows * chunks * 2 > warps)
+            << "a larger power of two fits: rows=" << rows << " groups=" << groups << " warps=" << warps;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ferry::device

@@ -37,4 +37,17 @@ FERRY_WORK_HD int chunks_per_row(int rows, int warps, int num_vec) {
   return chunks > 1 ? chunks : 1;
 }
 
+// Chunks per row when a row's chunks must be worked by warps of one CTA (a quantized LL send: nvfp4's token scale is
+// the max over the chunks' amaxes, met in shared memory): the largest power of two that is at most cta_warps (a power
+// of two, so the chunks of a row never straddle two CTAs), warps / rows (one item per warp on average) and `groups`
+// (the pieces a chunk may not split, e.g. a row's scale blocks). Never fewer than one.
+FERRY_WORK_HD int cta_chunks_per_row(int rows, int warps, int groups, int cta_warps) {
+  int const want = rows > 0 ? warps / rows : 1;
+  int most = cta_warps < want ? cta_warps : want;
+  most = most < groups ? most : groups;
+  int chunks = 1;
+  while (chunks * 2 <= most) chunks *= 2;
+  return chunks;
+}
+
 }  // namespace ferry::device

@@ -37,7 +37,7 @@
 #include "ep/cuda/landing.cuh"  // send_row_chunk
 #include "ep/cuda/params.cuh"
 #include "quant/device_codec.cuh"
-#include "quant/device_unit_codec.cuh"
+#include "quant/device_push.cuh"
 #include "quant/layout.hpp"
 #include "trace/device_trace.cuh"
 
@@ -67,115 +67,39 @@ __device__ __forceinline__ void nvfp4_token_scales(DispatchParams const& p, int 
   }
 }
 
-// Push of one quantized row (items (token, chunk) as the bf16 push): the warp quantizes its chunk of the row unit by
-// unit (or loads the pre-quantized pieces) and stores each unit's payload and scales into every destination of
-// `send` at its final row rows[d]. Chunks are whole scale blocks, so a block's lanes are all in one chunk.
+// Push of one quantized row (items (token, chunk) as the bf16 push): the warp quantizes its chunk of the row (or
+// forwards the pre-quantized pieces) and stores the pieces into every destination of `send` at its final row rows[d]
+// (device_push.cuh). Chunks are whole scale groups, so a block's lanes are all in one chunk.
 template <WireFormat kFormat, int kUnitElems>
 __device__ __forceinline__ void push_quantized_row(DispatchParams const& p, int t, int chunk, int chunks, uint32_t send,
                                                    int32_t const* rows, int lane) {
   using Codec = device::UnitCodec<kFormat, kUnitElems>;
-  // units per lane loaded before the conversions: 4 vectors of bf16 in flight per lane, as the bf16 push
-  constexpr int kInFlight = kDispatchUnroll / Codec::kVecs;
-  constexpr int kScaleBytes = Codec::kTraits.scale_bytes;
-  static_assert(kInFlight >= 1, "a unit is at most kDispatchUnroll vectors");
-  int const num_units = p.hidden / kUnitElems;
-  int const num_groups = num_units / Codec::kLanesPerBlock;
-  device::ChunkRange const groups = device::chunk_range(num_groups, chunk, chunks);
-  int const u_begin = groups.begin * Codec::kLanesPerBlock;
-  int const u_end = groups.end * Codec::kLanesPerBlock;
   bool const prequantized = p.x_scales != nullptr;
   std::size_t const num_scales = static_cast<std::size_t>(p.hidden) / Codec::kTraits.block_elems;
-  std::size_t const payload_bytes = static_cast<std::size_t>(num_units) * Codec::kPieceBytes;
-  char const* const x_payload = static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * payload_bytes;
-  char const* const x_scales =
-      static_cast<char const*>(p.x_scales) + static_cast<std::size_t>(t) * num_scales * kScaleBytes;
-  auto const* const x_row = static_cast<int4 const*>(p.x) + static_cast<std::size_t>(t) * (p.hidden / 8);
-
-  float token_scale = 0.0f;
-  if constexpr (kFormat == WireFormat::nvfp4) {
-    // the per-token scale (the whole row's amax enters every block scale): given, or computed by this CTA before the
-    // count exchange's wait (nvfp4_token_scales)
-    token_scale = prequantized ? p.x_token_scales[t] : p.token_scales[t];
-    if (chunk == 0 && lane == 0) {
-      for (uint32_t m = send; m != 0; m &= m - 1) {
-        int const d = __ffs(m) - 1;
-        *reinterpret_cast<float*>(p.sym[d] + p.qdst.token + static_cast<std::size_t>(rows[d]) * p.qdst.token_stride) =
-            token_scale;
-      }
-    }
+  std::size_t const payload_bytes = static_cast<std::size_t>(p.hidden / kUnitElems) * Codec::kPieceBytes;
+  device::QuantRowInput in;
+  if (prequantized) {
+    in.payload = static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * payload_bytes;
+    in.scales =
+        static_cast<char const*>(p.x_scales) + static_cast<std::size_t>(t) * num_scales * Codec::kTraits.scale_bytes;
+  } else {
+    in.x_row = static_cast<int4 const*>(p.x) + static_cast<std::size_t>(t) * (p.hidden / 8);
   }
-
-  // The bf16 units of the step at `base` (zeros past the chunk).
-  auto load_step = [&](int base, int4(&raw)[kInFlight][Codec::kVecs]) {
-    Codec::template load_units<kInFlight>(x_row, base, u_end, lane, raw);
-  };
-  // Scales of blocks that span several lanes are gathered over the steps and stored 32 at a time (ScaleWindow).
-  constexpr bool kWindowed = Codec::kLanesPerBlock > 1;
-  auto store_scales = [&](int d, std::size_t block, uint32_t scales) {
-    Codec::store_scales(
-        p.sym[d] + p.qdst.scales + static_cast<std::size_t>(rows[d]) * p.qdst.scales_stride + block * kScaleBytes,
-        scales);
-  };
-  auto store_scales_everywhere = [&](std::size_t block, uint32_t scales) {
-    for (uint32_t m = send; m != 0; m &= m - 1) store_scales(__ffs(m) - 1, block, scales);
-  };
-  std::size_t const end_block = Codec::block_of(static_cast<std::size_t>(u_end));
-  device::ScaleWindowFor<Codec, kInFlight> window(Codec::block_of(static_cast<std::size_t>(u_begin)));
-
-  // Software pipeline: the next step's loads are issued before this step's conversions and stores, so the memory
-  // round trip overlaps the arithmetic (one step at a time, each step waited for its loads with nothing to do).
-  int4 raw[kInFlight][Codec::kVecs];
-  if (!prequantized) load_step(u_begin, raw);
-  for (int base = u_begin; base < u_end; base += 32 * kInFlight) {
-    uint32_t payload[kInFlight][4];
-    uint32_t scales[kInFlight];
-    if (prequantized) {  // forwarded as is: the same pieces the quantizer would have produced
-#pragma unroll
-      for (int f = 0; f < kInFlight; ++f) {
-        int const u = base + f * 32 + lane;
-        scales[f] = 0;
-        if (u < u_end) {
-          Codec::template load_piece<true>(x_payload + static_cast<std::size_t>(u) * Codec::kPieceBytes, payload[f]);
-          if (Codec::leader(lane)) scales[f] = Codec::load_scales(x_scales + Codec::block_of(u) * kScaleBytes);
-        }
-      }
-    } else {
-      int4 next[kInFlight][Codec::kVecs];
-      load_step(base + 32 * kInFlight, next);  // past the chunk: no loads (zeros)
-#pragma unroll
-      for (int f = 0; f < kInFlight; ++f) {
-        // every lane converts (the block reductions are shuffles); lanes past the chunk hold zeros and store nothing
-        float x[kUnitElems];
-        Codec::unpack_bf16(raw[f], x);
-        Codec::quantize(x, token_scale, payload[f], scales[f]);
-      }
-#pragma unroll
-      for (int f = 0; f < kInFlight; ++f)
-#pragma unroll
-        for (int i = 0; i < Codec::kVecs; ++i) raw[f][i] = next[f][i];
-    }
-#pragma unroll
-    for (int f = 0; f < kInFlight; ++f) {
-      int const u = base + f * 32 + lane;
-      if (u >= u_end) continue;
-      for (uint32_t m = send; m != 0; m &= m - 1) {
-        int const d = __ffs(m) - 1;
+  // nvfp4's per-token scale (the whole row's amax enters every block scale): given, or computed by this CTA before
+  // the count exchange's wait (nvfp4_token_scales)
+  float const token_scale =
+      kFormat != WireFormat::nvfp4 ? 0.0f : (prequantized ? p.x_token_scales[t] : p.token_scales[t]);
+  // 4 vectors of bf16 in flight per lane, as the bf16 push
+  device::push_quantized_chunk<kFormat, kUnitElems, kDispatchUnroll / Codec::kVecs>(
+      in, p.hidden, chunk, chunks, send, token_scale,
+      [&](int d) {
         std::size_t const r = static_cast<std::size_t>(rows[d]);
-        char* const dst = p.sym[d];
-        Codec::store_piece(
-            dst + p.qdst.payload + r * p.qdst.payload_stride + static_cast<std::size_t>(u) * Codec::kPieceBytes,
-            payload[f]);
-        if (!kWindowed && Codec::leader(lane)) store_scales(d, Codec::block_of(u), scales[f]);
-      }
-    }
-    if constexpr (kWindowed) {
-      if (window.take(base, scales, lane)) {
-        window.flush(end_block, lane, store_scales_everywhere);
-        window.next();
-      }
-    }
-  }
-  if constexpr (kWindowed) window.flush(end_block, lane, store_scales_everywhere);
+        char* const sym = p.sym[d];
+        return device::QuantRowPlaces{sym + p.qdst.payload + r * p.qdst.payload_stride,
+                                      sym + p.qdst.scales + r * p.qdst.scales_stride,
+                                      reinterpret_cast<float*>(sym + p.qdst.token + r * p.qdst.token_stride)};
+      },
+      lane);
 }
 
 // The receiver's local pass over rows [0, num_recv) once every source's rows have landed, spread over the whole grid.

@@ -84,44 +84,46 @@ LlDispatchParams to_params(LlBuffers const& b, DispatchArgs const& args) {
 
 using DispatchKernel = void (*)(LlDispatchParams);
 
-// The instances, in one place: (dispatch_format) x (index type) x (halves). The receive half reads no ids, so it has
-// one instance per format.
-template <WireFormat kFormat, typename IdxT>
+// The instances, in one place: (dispatch_format, codec unit) x (index type) x (halves). The receive half reads no
+// ids and runs no codec, so it has one instance per format.
+template <WireFormat kFormat, int kUnitElems, typename IdxT>
 DispatchKernel pick_half(Half half) {
+  constexpr int kRecvUnit = device::unit_elems_for(kFormat, 0);
   switch (half) {
     case Half::both:
-      return ll_dispatch_kernel<IdxT, kFormat, true, true>;
+      return ll_dispatch_kernel<IdxT, kFormat, kUnitElems, true, true>;
     case Half::send:
-      return ll_dispatch_kernel<IdxT, kFormat, true, false>;
+      return ll_dispatch_kernel<IdxT, kFormat, kUnitElems, true, false>;
     case Half::recv:
-      return ll_dispatch_kernel<int64_t, kFormat, false, true>;
+      return ll_dispatch_kernel<int64_t, kFormat, kRecvUnit, false, true>;
   }
   FERRY_THROW(Error, "ferry", "unknown LL dispatch half ", static_cast<int>(half));
 }
 
-template <WireFormat kFormat>
+template <WireFormat kFormat, int kUnitElems>
 DispatchKernel pick_index(IndexType type, Half half) {
   switch (type) {
     case IndexType::int64:
-      return pick_half<kFormat, int64_t>(half);
+      return pick_half<kFormat, kUnitElems, int64_t>(half);
     case IndexType::int32:
-      return pick_half<kFormat, int32_t>(half);
+      return pick_half<kFormat, kUnitElems, int32_t>(half);
   }
   FERRY_THROW(InputError, "input", "topk_idx_type=", static_cast<int>(type), " is not int32 or int64");
 }
 
-DispatchKernel pick(WireFormat format, IndexType type, Half half) {
+DispatchKernel pick(WireFormat format, int hidden, IndexType type, Half half) {
   switch (format) {
     case WireFormat::bf16:
-      return pick_index<WireFormat::bf16>(type, half);
+      return pick_index<WireFormat::bf16, 0>(type, half);
     case WireFormat::fp8_e4m3:
-      return pick_index<WireFormat::fp8_e4m3>(type, half);
+      return pick_index<WireFormat::fp8_e4m3, 16>(type, half);
     case WireFormat::fp8_e4m3_ue8m0:
-      return pick_index<WireFormat::fp8_e4m3_ue8m0>(type, half);
-    case WireFormat::nvfp4:
-      return pick_index<WireFormat::nvfp4>(type, half);
+      return pick_index<WireFormat::fp8_e4m3_ue8m0, 16>(type, half);
+    case WireFormat::nvfp4:  // 8-byte payload pieces only where hidden % 32 == 16 (device::unit_elems_for)
+      return device::unit_elems_for(format, hidden) == 32 ? pick_index<WireFormat::nvfp4, 32>(type, half)
+                                                          : pick_index<WireFormat::nvfp4, 16>(type, half);
     case WireFormat::mxfp4:
-      return pick_index<WireFormat::mxfp4>(type, half);
+      return pick_index<WireFormat::mxfp4, 32>(type, half);
   }
   FERRY_THROW(ConfigError, "config", "dispatch_format=", static_cast<int>(format), " has no LL dispatch kernel");
 }
@@ -130,7 +132,7 @@ DispatchKernel pick(WireFormat format, IndexType type, Half half) {
 
 void launch_ll_dispatch(LlBuffers const& buffers, DispatchArgs const& args, Half half, cudaStream_t stream) {
   LlDispatchParams const p = to_params(buffers, args);
-  DispatchKernel const kernel = pick(buffers.config.dispatch_format, args.topk_idx_type, half);
+  DispatchKernel const kernel = pick(buffers.config.dispatch_format, buffers.config.hidden, args.topk_idx_type, half);
   // both halves expand (the send half a bf16 dispatch's own rows): per-expert counters in shared memory
   std::size_t const smem = expand_smem_bytes(p.num_local_experts);
   launch_ll_grid(kernel, p, p.num_ctas, smem, buffers.cooperative, stream);

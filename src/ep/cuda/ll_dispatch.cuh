@@ -8,11 +8,12 @@
 //  1. the token's destination ranks from its topk ids (bad ids dropped and counted);
 //  2. its metadata record (local expert ids for that rank, weights) to EVERY rank, so each receiver knows the full
 //     routing of the source without a count exchange; the row itself only to the peers that hold one of its experts
-//     (wire de-duplication), at landing slot (source, token) of the destination's current parity. A bf16 batch with
-//     fewer tokens than the grid has warps splits each row over several warps. A quantized dispatch_format sends the
-//     token's wire row (warp per token) to every destination, this rank included: quantized once by this warp with
-//     the device codec (or forwarded from pre-quantized input), straight into the destination when there is one,
-//     else built in this rank's own landing slot and copied from there to the other destinations;
+//     (wire de-duplication), at landing slot (source, token) of the destination's current parity. A batch with fewer
+//     tokens than the grid has warps splits each row over several warps. A quantized dispatch_format sends the
+//     token's wire row to every destination, this rank included: each chunk (whole scale blocks; a row's chunks in
+//     one CTA) quantized once in registers (or forwarded from pre-quantized input) and its payload and scales stored
+//     into every destination (device_push.cuh); nvfp4's token scale is the max of the chunks' amaxes, met in shared
+//     memory;
 //  2b. bf16 (expand_own): this rank's own hits (entries (token, k) of its experts) copied from x into their slots,
 //     spread evenly over the grid (as in 6), their slots kept in own_slot for the receive half's metadata;
 //  3. per CTA: barrier, then +1 on every destination's arrival counter of this source (release, cumulative).
@@ -41,95 +42,72 @@
 #include "ep/cuda/landing.cuh"
 #include "ep/cuda/ll_params.cuh"
 #include "quant/device_codec.cuh"
+#include "quant/device_push.cuh"
 #include "quant/device_scales.cuh"
 #include "trace/device_trace.cuh"
 
 namespace ferry::cuda_ll {
 
-// Warp copy of `bytes` (a multiple of 8; both pointers 8-byte aligned, and 16-byte aligned when bytes is a multiple of
-// 16): 16-byte vectors where the length allows, else 8-byte ones (an nvfp4 payload of hidden % 32 == 16 elements).
-template <bool kNcSource>
+// Warp copy of `bytes` of a landed row (a multiple of 8; both pointers 8-byte aligned, and 16-byte aligned when bytes
+// is a multiple of 16; coherent loads: peers wrote it during this kernel): 16-byte vectors where the length allows,
+// else 8-byte ones (an nvfp4 payload of hidden % 32 == 16 elements).
 __device__ __forceinline__ void copy_payload_warp(void* dst, void const* src, std::size_t bytes, int lane) {
   if (bytes % 16 == 0) {
     // 2 in flight: with 4 or 8 the nvfp4 one-kernel leg spilled (ptxas -v), 2 spills in no instance
-    device::copy_16B<kNcSource, 2>(dst, src, bytes, lane, 32);
+    device::copy_16B<false, 2>(dst, src, bytes, lane, 32);
     return;
   }
   auto* d = static_cast<uint2*>(dst);
   auto const* s = static_cast<uint2 const*>(src);
-  for (std::size_t i = lane; i < bytes / 8; i += 32) d[i] = kNcSource ? __ldg(s + i) : s[i];
+  for (std::size_t i = lane; i < bytes / 8; i += 32) d[i] = s[i];
 }
 
-// Builds the wire row of pre-quantized token t (payload row of x, its block scales, nvfp4's token scale) at `dst`,
-// padding written as zero: the bytes the codec would have sent for the same codes and scales.
-template <WireFormat kFormat>
-__device__ __forceinline__ void forward_wire_row_warp(LlDispatchParams const& p, int t, uint8_t* dst, int lane) {
-  constexpr quant::FormatTraits kTraits = quant::format_traits(kFormat);
+// A quantized dispatch_format's send of chunk `chunk` of `chunks` of token t (device_push.cuh): quantized once from
+// x (or forwarded from pre-quantized input), its pieces stored straight into the wire row at landing slot `slot` of
+// every destination rank of `mask`.
+template <WireFormat kFormat, int kUnitElems>
+__device__ __forceinline__ void send_quantized_chunk(LlDispatchParams const& p, int t, int chunk, int chunks,
+                                                     uint32_t mask, std::size_t slot, float token_scale, int lane) {
+  using Codec = device::UnitCodec<kFormat, kUnitElems>;
   WireRowLayout const wl = quant::make_row_layout(kFormat, p.hidden);
-  // 1. payload, then the zero pad up to the scales (0 or 8 bytes)
-  copy_payload_warp<true>(dst, static_cast<uint8_t const*>(p.x) + static_cast<std::size_t>(t) * wl.payload_bytes,
-                          wl.payload_bytes, lane);
-  if (lane == 0 && wl.scales_offset > wl.payload_bytes)
-    *reinterpret_cast<uint2*>(dst + wl.payload_bytes) = make_uint2(0, 0);
-  // 2. the scales as 32-bit words up to the next 16 bytes (zero past the last scale)
-  std::size_t const scale_bytes = static_cast<std::size_t>(wl.num_scales) * kTraits.scale_bytes;
-  int const words = static_cast<int>(quant::align_up(scale_bytes, quant::kWireAlign) / 4);
-  for (int w = lane; w < words; w += 32) {
-    uint32_t word = 0;
-    if constexpr (kTraits.scale_bytes == 4) {
-      auto const* scales = static_cast<uint32_t const*>(p.x_scales) + static_cast<std::size_t>(t) * wl.num_scales;
-      if (w < wl.num_scales) word = __ldg(scales + w);
-    } else {
-      auto const* scales = static_cast<uint8_t const*>(p.x_scales) + static_cast<std::size_t>(t) * wl.num_scales;
-#pragma unroll
-      for (int b = 0; b < 4; ++b)
-        if (4 * w + b < wl.num_scales) word |= static_cast<uint32_t>(__ldg(scales + 4 * w + b)) << (8 * b);
-    }
-    *reinterpret_cast<uint32_t*>(dst + wl.scales_offset + 4 * static_cast<std::size_t>(w)) = word;
+  device::QuantRowInput in;
+  if (p.x_scales != nullptr) {
+    in.payload = static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * wl.payload_bytes;
+    in.scales =
+        static_cast<char const*>(p.x_scales) + static_cast<std::size_t>(t) * wl.num_scales * Codec::kTraits.scale_bytes;
+  } else {
+    in.x_row = static_cast<int4 const*>(p.x) + static_cast<std::size_t>(t) * (p.hidden / 8);
   }
-  // 3. nvfp4: the token scale and the zero pad after it (16 bytes, one word per lane)
-  if constexpr (kTraits.token_scale_bytes != 0)
-    if (lane < 4)
-      *reinterpret_cast<uint32_t*>(dst + wl.token_scale_offset + 4 * lane) =
-          lane == 0 ? __float_as_uint(__ldg(p.x_token_scales + t)) : 0u;
+  std::size_t const at = p.layout.dispatch_rows + slot * p.layout.dispatch_row_bytes;
+  device::push_quantized_chunk<kFormat, kUnitElems, kUnroll / Codec::kVecs>(
+      in, p.hidden, chunk, chunks, mask, token_scale,
+      [&](int d) {
+        char* const row = p.sym[d] + at;
+        return device::QuantRowPlaces{row, row + wl.scales_offset,
+                                      reinterpret_cast<float*>(row + wl.token_scale_offset)};
+      },
+      lane);
 }
 
-// The wire row of token t to every destination rank of `mask` (non-empty), landing slot `slot`: quantized once (or
-// forwarded), then copied to the other destinations from where it was built.
-template <WireFormat kFormat>
-__device__ __forceinline__ void send_wire_row_warp(LlDispatchParams const& p, int t, uint32_t mask, std::size_t slot,
-                                                   int lane) {
-  int const rank = p.view.rank;
-  std::size_t const wire_bytes = p.layout.dispatch_row_bytes;
-  std::size_t const at = p.layout.dispatch_rows + slot * wire_bytes;
-  // 1. where the row is built: the only destination, else this rank's own slot (a destination, or unused this call)
-  bool const single = (mask & (mask - 1)) == 0;
-  int const built_on = single ? __ffs(mask) - 1 : rank;
-  uint8_t* const built = reinterpret_cast<uint8_t*>(p.sym[built_on] + at);
-  if (p.x_scales != nullptr)
-    forward_wire_row_warp<kFormat>(p, t, built, lane);
-  else
-    device::quantize_row_warp<kFormat, __nv_bfloat16, true, kUnroll>(
-        static_cast<__nv_bfloat16 const*>(p.x) + static_cast<std::size_t>(t) * p.hidden, p.hidden, built);
-  uint32_t const rest = mask & ~(1u << built_on);
-  if (rest == 0) return;
-  // 2. the other destinations: kUnroll coherent loads in flight per lane (this warp just wrote them; __syncwarp
-  //    orders its lanes' stores before the loads), then the stores to each destination
-  __syncwarp();
-  auto const* src = reinterpret_cast<int4 const*>(built);
-  int const num_vec = static_cast<int>(wire_bytes / 16);
-  for (int i = lane; i < num_vec; i += 32 * kUnroll) {
-    int4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (i + u * 32 < num_vec) v[u] = device::arch::load_v4(src + i + u * 32);
-    for (uint32_t m = rest; m != 0; m &= m - 1) {
-      auto* dst = reinterpret_cast<int4*>(p.sym[__ffs(m) - 1] + at);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (i + u * 32 < num_vec) device::arch::store_na_v4(dst + i + u * 32, v[u]);
-    }
-  }
+// nvfp4: the token scale of the row that chunk `chunk` of `chunks` belongs to (given, or the max of its chunks'
+// amaxes, which the row's warps of this CTA meet in s_amax). Every thread of the CTA calls it once per step of the
+// send loop (a barrier); `valid`: this warp has an item this step. s_amax alternates by step, so one barrier a step
+// suffices (a warp writes a step's words only after every warp has passed the previous step's barrier).
+template <int kUnitElems>
+__device__ __forceinline__ float nvfp4_chunk_token_scale(LlDispatchParams const& p, float (&s_amax)[2][kWarps],
+                                                         int step, int t, int chunk, int chunks, bool valid) {
+  if (p.x_scales != nullptr) return valid ? __ldg(p.x_token_scales + t) : 0.0f;
+  int const lane = static_cast<int>(threadIdx.x) & 31;
+  int const warp = static_cast<int>(threadIdx.x) >> 5;
+  float const amax = valid ? device::chunk_finite_amax<kUnitElems>(
+                                 static_cast<int4 const*>(p.x) + static_cast<std::size_t>(t) * (p.hidden / 8), p.hidden,
+                                 chunk, chunks, lane)
+                           : 0.0f;
+  if (lane == 0) s_amax[step & 1][warp] = amax;
+  __syncthreads();
+  float row_amax = 0.0f;
+  for (int c = 0; c < chunks; ++c) row_amax = fmaxf(row_amax, s_amax[step & 1][warp - chunk + c]);
+  return quant::nvfp4_token_scale(row_amax);
 }
 
 // ---- the expansion into expert_x, shared by the send half (this rank's own rows, bf16) and the receive half ----
@@ -396,10 +374,12 @@ __device__ __forceinline__ void expand_own(LlDispatchParams const& p, ExpandShar
               [&](int n) { copy_window_bf16<true>(p, s, n, [&](int t) { return x + t * row_vecs; }); });
 }
 
-template <typename IdxT, WireFormat kFormat>
+template <typename IdxT, WireFormat kFormat, int kUnitElems>
 __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, ExpandShared& s, int32_t* s_counts,
                                                  uint64_t seq FERRY_TRACE_PARAM(trace)) {
   static_assert(sizeof(IdxT) == 4 || sizeof(IdxT) == 8, "topk_idx is int32 or int64");
+  static_assert((kFormat == WireFormat::bf16) == (kUnitElems == 0), "bf16 rows are copied; quantized rows need a unit");
+  __shared__ float s_amax[2][kWarps];  // nvfp4: the chunks' amaxes of a step (nvfp4_chunk_token_scale)
   int const world = p.view.world;
   int const rank = p.view.rank;
   int const tid = static_cast<int>(threadIdx.x);
@@ -424,14 +404,26 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Expa
   if (own_direct<kFormat>(p))  // the own expansion's counters (the send loop's barriers order this)
     for (int i = tid; i < num_local; i += kThreads) s_counts[i] = 0;
 
-  // 2. items (token, chunk): a bf16 batch with fewer tokens than the grid has warps splits each row into chunks so
-  //    that every warp has bytes in flight (a warp walking a whole row waits for ~7 round trips in a row); quantized
-  //    rows stay whole (the codec works on a row). Chunk 0 reports bad ids and writes the token's mask and metadata.
-  int const chunks = kFormat == WireFormat::bf16 ? device::chunks_per_row(p.num_tokens, total_warps, num_vec) : 1;
+  // 2. items (token, chunk): a batch with fewer tokens than the grid has warps splits each row into chunks so that
+  //    every warp has bytes in flight (a warp walking a whole row waits for ~7 round trips in a row, and a quantized
+  //    row's conversions run on its 32 lanes alone). A quantized row's chunks are whole scale groups, a power of two
+  //    of them in one CTA (nvfp4's token scale). Chunk 0 reports bad ids and writes the token's mask and metadata.
+  //    Every warp of a CTA runs the same steps (nvfp4's barrier); a warp past the items only joins the barrier.
+  int chunks = 1;
+  if constexpr (kFormat == WireFormat::bf16)
+    chunks = device::chunks_per_row(p.num_tokens, total_warps, num_vec);
+  else
+    chunks = device::cta_chunks_per_row(p.num_tokens, total_warps, device::scale_groups<kFormat, kUnitElems>(p.hidden),
+                                        kWarps);
   int const items = p.num_tokens * chunks;
-  for (int item = cta * kWarps + warp; item < items; item += total_warps) {
+  for (int base = cta * kWarps, step = 0; base < items; base += total_warps, ++step) {
+    int const item = base + warp;
     int const t = item / chunks;
     int const chunk = item % chunks;
+    float token_scale = 0.0f;
+    if constexpr (kFormat == WireFormat::nvfp4)
+      token_scale = nvfp4_chunk_token_scale<kUnitElems>(p, s_amax, step, t, chunk, chunks, item < items);
+    if (item >= items) continue;
     int64_t e;
     float w;
     int const dest = landing::token_destination<IdxT>(routing, t, lane, chunk == 0, e, w);
@@ -446,7 +438,7 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Expa
 
     // the row (this chunk of it), once per destination rank (with own_direct not to this rank: expand_own)
     if constexpr (kFormat != WireFormat::bf16) {
-      if (mask != 0) send_wire_row_warp<kFormat>(p, t, mask, slot, lane);
+      if (mask != 0) send_quantized_chunk<kFormat, kUnitElems>(p, t, chunk, chunks, mask, slot, token_scale, lane);
     } else if (uint32_t const to = own_direct<kFormat>(p) ? mask & ~(1u << rank) : mask; to != 0) {
       auto const [v_begin, v_end] = device::chunk_range(num_vec, chunk, chunks);
       std::size_t const at = p.layout.dispatch_rows + slot * row_bytes;
@@ -624,7 +616,7 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Expa
         if (p.dequantize) {
           device::dequantize_row_warp<kFormat, __nv_bfloat16>(src, p.hidden, reinterpret_cast<__nv_bfloat16*>(dst));
         } else {
-          copy_payload_warp<false>(dst, src, row_bytes, lane);
+          copy_payload_warp(dst, src, row_bytes, lane);
           device::deliver_scales_warp<kFormat>(src, p.hidden, p.scale_layout, static_cast<std::size_t>(slots),
                                                static_cast<std::size_t>(slot),
                                                static_cast<uint8_t*>(p.expert_scales) + e * p.scale_tensor_bytes,
@@ -653,8 +645,8 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Expa
 }
 
 // kSend / kRecv: which halves this instance runs (both: the one-kernel leg; one: the hook's halves). kFormat: the
-// dispatch_format.
-template <typename IdxT, WireFormat kFormat, bool kSend, bool kRecv>
+// dispatch_format; kUnitElems: the send's codec unit (device::unit_elems_for; 0 for bf16).
+template <typename IdxT, WireFormat kFormat, int kUnitElems, bool kSend, bool kRecv>
 __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(LlDispatchParams const p) {
   static_assert(kSend || kRecv, "an LL dispatch kernel runs at least one half");
   __shared__ uint64_t s_seq[2];
@@ -668,7 +660,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(LlDispatchPara
   }
   __syncthreads();
   FERRY_TRACE_WARP(trace, p.trace);
-  if constexpr (kSend) ll_dispatch_send<IdxT, kFormat>(p, s_expand, s_counts, s_seq[0] FERRY_TRACE_ARG(trace));
+  if constexpr (kSend)
+    ll_dispatch_send<IdxT, kFormat, kUnitElems>(p, s_expand, s_counts, s_seq[0] FERRY_TRACE_ARG(trace));
   if constexpr (kRecv) ll_dispatch_recv<kFormat>(p, s_expand, s_counts, s_seq[1] FERRY_TRACE_ARG(trace));
 }
 
