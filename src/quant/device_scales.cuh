@@ -80,20 +80,52 @@ __device__ __forceinline__ void dequantize_vec(uint8_t const* row, std::size_t s
 // `layout` (tensor: its first byte; quant::scale_offset gives the entry), and nvfp4's per-token scale to
 // *token_scale (when non-null). Every lane of the warp calls it with the same arguments; the row must be visible to
 // this thread. Padding entries of the tensor are not written (zero them once where the tensor is allocated).
+// The scales are read as 32-bit words (the wire row's scales are 16-byte aligned and padded), kInFlight per lane
+// before the first store (one scale at a time, an nvfp4 row's 448 scales were 14 dependent round trips per lane),
+// and stored one scale per lane, consecutive scales on consecutive lanes (one-byte scales reach their lane by a
+// shuffle), so a row-major store instruction writes 32 consecutive entries.
 template <WireFormat kFormat>
 __device__ __forceinline__ void deliver_scales_warp(uint8_t const* wire, int hidden, ScaleLayout layout,
                                                     std::size_t rows, std::size_t row, uint8_t* tensor,
                                                     float* token_scale) {
   static_assert(kFormat != WireFormat::bf16, "bf16 rows have no scales");
   constexpr quant::FormatTraits kTraits = quant::format_traits(kFormat);
+  constexpr int kWarp = quant_detail::kWarpSize;
+  constexpr int kPerWord = 4 / kTraits.scale_bytes;  // scales in one 32-bit word: 1 (fp32) or 4 (one-byte)
+  constexpr int kInFlight = 4;
   WireRowLayout const wl = quant::make_row_layout(kFormat, hidden);
-  int const lane = static_cast<int>(threadIdx.x) % quant_detail::kWarpSize;
-  for (int j = lane; j < wl.num_scales; j += quant_detail::kWarpSize) {
+  int const lane = static_cast<int>(threadIdx.x) % kWarp;
+  int const num_words = (wl.num_scales + kPerWord - 1) / kPerWord;
+  // plain (coherent) loads: a peer may have written the row during this kernel
+  auto const* const src = reinterpret_cast<uint32_t const*>(wire + wl.scales_offset);
+  auto const store = [&](int j, uint32_t value) {
     std::size_t const at = quant::scale_offset(kFormat, layout, rows, hidden, row, static_cast<std::size_t>(j));
-    if constexpr (kTraits.scale_bytes == 4)
-      *reinterpret_cast<uint32_t*>(tensor + at) = *reinterpret_cast<uint32_t const*>(wire + wl.scales_offset + 4 * j);
+    if constexpr (quant::format_traits(kFormat).scale_bytes == 4)
+      *reinterpret_cast<uint32_t*>(tensor + at) = value;
     else
-      tensor[at] = wire[wl.scales_offset + j];
+      tensor[at] = static_cast<uint8_t>(value);
+  };
+  for (int w0 = 0; w0 < num_words; w0 += kWarp * kInFlight) {
+    uint32_t words[kInFlight];
+#pragma unroll
+    for (int f = 0; f < kInFlight; ++f) {
+      int const w = w0 + f * kWarp + lane;
+      words[f] = w < num_words ? src[w] : 0u;
+    }
+    if constexpr (kPerWord == 1) {
+#pragma unroll
+      for (int f = 0; f < kInFlight; ++f)
+        if (w0 + f * kWarp + lane < wl.num_scales) store(w0 + f * kWarp + lane, words[f]);
+    } else {
+      // scale j = 4 w0 + 32 k + lane is byte lane % 4 of word w0 + 8 k + lane / 4, which lane (8 k) % 32 + lane / 4
+      // holds in words[k / 4]
+#pragma unroll
+      for (int k = 0; k < kPerWord * kInFlight; ++k) {
+        uint32_t const word = __shfl_sync(quant_detail::kFullWarp, words[k / 4], (8 * k) % kWarp + lane / 4);
+        int const j = kPerWord * w0 + kWarp * k + lane;
+        if (j < wl.num_scales) store(j, word >> (8 * (lane % 4)));
+      }
+    }
   }
   if constexpr (kTraits.token_scale_bytes != 0)
     if (lane == 0 && token_scale != nullptr)

@@ -49,12 +49,12 @@
 namespace ferry::cuda_ll {
 
 // Warp copy of `bytes` of a landed row (a multiple of 8; both pointers 8-byte aligned, and 16-byte aligned when bytes
-// is a multiple of 16; coherent loads: peers wrote it during this kernel): 16-byte vectors where the length allows,
-// else 8-byte ones (an nvfp4 payload of hidden % 32 == 16 elements).
+// is a multiple of 16; coherent loads: peers wrote it during this kernel): 16-byte vectors where the length allows, 4
+// in flight per lane (with 8 the fp8 one-kernel leg spilled, ptxas -v), else 8-byte ones (an nvfp4 payload of
+// hidden % 32 == 16 elements).
 __device__ __forceinline__ void copy_payload_warp(void* dst, void const* src, std::size_t bytes, int lane) {
   if (bytes % 16 == 0) {
-    // 2 in flight: with 4 or 8 the nvfp4 one-kernel leg spilled (ptxas -v), 2 spills in no instance
-    device::copy_16B<false, 2>(dst, src, bytes, lane, 32);
+    device::copy_16B<false, 4>(dst, src, bytes, lane, 32);
     return;
   }
   auto* d = static_cast<uint2*>(dst);
