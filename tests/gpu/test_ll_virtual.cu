@@ -377,7 +377,8 @@ TEST(LowLatencyVirtualRanks, Fp8QuantizedDelivery) {
 
 // nvfp4 and mxfp4 dispatch (the send quantizes a row in chunks; nvfp4's token scale is met over the chunks' warps of
 // a CTA), delivered quantized: 8-byte nvfp4 payload units at hidden 2064, and at world 8 (16 CTAs a rank) more tokens
-// than warps, so a CTA's warps take several steps of rows.
+// than warps, so a CTA's warps take several steps of rows. nvfp4 combine (its token scale met the same way), with a
+// CTA's steps of several rows and rows wider than a CTA's warps.
 TEST(LowLatencyVirtualRanks, Fp4QuantizedDelivery) {
   std::vector<std::vector<std::string>> table;
   for (int world : {2, 8}) {
@@ -388,6 +389,8 @@ TEST(LowLatencyVirtualRanks, Fp4QuantizedDelivery) {
                      "experts=64", "iters=2"});
     table.push_back({w, "dispatch=mxfp4", "combine=bf16", "layout=mn_major_tma_packed_ue8m0", "tokens=300,0,64",
                      "hidden=2080", "topk=6", "experts=64", "mask=0.2", "iters=2"});
+    // nvfp4 combine of rows wider than a CTA's warps have 1024-element chunks (17): a warp takes two chunks
+    table.push_back({w, "combine=nvfp4", "tokens=40,24", "hidden=16512", "topk=4", "experts=64", "iters=2"});
   }
   run_rows(table);
 }

@@ -42,8 +42,6 @@ struct LlBuffers {
   std::size_t scale_tensor_bytes = 0;
   void* expert_scales = nullptr;
   float* expert_token_scales = nullptr;
-  // combine_format nvfp4: one bf16 row per warp of the grid (LlCombineParams::scratch).
-  void* combine_scratch = nullptr;
   trace::DeviceRecorder* trace = nullptr;  // in-kernel trace buffers (src/trace/), owned by the backend
 };
 

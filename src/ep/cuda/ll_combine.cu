@@ -32,9 +32,6 @@ LlCombineParams to_params(LlBuffers const& b, CombineArgs const& args, int num_t
   p.recv_idx = b.recv_idx;
   p.recv_w = b.recv_w;
   p.recv_slot = b.recv_slot;
-  p.scratch = b.combine_scratch;
-  FERRY_CHECK(b.config.combine_format != WireFormat::nvfp4 || p.scratch != nullptr,
-              "nvfp4 combine needs its scratch rows (allocated at construction)");
   return p;
 }
 

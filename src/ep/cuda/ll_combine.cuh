@@ -6,8 +6,8 @@
 //     (the canonical receiver order); rank-major: the caller's row. Stored straight into the source's landing zone
 //     at (this rank, token) of the current parity: one row per (token, rank) on the wire. A quantized combine_format
 //     quantizes the bf16 chunk where it is (registers; its scale blocks lie inside the chunk) into the wire row's
-//     payload and scales. nvfp4 takes a warp per row instead: its per-token scale needs the whole row's amax, so the
-//     warp writes the bf16 row to its scratch row first and quantizes it from there with the device codec;
+//     payload and scales. nvfp4 puts a row's chunks on warps of one CTA, which meet the row's amax (its token scale)
+//     in shared memory before they quantize;
 //  2. per CTA: barrier, then +1 on every source's arrival counter of this rank (release, cumulative).
 // Receive half (every CTA, warp per (own token, chunk)):
 //  3. wait until every rank's arrivals reach seq * num_ctas (acquire; bounded);
@@ -147,44 +147,98 @@ __device__ __forceinline__ void ll_combine_send_chunks(LlCombineParams const& p,
   }
 }
 
-// nvfp4 send: warp per row. Expert-major: the bf16 row chunk by chunk into this warp's scratch row, then the device
-// codec from there (it reads the row twice: amax, then codes); rank-major: the codec straight from the caller's row.
+// nvfp4 send: the row's 1024-element chunks go to warps of one CTA (kWarps / num_chunks rows per step of the CTA,
+// or one row whose warps take several chunks each), which meet the row's amax in shared memory: the whole row's
+// amax enters every block scale through the token scale. A warp of one chunk keeps its values in registers across
+// the barrier and quantizes them there; a warp of several (rows wider than kWarps chunks) computes them again after
+// it. Every thread of the CTA runs the same steps (the barrier).
 template <bool kExpertMajor>
 __device__ __forceinline__ void ll_combine_send_rows_nvfp4(LlCombineParams const& p, int parity) {
+  __shared__ float s_amax[2][kWarps];  // alternates by step: one barrier a step (as in the LL dispatch's send)
   int const world = p.view.world;
   int const rank = p.view.rank;
   int const tid = static_cast<int>(threadIdx.x);
   int const lane = tid & 31;
-  int const warp_id = static_cast<int>(blockIdx.x) * kWarps + (tid >> 5);
-  int const num_warps = p.num_ctas * kWarps;
+  int const warp = tid >> 5;
+  int const cta = static_cast<int>(blockIdx.x);
   int const num_vec = p.hidden / 8;
+  int const num_chunks = (num_vec + kChunkVecs - 1) / kChunkVecs;
   std::size_t const wire_bytes = p.layout.combine_row_bytes;
+  WireRowLayout const wl = quant::make_row_layout(WireFormat::nvfp4, p.hidden);
   int const num_recv = p.state->num_recv;
-  // warp_id < num_recv <= world * max_tokens here, so it indexes the scratch rows (min of the two)
-  auto* const stage = static_cast<int4*>(p.scratch) + static_cast<std::size_t>(warp_id) * num_vec;
+  int const rows_per_step = max(1, kWarps / num_chunks);
+  int const row_warps = kWarps / rows_per_step;  // warps of the CTA per row
+  int const row_of_step = warp / row_warps;      // this warp's row among the step's (>= rows_per_step: idle)
+  int const first_chunk = warp % row_warps;
 
-  for (int row = warp_id; row < num_recv; row += num_warps) {
+  // The bf16 values (as fp32) of chunk c of row `row`, zeros past the row's end: what the reference quantizes.
+  auto values = [&](int row, int c, float(&x)[kUnroll][8]) {
+    int const v0 = c * kChunkVecs + lane;
+    int const v_end = min((c + 1) * kChunkVecs, num_vec);
+    int4 v[kUnroll];
+    if constexpr (kExpertMajor) {
+      float acc[kUnroll][8];
+      reduce_chunk(row_entries(p, row, lane, num_vec), v0, v_end, acc);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) v[u] = float_to_bf16x8(acc[u]);
+    } else {
+      auto const* src = static_cast<int4 const*>(p.x) + static_cast<std::size_t>(row) * num_vec;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (v0 + u * 32 < v_end) v[u] = device::arch::load_nc_v4(src + v0 + u * 32);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (v0 + u * 32 >= v_end) v[u] = make_int4(0, 0, 0, 0);  // not loaded (or not reduced)
+      bf16x8_to_float(v[u], x[u]);
+    }
+  };
+  auto chunk_amax = [&](float const(&x)[kUnroll][8]) {
+    float m = 0.0f;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      bool all_finite;
+      m = fmaxf(m, device::quant_detail::finite_amax<8>(x[u], all_finite));
+    }
+    return m;
+  };
+
+  for (int r0 = cta * rows_per_step, step = 0; r0 < num_recv; r0 += p.num_ctas * rows_per_step, ++step) {
+    int const row = r0 + row_of_step;
+    bool const valid = row_of_step < rows_per_step && row < num_recv;  // the same on every lane
+    // 1. this warp's chunks of the row, their amax to the CTA (a warp of one chunk keeps its values in x)
+    float x[kUnroll][8];
+    float amax = 0.0f;
+    if (valid) {
+      for (int c = first_chunk; c < num_chunks; c += row_warps) {
+        values(row, c, x);
+        amax = fmaxf(amax, chunk_amax(x));
+      }
+    }
+    amax = device::quant_detail::group_max<32>(amax);
+    if (lane == 0) s_amax[step & 1][warp] = amax;
+    __syncthreads();
+    if (!valid) continue;
+    // 2. the row's token scale, then each chunk's codes and block scales into the source's landing zone
+    float row_amax = 0.0f;
+    for (int w = row_of_step * row_warps; w < (row_of_step + 1) * row_warps; ++w)
+      row_amax = fmaxf(row_amax, s_amax[step & 1][w]);
+    float const token_scale = quant::nvfp4_token_scale(row_amax);
     int const source = p.recv_src[2 * row];
     int const token = p.recv_src[2 * row + 1];
     auto* const dst = reinterpret_cast<uint8_t*>(
         p.sym[source] + p.layout.combine_rows +
         ((static_cast<std::size_t>(parity) * world + rank) * p.max_tokens + token) * wire_bytes);
-    if constexpr (kExpertMajor) {
-      RowEntries const entries = row_entries(p, row, lane, num_vec);
-      for (int base = 0; base < num_vec; base += kChunkVecs) {
-        float acc[kUnroll][8];
-        reduce_chunk(entries, base + lane, num_vec, acc);
+    if (first_chunk == 0 && lane == 0) *reinterpret_cast<float*>(dst + wl.token_scale_offset) = token_scale;
+    bool const kept = first_chunk + row_warps >= num_chunks;  // this warp's only chunk is in x
+    for (int c = first_chunk; c < num_chunks; c += row_warps) {
+      if (!kept) values(row, c, x);
+      int const v_end = min((c + 1) * kChunkVecs, num_vec);
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (base + lane + u * 32 < num_vec) stage[base + lane + u * 32] = float_to_bf16x8(acc[u]);
+      for (int u = 0; u < kUnroll; ++u) {
+        int const v = c * kChunkVecs + lane + u * 32;
+        device::quantize_vec<WireFormat::nvfp4>(x[u], v < v_end, v, dst, wl.scales_offset, token_scale);
       }
-      __syncwarp();  // the codec's lanes read vectors other lanes may have written
-      device::quantize_row_warp<WireFormat::nvfp4, __nv_bfloat16, false, kUnroll>(
-          reinterpret_cast<__nv_bfloat16 const*>(stage), p.hidden, dst);
-      __syncwarp();  // the codec's reads are done before the next row overwrites the scratch row
-    } else {
-      device::quantize_row_warp<WireFormat::nvfp4, __nv_bfloat16, true, kUnroll>(
-          static_cast<__nv_bfloat16 const*>(p.x) + static_cast<std::size_t>(row) * p.hidden, p.hidden, dst);
     }
   }
 }

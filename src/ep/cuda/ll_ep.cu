@@ -84,11 +84,6 @@ void allocate_ll_buffers(LlBuffers& b) {
       FERRY_CHECK_CUDA(cudaMemset(b.expert_scales, 0, std::max<std::size_t>(all, 1)));
       if (config.dispatch_format == WireFormat::nvfp4) b.expert_token_scales = device_alloc<float>(slots);
     }
-    if (config.combine_format == WireFormat::nvfp4) {
-      // NOTE: one bf16 row per warp that can hold a received row (nvfp4 combine sends warp per row).
-      std::size_t const warps = std::min<std::size_t>(static_cast<std::size_t>(b.num_ctas) * kWarps, rows);
-      b.combine_scratch = device_alloc<uint16_t>(warps * static_cast<std::size_t>(config.hidden));
-    }
     FERRY_CHECK_CUDA(cudaMemset(b.state, 0, sizeof(LlState)));
     FERRY_CHECK_CUDA(cudaMemset(b.expert_counts, 0, sizeof(int32_t) * std::max(1, b.num_local_experts)));
   } catch (...) {
@@ -115,7 +110,6 @@ void free_ll_buffers(LlBuffers& b) noexcept {
   release(b.own_slot);
   release(b.expert_scales);
   release(b.expert_token_scales);
-  release(b.combine_scratch);
   b.scale_tensor_bytes = 0;
 }
 

@@ -121,9 +121,6 @@ struct LlCombineParams {
   int32_t const* recv_idx;
   float const* recv_w;
   int32_t const* recv_slot;
-  // nvfp4 combine_format: [min(num_ctas * kWarps, world * max_tokens), hidden] bf16, one row per warp of the grid: the
-  // warp's partial row before it is quantized (the per-token scale needs the whole row's amax).
-  void* scratch;
   trace::TraceView trace;  // in-kernel trace of this launch (empty unless a FERRY_TRACE build has tracing enabled)
 };
 
