@@ -104,7 +104,7 @@ if [[ $RUN_BENCH -eq 1 ]]; then
     --json "$LOGS/bench-ll.json" >"$LOGS/bench-ll.log" 2>&1 || BENCH_RC=$?
   tail -n 12 "$LOGS/bench-ll.log"
   # LL dispatch with the own rows staged (default) and copied by the send half (FERRY_LL_OWN_ROWS=direct), same build
-  # (docs/perf.md, session 10: direct is unmeasured at world >= 2)
+  # (docs/perf.md, session 11: direct was slower at world 2; kept to watch the comparison as the kernels change)
   for own in landing direct; do
     stamp "ferry bench --mode ll, FERRY_LL_OWN_ROWS=$own"
     FERRY_LL_OWN_ROWS=$own timeout 120 "$BUILD/ferry" bench --mode ll --tokens 1,128,512 --graph --check --iters 10 \

@@ -25,7 +25,8 @@ constexpr std::array kParams = {
              "same on every rank"},
     EnvParam{"FERRY_LL_OWN_ROWS", "landing",
              "low-latency bf16 dispatch: a rank's own rows staged in its landing zone (landing), or copied from x into "
-             "their slots by the send half while the peers' rows are on the wire (direct; not yet measured on 2 GPUs)"},
+             "their slots by the send half while the peers' rows are on the wire (direct; slower on 2 x H200, "
+             "docs/perf.md)"},
     EnvParam{"FERRY_TUNING_DIR", "",
              "folder of tuning tables (*.json) used instead of the compiled-in ones (docs/tuning.md)"},
     EnvParam{"FERRY_TRACE_EVENTS", "",
