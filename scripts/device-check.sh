@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# On the GPU machine, from the repo root: build Ferry (build-device/), run the GPU tests, the C++ example against the
-# installed package (examples/cpp, cuda backend), `ferry p2p` and a short `ferry bench` (normal mode with wire
-# formats at 128 / 4096 tokens, then normal vs low-latency at 1 / 128 tokens, then LL at 1 / 128 / 512 tokens with
-# FERRY_LL_OWN_ROWS=landing and =direct), keep every log (in $OUT when set, else
-# build-device/logs), and print a short summary last.
-# Exit status: non-zero when the build, a GPU test, the example or ferry p2p failed (a bench that is missing or fails
-# is reported, not fatal).
+# On the GPU machine, from the repo root: build Ferry (build-device/), run a short `ferry bench` (normal mode with wire
+# formats at 128 / 4096 tokens, then normal vs low-latency at 1 / 128 tokens, every row checked), the GPU tests one
+# by one while the time budget lasts, the C++ example against the installed package (examples/cpp, cuda backend) and,
+# with --p2p, `ferry p2p`; keep every log (in $OUT when set, else build-device/logs), and print a short summary last.
+# The budget keeps the whole check inside one device call: a test is started only with 30 s of budget left, and the
+# summary names the tests the budget left out.
+# Exit status: non-zero when the build, a GPU test, the example or ferry p2p failed (a bench that is missing or fails,
+# or a test the budget left out, is reported, not fatal).
 #
-# usage: scripts/device-check.sh [--tests REGEX] [--no-tests] [--no-p2p] [--no-bench] [--p2p-args "ARGS"]
+# usage: scripts/device-check.sh [--tests REGEX] [--no-tests] [--p2p] [--no-bench] [--p2p-args "ARGS"] [--budget S]
+#   --budget S              seconds for the whole check (default 570: the device tool's 600 s per call, less a margin)
 #   FERRY_TEST_WORLD=N      the EP GPU tests (normal, LL, quantized, trace) at N ranks, one per GPU (default 2; 1 on a
-#                           one-GPU machine: every expert local, the timeout cases skip; use --no-p2p there)
+#                           one-GPU machine: every expert local, the timeout cases skip)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
@@ -19,22 +21,26 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 BUILD=build-device
 LOGS="${OUT:-$BUILD/logs}"
 TEST_REGEX=""
-RUN_TESTS=1 RUN_P2P=1 RUN_BENCH=1
+RUN_TESTS=1 RUN_P2P=0 RUN_BENCH=1
 P2P_ARGS=""
+BUDGET=570
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --tests) TEST_REGEX="$2"; shift 2 ;;
     --no-tests) RUN_TESTS=0; shift ;;
-    --no-p2p) RUN_P2P=0; shift ;;
+    --p2p) RUN_P2P=1; shift ;;
+    --no-p2p) RUN_P2P=0; shift ;;  # the default; kept for older command lines
     --no-bench) RUN_BENCH=0; shift ;;
-    --p2p-args) P2P_ARGS="$2"; shift 2 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    --p2p-args) P2P_ARGS="$2"; RUN_P2P=1; shift 2 ;;
+    --budget) BUDGET="$2"; shift 2 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "device-check: unknown argument '$1'; see --help" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$LOGS"
 START=$SECONDS
 stamp() { echo "== [$((SECONDS - START)) s] $*"; }
+left() { echo $((BUDGET - (SECONDS - START))); }
 
 # 1. configure + build (cmake picks the PyTorch wheel's NCCL, the libnccl a torch process loads)
 stamp "configure + build into $BUILD"
@@ -46,7 +52,7 @@ if [[ $BUILD_RC -ne 0 ]]; then
   echo "device-check: configure failed (logs in $LOGS)"
   exit 2
 fi
-# Keep going past a failed target (-k 0): the GPU tests and ferry p2p still run when only another target broke.
+# Keep going past a failed target (-k 0): the GPU tests and the bench still run when only another target broke.
 cmake --build "$BUILD" -j "$(nproc)" -- -k 0 >"$LOGS/build.log" 2>&1
 BUILD_RC=$?
 if [[ $BUILD_RC -ne 0 ]]; then
@@ -56,41 +62,7 @@ fi
 [[ -x "$BUILD/tests/ferry_gpu_tests" ]] || RUN_TESTS=0
 [[ -x "$BUILD/ferry" ]] || { RUN_P2P=0; RUN_BENCH=0; }
 
-# 2. GPU tests (each starts one process per rank; a hang is bounded by the tests' own timeouts)
-TESTS_RC=0
-if [[ $RUN_TESTS -eq 1 ]]; then
-  stamp "GPU tests"
-  (cd "$BUILD" && ctest -L gpu --output-on-failure --timeout 450 ${TEST_REGEX:+-R "$TEST_REGEX"}) \
-    >"$LOGS/gpu-tests.log" 2>&1
-  TESTS_RC=$?
-  grep -E "Test +#|tests passed|rank [0-9]+:" "$LOGS/gpu-tests.log" | tail -n 40
-fi
-
-# 2b. the installed C++ package: examples/cpp built against `cmake --install` of this build, run on the cuda backend
-#     (one process alone; one per GPU through `ferry launch` when there are more)
-EXAMPLE_RC=0
-if [[ $RUN_TESTS -eq 1 ]]; then
-  stamp "examples/cpp against the installed package"
-  tests/install/consume.sh "$BUILD" "$PWD" --cuda >"$LOGS/example.log" 2>&1 || EXAMPLE_RC=$?
-  GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
-  if [[ $EXAMPLE_RC -eq 0 && $GPUS -ge 2 ]]; then
-    "$BUILD/ferry" launch --nproc "$GPUS" --timeout 120 "$BUILD/install-check/consumer/moe_round_trip" --cuda \
-      >>"$LOGS/example.log" 2>&1 || EXAMPLE_RC=$?
-  fi
-  tail -n 4 "$LOGS/example.log"
-fi
-
-# 3. ferry p2p
-P2P_RC=0
-if [[ $RUN_P2P -eq 1 ]]; then
-  stamp "ferry p2p"
-  # shellcheck disable=SC2086
-  timeout 180 "$BUILD/ferry" p2p --json "$LOGS/p2p.json" $P2P_ARGS >"$LOGS/p2p.log" 2>&1
-  P2P_RC=$?
-  cat "$LOGS/p2p.log"
-fi
-
-# 4. a short ferry bench (guarded: a feature it lacks must not stop the check)
+# 2. a short ferry bench first (a minute or two; guarded: a feature it lacks must not stop the check)
 BENCH_RC=0
 if [[ $RUN_BENCH -eq 1 ]]; then
   stamp "ferry bench"
@@ -103,17 +75,71 @@ if [[ $RUN_BENCH -eq 1 ]]; then
   timeout 120 "$BUILD/ferry" bench --mode both --tokens 1,128 --graph --check --baseline nccl --iters 10 \
     --json "$LOGS/bench-ll.json" >"$LOGS/bench-ll.log" 2>&1 || BENCH_RC=$?
   tail -n 12 "$LOGS/bench-ll.log"
-  # LL dispatch with the own rows staged (default) and copied by the send half (FERRY_LL_OWN_ROWS=direct), same build
-  # (docs/perf.md, session 11: direct was slower at world 2; kept to watch the comparison as the kernels change)
-  for own in landing direct; do
-    stamp "ferry bench --mode ll, FERRY_LL_OWN_ROWS=$own"
-    FERRY_LL_OWN_ROWS=$own timeout 120 "$BUILD/ferry" bench --mode ll --tokens 1,128,512 --graph --check --iters 10 \
-      --json "$LOGS/bench-ll-own-$own.json" >"$LOGS/bench-ll-own-$own.log" 2>&1 || BENCH_RC=$?
-    grep -E "^dispatch" "$LOGS/bench-ll-own-$own.log"
+fi
+
+# 3. GPU tests, one ctest run each (each starts one process per rank; a hang is bounded by the tests' own timeouts
+#    and by the budget): status per test in gpu-tests.status (passed, failed, skipped, disabled, cut, not-run)
+TESTS_RC=0
+: >"$LOGS/gpu-tests.log"
+: >"$LOGS/gpu-tests.status"
+if [[ $RUN_TESTS -eq 1 ]]; then
+  stamp "GPU tests (budget: $(left) s left)"
+  mapfile -t NAMES < <(cd "$BUILD" && ctest -N -L gpu ${TEST_REGEX:+-R "$TEST_REGEX"} | sed -n 's/^ *Test *#[0-9]*: //p')
+  RESERVE=40  # the example and the summary
+  for entry in "${NAMES[@]}"; do
+    name="${entry%% *}"
+    if [[ "$entry" == *"(Disabled)"* ]]; then echo "$name disabled" >>"$LOGS/gpu-tests.status"; continue; fi
+    budget=$(($(left) - RESERVE))
+    if [[ $budget -lt 30 ]]; then echo "$name not-run" >>"$LOGS/gpu-tests.status"; continue; fi
+    limit=$((budget < 450 ? budget : 450))
+    out=$(cd "$BUILD" && ctest -R "^${name}\$" --output-on-failure --timeout "$limit" 2>&1)
+    rc=$?
+    echo "$out" >>"$LOGS/gpu-tests.log"
+    if grep -q '\*\*\*Skipped' <<<"$out"; then
+      status=skipped
+    elif [[ $rc -eq 0 ]]; then
+      status=passed
+    elif grep -q '\*\*\*Timeout' <<<"$out" && [[ $limit -lt 450 ]]; then
+      status="cut"  # stopped by the budget, not by its own limit
+    else
+      status=failed
+      TESTS_RC=1
+    fi
+    echo "$name $status" >>"$LOGS/gpu-tests.status"
+    printf '%-60s %s\n' "$name" "$status"
   done
 fi
 
-# 5. summary
+# 4. the installed C++ package: examples/cpp built against `cmake --install` of this build, run on the cuda backend
+#    (one process alone; one per GPU through `ferry launch` when there are more)
+EXAMPLE_RC=0
+RUN_EXAMPLE=$RUN_TESTS
+if [[ $RUN_EXAMPLE -eq 1 && $(left) -lt 30 ]]; then
+  echo "device-check: no time left for the installed-package example (budget)"
+  RUN_EXAMPLE=0
+fi
+if [[ $RUN_EXAMPLE -eq 1 ]]; then
+  stamp "examples/cpp against the installed package"
+  tests/install/consume.sh "$BUILD" "$PWD" --cuda >"$LOGS/example.log" 2>&1 || EXAMPLE_RC=$?
+  GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
+  if [[ $EXAMPLE_RC -eq 0 && $GPUS -ge 2 ]]; then
+    "$BUILD/ferry" launch --nproc "$GPUS" --timeout 120 "$BUILD/install-check/consumer/moe_round_trip" --cuda \
+      >>"$LOGS/example.log" 2>&1 || EXAMPLE_RC=$?
+  fi
+  tail -n 4 "$LOGS/example.log"
+fi
+
+# 5. ferry p2p (--p2p: the transport's figures, docs/perf.md)
+P2P_RC=0
+if [[ $RUN_P2P -eq 1 ]]; then
+  stamp "ferry p2p"
+  # shellcheck disable=SC2086
+  timeout 180 "$BUILD/ferry" p2p --json "$LOGS/p2p.json" $P2P_ARGS >"$LOGS/p2p.log" 2>&1
+  P2P_RC=$?
+  cat "$LOGS/p2p.log"
+fi
+
+# 6. summary
 stamp "done"
 echo
 echo "================ device-check summary ================"
@@ -133,17 +159,20 @@ def load(name):
 print(f"build                  {'ok' if build_rc == 0 else f'FAILED (exit {build_rc}), see build.log'}")
 if run_tests:
     print(f"example (installed)    {'ok' if example_rc == 0 else f'FAILED (exit {example_rc}), see example.log'}")
-    text = open(os.path.join(logs, "gpu-tests.log"), errors="replace").read()
-    m = re.search(r"(\d+)% tests passed(?:, (\d+) tests failed)? out of (\d+)", text)
-    skipped = len(re.findall(r"\*\*\*Skipped", text))  # ctest's progress line (its closing list repeats them)
-    if m:
-        total, failed = int(m.group(3)), int(m.group(2) or 0)
-        print(f"gpu tests              {total - failed - skipped} passed, {failed} failed, {skipped} skipped "
-              f"(of {total})")
-    else:
-        print(f"gpu tests              no ctest summary (exit {tests_rc})")
-    for line in re.findall(r"\d+ - \S+ \(Failed\)|\d+ - \S+ \(Timeout\)", text):
-        print(f"  failed: {line}")
+    status = {}
+    with open(os.path.join(logs, "gpu-tests.status")) as f:
+        for line in f:
+            name, _, state = line.strip().partition(" ")
+            if name:
+                status[name] = state
+    count = lambda state: sum(1 for s in status.values() if s == state)
+    print(f"gpu tests              {count('passed')} passed, {count('failed')} failed, {count('skipped')} skipped, "
+          f"{count('cut') + count('not-run')} left out by the budget (of {len(status) - count('disabled')}; "
+          f"{count('disabled')} disabled)")
+    for state, label in (("failed", "failed"), ("skipped", "skipped"), ("cut", "cut by the budget"),
+                         ("not-run", "not run (budget)")):
+        for name in (n for n, s in status.items() if s == state):
+            print(f"  {label}: {name}")
 if run_p2p:
     p2p = load("p2p.json")
     if p2p is None:
@@ -167,8 +196,7 @@ if run_p2p:
                 print(f"p2p latency            one-way {r['latency_us']:.2f} us")
         print(f"  (targets: push 256MiB >= 350 oneway, >= 690 bidir sum; latency <= 1.5 us)")
 if run_bench:
-    for name, label in (("bench.json", ""), ("bench-ll.json", ""), ("bench-ll-own-landing.json", " own=landing"),
-                        ("bench-ll-own-direct.json", " own=direct")):
+    for name, label in (("bench.json", ""), ("bench-ll.json", "")):
         bench = load(name)
         if bench is None:
             print(f"bench                  no result in {name} (exit {bench_rc}); see {name[:-5]}.log")
