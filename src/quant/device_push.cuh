@@ -2,7 +2,8 @@
 // token scale) stored straight into their places on every destination of a mask, from one load of the caller's row.
 // Normal dispatch (dispatch.cuh: the pieces into the delivered buffers) and LL dispatch (ll_dispatch.cuh: into a wire
 // row of the landing zone) both push this way; they differ in the places (a callback) and in how they split a row
-// into chunks. Bytes and values are UnitCodec's, hence quantize_row_warp's and the host codec's.
+// into chunks. Bytes and values are UnitCodec's, hence quantize_row_warp's and the host codec's. CtaRowMax meets a
+// row's nvfp4 amax over the CTA's warps that hold its chunks (LL dispatch and LL combine).
 #pragma once
 
 #include <cstddef>
@@ -19,6 +20,24 @@ struct QuantRowInput {
   char const* payload = nullptr;  // pre-quantized: the row's payload
   char const* scales = nullptr;   // pre-quantized: the row's scale elements, row-major
 };
+
+// Row t of the caller's input: x holds bf16 rows, or (x_scales non-null) pre-quantized payload rows of the format with
+// their row-major scale elements in x_scales.
+template <WireFormat kFormat, int kUnitElems>
+__device__ __forceinline__ QuantRowInput quant_row_input(void const* x, void const* x_scales, int hidden, int t) {
+  using Codec = UnitCodec<kFormat, kUnitElems>;
+  QuantRowInput in;
+  if (x_scales != nullptr) {
+    std::size_t const payload_bytes = static_cast<std::size_t>(hidden / kUnitElems) * Codec::kPieceBytes;
+    std::size_t const scale_bytes =
+        static_cast<std::size_t>(hidden / Codec::kTraits.block_elems) * Codec::kTraits.scale_bytes;
+    in.payload = static_cast<char const*>(x) + static_cast<std::size_t>(t) * payload_bytes;
+    in.scales = static_cast<char const*>(x_scales) + static_cast<std::size_t>(t) * scale_bytes;
+  } else {
+    in.x_row = static_cast<int4 const*>(x) + static_cast<std::size_t>(t) * (hidden / 8);
+  }
+  return in;
+}
 
 // Where a destination's copy of the row goes (any of them may be a peer's memory).
 struct QuantRowPlaces {
@@ -43,6 +62,26 @@ __device__ __forceinline__ float chunk_finite_amax(int4 const* x_row, int hidden
   return quant_detail::row_finite_amax_warp<__nv_bfloat16, true, 8>(x_row + groups.begin * kVecs,
                                                                     (groups.end - groups.begin) * kVecs, lane);
 }
+
+// A row's value met over the warps of one CTA that hold its chunks (nvfp4: the max of the chunks' amaxes, which
+// gives the token scale every block scale needs). Used inside a loop whose steps every warp of the CTA runs: per step
+// each warp posts its value (already reduced over its lanes) and, after one barrier, reads the max over its row's
+// warps [first_warp, first_warp + num_warps). The words alternate by step, so one barrier a step suffices: a warp
+// writes a step's words only after every warp has passed the previous step's barrier, past its reads of them.
+template <int kCtaWarps>
+struct CtaRowMax {
+  float words[2][kCtaWarps];
+
+  // Every thread of the CTA calls it once per step (a barrier).
+  __device__ __forceinline__ float meet(int step, float warp_value, int first_warp, int num_warps) {
+    int const warp = static_cast<int>(threadIdx.x) >> 5;
+    if ((threadIdx.x & 31) == 0) words[step & 1][warp] = warp_value;
+    __syncthreads();
+    float m = 0.0f;
+    for (int w = first_warp; w < first_warp + num_warps; ++w) m = fmaxf(m, words[step & 1][w]);
+    return m;
+  }
+};
 
 // Pushes chunk `chunk` of `chunks` of a row (the scale groups chunk_range gives it) to every destination d of `send`,
 // at places_of(d) (QuantRowPlaces): quantized unit by unit (kInFlight units per lane loaded before the conversions),

@@ -75,16 +75,7 @@ __device__ __forceinline__ void push_quantized_row(DispatchParams const& p, int 
                                                    int32_t const* rows, int lane) {
   using Codec = device::UnitCodec<kFormat, kUnitElems>;
   bool const prequantized = p.x_scales != nullptr;
-  std::size_t const num_scales = static_cast<std::size_t>(p.hidden) / Codec::kTraits.block_elems;
-  std::size_t const payload_bytes = static_cast<std::size_t>(p.hidden / kUnitElems) * Codec::kPieceBytes;
-  device::QuantRowInput in;
-  if (prequantized) {
-    in.payload = static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * payload_bytes;
-    in.scales =
-        static_cast<char const*>(p.x_scales) + static_cast<std::size_t>(t) * num_scales * Codec::kTraits.scale_bytes;
-  } else {
-    in.x_row = static_cast<int4 const*>(p.x) + static_cast<std::size_t>(t) * (p.hidden / 8);
-  }
+  device::QuantRowInput const in = device::quant_row_input<kFormat, kUnitElems>(p.x, p.x_scales, p.hidden, t);
   // nvfp4's per-token scale (the whole row's amax enters every block scale): given, or computed by this CTA before
   // the count exchange's wait (nvfp4_token_scales)
   float const token_scale =

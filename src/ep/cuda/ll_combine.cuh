@@ -22,6 +22,7 @@
 #include "ep/cuda/entry_reduce.cuh"
 #include "ep/cuda/ll_params.cuh"
 #include "quant/device_codec.cuh"
+#include "quant/device_push.cuh"  // CtaRowMax
 #include "quant/device_scales.cuh"
 #include "trace/device_trace.cuh"
 
@@ -154,7 +155,7 @@ __device__ __forceinline__ void ll_combine_send_chunks(LlCombineParams const& p,
 // it. Every thread of the CTA runs the same steps (the barrier).
 template <bool kExpertMajor>
 __device__ __forceinline__ void ll_combine_send_rows_nvfp4(LlCombineParams const& p, int parity) {
-  __shared__ float s_amax[2][kWarps];  // alternates by step: one barrier a step (as in the LL dispatch's send)
+  __shared__ device::CtaRowMax<kWarps> s_amax;  // the row's amax over its warps, one barrier a step
   int const world = p.view.world;
   int const rank = p.view.rank;
   int const tid = static_cast<int>(threadIdx.x);
@@ -215,14 +216,10 @@ __device__ __forceinline__ void ll_combine_send_rows_nvfp4(LlCombineParams const
         amax = fmaxf(amax, chunk_amax(x));
       }
     }
-    amax = device::quant_detail::group_max<32>(amax);
-    if (lane == 0) s_amax[step & 1][warp] = amax;
-    __syncthreads();
+    float const row_amax =
+        s_amax.meet(step, device::quant_detail::group_max<32>(amax), row_of_step * row_warps, row_warps);
     if (!valid) continue;
     // 2. the row's token scale, then each chunk's codes and block scales into the source's landing zone
-    float row_amax = 0.0f;
-    for (int w = row_of_step * row_warps; w < (row_of_step + 1) * row_warps; ++w)
-      row_amax = fmaxf(row_amax, s_amax[step & 1][w]);
     float const token_scale = quant::nvfp4_token_scale(row_amax);
     int const source = p.recv_src[2 * row];
     int const token = p.recv_src[2 * row + 1];

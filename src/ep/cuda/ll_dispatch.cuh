@@ -70,14 +70,7 @@ __device__ __forceinline__ void send_quantized_chunk(LlDispatchParams const& p, 
                                                      uint32_t mask, std::size_t slot, float token_scale, int lane) {
   using Codec = device::UnitCodec<kFormat, kUnitElems>;
   WireRowLayout const wl = quant::make_row_layout(kFormat, p.hidden);
-  device::QuantRowInput in;
-  if (p.x_scales != nullptr) {
-    in.payload = static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * wl.payload_bytes;
-    in.scales =
-        static_cast<char const*>(p.x_scales) + static_cast<std::size_t>(t) * wl.num_scales * Codec::kTraits.scale_bytes;
-  } else {
-    in.x_row = static_cast<int4 const*>(p.x) + static_cast<std::size_t>(t) * (p.hidden / 8);
-  }
+  device::QuantRowInput const in = device::quant_row_input<kFormat, kUnitElems>(p.x, p.x_scales, p.hidden, t);
   std::size_t const at = p.layout.dispatch_rows + slot * p.layout.dispatch_row_bytes;
   device::push_quantized_chunk<kFormat, kUnitElems, kUnroll / Codec::kVecs>(
       in, p.hidden, chunk, chunks, mask, token_scale,
@@ -91,10 +84,9 @@ __device__ __forceinline__ void send_quantized_chunk(LlDispatchParams const& p, 
 
 // nvfp4: the token scale of the row that chunk `chunk` of `chunks` belongs to (given, or the max of its chunks'
 // amaxes, which the row's warps of this CTA meet in s_amax). Every thread of the CTA calls it once per step of the
-// send loop (a barrier); `valid`: this warp has an item this step. s_amax alternates by step, so one barrier a step
-// suffices (a warp writes a step's words only after every warp has passed the previous step's barrier).
+// send loop (a barrier); `valid`: this warp has an item this step.
 template <int kUnitElems>
-__device__ __forceinline__ float nvfp4_chunk_token_scale(LlDispatchParams const& p, float (&s_amax)[2][kWarps],
+__device__ __forceinline__ float nvfp4_chunk_token_scale(LlDispatchParams const& p, device::CtaRowMax<kWarps>& s_amax,
                                                          int step, int t, int chunk, int chunks, bool valid) {
   if (p.x_scales != nullptr) return valid ? __ldg(p.x_token_scales + t) : 0.0f;
   int const lane = static_cast<int>(threadIdx.x) & 31;
@@ -103,11 +95,7 @@ __device__ __forceinline__ float nvfp4_chunk_token_scale(LlDispatchParams const&
                                  static_cast<int4 const*>(p.x) + static_cast<std::size_t>(t) * (p.hidden / 8), p.hidden,
                                  chunk, chunks, lane)
                            : 0.0f;
-  if (lane == 0) s_amax[step & 1][warp] = amax;
-  __syncthreads();
-  float row_amax = 0.0f;
-  for (int c = 0; c < chunks; ++c) row_amax = fmaxf(row_amax, s_amax[step & 1][warp - chunk + c]);
-  return quant::nvfp4_token_scale(row_amax);
+  return quant::nvfp4_token_scale(s_amax.meet(step, amax, warp - chunk, chunks));
 }
 
 // ---- the expansion into expert_x, shared by the send half (this rank's own rows, bf16) and the receive half ----
@@ -379,7 +367,7 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Expa
                                                  uint64_t seq FERRY_TRACE_PARAM(trace)) {
   static_assert(sizeof(IdxT) == 4 || sizeof(IdxT) == 8, "topk_idx is int32 or int64");
   static_assert((kFormat == WireFormat::bf16) == (kUnitElems == 0), "bf16 rows are copied; quantized rows need a unit");
-  __shared__ float s_amax[2][kWarps];  // nvfp4: the chunks' amaxes of a step (nvfp4_chunk_token_scale)
+  __shared__ device::CtaRowMax<kWarps> s_amax;  // nvfp4: the chunks' amaxes of a step (nvfp4_chunk_token_scale)
   int const world = p.view.world;
   int const rank = p.view.rank;
   int const tid = static_cast<int>(threadIdx.x);
