@@ -168,34 +168,36 @@ __device__ __forceinline__ void e4m3_codes(float const (&x)[kN], float inverse, 
 // ---- e2m1 conversions
 // sm_100 and later convert in hardware. sm_90 has no fp4 instruction: cuda_fp4.hpp emulates it (encode through
 // double, decode through fp6), tens of instructions per element, which made the fp4 legs 9-25x slower than bf16 on an
-// H200. On sm_90 these are the same conversions (round to nearest even, saturating at +-6, a zero result keeps the
-// sign, NaN -> +6) in a few integer operations (quant::e2m1_code_by_rounding, equal to quant::e2m1_from_float on
-// every fp32, itself bit-exact with cuda_fp4.h; the device tests compare every row).
-__device__ __forceinline__ uint32_t e2m1_code(float x) {
+// H200. On sm_90 the encode is the same conversion (round to nearest even, saturating at +-6, a zero result keeps the
+// sign) in one fp32 addition and a few integer operations (quant::e2m1_code_not_nan, equal to quant::e2m1_from_float
+// on every fp32 but NaN, itself bit-exact with cuda_fp4.h; the device tests compare every row). The quantizers call
+// it with x = element * inverse scale of a block whose elements are all finite (a block with an Inf or a NaN gets a
+// NaN scale and zero codes), so x is never NaN and the NaN test (NaN -> +6) is left out.
+__device__ __forceinline__ uint32_t e2m1_code_not_nan(float x) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
   return static_cast<uint32_t>(__nv_cvt_float_to_fp4(x, __NV_E2M1, cudaRoundNearest)) & 0xFu;
 #else
-  return quant::e2m1_code_by_rounding(x);
+  return quant::e2m1_code_not_nan(x);
 #endif
 }
 
-// Two elements into one byte, lo in the low nibble.
+// Two elements (not NaN) into one byte, lo in the low nibble.
 __device__ __forceinline__ uint32_t e2m1_pair(float lo, float hi) {
-  return e2m1_code(lo) | (e2m1_code(hi) << 4);
+  return e2m1_code_not_nan(lo) | (e2m1_code_not_nan(hi) << 4);
 }
 
-// The value of an e2m1 code (low nibble of `code`), exact.
-__device__ __forceinline__ float e2m1_value(uint32_t code) {
-  uint32_t const c = code & 7u;
-  // 0, 0.5, then 1, 1.5, 2, 3, 4, 6: exponent 126 + c / 2, mantissa bit c & 1
-  uint32_t bits = c >= 2u ? ((126u + (c >> 1)) << 23) | ((c & 1u) << 22) : (c == 1u ? 126u << 23 : 0u);
-  bits |= (code & 8u) << 28;
-  return __uint_as_float(bits);
-}
-
-// Both values of a byte of e2m1 codes (low nibble first).
+// Both values of a byte of e2m1 codes (low nibble first), exact. A code's magnitude bits (e e m) placed at bits 11..9
+// of an fp16 are its exponent field's low bits and its mantissa's top bit, so that fp16 is the code's value times
+// 2^-14 (code 1, 0.5, is the fp16 denormal 2^-15), and one fp16x2 product by 2^14 gives both values: eight
+// operations for the pair (two are the fp16 -> fp32 conversions), where a select chain took about twelve per nibble.
 __device__ __forceinline__ float2 e2m1_pair_values(uint32_t byte) {
-  return make_float2(e2m1_value(byte), e2m1_value(byte >> 4));
+  uint32_t const spread = (byte & 0xFFu) * 0x00200200u;  // byte << 9 | byte << 21: low nibble at 9, high at 21
+  uint32_t const bits =
+      (spread & 0x0E000E00u) | ((spread << 3) & 0x80008000u);  // magnitudes at 9 / 25, signs at 15 / 31
+  __half2 codes;
+  static_assert(sizeof codes == sizeof bits, "an fp16x2 is one 32-bit word");
+  memcpy(&codes, &bits, sizeof bits);  // the low half is .x
+  return __half22float2(__hmul2(codes, __float2half2_rn(16384.0f)));
 }
 
 // e2m1 codes of x * inverse, element 2k in the low nibble of byte k.

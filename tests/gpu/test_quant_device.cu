@@ -327,6 +327,39 @@ TEST(QuantDevice, DequantizeMatchesHost) {
 #endif
 }
 
+#if FERRY_HAVE_CUDA
+__global__ void e2m1_pair_values_kernel(float2* out) {
+  out[threadIdx.x] = device::quant_detail::e2m1_pair_values(threadIdx.x);
+}
+#endif
+
+// The device's e2m1 decode of a byte (two codes through one fp16x2 product) against the host's, for all 256 bytes:
+// both nibbles, both signs, zero and the denormal-like 0.5, bit for bit (-0 included).
+TEST(QuantDevice, E2m1PairValuesOfEveryByte) {
+#if !FERRY_HAVE_CUDA
+  GTEST_SKIP() << "needs the cuda backend (built with FERRY_ENABLE_CUDA=OFF)";
+#else
+  FERRY_REQUIRE_GPU();
+  DeviceBuffer<float2> d_out(256);
+  FERRY_CHECK_CUDA(cudaMemset(d_out.ptr, 0xFF, 256 * sizeof(float2)));  // poisoned: NaN bits
+  e2m1_pair_values_kernel<<<1, 256>>>(d_out.ptr);
+  FERRY_CHECK_CUDA(cudaGetLastError());
+  std::vector<float2> out(256);
+  FERRY_CHECK_CUDA(cudaMemcpy(out.data(), d_out.ptr, 256 * sizeof(float2), cudaMemcpyDeviceToHost));
+  for (int byte = 0; byte < 256; ++byte) {
+    float const lo = quant::e2m1_to_float(static_cast<uint8_t>(byte & 0xF));
+    float const hi = quant::e2m1_to_float(static_cast<uint8_t>(byte >> 4));
+    uint32_t bits[4];
+    std::memcpy(&bits[0], &out[byte].x, 4);
+    std::memcpy(&bits[1], &lo, 4);
+    std::memcpy(&bits[2], &out[byte].y, 4);
+    std::memcpy(&bits[3], &hi, 4);
+    EXPECT_EQ(bits[0], bits[1]) << "byte 0x" << std::hex << byte << ": low nibble " << out[byte].x << " vs " << lo;
+    EXPECT_EQ(bits[2], bits[3]) << "byte 0x" << std::hex << byte << ": high nibble " << out[byte].y << " vs " << hi;
+  }
+#endif
+}
+
 // The scale-tensor offsets kernels use (quant::scale_offset on the device) equal the host's scale_byte_offset and
 // scale_tensor_bytes for every supported (format, layout), odd and aligned row counts, every (row, block) corner and
 // random ones.
