@@ -164,33 +164,35 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
   auto const* topk_idx = static_cast<IdxT const*>(p.topk_idx);
   FERRY_TRACE_WARP(trace, p.trace);
 
-  // 0. this call's sequence number (written by the previous call's last CTA; stream order makes it visible)
-  if (tid == 0) {
-    s_seq = p.state->dispatch_seq + 1;
-    s_ok = 1;
-  }
+  // 0. this call's sequence number (written by the previous call's last CTA; stream order makes it visible): loaded
+  //    here and published to the CTA after the layout, whose loads and barriers cover its round trip (the layout
+  //    waited for it behind a barrier)
+  uint64_t const previous_seq = tid == 0 ? p.state->dispatch_seq : 0;
+  if (tid == 0) s_ok = 1;
   for (int i = tid; i < num_counts; i += kThreads) s_cnt[i] = 0;
   __syncthreads();
-  uint64_t const seq = s_seq;
-  int const parity = static_cast<int>(seq & 1);
 
-  // 1. layout of this CTA's tokens, kThreads tokens per step
+  // 1. layout of this CTA's tokens, kThreads tokens per step; a token's ids are all loaded before the first is used
+  //    (one round trip, where a loop that used each id as it came waited for each)
   FERRY_TRACE_BEGIN(trace, dispatch_layout);
   for (int base = t0; base < t1; base += kThreads) {
     int const t = base + tid;
     bool const valid = t < t1;
+    int64_t ids[kMaxTopk];
+#pragma unroll
+    for (int k = 0; k < kMaxTopk; ++k)
+      ids[k] = valid && k < topk ? static_cast<int64_t>(topk_idx[static_cast<std::size_t>(t) * topk + k]) : -1;
     uint32_t mask = 0;
-    if (valid) {
-      for (int k = 0; k < topk; ++k) {
-        int64_t const e = static_cast<int64_t>(topk_idx[static_cast<std::size_t>(t) * topk + k]);
-        if (e == -1) continue;
-        if (e < -1 || e >= num_experts) {  // dropped and reported (InputError at the next check)
-          device::record_bad_expert_id(p.view, e);
-          continue;
-        }
-        mask |= 1u << (static_cast<int>(e) / num_local);
-        atomicAdd(&s_cnt[world + static_cast<int>(e)], 1);
+#pragma unroll
+    for (int k = 0; k < kMaxTopk; ++k) {
+      int64_t const e = ids[k];
+      if (e == -1) continue;
+      if (e < -1 || e >= num_experts) {  // dropped and reported (InputError at the next check)
+        device::record_bad_expert_id(p.view, e);
+        continue;
       }
+      mask |= 1u << (static_cast<int>(e) / num_local);
+      atomicAdd(&s_cnt[world + static_cast<int>(e)], 1);
     }
     for (int d = 0; d < world; ++d) {
       uint32_t const bits = __ballot_sync(0xffffffffu, (mask >> d) & 1u);
@@ -214,7 +216,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
     }
     if (valid) p.token_mask[t] = mask;
   }
+  if (tid == 0) s_seq = previous_seq + 1;
   __syncthreads();
+  uint64_t const seq = s_seq;
+  int const parity = static_cast<int>(seq & 1);
   FERRY_TRACE_END(trace, dispatch_layout);
 
   // 2. this CTA's rows per destination to local scratch (the later CTAs' bases), and all its counts added into the
