@@ -54,12 +54,13 @@ __device__ __forceinline__ int32_t count_value(uint64_t word) {
 }
 
 // nvfp4 without pre-quantized input: the per-token scale of this CTA's tokens [t0, t1) (a warp per token, the row's
-// amax), into p.token_scales. It runs while the CTA waits for the peers' counts, so the push reads each row once
-// (the warp that pushed a token first read the whole row for its amax, then again to quantize it).
+// amax), into p.token_scales, before the push (every block scale needs it). It runs while the CTA waits for the peers'
+// counts. The push reads each row again; this pass walks the tokens backwards, so that the rows it read last, which
+// the L2 still holds, are the ones the push reads first (its warps start at t0).
 __device__ __forceinline__ void nvfp4_token_scales(DispatchParams const& p, int t0, int t1, int warp, int lane) {
   // 8 loads per lane in flight: one at a time, a 7168-wide row took 28 dependent round trips
   int const num_vec = p.hidden / 8;
-  for (int t = t0 + warp; t < t1; t += kWarps) {
+  for (int t = t1 - 1 - warp; t >= t0; t -= kWarps) {
     auto const* const x_row = static_cast<int4 const*>(p.x) + static_cast<std::size_t>(t) * num_vec;
     float const token_scale = quant::nvfp4_token_scale(
         device::quant_detail::row_finite_amax_warp<__nv_bfloat16, true, 8>(x_row, num_vec, lane));
