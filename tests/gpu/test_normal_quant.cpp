@@ -46,6 +46,7 @@ struct Spec : CaseShape {
   bool dequantize = false;
   bool prequantized = false;
   bool expand = false;
+  int blocks = 0;  // blocks=: pins the dispatch grid (EpConfig::dispatch_geometry; 0: the default)
 };
 
 Spec parse_spec(std::vector<std::string> const& words) {
@@ -58,6 +59,7 @@ Spec parse_spec(std::vector<std::string> const& words) {
   s.dequantize = args.flag("dequantize", s.dequantize);
   s.prequantized = args.flag("prequant", s.prequantized);
   s.expand = args.flag("expand", s.expand);
+  s.blocks = args.integer("blocks", s.blocks);
   return s;
 }
 
@@ -141,6 +143,7 @@ int run_spec(std::shared_ptr<Communicator> const& comm, Spec const& spec) {
   config.dispatch_dequantize = spec.dequantize;
   config.recv_scale_layout = spec.layout;
   if (spec.expand) config.expert_capacity = config.recv_capacity(world);
+  if (spec.blocks > 0) config.dispatch_geometry = Geometry{spec.blocks, 0};
   EpBuffer buffer(comm, config);
   int const hidden = spec.hidden;
   int const topk = spec.topk;
@@ -538,6 +541,23 @@ TEST(NormalQuant, Nvfp4HiddenNotMultipleOf32) {
   run_cases(
       {{"format=nvfp4", "layout=row_major", "combine=nvfp4", "tokens=33,70", "hidden=2064", "expand=1", "iters=2"},
        {"format=nvfp4", "dequantize=1", "combine=nvfp4", "tokens=40,20", "hidden=2064", "iters=2"}});
+#else
+  GTEST_SKIP() << "built without the cuda backend";
+#endif
+}
+
+// nvfp4 quantized here with many rows per warp (a pinned grid of a few CTAs): every row's token scale comes from the
+// pass over the CTA's rows before the push, read back by the warp that pushes the row; rows that no rank takes (topk 1
+// with a high mask rate: every entry masked) among them. 32- and 16-element units, both delivery kinds. (The
+// bench's 4096-token --check was the only run with several rows per warp before.)
+TEST(NormalQuant, Nvfp4ManyRowsPerWarp) {
+#if FERRY_HAVE_CUDA
+  run_cases({{"format=nvfp4", "layout=row_major", "combine=nvfp4", "tokens=600,450", "hidden=7168", "blocks=8",
+              "expand=1", "iters=2", "mask=0.1"},
+             {"format=nvfp4", "layout=mn_major_tma", "combine=bf16", "tokens=500,700", "hidden=2064", "blocks=5",
+              "topk=1", "mask=0.4", "iters=2"},
+             {"format=nvfp4", "dequantize=1", "combine=bf16", "tokens=400,300", "hidden=4096", "blocks=3", "topk=1",
+              "mask=0.5", "iters=1"}});
 #else
   GTEST_SKIP() << "built without the cuda backend";
 #endif
