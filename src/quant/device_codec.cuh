@@ -200,6 +200,44 @@ __device__ __forceinline__ float2 e2m1_pair_values(uint32_t byte) {
   return __half22float2(__hmul2(codes, __float2half2_rn(16384.0f)));
 }
 
+// Codes 2k and 2k + 1 of a payload held as 32-bit words (element 0 in the lowest byte / nibble), exact and unscaled:
+// an e4m3 pair is a half word, an e2m1 pair a byte.
+template <WireFormat kFormat>
+__device__ __forceinline__ float2 code_pair(uint32_t const* words, int k) {
+  if constexpr (kFormat == WireFormat::fp8_e4m3 || kFormat == WireFormat::fp8_e4m3_ue8m0) {
+    auto const pair = static_cast<__nv_fp8x2_storage_t>(words[k / 2] >> (16 * (k % 2)));
+    return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+  } else {
+    static_assert(kFormat == WireFormat::nvfp4 || kFormat == WireFormat::mxfp4, "a scaled format");
+    return e2m1_pair_values(words[k / 4] >> (8 * (k % 4)));
+  }
+}
+
+// What a block's codes are multiplied by: its scale element (fp8_e4m3: the fp32's bits; the others: the byte), for
+// nvfp4 times the row's token scale (one fp32 product, the effective scale quantize divided by).
+template <WireFormat kFormat>
+__device__ __forceinline__ float block_multiplier(uint32_t scale, float token_scale) {
+  if constexpr (kFormat == WireFormat::fp8_e4m3)
+    return __uint_as_float(scale);
+  else if constexpr (kFormat == WireFormat::nvfp4)
+    return quant::nvfp4_effective_scale(e4m3_value(static_cast<uint8_t>(scale)), token_scale);
+  else
+    return quant::ue8m0_value(static_cast<uint8_t>(scale));
+}
+
+// y[i] = code i * multiplier (one fp32 product each) for the kN codes of `words`: the dequantization of every device
+// path (dequantize_row_warp, dequantize_vec, UnitCodec::dequantize), equal to the host codec's.
+template <WireFormat kFormat, int kN>
+__device__ __forceinline__ void scale_codes(uint32_t const* words, float multiplier, float* y) {
+  static_assert(kN % 2 == 0, "whole pairs of codes");
+#pragma unroll
+  for (int k = 0; k < kN / 2; ++k) {
+    float2 const q = code_pair<kFormat>(words, k);
+    y[2 * k] = quant::mul_rn(q.x, multiplier);
+    y[2 * k + 1] = quant::mul_rn(q.y, multiplier);
+  }
+}
+
 // e2m1 codes of x * inverse, element 2k in the low nibble of byte k.
 template <int kN>
 __device__ __forceinline__ void e2m1_codes(float const (&x)[kN], float inverse, uint32_t (&words)[4]) {
@@ -404,12 +442,10 @@ __device__ __forceinline__ void dequantize_row_warp(uint8_t const* __restrict__ 
       if (v >= num_vecs) continue;
       load_bytes<kPayloadBytes>(src + static_cast<std::size_t>(v) * kPayloadBytes, words[f]);
       std::size_t const block = static_cast<std::size_t>(v) * kVec / kTraits.block_elems;
-      if constexpr (kFormat == WireFormat::fp8_e4m3)
-        scale[f] = *reinterpret_cast<float const*>(scales + 4 * block);
-      else if constexpr (kFormat == WireFormat::fp8_e4m3_ue8m0 || kFormat == WireFormat::mxfp4)
-        scale[f] = quant::ue8m0_value(scales[block]);
-      else if constexpr (kFormat == WireFormat::nvfp4)
-        scale[f] = quant::nvfp4_effective_scale(e4m3_value(scales[block]), token_scale);
+      if constexpr (kFormat != WireFormat::bf16)
+        scale[f] = block_multiplier<kFormat>(
+            kTraits.scale_bytes == 4 ? *reinterpret_cast<uint32_t const*>(scales + 4 * block) : scales[block],
+            token_scale);
     }
     // 2. codes * scale, stored
 #pragma unroll
@@ -424,21 +460,8 @@ __device__ __forceinline__ void dequantize_row_warp(uint8_t const* __restrict__ 
         if constexpr (kFormat == WireFormat::bf16) {
 #pragma unroll
           for (int i = 0; i < kVec; ++i) y[i] = __uint_as_float((words[f][i / 2] >> (16 * (i % 2))) << 16);
-        } else if constexpr (kFormat == WireFormat::fp8_e4m3 || kFormat == WireFormat::fp8_e4m3_ue8m0) {
-#pragma unroll
-          for (int k = 0; k < kVec / 2; ++k) {
-            auto const pair = static_cast<__nv_fp8x2_storage_t>(words[f][k / 2] >> (16 * (k % 2)));
-            float2 const q = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
-            y[2 * k] = quant::mul_rn(q.x, scale[f]);
-            y[2 * k + 1] = quant::mul_rn(q.y, scale[f]);
-          }
         } else {
-#pragma unroll
-          for (int k = 0; k < kVec / 2; ++k) {
-            float2 const q = e2m1_pair_values(words[f][k / 4] >> (8 * (k % 4)));
-            y[2 * k] = quant::mul_rn(q.x, scale[f]);
-            y[2 * k + 1] = quant::mul_rn(q.y, scale[f]);
-          }
+          scale_codes<kFormat, kVec>(words[f], scale[f], y);
         }
         uint32_t packed[4] = {0, 0, 0, 0};
         if constexpr (std::is_same_v<T, float>) {

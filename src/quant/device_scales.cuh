@@ -52,27 +52,9 @@ __device__ __forceinline__ void dequantize_vec(uint8_t const* row, std::size_t s
   } else {
     uint8_t const* const scales = row + scales_offset;
     std::size_t const block = static_cast<std::size_t>(v) * kVec / kTraits.block_elems;
-    if constexpr (kFormat == WireFormat::fp8_e4m3 || kFormat == WireFormat::fp8_e4m3_ue8m0) {
-      float const scale = kFormat == WireFormat::fp8_e4m3 ? *reinterpret_cast<float const*>(scales + 4 * block)
-                                                          : quant::ue8m0_value(scales[block]);
-#pragma unroll
-      for (int k = 0; k < kVec / 2; ++k) {
-        auto const pair = static_cast<__nv_fp8x2_storage_t>(words[k / 2] >> (16 * (k % 2)));
-        float2 const q = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
-        y[2 * k] = quant::mul_rn(q.x, scale);
-        y[2 * k + 1] = quant::mul_rn(q.y, scale);
-      }
-    } else {
-      float const scale = kFormat == WireFormat::nvfp4
-                              ? quant::nvfp4_effective_scale(e4m3_value(scales[block]), token_scale)
-                              : quant::ue8m0_value(scales[block]);
-#pragma unroll
-      for (int k = 0; k < kVec / 2; ++k) {
-        float2 const q = quant_detail::e2m1_pair_values(words[k / 4] >> (8 * (k % 4)));
-        y[2 * k] = quant::mul_rn(q.x, scale);
-        y[2 * k + 1] = quant::mul_rn(q.y, scale);
-      }
-    }
+    uint32_t const scale =
+        kTraits.scale_bytes == 4 ? *reinterpret_cast<uint32_t const*>(scales + 4 * block) : scales[block];
+    scale_codes<kFormat, kVec>(words, block_multiplier<kFormat>(scale, token_scale), y);
   }
 }
 

@@ -123,31 +123,14 @@ struct UnitCodec {
   // exactly as dequantize_row_warp. payload / scales as quantize() produces them.
   __device__ static void dequantize(uint32_t const (&payload)[4], uint32_t scales, float token_scale,
                                     float (&y)[kUnitElems]) {
-    using namespace quant_detail;
-    if constexpr (kFormat == WireFormat::fp8_e4m3 || kFormat == WireFormat::fp8_e4m3_ue8m0) {
-      float const scale =
-          kFormat == WireFormat::fp8_e4m3 ? __uint_as_float(scales) : quant::ue8m0_value(static_cast<uint8_t>(scales));
+    // a unit's blocks: one (fp8: part of a block) or two (e2m1 x 16 each, the second block's codes from word 2)
+    constexpr int kWordsPerBlock = kBlockInUnit * kTraits.bits_per_elem / 32;
 #pragma unroll
-      for (int k = 0; k < kUnitElems / 2; ++k) {
-        auto const pair = static_cast<__nv_fp8x2_storage_t>(payload[k / 2] >> (16 * (k % 2)));
-        float2 const q = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
-        y[2 * k] = quant::mul_rn(q.x, scale);
-        y[2 * k + 1] = quant::mul_rn(q.y, scale);
-      }
-    } else {
-#pragma unroll
-      for (int b = 0; b < kScalesPerUnit; ++b) {
-        auto const byte = static_cast<uint8_t>(scales >> (8 * b));
-        float const scale = kFormat == WireFormat::nvfp4 ? quant::nvfp4_effective_scale(e4m3_value(byte), token_scale)
-                                                         : quant::ue8m0_value(byte);
-#pragma unroll
-        for (int k = 0; k < kBlockInUnit / 2; ++k) {
-          int const byte_idx = b * kBlockInUnit / 2 + k;
-          float2 const q = quant_detail::e2m1_pair_values(payload[byte_idx / 4] >> (8 * (byte_idx % 4)));
-          y[2 * k + b * kBlockInUnit] = quant::mul_rn(q.x, scale);
-          y[2 * k + 1 + b * kBlockInUnit] = quant::mul_rn(q.y, scale);
-        }
-      }
+    for (int b = 0; b < kScalesPerUnit; ++b) {
+      uint32_t const scale = kTraits.scale_bytes == 4 ? scales : (scales >> (8 * b)) & 0xFFu;
+      quant_detail::scale_codes<kFormat, kBlockInUnit>(payload + b * kWordsPerBlock,
+                                                       quant_detail::block_multiplier<kFormat>(scale, token_scale),
+                                                       y + b * kBlockInUnit);
     }
   }
 
