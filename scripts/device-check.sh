@@ -10,8 +10,9 @@
 #
 # usage: scripts/device-check.sh [--tests REGEX] [--no-tests] [--p2p] [--no-bench] [--p2p-args "ARGS"] [--budget S]
 #   --budget S              seconds for the whole check (default 570: the device tool's 600 s per call, less a margin)
-#   FERRY_TEST_WORLD=N      the EP GPU tests (normal, LL, quantized, trace) at N ranks, one per GPU (default 2; 1 on a
-#                           one-GPU machine: every expert local, the timeout cases skip)
+#   FERRY_TEST_WORLD=N      the EP GPU tests (normal, LL, quantized, trace) at N ranks, one per GPU (default: every
+#                           GPU of the machine, at most 8; 1 on a one-GPU machine: every expert local, the timeout
+#                           cases skip)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
@@ -39,6 +40,12 @@ while [[ $# -gt 0 ]]; do
 done
 mkdir -p "$LOGS"
 START=$SECONDS
+# the EP tests at the machine's world unless told otherwise (the tests' own default is 2 ranks, which skips on one GPU)
+GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [[ -z "${FERRY_TEST_WORLD:-}" && $GPUS -ge 1 ]]; then
+  export FERRY_TEST_WORLD=$((GPUS < 8 ? GPUS : 8))
+fi
+echo "device-check: $GPUS GPU(s); EP tests at world ${FERRY_TEST_WORLD:-2} (FERRY_TEST_WORLD)"
 stamp() { echo "== [$((SECONDS - START)) s] $*"; }
 left() { echo $((BUDGET - (SECONDS - START))); }
 
@@ -121,7 +128,6 @@ fi
 if [[ $RUN_EXAMPLE -eq 1 ]]; then
   stamp "examples/cpp against the installed package"
   tests/install/consume.sh "$BUILD" "$PWD" --cuda >"$LOGS/example.log" 2>&1 || EXAMPLE_RC=$?
-  GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
   if [[ $EXAMPLE_RC -eq 0 && $GPUS -ge 2 ]]; then
     "$BUILD/ferry" launch --nproc "$GPUS" --timeout 120 "$BUILD/install-check/consumer/moe_round_trip" --cuda \
       >>"$LOGS/example.log" 2>&1 || EXAMPLE_RC=$?
