@@ -225,6 +225,17 @@ __device__ __forceinline__ float block_multiplier(uint32_t scale, float token_sc
     return quant::ue8m0_value(static_cast<uint8_t>(scale));
 }
 
+// The multiplier (block_multiplier) of the block holding element `elem` of a wire row whose block scales start at
+// `scales`; the row must be visible to this thread (plain loads).
+template <WireFormat kFormat>
+__device__ __forceinline__ float multiplier_at(uint8_t const* scales, std::size_t elem, float token_scale) {
+  constexpr quant::FormatTraits kTraits = quant::format_traits(kFormat);
+  std::size_t const block = elem / kTraits.block_elems;
+  uint32_t const scale =
+      kTraits.scale_bytes == 4 ? *reinterpret_cast<uint32_t const*>(scales + 4 * block) : scales[block];
+  return block_multiplier<kFormat>(scale, token_scale);
+}
+
 // y[i] = code i * multiplier (one fp32 product each) for the kN codes of `words`: the dequantization of every device
 // path (dequantize_row_warp, dequantize_vec, UnitCodec::dequantize), equal to the host codec's.
 template <WireFormat kFormat, int kN>
@@ -441,11 +452,8 @@ __device__ __forceinline__ void dequantize_row_warp(uint8_t const* __restrict__ 
       words[f][0] = words[f][1] = words[f][2] = words[f][3] = 0;
       if (v >= num_vecs) continue;
       load_bytes<kPayloadBytes>(src + static_cast<std::size_t>(v) * kPayloadBytes, words[f]);
-      std::size_t const block = static_cast<std::size_t>(v) * kVec / kTraits.block_elems;
       if constexpr (kFormat != WireFormat::bf16)
-        scale[f] = block_multiplier<kFormat>(
-            kTraits.scale_bytes == 4 ? *reinterpret_cast<uint32_t const*>(scales + 4 * block) : scales[block],
-            token_scale);
+        scale[f] = multiplier_at<kFormat>(scales, static_cast<std::size_t>(v) * kVec, token_scale);
     }
     // 2. codes * scale, stored
 #pragma unroll

@@ -50,11 +50,9 @@ __device__ __forceinline__ void dequantize_vec(uint8_t const* row, std::size_t s
 #pragma unroll
     for (int i = 0; i < kVec; ++i) y[i] = __uint_as_float((words[i / 2] >> (16 * (i % 2))) << 16);
   } else {
-    uint8_t const* const scales = row + scales_offset;
-    std::size_t const block = static_cast<std::size_t>(v) * kVec / kTraits.block_elems;
-    uint32_t const scale =
-        kTraits.scale_bytes == 4 ? *reinterpret_cast<uint32_t const*>(scales + 4 * block) : scales[block];
-    scale_codes<kFormat, kVec>(words, block_multiplier<kFormat>(scale, token_scale), y);
+    float const multiplier =
+        multiplier_at<kFormat>(row + scales_offset, static_cast<std::size_t>(v) * kVec, token_scale);
+    scale_codes<kFormat, kVec>(words, multiplier, y);
   }
 }
 

@@ -160,11 +160,6 @@ FERRY_QUANT_HD uint32_t e2m1_code_not_nan(float x) {
   return (float_bits(add_rn(a, m)) & 7u) | ((bits >> 28) & 8u);
 }
 
-// e2m1 code of any x (NaN -> +6, code 7, as cuda_fp4.h).
-FERRY_QUANT_HD uint32_t e2m1_code_by_rounding(float x) {
-  return (float_bits(x) & 0x7FFFFFFFu) > 0x7F800000u ? 0x7u : e2m1_code_not_nan(x);
-}
-
 // e2m1 code of a signed zero: the sign bit of x (bit 3), magnitude 0. Used where the block scale is zero.
 FERRY_QUANT_HD uint8_t e2m1_signed_zero(float x) {
   return static_cast<uint8_t>((float_bits(x) >> 28) & 0x8u);

@@ -58,12 +58,11 @@ __device__ __forceinline__ int32_t count_value(uint64_t word) {
 // counts. The push reads each row again; this pass walks the tokens backwards, so that the rows it read last, which
 // the L2 still holds, are the ones the push reads first (its warps start at t0).
 __device__ __forceinline__ void nvfp4_token_scales(DispatchParams const& p, int t0, int t1, int warp, int lane) {
-  // 8 loads per lane in flight: one at a time, a 7168-wide row took 28 dependent round trips
   int const num_vec = p.hidden / 8;
   for (int t = t1 - 1 - warp; t >= t0; t -= kWarps) {
     auto const* const x_row = static_cast<int4 const*>(p.x) + static_cast<std::size_t>(t) * num_vec;
-    float const token_scale = quant::nvfp4_token_scale(
-        device::quant_detail::row_finite_amax_warp<__nv_bfloat16, true, 8>(x_row, num_vec, lane));
+    // the whole row as one chunk
+    float const token_scale = quant::nvfp4_token_scale(device::chunk_finite_amax<16>(x_row, p.hidden, 0, 1, lane));
     if (lane == 0) p.token_scales[t] = token_scale;
   }
 }
