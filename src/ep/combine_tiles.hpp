@@ -27,38 +27,50 @@ FERRY_TILES_HD int combine_num_tiles(int num_tokens) {
   return (num_tokens + tile - 1) / tile;
 }
 
-// The sum side's split of this rank's tiles (sum_ctas CTAs sum): tiles [0, first_tile) go to the sum CTAs in turn;
-// when there is more than one wave of tiles, the last wave (one tile per sum CTA) is cut into kTailParts parts of
-// its tokens, which any CTA done with its own items claims (push CTAs included), so the tiles whose flags come with
-// the last pushes are summed by many SMs at once. Local to this rank: the pushes and flags do not change.
+// The sum side's work on this rank's tiles (sum_ctas CTAs sum). Sum CTA c first sums tile c (c < first_claimed; no
+// claim, so a call of one wave of tiles costs no atomic). Every later piece is claimed in order from one per-call
+// counter by any CTA done with its own items, sum CTAs and push CTAs alike, so the CTAs whose pushes end first take
+// the sums the sum CTAs have not reached: the whole tiles [first_claimed, first_tile), then the last wave (one tile per
+// sum CTA, whose flags come with the last pushes) cut into kTailParts parts of its tokens, so that many SMs sum it at
+// once. Local to this rank: the pushes and flags do not change.
 inline constexpr int kTailParts = 4;
-struct CombineTail {
+struct CombineSums {
   int num_tokens;
   int tile;  // tokens per tile (combine_tile_tokens)
   int num_tiles;
-  int first_tile;  // first tile of the claimed wave (num_tiles: none)
+  int first_claimed;  // the first tile handed out by a claim (the tiles below: sum CTA c takes tile c)
+  int first_tile;     // the first tile of the last wave, claimed in parts (num_tiles: none)
   FERRY_TILES_HD int num_parts() const { return (num_tiles - first_tile) * kTailParts; }
+  FERRY_TILES_HD int num_claims() const { return first_tile - first_claimed + num_parts(); }
 };
-FERRY_TILES_HD CombineTail combine_tail(int num_tokens, int sum_ctas) {
-  CombineTail t{num_tokens, combine_tile_tokens(num_tokens), combine_num_tiles(num_tokens), 0};
-  t.first_tile = t.num_tiles > sum_ctas ? t.num_tiles - sum_ctas : t.num_tiles;
-  return t;
+FERRY_TILES_HD CombineSums combine_sums(int num_tokens, int sum_ctas) {
+  CombineSums s{num_tokens, combine_tile_tokens(num_tokens), combine_num_tiles(num_tokens), 0, 0};
+  s.first_tile = s.num_tiles > sum_ctas ? s.num_tiles - sum_ctas : s.num_tiles;
+  s.first_claimed = sum_ctas < s.first_tile ? sum_ctas : s.first_tile;
+  return s;
 }
 
-// The tile of claimed part `claim` (0 <= claim < num_parts()), and the part's tokens: part claim % kTailParts of
-// that tile's tokens, near-equal and in order (empty where the tile has fewer tokens than parts).
-FERRY_TILES_HD int combine_tail_tile(CombineTail const& t, int claim) {
-  return t.first_tile + claim / kTailParts;
-}
-struct TokenRange {
+// A piece of the sum side's work: tokens [begin, end) of tile `tile` (empty where a tile has fewer tokens than parts).
+struct SumPiece {
+  int tile;
   int begin;
   int end;
 };
-FERRY_TILES_HD TokenRange combine_tail_part(CombineTail const& t, int claim) {
-  int const begin = combine_tail_tile(t, claim) * t.tile;
-  int const tokens = (begin + t.tile < t.num_tokens ? begin + t.tile : t.num_tokens) - begin;
-  int const part = claim % kTailParts;
-  return {begin + tokens * part / kTailParts, begin + tokens * (part + 1) / kTailParts};
+// The whole tile j.
+FERRY_TILES_HD SumPiece combine_sum_tile(CombineSums const& s, int j) {
+  int const begin = j * s.tile;
+  return {j, begin, begin + s.tile < s.num_tokens ? begin + s.tile : s.num_tokens};
+}
+// The piece of claim `claim` (0 <= claim < num_claims()): a whole tile, then part claim' % kTailParts of a tile of the
+// last wave (near-equal parts, in order).
+FERRY_TILES_HD SumPiece combine_claimed(CombineSums const& s, int claim) {
+  int const whole = s.first_tile - s.first_claimed;
+  if (claim < whole) return combine_sum_tile(s, s.first_claimed + claim);
+  int const part_claim = claim - whole;
+  SumPiece const t = combine_sum_tile(s, s.first_tile + part_claim / kTailParts);
+  int const tokens = t.end - t.begin;
+  int const part = part_claim % kTailParts;
+  return {t.tile, t.begin + tokens * part / kTailParts, t.begin + tokens * (part + 1) / kTailParts};
 }
 
 }  // namespace ferry::cuda_ep

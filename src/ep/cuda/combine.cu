@@ -28,9 +28,10 @@ LaunchPlan plan_combine(Buffers const& buffers, int num_tokens) {
   plan.push_ctas = std::min(plan.ctas - sum_ctas, buffers.world * kMaxCombineTiles);
   plan.ctas = plan.push_ctas + sum_ctas;
   plan.why = choice.source + clamped + ", tile " + std::to_string(combine_tile_tokens(num_tokens)) + " tokens";
-  if (CombineTail const tail = combine_tail(num_tokens, sum_ctas); tail.num_parts() > 0)
-    plan.why += detail::concat(", the last ", tail.num_tiles - tail.first_tile, " of ", tail.num_tiles,
-                               " tiles summed in ", kTailParts, " parts each by any idle CTA");
+  if (CombineSums const sums = combine_sums(num_tokens, sum_ctas); sums.num_claims() > 0)
+    plan.why += detail::concat(", tiles ", sums.first_claimed, " to ", sums.num_tiles - 1, " of ", sums.num_tiles,
+                               " claimed by any idle CTA (the last ", sums.num_tiles - sums.first_tile, " in ",
+                               kTailParts, " parts each)");
   return plan;
 }
 

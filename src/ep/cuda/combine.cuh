@@ -6,10 +6,10 @@
 //    (expert-major: acc = fmaf(w, x, acc) over k ascending, rounded to bf16; rank-major: the caller's row) and stored
 //    straight into s's landing zone at [this rank][token] over NVLink. After the tile, one release flag on s.
 //  - sum CTAs take this rank's tiles in order, wait for the flag of every rank, and write
-//    y[t] = bf16(sum over d ascending of float(landing[d][t])) for the destinations d that hold t.
-//  - the last wave of tiles (one per sum CTA, whose flags come with the last pushes) is cut into parts that every CTA
-//    done with its own items claims, push CTAs included (CombineTail): a tile summed by one CTA took 10-13 us after
-//    the last push, the whole tail of a 4096-token leg.
+//    y[t] = bf16(sum over d ascending of float(landing[d][t])) for the destinations d that hold t. After its first
+//    tile a CTA claims the next piece from a per-call counter, and so does every push CTA done with its items
+//    (CombineSums): the sums follow whichever side is ahead, and the last wave of tiles (one per sum CTA, whose flags
+//    come with the last pushes) is cut into parts (a tile summed by one CTA took 10-13 us after the last push).
 // A quantized combine_format changes only what a row is on the wire: the push side quantizes the bf16 partial row in
 // registers as it produces it (device_unit_codec.cuh) and stores the wire row (payload, scales, nvfp4 token scale);
 // the sum side dequantizes each rank's row to fp32 (code * scale, one product) and sums ranks in ascending order from
@@ -376,7 +376,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
   __syncthreads();
   uint64_t const seq = s_seq;
   int const parity = static_cast<int>(seq & 1);
-  CombineTail const tail = combine_tail(p.state->num_tokens, p.num_ctas - p.num_push_ctas);
+  CombineSums const sums = combine_sums(p.state->num_tokens, p.num_ctas - p.num_push_ctas);
   // every rank's flag of this rank's tile j (acquire: its rows of the tile are visible after the barrier)
   auto const* flags = reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.tile_flags);
   auto wait_tile = [&](int j, unsigned sleep_ns) {
@@ -438,38 +438,37 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
                            seq);
       FERRY_TRACE_END(trace, combine_push);
     }
-  } else {
-    // 2. sum role: this rank's tiles in order, but for the last wave (step 3)
-    int const num_sum_ctas = p.num_ctas - p.num_push_ctas;
-    for (int j = cta - p.num_push_ctas; j < tail.first_tile; j += num_sum_ctas) {
-      FERRY_TRACE_BEGIN(trace, combine_wait_tile);
-      if (!wait_tile(j, 0)) break;
+  } else if (int const j = cta - p.num_push_ctas; j < sums.first_claimed) {
+    // 2. sum role: tile (cta - num_push_ctas) without a claim (a call of one wave of tiles needs none)
+    FERRY_TRACE_BEGIN(trace, combine_wait_tile);
+    if (wait_tile(j, 0)) {
       FERRY_TRACE_END(trace, combine_wait_tile);
       FERRY_TRACE_BEGIN(trace, combine_sum);
-      int const t_begin = j * tail.tile;
-      sum_tokens<kFormat, kUnitElems>(p, t_begin, min(t_begin + tail.tile, tail.num_tokens) - t_begin, parity, warp,
-                                      lane);
-      __syncthreads();  // the flags of the next tile are waited by tid < world only after every warp is done here
+      SumPiece const piece = combine_sum_tile(sums, j);
+      sum_tokens<kFormat, kUnitElems>(p, piece.begin, piece.end - piece.begin, parity, warp, lane);
+      __syncthreads();  // the flags of the next piece are waited by tid < world only after every warp is done here
       FERRY_TRACE_END(trace, combine_sum);
     }
   }
 
-  // 3. the last wave of tiles, in parts claimed by every CTA done with its own items (sum CTAs and push CTAs alike):
-  //    their flags come with the last pushes, and a CTA alone on a tile would sum it at one SM's rate (a 16-token tile
-  //    took 10-13 us after the last push). A CTA that claims early (a push CTA done long before the wave lands) polls
-  //    its flags with pauses, so that dozens of waiting CTAs do not load the memory system the pushes go through.
-  while (s_ok && tail.num_parts() > 0) {
+  // 3. the rest of the sums, claimed in order by every CTA done with its own items, sum CTAs and push CTAs alike
+  //    (CombineSums): whole tiles, then the last wave in parts. Push CTAs whose items end early sum the tiles the sum
+  //    CTAs have not reached (at world 1 the fp8 pushes ended at 40 us and 44 sum CTAs summed alone until 94), and the
+  //    last wave, whose flags come with the last pushes, is summed by many SMs at once (a 16-token tile summed by one
+  //    CTA took 10-13 us after the last push). A claim ahead of the pushes polls its flags with pauses, so that dozens
+  //    of waiting CTAs do not load the memory system the pushes go through.
+  while (s_ok && sums.num_claims() > 0) {
     if (tid == 0) s_claim = static_cast<int>(atomicAdd(&p.state->combine_claim, 1u));
     __syncthreads();
     int const claim = s_claim;
-    if (claim >= tail.num_parts()) break;
+    if (claim >= sums.num_claims()) break;
+    SumPiece const piece = combine_claimed(sums, claim);
     FERRY_TRACE_BEGIN(trace, combine_wait_tile);
-    if (!wait_tile(combine_tail_tile(tail, claim), kClaimPollSleepNs)) break;
+    if (!wait_tile(piece.tile, kClaimPollSleepNs)) break;
     FERRY_TRACE_END(trace, combine_wait_tile);
     FERRY_TRACE_BEGIN(trace, combine_sum);
-    TokenRange const part = combine_tail_part(tail, claim);
-    sum_tokens<kFormat, kUnitElems>(p, part.begin, part.end - part.begin, parity, warp, lane);
-    __syncthreads();  // s_claim is rewritten only after every warp is done with this part
+    sum_tokens<kFormat, kUnitElems>(p, piece.begin, piece.end - piece.begin, parity, warp, lane);
+    __syncthreads();  // s_claim is rewritten only after every warp is done with this piece
     FERRY_TRACE_END(trace, combine_sum);
   }
 

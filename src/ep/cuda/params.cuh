@@ -38,7 +38,7 @@ struct DeviceState {
   uint64_t dispatch_arrive;    // CTAs of the running dispatch that finished their layout (reset by the last CTA)
   uint64_t dispatch_done;      // CTAs of the running dispatch that finished pushing (reset by the last CTA)
   uint64_t combine_done;       // CTAs of the running combine that finished (reset by the last CTA)
-  unsigned int combine_claim;  // parts of the combine's last wave claimed so far (CombineTail; reset by the last CTA)
+  unsigned int combine_claim;  // the combine's sum pieces claimed so far (CombineSums; reset by the last CTA)
   int32_t num_recv;            // rows received by the last dispatch (clipped to recv_capacity)
   int32_t num_tokens;          // this rank's tokens in the last dispatch
   int32_t src_offset[kMaxLocalPeers];  // first row of source s in the receive buffers
