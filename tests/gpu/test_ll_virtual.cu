@@ -1,11 +1,8 @@
-// Low-latency mode with several ranks on ONE GPU ("virtual ranks"). An LL rank's kernels address their peers only
-// through LlBuffers::sym (every rank's symmetric region) and their DeviceView, so W ranks fit on one device: W
-// symmetric regions from cudaMalloc (zeroed, as the communicator's are), each rank's local buffers
-// (allocate_ll_buffers), its own DeviceView, error block (mapped pinned memory) and stream. Every rank's legs are
-// launched side by side and the ranks' grids wait for each other inside the kernels as they do across GPUs. The
-// grids are launched non-cooperatively (LlBuffers::cooperative = false) with SMs / W CTAs each, so all W of them are
-// co-resident (an LL CTA takes a whole SM); every device wait is bounded (kTimeoutS), so a bug ends in a timeout
-// recorded in a rank's error block, never a hang.
+// Low-latency mode with several ranks on ONE GPU ("virtual ranks", tests/support/virtual_ranks.hpp). An LL rank's
+// kernels address their peers only through LlBuffers::sym (every rank's symmetric region) and their DeviceView, so W
+// ranks fit on one device: a VirtualWorld's regions, error blocks and streams, and each rank's local buffers
+// (allocate_ll_buffers). The grids are launched non-cooperatively (LlBuffers::cooperative = false) with SMs / W CTAs
+// each, so all W of them are co-resident (an LL CTA takes a whole SM).
 //
 // Each case draws fresh inputs every iteration (seed printed), poisons every output first, runs dispatch, the
 // expert-major combine and the rank-major combine back to back on every rank, checks every rank's error block and
@@ -35,17 +32,13 @@
 #include "ferry/wire_format.hpp"
 #include "support/gpu_case.hpp"
 #include "support/ll_check.hpp"
+#include "support/virtual_ranks.hpp"
 
 namespace ferry::test {
 namespace {
 
 using cuda_ll::Half;
 using cuda_ll::LlBuffers;
-
-// Bound of every device wait.
-constexpr double kTimeoutS = 10.0;
-// Elements behind each y that must stay poisoned.
-constexpr std::size_t kGuardElems = 2048;
 
 struct Spec : CaseShape {
   int world = 2;     // world=: virtual ranks
@@ -71,33 +64,14 @@ Spec parse_spec(std::vector<std::string> const& words) {
   return s;
 }
 
-// CTAs per rank such that the grids of `world` ranks are co-resident on the current GPU: an LL CTA (512 threads, up to
-// 128 registers each) takes a whole SM. 0 when the GPU has fewer SMs than ranks.
-int ctas_per_rank(int world) {
-  int device = 0;
-  int num_sms = 0;
-  CK(cudaGetDevice(&device));
-  CK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  return std::min(cuda_ll::kMaxCtas, num_sms / world);
-}
-
-// `world` ranks of one LL EpBuffer on the current GPU: what CudaLlEp sets up per rank, except that the symmetric
-// regions are plain allocations every rank sees at the same addresses, and a grid of num_ctas launched side by side.
+// `world` ranks of one LL EpBuffer on the current GPU: what CudaLlEp sets up per rank, on a VirtualWorld's regions,
+// error blocks and streams, with grids of num_ctas launched side by side.
 class VirtualRanks {
  public:
   // config: resolved (EpConfig::resolved).
   VirtualRanks(EpConfig const& config, int world, int num_ctas, bool own_direct)
-      : ranks_(world), regions_(world, nullptr), errors_(world, nullptr), streams_(world, nullptr) {
+      : layout_(cuda_ll::make_ll_layout(config, world)), world_(world, layout_.total), ranks_(world) {
     try {
-      cuda_ll::LlLayout const layout = cuda_ll::make_ll_layout(config, world);
-      for (int r = 0; r < world; ++r) {
-        CK(cudaMalloc(&regions_[r], layout.total));
-        // counters and sequence numbers start at 0, as in the communicator's zeroed region
-        CK(cudaMemset(regions_[r], 0, layout.total));
-        CK(cudaHostAlloc(reinterpret_cast<void**>(&errors_[r]), sizeof(DeviceErrorBlock), cudaHostAllocMapped));
-        std::memset(errors_[r], 0, sizeof(DeviceErrorBlock));
-        CK(cudaStreamCreateWithFlags(&streams_[r], cudaStreamNonBlocking));
-      }
       for (int r = 0; r < world; ++r) {
         LlBuffers& b = ranks_[r];
         b.config = config;
@@ -108,13 +82,9 @@ class VirtualRanks {
         b.num_ctas = num_ctas;
         b.cooperative = false;  // several grids side by side: co-resident by their size, not by the runtime's promise
         b.own_direct = own_direct;
-        b.view.rank = r;
-        b.view.world = world;
-        b.view.timeout_ns = static_cast<uint64_t>(kTimeoutS * 1e9);
-        CK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&b.view.error), errors_[r], 0));
-        b.layout = layout;
-        for (int peer = 0; peer < world; ++peer) b.sym.ptr[peer] = static_cast<char*>(regions_[peer]);
-        b.sym.bytes = layout.total;
+        b.view = world_.view(r);
+        b.layout = layout_;
+        b.sym = world_.sym(layout_.total);
         cuda_ll::allocate_ll_buffers(b);
       }
       CK(cudaDeviceSynchronize());  // every rank's buffers exist (and are zeroed) before any peer pushes into them
@@ -127,70 +97,21 @@ class VirtualRanks {
   VirtualRanks(VirtualRanks const&) = delete;
   VirtualRanks& operator=(VirtualRanks const&) = delete;
 
-  int world() const { return static_cast<int>(ranks_.size()); }
+  int world() const { return world_.world(); }
   LlBuffers const& operator[](int r) const { return ranks_[r]; }
-  cudaStream_t stream(int r) const { return streams_[r]; }
-
-  // Waits for every rank's stream, then reads and clears every rank's error block: "" when each rank recorded no
-  // timeout, no bad id and exactly overflow[r] entries dropped past expert_capacity (the reference's dropped_slots),
-  // else what each rank recorded (a timeout names the rank, the peer it waited for and the phase).
-  std::string synchronize(std::vector<int> const& overflow) const {
-    for (cudaStream_t stream : streams_) CK(cudaStreamSynchronize(stream));
-    std::string out;
-    for (int r = 0; r < world(); ++r) {
-      DeviceErrorBlock block;
-      std::memcpy(&block, errors_[r], sizeof(block));
-      std::memset(errors_[r], 0, sizeof(DeviceErrorBlock));
-      if (block.status != 0)
-        out += "rank " + std::to_string(r) + ": status " + std::to_string(block.status) + ": " +
-               detail::describe_device_error(block, kTimeoutS) + "\n";
-      if (block.input_errors != 0 || block.overflow_rows != static_cast<uint32_t>(overflow[r]))
-        out += "rank " + std::to_string(r) + ": input_errors " + std::to_string(block.input_errors) +
-               " (first bad value " + std::to_string(block.first_bad_value) + "), overflow_rows " +
-               std::to_string(block.overflow_rows) + " (the reference drops " + std::to_string(overflow[r]) + ")\n";
-    }
-    return out;
-  }
+  cudaStream_t stream(int r) const { return world_.stream(r); }
+  std::string synchronize(std::vector<int> const& overflow) const { return world_.synchronize(overflow); }
 
  private:
   void release() noexcept {
     cudaDeviceSynchronize();  // NOTE: never throws; a failed teardown has no one to report to
     for (LlBuffers& b : ranks_) cuda_ll::free_ll_buffers(b);
-    for (void* region : regions_)
-      if (region) cudaFree(region);
-    for (DeviceErrorBlock* block : errors_)
-      if (block) cudaFreeHost(block);
-    for (cudaStream_t stream : streams_)
-      if (stream) cudaStreamDestroy(stream);
   }
 
+  cuda_ll::LlLayout layout_;
+  VirtualWorld world_;
   std::vector<LlBuffers> ranks_;
-  std::vector<void*> regions_;
-  std::vector<DeviceErrorBlock*> errors_;  // host addresses (the kernels get the mapped device addresses)
-  std::vector<cudaStream_t> streams_;
 };
-
-// One rank's inputs and combine outputs in device memory, at fixed addresses.
-struct RankIo {
-  DeviceBuffer x, idx, w;   // dispatch inputs
-  DeviceBuffer rows;        // rank-major combine input [world * max_tokens, hidden]
-  DeviceBuffer eout;        // expert-major combine input [num_local_experts, expert_slots, hidden]
-  DeviceBuffer y_em, y_rm;  // [num_tokens, hidden] + the guard
-  RankIo(EpConfig const& config, int world, int num_tokens)
-      : x(row_bytes(config) * num_tokens),
-        idx(static_cast<std::size_t>(num_tokens) * config.topk * 8),
-        w(static_cast<std::size_t>(num_tokens) * config.topk * 4),
-        rows(row_bytes(config) * config.recv_capacity(world)),
-        eout(row_bytes(config) * config.num_local_experts(world) * config.expert_slots()),
-        y_em(row_bytes(config) * num_tokens + kGuardElems * 2),
-        y_rm(row_bytes(config) * num_tokens + kGuardElems * 2) {}
-  static std::size_t row_bytes(EpConfig const& config) { return static_cast<std::size_t>(config.hidden) * 2; }
-};
-
-template <typename T>
-void upload(DeviceBuffer const& dst, std::vector<T> const& src) {
-  if (!src.empty()) CK(cudaMemcpy(dst.ptr, src.data(), src.size() * sizeof(T), cudaMemcpyHostToDevice));
-}
 
 // Launches one leg on every rank (each on its own stream, side by side): whole, or every send half then every
 // receive half.
@@ -215,7 +136,6 @@ void run_virtual(Spec const& spec, int num_ctas) {
   user.validate(world);
   EpConfig const config = user.resolved(world);
   int const hidden = config.hidden;
-  int const num_local = config.num_local_experts(world);
   int const slots = config.expert_slots();
   std::printf(
       "world %d x %d CTAs: seed %llu routing %s hidden %d topk %d experts %d slots %d dispatch %s combine %s "
@@ -226,7 +146,7 @@ void run_virtual(Spec const& spec, int num_ctas) {
   std::fflush(stdout);
 
   VirtualRanks ranks(config, world, num_ctas, spec.own_direct);
-  std::vector<RankIo> io;
+  std::vector<VirtualRankIo> io;
   io.reserve(world);
   for (int r = 0; r < world; ++r) io.emplace_back(config, world, tokens[r]);
   std::vector<DispatchArgs> dargs(world);
@@ -247,26 +167,13 @@ void run_virtual(Spec const& spec, int num_ctas) {
   }
 
   for (int iter = 0; iter < spec.iters; ++iter) {
-    // 1. every rank's inputs (fresh), the reference, and the combine inputs (deterministic in (seed, rank))
-    RoutingOptions const routing = spec.routing_options(iter);
-    auto const inputs = ref::generate_inputs(config, world, routing, tokens);
-    std::vector<ref::RankDispatch> expected;
+    // 1. every rank's inputs (fresh), the reference, and the combine inputs (deterministic in (seed, rank)); y poisoned
+    VirtualIteration const it(config, world, spec.routing_options(iter), tokens, io);
     std::vector<int> dropped(world);  // entries past expert_capacity: each rank's error block must count exactly these
-    std::vector<std::vector<uint16_t>> rows(world), eout(world);
     for (int r = 0; r < world; ++r) {
-      expected.push_back(ref::dispatch(config, world, r, inputs));
-      dropped[r] = expected[r].dropped_slots;
-      rows[r] = generate_tokens(routing.seed + 101, r, expected[r].num_recv, hidden);
-      eout[r] = generate_tokens(routing.seed + 202, r, num_local * slots, hidden);
-      upload(io[r].x, inputs[r].x);
-      upload(io[r].idx, inputs[r].topk_idx);
-      upload(io[r].w, inputs[r].topk_weights);
-      upload(io[r].rows, rows[r]);
-      upload(io[r].eout, eout[r]);
-      // 2. poison what the calls write
+      dropped[r] = it.expected[r].dropped_slots;
+      // 2. poison what the dispatch writes
       poison_ll_dispatch(config, world, cuda_ll::ll_dispatch_result(ranks[r]), ranks[r].recv_slot);
-      CK(cudaMemset(io[r].y_em.ptr, 0xEE, io[r].y_em.bytes));
-      CK(cudaMemset(io[r].y_rm.ptr, 0xEE, io[r].y_rm.bytes));
     }
     CK(cudaDeviceSynchronize());
 
@@ -284,46 +191,19 @@ void run_virtual(Spec const& spec, int num_ctas) {
     // 4. every rank's outputs against the reference
     for (int r = 0; r < world; ++r) {
       SCOPED_TRACE("rank " + std::to_string(r) + " iter " + std::to_string(iter));
-      ASSERT_EQ(check_ll_dispatch(config, world, r, iter, expected[r], cuda_ll::ll_dispatch_result(ranks[r]),
+      ASSERT_EQ(check_ll_dispatch(config, world, r, iter, it.expected[r], cuda_ll::ll_dispatch_result(ranks[r]),
                                   ranks[r].recv_slot),
                 0);
-      auto const y_em = ref::combine_expert_major(config, world, r, inputs, expected, eout);
-      ASSERT_EQ(check_combined("y expert-major", io[r].y_em.ptr, y_em, kGuardElems, r, iter), 0);
-      auto const y_rm = ref::combine_rank_major(config, world, r, inputs, expected, rows);
-      ASSERT_EQ(check_combined("y rank-major", io[r].y_rm.ptr, y_rm, kGuardElems, r, iter), 0);
+      ASSERT_EQ(it.check_combines(config, world, r, iter, io[r]), 0);
     }
   }
   std::printf("world %d: %d iterations exact on every rank\n", world, spec.iters);
 }
 
 // Runs each row (key=value words: CaseShape's, and world=, capacity=, dispatch=, combine=, layout=, hook=1) with a
-// fresh seed. Skips without a GPU; a row whose world the GPU cannot hold is skipped with the reason (the test too,
-// when no row ran).
+// fresh seed (run_virtual_rows).
 void run_rows(std::vector<std::vector<std::string>> const& table) {
-  int const gpus = cuda_device_count();
-  if (gpus == 0) GTEST_SKIP() << "needs a GPU, found 0";
-  int ran = 0;
-  std::string skipped;
-  for (auto const& row : table) {
-    std::string label;
-    for (auto const& word : row) label += word + " ";
-    std::vector<std::string> words = row;
-    uint64_t const seed = fresh_seed();
-    words.push_back("seed=" + std::to_string(seed));
-    Spec const spec = parse_spec(words);
-    int const ctas = ctas_per_rank(spec.world);
-    if (ctas < 1) {
-      std::printf("skipped %s: fewer SMs than the %d ranks, which need one co-resident CTA each at least\n",
-                  label.c_str(), spec.world);
-      skipped += label + "\n";
-      continue;
-    }
-    SCOPED_TRACE(label + "seed=" + std::to_string(seed));
-    run_virtual(spec, ctas);
-    if (::testing::Test::HasFatalFailure()) return;
-    ++ran;
-  }
-  if (ran == 0) GTEST_SKIP() << "no row fits this GPU:\n" << skipped;
+  run_virtual_rows(table, cuda_ll::kMaxCtas, parse_spec, run_virtual);
 }
 
 // The shapes of one world, bf16 on both legs: DeepSeek's decode shape, tokens that differ per rank (0 included) with

@@ -17,6 +17,7 @@
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
 #include "support/gpu_case.hpp"
+#include "support/normal_check.hpp"
 
 #if FERRY_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -157,13 +158,7 @@ int normal_mode_case() {
     CK(cudaMemcpy(rows_dev, rows[rank].data(), rows[rank].size() * 2, cudaMemcpyHostToDevice));
     if (slots > 0) CK(cudaMemcpy(eout_dev, eout[rank].data(), eout[rank].size() * 2, cudaMemcpyHostToDevice));
     // poison what the call writes (known after the first call)
-    if (result.recv_x) {
-      CK(cudaMemset(result.recv_x, 0xEE, static_cast<std::size_t>(cap) * hidden * 2));
-      CK(cudaMemset(result.recv_topk_idx, 0xEE, static_cast<std::size_t>(cap) * topk * 4));
-      CK(cudaMemset(result.recv_topk_weights, 0xEE, static_cast<std::size_t>(cap) * topk * 4));
-      CK(cudaMemset(result.recv_src, 0xEE, static_cast<std::size_t>(cap) * 8));
-      CK(cudaMemset(result.expert_counts, 0xEE, static_cast<std::size_t>(num_local) * 4));
-    }
+    if (result.recv_x) poison_normal_dispatch(config, world, result);
     CK(cudaMemset(y_em.ptr(), 0xEE, y_em.bytes));
     CK(cudaMemset(y_rm.ptr(), 0xEE, y_rm.bytes));
     CK(cudaDeviceSynchronize());
@@ -229,44 +224,12 @@ int normal_mode_case() {
       }
     }
 
-    // dispatch outputs
-    int32_t num_recv = to_host<int32_t>(result.num_recv, 1)[0];
-    if (num_recv != mine.num_recv) return fail("num_recv", rank, iter, num_recv);
-    long d;
-    auto const rx = to_host<uint16_t>(result.recv_x, static_cast<std::size_t>(num_recv) * hidden);
-    if ((d = first_diff(rx.data(), mine.recv_x.data(), rx.size())) >= 0) return fail("recv_x", rank, iter, d);
-    auto const ri = to_host<int32_t>(result.recv_topk_idx, static_cast<std::size_t>(num_recv) * topk);
-    if ((d = first_diff(ri.data(), mine.recv_topk_idx.data(), ri.size())) >= 0)
-      return fail("recv_topk_idx", rank, iter, d);
-    auto const rw = to_host<float>(result.recv_topk_weights, static_cast<std::size_t>(num_recv) * topk);
-    if ((d = first_diff(rw.data(), mine.recv_topk_weights.data(), rw.size())) >= 0)
-      return fail("recv_topk_weights", rank, iter, d);
-    auto const rs = to_host<int32_t>(result.recv_src, static_cast<std::size_t>(num_recv) * 2);
-    if ((d = first_diff(rs.data(), mine.recv_src.data(), rs.size())) >= 0) return fail("recv_src", rank, iter, d);
-    auto const ec = to_host<int32_t>(result.expert_counts, num_local);
-    if ((d = first_diff(ec.data(), mine.expert_counts.data(), ec.size())) >= 0)
-      return fail("expert_counts", rank, iter, d);
-    if (iter > 0 && num_recv < cap) {  // the row past the last received one was poisoned and must stay so
-      auto const past = to_host<uint16_t>(
-          static_cast<char*>(result.recv_x) + static_cast<std::size_t>(num_recv) * hidden * 2, hidden);
-      for (auto v : past)
-        if (v != 0xEEEE) return fail("row past num_recv written", rank, iter, num_recv);
-    }
-    if (spec.expand) {
-      auto const esr = to_host<int32_t>(result.expert_src_row, static_cast<std::size_t>(num_local) * slots);
-      if ((d = first_diff(esr.data(), mine.expert_src_row.data(), esr.size())) >= 0)
-        return fail("expert_src_row", rank, iter, d);
-      auto const ex_ref = ref::expand(config, world, mine);
-      auto const ex = to_host<uint16_t>(result.expert_x, ex_ref.size());
-      for (int e = 0; e < num_local; ++e) {
-        std::size_t const filled = static_cast<std::size_t>(std::min(mine.expert_counts[e], slots)) * hidden;
-        std::size_t const at = static_cast<std::size_t>(e) * slots * hidden;
-        if ((d = first_diff(ex.data() + at, ex_ref.data() + at, filled)) >= 0)
-          return fail("expert_x", rank, iter, static_cast<long>(at) + d);
-      }
-    }
+    // dispatch outputs (poisoned from the second call on, when the result's pointers are known)
+    if (int const code = check_normal_dispatch(config, world, rank, iter, mine, result, iter > 0, spec.expand))
+      return code;
 
     // combine: rank-major (and expert-major when a capacity is set)
+    long d;
     if (!spec.graph) buffer.combine(cargs_rm, stream);
     auto const y_ref_rm = ref::combine_rank_major(config, world, rank, inputs, expected, rows);
     auto const y1 = to_host<uint16_t>(y_rm.ptr(), y_ref_rm.size());

@@ -25,6 +25,7 @@
 #include "ferry/error.hpp"
 #include "ferry/wire_format.hpp"
 #include "support/gpu_case.hpp"
+#include "support/normal_check.hpp"
 
 #if FERRY_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -289,15 +290,8 @@ int run_spec(std::shared_ptr<Communicator> const& comm, Spec const& spec) {
     int32_t const num_recv = to_host<int32_t>(result.num_recv, 1)[0];
     if (num_recv != mine.num_recv) return fail("num_recv", rank, iter, num_recv);
     if (result.recv_row_bytes != recv_row_bytes) return fail("recv_row_bytes", rank, iter, result.recv_row_bytes);
+    if (int const code = check_normal_metadata(config, world, rank, iter, mine, result, num_recv)) return code;
     long d;
-    auto const ri = to_host<int32_t>(result.recv_topk_idx, static_cast<std::size_t>(num_recv) * topk);
-    if ((d = first_diff(ri.data(), mine.recv_topk_idx.data(), ri.size())) >= 0)
-      return fail("recv_topk_idx", rank, iter, d);
-    auto const rs = to_host<int32_t>(result.recv_src, static_cast<std::size_t>(num_recv) * 2);
-    if ((d = first_diff(rs.data(), mine.recv_src.data(), rs.size())) >= 0) return fail("recv_src", rank, iter, d);
-    auto const ec = to_host<int32_t>(result.expert_counts, num_local);
-    if ((d = first_diff(ec.data(), mine.expert_counts.data(), ec.size())) >= 0)
-      return fail("expert_counts", rank, iter, d);
 
     // 2. dispatch: the rows
     if (quantized) {
@@ -355,14 +349,8 @@ int run_spec(std::shared_ptr<Communicator> const& comm, Spec const& spec) {
             return fail("expert_token_scales", rank, iter, static_cast<long>(e) * slots + d);
         }
       } else {
-        auto const ex_ref = ref::expand(config, world, mine);
-        auto const ex = to_host<uint16_t>(result.expert_x, ex_ref.size());
-        for (int e = 0; e < num_local; ++e) {
-          std::size_t const filled = static_cast<std::size_t>(std::min(mine.expert_counts[e], slots)) * hidden;
-          std::size_t const at = static_cast<std::size_t>(e) * slots * hidden;
-          if ((d = first_diff(ex.data() + at, ex_ref.data() + at, filled)) >= 0)
-            return fail("expert_x bf16", rank, iter, static_cast<long>(at) + d);
-        }
+        if (int const code = check_expert_x_bf16("expert_x bf16", config, world, rank, iter, mine, result.expert_x))
+          return code;
       }
     }
 

@@ -31,6 +31,10 @@ struct Buffers {
   int32_t* count_totals = nullptr;  // [world + num_experts] the dispatch's running totals (zero between calls)
   float* token_scales = nullptr;    // [max_tokens] nvfp4 dispatch_format: per-token scales of the call's tokens
   int max_dispatch_ctas = 0;
+  // Launch the persistent grids (dispatch, combine) cooperatively: the runtime refuses a grid that cannot be
+  // co-resident. Only the virtual-rank test turns it off: it runs several ranks' grids side by side on one GPU, each of
+  // num_sms / world CTAs, so that all of them fit.
+  bool cooperative = true;
   // Dispatch protocol, fixed at construction (ep/landing_policy.hpp): the landing zone of small batches
   // (land_dispatch.cuh, a grid of land_ctas CTAs on every call) or the count exchange (dispatch.cuh).
   bool landing = false;
@@ -60,6 +64,18 @@ struct Buffers {
 // The symmetric region's layout for a config (the same on every rank); `landing` adds the landing zone's areas.
 SymLayout make_sym_layout(EpConfig const& config, int world, bool landing);
 
+// Allocates a rank's local device buffers (state, token mask and positions, the dispatch's counters, recv_slot, the
+// scale tensors, the expert-major outputs) for b.config, b.world, b.num_local_experts, b.recv_capacity,
+// b.expert_slots and b.num_sms, which must be set; zeroes the state, the counters and the scale tensors with
+// cudaMemset (the default stream: synchronize the device before another stream uses them). Throws CudaError; then
+// nothing stays allocated.
+void allocate_buffers(Buffers& b);
+// Frees what allocate_buffers allocated and nulls the pointers (again: a no-op). Never throws.
+void free_buffers(Buffers& b) noexcept;
+// The views a dispatch returns (device pointers into b; num_recv_host not set): what EpBuffer::dispatch hands out.
+// expand: the call laid the rows out expert-major (DispatchArgs::expand).
+DispatchResult dispatch_result(Buffers const& b, bool expand);
+
 // Launch geometry chosen for a leg, and the reason (for explain()).
 struct LaunchPlan {
   int ctas = 0;
@@ -75,9 +91,10 @@ LaunchPlan plan_combine(Buffers const& buffers, int num_tokens);
 void launch_combine(Buffers const& buffers, CombineArgs const& args, LaunchPlan const& plan, int num_tokens,
                     cudaStream_t stream);
 
-// Launches a persistent kernel whose CTAs wait for each other: cooperative, so the runtime refuses a grid that
-// cannot be co-resident instead of letting it deadlock until the timeout.
+// Launches a persistent kernel whose CTAs wait for each other: cooperative (Buffers::cooperative), so the runtime
+// refuses a grid that cannot be co-resident instead of letting it deadlock until the timeout.
 template <typename Params>
-void launch_persistent(void (*kernel)(Params), Params const& params, int ctas, std::size_t smem, cudaStream_t stream);
+void launch_persistent(void (*kernel)(Params), Params const& params, int ctas, std::size_t smem, bool cooperative,
+                       cudaStream_t stream);
 
 }  // namespace ferry::cuda_ep

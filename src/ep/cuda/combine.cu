@@ -103,7 +103,7 @@ void launch_combine(Buffers const& buffers, CombineArgs const& args, LaunchPlan 
   CombineParams const p = to_params(buffers, args, plan, num_tokens);
   CombineKernel const kernel =
       pick_kernel(args.layout == CombineLayout::expert_major, buffers.config.combine_format, buffers.config.hidden);
-  launch_persistent(kernel, p, p.num_ctas, 0, stream);
+  launch_persistent(kernel, p, p.num_ctas, 0, buffers.cooperative, stream);
 }
 
 }  // namespace ferry::cuda_ep

@@ -68,13 +68,107 @@ SymLayout make_sym_layout(EpConfig const& config, int world, bool landing) {
 }
 
 namespace {
-
 template <typename T>
 T* device_alloc(std::size_t count) {
   void* ptr = nullptr;
   FERRY_CHECK_CUDA(cudaMalloc(&ptr, std::max<std::size_t>(count, 1) * sizeof(T)));
   return static_cast<T*>(ptr);
 }
+}  // namespace
+
+void allocate_buffers(Buffers& b) {
+  EpConfig const& config = b.config;
+  try {
+    std::size_t const max_tokens = static_cast<std::size_t>(config.max_tokens_per_rank);
+    b.max_dispatch_ctas = b.num_sms;
+    b.state = device_alloc<DeviceState>(1);
+    b.token_mask = device_alloc<uint32_t>(max_tokens);
+    b.token_pos = device_alloc<int32_t>(max_tokens * b.world);
+    b.block_counts = device_alloc<int32_t>(static_cast<std::size_t>(b.max_dispatch_ctas) * b.world);
+    b.count_totals = device_alloc<int32_t>(static_cast<std::size_t>(b.world + config.num_experts));
+    b.expert_counts = device_alloc<int32_t>(b.num_local_experts);
+    if (config.dispatch_format == WireFormat::nvfp4) b.token_scales = device_alloc<float>(max_tokens);
+    b.recv_slot = device_alloc<int32_t>(static_cast<std::size_t>(b.recv_capacity) * config.topk);
+    b.recv_row_bytes = config.recv_row_bytes();
+    bool const quantized_delivery = config.delivers_quantized();
+    // NOTE: scale tensors are zeroed once: calls write every (row, block) entry of the rows they deliver and never the
+    // padding entries (rows or blocks past the end), which the layouts define as zero.
+    auto zeroed = [](std::size_t bytes) {
+      auto* ptr = device_alloc<uint8_t>(bytes);
+      FERRY_CHECK_CUDA(cudaMemset(ptr, 0, std::max<std::size_t>(bytes, 1)));
+      return ptr;
+    };
+    if (quantized_delivery && config.recv_scale_layout != ScaleLayout::row_major)
+      b.recv_scales_final =
+          zeroed(scale_tensor_bytes(config.dispatch_format, config.recv_scale_layout, b.recv_capacity, config.hidden));
+    if (b.expert_slots > 0) {
+      std::size_t const slots = static_cast<std::size_t>(b.num_local_experts) * b.expert_slots;
+      b.expert_x = device_alloc<uint8_t>(slots * b.recv_row_bytes);
+      b.expert_src_row = device_alloc<int32_t>(slots);
+      if (quantized_delivery) {
+        b.expert_scale_bytes =
+            scale_tensor_bytes(config.dispatch_format, config.recv_scale_layout, b.expert_slots, config.hidden);
+        b.expert_scales = zeroed(b.expert_scale_bytes * b.num_local_experts);
+        if (config.dispatch_format == WireFormat::nvfp4) b.expert_token_scales = device_alloc<float>(slots);
+      }
+    }
+    FERRY_CHECK_CUDA(cudaMemset(b.state, 0, sizeof(DeviceState)));
+    FERRY_CHECK_CUDA(cudaMemset(b.count_totals, 0, sizeof(int32_t) * (b.world + config.num_experts)));
+    FERRY_CHECK_CUDA(cudaMemset(b.expert_counts, 0, sizeof(int32_t) * std::max(1, b.num_local_experts)));
+  } catch (...) {
+    free_buffers(b);
+    throw;
+  }
+}
+
+void free_buffers(Buffers& b) noexcept {
+  // NOTE: never throws; a failed free at teardown has no one to report to.
+  auto release = [](auto*& ptr) {
+    if (ptr) cudaFree(ptr);
+    ptr = nullptr;
+  };
+  release(b.state);
+  release(b.token_mask);
+  release(b.token_pos);
+  release(b.block_counts);
+  release(b.count_totals);
+  release(b.token_scales);
+  release(b.expert_counts);
+  release(b.recv_slot);
+  release(b.recv_scales_final);
+  release(b.expert_x);
+  release(b.expert_src_row);
+  release(b.expert_scales);
+  release(b.expert_token_scales);
+}
+
+DispatchResult dispatch_result(Buffers const& b, bool expand) {
+  DispatchResult result;
+  char* const sym = b.sym.ptr[b.rank];
+  result.recv_x = sym + b.layout.recv_x;
+  result.recv_row_bytes = b.recv_row_bytes;
+  if (b.config.delivers_quantized()) {
+    result.recv_scales = b.recv_scales_final ? b.recv_scales_final : sym + b.layout.recv_scales;
+    if (b.config.dispatch_format == WireFormat::nvfp4)
+      result.recv_token_scales = reinterpret_cast<float*>(sym + b.layout.recv_token_scales);
+  }
+  result.recv_topk_idx = reinterpret_cast<int32_t*>(sym + b.layout.recv_idx);
+  result.recv_topk_weights = reinterpret_cast<float*>(sym + b.layout.recv_w);
+  result.recv_src = reinterpret_cast<int32_t*>(sym + b.layout.recv_src);
+  result.num_recv = &b.state->num_recv;
+  result.expert_counts = b.expert_counts;
+  result.recv_capacity = b.recv_capacity;
+  if (expand) {
+    result.expert_x = b.expert_x;
+    result.expert_src_row = b.expert_src_row;
+    result.expert_slots = b.expert_slots;
+    result.expert_scales = b.expert_scales;
+    result.expert_token_scales = b.expert_token_scales;
+  }
+  return result;
+}
+
+namespace {
 
 class CudaEp final : public detail::EpBackendImpl {
  public:
@@ -116,42 +210,7 @@ class CudaEp final : public detail::EpBackendImpl {
     SymmetricRegion const region = comm.alloc_symmetric(b.layout.total);
     b.sym = region.view;
 
-    std::size_t const max_tokens = static_cast<std::size_t>(config.max_tokens_per_rank);
-    b.max_dispatch_ctas = b.num_sms;
-    b.state = device_alloc<DeviceState>(1);
-    b.token_mask = device_alloc<uint32_t>(max_tokens);
-    b.token_pos = device_alloc<int32_t>(max_tokens * b.world);
-    b.block_counts = device_alloc<int32_t>(static_cast<std::size_t>(b.max_dispatch_ctas) * b.world);
-    b.count_totals = device_alloc<int32_t>(static_cast<std::size_t>(b.world + config.num_experts));
-    b.expert_counts = device_alloc<int32_t>(b.num_local_experts);
-    if (config.dispatch_format == WireFormat::nvfp4) b.token_scales = device_alloc<float>(max_tokens);
-    b.recv_slot = device_alloc<int32_t>(static_cast<std::size_t>(b.recv_capacity) * config.topk);
-    b.recv_row_bytes = config.recv_row_bytes();
-    bool const quantized_delivery = config.delivers_quantized();
-    // NOTE: scale tensors are zeroed once: calls write every (row, block) entry of the rows they deliver and never the
-    // padding entries (rows or blocks past the end), which the layouts define as zero.
-    auto zeroed = [](std::size_t bytes) {
-      auto* ptr = device_alloc<uint8_t>(bytes);
-      FERRY_CHECK_CUDA(cudaMemset(ptr, 0, std::max<std::size_t>(bytes, 1)));
-      return ptr;
-    };
-    if (quantized_delivery && config.recv_scale_layout != ScaleLayout::row_major)
-      b.recv_scales_final =
-          zeroed(scale_tensor_bytes(config.dispatch_format, config.recv_scale_layout, b.recv_capacity, config.hidden));
-    if (b.expert_slots > 0) {
-      std::size_t const slots = static_cast<std::size_t>(b.num_local_experts) * b.expert_slots;
-      b.expert_x = device_alloc<uint8_t>(slots * b.recv_row_bytes);
-      b.expert_src_row = device_alloc<int32_t>(slots);
-      if (quantized_delivery) {
-        b.expert_scale_bytes =
-            scale_tensor_bytes(config.dispatch_format, config.recv_scale_layout, b.expert_slots, config.hidden);
-        b.expert_scales = zeroed(b.expert_scale_bytes * b.num_local_experts);
-        if (config.dispatch_format == WireFormat::nvfp4) b.expert_token_scales = device_alloc<float>(slots);
-      }
-    }
-    FERRY_CHECK_CUDA(cudaMemset(b.state, 0, sizeof(DeviceState)));
-    FERRY_CHECK_CUDA(cudaMemset(b.count_totals, 0, sizeof(int32_t) * (b.world + config.num_experts)));
-    FERRY_CHECK_CUDA(cudaMemset(b.expert_counts, 0, sizeof(int32_t) * std::max(1, b.num_local_experts)));
+    allocate_buffers(b);
     b.trace = &trace_;
     if (int const events = trace::env_events_per_warp(); events > 0) trace_.enable(b.rank, b.num_sms * kWarps, events);
     FERRY_CHECK_CUDA(cudaDeviceSynchronize());
@@ -159,16 +218,7 @@ class CudaEp final : public detail::EpBackendImpl {
     comm.bootstrap().barrier();
   }
 
-  ~CudaEp() override {
-    // NOTE: never throws; a failed free at teardown has no one to report to.
-    Buffers& b = buffers_;
-    for (void* ptr :
-         {static_cast<void*>(b.state), static_cast<void*>(b.token_mask), static_cast<void*>(b.token_pos),
-          static_cast<void*>(b.block_counts), static_cast<void*>(b.count_totals), static_cast<void*>(b.token_scales),
-          static_cast<void*>(b.expert_counts), static_cast<void*>(b.recv_slot), b.recv_scales_final, b.expert_x,
-          static_cast<void*>(b.expert_src_row), b.expert_scales, static_cast<void*>(b.expert_token_scales)})
-      if (ptr) cudaFree(ptr);
-  }
+  ~CudaEp() override { free_buffers(buffers_); }
 
   DispatchResult dispatch(DispatchArgs const& args, cudaStream_t stream) override {
     Buffers const& b = buffers_;
@@ -191,28 +241,7 @@ class CudaEp final : public detail::EpBackendImpl {
         << (args.expand ? ", then expand (one CTA per local expert)" : "") << "; fast path";
     dispatch_explain_ = why.str();
 
-    DispatchResult result;
-    char* const sym = b.sym.ptr[b.rank];
-    result.recv_x = sym + b.layout.recv_x;
-    result.recv_row_bytes = b.recv_row_bytes;
-    if (b.config.delivers_quantized()) {
-      result.recv_scales = b.recv_scales_final ? b.recv_scales_final : sym + b.layout.recv_scales;
-      if (b.config.dispatch_format == WireFormat::nvfp4)
-        result.recv_token_scales = reinterpret_cast<float*>(sym + b.layout.recv_token_scales);
-    }
-    result.recv_topk_idx = reinterpret_cast<int32_t*>(b.sym.ptr[b.rank] + b.layout.recv_idx);
-    result.recv_topk_weights = reinterpret_cast<float*>(b.sym.ptr[b.rank] + b.layout.recv_w);
-    result.recv_src = reinterpret_cast<int32_t*>(b.sym.ptr[b.rank] + b.layout.recv_src);
-    result.num_recv = &b.state->num_recv;
-    result.expert_counts = b.expert_counts;
-    result.recv_capacity = b.recv_capacity;
-    if (args.expand) {
-      result.expert_x = b.expert_x;
-      result.expert_src_row = b.expert_src_row;
-      result.expert_slots = b.expert_slots;
-      result.expert_scales = b.expert_scales;
-      result.expert_token_scales = b.expert_token_scales;
-    }
+    DispatchResult result = dispatch_result(b, args.expand);
     if (args.eager) {
       int32_t num_recv = 0;
       FERRY_CHECK_CUDA(

@@ -12,7 +12,8 @@
 namespace ferry::cuda_ep {
 
 template <typename Params>
-void launch_persistent(void (*kernel)(Params), Params const& params, int ctas, std::size_t smem, cudaStream_t stream) {
+void launch_persistent(void (*kernel)(Params), Params const& params, int ctas, std::size_t smem, bool cooperative,
+                       cudaStream_t stream) {
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(ctas));
   config.blockDim = dim3(kThreads);
@@ -22,13 +23,13 @@ void launch_persistent(void (*kernel)(Params), Params const& params, int ctas, s
   attribute.id = cudaLaunchAttributeCooperative;
   attribute.val.cooperative = 1;
   config.attrs = &attribute;
-  config.numAttrs = 1;
+  config.numAttrs = cooperative ? 1 : 0;
   FERRY_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, params));
 }
 
-template void launch_persistent<DispatchParams>(void (*)(DispatchParams), DispatchParams const&, int, std::size_t,
+template void launch_persistent<DispatchParams>(void (*)(DispatchParams), DispatchParams const&, int, std::size_t, bool,
                                                 cudaStream_t);
-template void launch_persistent<CombineParams>(void (*)(CombineParams), CombineParams const&, int, std::size_t,
+template void launch_persistent<CombineParams>(void (*)(CombineParams), CombineParams const&, int, std::size_t, bool,
                                                cudaStream_t);
 
 LaunchPlan plan_dispatch(Buffers const& buffers, int num_tokens) {
@@ -138,21 +139,21 @@ using DispatchKernel = void (*)(DispatchParams);
 
 // Sets the kernel's shared-memory limit once, then launches it.
 template <DispatchKernel kKernel>
-void launch_kernel(DispatchParams const& p, std::size_t smem, cudaStream_t stream) {
+void launch_kernel(DispatchParams const& p, std::size_t smem, bool cooperative, cudaStream_t stream) {
   static bool const configured = [] {
     FERRY_CHECK_CUDA(
         cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kMaxDispatchSmem)));
     return true;
   }();
   (void)configured;
-  launch_persistent(kKernel, p, p.num_ctas, smem, stream);
+  launch_persistent(kKernel, p, p.num_ctas, smem, cooperative, stream);
 }
 
 // The instances: (wire format, unit elements) for each index type. bf16 copies rows (no unit).
 struct Instance {
   WireFormat format;
   int unit;
-  void (*launch)(DispatchParams const&, std::size_t, cudaStream_t);
+  void (*launch)(DispatchParams const&, std::size_t, bool, cudaStream_t);
 };
 
 template <typename IdxT>
@@ -166,11 +167,12 @@ constexpr Instance kInstances[] = {
 };
 
 template <typename IdxT>
-void launch_instance(WireFormat format, int hidden, DispatchParams const& p, std::size_t smem, cudaStream_t stream) {
+void launch_instance(WireFormat format, int hidden, DispatchParams const& p, std::size_t smem, bool cooperative,
+                     cudaStream_t stream) {
   int const unit = format == WireFormat::bf16 ? 0 : device::unit_elems_for(format, hidden);
   for (Instance const& instance : kInstances<IdxT>) {
     if (instance.format == format && instance.unit == unit) {
-      instance.launch(p, smem, stream);
+      instance.launch(p, smem, cooperative, stream);
       return;
     }
   }
@@ -184,11 +186,12 @@ template <typename IdxT>
 void launch_protocol(Buffers const& buffers, DispatchParams const& p, cudaStream_t stream) {
   if (buffers.landing) {
     static_assert(detail::kLandingMaxSmem <= kMaxDispatchSmem, "the landing receiver's budget fits the dispatch limit");
-    launch_kernel<land_dispatch_kernel<IdxT>>(p, detail::landing_smem_bytes(buffers.config, buffers.world), stream);
+    launch_kernel<land_dispatch_kernel<IdxT>>(p, detail::landing_smem_bytes(buffers.config, buffers.world),
+                                              buffers.cooperative, stream);
     return;
   }
   launch_instance<IdxT>(buffers.config.dispatch_format, buffers.config.hidden, p,
-                        dispatch_smem_bytes(buffers.world, buffers.config.num_experts), stream);
+                        dispatch_smem_bytes(buffers.world, buffers.config.num_experts), buffers.cooperative, stream);
 }
 
 }  // namespace

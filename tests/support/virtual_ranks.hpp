@@ -1,0 +1,215 @@
+// Several EP ranks on ONE GPU ("virtual ranks"), for the tests of kernels that address their peers only through the
+// symmetric regions and their DeviceView (normal mode: tests/gpu/test_normal_virtual.cu; low-latency mode:
+// tests/gpu/test_ll_virtual.cu). VirtualWorld owns what a communicator would give each rank: a symmetric region
+// (cudaMalloc, zeroed as the communicator's are, at the same address for every rank), an error block (mapped pinned
+// memory) and a stream; each test adds its mode's per-rank buffers. The grids of the ranks run side by side and wait
+// for each other inside the kernels as they do across GPUs: they are launched non-cooperatively with SMs / W CTAs
+// each, so all W of them are co-resident, and every device wait is bounded (kVirtualTimeoutS), so a bug ends in a
+// timeout recorded in a rank's error block, never a hang. Included by .cu tests only.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "comm/comm_impl.hpp"
+#include "ep/reference.hpp"
+#include "ep/routing.hpp"
+#include "ferry/device_view.hpp"
+#include "ferry/ep.hpp"
+#include "support/gpu_case.hpp"
+#include "support/ll_check.hpp"
+
+namespace ferry::test {
+
+// Bound of every device wait of a virtual rank.
+inline constexpr double kVirtualTimeoutS = 10.0;
+// Elements behind each y that must stay poisoned.
+inline constexpr std::size_t kVirtualGuardElems = 2048;
+
+// CTAs per rank such that the grids of `world` ranks are co-resident on the current GPU (a persistent CTA takes a
+// whole SM), at most max_ctas. 0 when the GPU has fewer SMs than ranks.
+inline int virtual_ctas_per_rank(int world, int max_ctas) {
+  int device = 0;
+  int num_sms = 0;
+  CK(cudaGetDevice(&device));
+  CK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  return std::min(max_ctas, num_sms / world);
+}
+
+class VirtualWorld {
+ public:
+  VirtualWorld(int world, std::size_t region_bytes)
+      : regions_(world, nullptr), errors_(world, nullptr), streams_(world, nullptr) {
+    try {
+      for (int r = 0; r < world; ++r) {
+        CK(cudaMalloc(&regions_[r], region_bytes));
+        // counters and sequence numbers start at 0, as in the communicator's zeroed region
+        CK(cudaMemset(regions_[r], 0, region_bytes));
+        CK(cudaHostAlloc(reinterpret_cast<void**>(&errors_[r]), sizeof(DeviceErrorBlock), cudaHostAllocMapped));
+        std::memset(errors_[r], 0, sizeof(DeviceErrorBlock));
+        CK(cudaStreamCreateWithFlags(&streams_[r], cudaStreamNonBlocking));
+      }
+    } catch (...) {
+      release();
+      throw;
+    }
+  }
+  ~VirtualWorld() { release(); }
+  VirtualWorld(VirtualWorld const&) = delete;
+  VirtualWorld& operator=(VirtualWorld const&) = delete;
+
+  int world() const { return static_cast<int>(regions_.size()); }
+  cudaStream_t stream(int r) const { return streams_[r]; }
+  // Every rank's symmetric region, as a communicator's SymmetricView gives it.
+  SymmetricView sym(std::size_t bytes) const {
+    SymmetricView view{};
+    for (int peer = 0; peer < world(); ++peer) view.ptr[peer] = static_cast<char*>(regions_[peer]);
+    view.bytes = bytes;
+    return view;
+  }
+  // Rank r's DeviceView: its rank, the world, the wait bound and its error block (the signal area is unused).
+  DeviceView view(int r) const {
+    DeviceView v{};
+    v.rank = r;
+    v.world = world();
+    v.timeout_ns = static_cast<uint64_t>(kVirtualTimeoutS * 1e9);
+    CK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&v.error), errors_[r], 0));
+    return v;
+  }
+
+  // Waits for every rank's stream, then reads and clears every rank's error block: "" when each rank recorded no
+  // timeout, no bad id and exactly overflow[r] entries dropped past expert_capacity (the reference's dropped_slots),
+  // else what each rank recorded (a timeout names the rank, the peer it waited for and the phase).
+  std::string synchronize(std::vector<int> const& overflow) const {
+    for (cudaStream_t stream : streams_) CK(cudaStreamSynchronize(stream));
+    std::string out;
+    for (int r = 0; r < world(); ++r) {
+      DeviceErrorBlock block;
+      std::memcpy(&block, errors_[r], sizeof(block));
+      std::memset(errors_[r], 0, sizeof(DeviceErrorBlock));
+      if (block.status != 0)
+        out += "rank " + std::to_string(r) + ": status " + std::to_string(block.status) + ": " +
+               detail::describe_device_error(block, kVirtualTimeoutS) + "\n";
+      if (block.input_errors != 0 || block.overflow_rows != static_cast<uint32_t>(overflow[r]))
+        out += "rank " + std::to_string(r) + ": input_errors " + std::to_string(block.input_errors) +
+               " (first bad value " + std::to_string(block.first_bad_value) + "), overflow_rows " +
+               std::to_string(block.overflow_rows) + " (the reference drops " + std::to_string(overflow[r]) + ")\n";
+    }
+    return out;
+  }
+
+ private:
+  void release() noexcept {
+    cudaDeviceSynchronize();  // NOTE: never throws; a failed teardown has no one to report to
+    for (void* region : regions_)
+      if (region) cudaFree(region);
+    for (DeviceErrorBlock* block : errors_)
+      if (block) cudaFreeHost(block);
+    for (cudaStream_t stream : streams_)
+      if (stream) cudaStreamDestroy(stream);
+  }
+
+  std::vector<void*> regions_;
+  std::vector<DeviceErrorBlock*> errors_;  // host addresses (the kernels get the mapped device addresses)
+  std::vector<cudaStream_t> streams_;
+};
+
+// One rank's inputs and combine outputs in device memory, at fixed addresses.
+struct VirtualRankIo {
+  DeviceBuffer x, idx, w;   // dispatch inputs
+  DeviceBuffer rows;        // rank-major combine input [recv_capacity, hidden]
+  DeviceBuffer eout;        // expert-major combine input [num_local_experts, expert_slots, hidden]
+  DeviceBuffer y_em, y_rm;  // [num_tokens, hidden] + kVirtualGuardElems
+  VirtualRankIo(EpConfig const& config, int world, int num_tokens)
+      : x(row_bytes(config) * num_tokens),
+        idx(static_cast<std::size_t>(num_tokens) * config.topk * 8),
+        w(static_cast<std::size_t>(num_tokens) * config.topk * 4),
+        rows(row_bytes(config) * config.recv_capacity(world)),
+        eout(row_bytes(config) * config.num_local_experts(world) * config.expert_slots()),
+        y_em(row_bytes(config) * num_tokens + kVirtualGuardElems * 2),
+        y_rm(row_bytes(config) * num_tokens + kVirtualGuardElems * 2) {}
+  static std::size_t row_bytes(EpConfig const& config) { return static_cast<std::size_t>(config.hidden) * 2; }
+};
+
+template <typename T>
+void upload(DeviceBuffer const& dst, std::vector<T> const& src) {
+  if (!src.empty()) CK(cudaMemcpy(dst.ptr, src.data(), src.size() * sizeof(T), cudaMemcpyHostToDevice));
+}
+
+// One iteration of a virtual-rank case: every rank's inputs (fresh, from `routing`), the reference dispatch of each,
+// and the combine inputs (deterministic in (seed, rank)), uploaded into io; the y buffers poisoned.
+struct VirtualIteration {
+  std::vector<ref::RankInput> inputs;
+  std::vector<ref::RankDispatch> expected;
+  std::vector<std::vector<uint16_t>> rows, eout;  // rank-major and expert-major combine inputs
+
+  VirtualIteration(EpConfig const& config, int world, RoutingOptions const& routing, std::vector<int> const& tokens,
+                   std::vector<VirtualRankIo> const& io)
+      : inputs(ref::generate_inputs(config, world, routing, tokens)), rows(world), eout(world) {
+    int const hidden = config.hidden;
+    int const expert_rows = config.num_local_experts(world) * config.expert_slots();
+    for (int r = 0; r < world; ++r) {
+      expected.push_back(ref::dispatch(config, world, r, inputs));
+      rows[r] = generate_tokens(routing.seed + 101, r, expected[r].num_recv, hidden);
+      eout[r] = generate_tokens(routing.seed + 202, r, expert_rows, hidden);
+      upload(io[r].x, inputs[r].x);
+      upload(io[r].idx, inputs[r].topk_idx);
+      upload(io[r].w, inputs[r].topk_weights);
+      upload(io[r].rows, rows[r]);
+      upload(io[r].eout, eout[r]);
+      CK(cudaMemset(io[r].y_em.ptr, 0xEE, io[r].y_em.bytes));
+      CK(cudaMemset(io[r].y_rm.ptr, 0xEE, io[r].y_rm.bytes));
+    }
+  }
+
+  // Rank r's two combine outputs against the reference, the guards behind them still poisoned: 0, or fail()'s code.
+  int check_combines(EpConfig const& config, int world, int r, int iter, VirtualRankIo const& io) const {
+    auto const y_em = ref::combine_expert_major(config, world, r, inputs, expected, eout);
+    if (int const code = check_combined("y expert-major", io.y_em.ptr, y_em, kVirtualGuardElems, r, iter)) return code;
+    auto const y_rm = ref::combine_rank_major(config, world, r, inputs, expected, rows);
+    return check_combined("y rank-major", io.y_rm.ptr, y_rm, kVirtualGuardElems, r, iter);
+  }
+};
+
+// Runs each row of `table` (key=value words) with a fresh seed: parse(words) gives the row's spec (its `world` the
+// virtual ranks), run(spec, ctas) runs it on ctas CTAs per rank (at most max_ctas) and fails the calling test at its
+// first mismatch. Skips without a GPU; a row whose world the GPU cannot hold is skipped with the reason (the test too,
+// when no row ran).
+template <typename Parse, typename Run>
+void run_virtual_rows(std::vector<std::vector<std::string>> const& table, int max_ctas, Parse const& parse,
+                      Run const& run) {
+  int const gpus = cuda_device_count();
+  if (gpus == 0) GTEST_SKIP() << "needs a GPU, found 0";
+  int ran = 0;
+  std::string skipped;
+  for (auto const& row : table) {
+    std::string label;
+    for (auto const& word : row) label += word + " ";
+    std::vector<std::string> words = row;
+    uint64_t const seed = fresh_seed();
+    words.push_back("seed=" + std::to_string(seed));
+    auto const spec = parse(words);
+    int const ctas = virtual_ctas_per_rank(spec.world, max_ctas);
+    if (ctas < 1) {
+      std::printf("skipped %s: fewer SMs than the %d ranks, which need one co-resident CTA each at least\n",
+                  label.c_str(), spec.world);
+      skipped += label + "\n";
+      continue;
+    }
+    SCOPED_TRACE(label + "seed=" + std::to_string(seed));
+    run(spec, ctas);
+    if (::testing::Test::HasFatalFailure()) return;
+    ++ran;
+  }
+  if (ran == 0) GTEST_SKIP() << "no row fits this GPU:\n" << skipped;
+}
+
+}  // namespace ferry::test
