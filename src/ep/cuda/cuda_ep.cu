@@ -211,11 +211,17 @@ class CudaEp final : public detail::EpBackendImpl {
     b.sym = region.view;
 
     allocate_buffers(b);
-    b.trace = &trace_;
-    if (int const events = trace::env_events_per_warp(); events > 0) trace_.enable(b.rank, b.num_sms * kWarps, events);
-    FERRY_CHECK_CUDA(cudaDeviceSynchronize());
-    // every rank's buffers exist before any peer can push into them
-    comm.bootstrap().barrier();
+    try {
+      b.trace = &trace_;
+      if (int const events = trace::env_events_per_warp(); events > 0)
+        trace_.enable(b.rank, b.num_sms * kWarps, events);
+      FERRY_CHECK_CUDA(cudaDeviceSynchronize());
+      // every rank's buffers exist before any peer can push into them
+      comm.bootstrap().barrier();
+    } catch (...) {
+      free_buffers(b);  // the destructor does not run for a constructor that throws
+      throw;
+    }
   }
 
   ~CudaEp() override { free_buffers(buffers_); }
