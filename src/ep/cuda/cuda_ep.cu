@@ -7,20 +7,20 @@
 
 #include "core/cuda_check.hpp"
 #include "ep/cuda/buffers.hpp"
+#include "ep/cuda/device_memory.hpp"
 #include "ep/cuda/landing.cuh"
 #include "ep/ep_impl.hpp"
 #include "ep/landing_policy.hpp"
 #include "ferry/env.hpp"
 #include "ferry/error.hpp"
 #include "quant/device_unit_codec.cuh"
+#include "quant/layout.hpp"
 
 namespace ferry::cuda_ep {
 
-namespace {
-std::size_t align_up(std::size_t value, std::size_t alignment) {
-  return (value + alignment - 1) / alignment * alignment;
-}
-}  // namespace
+using detail::device_alloc;
+using detail::device_free;
+using detail::device_zeroed;
 
 SymLayout make_sym_layout(EpConfig const& config, int world, bool landing) {
   // NOTE: 256-byte alignment keeps every row and word area on its own cache lines and 16-byte vectors aligned.
@@ -39,7 +39,7 @@ SymLayout make_sym_layout(EpConfig const& config, int world, bool landing) {
   std::size_t offset = 0;
   auto take = [&](std::size_t bytes) {
     std::size_t const at = offset;
-    offset = align_up(offset + bytes, kAlign);
+    offset = quant::align_up(offset + bytes, kAlign);
     return at;
   };
   layout.recv_x = take(cap * config.recv_row_bytes());
@@ -67,40 +67,26 @@ SymLayout make_sym_layout(EpConfig const& config, int world, bool landing) {
   return layout;
 }
 
-namespace {
-template <typename T>
-T* device_alloc(std::size_t count) {
-  void* ptr = nullptr;
-  FERRY_CHECK_CUDA(cudaMalloc(&ptr, std::max<std::size_t>(count, 1) * sizeof(T)));
-  return static_cast<T*>(ptr);
-}
-}  // namespace
-
 void allocate_buffers(Buffers& b) {
   EpConfig const& config = b.config;
   try {
     std::size_t const max_tokens = static_cast<std::size_t>(config.max_tokens_per_rank);
     b.max_dispatch_ctas = b.num_sms;
-    b.state = device_alloc<DeviceState>(1);
+    b.state = device_zeroed<DeviceState>(1);
     b.token_mask = device_alloc<uint32_t>(max_tokens);
     b.token_pos = device_alloc<int32_t>(max_tokens * b.world);
     b.block_counts = device_alloc<int32_t>(static_cast<std::size_t>(b.max_dispatch_ctas) * b.world);
-    b.count_totals = device_alloc<int32_t>(static_cast<std::size_t>(b.world + config.num_experts));
-    b.expert_counts = device_alloc<int32_t>(b.num_local_experts);
+    b.count_totals = device_zeroed<int32_t>(static_cast<std::size_t>(b.world + config.num_experts));
+    b.expert_counts = device_zeroed<int32_t>(b.num_local_experts);
     if (config.dispatch_format == WireFormat::nvfp4) b.token_scales = device_alloc<float>(max_tokens);
     b.recv_slot = device_alloc<int32_t>(static_cast<std::size_t>(b.recv_capacity) * config.topk);
     b.recv_row_bytes = config.recv_row_bytes();
     bool const quantized_delivery = config.delivers_quantized();
     // NOTE: scale tensors are zeroed once: calls write every (row, block) entry of the rows they deliver and never the
     // padding entries (rows or blocks past the end), which the layouts define as zero.
-    auto zeroed = [](std::size_t bytes) {
-      auto* ptr = device_alloc<uint8_t>(bytes);
-      FERRY_CHECK_CUDA(cudaMemset(ptr, 0, std::max<std::size_t>(bytes, 1)));
-      return ptr;
-    };
     if (quantized_delivery && config.recv_scale_layout != ScaleLayout::row_major)
-      b.recv_scales_final =
-          zeroed(scale_tensor_bytes(config.dispatch_format, config.recv_scale_layout, b.recv_capacity, config.hidden));
+      b.recv_scales_final = device_zeroed<uint8_t>(
+          scale_tensor_bytes(config.dispatch_format, config.recv_scale_layout, b.recv_capacity, config.hidden));
     if (b.expert_slots > 0) {
       std::size_t const slots = static_cast<std::size_t>(b.num_local_experts) * b.expert_slots;
       b.expert_x = device_alloc<uint8_t>(slots * b.recv_row_bytes);
@@ -108,13 +94,10 @@ void allocate_buffers(Buffers& b) {
       if (quantized_delivery) {
         b.expert_scale_bytes =
             scale_tensor_bytes(config.dispatch_format, config.recv_scale_layout, b.expert_slots, config.hidden);
-        b.expert_scales = zeroed(b.expert_scale_bytes * b.num_local_experts);
+        b.expert_scales = device_zeroed<uint8_t>(b.expert_scale_bytes * b.num_local_experts);
         if (config.dispatch_format == WireFormat::nvfp4) b.expert_token_scales = device_alloc<float>(slots);
       }
     }
-    FERRY_CHECK_CUDA(cudaMemset(b.state, 0, sizeof(DeviceState)));
-    FERRY_CHECK_CUDA(cudaMemset(b.count_totals, 0, sizeof(int32_t) * (b.world + config.num_experts)));
-    FERRY_CHECK_CUDA(cudaMemset(b.expert_counts, 0, sizeof(int32_t) * std::max(1, b.num_local_experts)));
   } catch (...) {
     free_buffers(b);
     throw;
@@ -122,24 +105,19 @@ void allocate_buffers(Buffers& b) {
 }
 
 void free_buffers(Buffers& b) noexcept {
-  // NOTE: never throws; a failed free at teardown has no one to report to.
-  auto release = [](auto*& ptr) {
-    if (ptr) cudaFree(ptr);
-    ptr = nullptr;
-  };
-  release(b.state);
-  release(b.token_mask);
-  release(b.token_pos);
-  release(b.block_counts);
-  release(b.count_totals);
-  release(b.token_scales);
-  release(b.expert_counts);
-  release(b.recv_slot);
-  release(b.recv_scales_final);
-  release(b.expert_x);
-  release(b.expert_src_row);
-  release(b.expert_scales);
-  release(b.expert_token_scales);
+  device_free(b.state);
+  device_free(b.token_mask);
+  device_free(b.token_pos);
+  device_free(b.block_counts);
+  device_free(b.count_totals);
+  device_free(b.token_scales);
+  device_free(b.expert_counts);
+  device_free(b.recv_slot);
+  device_free(b.recv_scales_final);
+  device_free(b.expert_x);
+  device_free(b.expert_src_row);
+  device_free(b.expert_scales);
+  device_free(b.expert_token_scales);
 }
 
 DispatchResult dispatch_result(Buffers const& b, bool expand) {

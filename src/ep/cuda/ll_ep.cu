@@ -10,27 +10,20 @@
 #include <vector>
 
 #include "core/cuda_check.hpp"
+#include "ep/cuda/device_memory.hpp"
 #include "ep/cuda/landing.cuh"
 #include "ep/cuda/ll_buffers.hpp"
 #include "ep/ep_impl.hpp"
 #include "ferry/env.hpp"
 #include "ferry/error.hpp"
+#include "quant/layout.hpp"
 #include "tuning/choose.hpp"
 
 namespace ferry::cuda_ll {
 
-namespace {
-std::size_t align_up(std::size_t value, std::size_t alignment) {
-  return (value + alignment - 1) / alignment * alignment;
-}
-
-template <typename T>
-T* device_alloc(std::size_t count) {
-  void* ptr = nullptr;
-  FERRY_CHECK_CUDA(cudaMalloc(&ptr, std::max<std::size_t>(count, 1) * sizeof(T)));
-  return static_cast<T*>(ptr);
-}
-}  // namespace
+using detail::device_alloc;
+using detail::device_free;
+using detail::device_zeroed;
 
 LlLayout make_ll_layout(EpConfig const& config, int world) {
   // NOTE: 256-byte alignment keeps each area on its own cache lines and 16-byte vectors aligned.
@@ -44,7 +37,7 @@ LlLayout make_ll_layout(EpConfig const& config, int world) {
   std::size_t offset = 0;
   auto take = [&](std::size_t bytes) {
     std::size_t const at = offset;
-    offset = align_up(offset + bytes, kAlign);
+    offset = quant::align_up(offset + bytes, kAlign);
     return at;
   };
   layout.dispatch_arrivals = take(static_cast<std::size_t>(world) * sizeof(uint64_t));
@@ -64,13 +57,13 @@ void allocate_ll_buffers(LlBuffers& b) {
   std::size_t const topk = static_cast<std::size_t>(config.topk);
   std::size_t const slots = static_cast<std::size_t>(b.num_local_experts) * b.expert_slots;
   try {
-    b.state = device_alloc<LlState>(1);
+    b.state = device_zeroed<LlState>(1);
     b.token_mask = device_alloc<uint32_t>(max_tokens);
     b.recv_src = device_alloc<int32_t>(rows * 2);
     b.recv_idx = device_alloc<int32_t>(rows * topk);
     b.recv_w = device_alloc<float>(rows * topk);
     b.recv_slot = device_alloc<int32_t>(rows * topk);
-    b.expert_counts = device_alloc<int32_t>(static_cast<std::size_t>(b.num_local_experts));
+    b.expert_counts = device_zeroed<int32_t>(static_cast<std::size_t>(b.num_local_experts));
     b.expert_x = device_alloc<uint8_t>(slots * config.recv_row_bytes());
     b.expert_src_row = device_alloc<int32_t>(slots);
     b.own_slot = device_alloc<int32_t>(max_tokens * topk);
@@ -78,14 +71,11 @@ void allocate_ll_buffers(LlBuffers& b) {
       b.scale_tensor_bytes =
           scale_tensor_bytes(config.dispatch_format, config.recv_scale_layout, b.expert_slots, config.hidden);
       std::size_t const all = static_cast<std::size_t>(b.num_local_experts) * b.scale_tensor_bytes;
-      b.expert_scales = device_alloc<uint8_t>(all);
       // NOTE: zeroed once: the kernels write only the entries of (slot, block) pairs, so padding entries stay zero
       // for every later call without a per-call memset.
-      FERRY_CHECK_CUDA(cudaMemset(b.expert_scales, 0, std::max<std::size_t>(all, 1)));
+      b.expert_scales = device_zeroed<uint8_t>(all);
       if (config.dispatch_format == WireFormat::nvfp4) b.expert_token_scales = device_alloc<float>(slots);
     }
-    FERRY_CHECK_CUDA(cudaMemset(b.state, 0, sizeof(LlState)));
-    FERRY_CHECK_CUDA(cudaMemset(b.expert_counts, 0, sizeof(int32_t) * std::max(1, b.num_local_experts)));
   } catch (...) {
     free_ll_buffers(b);
     throw;
@@ -93,23 +83,18 @@ void allocate_ll_buffers(LlBuffers& b) {
 }
 
 void free_ll_buffers(LlBuffers& b) noexcept {
-  // NOTE: never throws; a failed free at teardown has no one to report to.
-  auto release = [](auto*& ptr) {
-    if (ptr) cudaFree(ptr);
-    ptr = nullptr;
-  };
-  release(b.state);
-  release(b.token_mask);
-  release(b.recv_src);
-  release(b.recv_idx);
-  release(b.recv_w);
-  release(b.recv_slot);
-  release(b.expert_counts);
-  release(b.expert_x);
-  release(b.expert_src_row);
-  release(b.own_slot);
-  release(b.expert_scales);
-  release(b.expert_token_scales);
+  device_free(b.state);
+  device_free(b.token_mask);
+  device_free(b.recv_src);
+  device_free(b.recv_idx);
+  device_free(b.recv_w);
+  device_free(b.recv_slot);
+  device_free(b.expert_counts);
+  device_free(b.expert_x);
+  device_free(b.expert_src_row);
+  device_free(b.own_slot);
+  device_free(b.expert_scales);
+  device_free(b.expert_token_scales);
   b.scale_tensor_bytes = 0;
 }
 
