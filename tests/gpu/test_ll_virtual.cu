@@ -13,20 +13,15 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <string>
 #include <vector>
 
-#include "comm/comm_impl.hpp"
 #include "ep/cuda/ll_buffers.hpp"
 #include "ep/ep_impl.hpp"
 #include "ep/reference.hpp"
 #include "ep/routing.hpp"
-#include "ferry/communicator.hpp"
-#include "ferry/device_view.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
 #include "ferry/wire_format.hpp"
@@ -64,59 +59,13 @@ Spec parse_spec(std::vector<std::string> const& words) {
   return s;
 }
 
-// `world` ranks of one LL EpBuffer on the current GPU: what CudaLlEp sets up per rank, on a VirtualWorld's regions,
-// error blocks and streams, with grids of num_ctas launched side by side.
-class VirtualRanks {
- public:
-  // config: resolved (EpConfig::resolved).
-  VirtualRanks(EpConfig const& config, int world, int num_ctas, bool own_direct)
-      : layout_(cuda_ll::make_ll_layout(config, world)), world_(world, layout_.total), ranks_(world) {
-    try {
-      for (int r = 0; r < world; ++r) {
-        LlBuffers& b = ranks_[r];
-        b.config = config;
-        b.world = world;
-        b.rank = r;
-        b.num_local_experts = config.num_local_experts(world);
-        b.expert_slots = config.expert_slots();
-        b.num_ctas = num_ctas;
-        b.cooperative = false;  // several grids side by side: co-resident by their size, not by the runtime's promise
-        b.own_direct = own_direct;
-        b.view = world_.view(r);
-        b.layout = layout_;
-        b.sym = world_.sym(layout_.total);
-        cuda_ll::allocate_ll_buffers(b);
-      }
-      CK(cudaDeviceSynchronize());  // every rank's buffers exist (and are zeroed) before any peer pushes into them
-    } catch (...) {
-      release();
-      throw;
-    }
-  }
-  ~VirtualRanks() { release(); }
-  VirtualRanks(VirtualRanks const&) = delete;
-  VirtualRanks& operator=(VirtualRanks const&) = delete;
-
-  int world() const { return world_.world(); }
-  LlBuffers const& operator[](int r) const { return ranks_[r]; }
-  cudaStream_t stream(int r) const { return world_.stream(r); }
-  std::string synchronize(std::vector<int> const& overflow) const { return world_.synchronize(overflow); }
-
- private:
-  void release() noexcept {
-    cudaDeviceSynchronize();  // NOTE: never throws; a failed teardown has no one to report to
-    for (LlBuffers& b : ranks_) cuda_ll::free_ll_buffers(b);
-  }
-
-  cuda_ll::LlLayout layout_;
-  VirtualWorld world_;
-  std::vector<LlBuffers> ranks_;
-};
+// `world` ranks of one LL EpBuffer on the current GPU: what CudaLlEp sets up per rank.
+using VirtualLlRanks = VirtualRanks<LlBuffers, cuda_ll::allocate_ll_buffers, cuda_ll::free_ll_buffers>;
 
 // Launches one leg on every rank (each on its own stream, side by side): whole, or every send half then every
 // receive half.
 template <typename Launch>
-void launch_leg(VirtualRanks const& ranks, bool hook, Launch const& launch) {
+void launch_leg(VirtualLlRanks const& ranks, bool hook, Launch const& launch) {
   for (int r = 0; r < ranks.world(); ++r) launch(r, hook ? Half::send : Half::both);
   if (hook)
     for (int r = 0; r < ranks.world(); ++r) launch(r, Half::recv);
@@ -145,7 +94,17 @@ void run_virtual(Spec const& spec, int num_ctas) {
       scale_layout_name(config.recv_scale_layout), spec.hook);
   std::fflush(stdout);
 
-  VirtualRanks ranks(config, world, num_ctas, spec.own_direct);
+  cuda_ll::LlLayout const layout = cuda_ll::make_ll_layout(config, world);
+  VirtualLlRanks ranks(world, layout.total, [&](LlBuffers& b, int r) {
+    b.config = config;
+    b.world = world;
+    b.rank = r;
+    b.num_local_experts = config.num_local_experts(world);
+    b.expert_slots = config.expert_slots();
+    b.num_ctas = num_ctas;
+    b.own_direct = spec.own_direct;
+    b.layout = layout;
+  });
   std::vector<VirtualRankIo> io;
   io.reserve(world);
   for (int r = 0; r < world; ++r) io.emplace_back(config, world, tokens[r]);

@@ -122,6 +122,50 @@ class VirtualWorld {
   std::vector<cudaStream_t> streams_;
 };
 
+// `world` ranks of one EpBuffer's mode on the current GPU: each rank's local buffers (Buffers: cuda_ep::Buffers or
+// cuda_ll::LlBuffers, allocated by kAllocate, freed by kFree) on a VirtualWorld of region_bytes a rank. setup(b, r)
+// sets rank r's own fields (config, shape, grid, layout); the rank's DeviceView and symmetric regions come from the
+// VirtualWorld, and its grids launch non-cooperatively (side by side: co-resident by their size, not by the runtime's
+// promise).
+template <typename Buffers, void (*kAllocate)(Buffers&), void (*kFree)(Buffers&) noexcept>
+class VirtualRanks {
+ public:
+  template <typename Setup>
+  VirtualRanks(int world, std::size_t region_bytes, Setup const& setup) : world_(world, region_bytes), ranks_(world) {
+    try {
+      for (int r = 0; r < world; ++r) {
+        Buffers& b = ranks_[r];
+        setup(b, r);
+        b.cooperative = false;
+        b.view = world_.view(r);
+        b.sym = world_.sym(region_bytes);
+        kAllocate(b);
+      }
+      CK(cudaDeviceSynchronize());  // every rank's buffers exist (and are zeroed) before any peer pushes into them
+    } catch (...) {
+      release();
+      throw;
+    }
+  }
+  ~VirtualRanks() { release(); }
+  VirtualRanks(VirtualRanks const&) = delete;
+  VirtualRanks& operator=(VirtualRanks const&) = delete;
+
+  int world() const { return world_.world(); }
+  Buffers const& operator[](int r) const { return ranks_[r]; }
+  cudaStream_t stream(int r) const { return world_.stream(r); }
+  std::string synchronize(std::vector<int> const& overflow) const { return world_.synchronize(overflow); }
+
+ private:
+  void release() noexcept {
+    cudaDeviceSynchronize();  // NOTE: never throws; a failed teardown has no one to report to
+    for (Buffers& b : ranks_) kFree(b);
+  }
+
+  VirtualWorld world_;
+  std::vector<Buffers> ranks_;
+};
+
 // One rank's inputs and combine outputs in device memory, at fixed addresses.
 struct VirtualRankIo {
   DeviceBuffer x, idx, w;   // dispatch inputs
