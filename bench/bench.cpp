@@ -124,8 +124,17 @@ Backend choose_backend(Options const& options, bool print_notice) {
   return backend;
 }
 
-// --trace records in-kernel traces: only builds with them compiled in, only the cuda kernels.
-void check_trace_option(Options const& options, Backend backend) {
+// The options that depend on the backend or name a choice, checked by the launching process before any rank starts
+// (one error line, not one per rank) and again by each rank. --trace records in-kernel traces: only builds with them
+// compiled in, only the cuda kernels.
+void check_run_options(Options const& options, Backend backend) {
+  FERRY_CHECK_CONFIG(!options.flag("graph") || backend == Backend::cuda, "--graph needs the cuda backend");
+  std::string const baseline = options.str("baseline");
+  FERRY_CHECK_CONFIG(baseline.empty() || baseline == "nccl", "--baseline=", baseline, " is unknown; use nccl");
+  FERRY_CHECK_CONFIG(baseline.empty() || (backend == Backend::cuda && FERRY_BENCH_NCCL),
+                     "--baseline nccl needs the cuda backend");
+  FERRY_CHECK_CONFIG(options.str("layout") == "expert" || options.str("layout") == "rank",
+                     "--layout=", options.str("layout"), " is unknown; use rank or expert");
   if (options.str("trace").empty()) return;
   FERRY_CHECK_CONFIG(trace_compiled_in(),
                      "--trace needs in-kernel tracing, which this build does not have; rebuild "
@@ -479,15 +488,9 @@ int run_bench_rank(Options const& options) {
   bool const graph = options.flag("graph");
   bool const check = options.flag("check");
   std::string const baseline = options.str("baseline");
-  FERRY_CHECK_CONFIG(!graph || backend == Backend::cuda, "--graph needs the cuda backend");
-  check_trace_option(options, backend);
-  FERRY_CHECK_CONFIG(baseline.empty() || baseline == "nccl", "--baseline=", baseline, " is unknown; use nccl");
-  FERRY_CHECK_CONFIG(baseline.empty() || (backend == Backend::cuda && FERRY_BENCH_NCCL),
-                     "--baseline nccl needs the cuda backend");
+  check_run_options(options, backend);
   CombineLayout const user_layout =
       options.str("layout") == "expert" ? CombineLayout::expert_major : CombineLayout::rank_major;
-  FERRY_CHECK_CONFIG(options.str("layout") == "expert" || options.str("layout") == "rank",
-                     "--layout=", options.str("layout"), " is unknown; use rank or expert");
 
   // One seed for every rank: rank 0 draws it (or takes --seed) and broadcasts it.
   uint64_t seed = static_cast<uint64_t>(options.integer("seed"));
@@ -844,7 +847,7 @@ int bench_main(int argc, char** argv) {
   if (is_rank_process()) return run_rank("bench", [&] { return run_bench_rank(options); });
   // Launching process: refuse a shape that cannot run before starting anything (one line, exit 2 from main).
   Backend const backend = choose_backend(options, false);
-  check_trace_option(options, backend);
+  check_run_options(options, backend);
   int const nproc = choose_nproc(options, backend);
   FERRY_CHECK_CONFIG(nproc >= 1, "no ranks to run: --backend cuda found no GPU; use --backend cpu");
   for (RoutingKind kind : routing_kinds(options))

@@ -1,0 +1,81 @@
+// `ferry bench` on the cpu backend (bench/bench.cpp): every mode, routing and wire format at several world sizes,
+// every leg checked against the reference, the --json result file, and bad use refused by the launching process
+// before any rank starts. The cuda legs and the NCCL baseline run in scripts/device-check.sh.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "support/host_fixtures.hpp"
+
+namespace ferry::test {
+namespace {
+
+int count(std::string const& text, std::string const& part) {
+  int n = 0;
+  for (std::size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + part.size())) ++n;
+  return n;
+}
+
+// Both modes, two routings, two token counts and two format pairs: 2 legs each, every one checked (exact for bf16,
+// the codec's tolerance otherwise). --seed 0: a fresh seed each run, printed in the first line of the output.
+TEST(BenchCli, EveryLegPassesTheCheckAtWorlds2And8) {
+  for (int world : {2, 8}) {
+    TempDir const dir;
+    std::string const json = dir.file("bench.json");
+    CliRun const run = run_ferry("bench --backend cpu --nproc " + std::to_string(world) +
+                                 " --tokens 16,64 --hidden 256 --mode both --routing random,grouped"
+                                 " --dispatch bf16,fp8 --combine bf16,fp8 --check --iters 2 --warmup 1 --seed 0"
+                                 " --json " +
+                                 json);
+    ASSERT_EQ(run.code, 0) << run.output;
+    int const legs = 2 /*modes*/ * 2 /*routings*/ * 2 /*tokens*/ * 2 /*format pairs*/ * 2 /*legs*/;
+    EXPECT_TRUE(contains(run.output, "ferry bench: " + std::to_string(world) + " ranks, backend cpu")) << run.output;
+    EXPECT_EQ(count(run.output, "world " + std::to_string(world) + "  cpu"), legs / 2) << run.output;
+    EXPECT_EQ(count(run.output, "PASS\n"), legs) << run.output;
+    EXPECT_EQ(count(run.output, "FAIL"), 0) << run.output;
+    std::string const records = read_file(json);
+    EXPECT_TRUE(contains(records, "\"tool\": \"ferry bench\"")) << records;
+    EXPECT_TRUE(contains(records, "\"world\": " + std::to_string(world))) << records;
+    EXPECT_EQ(count(records, "\"check\": \"pass\""), legs) << records;
+    EXPECT_EQ(count(records, "\"mode\": \"ll\""), legs / 2) << records;
+    EXPECT_EQ(count(records, "\"routing\": \"grouped\""), legs / 2) << records;
+  }
+}
+
+// The expert-major combine input of normal mode, a hot expert and the fp4 formats, at world 4 (the cpu default).
+TEST(BenchCli, ExpertMajorLayoutHotRoutingAndFp4FormatsPass) {
+  CliRun const run = run_ferry(
+      "bench --backend cpu --tokens 48 --hidden 512 --layout expert --routing hot,ring --mask-rate 0.1"
+      " --dispatch nvfp4,mxfp4 --combine nvfp4,mxfp4 --check --iters 1 --warmup 0 --seed 0");
+  ASSERT_EQ(run.code, 0) << run.output;
+  EXPECT_TRUE(contains(run.output, "ferry bench: 4 ranks, backend cpu")) << run.output;
+  EXPECT_EQ(count(run.output, "layout expert"), 4) << run.output;
+  EXPECT_EQ(count(run.output, "PASS\n"), 8) << run.output;
+  EXPECT_EQ(count(run.output, "FAIL"), 0) << run.output;
+}
+
+// A run that cannot go is refused once, by the launching process (exit 2, one line naming the option), not once per
+// rank after the ranks started.
+TEST(BenchCli, BadUseIsRefusedOnceBeforeAnyRankStarts) {
+  struct Case {
+    char const* args;
+    char const* says;
+  };
+  for (Case const& c : {
+           Case{"bench --backend cpu --nproc 8 --baseline nccl", "--baseline nccl needs the cuda backend"},
+           Case{"bench --backend cpu --baseline mpi", "--baseline=mpi is unknown; use nccl"},
+           Case{"bench --backend cpu --graph", "--graph needs the cuda backend"},
+           Case{"bench --backend cpu --layout column", "--layout=column is unknown; use rank or expert"},
+           Case{"bench --backend cpu --nproc 3", "256"},
+           Case{"bench --backend cpu --dispatch int8", "int8"},
+           Case{"bench --backend cpu --mode fast", "fast"},
+       }) {
+    CliRun const run = run_ferry(c.args);
+    EXPECT_EQ(run.code, 2) << c.args << "\n" << run.output;
+    EXPECT_EQ(count(run.output, c.says), 1) << c.args << ": '" << c.says << "' not once in:\n" << run.output;
+    EXPECT_FALSE(contains(run.output, "rank 0")) << c.args << ": a rank started:\n" << run.output;
+  }
+}
+
+}  // namespace
+}  // namespace ferry::test
