@@ -18,6 +18,7 @@
 #include <tuple>
 
 #include "bench_memory.hpp"
+#include "build_info.hpp"
 #include "commands.hpp"
 #include "ep/reference.hpp"
 #include "ep/routing.hpp"
@@ -33,10 +34,6 @@
 #include "nccl_baseline.hpp"
 #else
 #define FERRY_BENCH_NCCL 0
-#endif
-
-#ifndef FERRY_GIT_COMMIT
-#define FERRY_GIT_COMMIT ""
 #endif
 
 namespace ferry::cli {
@@ -401,7 +398,7 @@ void write_json(std::string const& path, Options const& options, Shape const& sh
                 int world, bool graph, std::vector<Record> const& records) {
   std::ofstream out(path);
   FERRY_CHECK_CONFIG(out.good(), "--json ", path, " cannot be written");
-  out << "{\"tool\": \"ferry bench\", \"version\": \"" << FERRY_VERSION << "\", \"commit\": \"" << FERRY_GIT_COMMIT
+  out << "{\"tool\": \"ferry bench\", \"version\": \"" << FERRY_VERSION << "\", \"commit\": \"" << git_commit()
       << "\", \"date\": \"" << iso_date() << "\", \"device\": \"" << json_escape(device) << "\", \"world\": " << world
       << ", \"records\": [";
   for (std::size_t i = 0; i < records.size(); ++i) {

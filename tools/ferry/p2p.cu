@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "build_info.hpp"
 #include "comm/device/memory.cuh"
 #include "comm/device/signal.cuh"
 #include "commands.hpp"
@@ -383,11 +384,7 @@ std::string json_escape(std::string const& text) {
 }
 
 void write_json(std::string const& path, std::string const& device, int world, std::vector<Record> const& records) {
-#ifdef FERRY_GIT_COMMIT
-  std::string const commit = FERRY_GIT_COMMIT;
-#else
-  std::string const commit;
-#endif
+  std::string const commit = git_commit();
   std::ostringstream out;
   out << "{\"tool\": \"ferry p2p\", \"version\": \"" << FERRY_VERSION << "\", \"commit\": \"" << json_escape(commit)
       << "\", \"date\": \"" << utc_now() << "\", \"device\": \"" << json_escape(device) << "\", \"world\": " << world

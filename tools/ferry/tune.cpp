@@ -21,6 +21,7 @@
 #include <sstream>
 
 #include "bench_memory.hpp"
+#include "build_info.hpp"
 #include "commands.hpp"
 #include "ep/routing.hpp"
 #include "ferry/env.hpp"
@@ -34,9 +35,6 @@
 #include <cuda_runtime_api.h>
 #endif
 
-#ifndef FERRY_GIT_COMMIT
-#define FERRY_GIT_COMMIT ""
-#endif
 #ifndef FERRY_SOURCE_DIR
 #define FERRY_SOURCE_DIR ""
 #endif
@@ -502,7 +500,7 @@ int run_tune_rank(Options const& options) {
 
   // 6. merge into the table: other keys untouched, buckets with the same bound replaced
   entry.provenance = tuning::Provenance{
-      std::string("ferry tune ") + FERRY_VERSION, FERRY_GIT_COMMIT, iso_date(), device, rounds, tolerance};
+      std::string("ferry tune ") + FERRY_VERSION, git_commit(), iso_date(), device, rounds, tolerance};
   tuning::Table table;
   table.source = path;
   if (std::filesystem::exists(path)) table = tuning::read_table_file(path);
