@@ -91,6 +91,10 @@ CASES = {
     "w3_rank_int32_empty_rank": (ref.Config(128, 6, 2, 8), [4, 0, 6], 0.0, np.int32, False, "rank"),
     "w3_expert_masked": (ref.Config(64, 9, 4, 12, expert_capacity=40), [12, 3, 9], 0.4, np.int64, True, "expert"),
     "w2_rank_after_expand": (ref.Config(32, 4, 4, 9, expert_capacity=20), [9, 8], 0.1, np.int32, True, "rank"),
+    # world 8 (EP8's rank count): one local expert on four ranks' worth of peers, an empty rank, a full one
+    "w8_expert_masked": (ref.Config(64, 16, 4, 10, expert_capacity=48), [10, 3, 0, 7, 10, 1, 9, 4], 0.15, np.int64,
+                         True, "expert"),
+    "w8_rank": (ref.Config(32, 8, 3, 6), [6, 6, 2, 5, 0, 6, 1, 3], 0.0, np.int32, False, "rank"),
 }
 
 
