@@ -7,8 +7,9 @@
 // Each case draws fresh inputs every iteration (seed printed), poisons every output first, runs dispatch, the
 // expert-major combine and the rank-major combine back to back on every rank, checks every rank's error block and
 // compares every rank's outputs with the reference bit for bit (tests/support/ll_check.hpp): bf16 at worlds 2, 4 and
-// 8 over a table of shapes, fp8, nvfp4 and mxfp4 with quantized delivery, and the hook path (every send half, then
-// every receive half). Needs one GPU; skips without one, and skips a world the GPU cannot hold one CTA per rank of.
+// 8 over a table of shapes, fp8, nvfp4 and mxfp4 with quantized delivery, the hook path (every send half, then every
+// receive half), and, with one rank absent from a dispatch or a combine, that every other rank's wait ends in a
+// timeout naming it. Needs one GPU; skips without one, and skips a world the GPU cannot hold one CTA per rank of.
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
@@ -35,8 +36,7 @@ namespace {
 using cuda_ll::Half;
 using cuda_ll::LlBuffers;
 
-struct Spec : CaseShape {
-  int world = 2;     // world=: virtual ranks
+struct Spec : VirtualSpec {
   int capacity = 0;  // capacity=: expert_capacity (0: ll's default, world * max_tokens)
   WireFormat dispatch_format = WireFormat::bf16;
   WireFormat combine_format = WireFormat::bf16;
@@ -48,8 +48,7 @@ struct Spec : CaseShape {
 Spec parse_spec(std::vector<std::string> const& words) {
   CaseArgs const args(words);
   Spec s;
-  s.read(args);
-  s.world = args.integer("world", s.world);
+  s.read_virtual(args);
   s.capacity = args.integer("capacity", s.capacity);
   s.dispatch_format = parse_wire_format(args.text("dispatch", "bf16"));
   s.combine_format = parse_wire_format(args.text("combine", "bf16"));
@@ -95,16 +94,19 @@ void run_virtual(Spec const& spec, int num_ctas) {
   std::fflush(stdout);
 
   cuda_ll::LlLayout const layout = cuda_ll::make_ll_layout(config, world);
-  VirtualLlRanks ranks(world, layout.total, [&](LlBuffers& b, int r) {
-    b.config = config;
-    b.world = world;
-    b.rank = r;
-    b.num_local_experts = config.num_local_experts(world);
-    b.expert_slots = config.expert_slots();
-    b.num_ctas = num_ctas;
-    b.own_direct = spec.own_direct;
-    b.layout = layout;
-  });
+  VirtualLlRanks ranks(
+      world, layout.total,
+      [&](LlBuffers& b, int r) {
+        b.config = config;
+        b.world = world;
+        b.rank = r;
+        b.num_local_experts = config.num_local_experts(world);
+        b.expert_slots = config.expert_slots();
+        b.num_ctas = num_ctas;
+        b.own_direct = spec.own_direct;
+        b.layout = layout;
+      },
+      spec.timeout_s());
   std::vector<VirtualRankIo> io;
   io.reserve(world);
   for (int r = 0; r < world; ++r) io.emplace_back(config, world, tokens[r]);
@@ -135,6 +137,21 @@ void run_virtual(Spec const& spec, int num_ctas) {
       poison_ll_dispatch(config, world, cuda_ll::ll_dispatch_result(ranks[r]), ranks[r].recv_slot);
     }
     CK(cudaDeviceSynchronize());
+    if (spec.absent >= 0) {
+      // rank `absent` skips the dispatch, or (every rank dispatched) the expert-major combine: every other rank's leg
+      // must end in a timeout that names it
+      launch_leg(ranks, spec.hook, [&](int r, Half half) {
+        if (spec.launches_dispatch(r)) cuda_ll::launch_ll_dispatch(ranks[r], dargs[r], half, ranks.stream(r));
+      });
+      if (spec.absent_leg == "combine") {
+        ASSERT_TRUE(ranks.synchronize(dropped).empty());
+        launch_leg(ranks, spec.hook, [&](int r, Half half) {
+          if (spec.launches_combine(r)) cuda_ll::launch_ll_combine(ranks[r], em[r], tokens[r], half, ranks.stream(r));
+        });
+      }
+      expect_absent_rank_named(ranks, spec.absent);
+      return;
+    }
 
     // 3. dispatch, expert-major combine, rank-major combine: each leg on every rank side by side, the legs back to
     //    back on each rank's stream (as a captured graph runs them)
@@ -230,6 +247,21 @@ TEST(LowLatencyVirtualRanks, Fp4QuantizedDelivery) {
                      "hidden=2080", "topk=6", "experts=64", "mask=0.2", "iters=2"});
     // nvfp4 combine of rows wider than a CTA's warps have 1024-element chunks (17): a warp takes two chunks
     table.push_back({w, "combine=nvfp4", "tokens=40,24", "hidden=16512", "topk=4", "experts=64", "iters=2"});
+  }
+  run_rows(table);
+}
+
+// A rank that skips a call (stuck, crashed, or a caller's bug): every other rank's dispatch or combine (whole, or its
+// receive half on the hook path) ends within its bound (1 s here) in a timeout naming that rank, at worlds 2, 4, 8.
+TEST(LowLatencyVirtualRanks, AbsentRankIsNamedByEveryOther) {
+  std::vector<std::vector<std::string>> table;
+  for (int world : {2, 4, 8}) {
+    std::string const w = "world=" + std::to_string(world);
+    std::string const last = "absent=" + std::to_string(world - 1), middle = "absent=" + std::to_string(world / 2);
+    table.push_back({w, last, "tokens=128", "hidden=7168", "topk=8", "experts=256", "capacity=80", "iters=1"});
+    table.push_back({w, middle, "hook=1", "tokens=64,0", "hidden=2048", "topk=8", "experts=64", "iters=1"});
+    table.push_back({w, middle, "absent_leg=combine", "dispatch=fp8", "combine=fp8", "tokens=96,5", "hidden=2048",
+                     "topk=6", "experts=64", "iters=1"});
   }
   run_rows(table);
 }

@@ -9,8 +9,9 @@
 // Each case draws fresh inputs every iteration (seed printed), poisons every output first, runs dispatch (and expand),
 // the rank-major combine and the expert-major combine back to back on every rank, checks every rank's error block and
 // compares every rank's outputs with the reference bit for bit (tests/support/normal_check.hpp): bf16 dispatch over
-// both protocols, combine in bf16, fp8, nvfp4 and mxfp4, at worlds 2, 4 and 8. Needs one GPU; skips without one, and
-// skips a world the GPU cannot hold one CTA per rank of.
+// both protocols, combine in bf16, fp8, nvfp4 and mxfp4, at worlds 2, 4 and 8; and, with one rank absent from a
+// dispatch or a combine, that every other rank's wait ends in a timeout naming it. Needs one GPU; skips without one,
+// and skips a world the GPU cannot hold one CTA per rank of.
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
@@ -39,8 +40,7 @@ namespace {
 
 using cuda_ep::Buffers;
 
-struct Spec : CaseShape {
-  int world = 2;                  // world=: virtual ranks
+struct Spec : VirtualSpec {
   std::string protocol = "auto";  // protocol=landing|counts|auto: the dispatch's (FERRY_NORMAL_LANDING's values)
   bool expand = false;            // expand=1: the dispatch lays the rows out expert-major
   int capacity = 0;               // capacity=: expert_capacity (0: recv_capacity, every entry gets a slot)
@@ -50,8 +50,7 @@ struct Spec : CaseShape {
 Spec parse_spec(std::vector<std::string> const& words) {
   CaseArgs const args(words);
   Spec s;
-  s.read(args);
-  s.world = args.integer("world", s.world);
+  s.read_virtual(args);
   s.protocol = args.text("protocol", s.protocol);
   s.expand = args.flag("expand", s.expand);
   s.capacity = args.integer("capacity", s.capacity);
@@ -81,19 +80,22 @@ void run_virtual(Spec const& spec, int num_ctas) {
                                                                       : spec.protocol == "counts" ? "off"
                                                                                                   : "auto");
   cuda_ep::SymLayout const layout = cuda_ep::make_sym_layout(config, world, landing.use);
-  VirtualNormalRanks ranks(world, layout.total, [&](Buffers& b, int r) {
-    b.config = config;
-    b.world = world;
-    b.rank = r;
-    b.num_local_experts = config.num_local_experts(world);
-    b.recv_capacity = config.recv_capacity(world);
-    b.expert_slots = config.expert_slots();
-    b.num_sms = num_ctas;
-    b.landing = landing.use;
-    b.landing_why = landing.why;
-    b.land_ctas = std::min(num_ctas, cuda_ep::kMaxLandCtas);
-    b.layout = layout;
-  });
+  VirtualNormalRanks ranks(
+      world, layout.total,
+      [&](Buffers& b, int r) {
+        b.config = config;
+        b.world = world;
+        b.rank = r;
+        b.num_local_experts = config.num_local_experts(world);
+        b.recv_capacity = config.recv_capacity(world);
+        b.expert_slots = config.expert_slots();
+        b.num_sms = num_ctas;
+        b.landing = landing.use;
+        b.landing_why = landing.why;
+        b.land_ctas = std::min(num_ctas, cuda_ep::kMaxLandCtas);
+        b.layout = layout;
+      },
+      spec.timeout_s());
   std::printf(
       "world %d x %d SMs: seed %llu routing %s hidden %d topk %d experts %d slots %d dispatch protocol %s expand %d "
       "combine %s\n",
@@ -130,6 +132,22 @@ void run_virtual(Spec const& spec, int num_ctas) {
       poison_normal_dispatch(config, world, cuda_ep::dispatch_result(ranks[r], spec.expand));
     }
     CK(cudaDeviceSynchronize());
+    if (spec.absent >= 0) {
+      // rank `absent` skips the dispatch, or (every rank dispatched) the rank-major combine: every other rank's leg
+      // must end in a timeout that names it
+      for (int r = 0; r < world; ++r)
+        if (spec.launches_dispatch(r))
+          cuda_ep::launch_dispatch(ranks[r], dargs[r], cuda_ep::plan_dispatch(ranks[r], tokens[r]), ranks.stream(r));
+      if (spec.absent_leg == "combine") {
+        ASSERT_TRUE(ranks.synchronize(std::vector<int>(world, 0)).empty());
+        for (int r = 0; r < world; ++r)
+          if (spec.launches_combine(r))
+            cuda_ep::launch_combine(ranks[r], rm[r], cuda_ep::plan_combine(ranks[r], tokens[r]), tokens[r],
+                                    ranks.stream(r));
+      }
+      expect_absent_rank_named(ranks, spec.absent);
+      return;
+    }
 
     // 3. dispatch (+ expand), rank-major combine, expert-major combine (its slots computed first when the dispatch did
     //    not expand, as CudaEp does): each leg launched on every rank before the next leg, the legs back to back on
@@ -202,6 +220,22 @@ TEST(NormalModeVirtualRanks, World4) {
 
 TEST(NormalModeVirtualRanks, World8) {
   run_rows(rows_of_world(8));
+}
+
+// A rank that skips a call (stuck, crashed, or a caller's bug): every other rank's dispatch or combine ends within
+// its bound (1 s here) in a timeout naming that rank, under both dispatch protocols, at worlds 2, 4 and 8.
+TEST(NormalModeVirtualRanks, AbsentRankIsNamedByEveryOther) {
+  std::vector<std::vector<std::string>> table;
+  for (int world : {2, 4, 8}) {
+    std::string const w = "world=" + std::to_string(world);
+    std::string const last = "absent=" + std::to_string(world - 1), middle = "absent=" + std::to_string(world / 2);
+    table.push_back(
+        {w, last, "protocol=landing", "tokens=128", "hidden=7168", "topk=8", "experts=256", "capacity=64", "iters=1"});
+    table.push_back({w, middle, "protocol=counts", "tokens=64,0", "hidden=2048", "topk=8", "experts=64", "iters=1"});
+    table.push_back(
+        {w, middle, "absent_leg=combine", "tokens=300,17", "hidden=2048", "topk=6", "experts=64", "iters=1"});
+  }
+  run_rows(table);
 }
 
 }  // namespace

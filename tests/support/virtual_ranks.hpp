@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -24,6 +25,7 @@
 #include "ep/routing.hpp"
 #include "ferry/device_view.hpp"
 #include "ferry/ep.hpp"
+#include "ferry/error.hpp"
 #include "support/gpu_case.hpp"
 #include "support/ll_check.hpp"
 
@@ -33,6 +35,32 @@ namespace ferry::test {
 inline constexpr double kVirtualTimeoutS = 10.0;
 // Elements behind each y that must stay poisoned.
 inline constexpr std::size_t kVirtualGuardElems = 2048;
+
+// Bound of every device wait in the absent-rank cases: short, so each case waits about this long.
+inline constexpr double kAbsentTimeoutS = 1.0;
+
+// What a virtual-rank case row holds besides its shape: world= (the virtual ranks), absent=k (rank k skips one call:
+// the others must time out naming it) and absent_leg=dispatch|combine (the call it skips).
+struct VirtualSpec : CaseShape {
+  int world = 2;
+  int absent = -1;
+  std::string absent_leg = "dispatch";
+
+  void read_virtual(CaseArgs const& args) {
+    read(args);
+    world = args.integer("world", world);
+    absent = args.integer("absent", absent);
+    absent_leg = args.text("absent_leg", absent_leg);
+    FERRY_CHECK(absent < world, "absent=", absent, " is not a rank of world ", world);
+    FERRY_CHECK(absent_leg == "dispatch" || absent_leg == "combine", "absent_leg=", absent_leg,
+                ": use dispatch or combine");
+  }
+  // the bound of the ranks' device waits: short when one rank is meant to be absent
+  double timeout_s() const { return absent >= 0 ? kAbsentTimeoutS : kVirtualTimeoutS; }
+  // whether rank r launches the dispatch, and then the combine, of an absent-rank case
+  bool launches_dispatch(int r) const { return r != absent || absent_leg != "dispatch"; }
+  bool launches_combine(int r) const { return r != absent; }
+};
 
 // CTAs per rank such that the grids of `world` ranks are co-resident on the current GPU (a persistent CTA takes a
 // whole SM), at most max_ctas. 0 when the GPU has fewer SMs than ranks.
@@ -46,8 +74,9 @@ inline int virtual_ctas_per_rank(int world, int max_ctas) {
 
 class VirtualWorld {
  public:
-  VirtualWorld(int world, std::size_t region_bytes)
-      : regions_(world, nullptr), errors_(world, nullptr), streams_(world, nullptr) {
+  // timeout_s: the bound of every device wait of these ranks (the kernels' DeviceView::timeout_ns)
+  VirtualWorld(int world, std::size_t region_bytes, double timeout_s = kVirtualTimeoutS)
+      : timeout_s_(timeout_s), regions_(world, nullptr), errors_(world, nullptr), streams_(world, nullptr) {
     try {
       for (int r = 0; r < world; ++r) {
         CK(cudaMalloc(&regions_[r], region_bytes));
@@ -67,6 +96,7 @@ class VirtualWorld {
   VirtualWorld& operator=(VirtualWorld const&) = delete;
 
   int world() const { return static_cast<int>(regions_.size()); }
+  double timeout_s() const { return timeout_s_; }
   cudaStream_t stream(int r) const { return streams_[r]; }
   // Every rank's symmetric region, as a communicator's SymmetricView gives it.
   SymmetricView sym(std::size_t bytes) const {
@@ -80,7 +110,7 @@ class VirtualWorld {
     DeviceView v{};
     v.rank = r;
     v.world = world();
-    v.timeout_ns = static_cast<uint64_t>(kVirtualTimeoutS * 1e9);
+    v.timeout_ns = static_cast<uint64_t>(timeout_s_ * 1e9);
     CK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&v.error), errors_[r], 0));
     return v;
   }
@@ -89,21 +119,30 @@ class VirtualWorld {
   // timeout, no bad id and exactly overflow[r] entries dropped past expert_capacity (the reference's dropped_slots),
   // else what each rank recorded (a timeout names the rank, the peer it waited for and the phase).
   std::string synchronize(std::vector<int> const& overflow) const {
-    for (cudaStream_t stream : streams_) CK(cudaStreamSynchronize(stream));
+    std::vector<DeviceErrorBlock> const blocks = take_errors();
     std::string out;
     for (int r = 0; r < world(); ++r) {
-      DeviceErrorBlock block;
-      std::memcpy(&block, errors_[r], sizeof(block));
-      std::memset(errors_[r], 0, sizeof(DeviceErrorBlock));
+      DeviceErrorBlock const& block = blocks[r];
       if (block.status != 0)
         out += "rank " + std::to_string(r) + ": status " + std::to_string(block.status) + ": " +
-               detail::describe_device_error(block, kVirtualTimeoutS) + "\n";
+               detail::describe_device_error(block, timeout_s_) + "\n";
       if (block.input_errors != 0 || block.overflow_rows != static_cast<uint32_t>(overflow[r]))
         out += "rank " + std::to_string(r) + ": input_errors " + std::to_string(block.input_errors) +
                " (first bad value " + std::to_string(block.first_bad_value) + "), overflow_rows " +
                std::to_string(block.overflow_rows) + " (the reference drops " + std::to_string(overflow[r]) + ")\n";
     }
     return out;
+  }
+
+  // Waits for every rank's stream, then reads and clears every rank's error block.
+  std::vector<DeviceErrorBlock> take_errors() const {
+    for (cudaStream_t stream : streams_) CK(cudaStreamSynchronize(stream));
+    std::vector<DeviceErrorBlock> blocks(world());
+    for (int r = 0; r < world(); ++r) {
+      std::memcpy(&blocks[r], errors_[r], sizeof(DeviceErrorBlock));
+      std::memset(errors_[r], 0, sizeof(DeviceErrorBlock));
+    }
+    return blocks;
   }
 
  private:
@@ -117,6 +156,7 @@ class VirtualWorld {
       if (stream) cudaStreamDestroy(stream);
   }
 
+  double timeout_s_;
   std::vector<void*> regions_;
   std::vector<DeviceErrorBlock*> errors_;  // host addresses (the kernels get the mapped device addresses)
   std::vector<cudaStream_t> streams_;
@@ -125,13 +165,14 @@ class VirtualWorld {
 // `world` ranks of one EpBuffer's mode on the current GPU: each rank's local buffers (Buffers: cuda_ep::Buffers or
 // cuda_ll::LlBuffers, allocated by kAllocate, freed by kFree) on a VirtualWorld of region_bytes a rank. setup(b, r)
 // sets rank r's own fields (config, shape, grid, layout); the rank's DeviceView and symmetric regions come from the
-// VirtualWorld, and its grids launch non-cooperatively (side by side: co-resident by their size, not by the runtime's
-// promise).
+// VirtualWorld (device waits bounded by timeout_s), and its grids launch non-cooperatively (side by side: co-resident
+// by their size, not by the runtime's promise).
 template <typename Buffers, void (*kAllocate)(Buffers&), void (*kFree)(Buffers&) noexcept>
 class VirtualRanks {
  public:
   template <typename Setup>
-  VirtualRanks(int world, std::size_t region_bytes, Setup const& setup) : world_(world, region_bytes), ranks_(world) {
+  VirtualRanks(int world, std::size_t region_bytes, Setup const& setup, double timeout_s = kVirtualTimeoutS)
+      : world_(world, region_bytes, timeout_s), ranks_(world) {
     try {
       for (int r = 0; r < world; ++r) {
         Buffers& b = ranks_[r];
@@ -155,6 +196,8 @@ class VirtualRanks {
   Buffers const& operator[](int r) const { return ranks_[r]; }
   cudaStream_t stream(int r) const { return world_.stream(r); }
   std::string synchronize(std::vector<int> const& overflow) const { return world_.synchronize(overflow); }
+  std::vector<DeviceErrorBlock> take_errors() const { return world_.take_errors(); }
+  double timeout_s() const { return world_.timeout_s(); }
 
  private:
   void release() noexcept {
@@ -186,6 +229,32 @@ struct VirtualRankIo {
 template <typename T>
 void upload(DeviceBuffer const& dst, std::vector<T> const& src) {
   if (!src.empty()) CK(cudaMemcpy(dst.ptr, src.data(), src.size() * sizeof(T), cudaMemcpyHostToDevice));
+}
+
+// The end of a leg that every rank but `absent` launched (`absent` stuck, crashed or skipped the call): waits for the
+// ranks, then expects each of them to have recorded a timeout naming `absent` as the rank that did not arrive, within
+// a few bounds (a wait that did not end, or a rank that named another, fails the calling test), and `absent` nothing.
+template <typename Ranks>
+void expect_absent_rank_named(Ranks const& ranks, int absent) {
+  auto const start = std::chrono::steady_clock::now();
+  std::vector<DeviceErrorBlock> const blocks = ranks.take_errors();
+  double const waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(waited, 10 * ranks.timeout_s()) << "the waits of the other ranks did not end within their bound";
+  for (int r = 0; r < ranks.world(); ++r) {
+    DeviceErrorBlock const& block = blocks[r];
+    std::string const said = detail::describe_device_error(block, ranks.timeout_s());
+    if (r == absent) {
+      EXPECT_EQ(block.status, 0u) << "rank " << r << " launched nothing, yet recorded: " << said;
+      continue;
+    }
+    EXPECT_NE(block.status, 0u) << "rank " << r << " recorded no timeout without rank " << absent;
+    EXPECT_EQ(block.rank, r) << said;
+    EXPECT_EQ(block.peer, absent) << "rank " << r << " named another rank: " << said;
+    EXPECT_NE(said.find("waiting for rank " + std::to_string(absent)), std::string::npos) << said;
+  }
+  std::printf("rank %d absent: the %d others timed out naming it in %.2f s (bound %.1f s); rank 0 said: %s\n", absent,
+              ranks.world() - 1, waited, ranks.timeout_s(),
+              detail::describe_device_error(blocks[absent == 0 ? 1 : 0], ranks.timeout_s()).c_str());
 }
 
 // One iteration of a virtual-rank case: every rank's inputs (fresh, from `routing`), the reference dispatch of each,
