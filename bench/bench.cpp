@@ -125,6 +125,15 @@ Backend choose_backend(Options const& options, bool print_notice) {
 // (one error line, not one per rank) and again by each rank. --trace records in-kernel traces: only builds with them
 // compiled in, only the cuda kernels.
 void check_run_options(Options const& options, Backend backend) {
+  FERRY_CHECK_CONFIG(options.integer("iters") >= 1, "--iters=", options.integer("iters"), " must be at least 1");
+  FERRY_CHECK_CONFIG(options.integer("warmup") >= 0, "--warmup=", options.integer("warmup"), " must be 0 or more");
+  FERRY_CHECK_CONFIG(options.integer("graph-calls") >= 1, "--graph-calls=", options.integer("graph-calls"),
+                     " must be at least 1");
+  FERRY_CHECK_CONFIG(options.integer("expert-capacity") >= 0, "--expert-capacity=", options.integer("expert-capacity"),
+                     " must be 0 (the largest load of the routing) or more");
+  for (char const* name : {"dispatch-blocks", "combine-blocks"})
+    FERRY_CHECK_CONFIG(options.integer(name) >= 0, "--", name, "=", options.integer(name),
+                       " must be 0 (the tables' or the default grid) or more");
   FERRY_CHECK_CONFIG(!options.flag("graph") || backend == Backend::cuda, "--graph needs the cuda backend");
   std::string const baseline = options.str("baseline");
   FERRY_CHECK_CONFIG(baseline.empty() || baseline == "nccl", "--baseline=", baseline, " is unknown; use nccl");
@@ -137,11 +146,6 @@ void check_run_options(Options const& options, Backend backend) {
                      "--trace needs in-kernel tracing, which this build does not have; rebuild "
                      "with -DFERRY_TRACE=ON (cmake -S . -B build -DFERRY_TRACE=ON)");
   FERRY_CHECK_CONFIG(backend == Backend::cuda, "--trace records the cuda kernels; use --backend cuda");
-}
-
-int choose_nproc(Options const& options, Backend backend) {
-  if (options.integer("nproc") > 0) return options.integer("nproc");
-  return backend == Backend::cuda ? cuda_device_count() : kCpuDefaultRanks;
 }
 
 std::vector<RoutingKind> routing_kinds(Options const& options) {
@@ -845,7 +849,7 @@ int bench_main(int argc, char** argv) {
   // Launching process: refuse a shape that cannot run before starting anything (one line, exit 2 from main).
   Backend const backend = choose_backend(options, false);
   check_run_options(options, backend);
-  int const nproc = choose_nproc(options, backend);
+  int const nproc = choose_nproc(options.integer("nproc"), backend, kCpuDefaultRanks);
   FERRY_CHECK_CONFIG(nproc >= 1, "no ranks to run: --backend cuda found no GPU; use --backend cpu");
   for (RoutingKind kind : routing_kinds(options))
     for (int tokens : options.int_list("tokens"))

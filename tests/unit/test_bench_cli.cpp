@@ -1,6 +1,7 @@
 // `ferry bench` on the cpu backend (bench/bench.cpp): every mode, routing and wire format at several world sizes,
-// every leg checked against the reference, the --json result file, and bad use refused by the launching process
-// before any rank starts. The cuda legs and the NCCL baseline run in scripts/device-check.sh.
+// every leg checked against the reference, the --json result file, and bad use of `ferry bench` and `ferry tune`
+// refused by the launching process before any rank starts. The cuda legs and the NCCL baseline run in
+// scripts/device-check.sh; `ferry tune`'s sweep in test_tuning.cpp.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -10,6 +11,12 @@
 namespace ferry::test {
 namespace {
 
+// These tests start ferry as the launching process (it starts its own ranks), whatever this process's RANK.
+class BenchCli : public testing::Test {
+  ScopedEnv rank_{"RANK", std::nullopt};
+};
+using TuneOptions = BenchCli;
+
 int count(std::string const& text, std::string const& part) {
   int n = 0;
   for (std::size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + part.size())) ++n;
@@ -18,7 +25,7 @@ int count(std::string const& text, std::string const& part) {
 
 // Both modes, two routings, two token counts and two format pairs: 2 legs each, every one checked (exact for bf16,
 // the codec's tolerance otherwise). --seed 0: a fresh seed each run, printed in the first line of the output.
-TEST(BenchCli, EveryLegPassesTheCheckAtWorlds2And8) {
+TEST_F(BenchCli, EveryLegPassesTheCheckAtWorlds2And8) {
   for (int world : {2, 8}) {
     TempDir const dir;
     std::string const json = dir.file("bench.json");
@@ -43,7 +50,7 @@ TEST(BenchCli, EveryLegPassesTheCheckAtWorlds2And8) {
 }
 
 // The expert-major combine input of normal mode, a hot expert and the fp4 formats, at world 4 (the cpu default).
-TEST(BenchCli, ExpertMajorLayoutHotRoutingAndFp4FormatsPass) {
+TEST_F(BenchCli, ExpertMajorLayoutHotRoutingAndFp4FormatsPass) {
   CliRun const run = run_ferry(
       "bench --backend cpu --tokens 48 --hidden 512 --layout expert --routing hot,ring --mask-rate 0.1"
       " --dispatch nvfp4,mxfp4 --combine nvfp4,mxfp4 --check --iters 1 --warmup 0 --seed 0");
@@ -54,26 +61,55 @@ TEST(BenchCli, ExpertMajorLayoutHotRoutingAndFp4FormatsPass) {
   EXPECT_EQ(count(run.output, "FAIL"), 0) << run.output;
 }
 
+struct Refusal {
+  char const* args;
+  char const* says;
+};
+
 // A run that cannot go is refused once, by the launching process (exit 2, one line naming the option), not once per
 // rank after the ranks started.
-TEST(BenchCli, BadUseIsRefusedOnceBeforeAnyRankStarts) {
-  struct Case {
-    char const* args;
-    char const* says;
-  };
-  for (Case const& c : {
-           Case{"bench --backend cpu --nproc 8 --baseline nccl", "--baseline nccl needs the cuda backend"},
-           Case{"bench --backend cpu --baseline mpi", "--baseline=mpi is unknown; use nccl"},
-           Case{"bench --backend cpu --graph", "--graph needs the cuda backend"},
-           Case{"bench --backend cpu --layout column", "--layout=column is unknown; use rank or expert"},
-           Case{"bench --backend cpu --nproc 3", "256"},
-           Case{"bench --backend cpu --dispatch int8", "int8"},
-           Case{"bench --backend cpu --mode fast", "fast"},
+void expect_refused_once(Refusal const& c) {
+  CliRun const run = run_ferry(c.args);
+  EXPECT_EQ(run.code, 2) << c.args << "\n" << run.output;
+  EXPECT_EQ(count(run.output, c.says), 1) << c.args << ": '" << c.says << "' not once in:\n" << run.output;
+  EXPECT_FALSE(contains(run.output, "rank 0")) << c.args << ": a rank started:\n" << run.output;
+}
+
+TEST_F(BenchCli, BadUseIsRefusedOnceBeforeAnyRankStarts) {
+  for (Refusal const& c : {
+           Refusal{"bench --backend cpu --nproc 8 --baseline nccl", "--baseline nccl needs the cuda backend"},
+           Refusal{"bench --backend cpu --baseline mpi", "--baseline=mpi is unknown; use nccl"},
+           Refusal{"bench --backend cpu --graph", "--graph needs the cuda backend"},
+           Refusal{"bench --backend cpu --layout column", "--layout=column is unknown; use rank or expert"},
+           Refusal{"bench --backend cpu --nproc 3", "256"},
+           Refusal{"bench --backend cpu --nproc -2", "--nproc=-2 must be 0"},
+           Refusal{"bench --backend cpu --dispatch int8", "int8"},
+           Refusal{"bench --backend cpu --mode fast", "fast"},
+           Refusal{"bench --backend cpu --iters 0", "--iters=0 must be at least 1"},
+           Refusal{"bench --backend cpu --warmup -1", "--warmup=-1 must be 0 or more"},
+           Refusal{"bench --backend cpu --graph-calls 0", "--graph-calls=0 must be at least 1"},
+           Refusal{"bench --backend cpu --layout expert --expert-capacity -3", "--expert-capacity=-3"},
+           Refusal{"bench --backend cpu --dispatch-blocks -1", "--dispatch-blocks=-1"},
+       })
+    expect_refused_once(c);
+}
+
+TEST_F(TuneOptions, BadUseIsRefusedOnceBeforeAnyRankStarts) {
+  TempDir const dir;  // a table the cpu backend may name (none is written)
+  std::string const table = " --table " + dir.file("t.json");
+  for (Refusal const& c : {
+           Refusal{"--nproc 4 --graph on", "--graph on needs the cuda backend"},
+           Refusal{"--graph maybe", "--graph=maybe is unknown"},
+           Refusal{"--tolerance -1", "--tolerance=-1 must be in [0, 1)"},
+           Refusal{"--verify-tolerance -0.5", "--verify-tolerance=-0.5 must be 0 or more"},
+           Refusal{"--rounds 0", "--rounds and --iters must be at least 1"},
+           Refusal{"--graph-calls 0", "--graph-calls=0 must be at least 1"},
+           Refusal{"--blocks 0,4", "--blocks=0,4 must list positive values"},
+           Refusal{"--warps 16,16", "--warps=16,16 repeats a value"},
+           Refusal{"--nproc -1", "--nproc=-1 must be 0"},
        }) {
-    CliRun const run = run_ferry(c.args);
-    EXPECT_EQ(run.code, 2) << c.args << "\n" << run.output;
-    EXPECT_EQ(count(run.output, c.says), 1) << c.args << ": '" << c.says << "' not once in:\n" << run.output;
-    EXPECT_FALSE(contains(run.output, "rank 0")) << c.args << ": a rank started:\n" << run.output;
+    std::string const args = std::string("tune --backend cpu ") + c.args + table;
+    expect_refused_once({args.c_str(), c.says});
   }
 }
 

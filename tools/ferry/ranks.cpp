@@ -6,8 +6,16 @@
 
 #include "core/launcher.hpp"
 #include "ferry/env.hpp"
+#include "ferry/error.hpp"
 
 namespace ferry::cli {
+
+int choose_nproc(int nproc_option, Backend backend, int cpu_default) {
+  FERRY_CHECK_CONFIG(nproc_option >= 0, "--nproc=", nproc_option,
+                     " must be 0 (one rank per GPU, or the cpu backend's default) or more");
+  if (nproc_option > 0) return nproc_option;
+  return backend == Backend::cuda ? cuda_device_count() : cpu_default;
+}
 
 bool is_rank_process() {
   char const* rank = std::getenv("RANK");

@@ -6,7 +6,13 @@
 #include <functional>
 #include <string>
 
+#include "ferry/communicator.hpp"
+
 namespace ferry::cli {
+
+// The ranks a subcommand starts for --nproc: the value when positive; 0: one per GPU on the cuda backend,
+// cpu_default on the cpu backend. A negative value is a ConfigError naming it.
+int choose_nproc(int nproc_option, Backend backend, int cpu_default);
 
 // True when this process is one rank of a launched job (RANK is set).
 bool is_rank_process();

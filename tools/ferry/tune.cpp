@@ -103,11 +103,6 @@ Backend choose_backend(Options const& options) {
   return backend;
 }
 
-int choose_nproc(Options const& options, Backend backend) {
-  if (options.integer("nproc") > 0) return options.integer("nproc");
-  return backend == Backend::cuda ? cuda_device_count() : kCpuDefaultRanks;
-}
-
 std::vector<std::string> split(std::string const& text) {
   std::vector<std::string> out;
   std::stringstream stream(text);
@@ -214,6 +209,55 @@ struct Sweep {
   std::vector<Scores> scores;  // per bucket
 };
 
+// What the run's options resolve to on this machine. read_settings checks every option that needs no communicator
+// (the launching process calls it before any rank starts, so a bad option is one error line, not one per rank; each
+// rank calls it again).
+struct Settings {
+  bool graph = false;
+  int rounds = 0, warmup = 0, iters = 0, graph_calls = 0;
+  double tolerance = 0;
+  int sms = kCpuNominalSms;  // the GPU's (cuda), nominal on cpu
+  int kernel_warps = kCpuNominalWarps;
+  std::vector<int> blocks, warps;  // the candidates
+};
+
+Settings read_settings(Options const& options, Backend backend, int device) {
+  Settings s;
+  std::string const graph_option = options.str("graph");
+  FERRY_CHECK_CONFIG(graph_option == "auto" || graph_option == "on" || graph_option == "off", "--graph=", graph_option,
+                     " is unknown; use auto, on or off");
+  s.graph = graph_option == "on" || (graph_option == "auto" && backend == Backend::cuda);
+  FERRY_CHECK_CONFIG(!s.graph || backend == Backend::cuda, "--graph on needs the cuda backend");
+  s.rounds = options.integer("rounds");
+  s.warmup = options.integer("warmup");
+  s.iters = options.integer("iters");
+  s.graph_calls = options.integer("graph-calls");
+  s.tolerance = options.number("tolerance");
+  FERRY_CHECK_CONFIG(s.rounds >= 1 && s.iters >= 1 && s.warmup >= 0,
+                     "--rounds and --iters must be at least 1, --warmup 0");
+  FERRY_CHECK_CONFIG(s.graph_calls >= 1, "--graph-calls=", s.graph_calls, " must be at least 1");
+  FERRY_CHECK_CONFIG(s.tolerance >= 0 && s.tolerance < 1, "--tolerance=", s.tolerance, " must be in [0, 1)");
+  double const verify_tolerance = options.number("verify-tolerance");
+  FERRY_CHECK_CONFIG(verify_tolerance >= 0, "--verify-tolerance=", verify_tolerance, " must be 0 or more");
+#if FERRY_HAVE_CUDA
+  if (backend == Backend::cuda) {
+    cudaDeviceGetAttribute(&s.sms, cudaDevAttrMultiProcessorCount, device);
+    s.kernel_warps = normal_mode_kernel_warps();
+  }
+#else
+  (void)device;
+#endif
+  s.blocks = options.str("blocks").empty() ? default_blocks(s.sms) : sorted_list(options, "blocks");
+  s.warps = options.str("warps").empty() ? std::vector<int>{s.kernel_warps} : sorted_list(options, "warps");
+  for (int w : s.warps)
+    FERRY_CHECK_CONFIG(backend == Backend::cpu || w == s.kernel_warps, "--warps lists ", w,
+                       ": the normal-mode kernels run ", s.kernel_warps, " warps per CTA only");
+  for (int b : s.blocks)
+    FERRY_CHECK_CONFIG(backend == Backend::cpu || b <= s.sms, "--blocks lists ", b, ", more than the ", s.sms,
+                       " SMs (the grids are persistent: at most one CTA per SM)");
+  return s;
+}
+
 int run_tune_rank(Options const& options) {
   Backend const backend = choose_backend(options);
   auto comm = std::shared_ptr<Communicator>(
@@ -222,39 +266,20 @@ int run_tune_rank(Options const& options) {
   int const world = comm->world();
   int const rank = comm->rank();
   bool const verify = options.flag("verify");
-  std::string const graph_option = options.str("graph");
-  FERRY_CHECK_CONFIG(graph_option == "auto" || graph_option == "on" || graph_option == "off", "--graph=", graph_option,
-                     " is unknown; use auto, on or off");
-  bool const graph = graph_option == "on" || (graph_option == "auto" && backend == Backend::cuda);
-  FERRY_CHECK_CONFIG(!graph || backend == Backend::cuda, "--graph on needs the cuda backend");
-  int const rounds = options.integer("rounds");
-  int const warmup = options.integer("warmup");
-  int const iters = options.integer("iters");
-  int const graph_calls = options.integer("graph-calls");
-  double const tolerance = options.number("tolerance");
-  FERRY_CHECK_CONFIG(rounds >= 1 && iters >= 1 && warmup >= 0, "--rounds and --iters must be at least 1, --warmup 0");
-  FERRY_CHECK_CONFIG(tolerance >= 0 && tolerance < 1, "--tolerance=", tolerance, " must be in [0, 1)");
+  Settings const settings = read_settings(options, backend, comm->device());
+  bool const graph = settings.graph;
+  int const rounds = settings.rounds;
+  int const warmup = settings.warmup;
+  int const iters = settings.iters;
+  int const graph_calls = settings.graph_calls;
+  double const tolerance = settings.tolerance;
+  std::vector<int> const& blocks = settings.blocks;
+  std::vector<int> const& warps = settings.warps;
+  int const kernel_warps = settings.kernel_warps;
 
   // 1. the device, its candidates and the table
   std::string const device = bench::device_name(backend);
   std::string const gpu = backend == Backend::cuda ? tuning::canonical_gpu_name(device) : std::string("CPU");
-  int sms = kCpuNominalSms;
-  int kernel_warps = kCpuNominalWarps;
-#if FERRY_HAVE_CUDA
-  if (backend == Backend::cuda) {
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, comm->device());
-    kernel_warps = normal_mode_kernel_warps();
-  }
-#endif
-  std::vector<int> const blocks = options.str("blocks").empty() ? default_blocks(sms) : sorted_list(options, "blocks");
-  std::vector<int> const warps =
-      options.str("warps").empty() ? std::vector<int>{kernel_warps} : sorted_list(options, "warps");
-  for (int w : warps)
-    FERRY_CHECK_CONFIG(backend == Backend::cpu || w == kernel_warps, "--warps lists ", w,
-                       ": the normal-mode kernels run ", kernel_warps, " warps per CTA only");
-  for (int b : blocks)
-    FERRY_CHECK_CONFIG(backend == Backend::cpu || b <= sms, "--blocks lists ", b, ", more than the ", sms,
-                       " SMs (the grids are persistent: at most one CTA per SM)");
   std::string const path = table_path(options, gpu);
   std::vector<RoutingKind> const routings = routing_kinds(options);
 
@@ -531,11 +556,12 @@ int tune_main(int argc, char** argv) {
   if (is_rank_process()) return run_rank("tune", [&] { return run_tune_rank(options); });
   // Launching process: refuse what cannot run before starting anything.
   Backend const backend = choose_backend(options);
-  int const nproc = choose_nproc(options, backend);
+  int const nproc = choose_nproc(options.integer("nproc"), backend, kCpuDefaultRanks);
   FERRY_CHECK_CONFIG(nproc >= 1, "no ranks to run: --backend cuda found no GPU; use --backend cpu");
   FERRY_CHECK_CONFIG(backend == Backend::cuda || !options.str("table").empty(),
                      "the cpu backend needs --table FILE: its rows mean nothing for a GPU, so a cpu run never "
                      "writes into the shipped tables");
+  read_settings(options, backend, 0);
   EpConfig const config = make_config(options, nproc, sorted_list(options, "tokens").back());
   for (RoutingKind kind : routing_kinds(options))
     validate_routing(make_routing(options, kind, 1), config.num_experts, nproc, config.topk);
