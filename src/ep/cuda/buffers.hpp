@@ -91,10 +91,4 @@ LaunchPlan plan_combine(Buffers const& buffers, int num_tokens);
 void launch_combine(Buffers const& buffers, CombineArgs const& args, LaunchPlan const& plan, int num_tokens,
                     cudaStream_t stream);
 
-// Launches a persistent kernel whose CTAs wait for each other: cooperative (Buffers::cooperative), so the runtime
-// refuses a grid that cannot be co-resident instead of letting it deadlock until the timeout.
-template <typename Params>
-void launch_persistent(void (*kernel)(Params), Params const& params, int ctas, std::size_t smem, bool cooperative,
-                       cudaStream_t stream);
-
 }  // namespace ferry::cuda_ep

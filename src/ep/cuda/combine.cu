@@ -5,6 +5,7 @@
 #include "core/cuda_check.hpp"
 #include "ep/cuda/buffers.hpp"
 #include "ep/cuda/combine.cuh"
+#include "ep/cuda/launch_grid.cuh"
 #include "tuning/choose.hpp"
 
 namespace ferry::cuda_ep {
@@ -103,7 +104,7 @@ void launch_combine(Buffers const& buffers, CombineArgs const& args, LaunchPlan 
   CombineParams const p = to_params(buffers, args, plan, num_tokens);
   CombineKernel const kernel =
       pick_kernel(args.layout == CombineLayout::expert_major, buffers.config.combine_format, buffers.config.hidden);
-  launch_persistent(kernel, p, p.num_ctas, 0, buffers.cooperative, stream);
+  cuda_grid::launch_grid<kThreads>(kernel, p, p.num_ctas, 0, buffers.cooperative, stream);
 }
 
 }  // namespace ferry::cuda_ep

@@ -6,31 +6,11 @@
 #include "ep/cuda/buffers.hpp"
 #include "ep/cuda/dispatch.cuh"
 #include "ep/cuda/land_dispatch.cuh"
+#include "ep/cuda/launch_grid.cuh"
 #include "ep/landing_policy.hpp"
 #include "tuning/choose.hpp"
 
 namespace ferry::cuda_ep {
-
-template <typename Params>
-void launch_persistent(void (*kernel)(Params), Params const& params, int ctas, std::size_t smem, bool cooperative,
-                       cudaStream_t stream) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(ctas));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeCooperative;
-  attribute.val.cooperative = 1;
-  config.attrs = &attribute;
-  config.numAttrs = cooperative ? 1 : 0;
-  FERRY_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, params));
-}
-
-template void launch_persistent<DispatchParams>(void (*)(DispatchParams), DispatchParams const&, int, std::size_t, bool,
-                                                cudaStream_t);
-template void launch_persistent<CombineParams>(void (*)(CombineParams), CombineParams const&, int, std::size_t, bool,
-                                               cudaStream_t);
 
 LaunchPlan plan_dispatch(Buffers const& buffers, int num_tokens) {
   if (buffers.landing) {
@@ -146,7 +126,7 @@ void launch_kernel(DispatchParams const& p, std::size_t smem, bool cooperative, 
     return true;
   }();
   (void)configured;
-  launch_persistent(kKernel, p, p.num_ctas, smem, cooperative, stream);
+  cuda_grid::launch_grid<kThreads>(kKernel, p, p.num_ctas, smem, cooperative, stream);
 }
 
 // The instances: (wire format, unit elements) for each index type. bf16 copies rows (no unit).

@@ -67,13 +67,6 @@ void launch_ll_dispatch(LlBuffers const& buffers, DispatchArgs const& args, Half
 void launch_ll_combine(LlBuffers const& buffers, CombineArgs const& args, int num_tokens, Half half,
                        cudaStream_t stream);
 
-// Cooperative launch of an LL grid: the one-kernel legs wait inside the grid for this rank's own send CTAs, so the
-// grid must be co-resident; the runtime refuses one that cannot be instead of letting it deadlock until the timeout.
-// smem: dynamic shared memory bytes (at most 48 KiB, the default limit); cooperative: LlBuffers::cooperative.
-template <typename Params>
-void launch_ll_grid(void (*kernel)(Params), Params const& params, int ctas, std::size_t smem, bool cooperative,
-                    cudaStream_t stream);
-
 // Most local experts of an LL EpBuffer on the cuda backend: the dispatch kernels keep two counters per local
 // expert in shared memory (expand_smem_bytes), next to ~12 KiB of its own, under the 48 KiB a launch gets by default.
 inline constexpr int kMaxLlLocalExperts = 4096;

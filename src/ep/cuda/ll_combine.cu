@@ -1,5 +1,6 @@
 // Host launcher of the low-latency combine kernel (ll_combine.cuh): validation, template instance, launch.
 #include "core/cuda_check.hpp"
+#include "ep/cuda/launch_grid.cuh"
 #include "ep/cuda/ll_buffers.hpp"
 #include "ep/cuda/ll_combine.cuh"
 
@@ -80,7 +81,7 @@ void launch_ll_combine(LlBuffers const& buffers, CombineArgs const& args, int nu
   // num_tokens is only checked here; the kernel reads the device copy of the last dispatch's count
   LlCombineParams const p = to_params(buffers, args, num_tokens);
   CombineKernel const kernel = pick(buffers.config.combine_format, args.layout, half);
-  launch_ll_grid(kernel, p, p.num_ctas, 0, buffers.cooperative, stream);
+  cuda_grid::launch_grid<kThreads>(kernel, p, p.num_ctas, 0, buffers.cooperative, stream);
 }
 
 }  // namespace ferry::cuda_ll

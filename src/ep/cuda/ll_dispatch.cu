@@ -1,30 +1,10 @@
 // Host launcher of the low-latency dispatch kernel (ll_dispatch.cuh): validation, template instance, launch.
 #include "core/cuda_check.hpp"
+#include "ep/cuda/launch_grid.cuh"
 #include "ep/cuda/ll_buffers.hpp"
 #include "ep/cuda/ll_dispatch.cuh"
 
 namespace ferry::cuda_ll {
-
-template <typename Params>
-void launch_ll_grid(void (*kernel)(Params), Params const& params, int ctas, std::size_t smem, bool cooperative,
-                    cudaStream_t stream) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(ctas));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeCooperative;
-  attribute.val.cooperative = 1;
-  config.attrs = &attribute;
-  config.numAttrs = cooperative ? 1 : 0;
-  FERRY_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, params));
-}
-
-template void launch_ll_grid<LlDispatchParams>(void (*)(LlDispatchParams), LlDispatchParams const&, int, std::size_t,
-                                               bool, cudaStream_t);
-template void launch_ll_grid<LlCombineParams>(void (*)(LlCombineParams), LlCombineParams const&, int, std::size_t, bool,
-                                              cudaStream_t);
 
 namespace {
 
@@ -135,7 +115,7 @@ void launch_ll_dispatch(LlBuffers const& buffers, DispatchArgs const& args, Half
   DispatchKernel const kernel = pick(buffers.config.dispatch_format, buffers.config.hidden, args.topk_idx_type, half);
   // both halves expand (the send half a bf16 dispatch's own rows): per-expert counters in shared memory
   std::size_t const smem = expand_smem_bytes(p.num_local_experts);
-  launch_ll_grid(kernel, p, p.num_ctas, smem, buffers.cooperative, stream);
+  cuda_grid::launch_grid<kThreads>(kernel, p, p.num_ctas, smem, buffers.cooperative, stream);
 }
 
 }  // namespace ferry::cuda_ll
