@@ -380,6 +380,8 @@ struct Record {
   double baseline_us = -1;
   double bound_ratio = -1;  // combine, quantized, --check: max |error| / derived bound
   double rel_l2 = -1;       // combine, quantized, --check: relative L2 error against the unquantized sum
+  // the run's pair of formats and its combine input layout (rank | expert): format is one of the pair
+  std::string dispatch_format, combine_format, layout;
 };
 
 std::string json_escape(std::string const& text) {
@@ -410,7 +412,9 @@ void write_json(std::string const& path, Options const& options, Shape const& sh
     out << (i ? ",\n  " : "\n  ") << "{\"mode\": \"" << r.mode << "\", \"leg\": \"" << r.leg
         << "\", \"tokens\": " << r.tokens << ", \"hidden\": " << shape.config.hidden
         << ", \"topk\": " << shape.config.topk << ", \"experts\": " << shape.config.num_experts << ", \"routing\": \""
-        << r.routing << "\", \"format\": \"" << r.format << "\", \"graph\": " << (graph ? "true" : "false")
+        << r.routing << "\", \"format\": \"" << r.format << "\", \"dispatch_format\": \"" << r.dispatch_format
+        << "\", \"combine_format\": \"" << r.combine_format << "\", \"layout\": \"" << r.layout
+        << "\", \"graph\": " << (graph ? "true" : "false")
         << ", \"graph_calls\": " << (graph ? options.integer("graph-calls") : 1)
         << ", \"median_us\": " << r.stats.median_us << ", \"p10_us\": " << r.stats.p10_us
         << ", \"p90_us\": " << r.stats.p90_us << ", \"nvlink_gbps\": " << r.nvlink_gbps
@@ -797,6 +801,11 @@ int run_bench_rank(Options const& options) {
               "combine %s error: max |y - exact| / derived bound = %.3f (must be <= 1), relative L2 error %.3g\n",
               combine_record.format.c_str(), combine_record.bound_ratio, combine_record.rel_l2);
         if (options.flag("explain")) std::printf("explain: %s\n", buffer.explain().c_str());
+      }
+      for (Record* r : {&dispatch_record, &combine_record}) {
+        r->dispatch_format = wire_format_name(config.dispatch_format);
+        r->combine_format = wire_format_name(config.combine_format);
+        r->layout = layout == CombineLayout::expert_major ? "expert" : "rank";
       }
       records.push_back(dispatch_record);
       records.push_back(combine_record);

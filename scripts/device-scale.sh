@@ -81,7 +81,7 @@ for name in ("scale-normal.json", "scale-ll.json"):
 seen, legs = set(), []
 for r in rows:
     key = (r["mode"], r["routing"], r["leg"], r["format"], r["tokens"])
-    failed |= r["check"] not in ("pass", "-")
+    failed |= r["check"] not in ("pass", "skipped")
     if key not in seen:
         seen.add(key)
         legs.append(r)
@@ -96,8 +96,9 @@ for r in legs:
     print(f"{r['mode']:<7}{r['routing']:<9}{r['leg']:<9}{r['format']:<7}{r['tokens']:>6}{r['median_us']:>9.1f}"
           f"{r['nvlink_gbps']:>8.1f}{r['logical_gbps']:>9.1f}{nccl_us:>9}{speedup:>8}  {r['check']}")
 def first(mode, leg, tokens):
-    for r in legs:
-        if (r["mode"], r["leg"], r["tokens"], r["routing"], r["format"]) == (mode, leg, tokens, "random", "bf16"):
+    for r in rows:
+        pair = (r.get("dispatch_format", "bf16"), r.get("combine_format", "bf16"))
+        if (r["mode"], r["leg"], r["tokens"], r["routing"], pair) == (mode, leg, tokens, "random", ("bf16", "bf16")):
             return r
 at = "" if world == 8 else f" (the goals are stated at EP8; this run is world {world})"
 print(f"goals, bf16, random routing{at}:")

@@ -46,6 +46,9 @@ TEST_F(BenchCli, EveryLegPassesTheCheckAtWorlds2And8) {
     EXPECT_EQ(count(records, "\"check\": \"pass\""), legs) << records;
     EXPECT_EQ(count(records, "\"mode\": \"ll\""), legs / 2) << records;
     EXPECT_EQ(count(records, "\"routing\": \"grouped\""), legs / 2) << records;
+    // the pair of formats of each record's run, and its combine layout (LL's is expert-major)
+    EXPECT_EQ(count(records, "\"dispatch_format\": \"fp8\", \"combine_format\": \"fp8\""), legs / 2) << records;
+    EXPECT_EQ(count(records, "\"layout\": \"expert\""), legs / 2) << records;
   }
 }
 
