@@ -1,6 +1,7 @@
 // ferry p2p: NVLink bandwidth of kernel stores (push) and loads (pull) between two GPUs through NCCL LSA pointers,
-// next to the copy engine on the same buffers, and the one-way latency of a flag. Runs on ranks 0 and 1; any further
-// rank takes part in the barriers only.
+// next to the copy engine on the same buffers, and the one-way latency of a flag; and the all-to-all, every rank
+// pushing to (or pulling from) every other at once, the ceiling of expert parallelism's legs. The pair measures run
+// on ranks 0 and 1 (any further rank takes part in the barriers only); the all-to-all on every rank.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -48,6 +49,19 @@ __global__ void copy_kernel(CopyParams const params) {
   device::copy_16B<!kPull, kUnroll>(params.dst, params.src, params.bytes, lane, stride);
 }
 
+// The all-to-all: pair g of this rank is peer (rank + 1 + g) % world; the grid's CTAs are dealt over the pairs.
+struct AllToAllParams {
+  void* dst[kMaxLocalPeers];
+  void const* src[kMaxLocalPeers];
+  int pairs;
+  std::size_t bytes;  // per pair
+};
+
+template <bool kPull, int kUnroll>
+__global__ void alltoall_kernel(AllToAllParams const params) {
+  device::copy_16B_dealt<!kPull, kUnroll>(params.dst, params.src, params.pairs, params.bytes);
+}
+
 struct PingPongParams {
   DeviceView view;
   uint64_t* peer_flag;       // the flag word in the peer's memory
@@ -81,7 +95,7 @@ __global__ void ping_pong_kernel(PingPongParams const params) {
 // ---- options ------------------------------------------------------------------------------------------------------
 
 enum class Op { push, pull, copy_engine, latency };
-enum class Direction { oneway, bidir };
+enum class Direction { oneway, bidir, alltoall };
 
 char const* op_name(Op op) {
   switch (op) {
@@ -98,7 +112,15 @@ char const* op_name(Op op) {
 }
 
 char const* direction_name(Direction direction) {
-  return direction == Direction::oneway ? "oneway" : "bidir";
+  switch (direction) {
+    case Direction::oneway:
+      return "oneway";
+    case Direction::bidir:
+      return "bidir";
+    case Direction::alltoall:
+      return "alltoall";
+  }
+  return "?";
 }
 
 std::vector<std::string> split_list(std::string const& text) {
@@ -147,9 +169,12 @@ Options make_options() {
       "16-byte loads from it, copy engine = cudaMemcpyAsync to the peer's address) and the one-way latency of a flag.\n"
       "GB/s is 1e9 bytes per second moved in one direction: bytes / time of the slowest sending rank. oneway: only "
       "rank 0 sends; bidir: ranks 0 and 1 send at once, the table shows the per-direction figure and the sum of both "
-      "directions (JSON: gbps per direction, gbps_sum). Latency = median over samples of (round-trip time / 2) of a "
-      "flag ping-pong. Time = median of CUDA-event timings after warm-up; ranks meet in a device barrier before every "
-      "timed run. Needs 2 GPUs; starts one process per GPU itself (or runs as one rank under torchrun).",
+      "directions (JSON: gbps per direction, gbps_sum); alltoall: every rank sends the size to every other rank at "
+      "once (push or pull; CTAs dealt over the peers), the figure is what one GPU sends / time and the sum what it "
+      "sends and receives (the ceiling of an expert-parallel leg at this world). Latency = median over samples of "
+      "(round-trip time / 2) of a flag ping-pong. Time = median of CUDA-event timings after warm-up; ranks meet in a "
+      "device barrier before every timed run. Needs 2 GPUs; starts one process per GPU itself (or runs as one rank "
+      "under torchrun).",
       {
           {"sizes", "4KiB,1MiB,64MiB,256MiB", "message sizes (bytes, or with KiB/MiB/GiB; multiples of 16)"},
           {"ctas", "8,16,32,132",
@@ -157,11 +182,13 @@ Options make_options() {
           {"threads", "512", "threads per CTA of the kernel ops"},
           {"unroll", "0", "16-byte loads in flight per thread before its stores: 4 or 8; 0 = push 4, pull 8"},
           {"ops", "push,pull,copy_engine,latency", "what to measure: push, pull, copy_engine, latency"},
-          {"directions", "oneway,bidir", "oneway (rank 0 sends) and/or bidir (ranks 0 and 1 send at once)"},
+          {"directions", "oneway,bidir",
+           "oneway (rank 0 sends), bidir (ranks 0 and 1 send at once), alltoall (every rank to every other, at once)"},
           {"warmup", "5", "untimed runs before each measurement"},
           {"iters", "20", "timed runs per measurement (the median is reported); latency samples"},
           {"latency-rounds", "1000", "round trips per latency sample (after 100 untimed ones)"},
-          {"nproc", "2", "ranks to start when run by hand (ranks past 1 only join the barriers)"},
+          {"nproc", "2",
+           "ranks to start when run by hand (one per GPU; ranks past 1 join the pair measures' barriers only)"},
           {"json", "", "write the records to this file (DESIGN 'Result files' format)"},
       });
 }
@@ -207,8 +234,10 @@ Settings settings_from(Options const& options) {
       s.directions.push_back(Direction::oneway);
     else if (item == "bidir")
       s.directions.push_back(Direction::bidir);
+    else if (item == "alltoall")
+      s.directions.push_back(Direction::alltoall);
     else
-      FERRY_THROW(ConfigError, "config", "--directions: '", item, "' is unknown; use oneway, bidir");
+      FERRY_THROW(ConfigError, "config", "--directions: '", item, "' is unknown; use oneway, bidir, alltoall");
   }
   s.warmup = options.integer("warmup");
   s.iters = options.integer("iters");
@@ -227,7 +256,7 @@ struct Record {
   std::size_t bytes = 0;
   int ctas = 0;
   double median_us = 0;
-  double gbps = 0;        // per direction
+  double gbps = 0;        // per direction (alltoall: what one GPU sends to all its peers / time)
   double latency_us = 0;  // latency only
 };
 
@@ -244,9 +273,13 @@ class P2p {
     peer_ = rank_ == 0 ? 1 : 0;
     FERRY_CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     max_bytes_ = *std::max_element(s_.sizes.begin(), s_.sizes.end());
-    FERRY_CHECK_CUDA(cudaMalloc(&local_, max_bytes_));
-    FERRY_CHECK_CUDA(cudaMemset(local_, 0x5a, max_bytes_));
-    window_ = comm.alloc_symmetric(max_bytes_);
+    // the all-to-all: a slice of the window per source rank, a slice of local memory per pulled peer
+    bool const alltoall =
+        std::find(s_.directions.begin(), s_.directions.end(), Direction::alltoall) != s_.directions.end();
+    std::size_t const local_bytes = alltoall ? max_bytes_ * std::max(1, comm.world() - 1) : max_bytes_;
+    FERRY_CHECK_CUDA(cudaMalloc(&local_, local_bytes));
+    FERRY_CHECK_CUDA(cudaMemset(local_, 0x5a, local_bytes));
+    window_ = comm.alloc_symmetric(alltoall ? max_bytes_ * comm.world() : max_bytes_);
     flags_ = comm.alloc_symmetric(sizeof(uint64_t));
     FERRY_CHECK_CUDA(cudaMalloc(&elapsed_, sizeof(uint64_t)));
     int const num_events = s_.warmup + s_.iters;
@@ -265,13 +298,18 @@ class P2p {
 
   // Median time in microseconds of the slowest sending rank (0 if no rank sends).
   double time_transfer(Op op, Direction direction, std::size_t bytes, int ctas) {
-    bool const sends = rank_ == 0 || (rank_ == 1 && direction == Direction::bidir);
+    bool const sends = rank_ == 0 || (rank_ == 1 && direction == Direction::bidir) || direction == Direction::alltoall;
     int const runs = s_.warmup + s_.iters;
     for (int i = 0; i < runs; ++i) {
       // 1. meet the peer on the device (no host round trip), then time the transfer alone
       comm_.barrier(stream_);
       FERRY_CHECK_CUDA(cudaEventRecord(events_[2 * i], stream_));
-      if (sends) enqueue(op, bytes, ctas);
+      if (sends) {
+        if (direction == Direction::alltoall)
+          enqueue_alltoall(op, bytes, ctas);
+        else
+          enqueue(op, bytes, ctas);
+      }
       FERRY_CHECK_CUDA(cudaEventRecord(events_[2 * i + 1], stream_));
     }
     comm_.check_errors(stream_);
@@ -317,6 +355,33 @@ class P2p {
   }
 
  private:
+  // Every peer at once: push stores into the peer's slice for this rank, pull loads the slice the peer holds for it.
+  void enqueue_alltoall(Op op, std::size_t bytes, int ctas) {
+    int const world = comm_.world();
+    AllToAllParams params{};
+    params.pairs = world - 1;
+    params.bytes = bytes;
+    for (int g = 0; g < params.pairs; ++g) {
+      int const peer = (rank_ + 1 + g) % world;
+      char* const slice = static_cast<char*>(window_.view.ptr[peer]) + static_cast<std::size_t>(rank_) * bytes;
+      if (op == Op::push) {
+        params.src[g] = local_;
+        params.dst[g] = slice;
+      } else {
+        params.src[g] = slice;
+        params.dst[g] = static_cast<char*>(local_) + static_cast<std::size_t>(g) * bytes;
+      }
+    }
+    int const unroll = s_.unroll != 0 ? s_.unroll : (op == Op::pull ? 8 : 4);
+    if (op == Op::push)
+      unroll == 8 ? alltoall_kernel<false, 8><<<ctas, s_.threads, 0, stream_>>>(params)
+                  : alltoall_kernel<false, 4><<<ctas, s_.threads, 0, stream_>>>(params);
+    else
+      unroll == 8 ? alltoall_kernel<true, 8><<<ctas, s_.threads, 0, stream_>>>(params)
+                  : alltoall_kernel<true, 4><<<ctas, s_.threads, 0, stream_>>>(params);
+    FERRY_CHECK_CUDA(cudaGetLastError());
+  }
+
   void enqueue(Op op, std::size_t bytes, int ctas) {
     void* peer_window = window_.view.ptr[peer_];
     // Pull waits a full NVLink round trip per load, so it wants more loads in flight than push by default.
@@ -397,7 +462,8 @@ void write_json(std::string const& path, std::string const& device, int world, s
       out << "\"latency_us\": " << fixed(r.latency_us, 3) << "}";
     } else {
       out << "\"gbps\": " << fixed(r.gbps, 2);
-      if (r.direction == Direction::bidir) out << ", \"gbps_sum\": " << fixed(2 * r.gbps, 2);
+      if (r.direction != Direction::oneway) out << ", \"gbps_sum\": " << fixed(2 * r.gbps, 2);
+      if (r.direction == Direction::alltoall) out << ", \"peers\": " << world - 1;
       out << ", \"median_us\": " << fixed(r.median_us, 3) << "}";
     }
   }
@@ -408,10 +474,10 @@ void write_json(std::string const& path, std::string const& device, int world, s
   FERRY_CHECK_CONFIG(file.good(), "--json ", path, ": writing failed (disk full?)");
 }
 
-// "  362.1 /  724.2" for bidir, "  362.1" for oneway.
+// "  362.1 /  724.2" for bidir and alltoall, "  362.1" for oneway.
 std::string gbps_cell(double gbps, Direction direction) {
   char text[48];
-  if (direction == Direction::bidir)
+  if (direction != Direction::oneway)
     std::snprintf(text, sizeof(text), "%7.1f / %7.1f", gbps, 2 * gbps);
   else
     std::snprintf(text, sizeof(text), "%7.1f          ", gbps);
@@ -434,10 +500,14 @@ int run_p2p(Options const& options) {
     P2p p2p(*comm, s);
     bool const want_ce = std::find(s.ops.begin(), s.ops.end(), Op::copy_engine) != s.ops.end();
     if (printer) {
-      std::printf("ferry p2p: %d x %s, ranks 0 <-> 1, %d threads/CTA, warmup %d, iters %d (median)\n", comm->world(),
-                  device.c_str(), s.threads, s.warmup, s.iters);
       std::printf(
-          "GB/s = 1e9 bytes/s in one direction; bidir shows per direction / sum of both. CE = copy engine.\n\n");
+          "ferry p2p: %d x %s, ranks 0 <-> 1 (alltoall: every rank), %d threads/CTA, warmup %d, iters %d "
+          "(median)\n",
+          comm->world(), device.c_str(), s.threads, s.warmup, s.iters);
+      std::printf(
+          "GB/s = 1e9 bytes/s in one direction; bidir shows per direction / sum of both; alltoall what one GPU sends "
+          "(bytes = to each of its %d peers) / sent + received. CE = copy engine.\n\n",
+          comm->world() - 1);
       std::printf("%-11s %-9s %10s %5s %17s %17s %9s\n", "op", "direction", "bytes", "ctas", "GB/s (dir / sum)",
                   "CE GB/s", "kernel/CE");
     }
@@ -445,7 +515,9 @@ int run_p2p(Options const& options) {
       for (Direction direction : s.directions) {
         // 1. the copy engine on the same buffers: the reference every kernel figure is printed against
         double ce_gbps = 0;
-        if (want_ce) {
+        bool const alltoall = direction == Direction::alltoall;
+        int const pairs = alltoall ? comm->world() - 1 : 1;
+        if (want_ce && !alltoall) {  // NOTE: an all-to-all of copies would need a stream per peer: not measured
           double const us = p2p.time_transfer(Op::copy_engine, direction, bytes, 0);
           ce_gbps = bytes / (us * 1e-6) / 1e9;
           records.push_back({Op::copy_engine, direction, bytes, 0, us, ce_gbps, 0});
@@ -460,15 +532,16 @@ int run_p2p(Options const& options) {
             int const ctas = s.ctas[i];
             // NOTE: skip counts that leave whole CTAs without a vector to move (they time the same kernel again).
             std::size_t const vectors = bytes / 16;
-            if (i > 0 && static_cast<std::size_t>(ctas - 1) * s.threads >= vectors) continue;
+            if (ctas < pairs) continue;  // alltoall: at least one CTA per peer
+            if (i > 0 && static_cast<std::size_t>(ctas / pairs - 1) * s.threads >= vectors) continue;
             double const us = p2p.time_transfer(op, direction, bytes, ctas);
-            double const gbps = bytes / (us * 1e-6) / 1e9;
+            double const gbps = static_cast<double>(bytes) * pairs / (us * 1e-6) / 1e9;
             records.push_back({op, direction, bytes, ctas, us, gbps, 0});
             if (printer)
               std::printf("%-11s %-9s %10s %5d %17s %17s %9s\n", op_name(op), direction_name(direction),
                           size_text(bytes).c_str(), ctas, gbps_cell(gbps, direction).c_str(),
-                          want_ce ? gbps_cell(ce_gbps, direction).c_str() : "",
-                          want_ce ? fixed(gbps / ce_gbps, 2).c_str() : "");
+                          want_ce && !alltoall ? gbps_cell(ce_gbps, direction).c_str() : "",
+                          want_ce && !alltoall ? fixed(gbps / ce_gbps, 2).c_str() : "");
           }
         }
       }
@@ -496,6 +569,7 @@ int p2p_main(int argc, char** argv) {
   Options options = make_options();
   if (!options.parse(argc, argv)) return 0;  // --help printed
   if (is_rank_process()) return run_rank("p2p", [&] { return run_p2p(options); });
+  settings_from(options);  // a bad option is one error here, not one per rank
   int const nproc = options.integer("nproc");
   int const gpus = cuda_device_count();
   FERRY_CHECK_CONFIG(nproc >= 2, "--nproc ", nproc, ": ferry p2p needs 2 ranks");

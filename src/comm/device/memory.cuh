@@ -33,6 +33,20 @@ __device__ __forceinline__ void copy_16B(void* dst, void const* src, std::size_t
   }
 }
 
+// Copies src[g] to dst[g] (`bytes` each, as copy_16B) for the `pairs` pairs at once: the grid's CTAs are dealt over the
+// pairs round-robin (CTA c copies pair c % pairs, with the other CTAs of that pair), so every pair's copy runs from the
+// grid's start: an all-to-all over NVLink keeps every peer's link busy. Needs gridDim.x >= pairs; every thread of
+// the grid must call it.
+template <bool kNcSource, int kUnroll = 4>
+__device__ __forceinline__ void copy_16B_dealt(void* const* dst, void const* const* src, int pairs, std::size_t bytes) {
+  int const cta = static_cast<int>(blockIdx.x);
+  int const pair = cta % pairs;
+  int const ctas_of_pair = (static_cast<int>(gridDim.x) - pair + pairs - 1) / pairs;
+  int const block = static_cast<int>(blockDim.x);
+  copy_16B<kNcSource, kUnroll>(dst[pair], src[pair], bytes, (cta / pairs) * block + static_cast<int>(threadIdx.x),
+                               ctas_of_pair * block);
+}
+
 // Warp-wide copy: every lane of the warp must call it.
 template <bool kNcSource = false>
 __device__ __forceinline__ void copy_warp_16B(void* dst, void const* src, std::size_t bytes) {
