@@ -138,18 +138,19 @@ void run_virtual(Spec const& spec, int num_ctas) {
     }
     CK(cudaDeviceSynchronize());
     if (spec.absent >= 0) {
-      // rank `absent` skips the dispatch, or (every rank dispatched) the expert-major combine: every other rank's leg
-      // must end in a timeout that names it
-      launch_leg(ranks, spec.hook, [&](int r, Half half) {
-        if (spec.launches_dispatch(r)) cuda_ll::launch_ll_dispatch(ranks[r], dargs[r], half, ranks.stream(r));
-      });
-      if (spec.absent_leg == "combine") {
-        ASSERT_TRUE(ranks.synchronize(dropped).empty());
-        launch_leg(ranks, spec.hook, [&](int r, Half half) {
-          if (spec.launches_combine(r)) cuda_ll::launch_ll_combine(ranks[r], em[r], tokens[r], half, ranks.stream(r));
-        });
-      }
-      expect_absent_rank_named(ranks, spec.absent);
+      // rank `absent` skips the dispatch or the expert-major combine: every other rank's leg must time out naming it
+      run_absent_rank(
+          ranks, spec, dropped,
+          [&](int skip) {
+            launch_leg(ranks, spec.hook, [&](int r, Half half) {
+              if (r != skip) cuda_ll::launch_ll_dispatch(ranks[r], dargs[r], half, ranks.stream(r));
+            });
+          },
+          [&](int skip) {
+            launch_leg(ranks, spec.hook, [&](int r, Half half) {
+              if (r != skip) cuda_ll::launch_ll_combine(ranks[r], em[r], tokens[r], half, ranks.stream(r));
+            });
+          });
       return;
     }
 

@@ -133,19 +133,21 @@ void run_virtual(Spec const& spec, int num_ctas) {
     }
     CK(cudaDeviceSynchronize());
     if (spec.absent >= 0) {
-      // rank `absent` skips the dispatch, or (every rank dispatched) the rank-major combine: every other rank's leg
-      // must end in a timeout that names it
-      for (int r = 0; r < world; ++r)
-        if (spec.launches_dispatch(r))
-          cuda_ep::launch_dispatch(ranks[r], dargs[r], cuda_ep::plan_dispatch(ranks[r], tokens[r]), ranks.stream(r));
-      if (spec.absent_leg == "combine") {
-        ASSERT_TRUE(ranks.synchronize(std::vector<int>(world, 0)).empty());
-        for (int r = 0; r < world; ++r)
-          if (spec.launches_combine(r))
-            cuda_ep::launch_combine(ranks[r], rm[r], cuda_ep::plan_combine(ranks[r], tokens[r]), tokens[r],
-                                    ranks.stream(r));
-      }
-      expect_absent_rank_named(ranks, spec.absent);
+      // rank `absent` skips the dispatch or the rank-major combine: every other rank's leg must time out naming it
+      run_absent_rank(
+          ranks, spec, std::vector<int>(world, 0),
+          [&](int skip) {
+            for (int r = 0; r < world; ++r)
+              if (r != skip)
+                cuda_ep::launch_dispatch(ranks[r], dargs[r], cuda_ep::plan_dispatch(ranks[r], tokens[r]),
+                                         ranks.stream(r));
+          },
+          [&](int skip) {
+            for (int r = 0; r < world; ++r)
+              if (r != skip)
+                cuda_ep::launch_combine(ranks[r], rm[r], cuda_ep::plan_combine(ranks[r], tokens[r]), tokens[r],
+                                        ranks.stream(r));
+          });
       return;
     }
 

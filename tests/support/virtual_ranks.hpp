@@ -57,9 +57,6 @@ struct VirtualSpec : CaseShape {
   }
   // the bound of the ranks' device waits: short when one rank is meant to be absent
   double timeout_s() const { return absent >= 0 ? kAbsentTimeoutS : kVirtualTimeoutS; }
-  // whether rank r launches the dispatch, and then the combine, of an absent-rank case
-  bool launches_dispatch(int r) const { return r != absent || absent_leg != "dispatch"; }
-  bool launches_combine(int r) const { return r != absent; }
 };
 
 // CTAs per rank such that the grids of `world` ranks are co-resident on the current GPU (a persistent CTA takes a
@@ -252,9 +249,28 @@ void expect_absent_rank_named(Ranks const& ranks, int absent) {
     EXPECT_EQ(block.peer, absent) << "rank " << r << " named another rank: " << said;
     EXPECT_NE(said.find("waiting for rank " + std::to_string(absent)), std::string::npos) << said;
   }
-  std::printf("rank %d absent: the %d others timed out naming it in %.2f s (bound %.1f s); rank 0 said: %s\n", absent,
-              ranks.world() - 1, waited, ranks.timeout_s(),
-              detail::describe_device_error(blocks[absent == 0 ? 1 : 0], ranks.timeout_s()).c_str());
+  int const first_other = absent == 0 ? 1 : 0;
+  std::printf("rank %d absent: the %d others timed out naming it in %.2f s (bound %.1f s); rank %d said: %s\n", absent,
+              ranks.world() - 1, waited, ranks.timeout_s(), first_other,
+              detail::describe_device_error(blocks[first_other], ranks.timeout_s()).c_str());
+}
+
+// An absent-rank row (spec.absent >= 0): rank `absent` skips the dispatch, or (absent_leg=combine) every rank
+// dispatches, which must end clean (each rank's error block counting exactly `overflow` dropped entries), and rank
+// `absent` skips the combine; then every other rank must name it (expect_absent_rank_named). dispatch(skip) and
+// combine(skip) launch their leg on every rank but `skip` (-1: none).
+template <typename Ranks, typename Dispatch, typename Combine>
+void run_absent_rank(Ranks const& ranks, VirtualSpec const& spec, std::vector<int> const& overflow,
+                     Dispatch const& dispatch, Combine const& combine) {
+  if (spec.absent_leg == "dispatch") {
+    dispatch(spec.absent);
+  } else {
+    dispatch(-1);
+    std::string const failure = ranks.synchronize(overflow);
+    ASSERT_TRUE(failure.empty()) << "the dispatch before the skipped combine:\n" << failure;
+    combine(spec.absent);
+  }
+  expect_absent_rank_named(ranks, spec.absent);
 }
 
 // One iteration of a virtual-rank case: every rank's inputs (fresh, from `routing`), the reference dispatch of each,
