@@ -57,13 +57,28 @@ class Communicator {
   // zeroed symmetric memory. Throws ConfigError if sizes differ between ranks.
   virtual SymmetricRegion alloc_symmetric(std::size_t bytes) = 0;
 
+  // Gives a region back. Local and never throws (destructors call it): the cpu backend unmaps this rank's mapping at
+  // once (the memory goes when the last rank unmaps); the cuda backend marks it released, and the next
+  // alloc_symmetric (collective) reuses or frees the regions that every rank has released, so a buffer that is
+  // created and dropped again and again holds one region, not one per cycle. The caller must be done with the
+  // region on the device (its kernels finished) and no peer may use it afterwards except through a later
+  // alloc_symmetric that hands it out again.
+  virtual void release_symmetric(SymmetricRegion const& region) noexcept = 0;
+
+  // Collective refusals (DESIGN "Collective consistency"). A rank that refuses a call's input posts its reason here
+  // before it joins the call's exchange with its abort flag; a peer whose exchange saw the flag reads the reason with
+  // refusal_of and raises InputError naming that rank. Cold path: a few hundred bytes through the transport.
+  virtual void post_refusal(std::string const& reason) = 0;
+  virtual std::string refusal_of(int rank) = 0;
+
   // The view kernels (or the cpu reference) receive. Stable for the communicator's lifetime.
   virtual DeviceView const& device_view() const = 0;
 
   // Raises the error a kernel recorded in the error block (TimeoutError naming rank, peer and phase; InputError
-  // for ids or rows dropped on the device). Only a timeout marks the communicator failed: a peer may be gone, so no
-  // later collective can be trusted; after an InputError the communicator stays usable. Cheap: reads host-visible
-  // memory. stream is synchronised first on cuda when non-null.
+  // for ids or rows dropped on the device, or for a call a peer refused, naming that rank and its reason). Only a
+  // timeout marks the communicator failed: a peer may be gone, so no later collective can be trusted; after an
+  // InputError the communicator stays usable (docs/errors.md). Cheap: reads host-visible memory. stream is
+  // synchronised first on cuda when non-null.
   virtual void check_errors(cudaStream_t stream = nullptr) = 0;
   // True after a device timeout; every later call then throws Error saying so.
   virtual bool failed() const = 0;

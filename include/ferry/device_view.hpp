@@ -35,6 +35,12 @@ struct DeviceErrorBlock {
   uint32_t input_errors;  // count of ids dropped on the device (out of range, capacity overflow)
   int32_t first_bad_value;
   uint32_t overflow_rows;  // rows dropped because a capacity (expert_capacity / max_recv_tokens) was exceeded
+  // Collective refusals (DESIGN "Collective consistency"): calls this rank joined whose exchange carried a peer's
+  // abort flag (that peer refused the call on input) since the last check, and the first such peer. The host reads
+  // the peer's reason (Communicator::refusal_of) and raises InputError naming it; nothing of the call is returned.
+  uint32_t refusals;
+  int32_t refusing_rank;
+  int32_t refused_phase;  // WaitPhase of the exchange that carried the flag
   uint32_t reserved;
 };
 

@@ -152,7 +152,9 @@ class EpBackendImpl;
 
 class EpBuffer {
  public:
-  // Collective: allocates the symmetric buffers. Throws ConfigError for an invalid config.
+  // Collective: allocates the symmetric buffers. Throws ConfigError for an invalid config, on every rank: the ranks
+  // compare their configs first, and a field that differs between ranks (or a rank whose config is invalid) is named
+  // in the error every rank raises.
   EpBuffer(std::shared_ptr<Communicator> comm, EpConfig const& config);
   ~EpBuffer();
   EpBuffer(EpBuffer const&) = delete;
@@ -163,8 +165,17 @@ class EpBuffer {
 
   // Collective. Throws InputError for bad arguments (before anything is written), TimeoutError when a peer does
   // not arrive, Error when the communicator already failed.
+  // Collective consistency (docs/errors.md): a call that any rank refuses on input is refused on every rank. The
+  // refusing rank still joins the call's exchange with an abort flag and throws its own InputError; every peer's same
+  // call throws InputError naming the refusing rank and its reason (cpu: from the call; cuda: at the call in eager
+  // mode, otherwise at the next check, and the views of that call must not be read). Nothing pairs up with another
+  // call and nothing waits past FERRY_TIMEOUT_S. The buffer and the communicator stay usable afterwards.
   DispatchResult dispatch(DispatchArgs const& args, cudaStream_t stream = nullptr);
   void combine(CombineArgs const& args, cudaStream_t stream = nullptr);
+  // For a caller that checks arguments itself before calling (a binding's shape and dtype checks): joins this
+  // rank's next dispatch / combine as a refusal with `reason` (as above), then throws InputError(reason). Collective.
+  [[noreturn]] void refuse_dispatch(std::string const& reason, cudaStream_t stream = nullptr);
+  [[noreturn]] void refuse_combine(std::string const& reason, cudaStream_t stream = nullptr);
 
   // The receive halves of a dispatch / combine called with return_recv_hook (low-latency mode), "the hook".
   // Contract:
@@ -197,11 +208,19 @@ class EpBuffer {
   TraceBuffer read_trace(TraceKernel kernel, cudaStream_t stream = nullptr) const;
 
  private:
+  enum class Leg { dispatch, combine };
+  void agree_on_config(EpConfig const& requested, std::string const& invalid) const;
+  void join_refused(Leg leg, std::string const& reason, cudaStream_t stream);
+
   std::shared_ptr<Communicator> comm_;
   EpConfig config_;
   std::unique_ptr<detail::EpBackendImpl> impl_;
   enum class Pending { none, dispatch, combine };
   Pending pending_ = Pending::none;
+  // The last dispatch, as combine refers to it (set only when it succeeded on this rank).
+  bool have_dispatch_ = false;
+  bool last_expand_ = false;  // it filled the expert-major layout
+  int last_num_tokens_ = 0;
 };
 
 }  // namespace ferry

@@ -19,4 +19,10 @@ int cuda_visible_devices();  // cudaGetDeviceCount, 0 on any error (no driver, n
 // observed 2 after 30 s"); empty when status is 0.
 std::string describe_device_error(DeviceErrorBlock const& block, double timeout_s);
 
+// Bytes of one rank's refusal reason (Communicator::post_refusal), the terminating zero included.
+inline constexpr std::size_t kRefusalBytes = 1024;
+
+// The message every peer of a refused call raises (InputError): names the refusing rank and carries its reason.
+std::string describe_refusal(int refusing_rank, WaitPhase phase, std::string const& reason);
+
 }  // namespace ferry::detail

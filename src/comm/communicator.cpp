@@ -75,5 +75,13 @@ std::string describe_device_error(DeviceErrorBlock const& block, double timeout_
                 " did not arrive: it is stuck, crashed, or skipped a collective call");
 }
 
+std::string describe_refusal(int refusing_rank, WaitPhase phase, std::string const& reason) {
+  return concat(
+      "rank ", refusing_rank, " refused this call on input",
+      phase == WaitPhase::none ? std::string() : concat(" (seen in the '", wait_phase_name(phase), "' exchange)"),
+      ", so every rank refuses it and returns nothing of it: ", reason.empty() ? "(no reason posted)" : reason,
+      "; fix that rank's input. This rank's buffer and communicator stay usable");
+}
+
 }  // namespace detail
 }  // namespace ferry

@@ -150,6 +150,12 @@ void validate_topk_idx(EpConfig const& config, int rank, int num_tokens, std::sp
       FERRY_CHECK_INPUT(id >= -1 && id < config.num_experts, "rank ", rank, ": topk_idx[", t, ", ", k, "]=", id,
                         " is outside [-1, num_experts=", config.num_experts,
                         "); use a global expert id, or -1 for no expert");
+      // NOTE: a token picks distinct experts (as DeepEP's and NCCL EP's routers produce them): a repeated id would be
+      // one (token, expert) pair counted twice, with two weights for one expert output. -1 may repeat.
+      for (int j = 0; j < k && id >= 0; ++j)
+        FERRY_CHECK_INPUT(topk_idx[at(t, topk) + j] != id, "rank ", rank, ": topk_idx[", t, ", ", k, "]=", id,
+                          " repeats topk_idx[", t, ", ", j, "]; a token picks distinct experts (use -1 for an unused ",
+                          "column)");
     }
   }
 }

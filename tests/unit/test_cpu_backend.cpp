@@ -493,7 +493,7 @@ FERRY_RANK_CASE(cpu_ep_bad_input) {
       [&] {
         buffer.combine({CombineLayout::rank_major, y.data(), y.data()});
       },
-      {"before any dispatch"}));
+      {"without a successful dispatch"}));
   args.num_tokens = 9;
   note(expect_input_error([&] { buffer.dispatch(args); }, {"num_tokens=9", "max_tokens_per_rank=8"}));
   args.num_tokens = 8;
@@ -523,15 +523,31 @@ FERRY_RANK_CASE(cpu_ep_bad_input) {
   std::vector<uint16_t> rows(at(std::max<int64_t>(*result.num_recv, 1), 32));
   buffer.combine({CombineLayout::rank_major, rows.data(), y.data()});
 
-  // 3. only rank 1 passes a bad id: it gets InputError, the others wait for it and time out naming it; their
-  //    communicators are then failed and say so
+  // 3. only rank 1 passes a bad id: the call is refused on every rank (rank 1 its own InputError, the others one
+  //    naming rank 1 and its reason), nobody waits, and the buffer goes on in step on every rank
   if (world > 1) {
     ids = in.topk_idx;
     if (rank == 1) ids[0] = 99;
     args.topk_idx = ids.data();
-    if (rank == 1) {
+    if (rank == 1)
       note(expect_input_error([&] { buffer.dispatch(args); }, {"topk_idx[0, 0]=99"}));
-    } else {
+    else
+      note(expect_input_error([&] { buffer.dispatch(args); }, {"rank 1 refused this call", "topk_idx[0, 0]=99"}));
+    note(expect_input_error(
+        [&] {
+          buffer.combine({CombineLayout::rank_major, rows.data(), y.data()});
+        },
+        {"without a successful dispatch"}));
+    args.topk_idx = in.topk_idx.data();
+    DispatchResult const again = buffer.dispatch(args);
+    if (again.num_recv_host < 0) note("the dispatch after a refused one returned no count");
+    buffer.combine({CombineLayout::rank_major, rows.data(), y.data()});
+  }
+
+  // 4. rank 1 skips a call: the others wait for it and time out naming it; their communicators are then failed and
+  //    say so
+  if (world > 1) {
+    if (rank != 1) {
       try {
         buffer.dispatch(args);
         note("dispatch passed without rank 1");

@@ -2,8 +2,11 @@
 // thread), the error block is ordinary memory, and the barrier is a bounded wait on shared-memory signal words. It
 // is the reference the cuda backend is compared with, so it communicates through its own memory, not through the
 // bootstrap (which only sets the segments up).
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -74,6 +77,36 @@ class NameGuard {
   std::string name_;
 };
 
+// Segments whose creator died between shm_open and the unlink that follows every rank's mapping (SIGKILL or SIGTERM
+// of rank 0 while buffers are being created) keep their name, and their memory, in /dev/shm. Each name carries the
+// pid of the rank 0 that made it ("ferry-<pid>-<salt>-<n>"): a name whose process is gone and that is older than any
+// creation window is removed, with a log line. NOTE: the age rule leaves a live job's segment alone even where pids
+// of other pid namespaces look gone from here (its name lives for milliseconds only).
+constexpr int kStaleSegmentAgeS = 10;
+
+void sweep_stale_segments() noexcept {
+  DIR* const dir = opendir("/dev/shm");
+  if (dir == nullptr) return;
+  time_t const now = time(nullptr);
+  while (dirent const* entry = readdir(dir)) {
+    std::string const name = entry->d_name;
+    long pid = 0;
+    char salt[32] = {};
+    unsigned long long index = 0;
+    if (name.rfind("ferry-", 0) != 0 ||
+        std::sscanf(name.c_str(), "ferry-%ld-%31[0-9a-f]-%llu", &pid, salt, &index) != 3)
+      continue;
+    if (pid <= 0 || kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;
+    std::string const path = "/dev/shm/" + name;
+    struct stat info {};
+    if (stat(path.c_str(), &info) != 0 || now - info.st_mtime < kStaleSegmentAgeS) continue;
+    if (shm_unlink(("/" + name).c_str()) == 0)
+      FERRY_LOG_WARN("cpu communicator: removed stale shared memory segment /", name, " (", info.st_size,
+                     " bytes) left by process ", pid, ", which is gone (killed while creating buffers)");
+  }
+  closedir(dir);
+}
+
 struct Mapping {
   void* base = nullptr;
   std::size_t bytes = 0;
@@ -91,6 +124,9 @@ class CpuCommunicator final : public Communicator {
   int device() const override { return -1; }
 
   SymmetricRegion alloc_symmetric(std::size_t bytes) override;
+  void release_symmetric(SymmetricRegion const& region) noexcept override;
+  void post_refusal(std::string const& reason) override;
+  std::string refusal_of(int rank) override;
   DeviceView const& device_view() const override { return view_; }
   void check_errors(cudaStream_t stream) override;
   bool failed() const override { return failed_; }
@@ -113,6 +149,7 @@ class CpuCommunicator final : public Communicator {
   std::string segment_prefix_;  // "/ferry-<pid of rank 0>-<random>", the same on every rank
   uint64_t num_segments_ = 0;
   std::vector<Mapping> mappings_;
+  SymmetricRegion refusals_;  // [world] kRefusalBytes: each rank's reason for its last refused call
   bool failed_ = false;
   std::string failure_;
 };
@@ -133,6 +170,7 @@ CpuCommunicator::CpuCommunicator(std::unique_ptr<Bootstrap> bootstrap, Communica
   // 1. a name prefix no other job uses: rank 0's pid plus random bits, the same on every rank
   char prefix[kNameBytes] = {};
   if (rank_ == 0) {
+    sweep_stale_segments();
     std::random_device device;
     uint64_t const salt = (static_cast<uint64_t>(device()) << 32) ^ device();
     std::snprintf(prefix, sizeof(prefix), "/ferry-%ld-%016llx", static_cast<long>(getpid()),
@@ -148,10 +186,37 @@ CpuCommunicator::CpuCommunicator(std::unique_ptr<Bootstrap> bootstrap, Communica
   view_.error = error_.get();
   view_.barrier_epoch = &barrier_epoch_;
   view_.signals = alloc_symmetric(sizeof(uint64_t) * kSignalSlots).view;
+  refusals_ = alloc_symmetric(kRefusalBytes * static_cast<std::size_t>(world_));
 }
 
 CpuCommunicator::~CpuCommunicator() {
   release_mappings();
+}
+
+void CpuCommunicator::release_symmetric(SymmetricRegion const& region) noexcept {
+  // Local: the segment holds every rank's copy and lives until the last rank unmaps it, so a peer still using its
+  // mapping is unaffected; this rank's share of the memory goes now.
+  char* const base = region.view.ptr[0];
+  auto const it =
+      std::find_if(mappings_.begin(), mappings_.end(), [base](Mapping const& mapping) { return mapping.base == base; });
+  if (base == nullptr || it == mappings_.end()) return;  // not this communicator's, or released already
+  if (munmap(it->base, it->bytes) != 0)
+    FERRY_LOG_WARN("cpu communicator (rank ", rank_, "): munmap of ", it->bytes, " bytes failed: ", errno_text(errno));
+  mappings_.erase(it);
+}
+
+void CpuCommunicator::post_refusal(std::string const& reason) {
+  // Written before this rank joins the refused call's exchange, whose barrier (release / acquire) publishes it.
+  char* const slot = refusals_.view.ptr[rank_];
+  std::size_t const n = std::min(reason.size(), kRefusalBytes - 1);
+  std::memcpy(slot, reason.data(), n);
+  slot[n] = '\0';
+}
+
+std::string CpuCommunicator::refusal_of(int rank) {
+  FERRY_CHECK(rank >= 0 && rank < world_, "refusal_of(", rank, "): no such rank in a world of ", world_);
+  char const* const slot = refusals_.view.ptr[rank];
+  return std::string(slot, strnlen(slot, kRefusalBytes));
 }
 
 void CpuCommunicator::release_mappings() noexcept {
@@ -335,7 +400,15 @@ void CpuCommunicator::check_errors(cudaStream_t stream) {
     throw TimeoutError(failure_);
   }
 
-  // 2. rows or ids that were dropped: an input problem of the last calls; nothing was corrupted, so the communicator
+  // 2. a call a peer refused on input (its abort flag in the exchange): refused here too
+  if (error_->refusals != 0) {
+    int32_t const peer = error_->refusing_rank;
+    error_->refusals = 0;
+    FERRY_THROW(InputError, "input",
+                describe_refusal(peer, static_cast<WaitPhase>(error_->refused_phase), refusal_of(peer)));
+  }
+
+  // 3. rows or ids that were dropped: an input problem of the last calls; nothing was corrupted, so the communicator
   //    stays usable and the counters start again from 0
   uint32_t const input_errors = error_->input_errors;
   uint32_t const overflow_rows = error_->overflow_rows;

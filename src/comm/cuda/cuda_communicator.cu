@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -111,6 +112,9 @@ class CudaCommunicator final : public Communicator {
     FERRY_CHECK_CONFIG(bytes > 0, "alloc_symmetric(0): ask for at least one byte");
     return alloc_region(bytes);
   }
+  void release_symmetric(SymmetricRegion const& region) noexcept override;
+  void post_refusal(std::string const& reason) override;
+  std::string refusal_of(int rank) override;
 
   void check_errors(cudaStream_t stream) override;
   bool failed() const override { return failed_; }
@@ -130,9 +134,15 @@ class CudaCommunicator final : public Communicator {
     void* ptr = nullptr;
     std::size_t bytes = 0;
     ncclWindow_t window = nullptr;
+    uint64_t id = 0;        // allocation number, the same on every rank (allocations are collective and ordered)
+    bool released = false;  // given back by its owner (release_symmetric); reused or freed by the next allocation
+    SymmetricRegion view{};
   };
 
   SymmetricRegion alloc_region(std::size_t bytes);
+  // Collective, at the start of every allocation: the regions every rank has released. One that fits `bytes` is
+  // returned (zeroed) for reuse; the others are deregistered and freed (collective, in id order on every rank).
+  std::optional<SymmetricRegion> recycle_released(std::size_t bytes);
   void teardown() noexcept;
 
   std::unique_ptr<Bootstrap> bootstrap_;
@@ -141,6 +151,8 @@ class CudaCommunicator final : public Communicator {
   ncclDevComm dev_comm_{};
   bool dev_comm_created_ = false;
   std::vector<Region> regions_;  // in allocation order; released in reverse
+  uint64_t next_region_id_ = 0;
+  SymmetricRegion refusals_{};  // [world] kRefusalBytes: each rank's reason for its last refused call
   std::size_t alignment_ = NCCL_WIN_REQUIRED_ALIGNMENT;
   DeviceErrorBlock* error_host_ = nullptr;  // mapped pinned memory; view_.error is its device address
   uint64_t* barrier_epoch_ = nullptr;
@@ -234,7 +246,99 @@ void CudaCommunicator::init(CommunicatorOptions const& options) {
   view_.error = error_device;
   view_.signals = signals.view;
   view_.barrier_epoch = barrier_epoch_;
+  refusals_ = alloc_region(kRefusalBytes);
   initialized_ = true;
+}
+
+void CudaCommunicator::release_symmetric(SymmetricRegion const& region) noexcept {
+  // Local: deregistering a window is collective, and a destructor cannot wait for peers that may be gone. The region
+  // is freed or handed out again by the next collective allocation, once every rank has released it.
+  for (Region& r : regions_)
+    if (r.ptr == region.local && r.ptr != nullptr) r.released = true;
+}
+
+void CudaCommunicator::post_refusal(std::string const& reason) {
+  // Written (synchronously) before the refused call's kernels are enqueued: a peer that saw this rank's abort flag
+  // in that call reads it afterwards (refusal_of), when its own kernel has finished.
+  char text[kRefusalBytes] = {};
+  std::memcpy(text, reason.data(), std::min(reason.size(), kRefusalBytes - 1));
+  FERRY_CHECK_CUDA(cudaSetDevice(device_));
+  FERRY_CHECK_CUDA(cudaMemcpy(refusals_.local, text, kRefusalBytes, cudaMemcpyHostToDevice));
+}
+
+std::string CudaCommunicator::refusal_of(int rank) {
+  FERRY_CHECK(rank >= 0 && rank < bootstrap_->world(), "refusal_of(", rank, "): no such rank in a world of ",
+              bootstrap_->world());
+  char text[kRefusalBytes] = {};
+  FERRY_CHECK_CUDA(cudaSetDevice(device_));
+  // the peer's copy through its LSA address (a flat address on this device)
+  FERRY_CHECK_CUDA(cudaMemcpy(text, refusals_.view.ptr[rank], kRefusalBytes, cudaMemcpyDeviceToHost));
+  return std::string(text, strnlen(text, kRefusalBytes));
+}
+
+std::optional<SymmetricRegion> CudaCommunicator::recycle_released(std::size_t bytes) {
+  // 1. every rank's released ids (two rounds: how many, then the ids, padded to the longest list)
+  int const world = bootstrap_->world();
+  std::vector<uint64_t> mine;
+  for (Region const& r : regions_)
+    if (r.released) mine.push_back(r.id);
+  uint64_t const count = mine.size();
+  std::vector<uint64_t> counts(world);
+  bootstrap_->allgather(&count, counts.data(), sizeof(uint64_t));
+  uint64_t const longest = *std::max_element(counts.begin(), counts.end());
+  if (longest == 0) return std::nullopt;
+  mine.resize(longest, UINT64_MAX);
+  std::vector<uint64_t> all(static_cast<std::size_t>(world) * longest);
+  bootstrap_->allgather(mine.data(), all.data(), longest * sizeof(uint64_t));
+
+  // 2. the ids released on every rank (the same set everywhere, so every rank takes the same decisions below)
+  std::vector<uint64_t> common;
+  for (uint64_t id : std::vector<uint64_t>(all.begin(), all.begin() + longest)) {
+    if (id == UINT64_MAX) continue;
+    bool everywhere = true;
+    for (int r = 1; r < world && everywhere; ++r)
+      everywhere =
+          std::find(all.begin() + r * longest, all.begin() + (r + 1) * longest, id) != all.begin() + (r + 1) * longest;
+    if (everywhere) common.push_back(id);
+  }
+  std::sort(common.begin(), common.end());
+  if (common.empty()) return std::nullopt;
+
+  // 3. reuse the smallest that fits (its size is the same on every rank), free the others
+  std::size_t const rounded = round_up(bytes, alignment_);
+  auto const find = [this](uint64_t id) {
+    return std::find_if(regions_.begin(), regions_.end(), [id](Region const& x) { return x.id == id; });
+  };
+  std::optional<uint64_t> reuse;
+  std::size_t reuse_bytes = SIZE_MAX;
+  for (uint64_t id : common) {
+    std::size_t const have = find(id)->bytes;
+    // NOTE: a region more than twice the size asked for is freed rather than kept half empty
+    if (have >= rounded && have <= 2 * rounded && have < reuse_bytes) {
+      reuse = id;
+      reuse_bytes = have;
+    }
+  }
+  // every rank's kernels on these regions finished before it released them; the peers' too before this allocation
+  // (each released before calling it), so nobody reaches them any more
+  FERRY_CHECK_CUDA(cudaDeviceSynchronize());
+  std::optional<SymmetricRegion> out;
+  for (uint64_t id : common) {
+    auto const it = find(id);
+    if (reuse && id == *reuse) {
+      FERRY_CHECK_CUDA(cudaMemset(it->ptr, 0, it->bytes));
+      FERRY_CHECK_CUDA(cudaDeviceSynchronize());
+      it->released = false;
+      out = it->view;
+      continue;
+    }
+    FERRY_CHECK_NCCL(ncclCommWindowDeregister(comm_, it->window));
+    FERRY_CHECK_NCCL(ncclMemFree(it->ptr));
+    regions_.erase(it);
+  }
+  // NOTE: a reused region's zeroes must land on every rank before a peer's next kernel can write into it: the
+  // caller's construction ends in a barrier before any kernel runs (EpBuffer's backends do), as for a new region.
+  return out;
 }
 
 SymmetricRegion CudaCommunicator::alloc_region(std::size_t bytes) {
@@ -252,8 +356,12 @@ SymmetricRegion CudaCommunicator::alloc_region(std::size_t bytes) {
                        "; call it in the same order with the same size on every rank");
   }
 
-  // 2. allocate, zero, register (collective, same order on every rank)
+  // 2. reuse a region every rank has released, if one fits (and free the other released ones)
+  if (std::optional<SymmetricRegion> recycled = recycle_released(bytes)) return *recycled;
+
+  // 3. allocate, zero, register (collective, same order on every rank)
   Region region;
+  region.id = next_region_id_++;
   region.bytes = round_up(bytes, alignment_);
   FERRY_CHECK_NCCL(ncclMemAlloc(&region.ptr, region.bytes));
   try {
@@ -267,7 +375,7 @@ SymmetricRegion CudaCommunicator::alloc_region(std::size_t bytes) {
   }
   regions_.push_back(region);
 
-  // 3. every rank's flat LSA address, fetched once (world rank -> LSA rank through the world team). NCCL maps all
+  // 4. every rank's flat LSA address, fetched once (world rank -> LSA rank through the world team). NCCL maps all
   // ranks' memory into one flat range, so ptr[rank] is a second virtual address of this rank's buffer, not
   // region.ptr itself; both are valid on this device.
   LsaPointerParams params{};
@@ -285,6 +393,7 @@ SymmetricRegion CudaCommunicator::alloc_region(std::size_t bytes) {
   out.local = region.ptr;
   out.view.bytes = region.bytes;
   for (int r = 0; r < world; ++r) out.view.ptr[r] = pointers[r];
+  regions_.back().view = out;
   return out;
 }
 
@@ -303,7 +412,15 @@ void CudaCommunicator::check_errors(cudaStream_t stream) {
     throw TimeoutError(failure_);
   }
 
-  // 2. ids the device dropped: an input problem of the last calls, the communicator stays usable
+  // 2. a call a peer refused on input (its abort flag in the exchange): refused here too
+  if (__atomic_load_n(&error_host_->refusals, __ATOMIC_ACQUIRE) != 0) {
+    int32_t const peer = __atomic_load_n(&error_host_->refusing_rank, __ATOMIC_ACQUIRE);
+    auto const phase = static_cast<WaitPhase>(__atomic_load_n(&error_host_->refused_phase, __ATOMIC_ACQUIRE));
+    __atomic_store_n(&error_host_->refusals, 0u, __ATOMIC_RELEASE);
+    FERRY_THROW(InputError, "input", describe_refusal(peer, phase, refusal_of(peer)));
+  }
+
+  // 3. ids the device dropped: an input problem of the last calls, the communicator stays usable
   uint32_t const input_errors = __atomic_load_n(&error_host_->input_errors, __ATOMIC_ACQUIRE);
   uint32_t const overflow_rows = __atomic_load_n(&error_host_->overflow_rows, __ATOMIC_ACQUIRE);
   if (input_errors != 0 || overflow_rows != 0) {

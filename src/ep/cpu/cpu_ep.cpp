@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "comm/comm_impl.hpp"
 #include "core/log.hpp"
 #include "ep/ep_impl.hpp"
 #include "ep/reference.hpp"
@@ -63,17 +64,46 @@ class LocalPages {
   std::size_t bytes_ = 0;
 };
 
+// The call header each rank publishes at the first barrier of every call (DESIGN "Collective consistency"): which
+// call of this buffer it is in, and whether it refused it on input. Every rank reads every header after that
+// barrier, so all of them take the same decision: go on, fail the call (a refusal), or fail the buffer (out of step).
+enum class CallKind : uint32_t { dispatch = 0, combine = 1 };
+
+struct CallHeader {
+  uint64_t step;     // collective calls of this buffer so far, this one included; its parity picks the slot
+  uint32_t kind;     // CallKind
+  uint32_t refused;  // 1: this rank refused the call on input (its reason: Communicator::refusal_of)
+  uint64_t number;   // calls of this kind on this buffer so far, this one included
+  // the refusing rank's reason (parity-buffered with the header: the communicator's slot may already hold the reason
+  // of its next refusal by the time a slow peer reads)
+  char reason[kRefusalBytes];
+};
+
+char const* call_kind_name(uint32_t kind) {
+  return kind == static_cast<uint32_t>(CallKind::dispatch) ? "dispatch" : "combine";
+}
+
 class CpuEp final : public EpBackendImpl {
  public:
   CpuEp(Communicator& comm, EpConfig const& config);
+  ~CpuEp() override;
+  CpuEp(CpuEp const&) = delete;
+  CpuEp& operator=(CpuEp const&) = delete;
 
   DispatchResult dispatch(DispatchArgs const& args, cudaStream_t stream) override;
   void combine(CombineArgs const& args, cudaStream_t stream) override;
   std::string explain() const override;
   DispatchResult complete_dispatch(cudaStream_t stream) override;
   void complete_combine(cudaStream_t stream) override;
+  void refuse_dispatch(cudaStream_t stream) override;
+  void refuse_combine(cudaStream_t stream) override;
 
  private:
+  // Publishes this rank's header, waits at the barrier, reads every rank's. A peer's refusal throws InputError naming
+  // it (the lowest refusing peer) unless this rank refused the call too (it then throws its own error). Throws Error,
+  // and marks the buffer out of step for good, when a rank is in another call.
+  void join_call(CallKind kind, bool refused);
+  void release_regions() noexcept;
   void report_drops(int64_t dropped, bool eager);
   DispatchResult receive_dispatch();  // the receive half: expert-major layout, results, drop report
   void receive_combine();             // the receive half: sum into y
@@ -99,6 +129,10 @@ class CpuEp final : public EpBackendImpl {
   SymmetricRegion recv_weights_;  // [capacity x topk] float
   SymmetricRegion recv_src_;      // [capacity x 2] int32 (source rank, source token)
   SymmetricRegion combine_rows_;  // [capacity x combine wire row], the rows this rank sends back in combine
+  SymmetricRegion headers_;       // [2 parities] CallHeader of this rank (peers read it from their mapping)
+  uint64_t step_ = 0;
+  uint64_t calls_[2] = {};   // by CallKind
+  std::string out_of_step_;  // set once a rank was found in another call: every later call throws it
 
   // this rank's view of the last dispatch
   bool have_dispatch_ = false;
@@ -157,12 +191,18 @@ CpuEp::CpuEp(Communicator& comm, EpConfig const& config)
       out_row_bytes_(config.recv_row_bytes()),
       low_latency_(config.mode == Mode::low_latency) {
   // Collective: every rank allocates the same regions in the same order.
-  counts_ = comm_.alloc_symmetric(at(world_, world_) * sizeof(int64_t));
-  recv_x_ = comm_.alloc_symmetric(at(capacity_, 1) * dispatch_wire_.row_bytes);
-  recv_idx_ = comm_.alloc_symmetric(at(capacity_, topk_) * sizeof(int32_t));
-  recv_weights_ = comm_.alloc_symmetric(at(capacity_, topk_) * sizeof(float));
-  recv_src_ = comm_.alloc_symmetric(at(capacity_, 2) * sizeof(int32_t));
-  combine_rows_ = comm_.alloc_symmetric(at(capacity_, 1) * combine_wire_.row_bytes);
+  try {
+    counts_ = comm_.alloc_symmetric(at(world_, world_) * sizeof(int64_t));
+    recv_x_ = comm_.alloc_symmetric(at(capacity_, 1) * dispatch_wire_.row_bytes);
+    recv_idx_ = comm_.alloc_symmetric(at(capacity_, topk_) * sizeof(int32_t));
+    recv_weights_ = comm_.alloc_symmetric(at(capacity_, topk_) * sizeof(float));
+    recv_src_ = comm_.alloc_symmetric(at(capacity_, 2) * sizeof(int32_t));
+    combine_rows_ = comm_.alloc_symmetric(at(capacity_, 1) * combine_wire_.row_bytes);
+    headers_ = comm_.alloc_symmetric(2 * sizeof(CallHeader));  // zeroed: step 0 is "no call yet"
+  } catch (...) {
+    release_regions();  // the destructor does not run for a constructor that throws
+    throw;
+  }
   if (slots_ > 0) expert_x_ = LocalPages(at(static_cast<int64_t>(num_local_) * slots_, 1) * out_row_bytes_);
   WireFormat const format = config.dispatch_format;
   if (format != WireFormat::bf16 && !low_latency_) recv_out_.resize(at(capacity_, 1) * out_row_bytes_);
@@ -187,6 +227,72 @@ CpuEp::CpuEp(Communicator& comm, EpConfig const& config)
   dest_offset_.assign(static_cast<std::size_t>(world_), 0);
 }
 
+CpuEp::~CpuEp() {
+  release_regions();
+}
+
+void CpuEp::release_regions() noexcept {
+  for (SymmetricRegion* region :
+       {&counts_, &recv_x_, &recv_idx_, &recv_weights_, &recv_src_, &combine_rows_, &headers_})
+    if (region->local != nullptr) comm_.release_symmetric(*region);
+}
+
+void CpuEp::join_call(CallKind kind, bool refused) {
+  if (!out_of_step_.empty()) throw Error(out_of_step_);
+  uint64_t const step = ++step_;
+  uint64_t const number = ++calls_[static_cast<int>(kind)];
+  // NOTE: two slots by parity: a rank that is one call ahead writes the other slot while a slower one still reads
+  // this one; it cannot get two calls ahead without this rank at the next call's barrier.
+  std::size_t const slot = (step & 1) * sizeof(CallHeader);
+  auto* const mine = reinterpret_cast<CallHeader*>(static_cast<char*>(headers_.local) + slot);
+  mine->step = step;
+  mine->kind = static_cast<uint32_t>(kind);
+  mine->refused = refused ? 1u : 0u;
+  mine->number = number;
+  if (refused) {
+    std::string const reason = comm_.refusal_of(rank_);  // posted by EpBuffer just before
+    std::size_t const n = std::min(reason.size(), sizeof(mine->reason) - 1);
+    std::memcpy(mine->reason, reason.data(), n);
+    mine->reason[n] = '\0';
+  }
+  comm_.barrier(nullptr);  // release / acquire: every header written before it is visible after it
+  int refusing = -1;
+  for (int r = 0; r < world_; ++r) {
+    auto const& theirs = *reinterpret_cast<CallHeader const*>(headers_.view.ptr[r] + slot);
+    if (theirs.step != step || theirs.kind != mine->kind) {
+      std::string const where = theirs.step == 0 ? std::string("had made no call on it yet")
+                                                 : concat("was in ", call_kind_name(theirs.kind), " #", theirs.number,
+                                                          " (call ", theirs.step, " of the buffer)");
+      // NOTE: the barrier passed, so every rank is past the same number of barriers: the communicator stays in step
+      out_of_step_ = format_error(
+          "ferry", __FILE__, __LINE__,
+          concat("calls out of step on this EpBuffer: rank ", rank_, " is in ", call_kind_name(mine->kind), " #",
+                 number, " (call ", step, " of the buffer) but rank ", r, " ", where,
+                 " at the same barrier; every rank must make the same dispatch / combine calls in the same order. "
+                 "No data of this call is returned, and this EpBuffer refuses every later call: destroy it on every "
+                 "rank and create a new one (the communicator stays usable)"));
+      throw Error(out_of_step_);
+    }
+    if (theirs.refused != 0 && r != rank_ && refusing < 0) refusing = r;
+  }
+  if (refusing >= 0 && !refused) {
+    auto const& theirs = *reinterpret_cast<CallHeader const*>(headers_.view.ptr[refusing] + slot);
+    FERRY_THROW(InputError, "input",
+                describe_refusal(refusing, WaitPhase::none,
+                                 std::string(theirs.reason, strnlen(theirs.reason, sizeof(theirs.reason)))));
+  }
+}
+
+void CpuEp::refuse_dispatch(cudaStream_t) {
+  have_dispatch_ = false;
+  num_tokens_ = 0;
+  join_call(CallKind::dispatch, true);
+}
+
+void CpuEp::refuse_combine(cudaStream_t) {
+  join_call(CallKind::combine, true);
+}
+
 void CpuEp::report_drops(int64_t dropped, bool eager) {
   if (dropped > 0) {
     DeviceErrorBlock& block = *comm_.device_view().error;
@@ -195,12 +301,10 @@ void CpuEp::report_drops(int64_t dropped, bool eager) {
   if (eager) comm_.check_errors(nullptr);
 }
 
-DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t stream) {
-  FERRY_CHECK_INPUT(stream == nullptr, "the cpu backend runs on the host: stream must be null, got ",
-                    static_cast<void*>(stream));
+DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
   int const num_tokens = args.num_tokens;
 
-  // 1. host checks before anything is written: every id in [-1, num_experts)
+  // 1. the ids (checked by EpBuffer: in [-1, num_experts), distinct per token)
   std::vector<int64_t> ids(at(num_tokens, topk_));
   if (ids.empty()) {
     // nothing to read (topk_idx may be null for num_tokens=0)
@@ -210,7 +314,6 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t stream) {
     auto const* narrow = static_cast<int32_t const*>(args.topk_idx);
     std::copy(narrow, narrow + ids.size(), ids.begin());
   }
-  ref::validate_topk_idx(config_, rank_, num_tokens, ids);
 
   // 2. destinations of every token, rows per destination
   dest_mask_.assign(static_cast<std::size_t>(num_tokens), 0);
@@ -231,7 +334,8 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t stream) {
   //    barrier of the previous dispatch, so it is free to overwrite)
   for (int p = 0; p < world_; ++p)
     std::memcpy(counts_.view.ptr[p] + at(rank_, world_) * sizeof(int64_t), sends.data(), at(world_, sizeof(int64_t)));
-  comm_.barrier(nullptr);  // counts visible everywhere (release/acquire in the barrier)
+  // counts visible everywhere (release/acquire in the barrier), and every rank in this call: else nothing moves
+  join_call(CallKind::dispatch, false);
 
   // 4. offsets: rank s's rows on rank d follow the rows of ranks 0..s-1 (rank-major order, no atomics)
   auto const* matrix = reinterpret_cast<int64_t const*>(counts_.local);
@@ -411,17 +515,10 @@ DispatchResult CpuEp::receive_dispatch() {
   return result;
 }
 
-void CpuEp::combine(CombineArgs const& args, cudaStream_t stream) {
-  FERRY_CHECK_INPUT(stream == nullptr, "the cpu backend runs on the host: stream must be null, got ",
-                    static_cast<void*>(stream));
-  validate_combine_args(config_, args, have_dispatch_);
-  FERRY_CHECK_INPUT(num_tokens_ == 0 || args.y != nullptr, "combine y is null for the ", num_tokens_,
-                    " tokens of the last dispatch");
+void CpuEp::combine(CombineArgs const& args, cudaStream_t) {
+  FERRY_CHECK(have_dispatch_ && (args.layout != CombineLayout::expert_major || last_expand_),
+              "cpu backend: combine without the dispatch layout it needs (EpBuffer checks this first)");
   bool const expert_major = args.layout == CombineLayout::expert_major;
-  // NOTE: expert outputs are laid out by the slots of the last dispatch's expert-major layout.
-  FERRY_CHECK_INPUT(!expert_major || last_expand_,
-                    "combine layout=expert_major needs the last dispatch to have expand=true (its expert-major "
-                    "layout gives each row's slots); dispatch with expand=true or combine with layout=rank_major");
 
   // 1. receiver: the row each received row sends back, in this rank's send-back area
   auto* const out = static_cast<uint8_t*>(combine_rows_.local);
@@ -446,7 +543,8 @@ void CpuEp::combine(CombineArgs const& args, cudaStream_t stream) {
     else
       quant::quantize_row(format, row, hidden_, wire);
   }
-  comm_.barrier(nullptr);  // every rank's rows are ready
+  // every rank's rows are ready, and every rank in this call: else nothing is summed
+  join_call(CallKind::combine, false);
   pending_y_ = args.y;
   pending_eager_ = args.eager;
   last_combine_ = concat("combine: cpu reference", low_latency_ ? ", ll" : "",
