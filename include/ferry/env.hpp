@@ -1,30 +1,55 @@
-// Environment parameters: every FERRY_* variable is declared once, in one table, with its default and meaning.
-// `ferry env` prints the table with the value in force.
+// Environment parameters: every FERRY_* variable is declared once, in one table, with its default, its meaning and
+// the rule its value must follow. The accessors refuse a value that breaks the rule, and `ferry env` flags it with
+// the same message.
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <span>
 #include <string>
 
 namespace ferry {
 
+// What a value must be (an unset or empty variable always passes: it means the default).
+enum class EnvKind : uint8_t {
+  text,     // anything (a path, an address)
+  integer,  // a whole number in [min, max]
+  number,   // a decimal number above min
+  choice,   // one of the words listed in `allowed` ("error, warn, info, debug")
+};
+
 struct EnvParam {
   char const* name;           // e.g. "FERRY_TIMEOUT_S"
   char const* default_value;  // as text; "" means unset / automatic
   char const* meaning;        // one line for `ferry env` and the README
+  EnvKind kind = EnvKind::text;
+  char const* allowed = "";  // what a value must be, in the words of the refusal ("a positive number of seconds")
+  double min = -std::numeric_limits<double>::infinity();
+  double max = std::numeric_limits<double>::infinity();
+  bool rendezvous = false;  // read by the socket bootstrap: a refusal is a BootstrapError (else ConfigError)
 };
 
-// The table of every parameter Ferry reads.
+// The table of every parameter Ferry reads, and one entry of it (ConfigError for a name missing from the table).
 std::span<EnvParam const> env_params();
+EnvParam const& env_param(char const* name);
+
+// "" when `value` follows the rule of `param` (an empty value: unset, always does); else the refusal, naming the
+// variable, the value and what to do ("FERRY_TIMEOUT_S=-1 must be a positive number of seconds; ...").
+std::string env_problem(EnvParam const& param, std::string const& value);
 
 // Value of a declared parameter: the environment's if set and non-empty, else the table's default.
-// Throws ConfigError for a name missing from the table (a programming error caught by tests) and for a value
-// that does not parse (naming the variable, the value and what is allowed).
+// Throws ConfigError (BootstrapError for a rendezvous variable) with env_problem's message for a value that breaks
+// its rule, and ConfigError for a name missing from the table (a programming error caught by tests).
 std::string env_string(char const* name);
 int64_t env_int(char const* name);
 double env_double(char const* name);
 // Unset (or empty) with an empty default gives nullopt.
 std::optional<int64_t> env_optional_int(char const* name);
+
+// Checks every declared variable set in this environment; throws what env_string would for the first refused one.
+// Called where a job starts (communicator creation in Python, every `ferry` command) so that a bad value is refused
+// at once, not when (or if) the code that reads it runs.
+void check_env();
 
 }  // namespace ferry

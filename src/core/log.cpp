@@ -11,12 +11,16 @@ namespace {
 
 constexpr char const* kNames[] = {"error", "warn", "info", "debug"};
 
+// NOTE: never throws (logging runs in destructors and teardown). A refused FERRY_LOG is refused where a job starts
+// (check_env); a process that logs without starting one says so once and logs at warn.
 LogLevel configured_level() {
   static LogLevel const level = [] {
-    std::string const text = env_string("FERRY_LOG");
+    EnvParam const& param = env_param("FERRY_LOG");
+    char const* set = std::getenv(param.name);
+    std::string const text = set && *set ? set : param.default_value;
     for (int i = 0; i < 4; ++i)
       if (text == kNames[i]) return static_cast<LogLevel>(i);
-    std::fprintf(stderr, "ferry: FERRY_LOG=%s is unknown (use error, warn, info or debug); using warn\n", text.c_str());
+    std::fprintf(stderr, "ferry: %s (logging at warn)\n", env_problem(param, text).c_str());
     return LogLevel::warn;
   }();
   return level;

@@ -1,6 +1,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "commands.hpp"
 #include "ferry/env.hpp"
@@ -9,17 +10,28 @@
 namespace ferry::cli {
 
 int env_main(int argc, char** argv) {
-  Options options("env", "Lists every environment parameter Ferry reads, its default, the value in force, and meaning.",
-                  {});
+  Options options(
+      "env",
+      "Lists every environment parameter Ferry reads, its default, the value in force, and meaning. A value "
+      "the library refuses is marked 'refused' and its refusal printed after the table (exit status 1).",
+      {});
   if (!options.parse(argc, argv)) return 0;
   std::printf("%-28s %-10s %-12s %s\n", "variable", "default", "in force", "meaning");
+  std::vector<std::string> refusals;
   for (EnvParam const& param : env_params()) {
     char const* set = std::getenv(param.name);
-    std::string const value = (set && *set) ? set : "(default)";
+    std::string value = (set && *set) ? set : "(default)";
+    // NOTE: the rule the accessors apply (env_problem), so this flags exactly what the library refuses.
+    if (std::string const problem = env_problem(param, set ? set : ""); !problem.empty()) {
+      value += " (refused)";
+      refusals.push_back(problem);
+    }
     std::printf("%-28s %-10s %-12s %s\n", param.name, *param.default_value ? param.default_value : "-", value.c_str(),
                 param.meaning);
   }
-  return 0;
+  std::fflush(stdout);
+  for (std::string const& refusal : refusals) std::fprintf(stderr, "ferry env: refused: %s\n", refusal.c_str());
+  return refusals.empty() ? 0 : 1;
 }
 
 }  // namespace ferry::cli

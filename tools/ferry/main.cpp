@@ -6,6 +6,7 @@
 #include <string>
 
 #include "commands.hpp"
+#include "ferry/env.hpp"
 #include "ferry/error.hpp"
 
 namespace {
@@ -35,8 +36,9 @@ int main(int argc, char** argv) {
   }
   std::string const command = argv[1];
   try {
+    if (command == "env") return ferry::cli::env_main(argc - 2, argv + 2);  // reports refused values itself
+    ferry::check_env();  // every other command refuses a bad FERRY_* value before it starts anything
     if (command == "bench") return ferry::cli::bench_main(argc - 2, argv + 2);
-    if (command == "env") return ferry::cli::env_main(argc - 2, argv + 2);
     if (command == "launch") return ferry::cli::launch_main(argc - 2, argv + 2);
     if (command == "tune") return ferry::cli::tune_main(argc - 2, argv + 2);
     if (command == "trace") return ferry::cli::trace_main(argc - 2, argv + 2);

@@ -1,0 +1,96 @@
+// The env table's rules (src/core/env.cpp): one rule per variable, applied by the library's accessors and by
+// `ferry env` with the same message. Before the rules, `ferry env` showed FERRY_TIMEOUT_S=abc or -1 as in force and
+// FERRY_LOG=verbose was accepted silently: these tests failed so.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "ferry/env.hpp"
+#include "ferry/error.hpp"
+#include "support/host_fixtures.hpp"
+
+namespace ferry::test {
+namespace {
+
+// The refusal the library raises for name=value ("" when it accepts it).
+std::string library_refusal(char const* name, std::string const& value) {
+  ScopedEnv const set(name, value);
+  try {
+    check_env();
+  } catch (Error const& error) {
+    return error.what();
+  }
+  return "";
+}
+
+TEST(EnvRules, EveryDefaultFollowsItsOwnRule) {
+  for (EnvParam const& param : env_params())
+    EXPECT_EQ(env_problem(param, param.default_value), "") << param.name << " default " << param.default_value;
+}
+
+TEST(EnvRules, BadValuesAreRefusedNamingVariableValueAndWhatToDo) {
+  struct Case {
+    char const* name;
+    char const* value;
+    char const* says;
+  };
+  for (Case const& c : {
+           Case{"FERRY_TIMEOUT_S", "abc",
+                "FERRY_TIMEOUT_S=abc is not a number; it must be a positive number of seconds"},
+           Case{"FERRY_TIMEOUT_S", "-1", "FERRY_TIMEOUT_S=-1 must be a positive number of seconds"},
+           Case{"FERRY_TIMEOUT_S", "0", "FERRY_TIMEOUT_S=0 must be a positive number of seconds"},
+           Case{"FERRY_TIMEOUT_S", "inf", "FERRY_TIMEOUT_S=inf is not a number"},
+           Case{"FERRY_LOG", "verbose", "FERRY_LOG=verbose is not one of error, warn, info, debug"},
+           Case{"FERRY_NORMAL_LANDING", "maybe", "FERRY_NORMAL_LANDING=maybe is not one of auto, on, off"},
+           Case{"FERRY_DISPATCH_BLOCKS", "-4", "FERRY_DISPATCH_BLOCKS=-4 must be a count in [0, 65536]"},
+           Case{"FERRY_NCCL_VERSION_CHECK", "yes", "FERRY_NCCL_VERSION_CHECK=yes is not a whole number"},
+       }) {
+    std::string const refusal = library_refusal(c.name, c.value);
+    EXPECT_TRUE(contains(refusal, c.says)) << c.name << "=" << c.value << ": '" << c.says << "' not in: " << refusal;
+    EXPECT_TRUE(contains(refusal, "unset it")) << refusal;
+  }
+  // the accessor of the variable refuses it too, as ConfigError
+  ScopedEnv const timeout("FERRY_TIMEOUT_S", "-1");
+  EXPECT_THROW(env_double("FERRY_TIMEOUT_S"), ConfigError);
+  ScopedEnv const log("FERRY_LOG", "verbose");
+  EXPECT_THROW(env_string("FERRY_LOG"), ConfigError);
+}
+
+TEST(EnvRules, GoodValuesPass) {
+  for (auto const& [name, value] : {std::pair{"FERRY_TIMEOUT_S", "2.5"}, std::pair{"FERRY_LOG", "debug"},
+                                    std::pair{"FERRY_NORMAL_LANDING", "off"}, std::pair{"FERRY_COMBINE_WARPS", "0"}})
+    EXPECT_EQ(library_refusal(name, value), "") << name << "=" << value;
+  ScopedEnv const timeout("FERRY_TIMEOUT_S", "2.5");
+  EXPECT_EQ(env_double("FERRY_TIMEOUT_S"), 2.5);
+}
+
+// `ferry env` flags a refused value with the library's own message and exits 1; values in force are listed as before.
+TEST(EnvCli, FlagsWhatTheLibraryRefusesWithItsMessage) {
+  for (auto const& [name, value] :
+       {std::pair{"FERRY_TIMEOUT_S", "abc"}, std::pair{"FERRY_TIMEOUT_S", "-1"}, std::pair{"FERRY_LOG", "verbose"}}) {
+    ScopedEnv const set(name, std::string(value));
+    std::string const problem = env_problem(env_param(name), value);
+    ASSERT_FALSE(problem.empty()) << name << "=" << value;
+    CliRun const run = run_ferry("env");
+    EXPECT_EQ(run.code, 1) << run.output;
+    EXPECT_TRUE(contains(run.output, std::string(value) + " (refused)")) << run.output;
+    EXPECT_TRUE(contains(run.output, "ferry env: refused: " + problem)) << run.output;
+  }
+  ScopedEnv const good("FERRY_TIMEOUT_S", std::string("7"));
+  CliRun const run = run_ferry("env");
+  EXPECT_EQ(run.code, 0) << run.output;
+  EXPECT_FALSE(contains(run.output, "refused")) << run.output;
+}
+
+// Every other command refuses a bad value before it starts anything (exit 2, one line).
+TEST(EnvCli, OtherCommandsRefuseABadValueBeforeStarting) {
+  ScopedEnv const rank("RANK", std::nullopt);
+  ScopedEnv const log("FERRY_LOG", std::string("verbose"));
+  CliRun const run = run_ferry("bench --backend cpu --tokens 16 --hidden 256 --iters 1");
+  EXPECT_EQ(run.code, 2) << run.output;
+  EXPECT_TRUE(contains(run.output, "FERRY_LOG=verbose is not one of error, warn, info, debug")) << run.output;
+  EXPECT_FALSE(contains(run.output, "rank 0")) << run.output;
+}
+
+}  // namespace
+}  // namespace ferry::test
