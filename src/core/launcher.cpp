@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "ferry/env.hpp"
 #include "ferry/error.hpp"
 
 namespace ferry {
@@ -34,6 +35,10 @@ constexpr std::pair<char const*, char const*> kSafetyEnv[] = {
 
 void set_multicast_safety_env() {
   for (auto const& [name, value] : kSafetyEnv) setenv(name, value, 1);
+}
+
+std::chrono::milliseconds default_grace() {
+  return std::chrono::milliseconds(static_cast<int64_t>(1000 * (env_double("FERRY_TIMEOUT_S") + 5)));
 }
 
 bool LaunchResult::ok() const {
@@ -55,9 +60,20 @@ std::string LaunchResult::describe() const {
           detail::concat("killed by signal ", rank.signal, rank.killed_by_launcher ? " (stopped by the launcher)" : "");
     else
       out += detail::concat("exit ", rank.exit_code);
-    out += "\n";
+    out += static_cast<int>(r) == first_failed ? " (failed first)\n" : "\n";
   }
   return out;
+}
+
+int LaunchResult::exit_status() const {
+  if (ok()) return 0;
+  auto status = [](RankExit const& rank) {
+    return rank.signal ? 128 + rank.signal : rank.exit_code > 0 ? rank.exit_code : 1;
+  };
+  if (first_failed >= 0) return status(ranks[static_cast<std::size_t>(first_failed)]);
+  for (RankExit const& rank : ranks)
+    if (rank.exit_code != 0) return status(rank);
+  return 1;
 }
 
 namespace {
@@ -132,6 +148,7 @@ void kill_started(std::vector<pid_t> const& pids) {
 LaunchResult launch_ranks(LaunchOptions const& options) {
   FERRY_CHECK(options.nproc >= 1, "launch_ranks: nproc=", options.nproc, " must be at least 1");
   FERRY_CHECK(!options.argv.empty(), "launch_ranks: empty argv");
+  std::chrono::milliseconds const grace = options.grace ? *options.grace : default_grace();
   int const port = options.master_port ? options.master_port : pick_free_port();
 
   // Build every child's argv and environment before forking: between fork and exec the child may only make
@@ -208,7 +225,10 @@ LaunchResult launch_ranks(LaunchOptions const& options) {
         exit.exit_code = -1;
         exit.signal = WTERMSIG(status);
       }
-      if (exit.exit_code != 0 && !first_failure) first_failure = Clock::now();
+      if (exit.exit_code != 0 && !first_failure) {
+        first_failure = Clock::now();
+        result.first_failed = rank;
+      }
       pids[rank] = -1;
       --running;
       reaped = true;
@@ -216,7 +236,7 @@ LaunchResult launch_ranks(LaunchOptions const& options) {
     if (reaped) continue;
     auto const now = Clock::now();
     bool const past_deadline = options.timeout.count() > 0 && now - start > options.timeout;
-    bool const past_grace = first_failure && now - *first_failure > options.grace;
+    bool const past_grace = first_failure && now - *first_failure > grace;
     if (past_deadline || past_grace) {
       result.timed_out = result.timed_out || past_deadline;
       for (int rank = 0; rank < options.nproc; ++rank) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <chrono>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -17,9 +18,14 @@ struct LaunchOptions {
   int master_port = 0;                                   // 0: pick a free port
   std::vector<std::pair<std::string, std::string>> env;  // extra variables for every child
   std::chrono::milliseconds timeout{0};                  // 0: none; else SIGKILL everything past it
-  // How long the others may run on after one child failed before they are killed (lets them report their error).
-  std::chrono::milliseconds grace{5000};
+  // How long the others may run on after one child failed before they are killed, so that they report their own
+  // error (a TimeoutError naming the rank that died comes within FERRY_TIMEOUT_S). None: default_grace().
+  std::optional<std::chrono::milliseconds> grace;
 };
+
+// The grace of every launcher (`ferry launch`, `ferry bench`/`tune`/`p2p`, `python -m ferry.launch`): FERRY_TIMEOUT_S
+// (read as the library reads it: ConfigError for a value it refuses) + 5 s.
+std::chrono::milliseconds default_grace();
 
 struct RankExit {
   int exit_code = -1;  // exit status, or -1 if killed by a signal
@@ -29,10 +35,15 @@ struct RankExit {
 
 struct LaunchResult {
   std::vector<RankExit> ranks;
+  int first_failed = -1;  // the rank that failed first (the lowest of those reaped together), -1 if none failed
   bool timed_out = false;
   bool ok() const;
-  // One line per failed rank ("rank 1: exit 3", "rank 2: killed by signal 9 (after rank 1 failed)").
+  // One line per failed rank ("rank 1: exit 3 (failed first)", "rank 0: killed by signal 9 (stopped by the
+  // launcher)").
   std::string describe() const;
+  // What a launcher exits with: 0 when ok, else the status of the rank that failed first (its exit code, or
+  // 128 + signal), else (the deadline killed every rank) 128 + the signal.
+  int exit_status() const;
 };
 
 // Blocks until every child has ended. Throws Error if a process cannot be started.

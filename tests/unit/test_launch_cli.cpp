@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
+#include <filesystem>
 #include <set>
 #include <sstream>
 #include <string>
@@ -48,10 +50,36 @@ TEST(LaunchCli, OptionsBeforeTheProgramAndItsOwnArgumentsAfter) {
   EXPECT_EQ(read_file(dir.file("out1")), "29517 --nproc\n");
 }
 
-TEST(LaunchCli, ExitStatusIsTheLowestFailingRanks) {
-  CliRun const run = run_ferry("launch --nproc 3 --grace 2 -- sh -c 'exit $((RANK + 3))'");
+// The exit status is the status of the rank that failed first, not of the lowest failing rank: rank 1 fails at once,
+// rank 0 a second later (the lowest-rank rule gave 4 here).
+TEST(LaunchCli, ExitStatusIsTheFirstFailingRanks) {
+  CliRun const run = run_ferry("launch --nproc 2 --grace 5 -- sh -c '[ $RANK = 1 ] && exit 3; sleep 1; exit 4'");
   EXPECT_EQ(run.code, 3) << run.output;
-  EXPECT_TRUE(contains(run.output, "rank 0: exit 3")) << run.output;
+  EXPECT_TRUE(contains(run.output, "rank 1: exit 3 (failed first)")) << run.output;
+  EXPECT_TRUE(contains(run.output, "rank 0: exit 4\n")) << run.output;  // within the grace: it ended by itself
+}
+
+// The program runs as named, never resolved through its symlinks: a virtual environment's bin/python finds the
+// environment only when started through the link (realpath() made it the base interpreter: this test failed so,
+// $0 was the link's target).
+TEST(LaunchCli, RunsTheProgramAsNamedNotItsSymlinkTarget) {
+  TempDir const dir;
+  std::filesystem::create_directories(dir.file("real"));
+  std::filesystem::create_directories(dir.file("venv/bin"));
+  std::string const target = dir.file("real/print0");
+  write_file(target, "#!/bin/sh\necho \"$0\" > \"$(dirname \"$0\")/../out$RANK\"\n");
+  std::filesystem::permissions(target, std::filesystem::perms::owner_all);
+  std::string const link = dir.file("venv/bin/print0");
+  std::filesystem::create_symlink(target, link);
+
+  CliRun const by_path = run_ferry("launch --nproc 1 " + link);
+  ASSERT_EQ(by_path.code, 0) << by_path.output;
+  EXPECT_EQ(read_file(dir.file("venv/out0")), link + "\n");
+
+  ScopedEnv const path("PATH", dir.file("venv/bin") + ":" + std::getenv("PATH"));
+  CliRun const by_name = run_ferry("launch --nproc 1 print0");
+  ASSERT_EQ(by_name.code, 0) << by_name.output;
+  EXPECT_EQ(read_file(dir.file("venv/out0")), link + "\n");
 }
 
 TEST(LaunchCli, DeadlineKillsEveryRank) {

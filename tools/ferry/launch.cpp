@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -16,35 +15,31 @@
 #include "commands.hpp"
 #include "core/launcher.hpp"
 #include "ferry/communicator.hpp"
-#include "ferry/env.hpp"
 #include "ferry/error.hpp"
 #include "options.hpp"
 
 namespace ferry::cli {
 namespace {
 
-// The program as an absolute path: as given when it names a folder, else the first executable match on PATH
-// (what a shell would run).
+// The program as the ranks will run it: as given when it names a folder, else the first executable match on PATH
+// (what a shell would run). NOTE: never resolved through symlinks: a virtual environment's bin/python is a symlink to
+// the base interpreter, which finds the environment's packages only when started through the link.
 std::string resolve_program(std::string const& program) {
-  auto absolute = [](std::string const& path) {
-    char resolved[PATH_MAX];
-    return realpath(path.c_str(), resolved) ? std::string(resolved) : std::string();
-  };
   auto executable_file = [](std::string const& path) {
     struct stat info {};
     return !path.empty() && stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode) && access(path.c_str(), X_OK) == 0;
   };
   if (program.find('/') != std::string::npos) {
-    std::string const path = absolute(program);
-    if (!executable_file(path)) FERRY_THROW(ConfigError, "launch", "PROGRAM '", program, "' is not an executable file");
-    return path;
+    if (!executable_file(program))
+      FERRY_THROW(ConfigError, "launch", "PROGRAM '", program, "' is not an executable file");
+    return program;
   }
   char const* env_path = std::getenv("PATH");
   std::string const dirs = env_path ? env_path : "";
   for (std::size_t begin = 0; begin <= dirs.size();) {
     std::size_t const end = std::min(dirs.find(':', begin), dirs.size());
     std::string const dir = end > begin ? dirs.substr(begin, end - begin) : ".";
-    std::string const path = absolute(dir + "/" + program);
+    std::string const path = dir + "/" + program;
     if (executable_file(path)) return path;
     begin = end + 1;
   }
@@ -75,7 +70,7 @@ int launch_main(int argc, char** argv) {
       "ferry launch [options] [--] PROGRAM [ARGS...]: runs PROGRAM with ARGS as N ranks of this host with the "
       "torchrun environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), NVLink "
       "multicast off. The first rank that fails ends the others after --grace seconds; the exit status is 0 when "
-      "every rank exited 0, else the lowest failing rank's exit status (128 + signal when killed).",
+      "every rank exited 0, else the exit status of the rank that failed first (128 + signal when killed).",
       {{"nproc", "0", "ranks to start (0: one per local GPU)"},
        {"master-addr", "127.0.0.1", "rendezvous address given to the ranks"},
        {"master-port", "0", "rendezvous port (0: a free one)"},
@@ -101,19 +96,15 @@ int launch_main(int argc, char** argv) {
   launch.master_addr = options.str("master-addr");
   launch.master_port = options.integer("master-port");
   double const timeout = options.number("timeout");
-  double const grace = options.number("grace") >= 0 ? options.number("grace") : env_double("FERRY_TIMEOUT_S") + 5;
+  if (options.number("grace") >= 0)
+    launch.grace = std::chrono::milliseconds(static_cast<int64_t>(options.number("grace") * 1000));
   if (timeout < 0) FERRY_THROW(ConfigError, "launch", "--timeout=", timeout, ": must be 0 (none) or more");
   launch.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000));
-  launch.grace = std::chrono::milliseconds(static_cast<int64_t>(grace * 1000));
 
   LaunchResult const result = launch_ranks(launch);
   if (result.ok()) return 0;
   std::fprintf(stderr, "ferry launch: %s", result.describe().c_str());
-  for (auto const& rank : result.ranks)
-    if (rank.exit_code > 0) return rank.exit_code;
-  for (auto const& rank : result.ranks)
-    if (rank.signal > 0) return 128 + rank.signal;
-  return 1;
+  return result.exit_status();
 }
 
 }  // namespace ferry::cli

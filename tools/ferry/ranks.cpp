@@ -5,7 +5,6 @@
 #include <exception>
 
 #include "core/launcher.hpp"
-#include "ferry/env.hpp"
 #include "ferry/error.hpp"
 
 namespace ferry::cli {
@@ -26,16 +25,11 @@ int launch_self(std::string const& command, int argc, char** argv, int nproc) {
   LaunchOptions options;
   options.argv = {self_executable(), command};
   for (int i = 0; i < argc; ++i) options.argv.emplace_back(argv[i]);
-  options.nproc = nproc;
-  // A rank that fails gives the others time to report their own error (the bounded waits end within
-  // FERRY_TIMEOUT_S) before the launcher stops them.
-  options.grace = std::chrono::milliseconds(static_cast<int64_t>(1000 * (env_double("FERRY_TIMEOUT_S") + 5)));
+  options.nproc = nproc;  // grace: the launcher's default (the others report their own error first)
   LaunchResult const result = launch_ranks(options);
   if (result.ok()) return 0;
   std::fprintf(stderr, "ferry %s: %s", command.c_str(), result.describe().c_str());
-  for (auto const& rank : result.ranks)
-    if (rank.exit_code > 0) return rank.exit_code;
-  return 1;
+  return result.exit_status();
 }
 
 int run_rank(std::string const& command, std::function<int()> const& fn) {

@@ -18,7 +18,8 @@ int choose_nproc(int nproc_option, Backend backend, int cpu_default);
 bool is_rank_process();
 
 // In the launching process: starts nproc copies of this executable with the same arguments, waits, prints one line
-// per failed rank, and returns the exit code (0 when every rank succeeded, else the first failing rank's code, or 1).
+// per failed rank, and returns LaunchResult::exit_status (0 when every rank succeeded, else the status of the rank that
+// failed first).
 int launch_self(std::string const& command, int argc, char** argv, int nproc);
 
 // Runs fn in a rank process, turning an escaping ferry::Error into a one-line message and exit code 1.
