@@ -3,11 +3,13 @@
 // Metrics are DESIGN.md's: a leg's time is the slowest rank's median; NVLink GB/s counts the bytes a rank sends to
 // other ranks; logical GB/s counts received rows including the rank's own.
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -146,6 +148,21 @@ void check_run_options(Options const& options, Backend backend) {
                      "--trace needs in-kernel tracing, which this build does not have; rebuild "
                      "with -DFERRY_TRACE=ON (cmake -S . -B build -DFERRY_TRACE=ON)");
   FERRY_CHECK_CONFIG(backend == Backend::cuda, "--trace records the cuda kernels; use --backend cuda");
+}
+
+// --json PATH can be written, checked by the launching process before any rank starts (the records are written only
+// after the whole run). A missing file is created and removed again, so a run that then fails leaves nothing behind;
+// an existing one is opened for appending, which leaves it as it was.
+void check_json_path(std::string const& path) {
+  if (path.empty()) return;
+  std::error_code ignored;
+  bool const existed = std::filesystem::exists(path, ignored);
+  std::FILE* const file = std::fopen(path.c_str(), "a");
+  int const error = errno;
+  FERRY_CHECK_CONFIG(file != nullptr, "--json ", path, " cannot be written (", std::strerror(error),
+                     "); give a file in a folder that exists and is writable");
+  std::fclose(file);
+  if (!existed) std::filesystem::remove(path, ignored);
 }
 
 std::vector<RoutingKind> routing_kinds(Options const& options) {
@@ -858,6 +875,7 @@ int bench_main(int argc, char** argv) {
   // Launching process: refuse a shape that cannot run before starting anything (one line, exit 2 from main).
   Backend const backend = choose_backend(options, false);
   check_run_options(options, backend);
+  check_json_path(options.str("json"));
   int const nproc = choose_nproc(options.integer("nproc"), backend, kCpuDefaultRanks);
   FERRY_CHECK_CONFIG(nproc >= 1, "no ranks to run: --backend cuda found no GPU; use --backend cpu");
   for (RoutingKind kind : routing_kinds(options))

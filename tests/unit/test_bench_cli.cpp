@@ -4,6 +4,7 @@
 // scripts/device-check.sh; `ferry tune`'s sweep in test_tuning.cpp.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <string>
 
 #include "support/host_fixtures.hpp"
@@ -95,6 +96,19 @@ TEST_F(BenchCli, BadUseIsRefusedOnceBeforeAnyRankStarts) {
            Refusal{"bench --backend cpu --dispatch-blocks -1", "--dispatch-blocks=-1"},
        })
     expect_refused_once(c);
+}
+
+// An unwritable --json is refused before any rank starts (it was reported only after the whole run, the rows of the
+// table printed: this test failed so), and the check leaves no file behind.
+TEST_F(BenchCli, UnwritableJsonIsRefusedBeforeAnyRankStarts) {
+  TempDir const dir;
+  std::string const missing_folder = dir.file("no-such-folder/bench.json");
+  expect_refused_once({("bench --backend cpu --tokens 16 --hidden 256 --iters 1 --json " + missing_folder).c_str(),
+                       ("--json " + missing_folder + " cannot be written").c_str()});
+  std::string const fresh = dir.file("fresh.json");
+  CliRun const refused = run_ferry("bench --backend cpu --nproc 3 --json " + fresh);  // refused after the json check
+  EXPECT_EQ(refused.code, 2) << refused.output;
+  EXPECT_FALSE(std::filesystem::exists(fresh)) << "the check left " << fresh << " behind";
 }
 
 TEST_F(TuneOptions, BadUseIsRefusedOnceBeforeAnyRankStarts) {
