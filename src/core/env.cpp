@@ -18,7 +18,7 @@ constexpr EnvParam geometry_pin(char const* name, char const* meaning) {
           .default_value = "",
           .meaning = meaning,
           .kind = EnvKind::integer,
-          .allowed = "a count in [0, 65536] (0: choose)",
+          .allowed = "a count (0: the tuning tables choose)",
           .min = 0,
           .max = 1 << 16};
 }
@@ -67,7 +67,7 @@ constexpr std::array kParams = {
              .default_value = "",
              .meaning = "builds with FERRY_TRACE=ON: trace every EpBuffer from construction, this many events per warp",
              .kind = EnvKind::integer,
-             .allowed = "a count of events per warp in [0, 1048576] (0: off)",
+             .allowed = "a count of events per warp (0: off)",
              .min = 0,
              .max = 1 << 20},
     EnvParam{.name = "FERRY_NCCL_VERSION_CHECK",
@@ -171,7 +171,10 @@ std::string env_problem(EnvParam const& param, std::string const& value) {
       std::optional<int64_t> const got = parse_whole(value);
       if (!got) return detail::concat(what, " is not a whole number; it must be ", param.allowed, otherwise);
       if (static_cast<double>(*got) < param.min || static_cast<double>(*got) > param.max)
-        return detail::concat(what, " must be ", param.allowed, otherwise);
+        return std::isfinite(param.max)
+                   ? detail::concat(what, " is outside [", static_cast<int64_t>(param.min), ", ",
+                                    static_cast<int64_t>(param.max), "]: it must be ", param.allowed, otherwise)
+                   : detail::concat(what, " must be ", param.allowed, otherwise);
       return "";
     }
     case EnvKind::number: {

@@ -42,7 +42,7 @@ TEST(EnvRules, BadValuesAreRefusedNamingVariableValueAndWhatToDo) {
            Case{"FERRY_TIMEOUT_S", "inf", "FERRY_TIMEOUT_S=inf is not a number"},
            Case{"FERRY_LOG", "verbose", "FERRY_LOG=verbose is not one of error, warn, info, debug"},
            Case{"FERRY_NORMAL_LANDING", "maybe", "FERRY_NORMAL_LANDING=maybe is not one of auto, on, off"},
-           Case{"FERRY_DISPATCH_BLOCKS", "-4", "FERRY_DISPATCH_BLOCKS=-4 must be a count in [0, 65536]"},
+           Case{"FERRY_DISPATCH_BLOCKS", "-4", "FERRY_DISPATCH_BLOCKS=-4 is outside [0, 65536]: it must be a count"},
            Case{"FERRY_NCCL_VERSION_CHECK", "yes", "FERRY_NCCL_VERSION_CHECK=yes is not a whole number"},
        }) {
     std::string const refusal = library_refusal(c.name, c.value);
