@@ -5,10 +5,12 @@
     python -m ferry.launch --nproc 2 --no-python ./engine [args...]      (any executable; `ferry launch` does the same)
 
 Each rank gets MASTER_ADDR, MASTER_PORT (a free port unless given), RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE
-and the NVLink-multicast safety variables; ferry.init() reads them. It is Ferry's C++ launcher (the one the `ferry`
-tool uses): the first rank that fails ends the others after a grace period, ranks die with the launcher, and an
-optional deadline kills everything, so a launch never hangs. The exit status is 0 when every rank exited 0, else
-the lowest failing rank's exit status (or 128 + signal when the failing ranks were all killed by a signal).
+and the NVLink-multicast safety variables; ferry.init() reads them. It is Ferry's C++ launcher (the one `ferry launch`
+uses, with the same rules): the first rank that fails ends the others after a grace period (default FERRY_TIMEOUT_S
++ 5 s, time for them to report their own TimeoutError naming the rank that died; their output goes where this
+process's goes), ranks die with the launcher, and an optional deadline kills everything, so a launch never hangs.
+The exit status is 0 when every rank exited 0, else the exit status of the rank that failed first (128 + signal when
+it was killed), and the last lines on stderr say which rank that was.
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ def launch(
     master_port: int = 0,
     env: dict[str, str] | None = None,
     timeout_s: float = 0.0,
-    grace_s: float = 5.0,
-) -> tuple[bool, str, list[int]]:
-    """Runs argv (argv[0] an absolute path) as nproc ranks. Returns (ok, description of failures, exit codes:
-    the exit status, or -signal)."""
+    grace_s: float | None = None,
+) -> tuple[bool, str, list[int], int]:
+    """Runs argv as nproc ranks. grace_s None: FERRY_TIMEOUT_S + 5 (read as the library reads it). Returns (ok, one
+    line per failed rank, each rank's exit code or -signal, the exit status of the rank that failed first)."""
     pairs = sorted((env or {}).items())
     return _ext._launch_ranks(list(argv), nproc, master_addr, master_port, pairs, timeout_s, grace_s)
 
@@ -46,8 +48,9 @@ def main(args: list[str] | None = None) -> int:
     parser.add_argument("--master-addr", default="127.0.0.1", help="rendezvous address (default 127.0.0.1)")
     parser.add_argument("--master-port", type=int, default=0, help="rendezvous port (default: a free one)")
     parser.add_argument("--timeout", type=float, default=0.0, help="kill every rank after this many seconds (0: none)")
-    parser.add_argument("--grace", type=float, default=5.0,
-                        help="seconds the others may run after one rank failed (default 5)")
+    parser.add_argument("--grace", type=float, default=None,
+                        help="seconds the others may run after one rank failed, to report their own error "
+                             "(default FERRY_TIMEOUT_S + 5)")
     parser.add_argument("-m", dest="module", action="store_true", help="run the program as a module (python -m)")
     parser.add_argument("--no-python", dest="no_python", action="store_true",
                         help="run the program as an executable (a path, or a name on PATH), not a Python script")
@@ -62,10 +65,12 @@ def main(args: list[str] | None = None) -> int:
         program = shutil.which(opts.program) if os.sep not in opts.program else opts.program
         if program is None or not os.path.isfile(program) or not os.access(program, os.X_OK):
             parser.error(f"--no-python: '{opts.program}' is not an executable file (nor one on PATH)")
-        argv = [os.path.abspath(program)] + opts.program_args
+        argv = [program] + opts.program_args  # as named: a symlink stays one (a venv's bin/python must)
     else:
         argv = [sys.executable] + (["-m", opts.program] if opts.module else [opts.program]) + opts.program_args
-    ok, description, codes = launch(
+    if opts.grace is not None and opts.grace < 0:
+        parser.error(f"--grace={opts.grace} must be 0 or more (leave it out for FERRY_TIMEOUT_S + 5)")
+    ok, description, _, status = launch(
         argv, opts.nproc, master_addr=opts.master_addr, master_port=opts.master_port,
         timeout_s=opts.timeout, grace_s=opts.grace,
     )
@@ -73,9 +78,7 @@ def main(args: list[str] | None = None) -> int:
         return 0
     for line in description.strip().splitlines():
         sys.stderr.write(f"ferry.launch: {line}\n")
-    exited = [code for code in codes if code > 0]
-    signalled = [128 - code for code in codes if code < 0]
-    return (exited or signalled or [1])[0]
+    return status
 
 
 if __name__ == "__main__":

@@ -415,6 +415,7 @@ class PythonBootstrap final : public Bootstrap {
 
 std::shared_ptr<Communicator> create_communicator(std::unique_ptr<Bootstrap> bootstrap, std::string const& backend,
                                                   int device) {
+  check_env();  // a FERRY_* value the library refuses is refused here, before any rank waits on this one
   CommunicatorOptions options;
   options.backend = parse_backend(backend);
   options.device = device;
@@ -561,34 +562,39 @@ class PyEpBuffer {
   PyDispatchResult dispatch(nb::handle x, nb::handle topk_idx, nb::handle topk_weights, nb::handle x_scales,
                             nb::handle x_token_scales, bool expand, bool eager, bool return_recv_hook,
                             nb::handle stream) {
-    Inputs const in =
-        dispatch_inputs(x, topk_idx, topk_weights, x_scales, x_token_scales, expand, eager, stream, return_recv_hook);
+    Inputs const in = checked(Leg::dispatch, stream, x, [&] {
+      return dispatch_inputs(x, topk_idx, topk_weights, x_scales, x_token_scales, expand, eager, stream,
+                             return_recv_hook);
+    });
     DispatchResult got;
     {
       Exclusive const exclusive(*this);
-      // NOTE: set before the call: an eager dispatch that dropped rows raises after it completed, and the combine
-      // that follows refers to it.
-      last_num_tokens_ = in.args.num_tokens;
-      last_num_recv_host_ = -1;
-      last_framework_ = in.framework;
-      last_eager_ = eager;
+      // NOTE: forgotten before the call and remembered only once it returned: a dispatch that raises (refused, or
+      // failed after it completed: rows dropped in eager mode) leaves C++ with no dispatch to combine, and a combine
+      // sized for the dispatch before would let C++ write past out's end (SIGSEGV before).
+      forget_dispatch();
       nb::gil_scoped_release release;
       got = buffer_->dispatch(in.args, in.stream);
     }
-    last_num_recv_host_ = got.num_recv_host;
+    remember_dispatch(in.args.num_tokens, got, in.framework, eager);
     return result(got, in.framework, eager && !return_recv_hook);
   }
 
   // The receive half of a dispatch made with return_recv_hook (low-latency mode).
+  // NOTE: the completions refuse a bad stream locally, before anything: the hook stays pending (the send half
+  // already went out, so there is no exchange left to join as a refusal), and a second call with a good stream
+  // completes it. The C++ completions refuse their misuse the same way.
   PyDispatchResult complete_dispatch(nb::handle stream) {
     cudaStream_t const s = resolve_stream(stream, last_framework_);
+    bool const hooked = buffer_->pending_hook() == std::string("dispatch");  // else C++ refuses, nothing changes
     DispatchResult got;
     {
       Exclusive const exclusive(*this);
+      if (hooked) forget_dispatch();
       nb::gil_scoped_release release;
       got = buffer_->complete_dispatch(s);
     }
-    last_num_recv_host_ = got.num_recv_host;
+    remember_dispatch(hooked_num_tokens_, got, last_framework_, last_eager_);
     return result(got, last_framework_, last_eager_);
   }
 
@@ -605,8 +611,9 @@ class PyEpBuffer {
     nb::object y;
   };
 
+  // Converts and checks combine arguments (no C++ call) for a dispatch of num_tokens tokens (y's rows).
   CombineInputs combine_inputs(nb::handle x, std::string const& layout, nb::handle out, bool eager, nb::handle stream,
-                               bool return_recv_hook = false) const {
+                               int num_tokens, bool return_recv_hook = false) const {
     CombineInputs in;
     bool const expert_major = layout == "expert";
     FERRY_CHECK_INPUT(expert_major || layout == "rank", "layout='", layout,
@@ -628,17 +635,17 @@ class PyEpBuffer {
     }
     check_dtype(xa.dtype(), "x", {kBf16, kU16}, "bfloat16 (or uint16 holding bf16 bits)");
     Framework const framework = framework_of(x);
-    if (last_num_tokens_ >= 0) {
+    if (num_tokens >= 0) {
       if (out.is_none()) {
-        in.y = allocate_y(framework, x);
+        in.y = allocate_y(framework, x, num_tokens);
       } else {
         in.y = nb::borrow(out);
       }
-      auto const ya = placement_.import <nb::ndarray<>>(in.y, "out", {last_num_tokens_, hidden_}, "");
+      auto const ya = placement_.import <nb::ndarray<>>(in.y, "out", {num_tokens, hidden_}, "");
       check_dtype(ya.dtype(), "out", {kBf16, kU16}, "bfloat16 (or uint16 holding bf16 bits)");
       in.args.y = ya.data();
     }
-    // else: no dispatch yet; the C++ call refuses with its own message
+    // else: no dispatch to combine (none yet, or the last one raised); the C++ call refuses with its own message
     in.args.layout = expert_major ? CombineLayout::expert_major : CombineLayout::rank_major;
     in.args.x = xa.data();
     in.args.eager = eager;
@@ -649,7 +656,9 @@ class PyEpBuffer {
 
   nb::object combine(nb::handle x, std::string const& layout, nb::handle out, bool eager, bool return_recv_hook,
                      nb::handle stream) {
-    CombineInputs in = combine_inputs(x, layout, out, eager, stream, return_recv_hook);
+    CombineInputs in = checked(Leg::combine, stream, x, [&] {
+      return combine_inputs(x, layout, out, eager, stream, last_num_tokens_, return_recv_hook);
+    });
     {
       Exclusive const exclusive(*this);
       nb::gil_scoped_release release;
@@ -664,13 +673,13 @@ class PyEpBuffer {
                        nb::handle combine_x, std::string const& layout, nb::handle out, bool eager, nb::handle stream) {
     FERRY_CHECK_INPUT(iters >= 1, "iters=", iters, " must be at least 1");
     Inputs const d = dispatch_inputs(x, topk_idx, topk_weights, nb::none(), nb::none(), expand, eager, stream);
-    last_num_tokens_ = d.args.num_tokens;
-    CombineInputs const c = combine_inputs(combine_x, layout, out, eager, stream);
+    CombineInputs const c = combine_inputs(combine_x, layout, out, eager, stream, d.args.num_tokens);
     Exclusive const exclusive(*this);
     nb::gil_scoped_release release;
     auto const start = std::chrono::steady_clock::now();
     for (int i = 0; i < iters; ++i) {
-      buffer_->dispatch(d.args, d.stream);
+      forget_dispatch();  // as in dispatch: remembered once it returned
+      remember_dispatch(d.args.num_tokens, buffer_->dispatch(d.args, d.stream), d.framework, eager);
       buffer_->combine(c.args, c.stream);
     }
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -696,6 +705,58 @@ class PyEpBuffer {
     PyEpBuffer& owner_;
   };
 
+  enum class Leg { dispatch, combine };
+
+  // Runs the binding's own argument checks of a call (they return what the C++ call needs). An InputError they
+  // raise is this rank's refusal of the call: it joins the call's exchange as a refusal (EpBuffer::refuse_*: every
+  // peer's same call fails with InputError naming this rank, so the ranks stay in step) and raises the same message
+  // here. stream / like: the call's stream argument and an input whose framework picks the default stream.
+  template <typename Checks>
+  auto checked(Leg leg, nb::handle stream, nb::handle like, Checks&& checks) -> decltype(checks()) {
+    std::string reason;
+    try {
+      return checks();
+    } catch (InputError const& error) {
+      reason = error.what();
+    }
+    cudaStream_t const s = refusal_stream(stream, like);
+    Exclusive const exclusive(*this);
+    if (leg == Leg::dispatch) forget_dispatch();
+    nb::gil_scoped_release release;
+    if (leg == Leg::dispatch) buffer_->refuse_dispatch(reason, s);
+    buffer_->refuse_combine(reason, s);
+  }
+
+  // The stream a refused call would have used: its stream argument, else (that argument being what is refused) the
+  // default for like's framework; null on the cpu backend.
+  cudaStream_t refusal_stream(nb::handle stream, nb::handle like) const {
+    if (placement_.backend() == Backend::cpu) return nullptr;
+    Framework const framework = framework_of(like);
+    for (nb::handle given : {stream, nb::handle(Py_None)}) {
+      try {
+        return resolve_stream(given, framework);
+      } catch (std::exception const&) {
+        continue;  // a stream argument that cannot be read: the default one
+      }
+    }
+    return nullptr;
+  }
+
+  // What combine refers to, as C++ holds it (EpBuffer: the last dispatch that succeeded on this rank): the tokens of
+  // the last dispatch that returned (y's rows), or, after one that raised, none (the C++ combine then refuses).
+  void remember_dispatch(int num_tokens, DispatchResult const& got, Framework framework, bool eager) {
+    bool const hooked = buffer_->pending_hook() == std::string("dispatch");
+    hooked_num_tokens_ = hooked ? num_tokens : -1;
+    last_num_tokens_ = hooked ? -1 : num_tokens;  // combined after its completion (C++ refuses a combine before)
+    last_num_recv_host_ = got.num_recv_host;
+    last_framework_ = framework;
+    last_eager_ = eager;
+  }
+  void forget_dispatch() {
+    last_num_tokens_ = -1;
+    last_num_recv_host_ = -1;
+  }
+
   cudaStream_t resolve_stream(nb::handle stream, Framework framework) const {
     if (!stream.is_none()) return stream_from(stream);
     // Default: the current torch stream of this GPU for torch CUDA tensors; else the default stream (null).
@@ -703,14 +764,14 @@ class PyEpBuffer {
     return nullptr;
   }
 
-  nb::object allocate_y(Framework framework, nb::handle like) const {
-    nb::tuple const shape = nb::make_tuple(last_num_tokens_, hidden_);
+  nb::object allocate_y(Framework framework, nb::handle like, int num_tokens) const {
+    nb::tuple const shape = nb::make_tuple(num_tokens, hidden_);
     if (framework == kTorch) {
       Frameworks const& f = frameworks();
       return f.torch_empty(shape, "dtype"_a = f.torch_bf16, "device"_a = like.attr("device"));
     }
     FERRY_CHECK_INPUT(placement_.backend() == Backend::cpu, "combine cannot allocate its output for a ",
-                      python_type_name(like), " on the cuda backend; pass out=[", last_num_tokens_, ", ", hidden_,
+                      python_type_name(like), " on the cuda backend; pass out=[", num_tokens, ", ", hidden_,
                       "] bfloat16 on cuda:", placement_.device());
     numpy_ndarray_type();
     return frameworks().numpy_empty(shape, "dtype"_a = "uint16");
@@ -888,7 +949,8 @@ class PyEpBuffer {
   ScaleLayout scale_layout_ = ScaleLayout::row_major;
   bool quantized_ = false;  // EpConfig::delivers_quantized
   ViewSpec recv_x_spec_, expert_x_spec_, recv_scales_spec_, expert_scales_spec_;
-  int last_num_tokens_ = -1;
+  int last_num_tokens_ = -1;    // of the dispatch combine refers to (y's rows); -1: none
+  int hooked_num_tokens_ = -1;  // of a dispatch whose receive half is pending
   int64_t last_num_recv_host_ = -1;
   Framework last_framework_ = kNumpy;  // of the last dispatch (the completion of a hook returns views in it)
   bool last_eager_ = true;
@@ -1195,7 +1257,7 @@ NB_MODULE(_ext, m) {
   m.def(
       "_launch_ranks",
       [](std::vector<std::string> argv, int nproc, std::string const& master_addr, int master_port,
-         std::vector<std::pair<std::string, std::string>> env, double timeout_s, double grace_s) {
+         std::vector<std::pair<std::string, std::string>> env, double timeout_s, std::optional<double> grace_s) {
         LaunchOptions options;
         options.argv = std::move(argv);
         options.nproc = nproc;
@@ -1203,7 +1265,7 @@ NB_MODULE(_ext, m) {
         options.master_port = master_port;
         options.env = std::move(env);
         options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
-        options.grace = std::chrono::milliseconds(static_cast<int64_t>(grace_s * 1000.0));
+        if (grace_s) options.grace = std::chrono::milliseconds(static_cast<int64_t>(*grace_s * 1000.0));
         LaunchResult result;
         {
           nb::gil_scoped_release release;
@@ -1211,7 +1273,9 @@ NB_MODULE(_ext, m) {
         }
         std::vector<int> codes;
         for (RankExit const& rank : result.ranks) codes.push_back(rank.signal ? -rank.signal : rank.exit_code);
-        return std::make_tuple(result.ok(), result.describe(), codes);
+        return std::make_tuple(result.ok(), result.describe(), codes, result.exit_status());
       },
-      "argv"_a, "nproc"_a, "master_addr"_a, "master_port"_a, "env"_a, "timeout_s"_a, "grace_s"_a);
+      "argv"_a, "nproc"_a, "master_addr"_a, "master_port"_a, "env"_a, "timeout_s"_a, "grace_s"_a.none(),
+      "Runs argv as nproc ranks (core/launcher.hpp); grace_s None: FERRY_TIMEOUT_S + 5. Returns (ok, one line per "
+      "failed rank, each rank's exit code or -signal, the exit status of the rank that failed first).");
 }

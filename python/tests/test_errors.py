@@ -101,7 +101,7 @@ def test_combine_arguments(comm):
     fresh = ferry.EpBuffer(comm, hidden=64, num_experts=4, topk=2, max_tokens_per_rank=8, expert_capacity=8)
     x, idx, w = _inputs()
     expert_out = np.zeros((4, 8, 64), np.uint16)
-    _input_error(lambda: fresh.combine(expert_out, "expert"), "combine called before any dispatch")
+    _input_error(lambda: fresh.combine(expert_out, "expert"), "combine called without a successful dispatch")
     fresh.dispatch(x, idx, w)  # no expand
     _input_error(lambda: fresh.combine(expert_out, "expert"), "needs the last dispatch to have expand=true")
     _input_error(lambda: fresh.combine(expert_out, "tokens"), "layout='tokens' is not a combine layout")

@@ -4,6 +4,7 @@ torchrun (whose agent holds the store on MASTER_PORT: ferry.init() goes through 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +16,8 @@ import ferry
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _run(args, timeout=120):
-    env = dict(os.environ)
+def _run(args, timeout=120, env=None):
+    env = dict(os.environ, **(env or {}))
     package_root = str(Path(ferry.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     return subprocess.run([sys.executable, "-m", "ferry.launch"] + args, capture_output=True, text=True,
@@ -74,3 +75,24 @@ def test_moe_layer_example_under_torchrun():
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
     assert len(lines) == 2 and all(line.endswith("OK") for line in lines), done.stdout
+
+
+def test_survivors_report_the_dead_rank_before_the_grace_ends(tmp_path):
+    # Rank 1 dies after the rendezvous; rank 0's next collective waits FERRY_TIMEOUT_S and raises TimeoutError naming
+    # rank 1. The default grace (FERRY_TIMEOUT_S + 5, the rule of `ferry launch`) lets that error out; the old fixed
+    # 5 s grace killed rank 0 first (this test failed so: no TimeoutError in the output, exit status of rank 1 only
+    # by luck of the lowest-rank rule).
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import os, ferry\n"
+        "comm = ferry.init(backend='cpu')\n"
+        "if comm.rank == 1:\n"
+        "    os._exit(3)\n"
+        "comm.barrier()\n"
+    )
+    env = {"FERRY_TIMEOUT_S": "6"}
+    done = _run(["--nproc", "2", "--timeout", "60", str(script)], env=env)
+    assert done.returncode == 3, done.stdout + done.stderr  # rank 1's status: it failed first
+    assert "ferry.launch: rank 1: exit 3 (failed first)" in done.stderr, done.stderr
+    assert "ferry.launch: rank 0: exit 1\n" in done.stderr, done.stderr  # it ended by itself, not killed
+    assert re.search(r"TimeoutError: .*rank\(s\) 1 did not arrive", done.stderr), done.stderr
