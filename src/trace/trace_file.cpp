@@ -9,13 +9,13 @@
 
 #include "ferry/error.hpp"
 #include "trace/decode.hpp"
-#include "tuning/json.hpp"
+#include "util/json.hpp"
 
 namespace ferry::trace {
 namespace {
 
 namespace fs = std::filesystem;
-namespace json = tuning::json;
+namespace json = util::json;
 
 // NOTE: the files are the in-memory arrays; a big-endian host would need byte swaps, which no CUDA host needs.
 static_assert(std::endian::native == std::endian::little, "trace files are little-endian");

@@ -14,11 +14,12 @@
 #include "ferry/env.hpp"
 #include "ferry/error.hpp"
 #include "tuning/embedded.hpp"
-#include "tuning/json.hpp"
+#include "util/json.hpp"
 
 namespace ferry::tuning {
 namespace {
 
+namespace json = util::json;
 using json::Value;
 using Kind = json::Value::Kind;
 

@@ -20,7 +20,7 @@
 #include "support/gpu_case.hpp"
 #include "trace/decode.hpp"
 #include "trace/trace_file.hpp"
-#include "tuning/json.hpp"
+#include "util/json.hpp"
 
 #if FERRY_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -167,7 +167,7 @@ int traced_legs_case() {
     }
     std::ostringstream json;
     trace::write_chrome_json(json, together);
-    tuning::json::parse(json.str(), "trace.json");  // throws on malformed output
+    util::json::parse(json.str(), "trace.json");  // throws on malformed output
     std::fprintf(stderr, "%s", trace::format_phase_table(trace::phase_table(together), together).c_str());
   }
   buffer.enable_trace(0);

@@ -23,12 +23,12 @@
 #include "trace/synthetic.hpp"
 #include "trace/trace_file.hpp"
 #include "trace/trace_format.hpp"
-#include "tuning/json.hpp"
+#include "util/json.hpp"
 
 namespace ferry::trace {
 namespace {
 
-namespace json = tuning::json;
+namespace json = util::json;
 
 constexpr auto kBegin = TraceEventKind::begin;
 constexpr auto kEnd = TraceEventKind::end;

@@ -24,13 +24,14 @@
 #include "support/host_fixtures.hpp"
 #include "tuning/choose.hpp"
 #include "tuning/embedded.hpp"
-#include "tuning/json.hpp"
 #include "tuning/picker.hpp"
 #include "tuning/table.hpp"
+#include "util/json.hpp"
 
 namespace ferry::tuning {
 namespace {
 
+namespace json = util::json;
 using test::CliRun;
 using test::contains;
 using test::read_file;

@@ -1,4 +1,4 @@
-#include "tuning/json.hpp"
+#include "util/json.hpp"
 
 #include <cerrno>
 #include <cstdio>
@@ -7,7 +7,7 @@
 
 #include "ferry/error.hpp"
 
-namespace ferry::tuning::json {
+namespace ferry::util::json {
 namespace {
 
 constexpr int kMaxDepth = 64;
@@ -358,4 +358,4 @@ std::string quote(std::string_view text) {
   return out + "\"";
 }
 
-}  // namespace ferry::tuning::json
+}  // namespace ferry::util::json

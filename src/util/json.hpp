@@ -1,6 +1,7 @@
-// A small strict JSON reader (RFC 8259) for the tuning tables, standard library only. Unlike most readers it refuses
-// an object that names a key twice: a duplicate key silently shadowing an earlier tuning row is the bug this guards
-// against. Every value remembers where it started, so the table loader can point at the line and column it rejects.
+// A small strict JSON reader (RFC 8259) and string quoting, standard library only; used by the tuning tables, the
+// trace files and the result files (util/result_file.hpp). Unlike most readers it refuses an object that names a key
+// twice: a duplicate key silently shadowing an earlier tuning row is the bug this guards against. Every value
+// remembers where it started, so the table loader can point at the line and column it rejects.
 #pragma once
 
 #include <cstdint>
@@ -9,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-namespace ferry::tuning::json {
+namespace ferry::util::json {
 
 struct Position {
   int line = 1;    // 1-based
@@ -47,4 +48,4 @@ Value parse(std::string_view text, std::string const& source);
 // JSON string literal of text (quotes and escapes added).
 std::string quote(std::string_view text);
 
-}  // namespace ferry::tuning::json
+}  // namespace ferry::util::json
