@@ -1,4 +1,5 @@
 // EpBuffer's tracing entry points (include/ferry/ep.hpp) and the backend defaults for backends that record nothing.
+// In ep/, not trace/: they are EpBuffer's methods, and trace/ (the recorder, decoder and files) is below ep/.
 #include "ep/ep_impl.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
