@@ -22,10 +22,12 @@ configure: $(BUILD)/CMakeCache.txt
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
-# Every test this machine can run: host unit tests always; GPU tests run (or skip with a message) by themselves.
+# Every test this machine can run: host unit tests always; GPU tests run (or skip with a message) by themselves; then
+# the Python tests (scripts/python-tests.sh: a virtual environment in $(BUILD)/venv). The line before pytest's
+# summary says what was skipped in both and why (from ctest's junit file and pytest's reports).
 test: build
-	cd $(BUILD) && ctest --output-on-failure --timeout 600 -j $(JOBS)
-	@scripts/python-tests.sh $(BUILD)
+	cd $(BUILD) && ctest --output-on-failure --timeout 600 -j $(JOBS) --output-junit ctest-junit.xml
+	@FERRY_CTEST_JUNIT=$(abspath $(BUILD))/ctest-junit.xml scripts/python-tests.sh $(BUILD)
 
 test-unit: build
 	cd $(BUILD) && ctest --output-on-failure -L unit -j $(JOBS)

@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # Runs the Python tests (python/tests) against the module built in the CMake build directory $1 (default: build), as
 # `make test` does after the C++ tests:
-#   1. installs from PyPI what is missing: nanobind (to build the module), numpy and pytest (to run the tests);
-#   2. reconfigures that build with -DFERRY_BUILD_PYTHON=ON and builds the target ferry_python: the module
-#      (linked against the library the build already compiled) and the package files, in BUILD/python/ferry;
+#   1. a virtual environment, BUILD/venv (python3 -m venv --system-site-packages: a system torch or numpy is still
+#      seen), created once; into it, from PyPI, what is missing: nanobind (to build the module), numpy and pytest (to
+#      run the tests). Nothing is installed into the Python you run this with;
+#   2. reconfigures that build with -DFERRY_BUILD_PYTHON=ON and the environment's python, and builds the target
+#      ferry_python: the module (linked against the library the build already compiled) and the package files, in
+#      BUILD/python/ferry;
 #   3. runs pytest with BUILD/python first on PYTHONPATH. pytest's exit status 5 (no tests collected) is success.
-# Nothing to do when there are no Python tests. PYTHON picks the interpreter (default python3).
+#      With FERRY_CTEST_JUNIT set (make test: ctest's --output-junit file), the line before pytest's summary says
+#      what was skipped, in ctest and pytest, and why.
+# Nothing to do when there are no Python tests. PYTHON picks the interpreter the environment is made from (default
+# python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! ls python/tests/test_*.py >/dev/null 2>&1; then
@@ -16,14 +22,25 @@ fi
 BUILD=${1:-build}
 case "$BUILD" in /*) ;; *) BUILD="$PWD/$BUILD" ;; esac
 PYTHON=${PYTHON:-python3}
-PYTHON_PATH=$(command -v "$PYTHON")
+VENV="$BUILD/venv"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "python tests: creating the virtual environment $VENV ($PYTHON -m venv --system-site-packages)"
+  if ! "$PYTHON" -m venv --system-site-packages "$VENV"; then
+    rm -rf "$VENV"
+    echo "python tests: '$PYTHON -m venv' failed; on Debian/Ubuntu install python3-venv (scripts/install-deps.sh" \
+      "does as root), or set PYTHON to an interpreter with the venv module" >&2
+    exit 1
+  fi
+fi
+PYTHON_PATH="$VENV/bin/python"
 
 missing=()
 for module in nanobind numpy pytest; do
   "$PYTHON_PATH" -c "import $module" >/dev/null 2>&1 || missing+=("$module")
 done
 if [ ${#missing[@]} -gt 0 ]; then
-  echo "python tests: installing ${missing[*]} (pip)"
+  echo "python tests: installing ${missing[*]} into $VENV (pip)"
   "$PYTHON_PATH" -m pip install --quiet --disable-pip-version-check "${missing[@]}"
 fi
 
