@@ -1,6 +1,6 @@
 // ferry bench: times normal-mode dispatch and combine on every rank, checks them against the cpu reference
 // semantics, and (with --baseline nccl) runs the NCCL all-to-all dispatcher on the same inputs in the same run.
-// Metrics are DESIGN.md's: a leg's time is the slowest rank's median; NVLink GB/s counts the bytes a rank sends to
+// Metrics are docs/design.md's: a leg's time is the slowest rank's median; NVLink GB/s counts the bytes a rank sends to
 // other ranks; logical GB/s counts received rows including the rank's own.
 #include <algorithm>
 #include <cerrno>
@@ -95,7 +95,7 @@ Options make_options() {
            "cooperative) and the cross-rank barrier: the timer's floor under every row (cuda)",
            true},
           {"per-rank", "", "print every rank's medians", true},
-          {"json", "", "write the records to this file (DESIGN.md result-file format)"},
+          {"json", "", "write the records to this file (the result-file format of docs/design.md)"},
           {"trace", "",
            "after the timed legs, one traced call of each leg (normal and LL modes), dumped per rank into this "
            "folder for ferry trace --dir (builds with -DFERRY_TRACE=ON; FERRY_TRACE_EVENTS per warp)"},

@@ -1,4 +1,4 @@
-"""The reference semantics of dispatch and combine (DESIGN.md "Semantics", src/ep/reference.hpp) in NumPy, bit for
+"""The reference semantics of dispatch and combine (docs/design.md "Semantics", src/ep/reference.hpp) in NumPy, bit for
 bit: bf16 rounding to nearest even, the receiver's fmaf chain over k ascending, the source's fp32 sum over
 destination ranks ascending starting from +0.0f, expert slots that take the own rank's rows first, capacities that drop
 rows and slots."""
