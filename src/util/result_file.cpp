@@ -2,8 +2,10 @@
 
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -72,6 +74,18 @@ void write_result_file(std::string const& path, ResultHeader const& header, std:
   out << result_file_text(header, records);
   out.flush();
   FERRY_CHECK_CONFIG(out.good(), "result file ", path, " could not be written completely: ", std::strerror(errno));
+}
+
+void check_result_path(std::string const& path, std::string_view option) {
+  if (path.empty()) return;
+  std::error_code ignored;
+  bool const existed = std::filesystem::exists(path, ignored);
+  std::FILE* const file = std::fopen(path.c_str(), "a");
+  int const error = errno;
+  FERRY_CHECK_CONFIG(file != nullptr, option, " ", path, " cannot be written (", std::strerror(error),
+                     "); give a file in a folder that exists and is writable");
+  std::fclose(file);
+  if (!existed) std::filesystem::remove(path, ignored);
 }
 
 }  // namespace ferry::util

@@ -43,4 +43,9 @@ std::string result_file_text(ResultHeader const& header, std::vector<ResultRecor
 // Writes result_file_text to path. Throws ConfigError naming the path when it cannot be written.
 void write_result_file(std::string const& path, ResultHeader const& header, std::vector<ResultRecord> const& records);
 
+// Checks, before any work that would write it starts, that a result file can be written at `path` (empty: no
+// file asked for): a missing file is created and removed again, so a run that then fails leaves nothing behind; an
+// existing one is opened for appending, which leaves it as it was. Throws ConfigError naming the option and the path.
+void check_result_path(std::string const& path, std::string_view option);
+
 }  // namespace ferry::util

@@ -1,4 +1,4 @@
-// `ferry bench` on the cpu backend (bench/bench.cpp): every mode, routing and wire format at several world sizes,
+// `ferry bench` on the cpu backend (tools/ferry/bench.cpp): every mode, routing and wire format at several world sizes,
 // every leg checked against the reference, the --json result file, and bad use of `ferry bench` and `ferry tune`
 // refused by the launching process before any rank starts. The cuda legs and the NCCL baseline run in
 // scripts/device-check.sh; `ferry tune`'s sweep in test_tuning.cpp.

@@ -26,6 +26,7 @@
 #include "ferry/error.hpp"
 #include "options.hpp"
 #include "ranks.hpp"
+#include "util/result_file.hpp"
 
 namespace ferry::cli {
 namespace {
@@ -189,7 +190,7 @@ Options make_options() {
           {"latency-rounds", "1000", "round trips per latency sample (after 100 untimed ones)"},
           {"nproc", "2",
            "ranks to start when run by hand (one per GPU; ranks past 1 join the pair measures' barriers only)"},
-          {"json", "", "write the records to this file (DESIGN 'Result files' format)"},
+          {"json", "", "write the records to this file (the result-file format of docs/design.md)"},
       });
 }
 
@@ -430,48 +431,22 @@ std::string fixed(double value, int digits) {
   return text;
 }
 
-std::string utc_now() {
-  std::time_t const now = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&now, &tm);
-  char text[32];
-  std::strftime(text, sizeof(text), "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return text;
-}
-
-std::string json_escape(std::string const& text) {
-  std::string out;
-  for (char c : text) {
-    if (c == '"' || c == '\\') out += '\\';
-    if (static_cast<unsigned char>(c) >= 0x20) out += c;
-  }
-  return out;
-}
-
 void write_json(std::string const& path, std::string const& device, int world, std::vector<Record> const& records) {
-  std::string const commit = git_commit();
-  std::ostringstream out;
-  out << "{\"tool\": \"ferry p2p\", \"version\": \"" << FERRY_VERSION << "\", \"commit\": \"" << json_escape(commit)
-      << "\", \"date\": \"" << utc_now() << "\", \"device\": \"" << json_escape(device) << "\", \"world\": " << world
-      << ", \"records\": [";
-  for (std::size_t i = 0; i < records.size(); ++i) {
-    Record const& r = records[i];
-    out << (i ? ",\n  " : "\n  ") << "{\"op\": \"" << op_name(r.op) << "\", \"bytes\": " << r.bytes
-        << ", \"ctas\": " << r.ctas << ", \"direction\": \"" << direction_name(r.direction) << "\", ";
+  std::vector<util::ResultRecord> out;
+  for (Record const& r : records) {
+    util::ResultRecord& rec = out.emplace_back();
+    rec.add("op", op_name(r.op)).add("bytes", static_cast<int64_t>(r.bytes)).add("ctas", r.ctas);
+    rec.add("direction", direction_name(r.direction));
     if (r.op == Op::latency) {
-      out << "\"latency_us\": " << fixed(r.latency_us, 3) << "}";
-    } else {
-      out << "\"gbps\": " << fixed(r.gbps, 2);
-      if (r.direction != Direction::oneway) out << ", \"gbps_sum\": " << fixed(2 * r.gbps, 2);
-      if (r.direction == Direction::alltoall) out << ", \"peers\": " << world - 1;
-      out << ", \"median_us\": " << fixed(r.median_us, 3) << "}";
+      rec.add("latency_us", r.latency_us);
+      continue;
     }
+    rec.add("gbps", r.gbps);
+    if (r.direction != Direction::oneway) rec.add("gbps_sum", 2 * r.gbps);
+    if (r.direction == Direction::alltoall) rec.add("peers", world - 1);
+    rec.add("median_us", r.median_us);
   }
-  out << "\n]}\n";
-  std::ofstream file(path);
-  FERRY_CHECK_CONFIG(file.good(), "--json ", path, ": cannot open the file for writing; check the directory exists");
-  file << out.str();
-  FERRY_CHECK_CONFIG(file.good(), "--json ", path, ": writing failed (disk full?)");
+  util::write_result_file(path, {"ferry p2p", git_commit(), device, world}, out);
 }
 
 // "  362.1 /  724.2" for bidir and alltoall, "  362.1" for oneway.
@@ -569,7 +544,8 @@ int p2p_main(int argc, char** argv) {
   Options options = make_options();
   if (!options.parse(argc, argv)) return 0;  // --help printed
   if (is_rank_process()) return run_rank("p2p", [&] { return run_p2p(options); });
-  settings_from(options);  // a bad option is one error here, not one per rank
+  // a bad option is one error here, not one per rank; the result file is checked before any rank measures
+  util::check_result_path(settings_from(options).json, "--json");
   int const nproc = options.integer("nproc");
   int const gpus = cuda_device_count();
   FERRY_CHECK_CONFIG(nproc >= 2, "--nproc ", nproc, ": ferry p2p needs 2 ranks");

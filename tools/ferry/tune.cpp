@@ -31,6 +31,7 @@
 #include "ranks.hpp"
 #include "tuning/picker.hpp"
 #include "tuning/table.hpp"
+#include "util/result_file.hpp"
 #if FERRY_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #endif
@@ -169,13 +170,6 @@ double median(std::vector<double> samples) {
   std::sort(samples.begin(), samples.end());
   std::size_t const n = samples.size();
   return n % 2 ? samples[n / 2] : 0.5 * (samples[n / 2 - 1] + samples[n / 2]);
-}
-
-std::string iso_date() {
-  std::time_t const now = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  return buf;
 }
 
 // Sets (or clears, for 0) the variables the plan functions read at every call.
@@ -525,7 +519,7 @@ int run_tune_rank(Options const& options) {
 
   // 6. merge into the table: other keys untouched, buckets with the same bound replaced
   entry.provenance = tuning::Provenance{
-      std::string("ferry tune ") + FERRY_VERSION, git_commit(), iso_date(), device, rounds, tolerance};
+      std::string("ferry tune ") + FERRY_VERSION, git_commit(), util::utc_now_iso(), device, rounds, tolerance};
   tuning::Table table;
   table.source = path;
   if (std::filesystem::exists(path)) table = tuning::read_table_file(path);

@@ -31,6 +31,7 @@
 #include "quant/codec.hpp"
 #include "ranks.hpp"
 #include "trace/trace_file.hpp"
+#include "util/result_file.hpp"
 #if FERRY_HAVE_CUDA && __has_include("nccl_baseline.hpp")
 #define FERRY_BENCH_NCCL 1
 #include "nccl_baseline.hpp"
@@ -148,21 +149,6 @@ void check_run_options(Options const& options, Backend backend) {
                      "--trace needs in-kernel tracing, which this build does not have; rebuild "
                      "with -DFERRY_TRACE=ON (cmake -S . -B build -DFERRY_TRACE=ON)");
   FERRY_CHECK_CONFIG(backend == Backend::cuda, "--trace records the cuda kernels; use --backend cuda");
-}
-
-// --json PATH can be written, checked by the launching process before any rank starts (the records are written only
-// after the whole run). A missing file is created and removed again, so a run that then fails leaves nothing behind;
-// an existing one is opened for appending, which leaves it as it was.
-void check_json_path(std::string const& path) {
-  if (path.empty()) return;
-  std::error_code ignored;
-  bool const existed = std::filesystem::exists(path, ignored);
-  std::FILE* const file = std::fopen(path.c_str(), "a");
-  int const error = errno;
-  FERRY_CHECK_CONFIG(file != nullptr, "--json ", path, " cannot be written (", std::strerror(error),
-                     "); give a file in a folder that exists and is writable");
-  std::fclose(file);
-  if (!existed) std::filesystem::remove(path, ignored);
 }
 
 std::vector<RoutingKind> routing_kinds(Options const& options) {
@@ -401,48 +387,22 @@ struct Record {
   std::string dispatch_format, combine_format, layout;
 };
 
-std::string json_escape(std::string const& text) {
-  std::string out;
-  for (char c : text) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += c;
-  }
-  return out;
-}
-
-std::string iso_date() {
-  std::time_t const now = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  return buf;
-}
-
 void write_json(std::string const& path, Options const& options, Shape const& shape, std::string const& device,
                 int world, bool graph, std::vector<Record> const& records) {
-  std::ofstream out(path);
-  FERRY_CHECK_CONFIG(out.good(), "--json ", path, " cannot be written");
-  out << "{\"tool\": \"ferry bench\", \"version\": \"" << FERRY_VERSION << "\", \"commit\": \"" << git_commit()
-      << "\", \"date\": \"" << iso_date() << "\", \"device\": \"" << json_escape(device) << "\", \"world\": " << world
-      << ", \"records\": [";
-  for (std::size_t i = 0; i < records.size(); ++i) {
-    Record const& r = records[i];
-    out << (i ? ",\n  " : "\n  ") << "{\"mode\": \"" << r.mode << "\", \"leg\": \"" << r.leg
-        << "\", \"tokens\": " << r.tokens << ", \"hidden\": " << shape.config.hidden
-        << ", \"topk\": " << shape.config.topk << ", \"experts\": " << shape.config.num_experts << ", \"routing\": \""
-        << r.routing << "\", \"format\": \"" << r.format << "\", \"dispatch_format\": \"" << r.dispatch_format
-        << "\", \"combine_format\": \"" << r.combine_format << "\", \"layout\": \"" << r.layout
-        << "\", \"graph\": " << (graph ? "true" : "false")
-        << ", \"graph_calls\": " << (graph ? options.integer("graph-calls") : 1)
-        << ", \"median_us\": " << r.stats.median_us << ", \"p10_us\": " << r.stats.p10_us
-        << ", \"p90_us\": " << r.stats.p90_us << ", \"nvlink_gbps\": " << r.nvlink_gbps
-        << ", \"logical_gbps\": " << r.logical_gbps << ", \"check\": \"" << r.check << "\"";
+  std::vector<util::ResultRecord> out;
+  for (Record const& r : records) {
+    util::ResultRecord& rec = out.emplace_back();
+    rec.add("mode", r.mode).add("leg", r.leg).add("tokens", r.tokens).add("hidden", shape.config.hidden);
+    rec.add("topk", shape.config.topk).add("experts", shape.config.num_experts).add("routing", r.routing);
+    rec.add("format", r.format).add("dispatch_format", r.dispatch_format).add("combine_format", r.combine_format);
+    rec.add("layout", r.layout).add("graph", graph).add("graph_calls", graph ? options.integer("graph-calls") : 1);
+    rec.add("median_us", r.stats.median_us).add("p10_us", r.stats.p10_us).add("p90_us", r.stats.p90_us);
+    rec.add("nvlink_gbps", r.nvlink_gbps).add("logical_gbps", r.logical_gbps).add("check", r.check);
     if (r.baseline_us > 0)
-      out << ", \"baseline_us\": " << r.baseline_us
-          << ", \"speedup_vs_baseline\": " << r.baseline_us / r.stats.median_us;
-    if (r.bound_ratio >= 0) out << ", \"error_over_bound\": " << r.bound_ratio << ", \"rel_l2_error\": " << r.rel_l2;
-    out << "}";
+      rec.add("baseline_us", r.baseline_us).add("speedup_vs_baseline", r.baseline_us / r.stats.median_us);
+    if (r.bound_ratio >= 0) rec.add("error_over_bound", r.bound_ratio).add("rel_l2_error", r.rel_l2);
   }
-  out << "\n]}\n";
+  util::write_result_file(path, {"ferry bench", git_commit(), device, world}, out);
 }
 
 // Slowest rank's figures: allgathers every rank's values and takes the max of each.
@@ -875,7 +835,7 @@ int bench_main(int argc, char** argv) {
   // Launching process: refuse a shape that cannot run before starting anything (one line, exit 2 from main).
   Backend const backend = choose_backend(options, false);
   check_run_options(options, backend);
-  check_json_path(options.str("json"));
+  util::check_result_path(options.str("json"), "--json");  // before any rank starts: records are written last
   int const nproc = choose_nproc(options.integer("nproc"), backend, kCpuDefaultRanks);
   FERRY_CHECK_CONFIG(nproc >= 1, "no ranks to run: --backend cuda found no GPU; use --backend cpu");
   for (RoutingKind kind : routing_kinds(options))
