@@ -1,5 +1,5 @@
 // The all-to-all dispatcher that inference and training engines build from NCCL, as the baseline `ferry bench
-// --baseline nccl` times next to Ferry (DESIGN.md "Metrics"): count all-to-all, host sync, permute (rows gathered
+// --baseline nccl` times next to Ferry (docs/design.md, "Metrics"): count all-to-all, host sync, permute (rows gathered
 // per destination rank, one copy per rank), grouped ncclSend/ncclRecv all-to-allv, rows land rank-major; combine:
 // all-to-allv back, summed per token over ranks in fp32, rounded once.
 //

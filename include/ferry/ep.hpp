@@ -1,4 +1,4 @@
-// Expert-parallel dispatch and combine. See DESIGN.md "Semantics": one contract for every backend and mode.
+// Expert-parallel dispatch and combine. See docs/design.md "Semantics": one contract for every backend and mode.
 //
 // Threading and streams: an EpBuffer belongs to one host thread. On the cuda backend every call is enqueued on the
 // given stream (work is asynchronous unless `eager`); on the cpu backend calls run synchronously and stream must be

@@ -1,4 +1,5 @@
 #include "comm/comm_impl.hpp"
+#include "ferry/env.hpp"
 #include "ferry/error.hpp"
 
 namespace ferry {
@@ -50,6 +51,7 @@ bool cuda_available() {
 std::unique_ptr<Communicator> Communicator::create(std::unique_ptr<Bootstrap> bootstrap,
                                                    CommunicatorOptions const& options) {
   FERRY_CHECK_CONFIG(bootstrap != nullptr, "Communicator::create needs a bootstrap");
+  check_env();  // a bad FERRY_* value is refused where the job starts, not when (or if) its reader runs
   switch (options.backend) {
     case Backend::cpu:
       return detail::make_cpu_communicator(std::move(bootstrap), options);

@@ -1,4 +1,4 @@
-// The reference semantics of dispatch and combine (DESIGN.md "Semantics") as pure host functions over every rank's
+// The reference semantics of dispatch and combine (docs/design.md, "Semantics") as pure host functions over every rank's
 // inputs. The cpu backend produces exactly these results through shared memory; every GPU test compares with them
 // bit for bit (bf16 transport).
 //

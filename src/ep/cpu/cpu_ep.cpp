@@ -1,11 +1,11 @@
-// The cpu reference backend of EpBuffer: the normal-mode protocol of DESIGN.md ("Modes") as host loops over the
+// The cpu reference backend of EpBuffer: the normal-mode protocol of docs/design.md ("Modes") as host loops over the
 // communicator's shared memory. Dispatch: count exchange (each rank writes its row of the W x W count matrix into
 // every peer), barrier, each sender computes its offsets in every destination and pushes rows and metadata straight
 // into their final slots, barrier. Combine: each receiver reduces its rows into its own send-back area, barrier,
 // each source pulls and sums its tokens' rows over the destinations in ascending order, barrier. The per-row
 // arithmetic is ref::reduce_row / accumulate_row / round_row, so results are bit-identical with ref::.
 //
-// Low-latency mode has the same semantics (DESIGN.md "Semantics") with its own output contract: every dispatch fills
+// Low-latency mode has the same semantics (docs/design.md, "Semantics") with its own output contract: every dispatch fills
 // the expert-major layout, recv_x is not returned, and each leg splits into a send half (dispatch: steps 1-5, the rows
 // have landed on every rank; combine: step 1, the rows to send back are published) and a receive half (dispatch: the
 // expert-major layout; combine: the sum). With return_recv_hook the receive half waits for complete_dispatch /
