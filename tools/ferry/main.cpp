@@ -21,6 +21,7 @@ void print_usage() {
       "  p2p     NVLink put / get bandwidth and one-way latency between two GPUs, next to the copy engine\n"
 #endif
       "  tune    sweep launch geometries per token bucket and merge the picks into the tuning table (--verify checks)\n"
+      "  model   predict traffic and time of dispatch / combine on N nodes x M GPUs (a model, with its inputs)\n"
       "  trace   decode ferry bench --trace DIR: Chrome trace + per-phase table (builds with -DFERRY_TRACE=ON)\n"
       "  launch  run any program as N ranks of this host with the torchrun environment (C++ programs without torch)\n"
       "  env     the FERRY_* environment parameters, their defaults and the values in force\n\n"
@@ -42,6 +43,7 @@ int main(int argc, char** argv) {
     if (command == "launch") return ferry::cli::launch_main(argc - 2, argv + 2);
     if (command == "tune") return ferry::cli::tune_main(argc - 2, argv + 2);
     if (command == "trace") return ferry::cli::trace_main(argc - 2, argv + 2);
+    if (command == "model") return ferry::cli::model_main(argc - 2, argv + 2);
 #if FERRY_HAVE_CUDA
     if (command == "p2p") return ferry::cli::p2p_main(argc - 2, argv + 2);
 #endif

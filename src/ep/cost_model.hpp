@@ -1,0 +1,91 @@
+// The traffic and the time of expert-parallel legs past one node, predicted from the routing and a link model, so
+// that a cluster run has a number to be compared with (`ferry model`; docs/internode.md).
+//
+// Topology: N nodes x M local ranks, world rank r = node * M + local (torchrun's order). Two protocols are counted:
+// - hierarchical (normal mode): a token crosses the network once per destination node other than its own, to the
+//   rank of the same local index there (its rail); that rank forwards it over NVLink to the other ranks of its node
+//   that hold the token's experts. Ranks of the source's own node get it over NVLink directly. Combine is the
+//   reverse: each node reduces its ranks' rows of a token first, and one row per (token, remote node) crosses back.
+// - direct (low-latency mode as today's single-node kernels do it): a token goes straight to each destination rank,
+//   over NVLink inside the node and over the network to the others (one message per (token, remote rank)).
+// Rows are de-duplicated per destination rank (or node) as the protocols do; metadata is counted per row.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ep/routing.hpp"
+#include "ferry/ep.hpp"
+
+namespace ferry::model {
+
+struct Topology {
+  int nodes = 1;
+  int local = 1;  // ranks per node (the NVLink team)
+  int world() const { return nodes * local; }
+  int node_of(int rank) const { return rank / local; }
+};
+
+// "NxM" (e.g. "2x8"): N nodes of M ranks. Throws ConfigError naming the text and the form.
+Topology parse_topology(std::string const& text);
+
+// One leg's traffic, per rank: what the slowest rank sends (max over ranks) and the mean over ranks.
+struct LegTraffic {
+  double network_bytes_max = 0, network_bytes_mean = 0;
+  double nvlink_bytes_max = 0, nvlink_bytes_mean = 0;
+  double network_messages_max = 0;  // puts over the network (one per row and destination)
+  double network_rows_mean = 0;     // rows that cross the network, per rank
+};
+
+struct Traffic {
+  int tokens_per_rank = 0;
+  LegTraffic hier_dispatch, hier_combine;      // hierarchical normal mode
+  LegTraffic direct_dispatch, direct_combine;  // straight to each destination rank
+  // averages over every token of every rank
+  double dest_ranks_per_token = 0;     // distinct destination ranks
+  double remote_nodes_per_token = 0;   // distinct destination nodes other than the token's own
+  double remote_ranks_per_token = 0;   // distinct destination ranks on other nodes
+  std::size_t dispatch_row_bytes = 0;  // wire row + metadata
+  std::size_t combine_row_bytes = 0;   // wire row of combine_format
+};
+
+// Counts the traffic of `tokens_per_rank` tokens on every rank, routed by `routing` (the generators of
+// ep/routing.hpp, as ferry bench routes). config.num_experts must divide by topology.world().
+Traffic count_traffic(EpConfig const& config, Topology const& topology, RoutingOptions const& routing,
+                      int tokens_per_rank);
+
+// The links, with the values the predictions use (printed with them). Defaults: a 400G ConnectX-7 NIC per GPU
+// (50 GB/s a direction), NVLink as measured on 2 x H200 (push, both ways at once: 362 GB/s a direction), and the
+// fixed costs of a leg as measured at world 2 (docs/perf.md, 1 token).
+struct Links {
+  double nic_gbps = 50.0;          // network, per GPU and direction
+  double nic_latency_us = 4.0;     // one put-with-signal across the network, issue to visible (RDMA write + flag)
+  double nvlink_gbps = 362.0;      // per GPU and direction, every peer at once
+  double nvlink_latency_us = 1.3;  // one-way flag latency inside the node
+  double normal_fixed_us = 8.7;    // a normal-mode leg at 1 token, world 2 (dispatch 8.8, combine 8.5)
+  double ll_fixed_us = 8.4;        // a low-latency leg at 1 token, world 2 (dispatch 10.0, combine 6.7)
+};
+
+struct LegPrediction {
+  double us = 0;
+  double network_gbps = 0;  // network bytes of the slowest rank / us: the physical figure, at most the NIC's
+  // rows received over the network by every remote rank that holds them (one per (token, remote rank), whether it
+  // crossed once per node and was forwarded or not) / us: above the NIC's rate when rows are forwarded. (DeepEP's
+  // published "RDMA GB/s" counts a token once per destination node: the physical figure above.)
+  double logical_network_gbps = 0;
+  std::string bound;  // "network", "nvlink" or "fixed cost": what sets the time
+};
+
+struct Prediction {
+  LegPrediction hier_dispatch, hier_combine;
+  LegPrediction direct_dispatch, direct_combine;
+  LegPrediction forward_dispatch, forward_combine;  // low-latency rows once per node with an NVLink forward
+};
+
+// Time of a leg = its fixed cost + the slower of its network and NVLink transfers (they overlap: the forward starts
+// as rows arrive) + the latency of the hops it adds in series (one network put; one NVLink forward when rows are
+// forwarded). A model, not a measurement: it has no congestion, no NIC message-rate limit, no skew between ranks.
+Prediction predict(Traffic const& traffic, Links const& links);
+
+}  // namespace ferry::model
