@@ -31,6 +31,7 @@
 #include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
+#include "support/cpu_ranks.hpp"
 #include "support/host_fixtures.hpp"
 #include "support/rank_case.hpp"
 
@@ -46,25 +47,10 @@ std::size_t at(int64_t row, int64_t width) {
   return static_cast<std::size_t>(row * width);
 }
 
-// Runs fn(rank, communicator) on `world` threads. Returns each rank's failure ("" when it passed).
-std::vector<std::string> run_ranks(int world,
-                                   std::function<void(int, std::shared_ptr<Communicator> const&)> const& fn) {
-  auto bootstraps = make_local_bootstraps(world, std::chrono::seconds(30));
-  std::vector<std::string> failures(static_cast<std::size_t>(world));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        std::shared_ptr<Communicator> const comm =
-            Communicator::create(std::move(bootstraps[static_cast<std::size_t>(r)]), {Backend::cpu});
-        fn(r, comm);
-      } catch (std::exception const& error) {
-        failures[static_cast<std::size_t>(r)] = error.what();
-      }
-    });
-  }
-  for (auto& thread : threads) thread.join();
-  return failures;
+using RankFn = std::function<void(int, std::shared_ptr<Communicator> const&)>;
+
+std::vector<std::string> run_ranks(int world, RankFn const& fn) {
+  return test::run_cpu_ranks(world, fn);
 }
 
 void expect_all_passed(std::vector<std::string> const& failures) {
@@ -367,9 +353,9 @@ void run_schedules(int world, bool low_latency, uint64_t first_seed, int count, 
             for (int r = 0; r < world; ++r)
               rows[static_cast<std::size_t>(r)].resize(
                   at(received[static_cast<std::size_t>(r)].num_recv, resolved.hidden));
-          std::vector<uint16_t> want =
-              leg.expert_major ? ref::combine_expert_major(resolved, world, rank, inputs, received, outs)
-                               : ref::combine_rank_major(resolved, world, rank, inputs, received, rows);
+          std::vector<uint16_t> want = leg.expert_major
+                                           ? ref::combine_expert_major(resolved, world, rank, inputs, received, outs)
+                                           : ref::combine_rank_major(resolved, world, rank, inputs, received, rows);
           if (!std::equal(want.begin(), want.end(), y.begin()))
             note(concat("schedule ", seed, " leg ", l, " combine: y differs"));
           ++tally.compared;
@@ -492,34 +478,30 @@ TEST(CollectiveErrors, CallsOutOfStepFailOnEveryRankNamingBothCalls) {
 
 // --- configs are compared at construction --------------------------------------------------------------------------
 
-TEST(CollectiveErrors, ConfigsThatDifferBetweenRanksAreNamedOnEveryRank) {
-  std::vector<std::string> errors(2);
+// Each rank creates a buffer of hidden_of(rank); returns what each rank's constructor said ("created" or its error).
+std::vector<std::string> create_on_two_ranks(std::function<int(int)> const& hidden_of) {
+  std::vector<std::string> said(2);
   expect_all_passed(run_ranks(2, [&](int rank, std::shared_ptr<Communicator> const& comm) {
     EpConfig config;
-    config.hidden = rank == 0 ? 7168 : 4096;
+    config.hidden = hidden_of(rank);
     config.max_tokens_per_rank = 8;
     try {
       EpBuffer buffer(comm, config);
-      errors[rank] = "created";
+      said[rank] = "created";
     } catch (ConfigError const& error) {
-      errors[rank] = error.what();
+      said[rank] = error.what();
     }
   }));
+  return said;
+}
+
+TEST(CollectiveErrors, ConfigsThatDifferBetweenRanksAreNamedOnEveryRank) {
+  std::vector<std::string> errors = create_on_two_ranks([](int rank) { return rank == 0 ? 7168 : 4096; });
   EXPECT_TRUE(contains(errors[0], "hidden=7168 on rank 0 but hidden=4096 on rank 1")) << errors[0];
   EXPECT_TRUE(contains(errors[1], "hidden=4096 on rank 1 but hidden=7168 on rank 0")) << errors[1];
 
   // an invalid config on one rank: that rank's own ConfigError, the other's names it (and neither waits)
-  expect_all_passed(run_ranks(2, [&](int rank, std::shared_ptr<Communicator> const& comm) {
-    EpConfig config;
-    config.hidden = rank == 1 ? 7004 : 7168;
-    config.max_tokens_per_rank = 8;
-    try {
-      EpBuffer buffer(comm, config);
-      errors[rank] = "created";
-    } catch (ConfigError const& error) {
-      errors[rank] = error.what();
-    }
-  }));
+  errors = create_on_two_ranks([](int rank) { return rank == 1 ? 7004 : 7168; });
   EXPECT_TRUE(contains(errors[1], "hidden=7004 is not a multiple of 8")) << errors[1];
   EXPECT_TRUE(contains(errors[0], "rank 1's EpConfig is invalid")) << errors[0];
 }

@@ -25,6 +25,7 @@
 #include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
+#include "support/cpu_ranks.hpp"
 #include "support/host_fixtures.hpp"
 #include "support/rank_case.hpp"
 
@@ -43,24 +44,9 @@ std::size_t at(int64_t row, int64_t width) {
   return static_cast<std::size_t>(row * width);
 }
 
-// Runs fn(rank, communicator) on world threads, each with its own cpu communicator over LocalBootstrap. Returns each
-// rank's failure message ("" when it passed).
+// Ranks as threads (test::run_cpu_ranks), fn taking the communicator by reference.
 std::vector<std::string> run_threads(int world, std::function<void(int, Communicator&)> const& fn) {
-  auto bootstraps = make_local_bootstraps(world, std::chrono::seconds(20));
-  std::vector<std::string> failures(static_cast<std::size_t>(world));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        auto comm = Communicator::create(std::move(bootstraps[static_cast<std::size_t>(r)]), {Backend::cpu});
-        fn(r, *comm);
-      } catch (std::exception const& error) {
-        failures[static_cast<std::size_t>(r)] = error.what();
-      }
-    });
-  }
-  for (auto& thread : threads) thread.join();
-  return failures;
+  return test::run_cpu_ranks(world, [&fn](int rank, std::shared_ptr<Communicator> const& comm) { fn(rank, *comm); });
 }
 
 void expect_all_passed(std::vector<std::string> const& failures) {

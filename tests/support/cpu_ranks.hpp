@@ -1,0 +1,39 @@
+// Ranks as threads of this process, each with its own cpu communicator over LocalBootstrap: how the host tests run a
+// world without processes.
+#pragma once
+
+#include <chrono>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ferry/bootstrap.hpp"
+#include "ferry/communicator.hpp"
+
+namespace ferry::test {
+
+// Runs fn(rank, communicator) on `world` threads. Returns each rank's failure: what it threw ("" when it returned).
+inline std::vector<std::string> run_cpu_ranks(
+    int world, std::function<void(int, std::shared_ptr<Communicator> const&)> const& fn) {
+  auto bootstraps = make_local_bootstraps(world, std::chrono::seconds(20));
+  std::vector<std::string> failures(static_cast<std::size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        std::shared_ptr<Communicator> const comm =
+            Communicator::create(std::move(bootstraps[static_cast<std::size_t>(r)]), {Backend::cpu});
+        fn(r, comm);
+      } catch (std::exception const& error) {
+        failures[static_cast<std::size_t>(r)] = error.what();
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  return failures;
+}
+
+}  // namespace ferry::test
