@@ -23,10 +23,16 @@ enum class WaitPhase : int32_t {
 
 char const* wait_phase_name(WaitPhase phase);
 
+// The failures a DeviceErrorBlock records (its status once written).
+inline constexpr uint32_t kErrorTimeout = 2;  // a bounded wait expired: peer did not arrive
+// A wait saw a peer's signal of a later call of the same kind: the peer ran more calls of that kind on the buffer
+// than this rank (expected / observed hold this rank's and the peer's sequence numbers).
+inline constexpr uint32_t kErrorOutOfStep = 3;
+
 // Host-visible (mapped pinned memory on cuda) record of the first failure a kernel saw. The first writer wins
 // (status moves 0 -> 1 by compare-and-swap, then the fields are filled, then status moves to 2).
 struct DeviceErrorBlock {
-  uint32_t status;        // 0 none, 1 being written, 2 timeout recorded
+  uint32_t status;        // 0 none, 1 being written, kErrorTimeout, kErrorOutOfStep
   int32_t rank;           // the rank that waited
   int32_t peer;           // the rank it waited for (-1: several or unknown)
   int32_t phase;          // WaitPhase

@@ -71,6 +71,12 @@ namespace detail {
 
 std::string describe_device_error(DeviceErrorBlock const& block, double timeout_s) {
   if (block.status == 0) return {};
+  if (block.status == kErrorOutOfStep)
+    return concat("calls out of step: rank ", block.rank, " is in its call ", block.expected,
+                  " of this kind in phase '", wait_phase_name(static_cast<WaitPhase>(block.phase)), "' but rank ",
+                  block.peer, "'s signal there is of its call ", block.observed,
+                  ": the ranks made different numbers of these calls on the buffer; every rank must make the same "
+                  "dispatch / combine calls in the same order");
   return concat("rank ", block.rank, " timed out after ", timeout_s, " s in phase '",
                 wait_phase_name(static_cast<WaitPhase>(block.phase)), "' waiting for rank ", block.peer,
                 " (expected signal >= ", block.expected, ", observed ", block.observed, "); rank ", block.peer,

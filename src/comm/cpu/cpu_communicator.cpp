@@ -323,7 +323,7 @@ void CpuCommunicator::record_timeout(WaitPhase phase, std::vector<int> const& mi
     error_->phase = static_cast<int32_t>(phase);
     error_->expected = expected;
     error_->observed = observed;
-    status.store(2u, std::memory_order_release);
+    status.store(kErrorTimeout, std::memory_order_release);
   }
   std::string ranks;
   for (int r : missing) ranks += concat(ranks.empty() ? "" : ", ", r);
@@ -390,7 +390,7 @@ void CpuCommunicator::check_errors(cudaStream_t stream) {
   ensure_usable();
 
   // 1. a recorded timeout (the cpu barrier throws at once; this catches one recorded by another host-side wait)
-  if (std::atomic_ref<uint32_t>(error_->status).load(std::memory_order_acquire) == 2u) {
+  if (std::atomic_ref<uint32_t>(error_->status).load(std::memory_order_acquire) == kErrorTimeout) {
     failure_ = format_error("timeout", __FILE__, __LINE__,
                             concat(describe_device_error(*error_, timeout_s_),
                                    "; this communicator is now unusable: destroy it and create a new one"));

@@ -400,15 +400,19 @@ void CudaCommunicator::check_errors(cudaStream_t stream) {
   ensure_usable();
   if (stream != nullptr) FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
 
-  // 1. a recorded timeout: status reaches 2 only after the kernel filled the fields (and fenced at system scope)
-  if (__atomic_load_n(&error_host_->status, __ATOMIC_ACQUIRE) == 2u) {
+  // 1. a recorded failure: status reaches its final value only after the kernel filled the fields (and fenced at
+  //    system scope). A timeout (a peer may be gone) and calls out of step (nothing later can be paired) both fail
+  //    the communicator.
+  if (uint32_t const status = __atomic_load_n(&error_host_->status, __ATOMIC_ACQUIRE);
+      status == kErrorTimeout || status == kErrorOutOfStep) {
     DeviceErrorBlock block;
     std::memcpy(&block, const_cast<DeviceErrorBlock const*>(error_host_), sizeof(block));
-    failure_ = format_error("timeout", __FILE__, __LINE__,
+    failure_ = format_error(status == kErrorTimeout ? "timeout" : "ferry", __FILE__, __LINE__,
                             concat(describe_device_error(block, timeout_s_),
                                    "; this communicator is now unusable: destroy it and create a new one"));
     failed_ = true;
-    throw TimeoutError(failure_);
+    if (status == kErrorTimeout) throw TimeoutError(failure_);
+    throw Error(failure_);
   }
 
   // 2. a call a peer refused on input (its abort flag in the exchange): refused here too
