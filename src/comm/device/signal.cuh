@@ -26,9 +26,10 @@ __device__ __forceinline__ bool device_failed(DeviceView const& view) {
   return *reinterpret_cast<uint32_t const volatile*>(&view.error->status) != 0;
 }
 
-// Records a timeout in the error block; only the first failure on this rank is kept.
-__device__ __forceinline__ void record_timeout(DeviceView const& view, int peer, WaitPhase phase, uint64_t expected,
-                                               uint64_t observed) {
+// Records a failure of status `status` (2: timeout, kStatusOutOfStep) in the error block; only the first failure on
+// this rank is kept (status 0 -> 1 by compare-and-swap, the fields, then the final status).
+__device__ __forceinline__ void record_failure(DeviceView const& view, uint32_t status, int peer, WaitPhase phase,
+                                               uint64_t expected, uint64_t observed) {
   DeviceErrorBlock* block = view.error;
   if (atomicCAS(&block->status, 0u, 1u) == 0u) {
     block->rank = view.rank;
@@ -37,31 +38,53 @@ __device__ __forceinline__ void record_timeout(DeviceView const& view, int peer,
     block->expected = expected;
     block->observed = observed;
     __threadfence_system();
-    atomicExch(&block->status, 2u);
+    atomicExch(&block->status, status);
   }
 }
 
-// Spins until *signal >= expected (acquire). Returns false on timeout (recorded) or when this rank already failed.
-// Called by one thread; the caller broadcasts the outcome to its group. sleep_ns > 0: a pause between polls, for
-// waits expected to last long (many CTAs polling for tens of us), at the cost of up to ~2 x sleep_ns of latency.
-__device__ __forceinline__ bool wait_signal_geq(DeviceView const& view, uint64_t const* signal, uint64_t expected,
-                                                int peer, WaitPhase phase, unsigned sleep_ns = 0) {
-  uint64_t observed = arch::load_acquire_sys_u64(signal);
-  if (observed >= expected) return true;
+// Records a timeout in the error block; only the first failure on this rank is kept.
+__device__ __forceinline__ void record_timeout(DeviceView const& view, int peer, WaitPhase phase, uint64_t expected,
+                                               uint64_t observed) {
+  record_failure(view, 2u, peer, phase, expected, observed);
+}
+
+// Spins until *signal >= expected (acquire) and leaves the value that satisfied it in *observed (a
+// signal that carries a flag or a peer's sequence number besides what the wait needs). Returns false on timeout
+// (recorded) or when this rank already failed. Called by one thread; the caller broadcasts the outcome to its group.
+// sleep_ns > 0: a pause between polls, for waits expected to last long (many CTAs polling for tens of us), at the cost
+// of up to ~2 x sleep_ns of latency.
+__device__ __forceinline__ bool wait_signal_geq_value(DeviceView const& view, uint64_t const* signal, uint64_t expected,
+                                                      int peer, WaitPhase phase, uint64_t* observed,
+                                                      unsigned sleep_ns = 0) {
+  uint64_t value = arch::load_acquire_sys_u64(signal);
+  if (value >= expected) {
+    *observed = value;
+    return true;
+  }
   uint64_t const start = arch::global_timer_ns();
   uint32_t spins = 0;
   while (true) {
-    if (sleep_ns != 0) __nanosleep(sleep_ns);  // a wait expected to be long: fewer polls of the memory system
-    observed = arch::load_acquire_sys_u64(signal);
-    if (observed >= expected) return true;
+    if (sleep_ns != 0) __nanosleep(sleep_ns);
+    value = arch::load_acquire_sys_u64(signal);
+    if (value >= expected) {
+      *observed = value;
+      return true;
+    }
     if ((++spins & 255u) == 0u) {
       if (device_failed(view)) return false;
       if (arch::global_timer_ns() - start > view.timeout_ns) {
-        record_timeout(view, peer, phase, expected, observed);
+        record_timeout(view, peer, phase, expected, value);
         return false;
       }
     }
   }
+}
+
+// wait_signal_geq_value without the value.
+__device__ __forceinline__ bool wait_signal_geq(DeviceView const& view, uint64_t const* signal, uint64_t expected,
+                                                int peer, WaitPhase phase, unsigned sleep_ns = 0) {
+  uint64_t observed;
+  return wait_signal_geq_value(view, signal, expected, peer, phase, &observed, sleep_ns);
 }
 
 // Like wait_signal_geq, but the bound counts from start_ns (a global_timer_ns() reading) instead of from the call:
@@ -98,9 +121,33 @@ __device__ __forceinline__ void record_input_error(DeviceView const& view, int b
   }
 }
 
-// Counts an expert id outside [-1, num_experts) that the device dropped; the reported value is the id clamped to int.
+// Counts an expert id outside [-1, num_experts), or a valid id repeated in one topk row, that made this rank refuse
+// the call (its abort flag goes into the call's exchange); the reported value is the id clamped to int.
 __device__ __forceinline__ void record_bad_expert_id(DeviceView const& view, int64_t id) {
   record_input_error(view, static_cast<int>(id < INT32_MIN ? INT32_MIN : id > INT32_MAX ? INT32_MAX : id), false);
+}
+
+// A call this rank joined whose exchange carried `peer`'s abort flag (the peer refused it on input): counted, and the
+// first such peer and the phase of its exchange kept; the host raises InputError naming the peer and clears them.
+// Every thread that sees a flag may call it: only the first count writes the fields.
+__device__ __forceinline__ void record_refusal(DeviceView const& view, int peer, WaitPhase phase) {
+  DeviceErrorBlock* block = view.error;
+  if (atomicAdd(&block->refusals, 1u) == 0u) {
+    block->refusing_rank = peer;
+    block->refused_phase = static_cast<int32_t>(phase);
+  }
+}
+
+// Status of an error block whose wait saw a peer's signal of a LATER call of the same kind (the peer ran more calls of
+// this kind on this buffer than this rank: the ranks are out of step). expected / observed hold the two calls'
+// sequence numbers (this rank's, the peer's). Like a timeout it fails the communicator: no later call can be paired.
+inline constexpr uint32_t kStatusOutOfStep = 3;
+
+// Records that `peer`'s signal in `phase` belongs to call `observed_seq` while this rank runs call `expected_seq`;
+// only the first failure on this rank is kept (as record_timeout), and the waits of this rank stop (device_failed).
+__device__ __forceinline__ void record_out_of_step(DeviceView const& view, int peer, WaitPhase phase,
+                                                   uint64_t expected_seq, uint64_t observed_seq) {
+  record_failure(view, kStatusOutOfStep, peer, phase, expected_seq, observed_seq);
 }
 
 }  // namespace ferry::device

@@ -28,7 +28,7 @@ struct Buffers {
   uint32_t* token_mask = nullptr;   // [max_tokens]
   int32_t* token_pos = nullptr;     // [max_tokens, world]
   int32_t* block_counts = nullptr;  // [max_dispatch_ctas, world] rows per destination of each dispatch CTA
-  int32_t* count_totals = nullptr;  // [world + num_experts] the dispatch's running totals (zero between calls)
+  int32_t* count_totals = nullptr;  // [world + num_experts + 1] the dispatch's running totals (zero between calls)
   float* token_scales = nullptr;    // [max_tokens] nvfp4 dispatch_format: per-token scales of the call's tokens
   int max_dispatch_ctas = 0;
   // Launch the persistent grids (dispatch, combine) cooperatively: the runtime refuses a grid that cannot be
@@ -84,11 +84,14 @@ struct LaunchPlan {
 };
 
 // Each launcher validates its arguments (to_params), picks the template instance and launches on `stream`.
+// refuse: this rank refuses the call (EpBackendImpl::refuse_dispatch / refuse_combine): the kernel joins the exchange
+// with its abort flag and moves no rows of its own (args: no tokens, no x or y).
 LaunchPlan plan_dispatch(Buffers const& buffers, int num_tokens);
-void launch_dispatch(Buffers const& buffers, DispatchArgs const& args, LaunchPlan const& plan, cudaStream_t stream);
+void launch_dispatch(Buffers const& buffers, DispatchArgs const& args, LaunchPlan const& plan, cudaStream_t stream,
+                     bool refuse = false);
 void launch_expand(Buffers const& buffers, bool copy_rows, cudaStream_t stream);
 LaunchPlan plan_combine(Buffers const& buffers, int num_tokens);
 void launch_combine(Buffers const& buffers, CombineArgs const& args, LaunchPlan const& plan, int num_tokens,
-                    cudaStream_t stream);
+                    cudaStream_t stream, bool refuse = false);
 
 }  // namespace ferry::cuda_ep

@@ -38,8 +38,9 @@ LaunchPlan plan_combine(Buffers const& buffers, int num_tokens) {
 
 namespace {
 
-CombineParams to_params(Buffers const& b, CombineArgs const& args, LaunchPlan const& plan, int num_tokens) {
-  FERRY_CHECK_INPUT(num_tokens == 0 || args.y != nullptr, "combine y is null for num_tokens=", num_tokens,
+CombineParams to_params(Buffers const& b, CombineArgs const& args, LaunchPlan const& plan, int num_tokens,
+                        bool refuse) {
+  FERRY_CHECK_INPUT(refuse || num_tokens == 0 || args.y != nullptr, "combine y is null for num_tokens=", num_tokens,
                     " of the last dispatch");
   FERRY_CHECK_INPUT(args.layout != CombineLayout::expert_major || b.expert_slots > 0,
                     "expert-major combine needs EpConfig::expert_capacity (rows per local expert of its input); set "
@@ -52,6 +53,7 @@ CombineParams to_params(Buffers const& b, CombineArgs const& args, LaunchPlan co
   p.layout = b.layout;
   p.x = args.x;
   p.y = args.y;
+  p.abort = refuse;
   p.landing_row_bytes = wire_row_bytes(b.config.combine_format, b.config.hidden);
   p.hidden = b.config.hidden;
   p.topk = b.config.topk;
@@ -99,9 +101,9 @@ CombineKernel pick_kernel(bool expert_major, WireFormat format, int hidden) {
 }  // namespace
 
 void launch_combine(Buffers const& buffers, CombineArgs const& args, LaunchPlan const& plan, int num_tokens,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, bool refuse) {
   // num_tokens is only checked here; the kernel reads the device copy of the last dispatch's count
-  CombineParams const p = to_params(buffers, args, plan, num_tokens);
+  CombineParams const p = to_params(buffers, args, plan, num_tokens, refuse);
   CombineKernel const kernel =
       pick_kernel(args.layout == CombineLayout::expert_major, buffers.config.combine_format, buffers.config.hidden);
   cuda_grid::launch_grid<kThreads>(kernel, p, p.num_ctas, 0, buffers.cooperative, stream);

@@ -17,9 +17,16 @@
 // the row twice.
 // Items go in tile order on both sides, so a source's first tiles complete while later ones are still in flight:
 // the HBM-bound sum overlaps the NVLink-bound push instead of following it.
-// Sequence numbers (DeviceState::combine_seq) make flags monotone; the landing zone alternates by parity because a
-// fast peer may push call n+1 while this rank still sums call n (it cannot be two calls ahead: call n+1 needs this
-// rank's flags of call n+1).
+// Sequence numbers (DeviceState::combine_seq) make flags monotone (a flag is 2 * seq, + 1 when its sender refused the
+// call); the landing zone alternates by parity because a fast peer may push call n+1 while this rank still sums call
+// n (it cannot be two calls ahead: call n+1 needs this rank's flags of call n+1, so a flag of n+2 or later is an
+// out-of-step error).
+// Every rank pushes tile 0 to every source (empty when that source has no tokens) and waits every rank's tile 0, so
+// a refusal reaches every rank, one with no tokens too. A rank that refuses the call (CombineParams::abort) pushes
+// no rows: it writes its abort word (combine_abort, per parity: a flag of call n+1 may overwrite n's before a reader
+// sees it, the abort word of n stays) on every peer, then fills every tile its sources wait for with 2 * seq + 1,
+// and sums nothing. The reader of tile 0 takes the refusal from the flag, or, when the flag is already call n+1's,
+// from the abort word (a load only then), and records it at the end: a refused call's y is not a result.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -379,24 +386,53 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
   CombineSums const sums = combine_sums(p.state->num_tokens, p.num_ctas - p.num_push_ctas);
   // every rank's flag of this rank's tile j (acquire: its rows of the tile are visible after the barrier)
   auto const* flags = reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.tile_flags);
+  auto const* aborts = reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.combine_abort) + parity * world;
+  bool refused_by = false;  // thread d of tile 0's reader: rank d refused this call (recorded in step 4)
   auto wait_tile = [&](int j, unsigned sleep_ns) {
-    if (tid < world && !device::wait_signal_geq(p.view, flags + tid * kMaxCombineTiles + j, seq, tid,
-                                                WaitPhase::combine_data, sleep_ns))
-      s_ok = 0;
+    if (tid < world) {
+      uint64_t flag = 0;
+      if (!device::wait_signal_geq_value(p.view, flags + tid * kMaxCombineTiles + j, 2 * seq, tid,
+                                         WaitPhase::combine_data, &flag, sleep_ns)) {
+        s_ok = 0;
+      } else if ((flag >> 1) > seq + 1) {
+        device::record_out_of_step(p.view, tid, WaitPhase::combine_data, seq, flag >> 1);
+        s_ok = 0;
+      } else if (j == 0) {
+        // a flag of call seq + 1 replaced this call's: the abort word (written before any flag of this call or later,
+        // so visible after the acquire) keeps this call's refusal
+        refused_by = (flag >> 1) == seq ? (flag & 1) != 0 : device::arch::load_relaxed_sys_u64(aborts + tid) == seq;
+      }
+    }
     __syncthreads();
     return s_ok != 0;
   };
+  // tiles rank s waits for from this rank: tile 0 always (every rank hears of a refusal), then one per tile of its
+  // tokens
+  auto tiles_of = [](int src_tokens) { return max(1, combine_num_tiles(src_tokens)); };
 
-  if (cta < p.num_push_ctas) {
+  if (p.abort) {
+    // 1'. refusal: this rank's abort word on every peer (thread 0), then every tile every source waits for from
+    //     this rank flagged 2 * seq + 1 (release: the barrier orders thread 0's words before every thread's flags)
+    if (cta == 0) {
+      if (tid == 0)
+        for (int d = 0; d < world; ++d)
+          *(reinterpret_cast<uint64_t volatile*>(p.sym[d] + p.layout.combine_abort) + parity * world + rank) = seq;
+      __syncthreads();
+      for (int s = 0; s < world; ++s)
+        for (int j = tid; j < tiles_of(p.state->src_tokens[s]); j += kThreads)
+          device::signal_set(reinterpret_cast<uint64_t*>(p.sym[s] + p.layout.tile_flags) + rank * kMaxCombineTiles + j,
+                             2 * seq + 1);
+    }
+  } else if (cta < p.num_push_ctas) {
     // 1. push role: items (tile j, source s) in tile order; sources rotated so ranks start on different peers
     int max_tiles = 0;
-    for (int s = 0; s < world; ++s) max_tiles = max(max_tiles, combine_num_tiles(p.state->src_tokens[s]));
+    for (int s = 0; s < world; ++s) max_tiles = max(max_tiles, tiles_of(p.state->src_tokens[s]));
     auto const* recv_src = reinterpret_cast<int2 const*>(p.sym[rank] + p.layout.recv_src);
     for (int q = cta; q < max_tiles * world; q += p.num_push_ctas) {
       int const j = q / world;
       int const s = (rank + 1 + q % world) % world;
       int const src_tokens = p.state->src_tokens[s];
-      if (j >= combine_num_tiles(src_tokens)) continue;
+      if (j >= tiles_of(src_tokens)) continue;  // tile 0 of a source without tokens: no rows, only its flag
       FERRY_TRACE_BEGIN(trace, combine_push);
       int const tile = combine_tile_tokens(src_tokens);
       if (warp < 2) {  // warp 0: the tile's first row, warp 1: the row past its last
@@ -435,13 +471,14 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
       // release: every row of the tile (all threads, ordered by the barrier) before the flag
       if (tid == 0)
         device::signal_set(reinterpret_cast<uint64_t*>(p.sym[s] + p.layout.tile_flags) + rank * kMaxCombineTiles + j,
-                           seq);
+                           2 * seq);
       FERRY_TRACE_END(trace, combine_push);
     }
-  } else if (int const j = cta - p.num_push_ctas; j < sums.first_claimed) {
-    // 2. sum role: tile (cta - num_push_ctas) without a claim (a call of one wave of tiles needs none)
+  } else if (int const j = cta - p.num_push_ctas; j < sums.first_claimed || (j == 0 && sums.num_tiles == 0)) {
+    // 2. sum role: tile (cta - num_push_ctas) without a claim (a call of one wave of tiles needs none); without
+    //    tokens the first sum CTA still waits for every rank's tile 0 (its flag may carry a refusal)
     FERRY_TRACE_BEGIN(trace, combine_wait_tile);
-    if (wait_tile(j, 0)) {
+    if (wait_tile(j, 0) && sums.num_tiles > 0) {
       FERRY_TRACE_END(trace, combine_wait_tile);
       FERRY_TRACE_BEGIN(trace, combine_sum);
       SumPiece const piece = combine_sum_tile(sums, j);
@@ -457,7 +494,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
   //    last wave, whose flags come with the last pushes, is summed by many SMs at once (a 16-token tile summed by one
   //    CTA took 10-13 us after the last push). A claim ahead of the pushes polls its flags with pauses, so that dozens
   //    of waiting CTAs do not load the memory system the pushes go through.
-  while (s_ok && sums.num_claims() > 0) {
+  while (s_ok && !p.abort && sums.num_claims() > 0) {
     if (tid == 0) s_claim = static_cast<int>(atomicAdd(&p.state->combine_claim, 1u));
     __syncthreads();
     int const claim = s_claim;
@@ -472,8 +509,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
     FERRY_TRACE_END(trace, combine_sum);
   }
 
-  // 4. the last CTA advances the sequence (every CTA read it at step 0) and resets the arrival and claim counters
+  // 4. tile 0's reader: the refusals of this call (this rank's own is its host's InputError); the last CTA advances
+  //    the sequence (every CTA read it at step 0) and resets the arrival and claim counters
   FERRY_TRACE_BEGIN(trace, combine_finish);
+  if (cta == p.num_push_ctas && tid < world && tid != rank && refused_by)
+    device::record_refusal(p.view, tid, WaitPhase::combine_data);
   __syncthreads();
   if (tid == 0) {
     unsigned long long const old = atomicAdd(reinterpret_cast<unsigned long long*>(&p.state->combine_done), 1ull);

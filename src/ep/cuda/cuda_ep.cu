@@ -54,12 +54,14 @@ SymLayout make_sym_layout(EpConfig const& config, int world, bool landing) {
   layout.recv_src = take(cap * 2 * sizeof(int32_t));
   layout.counts = take(2ull * world * layout.count_words * sizeof(uint64_t));
   layout.data_signal = take(static_cast<std::size_t>(world) * sizeof(uint64_t));
+  layout.combine_abort = take(2ull * world * sizeof(uint64_t));
   layout.tile_flags = take(static_cast<std::size_t>(world) * kMaxCombineTiles * sizeof(uint64_t));
   layout.landing = take(2ull * world * static_cast<std::size_t>(config.max_tokens_per_rank) * combine_row);
   if (landing) {
     std::size_t const slots = 2ull * world * static_cast<std::size_t>(config.max_tokens_per_rank);
     layout.land_arrivals = take(static_cast<std::size_t>(world) * sizeof(uint64_t));
     layout.land_tokens = take(2ull * world * sizeof(uint64_t));
+    layout.land_abort = take(2ull * world * sizeof(uint64_t));
     layout.land_meta = take(slots * landing::record_bytes(config.topk));
     layout.land_rows = take(slots * static_cast<std::size_t>(config.hidden) * 2);
   }
@@ -76,7 +78,7 @@ void allocate_buffers(Buffers& b) {
     b.token_mask = device_alloc<uint32_t>(max_tokens);
     b.token_pos = device_alloc<int32_t>(max_tokens * b.world);
     b.block_counts = device_alloc<int32_t>(static_cast<std::size_t>(b.max_dispatch_ctas) * b.world);
-    b.count_totals = device_zeroed<int32_t>(static_cast<std::size_t>(b.world + config.num_experts));
+    b.count_totals = device_zeroed<int32_t>(static_cast<std::size_t>(b.world + config.num_experts + 1));
     b.expert_counts = device_zeroed<int32_t>(b.num_local_experts);
     if (config.dispatch_format == WireFormat::nvfp4) b.token_scales = device_alloc<float>(max_tokens);
     b.recv_slot = device_alloc<int32_t>(static_cast<std::size_t>(b.recv_capacity) * config.topk);
@@ -185,11 +187,11 @@ class CudaEp final : public detail::EpBackendImpl {
     b.landing_why = landing.why;
     b.land_ctas = std::min(b.num_sms, kMaxLandCtas);
     b.layout = make_sym_layout(config, b.world, b.landing);
-    SymmetricRegion const region = comm.alloc_symmetric(b.layout.total);
-    b.sym = region.view;
+    region_ = comm.alloc_symmetric(b.layout.total);
+    b.sym = region_.view;
 
-    allocate_buffers(b);
     try {
+      allocate_buffers(b);
       b.trace = &trace_;
       if (int const events = trace::env_events_per_warp(); events > 0)
         trace_.enable(b.rank, b.num_sms * kWarps, events);
@@ -197,12 +199,12 @@ class CudaEp final : public detail::EpBackendImpl {
       // every rank's buffers exist before any peer can push into them
       comm.bootstrap().barrier();
     } catch (...) {
-      free_buffers(b);  // the destructor does not run for a constructor that throws
+      release();  // the destructor does not run for a constructor that throws
       throw;
     }
   }
 
-  ~CudaEp() override { free_buffers(buffers_); }
+  ~CudaEp() override { release(); }
 
   DispatchResult dispatch(DispatchArgs const& args, cudaStream_t stream) override {
     Buffers const& b = buffers_;
@@ -236,24 +238,39 @@ class CudaEp final : public detail::EpBackendImpl {
     return result;
   }
 
+  // A refused call joins the exchange with no tokens (no rows) and this rank's abort flag: the peers' same call moves
+  // nothing and records the refusal, and the sequence numbers and parities stay in step on every rank.
+  void refuse_dispatch(cudaStream_t stream) override {
+    Buffers const& b = buffers_;
+    launch_dispatch(b, DispatchArgs{}, plan_dispatch(b, 0), stream, /*refuse=*/true);
+    // a combine may follow, as on the peers: it has no tokens (the kernel left none on any rank)
+    have_dispatch_ = true;
+    slots_ready_ = true;  // no row, so none needs a slot: an expert-major combine reads nothing
+    last_num_tokens_ = 0;
+    dispatch_explain_ = "dispatch: refused on input (joined the count exchange with no tokens and the abort flag)";
+  }
+
+  void refuse_combine(cudaStream_t stream) override {
+    Buffers const& b = buffers_;
+    CombineArgs none;
+    none.layout = CombineLayout::rank_major;  // reads no x
+    launch_combine(b, none, plan_combine(b, last_num_tokens_), last_num_tokens_, stream, /*refuse=*/true);
+    combine_explain_ = "combine: refused on input (every tile its sources wait for flagged with the abort flag)";
+  }
+
   void combine(CombineArgs const& args, cudaStream_t stream) override {
     Buffers const& b = buffers_;
-    detail::validate_combine_args(b.config, args, have_dispatch_);
+    // NOTE: the expert-major input is laid out by the slots of an expanded dispatch: expert_major after one without
+    // expand is refused (on every backend), so recv_slot holds the last dispatch's slots here.
+    detail::validate_combine_args(b.config, args, have_dispatch_, slots_ready_, last_num_tokens_);
     bool const expert_major = args.layout == CombineLayout::expert_major;
-    // NOTE: decided by the last dispatch call alone (not by earlier combines), so a captured combine graph holds the
-    // slot kernel whenever its dispatch does not expand, whatever ran before the capture.
-    bool const need_slots = expert_major && !slots_ready_;
     LaunchPlan const plan = plan_combine(b, last_num_tokens_);
-    if (need_slots) {
-      // the expert-major input is laid out by the slots of the last dispatch; it did not expand, so compute them
-      launch_expand(b, /*copy_rows=*/false, stream);
-    }
     launch_combine(b, args, plan, last_num_tokens_, stream);
     std::ostringstream why;
     why << "combine: normal/nvlink-push pipelined (" << plan.push_ctas << " push + " << (plan.ctas - plan.push_ctas)
         << " sum CTAs x " << kWarps << " warps, " << plan.why << "), "
         << (expert_major ? "expert-major (receiver reduces its experts, fmaf k-ascending)" : "rank-major") << ", "
-        << combine_format_explain() << (need_slots ? ", slots computed first (the last dispatch did not expand)" : "")
+        << combine_format_explain()
         << "; push chosen: the receiver reduces and stores in one pass, pull would add a write + read of every row"
         << "; fast path";
     combine_explain_ = why.str();
@@ -316,7 +333,12 @@ class CudaEp final : public detail::EpBackendImpl {
     comm_.check_errors(stream);
   }
 
+  void release() noexcept {
+    detail::release_backend_memory(comm_, region_, "EpBuffer", [&] { free_buffers(buffers_); });
+  }
+
   Communicator& comm_;
+  SymmetricRegion region_;  // the symmetric region of buffers_.sym
   Buffers buffers_;
   trace::DeviceRecorder trace_;  // Buffers::trace points here
   bool have_dispatch_ = false;

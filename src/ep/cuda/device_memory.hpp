@@ -8,6 +8,8 @@
 #include <cstddef>
 
 #include "core/cuda_check.hpp"
+#include "core/log.hpp"
+#include "ferry/communicator.hpp"
 
 namespace ferry::detail {
 
@@ -38,6 +40,22 @@ template <typename T>
 void device_free(T*& ptr) noexcept {
   if (ptr) cudaFree(ptr);
   ptr = nullptr;
+}
+
+// A backend's teardown (destructor, or a constructor that throws): waits for the device, so that no kernel of this
+// buffer still runs on any stream, then free_local() (the local buffers) and gives the symmetric region back
+// (Communicator::release_symmetric: its peers reach it no more once their own kernels of this buffer ended). A failed
+// synchronisation is logged (a teardown has no one to throw to) and the memory is given back all the same. `region`
+// is emptied (again: a no-op). Never throws.
+template <typename FreeLocal>
+void release_backend_memory(Communicator& comm, SymmetricRegion& region, char const* what,
+                            FreeLocal const& free_local) noexcept {
+  if (cudaError_t const err = cudaDeviceSynchronize(); err != cudaSuccess)
+    FERRY_LOG_ERROR(what, " teardown: cudaDeviceSynchronize failed (", cudaGetErrorString(err),
+                    "); its memory is given back anyway");
+  free_local();
+  if (region.local != nullptr) comm.release_symmetric(region);
+  region = SymmetricRegion{};
 }
 
 }  // namespace ferry::detail

@@ -39,7 +39,8 @@ LaunchPlan plan_dispatch(Buffers const& buffers, int num_tokens) {
 
 namespace {
 
-DispatchParams to_params(Buffers const& b, DispatchArgs const& args, LaunchPlan const& plan) {
+DispatchParams to_params(Buffers const& b, DispatchArgs const& args, LaunchPlan const& plan, bool refuse) {
+  FERRY_CHECK(!refuse || args.num_tokens == 0, "a refused dispatch joins with no tokens, not ", args.num_tokens);
   FERRY_CHECK_INPUT(args.num_tokens >= 0 && args.num_tokens <= b.config.max_tokens_per_rank,
                     "num_tokens=", args.num_tokens,
                     " is outside [0, max_tokens_per_rank=", b.config.max_tokens_per_rank, "]");
@@ -68,6 +69,7 @@ DispatchParams to_params(Buffers const& b, DispatchArgs const& args, LaunchPlan 
   p.topk_idx = args.topk_idx;
   p.topk_weights = args.topk_weights;
   p.num_tokens = args.num_tokens;
+  p.abort = refuse;
   p.hidden = b.config.hidden;
   p.topk = b.config.topk;
   p.num_experts = b.config.num_experts;
@@ -176,8 +178,9 @@ void launch_protocol(Buffers const& buffers, DispatchParams const& p, cudaStream
 
 }  // namespace
 
-void launch_dispatch(Buffers const& buffers, DispatchArgs const& args, LaunchPlan const& plan, cudaStream_t stream) {
-  DispatchParams const p = to_params(buffers, args, plan);
+void launch_dispatch(Buffers const& buffers, DispatchArgs const& args, LaunchPlan const& plan, cudaStream_t stream,
+                     bool refuse) {
+  DispatchParams const p = to_params(buffers, args, plan, refuse);
   FERRY_CHECK(!buffers.landing || plan.ctas == buffers.land_ctas, "landing dispatch grid of ", plan.ctas,
               " CTAs differs from the ", buffers.land_ctas, " its sequence words were counted with");
   switch (args.topk_idx_type) {

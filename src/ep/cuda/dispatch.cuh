@@ -2,14 +2,20 @@
 //
 // Steps (every CTA owns a contiguous range of this rank's tokens):
 //  1. layout: per token the mask of destination ranks, its position among this CTA's rows for each destination
-//     (warp ballots + a CTA scan), and this CTA's entries per expert; bad ids are dropped and counted.
+//     (warp ballots + a CTA scan), and this CTA's entries per expert; a bad id (outside [-1, num_experts)) or a valid
+//     id repeated in a token's row is counted (input_errors) and makes this rank refuse the call.
 //  2. arrival: every CTA publishes its rows per destination in local scratch and adds all its counts into the rank's
-//     totals (atomics: sums, whose order does not matter), then arrives; no CTA waits for the grid.
+//     totals (atomics: sums, whose order does not matter), and 1 to the last total when its layout found a bad or
+//     repeated id, then arrives; no CTA waits for the grid.
 //  3. the last CTA to arrive reads (and zeroes) the totals and writes this rank's row of the count matrix into every
 //     rank (tokens, rows per destination, entries per expert of that destination), then one release signal per
-//     destination. (CTA 0 used to wait for every arrival and then sum 132 CTAs' counts: ~5 us more on the chain that
-//     every push waits for.)
-//  4. every CTA waits for every source's row, and computes its base on each destination itself: rows of lower
+//     destination: word 0, which carries kCountAbort when this rank refuses the call (a bad or repeated id in any
+//     CTA's layout, or the host's refusal, DispatchParams::abort). (CTA 0 used to wait for every arrival and then sum
+//     132 CTAs' counts: ~5 us more on the chain that every push waits for.)
+//  4. every CTA waits for every source's row (a row of another call than this one is an out-of-step error). Every rank
+//     sees the same words, so all agree whether any source refused: then no rank pushes a row, each still signals
+//     and waits its sources in step 6 (the sequence and parities stay in step) and delivers 0 rows; the peers of a
+//     refusing rank record its refusal. Otherwise every CTA computes its base on each destination itself: rows of lower
 //     source ranks there, then rows of lower CTAs of this rank. Rows go in (source rank, token) order, whatever the
 //     order of the CTAs' arrivals. nvfp4 computes its tokens' scales before this wait (the peers' rows are in flight).
 //  5. push: warp per token; 16-byte loads of the row (several in flight), stored straight into the final row of every
@@ -49,8 +55,22 @@ __device__ __forceinline__ uint64_t* count_word(char* sym, SymLayout const& layo
          (static_cast<std::size_t>(parity * world + source) * layout.count_words + word);
 }
 
+// The count in a word of the count matrix (word 0 without its abort flag).
 __device__ __forceinline__ int32_t count_value(uint64_t word) {
-  return static_cast<int32_t>(static_cast<uint32_t>(word & 0xffffffffull));
+  return static_cast<int32_t>(static_cast<uint32_t>(word & (kCountAbort - 1)));
+}
+
+// The first valid id that appears twice in a token's row of ids (-1 entries, and those past topk, may repeat); -1 when
+// none does. A token picks distinct experts: a repeated one is refused as a bad id is.
+__device__ __forceinline__ int64_t repeated_id(int64_t const (&ids)[kMaxTopk], int topk) {
+#pragma unroll
+  for (int a = 1; a < kMaxTopk; ++a) {
+    if (a >= topk) break;  // ids stay in registers: a runtime bound would put them in local memory
+#pragma unroll
+    for (int b = 0; b < a; ++b)
+      if (ids[a] >= 0 && ids[a] == ids[b]) return ids[a];
+  }
+  return -1;
 }
 
 // nvfp4 without pre-quantized input: the per-token scale of this CTA's tokens [t0, t1) (a warp per token, the row's
@@ -144,6 +164,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
   __shared__ int32_t s_row[kWarps][kMaxLocalPeers];
   __shared__ uint64_t s_seq;
   __shared__ int s_ok;
+  __shared__ int s_bad;           // this CTA's layout found a bad or repeated id
+  __shared__ uint32_t s_aborted;  // sources whose count row carries kCountAbort
   __shared__ int s_last_arrival;
   __shared__ int s_last;
   __shared__ int s_total;
@@ -168,7 +190,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
   //    here and published to the CTA after the layout, whose loads and barriers cover its round trip (the layout
   //    waited for it behind a barrier)
   uint64_t const previous_seq = tid == 0 ? p.state->dispatch_seq : 0;
-  if (tid == 0) s_ok = 1;
+  if (tid == 0) {
+    s_ok = 1;
+    s_bad = 0;
+    s_aborted = 0;
+  }
   for (int i = tid; i < num_counts; i += kThreads) s_cnt[i] = 0;
   __syncthreads();
 
@@ -187,12 +213,17 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
     for (int k = 0; k < kMaxTopk; ++k) {
       int64_t const e = ids[k];
       if (e == -1) continue;
-      if (e < -1 || e >= num_experts) {  // dropped and reported (InputError at the next check)
+      if (e < -1 || e >= num_experts) {  // counted, and the call is refused on every rank (step 3)
         device::record_bad_expert_id(p.view, e);
+        s_bad = 1;
         continue;
       }
       mask |= 1u << (static_cast<int>(e) / num_local);
       atomicAdd(&s_cnt[world + static_cast<int>(e)], 1);
+    }
+    if (int64_t const repeated = repeated_id(ids, topk); repeated >= 0) {
+      device::record_bad_expert_id(p.view, repeated);
+      s_bad = 1;
     }
     for (int d = 0; d < world; ++d) {
       uint32_t const bits = __ballot_sync(0xffffffffu, (mask >> d) & 1u);
@@ -226,8 +257,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
   //    rank's totals; then the arrival. No CTA waits for the grid: the last to arrive has every count.
   FERRY_TRACE_BEGIN(trace, dispatch_grid_arrival);
   int32_t* mine = p.block_counts + static_cast<std::size_t>(cta) * world;
-  for (int i = tid; i < num_counts; i += kThreads) {
-    int32_t const count = s_cnt[i];
+  for (int i = tid; i <= num_counts; i += kThreads) {
+    int32_t const count = i < num_counts ? s_cnt[i] : s_bad;  // the layout's barriers ordered every thread's s_bad
     if (i < world) mine[i] = count;
     if (count != 0) atomicAdd(p.count_totals + i, count);
   }
@@ -243,10 +274,17 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
   FERRY_TRACE_END(trace, dispatch_grid_arrival);
 
   // 3. the last CTA to arrive: the totals (read and zeroed for the next call: every CTA has added its counts), and
-  //    this rank's row of the count matrix into every rank
+  //    this rank's row of the count matrix into every rank; the last total says whether any CTA refuses the call (read
+  //    in the same pass as the counts: a read of its own would add a round trip before the count words)
   if (s_last_arrival) {
     FERRY_TRACE_BEGIN(trace, dispatch_count_exchange);
-    for (int i = tid; i < num_counts; i += kThreads) s_cnt[i] = atomicExch(p.count_totals + i, 0);
+    for (int i = tid; i <= num_counts; i += kThreads) {
+      int32_t const total = atomicExch(p.count_totals + i, 0);
+      if (i < num_counts)
+        s_cnt[i] = total;
+      else
+        s_bad = p.abort || total != 0;
+    }
     __syncthreads();
     int const words = p.layout.count_words;
     uint64_t const tag = seq << 32;
@@ -261,9 +299,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
     __syncthreads();
     if (tid == 0) {
       // release (cumulative): the barrier orders every thread's words before this thread's signals
-      for (int d = 0; d < world; ++d)
-        device::signal_set(count_word(p.sym[d], p.layout, parity, world, rank, 0),
-                           tag | static_cast<uint32_t>(p.num_tokens));
+      uint64_t const word0 = tag | (s_bad ? kCountAbort : 0ull) | static_cast<uint32_t>(p.num_tokens);
+      for (int d = 0; d < world; ++d) device::signal_set(count_word(p.sym[d], p.layout, parity, world, rank, 0), word0);
     }
     FERRY_TRACE_END(trace, dispatch_count_exchange);
   }
@@ -276,13 +313,24 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
   // 4. every source's row of the count matrix (thread s waits for source s; acquire)
   FERRY_TRACE_BEGIN(trace, dispatch_wait_counts);
   if (tid < world) {
-    if (!device::wait_signal_geq(p.view, count_word(p.sym[rank], p.layout, parity, world, tid, 0), seq << 32, tid,
-                                 WaitPhase::count_exchange))
+    uint64_t word0 = 0;
+    if (!device::wait_signal_geq_value(p.view, count_word(p.sym[rank], p.layout, parity, world, tid, 0), seq << 32, tid,
+                                       WaitPhase::count_exchange, &word0)) {
       s_ok = 0;
+    } else if ((word0 >> 32) != (seq & 0xffffffffull)) {
+      // a row of call seq + 2k in this parity's slot: that source ran more dispatches on this buffer than this rank
+      device::record_out_of_step(p.view, tid, WaitPhase::count_exchange, seq & 0xffffffffull, word0 >> 32);
+      s_ok = 0;
+    } else if ((word0 & kCountAbort) != 0) {
+      atomicOr(&s_aborted, 1u << tid);
+      // once per call and refusing peer (this rank's own refusal is its input error, or its host's InputError)
+      if (cta == 0 && tid != rank) device::record_refusal(p.view, tid, WaitPhase::count_exchange);
+    }
   }
   __syncthreads();
   if (!s_ok) return;
-  if (warp < world) {
+  bool const aborted = s_aborted != 0;  // the same on every CTA of every rank: every rank read the same words
+  if (warp < world && !aborted) {
     // warp d: rows for destination d of lower source ranks there, then of this rank's lower CTAs (lanes share the
     // CTAs: one round trip, where a thread walking them waited for each; this rank's own row was released after
     // every CTA arrived, so their scratch is visible)
@@ -308,7 +356,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
   std::size_t const row_bytes = static_cast<std::size_t>(p.hidden) * 2;
   int const cta_tokens = t1 - t0;
   int const chunks = cta_tokens > 0 && cta_tokens < kWarps ? kWarps / cta_tokens : 1;
-  for (int item = warp; item < cta_tokens * chunks; item += kWarps) {
+  for (int item = warp; !aborted && item < cta_tokens * chunks; item += kWarps) {
     int const t = t0 + item % cta_tokens;
     int const chunk = item / cta_tokens;
     uint32_t const mask = p.token_mask[t];
@@ -386,13 +434,20 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
   __syncthreads();
   FERRY_TRACE_END(trace, dispatch_signal);
   // without a receiver pass only the last CTA waits; with one, every CTA waits for every source's rows
-  bool const recv_pass = kFormat != WireFormat::bf16 && p.recv_pass != RecvPass::none;
+  bool const recv_pass = kFormat != WireFormat::bf16 && p.recv_pass != RecvPass::none && !aborted;
   if (!s_last && !recv_pass) return;
   FERRY_TRACE_BEGIN(trace, dispatch_wait_data);
   if (tid < world) {
-    if (!device::wait_signal_geq(p.view, reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.data_signal) + tid,
-                                 seq, tid, WaitPhase::dispatch_data))
+    uint64_t observed = 0;
+    if (!device::wait_signal_geq_value(p.view,
+                                       reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.data_signal) + tid, seq,
+                                       tid, WaitPhase::dispatch_data, &observed)) {
       s_ok = 0;
+    } else if (observed != seq) {
+      // the source's next call signals only after this rank's next count row: a later one means it is out of step
+      device::record_out_of_step(p.view, tid, WaitPhase::dispatch_data, seq, observed);
+      s_ok = 0;
+    }
   }
   __syncthreads();
   if (!s_ok) return;
@@ -413,29 +468,30 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
     __syncthreads();
   }
 
-  // 8. outputs: rows per source, num_recv, expert counts (from the exchanged counts unless rows were dropped)
+  // 8. outputs: rows per source, num_recv, expert counts (from the exchanged counts unless rows were dropped); a
+  //    refused call delivers nothing and leaves nothing for a combine (0 tokens of every source, none of this rank)
   FERRY_TRACE_BEGIN(trace, dispatch_outputs);
   if (tid == 0) {
     int32_t offset = 0;
     for (int s = 0; s < world; ++s) {
       uint64_t const* row = count_word(p.sym[rank], p.layout, parity, world, s, 0);
-      int32_t const count = count_value(device::arch::load_relaxed_sys_u64(row + 1 + rank));
+      int32_t const count = aborted ? 0 : count_value(device::arch::load_relaxed_sys_u64(row + 1 + rank));
       int32_t const first = offset < p.recv_capacity ? offset : p.recv_capacity;
       int32_t const room = p.recv_capacity - first;
       p.state->src_offset[s] = first;
       p.state->src_count[s] = count < room ? count : room;
-      p.state->src_tokens[s] = count_value(device::arch::load_relaxed_sys_u64(row));
+      p.state->src_tokens[s] = aborted ? 0 : count_value(device::arch::load_relaxed_sys_u64(row));
       offset += count;
     }
     s_total = offset;
     p.state->num_recv = offset < p.recv_capacity ? offset : p.recv_capacity;
-    p.state->num_tokens = p.num_tokens;
+    p.state->num_tokens = aborted ? 0 : p.num_tokens;
   }
   __syncthreads();
   if (s_total <= p.recv_capacity) {
     for (int el = tid; el < num_local; el += kThreads) {
       int32_t sum = 0;
-      for (int s = 0; s < world; ++s)
+      for (int s = 0; s < world && !aborted; ++s)
         sum += count_value(
             device::arch::load_relaxed_sys_u64(count_word(p.sym[rank], p.layout, parity, world, s, 1 + world + el)));
       p.expert_counts[el] = sum;

@@ -16,6 +16,11 @@
 //  4. the rows into recv_x, items (row, chunk) over the whole grid: a peer's from the landing zone, this rank's own
 //     straight from x (they never travel to its own landing zone); CTA 0 writes num_recv, the per-source offsets and
 //     the expert counts.
+// Refusal: a source that refuses the call (a bad or repeated id seen by any of its CTAs, or its host's refusal with no
+// tokens) writes seq into its abort word (land_abort, per parity) on every rank before that CTA's arrival; every rank
+// reads every source's abort word after the wait, so all of them land nothing for the call (num_recv 0, no tokens
+// left for a combine), and each records the refusal of every other rank that refused. A refusing CTA's rows still
+// travel into the landing zone: no one reads them.
 // Only used when no row can be dropped (recv_capacity = world * max_tokens_per_rank): the senders cannot know a
 // receiver's drops, and combine trusts token_mask. Landing areas alternate by parity: a fast peer may send call n+1
 // while this rank still reads call n, never call n+2 (that needs this rank's send of n+1, which comes after its
@@ -43,6 +48,8 @@ __global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchPara
   __shared__ landing::ScanShared<kWarps> s_scan;
   __shared__ uint64_t s_seq;
   __shared__ int s_ok;
+  __shared__ int s_refuse;        // this CTA saw a bad or repeated id
+  __shared__ uint32_t s_aborted;  // sources that refused this call
 
   int const world = p.view.world;
   int const rank = p.view.rank;
@@ -66,6 +73,8 @@ __global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchPara
   if (tid == 0) {
     s_seq = ++p.state->land_seq[cta];
     s_ok = 1;
+    s_refuse = p.abort;
+    s_aborted = 0;
   }
   if (cta == 0) {
     for (int i = tid; i < num_local; i += kThreads) s_entries[i] = 0;
@@ -88,9 +97,11 @@ __global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchPara
     int const chunk = item % send_chunks;
     int64_t e;
     float w;
-    int const dest = landing::token_destination<IdxT>(routing, t, lane, chunk == 0, e, w);
+    bool refused;
+    int const dest = landing::token_destination<IdxT>(routing, t, lane, chunk == 0, e, w, refused);
     uint32_t const mask = __reduce_or_sync(0xffffffffu, dest >= 0 ? 1u << dest : 0u);
     std::size_t const slot = landing::slot_index(parity, world, rank, max_tokens, t);
+    if (refused && lane == 0) s_refuse = 1;
     if (chunk == 0) {
       if (lane == 0) p.token_mask[t] = mask;  // no receiver drops a row here: every destination holds it
       landing::write_records(p.sym, world, p.layout.land_meta, slot, record_bytes, topk, num_local, dest, e, w, lane);
@@ -102,8 +113,9 @@ __global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchPara
         reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes), v_begin,
         v_end, mask & ~(1u << rank), [&](int d) { return reinterpret_cast<int4*>(p.sym[d] + at); }, lane);
   }
-  // the barrier orders every thread's stores before the release adds, which are cumulative over them
+  // the barrier orders every thread's stores (the abort words too) before the release adds, cumulative over them
   __syncthreads();
+  if (s_refuse) landing::publish_abort(p.sym, p.layout.land_abort, parity, world, rank, seq);
   if (tid < world)
     device::signal_add(reinterpret_cast<uint64_t*>(p.sym[tid] + p.layout.land_arrivals) + rank,
                        cta == 0 ? kLandArrivalsPerCall - static_cast<uint64_t>(ctas - 1) : 1ull);
@@ -112,10 +124,14 @@ __global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchPara
   // 2. every source's send CTAs of this call (thread s waits for source s; acquire, bounded)
   FERRY_TRACE_BEGIN(trace, dispatch_land_wait);
   int const num_landed = landing::wait_sources(
-      p.view, reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.land_arrivals), seq * kLandArrivalsPerCall,
+      p.view, reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.land_arrivals), seq, kLandArrivalsPerCall,
       reinterpret_cast<uint64_t const volatile*>(p.sym[rank] + p.layout.land_tokens) + parity * world,
-      WaitPhase::dispatch_data, s_base, &s_ok);
+      reinterpret_cast<uint64_t const volatile*>(p.sym[rank] + p.layout.land_abort) + parity * world,
+      WaitPhase::dispatch_data, s_base, &s_aborted, &s_ok);
   if (num_landed < 0) return;
+  // once per call and refusing peer (this rank's own refusal is its input error, or its host's InputError)
+  if (cta == 0 && tid < world && tid != rank && ((s_aborted >> tid) & 1u) != 0)
+    device::record_refusal(p.view, tid, WaitPhase::dispatch_data);
   FERRY_TRACE_END(trace, dispatch_land_wait);
 
   // 3. ordered scan of the landed records, kThreads per step (every CTA: each needs the whole order)
@@ -198,6 +214,7 @@ __global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchPara
         offset += s_src_rows[s];
       }
       p.state->num_recv = num_recv;
+      if (s_aborted != 0) p.state->num_tokens = 0;  // a refused call leaves no tokens for a combine
     }
     for (int el = tid; el < num_local; el += kThreads) p.expert_counts[el] = s_entries[el];
   }

@@ -43,21 +43,29 @@ struct Routing {
   int num_local_experts;
 };
 
-// Lane k < topk: the rank holding token t's k-th expert (-1 for a masked or bad id), its id in e and weight in w. A bad
-// id (outside [-1, num_experts)) is dropped; `report` records it (InputError at the next check) once per token.
+// Lane k < topk: the rank holding token t's k-th expert (-1 for a masked or bad id), its id in e and weight in w
+// (warp-wide). A bad id (outside [-1, num_experts)) is dropped, and a valid id that another lane of the row holds too
+// is a repeat; either sets `refused` on every lane (the caller refuses the call: its abort flag into the exchange)
+// and, with `report`, is counted (input_errors: InputError at the next check) once per token.
 template <typename IdxT>
-__device__ __forceinline__ int token_destination(Routing const& r, int t, int lane, bool report, int64_t& e, float& w) {
+__device__ __forceinline__ int token_destination(Routing const& r, int t, int lane, bool report, int64_t& e, float& w,
+                                                 bool& refused) {
   auto const* topk_idx = static_cast<IdxT const*>(r.topk_idx);
   e = -1;
   w = 0.0f;
+  bool bad = false;
   if (lane < r.topk) {
     e = static_cast<int64_t>(topk_idx[static_cast<std::size_t>(t) * r.topk + lane]);
     w = r.topk_weights[static_cast<std::size_t>(t) * r.topk + lane];
-    if (e < -1 || e >= r.num_experts) {
-      if (report) device::record_bad_expert_id(r.view, e);
-      e = -1;
-    }
+    bad = e < -1 || e >= r.num_experts;
   }
+  int64_t const id = e;
+  if (bad) e = -1;
+  // lanes with the same valid id match; every other lane a key no id has (negative, its own)
+  uint32_t const same = __match_any_sync(0xffffffffu, static_cast<unsigned long long>(e >= 0 ? e : -2 - lane));
+  bool const repeat = e >= 0 && (__ffs(same) - 1) != lane;  // a later lane of a repeated id
+  if (report && (bad || repeat)) device::record_bad_expert_id(r.view, id);
+  refused = __any_sync(0xffffffffu, bad || repeat) != 0;
   return e >= 0 ? static_cast<int>(e) / r.num_local_experts : -1;
 }
 
@@ -98,27 +106,51 @@ __device__ __forceinline__ void send_row_chunk(int4 const* src, int v_begin, int
   }
 }
 
-// Receive side, every thread of the CTA: thread s < world waits until source s's arrival counter reaches `expected`
-// (acquire, bounded) and reads its token count from tokens[s] (this call's parity); then s_base[s] = the first landed
-// record of source s (s_base[world] = all of them). Returns that total, or -1 for the whole CTA when a wait failed
-// (recorded). *s_ok must be 1 on entry, set before a barrier.
-__device__ __forceinline__ int wait_sources(DeviceView const& view, uint64_t const* arrivals, uint64_t expected,
-                                            uint64_t const volatile* tokens, WaitPhase phase, int32_t* s_base,
-                                            int* s_ok) {
+// Receive side, every thread of the CTA: thread s < world waits until source s's arrival counter reaches
+// seq * per_call (acquire, bounded; a counter past (seq + 1) * per_call holds a call this rank has not reached: the
+// source is out of step, recorded), and reads its token count from tokens[s] and its abort word from aborts[s] (this
+// call's parity; a source that refuses call seq writes seq there before its arrival). Then s_base[s] = the first
+// landed record of source s (s_base[world] = all of them). Returns that total; 0 when a source refused the call (its
+// bit in *s_aborted: every rank reads the same words, so every rank lands nothing); -1 for the whole CTA when a wait
+// failed (recorded). *s_ok must be 1 and *s_aborted 0 on entry, set before a barrier.
+__device__ __forceinline__ int wait_sources(DeviceView const& view, uint64_t const* arrivals, uint64_t seq,
+                                            uint64_t per_call, uint64_t const volatile* tokens,
+                                            uint64_t const volatile* aborts, WaitPhase phase, int32_t* s_base,
+                                            uint32_t* s_aborted, int* s_ok) {
   int const tid = static_cast<int>(threadIdx.x);
   int const world = view.world;
   if (tid < world) {
-    if (!device::wait_signal_geq(view, arrivals + tid, expected, tid, phase)) *s_ok = 0;
-    s_base[tid + 1] = static_cast<int32_t>(tokens[tid]);
+    uint64_t observed = 0;
+    if (!device::wait_signal_geq_value(view, arrivals + tid, seq * per_call, tid, phase, &observed)) {
+      *s_ok = 0;
+    } else if (observed > (seq + 1) * per_call) {
+      device::record_out_of_step(view, tid, phase, seq, observed / per_call);
+      *s_ok = 0;
+    }
+    // both loads after the acquire and before either value is used: one round trip, not two
+    uint64_t const num_tokens = tokens[tid];
+    uint64_t const abort_seq = aborts[tid];
+    s_base[tid + 1] = static_cast<int32_t>(num_tokens);
+    if (abort_seq == seq) atomicOr(s_aborted, 1u << tid);
   }
   __syncthreads();
   if (!*s_ok) return -1;
   if (tid == 0) {
+    bool const aborted = *s_aborted != 0;
     s_base[0] = 0;
-    for (int s = 0; s < world; ++s) s_base[s + 1] += s_base[s];
+    for (int s = 0; s < world; ++s) s_base[s + 1] = aborted ? 0 : s_base[s + 1] + s_base[s];
   }
   __syncthreads();
   return s_base[world];
+}
+
+// A sender's abort flag for call seq (a bad or repeated id in this CTA's tokens, or the host's refusal): thread
+// d < world writes seq into destination d's abort word of this source and parity, before its arrival (whose release
+// publishes it). Any CTA of the sender may write it: the receiver reads it once every CTA has arrived.
+__device__ __forceinline__ void publish_abort(char* const* sym, std::size_t aborts, int parity, int world, int rank,
+                                              uint64_t seq) {
+  int const tid = static_cast<int>(threadIdx.x);
+  if (tid < world) *(reinterpret_cast<uint64_t volatile*>(sym[tid] + aborts) + parity * world + rank) = seq;
 }
 
 // A landed record's ids into registers, -1 past topk: 16-byte loads, all issued before any id is used (the record is

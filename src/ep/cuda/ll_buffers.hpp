@@ -62,10 +62,13 @@ DispatchResult ll_dispatch_result(LlBuffers const& b);
 enum class Half { both, send, recv };
 
 // Each launcher validates its arguments (to_params), picks the template instance and launches on `stream`.
-void launch_ll_dispatch(LlBuffers const& buffers, DispatchArgs const& args, Half half, cudaStream_t stream);
+// refuse: this rank refuses the call (EpBackendImpl::refuse_dispatch / refuse_combine): the halves join the exchange
+// with its abort word and move no rows of its own (args: no tokens, no x or y).
+void launch_ll_dispatch(LlBuffers const& buffers, DispatchArgs const& args, Half half, cudaStream_t stream,
+                        bool refuse = false);
 // num_tokens: this rank's tokens in the last dispatch (host copy, for the checks only).
 void launch_ll_combine(LlBuffers const& buffers, CombineArgs const& args, int num_tokens, Half half,
-                       cudaStream_t stream);
+                       cudaStream_t stream, bool refuse = false);
 
 // Most local experts of an LL EpBuffer on the cuda backend: the dispatch kernels keep two counters per local
 // expert in shared memory (expand_smem_bytes), next to ~12 KiB of its own, under the 48 KiB a launch gets by default.

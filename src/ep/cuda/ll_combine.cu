@@ -8,8 +8,8 @@ namespace ferry::cuda_ll {
 
 namespace {
 
-LlCombineParams to_params(LlBuffers const& b, CombineArgs const& args, int num_tokens) {
-  FERRY_CHECK_INPUT(num_tokens == 0 || args.y != nullptr, "combine y is null for num_tokens=", num_tokens,
+LlCombineParams to_params(LlBuffers const& b, CombineArgs const& args, int num_tokens, bool refuse) {
+  FERRY_CHECK_INPUT(refuse || num_tokens == 0 || args.y != nullptr, "combine y is null for num_tokens=", num_tokens,
                     " of the last dispatch");
   FERRY_CHECK_INPUT(args.layout == CombineLayout::rank_major || b.expert_slots > 0,
                     "expert-major combine needs expert slots; the LL config resolves them at construction");
@@ -21,6 +21,7 @@ LlCombineParams to_params(LlBuffers const& b, CombineArgs const& args, int num_t
   p.layout = b.layout;
   p.x = args.x;
   p.y = args.y;
+  p.abort = refuse;
   p.hidden = b.config.hidden;
   p.topk = b.config.topk;
   p.expert_slots = b.expert_slots;
@@ -77,9 +78,9 @@ CombineKernel pick(WireFormat format, CombineLayout layout, Half half) {
 }  // namespace
 
 void launch_ll_combine(LlBuffers const& buffers, CombineArgs const& args, int num_tokens, Half half,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, bool refuse) {
   // num_tokens is only checked here; the kernel reads the device copy of the last dispatch's count
-  LlCombineParams const p = to_params(buffers, args, num_tokens);
+  LlCombineParams const p = to_params(buffers, args, num_tokens, refuse);
   CombineKernel const kernel = pick(buffers.config.combine_format, args.layout, half);
   cuda_grid::launch_grid<kThreads>(kernel, p, p.num_ctas, 0, buffers.cooperative, stream);
 }

@@ -13,6 +13,9 @@
 //  3. wait until every rank's arrivals reach seq * num_ctas (acquire; bounded);
 //  4. y[t] = bf16(sum over destination ranks d ascending that hold t of float(landing[d][t])), from +0.0f; a quantized
 //     combine_format dequantizes each rank's row to fp32 (code * scale, one product) in the same loop.
+// Refusal (ll_params.cuh): a rank that refuses the combine sends no rows, writes its abort word before its arrival and
+// sums nothing (it has no y). CTA 0 of every other rank loads the abort words right after its wait and checks them
+// after the sum (off the sum's path: a refused call's y is no result), recording the refusal.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +23,7 @@
 #include "comm/device/memory.cuh"
 #include "comm/device/signal.cuh"
 #include "ep/cuda/entry_reduce.cuh"
+#include "ep/cuda/landing.cuh"  // publish_abort
 #include "ep/cuda/ll_params.cuh"
 #include "quant/device_codec.cuh"
 #include "quant/device_push.cuh"  // CtaRowMax
@@ -246,18 +250,21 @@ __device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, uint64
   int const rank = p.view.rank;
   int const tid = static_cast<int>(threadIdx.x);
   int const parity = static_cast<int>(seq & 1);
-  // 1. the rows, into each source's landing zone
+  // 1. the rows, into each source's landing zone (none when this rank refuses the call)
   FERRY_TRACE_BEGIN(trace, ll_combine_send);
-  if constexpr (kFormat == WireFormat::nvfp4)
-    ll_combine_send_rows_nvfp4<kExpertMajor>(p, parity);
-  else
-    ll_combine_send_chunks<kExpertMajor, kFormat>(p, parity);
+  if (!p.abort) {
+    if constexpr (kFormat == WireFormat::nvfp4)
+      ll_combine_send_rows_nvfp4<kExpertMajor>(p, parity);
+    else
+      ll_combine_send_chunks<kExpertMajor, kFormat>(p, parity);
+  }
   FERRY_TRACE_END(trace, ll_combine_send);
 
   // 2. arrival: the barrier orders every thread's rows before the release adds, which are cumulative over them
-  //    (no per-thread fence, which would drain each thread's NVLink stores)
+  //    (no per-thread fence, which would drain each thread's NVLink stores); a refusal's abort word goes first
   FERRY_TRACE_BEGIN(trace, ll_combine_send_arrival);
   __syncthreads();
+  if (p.abort && blockIdx.x == 0) landing::publish_abort(p.sym, p.layout.combine_abort, parity, world, rank, seq);
   if (tid < world) device::signal_add(reinterpret_cast<uint64_t*>(p.sym[tid] + p.layout.combine_arrivals) + rank, 1);
   FERRY_TRACE_END(trace, ll_combine_send_arrival);
 }
@@ -287,14 +294,24 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, uint64
   FERRY_TRACE_BEGIN(trace, ll_combine_wait_arrivals);
   if (tid == 0) s_ok = 1;
   __syncthreads();
+  uint64_t abort_seen = 0;  // CTA 0, thread d: rank d's abort word of this parity, checked after the sum
   if (tid < world) {
     auto const* arrivals = reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.combine_arrivals);
-    if (!device::wait_signal_geq(p.view, arrivals + tid, seq * static_cast<uint64_t>(p.num_ctas), tid,
-                                 WaitPhase::ll_combine))
+    uint64_t const per_call = static_cast<uint64_t>(p.num_ctas);
+    uint64_t observed = 0;
+    if (!device::wait_signal_geq_value(p.view, arrivals + tid, seq * per_call, tid, WaitPhase::ll_combine, &observed)) {
       s_ok = 0;
+    } else if (observed > (seq + 1) * per_call) {
+      device::record_out_of_step(p.view, tid, WaitPhase::ll_combine, seq, observed / per_call);
+      s_ok = 0;
+    } else if (cta == 0) {
+      // after the acquire; not waited for here (the barrier does not wait for loads in flight)
+      abort_seen =
+          reinterpret_cast<uint64_t const volatile*>(p.sym[rank] + p.layout.combine_abort)[parity * world + tid];
+    }
   }
   __syncthreads();
-  if (!s_ok) return;
+  if (!s_ok || p.abort) return;  // a refusing rank has no y
   FERRY_TRACE_END(trace, ll_combine_wait_arrivals);
 
   // 4. the sum, destination ranks ascending
@@ -335,6 +352,8 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, uint64
       if (v0 + u * 32 < num_vec) device::arch::store_na_v4(y + v0 + u * 32, float_to_bf16x8(acc[u]));
   }
   FERRY_TRACE_END(trace, ll_combine_sum);
+  if (cta == 0 && tid < world && tid != rank && abort_seen == seq)
+    device::record_refusal(p.view, tid, WaitPhase::ll_combine);
 }
 
 // kFormat: the combine_format.

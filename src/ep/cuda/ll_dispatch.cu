@@ -8,7 +8,8 @@ namespace ferry::cuda_ll {
 
 namespace {
 
-LlDispatchParams to_params(LlBuffers const& b, DispatchArgs const& args) {
+LlDispatchParams to_params(LlBuffers const& b, DispatchArgs const& args, bool refuse) {
+  FERRY_CHECK(!refuse || args.num_tokens == 0, "a refused dispatch joins with no tokens, not ", args.num_tokens);
   FERRY_CHECK_INPUT(args.num_tokens >= 0 && args.num_tokens <= b.config.max_tokens_per_rank,
                     "num_tokens=", args.num_tokens,
                     " is outside [0, max_tokens_per_rank=", b.config.max_tokens_per_rank, "]");
@@ -34,6 +35,7 @@ LlDispatchParams to_params(LlBuffers const& b, DispatchArgs const& args) {
   p.topk_idx = args.topk_idx;
   p.topk_weights = args.topk_weights;
   p.num_tokens = args.num_tokens;
+  p.abort = refuse;
   p.hidden = b.config.hidden;
   p.topk = b.config.topk;
   p.num_experts = b.config.num_experts;
@@ -110,8 +112,9 @@ DispatchKernel pick(WireFormat format, int hidden, IndexType type, Half half) {
 
 }  // namespace
 
-void launch_ll_dispatch(LlBuffers const& buffers, DispatchArgs const& args, Half half, cudaStream_t stream) {
-  LlDispatchParams const p = to_params(buffers, args);
+void launch_ll_dispatch(LlBuffers const& buffers, DispatchArgs const& args, Half half, cudaStream_t stream,
+                        bool refuse) {
+  LlDispatchParams const p = to_params(buffers, args, refuse);
   DispatchKernel const kernel = pick(buffers.config.dispatch_format, buffers.config.hidden, args.topk_idx_type, half);
   // both halves expand (the send half a bf16 dispatch's own rows): per-expert counters in shared memory
   std::size_t const smem = expand_smem_bytes(p.num_local_experts);

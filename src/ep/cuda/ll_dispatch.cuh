@@ -5,7 +5,8 @@
 // dispatch copy them into their slots while the peers' rows are still on the wire: their slots depend on no peer.
 //
 // Send half (every CTA, warp per (token, chunk of its row), no step waits for another CTA):
-//  1. the token's destination ranks from its topk ids (bad ids dropped and counted);
+//  1. the token's destination ranks from its topk ids (a bad or repeated id is counted and makes this rank refuse the
+//     call: its abort word goes to every rank with its arrival, ll_params.cuh);
 //  2. its metadata record (local expert ids for that rank, weights) to EVERY rank, so each receiver knows the full
 //     routing of the source without a count exchange; the row itself only to the peers that hold one of its experts
 //     (wire de-duplication), at landing slot (source, token) of the destination's current parity. A batch with fewer
@@ -368,6 +369,7 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Expa
   static_assert(sizeof(IdxT) == 4 || sizeof(IdxT) == 8, "topk_idx is int32 or int64");
   static_assert((kFormat == WireFormat::bf16) == (kUnitElems == 0), "bf16 rows are copied; quantized rows need a unit");
   __shared__ device::CtaRowMax<kWarps> s_amax;  // nvfp4: the chunks' amaxes of a step (nvfp4_chunk_token_scale)
+  __shared__ int s_refuse;                      // this CTA saw a bad or repeated id, or the host refuses the call
   int const world = p.view.world;
   int const rank = p.view.rank;
   int const tid = static_cast<int>(threadIdx.x);
@@ -389,7 +391,8 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Expa
     *word = static_cast<uint64_t>(p.num_tokens);
   }
   if (cta == 0 && tid == 0) p.state->num_tokens = p.num_tokens;
-  if (own_direct<kFormat>(p))  // the own expansion's counters (the send loop's barriers order this)
+  if (tid == 0) s_refuse = p.abort;  // the send loop's barriers (or the one before the arrival) order it
+  if (own_direct<kFormat>(p))        // the own expansion's counters (the send loop's barriers order this)
     for (int i = tid; i < num_local; i += kThreads) s_counts[i] = 0;
 
   // 2. items (token, chunk): a batch with fewer tokens than the grid has warps splits each row into chunks so that
@@ -414,9 +417,11 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Expa
     if (item >= items) continue;
     int64_t e;
     float w;
-    int const dest = landing::token_destination<IdxT>(routing, t, lane, chunk == 0, e, w);
+    bool refused;
+    int const dest = landing::token_destination<IdxT>(routing, t, lane, chunk == 0, e, w, refused);
     uint32_t const mask = __reduce_or_sync(0xffffffffu, dest >= 0 ? 1u << dest : 0u);
     std::size_t const slot = landing::slot_index(parity, world, rank, p.max_tokens, t);
+    if (refused && lane == 0) s_refuse = 1;
 
     if (chunk == 0) {
       if (lane == 0) p.token_mask[t] = mask;
@@ -452,6 +457,7 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Expa
   //    (one release per destination; no per-thread fence, which would drain each thread's NVLink stores)
   FERRY_TRACE_BEGIN(trace, ll_dispatch_send_arrival);
   __syncthreads();
+  if (s_refuse) landing::publish_abort(p.sym, p.layout.dispatch_abort, parity, world, rank, seq);
   if (tid < world) device::signal_add(reinterpret_cast<uint64_t*>(p.sym[tid] + p.layout.dispatch_arrivals) + rank, 1);
   FERRY_TRACE_END(trace, ll_dispatch_send_arrival);
 }
@@ -461,6 +467,7 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Expa
                                                  uint64_t seq FERRY_TRACE_PARAM(trace)) {
   __shared__ int32_t s_base[kMaxLocalPeers + 1];  // first rank-major landing row of each source
   __shared__ int s_ok;
+  __shared__ uint32_t s_aborted;  // sources that refused this call
 
   int const world = p.view.world;
   int const rank = p.view.rank;
@@ -482,14 +489,21 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Expa
 
   // 4. every source's send CTAs of this call (thread s waits for source s; acquire, bounded)
   FERRY_TRACE_BEGIN(trace, ll_dispatch_wait_arrivals);
-  if (tid == 0) s_ok = 1;
+  if (tid == 0) {
+    s_ok = 1;
+    s_aborted = 0;
+  }
   __syncthreads();
   int const num_landed = landing::wait_sources(
-      p.view, reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.dispatch_arrivals),
-      seq * static_cast<uint64_t>(p.num_ctas),
+      p.view, reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.dispatch_arrivals), seq,
+      static_cast<uint64_t>(p.num_ctas),
       reinterpret_cast<uint64_t const volatile*>(p.sym[rank] + p.layout.dispatch_tokens) + parity * world,
-      WaitPhase::ll_dispatch, s_base, &s_ok);
+      reinterpret_cast<uint64_t const volatile*>(p.sym[rank] + p.layout.dispatch_abort) + parity * world,
+      WaitPhase::ll_dispatch, s_base, &s_aborted, &s_ok);
   if (num_landed < 0) return;
+  // once per call and refusing peer (this rank's own refusal is its input error, or its host's InputError)
+  if (cta == 0 && tid < world && tid != rank && ((s_aborted >> tid) & 1u) != 0)
+    device::record_refusal(p.view, tid, WaitPhase::ll_dispatch);
   FERRY_TRACE_END(trace, ll_dispatch_wait_arrivals);
 
   // 5. the totals, and where this rank's own records start and end in hit order (marks): one step keeps its records
@@ -629,7 +643,11 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Expa
     for (int slot = min(count, slots) + tid; slot < slots; slot += kThreads)
       p.expert_src_row[static_cast<std::size_t>(e) * slots + slot] = -1;
   }
-  if (cta == 0 && tid == 0) p.state->num_recv = totals.rows;
+  if (cta == 0 && tid == 0) {
+    p.state->num_recv = totals.rows;
+    // a refused call leaves no tokens for the combine (the send half, earlier on the stream, wrote this rank's count)
+    if (s_aborted != 0) p.state->num_tokens = 0;
+  }
 }
 
 // kSend / kRecv: which halves this instance runs (both: the one-kernel leg; one: the hook's halves). kFormat: the

@@ -43,6 +43,8 @@ LlLayout make_ll_layout(EpConfig const& config, int world) {
   layout.dispatch_arrivals = take(static_cast<std::size_t>(world) * sizeof(uint64_t));
   layout.combine_arrivals = take(static_cast<std::size_t>(world) * sizeof(uint64_t));
   layout.dispatch_tokens = take(2ull * world * sizeof(uint64_t));
+  layout.dispatch_abort = take(2ull * world * sizeof(uint64_t));
+  layout.combine_abort = take(2ull * world * sizeof(uint64_t));
   layout.dispatch_meta = take(slots * layout.meta_bytes);
   layout.dispatch_rows = take(slots * layout.dispatch_row_bytes);
   layout.combine_rows = take(slots * layout.combine_row_bytes);
@@ -180,17 +182,23 @@ class CudaLlEp final : public detail::EpBackendImpl {
     // 2. symmetric region (zeroed by the communicator: counters and sequence numbers start at 0) and local buffers
     b.view = comm.device_view();
     b.layout = make_ll_layout(config, b.world);
-    SymmetricRegion const region = comm.alloc_symmetric(b.layout.total);
-    b.sym = region.view;
-    allocate_ll_buffers(b);
-    b.trace = &trace_;
-    if (int const events = trace::env_events_per_warp(); events > 0) trace_.enable(b.rank, b.num_ctas * kWarps, events);
-    FERRY_CHECK_CUDA(cudaDeviceSynchronize());
-    // every rank's buffers exist before any peer can push into them
-    comm.bootstrap().barrier();
+    region_ = comm.alloc_symmetric(b.layout.total);
+    b.sym = region_.view;
+    try {
+      allocate_ll_buffers(b);
+      b.trace = &trace_;
+      if (int const events = trace::env_events_per_warp(); events > 0)
+        trace_.enable(b.rank, b.num_ctas * kWarps, events);
+      FERRY_CHECK_CUDA(cudaDeviceSynchronize());
+      // every rank's buffers exist before any peer can push into them
+      comm.bootstrap().barrier();
+    } catch (...) {
+      release();  // the destructor does not run for a constructor that throws
+      throw;
+    }
   }
 
-  ~CudaLlEp() override { free_ll_buffers(buffers_); }
+  ~CudaLlEp() override { release(); }
 
   DispatchResult dispatch(DispatchArgs const& args, cudaStream_t stream) override {
     LlBuffers const& b = buffers_;
@@ -216,6 +224,23 @@ class CudaLlEp final : public detail::EpBackendImpl {
     return finish_dispatch(args.eager, stream);
   }
 
+  // A refused call still runs both halves in one kernel (no hook is left pending) with no tokens and this rank's abort
+  // word, so the peers' same call lands nothing and records the refusal, and every sequence stays in step.
+  void refuse_dispatch(cudaStream_t stream) override {
+    launch_ll_dispatch(buffers_, DispatchArgs{}, Half::both, stream, /*refuse=*/true);
+    // a combine may follow, as on the peers: it has no tokens here (the kernel left num_tokens 0)
+    have_dispatch_ = true;
+    last_num_tokens_ = 0;
+    dispatch_explain_ = "dispatch: refused on input (joined with no tokens and the abort flag)";
+  }
+
+  void refuse_combine(cudaStream_t stream) override {
+    CombineArgs none;
+    none.layout = CombineLayout::rank_major;  // reads no x
+    launch_ll_combine(buffers_, none, last_num_tokens_, Half::both, stream, /*refuse=*/true);
+    combine_explain_ = "combine: refused on input (joined with no rows and the abort flag)";
+  }
+
   DispatchResult complete_dispatch(cudaStream_t stream) override {
     launch_ll_dispatch(buffers_, pending_args_, Half::recv, stream);
     have_dispatch_ = true;
@@ -224,7 +249,7 @@ class CudaLlEp final : public detail::EpBackendImpl {
 
   void combine(CombineArgs const& args, cudaStream_t stream) override {
     LlBuffers const& b = buffers_;
-    detail::validate_combine_args(b.config, args, have_dispatch_);
+    detail::validate_combine_args(b.config, args, have_dispatch_, /*last_expand=*/true, last_num_tokens_);
     bool const split = args.return_recv_hook;
     launch_ll_combine(b, args, last_num_tokens_, split ? Half::send : Half::both, stream);
     pending_combine_ = args;
@@ -286,8 +311,13 @@ class CudaLlEp final : public detail::EpBackendImpl {
     comm_.check_errors(stream);
   }
 
+  void release() noexcept {
+    detail::release_backend_memory(comm_, region_, "low-latency EpBuffer", [&] { free_ll_buffers(buffers_); });
+  }
+
   Communicator& comm_;
   trace::DeviceRecorder trace_;  // LlBuffers::trace points here
+  SymmetricRegion region_;       // the symmetric region of buffers_.sym
   LlBuffers buffers_;
   bool have_dispatch_ = false;
   int last_num_tokens_ = 0;

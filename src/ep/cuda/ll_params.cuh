@@ -7,7 +7,13 @@
 //    captured graph replays with no reset, and a wait for call seq is satisfied by nothing older.
 //  - Sequence numbers are per CTA (each CTA only touches its own word): no grid-wide step decides when a call ends.
 //  - Landing zones alternate by parity (seq & 1): a fast peer may send call n+1 while this rank still reads call n,
-//    never call n+2 (that needs this rank's send of n+1, which stream order puts after its receive of n).
+//    never call n+2 (that needs this rank's send of n+1, which stream order puts after its receive of n). So an
+//    arrival counter past (n + 1) * num_ctas while this rank waits for call n is an out-of-step error.
+//  - Refusal: a source that refuses a leg (a bad or repeated id, or its host's refusal: no rows of its own) writes
+//    the call's seq into its abort word on every rank (dispatch_abort / combine_abort, per parity, as the landing
+//    zones) before its arrival; every receiver reads the abort words after its wait. A refused dispatch lands nothing
+//    on any rank (no rows, no tokens left for the combine); a refused combine's y is no result. Each rank records the
+//    refusal of every other rank that refused.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -50,6 +56,8 @@ struct LlLayout {
   std::size_t dispatch_arrivals = 0;   // [world sources] u64: send CTAs of that source finished, over all calls
   std::size_t combine_arrivals = 0;    // [world sources] u64
   std::size_t dispatch_tokens = 0;     // [2 parities][world sources] u64: tokens of the source's call
+  std::size_t dispatch_abort = 0;      // [2 parities][world sources] u64: seq of the source's last refused dispatch
+  std::size_t combine_abort = 0;       // [2 parities][world sources] u64: seq of the source's last refused combine
   std::size_t dispatch_meta = 0;       // [2][world][max_tokens] records: topk int32 local ids, topk float weights
   std::size_t dispatch_rows = 0;       // [2][world][max_tokens] dispatch wire rows, row t of source s at (s, t)
   std::size_t combine_rows = 0;        // [2][world][max_tokens] combine wire rows, the row rank d sends back at (d, t)
@@ -71,6 +79,7 @@ struct LlDispatchParams {
   void const* topk_idx;
   float const* topk_weights;
   int num_tokens;
+  bool abort;  // this rank refuses the call (EpBackendImpl::refuse_dispatch; num_tokens is 0)
   int hidden;
   int topk;
   int num_experts;
@@ -110,6 +119,7 @@ struct LlCombineParams {
   LlLayout layout;
   void const* x;  // expert-major [num_local_experts, expert_slots, hidden] or rank-major [num_recv, hidden]
   void* y;        // [num_tokens, hidden]
+  bool abort;     // this rank refuses the call (EpBackendImpl::refuse_combine; x and y unused)
   int hidden;
   int topk;
   int expert_slots;

@@ -47,6 +47,10 @@ struct DeviceState {
   uint64_t land_seq[kMaxLandCtas];     // small-batch dispatch: calls this CTA ran (each CTA only touches its own)
 };
 
+// Word 0 of a source's count row: its token count, and this bit when the source refuses the call (a bad or repeated
+// id, or its host's refusal). A token count is below 2^31, so the bit never collides with one.
+inline constexpr uint64_t kCountAbort = 1ull << 31;
+
 // Byte offsets inside the symmetric region (the same on every rank). Areas a config does not use are empty.
 struct SymLayout {
   std::size_t recv_x = 0;             // [recv_capacity, recv_row_bytes]: bf16 rows, or the quantized payload
@@ -56,14 +60,18 @@ struct SymLayout {
   std::size_t recv_idx = 0;           // [recv_capacity, topk] int32
   std::size_t recv_w = 0;             // [recv_capacity, topk] float
   std::size_t recv_src = 0;           // [recv_capacity, 2] int32
-  std::size_t counts = 0;             // [2 parities][world sources][count_words] uint64, (seq << 32 | value)
+  std::size_t counts = 0;             // [2 parities][world sources][count_words] uint64, (seq << 32 | value);
+                                      // word 0 also carries the source's abort flag (kCountAbort)
   std::size_t data_signal = 0;        // [world sources] uint64 = seq of the dispatch whose rows from that source landed
-  std::size_t landing = 0;     // [2 parities][world senders][max_tokens, combine wire row]: combine rows coming back
-  std::size_t tile_flags = 0;  // [world senders][kMaxCombineTiles] uint64 = seq of the combine that filled the tile
+  std::size_t landing = 0;        // [2 parities][world senders][max_tokens, combine wire row]: combine rows coming back
+  std::size_t combine_abort = 0;  // [2 parities][world senders] u64: seq of the sender's last refused combine
+  std::size_t tile_flags = 0;     // [world senders][kMaxCombineTiles] uint64 = 2 * seq of the combine that filled the
+                                  // tile (+1: that sender refused the call and filled nothing)
   // Small-batch dispatch only (land_dispatch.cuh; empty otherwise): every source's rows land in fixed slots
   // (parity, source, token) and the receiver compacts them into recv_x.
   std::size_t land_arrivals = 0;  // [world sources] u64: sum over calls of kLandArrivalsPerCall
   std::size_t land_tokens = 0;    // [2 parities][world sources] u64: tokens of the source's call
+  std::size_t land_abort = 0;     // [2 parities][world sources] u64: seq of the source's last refused call (abort)
   std::size_t land_meta = 0;      // [2][world][max_tokens] records (landing::record_bytes(topk) each)
   std::size_t land_rows = 0;      // [2][world][max_tokens] bf16 rows
   std::size_t total = 0;
@@ -105,6 +113,9 @@ struct DispatchParams {
   void const* topk_idx;
   float const* topk_weights;
   int num_tokens;
+  // This rank refuses the call (EpBackendImpl::refuse_dispatch; num_tokens is 0): it joins the exchange with its
+  // abort flag, so every rank moves no rows and the peers record the refusal.
+  bool abort;
   int hidden;
   int topk;
   int num_experts;
@@ -116,8 +127,8 @@ struct DispatchParams {
   uint32_t* token_mask;    // [max_tokens] destinations of each token (kept for combine)
   int32_t* token_pos;      // [max_tokens, world] position of the token within this CTA's rows for a destination
   int32_t* block_counts;   // [num_ctas, world] per-CTA rows per destination
-  int32_t* count_totals;   // [world + num_experts] rows per destination, entries per expert: the CTAs add theirs, the
-                           // last to arrive reads and zeroes them
+  int32_t* count_totals;   // [world + num_experts + 1] rows per destination, entries per expert, and CTAs whose layout
+                           // found a bad or repeated id: the CTAs add theirs, the last to arrive reads and zeroes them
   int32_t* expert_counts;  // [num_local_experts] output
   trace::TraceView trace;  // in-kernel trace (empty unless built with FERRY_TRACE=ON)
 };
@@ -150,6 +161,9 @@ struct CombineParams {
   SymLayout layout;
   void const* x;  // expert-major [num_local_experts, expert_slots, hidden] or rank-major [num_recv, hidden]
   void* y;        // [num_tokens, hidden]
+  // This rank refuses the call (EpBackendImpl::refuse_combine; x and y unused): it pushes no rows and fills every
+  // tile its sources wait for with its abort flag.
+  bool abort;
   std::size_t landing_row_bytes;  // wire_row_bytes(combine_format, hidden): one row of the landing zone
   int hidden;
   int topk;
