@@ -123,8 +123,8 @@ void run_virtual(Spec const& spec, int num_ctas) {
     rm[r] = CombineArgs{CombineLayout::rank_major, io[r].rows.ptr, io[r].y_rm.ptr, true, spec.hook};
     // the host checks an EpBuffer makes before its backend runs
     detail::validate_dispatch_args(config, dargs[r]);
-    detail::validate_combine_args(config, em[r], true);
-    detail::validate_combine_args(config, rm[r], true);
+    detail::validate_combine_args(config, em[r], true, true, tokens[r]);
+    detail::validate_combine_args(config, rm[r], true, true, tokens[r]);
   }
 
   for (int iter = 0; iter < spec.iters; ++iter) {

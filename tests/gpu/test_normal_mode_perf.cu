@@ -89,8 +89,8 @@ int perf_case() {
   CombineArgs cem{CombineLayout::expert_major, eout, y, true};
   buffer.dispatch(d, stream);
   buffer.combine(crm, stream);
-  buffer.combine(cem, stream);
-  // graphs: dispatch, dispatch+expand, combine rank-major, combine expert-major (after a non-expanding dispatch)
+  // graphs: dispatch, combine rank-major, dispatch+expand, combine expert-major (captured after the expanding dispatch:
+  // an expert-major combine needs its slots; every replayed dispatch has the same inputs, so they stay valid)
   auto capture = [&](auto&& body) {
     cudaGraph_t g;
     cudaGraphExec_t exec;
@@ -104,9 +104,9 @@ int perf_case() {
   d.eager = crm.eager = cem.eager = false;
   DispatchArgs dx = d;
   dx.expand = true;
-  cudaGraphExec_t g_disp_x = capture([&] { buffer.dispatch(dx, stream); });
   cudaGraphExec_t g_disp = capture([&] { buffer.dispatch(d, stream); });
   cudaGraphExec_t g_crm = capture([&] { buffer.combine(crm, stream); });
+  cudaGraphExec_t g_disp_x = capture([&] { buffer.dispatch(dx, stream); });
   cudaGraphExec_t g_cem = capture([&] { buffer.combine(cem, stream); });
   std::string const why = buffer.explain();
 

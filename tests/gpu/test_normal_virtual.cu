@@ -119,8 +119,9 @@ void run_virtual(Spec const& spec, int num_ctas) {
     rm[r] = CombineArgs{CombineLayout::rank_major, io[r].rows.ptr, io[r].y_rm.ptr, true};
     // the host checks an EpBuffer makes before its backend runs
     detail::validate_dispatch_args(config, dargs[r]);
-    detail::validate_combine_args(config, em[r], true);
-    detail::validate_combine_args(config, rm[r], true);
+    // (without expand this test computes the slots itself: launch_expand without copies, below)
+    detail::validate_combine_args(config, em[r], true, /*last_expand=*/true, tokens[r]);
+    detail::validate_combine_args(config, rm[r], true, true, tokens[r]);
   }
 
   for (int iter = 0; iter < spec.iters; ++iter) {

@@ -113,8 +113,9 @@ class VirtualWorld {
   }
 
   // Waits for every rank's stream, then reads and clears every rank's error block: "" when each rank recorded no
-  // timeout, no bad id and exactly overflow[r] entries dropped past expert_capacity (the reference's dropped_slots),
-  // else what each rank recorded (a timeout names the rank, the peer it waited for and the phase).
+  // timeout, no bad id, no peer's refusal and exactly overflow[r] entries dropped past expert_capacity (the
+  // reference's dropped_slots), else what each rank recorded (a timeout names the rank, the peer it waited for and
+  // the phase).
   std::string synchronize(std::vector<int> const& overflow) const {
     std::vector<DeviceErrorBlock> const blocks = take_errors();
     std::string out;
@@ -127,6 +128,9 @@ class VirtualWorld {
         out += "rank " + std::to_string(r) + ": input_errors " + std::to_string(block.input_errors) +
                " (first bad value " + std::to_string(block.first_bad_value) + "), overflow_rows " +
                std::to_string(block.overflow_rows) + " (the reference drops " + std::to_string(overflow[r]) + ")\n";
+      if (block.refusals != 0)
+        out += "rank " + std::to_string(r) + ": " + std::to_string(block.refusals) + " refusal(s), the first by rank " +
+               std::to_string(block.refusing_rank) + "\n";
     }
     return out;
   }
