@@ -26,7 +26,7 @@ __device__ __forceinline__ bool device_failed(DeviceView const& view) {
   return *reinterpret_cast<uint32_t const volatile*>(&view.error->status) != 0;
 }
 
-// Records a failure of status `status` (2: timeout, kStatusOutOfStep) in the error block; only the first failure on
+// Records a failure of status `status` (kErrorTimeout, kErrorOutOfStep) in the error block; only the first failure on
 // this rank is kept (status 0 -> 1 by compare-and-swap, the fields, then the final status).
 __device__ __forceinline__ void record_failure(DeviceView const& view, uint32_t status, int peer, WaitPhase phase,
                                                uint64_t expected, uint64_t observed) {
@@ -45,7 +45,7 @@ __device__ __forceinline__ void record_failure(DeviceView const& view, uint32_t 
 // Records a timeout in the error block; only the first failure on this rank is kept.
 __device__ __forceinline__ void record_timeout(DeviceView const& view, int peer, WaitPhase phase, uint64_t expected,
                                                uint64_t observed) {
-  record_failure(view, 2u, peer, phase, expected, observed);
+  record_failure(view, kErrorTimeout, peer, phase, expected, observed);
 }
 
 // Spins until *signal >= expected (acquire) and leaves the value that satisfied it in *observed (a
@@ -138,16 +138,12 @@ __device__ __forceinline__ void record_refusal(DeviceView const& view, int peer,
   }
 }
 
-// Status of an error block whose wait saw a peer's signal of a LATER call of the same kind (the peer ran more calls of
-// this kind on this buffer than this rank: the ranks are out of step). expected / observed hold the two calls'
-// sequence numbers (this rank's, the peer's). Like a timeout it fails the communicator: no later call can be paired.
-inline constexpr uint32_t kStatusOutOfStep = 3;
-
-// Records that `peer`'s signal in `phase` belongs to call `observed_seq` while this rank runs call `expected_seq`;
-// only the first failure on this rank is kept (as record_timeout), and the waits of this rank stop (device_failed).
+// Records that `peer`'s signal in `phase` belongs to call `observed_seq` while this rank runs call `expected_seq`: the
+// peer ran more calls of this kind on this buffer than this rank (kErrorOutOfStep; like a timeout it fails the
+// communicator). Only the first failure on this rank is kept (as record_timeout), and its waits stop (device_failed).
 __device__ __forceinline__ void record_out_of_step(DeviceView const& view, int peer, WaitPhase phase,
                                                    uint64_t expected_seq, uint64_t observed_seq) {
-  record_failure(view, kStatusOutOfStep, peer, phase, expected_seq, observed_seq);
+  record_failure(view, kErrorOutOfStep, peer, phase, expected_seq, observed_seq);
 }
 
 }  // namespace ferry::device
