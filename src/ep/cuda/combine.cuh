@@ -509,10 +509,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
     FERRY_TRACE_END(trace, combine_sum);
   }
 
-  // 4. tile 0's reader: the refusals of this call (this rank's own is its host's InputError); the last CTA advances
+  // 4. tile 0's reader: the refusals of this call, unless this rank refused it too (its own is its host's InputError,
+  //    and a peer's record would surface as a refusal of a later call); the last CTA advances
   //    the sequence (every CTA read it at step 0) and resets the arrival and claim counters
   FERRY_TRACE_BEGIN(trace, combine_finish);
-  if (cta == p.num_push_ctas && tid < world && tid != rank && refused_by)
+  if (cta == p.num_push_ctas && tid < world && tid != rank && refused_by && !p.abort)
     device::record_refusal(p.view, tid, WaitPhase::combine_data);
   __syncthreads();
   if (tid == 0) {

@@ -323,13 +323,15 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
       s_ok = 0;
     } else if ((word0 & kCountAbort) != 0) {
       atomicOr(&s_aborted, 1u << tid);
-      // once per call and refusing peer (this rank's own refusal is its input error, or its host's InputError)
-      if (cta == 0 && tid != rank) device::record_refusal(p.view, tid, WaitPhase::count_exchange);
     }
   }
   __syncthreads();
   if (!s_ok) return;
   bool const aborted = s_aborted != 0;  // the same on every CTA of every rank: every rank read the same words
+  // once per call and refusing peer; a rank that refused the call itself records none (its own input error, or its
+  // host's InputError, is the call's error: a peer's record would surface as a refusal of a later call)
+  if (cta == 0 && tid < world && tid != rank && ((s_aborted >> tid) & 1u) != 0 && ((s_aborted >> rank) & 1u) == 0)
+    device::record_refusal(p.view, tid, WaitPhase::count_exchange);
   if (warp < world && !aborted) {
     // warp d: rows for destination d of lower source ranks there, then of this rank's lower CTAs (lanes share the
     // CTAs: one round trip, where a thread walking them waited for each; this rank's own row was released after

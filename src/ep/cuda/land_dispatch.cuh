@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchPara
     int const dest = landing::token_destination<IdxT>(routing, t, lane, chunk == 0, e, w, refused);
     uint32_t const mask = __reduce_or_sync(0xffffffffu, dest >= 0 ? 1u << dest : 0u);
     std::size_t const slot = landing::slot_index(parity, world, rank, max_tokens, t);
-    if (refused && lane == 0) s_refuse = 1;
+    if (refused) s_refuse = 1;  // any lane: every writer writes 1
     if (chunk == 0) {
       if (lane == 0) p.token_mask[t] = mask;  // no receiver drops a row here: every destination holds it
       landing::write_records(p.sym, world, p.layout.land_meta, slot, record_bytes, topk, num_local, dest, e, w, lane);
@@ -129,8 +129,9 @@ __global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchPara
       reinterpret_cast<uint64_t const volatile*>(p.sym[rank] + p.layout.land_abort) + parity * world,
       WaitPhase::dispatch_data, s_base, &s_aborted, &s_ok);
   if (num_landed < 0) return;
-  // once per call and refusing peer (this rank's own refusal is its input error, or its host's InputError)
-  if (cta == 0 && tid < world && tid != rank && ((s_aborted >> tid) & 1u) != 0)
+  // once per call and refusing peer; a rank that refused the call itself records none (its own input error, or its
+  // host's InputError, is the call's error: a peer's record would surface as a refusal of a later call)
+  if (cta == 0 && tid < world && tid != rank && ((s_aborted >> tid) & 1u) != 0 && ((s_aborted >> rank) & 1u) == 0)
     device::record_refusal(p.view, tid, WaitPhase::dispatch_data);
   FERRY_TRACE_END(trace, dispatch_land_wait);
 

@@ -44,9 +44,9 @@ struct Routing {
 };
 
 // Lane k < topk: the rank holding token t's k-th expert (-1 for a masked or bad id), its id in e and weight in w
-// (warp-wide). A bad id (outside [-1, num_experts)) is dropped, and a valid id that another lane of the row holds too
-// is a repeat; either sets `refused` on every lane (the caller refuses the call: its abort flag into the exchange)
-// and, with `report`, is counted (input_errors: InputError at the next check) once per token.
+// (warp-wide). A bad id (outside [-1, num_experts)) is dropped, and a valid id that a lower lane of the row holds too
+// is a repeat; either sets `refused` on that lane (the caller refuses the call: its abort flag into the exchange)
+// and, with `report`, is counted (input_errors: InputError at the next check).
 template <typename IdxT>
 __device__ __forceinline__ int token_destination(Routing const& r, int t, int lane, bool report, int64_t& e, float& w,
                                                  bool& refused) {
@@ -61,11 +61,17 @@ __device__ __forceinline__ int token_destination(Routing const& r, int t, int la
   }
   int64_t const id = e;
   if (bad) e = -1;
-  // lanes with the same valid id match; every other lane a key no id has (negative, its own)
-  uint32_t const same = __match_any_sync(0xffffffffu, static_cast<unsigned long long>(e >= 0 ? e : -2 - lane));
-  bool const repeat = e >= 0 && (__ffs(same) - 1) != lane;  // a later lane of a repeated id
+  // a repeat: a valid id that a lower lane of the row holds too. Shuffles, not __match_any_sync: that takes one pass
+  // per distinct key (32 here), about 1 us on the send's critical path at small batches.
+  int32_t const key = e >= 0 ? static_cast<int32_t>(e) : -1;  // e < num_experts <= INT32_MAX
+  bool repeat = false;
+#pragma unroll
+  for (int j = 1; j < kMaxTopk; ++j) {
+    int32_t const lower = __shfl_up_sync(0xffffffffu, key, j);
+    repeat |= lane >= j && key >= 0 && lower == key;
+  }
   if (report && (bad || repeat)) device::record_bad_expert_id(r.view, id);
-  refused = __any_sync(0xffffffffu, bad || repeat) != 0;
+  refused = bad || repeat;
   return e >= 0 ? static_cast<int>(e) / r.num_local_experts : -1;
 }
 

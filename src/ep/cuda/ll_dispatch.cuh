@@ -421,7 +421,7 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Expa
     int const dest = landing::token_destination<IdxT>(routing, t, lane, chunk == 0, e, w, refused);
     uint32_t const mask = __reduce_or_sync(0xffffffffu, dest >= 0 ? 1u << dest : 0u);
     std::size_t const slot = landing::slot_index(parity, world, rank, p.max_tokens, t);
-    if (refused && lane == 0) s_refuse = 1;
+    if (refused) s_refuse = 1;  // any lane: every writer writes 1
 
     if (chunk == 0) {
       if (lane == 0) p.token_mask[t] = mask;
@@ -501,8 +501,9 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Expa
       reinterpret_cast<uint64_t const volatile*>(p.sym[rank] + p.layout.dispatch_abort) + parity * world,
       WaitPhase::ll_dispatch, s_base, &s_aborted, &s_ok);
   if (num_landed < 0) return;
-  // once per call and refusing peer (this rank's own refusal is its input error, or its host's InputError)
-  if (cta == 0 && tid < world && tid != rank && ((s_aborted >> tid) & 1u) != 0)
+  // once per call and refusing peer; a rank that refused the call itself records none (its own input error, or its
+  // host's InputError, is the call's error: a peer's record would surface as a refusal of a later call)
+  if (cta == 0 && tid < world && tid != rank && ((s_aborted >> tid) & 1u) != 0 && ((s_aborted >> rank) & 1u) == 0)
     device::record_refusal(p.view, tid, WaitPhase::ll_dispatch);
   FERRY_TRACE_END(trace, ll_dispatch_wait_arrivals);
 
