@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repo root: an A/B of `ferry bench` between a base tree (A: a tarball of another commit,
+# e.g. `git archive PARENT -o build-ab/base.tar`, carried to the machine) and this tree (B), same seeds, every row
+# checked, rounds interleaved A B A B so that a drift of the machine falls on both; then a table of the medians of
+# each leg, A, B and B / A, each the median over the rounds. This tree is built into build-device/ (the build
+# scripts/device-check.sh then reuses), the base into /tmp/ferry-ab-base/.
+#
+# usage: scripts/device-ab.sh BASE_TAR [--rounds N] [--iters N] [--seed S] [--quick]
+#   default workloads: normal mode 128 and 4096 tokens, low-latency mode 1, 128 and 512 tokens, dispatch and combine
+#   in bf16 and fp8 (hidden 7168, topk 8, 256 experts, random routing, graph mode); --quick: normal 128 and LL 1/128,
+#   bf16 only
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+
+BASE_TAR="${1:-}"
+[[ -f "$BASE_TAR" ]] || { echo "device-ab: give the base tree's tarball as the first argument (see --help)" >&2; exit 2; }
+shift
+ROUNDS=2 ITERS=30 SEED=7 QUICK=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --rounds) ROUNDS="$2"; shift 2 ;;
+    --iters) ITERS="$2"; shift 2 ;;
+    --seed) SEED="$2"; shift 2 ;;
+    --quick) QUICK=1; shift ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "device-ab: unknown argument '$1'; see --help" >&2; exit 2 ;;
+  esac
+done
+LOGS="${OUT:-build-device/ab-logs}"
+mkdir -p "$LOGS"
+START=$SECONDS
+stamp() { echo "== [$((SECONDS - START)) s] $*"; }
+
+BASE=/tmp/ferry-ab-base
+rm -rf "$BASE" && mkdir -p "$BASE" && tar -xf "$BASE_TAR" -C "$BASE" || { echo "device-ab: cannot unpack $BASE_TAR"; exit 2; }
+stamp "configure + build: this tree (build-device) and the base ($BASE/build)"
+cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release >"$LOGS/configure-b.log" 2>&1 || { tail "$LOGS/configure-b.log"; exit 2; }
+cmake -S "$BASE" -B "$BASE/build" -G Ninja -DCMAKE_BUILD_TYPE=Release >"$LOGS/configure-a.log" 2>&1 ||
+  { tail "$LOGS/configure-a.log"; exit 2; }
+JOBS=$(nproc)
+(cmake --build build-device -j $((JOBS * 2 / 3)) -- -k 0 >"$LOGS/build-b.log" 2>&1; echo $? >"$LOGS/build-b.rc") &
+(cmake --build "$BASE/build" -j $((JOBS / 3)) --target ferry_cli >"$LOGS/build-a.log" 2>&1; echo $? >"$LOGS/build-a.rc") &
+wait
+for side in a b; do
+  if [[ "$(cat "$LOGS/build-$side.rc")" != 0 ]]; then
+    grep -E "FAILED|error" "$LOGS/build-$side.log" | head -n 10
+    [[ -x "$([[ $side == a ]] && echo "$BASE/build" || echo build-device)/ferry" ]] || { echo "device-ab: build $side failed"; exit 1; }
+  fi
+done
+stamp "built"
+
+if [[ $QUICK -eq 1 ]]; then
+  RUNS=("--mode normal --tokens 128 --dispatch bf16 --combine bf16" "--mode ll --tokens 1,128 --dispatch bf16 --combine bf16")
+else
+  RUNS=("--mode normal --tokens 128,4096 --dispatch bf16,fp8 --combine bf16,fp8"
+        "--mode ll --tokens 1,128,512 --dispatch bf16,fp8 --combine bf16,fp8")
+fi
+for ((round = 1; round <= ROUNDS; ++round)); do
+  for side in a b; do
+    bin=$([[ $side == a ]] && echo "$BASE/build/ferry" || echo build-device/ferry)
+    for i in "${!RUNS[@]}"; do
+      # shellcheck disable=SC2086
+      timeout 150 "$bin" bench ${RUNS[$i]} --graph --check --iters "$ITERS" --seed "$SEED" \
+        --json "$LOGS/$side-$round-$i.json" >"$LOGS/$side-$round-$i.log" 2>&1 || echo "device-ab: run $side $round $i exit $?"
+    done
+  done
+  stamp "round $round done"
+done
+
+python3 - "$LOGS" "$ROUNDS" "${#RUNS[@]}" <<'PY'
+import json, os, statistics, sys
+logs, rounds, runs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+med = {"a": {}, "b": {}}
+checks = {"a": set(), "b": set()}
+for side in "ab":
+    for r in range(1, rounds + 1):
+        for i in range(runs):
+            path = os.path.join(logs, f"{side}-{r}-{i}.json")
+            try:
+                doc = json.load(open(path))
+            except Exception:
+                continue
+            for rec in doc["records"]:
+                key = (rec["mode"], rec["leg"], rec["tokens"], rec.get("dispatch_format", rec.get("format")),
+                       rec.get("combine_format", rec.get("format")))
+                med[side].setdefault(key, []).append(rec["median_us"])
+                checks[side].add(rec["check"])
+print(f"{'mode':<7} {'leg':<9} {'tokens':>6} {'dispatch':<9} {'combine':<9} {'A us':>8} {'B us':>8} {'B/A':>6}")
+for key in sorted(set(med["a"]) | set(med["b"])):
+    a = statistics.median(med["a"][key]) if key in med["a"] else float("nan")
+    b = statistics.median(med["b"][key]) if key in med["b"] else float("nan")
+    print(f"{key[0]:<7} {key[1]:<9} {key[2]:>6} {key[3]:<9} {key[4]:<9} {a:8.2f} {b:8.2f} {b / a:6.3f}")
+print(f"checks: A {sorted(checks['a'])}, B {sorted(checks['b'])}")
+PY
+stamp "done"
