@@ -38,7 +38,7 @@ struct DeviceErrorBlock {
   int32_t phase;          // WaitPhase
   uint64_t expected;      // value the wait wanted (>=)
   uint64_t observed;      // last value it saw
-  uint32_t input_errors;  // count of ids dropped on the device (out of range, capacity overflow)
+  uint32_t input_errors;  // ids that made this rank refuse a call (out of range, repeated in a token's row)
   int32_t first_bad_value;
   uint32_t overflow_rows;  // rows dropped because a capacity (expert_capacity / max_recv_tokens) was exceeded
   // Collective refusals (DESIGN "Collective consistency"): calls this rank joined whose exchange carried a peer's
