@@ -21,6 +21,8 @@ void validate_dispatch_args(EpConfig const& config, DispatchArgs const& args) {
   FERRY_CHECK_INPUT(args.num_tokens >= 0 && args.num_tokens <= config.max_tokens_per_rank,
                     "num_tokens=", args.num_tokens, " is outside [0, max_tokens_per_rank=", config.max_tokens_per_rank,
                     "]; split the batch or raise max_tokens_per_rank");
+  FERRY_CHECK_INPUT(args.topk_idx_type == IndexType::int32 || args.topk_idx_type == IndexType::int64,
+                    "topk_idx_type=", static_cast<int>(args.topk_idx_type), " is not int32 or int64");
   FERRY_CHECK_INPUT(!args.expand || config.expert_slots() > 0, "expand=true needs EpConfig::expert_capacity (rows per ",
                     "local expert of the expert-major layout); set it when creating the EpBuffer");
   bool const prequantized = args.x_scales != nullptr;

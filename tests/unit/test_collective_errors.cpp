@@ -186,6 +186,7 @@ enum class Fault {
   too_many_tokens,  // num_tokens > max_tokens_per_rank
   null_x,           // dispatch x null with tokens
   binding_refusal,  // the binding's own check (EpBuffer::refuse_dispatch / refuse_combine)
+  bad_index_type,   // topk_idx_type neither int32 nor int64
   combine_null_x,
   combine_misaligned_y,
   kCount,
@@ -219,7 +220,7 @@ Schedule make_schedule(uint64_t seed, int world, bool low_latency, int max_token
     for (int r = 0; r < world; ++r) leg.tokens.push_back(static_cast<int>(rng() % (max_tokens + 1)));
     if (rng() % 3 == 0) {
       leg.dispatch_fault_rank = static_cast<int>(rng() % world);
-      leg.dispatch_fault = static_cast<Fault>(1 + rng() % 5);
+      leg.dispatch_fault = static_cast<Fault>(1 + rng() % 6);  // bad_id .. bad_index_type
       // the id and x faults need a token to be wrong in
       int& tokens = leg.tokens[static_cast<std::size_t>(leg.dispatch_fault_rank)];
       tokens = std::max(tokens, 1);
@@ -300,6 +301,9 @@ void run_schedules(int world, bool low_latency, uint64_t first_seed, int count, 
             case Fault::null_x:
               args.num_tokens = std::max(in.num_tokens, 1);
               args.x = nullptr;
+              break;
+            case Fault::bad_index_type:
+              args.topk_idx_type = static_cast<IndexType>(7);
               break;
             default:
               break;

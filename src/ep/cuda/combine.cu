@@ -38,13 +38,16 @@ LaunchPlan plan_combine(Buffers const& buffers, int num_tokens) {
 
 namespace {
 
+// Kernel invariants only (FERRY_CHECK: a failure is a bug): the arguments were validated once by EpBuffer
+// (validate_dispatch_args / validate_combine_args), which refuses a bad call on every rank. An InputError thrown here
+// would be refused on this rank alone, the desync docs/errors.md rules out.
 CombineParams to_params(Buffers const& b, CombineArgs const& args, LaunchPlan const& plan, int num_tokens,
                         bool refuse) {
-  FERRY_CHECK_INPUT(refuse || num_tokens == 0 || args.y != nullptr, "combine y is null for num_tokens=", num_tokens,
-                    " of the last dispatch");
-  FERRY_CHECK_INPUT(args.layout != CombineLayout::expert_major || b.expert_slots > 0,
-                    "expert-major combine needs EpConfig::expert_capacity (rows per local expert of its input); set "
-                    "it when creating the EpBuffer or use layout rank_major");
+  FERRY_CHECK(refuse || num_tokens == 0 || args.y != nullptr, "combine y is null for num_tokens=", num_tokens,
+              " of the last dispatch");
+  FERRY_CHECK(args.layout != CombineLayout::expert_major || b.expert_slots > 0,
+              "expert-major combine needs EpConfig::expert_capacity (rows per local expert of its input); set "
+              "it when creating the EpBuffer or use layout rank_major");
   FERRY_CHECK(plan.push_ctas >= 1 && plan.ctas > plan.push_ctas && plan.ctas <= b.num_sms, "combine grid ", plan.ctas,
               " CTAs with ", plan.push_ctas, " pushing is not valid on ", b.num_sms, " SMs");
   CombineParams p{};

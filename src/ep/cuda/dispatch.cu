@@ -39,27 +39,29 @@ LaunchPlan plan_dispatch(Buffers const& buffers, int num_tokens) {
 
 namespace {
 
+// Kernel invariants only (FERRY_CHECK: a failure is a bug): the arguments were validated once by EpBuffer
+// (validate_dispatch_args / validate_combine_args), which refuses a bad call on every rank. An InputError thrown here
+// would be refused on this rank alone, the desync docs/errors.md rules out.
 DispatchParams to_params(Buffers const& b, DispatchArgs const& args, LaunchPlan const& plan, bool refuse) {
   FERRY_CHECK(!refuse || args.num_tokens == 0, "a refused dispatch joins with no tokens, not ", args.num_tokens);
-  FERRY_CHECK_INPUT(args.num_tokens >= 0 && args.num_tokens <= b.config.max_tokens_per_rank,
-                    "num_tokens=", args.num_tokens,
-                    " is outside [0, max_tokens_per_rank=", b.config.max_tokens_per_rank, "]");
-  FERRY_CHECK_INPUT(args.num_tokens == 0 || (args.x && args.topk_idx && args.topk_weights),
-                    "x, topk_idx and topk_weights must be non-null for num_tokens=", args.num_tokens);
+  FERRY_CHECK(args.num_tokens >= 0 && args.num_tokens <= b.config.max_tokens_per_rank, "num_tokens=", args.num_tokens,
+              " is outside [0, max_tokens_per_rank=", b.config.max_tokens_per_rank, "]");
+  FERRY_CHECK(args.num_tokens == 0 || (args.x && args.topk_idx && args.topk_weights),
+              "x, topk_idx and topk_weights must be non-null for num_tokens=", args.num_tokens);
   FERRY_CHECK(plan.ctas >= 1 && plan.ctas <= b.max_dispatch_ctas, "dispatch grid of ", plan.ctas,
               " CTAs is outside [1, ", b.max_dispatch_ctas, "]");
   WireFormat const format = b.config.dispatch_format;
   bool const prequantized = args.num_tokens > 0 && args.x_scales != nullptr;
   if (prequantized) {
     // NOTE: pre-quantized rows are forwarded piece by piece: fp32 scales are read as words, the token scales as floats.
-    FERRY_CHECK_INPUT(format != WireFormat::bf16, "x_scales is set but dispatch_format is bf16; pass bf16 rows ",
-                      "without scales, or create the EpBuffer with a quantized dispatch_format");
-    FERRY_CHECK_INPUT(format != WireFormat::fp8_e4m3 || reinterpret_cast<uintptr_t>(args.x_scales) % 4 == 0,
-                      "x_scales=", args.x_scales, " is not 4-byte aligned (fp32 scales of fp8_e4m3)");
-    FERRY_CHECK_INPUT(format != WireFormat::nvfp4 || args.x_token_scales != nullptr,
-                      "pre-quantized nvfp4 input needs x_token_scales (the per-token fp32 scales)");
-    FERRY_CHECK_INPUT(args.x_token_scales == nullptr || reinterpret_cast<uintptr_t>(args.x_token_scales) % 4 == 0,
-                      "x_token_scales=", args.x_token_scales, " is not 4-byte aligned");
+    FERRY_CHECK(format != WireFormat::bf16, "x_scales is set but dispatch_format is bf16; pass bf16 rows ",
+                "without scales, or create the EpBuffer with a quantized dispatch_format");
+    FERRY_CHECK(format != WireFormat::fp8_e4m3 || reinterpret_cast<uintptr_t>(args.x_scales) % 4 == 0,
+                "x_scales=", args.x_scales, " is not 4-byte aligned (fp32 scales of fp8_e4m3)");
+    FERRY_CHECK(format != WireFormat::nvfp4 || args.x_token_scales != nullptr,
+                "pre-quantized nvfp4 input needs x_token_scales (the per-token fp32 scales)");
+    FERRY_CHECK(args.x_token_scales == nullptr || reinterpret_cast<uintptr_t>(args.x_token_scales) % 4 == 0,
+                "x_token_scales=", args.x_token_scales, " is not 4-byte aligned");
   }
   DispatchParams p{};
   p.view = b.view;
@@ -191,8 +193,7 @@ void launch_dispatch(Buffers const& buffers, DispatchArgs const& args, LaunchPla
       launch_protocol<int32_t>(buffers, p, stream);
       break;
     default:
-      FERRY_THROW(InputError, "input", "topk_idx_type=", static_cast<int>(args.topk_idx_type),
-                  " is not int32 or int64");
+      FERRY_THROW(Error, "ferry", "topk_idx_type=", static_cast<int>(args.topk_idx_type), " is not int32 or int64");
   }
 }
 

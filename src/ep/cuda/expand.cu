@@ -8,9 +8,12 @@
 namespace ferry::cuda_ep {
 namespace {
 
+// Kernel invariants only (FERRY_CHECK: a failure is a bug): the arguments were validated once by EpBuffer
+// (validate_dispatch_args / validate_combine_args), which refuses a bad call on every rank. An InputError thrown here
+// would be refused on this rank alone, the desync docs/errors.md rules out.
 ExpandParams to_params(Buffers const& b, bool copy_rows) {
-  FERRY_CHECK_INPUT(b.expert_slots > 0, "the expert-major layout needs EpConfig::expert_capacity (rows per local ",
-                    "expert); set it when creating the EpBuffer");
+  FERRY_CHECK(b.expert_slots > 0, "the expert-major layout needs EpConfig::expert_capacity (rows per local ",
+              "expert); set it when creating the EpBuffer");
   FERRY_CHECK(!copy_rows || (b.expert_x && b.expert_src_row), "expert-major buffers are not allocated");
   FERRY_CHECK(!copy_rows || !b.config.delivers_quantized() || b.expert_scales,
               "expert-major scale tensors are not allocated");

@@ -8,11 +8,14 @@ namespace ferry::cuda_ll {
 
 namespace {
 
+// Kernel invariants only (FERRY_CHECK: a failure is a bug): the arguments were validated once by EpBuffer
+// (validate_dispatch_args / validate_combine_args), which refuses a bad call on every rank. An InputError thrown here
+// would be refused on this rank alone, the desync docs/errors.md rules out.
 LlCombineParams to_params(LlBuffers const& b, CombineArgs const& args, int num_tokens, bool refuse) {
-  FERRY_CHECK_INPUT(refuse || num_tokens == 0 || args.y != nullptr, "combine y is null for num_tokens=", num_tokens,
-                    " of the last dispatch");
-  FERRY_CHECK_INPUT(args.layout == CombineLayout::rank_major || b.expert_slots > 0,
-                    "expert-major combine needs expert slots; the LL config resolves them at construction");
+  FERRY_CHECK(refuse || num_tokens == 0 || args.y != nullptr, "combine y is null for num_tokens=", num_tokens,
+              " of the last dispatch");
+  FERRY_CHECK(args.layout == CombineLayout::rank_major || b.expert_slots > 0,
+              "expert-major combine needs expert slots; the LL config resolves them at construction");
   FERRY_CHECK(b.num_ctas >= 1 && b.num_ctas <= kMaxCtas, "LL grid of ", b.num_ctas, " CTAs is outside [1, ", kMaxCtas,
               "]");
   LlCombineParams p{};

@@ -8,13 +8,15 @@ namespace ferry::cuda_ll {
 
 namespace {
 
+// Kernel invariants only (FERRY_CHECK: a failure is a bug): the arguments were validated once by EpBuffer
+// (validate_dispatch_args / validate_combine_args), which refuses a bad call on every rank. An InputError thrown here
+// would be refused on this rank alone, the desync docs/errors.md rules out.
 LlDispatchParams to_params(LlBuffers const& b, DispatchArgs const& args, bool refuse) {
   FERRY_CHECK(!refuse || args.num_tokens == 0, "a refused dispatch joins with no tokens, not ", args.num_tokens);
-  FERRY_CHECK_INPUT(args.num_tokens >= 0 && args.num_tokens <= b.config.max_tokens_per_rank,
-                    "num_tokens=", args.num_tokens,
-                    " is outside [0, max_tokens_per_rank=", b.config.max_tokens_per_rank, "]");
-  FERRY_CHECK_INPUT(args.num_tokens == 0 || (args.x && args.topk_idx && args.topk_weights),
-                    "x, topk_idx and topk_weights must be non-null for num_tokens=", args.num_tokens);
+  FERRY_CHECK(args.num_tokens >= 0 && args.num_tokens <= b.config.max_tokens_per_rank, "num_tokens=", args.num_tokens,
+              " is outside [0, max_tokens_per_rank=", b.config.max_tokens_per_rank, "]");
+  FERRY_CHECK(args.num_tokens == 0 || (args.x && args.topk_idx && args.topk_weights),
+              "x, topk_idx and topk_weights must be non-null for num_tokens=", args.num_tokens);
   FERRY_CHECK(b.num_ctas >= 1 && b.num_ctas <= kMaxCtas, "LL grid of ", b.num_ctas, " CTAs is outside [1, ", kMaxCtas,
               "]");
   FERRY_CHECK(b.num_local_experts >= 1 && b.num_local_experts <= kMaxLlLocalExperts,
@@ -22,9 +24,9 @@ LlDispatchParams to_params(LlBuffers const& b, DispatchArgs const& args, bool re
   WireFormat const format = b.config.dispatch_format;
   // Pre-quantized arguments were validated by EpBuffer (validate_dispatch_args); the kernel relies on these two.
   bool const prequantized = args.x_scales != nullptr;
-  FERRY_CHECK_INPUT(!prequantized || format != WireFormat::bf16, "x_scales is set but dispatch_format=bf16");
-  FERRY_CHECK_INPUT(!prequantized || format != WireFormat::nvfp4 || args.num_tokens == 0 || args.x_token_scales,
-                    "pre-quantized nvfp4 input needs x_token_scales");
+  FERRY_CHECK(!prequantized || format != WireFormat::bf16, "x_scales is set but dispatch_format=bf16");
+  FERRY_CHECK(!prequantized || format != WireFormat::nvfp4 || args.num_tokens == 0 || args.x_token_scales,
+              "pre-quantized nvfp4 input needs x_token_scales");
   LlDispatchParams p{};
   p.view = b.view;
   for (int r = 0; r < b.world; ++r) p.sym[r] = b.sym.ptr[r];
@@ -90,7 +92,7 @@ DispatchKernel pick_index(IndexType type, Half half) {
     case IndexType::int32:
       return pick_half<kFormat, kUnitElems, int32_t>(half);
   }
-  FERRY_THROW(InputError, "input", "topk_idx_type=", static_cast<int>(type), " is not int32 or int64");
+  FERRY_THROW(Error, "ferry", "topk_idx_type=", static_cast<int>(type), " is not int32 or int64");
 }
 
 DispatchKernel pick(WireFormat format, int hidden, IndexType type, Half half) {
