@@ -1,6 +1,6 @@
-// The reference semantics of dispatch and combine (docs/design.md, "Semantics") as pure host functions over every rank's
-// inputs. The cpu backend produces exactly these results through shared memory; every GPU test compares with them
-// bit for bit (bf16 transport).
+// The reference semantics of dispatch and combine (docs/design.md, "Semantics") as pure host functions over every
+// rank's inputs. The cpu backend produces exactly these results through shared memory; every GPU test compares with
+// them bit for bit (bf16 transport).
 //
 // Canonical arithmetic (the cuda kernels follow the same order so results are bit-identical):
 // - Expert-major combine, receiver side, per rank-major row i: acc = 0.0f; for k = 0..topk-1 ascending, where the
@@ -40,7 +40,6 @@
 #include <string>
 #include <vector>
 
-#include "ep/routing.hpp"
 #include "ferry/ep.hpp"
 
 namespace ferry::ref {
@@ -69,12 +68,6 @@ struct RankDispatch {
   int dropped_rows = 0;                  // rows past recv_capacity, not delivered
   int dropped_slots = 0;                 // local (row, k) entries past expert_slots, without a slot
 };
-
-// Every rank's inputs, as a test or benchmark builds them from one shared seed: rank r gets num_tokens[r] tokens
-// from generate_tokens(routing.seed, r, ...) and routing from generate_routing(routing, ..., r, ...) with
-// config.topk - routing.shared_experts routed columns. Any process can rebuild any rank's input.
-std::vector<RankInput> generate_inputs(EpConfig const& config, int world, RoutingOptions const& routing,
-                                       std::span<int const> num_tokens);
 
 // bf16 <-> float, round to nearest even, exactly as CUDA's __float2bfloat16_rn (cuda_bf16.hpp): every NaN becomes
 // 0x7fff (positive quiet NaN, sign dropped), infinities stay, subnormals are kept (no flush to zero).

@@ -15,12 +15,13 @@
 #include <vector>
 
 #include "ep/reference.hpp"
-#include "ep/routing.hpp"
 #include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
 #include "support/gpu_case.hpp"
 #include "support/ll_check.hpp"
+#include "workloads/inputs.hpp"
+#include "workloads/routing.hpp"
 
 #if FERRY_HAVE_CUDA
 #include <cuda_runtime.h>

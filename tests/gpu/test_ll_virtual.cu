@@ -22,13 +22,13 @@
 #include "ep/cuda/ll_buffers.hpp"
 #include "ep/ep_impl.hpp"
 #include "ep/reference.hpp"
-#include "ep/routing.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
 #include "ferry/wire_format.hpp"
 #include "support/gpu_case.hpp"
 #include "support/ll_check.hpp"
 #include "support/virtual_ranks.hpp"
+#include "workloads/routing.hpp"
 
 namespace ferry::test {
 namespace {

@@ -9,11 +9,12 @@
 #include <vector>
 
 #include "ep/reference.hpp"
-#include "ep/routing.hpp"
 #include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
 #include "support/rank_case.hpp"
+#include "workloads/inputs.hpp"
+#include "workloads/routing.hpp"
 // NOTE: the baseline lives with the bench (bench/); compiled into this binary too so the timing case can run it.
 #include "../../bench/nccl_baseline.cu"
 

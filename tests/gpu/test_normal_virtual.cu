@@ -26,7 +26,6 @@
 #include "ep/ep_impl.hpp"
 #include "ep/landing_policy.hpp"
 #include "ep/reference.hpp"
-#include "ep/routing.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
 #include "ferry/wire_format.hpp"
@@ -34,6 +33,7 @@
 #include "support/ll_check.hpp"
 #include "support/normal_check.hpp"
 #include "support/virtual_ranks.hpp"
+#include "workloads/routing.hpp"
 
 namespace ferry::test {
 namespace {

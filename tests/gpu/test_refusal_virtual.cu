@@ -29,13 +29,13 @@
 #include "ep/ep_impl.hpp"
 #include "ep/landing_policy.hpp"
 #include "ep/reference.hpp"
-#include "ep/routing.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
 #include "support/gpu_case.hpp"
 #include "support/ll_check.hpp"
 #include "support/normal_check.hpp"
 #include "support/virtual_ranks.hpp"
+#include "workloads/routing.hpp"
 
 namespace ferry::test {
 namespace {

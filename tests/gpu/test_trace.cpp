@@ -11,7 +11,6 @@
 #include <string>
 #include <vector>
 
-#include "ep/routing.hpp"
 #include "ferry/communicator.hpp"
 #include "ferry/env.hpp"
 #include "ferry/ep.hpp"
@@ -21,6 +20,7 @@
 #include "trace/decode.hpp"
 #include "trace/trace_file.hpp"
 #include "util/json.hpp"
+#include "workloads/routing.hpp"
 
 #if FERRY_HAVE_CUDA
 #include <cuda_runtime.h>

@@ -18,11 +18,11 @@
 #include <utility>
 #include <vector>
 
-#include "ep/routing.hpp"
 #include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
 #include "support/rank_case.hpp"
+#include "workloads/routing.hpp"
 
 #if FERRY_HAVE_CUDA
 #include <cuda_runtime.h>

@@ -22,12 +22,13 @@
 
 #include "comm/comm_impl.hpp"
 #include "ep/reference.hpp"
-#include "ep/routing.hpp"
 #include "ferry/device_view.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
 #include "support/gpu_case.hpp"
 #include "support/ll_check.hpp"
+#include "workloads/inputs.hpp"
+#include "workloads/routing.hpp"
 
 namespace ferry::test {
 

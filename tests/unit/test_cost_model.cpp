@@ -6,11 +6,11 @@
 #include <cmath>
 #include <string>
 
-#include "ep/cost_model.hpp"
 #include "ferry/error.hpp"
 #include "ferry/wire_format.hpp"
 #include "support/host_fixtures.hpp"
 #include "util/json.hpp"
+#include "workloads/cost_model.hpp"
 
 namespace ferry::model {
 namespace {

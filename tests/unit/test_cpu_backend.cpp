@@ -20,7 +20,6 @@
 #include <vector>
 
 #include "ep/reference.hpp"
-#include "ep/routing.hpp"
 #include "ferry/bootstrap.hpp"
 #include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
@@ -28,6 +27,8 @@
 #include "support/cpu_ranks.hpp"
 #include "support/host_fixtures.hpp"
 #include "support/rank_case.hpp"
+#include "workloads/inputs.hpp"
+#include "workloads/routing.hpp"
 
 namespace ferry {
 namespace {

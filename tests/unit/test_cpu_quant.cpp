@@ -18,7 +18,6 @@
 #include <vector>
 
 #include "ep/reference.hpp"
-#include "ep/routing.hpp"
 #include "ferry/bootstrap.hpp"
 #include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
@@ -26,6 +25,8 @@
 #include "quant/codec.hpp"
 #include "support/host_fixtures.hpp"
 #include "support/rank_case.hpp"
+#include "workloads/inputs.hpp"
+#include "workloads/routing.hpp"
 
 namespace ferry {
 namespace {

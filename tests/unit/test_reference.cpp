@@ -17,9 +17,10 @@
 #include <vector>
 
 #include "ep/reference.hpp"
-#include "ep/routing.hpp"
 #include "ferry/error.hpp"
 #include "support/rank_case.hpp"
+#include "workloads/inputs.hpp"
+#include "workloads/routing.hpp"
 
 namespace ferry {
 namespace {

@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "ep/reference.hpp"
-#include "ep/routing.hpp"
 #include "ferry/error.hpp"
 #include "support/rank_case.hpp"
+#include "workloads/routing.hpp"
 
 namespace ferry {
 namespace {

@@ -23,7 +23,6 @@
 #include "build_info.hpp"
 #include "commands.hpp"
 #include "ep/reference.hpp"
-#include "ep/routing.hpp"
 #include "ferry/env.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
@@ -32,6 +31,7 @@
 #include "ranks.hpp"
 #include "trace/trace_file.hpp"
 #include "util/result_file.hpp"
+#include "workloads/routing.hpp"
 #if FERRY_HAVE_CUDA && __has_include("nccl_baseline.hpp")
 #define FERRY_BENCH_NCCL 1
 #include "nccl_baseline.hpp"

@@ -8,12 +8,12 @@
 
 #include "build_info.hpp"
 #include "commands.hpp"
-#include "ep/cost_model.hpp"
-#include "ep/routing.hpp"
 #include "ferry/error.hpp"
 #include "ferry/wire_format.hpp"
 #include "options.hpp"
 #include "util/result_file.hpp"
+#include "workloads/cost_model.hpp"
+#include "workloads/routing.hpp"
 
 namespace ferry::cli {
 namespace {

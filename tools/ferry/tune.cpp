@@ -23,7 +23,6 @@
 #include "bench_memory.hpp"
 #include "build_info.hpp"
 #include "commands.hpp"
-#include "ep/routing.hpp"
 #include "ferry/env.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
@@ -32,6 +31,7 @@
 #include "tuning/picker.hpp"
 #include "tuning/table.hpp"
 #include "util/result_file.hpp"
+#include "workloads/routing.hpp"
 #if FERRY_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #endif

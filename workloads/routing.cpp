@@ -1,4 +1,4 @@
-#include "ep/routing.hpp"
+#include "workloads/routing.hpp"
 
 #include "ep/reference.hpp"
 

@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "ep/routing.hpp"
 #include "ferry/ep.hpp"
+#include "workloads/routing.hpp"
 
 namespace ferry::model {
 

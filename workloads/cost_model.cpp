@@ -1,4 +1,4 @@
-#include "ep/cost_model.hpp"
+#include "workloads/cost_model.hpp"
 
 #include <algorithm>
 #include <cstdio>
