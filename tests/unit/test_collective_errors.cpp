@@ -7,7 +7,6 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -521,12 +520,17 @@ double vm_size_mib() {
   return pages * static_cast<double>(sysconf(_SC_PAGESIZE)) / (1 << 20);
 }
 
-// Bytes in use in /dev/shm (every job's; this test's own segments are unlinked once mapped, so they count here while
-// mapped).
-double shm_used_mib() {
-  struct statvfs info {};
-  if (statvfs("/dev/shm", &info) != 0) return 0;
-  return static_cast<double>(info.f_blocks - info.f_bfree) * static_cast<double>(info.f_frsize) / (1 << 20);
+// Shared memory this process maps (MiB): the /dev/shm segments in /proc/self/maps. Process-local, so tests running
+// beside this one (ctest -j) do not move it; a segment stays mapped (and counted) while any of its ranks maps it.
+double shm_mapped_mib() {
+  std::ifstream maps("/proc/self/maps");
+  double bytes = 0;
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find("/dev/shm/ferry-") == std::string::npos) continue;
+    unsigned long long begin = 0, end = 0;
+    if (std::sscanf(line.c_str(), "%llx-%llx", &begin, &end) == 2) bytes += static_cast<double>(end - begin);
+  }
+  return bytes / (1 << 20);
 }
 
 // 20 create / destroy cycles of one buffer (hidden 7168, 1024 tokens, world 2: about 112 MiB of symmetric memory per
@@ -538,13 +542,18 @@ TEST(Lifecycle, BuffersAndCommunicatorsComeAndGoWithFlatMemory) {
   config.hidden = 7168;
   config.max_tokens_per_rank = 1024;
   std::vector<double> vm, shm;
+  double live_shm = 0;  // while a buffer exists: the measure must see it, or a flat reading proves nothing
   std::vector<std::string> const failures = run_ranks(2, [&](int rank, std::shared_ptr<Communicator> const& comm) {
     for (int cycle = 0; cycle < 20; ++cycle) {
-      { EpBuffer buffer(comm, config); }
+      {
+        EpBuffer buffer(comm, config);
+        comm->barrier();
+        if (rank == 0 && cycle == 0) live_shm = shm_mapped_mib();
+      }
       comm->barrier();
       if (rank == 0) {
         vm.push_back(vm_size_mib());
-        shm.push_back(shm_used_mib());
+        shm.push_back(shm_mapped_mib());
       }
       comm->barrier();
     }
@@ -555,16 +564,18 @@ TEST(Lifecycle, BuffersAndCommunicatorsComeAndGoWithFlatMemory) {
   EXPECT_LT(vm.back() - vm.front(), 64.0) << "VmSize " << vm.front() << " -> " << vm.back() << " MiB over 19 cycles";
   EXPECT_LT(shm.back() - shm.front(), 64.0) << "/dev/shm " << shm.front() << " -> " << shm.back() << " MiB";
   EXPECT_GT(buffer_mib, 64.0) << "the bound must be smaller than one buffer, or a leak of one per cycle would pass";
+  EXPECT_GT(live_shm - shm.front(), 100.0) << "a live buffer's shared memory (" << live_shm << " MiB mapped) is not "
+                                           << "seen by the measure";
 
   // communicators with a buffer each (NOTE: VmSize may also grow by a malloc arena of 64 MiB per new thread; shared
   // memory may not grow at all)
   double const vm_before = vm_size_mib();
-  double const shm_before = shm_used_mib();
+  double const shm_before = shm_mapped_mib();
   for (int cycle = 0; cycle < 10; ++cycle) {
     expect_all_passed(
         run_ranks(2, [&](int, std::shared_ptr<Communicator> const& comm) { EpBuffer buffer(comm, config); }));
   }
-  EXPECT_LT(shm_used_mib() - shm_before, 16.0) << "/dev/shm " << shm_before << " -> " << shm_used_mib() << " MiB";
+  EXPECT_LT(shm_mapped_mib() - shm_before, 16.0) << "/dev/shm " << shm_before << " -> " << shm_mapped_mib() << " MiB";
   EXPECT_LT(vm_size_mib() - vm_before, 192.0) << "VmSize " << vm_before << " -> " << vm_size_mib() << " MiB over 10 "
                                               << "communicators";
 }
@@ -593,7 +604,10 @@ TEST(Lifecycle, StaleSegmentsOfDeadProcessesAreSweptAtTheNextStart) {
   expect_all_passed(run_ranks(1, [](int, std::shared_ptr<Communicator> const&) {}));
   std::string const log = testing::internal::GetCapturedStderr();
   EXPECT_FALSE(std::ifstream(path).good()) << path << " is still there";
-  EXPECT_TRUE(contains(log, concat("left by process ", child))) << log;
+  // NOTE: a cpu communicator of another test process (ctest -j) may have swept it in the moment between the age
+  // change and this start; then this process logs nothing, and only the file's absence is this test's to check
+  if (!contains(log, concat("left by process ", child)))
+    std::printf("note: the segment was swept by another process before this one's communicator started\n");
 }
 
 }  // namespace
