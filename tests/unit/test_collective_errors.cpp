@@ -193,8 +193,8 @@ enum class Fault {
 };
 
 struct Leg {
-  bool dispatch_fault_on_any = false;
-  int dispatch_fault_rank = -1;  // -1: none
+  int dispatch_fault_rank = -1;         // -1: none
+  int second_dispatch_fault_rank = -1;  // another rank refusing the same dispatch (-1: none)
   Fault dispatch_fault = Fault::none;
   int combine_fault_rank = -1;
   Fault combine_fault = Fault::none;
@@ -224,6 +224,14 @@ Schedule make_schedule(uint64_t seed, int world, bool low_latency, int max_token
       // the id and x faults need a token to be wrong in
       int& tokens = leg.tokens[static_cast<std::size_t>(leg.dispatch_fault_rank)];
       tokens = std::max(tokens, 1);
+      // sometimes a second rank refuses the same call (with the same fault): each refusing rank raises its own error,
+      // the others name the lowest refusing rank
+      if (rng() % 4 == 0) {
+        leg.second_dispatch_fault_rank =
+            (leg.dispatch_fault_rank + 1 + static_cast<int>(rng() % static_cast<uint64_t>(world - 1))) % world;
+        int& second = leg.tokens[static_cast<std::size_t>(leg.second_dispatch_fault_rank)];
+        second = std::max(second, 1);
+      }
     }
     if (rng() % 4 == 0) {
       leg.combine_fault_rank = static_cast<int>(rng() % world);
@@ -286,7 +294,7 @@ void run_schedules(int world, bool low_latency, uint64_t first_seed, int count, 
         args.topk_weights = in.topk_weights.data();
         args.expand = leg.expand;
         args.return_recv_hook = leg.hook;
-        bool const my_fault = leg.dispatch_fault_rank == rank;
+        bool const my_fault = leg.dispatch_fault_rank == rank || leg.second_dispatch_fault_rank == rank;
         if (my_fault) {
           switch (leg.dispatch_fault) {
             case Fault::bad_id:
@@ -392,14 +400,18 @@ void run_schedules(int world, bool low_latency, uint64_t first_seed, int count, 
       // the one rank whose input was bad, when a single rank refused (a combine after a refused dispatch, or an
       // expert-major combine without expand, is refused by every rank on its own)
       bool const every_rank_refuses = !is_dispatch && (dispatch_refused || (leg.expert_major && !leg.expand));
-      int const refusing = every_rank_refuses ? -1 : is_dispatch ? leg.dispatch_fault_rank : leg.combine_fault_rank;
+      int const second = leg.second_dispatch_fault_rank;
+      int const first = second >= 0 ? std::min(leg.dispatch_fault_rank, second) : leg.dispatch_fault_rank;
+      int const refusing = every_rank_refuses ? -1 : is_dispatch ? first : leg.combine_fault_rank;
       for (int r = 0; r < world; ++r) {
         CallRecord const& rec = per_rank[static_cast<std::size_t>(r)];
+        bool const refused_itself = is_dispatch && (r == leg.dispatch_fault_rank || r == second);
         if ((rec.outcome == Outcome::refused) != expect_refused)
           problems.push_back(concat("schedule ", seed, " call ", c, " rank ", r, ": ",
                                     rec.outcome == Outcome::refused ? "refused: " + rec.what : "returned",
                                     ", expected ", expect_refused ? "refused" : "a result"));
-        if (refusing >= 0 && refusing != r && !contains(rec.what, concat("rank ", refusing, " refused this call")))
+        if (refusing >= 0 && refusing != r && !refused_itself &&
+            !contains(rec.what, concat("rank ", refusing, " refused this call")))
           problems.push_back(
               concat("schedule ", seed, " call ", c, " rank ", r, ": does not name rank ", refusing, ": ", rec.what));
       }
@@ -408,9 +420,9 @@ void run_schedules(int world, bool low_latency, uint64_t first_seed, int count, 
 }
 
 // 1,000 seeded schedules over worlds 2, 3 and 4, normal and low-latency mode (with and without the hook): faults on
-// random ranks in random legs, caught, and the loop goes on. Every returned result is exact, and every refused call is
-// refused on every rank (and names the refusing rank). This check fails on the code before collective refusals: the
-// first fault put the ranks out of step (wrong results, then a timeout).
+// random ranks (sometimes two in one call) in random legs, caught, and the loop goes on. Every returned result is
+// exact, and every refused call is refused on every rank (and names the refusing rank). This check fails on the code
+// before collective refusals: the first fault put the ranks out of step (wrong results, then a timeout).
 TEST(CollectiveErrors, RandomFaultSchedulesAreRefusedEverywhereAndResultsStayExact) {
   ScopedEnv const timeout("FERRY_TIMEOUT_S", "10");
   uint64_t const seed = test_seed();
