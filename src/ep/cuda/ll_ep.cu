@@ -263,8 +263,8 @@ class CudaLlEp final : public detail::EpBackendImpl {
         << ", wire " << wire_format_name(b.config.combine_format)
         << (b.config.combine_format == WireFormat::bf16 ? ""
             : b.config.combine_format == WireFormat::nvfp4
-                ? " (warp per row: the per-token scale needs the row's amax; partial row staged in a per-warp "
-                  "scratch row, device codec; source dequantizes and sums in fp32)"
+                ? " (a row's chunks on warps of one CTA, which meet the row's amax, its token scale, in shared "
+                  "memory and quantize in registers; source dequantizes and sums in fp32)"
                 : " (chunk quantized in registers; source dequantizes and sums in fp32)")
         << "; fast path";
     combine_explain_ = why.str();
