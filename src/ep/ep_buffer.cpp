@@ -67,16 +67,20 @@ void validate_combine_args(EpConfig const& config, CombineArgs const& args, bool
                     "layout gives each row's slots); dispatch with expand=true or combine with layout=rank_major");
 }
 
-void validate_host_topk_idx(EpConfig const& config, int rank, DispatchArgs const& args) {
+std::vector<int64_t> host_topk_ids(EpConfig const& config, DispatchArgs const& args) {
   std::vector<int64_t> ids(static_cast<std::size_t>(args.num_tokens) * static_cast<std::size_t>(config.topk));
-  if (ids.empty()) return;  // topk_idx may be null for num_tokens=0
+  if (ids.empty()) return ids;  // topk_idx may be null for num_tokens=0
   if (args.topk_idx_type == IndexType::int64) {
     std::memcpy(ids.data(), args.topk_idx, ids.size() * sizeof(int64_t));
   } else {
     auto const* narrow = static_cast<int32_t const*>(args.topk_idx);
     std::copy(narrow, narrow + ids.size(), ids.begin());
   }
-  ref::validate_topk_idx(config, rank, args.num_tokens, ids);
+  return ids;
+}
+
+void validate_host_topk_idx(EpConfig const& config, int rank, DispatchArgs const& args) {
+  ref::validate_topk_idx(config, rank, args.num_tokens, host_topk_ids(config, args));
 }
 
 }  // namespace detail
@@ -88,42 +92,48 @@ namespace {
 struct ConfigField {
   char const* name;
   int64_t (*get)(EpConfig const&);
+  std::string (*text)(int64_t);  // the value as the user wrote it
 };
 
 int64_t optional_value(std::optional<int> const& value) {
   return value ? *value : -1;
 }
 
-std::string field_text(ConfigField const& field, int64_t value) {
-  if (std::string(field.name).find("format") != std::string::npos)
-    return wire_format_name(static_cast<WireFormat>(value));
-  if (std::string(field.name) == "mode") return mode_name(static_cast<Mode>(value));
-  if (std::string(field.name) == "recv_scale_layout") return scale_layout_name(static_cast<ScaleLayout>(value));
-  if (value == -1 && (std::string(field.name) == "max_recv_tokens" || std::string(field.name) == "expert_capacity"))
-    return "unset";
+std::string number_text(int64_t value) {
   return std::to_string(value);
+}
+std::string optional_text(int64_t value) {
+  return value == -1 ? std::string("unset") : std::to_string(value);
+}
+std::string format_text(int64_t value) {
+  return wire_format_name(static_cast<WireFormat>(value));
 }
 
 constexpr ConfigField kConfigFields[] = {
-    {"hidden", [](EpConfig const& c) -> int64_t { return c.hidden; }},
-    {"num_experts", [](EpConfig const& c) -> int64_t { return c.num_experts; }},
-    {"topk", [](EpConfig const& c) -> int64_t { return c.topk; }},
-    {"max_tokens_per_rank", [](EpConfig const& c) -> int64_t { return c.max_tokens_per_rank; }},
-    {"dispatch_format", [](EpConfig const& c) -> int64_t { return static_cast<int64_t>(c.dispatch_format); }},
-    {"combine_format", [](EpConfig const& c) -> int64_t { return static_cast<int64_t>(c.combine_format); }},
-    {"dispatch_dequantize", [](EpConfig const& c) -> int64_t { return c.dispatch_dequantize; }},
-    {"recv_scale_layout", [](EpConfig const& c) -> int64_t { return static_cast<int64_t>(c.recv_scale_layout); }},
-    {"mode", [](EpConfig const& c) -> int64_t { return static_cast<int64_t>(c.mode); }},
-    {"max_recv_tokens", [](EpConfig const& c) { return optional_value(c.max_recv_tokens); }},
-    {"expert_capacity", [](EpConfig const& c) { return optional_value(c.expert_capacity); }},
+    {"hidden", [](EpConfig const& c) -> int64_t { return c.hidden; }, number_text},
+    {"num_experts", [](EpConfig const& c) -> int64_t { return c.num_experts; }, number_text},
+    {"topk", [](EpConfig const& c) -> int64_t { return c.topk; }, number_text},
+    {"max_tokens_per_rank", [](EpConfig const& c) -> int64_t { return c.max_tokens_per_rank; }, number_text},
+    {"dispatch_format", [](EpConfig const& c) -> int64_t { return static_cast<int64_t>(c.dispatch_format); },
+     format_text},
+    {"combine_format", [](EpConfig const& c) -> int64_t { return static_cast<int64_t>(c.combine_format); },
+     format_text},
+    {"dispatch_dequantize", [](EpConfig const& c) -> int64_t { return c.dispatch_dequantize; }, number_text},
+    {"recv_scale_layout", [](EpConfig const& c) -> int64_t { return static_cast<int64_t>(c.recv_scale_layout); },
+     [](int64_t v) { return std::string(scale_layout_name(static_cast<ScaleLayout>(v))); }},
+    {"mode", [](EpConfig const& c) -> int64_t { return static_cast<int64_t>(c.mode); },
+     [](int64_t v) { return std::string(mode_name(static_cast<Mode>(v))); }},
+    {"max_recv_tokens", [](EpConfig const& c) { return optional_value(c.max_recv_tokens); }, optional_text},
+    {"expert_capacity", [](EpConfig const& c) { return optional_value(c.expert_capacity); }, optional_text},
     {"dispatch_geometry.blocks",
-     [](EpConfig const& c) -> int64_t { return c.dispatch_geometry ? c.dispatch_geometry->blocks : -1; }},
+     [](EpConfig const& c) -> int64_t { return c.dispatch_geometry ? c.dispatch_geometry->blocks : -1; },
+     optional_text},
     {"dispatch_geometry.warps",
-     [](EpConfig const& c) -> int64_t { return c.dispatch_geometry ? c.dispatch_geometry->warps : -1; }},
+     [](EpConfig const& c) -> int64_t { return c.dispatch_geometry ? c.dispatch_geometry->warps : -1; }, optional_text},
     {"combine_geometry.blocks",
-     [](EpConfig const& c) -> int64_t { return c.combine_geometry ? c.combine_geometry->blocks : -1; }},
+     [](EpConfig const& c) -> int64_t { return c.combine_geometry ? c.combine_geometry->blocks : -1; }, optional_text},
     {"combine_geometry.warps",
-     [](EpConfig const& c) -> int64_t { return c.combine_geometry ? c.combine_geometry->warps : -1; }},
+     [](EpConfig const& c) -> int64_t { return c.combine_geometry ? c.combine_geometry->warps : -1; }, optional_text},
 };
 constexpr std::size_t kNumConfigFields = sizeof(kConfigFields) / sizeof(kConfigFields[0]);
 
@@ -177,8 +187,8 @@ void EpBuffer::agree_on_config(EpConfig const& requested, std::string const& inv
                        "creates this EpBuffer; fix that rank's config");
     for (std::size_t f = 0; f < kNumConfigFields; ++f)
       FERRY_CHECK_CONFIG(theirs[f + 1] == mine[f + 1], "EpConfig differs between ranks: ", kConfigFields[f].name, "=",
-                         field_text(kConfigFields[f], mine[f + 1]), " on rank ", rank, " but ", kConfigFields[f].name,
-                         "=", field_text(kConfigFields[f], theirs[f + 1]), " on rank ", r,
+                         kConfigFields[f].text(mine[f + 1]), " on rank ", rank, " but ", kConfigFields[f].name, "=",
+                         kConfigFields[f].text(theirs[f + 1]), " on rank ", r,
                          "; every rank must create the EpBuffer with the same config");
   }
 }

@@ -3,6 +3,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "ferry/ep.hpp"
 
@@ -46,7 +47,9 @@ void validate_dispatch_args(EpConfig const& config, DispatchArgs const& args);
 // have_dispatch, last_expand, last_num_tokens: the last dispatch on this rank (EpBuffer keeps them).
 void validate_combine_args(EpConfig const& config, CombineArgs const& args, bool have_dispatch, bool last_expand,
                            int last_num_tokens);
-// The cpu backend's ids (host memory): every id in [-1, num_experts), no id twice in a token's row.
+// The cpu backend's ids (host memory), widened to int64: [num_tokens * topk] (empty for no tokens).
+std::vector<int64_t> host_topk_ids(EpConfig const& config, DispatchArgs const& args);
+// ...checked: every id in [-1, num_experts), no id twice in a token's row.
 void validate_host_topk_idx(EpConfig const& config, int rank, DispatchArgs const& args);
 
 }  // namespace ferry::detail

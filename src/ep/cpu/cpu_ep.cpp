@@ -5,10 +5,10 @@
 // each source pulls and sums its tokens' rows over the destinations in ascending order, barrier. The per-row
 // arithmetic is ref::reduce_row / accumulate_row / round_row, so results are bit-identical with ref::.
 //
-// Low-latency mode has the same semantics (docs/design.md, "Semantics") with its own output contract: every dispatch fills
-// the expert-major layout, recv_x is not returned, and each leg splits into a send half (dispatch: steps 1-5, the rows
-// have landed on every rank; combine: step 1, the rows to send back are published) and a receive half (dispatch: the
-// expert-major layout; combine: the sum). With return_recv_hook the receive half waits for complete_dispatch /
+// Low-latency mode has the same semantics (docs/design.md, "Semantics") with its own output contract: every dispatch
+// fills the expert-major layout, recv_x is not returned, and each leg splits into a send half (dispatch: steps 1-5, the
+// rows have landed on every rank; combine: step 1, the rows to send back are published) and a receive half (dispatch:
+// the expert-major layout; combine: the sum). With return_recv_hook the receive half waits for complete_dispatch /
 // complete_combine; otherwise it follows at once.
 #include <sys/mman.h>
 
@@ -72,7 +72,7 @@ enum class CallKind : uint32_t { dispatch = 0, combine = 1 };
 struct CallHeader {
   uint64_t step;     // collective calls of this buffer so far, this one included; its parity picks the slot
   uint32_t kind;     // CallKind
-  uint32_t refused;  // 1: this rank refused the call on input (its reason: Communicator::refusal_of)
+  uint32_t refused;  // 1: this rank refused the call on input (its reason below)
   uint64_t number;   // calls of this kind on this buffer so far, this one included
   // the refusing rank's reason (parity-buffered with the header: the communicator's slot may already hold the reason
   // of its next refusal by the time a slow peer reads)
@@ -135,8 +135,6 @@ class CpuEp final : public EpBackendImpl {
   std::string out_of_step_;  // set once a rank was found in another call: every later call throws it
 
   // this rank's view of the last dispatch
-  bool have_dispatch_ = false;
-  bool last_expand_ = false;
   int num_tokens_ = 0;
   int32_t num_recv_ = 0;
   std::vector<uint32_t> dest_mask_;   // [num_tokens] bit d: the token went to rank d
@@ -284,7 +282,6 @@ void CpuEp::join_call(CallKind kind, bool refused) {
 }
 
 void CpuEp::refuse_dispatch(cudaStream_t) {
-  have_dispatch_ = false;
   num_tokens_ = 0;
   join_call(CallKind::dispatch, true);
 }
@@ -305,15 +302,7 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
   int const num_tokens = args.num_tokens;
 
   // 1. the ids (checked by EpBuffer: in [-1, num_experts), distinct per token)
-  std::vector<int64_t> ids(at(num_tokens, topk_));
-  if (ids.empty()) {
-    // nothing to read (topk_idx may be null for num_tokens=0)
-  } else if (args.topk_idx_type == IndexType::int64) {
-    std::memcpy(ids.data(), args.topk_idx, ids.size() * sizeof(int64_t));
-  } else {
-    auto const* narrow = static_cast<int32_t const*>(args.topk_idx);
-    std::copy(narrow, narrow + ids.size(), ids.begin());
-  }
+  std::vector<int64_t> const ids = host_topk_ids(config_, args);
 
   // 2. destinations of every token, rows per destination
   dest_mask_.assign(static_cast<std::size_t>(num_tokens), 0);
@@ -328,7 +317,6 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
     for (int d = 0; d < world_; ++d) sends[static_cast<std::size_t>(d)] += mask >> d & 1U;
   }
   num_tokens_ = num_tokens;
-  have_dispatch_ = false;  // until the dispatch completes
 
   // 3. count exchange: this rank's row of the count matrix into every rank (no one reads the matrix after the last
   //    barrier of the previous dispatch, so it is free to overwrite)
@@ -480,9 +468,6 @@ DispatchResult CpuEp::receive_dispatch() {
       }
     }
   }
-  have_dispatch_ = true;
-  last_expand_ = expand;
-
   DispatchResult result;
   result.recv_x = low_latency_                                  ? nullptr
                   : config_.dispatch_format == WireFormat::bf16 ? recv_x_.local
@@ -516,8 +501,8 @@ DispatchResult CpuEp::receive_dispatch() {
 }
 
 void CpuEp::combine(CombineArgs const& args, cudaStream_t) {
-  FERRY_CHECK(have_dispatch_ && (args.layout != CombineLayout::expert_major || last_expand_),
-              "cpu backend: combine without the dispatch layout it needs (EpBuffer checks this first)");
+  // NOTE: EpBuffer validated the call (validate_combine_args, refused on every rank): it follows a dispatch that
+  // succeeded, and an expert-major one follows an expanded dispatch, whose layout_ holds the slots.
   bool const expert_major = args.layout == CombineLayout::expert_major;
 
   // 1. receiver: the row each received row sends back, in this rank's send-back area

@@ -211,8 +211,6 @@ class CudaEp final : public detail::EpBackendImpl {
     LaunchPlan const plan = plan_dispatch(b, args.num_tokens);
     launch_dispatch(b, args, plan, stream);
     if (args.expand) launch_expand(b, /*copy_rows=*/true, stream);
-    have_dispatch_ = true;
-    slots_ready_ = args.expand;
     last_num_tokens_ = args.num_tokens;
     std::ostringstream why;
     if (b.landing)
@@ -243,10 +241,7 @@ class CudaEp final : public detail::EpBackendImpl {
   void refuse_dispatch(cudaStream_t stream) override {
     Buffers const& b = buffers_;
     launch_dispatch(b, DispatchArgs{}, plan_dispatch(b, 0), stream, /*refuse=*/true);
-    // a combine may follow, as on the peers: it has no tokens (the kernel left none on any rank)
-    have_dispatch_ = true;
-    slots_ready_ = true;  // no row, so none needs a slot: an expert-major combine reads nothing
-    last_num_tokens_ = 0;
+    last_num_tokens_ = 0;  // the kernel left no tokens for a combine (EpBuffer refuses one until a dispatch succeeds)
     dispatch_explain_ = "dispatch: refused on input (joined the count exchange with no tokens and the abort flag)";
   }
 
@@ -260,9 +255,8 @@ class CudaEp final : public detail::EpBackendImpl {
 
   void combine(CombineArgs const& args, cudaStream_t stream) override {
     Buffers const& b = buffers_;
-    // NOTE: the expert-major input is laid out by the slots of an expanded dispatch: expert_major after one without
-    // expand is refused (on every backend), so recv_slot holds the last dispatch's slots here.
-    detail::validate_combine_args(b.config, args, have_dispatch_, slots_ready_, last_num_tokens_);
+    // NOTE: EpBuffer validated the call (validate_combine_args, refused on every rank): it follows a dispatch that
+    // succeeded, and an expert-major one follows an expanded dispatch, so recv_slot holds that dispatch's slots.
     bool const expert_major = args.layout == CombineLayout::expert_major;
     LaunchPlan const plan = plan_combine(b, last_num_tokens_);
     launch_combine(b, args, plan, last_num_tokens_, stream);
@@ -341,9 +335,7 @@ class CudaEp final : public detail::EpBackendImpl {
   SymmetricRegion region_;  // the symmetric region of buffers_.sym
   Buffers buffers_;
   trace::DeviceRecorder trace_;  // Buffers::trace points here
-  bool have_dispatch_ = false;
-  bool slots_ready_ = false;  // the last dispatch expanded (recv_slot holds its slots)
-  int last_num_tokens_ = 0;
+  int last_num_tokens_ = 0;      // of the last dispatch: the rows combine returns
   std::string dispatch_explain_;
   std::string combine_explain_;
 };

@@ -204,7 +204,6 @@ class CudaLlEp final : public detail::EpBackendImpl {
     LlBuffers const& b = buffers_;
     bool const split = args.return_recv_hook;
     launch_ll_dispatch(b, args, split ? Half::send : Half::both, stream);
-    have_dispatch_ = !split;
     last_num_tokens_ = args.num_tokens;
     pending_args_ = args;
     std::ostringstream why;
@@ -228,9 +227,7 @@ class CudaLlEp final : public detail::EpBackendImpl {
   // word, so the peers' same call lands nothing and records the refusal, and every sequence stays in step.
   void refuse_dispatch(cudaStream_t stream) override {
     launch_ll_dispatch(buffers_, DispatchArgs{}, Half::both, stream, /*refuse=*/true);
-    // a combine may follow, as on the peers: it has no tokens here (the kernel left num_tokens 0)
-    have_dispatch_ = true;
-    last_num_tokens_ = 0;
+    last_num_tokens_ = 0;  // the kernel left no tokens for a combine (EpBuffer refuses one until a dispatch succeeds)
     dispatch_explain_ = "dispatch: refused on input (joined with no tokens and the abort flag)";
   }
 
@@ -243,13 +240,13 @@ class CudaLlEp final : public detail::EpBackendImpl {
 
   DispatchResult complete_dispatch(cudaStream_t stream) override {
     launch_ll_dispatch(buffers_, pending_args_, Half::recv, stream);
-    have_dispatch_ = true;
     return finish_dispatch(pending_args_.eager, stream);
   }
 
   void combine(CombineArgs const& args, cudaStream_t stream) override {
     LlBuffers const& b = buffers_;
-    detail::validate_combine_args(b.config, args, have_dispatch_, /*last_expand=*/true, last_num_tokens_);
+    // NOTE: EpBuffer validated the call (validate_combine_args, refused on every rank); its hook rules keep a combine
+    // from starting while a dispatch's receive half is pending
     bool const split = args.return_recv_hook;
     launch_ll_combine(b, args, last_num_tokens_, split ? Half::send : Half::both, stream);
     pending_combine_ = args;
@@ -319,7 +316,6 @@ class CudaLlEp final : public detail::EpBackendImpl {
   trace::DeviceRecorder trace_;  // LlBuffers::trace points here
   SymmetricRegion region_;       // the symmetric region of buffers_.sym
   LlBuffers buffers_;
-  bool have_dispatch_ = false;
   int last_num_tokens_ = 0;
   DispatchArgs pending_args_;    // the send half's arguments, for its receive half
   CombineArgs pending_combine_;  // same for combine
