@@ -146,10 +146,8 @@ class CudaLlEp final : public detail::EpBackendImpl {
     FERRY_CHECK_CONFIG(b.num_local_experts <= kMaxLlLocalExperts, "num_experts=", config.num_experts, " gives ",
                        b.num_local_experts, " local experts per rank at world=", b.world, "; mode=ll supports at most ",
                        kMaxLlLocalExperts, " (use mode=normal, or more ranks)");
-    std::string const own_rows = env_string("FERRY_LL_OWN_ROWS");
-    FERRY_CHECK_CONFIG(own_rows == "landing" || own_rows == "direct", "FERRY_LL_OWN_ROWS=", own_rows,
-                       " is not one of: landing, direct");
-    b.own_direct = own_rows == "direct";  // a rank's own rows only: the ranks need not agree
+    // env_string applies the env table's rule (landing or direct) and refuses anything else
+    b.own_direct = env_string("FERRY_LL_OWN_ROWS") == "direct";  // a rank's own rows only: the ranks need not agree
     for (auto const* geometry : {&config.dispatch_geometry, &config.combine_geometry})
       FERRY_CHECK_CONFIG(!*geometry || (*geometry)->warps == 0 || (*geometry)->warps == kWarps,
                          "geometry warps=", (*geometry)->warps, " is not available: the LL kernels run ", kWarps,
