@@ -292,7 +292,8 @@ std::optional<SymmetricRegion> CudaCommunicator::recycle_released(std::size_t by
 
   // 2. the ids released on every rank (the same set everywhere, so every rank takes the same decisions below)
   std::vector<uint64_t> common;
-  for (uint64_t id : std::vector<uint64_t>(all.begin(), all.begin() + longest)) {
+  for (std::size_t i = 0; i < longest; ++i) {  // rank 0's list: an id released everywhere is in it
+    uint64_t const id = all[i];
     if (id == UINT64_MAX) continue;
     bool everywhere = true;
     for (int r = 1; r < world && everywhere; ++r)
