@@ -37,6 +37,7 @@
 #include "comm/device/memory.cuh"
 #include "comm/device/signal.cuh"
 #include "ep/cuda/entry_reduce.cuh"
+#include "ep/cuda/landing.cuh"  // publish_abort
 #include "ep/cuda/params.cuh"
 #include "quant/device_unit_codec.cuh"
 #include "quant/layout.hpp"
@@ -411,12 +412,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
   auto tiles_of = [](int src_tokens) { return max(1, combine_num_tiles(src_tokens)); };
 
   if (p.abort) {
-    // 1'. refusal: this rank's abort word on every peer (thread 0), then every tile every source waits for from
-    //     this rank flagged 2 * seq + 1 (release: the barrier orders thread 0's words before every thread's flags)
+    // 1'. refusal: this rank's abort word on every peer (threads d < world), then every tile every source waits for
+    //     from this rank flagged 2 * seq + 1 (release: the barrier orders those words before every thread's flags)
     if (cta == 0) {
-      if (tid == 0)
-        for (int d = 0; d < world; ++d)
-          *(reinterpret_cast<uint64_t volatile*>(p.sym[d] + p.layout.combine_abort) + parity * world + rank) = seq;
+      landing::publish_abort(p.sym, p.layout.combine_abort, parity, world, rank, seq);
       __syncthreads();
       for (int s = 0; s < world; ++s)
         for (int j = tid; j < tiles_of(p.state->src_tokens[s]); j += kThreads)
