@@ -1,0 +1,15 @@
+#include "comm/transport/transport.hpp"
+
+namespace ferry::transport {
+
+char const* kind_name(Kind kind) {
+  switch (kind) {
+    case Kind::lsa:
+      return "lsa";
+    case Kind::emulated:
+      return "emulated";
+  }
+  return "unknown";
+}
+
+}  // namespace ferry::transport
