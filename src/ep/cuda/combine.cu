@@ -52,7 +52,7 @@ CombineParams to_params(Buffers const& b, CombineArgs const& args, LaunchPlan co
               " CTAs with ", plan.push_ctas, " pushing is not valid on ", b.num_sms, " SMs");
   CombineParams p{};
   p.view = b.view;
-  for (int r = 0; r < b.world; ++r) p.sym[r] = b.sym.ptr[r];
+  p.net = transport::make_lsa(b.sym, b.rank, b.world);
   p.layout = b.layout;
   p.x = args.x;
   p.y = args.y;

@@ -66,11 +66,12 @@ __device__ __forceinline__ void reduce_expert_row(CombineParams const& p, int ro
   float w = 0.0f;
   bool valid = false;
   if (lane < topk) {
-    int32_t const el = reinterpret_cast<int32_t const*>(p.sym[p.view.rank] + p.layout.recv_idx)[row * topk + lane];
+    int32_t const el =
+        reinterpret_cast<int32_t const*>(p.net.window(p.view.rank) + p.layout.recv_idx)[row * topk + lane];
     int32_t const slot = p.recv_slot[row * topk + lane];
     valid = el >= 0 && slot >= 0;
     if (valid) {
-      w = reinterpret_cast<float const*>(p.sym[p.view.rank] + p.layout.recv_w)[row * topk + lane];
+      w = reinterpret_cast<float const*>(p.net.window(p.view.rank) + p.layout.recv_w)[row * topk + lane];
       entry = static_cast<int4 const*>(p.x) + (static_cast<std::size_t>(el) * p.expert_slots + slot) * num_vec;
     }
   }
@@ -103,11 +104,12 @@ __device__ __forceinline__ void push_quantized_partial(CombineParams const& p, i
   if constexpr (kExpertMajor) {
     int const topk = p.topk;
     if (lane < topk) {
-      int32_t const el = reinterpret_cast<int32_t const*>(p.sym[p.view.rank] + p.layout.recv_idx)[row * topk + lane];
+      int32_t const el =
+          reinterpret_cast<int32_t const*>(p.net.window(p.view.rank) + p.layout.recv_idx)[row * topk + lane];
       int32_t const slot = p.recv_slot[row * topk + lane];
       valid = el >= 0 && slot >= 0;
       if (valid) {
-        w = reinterpret_cast<float const*>(p.sym[p.view.rank] + p.layout.recv_w)[row * topk + lane];
+        w = reinterpret_cast<float const*>(p.net.window(p.view.rank) + p.layout.recv_w)[row * topk + lane];
         entry = static_cast<int4 const*>(p.x) + (static_cast<std::size_t>(el) * p.expert_slots + slot) * num_vec;
       }
     }
@@ -325,7 +327,7 @@ __device__ __forceinline__ void sum_tokens(CombineParams const& p, int t_begin, 
   int const world = p.view.world;
   int const num_vec = p.hidden / 8;
   std::size_t const landing_bytes = p.landing_row_bytes;
-  char const* const landing = p.sym[p.view.rank] + p.layout.landing;
+  char const* const landing = p.net.window(p.view.rank) + p.layout.landing;
   // bf16 rows split by 16-byte vectors, wire rows by units
   int const row_items = kFormat == WireFormat::bf16 ? num_vec : p.hidden / (kUnitElems > 0 ? kUnitElems : 1);
   int const chunks = device::chunks_per_row(tokens, kWarps, row_items);
@@ -386,8 +388,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
   int const parity = static_cast<int>(seq & 1);
   CombineSums const sums = combine_sums(p.state->num_tokens, p.num_ctas - p.num_push_ctas);
   // every rank's flag of this rank's tile j (acquire: its rows of the tile are visible after the barrier)
-  auto const* flags = reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.tile_flags);
-  auto const* aborts = reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.combine_abort) + parity * world;
+  auto const* flags = reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.layout.tile_flags);
+  auto const* aborts = reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.layout.combine_abort) + parity * world;
   bool refused_by = false;  // thread d of tile 0's reader: rank d refused this call (recorded in step 4)
   auto wait_tile = [&](int j, unsigned sleep_ns) {
     if (tid < world) {
@@ -415,18 +417,17 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
     // 1'. refusal: this rank's abort word on every peer (threads d < world), then every tile every source waits for
     //     from this rank flagged 2 * seq + 1 (release: the barrier orders those words before every thread's flags)
     if (cta == 0) {
-      landing::publish_abort(p.sym, p.layout.combine_abort, parity, world, rank, seq);
+      landing::publish_abort(p.net, p.layout.combine_abort, parity, world, rank, seq);
       __syncthreads();
       for (int s = 0; s < world; ++s)
         for (int j = tid; j < tiles_of(p.state->src_tokens[s]); j += kThreads)
-          device::signal_set(reinterpret_cast<uint64_t*>(p.sym[s] + p.layout.tile_flags) + rank * kMaxCombineTiles + j,
-                             2 * seq + 1);
+          p.net.store_signal(s, p.layout.tile_flags + (rank * kMaxCombineTiles + j) * sizeof(uint64_t), 2 * seq + 1);
     }
   } else if (cta < p.num_push_ctas) {
     // 1. push role: items (tile j, source s) in tile order; sources rotated so ranks start on different peers
     int max_tiles = 0;
     for (int s = 0; s < world; ++s) max_tiles = max(max_tiles, tiles_of(p.state->src_tokens[s]));
-    auto const* recv_src = reinterpret_cast<int2 const*>(p.sym[rank] + p.layout.recv_src);
+    auto const* recv_src = reinterpret_cast<int2 const*>(p.net.window(rank) + p.layout.recv_src);
     for (int q = cta; q < max_tiles * world; q += p.num_push_ctas) {
       int const j = q / world;
       int const s = (rank + 1 + q % world) % world;
@@ -441,8 +442,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
         if (lane == 0) s_rows[warp] = row;
       }
       __syncthreads();
-      char* landing =
-          p.sym[s] + p.layout.landing + static_cast<std::size_t>(parity * world + rank) * p.max_tokens * landing_bytes;
+      char* landing = p.net.window(s) + p.layout.landing +
+                      static_cast<std::size_t>(parity * world + rank) * p.max_tokens * landing_bytes;
       // items (row, chunk): a tile with fewer rows than warps splits each bf16 row into chunks, so every warp has
       // bytes in flight (a small batch is latency-bound: a warp per row left most of the CTA idle); quantized rows stay
       // whole (their codec works on whole rows)
@@ -469,8 +470,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
       __syncthreads();
       // release: every row of the tile (all threads, ordered by the barrier) before the flag
       if (tid == 0)
-        device::signal_set(reinterpret_cast<uint64_t*>(p.sym[s] + p.layout.tile_flags) + rank * kMaxCombineTiles + j,
-                           2 * seq);
+        p.net.store_signal(s, p.layout.tile_flags + (rank * kMaxCombineTiles + j) * sizeof(uint64_t), 2 * seq);
       FERRY_TRACE_END(trace, combine_push);
     }
   } else if (int const j = cta - p.num_push_ctas; j < sums.first_claimed || (j == 0 && sums.num_tiles == 0)) {

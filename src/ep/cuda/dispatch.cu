@@ -65,7 +65,7 @@ DispatchParams to_params(Buffers const& b, DispatchArgs const& args, LaunchPlan 
   }
   DispatchParams p{};
   p.view = b.view;
-  for (int r = 0; r < b.world; ++r) p.sym[r] = b.sym.ptr[r];
+  p.net = transport::make_lsa(b.sym, b.rank, b.world);
   p.layout = b.layout;
   p.x = args.x;
   p.topk_idx = args.topk_idx;

@@ -49,10 +49,16 @@
 
 namespace ferry::cuda_ep {
 
-__device__ __forceinline__ uint64_t* count_word(char* sym, SymLayout const& layout, int parity, int world, int source,
-                                                int word) {
-  return reinterpret_cast<uint64_t*>(sym + layout.counts) +
-         (static_cast<std::size_t>(parity * world + source) * layout.count_words + word);
+// Byte offset in a window of word `word` of source `source`'s row of the count matrix (parity `parity`).
+__device__ __forceinline__ std::size_t count_offset(SymLayout const& layout, int parity, int world, int source,
+                                                    int word) {
+  return layout.counts +
+         (static_cast<std::size_t>(parity * world + source) * layout.count_words + word) * sizeof(uint64_t);
+}
+
+__device__ __forceinline__ uint64_t* count_word(char* window, SymLayout const& layout, int parity, int world,
+                                                int source, int word) {
+  return reinterpret_cast<uint64_t*>(window + count_offset(layout, parity, world, source, word));
 }
 
 // The count in a word of the count matrix (word 0 without its abort flag).
@@ -105,7 +111,7 @@ __device__ __forceinline__ void push_quantized_row(DispatchParams const& p, int 
       in, p.hidden, chunk, chunks, send, token_scale,
       [&](int d) {
         std::size_t const r = static_cast<std::size_t>(rows[d]);
-        char* const sym = p.sym[d];
+        char* const sym = p.net.window(d);
         return device::QuantRowPlaces{sym + p.qdst.payload + r * p.qdst.payload_stride,
                                       sym + p.qdst.scales + r * p.qdst.scales_stride,
                                       reinterpret_cast<float*>(sym + p.qdst.token + r * p.qdst.token_stride)};
@@ -118,7 +124,7 @@ template <WireFormat kFormat>
 __device__ __forceinline__ void dispatch_recv_pass(DispatchParams const& p, int num_recv) {
   int const tid = static_cast<int>(threadIdx.x);
   int const cta = static_cast<int>(blockIdx.x);
-  char* const sym = p.sym[p.view.rank];
+  char* const sym = p.net.window(p.view.rank);
   if (p.recv_pass == RecvPass::dequantize) {
     // warp per row: wire row -> bf16 row (device codec: y = code * scale in fp32, rounded once)
     std::size_t const wire_bytes = quant::make_row_layout(kFormat, p.hidden).row_bytes;
@@ -293,14 +299,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
       int const w = i % words;
       if (w == 0) continue;  // word 0 is the signal, written last
       int32_t const value = w <= world ? s_cnt[w - 1] : s_cnt[world + d * num_local + (w - 1 - world)];
-      *reinterpret_cast<uint64_t volatile*>(count_word(p.sym[d], p.layout, parity, world, rank, w)) =
+      *reinterpret_cast<uint64_t volatile*>(count_word(p.net.window(d), p.layout, parity, world, rank, w)) =
           tag | static_cast<uint32_t>(value);
     }
     __syncthreads();
     if (tid == 0) {
       // release (cumulative): the barrier orders every thread's words before this thread's signals
       uint64_t const word0 = tag | (s_bad ? kCountAbort : 0ull) | static_cast<uint32_t>(p.num_tokens);
-      for (int d = 0; d < world; ++d) device::signal_set(count_word(p.sym[d], p.layout, parity, world, rank, 0), word0);
+      for (int d = 0; d < world; ++d) p.net.store_signal(d, count_offset(p.layout, parity, world, rank, 0), word0);
     }
     FERRY_TRACE_END(trace, dispatch_count_exchange);
   }
@@ -314,8 +320,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
   FERRY_TRACE_BEGIN(trace, dispatch_wait_counts);
   if (tid < world) {
     uint64_t word0 = 0;
-    if (!device::wait_signal_geq_value(p.view, count_word(p.sym[rank], p.layout, parity, world, tid, 0), seq << 32, tid,
-                                       WaitPhase::count_exchange, &word0)) {
+    if (!device::wait_signal_geq_value(p.view, count_word(p.net.window(rank), p.layout, parity, world, tid, 0),
+                                       seq << 32, tid, WaitPhase::count_exchange, &word0)) {
       s_ok = 0;
     } else if ((word0 >> 32) != (seq & 0xffffffffull)) {
       // a row of call seq + 2k in this parity's slot: that source ran more dispatches on this buffer than this rank
@@ -339,8 +345,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
     int const d = warp;
     int32_t base = 0;
     for (int s = lane; s < rank; s += 32)
-      base +=
-          count_value(device::arch::load_relaxed_sys_u64(count_word(p.sym[rank], p.layout, parity, world, s, 1 + d)));
+      base += count_value(
+          device::arch::load_relaxed_sys_u64(count_word(p.net.window(rank), p.layout, parity, world, s, 1 + d)));
     for (int c = lane; c < cta; c += 32)
       base += *reinterpret_cast<int32_t const volatile*>(p.block_counts + static_cast<std::size_t>(c) * world + d);
 #pragma unroll
@@ -390,7 +396,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
       for (uint32_t m = send; m != 0; m &= m - 1) {
         int const d = __ffs(m) - 1;
         std::size_t const r = static_cast<std::size_t>(s_row[warp][d]);
-        char* dst = p.sym[d];
+        char* dst = p.net.window(d);
         if (lane < topk) {
           bool const local = e_valid && static_cast<int>(e) / num_local == d;
           reinterpret_cast<int32_t*>(dst + p.layout.recv_idx)[r * topk + lane] =
@@ -410,7 +416,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
           reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes),
           v_begin, v_end, send,
           [&](int d) {
-            return reinterpret_cast<int4*>(p.sym[d] + p.layout.recv_x +
+            return reinterpret_cast<int4*>(p.net.window(d) + p.layout.recv_x +
                                            static_cast<std::size_t>(s_row[warp][d]) * row_bytes);
           },
           lane);
@@ -429,8 +435,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
     s_last = old == static_cast<unsigned long long>(p.num_ctas - 1);
     if (s_last) {
       device::arch::fence_acq_rel_sys();  // every CTA's rows (ordered by their fences and arrivals) before the signals
-      for (int d = 0; d < world; ++d)
-        device::signal_set(reinterpret_cast<uint64_t*>(p.sym[d] + p.layout.data_signal) + rank, seq);
+      for (int d = 0; d < world; ++d) p.net.store_signal(d, p.layout.data_signal + rank * sizeof(uint64_t), seq);
     }
   }
   __syncthreads();
@@ -441,9 +446,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
   FERRY_TRACE_BEGIN(trace, dispatch_wait_data);
   if (tid < world) {
     uint64_t observed = 0;
-    if (!device::wait_signal_geq_value(p.view,
-                                       reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.data_signal) + tid, seq,
-                                       tid, WaitPhase::dispatch_data, &observed)) {
+    if (!device::wait_signal_geq_value(
+            p.view, reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.layout.data_signal) + tid, seq, tid,
+            WaitPhase::dispatch_data, &observed)) {
       s_ok = 0;
     } else if (observed != seq) {
       // the source's next call signals only after this rank's next count row: a later one means it is out of step
@@ -461,7 +466,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
       int32_t total = 0;
       for (int s = 0; s < world; ++s)
         total += count_value(
-            device::arch::load_relaxed_sys_u64(count_word(p.sym[rank], p.layout, parity, world, s, 1 + rank)));
+            device::arch::load_relaxed_sys_u64(count_word(p.net.window(rank), p.layout, parity, world, s, 1 + rank)));
       s_num_recv = total < p.recv_capacity ? total : p.recv_capacity;
     }
     __syncthreads();
@@ -476,7 +481,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
   if (tid == 0) {
     int32_t offset = 0;
     for (int s = 0; s < world; ++s) {
-      uint64_t const* row = count_word(p.sym[rank], p.layout, parity, world, s, 0);
+      uint64_t const* row = count_word(p.net.window(rank), p.layout, parity, world, s, 0);
       int32_t const count = aborted ? 0 : count_value(device::arch::load_relaxed_sys_u64(row + 1 + rank));
       int32_t const first = offset < p.recv_capacity ? offset : p.recv_capacity;
       int32_t const room = p.recv_capacity - first;
@@ -494,14 +499,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
     for (int el = tid; el < num_local; el += kThreads) {
       int32_t sum = 0;
       for (int s = 0; s < world && !aborted; ++s)
-        sum += count_value(
-            device::arch::load_relaxed_sys_u64(count_word(p.sym[rank], p.layout, parity, world, s, 1 + world + el)));
+        sum += count_value(device::arch::load_relaxed_sys_u64(
+            count_word(p.net.window(rank), p.layout, parity, world, s, 1 + world + el)));
       p.expert_counts[el] = sum;
     }
   } else {  // rows were dropped: count the delivered rows' entries (the exchanged counts include the dropped ones)
     for (int el = tid; el < num_local; el += kThreads) s_cnt[el] = 0;
     __syncthreads();
-    auto const* recv_idx = reinterpret_cast<int32_t const volatile*>(p.sym[rank] + p.layout.recv_idx);
+    auto const* recv_idx = reinterpret_cast<int32_t const volatile*>(p.net.window(rank) + p.layout.recv_idx);
     int const entries = p.recv_capacity * topk;
     for (int f = tid; f < entries; f += kThreads) {
       int32_t const el = recv_idx[f];

@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchPara
   // 1. send: this call's token count to every destination (covered by CTA 0's release), then items (token, chunk)
   FERRY_TRACE_BEGIN(trace, dispatch_land_send);
   if (cta == 0 && tid < world)
-    *(reinterpret_cast<uint64_t volatile*>(p.sym[tid] + p.layout.land_tokens) + parity * world + rank) =
+    *(reinterpret_cast<uint64_t volatile*>(p.net.window(tid) + p.layout.land_tokens) + parity * world + rank) =
         static_cast<uint64_t>(p.num_tokens);
   if (cta == 0 && tid == 0) p.state->num_tokens = p.num_tokens;
   landing::Routing const routing{p.view, p.topk_idx, p.topk_weights, topk, p.num_experts, num_local};
@@ -104,29 +104,29 @@ __global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchPara
     if (refused) s_refuse = 1;  // any lane: every writer writes 1
     if (chunk == 0) {
       if (lane == 0) p.token_mask[t] = mask;  // no receiver drops a row here: every destination holds it
-      landing::write_records(p.sym, world, p.layout.land_meta, slot, record_bytes, topk, num_local, dest, e, w, lane);
+      landing::write_records(p.net, world, p.layout.land_meta, slot, record_bytes, topk, num_local, dest, e, w, lane);
     }
     // the row to the other destinations only: this rank's receive half copies its own rows straight from x
     auto const [v_begin, v_end] = device::chunk_range(num_vec, chunk, send_chunks);
     std::size_t const at = p.layout.land_rows + slot * row_bytes;
     landing::send_row_chunk<kDispatchUnroll>(
         reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes), v_begin,
-        v_end, mask & ~(1u << rank), [&](int d) { return reinterpret_cast<int4*>(p.sym[d] + at); }, lane);
+        v_end, mask & ~(1u << rank), [&](int d) { return reinterpret_cast<int4*>(p.net.window(d) + at); }, lane);
   }
   // the barrier orders every thread's stores (the abort words too) before the release adds, cumulative over them
   __syncthreads();
-  if (s_refuse) landing::publish_abort(p.sym, p.layout.land_abort, parity, world, rank, seq);
+  if (s_refuse) landing::publish_abort(p.net, p.layout.land_abort, parity, world, rank, seq);
   if (tid < world)
-    device::signal_add(reinterpret_cast<uint64_t*>(p.sym[tid] + p.layout.land_arrivals) + rank,
-                       cta == 0 ? kLandArrivalsPerCall - static_cast<uint64_t>(ctas - 1) : 1ull);
+    p.net.add_signal(tid, p.layout.land_arrivals + rank * sizeof(uint64_t),
+                     cta == 0 ? kLandArrivalsPerCall - static_cast<uint64_t>(ctas - 1) : 1ull);
   FERRY_TRACE_END(trace, dispatch_land_send);
 
   // 2. every source's send CTAs of this call (thread s waits for source s; acquire, bounded)
   FERRY_TRACE_BEGIN(trace, dispatch_land_wait);
   int const num_landed = landing::wait_sources(
-      p.view, reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.land_arrivals), seq, kLandArrivalsPerCall,
-      reinterpret_cast<uint64_t const volatile*>(p.sym[rank] + p.layout.land_tokens) + parity * world,
-      reinterpret_cast<uint64_t const volatile*>(p.sym[rank] + p.layout.land_abort) + parity * world,
+      p.view, reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.layout.land_arrivals), seq, kLandArrivalsPerCall,
+      reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) + p.layout.land_tokens) + parity * world,
+      reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) + p.layout.land_abort) + parity * world,
       WaitPhase::dispatch_data, s_base, &s_aborted, &s_ok);
   if (num_landed < 0) return;
   // once per call and refusing peer; a rank that refused the call itself records none (its own input error, or its
@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchPara
 
   // 3. ordered scan of the landed records, kThreads per step (every CTA: each needs the whole order)
   FERRY_TRACE_BEGIN(trace, dispatch_land_scan);
-  char* const sym = p.sym[rank];
+  char* const sym = p.net.window(rank);
   auto* const recv_src = reinterpret_cast<int2*>(sym + p.layout.recv_src);
   auto* const recv_idx = reinterpret_cast<int32_t*>(sym + p.layout.recv_idx);
   auto* const recv_w = reinterpret_cast<float*>(sym + p.layout.recv_w);

@@ -13,6 +13,7 @@
 
 #include "comm/device/arch_sm90.cuh"
 #include "comm/device/signal.cuh"
+#include "comm/transport/lsa.cuh"
 #include "ferry/device_view.hpp"
 #include "ferry/ep.hpp"
 
@@ -77,7 +78,7 @@ __device__ __forceinline__ int token_destination(Routing const& r, int t, int la
 
 // The token's record into slot `slot` of every rank's record area at byte offset `meta` (warp-wide; dest, e, w as
 // token_destination left them): lanes [0, topk) write the local ids, lanes [topk, 2 topk) the weights.
-__device__ __forceinline__ void write_records(char* const* sym, int world, std::size_t meta, std::size_t slot,
+__device__ __forceinline__ void write_records(transport::Lsa const& net, int world, std::size_t meta, std::size_t slot,
                                               std::size_t record, int topk, int num_local, int dest, int64_t e, float w,
                                               int lane) {
   int const k = (lane < topk ? lane : lane - topk) & 31;
@@ -85,7 +86,7 @@ __device__ __forceinline__ void write_records(char* const* sym, int world, std::
   int const e_k = static_cast<int>(__shfl_sync(0xffffffffu, static_cast<long long>(e), k));
   float const w_k = __shfl_sync(0xffffffffu, w, k);
   for (int d = 0; d < world; ++d) {
-    char* at = sym[d] + meta + slot * record;
+    char* at = net.window(d) + meta + slot * record;
     if (lane < topk)
       reinterpret_cast<int32_t*>(at)[lane] = dest_k == d ? e_k - d * num_local : -1;
     else if (lane < 2 * topk)
@@ -153,10 +154,10 @@ __device__ __forceinline__ int wait_sources(DeviceView const& view, uint64_t con
 // A sender's abort flag for call seq (a bad or repeated id in this CTA's tokens, or the host's refusal): thread
 // d < world writes seq into destination d's abort word of this source and parity, before its arrival (whose release
 // publishes it). Any CTA of the sender may write it: the receiver reads it once every CTA has arrived.
-__device__ __forceinline__ void publish_abort(char* const* sym, std::size_t aborts, int parity, int world, int rank,
-                                              uint64_t seq) {
+__device__ __forceinline__ void publish_abort(transport::Lsa const& net, std::size_t aborts, int parity, int world,
+                                              int rank, uint64_t seq) {
   int const tid = static_cast<int>(threadIdx.x);
-  if (tid < world) *(reinterpret_cast<uint64_t volatile*>(sym[tid] + aborts) + parity * world + rank) = seq;
+  if (tid < world) *(reinterpret_cast<uint64_t volatile*>(net.window(tid) + aborts) + parity * world + rank) = seq;
 }
 
 // A landed record's ids into registers, -1 past topk: 16-byte loads, all issued before any id is used (the record is

@@ -20,7 +20,7 @@ LlCombineParams to_params(LlBuffers const& b, CombineArgs const& args, int num_t
               "]");
   LlCombineParams p{};
   p.view = b.view;
-  for (int r = 0; r < b.world; ++r) p.sym[r] = b.sym.ptr[r];
+  p.net = transport::make_lsa(b.sym, b.rank, b.world);
   p.layout = b.layout;
   p.x = args.x;
   p.y = args.y;

@@ -100,7 +100,7 @@ __device__ __forceinline__ void ll_combine_send_chunks(LlCombineParams const& p,
     int const v0 = v_begin + lane;
     int const source = p.recv_src[2 * row];
     int const token = p.recv_src[2 * row + 1];
-    char* const dst_row = p.sym[source] + p.layout.combine_rows +
+    char* const dst_row = p.net.window(source) + p.layout.combine_rows +
                           ((static_cast<std::size_t>(parity) * world + rank) * p.max_tokens + token) * wire_bytes;
     auto* dst = reinterpret_cast<int4*>(dst_row);
     if constexpr (kExpertMajor) {
@@ -228,7 +228,7 @@ __device__ __forceinline__ void ll_combine_send_rows_nvfp4(LlCombineParams const
     int const source = p.recv_src[2 * row];
     int const token = p.recv_src[2 * row + 1];
     auto* const dst = reinterpret_cast<uint8_t*>(
-        p.sym[source] + p.layout.combine_rows +
+        p.net.window(source) + p.layout.combine_rows +
         ((static_cast<std::size_t>(parity) * world + rank) * p.max_tokens + token) * wire_bytes);
     if (first_chunk == 0 && lane == 0) *reinterpret_cast<float*>(dst + wl.token_scale_offset) = token_scale;
     bool const kept = first_chunk + row_warps >= num_chunks;  // this warp's only chunk is in x
@@ -264,8 +264,8 @@ __device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, uint64
   //    (no per-thread fence, which would drain each thread's NVLink stores); a refusal's abort word goes first
   FERRY_TRACE_BEGIN(trace, ll_combine_send_arrival);
   __syncthreads();
-  if (p.abort && blockIdx.x == 0) landing::publish_abort(p.sym, p.layout.combine_abort, parity, world, rank, seq);
-  if (tid < world) device::signal_add(reinterpret_cast<uint64_t*>(p.sym[tid] + p.layout.combine_arrivals) + rank, 1);
+  if (p.abort && blockIdx.x == 0) landing::publish_abort(p.net, p.layout.combine_abort, parity, world, rank, seq);
+  if (tid < world) p.net.add_signal(tid, p.layout.combine_arrivals + rank * sizeof(uint64_t), 1);
   FERRY_TRACE_END(trace, ll_combine_send_arrival);
 }
 
@@ -296,7 +296,7 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, uint64
   __syncthreads();
   uint64_t abort_seen = 0;  // CTA 0, thread d: rank d's abort word of this parity, checked after the sum
   if (tid < world) {
-    auto const* arrivals = reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.combine_arrivals);
+    auto const* arrivals = reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.layout.combine_arrivals);
     uint64_t const per_call = static_cast<uint64_t>(p.num_ctas);
     uint64_t observed = 0;
     if (!device::wait_signal_geq_value(p.view, arrivals + tid, seq * per_call, tid, WaitPhase::ll_combine, &observed)) {
@@ -307,7 +307,7 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, uint64
     } else if (cta == 0) {
       // after the acquire; not waited for here (the barrier does not wait for loads in flight)
       abort_seen =
-          reinterpret_cast<uint64_t const volatile*>(p.sym[rank] + p.layout.combine_abort)[parity * world + tid];
+          reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) + p.layout.combine_abort)[parity * world + tid];
     }
   }
   __syncthreads();
@@ -318,7 +318,7 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, uint64
   FERRY_TRACE_BEGIN(trace, ll_combine_sum);
   WireRowLayout const wl = quant::make_row_layout(kFormat, p.hidden);
   char const* landing =
-      p.sym[rank] + p.layout.combine_rows + static_cast<std::size_t>(parity) * world * p.max_tokens * row_bytes;
+      p.net.window(rank) + p.layout.combine_rows + static_cast<std::size_t>(parity) * world * p.max_tokens * row_bytes;
   for (int item = cta * kWarps + warp; item < items; item += p.num_ctas * kWarps) {
     int const token = item / num_chunks;
     int const v0 = (item % num_chunks) * kChunkVecs + lane;

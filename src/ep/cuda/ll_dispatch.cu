@@ -29,7 +29,7 @@ LlDispatchParams to_params(LlBuffers const& b, DispatchArgs const& args, bool re
               "pre-quantized nvfp4 input needs x_token_scales");
   LlDispatchParams p{};
   p.view = b.view;
-  for (int r = 0; r < b.world; ++r) p.sym[r] = b.sym.ptr[r];
+  p.net = transport::make_lsa(b.sym, b.rank, b.world);
   p.layout = b.layout;
   p.x = args.x;
   p.x_scales = args.x_scales;

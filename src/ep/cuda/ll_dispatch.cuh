@@ -76,7 +76,7 @@ __device__ __forceinline__ void send_quantized_chunk(LlDispatchParams const& p, 
   device::push_quantized_chunk<kFormat, kUnitElems, kUnroll / Codec::kVecs>(
       in, p.hidden, chunk, chunks, mask, token_scale,
       [&](int d) {
-        char* const row = p.sym[d] + at;
+        char* const row = p.net.window(d) + at;
         return device::QuantRowPlaces{row, row + wl.scales_offset,
                                       reinterpret_cast<float*>(row + wl.token_scale_offset)};
       },
@@ -140,7 +140,7 @@ __device__ __forceinline__ HitRecord load_landed(LlDispatchParams const& p, int3
   while (s_base[source + 1] <= r) ++source;
   int const token = r - s_base[source];
   rec.landing = source * p.max_tokens + token;
-  rec.record = reinterpret_cast<int32_t const*>(p.sym[p.view.rank] + p.layout.dispatch_meta +
+  rec.record = reinterpret_cast<int32_t const*>(p.net.window(p.view.rank) + p.layout.dispatch_meta +
                                                 landing::slot_index(parity, p.view.world, source, p.max_tokens, token) *
                                                     p.layout.meta_bytes);
   // 16-byte loads, all issued before any id is used (4-byte ones made the scan bound by L2 requests)
@@ -387,7 +387,8 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Expa
   // 1. this call's token count to every destination (covered by CTA 0's arrival below)
   FERRY_TRACE_BEGIN(trace, ll_dispatch_send);
   if (cta == 0 && tid < world) {
-    auto* word = reinterpret_cast<uint64_t volatile*>(p.sym[tid] + p.layout.dispatch_tokens) + parity * world + rank;
+    auto* word =
+        reinterpret_cast<uint64_t volatile*>(p.net.window(tid) + p.layout.dispatch_tokens) + parity * world + rank;
     *word = static_cast<uint64_t>(p.num_tokens);
   }
   if (cta == 0 && tid == 0) p.state->num_tokens = p.num_tokens;
@@ -425,7 +426,7 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Expa
 
     if (chunk == 0) {
       if (lane == 0) p.token_mask[t] = mask;
-      landing::write_records(p.sym, world, p.layout.dispatch_meta, slot, p.layout.meta_bytes, topk, num_local, dest, e,
+      landing::write_records(p.net, world, p.layout.dispatch_meta, slot, p.layout.meta_bytes, topk, num_local, dest, e,
                              w, lane);
     }
 
@@ -437,7 +438,7 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Expa
       std::size_t const at = p.layout.dispatch_rows + slot * row_bytes;
       landing::send_row_chunk<kUnroll>(
           reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes),
-          v_begin, v_end, to, [&](int d) { return reinterpret_cast<int4*>(p.sym[d] + at); }, lane);
+          v_begin, v_end, to, [&](int d) { return reinterpret_cast<int4*>(p.net.window(d) + at); }, lane);
     }
   }
   FERRY_TRACE_END(trace, ll_dispatch_send);
@@ -457,8 +458,8 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Expa
   //    (one release per destination; no per-thread fence, which would drain each thread's NVLink stores)
   FERRY_TRACE_BEGIN(trace, ll_dispatch_send_arrival);
   __syncthreads();
-  if (s_refuse) landing::publish_abort(p.sym, p.layout.dispatch_abort, parity, world, rank, seq);
-  if (tid < world) device::signal_add(reinterpret_cast<uint64_t*>(p.sym[tid] + p.layout.dispatch_arrivals) + rank, 1);
+  if (s_refuse) landing::publish_abort(p.net, p.layout.dispatch_abort, parity, world, rank, seq);
+  if (tid < world) p.net.add_signal(tid, p.layout.dispatch_arrivals + rank * sizeof(uint64_t), 1);
   FERRY_TRACE_END(trace, ll_dispatch_send_arrival);
 }
 
@@ -495,10 +496,10 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Expa
   }
   __syncthreads();
   int const num_landed = landing::wait_sources(
-      p.view, reinterpret_cast<uint64_t const*>(p.sym[rank] + p.layout.dispatch_arrivals), seq,
+      p.view, reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.layout.dispatch_arrivals), seq,
       static_cast<uint64_t>(p.num_ctas),
-      reinterpret_cast<uint64_t const volatile*>(p.sym[rank] + p.layout.dispatch_tokens) + parity * world,
-      reinterpret_cast<uint64_t const volatile*>(p.sym[rank] + p.layout.dispatch_abort) + parity * world,
+      reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) + p.layout.dispatch_tokens) + parity * world,
+      reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) + p.layout.dispatch_abort) + parity * world,
       WaitPhase::ll_dispatch, s_base, &s_aborted, &s_ok);
   if (num_landed < 0) return;
   // once per call and refusing peer; a rank that refused the call itself records none (its own input error, or its
@@ -596,8 +597,8 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Expa
     }
   };
   // 6. the window's landed rows into expert_x
-  char const* const landing_zone =
-      p.sym[rank] + p.layout.dispatch_rows + static_cast<std::size_t>(parity) * world * p.max_tokens * wire_bytes;
+  char const* const landing_zone = p.net.window(rank) + p.layout.dispatch_rows +
+                                   static_cast<std::size_t>(parity) * world * p.max_tokens * wire_bytes;
   auto const copy = [&](int n) {
     FERRY_TRACE_END(trace, ll_dispatch_scan);
     FERRY_TRACE_BEGIN(trace, ll_dispatch_copy);

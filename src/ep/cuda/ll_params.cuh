@@ -22,6 +22,7 @@
 #include <cstdint>
 
 #include "comm/device/bf16x8.cuh"
+#include "comm/transport/lsa.cuh"
 #include "ferry/device_view.hpp"
 #include "ferry/ep.hpp"
 #include "trace/trace_format.hpp"
@@ -69,7 +70,7 @@ struct LlLayout {
 
 struct LlDispatchParams {
   DeviceView view;
-  char* sym[kMaxLocalPeers];
+  transport::Lsa net;  // every rank's symmetric region, reached through the transport seam
   LlLayout layout;
   void const* x;  // bf16 rows, or the pre-quantized payload (x_scales set)
   // Pre-quantized input (a quantized dispatch_format): block scales [num_tokens, num_scales] row-major, nvfp4's
@@ -115,7 +116,7 @@ struct LlDispatchParams {
 
 struct LlCombineParams {
   DeviceView view;
-  char* sym[kMaxLocalPeers];
+  transport::Lsa net;  // every rank's symmetric region, reached through the transport seam
   LlLayout layout;
   void const* x;  // expert-major [num_local_experts, expert_slots, hidden] or rank-major [num_recv, hidden]
   void* y;        // [num_tokens, hidden]

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "comm/transport/lsa.cuh"
 #include "ep/combine_tiles.hpp"
 #include "ferry/device_view.hpp"
 #include "ferry/wire_format.hpp"
@@ -99,7 +100,7 @@ enum class RecvPass : int {
 
 struct DispatchParams {
   DeviceView view;
-  char* sym[kMaxLocalPeers];  // every rank's symmetric region
+  transport::Lsa net;  // every rank's symmetric region, reached through the transport seam
   SymLayout layout;
   void const* x;  // bf16 rows, or (pre-quantized) the payload rows [num_tokens, payload_bytes]
   // Quantized dispatch_format (the kernel's kFormat) only:
@@ -157,7 +158,7 @@ struct ExpandParams {
 
 struct CombineParams {
   DeviceView view;
-  char* sym[kMaxLocalPeers];
+  transport::Lsa net;  // every rank's symmetric region, reached through the transport seam
   SymLayout layout;
   void const* x;  // expert-major [num_local_experts, expert_slots, hidden] or rank-major [num_recv, hidden]
   void* y;        // [num_tokens, hidden]
