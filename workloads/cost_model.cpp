@@ -9,14 +9,6 @@
 
 namespace ferry::model {
 
-Topology parse_topology(std::string const& text) {
-  int nodes = 0, local = 0;
-  char tail = 0;
-  FERRY_CHECK_CONFIG(std::sscanf(text.c_str(), "%dx%d%c", &nodes, &local, &tail) == 2 && nodes >= 1 && local >= 1,
-                     "topology '", text, "' is not of the form NxM (N nodes of M ranks, both at least 1, e.g. 2x8)");
-  return {nodes, local};
-}
-
 namespace {
 
 // Per-rank byte counters of one leg.

@@ -16,19 +16,13 @@
 #include <vector>
 
 #include "ferry/ep.hpp"
+#include "ferry/topology.hpp"
 #include "workloads/routing.hpp"
 
 namespace ferry::model {
 
-struct Topology {
-  int nodes = 1;
-  int local = 1;  // ranks per node (the NVLink team)
-  int world() const { return nodes * local; }
-  int node_of(int rank) const { return rank / local; }
-};
-
-// "NxM" (e.g. "2x8"): N nodes of M ranks. Throws ConfigError naming the text and the form.
-Topology parse_topology(std::string const& text);
+using ferry::parse_topology;
+using ferry::Topology;  // ranks per node: the NVLink team
 
 // One leg's traffic, per rank: what the slowest rank sends (max over ranks) and the mean over ranks.
 struct LegTraffic {

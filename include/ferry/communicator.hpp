@@ -7,6 +7,7 @@
 
 #include "ferry/bootstrap.hpp"
 #include "ferry/device_view.hpp"
+#include "ferry/topology.hpp"
 
 // The same declaration CUDA's runtime makes; keeps this header free of CUDA includes.
 typedef struct CUstream_st* cudaStream_t;
@@ -52,6 +53,11 @@ class Communicator {
   virtual Bootstrap& bootstrap() const = 0;
   // cuda: the device ordinal; cpu: -1.
   virtual int device() const = 0;
+  // The world's nodes (FERRY_TOPOLOGY, else LOCAL_WORLD_SIZE ranks per node) and whether `peer` is reachable from
+  // this rank by load/store (cuda: in this rank's NVLink team, as NCCL reports it; cpu: on this rank's node, emulated
+  // or not). Peers that are not are reached through a network transport.
+  virtual Topology const& topology() const = 0;
+  virtual bool load_store_reachable(int peer) const = 0;
 
   // Collective, same order and sizes on every rank: allocates `bytes` (rounded up to the window alignment) of
   // zeroed symmetric memory. Throws ConfigError if sizes differ between ranks.

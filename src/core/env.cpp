@@ -105,6 +105,12 @@ constexpr std::array kParams = {
              .kind = EnvKind::integer,
              .allowed = "this process's rank on its host",
              .rendezvous = true},
+    EnvParam{.name = "FERRY_TOPOLOGY",
+             .default_value = "",
+             .meaning = "the world as NxM (N nodes of M ranks); set on one host to emulate nodes (default: from "
+                        "LOCAL_WORLD_SIZE)",
+             .kind = EnvKind::text,
+             .allowed = "NxM with N x M = the world size, e.g. 2x4"},
     EnvParam{.name = "LOCAL_WORLD_SIZE",
              .default_value = "",
              .meaning = "ranks on this host (torchrun; default WORLD_SIZE: one host)",

@@ -148,6 +148,11 @@ EpBuffer::EpBuffer(std::shared_ptr<Communicator> comm, EpConfig const& config)
   std::string invalid;
   try {
     config_.validate(comm_->world());
+    Topology const& topology = comm_->topology();
+    FERRY_CHECK_CONFIG(topology.nodes == 1, "EpBuffer over ", topology.nodes, " nodes (topology ",
+                       topology_name(topology),
+                       ", from FERRY_TOPOLOGY or LOCAL_WORLD_SIZE) needs the inter-node "
+                       "protocols, which this version does not have (docs/internode.md); run every rank on one node");
   } catch (ConfigError const& error) {
     invalid = error.what();
   }

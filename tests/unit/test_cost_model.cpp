@@ -23,22 +23,6 @@ EpConfig shape(int experts, int topk) {
   return config;
 }
 
-TEST(CostModel, TopologiesParseAndBadOnesAreNamed) {
-  Topology const t = parse_topology("2x8");
-  EXPECT_EQ(t.nodes, 2);
-  EXPECT_EQ(t.local, 8);
-  EXPECT_EQ(t.world(), 16);
-  EXPECT_EQ(t.node_of(9), 1);
-  for (char const* bad : {"2x", "0x8", "2x8x", "x8", "2*8", ""}) {
-    try {
-      parse_topology(bad);
-      ADD_FAILURE() << "'" << bad << "' accepted";
-    } catch (ConfigError const& error) {
-      EXPECT_TRUE(test::contains(error.what(), std::string("topology '") + bad + "'")) << error.what();
-    }
-  }
-}
-
 // 2 nodes x 2 ranks, ring routing with topk 2: rank r's tokens go to ranks r+1 and r+2 (mod 4). Worked out by hand:
 // hierarchical, every rank sends one row a token over the network and one over NVLink (its own node's rank, or a
 // forward as the rail of another node's token), in both legs; direct, ranks 1 and 3 send two network rows a token

@@ -122,6 +122,9 @@ class CpuCommunicator final : public Communicator {
   Backend backend() const override { return Backend::cpu; }
   Bootstrap& bootstrap() const override { return *bootstrap_; }
   int device() const override { return -1; }
+  Topology const& topology() const override { return topology_; }
+  // Every rank maps every segment, but a peer on another (emulated) node is treated as the network would be.
+  bool load_store_reachable(int peer) const override { return topology_.same_node(rank_, peer); }
 
   SymmetricRegion alloc_symmetric(std::size_t bytes) override;
   void release_symmetric(SymmetricRegion const& region) noexcept override;
@@ -150,6 +153,7 @@ class CpuCommunicator final : public Communicator {
   uint64_t num_segments_ = 0;
   std::vector<Mapping> mappings_;
   SymmetricRegion refusals_;  // [world] kRefusalBytes: each rank's reason for its last refused call
+  Topology topology_;
   bool failed_ = false;
   std::string failure_;
 };
@@ -164,6 +168,7 @@ CpuCommunicator::CpuCommunicator(std::unique_ptr<Bootstrap> bootstrap, Communica
   FERRY_CHECK_CONFIG(bootstrap_->local_world() == world_, "backend cpu needs every rank on one host: world=", world_,
                      " but local_world=", bootstrap_->local_world(), "; use backend cuda across hosts");
   timeout_s_ = env_double("FERRY_TIMEOUT_S");  // its rule (positive) is the env table's
+  topology_ = topology_of(world_, bootstrap_->local_world(), env_string("FERRY_TOPOLOGY"));
 
   // 1. a name prefix no other job uses: rank 0's pid plus random bits, the same on every rank
   char prefix[kNameBytes] = {};

@@ -105,6 +105,8 @@ class CudaCommunicator final : public Communicator {
   Backend backend() const override { return Backend::cuda; }
   Bootstrap& bootstrap() const override { return *bootstrap_; }
   int device() const override { return device_; }
+  Topology const& topology() const override { return topology_; }
+  bool load_store_reachable(int peer) const override { return peer >= lsa_first_ && peer < lsa_first_ + lsa_size_; }
   DeviceView const& device_view() const override { return view_; }
 
   SymmetricRegion alloc_symmetric(std::size_t bytes) override {
@@ -160,6 +162,9 @@ class CudaCommunicator final : public Communicator {
   double timeout_s_ = 30;
   DeviceView view_{};
   bool initialized_ = false;
+  Topology topology_;
+  int lsa_first_ = 0;  // this rank's NVLink team: world ranks [lsa_first_, lsa_first_ + lsa_size_)
+  int lsa_size_ = 0;
   bool failed_ = false;
   std::string failure_;
 };
@@ -173,6 +178,7 @@ void CudaCommunicator::init(CommunicatorOptions const& options) {
   FERRY_CHECK_CONFIG(world >= 1 && world <= kMaxLocalPeers, "the cuda backend supports 1..", kMaxLocalPeers,
                      " ranks in one NVLink domain, got world=", world);
   timeout_s_ = env_double("FERRY_TIMEOUT_S");  // its rule (positive) is the env table's
+  topology_ = topology_of(world, bootstrap_->local_world(), env_string("FERRY_TOPOLOGY"));
 
   // 2. the GPU of this rank
   int num_devices = 0;
@@ -202,12 +208,16 @@ void CudaCommunicator::init(CommunicatorOptions const& options) {
   bootstrap_->broadcast(&id, sizeof(id), 0);
   FERRY_CHECK_NCCL(ncclCommInitRank(&comm_, world, id, rank));
 
-  // 5. every rank must be load/store reachable (one LSA team)
+  // 5. the NVLink team (the ranks this one reaches by load/store) and the topology; every rank must be in it, as
+  // the network transport (gin) is not built in this version
   ncclTeam_t const lsa = ncclTeamLsa(comm_);
+  lsa_size_ = lsa.nRanks;
+  lsa_first_ = rank - lsa.rank;
   FERRY_CHECK_CONFIG(lsa.nRanks == world, "only ", lsa.nRanks, " of ", world,
-                     " ranks share load/store access (NVLink) with rank ", rank,
-                     "; ranks on several nodes need the network path, which this version does not have: run all "
-                     "ranks on one NVLink-connected host");
+                     " ranks share load/store access (NVLink) with rank ", rank, " (topology ",
+                     topology_name(topology_),
+                     "); ranks on several nodes need the network transport, which this "
+                     "version does not have: run all ranks on one NVLink-connected host");
 
   // 6. the device communicator. NOTE: never lsaMultimem: NVLink multicast can take the host's GPUs out of service.
   ncclDevCommRequirements requirements;
