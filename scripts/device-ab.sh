@@ -5,10 +5,12 @@
 # each leg, A, B and B / A, each the median over the rounds. This tree is built into build-device/ (the build
 # scripts/device-check.sh then reuses), the base into /tmp/ferry-ab-base/.
 #
-# usage: scripts/device-ab.sh BASE_TAR [--rounds N] [--iters N] [--seed S] [--quick]
+# usage: scripts/device-ab.sh BASE_TAR [--rounds N] [--iters N] [--seed S] [--quick] [--host-time]
 #   default workloads: normal mode 128 and 4096 tokens, low-latency mode 1, 128 and 512 tokens, dispatch and combine
 #   in bf16 and fp8 (hidden 7168, topk 8, 256 experts, random routing, graph mode); --quick: normal 128 and LL 1/128,
 #   bf16 only
+#   --host-time: also builds the Python module of both trees and runs python/bench_overhead.py at 1 token (world 1,
+#   lazy calls) with each, A B A B: the host time of a dispatch + combine pair from Python and from C++
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -16,13 +18,14 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 BASE_TAR="${1:-}"
 [[ -f "$BASE_TAR" ]] || { echo "device-ab: give the base tree's tarball as the first argument (see --help)" >&2; exit 2; }
 shift
-ROUNDS=2 ITERS=30 SEED=7 QUICK=0
+ROUNDS=2 ITERS=30 SEED=7 QUICK=0 HOST_TIME=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --rounds) ROUNDS="$2"; shift 2 ;;
     --iters) ITERS="$2"; shift 2 ;;
     --seed) SEED="$2"; shift 2 ;;
     --quick) QUICK=1; shift ;;
+    --host-time) HOST_TIME=1; shift ;;
     -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) echo "device-ab: unknown argument '$1'; see --help" >&2; exit 2 ;;
   esac
@@ -35,12 +38,21 @@ stamp() { echo "== [$((SECONDS - START)) s] $*"; }
 BASE=/tmp/ferry-ab-base
 rm -rf "$BASE" && mkdir -p "$BASE" && tar -xf "$BASE_TAR" -C "$BASE" || { echo "device-ab: cannot unpack $BASE_TAR"; exit 2; }
 stamp "configure + build: this tree (build-device) and the base ($BASE/build)"
-cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release >"$LOGS/configure-b.log" 2>&1 || { tail "$LOGS/configure-b.log"; exit 2; }
-cmake -S "$BASE" -B "$BASE/build" -G Ninja -DCMAKE_BUILD_TYPE=Release >"$LOGS/configure-a.log" 2>&1 ||
+PY=python3
+[[ -x /opt/torch/.venv/bin/python3 ]] && PY=/opt/torch/.venv/bin/python3
+PY_ARGS=()
+TARGETS_A=(--target ferry_cli)
+if [[ $HOST_TIME -eq 1 ]]; then
+  PY_ARGS=(-DFERRY_BUILD_PYTHON=ON "-DPython_EXECUTABLE=$PY")
+  TARGETS_A=(--target ferry_cli ferry_python)
+fi
+cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release "${PY_ARGS[@]}" >"$LOGS/configure-b.log" 2>&1 ||
+  { tail "$LOGS/configure-b.log"; exit 2; }
+cmake -S "$BASE" -B "$BASE/build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${PY_ARGS[@]}" >"$LOGS/configure-a.log" 2>&1 ||
   { tail "$LOGS/configure-a.log"; exit 2; }
 JOBS=$(nproc)
 (cmake --build build-device -j $((JOBS * 2 / 3)) -- -k 0 >"$LOGS/build-b.log" 2>&1; echo $? >"$LOGS/build-b.rc") &
-(cmake --build "$BASE/build" -j $((JOBS / 3)) --target ferry_cli >"$LOGS/build-a.log" 2>&1; echo $? >"$LOGS/build-a.rc") &
+(cmake --build "$BASE/build" -j $((JOBS / 3)) "${TARGETS_A[@]}" >"$LOGS/build-a.log" 2>&1; echo $? >"$LOGS/build-a.rc") &
 wait
 for side in a b; do
   if [[ "$(cat "$LOGS/build-$side.rc")" != 0 ]]; then
@@ -67,6 +79,20 @@ for ((round = 1; round <= ROUNDS; ++round)); do
   done
   stamp "round $round done"
 done
+
+if [[ $HOST_TIME -eq 1 ]]; then
+  for ((round = 1; round <= ROUNDS; ++round)); do
+    for side in a b; do
+      root=$([[ $side == a ]] && echo "$BASE" || echo .)
+      build=$([[ $side == a ]] && echo "$BASE/build" || echo build-device)
+      PYTHONPATH="$build/python" timeout 120 "$PY" -m torch.distributed.run --nproc-per-node 1 \
+        "$root/python/bench_overhead.py" --tokens 1 --iters 50 --repeats 21 >"$LOGS/host-$side-$round.log" 2>&1 ||
+        echo "device-ab: host time $side $round exit $?"
+      echo "host time $side round $round: $(grep -h 'from Python' "$LOGS/host-$side-$round.log" | head -n 1)"
+    done
+  done
+  stamp "host time done"
+fi
 
 python3 - "$LOGS" "$ROUNDS" "${#RUNS[@]}" <<'PY'
 import json, os, statistics, sys
