@@ -214,6 +214,20 @@ KernelParams common_params(Buffers const& b, int ctas, bool refuse, std::optiona
   return p;
 }
 
+cuda_ll::LlParams ll_params(Buffers const& b, bool refuse, TraceKernel traced) {
+  FERRY_CHECK(b.num_ctas >= 1 && b.num_ctas <= cuda_ll::kMaxCtas, "LL grid of ", b.num_ctas, " CTAs is outside [1, ",
+              cuda_ll::kMaxCtas, "]");
+  cuda_ll::LlParams p{};
+  static_cast<KernelParams&>(p) = common_params(b, b.num_ctas, refuse, traced);
+  p.expert_slots = b.expert_slots;
+  p.token_mask = b.token_mask;
+  p.recv_src = b.recv_src;
+  p.recv_idx = b.recv_idx;
+  p.recv_w = b.recv_w;
+  p.recv_slot = b.recv_slot;
+  return p;
+}
+
 // Kernel invariants only (FERRY_CHECK: a failure is a bug): the arguments were validated once by EpBuffer
 // (validate_dispatch_args / validate_combine_args), which refuses a bad call on every rank. An InputError thrown by a
 // launcher would be refused on this rank alone, the desync docs/errors.md rules out.

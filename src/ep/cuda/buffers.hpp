@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 
+#include "ep/cuda/ll_params.cuh"
 #include "ep/cuda/params.cuh"
 #include "ep/landing_policy.hpp"
 #include "ep/run_record.hpp"
@@ -98,6 +99,18 @@ DispatchResult dispatch_result(Buffers const& b, bool expand);
 // regions, layout, state, shape, grid, the refusal flag and the trace of this launch (`traced`: the family it records
 // as; none for a kernel that records no trace).
 KernelParams common_params(Buffers const& b, int ctas, bool refuse, std::optional<TraceKernel> traced);
+// The part both low-latency legs' Params share (their prologue): common_params and the rank-major metadata.
+cuda_ll::LlParams ll_params(Buffers const& b, bool refuse, TraceKernel traced);
+
+// Sets the inputs every dispatch kernel's Params reads from the call (rows, ids, weights, token count).
+template <typename Params>
+void set_dispatch_inputs(Params& p, DispatchArgs const& args) {
+  p.x = args.x;
+  p.topk_idx = args.topk_idx;
+  p.topk_weights = args.topk_weights;
+  p.num_tokens = args.num_tokens;
+}
+
 // The kernel invariants of a dispatch call every protocol relies on (FERRY_CHECK: a failure is a bug).
 void check_dispatch_invariants(Buffers const& b, DispatchArgs const& args, bool refuse);
 

@@ -66,12 +66,9 @@ CombineParams to_params(Buffers const& b, CombineArgs const& args, LaunchPlan co
 using CombineKernel = void (*)(CombineParams);
 
 // The family's instances (instances.cuh): codec x layout.
-struct CombineFamily {
-  using Kernel = CombineKernel;
+struct CombineFamily : InstanceFamily<CombineKernel, 2, true> {
   static constexpr char const* kName = "normal combine";
   static constexpr char const* kFormatField = "combine_format";
-  static constexpr bool kUnits = true;
-  static constexpr int kVariants = 2;
   static constexpr int variant(CombineLayout layout) { return layout == CombineLayout::expert_major ? 1 : 0; }
   template <int kCodec, int kVariant>
   static constexpr Kernel kernel() {

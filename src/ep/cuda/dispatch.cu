@@ -63,10 +63,7 @@ DispatchParams to_params(Buffers const& b, DispatchArgs const& args, LaunchPlan 
   }
   DispatchParams p{};
   static_cast<KernelParams&>(p) = common_params(b, plan.ctas, refuse, TraceKernel::dispatch);
-  p.x = args.x;
-  p.topk_idx = args.topk_idx;
-  p.topk_weights = args.topk_weights;
-  p.num_tokens = args.num_tokens;
+  set_dispatch_inputs(p, args);
   p.num_experts = b.config.num_experts;
   p.num_local_experts = b.num_local_experts;
   p.recv_capacity = b.recv_capacity;
@@ -126,12 +123,9 @@ using LaunchFn = void (*)(DispatchParams const&, std::size_t, bool, cudaStream_t
 
 // The family's instances (instances.cuh): codec x (protocol: count exchange or landing zone) x index type. The landing
 // zone carries bf16 rows only (choose_normal_landing).
-struct DispatchFamily {
-  using Kernel = LaunchFn;
+struct DispatchFamily : InstanceFamily<LaunchFn, 4, true> {
   static constexpr char const* kName = "normal dispatch";
   static constexpr char const* kFormatField = "dispatch_format";
-  static constexpr bool kUnits = true;
-  static constexpr int kVariants = 4;
   static constexpr int variant(Protocol protocol, IndexType ids) {
     return (protocol == Protocol::landing ? 2 : 0) + (ids == IndexType::int64 ? 1 : 0);
   }

@@ -44,6 +44,15 @@ constexpr bool narrow_unit(Codec codec) {
   return false;
 }
 
+// The static facts a family states: its kernel pointer type, how many variants, whether its kernels take a codec
+// unit. The family adds kName and kFormatField (for the error of a missing instance), variant(...) and kernel<c, v>().
+template <typename KernelT, int kVariantCount, bool kHasUnits>
+struct InstanceFamily {
+  using Kernel = KernelT;
+  static constexpr int kVariants = kVariantCount;
+  static constexpr bool kUnits = kHasUnits;
+};
+
 // The generated table of a family: Family::Kernel kernels[codec * Family::kVariants + variant], each
 // Family::kernel<codec, variant>() (null where the family has no such instance, e.g. the landing zone's quantized
 // formats).

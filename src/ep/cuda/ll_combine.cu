@@ -17,18 +17,10 @@ LlCombineParams to_params(Buffers const& b, CombineArgs const& args, int num_tok
               " of the last dispatch");
   FERRY_CHECK(args.layout == CombineLayout::rank_major || b.expert_slots > 0,
               "expert-major combine needs expert slots; the LL config resolves them at construction");
-  FERRY_CHECK(b.num_ctas >= 1 && b.num_ctas <= cuda_ll::kMaxCtas, "LL grid of ", b.num_ctas, " CTAs is outside [1, ",
-              cuda_ll::kMaxCtas, "]");
   LlCombineParams p{};
-  static_cast<KernelParams&>(p) = common_params(b, b.num_ctas, refuse, TraceKernel::ll_combine);
+  static_cast<cuda_ll::LlParams&>(p) = ll_params(b, refuse, TraceKernel::ll_combine);
   p.x = args.x;
   p.y = args.y;
-  p.expert_slots = b.expert_slots;
-  p.token_mask = b.token_mask;
-  p.recv_src = b.recv_src;
-  p.recv_idx = b.recv_idx;
-  p.recv_w = b.recv_w;
-  p.recv_slot = b.recv_slot;
   return p;
 }
 
@@ -36,12 +28,9 @@ using CombineKernel = void (*)(LlCombineParams);
 
 // The family's instances (instances.cuh): codec x halves x layout. The kernels take no codec unit (a work item is a
 // chunk of whole scale blocks), and the receive half reads no expert outputs: one instance per format for it.
-struct LlCombineFamily {
-  using Kernel = CombineKernel;
+struct LlCombineFamily : InstanceFamily<CombineKernel, 6, false> {
   static constexpr char const* kName = "low-latency combine";
   static constexpr char const* kFormatField = "combine_format";
-  static constexpr bool kUnits = false;
-  static constexpr int kVariants = 6;
   static constexpr int variant(Half half, CombineLayout layout) {
     return static_cast<int>(half) * 2 + (layout == CombineLayout::expert_major ? 1 : 0);
   }

@@ -16,8 +16,6 @@ using cuda_ll::LlDispatchParams;
 // Kernel invariants only (FERRY_CHECK: a failure is a bug; check_dispatch_invariants in buffers.cu says why).
 LlDispatchParams to_params(Buffers const& b, DispatchArgs const& args, bool refuse) {
   check_dispatch_invariants(b, args, refuse);
-  FERRY_CHECK(b.num_ctas >= 1 && b.num_ctas <= cuda_ll::kMaxCtas, "LL grid of ", b.num_ctas, " CTAs is outside [1, ",
-              cuda_ll::kMaxCtas, "]");
   FERRY_CHECK(b.num_local_experts >= 1 && b.num_local_experts <= kMaxLlLocalExperts,
               "num_local_experts=", b.num_local_experts, " is outside [1, ", kMaxLlLocalExperts, "]");
   WireFormat const format = b.config.dispatch_format;
@@ -27,21 +25,12 @@ LlDispatchParams to_params(Buffers const& b, DispatchArgs const& args, bool refu
   FERRY_CHECK(!prequantized || format != WireFormat::nvfp4 || args.num_tokens == 0 || args.x_token_scales,
               "pre-quantized nvfp4 input needs x_token_scales");
   LlDispatchParams p{};
-  static_cast<KernelParams&>(p) = common_params(b, b.num_ctas, refuse, TraceKernel::ll_dispatch);
-  p.x = args.x;
+  static_cast<cuda_ll::LlParams&>(p) = ll_params(b, refuse, TraceKernel::ll_dispatch);
+  set_dispatch_inputs(p, args);
   p.x_scales = args.x_scales;
   p.x_token_scales = args.x_token_scales;
-  p.topk_idx = args.topk_idx;
-  p.topk_weights = args.topk_weights;
-  p.num_tokens = args.num_tokens;
   p.num_experts = b.config.num_experts;
   p.num_local_experts = b.num_local_experts;
-  p.expert_slots = b.expert_slots;
-  p.token_mask = b.token_mask;
-  p.recv_src = b.recv_src;
-  p.recv_idx = b.recv_idx;
-  p.recv_w = b.recv_w;
-  p.recv_slot = b.recv_slot;
   p.expert_counts = b.expert_counts;
   p.expert_x = b.expert_x;
   p.expert_src_row = b.expert_src_row;
@@ -60,12 +49,9 @@ using DispatchKernel = void (*)(LlDispatchParams);
 
 // The family's instances (instances.cuh): codec x halves x index type. The receive half reads no ids and runs no
 // codec, so every index type and unit of a format shares its one instance.
-struct LlDispatchFamily {
-  using Kernel = DispatchKernel;
+struct LlDispatchFamily : InstanceFamily<DispatchKernel, 6, true> {
   static constexpr char const* kName = "low-latency dispatch";
   static constexpr char const* kFormatField = "dispatch_format";
-  static constexpr bool kUnits = true;
-  static constexpr int kVariants = 6;
   static constexpr int variant(Half half, IndexType ids) {
     return static_cast<int>(half) * 2 + (ids == IndexType::int64 ? 1 : 0);
   }

@@ -47,8 +47,19 @@ static_assert(kMaxTopk * 2 <= 32, "dispatch metadata is written by one warp: top
 static_assert(kMaxLocalPeers <= 32, "destination masks are 32-bit and waits use one thread per source");
 static_assert(kThreads >= kMaxLocalPeers, "one thread per source waits for its arrivals");
 
+// What both low-latency legs share past KernelParams: the rank-major metadata the dispatch writes and the combine
+// reads (local memory).
+struct LlParams : KernelParams {
+  int expert_slots;
+  uint32_t* token_mask;  // [max_tokens] destination ranks of each token (for combine)
+  int32_t* recv_src;     // [world * max_tokens, 2] (source rank, source token), rank-major
+  int32_t* recv_idx;     // [world * max_tokens, topk] local expert or -1
+  float* recv_w;         // [world * max_tokens, topk]
+  int32_t* recv_slot;    // [world * max_tokens, topk] slot within its expert or -1
+};
+
 // The areas of the symmetric region are SymLayout's low-latency part; the state words DeviceState's.
-struct LlDispatchParams : KernelParams {
+struct LlDispatchParams : LlParams {
   void const* x;  // bf16 rows, or the pre-quantized payload (x_scales set)
   // Pre-quantized input (a quantized dispatch_format): block scales [num_tokens, num_scales] row-major, nvfp4's
   // per-token scales [num_tokens]; null when x is bf16 (quantized by the send half).
@@ -59,12 +70,6 @@ struct LlDispatchParams : KernelParams {
   int num_tokens;
   int num_experts;
   int num_local_experts;
-  int expert_slots;
-  uint32_t* token_mask;     // [max_tokens] destination ranks of each token (for combine)
-  int32_t* recv_src;        // [world * max_tokens, 2] (source rank, source token), rank-major
-  int32_t* recv_idx;        // [world * max_tokens, topk] local expert or -1
-  float* recv_w;            // [world * max_tokens, topk]
-  int32_t* recv_slot;       // [world * max_tokens, topk] slot within its expert or -1
   int32_t* expert_counts;   // [num_local_experts]
   void* expert_x;           // [num_local_experts, expert_slots, expert_row_bytes] bf16 rows or wire payloads
   int32_t* expert_src_row;  // [num_local_experts, expert_slots] rank-major row, -1 past the count
@@ -84,15 +89,9 @@ struct LlDispatchParams : KernelParams {
   float* expert_token_scales;
 };
 
-struct LlCombineParams : KernelParams {
+struct LlCombineParams : LlParams {
   void const* x;  // expert-major [num_local_experts, expert_slots, hidden] or rank-major [num_recv, hidden]
   void* y;        // [num_tokens, hidden]
-  int expert_slots;
-  uint32_t const* token_mask;
-  int32_t const* recv_src;
-  int32_t const* recv_idx;
-  float const* recv_w;
-  int32_t const* recv_slot;
 };
 
 using device::bf16x8_to_float;
