@@ -148,7 +148,8 @@ struct CombineArgs {
 
 namespace detail {
 class EpBackendImpl;
-}
+struct EpBufferAccess;
+}  // namespace detail
 
 class EpBuffer {
  public:
@@ -215,6 +216,7 @@ class EpBuffer {
   std::shared_ptr<Communicator> comm_;
   EpConfig config_;
   std::unique_ptr<detail::EpBackendImpl> impl_;
+  friend struct detail::EpBufferAccess;  // the internal record of what ran (tests of the fast path)
   enum class Pending { none, dispatch, combine };
   Pending pending_ = Pending::none;
   // The last dispatch, as combine refers to it (set only when it succeeded on this rank).

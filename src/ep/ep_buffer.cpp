@@ -164,8 +164,7 @@ EpBuffer::EpBuffer(std::shared_ptr<Communicator> comm, EpConfig const& config)
       break;
     case Backend::cuda:
 #if FERRY_HAVE_CUDA
-      impl_ = config_.mode == Mode::low_latency ? detail::make_cuda_ll_ep(*comm_, config_)
-                                                : detail::make_cuda_ep(*comm_, config_);
+      impl_ = detail::make_cuda_ep(*comm_, config_);  // the mode and protocol are the backend's choice
       break;
 #else
       FERRY_THROW(ConfigError, "config",

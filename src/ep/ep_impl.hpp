@@ -9,6 +9,8 @@
 
 namespace ferry::detail {
 
+struct RunRecord;
+
 class EpBackendImpl {
  public:
   virtual ~EpBackendImpl() = default;
@@ -33,13 +35,19 @@ class EpBackendImpl {
   // In-kernel tracing (src/trace/): backends whose kernels record override these; the defaults throw ConfigError.
   virtual void enable_trace(EpConfig const& config, int max_events_per_warp);
   virtual TraceBuffer read_trace(EpConfig const& config, TraceKernel kernel, cudaStream_t stream);
+  // What the last calls ran (run_record.hpp), for explain() and the fast-path test; null where none is kept (cpu).
+  virtual RunRecord const* run_record() const { return nullptr; }
+};
+
+// The backend behind an EpBuffer (EpBuffer befriends this; tests reach it through run_record_of).
+struct EpBufferAccess {
+  static EpBackendImpl const& impl(EpBuffer const& buffer) { return *buffer.impl_; }
 };
 
 std::unique_ptr<EpBackendImpl> make_cpu_ep(Communicator& comm, EpConfig const& config);
 #if FERRY_HAVE_CUDA
+// Every mode and protocol (src/ep/cuda/cuda_ep.cu chooses); config is resolved (EpConfig::resolved).
 std::unique_ptr<EpBackendImpl> make_cuda_ep(Communicator& comm, EpConfig const& config);
-// Low-latency mode (src/ep/cuda/ll_ep.cu); config is resolved (EpConfig::resolved).
-std::unique_ptr<EpBackendImpl> make_cuda_ll_ep(Communicator& comm, EpConfig const& config);
 #endif
 
 // Host checks of a dispatch call that need no device data. Throws InputError naming the argument.

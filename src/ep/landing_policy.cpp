@@ -2,6 +2,7 @@
 
 #include <cstdint>
 
+#include "ep/run_record.hpp"
 #include "ferry/error.hpp"
 
 namespace ferry::detail {
@@ -43,13 +44,25 @@ LandingChoice choose_normal_landing(EpConfig const& config, int world, std::stri
     return {true, "landing zone (FERRY_NORMAL_LANDING=on)"};
   }
   if (forced_off) return {false, "count exchange (FERRY_NORMAL_LANDING=off)"};
-  if (!unsupported.empty()) return {false, concat("count exchange (", unsupported, ")")};
   int64_t const slots = static_cast<int64_t>(world) * config.max_tokens_per_rank;
-  if (slots > kLandingAutoMaxSlots)
+  bool const small = slots <= kLandingAutoMaxSlots;
+  // NOTE: a small batch the landing zone cannot serve takes the count exchange, the slower protocol at that size: a
+  // fallback (explain() and the fast-path test see it).
+  if (!unsupported.empty())
+    return {false, concat("count exchange (", unsupported, ")"), small && config.mode == Mode::normal};
+  if (!small)
     return {false, concat("count exchange (world * max_tokens_per_rank=", slots, " > ", kLandingAutoMaxSlots,
                           " landing slots: a large batch)")};
+  if (fallback_forced_for_test())
+    return {false, "count exchange (a test forced the fallback: force_fallback_for_test)", true};
   return {true, concat("landing zone (world * max_tokens_per_rank=", slots, " <= ", kLandingAutoMaxSlots,
                        " landing slots: a small batch)")};
+}
+
+ProtocolChoice choose_protocol(EpConfig const& config, int world, std::string const& landing_pin) {
+  if (config.mode == Mode::low_latency) return {Protocol::ll, {}, false};
+  LandingChoice landing = choose_normal_landing(config, world, landing_pin);
+  return {landing.use ? Protocol::landing : Protocol::push, std::move(landing.why), landing.fallback};
 }
 
 }  // namespace ferry::detail

@@ -1,11 +1,13 @@
-// Which dispatch protocol a normal-mode EpBuffer of the cuda backend runs, decided once at construction (host code,
-// so CI tests it): the count exchange (dispatch.cuh: rows pushed straight into their final rank-major row), or, for
-// small batches, the landing zone (land_dispatch.cuh: rows land in fixed per-source slots, no count exchange, and the
-// receiver compacts them). Both deliver the same outputs. Every rank must decide the same: the inputs are the config
-// and FERRY_NORMAL_LANDING, which must be the same on every rank.
+// Which protocol an EpBuffer of the cuda backend runs, decided once at construction (host code, so CI tests it):
+// low-latency mode's (ll_dispatch.cuh / ll_combine.cuh), or in normal mode the count exchange (dispatch.cuh: rows
+// pushed straight into their final rank-major row), or, for small batches, the landing zone (land_dispatch.cuh: rows
+// land in fixed per-source slots, no count exchange, and the receiver compacts them). Both deliver the same outputs.
+// Every rank must decide the same: the inputs are the config and FERRY_NORMAL_LANDING, which must be the same on every
+// rank.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "ferry/ep.hpp"
@@ -24,11 +26,28 @@ inline constexpr std::size_t kLandingMaxSmem = 200 * 1024;
 struct LandingChoice {
   bool use = false;
   std::string why;  // for explain(): which protocol and the rule that chose it
+  // The batch is small enough for the landing zone (the auto rule would take it) but the config rules it out, or a
+  // test forced the count exchange (run_record.hpp force_fallback_for_test): the slower protocol for this size runs.
+  bool fallback = false;
 };
 
 // pin: the text of FERRY_NORMAL_LANDING: "auto" (or empty), "on" / "1", "off" / "0"; anything else is a ConfigError.
 // "on" for a config the landing zone cannot serve is a ConfigError naming the rule.
 LandingChoice choose_normal_landing(EpConfig const& config, int world, std::string const& pin);
+
+// The protocols of the cuda backend: normal mode's count exchange + push (dispatch.cuh), normal mode's landing zone
+// (land_dispatch.cuh; combine is the push's), low-latency mode (ll_dispatch.cuh, ll_combine.cuh).
+enum class Protocol : uint8_t { push, landing, ll };
+
+struct ProtocolChoice {
+  Protocol protocol = Protocol::push;
+  std::string why;        // empty for low-latency mode (one protocol)
+  bool fallback = false;  // LandingChoice::fallback
+};
+
+// The protocol of an EpBuffer: low-latency mode's, or choose_normal_landing's for normal mode (landing_pin: the text
+// of FERRY_NORMAL_LANDING).
+ProtocolChoice choose_protocol(EpConfig const& config, int world, std::string const& landing_pin);
 
 // Dynamic shared memory of the landing receiver for a config.
 std::size_t landing_smem_bytes(EpConfig const& config, int world);

@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "ep/cuda/buffers.hpp"
-#include "ep/cuda/ll_buffers.hpp"
 #include "ep/landing_policy.hpp"
 #include "ferry/communicator.hpp"
 #include "ferry/env.hpp"
@@ -27,12 +26,11 @@
 namespace ferry::test {
 namespace {
 
-// Bytes of the symmetric region an EpBuffer of `config` takes at `world` (what CudaEp / CudaLlEp allocate).
+// Bytes of the symmetric region an EpBuffer of `config` takes at `world` (what CudaEp allocates).
 std::size_t region_bytes(EpConfig const& user, int world) {
   EpConfig const config = user.resolved(world);
-  if (config.mode == Mode::low_latency) return cuda_ll::make_ll_layout(config, world).total;
-  bool const landing = detail::choose_normal_landing(config, world, env_string("FERRY_NORMAL_LANDING")).use;
-  return cuda_ep::make_sym_layout(config, world, landing).total;
+  detail::ProtocolChoice const protocol = detail::choose_protocol(config, world, env_string("FERRY_NORMAL_LANDING"));
+  return cuda_ep::make_sym_layout(config, world, protocol.protocol).total;
 }
 
 // One buffer's life: created, one dispatch + combine (rank-major) of `tokens` zero-routed tokens, dropped.

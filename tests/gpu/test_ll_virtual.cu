@@ -1,7 +1,7 @@
 // Low-latency mode with several ranks on ONE GPU ("virtual ranks", tests/support/virtual_ranks.hpp). An LL rank's
-// kernels address their peers only through LlBuffers::sym (every rank's symmetric region) and their DeviceView, so W
+// kernels address their peers only through Buffers::sym (every rank's symmetric region) and their DeviceView, so W
 // ranks fit on one device: a VirtualWorld's regions, error blocks and streams, and each rank's local buffers
-// (allocate_ll_buffers). The grids are launched non-cooperatively (LlBuffers::cooperative = false) with SMs / W CTAs
+// (allocate_buffers). The grids are launched non-cooperatively (Buffers::cooperative = false) with SMs / W CTAs
 // each, so all W of them are co-resident (an LL CTA takes a whole SM).
 //
 // Each case draws fresh inputs every iteration (seed printed), poisons every output first, runs dispatch, the
@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "ep/cuda/ll_buffers.hpp"
+#include "ep/cuda/buffers.hpp"
 #include "ep/ep_impl.hpp"
 #include "ep/reference.hpp"
 #include "ferry/ep.hpp"
@@ -33,8 +33,8 @@
 namespace ferry::test {
 namespace {
 
-using cuda_ll::Half;
-using cuda_ll::LlBuffers;
+using cuda_ep::Buffers;
+using cuda_ep::Half;
 
 struct Spec : VirtualSpec {
   int capacity = 0;  // capacity=: expert_capacity (0: ll's default, world * max_tokens)
@@ -58,8 +58,8 @@ Spec parse_spec(std::vector<std::string> const& words) {
   return s;
 }
 
-// `world` ranks of one LL EpBuffer on the current GPU: what CudaLlEp sets up per rank.
-using VirtualLlRanks = VirtualRanks<LlBuffers, cuda_ll::allocate_ll_buffers, cuda_ll::free_ll_buffers>;
+// `world` ranks of one LL EpBuffer on the current GPU: what CudaEp sets up per rank.
+using VirtualLlRanks = VirtualRanks<Buffers, cuda_ep::allocate_buffers, cuda_ep::free_buffers>;
 
 // Launches one leg on every rank (each on its own stream, side by side): whole, or every send half then every
 // receive half.
@@ -93,15 +93,11 @@ void run_virtual(Spec const& spec, int num_ctas) {
       scale_layout_name(config.recv_scale_layout), spec.hook);
   std::fflush(stdout);
 
-  cuda_ll::LlLayout const layout = cuda_ll::make_ll_layout(config, world);
+  cuda_ep::SymLayout const layout = cuda_ep::make_sym_layout(config, world, cuda_ep::Protocol::ll);
   VirtualLlRanks ranks(
       world, layout.total,
-      [&](LlBuffers& b, int r) {
-        b.config = config;
-        b.world = world;
-        b.rank = r;
-        b.num_local_experts = config.num_local_experts(world);
-        b.expert_slots = config.expert_slots();
+      [&](Buffers& b, int r) {
+        cuda_ep::configure_buffers(b, config, world, r, cuda_ep::Protocol::ll, num_ctas);
         b.num_ctas = num_ctas;
         b.own_direct = spec.own_direct;
         b.layout = layout;
@@ -134,7 +130,7 @@ void run_virtual(Spec const& spec, int num_ctas) {
     for (int r = 0; r < world; ++r) {
       dropped[r] = it.expected[r].dropped_slots;
       // 2. poison what the dispatch writes
-      poison_ll_dispatch(config, world, cuda_ll::ll_dispatch_result(ranks[r]), ranks[r].recv_slot);
+      poison_ll_dispatch(config, world, cuda_ep::dispatch_result(ranks[r], true), ranks[r].recv_slot);
     }
     CK(cudaDeviceSynchronize());
     if (spec.absent >= 0) {
@@ -143,12 +139,12 @@ void run_virtual(Spec const& spec, int num_ctas) {
           ranks, spec, dropped,
           [&](int skip) {
             launch_leg(ranks, spec.hook, [&](int r, Half half) {
-              if (r != skip) cuda_ll::launch_ll_dispatch(ranks[r], dargs[r], half, ranks.stream(r));
+              if (r != skip) cuda_ep::launch_ll_dispatch(ranks[r], dargs[r], half, ranks.stream(r));
             });
           },
           [&](int skip) {
             launch_leg(ranks, spec.hook, [&](int r, Half half) {
-              if (r != skip) cuda_ll::launch_ll_combine(ranks[r], em[r], tokens[r], half, ranks.stream(r));
+              if (r != skip) cuda_ep::launch_ll_combine(ranks[r], em[r], tokens[r], half, ranks.stream(r));
             });
           });
       return;
@@ -157,10 +153,10 @@ void run_virtual(Spec const& spec, int num_ctas) {
     // 3. dispatch, expert-major combine, rank-major combine: each leg on every rank side by side, the legs back to
     //    back on each rank's stream (as a captured graph runs them)
     launch_leg(ranks, spec.hook,
-               [&](int r, Half half) { cuda_ll::launch_ll_dispatch(ranks[r], dargs[r], half, ranks.stream(r)); });
+               [&](int r, Half half) { cuda_ep::launch_ll_dispatch(ranks[r], dargs[r], half, ranks.stream(r)); });
     for (std::vector<CombineArgs> const* leg : {&em, &rm})
       launch_leg(ranks, spec.hook, [&](int r, Half half) {
-        cuda_ll::launch_ll_combine(ranks[r], (*leg)[r], tokens[r], half, ranks.stream(r));
+        cuda_ep::launch_ll_combine(ranks[r], (*leg)[r], tokens[r], half, ranks.stream(r));
       });
     std::string const failure = ranks.synchronize(dropped);
     ASSERT_TRUE(failure.empty()) << "iter " << iter << ":\n" << failure;
@@ -168,7 +164,7 @@ void run_virtual(Spec const& spec, int num_ctas) {
     // 4. every rank's outputs against the reference
     for (int r = 0; r < world; ++r) {
       SCOPED_TRACE("rank " + std::to_string(r) + " iter " + std::to_string(iter));
-      ASSERT_EQ(check_ll_dispatch(config, world, r, iter, it.expected[r], cuda_ll::ll_dispatch_result(ranks[r]),
+      ASSERT_EQ(check_ll_dispatch(config, world, r, iter, it.expected[r], cuda_ep::dispatch_result(ranks[r], true),
                                   ranks[r].recv_slot),
                 0);
       ASSERT_EQ(it.check_combines(config, world, r, iter, io[r]), 0);
@@ -180,7 +176,7 @@ void run_virtual(Spec const& spec, int num_ctas) {
 // Runs each row (key=value words: CaseShape's, and world=, capacity=, dispatch=, combine=, layout=, hook=1) with a
 // fresh seed (run_virtual_rows).
 void run_rows(std::vector<std::vector<std::string>> const& table) {
-  run_virtual_rows(table, cuda_ll::kMaxCtas, parse_spec, run_virtual);
+  run_virtual_rows(table, cuda_ep::kMaxLlCtas, parse_spec, run_virtual);
 }
 
 // The shapes of one world, bf16 on both legs: DeepSeek's decode shape, tokens that differ per rank (0 included) with

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "ep/reference.hpp"
+#include "ep/run_record.hpp"
 #include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
@@ -355,26 +356,33 @@ FERRY_RANK_CASE(normal_mode_bad_input) {
   std::_Exit(code);
 }
 
-// Walks the supported (world, topk, hidden) grid: the fast path must be taken everywhere.
+// Walks the (topk, hidden) grid on the real backend (CudaEp, this process's world) in both modes: no leg may record a
+// fallback (detail::run_record_of, the record explain() is built from). Zero tokens: the protocol, grid and instance
+// decisions are made per EpBuffer and format; the walk with tokens at worlds 1..8 is test_fast_path_virtual.cu.
 FERRY_RANK_CASE(normal_mode_fast_path_grid) {
   auto comm = make_cuda_comm();
   CK(cudaSetDevice(comm->device()));
   int code = 0;
-  for (int hidden : {2048, 2880, 4096, 7168}) {
-    for (int topk : {1, 2, 6, 8, 9, 16}) {
-      EpConfig config;
-      config.hidden = hidden;
-      config.topk = topk;
-      config.num_experts = 64;
-      config.max_tokens_per_rank = 8;
-      EpBuffer buffer(comm, config);
-      DispatchArgs args;  // zero tokens: exercises both legs' launch plans
-      buffer.dispatch(args);
-      buffer.combine(CombineArgs{CombineLayout::rank_major, reinterpret_cast<void*>(256), nullptr, true});
-      std::string const why = buffer.explain();
-      if (why.find("fallback") != std::string::npos || why.find("fast path") == std::string::npos) {
-        std::fprintf(stderr, "hidden %d topk %d: not the fast path: %s\n", hidden, topk, why.c_str());
-        code = 1;
+  for (Mode mode : {Mode::normal, Mode::low_latency}) {
+    for (int hidden : {2048, 2880, 4096, 7168}) {
+      for (int topk : {1, 2, 6, 8, 9, 16}) {
+        EpConfig config;
+        config.mode = mode;
+        config.hidden = hidden;
+        config.topk = topk;
+        config.num_experts = 64;
+        config.max_tokens_per_rank = 8;
+        EpBuffer buffer(comm, config);
+        DispatchArgs args;
+        buffer.dispatch(args);
+        buffer.combine(CombineArgs{CombineLayout::rank_major, reinterpret_cast<void*>(256), nullptr, true});
+        detail::RunRecord const* record = detail::run_record_of(buffer);
+        if (record == nullptr || !record->dispatch.ran || !record->combine.ran ||
+            record->dispatch.fallbacks != detail::kNoFallback || record->combine.fallbacks != detail::kNoFallback) {
+          std::fprintf(stderr, "mode %s hidden %d topk %d: a fallback ran: %s\n", mode_name(mode), hidden, topk,
+                       buffer.explain().c_str());
+          code = 1;
+        }
       }
     }
   }

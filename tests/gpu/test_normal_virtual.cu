@@ -79,20 +79,12 @@ void run_virtual(Spec const& spec, int num_ctas) {
                                                                       spec.protocol == "landing"  ? "on"
                                                                       : spec.protocol == "counts" ? "off"
                                                                                                   : "auto");
-  cuda_ep::SymLayout const layout = cuda_ep::make_sym_layout(config, world, landing.use);
+  cuda_ep::Protocol const protocol = landing.use ? cuda_ep::Protocol::landing : cuda_ep::Protocol::push;
+  cuda_ep::SymLayout const layout = cuda_ep::make_sym_layout(config, world, protocol);
   VirtualNormalRanks ranks(
       world, layout.total,
       [&](Buffers& b, int r) {
-        b.config = config;
-        b.world = world;
-        b.rank = r;
-        b.num_local_experts = config.num_local_experts(world);
-        b.recv_capacity = config.recv_capacity(world);
-        b.expert_slots = config.expert_slots();
-        b.num_sms = num_ctas;
-        b.landing = landing.use;
-        b.landing_why = landing.why;
-        b.land_ctas = std::min(num_ctas, cuda_ep::kMaxLandCtas);
+        cuda_ep::configure_buffers(b, config, world, r, protocol, num_ctas);
         b.layout = layout;
       },
       spec.timeout_s());

@@ -25,7 +25,6 @@
 #include <vector>
 
 #include "ep/cuda/buffers.hpp"
-#include "ep/cuda/ll_buffers.hpp"
 #include "ep/ep_impl.hpp"
 #include "ep/landing_policy.hpp"
 #include "ep/reference.hpp"
@@ -41,11 +40,10 @@ namespace ferry::test {
 namespace {
 
 using cuda_ep::Buffers;
-using cuda_ll::Half;
-using cuda_ll::LlBuffers;
+using cuda_ep::Half;
 
 using VirtualNormalRanks = VirtualRanks<Buffers, cuda_ep::allocate_buffers, cuda_ep::free_buffers>;
-using VirtualLlRanks = VirtualRanks<LlBuffers, cuda_ll::allocate_ll_buffers, cuda_ll::free_ll_buffers>;
+using VirtualLlRanks = VirtualRanks<Buffers, cuda_ep::allocate_buffers, cuda_ep::free_buffers>;
 
 struct Spec : VirtualSpec {
   std::string mode = "counts";   // counts | landing (normal mode's dispatch protocols) | ll
@@ -199,20 +197,12 @@ void run_normal(Spec const& spec, int num_ctas) {
   detail::LandingChoice const landing =
       detail::choose_normal_landing(config, world, spec.mode == "landing" ? "on" : "off");
   ASSERT_EQ(landing.use, spec.mode == "landing") << landing.why;
-  cuda_ep::SymLayout const layout = cuda_ep::make_sym_layout(config, world, landing.use);
+  cuda_ep::Protocol const protocol = landing.use ? cuda_ep::Protocol::landing : cuda_ep::Protocol::push;
+  cuda_ep::SymLayout const layout = cuda_ep::make_sym_layout(config, world, protocol);
   VirtualNormalRanks ranks(
       world, layout.total,
       [&](Buffers& b, int r) {
-        b.config = config;
-        b.world = world;
-        b.rank = r;
-        b.num_local_experts = config.num_local_experts(world);
-        b.recv_capacity = config.recv_capacity(world);
-        b.expert_slots = config.expert_slots();
-        b.num_sms = num_ctas;
-        b.landing = landing.use;
-        b.landing_why = landing.why;
-        b.land_ctas = std::min(num_ctas, cuda_ep::kMaxLandCtas);
+        cuda_ep::configure_buffers(b, config, world, r, protocol, num_ctas);
         b.layout = layout;
       },
       spec.timeout_s());
@@ -281,15 +271,11 @@ void run_ll(Spec const& spec, int num_ctas) {
   user.mode = Mode::low_latency;
   user.validate(world);
   EpConfig const config = user.resolved(world);
-  cuda_ll::LlLayout const layout = cuda_ll::make_ll_layout(config, world);
+  cuda_ep::SymLayout const layout = cuda_ep::make_sym_layout(config, world, cuda_ep::Protocol::ll);
   VirtualLlRanks ranks(
       world, layout.total,
-      [&](LlBuffers& b, int r) {
-        b.config = config;
-        b.world = world;
-        b.rank = r;
-        b.num_local_experts = config.num_local_experts(world);
-        b.expert_slots = config.expert_slots();
+      [&](Buffers& b, int r) {
+        cuda_ep::configure_buffers(b, config, world, r, cuda_ep::Protocol::ll, num_ctas);
         b.num_ctas = num_ctas;
         b.layout = layout;
       },
@@ -306,9 +292,10 @@ void run_ll(Spec const& spec, int num_ctas) {
   }
   int const faulty = spec.faulty;
   // one leg on every rank: whole, or every send half then every receive half; a refusing rank runs both halves in one
-  // kernel (as CudaLlEp::refuse_* does: no hook left pending), however its peers split theirs. It is launched after
-  // its peers' send halves: its kernel is another instance than theirs, and a first launch may load its module, which
-  // waits for the running kernels (test_normal_virtual.cu), so nothing may wait for a kernel launched after it.
+  // kernel (as CudaEp::refuse_* does in low-latency mode: no hook left pending), however its peers split theirs. It is
+  // launched after its peers' send halves: its kernel is another instance than theirs, and a first launch may load its
+  // module, which waits for the running kernels (test_normal_virtual.cu), so nothing may wait for a kernel launched
+  // after it.
   auto leg = [&](bool refuse, auto const& launch) {
     for (int r = 0; r < world; ++r)
       if (!(refuse && r == faulty)) launch(r, spec.hook ? Half::send : Half::both);
@@ -320,13 +307,13 @@ void run_ll(Spec const& spec, int num_ctas) {
   auto dispatch_leg = [&](bool refuse) {
     leg(refuse, [&](int r, Half half) {
       bool const refused = refuse && r == faulty;
-      cuda_ll::launch_ll_dispatch(ranks[r], refused ? DispatchArgs{} : dargs[r], half, ranks.stream(r), refused);
+      cuda_ep::launch_ll_dispatch(ranks[r], refused ? DispatchArgs{} : dargs[r], half, ranks.stream(r), refused);
     });
   };
   auto combine_leg = [&](std::vector<CombineArgs> const& args, bool refuse) {
     leg(refuse, [&](int r, Half half) {
       bool const refused = refuse && r == faulty;
-      cuda_ll::launch_ll_combine(ranks[r], refused ? CombineArgs{CombineLayout::rank_major} : args[r], tokens[r], half,
+      cuda_ep::launch_ll_combine(ranks[r], refused ? CombineArgs{CombineLayout::rank_major} : args[r], tokens[r], half,
                                  ranks.stream(r), refused);
     });
   };
@@ -336,7 +323,7 @@ void run_ll(Spec const& spec, int num_ctas) {
     std::vector<int> dropped(world);
     for (int r = 0; r < world; ++r) {
       dropped[r] = it.expected[r].dropped_slots;
-      poison_ll_dispatch(config, world, cuda_ll::ll_dispatch_result(ranks[r]), ranks[r].recv_slot);
+      poison_ll_dispatch(config, world, cuda_ep::dispatch_result(ranks[r], true), ranks[r].recv_slot);
     }
     CK(cudaDeviceSynchronize());
     if (iter == 0) {
@@ -352,7 +339,7 @@ void run_ll(Spec const& spec, int num_ctas) {
     ASSERT_TRUE(failure.empty()) << "iter " << iter << " after the refusal:\n" << failure;
     for (int r = 0; r < world; ++r) {
       SCOPED_TRACE("rank " + std::to_string(r) + " iter " + std::to_string(iter));
-      ASSERT_EQ(check_ll_dispatch(config, world, r, iter, it.expected[r], cuda_ll::ll_dispatch_result(ranks[r]),
+      ASSERT_EQ(check_ll_dispatch(config, world, r, iter, it.expected[r], cuda_ep::dispatch_result(ranks[r], true),
                                   ranks[r].recv_slot),
                 0);
       ASSERT_EQ(it.check_combines(config, world, r, iter, io[r]), 0);
@@ -398,11 +385,11 @@ TEST(RefusalVirtualRanks, NormalLanding) {
 }
 
 TEST(RefusalVirtualRanks, LowLatency) {
-  run_rows(rows_of({"mode=ll", "tokens=64,17"}), cuda_ll::kMaxCtas);
+  run_rows(rows_of({"mode=ll", "tokens=64,17"}), cuda_ep::kMaxLlCtas);
 }
 
 TEST(RefusalVirtualRanks, LowLatencyHookHalves) {
-  run_rows(rows_of({"mode=ll", "hook=1", "tokens=48,5"}), cuda_ll::kMaxCtas);
+  run_rows(rows_of({"mode=ll", "hook=1", "tokens=48,5"}), cuda_ep::kMaxLlCtas);
 }
 
 }  // namespace

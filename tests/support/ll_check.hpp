@@ -2,7 +2,7 @@
 // the dispatch's rank-major metadata and expert-major layout (bf16 rows, dequantized rows, or quantized payload +
 // scale tensors + nvfp4 token scales), and a combine's y with the poisoned guard behind it. Shared by the
 // multi-process tests (test_ll.cpp, test_ll_quant.cpp: an EpBuffer's DispatchResult) and the virtual-rank test
-// (test_ll_virtual.cu: the backend's LlBuffers). Each check returns 0, or prints the first mismatch (fail()) and
+// (test_ll_virtual.cu: the backend's Buffers). Each check returns 0, or prints the first mismatch (fail()) and
 // returns the failing exit code.
 #pragma once
 

@@ -164,8 +164,8 @@ class VirtualWorld {
   std::vector<cudaStream_t> streams_;
 };
 
-// `world` ranks of one EpBuffer's mode on the current GPU: each rank's local buffers (Buffers: cuda_ep::Buffers or
-// cuda_ll::LlBuffers, allocated by kAllocate, freed by kFree) on a VirtualWorld of region_bytes a rank. setup(b, r)
+// `world` ranks of one EpBuffer on the current GPU: each rank's local buffers (Buffers: cuda_ep::Buffers, every
+// protocol's, allocated by kAllocate, freed by kFree) on a VirtualWorld of region_bytes a rank. setup(b, r)
 // sets rank r's own fields (config, shape, grid, layout); the rank's DeviceView and symmetric regions come from the
 // VirtualWorld (device waits bounded by timeout_s), and its grids launch non-cooperatively (side by side: co-resident
 // by their size, not by the runtime's promise).

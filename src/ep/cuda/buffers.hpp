@@ -1,97 +1,159 @@
-// Host-side description of one EpBuffer's device memory on the cuda backend, shared by the launchers (dispatch.cu,
-// expand.cu, combine.cu) and the backend (cuda_ep.cu). Included by .cu files only (params.cuh is CUDA).
+// Host-side description of one EpBuffer's device memory on the cuda backend, every protocol's (normal push, normal
+// landing, low-latency), shared by the launchers (dispatch.cu, expand.cu, combine.cu, ll_dispatch.cu, ll_combine.cu),
+// the backend (cuda_ep.cu) and the virtual-rank tests (several ranks' buffers on one GPU). One allocator, one
+// symmetric-layout builder, one Params prologue (buffers.cu). Included by .cu files only (params.cuh is CUDA).
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <optional>
 #include <string>
 
+#include "ep/cuda/ll_params.cuh"
 #include "ep/cuda/params.cuh"
+#include "ep/landing_policy.hpp"
+#include "ep/run_record.hpp"
 #include "ferry/ep.hpp"
 #include "trace/cuda/recorder.hpp"
 #include "tuning/choose.hpp"
 
 namespace ferry::cuda_ep {
 
+using detail::Protocol;
+
 struct Buffers {
-  EpConfig config;
+  EpConfig config;  // resolved (EpConfig::resolved)
+  Protocol protocol = Protocol::push;
   int world = 0;
   int rank = 0;
   int num_local_experts = 0;
-  int recv_capacity = 0;
+  int recv_capacity = 0;  // rows of the rank-major receive buffers (low-latency: world * max_tokens_per_rank)
   int expert_slots = 0;
   int num_sms = 0;
+  // Launch the persistent grids cooperatively: the runtime refuses a grid that cannot be co-resident. Only the
+  // virtual-rank tests turn it off: they run several ranks' grids side by side on one GPU, sized so that all fit.
+  bool cooperative = true;
   DeviceView view{};
   SymmetricView sym{};
   SymLayout layout;
   DeviceState* state = nullptr;
-  uint32_t* token_mask = nullptr;   // [max_tokens]
+  uint32_t* token_mask = nullptr;     // [max_tokens] destination ranks of each token (for combine)
+  int32_t* expert_counts = nullptr;   // [num_local_experts]
+  int32_t* recv_slot = nullptr;       // [recv_capacity, topk] slot within its expert or -1
+  std::size_t recv_row_bytes = 0;     // EpConfig::recv_row_bytes(): bf16 row or quantized payload
+  void* expert_x = nullptr;           // [num_local_experts, expert_slots, recv_row_bytes] (expert_capacity set)
+  int32_t* expert_src_row = nullptr;  // [num_local_experts, expert_slots]
+  // Quantized delivery with expert slots: one scale tensor of expert_slots rows per local expert (zeroed once:
+  // padding entries stay zero), and nvfp4's token scales [num_local_experts, expert_slots].
+  std::size_t expert_scale_bytes = 0;  // scale_tensor_bytes(dispatch_format, recv_scale_layout, expert_slots, hidden)
+  void* expert_scales = nullptr;
+  float* expert_token_scales = nullptr;
+  trace::DeviceRecorder* trace = nullptr;  // in-kernel trace buffers (src/trace/), owned by the backend
+
+  // Normal mode (push and landing).
   int32_t* token_pos = nullptr;     // [max_tokens, world]
   int32_t* block_counts = nullptr;  // [max_dispatch_ctas, world] rows per destination of each dispatch CTA
   int32_t* count_totals = nullptr;  // [world + num_experts + 1] the dispatch's running totals (zero between calls)
   float* token_scales = nullptr;    // [max_tokens] nvfp4 dispatch_format: per-token scales of the call's tokens
   int max_dispatch_ctas = 0;
-  // Launch the persistent grids (dispatch, combine) cooperatively: the runtime refuses a grid that cannot be
-  // co-resident. Only the virtual-rank test turns it off: it runs several ranks' grids side by side on one GPU, each of
-  // num_sms / world CTAs, so that all of them fit.
-  bool cooperative = true;
-  // Dispatch protocol, fixed at construction (ep/landing_policy.hpp): the landing zone of small batches
-  // (land_dispatch.cuh, a grid of land_ctas CTAs on every call) or the count exchange (dispatch.cuh).
-  bool landing = false;
-  int land_ctas = 0;
-  std::string landing_why;
-  int32_t* expert_counts = nullptr;  // [num_local_experts]
-  int32_t* recv_slot = nullptr;      // [recv_capacity, topk]
-  std::size_t recv_row_bytes = 0;    // EpConfig::recv_row_bytes(): bf16 row or quantized payload
+  int land_ctas = 0;  // landing: the dispatch grid on every call (per-CTA sequence words)
   // Quantized delivery in a scale layout other than row_major: the scale tensor of recv_capacity rows the receiver
   // pass fills from the row-major recv_scales (zeroed once: padding entries stay zero). Null otherwise (the
   // symmetric recv_scales is the output).
   void* recv_scales_final = nullptr;
-  void* expert_x = nullptr;           // [num_local_experts, expert_slots, recv_row_bytes] (expert_capacity set)
-  int32_t* expert_src_row = nullptr;  // [num_local_experts, expert_slots]
-  // Quantized delivery with expert_capacity: one scale tensor of expert_slots rows per local expert (zeroed once),
-  // and nvfp4's token scales [num_local_experts, expert_slots].
-  std::size_t expert_scale_bytes = 0;  // scale_tensor_bytes(dispatch_format, recv_scale_layout, expert_slots, hidden)
-  void* expert_scales = nullptr;
-  float* expert_token_scales = nullptr;
   // Launch geometry inputs fixed at construction: the EpConfig pin and the tuning table rows of this GPU model and
   // shape (plan_dispatch / plan_combine add the env pins and the analytic default per call).
   tuning::LegTuning dispatch_tuning;
   tuning::LegTuning combine_tuning;
-  trace::DeviceRecorder* trace = nullptr;  // in-kernel trace buffers (src/trace/), owned by the backend
+
+  // Low-latency mode.
+  int num_ctas = 0;  // the grid of both legs, the same on every rank (agreed at construction)
+  // bf16 dispatch: the send half copies this rank's own rows from x into their slots (FERRY_LL_OWN_ROWS=direct)
+  // instead of staging them in the landing zone.
+  bool own_direct = false;
+  int32_t* recv_src = nullptr;  // [recv_capacity, 2] (source rank, source token)
+  int32_t* recv_idx = nullptr;  // [recv_capacity, topk]
+  float* recv_w = nullptr;      // [recv_capacity, topk]
+  int32_t* own_slot = nullptr;  // [max_tokens, topk]
 };
 
-// The symmetric region's layout for a config (the same on every rank); `landing` adds the landing zone's areas.
-SymLayout make_sym_layout(EpConfig const& config, int world, bool landing);
+// Sets the fields every allocation and launch reads from the config, the world, this rank, the protocol and the SMs a
+// grid may take (the backend at construction, and each virtual rank of the tests); the grids, view, sym, layout and
+// tuning are the caller's.
+void configure_buffers(Buffers& b, EpConfig const& config, int world, int rank, Protocol protocol, int num_sms);
 
-// Allocates a rank's local device buffers (state, token mask and positions, the dispatch's counters, recv_slot, the
-// scale tensors, the expert-major outputs) for b.config, b.world, b.num_local_experts, b.recv_capacity,
-// b.expert_slots and b.num_sms, which must be set; zeroes the state, the counters and the scale tensors with
-// cudaMemset (the default stream: synchronize the device before another stream uses them). Throws CudaError; then
-// nothing stays allocated.
+// The symmetric region's layout for a config and protocol (the same on every rank).
+SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol);
+
+// Allocates a rank's local device buffers for its protocol (configure_buffers set the inputs); zeroes the state, the
+// counters and the scale tensors with cudaMemset (the default stream: synchronize the device before another stream
+// uses them). Throws CudaError; then nothing stays allocated.
 void allocate_buffers(Buffers& b);
 // Frees what allocate_buffers allocated and nulls the pointers (again: a no-op). Never throws.
 void free_buffers(Buffers& b) noexcept;
 // The views a dispatch returns (device pointers into b; num_recv_host not set): what EpBuffer::dispatch hands out.
-// expand: the call laid the rows out expert-major (DispatchArgs::expand).
+// expand: the call laid the rows out expert-major (normal mode's DispatchArgs::expand; low-latency mode always does).
 DispatchResult dispatch_result(Buffers const& b, bool expand);
 
-// Launch geometry chosen for a leg, and the reason (for explain()).
+// The part of every kernel's Params the buffers give (the prologue of each launcher's to_params): view, peers'
+// regions, layout, state, shape, grid, the refusal flag and the trace of this launch (`traced`: the family it records
+// as; none for a kernel that records no trace).
+KernelParams common_params(Buffers const& b, int ctas, bool refuse, std::optional<TraceKernel> traced);
+// The part both low-latency legs' Params share (their prologue): common_params and the rank-major metadata.
+cuda_ll::LlParams ll_params(Buffers const& b, bool refuse, TraceKernel traced);
+
+// Sets the inputs every dispatch kernel's Params reads from the call (rows, ids, weights, token count).
+template <typename Params>
+void set_dispatch_inputs(Params& p, DispatchArgs const& args) {
+  p.x = args.x;
+  p.topk_idx = args.topk_idx;
+  p.topk_weights = args.topk_weights;
+  p.num_tokens = args.num_tokens;
+}
+
+// The kernel invariants of a dispatch call every protocol relies on (FERRY_CHECK: a failure is a bug).
+void check_dispatch_invariants(Buffers const& b, DispatchArgs const& args, bool refuse);
+
+// Launch geometry chosen for a normal-mode leg, and the reason (for explain(): text the plan's owner keeps).
 struct LaunchPlan {
   int ctas = 0;
   int push_ctas = 0;  // combine only
+  uint8_t fallbacks = detail::kNoFallback;
   std::string why;
 };
 
-// Each launcher validates its arguments (to_params), picks the template instance and launches on `stream`.
+// Each launcher validates its arguments (to_params), picks the template instance (instances.cuh), launches on
+// `stream` and returns the codec unit of the instance that ran (0: bf16) with its fallbacks in `record`.
 // refuse: this rank refuses the call (EpBackendImpl::refuse_dispatch / refuse_combine): the kernel joins the exchange
 // with its abort flag and moves no rows of its own (args: no tokens, no x or y).
 LaunchPlan plan_dispatch(Buffers const& buffers, int num_tokens);
 void launch_dispatch(Buffers const& buffers, DispatchArgs const& args, LaunchPlan const& plan, cudaStream_t stream,
-                     bool refuse = false);
+                     bool refuse = false, detail::LegRecord* record = nullptr);
 void launch_expand(Buffers const& buffers, bool copy_rows, cudaStream_t stream);
 LaunchPlan plan_combine(Buffers const& buffers, int num_tokens);
 void launch_combine(Buffers const& buffers, CombineArgs const& args, LaunchPlan const& plan, int num_tokens,
-                    cudaStream_t stream, bool refuse = false);
+                    cudaStream_t stream, bool refuse = false, detail::LegRecord* record = nullptr);
+
+// Low-latency mode's grid, fixed per EpBuffer: `asked` CTAs by the tuning choice (`source` its reason), `agreed` the
+// smallest any rank can run (at most one CTA per SM, kMaxCtas). Fewer CTAs than asked is a fallback
+// (kFallbackGridClamped); a forced test fallback (force_fallback_for_test) halves the grid.
+struct GridChoice {
+  int ctas = 0;
+  uint8_t fallbacks = detail::kNoFallback;
+  std::string why;
+};
+GridChoice ll_grid(int asked, std::string source, int agreed);
+
+// Low-latency mode: which halves a launch runs: both (one kernel per leg), or one of them (return_recv_hook).
+enum class Half { both, send, recv };
+void launch_ll_dispatch(Buffers const& buffers, DispatchArgs const& args, Half half, cudaStream_t stream,
+                        bool refuse = false, detail::LegRecord* record = nullptr);
+// num_tokens: this rank's tokens in the last dispatch (host copy, for the checks only).
+void launch_ll_combine(Buffers const& buffers, CombineArgs const& args, int num_tokens, Half half, cudaStream_t stream,
+                       bool refuse = false, detail::LegRecord* record = nullptr);
+
+// Most local experts of a low-latency EpBuffer: its dispatch kernels keep two counters per local expert in shared
+// memory (expand_smem_bytes), next to ~12 KiB of their own, under the 48 KiB a launch gets by default.
+inline constexpr int kMaxLlLocalExperts = 4096;
 
 }  // namespace ferry::cuda_ep

@@ -1,10 +1,10 @@
 // Host launcher of the normal-mode combine kernel (combine.cuh).
 #include <algorithm>
-#include <iterator>
 
 #include "core/cuda_check.hpp"
 #include "ep/cuda/buffers.hpp"
 #include "ep/cuda/combine.cuh"
+#include "ep/cuda/instances.cuh"
 #include "ep/cuda/launch_grid.cuh"
 #include "tuning/choose.hpp"
 
@@ -19,8 +19,11 @@ LaunchPlan plan_combine(Buffers const& buffers, int num_tokens) {
   LaunchPlan plan;
   plan.ctas = std::clamp(choice.geometry.blocks, 2, buffers.num_sms);
   std::string clamped;
-  if (plan.ctas != choice.geometry.blocks)
+  if (plan.ctas != choice.geometry.blocks) {
     clamped = detail::concat("; ", choice.geometry.blocks, " CTAs clamped to ", plan.ctas, " (2 to one per SM)");
+    // NOTE: fewer CTAs than asked is slower; a pin below 2 CTAs is raised (that is not slower)
+    if (plan.ctas < choice.geometry.blocks) plan.fallbacks |= detail::kFallbackGridClamped;
+  }
   // NOTE: push items are (tile, source): world * tiles of at most kMaxCombineTiles; sum items are this rank's tiles.
   // The push side moves and (expert-major) reduces every row, the sum side reads the landing rows once: two thirds
   // of the grid push, one third sums, and neither side gets more CTAs than it has items.
@@ -38,9 +41,7 @@ LaunchPlan plan_combine(Buffers const& buffers, int num_tokens) {
 
 namespace {
 
-// Kernel invariants only (FERRY_CHECK: a failure is a bug): the arguments were validated once by EpBuffer
-// (validate_dispatch_args / validate_combine_args), which refuses a bad call on every rank. An InputError thrown here
-// would be refused on this rank alone, the desync docs/errors.md rules out.
+// Kernel invariants only (FERRY_CHECK: a failure is a bug; check_dispatch_invariants in buffers.cu says why).
 CombineParams to_params(Buffers const& b, CombineArgs const& args, LaunchPlan const& plan, int num_tokens,
                         bool refuse) {
   FERRY_CHECK(refuse || num_tokens == 0 || args.y != nullptr, "combine y is null for num_tokens=", num_tokens,
@@ -51,64 +52,39 @@ CombineParams to_params(Buffers const& b, CombineArgs const& args, LaunchPlan co
   FERRY_CHECK(plan.push_ctas >= 1 && plan.ctas > plan.push_ctas && plan.ctas <= b.num_sms, "combine grid ", plan.ctas,
               " CTAs with ", plan.push_ctas, " pushing is not valid on ", b.num_sms, " SMs");
   CombineParams p{};
-  p.view = b.view;
-  p.net = transport::make_lsa(b.sym, b.rank, b.world);
-  p.layout = b.layout;
+  static_cast<KernelParams&>(p) = common_params(b, plan.ctas, refuse, TraceKernel::combine);
   p.x = args.x;
   p.y = args.y;
-  p.abort = refuse;
   p.landing_row_bytes = wire_row_bytes(b.config.combine_format, b.config.hidden);
-  p.hidden = b.config.hidden;
-  p.topk = b.config.topk;
   p.expert_slots = b.expert_slots;
-  p.max_tokens = b.config.max_tokens_per_rank;
   p.num_push_ctas = plan.push_ctas;
-  p.num_ctas = plan.ctas;
-  p.state = b.state;
   p.token_mask = b.token_mask;
   p.recv_slot = b.recv_slot;
-  p.trace = b.trace ? b.trace->launch(TraceKernel::combine, plan.ctas, kWarps) : trace::TraceView{};
   return p;
 }
 
 using CombineKernel = void (*)(CombineParams);
 
-// The instances: (layout, wire format, unit elements). bf16 rows are copied (no unit).
-struct Instance {
-  bool expert_major;
-  WireFormat format;
-  int unit;
-  CombineKernel kernel;
+// The family's instances (instances.cuh): codec x layout.
+struct CombineFamily : InstanceFamily<CombineKernel, 2, true> {
+  static constexpr char const* kName = "normal combine";
+  static constexpr char const* kFormatField = "combine_format";
+  static constexpr int variant(CombineLayout layout) { return layout == CombineLayout::expert_major ? 1 : 0; }
+  template <int kCodec, int kVariant>
+  static constexpr Kernel kernel() {
+    constexpr Codec codec = kCodecs[kCodec];
+    return combine_kernel<kVariant == 1, codec.format, codec.unit>;
+  }
 };
-
-template <bool kExpertMajor>
-constexpr Instance kInstances[] = {
-    {kExpertMajor, WireFormat::bf16, 0, combine_kernel<kExpertMajor, WireFormat::bf16, 0>},
-    {kExpertMajor, WireFormat::fp8_e4m3, 16, combine_kernel<kExpertMajor, WireFormat::fp8_e4m3, 16>},
-    {kExpertMajor, WireFormat::fp8_e4m3_ue8m0, 16, combine_kernel<kExpertMajor, WireFormat::fp8_e4m3_ue8m0, 16>},
-    {kExpertMajor, WireFormat::nvfp4, 32, combine_kernel<kExpertMajor, WireFormat::nvfp4, 32>},
-    {kExpertMajor, WireFormat::nvfp4, 16, combine_kernel<kExpertMajor, WireFormat::nvfp4, 16>},
-    {kExpertMajor, WireFormat::mxfp4, 32, combine_kernel<kExpertMajor, WireFormat::mxfp4, 32>},
-};
-
-CombineKernel pick_kernel(bool expert_major, WireFormat format, int hidden) {
-  int const unit = format == WireFormat::bf16 ? 0 : device::unit_elems_for(format, hidden);
-  for (auto const* table : {kInstances<true>, kInstances<false>})
-    for (std::size_t i = 0; i < std::size(kInstances<true>); ++i)
-      if (table[i].expert_major == expert_major && table[i].format == format && table[i].unit == unit)
-        return table[i].kernel;
-  FERRY_THROW(ConfigError, "config", "no combine kernel for combine_format=", wire_format_name(format), " with ", unit,
-              "-element units (hidden=", hidden, ")");
-}
 
 }  // namespace
 
 void launch_combine(Buffers const& buffers, CombineArgs const& args, LaunchPlan const& plan, int num_tokens,
-                    cudaStream_t stream, bool refuse) {
+                    cudaStream_t stream, bool refuse, detail::LegRecord* record) {
   // num_tokens is only checked here; the kernel reads the device copy of the last dispatch's count
   CombineParams const p = to_params(buffers, args, plan, num_tokens, refuse);
-  CombineKernel const kernel =
-      pick_kernel(args.layout == CombineLayout::expert_major, buffers.config.combine_format, buffers.config.hidden);
+  CombineKernel const kernel = find_instance<CombineFamily>(buffers.config.combine_format, buffers.config.hidden,
+                                                            CombineFamily::variant(args.layout), record);
   cuda_grid::launch_grid<kThreads>(kernel, p, p.num_ctas, 0, buffers.cooperative, stream);
 }
 

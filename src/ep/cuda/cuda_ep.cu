@@ -1,200 +1,130 @@
-// The cuda backend of EpBuffer, normal mode: owns the symmetric region and the local scratch, sequences the kernels
-// (dispatch.cu, expand.cu, combine.cu) and, in eager mode, synchronises and raises device-side errors.
+// The cuda backend of EpBuffer, every mode: owns the symmetric region and the local buffers (buffers.cu), chooses the
+// protocol at construction (normal mode's count exchange or landing zone, low-latency mode's one kernel per leg),
+// sequences its kernels (dispatch.cu, expand.cu, combine.cu; ll_dispatch.cu, ll_combine.cu, or their halves with
+// return_recv_hook), records what each call ran (run_record.hpp: a POD, explain()'s text is built when asked) and, in
+// eager mode, synchronises and raises device-side errors. No host synchronisation, memset or string per lazy call.
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <sstream>
+#include <vector>
 
 #include "core/cuda_check.hpp"
 #include "ep/cuda/buffers.hpp"
 #include "ep/cuda/device_memory.hpp"
-#include "ep/cuda/landing.cuh"
+#include "ep/cuda/ll_params.cuh"
 #include "ep/ep_impl.hpp"
 #include "ep/landing_policy.hpp"
+#include "ep/run_record.hpp"
 #include "ferry/env.hpp"
 #include "ferry/error.hpp"
-#include "quant/device_unit_codec.cuh"
-#include "quant/layout.hpp"
 
 namespace ferry::cuda_ep {
 
-using detail::device_alloc;
-using detail::device_free;
-using detail::device_zeroed;
-
-SymLayout make_sym_layout(EpConfig const& config, int world, bool landing) {
-  // NOTE: 256-byte alignment keeps every row and word area on its own cache lines and 16-byte vectors aligned.
-  constexpr std::size_t kAlign = 256;
-  std::size_t const cap = static_cast<std::size_t>(config.recv_capacity(world));
-  std::size_t const topk = static_cast<std::size_t>(config.topk);
-  // The areas a format needs (docs/quant.md "Row layout on the wire"): a quantized delivery lands the payload in
-  // recv_x and the scales row-major in recv_scales (+ the nvfp4 token scales); dispatch_dequantize lands whole wire
-  // rows in recv_wire and delivers bf16 in recv_x; combine rows come back as wire rows of combine_format.
-  WireRowLayout const dispatch_wire = wire_row_layout(config.dispatch_format, config.hidden);
-  bool const quantized_delivery = config.delivers_quantized();
-  bool const dequantize = config.dispatch_format != WireFormat::bf16 && config.dispatch_dequantize;
-  std::size_t const combine_row = wire_row_bytes(config.combine_format, config.hidden);
-  SymLayout layout;
-  layout.count_words = 1 + world + config.num_local_experts(world);
-  std::size_t offset = 0;
-  auto take = [&](std::size_t bytes) {
-    std::size_t const at = offset;
-    offset = quant::align_up(offset + bytes, kAlign);
-    return at;
-  };
-  layout.recv_x = take(cap * config.recv_row_bytes());
-  if (quantized_delivery) {
-    layout.recv_scales = take(cap * static_cast<std::size_t>(dispatch_wire.num_scales) *
-                              static_cast<std::size_t>(dispatch_wire.scale_bytes));
-    if (dispatch_wire.has_token_scale) layout.recv_token_scales = take(cap * sizeof(float));
+GridChoice ll_grid(int asked, std::string source, int agreed) {
+  GridChoice grid{agreed, detail::kNoFallback, std::move(source)};
+  if (detail::fallback_forced_for_test()) {
+    grid.ctas = std::max(1, agreed / 2);
+    grid.why += detail::concat("; a test forced the fallback (force_fallback_for_test): half of ", agreed, " CTAs");
   }
-  if (dequantize) layout.recv_wire = take(cap * dispatch_wire.row_bytes);
-  layout.recv_idx = take(cap * topk * sizeof(int32_t));
-  layout.recv_w = take(cap * topk * sizeof(float));
-  layout.recv_src = take(cap * 2 * sizeof(int32_t));
-  layout.counts = take(2ull * world * layout.count_words * sizeof(uint64_t));
-  layout.data_signal = take(static_cast<std::size_t>(world) * sizeof(uint64_t));
-  layout.combine_abort = take(2ull * world * sizeof(uint64_t));
-  layout.tile_flags = take(static_cast<std::size_t>(world) * kMaxCombineTiles * sizeof(uint64_t));
-  layout.landing = take(2ull * world * static_cast<std::size_t>(config.max_tokens_per_rank) * combine_row);
-  if (landing) {
-    std::size_t const slots = 2ull * world * static_cast<std::size_t>(config.max_tokens_per_rank);
-    layout.land_arrivals = take(static_cast<std::size_t>(world) * sizeof(uint64_t));
-    layout.land_tokens = take(2ull * world * sizeof(uint64_t));
-    layout.land_abort = take(2ull * world * sizeof(uint64_t));
-    layout.land_meta = take(slots * landing::record_bytes(config.topk));
-    layout.land_rows = take(slots * static_cast<std::size_t>(config.hidden) * 2);
-  }
-  layout.total = offset;
-  return layout;
-}
-
-void allocate_buffers(Buffers& b) {
-  EpConfig const& config = b.config;
-  try {
-    std::size_t const max_tokens = static_cast<std::size_t>(config.max_tokens_per_rank);
-    b.max_dispatch_ctas = b.num_sms;
-    b.state = device_zeroed<DeviceState>(1);
-    b.token_mask = device_alloc<uint32_t>(max_tokens);
-    b.token_pos = device_alloc<int32_t>(max_tokens * b.world);
-    b.block_counts = device_alloc<int32_t>(static_cast<std::size_t>(b.max_dispatch_ctas) * b.world);
-    b.count_totals = device_zeroed<int32_t>(static_cast<std::size_t>(b.world + config.num_experts + 1));
-    b.expert_counts = device_zeroed<int32_t>(b.num_local_experts);
-    if (config.dispatch_format == WireFormat::nvfp4) b.token_scales = device_alloc<float>(max_tokens);
-    b.recv_slot = device_alloc<int32_t>(static_cast<std::size_t>(b.recv_capacity) * config.topk);
-    b.recv_row_bytes = config.recv_row_bytes();
-    bool const quantized_delivery = config.delivers_quantized();
-    // NOTE: scale tensors are zeroed once: calls write every (row, block) entry of the rows they deliver and never the
-    // padding entries (rows or blocks past the end), which the layouts define as zero.
-    if (quantized_delivery && config.recv_scale_layout != ScaleLayout::row_major)
-      b.recv_scales_final = device_zeroed<uint8_t>(
-          scale_tensor_bytes(config.dispatch_format, config.recv_scale_layout, b.recv_capacity, config.hidden));
-    if (b.expert_slots > 0) {
-      std::size_t const slots = static_cast<std::size_t>(b.num_local_experts) * b.expert_slots;
-      b.expert_x = device_alloc<uint8_t>(slots * b.recv_row_bytes);
-      b.expert_src_row = device_alloc<int32_t>(slots);
-      if (quantized_delivery) {
-        b.expert_scale_bytes =
-            scale_tensor_bytes(config.dispatch_format, config.recv_scale_layout, b.expert_slots, config.hidden);
-        b.expert_scales = device_zeroed<uint8_t>(b.expert_scale_bytes * b.num_local_experts);
-        if (config.dispatch_format == WireFormat::nvfp4) b.expert_token_scales = device_alloc<float>(slots);
-      }
-    }
-  } catch (...) {
-    free_buffers(b);
-    throw;
-  }
-}
-
-void free_buffers(Buffers& b) noexcept {
-  device_free(b.state);
-  device_free(b.token_mask);
-  device_free(b.token_pos);
-  device_free(b.block_counts);
-  device_free(b.count_totals);
-  device_free(b.token_scales);
-  device_free(b.expert_counts);
-  device_free(b.recv_slot);
-  device_free(b.recv_scales_final);
-  device_free(b.expert_x);
-  device_free(b.expert_src_row);
-  device_free(b.expert_scales);
-  device_free(b.expert_token_scales);
-}
-
-DispatchResult dispatch_result(Buffers const& b, bool expand) {
-  DispatchResult result;
-  char* const sym = b.sym.ptr[b.rank];
-  result.recv_x = sym + b.layout.recv_x;
-  result.recv_row_bytes = b.recv_row_bytes;
-  if (b.config.delivers_quantized()) {
-    result.recv_scales = b.recv_scales_final ? b.recv_scales_final : sym + b.layout.recv_scales;
-    if (b.config.dispatch_format == WireFormat::nvfp4)
-      result.recv_token_scales = reinterpret_cast<float*>(sym + b.layout.recv_token_scales);
-  }
-  result.recv_topk_idx = reinterpret_cast<int32_t*>(sym + b.layout.recv_idx);
-  result.recv_topk_weights = reinterpret_cast<float*>(sym + b.layout.recv_w);
-  result.recv_src = reinterpret_cast<int32_t*>(sym + b.layout.recv_src);
-  result.num_recv = &b.state->num_recv;
-  result.expert_counts = b.expert_counts;
-  result.recv_capacity = b.recv_capacity;
-  if (expand) {
-    result.expert_x = b.expert_x;
-    result.expert_src_row = b.expert_src_row;
-    result.expert_slots = b.expert_slots;
-    result.expert_scales = b.expert_scales;
-    result.expert_token_scales = b.expert_token_scales;
-  }
-  return result;
+  if (grid.ctas != asked)
+    grid.why += detail::concat("; ran ", grid.ctas, " CTAs (at most one per SM, the same on every rank)");
+  if (grid.ctas < asked) grid.fallbacks |= detail::kFallbackGridClamped;
+  return grid;
 }
 
 namespace {
+
+// A normal-mode plan for one token count, with the env pins it was made under (the plan functions read them at every
+// call, so `ferry tune` can change them between calls: a changed pin makes a new plan).
+struct PlanMemo {
+  bool valid = false;
+  tuning::EnvPin env;
+  LaunchPlan plan;
+};
+
+bool same_pin(tuning::EnvPin const& a, tuning::EnvPin const& b) {
+  return a.blocks == b.blocks && a.warps == b.warps;
+}
 
 class CudaEp final : public detail::EpBackendImpl {
  public:
   CudaEp(Communicator& comm, EpConfig const& config) : comm_(comm) {
     Buffers& b = buffers_;
-    b.config = config;
-    b.world = comm.world();
-    b.rank = comm.rank();
-    b.num_local_experts = config.num_local_experts(b.world);
-    b.recv_capacity = config.recv_capacity(b.world);
-    b.expert_slots = config.expert_slots();
+    int const world = comm.world();
+    bool const ll = config.mode == Mode::low_latency;
     // NOTE: the token mask of a destination set is one 32-bit word, and kernels index peers by LSA pointer.
-    FERRY_CHECK_CONFIG(b.world <= kMaxLocalPeers, "world=", b.world, " exceeds ", kMaxLocalPeers,
-                       " ranks of one NVLink domain, the most normal mode supports in this version");
-    // NOTE: the dispatch layout keeps one counter per global expert in shared memory.
-    FERRY_CHECK_CONFIG(dispatch_smem_bytes(b.world, config.num_experts) <= kMaxDispatchSmem,
-                       "num_experts=", config.num_experts, " needs ", dispatch_smem_bytes(b.world, config.num_experts),
-                       " bytes of shared memory for the dispatch layout, more than ", kMaxDispatchSmem,
-                       "; use at most ", kMaxDispatchSmem / 4 - b.world, " experts");
+    FERRY_CHECK_CONFIG(world <= kMaxLocalPeers, "world=", world, " exceeds ", kMaxLocalPeers,
+                       " ranks of one NVLink domain, the most mode=", mode_name(config.mode),
+                       " supports in this version");
+    // 1. the protocol (the same on every rank: the config and FERRY_NORMAL_LANDING must agree)
+    detail::ProtocolChoice const protocol =
+        detail::choose_protocol(config, world, ll ? std::string() : env_string("FERRY_NORMAL_LANDING"));
+    protocol_why_ = protocol.why;
+    protocol_fallbacks_ = protocol.fallback ? detail::kFallbackCountExchange : detail::kNoFallback;
+    if (ll) {
+      FERRY_CHECK_CONFIG(config.expert_slots() > 0,
+                         "mode=ll needs a resolved config (EpConfig::resolved) with expert slots");
+      FERRY_CHECK_CONFIG(config.num_local_experts(world) <= kMaxLlLocalExperts, "num_experts=", config.num_experts,
+                         " gives ", config.num_local_experts(world), " local experts per rank at world=", world,
+                         "; mode=ll supports at most ", kMaxLlLocalExperts, " (use mode=normal, or more ranks)");
+      // env_string applies the env table's rule (landing or direct) and refuses anything else
+      b.own_direct = env_string("FERRY_LL_OWN_ROWS") == "direct";  // a rank's own rows only: the ranks need not agree
+    } else {
+      // NOTE: the dispatch layout keeps one counter per global expert in shared memory.
+      FERRY_CHECK_CONFIG(dispatch_smem_bytes(world, config.num_experts) <= kMaxDispatchSmem,
+                         "num_experts=", config.num_experts, " needs ", dispatch_smem_bytes(world, config.num_experts),
+                         " bytes of shared memory for the dispatch layout, more than ", kMaxDispatchSmem,
+                         "; use at most ", kMaxDispatchSmem / 4 - world, " experts");
+    }
     for (auto const* geometry : {&config.dispatch_geometry, &config.combine_geometry})
       FERRY_CHECK_CONFIG(!*geometry || (*geometry)->warps == 0 || (*geometry)->warps == kWarps,
-                         "geometry warps=", (*geometry)->warps, " is not available: the normal-mode kernels run ",
-                         kWarps, " warps per CTA; use 0 (choose) or ", kWarps);
+                         "geometry warps=", (*geometry)->warps, " is not available: the ", ll ? "LL" : "normal-mode",
+                         " kernels run ", kWarps, " warps per CTA; use 0 (choose) or ", kWarps);
     FERRY_CHECK_CUDA(cudaSetDevice(comm.device()));
-    FERRY_CHECK_CUDA(cudaDeviceGetAttribute(&b.num_sms, cudaDevAttrMultiProcessorCount, comm.device()));
+    int num_sms = 0;
+    FERRY_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, comm.device()));
+    configure_buffers(b, config, world, comm.rank(), protocol.protocol, num_sms);
     cudaDeviceProp prop{};
     FERRY_CHECK_CUDA(cudaGetDeviceProperties(&prop, comm.device()));
-    tuning::TuningKey const key = tuning::make_key(prop.name, b.world, config);
+    tuning::TuningKey const key = tuning::make_key(prop.name, world, config);
     auto const tables = tuning::active_tables();
     b.dispatch_tuning = tuning::resolve_leg(tuning::Leg::dispatch, key, config.dispatch_geometry, *tables);
     b.combine_tuning = tuning::resolve_leg(tuning::Leg::combine, key, config.combine_geometry, *tables);
+    if (ll) {
+      // 2. the low-latency grid, fixed for the EpBuffer (receivers count arrivals as seq * num_ctas) and shared by
+      //    both legs: the EpConfig pin, FERRY_DISPATCH_BLOCKS, the tuning table's dispatch row for the bucket of
+      //    max_tokens_per_rank (ferry tune --mode ll writes the same row to both legs), or one CTA per SM; at most one
+      //    per SM (co-resident for the cooperative launch). Every rank must use the same count: agree on the smallest.
+      int const limit = std::min(num_sms, cuda_ll::kMaxCtas);
+      tuning::Choice const choice =
+          tuning::choose(b.dispatch_tuning, tuning::read_env_pin(tuning::Leg::dispatch), config.max_tokens_per_rank,
+                         Geometry{limit, kWarps}, "one CTA per SM", kWarps);
+      int32_t const mine = std::clamp(choice.geometry.blocks, 1, limit);
+      std::vector<int32_t> all(static_cast<std::size_t>(world));
+      comm.bootstrap().allgather(&mine, all.data(), sizeof(mine));
+      GridChoice const grid = ll_grid(choice.geometry.blocks, choice.source, *std::min_element(all.begin(), all.end()));
+      b.num_ctas = grid.ctas;
+      grid_why_ = grid.why;
+      grid_fallbacks_ = grid.fallbacks;
+    } else {
+      plans_[0].resize(static_cast<std::size_t>(config.max_tokens_per_rank) + 1);
+      plans_[1].resize(static_cast<std::size_t>(config.max_tokens_per_rank) + 1);
+    }
+    context_.config = &b.config;
+    context_.protocol_why = protocol_why_.c_str();
+    context_.warps = kWarps;
+    context_.ll_chunk_elems = cuda_ll::kChunkVecs * 8;
+    context_.own_direct = b.own_direct;
+
+    // 3. symmetric region (zeroed by the communicator: counters and sequence numbers start at 0) and local buffers
     b.view = comm.device_view();
-    detail::LandingChoice const landing =
-        detail::choose_normal_landing(config, b.world, env_string("FERRY_NORMAL_LANDING"));
-    b.landing = landing.use;
-    b.landing_why = landing.why;
-    b.land_ctas = std::min(b.num_sms, kMaxLandCtas);
-    b.layout = make_sym_layout(config, b.world, b.landing);
+    b.layout = make_sym_layout(config, world, b.protocol);
     region_ = comm.alloc_symmetric(b.layout.total);
     b.sym = region_.view;
-
     try {
       allocate_buffers(b);
       b.trace = &trace_;
-      if (int const events = trace::env_events_per_warp(); events > 0)
-        trace_.enable(b.rank, b.num_sms * kWarps, events);
+      if (int const events = trace::env_events_per_warp(); events > 0) trace_.enable(b.rank, trace_warps(), events);
       FERRY_CHECK_CUDA(cudaDeviceSynchronize());
       // every rank's buffers exist before any peer can push into them
       comm.bootstrap().barrier();
@@ -208,118 +138,147 @@ class CudaEp final : public detail::EpBackendImpl {
 
   DispatchResult dispatch(DispatchArgs const& args, cudaStream_t stream) override {
     Buffers const& b = buffers_;
-    LaunchPlan const plan = plan_dispatch(b, args.num_tokens);
-    launch_dispatch(b, args, plan, stream);
-    if (args.expand) launch_expand(b, /*copy_rows=*/true, stream);
+    detail::LegRecord& leg = start(record_.dispatch);
+    leg.ids = args.topk_idx_type;
+    leg.expand = args.expand;
     last_num_tokens_ = args.num_tokens;
-    std::ostringstream why;
-    if (b.landing)
-      why << "dispatch: normal/nvlink-landing (rows land in per-source slots, the receiver compacts them: no count "
-             "exchange; "
-          << b.landing_why << "), ";
-    else
-      why << "dispatch: normal/nvlink-push fused (layout + count exchange + push in one kernel; " << b.landing_why
-          << "), ";
-    why << plan.ctas << " CTAs x " << kWarps << " warps (" << plan.why << "), ids "
-        << (args.topk_idx_type == IndexType::int64 ? "int64" : "int32") << ", " << dispatch_format_explain(args)
-        << (args.expand ? ", then expand (one CTA per local expert)" : "") << "; fast path";
-    dispatch_explain_ = why.str();
-
-    DispatchResult result = dispatch_result(b, args.expand);
-    if (args.eager) {
-      int32_t num_recv = 0;
-      FERRY_CHECK_CUDA(
-          cudaMemcpyAsync(&num_recv, &b.state->num_recv, sizeof(num_recv), cudaMemcpyDeviceToHost, stream));
-      sync_and_check(stream);
-      result.num_recv_host = num_recv;
+    if (b.protocol == Protocol::ll) {
+      leg.split = args.return_recv_hook;
+      leg.prequantized = args.x_scales != nullptr;
+      launch_ll_dispatch(b, args, leg.split ? Half::send : Half::both, stream, false, &leg);
+      finish_ll(leg);
+      pending_dispatch_ = args;
+      if (leg.split) return dispatch_result(b, true);
+      return finish_dispatch(true, args.eager, stream);
     }
-    return result;
+    leg.prequantized = args.num_tokens > 0 && args.x_scales != nullptr;
+    LaunchPlan const& plan = plan_of(0, args.num_tokens);
+    launch_dispatch(b, args, plan, stream, false, &leg);
+    if (args.expand) launch_expand(b, /*copy_rows=*/true, stream);
+    finish_normal(leg, plan);
+    return finish_dispatch(args.expand, args.eager, stream);
   }
 
-  // A refused call joins the exchange with no tokens (no rows) and this rank's abort flag: the peers' same call moves
-  // nothing and records the refusal, and the sequence numbers and parities stay in step on every rank.
+  DispatchResult complete_dispatch(cudaStream_t stream) override {
+    FERRY_CHECK(buffers_.protocol == Protocol::ll, "complete_dispatch on a normal-mode backend");
+    launch_ll_dispatch(buffers_, pending_dispatch_, Half::recv, stream);
+    return finish_dispatch(true, pending_dispatch_.eager, stream);
+  }
+
+  // A refused call joins the exchange with no tokens (no rows) and this rank's abort flag (low-latency mode: both
+  // halves in one kernel, so no hook is left pending): the peers' same call moves nothing and records the refusal,
+  // and the sequence numbers and parities stay in step on every rank.
   void refuse_dispatch(cudaStream_t stream) override {
     Buffers const& b = buffers_;
-    launch_dispatch(b, DispatchArgs{}, plan_dispatch(b, 0), stream, /*refuse=*/true);
+    if (b.protocol == Protocol::ll)
+      launch_ll_dispatch(b, DispatchArgs{}, Half::both, stream, /*refuse=*/true);
+    else
+      launch_dispatch(b, DispatchArgs{}, plan_of(0, 0), stream, /*refuse=*/true);
     last_num_tokens_ = 0;  // the kernel left no tokens for a combine (EpBuffer refuses one until a dispatch succeeds)
-    dispatch_explain_ = "dispatch: refused on input (joined the count exchange with no tokens and the abort flag)";
+    start(record_.dispatch).refused = true;
   }
 
   void refuse_combine(cudaStream_t stream) override {
     Buffers const& b = buffers_;
     CombineArgs none;
     none.layout = CombineLayout::rank_major;  // reads no x
-    launch_combine(b, none, plan_combine(b, last_num_tokens_), last_num_tokens_, stream, /*refuse=*/true);
-    combine_explain_ = "combine: refused on input (every tile its sources wait for flagged with the abort flag)";
+    if (b.protocol == Protocol::ll)
+      launch_ll_combine(b, none, last_num_tokens_, Half::both, stream, /*refuse=*/true);
+    else
+      launch_combine(b, none, plan_of(1, last_num_tokens_), last_num_tokens_, stream, /*refuse=*/true);
+    start(record_.combine).refused = true;
   }
 
   void combine(CombineArgs const& args, cudaStream_t stream) override {
     Buffers const& b = buffers_;
     // NOTE: EpBuffer validated the call (validate_combine_args, refused on every rank): it follows a dispatch that
-    // succeeded, and an expert-major one follows an expanded dispatch, so recv_slot holds that dispatch's slots.
-    bool const expert_major = args.layout == CombineLayout::expert_major;
-    LaunchPlan const plan = plan_combine(b, last_num_tokens_);
-    launch_combine(b, args, plan, last_num_tokens_, stream);
-    std::ostringstream why;
-    why << "combine: normal/nvlink-push pipelined (" << plan.push_ctas << " push + " << (plan.ctas - plan.push_ctas)
-        << " sum CTAs x " << kWarps << " warps, " << plan.why << "), "
-        << (expert_major ? "expert-major (receiver reduces its experts, fmaf k-ascending)" : "rank-major") << ", "
-        << combine_format_explain()
-        << "; push chosen: the receiver reduces and stores in one pass, pull would add a write + read of every row"
-        << "; fast path";
-    combine_explain_ = why.str();
+    // succeeded, and an expert-major one follows an expanded dispatch (or a low-latency one), so recv_slot holds that
+    // dispatch's slots; its hook rules keep a combine from starting while a dispatch's receive half is pending.
+    detail::LegRecord& leg = start(record_.combine);
+    leg.expert_major = args.layout == CombineLayout::expert_major;
+    if (b.protocol == Protocol::ll) {
+      leg.split = args.return_recv_hook;
+      launch_ll_combine(b, args, last_num_tokens_, leg.split ? Half::send : Half::both, stream, false, &leg);
+      finish_ll(leg);
+      pending_combine_ = args;
+      if (!leg.split && args.eager) sync_and_check(stream);
+      return;
+    }
+    LaunchPlan const& plan = plan_of(1, last_num_tokens_);
+    launch_combine(b, args, plan, last_num_tokens_, stream, false, &leg);
+    finish_normal(leg, plan);
     if (args.eager) sync_and_check(stream);
+  }
+
+  void complete_combine(cudaStream_t stream) override {
+    FERRY_CHECK(buffers_.protocol == Protocol::ll, "complete_combine on a normal-mode backend");
+    launch_ll_combine(buffers_, pending_combine_, last_num_tokens_, Half::recv, stream);
+    if (pending_combine_.eager) sync_and_check(stream);
   }
 
   void enable_trace(EpConfig const&, int max_events_per_warp) override {
     FERRY_CHECK_CUDA(cudaSetDevice(comm_.device()));
-    trace_.enable(buffers_.rank, buffers_.num_sms * kWarps, max_events_per_warp);
+    trace_.enable(buffers_.rank, trace_warps(), max_events_per_warp);
   }
 
+  // NOTE: with the receive hook a leg is two launches of the same family; the trace holds the last (receive) half.
   TraceBuffer read_trace(EpConfig const&, TraceKernel kernel, cudaStream_t stream) override {
     return trace_.read(kernel, stream);
   }
 
-  std::string explain() const override {
-    std::string out = dispatch_explain_.empty() ? std::string("dispatch: not run") : dispatch_explain_;
-    out += "\n";
-    out += combine_explain_.empty() ? std::string("combine: not run") : combine_explain_;
-    return out;
-  }
+  std::string explain() const override { return detail::explain_text(record_, context_); }
+
+  detail::RunRecord const* run_record() const override { return &record_; }
 
  private:
-  // The wire format part of explain().
-  std::string dispatch_format_explain(DispatchArgs const& args) const {
-    EpConfig const& config = buffers_.config;
-    WireFormat const format = config.dispatch_format;
-    if (format == WireFormat::bf16) return "format bf16 (rows copied)";
-    std::ostringstream out;
-    out << "format " << wire_format_name(format) << " ("
-        << (args.num_tokens > 0 && args.x_scales ? "pre-quantized input forwarded"
-                                                 : "quantized once per token in the push, no extra pass")
-        << ", " << device::unit_elems_for(format, config.hidden) << "-element units), ";
-    if (config.dispatch_dequantize)
-      out << "delivered as bf16 (wire rows land, then the receiver dequantizes them: a local pass over the rows)";
-    else if (config.recv_scale_layout == ScaleLayout::row_major)
-      out << "delivered quantized: payload + row_major scales written by the senders in place (no receiver pass)";
-    else
-      out << "delivered quantized: payload in place; scales land row-major and a receiver pass writes them in "
-          << scale_layout_name(config.recv_scale_layout)
-          << " (direct stores to that layout would scatter small NVLink writes)";
-    return out.str();
+  // A fresh record of a leg that ran on this backend's protocol.
+  detail::LegRecord& start(detail::LegRecord& leg) const {
+    leg = detail::LegRecord{};
+    leg.ran = true;
+    leg.protocol = buffers_.protocol;
+    return leg;
+  }
+  void finish_ll(detail::LegRecord& leg) const {
+    leg.ctas = buffers_.num_ctas;
+    leg.plan_why = grid_why_.c_str();
+    leg.fallbacks |= grid_fallbacks_;
+  }
+  void finish_normal(detail::LegRecord& leg, LaunchPlan const& plan) const {
+    leg.ctas = plan.ctas;
+    leg.push_ctas = plan.push_ctas;
+    leg.plan_why = plan.why.c_str();
+    leg.fallbacks |= plan.fallbacks;
+    if (&leg == &record_.dispatch) leg.fallbacks |= protocol_fallbacks_;
   }
 
-  std::string combine_format_explain() const {
-    EpConfig const& config = buffers_.config;
-    WireFormat const format = config.combine_format;
-    if (format == WireFormat::bf16) return "format bf16";
-    std::ostringstream out;
-    out << "format " << wire_format_name(format) << " (partial rows quantized in the push, "
-        << device::unit_elems_for(format, config.hidden)
-        << "-element units; the source dequantizes to fp32 and sums ranks ascending"
-        << (format == WireFormat::nvfp4 ? "; nvfp4 produces each row twice: its token scale needs the row's amax" : "")
-        << ")";
-    return out.str();
+  // The plan of a normal-mode leg (0 dispatch, 1 combine) for num_tokens tokens: made once per token count and env
+  // pins, so a call allocates nothing and its record points at text that outlives it.
+  LaunchPlan const& plan_of(int leg, int num_tokens) {
+    PlanMemo& memo = plans_[leg][static_cast<std::size_t>(num_tokens)];
+    tuning::EnvPin const env = tuning::read_env_pin(leg == 0 ? tuning::Leg::dispatch : tuning::Leg::combine);
+    if (!memo.valid || !same_pin(memo.env, env)) {
+      memo.plan = leg == 0 ? plan_dispatch(buffers_, num_tokens) : plan_combine(buffers_, num_tokens);
+      memo.env = env;
+      memo.valid = true;
+    }
+    return memo.plan;
+  }
+
+  DispatchResult finish_dispatch(bool expand, bool eager, cudaStream_t stream) {
+    DispatchResult result = dispatch_result(buffers_, expand);
+    if (eager) {
+      int32_t num_recv = 0;
+      FERRY_CHECK_CUDA(
+          cudaMemcpyAsync(&num_recv, &buffers_.state->num_recv, sizeof(num_recv), cudaMemcpyDeviceToHost, stream));
+      sync_and_check(stream);
+      result.num_recv_host = num_recv;
+    }
+    return result;
+  }
+
+  // Warps a trace buffer is sized for: the largest grid any kernel of this protocol launches.
+  int trace_warps() const {
+    return (buffers_.protocol == Protocol::ll ? buffers_.num_ctas : buffers_.num_sms) * kWarps;
   }
 
   void sync_and_check(cudaStream_t stream) {
@@ -332,12 +291,19 @@ class CudaEp final : public detail::EpBackendImpl {
   }
 
   Communicator& comm_;
-  SymmetricRegion region_;  // the symmetric region of buffers_.sym
-  Buffers buffers_;
   trace::DeviceRecorder trace_;  // Buffers::trace points here
-  int last_num_tokens_ = 0;      // of the last dispatch: the rows combine returns
-  std::string dispatch_explain_;
-  std::string combine_explain_;
+  SymmetricRegion region_;       // the symmetric region of buffers_.sym
+  Buffers buffers_;
+  int last_num_tokens_ = 0;         // of the last dispatch: the rows combine returns
+  DispatchArgs pending_dispatch_;   // low-latency: the send half's arguments, for its receive half
+  CombineArgs pending_combine_;     // same for combine
+  std::vector<PlanMemo> plans_[2];  // normal mode: [leg][num_tokens]
+  std::string protocol_why_;        // choose_protocol's reason
+  std::string grid_why_;            // low-latency: where the CTA count came from
+  uint8_t protocol_fallbacks_ = detail::kNoFallback;
+  uint8_t grid_fallbacks_ = detail::kNoFallback;
+  detail::RunRecord record_;
+  detail::ExplainContext context_;
 };
 
 }  // namespace

@@ -1,4 +1,4 @@
-// Local device allocations of the cuda backends (cuda_ep.cu, ll_ep.cu). Every allocation holds at least one element,
+// Local device allocations of the cuda backend (buffers.cu, cuda_ep.cu). Every allocation holds at least one element,
 // so a config with an empty area still gets a valid pointer; device_free frees and nulls (again: a no-op).
 #pragma once
 

@@ -1,10 +1,12 @@
 // Host launcher of the normal-mode dispatch kernel (dispatch.cuh): geometry, validation, template instance, launch.
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "core/cuda_check.hpp"
 #include "ep/cuda/buffers.hpp"
 #include "ep/cuda/dispatch.cuh"
+#include "ep/cuda/instances.cuh"
 #include "ep/cuda/land_dispatch.cuh"
 #include "ep/cuda/launch_grid.cuh"
 #include "ep/landing_policy.hpp"
@@ -13,7 +15,7 @@
 namespace ferry::cuda_ep {
 
 LaunchPlan plan_dispatch(Buffers const& buffers, int num_tokens) {
-  if (buffers.landing) {
+  if (buffers.protocol == Protocol::landing) {
     // NOTE: every CTA of the landing dispatch keeps its own sequence word, so its grid is fixed per EpBuffer.
     LaunchPlan plan;
     plan.ctas = buffers.land_ctas;
@@ -31,23 +33,19 @@ LaunchPlan plan_dispatch(Buffers const& buffers, int num_tokens) {
   LaunchPlan plan;
   plan.ctas = std::min(choice.geometry.blocks, buffers.max_dispatch_ctas);
   plan.why = choice.source;
-  if (plan.ctas != choice.geometry.blocks)
+  if (plan.ctas != choice.geometry.blocks) {
     plan.why += detail::concat("; ", choice.geometry.blocks, " CTAs clamped to ", plan.ctas,
                                " (at most one per SM: the grid is persistent)");
+    plan.fallbacks |= detail::kFallbackGridClamped;
+  }
   return plan;
 }
 
 namespace {
 
-// Kernel invariants only (FERRY_CHECK: a failure is a bug): the arguments were validated once by EpBuffer
-// (validate_dispatch_args / validate_combine_args), which refuses a bad call on every rank. An InputError thrown here
-// would be refused on this rank alone, the desync docs/errors.md rules out.
+// Kernel invariants only (FERRY_CHECK: a failure is a bug; check_dispatch_invariants says why).
 DispatchParams to_params(Buffers const& b, DispatchArgs const& args, LaunchPlan const& plan, bool refuse) {
-  FERRY_CHECK(!refuse || args.num_tokens == 0, "a refused dispatch joins with no tokens, not ", args.num_tokens);
-  FERRY_CHECK(args.num_tokens >= 0 && args.num_tokens <= b.config.max_tokens_per_rank, "num_tokens=", args.num_tokens,
-              " is outside [0, max_tokens_per_rank=", b.config.max_tokens_per_rank, "]");
-  FERRY_CHECK(args.num_tokens == 0 || (args.x && args.topk_idx && args.topk_weights),
-              "x, topk_idx and topk_weights must be non-null for num_tokens=", args.num_tokens);
+  check_dispatch_invariants(b, args, refuse);
   FERRY_CHECK(plan.ctas >= 1 && plan.ctas <= b.max_dispatch_ctas, "dispatch grid of ", plan.ctas,
               " CTAs is outside [1, ", b.max_dispatch_ctas, "]");
   WireFormat const format = b.config.dispatch_format;
@@ -64,28 +62,16 @@ DispatchParams to_params(Buffers const& b, DispatchArgs const& args, LaunchPlan 
                 "x_token_scales=", args.x_token_scales, " is not 4-byte aligned");
   }
   DispatchParams p{};
-  p.view = b.view;
-  p.net = transport::make_lsa(b.sym, b.rank, b.world);
-  p.layout = b.layout;
-  p.x = args.x;
-  p.topk_idx = args.topk_idx;
-  p.topk_weights = args.topk_weights;
-  p.num_tokens = args.num_tokens;
-  p.abort = refuse;
-  p.hidden = b.config.hidden;
-  p.topk = b.config.topk;
+  static_cast<KernelParams&>(p) = common_params(b, plan.ctas, refuse, TraceKernel::dispatch);
+  set_dispatch_inputs(p, args);
   p.num_experts = b.config.num_experts;
   p.num_local_experts = b.num_local_experts;
   p.recv_capacity = b.recv_capacity;
-  p.max_tokens = b.config.max_tokens_per_rank;
-  p.num_ctas = plan.ctas;
-  p.state = b.state;
   p.token_mask = b.token_mask;
   p.token_pos = b.token_pos;
   p.block_counts = b.block_counts;
   p.count_totals = b.count_totals;
   p.expert_counts = b.expert_counts;
-  p.trace = b.trace ? b.trace->launch(TraceKernel::dispatch, plan.ctas, kWarps) : trace::TraceView{};
   p.recv_pass = RecvPass::none;
   p.scale_layout = b.config.recv_scale_layout;
   if (format != WireFormat::bf16) {
@@ -133,68 +119,45 @@ void launch_kernel(DispatchParams const& p, std::size_t smem, bool cooperative, 
   cuda_grid::launch_grid<kThreads>(kKernel, p, p.num_ctas, smem, cooperative, stream);
 }
 
-// The instances: (wire format, unit elements) for each index type. bf16 copies rows (no unit).
-struct Instance {
-  WireFormat format;
-  int unit;
-  void (*launch)(DispatchParams const&, std::size_t, bool, cudaStream_t);
-};
+using LaunchFn = void (*)(DispatchParams const&, std::size_t, bool, cudaStream_t);
 
-template <typename IdxT>
-constexpr Instance kInstances[] = {
-    {WireFormat::bf16, 0, launch_kernel<dispatch_kernel<IdxT, WireFormat::bf16, 0>>},
-    {WireFormat::fp8_e4m3, 16, launch_kernel<dispatch_kernel<IdxT, WireFormat::fp8_e4m3, 16>>},
-    {WireFormat::fp8_e4m3_ue8m0, 16, launch_kernel<dispatch_kernel<IdxT, WireFormat::fp8_e4m3_ue8m0, 16>>},
-    {WireFormat::nvfp4, 32, launch_kernel<dispatch_kernel<IdxT, WireFormat::nvfp4, 32>>},
-    {WireFormat::nvfp4, 16, launch_kernel<dispatch_kernel<IdxT, WireFormat::nvfp4, 16>>},
-    {WireFormat::mxfp4, 32, launch_kernel<dispatch_kernel<IdxT, WireFormat::mxfp4, 32>>},
-};
-
-template <typename IdxT>
-void launch_instance(WireFormat format, int hidden, DispatchParams const& p, std::size_t smem, bool cooperative,
-                     cudaStream_t stream) {
-  int const unit = format == WireFormat::bf16 ? 0 : device::unit_elems_for(format, hidden);
-  for (Instance const& instance : kInstances<IdxT>) {
-    if (instance.format == format && instance.unit == unit) {
-      instance.launch(p, smem, cooperative, stream);
-      return;
-    }
+// The family's instances (instances.cuh): codec x (protocol: count exchange or landing zone) x index type. The landing
+// zone carries bf16 rows only (choose_normal_landing).
+struct DispatchFamily : InstanceFamily<LaunchFn, 4, true> {
+  static constexpr char const* kName = "normal dispatch";
+  static constexpr char const* kFormatField = "dispatch_format";
+  static constexpr int variant(Protocol protocol, IndexType ids) {
+    return (protocol == Protocol::landing ? 2 : 0) + (ids == IndexType::int64 ? 1 : 0);
   }
-  FERRY_THROW(ConfigError, "config", "no dispatch kernel for dispatch_format=", wire_format_name(format), " with ",
-              unit, "-element units (hidden=", hidden, ")");
-}
-
-// The kernel of one index type: the landing zone's (small batches, bf16; its receiver's shared memory checked at
-// construction by choose_normal_landing), or the count exchange's instance for the wire format.
-template <typename IdxT>
-void launch_protocol(Buffers const& buffers, DispatchParams const& p, cudaStream_t stream) {
-  if (buffers.landing) {
-    static_assert(detail::kLandingMaxSmem <= kMaxDispatchSmem, "the landing receiver's budget fits the dispatch limit");
-    launch_kernel<land_dispatch_kernel<IdxT>>(p, detail::landing_smem_bytes(buffers.config, buffers.world),
-                                              buffers.cooperative, stream);
-    return;
+  template <int kCodec, int kVariant>
+  static constexpr Kernel kernel() {
+    constexpr Codec codec = kCodecs[kCodec];
+    using IdxT = std::conditional_t<kVariant % 2 == 1, int64_t, int32_t>;
+    if constexpr (kVariant / 2 == 0) return launch_kernel<dispatch_kernel<IdxT, codec.format, codec.unit>>;
+    if constexpr (kVariant / 2 == 1 && codec.format == WireFormat::bf16)
+      return launch_kernel<land_dispatch_kernel<IdxT>>;
+    return nullptr;
   }
-  launch_instance<IdxT>(buffers.config.dispatch_format, buffers.config.hidden, p,
-                        dispatch_smem_bytes(buffers.world, buffers.config.num_experts), buffers.cooperative, stream);
-}
+};
 
 }  // namespace
 
 void launch_dispatch(Buffers const& buffers, DispatchArgs const& args, LaunchPlan const& plan, cudaStream_t stream,
-                     bool refuse) {
+                     bool refuse, detail::LegRecord* record) {
   DispatchParams const p = to_params(buffers, args, plan, refuse);
-  FERRY_CHECK(!buffers.landing || plan.ctas == buffers.land_ctas, "landing dispatch grid of ", plan.ctas,
+  bool const landing = buffers.protocol == Protocol::landing;
+  FERRY_CHECK(!landing || plan.ctas == buffers.land_ctas, "landing dispatch grid of ", plan.ctas,
               " CTAs differs from the ", buffers.land_ctas, " its sequence words were counted with");
-  switch (args.topk_idx_type) {
-    case IndexType::int64:
-      launch_protocol<int64_t>(buffers, p, stream);
-      break;
-    case IndexType::int32:
-      launch_protocol<int32_t>(buffers, p, stream);
-      break;
-    default:
-      FERRY_THROW(Error, "ferry", "topk_idx_type=", static_cast<int>(args.topk_idx_type), " is not int32 or int64");
-  }
+  FERRY_CHECK(args.topk_idx_type == IndexType::int32 || args.topk_idx_type == IndexType::int64,
+              "topk_idx_type=", static_cast<int>(args.topk_idx_type), " is not int32 or int64");
+  LaunchFn const launch =
+      find_instance<DispatchFamily>(buffers.config.dispatch_format, buffers.config.hidden,
+                                    DispatchFamily::variant(buffers.protocol, args.topk_idx_type), record);
+  // the landing receiver's shared memory was checked at construction (choose_normal_landing)
+  static_assert(detail::kLandingMaxSmem <= kMaxDispatchSmem, "the landing receiver's budget fits the dispatch limit");
+  std::size_t const smem = landing ? detail::landing_smem_bytes(buffers.config, buffers.world)
+                                   : dispatch_smem_bytes(buffers.world, buffers.config.num_experts);
+  launch(p, smem, buffers.cooperative, stream);
 }
 
 }  // namespace ferry::cuda_ep

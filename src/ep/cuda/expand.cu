@@ -8,19 +8,17 @@
 namespace ferry::cuda_ep {
 namespace {
 
-// Kernel invariants only (FERRY_CHECK: a failure is a bug): the arguments were validated once by EpBuffer
-// (validate_dispatch_args / validate_combine_args), which refuses a bad call on every rank. An InputError thrown here
-// would be refused on this rank alone, the desync docs/errors.md rules out.
+// Kernel invariants only (FERRY_CHECK: a failure is a bug; check_dispatch_invariants in buffers.cu says why).
 ExpandParams to_params(Buffers const& b, bool copy_rows) {
   FERRY_CHECK(b.expert_slots > 0, "the expert-major layout needs EpConfig::expert_capacity (rows per local ",
               "expert); set it when creating the EpBuffer");
   FERRY_CHECK(!copy_rows || (b.expert_x && b.expert_src_row), "expert-major buffers are not allocated");
   FERRY_CHECK(!copy_rows || !b.config.delivers_quantized() || b.expert_scales,
               "expert-major scale tensors are not allocated");
+  // NOTE: one CTA per local expert (each scans every entry, ordered); the grid never needs to be co-resident.
   ExpandParams p{};
-  p.view = b.view;
+  static_cast<KernelParams&>(p) = common_params(b, std::max(1, b.num_local_experts), false, std::nullopt);
   p.sym_local = b.sym.ptr[b.rank];
-  p.layout = b.layout;
   p.row_bytes = b.recv_row_bytes;
   // NOTE: dispatch_dequantize delivers bf16 rows: expand copies them like bf16 transport.
   p.format = b.config.delivers_quantized() ? b.config.dispatch_format : WireFormat::bf16;
@@ -28,11 +26,8 @@ ExpandParams to_params(Buffers const& b, bool copy_rows) {
   p.expert_scale_bytes = b.expert_scale_bytes;
   p.expert_scales = b.expert_scales;
   p.expert_token_scales = b.expert_token_scales;
-  p.hidden = b.config.hidden;
-  p.topk = b.config.topk;
   p.num_local_experts = b.num_local_experts;
   p.expert_slots = b.expert_slots;
-  p.state = b.state;
   p.recv_slot = b.recv_slot;
   p.expert_x = b.expert_x;
   p.expert_src_row = b.expert_src_row;
@@ -43,8 +38,7 @@ ExpandParams to_params(Buffers const& b, bool copy_rows) {
 
 void launch_expand(Buffers const& buffers, bool copy_rows, cudaStream_t stream) {
   ExpandParams const p = to_params(buffers, copy_rows);
-  // NOTE: one CTA per local expert (each scans every entry, ordered); the grid never needs to be co-resident.
-  unsigned const ctas = static_cast<unsigned>(std::max(1, buffers.num_local_experts));
+  unsigned const ctas = static_cast<unsigned>(p.num_ctas);
   if (copy_rows && p.format != WireFormat::bf16)
     expand_kernel<true, true><<<ctas, kThreads, 0, stream>>>(p);
   else if (copy_rows)

@@ -1,5 +1,6 @@
-// Low-latency mode of the cuda backend: constants, the device state words, the layout of the symmetric region and
-// the kernels' Params structs (built and validated on the host by the launchers' to_params()).
+// Low-latency mode of the cuda backend: its constants and its kernels' parts of the one Params family (params.cuh:
+// the state words, the symmetric layout and KernelParams are shared with the normal-mode kernels), built and
+// validated on the host by the launchers' to_params().
 //
 // Protocol (one kernel per leg; the send and receive halves are the same code compiled apart for the hook):
 //  - Every rank launches the same fixed grid (num_ctas, agreed at construction), so a call adds exactly num_ctas to
@@ -22,18 +23,22 @@
 #include <cstdint>
 
 #include "comm/device/bf16x8.cuh"
-#include "comm/transport/lsa.cuh"
+#include "ep/cuda/params.cuh"
 #include "ferry/device_view.hpp"
 #include "ferry/ep.hpp"
 #include "trace/trace_format.hpp"
 
 namespace ferry::cuda_ll {
 
-// Threads per CTA: 16 warps, one token (dispatch) or one row chunk (combine) per warp.
-inline constexpr int kThreads = 512;
-inline constexpr int kWarps = kThreads / 32;
+// The shared part of the family (params.cuh). 16 warps per CTA: one token (dispatch) or one row chunk (combine) per
+// warp.
+using cuda_ep::DeviceState;
+using cuda_ep::KernelParams;
+using cuda_ep::kThreads;
+using cuda_ep::kWarps;
+using cuda_ep::SymLayout;
 // Most CTAs of an LL grid (per-CTA sequence words are sized for it).
-inline constexpr int kMaxCtas = 256;
+inline constexpr int kMaxCtas = cuda_ep::kMaxLlCtas;
 // 16-byte vectors per lane in flight before the stores; a combine work item is one such step of a row.
 inline constexpr int kUnroll = 4;
 inline constexpr int kChunkVecs = 32 * kUnroll;
@@ -42,36 +47,19 @@ static_assert(kMaxTopk * 2 <= 32, "dispatch metadata is written by one warp: top
 static_assert(kMaxLocalPeers <= 32, "destination masks are 32-bit and waits use one thread per source");
 static_assert(kThreads >= kMaxLocalPeers, "one thread per source waits for its arrivals");
 
-// Device words of one LL EpBuffer (local memory, zeroed at construction).
-struct LlState {
-  uint64_t dispatch_send_seq[kMaxCtas];  // per CTA: calls whose send half this CTA ran
-  uint64_t dispatch_recv_seq[kMaxCtas];
-  uint64_t combine_send_seq[kMaxCtas];
-  uint64_t combine_recv_seq[kMaxCtas];
-  int32_t num_tokens;  // this rank's tokens in the last dispatch (send half, CTA 0)
-  int32_t num_recv;    // rows received by the last dispatch (receive half, the CTA of expert 0)
+// What both low-latency legs share past KernelParams: the rank-major metadata the dispatch writes and the combine
+// reads (local memory).
+struct LlParams : KernelParams {
+  int expert_slots;
+  uint32_t* token_mask;  // [max_tokens] destination ranks of each token (for combine)
+  int32_t* recv_src;     // [world * max_tokens, 2] (source rank, source token), rank-major
+  int32_t* recv_idx;     // [world * max_tokens, topk] local expert or -1
+  float* recv_w;         // [world * max_tokens, topk]
+  int32_t* recv_slot;    // [world * max_tokens, topk] slot within its expert or -1
 };
 
-// Byte offsets inside the symmetric region (the same on every rank). "source" is the sending rank.
-struct LlLayout {
-  std::size_t dispatch_arrivals = 0;   // [world sources] u64: send CTAs of that source finished, over all calls
-  std::size_t combine_arrivals = 0;    // [world sources] u64
-  std::size_t dispatch_tokens = 0;     // [2 parities][world sources] u64: tokens of the source's call
-  std::size_t dispatch_abort = 0;      // [2 parities][world sources] u64: seq of the source's last refused dispatch
-  std::size_t combine_abort = 0;       // [2 parities][world sources] u64: seq of the source's last refused combine
-  std::size_t dispatch_meta = 0;       // [2][world][max_tokens] records: topk int32 local ids, topk float weights
-  std::size_t dispatch_rows = 0;       // [2][world][max_tokens] dispatch wire rows, row t of source s at (s, t)
-  std::size_t combine_rows = 0;        // [2][world][max_tokens] combine wire rows, the row rank d sends back at (d, t)
-  std::size_t meta_bytes = 0;          // bytes of one record (topk * 8, 16-byte aligned)
-  std::size_t dispatch_row_bytes = 0;  // wire_row_bytes(dispatch_format, hidden) (bf16: hidden * 2)
-  std::size_t combine_row_bytes = 0;   // wire_row_bytes(combine_format, hidden)
-  std::size_t total = 0;
-};
-
-struct LlDispatchParams {
-  DeviceView view;
-  transport::Lsa net;  // every rank's symmetric region, reached through the transport seam
-  LlLayout layout;
+// The areas of the symmetric region are SymLayout's low-latency part; the state words DeviceState's.
+struct LlDispatchParams : LlParams {
   void const* x;  // bf16 rows, or the pre-quantized payload (x_scales set)
   // Pre-quantized input (a quantized dispatch_format): block scales [num_tokens, num_scales] row-major, nvfp4's
   // per-token scales [num_tokens]; null when x is bf16 (quantized by the send half).
@@ -80,27 +68,15 @@ struct LlDispatchParams {
   void const* topk_idx;
   float const* topk_weights;
   int num_tokens;
-  bool abort;  // this rank refuses the call (EpBackendImpl::refuse_dispatch; num_tokens is 0)
-  int hidden;
-  int topk;
   int num_experts;
   int num_local_experts;
-  int max_tokens;
-  int expert_slots;
-  int num_ctas;
-  LlState* state;
-  uint32_t* token_mask;     // [max_tokens] destination ranks of each token (for combine)
-  int32_t* recv_src;        // [world * max_tokens, 2] (source rank, source token), rank-major
-  int32_t* recv_idx;        // [world * max_tokens, topk] local expert or -1
-  float* recv_w;            // [world * max_tokens, topk]
-  int32_t* recv_slot;       // [world * max_tokens, topk] slot within its expert or -1
   int32_t* expert_counts;   // [num_local_experts]
   void* expert_x;           // [num_local_experts, expert_slots, expert_row_bytes] bf16 rows or wire payloads
   int32_t* expert_src_row;  // [num_local_experts, expert_slots] rank-major row, -1 past the count
   // bf16: [max_tokens, topk] the slot of this rank's own (token, k) entries (written by the send half's own
   // expansion, read by the receive half for their metadata; -1 past expert_capacity or not a local expert)
   int32_t* own_slot;
-  bool own_direct;               // LlBuffers::own_direct
+  bool own_direct;               // Buffers::own_direct
   std::size_t expert_row_bytes;  // EpConfig::recv_row_bytes(): hidden * 2, or the payload (quantized delivery)
   // Quantized dispatch_format: deliver bf16 rows dequantized from the wire (else payload + scales).
   bool dequantize;
@@ -111,28 +87,11 @@ struct LlDispatchParams {
   std::size_t scale_tensor_bytes;
   void* expert_scales;
   float* expert_token_scales;
-  trace::TraceView trace;  // in-kernel trace of this launch (empty unless a FERRY_TRACE build has tracing enabled)
 };
 
-struct LlCombineParams {
-  DeviceView view;
-  transport::Lsa net;  // every rank's symmetric region, reached through the transport seam
-  LlLayout layout;
+struct LlCombineParams : LlParams {
   void const* x;  // expert-major [num_local_experts, expert_slots, hidden] or rank-major [num_recv, hidden]
   void* y;        // [num_tokens, hidden]
-  bool abort;     // this rank refuses the call (EpBackendImpl::refuse_combine; x and y unused)
-  int hidden;
-  int topk;
-  int expert_slots;
-  int max_tokens;
-  int num_ctas;
-  LlState* state;
-  uint32_t const* token_mask;
-  int32_t const* recv_src;
-  int32_t const* recv_idx;
-  float const* recv_w;
-  int32_t const* recv_slot;
-  trace::TraceView trace;  // in-kernel trace of this launch (empty unless a FERRY_TRACE build has tracing enabled)
 };
 
 using device::bf16x8_to_float;

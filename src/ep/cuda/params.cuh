@@ -1,5 +1,7 @@
-// Shared by the normal-mode kernels of the cuda backend: the device state word block, the layout of the symmetric
-// region, and the kernels' Params structs (built and validated on the host by the launchers' to_params()).
+// The Params family of the cuda backend's kernels (every protocol: normal push, normal landing, low-latency): the
+// device state word block, the layout of the symmetric region, the part every kernel's Params shares (KernelParams,
+// filled by one prologue, common_params in buffers.cu) and the normal-mode kernels' own parts. The low-latency parts
+// derive from the same KernelParams in ll_params.cuh. Built and validated on the host by the launchers' to_params().
 #pragma once
 
 #include <cstddef>
@@ -13,7 +15,7 @@
 
 namespace ferry::cuda_ep {
 
-// Threads per CTA of every normal-mode kernel: 16 warps, enough 16-byte accesses in flight per SM for NVLink and HBM.
+// Threads per CTA of every kernel: 16 warps, enough 16-byte accesses in flight per SM for NVLink and HBM.
 inline constexpr int kThreads = 512;
 inline constexpr int kWarps = kThreads / 32;
 // 16-byte vectors per lane loaded before the stores of one dispatch step (loads in flight per warp).
@@ -30,9 +32,11 @@ __host__ __device__ inline std::size_t dispatch_smem_bytes(int world, int num_ex
 // kLandArrivalsPerCall - (ctas - 1), every other CTA 1.
 inline constexpr int kMaxLandCtas = 256;
 inline constexpr uint64_t kLandArrivalsPerCall = 1ull << 20;
+// Most CTAs of a low-latency grid (its per-CTA sequence words are sized for it).
+inline constexpr int kMaxLlCtas = 256;
 
-// Device words of one EpBuffer (local memory, zeroed at construction). Sequence numbers live here, not on the host,
-// so a captured graph replays with increasing sequence numbers and no reset kernel.
+// Device words of one EpBuffer (local memory, zeroed at construction), every protocol's. Sequence numbers live here,
+// not on the host, so a captured graph replays with increasing sequence numbers and no reset kernel.
 struct DeviceState {
   uint64_t dispatch_seq;       // sequence number of the last finished dispatch (the next one uses +1)
   uint64_t combine_seq;        // same for combine
@@ -46,14 +50,22 @@ struct DeviceState {
   int32_t src_count[kMaxLocalPeers];   // rows of source s that were delivered
   int32_t src_tokens[kMaxLocalPeers];  // tokens source s passed to the last dispatch
   uint64_t land_seq[kMaxLandCtas];     // small-batch dispatch: calls this CTA ran (each CTA only touches its own)
+  // Low-latency mode (ll_params.cuh), per CTA: calls whose send / receive half this CTA ran (num_tokens is written by
+  // the send half's CTA 0, num_recv by the receive half's CTA of expert 0).
+  uint64_t dispatch_send_seq[kMaxLlCtas];
+  uint64_t dispatch_recv_seq[kMaxLlCtas];
+  uint64_t combine_send_seq[kMaxLlCtas];
+  uint64_t combine_recv_seq[kMaxLlCtas];
 };
 
 // Word 0 of a source's count row: its token count, and this bit when the source refuses the call (a bad or repeated
 // id, or its host's refusal). A token count is below 2^31, so the bit never collides with one.
 inline constexpr uint64_t kCountAbort = 1ull << 31;
 
-// Byte offsets inside the symmetric region (the same on every rank). Areas a config does not use are empty.
+// Byte offsets inside the symmetric region (the same on every rank; make_sym_layout in buffers.cu). Each protocol takes
+// its own areas; the areas of the other protocols stay empty (0).
 struct SymLayout {
+  // Normal mode (push and landing):
   std::size_t recv_x = 0;             // [recv_capacity, recv_row_bytes]: bf16 rows, or the quantized payload
   std::size_t recv_scales = 0;        // quantized delivery: [recv_capacity][num_scales] scale elements, row-major
   std::size_t recv_token_scales = 0;  // quantized nvfp4 delivery: [recv_capacity] float
@@ -65,7 +77,8 @@ struct SymLayout {
                                       // word 0 also carries the source's abort flag (kCountAbort)
   std::size_t data_signal = 0;        // [world sources] uint64 = seq of the dispatch whose rows from that source landed
   std::size_t landing = 0;        // [2 parities][world senders][max_tokens, combine wire row]: combine rows coming back
-  std::size_t combine_abort = 0;  // [2 parities][world senders] u64: seq of the sender's last refused combine
+  std::size_t combine_abort = 0;  // [2 parities][world senders] u64: seq of the sender's last refused combine (every
+                                  // protocol)
   std::size_t tile_flags = 0;     // [world senders][kMaxCombineTiles] uint64 = 2 * seq of the combine that filled the
                                   // tile (+1: that sender refused the call and filled nothing)
   // Small-batch dispatch only (land_dispatch.cuh; empty otherwise): every source's rows land in fixed slots
@@ -75,8 +88,35 @@ struct SymLayout {
   std::size_t land_abort = 0;     // [2 parities][world sources] u64: seq of the source's last refused call (abort)
   std::size_t land_meta = 0;      // [2][world][max_tokens] records (landing::record_bytes(topk) each)
   std::size_t land_rows = 0;      // [2][world][max_tokens] bf16 rows
+  int count_words = 0;            // 1 (tokens) + world (rows per destination) + num_local_experts (entries per expert)
+  // Low-latency mode (ll_params.cuh); "source" is the sending rank:
+  std::size_t dispatch_arrivals = 0;   // [world sources] u64: send CTAs of that source finished, over all calls
+  std::size_t combine_arrivals = 0;    // [world sources] u64
+  std::size_t dispatch_tokens = 0;     // [2 parities][world sources] u64: tokens of the source's call
+  std::size_t dispatch_abort = 0;      // [2 parities][world sources] u64: seq of the source's last refused dispatch
+  std::size_t dispatch_meta = 0;       // [2][world][max_tokens] records: topk int32 local ids, topk float weights
+  std::size_t dispatch_rows = 0;       // [2][world][max_tokens] dispatch wire rows, row t of source s at (s, t)
+  std::size_t combine_rows = 0;        // [2][world][max_tokens] combine wire rows, the row rank d sends back at (d, t)
+  std::size_t meta_bytes = 0;          // bytes of one record (topk * 8, 16-byte aligned)
+  std::size_t dispatch_row_bytes = 0;  // wire_row_bytes(dispatch_format, hidden) (bf16: hidden * 2)
+  std::size_t combine_row_bytes = 0;   // wire_row_bytes(combine_format, hidden)
   std::size_t total = 0;
-  int count_words = 0;  // 1 (tokens) + world (rows per destination) + num_local_experts (entries per expert)
+};
+
+// What every kernel's Params holds (one prologue fills it: common_params in buffers.cu).
+struct KernelParams {
+  DeviceView view;     // rank, world, the wait bound, the error block
+  transport::Lsa net;  // every rank's symmetric region, reached through the transport seam
+  SymLayout layout;
+  DeviceState* state;
+  // This rank refuses the call (EpBackendImpl::refuse_dispatch / refuse_combine): it joins the exchange with its
+  // abort flag and moves no rows of its own (a refused dispatch has num_tokens 0; a refused combine reads no x or y).
+  bool abort;
+  int hidden;
+  int topk;
+  int max_tokens;          // max_tokens_per_rank
+  int num_ctas;            // the launch's grid
+  trace::TraceView trace;  // in-kernel trace of this launch (empty unless a FERRY_TRACE build has tracing enabled)
 };
 
 // Where the pieces of a quantized dispatch row land on its destination: byte offsets inside the symmetric region of
@@ -98,10 +138,7 @@ enum class RecvPass : int {
   dequantize,  // dispatch_dequantize: wire rows -> bf16 recv_x
 };
 
-struct DispatchParams {
-  DeviceView view;
-  transport::Lsa net;  // every rank's symmetric region, reached through the transport seam
-  SymLayout layout;
+struct DispatchParams : KernelParams {
   void const* x;  // bf16 rows, or (pre-quantized) the payload rows [num_tokens, payload_bytes]
   // Quantized dispatch_format (the kernel's kFormat) only:
   void const* x_scales;         // pre-quantized: [num_tokens][num_scales] scale elements (null: quantize x)
@@ -114,30 +151,19 @@ struct DispatchParams {
   void const* topk_idx;
   float const* topk_weights;
   int num_tokens;
-  // This rank refuses the call (EpBackendImpl::refuse_dispatch; num_tokens is 0): it joins the exchange with its
-  // abort flag, so every rank moves no rows and the peers record the refusal.
-  bool abort;
-  int hidden;
-  int topk;
   int num_experts;
   int num_local_experts;
   int recv_capacity;
-  int max_tokens;  // max_tokens_per_rank (the small-batch dispatch's slots per source)
-  int num_ctas;
-  DeviceState* state;
   uint32_t* token_mask;    // [max_tokens] destinations of each token (kept for combine)
   int32_t* token_pos;      // [max_tokens, world] position of the token within this CTA's rows for a destination
   int32_t* block_counts;   // [num_ctas, world] per-CTA rows per destination
   int32_t* count_totals;   // [world + num_experts + 1] rows per destination, entries per expert, and CTAs whose layout
                            // found a bad or repeated id: the CTAs add theirs, the last to arrive reads and zeroes them
   int32_t* expert_counts;  // [num_local_experts] output
-  trace::TraceView trace;  // in-kernel trace (empty unless built with FERRY_TRACE=ON)
 };
 
-struct ExpandParams {
-  DeviceView view;
-  char* sym_local;
-  SymLayout layout;
+struct ExpandParams : KernelParams {
+  char* sym_local;        // this rank's symmetric region (expand reads only local memory)
   std::size_t row_bytes;  // bytes of one row of recv_x / expert_x (EpConfig::recv_row_bytes)
   // Quantized delivery (format != bf16): the scales and nvfp4 token scales of each slot, from the row-major
   // recv_scales and recv_token_scales into one scale tensor of expert_slots rows per expert.
@@ -146,36 +172,23 @@ struct ExpandParams {
   std::size_t expert_scale_bytes;  // scale_tensor_bytes(format, scale_layout, expert_slots, hidden)
   void* expert_scales;             // [num_local_experts] tensors of expert_scale_bytes
   float* expert_token_scales;      // nvfp4: [num_local_experts, expert_slots]
-  int hidden;
-  int topk;
   int num_local_experts;
   int expert_slots;
-  DeviceState const* state;
   int32_t* recv_slot;       // [recv_capacity, topk]
   void* expert_x;           // [num_local_experts, expert_slots, row_bytes] (copy only)
   int32_t* expert_src_row;  // [num_local_experts, expert_slots] (copy only)
 };
 
-struct CombineParams {
-  DeviceView view;
-  transport::Lsa net;  // every rank's symmetric region, reached through the transport seam
-  SymLayout layout;
+// A refused combine (abort) pushes no rows and fills every tile its sources wait for with its abort flag.
+struct CombineParams : KernelParams {
   void const* x;  // expert-major [num_local_experts, expert_slots, hidden] or rank-major [num_recv, hidden]
   void* y;        // [num_tokens, hidden]
-  // This rank refuses the call (EpBackendImpl::refuse_combine; x and y unused): it pushes no rows and fills every
-  // tile its sources wait for with its abort flag.
-  bool abort;
-  std::size_t landing_row_bytes;  // wire_row_bytes(combine_format, hidden): one row of the landing zone
-  int hidden;
-  int topk;
+  std::size_t landing_row_bytes;  // wire_row_bytes(combine_format, hidden): one row of the landing zone (max_tokens
+                                  // rows per sender)
   int expert_slots;
-  int max_tokens;  // rows per sender of the landing zone
   int num_push_ctas;
-  int num_ctas;
-  DeviceState* state;
   uint32_t const* token_mask;
   int32_t const* recv_slot;
-  trace::TraceView trace;  // in-kernel trace (empty unless built with FERRY_TRACE=ON)
 };
 
 }  // namespace ferry::cuda_ep

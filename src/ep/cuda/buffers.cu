@@ -1,0 +1,242 @@
+// One EpBuffer's device memory on the cuda backend, every protocol's: the symmetric layout, the local buffers, the
+// views a dispatch returns and the prologue of every kernel's Params.
+#include "ep/cuda/buffers.hpp"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "core/cuda_check.hpp"
+#include "ep/cuda/device_memory.hpp"
+#include "ep/cuda/landing.cuh"
+#include "ferry/error.hpp"
+#include "quant/layout.hpp"
+
+namespace ferry::cuda_ep {
+
+using detail::device_alloc;
+using detail::device_free;
+using detail::device_zeroed;
+
+void configure_buffers(Buffers& b, EpConfig const& config, int world, int rank, Protocol protocol, int num_sms) {
+  b.config = config;
+  b.protocol = protocol;
+  b.world = world;
+  b.rank = rank;
+  b.num_sms = num_sms;
+  b.num_local_experts = config.num_local_experts(world);
+  b.expert_slots = config.expert_slots();
+  b.recv_row_bytes = config.recv_row_bytes();
+  b.recv_capacity = protocol == Protocol::ll ? world * config.max_tokens_per_rank : config.recv_capacity(world);
+  b.max_dispatch_ctas = num_sms;
+  b.land_ctas = std::min(num_sms, kMaxLandCtas);
+}
+
+SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol) {
+  // NOTE: 256-byte alignment keeps every row and word area on its own cache lines and 16-byte vectors aligned.
+  constexpr std::size_t kAlign = 256;
+  SymLayout layout;
+  std::size_t offset = 0;
+  auto take = [&](std::size_t bytes) {
+    std::size_t const at = offset;
+    offset = quant::align_up(offset + bytes, kAlign);
+    return at;
+  };
+  std::size_t const w = static_cast<std::size_t>(world);
+  // [2 parities][world][max_tokens]: the landing slots of the landing zone and of low-latency mode
+  std::size_t const slots = 2 * w * static_cast<std::size_t>(config.max_tokens_per_rank);
+  if (protocol == Protocol::ll) {
+    layout.meta_bytes = landing::record_bytes(config.topk);
+    // NOTE: landing rows are wire rows (multiples of 16 bytes): a quantized leg's zone shrinks with its format.
+    layout.dispatch_row_bytes = wire_row_bytes(config.dispatch_format, config.hidden);
+    layout.combine_row_bytes = wire_row_bytes(config.combine_format, config.hidden);
+    layout.dispatch_arrivals = take(w * sizeof(uint64_t));
+    layout.combine_arrivals = take(w * sizeof(uint64_t));
+    layout.dispatch_tokens = take(2 * w * sizeof(uint64_t));
+    layout.dispatch_abort = take(2 * w * sizeof(uint64_t));
+    layout.combine_abort = take(2 * w * sizeof(uint64_t));
+    layout.dispatch_meta = take(slots * layout.meta_bytes);
+    layout.dispatch_rows = take(slots * layout.dispatch_row_bytes);
+    layout.combine_rows = take(slots * layout.combine_row_bytes);
+    layout.total = offset;
+    return layout;
+  }
+  std::size_t const cap = static_cast<std::size_t>(config.recv_capacity(world));
+  std::size_t const topk = static_cast<std::size_t>(config.topk);
+  // The areas a format needs (docs/quant.md "Row layout on the wire"): a quantized delivery lands the payload in
+  // recv_x and the scales row-major in recv_scales (+ the nvfp4 token scales); dispatch_dequantize lands whole wire
+  // rows in recv_wire and delivers bf16 in recv_x; combine rows come back as wire rows of combine_format.
+  WireRowLayout const dispatch_wire = wire_row_layout(config.dispatch_format, config.hidden);
+  bool const dequantize = config.dispatch_format != WireFormat::bf16 && config.dispatch_dequantize;
+  std::size_t const combine_row = wire_row_bytes(config.combine_format, config.hidden);
+  layout.count_words = 1 + world + config.num_local_experts(world);
+  layout.recv_x = take(cap * config.recv_row_bytes());
+  if (config.delivers_quantized()) {
+    layout.recv_scales = take(cap * static_cast<std::size_t>(dispatch_wire.num_scales) *
+                              static_cast<std::size_t>(dispatch_wire.scale_bytes));
+    if (dispatch_wire.has_token_scale) layout.recv_token_scales = take(cap * sizeof(float));
+  }
+  if (dequantize) layout.recv_wire = take(cap * dispatch_wire.row_bytes);
+  layout.recv_idx = take(cap * topk * sizeof(int32_t));
+  layout.recv_w = take(cap * topk * sizeof(float));
+  layout.recv_src = take(cap * 2 * sizeof(int32_t));
+  layout.counts = take(2 * w * layout.count_words * sizeof(uint64_t));
+  layout.data_signal = take(w * sizeof(uint64_t));
+  layout.combine_abort = take(2 * w * sizeof(uint64_t));
+  layout.tile_flags = take(w * kMaxCombineTiles * sizeof(uint64_t));
+  layout.landing = take(slots * combine_row);
+  if (protocol == Protocol::landing) {
+    layout.land_arrivals = take(w * sizeof(uint64_t));
+    layout.land_tokens = take(2 * w * sizeof(uint64_t));
+    layout.land_abort = take(2 * w * sizeof(uint64_t));
+    layout.land_meta = take(slots * landing::record_bytes(config.topk));
+    layout.land_rows = take(slots * static_cast<std::size_t>(config.hidden) * 2);
+  }
+  layout.total = offset;
+  return layout;
+}
+
+void allocate_buffers(Buffers& b) {
+  EpConfig const& config = b.config;
+  std::size_t const max_tokens = static_cast<std::size_t>(config.max_tokens_per_rank);
+  std::size_t const topk = static_cast<std::size_t>(config.topk);
+  std::size_t const rows = static_cast<std::size_t>(b.recv_capacity);
+  bool const ll = b.protocol == Protocol::ll;
+  try {
+    // 1. every protocol
+    b.state = device_zeroed<DeviceState>(1);
+    b.token_mask = device_alloc<uint32_t>(max_tokens);
+    b.expert_counts = device_zeroed<int32_t>(static_cast<std::size_t>(b.num_local_experts));
+    b.recv_slot = device_alloc<int32_t>(rows * topk);
+    if (b.expert_slots > 0) {
+      std::size_t const slots = static_cast<std::size_t>(b.num_local_experts) * b.expert_slots;
+      b.expert_x = device_alloc<uint8_t>(slots * b.recv_row_bytes);
+      b.expert_src_row = device_alloc<int32_t>(slots);
+      if (config.delivers_quantized()) {
+        // NOTE: zeroed once: the kernels write only the entries of (slot, block) pairs, so padding entries stay zero
+        // for every later call without a per-call memset.
+        b.expert_scale_bytes =
+            scale_tensor_bytes(config.dispatch_format, config.recv_scale_layout, b.expert_slots, config.hidden);
+        b.expert_scales = device_zeroed<uint8_t>(b.expert_scale_bytes * b.num_local_experts);
+        if (config.dispatch_format == WireFormat::nvfp4) b.expert_token_scales = device_alloc<float>(slots);
+      }
+    }
+    if (ll) {
+      // 2. low-latency mode: the rank-major metadata is local (the rows land in the symmetric landing zone)
+      b.recv_src = device_alloc<int32_t>(rows * 2);
+      b.recv_idx = device_alloc<int32_t>(rows * topk);
+      b.recv_w = device_alloc<float>(rows * topk);
+      b.own_slot = device_alloc<int32_t>(max_tokens * topk);
+      return;
+    }
+    // 3. normal mode
+    b.token_pos = device_alloc<int32_t>(max_tokens * b.world);
+    b.block_counts = device_alloc<int32_t>(static_cast<std::size_t>(b.max_dispatch_ctas) * b.world);
+    b.count_totals = device_zeroed<int32_t>(static_cast<std::size_t>(b.world + config.num_experts + 1));
+    if (config.dispatch_format == WireFormat::nvfp4) b.token_scales = device_alloc<float>(max_tokens);
+    // NOTE: scale tensors are zeroed once: calls write every (row, block) entry of the rows they deliver and never the
+    // padding entries (rows or blocks past the end), which the layouts define as zero.
+    if (config.delivers_quantized() && config.recv_scale_layout != ScaleLayout::row_major)
+      b.recv_scales_final = device_zeroed<uint8_t>(
+          scale_tensor_bytes(config.dispatch_format, config.recv_scale_layout, b.recv_capacity, config.hidden));
+  } catch (...) {
+    free_buffers(b);
+    throw;
+  }
+}
+
+void free_buffers(Buffers& b) noexcept {
+  device_free(b.state);
+  device_free(b.token_mask);
+  device_free(b.expert_counts);
+  device_free(b.recv_slot);
+  device_free(b.expert_x);
+  device_free(b.expert_src_row);
+  device_free(b.expert_scales);
+  device_free(b.expert_token_scales);
+  device_free(b.recv_src);
+  device_free(b.recv_idx);
+  device_free(b.recv_w);
+  device_free(b.own_slot);
+  device_free(b.token_pos);
+  device_free(b.block_counts);
+  device_free(b.count_totals);
+  device_free(b.token_scales);
+  device_free(b.recv_scales_final);
+  b.expert_scale_bytes = 0;
+}
+
+DispatchResult dispatch_result(Buffers const& b, bool expand) {
+  DispatchResult result;
+  result.num_recv = &b.state->num_recv;
+  result.expert_counts = b.expert_counts;
+  result.recv_capacity = b.recv_capacity;
+  result.recv_row_bytes = b.recv_row_bytes;
+  if (expand || b.protocol == Protocol::ll) {
+    result.expert_x = b.expert_x;
+    result.expert_src_row = b.expert_src_row;
+    result.expert_slots = b.expert_slots;
+    result.expert_scales = b.expert_scales;              // null unless quantized delivery
+    result.expert_token_scales = b.expert_token_scales;  // null unless nvfp4 delivery
+  }
+  if (b.protocol == Protocol::ll) {
+    result.recv_x = nullptr;  // low-latency mode returns the expert-major layout (see DispatchResult)
+    result.recv_topk_idx = b.recv_idx;
+    result.recv_topk_weights = b.recv_w;
+    result.recv_src = b.recv_src;
+    return result;
+  }
+  char* const sym = b.sym.ptr[b.rank];
+  result.recv_x = sym + b.layout.recv_x;
+  if (b.config.delivers_quantized()) {
+    result.recv_scales = b.recv_scales_final ? b.recv_scales_final : sym + b.layout.recv_scales;
+    if (b.config.dispatch_format == WireFormat::nvfp4)
+      result.recv_token_scales = reinterpret_cast<float*>(sym + b.layout.recv_token_scales);
+  }
+  result.recv_topk_idx = reinterpret_cast<int32_t*>(sym + b.layout.recv_idx);
+  result.recv_topk_weights = reinterpret_cast<float*>(sym + b.layout.recv_w);
+  result.recv_src = reinterpret_cast<int32_t*>(sym + b.layout.recv_src);
+  return result;
+}
+
+KernelParams common_params(Buffers const& b, int ctas, bool refuse, std::optional<TraceKernel> traced) {
+  KernelParams p{};
+  p.view = b.view;
+  p.net = transport::make_lsa(b.sym, b.rank, b.world);
+  p.layout = b.layout;
+  p.state = b.state;
+  p.abort = refuse;
+  p.hidden = b.config.hidden;
+  p.topk = b.config.topk;
+  p.max_tokens = b.config.max_tokens_per_rank;
+  p.num_ctas = ctas;
+  p.trace = b.trace && traced ? b.trace->launch(*traced, ctas, kWarps) : trace::TraceView{};
+  return p;
+}
+
+cuda_ll::LlParams ll_params(Buffers const& b, bool refuse, TraceKernel traced) {
+  FERRY_CHECK(b.num_ctas >= 1 && b.num_ctas <= cuda_ll::kMaxCtas, "LL grid of ", b.num_ctas, " CTAs is outside [1, ",
+              cuda_ll::kMaxCtas, "]");
+  cuda_ll::LlParams p{};
+  static_cast<KernelParams&>(p) = common_params(b, b.num_ctas, refuse, traced);
+  p.expert_slots = b.expert_slots;
+  p.token_mask = b.token_mask;
+  p.recv_src = b.recv_src;
+  p.recv_idx = b.recv_idx;
+  p.recv_w = b.recv_w;
+  p.recv_slot = b.recv_slot;
+  return p;
+}
+
+// Kernel invariants only (FERRY_CHECK: a failure is a bug): the arguments were validated once by EpBuffer
+// (validate_dispatch_args / validate_combine_args), which refuses a bad call on every rank. An InputError thrown by a
+// launcher would be refused on this rank alone, the desync docs/errors.md rules out.
+void check_dispatch_invariants(Buffers const& b, DispatchArgs const& args, bool refuse) {
+  FERRY_CHECK(!refuse || args.num_tokens == 0, "a refused dispatch joins with no tokens, not ", args.num_tokens);
+  FERRY_CHECK(args.num_tokens >= 0 && args.num_tokens <= b.config.max_tokens_per_rank, "num_tokens=", args.num_tokens,
+              " is outside [0, max_tokens_per_rank=", b.config.max_tokens_per_rank, "]");
+  FERRY_CHECK(args.num_tokens == 0 || (args.x && args.topk_idx && args.topk_weights),
+              "x, topk_idx and topk_weights must be non-null for num_tokens=", args.num_tokens);
+}
+
+}  // namespace ferry::cuda_ep
