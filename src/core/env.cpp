@@ -44,9 +44,7 @@ constexpr std::array kParams = {
              .allowed = "error, warn, info, debug"},
     geometry_pin("FERRY_DISPATCH_BLOCKS",
                  "pin the number of CTAs of the dispatch kernels (experiments; overrides tuning)"),
-    geometry_pin("FERRY_DISPATCH_WARPS", "pin the warps per CTA of the dispatch kernels"),
     geometry_pin("FERRY_COMBINE_BLOCKS", "pin the number of CTAs of the combine kernels"),
-    geometry_pin("FERRY_COMBINE_WARPS", "pin the warps per CTA of the combine kernels"),
     EnvParam{.name = "FERRY_NORMAL_LANDING",
              .default_value = "auto",
              .meaning = "normal-mode dispatch protocol: auto (landing zone while world * max_tokens_per_rank <= 1024), "

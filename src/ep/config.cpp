@@ -18,14 +18,11 @@ Mode parse_mode(std::string const& name) {
 namespace {
 // Largest token count per rank the int32 row indices of the buffers can address at kMaxLocalPeers ranks.
 constexpr int kMaxTokensPerRank = 1 << 20;
-constexpr int kMaxWarpsPerBlock = 32;
 
 void validate_geometry(char const* field, std::optional<Geometry> const& geometry) {
   if (!geometry) return;
   FERRY_CHECK_CONFIG(geometry->blocks >= 0, field, ".blocks=", geometry->blocks,
                      " is negative; use 0 (choose) or a CTA count");
-  FERRY_CHECK_CONFIG(geometry->warps >= 0 && geometry->warps <= kMaxWarpsPerBlock, field, ".warps=", geometry->warps,
-                     " is outside [0, ", kMaxWarpsPerBlock, "]; a CTA holds at most 1024 threads");
 }
 }  // namespace
 

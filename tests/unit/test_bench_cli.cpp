@@ -122,7 +122,8 @@ TEST_F(TuneOptions, BadUseIsRefusedOnceBeforeAnyRankStarts) {
            Refusal{"--rounds 0", "--rounds and --iters must be at least 1"},
            Refusal{"--graph-calls 0", "--graph-calls=0 must be at least 1"},
            Refusal{"--blocks 0,4", "--blocks=0,4 must list positive values"},
-           Refusal{"--warps 16,16", "--warps=16,16 repeats a value"},
+           Refusal{"--blocks 4,4", "--blocks=4,4 repeats a value"},
+           Refusal{"--warps 16", "unknown option --warps"},  // warps are not a setting: refused, not ignored
            Refusal{"--nproc -1", "--nproc=-1 must be 0"},
        }) {
     std::string const args = std::string("tune --backend cpu ") + c.args + table;

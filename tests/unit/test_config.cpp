@@ -83,10 +83,11 @@ TEST(Config, TokensAndCaps) {
 
 TEST(Config, GeometryAndWorld) {
   EpConfig config;
-  config.dispatch_geometry = Geometry{-1, 4};
+  config.dispatch_geometry = Geometry{-1};
   expect_message(config, 2, {"dispatch_geometry.blocks=-1"});
-  config.dispatch_geometry = Geometry{8, 33};
-  expect_message(config, 2, {"dispatch_geometry.warps=33"});
+  config.combine_geometry = Geometry{-2};
+  config.dispatch_geometry = Geometry{8};
+  expect_message(config, 2, {"combine_geometry.blocks=-2"});
   expect_message(EpConfig{}, 0, {"world=0"});
   config = EpConfig{};
   config.num_experts = 64 * 64;

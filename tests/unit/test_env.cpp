@@ -58,7 +58,7 @@ TEST(EnvRules, BadValuesAreRefusedNamingVariableValueAndWhatToDo) {
 
 TEST(EnvRules, GoodValuesPass) {
   for (auto const& [name, value] : {std::pair{"FERRY_TIMEOUT_S", "2.5"}, std::pair{"FERRY_LOG", "debug"},
-                                    std::pair{"FERRY_NORMAL_LANDING", "off"}, std::pair{"FERRY_COMBINE_WARPS", "0"}})
+                                    std::pair{"FERRY_NORMAL_LANDING", "off"}, std::pair{"FERRY_COMBINE_BLOCKS", "0"}})
     EXPECT_EQ(library_refusal(name, value), "") << name << "=" << value;
   ScopedEnv const timeout("FERRY_TIMEOUT_S", "2.5");
   EXPECT_EQ(env_double("FERRY_TIMEOUT_S"), 2.5);

@@ -200,9 +200,9 @@ Shape make_shape(Options const& options, int world, int tokens, RoutingKind kind
   shape.config.max_tokens_per_rank = tokens;
   shape.config.mode = mode;
   if (options.integer("dispatch-blocks") > 0)
-    shape.config.dispatch_geometry = Geometry{options.integer("dispatch-blocks"), 0};
+    shape.config.dispatch_geometry = Geometry{options.integer("dispatch-blocks")};
   if (options.integer("combine-blocks") > 0)
-    shape.config.combine_geometry = Geometry{options.integer("combine-blocks"), 0};
+    shape.config.combine_geometry = Geometry{options.integer("combine-blocks")};
   shape.config.dispatch_format = formats.first;
   shape.config.combine_format = formats.second;
   shape.config.dispatch_dequantize = options.flag("dequantize") && formats.first != WireFormat::bf16;

@@ -168,10 +168,6 @@ class CudaEp final : public detail::EpBackendImpl {
                        "num_experts=", config.num_experts, " needs ", dispatch_smem_bytes(b.world, config.num_experts),
                        " bytes of shared memory for the dispatch layout, more than ", kMaxDispatchSmem,
                        "; use at most ", kMaxDispatchSmem / 4 - b.world, " experts");
-    for (auto const* geometry : {&config.dispatch_geometry, &config.combine_geometry})
-      FERRY_CHECK_CONFIG(!*geometry || (*geometry)->warps == 0 || (*geometry)->warps == kWarps,
-                         "geometry warps=", (*geometry)->warps, " is not available: the normal-mode kernels run ",
-                         kWarps, " warps per CTA; use 0 (choose) or ", kWarps);
     FERRY_CHECK_CUDA(cudaSetDevice(comm.device()));
     FERRY_CHECK_CUDA(cudaDeviceGetAttribute(&b.num_sms, cudaDevAttrMultiProcessorCount, comm.device()));
     cudaDeviceProp prop{};

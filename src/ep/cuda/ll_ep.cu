@@ -148,10 +148,6 @@ class CudaLlEp final : public detail::EpBackendImpl {
                        kMaxLlLocalExperts, " (use mode=normal, or more ranks)");
     // env_string applies the env table's rule (landing or direct) and refuses anything else
     b.own_direct = env_string("FERRY_LL_OWN_ROWS") == "direct";  // a rank's own rows only: the ranks need not agree
-    for (auto const* geometry : {&config.dispatch_geometry, &config.combine_geometry})
-      FERRY_CHECK_CONFIG(!*geometry || (*geometry)->warps == 0 || (*geometry)->warps == kWarps,
-                         "geometry warps=", (*geometry)->warps, " is not available: the LL kernels run ", kWarps,
-                         " warps per CTA; use 0 (choose) or ", kWarps);
     FERRY_CHECK_CUDA(cudaSetDevice(comm.device()));
     int num_sms = 0;
     FERRY_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, comm.device()));
@@ -167,7 +163,7 @@ class CudaLlEp final : public detail::EpBackendImpl {
         tuning::Leg::dispatch, tuning::make_key(prop.name, b.world, config), config.dispatch_geometry, *tables);
     tuning::Choice const choice =
         tuning::choose(leg_tuning, tuning::read_env_pin(tuning::Leg::dispatch), config.max_tokens_per_rank,
-                       Geometry{std::min(num_sms, kMaxCtas), kWarps}, "one CTA per SM", kWarps);
+                       Geometry{std::min(num_sms, kMaxCtas)}, "one CTA per SM");
     int const wanted = std::clamp(choice.geometry.blocks, 1, std::min(num_sms, kMaxCtas));
     std::vector<int32_t> all(static_cast<std::size_t>(b.world));
     int32_t const mine = wanted;
