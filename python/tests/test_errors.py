@@ -151,6 +151,13 @@ def test_a_geometry_pin_is_a_cta_count(comm):
         ferry.EpBuffer(comm, hidden=64, num_experts=4, topk=2, max_tokens_per_rank=8, dispatch_geometry=(8, 16))
 
 
+def test_a_removed_env_variable_is_refused(monkeypatch):
+    monkeypatch.setenv("FERRY_DISPATCH_WARPS", "16")
+    with pytest.raises(ferry.ConfigError, match="FERRY_DISPATCH_WARPS=16 is no longer read"):
+        ferry.init(backend="cpu", rank=0, world=1)
+    assert "FERRY_DISPATCH_WARPS" not in [name for name, _, _ in ferry.env_params()]
+
+
 def test_backend_errors():
     with pytest.raises(ferry.ConfigError, match="gpu"):
         ferry.init(backend="gpu", rank=0, world=1)

@@ -111,6 +111,12 @@ constexpr std::array kParams = {
              .rendezvous = true},
 };
 
+constexpr char kNoWarps[] = "warps per CTA are not a setting (every kernel is compiled for 16 warps)";
+constexpr std::array kRemoved = {
+    RemovedEnvParam{.name = "FERRY_DISPATCH_WARPS", .why = kNoWarps},
+    RemovedEnvParam{.name = "FERRY_COMBINE_WARPS", .why = kNoWarps},
+};
+
 std::optional<int64_t> parse_whole(std::string const& text) {
   errno = 0;
   char* end = nullptr;
@@ -218,8 +224,22 @@ double env_double(char const* name) {
   return *value;
 }
 
+std::span<RemovedEnvParam const> removed_env_params() {
+  return kRemoved;
+}
+
+std::string removed_env_problem(RemovedEnvParam const& param, std::string const& value) {
+  if (value.empty()) return "";
+  return detail::concat(param.name, "=", value, " is no longer read: ", param.why, "; unset it");
+}
+
 void check_env() {
   for (EnvParam const& param : kParams) env_string(param.name);
+  for (RemovedEnvParam const& param : kRemoved) {
+    char const* value = std::getenv(param.name);
+    if (std::string const problem = removed_env_problem(param, value ? value : ""); !problem.empty())
+      FERRY_THROW(ConfigError, "env", problem);
+  }
 }
 
 }  // namespace ferry
