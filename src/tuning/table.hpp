@@ -2,10 +2,11 @@
 // docs/tuning.md). Host-only; compiled everywhere.
 //
 // A table holds entries keyed by (GPU model, world, hidden, topk, dispatch format, combine format, mode); an entry
-// holds, per leg, token buckets sorted by their inclusive upper bound, each with a CTA count. The loader refuses
-// anything ambiguous or unknown: a key repeated in one JSON object (json.hpp), an entry key repeated in one table or
-// across the tables of one directory, buckets unsorted or repeated, unknown fields (a bucket's "warps" with the reason
-// it is not a setting), wrong types, out-of-range values.
+// holds, per leg, token buckets sorted by their inclusive upper bound, each with a CTA count (a mode "ll" entry has
+// dispatch buckets only: its grid serves both legs). The loader refuses anything ambiguous, unknown or unread: a key
+// repeated in one JSON object (json.hpp), an entry key repeated in one table or across the tables of one directory,
+// buckets unsorted or repeated, unknown fields (a bucket's "warps" with the reason it is not a setting), combine
+// buckets in a mode "ll" entry, wrong types, out-of-range values.
 // Every error names the file, the entry and (for JSON errors) the line and column.
 #pragma once
 

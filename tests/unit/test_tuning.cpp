@@ -1,8 +1,8 @@
 // Tuning tables and `ferry tune`: the strict JSON reader (duplicate keys refused with their position), the table
-// loader (duplicate entry keys, overlapping / unsorted buckets, unknown fields, a row's warps: errors naming file and
-// entry), lookup and its fallback order, GPU name aliases, the precedence EpConfig pin > env > table > analytic
-// default, merging, the picker's tie-breaking, the compiled-in copies, and a smoke run of `ferry tune` on the cpu
-// backend.
+// loader (duplicate entry keys, overlapping / unsorted buckets, unknown fields, a row's warps, an ll entry's combine
+// buckets: errors naming file and entry), lookup and its fallback order, GPU name aliases, the precedence EpConfig pin
+// > env > table > analytic default, merging, the picker's tie-breaking, the compiled-in copies, and smoke runs of
+// `ferry tune` on the cpu backend.
 #include <gtest/gtest.h>
 
 #include <sys/wait.h>
@@ -267,6 +267,21 @@ TEST(TuningTable, RefusesARowWithWarpsSayingWhy) {
                  {"w.json:", "entry 0 (H200 world 8", std::string(where) + " has \"warps\", which was removed",
                   "every kernel runs 16 warps per CTA", "delete the field"});
   }
+}
+
+// A low-latency EpBuffer runs one grid for both legs, chosen by its entry's dispatch buckets: combine buckets there
+// would never be read, so they are refused. Checked to fail: without the loader's check, the ll entry below loaded.
+TEST(TuningTable, RefusesCombineBucketsOfALowLatencyEntry) {
+  std::string ll_key = key_json("H200");
+  ll_key.replace(ll_key.find("\"normal\""), 8, "\"ll\"");
+  std::string const row = "{\"max_tokens\": 128, \"blocks\": 66}";
+  expect_error([&] { parse_table(table_json({"{\"key\": " + ll_key + ", \"combine\": [" + row + "]}"}), "l.json"); },
+               {"l.json:", "entry 0 (H200 world 8 hidden 7168 topk 8 bf16/bf16 ll)",
+                "combine buckets in a mode \"ll\" entry are never read", "chosen by the dispatch buckets"});
+  Table const ll =
+      parse_table(table_json({"{\"key\": " + ll_key + ", \"dispatch\": [" + row + "], \"combine\": []}"}), "l.json");
+  EXPECT_EQ(ll.entries[0].dispatch.size(), 1u);
+  EXPECT_NO_THROW(parse_table(table_json({entry_json("H200", row, row)}), "n.json"));  // normal mode keeps both
 }
 
 TEST(TuningTable, SerializeRoundTripsAndIsStable) {
@@ -600,6 +615,26 @@ TEST(TuneCli, SmokeOnTheCpuBackend) {
   CliRun const refused = run_ferry("tune --backend cpu --nproc 2");
   EXPECT_EQ(refused.code, 2);
   EXPECT_TRUE(contains(refused.output, "needs --table FILE")) << refused.output;
+}
+
+// --mode ll picks one grid per bucket for both legs (scored on their sum) and writes it as the dispatch row only: a
+// low-latency EpBuffer reads no combine rows, and the loader refuses them. Checked to fail: with tune writing the pick
+// to both legs, as it did, the write was refused by the loader's check of what it is about to write.
+TEST(TuneCli, LowLatencyWritesTheDispatchRowOnly) {
+  ScopedEnv rank("RANK", std::nullopt);
+  TempDir dir;
+  std::string const table = dir.file("cpu.json");
+  CliRun const tuned = run_ferry(
+      "tune --mode ll --tokens 8,16 --backend cpu --nproc 2 --hidden 256 --topk 4 --experts 16 --expert-groups 4 "
+      "--topk-groups 2 --blocks 2,4 --rounds 1 --warmup 1 --iters 2 --seed 11 --table " +
+      table);
+  ASSERT_EQ(tuned.code, 0) << tuned.output;
+  EXPECT_TRUE(contains(tuned.output, "both legs")) << tuned.output;
+  Table const written = read_table_file(table);
+  ASSERT_EQ(written.entries.size(), 1u);
+  EXPECT_EQ(written.entries[0].key.mode, "ll");
+  ASSERT_EQ(written.entries[0].dispatch.size(), 2u);
+  EXPECT_TRUE(written.entries[0].combine.empty());
 }
 
 }  // namespace

@@ -7,7 +7,8 @@
 // call (ahead of the table, behind an EpConfig pin, which tune never sets), so one EpBuffer serves every candidate.
 // Low-latency mode: an EpBuffer's CTA count is fixed when it is created (its arrival counters count CTAs) and serves
 // both legs, so each (bucket, candidate) gets its own EpBuffer with the geometry pinned, bucket = its
-// max_tokens_per_rank, and one geometry is picked per bucket on the sum of the two legs and written to both.
+// max_tokens_per_rank, and one geometry is picked per bucket on the sum of the two legs and written as the entry's
+// dispatch row (the only one a low-latency EpBuffer reads; its entry has no combine rows).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -56,7 +57,8 @@ Options make_options() {
       "tune",
       "Sweeps the CTA counts (blocks) of normal-mode dispatch and combine per token bucket under each routing,\n"
       "scores each by its median (CUDA events around graph replays; slowest rank), and per bucket picks the fewest\n"
-      "blocks within --tolerance of the best under every routing.\n"
+      "blocks within --tolerance of the best under every routing (--mode ll: one grid for both legs, scored on their\n"
+      "sum, written as the dispatch row).\n"
       "Merges the picks into --table (other entries untouched) and prints them. --verify re-measures the table's\n"
       "rows for this shape against the sweep's best and prints the ratio per bucket. On the cpu backend the geometry\n"
       "has no effect: a cpu run exercises the machinery only. See docs/tuning.md.",
@@ -404,7 +406,6 @@ int run_tune_rank(Options const& options) {
       for (std::size_t c = 0; c < num_candidates; ++c) {
         EpConfig pinned = make_config(options, world, sweep.buckets[b]);
         pinned.dispatch_geometry = sweep.candidates[c];
-        pinned.combine_geometry = sweep.candidates[c];
         EpBuffer buffer(comm, pinned);
         for (int round = 0; round < rounds; ++round) {
           for (std::size_t r = 0; r < routings.size(); ++r) measure(buffer, b, r, c);
@@ -474,8 +475,7 @@ int run_tune_rank(Options const& options) {
       } else {
         double slower = 0;
         for (double us : pick.us) slower = std::max(slower, us);
-        for (int written = leg; written < (ll ? 2 : leg + 1); ++written)
-          entry.buckets(kLegs[written]).push_back({tokens, pick.geometry, std::round(slower * 100) / 100});
+        entry.buckets(kLegs[leg]).push_back({tokens, pick.geometry, std::round(slower * 100) / 100});
       }
     }
   }

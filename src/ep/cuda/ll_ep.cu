@@ -154,7 +154,7 @@ class CudaLlEp final : public detail::EpBackendImpl {
 
     // 1. the grid, fixed for the EpBuffer (receivers count arrivals as seq * num_ctas) and shared by both legs: the
     //    EpConfig pin, FERRY_DISPATCH_BLOCKS, the tuning table's dispatch row for the bucket of max_tokens_per_rank
-    //    (ferry tune --mode ll writes the same row to both legs), or one CTA per SM; at most one per SM (co-resident
+    //    (a mode ll entry has no combine rows), or one CTA per SM; at most one per SM (co-resident
     //    for the cooperative launch). Every rank must use the same count: agree on the smallest.
     cudaDeviceProp prop{};
     FERRY_CHECK_CUDA(cudaGetDeviceProperties(&prop, comm.device()));
