@@ -47,9 +47,21 @@ double env_double(char const* name);
 // Unset (or empty) with an empty default gives nullopt.
 std::optional<int64_t> env_optional_int(char const* name);
 
-// Checks every declared variable set in this environment; throws what env_string would for the first refused one.
-// Called where a job starts (communicator creation in Python, every `ferry` command) so that a bad value is refused
-// at once, not when (or if) the code that reads it runs.
+// Variables Ferry no longer reads, each with the reason it went. One that is set is refused, never ignored: a pin that
+// silently did nothing would mislead whoever set it.
+struct RemovedEnvParam {
+  char const* name;  // e.g. "FERRY_DISPATCH_WARPS"
+  char const* why;   // why it is not read, in the words of the refusal
+};
+std::span<RemovedEnvParam const> removed_env_params();
+// "" for an empty `value` (unset); else the refusal, naming the variable, the value, why and what to do
+// ("FERRY_DISPATCH_WARPS=8 is no longer read: ...; unset it").
+std::string removed_env_problem(RemovedEnvParam const& param, std::string const& value);
+
+// Checks every declared variable set in this environment, and that no removed one is set; throws what env_string
+// would for the first refused declared one, ConfigError with removed_env_problem's message for a removed one.
+// Called where a job starts (communicator creation, every `ferry` command) so that a bad value is refused at once,
+// not when (or if) the code that reads it runs.
 void check_env();
 
 }  // namespace ferry

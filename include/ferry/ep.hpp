@@ -45,8 +45,8 @@ struct EpConfig {
   // Quantized delivery only: the layout of recv_scales / expert_scales (scale_layout_supported must hold).
   ScaleLayout recv_scale_layout = ScaleLayout::row_major;
   Mode mode = Mode::normal;
-  std::optional<Geometry> dispatch_geometry;  // pins the dispatch launch geometry
-  std::optional<Geometry> combine_geometry;   // pins the combine launch geometry
+  std::optional<Geometry> dispatch_geometry;  // pins the dispatch CTA count (mode=ll: the one grid of both legs)
+  std::optional<Geometry> combine_geometry;   // pins the combine CTA count (normal mode; mode=ll refuses it)
   // Cap on rows one rank can receive (default world * max_tokens_per_rank). Rows past it are dropped and reported.
   // Normal mode only: low-latency mode always receives every row (ConfigError if set there).
   std::optional<int> max_recv_tokens;

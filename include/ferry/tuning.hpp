@@ -1,13 +1,12 @@
-// Launch geometry of a kernel leg, and where it came from.
+// Launch geometry of a kernel leg (EpConfig::dispatch_geometry / combine_geometry pin it).
 #pragma once
-
-#include <string>
 
 namespace ferry {
 
+// The CTA count a leg launches with; 0 = choose (FERRY_*_BLOCKS, then the tuning table, then the kernels' default:
+// docs/tuning.md). Warps per CTA are not a setting: every kernel is compiled for 16 warps.
 struct Geometry {
   int blocks = 0;  // CTAs; 0 = choose
-  int warps = 0;   // warps per CTA; 0 = choose
   bool operator==(Geometry const&) const = default;
 };
 

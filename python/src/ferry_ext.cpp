@@ -960,21 +960,22 @@ class PyEpBuffer {
 
 namespace {
 
-std::optional<Geometry> geometry_from(std::optional<std::pair<int, int>> const& value) {
-  if (!value) return std::nullopt;
-  return Geometry{value->first, value->second};
+// A geometry pin is its CTA count in Python (0: choose).
+std::optional<Geometry> geometry_from(std::optional<int> const& blocks) {
+  if (!blocks) return std::nullopt;
+  return Geometry{*blocks};
 }
 
-std::optional<std::pair<int, int>> geometry_to(std::optional<Geometry> const& value) {
+std::optional<int> geometry_to(std::optional<Geometry> const& value) {
   if (!value) return std::nullopt;
-  return std::make_pair(value->blocks, value->warps);
+  return value->blocks;
 }
 
 EpConfig make_config(int hidden, int num_experts, int topk, int max_tokens_per_rank, std::optional<int> expert_capacity,
                      std::optional<int> max_recv_tokens, std::string const& dispatch_format,
                      std::string const& combine_format, bool dispatch_dequantize, std::string const& recv_scale_layout,
-                     std::string const& mode, std::optional<std::pair<int, int>> dispatch_geometry,
-                     std::optional<std::pair<int, int>> combine_geometry) {
+                     std::string const& mode, std::optional<int> dispatch_geometry,
+                     std::optional<int> combine_geometry) {
   EpConfig config;
   config.hidden = hidden;
   config.num_experts = num_experts;
@@ -1154,8 +1155,12 @@ NB_MODULE(_ext, m) {
       .def_prop_ro("recv_row_bytes", &EpConfig::recv_row_bytes,
                    "Bytes of one delivered row: hidden * 2 (bf16) or the quantized payload.")
       .def_prop_ro("mode", [](EpConfig const& c) { return std::string(mode_name(c.mode)); })
-      .def_prop_ro("dispatch_geometry", [](EpConfig const& c) { return geometry_to(c.dispatch_geometry); })
-      .def_prop_ro("combine_geometry", [](EpConfig const& c) { return geometry_to(c.combine_geometry); })
+      .def_prop_ro(
+          "dispatch_geometry", [](EpConfig const& c) { return geometry_to(c.dispatch_geometry); },
+          "The pinned dispatch CTA count (0: choose), or None.")
+      .def_prop_ro(
+          "combine_geometry", [](EpConfig const& c) { return geometry_to(c.combine_geometry); },
+          "The pinned combine CTA count (0: choose), or None.")
       .def("__repr__", [](EpConfig const& c) {
         return concat("EpConfig(hidden=", c.hidden, ", num_experts=", c.num_experts, ", topk=", c.topk,
                       ", max_tokens_per_rank=", c.max_tokens_per_rank,
@@ -1206,9 +1211,8 @@ NB_MODULE(_ext, m) {
           [](PyEpBuffer* self, std::shared_ptr<Communicator> comm, int hidden, int num_experts, int topk,
              int max_tokens_per_rank, std::optional<int> expert_capacity, std::optional<int> max_recv_tokens,
              std::string const& dispatch_format, std::string const& combine_format, bool dispatch_dequantize,
-             std::string const& recv_scale_layout, std::string const& mode,
-             std::optional<std::pair<int, int>> dispatch_geometry,
-             std::optional<std::pair<int, int>> combine_geometry) {
+             std::string const& recv_scale_layout, std::string const& mode, std::optional<int> dispatch_geometry,
+             std::optional<int> combine_geometry) {
             EpConfig const config = make_config(hidden, num_experts, topk, max_tokens_per_rank, expert_capacity,
                                                 max_recv_tokens, dispatch_format, combine_format, dispatch_dequantize,
                                                 recv_scale_layout, mode, dispatch_geometry, combine_geometry);

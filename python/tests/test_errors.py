@@ -131,6 +131,7 @@ def test_expand_needs_expert_capacity(comm):
         (dict(expert_capacity=0), ["expert_capacity=0 must be at least 1"]),
         (dict(dispatch_format="fp9"), ["fp9"]),
         (dict(mode="turbo"), ["turbo"]),
+        (dict(dispatch_geometry=-1), ["dispatch_geometry.blocks=-1 is negative"]),
     ],
 )
 def test_config_errors(comm, kwargs, pieces):
@@ -141,6 +142,20 @@ def test_config_errors(comm, kwargs, pieces):
     assert re.match(FORMAT.format(subsystem=r"\w+"), str(caught.value)), str(caught.value)
     for piece in pieces:
         assert piece in str(caught.value)
+
+
+def test_a_geometry_pin_is_a_cta_count(comm):
+    pinned = ferry.EpBuffer(comm, hidden=64, num_experts=4, topk=2, max_tokens_per_rank=8, dispatch_geometry=8)
+    assert (pinned.config.dispatch_geometry, pinned.config.combine_geometry) == (8, None)
+    with pytest.raises(TypeError):  # (blocks, warps): warps are not a setting
+        ferry.EpBuffer(comm, hidden=64, num_experts=4, topk=2, max_tokens_per_rank=8, dispatch_geometry=(8, 16))
+
+
+def test_a_removed_env_variable_is_refused(monkeypatch):
+    monkeypatch.setenv("FERRY_DISPATCH_WARPS", "16")
+    with pytest.raises(ferry.ConfigError, match="FERRY_DISPATCH_WARPS=16 is no longer read"):
+        ferry.init(backend="cpu", rank=0, world=1)
+    assert "FERRY_DISPATCH_WARPS" not in [name for name, _, _ in ferry.env_params()]
 
 
 def test_backend_errors():

@@ -44,9 +44,7 @@ constexpr std::array kParams = {
              .allowed = "error, warn, info, debug"},
     geometry_pin("FERRY_DISPATCH_BLOCKS",
                  "pin the number of CTAs of the dispatch kernels (experiments; overrides tuning)"),
-    geometry_pin("FERRY_DISPATCH_WARPS", "pin the warps per CTA of the dispatch kernels"),
     geometry_pin("FERRY_COMBINE_BLOCKS", "pin the number of CTAs of the combine kernels"),
-    geometry_pin("FERRY_COMBINE_WARPS", "pin the warps per CTA of the combine kernels"),
     EnvParam{.name = "FERRY_NORMAL_LANDING",
              .default_value = "auto",
              .meaning = "normal-mode dispatch protocol: auto (landing zone while world * max_tokens_per_rank <= 1024), "
@@ -117,6 +115,12 @@ constexpr std::array kParams = {
              .kind = EnvKind::integer,
              .allowed = "the number of ranks on this host",
              .rendezvous = true},
+};
+
+constexpr char kNoWarps[] = "warps per CTA are not a setting (every kernel is compiled for 16 warps)";
+constexpr std::array kRemoved = {
+    RemovedEnvParam{.name = "FERRY_DISPATCH_WARPS", .why = kNoWarps},
+    RemovedEnvParam{.name = "FERRY_COMBINE_WARPS", .why = kNoWarps},
 };
 
 std::optional<int64_t> parse_whole(std::string const& text) {
@@ -226,8 +230,22 @@ double env_double(char const* name) {
   return *value;
 }
 
+std::span<RemovedEnvParam const> removed_env_params() {
+  return kRemoved;
+}
+
+std::string removed_env_problem(RemovedEnvParam const& param, std::string const& value) {
+  if (value.empty()) return "";
+  return detail::concat(param.name, "=", value, " is no longer read: ", param.why, "; unset it");
+}
+
 void check_env() {
   for (EnvParam const& param : kParams) env_string(param.name);
+  for (RemovedEnvParam const& param : kRemoved) {
+    char const* value = std::getenv(param.name);
+    if (std::string const problem = removed_env_problem(param, value ? value : ""); !problem.empty())
+      FERRY_THROW(ConfigError, "env", problem);
+  }
 }
 
 }  // namespace ferry

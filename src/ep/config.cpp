@@ -18,14 +18,11 @@ Mode parse_mode(std::string const& name) {
 namespace {
 // Largest token count per rank the int32 row indices of the buffers can address at kMaxLocalPeers ranks.
 constexpr int kMaxTokensPerRank = 1 << 20;
-constexpr int kMaxWarpsPerBlock = 32;
 
 void validate_geometry(char const* field, std::optional<Geometry> const& geometry) {
   if (!geometry) return;
   FERRY_CHECK_CONFIG(geometry->blocks >= 0, field, ".blocks=", geometry->blocks,
                      " is negative; use 0 (choose) or a CTA count");
-  FERRY_CHECK_CONFIG(geometry->warps >= 0 && geometry->warps <= kMaxWarpsPerBlock, field, ".warps=", geometry->warps,
-                     " is outside [0, ", kMaxWarpsPerBlock, "]; a CTA holds at most 1024 threads");
 }
 }  // namespace
 
@@ -69,6 +66,12 @@ void EpConfig::validate(int world) const {
                        " is more than mode=ll accepts (", kMaxLowLatencyTokens,
                        "); split the decode batch or use mode=normal for larger batches");
     // NOTE: the landing zone holds every row a rank can receive; there is nothing to cap.
+    // NOTE: a setting that does nothing is refused, not ignored: both legs run the dispatch grid (the receivers count
+    // one arrival per CTA of the sender's grid).
+    FERRY_CHECK_CONFIG(!combine_geometry || combine_geometry->blocks == 0,
+                       "combine_geometry.blocks=", combine_geometry ? combine_geometry->blocks : 0,
+                       " is not used by mode=ll: both legs run one grid, chosen from dispatch_geometry; pin that "
+                       "instead, or leave combine_geometry unset");
     FERRY_CHECK_CONFIG(!max_recv_tokens, "max_recv_tokens=", *max_recv_tokens,
                        " is not used by mode=ll (every row is received: the landing zone holds world x "
                        "max_tokens_per_rank rows); leave it unset");

@@ -128,12 +128,8 @@ constexpr ConfigField kConfigFields[] = {
     {"dispatch_geometry.blocks",
      [](EpConfig const& c) -> int64_t { return c.dispatch_geometry ? c.dispatch_geometry->blocks : -1; },
      optional_text},
-    {"dispatch_geometry.warps",
-     [](EpConfig const& c) -> int64_t { return c.dispatch_geometry ? c.dispatch_geometry->warps : -1; }, optional_text},
     {"combine_geometry.blocks",
      [](EpConfig const& c) -> int64_t { return c.combine_geometry ? c.combine_geometry->blocks : -1; }, optional_text},
-    {"combine_geometry.warps",
-     [](EpConfig const& c) -> int64_t { return c.combine_geometry ? c.combine_geometry->warps : -1; }, optional_text},
 };
 constexpr std::size_t kNumConfigFields = sizeof(kConfigFields) / sizeof(kConfigFields[0]);
 

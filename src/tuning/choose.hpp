@@ -1,11 +1,10 @@
-// Which launch geometry a leg runs with, and why. Precedence, field by field (blocks and warps separately; 0 in a
-// pin means "choose"):
+// Which launch geometry (CTA count) a leg runs with, and why. Precedence (0 in a pin means "choose"):
 //   1. EpConfig::dispatch_geometry / combine_geometry
-//   2. FERRY_{DISPATCH,COMBINE}_{BLOCKS,WARPS} (read at every call, so experiments and `ferry tune` can change them)
+//   2. FERRY_{DISPATCH,COMBINE}_BLOCKS (read at every call, so experiments and `ferry tune` can change them)
 //   3. the table row for the EpBuffer's key (tables in force: table.hpp active_tables()), in the bucket of the call's
 //      token count, or the largest bucket past it
 //   4. the kernels' analytic default (computed by the launcher's plan function)
-// The result's `source` names the pin, variable, table file + entry + bucket, or default that decided each field.
+// The result's `source` names the pin, variable, table file + entry + bucket, or default that decided.
 // Host-only; the cuda launchers call it from their plan functions.
 #pragma once
 
@@ -30,10 +29,9 @@ struct LegTuning {
 // Looks the key up in the tables. Never throws for a missing entry (that is the analytic default's case).
 LegTuning resolve_leg(Leg leg, TuningKey const& key, std::optional<Geometry> const& pin, TableSet const& tables);
 
-// FERRY_{DISPATCH,COMBINE}_{BLOCKS,WARPS}. Unset or 0: not pinned. Throws ConfigError for a negative value.
+// FERRY_{DISPATCH,COMBINE}_BLOCKS. Unset or 0: not pinned. Throws ConfigError for a negative value.
 struct EnvPin {
   std::optional<int> blocks;
-  std::optional<int> warps;
 };
 EnvPin read_env_pin(Leg leg);
 
@@ -43,10 +41,8 @@ struct Choice {
 };
 
 // Applies the precedence for a call with num_tokens tokens. `analytic` is the kernels' default geometry (blocks >= 1)
-// and `analytic_why` its reason. `kernel_warps` is the one warps-per-CTA the kernels are compiled for (0: any, e.g.
-// the cpu backend). A pin or variable asking for other warps throws ConfigError naming it (it cannot be honoured); a
-// table row asking for other warps runs kernel_warps and says so in `source` (no silent substitution).
+// and `analytic_why` its reason.
 Choice choose(LegTuning const& tuning, EnvPin const& env, int num_tokens, Geometry analytic,
-              std::string_view analytic_why, int kernel_warps);
+              std::string_view analytic_why);
 
 }  // namespace ferry::tuning

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <tuple>
 
 #include "ferry/error.hpp"
 
@@ -15,8 +14,8 @@ Pick pick_geometry(std::vector<Measurement> const& candidates, double tolerance)
   FERRY_CHECK(routings > 0, "candidate measurements have no routing");
   std::vector<double> best(routings, INFINITY);
   for (Measurement const& m : candidates) {
-    FERRY_CHECK(m.us.size() == routings, "candidate blocks=", m.geometry.blocks, " warps=", m.geometry.warps, " has ",
-                m.us.size(), " routings, the first has ", routings);
+    FERRY_CHECK(m.us.size() == routings, "candidate blocks=", m.geometry.blocks, " has ", m.us.size(),
+                " routings, the first has ", routings);
     for (std::size_t r = 0; r < routings; ++r) {
       FERRY_CHECK(std::isfinite(m.us[r]) && m.us[r] > 0, "candidate blocks=", m.geometry.blocks, " has time ", m.us[r],
                   " us under routing ", r, "; times must be positive");
@@ -28,15 +27,13 @@ Pick pick_geometry(std::vector<Measurement> const& candidates, double tolerance)
     for (std::size_t r = 0; r < routings; ++r) worst = std::max(worst, m.us[r] / best[r]);
     return worst;
   };
-  auto const fewer = [](Measurement const& a, Measurement const& b) {
-    return std::tie(a.geometry.blocks, a.geometry.warps) < std::tie(b.geometry.blocks, b.geometry.warps);
-  };
+  auto const fewer = [](Measurement const& a, Measurement const& b) { return a.geometry.blocks < b.geometry.blocks; };
   Measurement const* chosen = nullptr;
-  // 1. the fewest blocks (then warps) within tolerance of the best under every routing
+  // 1. the fewest blocks within tolerance of the best under every routing
   for (Measurement const& m : candidates)
     if (worst_ratio(m) <= 1.0 + tolerance && (!chosen || fewer(m, *chosen))) chosen = &m;
   bool const within = chosen != nullptr;
-  // 2. none is: the smallest worst ratio, ties to fewer blocks (then warps)
+  // 2. none is: the smallest worst ratio, ties to fewer blocks
   if (!chosen)
     for (Measurement const& m : candidates)
       if (!chosen || worst_ratio(m) < worst_ratio(*chosen) ||

@@ -1,7 +1,7 @@
 // The rule `ferry tune` uses to turn measurements into a table row: per token bucket and leg, the fewest blocks whose
 // time is within `tolerance` of the best under every routing measured (fewer CTAs leave SMs to the computation that
 // overlaps communication, and a geometry that is near-best under both uniform and skewed routing is robust), ties
-// broken by fewer blocks, then fewer warps, so the pick is deterministic. Host-only; pure.
+// broken by fewer blocks, so the pick is deterministic. Host-only; pure.
 #pragma once
 
 #include <string>
@@ -23,7 +23,7 @@ struct Pick {
   std::vector<double> best_us;  // the best time of any candidate, per routing
   double worst_ratio = 0;       // max over routings of us / best_us
   // false when no candidate is within tolerance under every routing: then the pick minimises worst_ratio
-  // (ties: fewer blocks, then fewer warps).
+  // (ties: fewer blocks).
   bool within_tolerance = true;
 };
 

@@ -24,7 +24,6 @@ using json::Value;
 using Kind = json::Value::Kind;
 
 constexpr int kTableVersion = 1;
-constexpr int kMaxWarps = 32;
 
 // Marketing names of one model, after canonicalisation (upper case, no "NVIDIA", single spaces). Add a line when
 // a driver reports a model under a longer name than its table uses.
@@ -140,12 +139,16 @@ std::vector<Bucket> parse_buckets(Checker const& check, Value const& value, Leg 
     Value const& item = value.items[i];
     std::string const what = detail::concat(name, " bucket ", i);
     check.expect_kind(item, Kind::object, what);
-    check.only_fields(item, {"max_tokens", "blocks", "warps", "us"}, what);
+    // NOTE: a row naming warps was written for a setting that does not exist: refused with the reason, not as a typo.
+    if (Value const* warps = item.find("warps"))
+      check.fail(*warps, what,
+                 " has \"warps\", which was removed: every kernel runs 16 warps per CTA, so a row holds "
+                 "blocks only; delete the field");
+    check.only_fields(item, {"max_tokens", "blocks", "us"}, what);
     Bucket bucket;
     Value const& bound = check.required(item, "max_tokens", what);
     bucket.max_tokens = check.integer(bound, what + " max_tokens", 1, 1 << 30);
     bucket.geometry.blocks = check.integer(check.required(item, "blocks", what), what + " blocks", 1, 1 << 16);
-    bucket.geometry.warps = check.integer(check.required(item, "warps", what), what + " warps", 1, kMaxWarps);
     if (Value const* us = item.find("us")) bucket.us = check.number(*us, what + " us");
     // NOTE: buckets are half-open ranges (previous bound, bound]; a repeated or falling bound makes two rows claim
     // the same token counts, and only one of them could ever be used.
@@ -187,8 +190,7 @@ void write_buckets(std::ostringstream& out, char const* name, std::vector<Bucket
   out << "      \"" << name << "\": [";
   for (std::size_t i = 0; i < buckets.size(); ++i) {
     Bucket const& b = buckets[i];
-    out << (i ? ",\n" : "\n") << "        {\"max_tokens\": " << b.max_tokens << ", \"blocks\": " << b.geometry.blocks
-        << ", \"warps\": " << b.geometry.warps;
+    out << (i ? ",\n" : "\n") << "        {\"max_tokens\": " << b.max_tokens << ", \"blocks\": " << b.geometry.blocks;
     if (b.us) out << ", \"us\": " << format_number(*b.us);
     out << "}";
   }
@@ -272,6 +274,12 @@ Table parse_table(std::string_view text, std::string const& source) {
     seen.emplace(describe(entry.key), static_cast<int>(i));
     if (Value const* v = item.find("dispatch")) entry.dispatch = parse_buckets(check, *v, Leg::dispatch);
     if (Value const* v = item.find("combine")) entry.combine = parse_buckets(check, *v, Leg::combine);
+    // NOTE: a low-latency EpBuffer runs one grid for both legs, chosen by the dispatch buckets (ll_ep.cu): combine
+    // buckets there would never be read.
+    if (entry.key.mode == mode_name(Mode::low_latency) && !entry.combine.empty())
+      check.fail(*item.find("combine"),
+                 "combine buckets in a mode \"ll\" entry are never read: a low-latency "
+                 "EpBuffer runs one grid for both legs, chosen by the dispatch buckets; leave \"combine\" empty");
     if (Value const* v = item.find("provenance")) entry.provenance = parse_provenance(check, *v);
     table.entries.push_back(std::move(entry));
   }

@@ -2,9 +2,11 @@
 // docs/tuning.md). Host-only; compiled everywhere.
 //
 // A table holds entries keyed by (GPU model, world, hidden, topk, dispatch format, combine format, mode); an entry
-// holds, per leg, token buckets sorted by their inclusive upper bound, each with a geometry. The loader refuses
-// anything ambiguous or unknown: a key repeated in one JSON object (json.hpp), an entry key repeated in one table or
-// across the tables of one directory, buckets unsorted or repeated, unknown fields, wrong types, out-of-range values.
+// holds, per leg, token buckets sorted by their inclusive upper bound, each with a CTA count (a mode "ll" entry has
+// dispatch buckets only: its grid serves both legs). The loader refuses anything ambiguous, unknown or unread: a key
+// repeated in one JSON object (json.hpp), an entry key repeated in one table or across the tables of one directory,
+// buckets unsorted or repeated, unknown fields (a bucket's "warps" with the reason it is not a setting), combine
+// buckets in a mode "ll" entry, wrong types, out-of-range values.
 // Every error names the file, the entry and (for JSON errors) the line and column.
 #pragma once
 
@@ -46,7 +48,7 @@ std::string describe(TuningKey const& key);
 
 struct Bucket {
   int max_tokens = 0;        // upper bound of the bucket, inclusive; the bucket starts past the previous one's bound
-  Geometry geometry;         // blocks >= 1, warps in [1, 32]
+  Geometry geometry;         // blocks >= 1
   std::optional<double> us;  // median of the chosen geometry when tuned (the slower routing); informational
   bool operator==(Bucket const&) const = default;
 };

@@ -116,7 +116,7 @@ int ll_case() {
   // NOTE: large shapes pin a capacity well above the expected load: the reference needs every rank's full
   // [experts, slots, hidden] expert outputs on the host, which at the default (world x max_tokens slots) is gigabytes.
   if (spec.capacity > 0) user.expert_capacity = spec.capacity;
-  if (spec.blocks > 0) user.dispatch_geometry = Geometry{spec.blocks, 0};
+  if (spec.blocks > 0) user.dispatch_geometry = Geometry{spec.blocks};
   std::vector<std::unique_ptr<EpBuffer>> layers;
   for (int l = 0; l < spec.layers; ++l) layers.push_back(std::make_unique<EpBuffer>(comm, user));
   EpConfig const config = layers[0]->config();  // resolved

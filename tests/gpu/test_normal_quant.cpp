@@ -145,7 +145,7 @@ int run_spec(std::shared_ptr<Communicator> const& comm, Spec const& spec) {
   config.dispatch_dequantize = spec.dequantize;
   config.recv_scale_layout = spec.layout;
   if (spec.expand) config.expert_capacity = config.recv_capacity(world);
-  if (spec.blocks > 0) config.dispatch_geometry = Geometry{spec.blocks, 0};
+  if (spec.blocks > 0) config.dispatch_geometry = Geometry{spec.blocks};
   EpBuffer buffer(comm, config);
   int const hidden = spec.hidden;
   int const topk = spec.topk;

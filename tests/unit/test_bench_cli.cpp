@@ -94,6 +94,8 @@ TEST_F(BenchCli, BadUseIsRefusedOnceBeforeAnyRankStarts) {
            Refusal{"bench --backend cpu --graph-calls 0", "--graph-calls=0 must be at least 1"},
            Refusal{"bench --backend cpu --layout expert --expert-capacity -3", "--expert-capacity=-3"},
            Refusal{"bench --backend cpu --dispatch-blocks -1", "--dispatch-blocks=-1"},
+           Refusal{"bench --backend cpu --mode ll --tokens 8 --combine-blocks 4",
+                   "--combine-blocks=4 does nothing with --mode ll"},
        })
     expect_refused_once(c);
 }
@@ -122,7 +124,8 @@ TEST_F(TuneOptions, BadUseIsRefusedOnceBeforeAnyRankStarts) {
            Refusal{"--rounds 0", "--rounds and --iters must be at least 1"},
            Refusal{"--graph-calls 0", "--graph-calls=0 must be at least 1"},
            Refusal{"--blocks 0,4", "--blocks=0,4 must list positive values"},
-           Refusal{"--warps 16,16", "--warps=16,16 repeats a value"},
+           Refusal{"--blocks 4,4", "--blocks=4,4 repeats a value"},
+           Refusal{"--warps 16", "unknown option --warps"},  // warps are not a setting: refused, not ignored
            Refusal{"--nproc -1", "--nproc=-1 must be 0"},
        }) {
     std::string const args = std::string("tune --backend cpu ") + c.args + table;

@@ -83,10 +83,20 @@ TEST(Config, TokensAndCaps) {
 
 TEST(Config, GeometryAndWorld) {
   EpConfig config;
-  config.dispatch_geometry = Geometry{-1, 4};
+  config.dispatch_geometry = Geometry{-1};
   expect_message(config, 2, {"dispatch_geometry.blocks=-1"});
-  config.dispatch_geometry = Geometry{8, 33};
-  expect_message(config, 2, {"dispatch_geometry.warps=33"});
+  config.combine_geometry = Geometry{-2};
+  config.dispatch_geometry = Geometry{8};
+  expect_message(config, 2, {"combine_geometry.blocks=-2"});
+  // mode=ll runs both legs on the dispatch grid: a combine pin would do nothing, so it is refused
+  config.combine_geometry = Geometry{4};
+  config.mode = Mode::low_latency;
+  config.max_tokens_per_rank = 128;
+  expect_message(config, 2, {"combine_geometry.blocks=4 is not used by mode=ll"});
+  config.combine_geometry = Geometry{0};
+  EXPECT_NO_THROW(config.validate(2));
+  config.mode = Mode::normal;
+  config.max_tokens_per_rank = EpConfig{}.max_tokens_per_rank;
   expect_message(EpConfig{}, 0, {"world=0"});
   config = EpConfig{};
   config.num_experts = 64 * 64;

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <tuple>
 
 #include "ferry/env.hpp"
 #include "ferry/error.hpp"
@@ -58,7 +59,7 @@ TEST(EnvRules, BadValuesAreRefusedNamingVariableValueAndWhatToDo) {
 
 TEST(EnvRules, GoodValuesPass) {
   for (auto const& [name, value] : {std::pair{"FERRY_TIMEOUT_S", "2.5"}, std::pair{"FERRY_LOG", "debug"},
-                                    std::pair{"FERRY_NORMAL_LANDING", "off"}, std::pair{"FERRY_COMBINE_WARPS", "0"}})
+                                    std::pair{"FERRY_NORMAL_LANDING", "off"}, std::pair{"FERRY_COMBINE_BLOCKS", "0"}})
     EXPECT_EQ(library_refusal(name, value), "") << name << "=" << value;
   ScopedEnv const timeout("FERRY_TIMEOUT_S", "2.5");
   EXPECT_EQ(env_double("FERRY_TIMEOUT_S"), 2.5);
@@ -82,14 +83,40 @@ TEST(EnvCli, FlagsWhatTheLibraryRefusesWithItsMessage) {
   EXPECT_FALSE(contains(run.output, "refused")) << run.output;
 }
 
-// Every other command refuses a bad value before it starts anything (exit 2, one line).
+// A variable Ferry no longer reads is refused when set, never ignored (a pin that did nothing would mislead): by the
+// library where a job starts, by `ferry env` (which does not list it as a parameter) and by every other command
+// (EnvCli.OtherCommandsRefuseABadValueBeforeStarting).
+// Checked to fail: with check_env's loop over the removed variables taken out, FERRY_DISPATCH_WARPS=8 passed; with
+// `ferry env`'s, it exited 0.
+TEST(EnvRules, RemovedVariablesAreRefusedNeverIgnored) {
+  ASSERT_FALSE(removed_env_params().empty());
+  for (RemovedEnvParam const& removed : removed_env_params()) {
+    for (EnvParam const& param : env_params()) EXPECT_STRNE(param.name, removed.name) << "removed yet declared";
+    std::string const refusal = library_refusal(removed.name, "8");
+    EXPECT_TRUE(contains(refusal, std::string(removed.name) + "=8 is no longer read: " + removed.why + "; unset it"))
+        << refusal;
+    EXPECT_TRUE(contains(refusal, "env error")) << refusal;
+    EXPECT_EQ(library_refusal(removed.name, ""), "") << removed.name << " set empty is unset";
+    ScopedEnv const set(removed.name, std::string("16"));
+    CliRun const run = run_ferry("env");
+    EXPECT_EQ(run.code, 1) << run.output;
+    EXPECT_TRUE(contains(run.output, "ferry env: refused: " + removed_env_problem(removed, "16"))) << run.output;
+  }
+  EXPECT_TRUE(contains(library_refusal("FERRY_COMBINE_WARPS", "16"), "every kernel is compiled for 16 warps"));
+}
+
+// Every other command refuses a bad value, or a removed variable, before it starts anything (exit 2, one line).
 TEST(EnvCli, OtherCommandsRefuseABadValueBeforeStarting) {
   ScopedEnv const rank("RANK", std::nullopt);
-  ScopedEnv const log("FERRY_LOG", std::string("verbose"));
-  CliRun const run = run_ferry("bench --backend cpu --tokens 16 --hidden 256 --iters 1");
-  EXPECT_EQ(run.code, 2) << run.output;
-  EXPECT_TRUE(contains(run.output, "FERRY_LOG=verbose is not one of error, warn, info, debug")) << run.output;
-  EXPECT_FALSE(contains(run.output, "rank 0")) << run.output;
+  for (auto const& [name, value, says] :
+       {std::tuple{"FERRY_LOG", "verbose", "FERRY_LOG=verbose is not one of error, warn, info, debug"},
+        std::tuple{"FERRY_DISPATCH_WARPS", "16", "FERRY_DISPATCH_WARPS=16 is no longer read"}}) {
+    ScopedEnv const set(name, std::string(value));
+    CliRun const run = run_ferry("bench --backend cpu --tokens 16 --hidden 256 --iters 1");
+    EXPECT_EQ(run.code, 2) << run.output;
+    EXPECT_TRUE(contains(run.output, says)) << run.output;
+    EXPECT_FALSE(contains(run.output, "rank 0")) << run.output;
+  }
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // Tuning tables and `ferry tune`: the strict JSON reader (duplicate keys refused with their position), the table
-// loader (duplicate entry keys, overlapping / unsorted buckets, unknown fields: errors naming file and entry), lookup
-// and its fallback order, GPU name aliases, the precedence EpConfig pin > env > table > analytic default, merging,
-// the picker's tie-breaking, the compiled-in copies, and a smoke run of `ferry tune` on the cpu backend.
+// loader (duplicate entry keys, overlapping / unsorted buckets, unknown fields, a row's warps, an ll entry's combine
+// buckets: errors naming file and entry), lookup and its fallback order, GPU name aliases, the precedence EpConfig pin
+// > env > table > analytic default, merging, the picker's tie-breaking, the compiled-in copies, and smoke runs of
+// `ferry tune` on the cpu backend.
 #include <gtest/gtest.h>
 
 #include <sys/wait.h>
@@ -18,6 +19,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "ferry/error.hpp"
@@ -160,20 +162,19 @@ TEST(TuningJson, RejectsDuplicateKeysWithBothPositions) {
 // ---- loading -------------------------------------------------------------------------------------------------------
 
 TEST(TuningTable, LoadsAWellFormedTable) {
-  Table const table =
-      parse_table(table_json({entry_json("NVIDIA H200",
-                                         "{\"max_tokens\": 128, \"blocks\": 8, \"warps\": 16, \"us\": 41.5},"
-                                         "{\"max_tokens\": 4096, \"blocks\": 64, \"warps\": 16}",
-                                         "{\"max_tokens\": 512, \"blocks\": 24, \"warps\": 16}"),
-                              entry_json("H100")}),
-                  "t.json");
+  Table const table = parse_table(table_json({entry_json("NVIDIA H200",
+                                                         "{\"max_tokens\": 128, \"blocks\": 8, \"us\": 41.5},"
+                                                         "{\"max_tokens\": 4096, \"blocks\": 64}",
+                                                         "{\"max_tokens\": 512, \"blocks\": 24}"),
+                                              entry_json("H100")}),
+                                  "t.json");
   ASSERT_EQ(table.entries.size(), 2u);
   Entry const& e = table.entries[0];
   EXPECT_EQ(e.key, h200_key());  // the GPU name is stored canonically
   ASSERT_EQ(e.dispatch.size(), 2u);
-  EXPECT_EQ(e.dispatch[0], (Bucket{128, {8, 16}, 41.5}));
-  EXPECT_EQ(e.dispatch[1], (Bucket{4096, {64, 16}, std::nullopt}));
-  EXPECT_EQ(e.combine[0].geometry, (Geometry{24, 16}));
+  EXPECT_EQ(e.dispatch[0], (Bucket{128, {8}, 41.5}));
+  EXPECT_EQ(e.dispatch[1], (Bucket{4096, {64}, std::nullopt}));
+  EXPECT_EQ(e.combine[0].geometry, (Geometry{24}));
   EXPECT_TRUE(table.entries[1].dispatch.empty());
   EXPECT_EQ(table.source, "t.json");
 }
@@ -200,16 +201,16 @@ TEST(TuningTable, RejectsOverlappingAndUnsortedBuckets) {
   expect_error(
       [] {
         parse_table(table_json({entry_json("H200",
-                                           "{\"max_tokens\": 128, \"blocks\": 8, \"warps\": 16},"
-                                           "{\"max_tokens\": 128, \"blocks\": 16, \"warps\": 16}")}),
+                                           "{\"max_tokens\": 128, \"blocks\": 8},"
+                                           "{\"max_tokens\": 128, \"blocks\": 16}")}),
                     "o.json");
       },
       {"o.json:", "entry 0 (H200 world 8", "dispatch bucket 1", "overlapping", "max_tokens=128"});
   expect_error(
       [] {
         parse_table(table_json({entry_json("H200", "",
-                                           "{\"max_tokens\": 512, \"blocks\": 8, \"warps\": 16},"
-                                           "{\"max_tokens\": 256, \"blocks\": 16, \"warps\": 16}")}),
+                                           "{\"max_tokens\": 512, \"blocks\": 8},"
+                                           "{\"max_tokens\": 256, \"blocks\": 16}")}),
                     "u.json");
       },
       {"u.json:", "entry 0 (H200", "combine bucket 1", "unsorted", "256"});
@@ -220,9 +221,9 @@ TEST(TuningTable, RejectsUnknownFieldsAndBadValues) {
     std::string text;
     std::vector<std::string> parts;
   };
-  std::string const bucket = "{\"max_tokens\": 128, \"blocks\": 8, \"warps\": 16}";
+  std::string const bucket = "{\"max_tokens\": 128, \"blocks\": 8}";
   std::vector<Case> const cases = {
-      {table_json({entry_json("H200", "{\"max_tokens\": 128, \"blcoks\": 8, \"warps\": 16}")}),
+      {table_json({entry_json("H200", "{\"max_tokens\": 128, \"blcoks\": 8}")}),
        {"entry 0 (H200", "unknown field \"blcoks\"", "dispatch bucket 0"}},
       {table_json({"{\"key\": " + key_json("H200") + ", \"dispach\": []}"}),
        {"entry 0 (H200", "unknown field \"dispach\""}},
@@ -231,12 +232,9 @@ TEST(TuningTable, RejectsUnknownFieldsAndBadValues) {
       {"{\"version\": 2, \"entries\": []}", {"version must be 1"}},
       {"{\"entries\": []}", {"has no \"version\""}},
       {"[]", {"the table must be an object"}},
-      {table_json({entry_json("H200", "{\"max_tokens\": 128, \"blocks\": 8, \"warps\": 33}")}),
-       {"entry 0 (H200", "warps=33 is outside [1, 32]"}},
-      {table_json({entry_json("H200", "{\"max_tokens\": 128, \"blocks\": 8.5, \"warps\": 16}")}),
+      {table_json({entry_json("H200", "{\"max_tokens\": 128, \"blocks\": 8.5}")}),
        {"entry 0 (H200", "blocks must be an integer, not 8.5"}},
-      {table_json({entry_json("H200", "{\"max_tokens\": 128, \"warps\": 16}")}),
-       {"entry 0 (H200", "has no \"blocks\""}},
+      {table_json({entry_json("H200", "{\"max_tokens\": 128}")}), {"entry 0 (H200", "has no \"blocks\""}},
       {table_json({"{\"key\": " + key_json("H200", 0) + "}"}), {"entry 0", "key.world=0 is outside [1, 32]"}},
       {table_json({"{\"key\": {\"gpu\": \"H200\", \"world\": 8, \"hidden\": 7168, \"topk\": 8, \"dispatch_format\": "
                    "\"fp9\", \"combine_format\": \"bf16\", \"mode\": \"normal\"}}"}),
@@ -256,12 +254,42 @@ TEST(TuningTable, RejectsUnknownFieldsAndBadValues) {
   (void)bucket;
 }
 
+// Warps per CTA are not a setting (every kernel runs 16): a row naming them is refused with that reason, at the
+// field's position, rather than read as blocks alone or reported as a typo. Checked to fail: with the loader's "warps"
+// check removed, the message was the generic "unknown field \"warps\"" and this test failed.
+TEST(TuningTable, RefusesARowWithWarpsSayingWhy) {
+  for (auto const& [dispatch, combine, where] :
+       {std::tuple{"{\"max_tokens\": 128, \"blocks\": 8, \"warps\": 16}", "", "dispatch bucket 0"},
+        std::tuple{"", "{\"max_tokens\": 128, \"blocks\": 8}, {\"max_tokens\": 512, \"warps\": 8, \"blocks\": 8}",
+                   "combine bucket 1"}}) {
+    std::string const text = table_json({entry_json("H200", dispatch, combine)});
+    expect_error([&] { parse_table(text, "w.json"); },
+                 {"w.json:", "entry 0 (H200 world 8", std::string(where) + " has \"warps\", which was removed",
+                  "every kernel runs 16 warps per CTA", "delete the field"});
+  }
+}
+
+// A low-latency EpBuffer runs one grid for both legs, chosen by its entry's dispatch buckets: combine buckets there
+// would never be read, so they are refused. Checked to fail: without the loader's check, the ll entry below loaded.
+TEST(TuningTable, RefusesCombineBucketsOfALowLatencyEntry) {
+  std::string ll_key = key_json("H200");
+  ll_key.replace(ll_key.find("\"normal\""), 8, "\"ll\"");
+  std::string const row = "{\"max_tokens\": 128, \"blocks\": 66}";
+  expect_error([&] { parse_table(table_json({"{\"key\": " + ll_key + ", \"combine\": [" + row + "]}"}), "l.json"); },
+               {"l.json:", "entry 0 (H200 world 8 hidden 7168 topk 8 bf16/bf16 ll)",
+                "combine buckets in a mode \"ll\" entry are never read", "chosen by the dispatch buckets"});
+  Table const ll =
+      parse_table(table_json({"{\"key\": " + ll_key + ", \"dispatch\": [" + row + "], \"combine\": []}"}), "l.json");
+  EXPECT_EQ(ll.entries[0].dispatch.size(), 1u);
+  EXPECT_NO_THROW(parse_table(table_json({entry_json("H200", row, row)}), "n.json"));  // normal mode keeps both
+}
+
 TEST(TuningTable, SerializeRoundTripsAndIsStable) {
   Table table;
   table.comment = "a \"comment\"";
-  Entry entry = make_entry(h200_key(), {{128, {8, 16}, 40.25}, {4096, {64, 16}, std::nullopt}}, {});
+  Entry entry = make_entry(h200_key(), {{128, {8}, 40.25}, {4096, {64}, std::nullopt}}, {});
   entry.provenance = Provenance{"ferry tune 0.1.0", "abc123", "2026-01-01T00:00:00Z", "NVIDIA H200", 3, 0.03};
-  table.entries = {entry, make_entry(h200_key(2), {}, {{256, {16, 16}, 9.5}})};
+  table.entries = {entry, make_entry(h200_key(2), {}, {{256, {16}, 9.5}})};
   std::string const text = serialize_table(table);
   Table const back = parse_table(text, "rt.json");
   EXPECT_EQ(back.entries, table.entries);
@@ -292,8 +320,7 @@ TEST(TuningTable, ShippedTablesLoadAndAreEmbeddedByteForByte) {
 
 TEST(TuningTable, TablesInForceFollowFerryTuningDir) {
   TempDir dir;
-  write_file(dir.file("h200.json"),
-             table_json({entry_json("H200", "{\"max_tokens\": 512, \"blocks\": 12, \"warps\": 16}")}));
+  write_file(dir.file("h200.json"), table_json({entry_json("H200", "{\"max_tokens\": 512, \"blocks\": 12}")}));
   write_file(dir.file("notes.txt"), "not a table");
   {
     ScopedEnv env("FERRY_TUNING_DIR", dir.path());
@@ -337,7 +364,7 @@ TEST(TuningLookup, GpuNameAliases) {
 }
 
 TEST(TuningLookup, BucketMatchIsInclusiveThenNearest) {
-  std::vector<Bucket> const buckets = {{128, {8, 16}, {}}, {512, {16, 16}, {}}, {4096, {64, 16}, {}}};
+  std::vector<Bucket> const buckets = {{128, {8}, {}}, {512, {16}, {}}, {4096, {64}, {}}};
   EXPECT_EQ(match_bucket(buckets, 0).bucket, &buckets[0]);
   EXPECT_EQ(match_bucket(buckets, 128).bucket, &buckets[0]);
   EXPECT_EQ(match_bucket(buckets, 129).bucket, &buckets[1]);
@@ -352,86 +379,81 @@ TEST(TuningLookup, BucketMatchIsInclusiveThenNearest) {
 
 class TuningChoose : public ::testing::Test {
  protected:
-  TableSet tables_ = TableSet::from_tables(
-      "test", {parse_table(table_json({entry_json("H200",
-                                                  "{\"max_tokens\": 128, \"blocks\": 8, \"warps\": 16},"
-                                                  "{\"max_tokens\": 1024, \"blocks\": 24, \"warps\": 16}",
-                                                  "{\"max_tokens\": 512, \"blocks\": 40, \"warps\": 8}")}),
-                           "h200.json")});
-  Geometry const analytic_{132, 16};
+  TableSet tables_ =
+      TableSet::from_tables("test", {parse_table(table_json({entry_json("H200",
+                                                                        "{\"max_tokens\": 128, \"blocks\": 8},"
+                                                                        "{\"max_tokens\": 1024, \"blocks\": 24}",
+                                                                        "{\"max_tokens\": 512, \"blocks\": 40}")}),
+                                                 "h200.json")});
+  Geometry const analytic_{132};
 };
 
 TEST_F(TuningChoose, FallbackOrderTableRowThenNearestThenDefault) {
   LegTuning const dispatch = resolve_leg(Leg::dispatch, h200_key(), std::nullopt, tables_);
   ASSERT_EQ(dispatch.rows.size(), 2u);
-  Choice c = choose(dispatch, {}, 100, analytic_, "grid = SMs", 16);
-  EXPECT_EQ(c.geometry, (Geometry{8, 16}));
+  Choice c = choose(dispatch, {}, 100, analytic_, "grid = SMs");
+  EXPECT_EQ(c.geometry, (Geometry{8}));
   EXPECT_TRUE(contains(c.source,
                        "table h200.json entry 0 (H200 world 8 hidden 7168 topk 8 bf16/bf16 normal) "
                        "bucket <=128 tokens"))
       << c.source;
-  c = choose(dispatch, {}, 1000, analytic_, "grid = SMs", 16);
-  EXPECT_EQ(c.geometry, (Geometry{24, 16}));
-  c = choose(dispatch, {}, 5000, analytic_, "grid = SMs", 16);  // past the largest bucket: the nearest one
-  EXPECT_EQ(c.geometry, (Geometry{24, 16}));
+  c = choose(dispatch, {}, 1000, analytic_, "grid = SMs");
+  EXPECT_EQ(c.geometry, (Geometry{24}));
+  c = choose(dispatch, {}, 5000, analytic_, "grid = SMs");  // past the largest bucket: the nearest one
+  EXPECT_EQ(c.geometry, (Geometry{24}));
   EXPECT_TRUE(contains(c.source, "bucket <=1024 tokens (nearest: 5000 tokens is past the largest)")) << c.source;
   // no entry for the key: the analytic default, saying why
   LegTuning const other = resolve_leg(Leg::dispatch, h200_key(2), std::nullopt, tables_);
   EXPECT_TRUE(other.rows.empty());
-  c = choose(other, {}, 100, analytic_, "grid = SMs", 16);
+  c = choose(other, {}, 100, analytic_, "grid = SMs");
   EXPECT_EQ(c.geometry, analytic_);
   EXPECT_EQ(c.source,
             "analytic default (grid = SMs; no table entry for H200 world 2 hidden 7168 topk 8 bf16/bf16 "
             "normal in test)");
   // an entry without buckets for this leg: the default too
   TableSet const sparse = TableSet::from_tables("t", {parse_table(table_json({entry_json("H200")}), "s.json")});
-  c = choose(resolve_leg(Leg::combine, h200_key(), std::nullopt, sparse), {}, 64, analytic_, "grid = SMs", 16);
+  c = choose(resolve_leg(Leg::combine, h200_key(), std::nullopt, sparse), {}, 64, analytic_, "grid = SMs");
   EXPECT_EQ(c.geometry, analytic_);
   EXPECT_TRUE(contains(c.source,
                        "s.json entry 0 (H200 world 8 hidden 7168 topk 8 bf16/bf16 normal) has no combine "
                        "buckets"))
       << c.source;
   // no tables at all (empty set) never crashes
-  c = choose(resolve_leg(Leg::dispatch, h200_key(), std::nullopt, TableSet{}), {}, 1, analytic_, "why", 16);
+  c = choose(resolve_leg(Leg::dispatch, h200_key(), std::nullopt, TableSet{}), {}, 1, analytic_, "why");
   EXPECT_EQ(c.geometry, analytic_);
 }
 
 TEST_F(TuningChoose, PrecedencePinThenEnvThenTableThenDefault) {
   LegTuning tuning = resolve_leg(Leg::dispatch, h200_key(), std::nullopt, tables_);
   // table
-  EXPECT_EQ(choose(tuning, {}, 100, analytic_, "d", 16).geometry.blocks, 8);
+  EXPECT_EQ(choose(tuning, {}, 100, analytic_, "d").geometry.blocks, 8);
   // env beats the table
-  Choice c = choose(tuning, EnvPin{20, std::nullopt}, 100, analytic_, "d", 16);
-  EXPECT_EQ(c.geometry, (Geometry{20, 16}));
-  EXPECT_TRUE(contains(c.source, "blocks: FERRY_DISPATCH_BLOCKS=20; warps: table h200.json")) << c.source;
-  c = choose(tuning, EnvPin{20, 16}, 100, analytic_, "d", 16);
-  EXPECT_EQ(c.source, "blocks: FERRY_DISPATCH_BLOCKS=20; warps: FERRY_DISPATCH_WARPS=16");
-  // the EpConfig pin beats env and table, field by field (blocks 0 = choose)
-  tuning.pin = Geometry{40, 0};
-  c = choose(tuning, EnvPin{20, std::nullopt}, 100, analytic_, "d", 16);
-  EXPECT_EQ(c.geometry, (Geometry{40, 16}));
-  EXPECT_TRUE(contains(c.source, "blocks: EpConfig::dispatch_geometry; warps: table")) << c.source;
-  tuning.pin = Geometry{0, 16};
-  c = choose(tuning, EnvPin{20, std::nullopt}, 100, analytic_, "d", 16);
-  EXPECT_EQ(c.geometry, (Geometry{20, 16}));
-  EXPECT_EQ(c.source, "blocks: FERRY_DISPATCH_BLOCKS=20; warps: EpConfig::dispatch_geometry");
-  tuning.pin = Geometry{40, 16};
-  c = choose(tuning, EnvPin{20, 16}, 100, analytic_, "d", 16);
-  EXPECT_EQ(c.geometry, (Geometry{40, 16}));
+  Choice c = choose(tuning, EnvPin{20}, 100, analytic_, "d");
+  EXPECT_EQ(c.geometry, (Geometry{20}));
+  EXPECT_EQ(c.source, "FERRY_DISPATCH_BLOCKS=20");
+  // the EpConfig pin beats env and table
+  tuning.pin = Geometry{40};
+  c = choose(tuning, EnvPin{20}, 100, analytic_, "d");
+  EXPECT_EQ(c.geometry, (Geometry{40}));
   EXPECT_EQ(c.source, "EpConfig::dispatch_geometry");
+  // a pin of 0 blocks chooses: env, then the table
+  tuning.pin = Geometry{0};
+  c = choose(tuning, EnvPin{20}, 100, analytic_, "d");
+  EXPECT_EQ(c.geometry, (Geometry{20}));
+  EXPECT_EQ(c.source, "FERRY_DISPATCH_BLOCKS=20");
+  c = choose(tuning, {}, 100, analytic_, "d");
+  EXPECT_EQ(c.geometry, (Geometry{8}));
+  EXPECT_TRUE(contains(c.source, "table h200.json entry 0")) << c.source;
   // the default when nothing else speaks
   LegTuning const bare = resolve_leg(Leg::combine, h200_key(4), std::nullopt, tables_);
-  EXPECT_EQ(choose(bare, {}, 100, analytic_, "d", 16).geometry, analytic_);
-  EXPECT_EQ(choose(bare, EnvPin{6, std::nullopt}, 100, analytic_, "d", 16).geometry, (Geometry{6, 16}));
+  EXPECT_EQ(choose(bare, {}, 100, analytic_, "d").geometry, analytic_);
+  EXPECT_EQ(choose(bare, EnvPin{6}, 100, analytic_, "d").geometry, (Geometry{6}));
 }
 
 TEST_F(TuningChoose, EnvPinsAreReadFromTheEnvironment) {
   {
     ScopedEnv blocks("FERRY_COMBINE_BLOCKS", "24");
-    ScopedEnv warps("FERRY_COMBINE_WARPS", std::nullopt);
-    EnvPin const pin = read_env_pin(Leg::combine);
-    EXPECT_EQ(pin.blocks, 24);
-    EXPECT_FALSE(pin.warps.has_value());
+    EXPECT_EQ(read_env_pin(Leg::combine).blocks, 24);
     EXPECT_FALSE(read_env_pin(Leg::dispatch).blocks.has_value());
   }
   {
@@ -444,37 +466,18 @@ TEST_F(TuningChoose, EnvPinsAreReadFromTheEnvironment) {
   }
 }
 
-TEST_F(TuningChoose, WarpsTheKernelsCannotRunAreReportedNeverIgnored) {
-  LegTuning tuning = resolve_leg(Leg::combine, h200_key(), std::nullopt, tables_);
-  // the table row asks 8 warps; the kernels run 16: it runs 16 and the source says so
-  Choice const c = choose(tuning, {}, 300, analytic_, "d", 16);
-  EXPECT_EQ(c.geometry, (Geometry{40, 16}));
-  EXPECT_TRUE(contains(c.source, "asks 8 warps, which these kernels do not run (16 only): ran 16")) << c.source;
-  // with kernels that take any warps (cpu), the row's warps stand
-  EXPECT_EQ(choose(tuning, {}, 300, analytic_, "d", 0).geometry, (Geometry{40, 8}));
-  // a pin or a variable that cannot be honoured is an error naming it
-  expect_error(
-      [&] {
-        choose(tuning, EnvPin{std::nullopt, 8}, 300, analytic_, "d", 16);
-      },
-      {"FERRY_COMBINE_WARPS=8 is not available", "16 warps per CTA"});
-  tuning.pin = Geometry{0, 4};
-  expect_error([&] { choose(tuning, {}, 300, analytic_, "d", 16); },
-               {"EpConfig::combine_geometry.warps=4 is not available"});
-}
-
 // ---- merge ---------------------------------------------------------------------------------------------------------
 
 TEST(TuningMerge, OtherKeysUntouchedAndIdempotent) {
   Table table;
   table.comment = "kept";
-  Entry const h100 = make_entry({"H100", 8, 7168, 8, "bf16", "bf16", "normal"}, {{128, {8, 16}, 1.0}}, {});
-  Entry const h200 = make_entry(h200_key(), {{128, {8, 16}, 2.0}, {1024, {32, 16}, 3.0}}, {{512, {20, 16}, 4.0}});
+  Entry const h100 = make_entry({"H100", 8, 7168, 8, "bf16", "bf16", "normal"}, {{128, {8}, 1.0}}, {});
+  Entry const h200 = make_entry(h200_key(), {{128, {8}, 2.0}, {1024, {32}, 3.0}}, {{512, {20}, 4.0}});
   table.entries = {h100, h200};
   std::string const before = serialize_table(table);
 
   // a new key is appended; the others are unchanged
-  Entry const fresh = make_entry(h200_key(4), {{4096, {64, 16}, 5.0}, {256, {16, 16}, 6.0}}, {});
+  Entry const fresh = make_entry(h200_key(4), {{4096, {64}, 5.0}, {256, {16}, 6.0}}, {});
   Table const appended = merge_entry(table, fresh);
   ASSERT_EQ(appended.entries.size(), 3u);
   EXPECT_EQ(appended.entries[0], h100);
@@ -483,13 +486,13 @@ TEST(TuningMerge, OtherKeysUntouchedAndIdempotent) {
   EXPECT_EQ(appended.comment, "kept");
 
   // the same key: buckets with the same bound replaced, others kept, sorted; other entries untouched
-  Entry update = make_entry({"nvidia h200", 8, 7168, 8, "bf16", "bf16", "normal"},
-                            {{1024, {40, 16}, 7.0}, {64, {4, 16}, 8.0}}, {});
+  Entry update =
+      make_entry({"nvidia h200", 8, 7168, 8, "bf16", "bf16", "normal"}, {{1024, {40}, 7.0}, {64, {4}, 8.0}}, {});
   update.provenance = Provenance{"ferry tune", "c", "d", "NVIDIA H200", 3, 0.03};
   Table const merged = merge_entry(table, update);
   ASSERT_EQ(merged.entries.size(), 2u);
   EXPECT_EQ(merged.entries[0], h100);
-  std::vector<Bucket> const want = {{64, {4, 16}, 8.0}, {128, {8, 16}, 2.0}, {1024, {40, 16}, 7.0}};
+  std::vector<Bucket> const want = {{64, {4}, 8.0}, {128, {8}, 2.0}, {1024, {40}, 7.0}};
   EXPECT_EQ(merged.entries[1].dispatch, want);
   EXPECT_EQ(merged.entries[1].combine, h200.combine);
   EXPECT_EQ(merged.entries[1].provenance, update.provenance);
@@ -518,49 +521,48 @@ TEST(TuningMerge, OtherKeysUntouchedAndIdempotent) {
 TEST(TuningPicker, FewestBlocksWithinToleranceUnderEveryRouting) {
   // us = {random, grouped}
   std::vector<Measurement> const m = {
-      {{8, 16}, {130, 100}},   // random 30% off the best
-      {{16, 16}, {102, 140}},  // grouped 40% off
-      {{24, 16}, {102, 102}},  // within 3% of both bests (100, 100)
-      {{32, 16}, {100, 101}},  // the fastest, but more blocks
-      {{48, 16}, {101, 100}},
+      {{8}, {130, 100}},   // random 30% off the best
+      {{16}, {102, 140}},  // grouped 40% off
+      {{24}, {102, 102}},  // within 3% of both bests (100, 100)
+      {{32}, {100, 101}},  // the fastest, but more blocks
+      {{48}, {101, 100}},
   };
   Pick const pick = pick_geometry(m, 0.03);
-  EXPECT_EQ(pick.geometry, (Geometry{24, 16}));
+  EXPECT_EQ(pick.geometry, (Geometry{24}));
   EXPECT_TRUE(pick.within_tolerance);
   EXPECT_EQ(pick.best_us, (std::vector<double>{100, 100}));
   EXPECT_DOUBLE_EQ(pick.worst_ratio, 1.02);
   // a tighter tolerance moves the pick to more blocks
-  EXPECT_EQ(pick_geometry(m, 0.01).geometry, (Geometry{32, 16}));
+  EXPECT_EQ(pick_geometry(m, 0.01).geometry, (Geometry{32}));
   // exactly at the tolerance counts as within
-  EXPECT_EQ(pick_geometry({{{8, 16}, {103, 100}}, {{16, 16}, {100, 100}}}, 0.03).geometry, (Geometry{8, 16}));
+  EXPECT_EQ(pick_geometry({{{8}, {103, 100}}, {{16}, {100, 100}}}, 0.03).geometry, (Geometry{8}));
 }
 
-TEST(TuningPicker, TiesBreakToFewerBlocksThenFewerWarpsWhateverTheOrder) {
+TEST(TuningPicker, ThePickDoesNotDependOnTheCandidatesOrder) {
   std::vector<Measurement> m = {
-      {{16, 16}, {100, 100}}, {{16, 8}, {100, 100}}, {{32, 8}, {99, 99}}, {{16, 4}, {150, 100}}, {{64, 4}, {100, 100}},
+      {{32}, {100, 100}}, {{16}, {100, 100}}, {{24}, {99, 99}}, {{8}, {150, 100}}, {{64}, {100, 100}},
   };
   std::mt19937 shuffle(7);
   for (int i = 0; i < 20; ++i) {
     std::shuffle(m.begin(), m.end(), shuffle);
-    EXPECT_EQ(pick_geometry(m, 0.03).geometry, (Geometry{16, 8}));
+    EXPECT_EQ(pick_geometry(m, 0.03).geometry, (Geometry{16}));
   }
 }
 
 TEST(TuningPicker, NoneWithinToleranceMinimisesTheWorstRatio) {
   // 8 blocks: worst 1.5; 16: worst 1.2; 24: worst 1.2 (tie: fewer blocks); 32: worst 1.3
-  std::vector<Measurement> const m = {
-      {{8, 16}, {100, 150}}, {{24, 16}, {120, 100}}, {{16, 16}, {120, 100}}, {{32, 16}, {130, 100}}};
+  std::vector<Measurement> const m = {{{8}, {100, 150}}, {{24}, {120, 100}}, {{16}, {120, 100}}, {{32}, {130, 100}}};
   Pick const pick = pick_geometry(m, 0.03);
   EXPECT_FALSE(pick.within_tolerance);
-  EXPECT_EQ(pick.geometry, (Geometry{16, 16}));
+  EXPECT_EQ(pick.geometry, (Geometry{16}));
   EXPECT_DOUBLE_EQ(pick.worst_ratio, 1.2);
 }
 
 TEST(TuningPicker, RefusesBadMeasurements) {
   EXPECT_THROW(pick_geometry({}, 0.03), Error);
-  EXPECT_THROW(pick_geometry({{{8, 16}, {1, 2}}, {{16, 16}, {1}}}, 0.03), Error);
-  EXPECT_THROW(pick_geometry({{{8, 16}, {0.0}}}, 0.03), Error);
-  EXPECT_THROW(pick_geometry({{{8, 16}, {}}}, 0.03), Error);
+  EXPECT_THROW(pick_geometry({{{8}, {1, 2}}, {{16}, {1}}}, 0.03), Error);
+  EXPECT_THROW(pick_geometry({{{8}, {0.0}}}, 0.03), Error);
+  EXPECT_THROW(pick_geometry({{{8}, {}}}, 0.03), Error);
 }
 
 // ---- ferry tune on the cpu backend ---------------------------------------------------------------------------------
@@ -571,7 +573,7 @@ TEST(TuneCli, SmokeOnTheCpuBackend) {
   std::string const table = dir.file("cpu.json");
   // another key already in the file must survive the merge untouched
   Table seeded;
-  seeded.entries = {make_entry(h200_key(), {{128, {8, 16}, 1.5}}, {})};
+  seeded.entries = {make_entry(h200_key(), {{128, {8}, 1.5}}, {})};
   write_table_file(table, seeded);
   std::string const shape =
       " --backend cpu --nproc 2 --hidden 256 --topk 4 --experts 16 --expert-groups 4 --topk-groups 2 --blocks 2,4 "
@@ -613,6 +615,26 @@ TEST(TuneCli, SmokeOnTheCpuBackend) {
   CliRun const refused = run_ferry("tune --backend cpu --nproc 2");
   EXPECT_EQ(refused.code, 2);
   EXPECT_TRUE(contains(refused.output, "needs --table FILE")) << refused.output;
+}
+
+// --mode ll picks one grid per bucket for both legs (scored on their sum) and writes it as the dispatch row only: a
+// low-latency EpBuffer reads no combine rows, and the loader refuses them. Checked to fail: with tune writing the pick
+// to both legs, as it did, the write was refused by the loader's check of what it is about to write.
+TEST(TuneCli, LowLatencyWritesTheDispatchRowOnly) {
+  ScopedEnv rank("RANK", std::nullopt);
+  TempDir dir;
+  std::string const table = dir.file("cpu.json");
+  CliRun const tuned = run_ferry(
+      "tune --mode ll --tokens 8,16 --backend cpu --nproc 2 --hidden 256 --topk 4 --experts 16 --expert-groups 4 "
+      "--topk-groups 2 --blocks 2,4 --rounds 1 --warmup 1 --iters 2 --seed 11 --table " +
+      table);
+  ASSERT_EQ(tuned.code, 0) << tuned.output;
+  EXPECT_TRUE(contains(tuned.output, "both legs")) << tuned.output;
+  Table const written = read_table_file(table);
+  ASSERT_EQ(written.entries.size(), 1u);
+  EXPECT_EQ(written.entries[0].key.mode, "ll");
+  ASSERT_EQ(written.entries[0].dispatch.size(), 2u);
+  EXPECT_TRUE(written.entries[0].combine.empty());
 }
 
 }  // namespace

@@ -87,7 +87,9 @@ Options make_options() {
            "blocked_128x4)"},
           {"dequantize", "", "quantized dispatch: deliver bf16 rows (dequantized by the receiver)", true},
           {"dispatch-blocks", "0", "pin the dispatch CTA count (EpConfig::dispatch_geometry; 0: tables / default)"},
-          {"combine-blocks", "0", "pin the combine CTA count (EpConfig::combine_geometry; 0: tables / default)"},
+          {"combine-blocks", "0",
+           "pin the normal-mode combine CTA count (EpConfig::combine_geometry; 0: tables / default; mode ll runs "
+           "both legs on the dispatch grid)"},
           {"check", "", "compare every output row with the reference (exact for bf16)", true},
           {"baseline", "", "nccl: also time the NCCL all-to-all dispatcher on the same inputs"},
           {"explain", "", "print which kernel path each leg took and why", true},
@@ -137,6 +139,9 @@ void check_run_options(Options const& options, Backend backend) {
   for (char const* name : {"dispatch-blocks", "combine-blocks"})
     FERRY_CHECK_CONFIG(options.integer(name) >= 0, "--", name, "=", options.integer(name),
                        " must be 0 (the tables' or the default grid) or more");
+  FERRY_CHECK_CONFIG(options.integer("combine-blocks") == 0 || options.str("mode") != "ll",
+                     "--combine-blocks=", options.integer("combine-blocks"),
+                     " does nothing with --mode ll (both legs run on the dispatch grid); use --dispatch-blocks");
   FERRY_CHECK_CONFIG(!options.flag("graph") || backend == Backend::cuda, "--graph needs the cuda backend");
   std::string const baseline = options.str("baseline");
   FERRY_CHECK_CONFIG(baseline.empty() || baseline == "nccl", "--baseline=", baseline, " is unknown; use nccl");
@@ -200,9 +205,11 @@ Shape make_shape(Options const& options, int world, int tokens, RoutingKind kind
   shape.config.max_tokens_per_rank = tokens;
   shape.config.mode = mode;
   if (options.integer("dispatch-blocks") > 0)
-    shape.config.dispatch_geometry = Geometry{options.integer("dispatch-blocks"), 0};
-  if (options.integer("combine-blocks") > 0)
-    shape.config.combine_geometry = Geometry{options.integer("combine-blocks"), 0};
+    shape.config.dispatch_geometry = Geometry{options.integer("dispatch-blocks")};
+  // mode=ll runs both legs on the dispatch grid (EpConfig refuses a combine pin there): --combine-blocks pins the
+  // normal-mode buffers of the run, --dispatch-blocks every buffer's grid
+  if (options.integer("combine-blocks") > 0 && mode == Mode::normal)
+    shape.config.combine_geometry = Geometry{options.integer("combine-blocks")};
   shape.config.dispatch_format = formats.first;
   shape.config.combine_format = formats.second;
   shape.config.dispatch_dequantize = options.flag("dequantize") && formats.first != WireFormat::bf16;

@@ -13,7 +13,8 @@ int env_main(int argc, char** argv) {
   Options options(
       "env",
       "Lists every environment parameter Ferry reads, its default, the value in force, and meaning. A value "
-      "the library refuses is marked 'refused' and its refusal printed after the table (exit status 1).",
+      "the library refuses is marked 'refused' and its refusal printed after the table (exit status 1), as is a "
+      "variable Ferry no longer reads that is set.",
       {});
   if (!options.parse(argc, argv)) return 0;
   std::printf("%-28s %-10s %-12s %s\n", "variable", "default", "in force", "meaning");
@@ -28,6 +29,11 @@ int env_main(int argc, char** argv) {
     }
     std::printf("%-28s %-10s %-12s %s\n", param.name, *param.default_value ? param.default_value : "-", value.c_str(),
                 param.meaning);
+  }
+  for (RemovedEnvParam const& param : removed_env_params()) {
+    char const* set = std::getenv(param.name);
+    if (std::string const problem = removed_env_problem(param, set ? set : ""); !problem.empty())
+      refusals.push_back(problem);
   }
   std::fflush(stdout);
   for (std::string const& refusal : refusals) std::fprintf(stderr, "ferry env: refused: %s\n", refusal.c_str());

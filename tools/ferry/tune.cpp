@@ -3,11 +3,12 @@
 // (tuning/picker.hpp), and merges the picks into a tuning table (tuning/table.hpp) without touching its other
 // entries. `--verify` re-measures a table's rows against the sweep's best instead of writing.
 //
-// Normal mode: candidates are applied through FERRY_{DISPATCH,COMBINE}_{BLOCKS,WARPS}, which the plan functions read at
-// every call (ahead of the table, behind an EpConfig pin, which tune never sets), so one EpBuffer serves every
-// candidate. Low-latency mode: an EpBuffer's CTA count is fixed when it is created (its arrival counters count CTAs)
-// and serves both legs, so each (bucket, candidate) gets its own EpBuffer with the geometry pinned, bucket = its
-// max_tokens_per_rank, and one geometry is picked per bucket on the sum of the two legs and written to both.
+// Normal mode: candidates are applied through FERRY_{DISPATCH,COMBINE}_BLOCKS, which the plan functions read at every
+// call (ahead of the table, behind an EpConfig pin, which tune never sets), so one EpBuffer serves every candidate.
+// Low-latency mode: an EpBuffer's CTA count is fixed when it is created (its arrival counters count CTAs) and serves
+// both legs, so each (bucket, candidate) gets its own EpBuffer with the geometry pinned, bucket = its
+// max_tokens_per_rank, and one geometry is picked per bucket on the sum of the two legs and written as the entry's
+// dispatch row (the only one a low-latency EpBuffer reads; its entry has no combine rows).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -41,10 +42,6 @@
 #endif
 
 namespace ferry::cli {
-#if FERRY_HAVE_CUDA
-int normal_mode_kernel_warps();  // tools/ferry/kernel_geometry.cu
-#endif
-
 namespace {
 
 using bench::BenchMemory;
@@ -53,15 +50,15 @@ using tuning::Leg;
 constexpr int kCpuDefaultRanks = 2;
 // The cpu backend has no SMs and ignores the geometry: candidates are nominal, derived from this pretend SM count.
 constexpr int kCpuNominalSms = 8;
-constexpr int kCpuNominalWarps = 16;
 constexpr Leg kLegs[] = {Leg::dispatch, Leg::combine};
 
 Options make_options() {
   return Options(
       "tune",
-      "Sweeps launch geometries (blocks x warps) of normal-mode dispatch and combine per token bucket under each\n"
-      "routing, scores each by its median (CUDA events around graph replays; slowest rank), and per bucket picks the\n"
-      "fewest blocks within --tolerance of the best under every routing (ties: fewer blocks, then fewer warps).\n"
+      "Sweeps the CTA counts (blocks) of normal-mode dispatch and combine per token bucket under each routing,\n"
+      "scores each by its median (CUDA events around graph replays; slowest rank), and per bucket picks the fewest\n"
+      "blocks within --tolerance of the best under every routing (--mode ll: one grid for both legs, scored on their\n"
+      "sum, written as the dispatch row).\n"
       "Merges the picks into --table (other entries untouched) and prints them. --verify re-measures the table's\n"
       "rows for this shape against the sweep's best and prints the ratio per bucket. On the cpu backend the geometry\n"
       "has no effect: a cpu run exercises the machinery only. See docs/tuning.md.",
@@ -78,7 +75,6 @@ Options make_options() {
           {"expert-groups", "8", "grouped routing: groups of experts"},
           {"topk-groups", "4", "grouped routing: groups a token may use"},
           {"blocks", "", "candidate CTA counts, comma-separated (unset: fractions 1/16..1 of the SM count)"},
-          {"warps", "", "candidate warps per CTA, comma-separated (unset: what the kernels run)"},
           {"rounds", "3", "sweep rounds; each visits every candidate once (drift spreads over all of them)"},
           {"warmup", "3", "untimed replays per candidate and round"},
           {"iters", "10", "timed replays per candidate and round (score: median over all rounds)"},
@@ -175,11 +171,8 @@ double median(std::vector<double> samples) {
 // Sets (or clears, for 0) the variables the plan functions read at every call.
 void apply_candidate(Geometry geometry) {
   std::string const blocks = std::to_string(geometry.blocks);
-  std::string const warps = std::to_string(geometry.warps);
   for (char const* name : {"FERRY_DISPATCH_BLOCKS", "FERRY_COMBINE_BLOCKS"})
     geometry.blocks > 0 ? setenv(name, blocks.c_str(), 1) : unsetenv(name);
-  for (char const* name : {"FERRY_DISPATCH_WARPS", "FERRY_COMBINE_WARPS"})
-    geometry.warps > 0 ? setenv(name, warps.c_str(), 1) : unsetenv(name);
 }
 
 std::string table_path(Options const& options, std::string const& gpu) {
@@ -211,8 +204,7 @@ struct Settings {
   int rounds = 0, warmup = 0, iters = 0, graph_calls = 0;
   double tolerance = 0;
   int sms = kCpuNominalSms;  // the GPU's (cuda), nominal on cpu
-  int kernel_warps = kCpuNominalWarps;
-  std::vector<int> blocks, warps;  // the candidates
+  std::vector<int> blocks;   // the candidates
 };
 
 Settings read_settings(Options const& options, Backend backend, int device) {
@@ -234,18 +226,11 @@ Settings read_settings(Options const& options, Backend backend, int device) {
   double const verify_tolerance = options.number("verify-tolerance");
   FERRY_CHECK_CONFIG(verify_tolerance >= 0, "--verify-tolerance=", verify_tolerance, " must be 0 or more");
 #if FERRY_HAVE_CUDA
-  if (backend == Backend::cuda) {
-    cudaDeviceGetAttribute(&s.sms, cudaDevAttrMultiProcessorCount, device);
-    s.kernel_warps = normal_mode_kernel_warps();
-  }
+  if (backend == Backend::cuda) cudaDeviceGetAttribute(&s.sms, cudaDevAttrMultiProcessorCount, device);
 #else
   (void)device;
 #endif
   s.blocks = options.str("blocks").empty() ? default_blocks(s.sms) : sorted_list(options, "blocks");
-  s.warps = options.str("warps").empty() ? std::vector<int>{s.kernel_warps} : sorted_list(options, "warps");
-  for (int w : s.warps)
-    FERRY_CHECK_CONFIG(backend == Backend::cpu || w == s.kernel_warps, "--warps lists ", w,
-                       ": the normal-mode kernels run ", s.kernel_warps, " warps per CTA only");
   for (int b : s.blocks)
     FERRY_CHECK_CONFIG(backend == Backend::cpu || b <= s.sms, "--blocks lists ", b, ", more than the ", s.sms,
                        " SMs (the grids are persistent: at most one CTA per SM)");
@@ -268,8 +253,6 @@ int run_tune_rank(Options const& options) {
   int const graph_calls = settings.graph_calls;
   double const tolerance = settings.tolerance;
   std::vector<int> const& blocks = settings.blocks;
-  std::vector<int> const& warps = settings.warps;
-  int const kernel_warps = settings.kernel_warps;
 
   // 1. the device, its candidates and the table
   std::string const device = bench::device_name(backend);
@@ -279,8 +262,7 @@ int run_tune_rank(Options const& options) {
 
   Sweep sweep;
   sweep.routings = routings;
-  for (int b : blocks)
-    for (int w : warps) sweep.candidates.push_back({b, w});
+  for (int b : blocks) sweep.candidates.push_back({b});
   EpConfig probe = make_config(options, world, 1);
   tuning::TuningKey const key = tuning::make_key(gpu, world, probe);
   std::optional<tuning::Entry> verified;
@@ -295,10 +277,7 @@ int run_tune_rank(Options const& options) {
     for (Leg leg : kLegs)
       for (tuning::Bucket const& bucket : verified->buckets(leg)) {
         bounds.insert(bucket.max_tokens);
-        // a row these kernels cannot run fails below; it is not measured
-        bool const runnable = backend == Backend::cpu || bucket.geometry.warps == kernel_warps;
-        if (runnable &&
-            std::find(sweep.candidates.begin(), sweep.candidates.end(), bucket.geometry) == sweep.candidates.end())
+        if (std::find(sweep.candidates.begin(), sweep.candidates.end(), bucket.geometry) == sweep.candidates.end())
           sweep.candidates.push_back(bucket.geometry);
       }
     sweep.buckets.assign(bounds.begin(), bounds.end());
@@ -318,11 +297,9 @@ int run_tune_rank(Options const& options) {
     std::printf("table %s\n", path.c_str());
     std::printf("%zu candidates (blocks ", sweep.candidates.size());
     for (std::size_t i = 0; i < blocks.size(); ++i) std::printf("%s%d", i ? "," : "", blocks[i]);
-    std::printf(" x warps ");
-    for (std::size_t i = 0; i < warps.size(); ++i) std::printf("%s%d", i ? "," : "", warps[i]);
     std::printf(")%s, %zu buckets, %zu routings, %d rounds x (%d warmup + %d timed)%s\n",
-                sweep.candidates.size() > blocks.size() * warps.size() ? " + the table's rows" : "",
-                sweep.buckets.size(), routings.size(), rounds, warmup, iters, graph ? ", graph replays" : "");
+                sweep.candidates.size() > blocks.size() ? " + the table's rows" : "", sweep.buckets.size(),
+                routings.size(), rounds, warmup, iters, graph ? ", graph replays" : "");
     if (backend == Backend::cpu)
       std::printf(
           "notice: cpu backend: the launch geometry has no effect on the cpu reference backend; this run "
@@ -429,7 +406,6 @@ int run_tune_rank(Options const& options) {
       for (std::size_t c = 0; c < num_candidates; ++c) {
         EpConfig pinned = make_config(options, world, sweep.buckets[b]);
         pinned.dispatch_geometry = sweep.candidates[c];
-        pinned.combine_geometry = sweep.candidates[c];
         EpBuffer buffer(comm, pinned);
         for (int round = 0; round < rounds; ++round) {
           for (std::size_t r = 0; r < routings.size(); ++r) measure(buffer, b, r, c);
@@ -456,7 +432,7 @@ int run_tune_rank(Options const& options) {
   entry.key = key;
   for (std::size_t b = 0; b < sweep.buckets.size(); ++b) {
     int const tokens = sweep.buckets[b];
-    std::printf("\nbucket <=%d tokens\n  %-9s %6s %5s", tokens, "leg", "blocks", "warps");
+    std::printf("\nbucket <=%d tokens\n  %-9s %6s", tokens, "leg", "blocks");
     for (RoutingKind kind : routings) std::printf(" %11s_us", routing_name(kind));
     std::printf(" %7s\n", "worst");
     // ll: one geometry serves both legs, scored on their sum
@@ -473,7 +449,7 @@ int run_tune_rank(Options const& options) {
       for (tuning::Measurement const& m : measured) {
         double worst = 0;
         for (std::size_t r = 0; r < routings.size(); ++r) worst = std::max(worst, m.us[r] / pick.best_us[r]);
-        std::printf("  %-9s %6d %5d", label, m.geometry.blocks, m.geometry.warps);
+        std::printf("  %-9s %6d", label, m.geometry.blocks);
         for (double us : m.us) std::printf(" %14.1f", us);
         std::printf(" %7.3f%s\n", worst, m.geometry == pick.geometry ? "  <- pick" : "");
       }
@@ -489,23 +465,17 @@ int run_tune_rank(Options const& options) {
         if (row == rows.end()) continue;
         auto const it = std::find_if(measured.begin(), measured.end(),
                                      [&](tuning::Measurement const& m) { return m.geometry == row->geometry; });
-        if (it == measured.end()) {
-          ++failures;
-          std::printf("  verify %-8s <=%-6d row blocks %d warps %d: these kernels run %d warps per CTA only  FAIL\n",
-                      label, tokens, row->geometry.blocks, row->geometry.warps, kernel_warps);
-          continue;
-        }
+        FERRY_CHECK(it != measured.end(), "--verify: row blocks ", row->geometry.blocks, " was not measured");
         double ratio = 0;
         for (std::size_t r = 0; r < routings.size(); ++r) ratio = std::max(ratio, it->us[r] / pick.best_us[r]);
         bool const pass = ratio <= 1.0 + options.number("verify-tolerance");
         failures += !pass;
-        std::printf("  verify %-8s <=%-6d row blocks %d warps %d: %.3f x the best  %s\n", label, tokens,
-                    row->geometry.blocks, row->geometry.warps, ratio, pass ? "PASS" : "FAIL");
+        std::printf("  verify %-8s <=%-6d row blocks %d: %.3f x the best  %s\n", label, tokens, row->geometry.blocks,
+                    ratio, pass ? "PASS" : "FAIL");
       } else {
         double slower = 0;
         for (double us : pick.us) slower = std::max(slower, us);
-        for (int written = leg; written < (ll ? 2 : leg + 1); ++written)
-          entry.buckets(kLegs[written]).push_back({tokens, pick.geometry, std::round(slower * 100) / 100});
+        entry.buckets(kLegs[leg]).push_back({tokens, pick.geometry, std::round(slower * 100) / 100});
       }
     }
   }
@@ -528,8 +498,8 @@ int run_tune_rank(Options const& options) {
               tuning::describe(key).c_str());
   for (Leg leg : kLegs)
     for (tuning::Bucket const& bucket : entry.buckets(leg))
-      std::printf("  %-8s <=%-6d blocks %3d warps %2d  (%.1f us, slower routing)\n", tuning::leg_name(leg),
-                  bucket.max_tokens, bucket.geometry.blocks, bucket.geometry.warps, bucket.us.value_or(0));
+      std::printf("  %-8s <=%-6d blocks %3d  (%.1f us, slower routing)\n", tuning::leg_name(leg), bucket.max_tokens,
+                  bucket.geometry.blocks, bucket.us.value_or(0));
   if (!options.flag("dry-run")) {
     tuning::write_table_file(path, merged);
     std::printf(

@@ -11,11 +11,11 @@
 namespace ferry::cuda_ep {
 
 LaunchPlan plan_combine(Buffers const& buffers, int num_tokens) {
-  // NOTE: the analytic default is one CTA per SM; EpConfig::combine_geometry, FERRY_COMBINE_{BLOCKS,WARPS} and the
+  // NOTE: the analytic default is one CTA per SM; EpConfig::combine_geometry, FERRY_COMBINE_BLOCKS and the
   // tuning table come first (choose.hpp). At least 2 CTAs (one push, one sum), at most one per SM (persistent grid).
-  Geometry const analytic{buffers.num_sms, kWarps};
+  Geometry const analytic{buffers.num_sms};
   tuning::Choice const choice = tuning::choose(buffers.combine_tuning, tuning::read_env_pin(tuning::Leg::combine),
-                                               num_tokens, analytic, "grid = SMs", kWarps);
+                                               num_tokens, analytic, "grid = SMs");
   LaunchPlan plan;
   plan.ctas = std::clamp(choice.geometry.blocks, 2, buffers.num_sms);
   std::string clamped;

@@ -43,7 +43,7 @@ struct PlanMemo {
 };
 
 bool same_pin(tuning::EnvPin const& a, tuning::EnvPin const& b) {
-  return a.blocks == b.blocks && a.warps == b.warps;
+  return a.blocks == b.blocks;
 }
 
 class CudaEp final : public detail::EpBackendImpl {
@@ -76,10 +76,6 @@ class CudaEp final : public detail::EpBackendImpl {
                          " bytes of shared memory for the dispatch layout, more than ", kMaxDispatchSmem,
                          "; use at most ", kMaxDispatchSmem / 4 - world, " experts");
     }
-    for (auto const* geometry : {&config.dispatch_geometry, &config.combine_geometry})
-      FERRY_CHECK_CONFIG(!*geometry || (*geometry)->warps == 0 || (*geometry)->warps == kWarps,
-                         "geometry warps=", (*geometry)->warps, " is not available: the ", ll ? "LL" : "normal-mode",
-                         " kernels run ", kWarps, " warps per CTA; use 0 (choose) or ", kWarps);
     FERRY_CHECK_CUDA(cudaSetDevice(comm.device()));
     int num_sms = 0;
     FERRY_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, comm.device()));
@@ -93,12 +89,11 @@ class CudaEp final : public detail::EpBackendImpl {
     if (ll) {
       // 2. the low-latency grid, fixed for the EpBuffer (receivers count arrivals as seq * num_ctas) and shared by
       //    both legs: the EpConfig pin, FERRY_DISPATCH_BLOCKS, the tuning table's dispatch row for the bucket of
-      //    max_tokens_per_rank (ferry tune --mode ll writes the same row to both legs), or one CTA per SM; at most one
-      //    per SM (co-resident for the cooperative launch). Every rank must use the same count: agree on the smallest.
+      //    max_tokens_per_rank (a mode ll entry has no combine rows), or one CTA per SM; at most one per SM
+      //    (co-resident for the cooperative launch). Every rank must use the same count: agree on the smallest.
       int const limit = std::min(num_sms, cuda_ll::kMaxCtas);
-      tuning::Choice const choice =
-          tuning::choose(b.dispatch_tuning, tuning::read_env_pin(tuning::Leg::dispatch), config.max_tokens_per_rank,
-                         Geometry{limit, kWarps}, "one CTA per SM", kWarps);
+      tuning::Choice const choice = tuning::choose(b.dispatch_tuning, tuning::read_env_pin(tuning::Leg::dispatch),
+                                                   config.max_tokens_per_rank, Geometry{limit}, "one CTA per SM");
       int32_t const mine = std::clamp(choice.geometry.blocks, 1, limit);
       std::vector<int32_t> all(static_cast<std::size_t>(world));
       comm.bootstrap().allgather(&mine, all.data(), sizeof(mine));

@@ -25,11 +25,11 @@ LaunchPlan plan_dispatch(Buffers const& buffers, int num_tokens) {
   // NOTE: the analytic default: small batches are latency-bound, so they are spread over the whole grid (one token
   // per CTA at most, its row split over the CTA's warps) and every SM has bytes in flight; large ones take a warp per
   // token on every SM. At least 8 CTAs so the push can fill NVLink, at most one per SM (persistent grid).
-  // EpConfig::dispatch_geometry, FERRY_DISPATCH_{BLOCKS,WARPS} and the tuning table come first (choose.hpp).
-  Geometry const analytic{std::clamp(num_tokens, 8, buffers.num_sms), kWarps};
+  // EpConfig::dispatch_geometry, FERRY_DISPATCH_BLOCKS and the tuning table come first (choose.hpp).
+  Geometry const analytic{std::clamp(num_tokens, 8, buffers.num_sms)};
   tuning::Choice const choice =
       tuning::choose(buffers.dispatch_tuning, tuning::read_env_pin(tuning::Leg::dispatch), num_tokens, analytic,
-                     "every SM up to one CTA per token, rows split over warps, min 8 CTAs to fill NVLink", kWarps);
+                     "every SM up to one CTA per token, rows split over warps, min 8 CTAs to fill NVLink");
   LaunchPlan plan;
   plan.ctas = std::min(choice.geometry.blocks, buffers.max_dispatch_ctas);
   plan.why = choice.source;
