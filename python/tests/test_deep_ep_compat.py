@@ -8,8 +8,10 @@ every received row is compared, order-independently, with the rows the reference
 check_data only sees rank-constant rows).
 
 Ranks are processes (support.run_ranks) joined by a gloo torch.distributed group; cpu backend, torch CPU tensors.
-Worlds 1, 2 and 4. Skips without torch. Each family was made to fail once on purpose (layout_range without the
-rank rotation of Ferry's expert-major order: 2 failed; combine without the weighted sum: 3 failed). Fresh data every run, the seed printed (FERRY_TEST_SEED replays it).
+Worlds 1, 2 and 4; on a machine with the cuda backend, world 1 on one GPU with CUDA tensors. Skips without torch.
+Each family was made to fail once on purpose (layout_range without the rank rotation of Ferry's expert-major order:
+2 failed; combine without the weighted sum: 3 failed). Fresh data every run, the seed printed (FERRY_TEST_SEED
+replays it).
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="ferry.deep_ep needs torch (scripts/python-tests.sh installs it)")
 
-from support import run_ranks  # noqa: E402
+import ferry  # noqa: E402
+from support import RankContext, free_port, run_ranks  # noqa: E402
+
+# NOTE: with the cuda backend (a GPU machine) the layer takes CUDA tensors and each rank needs a GPU: world 1 runs
+# in this process (no fork after CUDA is initialised), larger worlds skip. Without it: cpu backend, forked ranks.
+CUDA = ferry.cuda_available()
+DEVICE = "cuda" if CUDA else "cpu"
 
 SEED = int(os.environ.get("FERRY_TEST_SEED") or np.random.SeedSequence().entropy % (1 << 31))
 print(f"deep_ep compat tests: seed {SEED} (FERRY_TEST_SEED={SEED} replays it)")
@@ -85,6 +93,43 @@ def _group(ctx):
     return dist.group.WORLD
 
 
+def _run(body, world: int, *args):
+    """body's results on every rank: forked cpu-backend ranks, or (cuda backend) world 1 in this process."""
+    if not CUDA:
+        return run_ranks(body, world, *args, timeout=240)
+    if world > 1:
+        pytest.skip(f"cuda backend: world {world} needs one process per GPU; this file runs world 1 on a GPU")
+    import torch.distributed as dist
+
+    try:
+        return [body(RankContext(0, 1, free_port()), *args)]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _dev(t):
+    return t.to(DEVICE)
+
+
+def _host(t):
+    return t if t is None else t.cpu()
+
+
+def _moved(value, to):
+    if isinstance(value, torch.Tensor):
+        return to(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_moved(v, to) for v in value)
+    return value
+
+
+def _call(fn, *args, **kwargs):
+    """fn with its tensor arguments on DEVICE and its tensor results back on the host (the checks run there)."""
+    got = fn(*_moved(args, _dev), **{k: _moved(v, _dev) for k, v in kwargs.items()})
+    return _moved(got, _host)
+
+
 def _expected_rows(world: int, seed: int, dst: int, num_experts: int, which: str):
     """The rows rank dst receives under the reference routing, in (source rank, source token) order."""
     per_rank = num_experts // world
@@ -125,7 +170,7 @@ def _intranode_body(ctx, seed):
     want_in_rank = torch.stack([(rank_idx == r).any(dim=1) for r in range(world)], dim=1)
     want_per_rank = want_in_rank.sum(dim=0).to(torch.int32)
     want_per_expert = torch.stack([(topk_idx == e).sum() for e in range(num_experts)]).to(torch.int32)
-    per_rank_t, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+    per_rank_t, per_rdma, per_expert, in_rank, _ = _call(buffer.get_dispatch_layout, topk_idx, num_experts)
     assert per_rdma is None
     assert torch.equal(per_rank_t, want_per_rank) and torch.equal(per_expert, want_per_expert)
     assert torch.equal(in_rank, want_in_rank)
@@ -157,7 +202,7 @@ def _intranode_body(ctx, seed):
                             async_finish=async_mode)
                 if previous_mode:
                     args["previous_event"] = buffer.capture()
-                recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(**args)
+                recv_x, recv_idx, recv_w, counts, handle, event = _call(buffer.dispatch, **args)
                 if async_mode:
                     event.current_stream_wait()
                 recv_x = from_fp8(*recv_x) if isinstance(recv_x, tuple) else recv_x
@@ -183,7 +228,7 @@ def _intranode_body(ctx, seed):
 
                 # num_worst_tokens (test_main "Test `num_worst_tokens != 0`")
                 worst = TOKENS * world
-                worst_x, worst_idx, worst_w, empty, _, event = buffer.dispatch(**args, num_worst_tokens=worst)
+                worst_x, worst_idx, worst_w, empty, _, event = _call(buffer.dispatch, **args, num_worst_tokens=worst)
                 if async_mode:
                     event.current_stream_wait()
                 worst_x = from_fp8(*worst_x) if isinstance(worst_x, tuple) else worst_x
@@ -196,7 +241,7 @@ def _intranode_body(ctx, seed):
                 cached_args = dict(x=current_x, handle=handle, config=config, async_finish=async_mode)
                 if previous_mode:
                     cached_args["previous_event"] = buffer.capture()
-                cached_x, none_idx, none_w, none_counts, none_handle, event = buffer.dispatch(**cached_args)
+                cached_x, none_idx, none_w, none_counts, none_handle, event = _call(buffer.dispatch, **cached_args)
                 if async_mode:
                     event.current_stream_wait()
                 cached_x = from_fp8(*cached_x) if isinstance(cached_x, tuple) else cached_x
@@ -207,7 +252,7 @@ def _intranode_body(ctx, seed):
                 combine_args = dict(x=recv_x, handle=handle, config=config, async_finish=async_mode)
                 if previous_mode:
                     combine_args["previous_event"] = buffer.capture()
-                combined_x, combined_w, event = buffer.combine(**combine_args)
+                combined_x, combined_w, event = _call(buffer.combine, **combine_args)
                 if async_mode:
                     event.current_stream_wait()
                 assert combined_w is None
@@ -226,7 +271,7 @@ def _intranode_body(ctx, seed):
 def test_intranode(world):
     """tests/test_intranode.py test_main: layout, dispatch (bf16, fp8, with top-k; sync / async / previous event),
     num_worst_tokens, cached dispatch, combine."""
-    assert run_ranks(_intranode_body, world, SEED, timeout=240) == [12] * world
+    assert _run(_intranode_body, world, SEED) == [12] * world
 
 
 # ---- tests/test_low_latency.py, test_main ------------------------------------------------------------------------
@@ -261,15 +306,16 @@ def _low_latency_body(ctx, seed):
             for use_fp8 in (False, True):
                 for round_scale in (False, True) if use_fp8 else (False,):
                     for use_ue8m0 in (False, True) if round_scale else (False,):
-                        stats = torch.zeros((num_local,), dtype=torch.int32)
+                        stats = torch.zeros((num_local,), dtype=torch.int32, device=DEVICE)
                         for _ in range(checked % 2 + 1):  # back to back calls need no cleaning
                             stats.zero_()
                             recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(
-                                current_x, topk_idx, num_tokens, num_experts, use_fp8=use_fp8,
+                                _dev(current_x), _dev(topk_idx), num_tokens, num_experts, use_fp8=use_fp8,
                                 round_scale=round_scale, use_ue8m0=use_ue8m0,
                                 cumulative_local_expert_recv_stats=stats, async_finish=not return_recv_hook,
                                 return_recv_hook=return_recv_hook)
                             hook() if return_recv_hook else event.current_stream_wait()
+                        recv_x, recv_count, stats = _moved((recv_x, recv_count, stats), _host)
                         rows = world * num_tokens
                         if use_fp8:
                             assert recv_x[0].shape == (num_local, rows, HIDDEN)
@@ -285,7 +331,7 @@ def _low_latency_body(ctx, seed):
                         else:
                             assert recv_x.shape == (num_local, rows, HIDDEN) and recv_x.dtype == torch.bfloat16
                             simulated = recv_x.clone()
-                        src_info, layout_range = handle[0], handle[1]
+                        src_info, layout_range = _host(handle[0]), _host(handle[1])
                         assert tuple(handle)[2:] == (num_tokens, HIDDEN, num_experts)
                         for i in range(num_local):
                             expert_id = rank * num_local + i
@@ -315,12 +361,14 @@ def _low_latency_body(ctx, seed):
                         for zero_copy in (False, True):
                             if zero_copy:
                                 buffer.get_next_low_latency_combine_buffer(handle)[:, :, :] = simulated
-                            out = torch.empty((num_tokens, HIDDEN), dtype=torch.bfloat16)
+                            out = torch.empty((num_tokens, HIDDEN), dtype=torch.bfloat16, device=DEVICE)
                             combined, event, hook = buffer.low_latency_combine(
-                                simulated, topk_idx, topk_weights, handle, async_finish=not return_recv_hook,
+                                _dev(simulated), _dev(topk_idx), _dev(topk_weights), handle, async_finish=not return_recv_hook,
                                 zero_copy=zero_copy, return_recv_hook=return_recv_hook, out=out)
                             hook() if return_recv_hook else event.current_stream_wait()
-                            assert combined is out and not bool(torch.isnan(combined).any())
+                            assert combined is out
+                            combined = _host(combined)
+                            assert not bool(torch.isnan(combined).any())
                             ref = current_x.float() * topk_weights.masked_fill(topk_idx == -1, 0).sum(dim=1).view(-1, 1)
                             if not round_scale:
                                 diff = calc_diff(ref, combined)
@@ -333,7 +381,7 @@ def _low_latency_body(ctx, seed):
 def test_low_latency(world):
     """tests/test_low_latency.py test_main: dispatch (bf16, fp8, round_scale, ue8m0; hook and async), per-expert
     counts, src_info / layout_range, rows per source, combine (zero copy too)."""
-    assert run_ranks(_low_latency_body, world, SEED, timeout=240) == [16] * world
+    assert _run(_low_latency_body, world, SEED) == [16] * world
 
 
 # ---- the binding takes torch CPU tensors through DLPack (what the layer relies on) --------------------------------
