@@ -162,7 +162,10 @@ class _Pool:
         i = self.next
         self.next = (i + 1) % _POOL_SIZE
         if self.buffers[i] is None:
-            self.buffers[i], self.views[i] = self.make()
+            # NOTE: all at once, at the pool's first call: a CUDA graph captured after one eager call (an engine's
+            # warm-up) then never creates a buffer (collective, allocating) inside the capture
+            for j in range(_POOL_SIZE):
+                self.buffers[j], self.views[j] = self.make()
         return i
 
 

@@ -407,3 +407,26 @@ def _dlpack_body(ctx):
 
 def test_binding_takes_torch_cpu_tensors():
     assert run_ranks(_dlpack_body, 1) == [True]
+
+
+# ---- examples/deep_ep_moe.py: the engine-shaped layer against its dense reference --------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_engine_example(world):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if CUDA and world > 1:
+        pytest.skip("cuda backend: the multi-GPU run of the example is torchrun's (docs/deep_ep.md)")
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ)
+    package_root = str(Path(ferry.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    done = subprocess.run([sys.executable, "-m", "ferry.launch", "--nproc", str(world),
+                           str(repo / "examples" / "deep_ep_moe.py")], capture_output=True, text=True, timeout=240,
+                          env=env, cwd=repo)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
+    assert len(lines) == world and all(line.endswith("(ok)") for line in lines), done.stdout
