@@ -628,7 +628,7 @@ class Buffer:
             ones = extras["ones"] = torch.ones((num_max_dispatch_tokens_per_rank * topk, 1), dtype=torch.float32,
                                                device=x.device)
         # one row per (token, k): pair t * topk + k goes to expert topk_idx[t, k] alone
-        pairs_x = x.unsqueeze(1).expand(num_tokens, topk, hidden).reshape(num_tokens * topk, hidden)
+        pairs_x = x.unsqueeze(1).expand(num_tokens, topk, hidden).contiguous().view(num_tokens * topk, hidden)
         pairs_idx = topk_idx.reshape(num_tokens * topk, 1)
         if not pairs_idx.is_contiguous():
             pairs_idx = pairs_idx.contiguous()

@@ -430,3 +430,22 @@ def test_engine_example(world):
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
     assert len(lines) == world and all(line.endswith("(ok)") for line in lines), done.stdout
+
+
+def _one_token_body(ctx):
+    import ferry.deep_ep as deep_ep
+
+    group = _group(ctx)
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(4, HIDDEN, 1, 8)
+    buffer = deep_ep.Buffer(group, 0, hint, low_latency_mode=True, num_qps_per_rank=8)
+    x = torch.randn((1, HIDDEN)).to(torch.bfloat16)
+    idx, w = torch.tensor([[5, 2, -1, 0]]), torch.tensor([[0.5, 0.25, 9.0, 0.125]])
+    recv_x, count, handle, _, _ = buffer.low_latency_dispatch(_dev(x), _dev(idx), 4, 8, use_fp8=False)
+    assert _host(count).tolist() == [1, 0, 1, 0, 0, 1, 0, 0]
+    y, _, _ = buffer.low_latency_combine(recv_x, _dev(idx), _dev(w), handle)
+    return calc_diff(_host(y).float(), x.float() * 0.875)
+
+
+def test_low_latency_one_token():
+    """A one-token batch (its (token, k) rows once came out non-contiguous: found by bench_deep_ep_overhead.py)."""
+    assert _run(_one_token_body, 1)[0] < 1e-5
