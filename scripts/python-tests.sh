@@ -3,7 +3,10 @@
 # `make test` does after the C++ tests:
 #   1. a virtual environment, BUILD/venv (python3 -m venv --system-site-packages: a system torch or numpy is still
 #      seen), created once; into it, from PyPI, what is missing: nanobind (to build the module), numpy and pytest (to
-#      run the tests). Nothing is installed into the Python you run this with;
+#      run the tests), torch (ferry.deep_ep, the DeepEP-compatible layer, takes torch tensors and a torch.distributed
+#      group; its tests, python/tests/test_deep_ep_compat.py, run on the cpu backend with torch CPU tensors). PyPI's
+#      torch brings its CUDA libraries (about 3 GB, a few minutes once; the venv is kept). Nothing is installed into
+#      the Python you run this with;
 #   2. reconfigures that build with -DFERRY_BUILD_PYTHON=ON and the environment's python, and builds the target
 #      ferry_python: the module (linked against the library the build already compiled) and the package files, in
 #      BUILD/python/ferry;
@@ -36,7 +39,7 @@ fi
 PYTHON_PATH="$VENV/bin/python"
 
 missing=()
-for module in nanobind numpy pytest; do
+for module in nanobind numpy pytest torch; do
   "$PYTHON_PATH" -c "import $module" >/dev/null 2>&1 || missing+=("$module")
 done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -1,0 +1,759 @@
+"""DeepEP's `deep_ep.Buffer` API over Ferry: an engine written against DeepEP switches with one import,
+
+    import ferry.deep_ep as deep_ep
+
+and keeps its calls (`Buffer(group, num_nvl_bytes, num_rdma_bytes, ...)`, `get_dispatch_layout`, `dispatch`,
+`combine`, `low_latency_dispatch`, `low_latency_combine`, ...): the same argument names, shapes, dtypes and return
+tuples. docs/deep_ep.md lists every function and argument with its status: supported, mapped (how), or refused (the
+message). What differs from DeepEP and how it is mapped, in short:
+
+- Ferry buffers are shaped (ferry.EpBuffer: hidden, num_experts, topk, max_tokens_per_rank, mode, formats), DeepEP's
+  are byte budgets that learn shapes per call. A Buffer creates Ferry buffers lazily, one pool per (leg kind, shape,
+  format), at the first call that needs it (every rank makes the same calls, so every rank creates it at the same
+  call: EpBuffer construction is collective). Each pool holds two EpBuffers used in turn, as DeepEP's low-latency
+  mode double-buffers: a dispatch's layout stays valid for its combine while one more dispatch of the same shape
+  runs (two micro-batches in flight). A handle from an older dispatch of that pool is refused, never combined.
+- Normal mode: `num_nvl_bytes` sizes each EpBuffer's receive rows: max_tokens_per_rank = num_nvl_bytes // (world *
+  bytes of one received row); a call with more tokens is refused with the size that would take it. The outputs are
+  copies (DeepEP's are fresh tensors); a cached dispatch (`handle=`) re-runs Ferry's dispatch with the topk_idx /
+  topk_weights the handle saved: the same routing, hence the same rows in the same order.
+- Low-latency mode: DeepEP's combine takes the weights, its dispatch does not, while Ferry's combine applies the
+  weights its dispatch carried. The layer therefore dispatches each (token, k) pair as its own row (topk = 1 in the
+  EpBuffer, as DeepEP's low-latency kernels send one message per selected expert), combines the expert outputs back
+  unweighted (exact: one term each) and reduces them on the source with combine's topk_weights in fp32, rounded once
+  to bf16, as DeepEP does.
+- Streams: Ferry runs on the caller's current stream; DeepEP's comm stream, `previous_event`, `async_finish` and
+  `allocate_on_comm_stream` map onto it (see EventOverlap).
+
+Needs torch (tensors in and out, a torch.distributed group for the ranks). The cuda backend is used when
+ferry.cuda_available(), else the cpu backend with torch CPU tensors.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, List, Optional, Tuple, Union
+
+import torch
+
+import ferry
+
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "topk_idx_t"]
+
+topk_idx_t = torch.int64  # DeepEP's index dtype (int32 is taken too: Ferry reads either)
+
+_POOL_SIZE = 2  # EpBuffers per (kind, shape, format): DeepEP's low-latency double buffering
+_DEFAULT_HINT_TOKENS = 4096  # tokens per rank Config.get_nvl_buffer_size_hint sizes for (EpConfig's default)
+
+
+def _refuse(what: str, why: str, instead: str, error=ferry.InputError):
+    raise error(f"ferry.deep_ep: {what} is not supported: {why}; {instead}")
+
+
+# ---- events and configs ----------------------------------------------------------------------------------------
+
+
+class EventHandle:
+    """A point on the current stream (DeepEP's EventHandle): a CUDA event recorded on torch's current stream when
+    CUDA is available; on the cpu backend every call has completed when it returns, so the handle is already
+    complete and waiting on it does nothing."""
+
+    def __init__(self) -> None:
+        self._event = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream())
+
+    def current_stream_wait(self) -> None:
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+
+
+class EventOverlap:
+    """DeepEP's EventOverlap: an optional EventHandle and the tensors to keep alive until it completes.
+
+    Ferry enqueues every call on the caller's current stream (DeepEP: on its comm stream), so the work an event
+    stands for is already ordered before whatever the current stream runs next: current_stream_wait() and the `with`
+    form are correct and cost one event wait. `event` is None unless the call had async_finish=True (as in DeepEP).
+    """
+
+    def __init__(self, event: Optional[EventHandle] = None, extra_tensors: Optional[Tuple[torch.Tensor]] = None):
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self) -> None:
+        if self.event is None:
+            raise ferry.InputError("ferry.deep_ep: EventOverlap.current_stream_wait() on an empty event; the call "
+                                   "returns an event only with async_finish=True (as DeepEP)")
+        self.event.current_stream_wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc_val, exc_tb) -> None:
+        if self.event is not None:
+            self.event.current_stream_wait()
+
+
+class Config:
+    """DeepEP's performance Config (SMs and chunk sizes of its ring buffers). Ferry picks its launch geometry from
+    its tuning tables (docs/tuning.md), so a Config never changes what a call computes, in DeepEP or here: it is
+    validated as DeepEP validates it and otherwise only carried. get_nvl_buffer_size_hint is Ferry's: the
+    num_nvl_bytes that takes 4096 tokens per rank (Buffer's sizing rule)."""
+
+    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
+                 num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
+                 num_max_rdma_chunked_recv_tokens: int = 256) -> None:
+        if num_sms < 0:
+            raise ferry.ConfigError(f"ferry.deep_ep: Config(num_sms={num_sms}) must be >= 0")
+        if not 0 < num_max_nvl_chunked_send_tokens < num_max_nvl_chunked_recv_tokens:
+            raise ferry.ConfigError(
+                f"ferry.deep_ep: Config needs 0 < num_max_nvl_chunked_send_tokens ({num_max_nvl_chunked_send_tokens})"
+                f" < num_max_nvl_chunked_recv_tokens ({num_max_nvl_chunked_recv_tokens})")
+        if num_max_rdma_chunked_send_tokens <= 0 or num_max_rdma_chunked_recv_tokens <= 0:
+            raise ferry.ConfigError("ferry.deep_ep: Config's rdma chunk sizes must be > 0")
+        self.num_sms = num_sms
+        self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
+        self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
+        self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
+        self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        return _normal_bytes(hidden_bytes, _MAX_TOPK, num_ranks, _DEFAULT_HINT_TOKENS)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        return 0  # within one node, as DeepEP's for num_ranks <= 8: Ferry's normal mode uses no RDMA buffer
+
+    def __repr__(self) -> str:
+        return (f"Config(num_sms={self.num_sms}, num_max_nvl_chunked_send_tokens="
+                f"{self.num_max_nvl_chunked_send_tokens}, num_max_nvl_chunked_recv_tokens="
+                f"{self.num_max_nvl_chunked_recv_tokens}, ...)")
+
+
+_MAX_TOPK = 16  # ferry::kMaxTopk: the topk a size hint plans for
+_ROW_META_BYTES = 8  # recv_src (source rank, source token) per received row
+
+
+def _normal_bytes(payload_bytes: int, topk: int, world: int, tokens_per_rank: int) -> int:
+    """Bytes of one normal-mode EpBuffer's receive rows for tokens_per_rank tokens from each of world ranks."""
+    return world * tokens_per_rank * (payload_bytes + topk * 8 + _ROW_META_BYTES)
+
+
+def _fp8_payload_bytes(hidden: int) -> int:
+    return hidden + hidden // 128 * 4  # e4m3 elements + one float32 scale per 128
+
+
+# ---- handles -----------------------------------------------------------------------------------------------------
+
+
+class _Pool:
+    """_POOL_SIZE EpBuffers of one shape, used in turn; each remembers which call's layout it holds."""
+
+    def __init__(self, make: Callable[[], tuple]):
+        self.make = make
+        self.buffers: list = [None] * _POOL_SIZE
+        self.views: list = [None] * _POOL_SIZE  # low-latency: each buffer's cached views
+        # a weak reference to the handle whose dispatch each buffer holds (weak: no cycle pool <-> handle)
+        self.holder: list = [None] * _POOL_SIZE
+        self.extras: list = [dict() for _ in range(_POOL_SIZE)]
+        self.next = 0
+
+    def take(self) -> int:
+        i = self.next
+        self.next = (i + 1) % _POOL_SIZE
+        if self.buffers[i] is None:
+            # NOTE: all at once, at the pool's first call: a CUDA graph captured after one eager call (an engine's
+            # warm-up) then never creates a buffer (collective, allocating) inside the capture
+            for j in range(_POOL_SIZE):
+                self.buffers[j], self.views[j] = self.make()
+        return i
+
+
+class _DispatchHandle:
+    """Normal mode's handle: opaque (Ferry keeps the layout in the EpBuffer). Holds the routing so a cached
+    dispatch can re-run it, and the pool slot whose layout the combine uses."""
+
+    def __init__(self, pool: _Pool, slot: int, x_kind, topk_idx, topk_weights, num_tokens: int, lazy: bool):
+        self.pool, self.slot, self.x_kind = pool, slot, x_kind
+        self.topk_idx, self.topk_weights, self.num_tokens, self.lazy = topk_idx, topk_weights, num_tokens, lazy
+
+    def __getitem__(self, i):
+        raise ferry.InputError(
+            f"ferry.deep_ep: handle[{i}] is not supported: a Ferry dispatch handle is opaque (DeepEP's prefix matrices "
+            "and send heads do not exist in Ferry, whose layout stays in its EpBuffer); pass the handle to combine() or "
+            "dispatch(handle=...) only")
+
+
+class _LowLatencyHandle:
+    """Low-latency mode's handle, indexable as DeepEP's (src_info, layout_range, num_max_dispatch_tokens_per_rank,
+    hidden, num_experts). src_info [num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank] int32 (the
+    source token of each slot) and layout_range [num_local_experts, num_ranks] int64 ((first slot << 32) | count, per
+    source rank) are computed from Ferry's layout when first read (device ops, no synchronisation)."""
+
+    def __init__(self, rank, world, pool, slot, got, num_tokens, topk, max_tokens, hidden, num_experts):
+        self.rank, self.world, self.pool, self.slot, self.got = rank, world, pool, slot, got
+        self.num_tokens, self.topk, self.max_tokens, self.hidden, self.num_experts = (num_tokens, topk, max_tokens,
+                                                                                     hidden, num_experts)
+        self._src_info = self._layout_range = None
+
+    def __len__(self) -> int:
+        return 5
+
+    def __iter__(self):
+        return (self[i] for i in range(5))
+
+    def __getitem__(self, i):
+        if i == 0 or i == -5:
+            if self._src_info is None:
+                self._src_info = _ll_src_info(self)
+            return self._src_info
+        if i == 1 or i == -4:
+            if self._layout_range is None:
+                self._layout_range = _ll_layout_range(self)
+            return self._layout_range
+        return (None, None, self.max_tokens, self.hidden, self.num_experts)[i]
+
+
+# ---- the buffer --------------------------------------------------------------------------------------------------
+
+
+class Buffer:
+    """DeepEP's Buffer over Ferry. Normal mode: get_dispatch_layout, dispatch, combine; low-latency mode (with
+    low_latency_mode=True): low_latency_dispatch, low_latency_combine, get_next_low_latency_combine_buffer. See the
+    module's docstring and docs/deep_ep.md."""
+
+    num_sms: int = 20
+
+    def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
+                 num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
+                 allow_mnnvl: bool = False, use_fabric: bool = False, explicitly_destroy: bool = False,
+                 enable_shrink: bool = False, comm=None) -> None:
+        refuse = lambda what, why, instead: _refuse(what, why, instead, ferry.ConfigError)  # noqa: E731
+        if comm is not None:
+            refuse("comm= (an mpi4py communicator)", "Ferry's layer finds its ranks through torch.distributed",
+                   "pass group= (a torch.distributed process group)")
+        if group is None:
+            raise ValueError("ferry.deep_ep: Buffer needs group= (a torch.distributed process group)")
+        if not allow_nvlink_for_low_latency_mode:
+            refuse("allow_nvlink_for_low_latency_mode=False", "Ferry's low-latency mode moves rows over NVLink "
+                   "(load/store) within a node", "leave it True")
+        if allow_mnnvl:
+            refuse("allow_mnnvl=True", "Ferry runs within one node's NVLink domain", "leave it False")
+        if use_fabric:
+            refuse("use_fabric=True", "Ferry allocates its windows through NCCL (ncclMemAlloc)", "leave it False")
+        if enable_shrink:
+            refuse("enable_shrink=True", "Ferry has no rank masking yet (a rank that does not arrive is a "
+                   "TimeoutError naming it)", "leave it False")
+        if num_nvl_bytes < 0 or num_rdma_bytes < 0:
+            raise ferry.ConfigError(f"ferry.deep_ep: num_nvl_bytes={num_nvl_bytes} and num_rdma_bytes="
+                                    f"{num_rdma_bytes} must be >= 0")
+        if low_latency_mode and num_qps_per_rank <= 0:
+            raise ferry.ConfigError(f"ferry.deep_ep: num_qps_per_rank={num_qps_per_rank} must be > 0 in "
+                                    "low-latency mode (as DeepEP)")
+        self.group = group
+        self.rank = group.rank()
+        self.group_size = group.size()
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.num_qps_per_rank = num_qps_per_rank  # NOTE: no queue pairs in Ferry (NVLink within a node): carried only
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
+        backend = "cuda" if ferry.cuda_available() else "cpu"
+        device = torch.cuda.current_device() if backend == "cuda" else -1
+        self.comm = ferry.init(group=group, backend=backend, device=device)
+        self._pools: dict = {}
+
+    # ---- static API
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        return True  # what DeepEP's tests read it for: fp8 rows are supported (on every Ferry backend)
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        if new_num_sms % 2 != 0:
+            raise ferry.ConfigError(f"ferry.deep_ep: set_num_sms({new_num_sms}): the SM count must be even")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """num_rdma_bytes a low-latency Buffer needs for these shapes (bf16, topk up to 16): Ferry's low-latency
+        EpBuffers hold, for each of the two of a pool, every rank's tokens for every local expert (rows and scales)
+        and the per-(token, k) rows that come back."""
+        if num_experts % num_ranks:
+            raise ferry.ConfigError(f"ferry.deep_ep: num_experts={num_experts} is not a multiple of num_ranks="
+                                    f"{num_ranks}")
+        return _ll_bytes(num_max_dispatch_tokens_per_rank, hidden * 2, num_ranks, num_experts, _MAX_TOPK)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        return Config(Buffer.num_sms, 6, 256, 6, 128)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return Config(Buffer.num_sms, 6, 256, 6, 128)
+
+    # ---- refused parts of DeepEP's surface
+    def get_comm_stream(self):
+        _refuse("get_comm_stream()", "Ferry has no communication stream of its own: every call runs on the caller's "
+                "current stream", "order work with the current stream (torch.cuda.current_stream())")
+
+    def get_local_buffer_tensor(self, *args, **kwargs):
+        _refuse("get_local_buffer_tensor()", "Ferry's windows are not one raw byte buffer",
+                "use the tensors the calls return (get_next_low_latency_combine_buffer for zero-copy combine input)")
+
+    def internode_dispatch(self, *args, **kwargs):
+        _refuse("internode_dispatch()", "this layer runs within one node", "call dispatch() within a node")
+
+    def internode_combine(self, *args, **kwargs):
+        _refuse("internode_combine()", "this layer runs within one node", "call combine() within a node")
+
+    def low_latency_update_mask_buffer(self, *args, **kwargs):
+        _refuse("low_latency_update_mask_buffer()", "Ferry has no rank masking yet", "do not mask ranks")
+
+    def low_latency_query_mask_buffer(self, *args, **kwargs):
+        _refuse("low_latency_query_mask_buffer()", "Ferry has no rank masking yet", "do not mask ranks")
+
+    def low_latency_clean_mask_buffer(self, *args, **kwargs):
+        _refuse("low_latency_clean_mask_buffer()", "Ferry has no rank masking yet", "do not mask ranks")
+
+    def destroy(self) -> None:
+        if not self.explicitly_destroy:
+            raise ferry.InputError("ferry.deep_ep: destroy() needs Buffer(explicitly_destroy=True) (as DeepEP)")
+        self._pools = {}
+        self.comm = None
+
+    # ---- helpers
+    def _pool(self, key, make) -> _Pool:
+        pool = self._pools.get(key)
+        if pool is None:
+            if self.comm is None:
+                raise ferry.InputError("ferry.deep_ep: the Buffer was destroyed")
+            pool = self._pools[key] = _Pool(make)
+        return pool
+
+    @staticmethod
+    def _wait_previous(previous_event: Optional[EventOverlap]) -> None:
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+
+    @staticmethod
+    def _check_config(config) -> None:
+        if config is not None and not isinstance(config, Config):
+            raise ferry.InputError(f"ferry.deep_ep: config must be a ferry.deep_ep.Config, not {type(config).__name__}")
+
+    @staticmethod
+    def _event(async_finish: bool, tensors=None) -> EventOverlap:
+        return EventOverlap(EventHandle(), tensors) if async_finish else EventOverlap(None)
+
+    def _check_stream_args(self, previous_event, allocate_on_comm_stream) -> None:
+        if allocate_on_comm_stream and previous_event is None:
+            raise ferry.InputError("ferry.deep_ep: allocate_on_comm_stream=True needs previous_event (as DeepEP)")
+
+    # ---- normal mode
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False):
+        """(num_tokens_per_rank [W] int32, None, num_tokens_per_expert [E] int32, is_token_in_rank [T, W] bool,
+        event), computed with torch ops on topk_idx's device (no synchronisation, graph-capturable)."""
+        self._check_stream_args(previous_event, allocate_on_comm_stream)
+        self._wait_previous(previous_event)
+        world = self.group_size
+        if topk_idx.dim() != 2 or topk_idx.dtype not in (torch.int64, torch.int32):
+            raise ferry.InputError(f"ferry.deep_ep: topk_idx must be [num_tokens, num_topk] int64 (or int32), got "
+                                   f"{tuple(topk_idx.shape)} {topk_idx.dtype}")
+        if num_experts % world:
+            raise ferry.InputError(f"ferry.deep_ep: num_experts={num_experts} is not a multiple of the {world} ranks")
+        idx = topk_idx.to(torch.int64)
+        valid = idx >= 0
+        per_rank = num_experts // world
+        rank_of = torch.where(valid, idx // per_rank, world)
+        in_rank = torch.zeros((idx.size(0), world + 1), dtype=torch.bool, device=idx.device)
+        in_rank.scatter_(1, rank_of, True)
+        is_token_in_rank = in_rank[:, :world].contiguous()
+        num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
+        counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=idx.device)
+        counts.scatter_add_(0, torch.where(valid, idx, num_experts).view(-1),
+                            torch.ones(idx.numel(), dtype=torch.int32, device=idx.device))
+        num_tokens_per_expert = counts[:num_experts]
+        return (num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank,
+                self._event(async_finish, (topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)))
+
+    def _normal_pool(self, hidden: int, num_experts: int, topk: int, fp8: bool, num_worst_tokens: int) -> _Pool:
+        key = ("normal", hidden, num_experts, topk, fp8, num_worst_tokens)
+        if key in self._pools:
+            return self._pools[key]
+        world = self.group_size
+        payload = _fp8_payload_bytes(hidden) if fp8 else hidden * 2
+        per_token = _normal_bytes(payload, topk, world, 1)
+        max_tokens = self.num_nvl_bytes // per_token
+        if max_tokens < 1:
+            _refuse(f"num_nvl_bytes={self.num_nvl_bytes} for normal-mode dispatch of hidden={hidden}",
+                    f"one token per rank needs {per_token} bytes (world {world} x {payload} payload + topk "
+                    f"{topk} x 8 + 8 bytes per received row)",
+                    "create the Buffer with num_nvl_bytes = Config().get_nvl_buffer_size_hint(hidden * 2, num_ranks) "
+                    "or more", ferry.ConfigError)
+        kwargs = dict(hidden=hidden, num_experts=num_experts, topk=topk, max_tokens_per_rank=max_tokens,
+                      dispatch_format="fp8" if fp8 else "bf16")
+        if num_worst_tokens:
+            kwargs["max_recv_tokens"] = num_worst_tokens
+        pool = self._pool(key, lambda: (ferry.EpBuffer(self.comm, **kwargs), None))
+        pool.max_tokens = max_tokens
+        return pool
+
+    def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle=None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None, num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """Normal-mode dispatch. Returns (recv_x or (recv_x, recv_x_scales), recv_topk_idx, recv_topk_weights,
+        num_recv_tokens_per_expert_list, handle, event) as DeepEP: rows ordered by (source rank, source token);
+        recv_topk_idx int64 local expert ids (-1 elsewhere), recv_topk_weights float32 (0 where -1)."""
+        self._check_config(config)
+        self._check_stream_args(previous_event, allocate_on_comm_stream)
+        if num_tokens_per_rdma_rank is not None:
+            _refuse("num_tokens_per_rdma_rank", "this layer runs within one node (get_dispatch_layout returns None "
+                    "for it)", "pass None")
+        if expert_alignment < 1:
+            raise ferry.InputError(f"ferry.deep_ep: expert_alignment={expert_alignment} must be >= 1")
+        x, x_scales = x if isinstance(x, tuple) else (x, None)
+        fp8 = x_scales is not None
+        if fp8:
+            if x_scales.dtype != torch.float32 or x_scales.dim() != 2:
+                _refuse(f"x_scales of dtype {x_scales.dtype} and shape {tuple(x_scales.shape)}",
+                        "Ferry's fp8 input takes one float32 scale per 128 elements",
+                        "pass (x [T, hidden] float8_e4m3fn, scales [T, hidden // 128] float32)")
+            x_scales = x_scales.contiguous()  # DeepEP takes column-major scales too; Ferry reads row-major
+        if handle is not None:
+            # cached dispatch: re-run Ferry's dispatch with the routing the handle saved (the same rows, same order)
+            if topk_idx is not None or topk_weights is not None:
+                raise ferry.InputError("ferry.deep_ep: dispatch(handle=...) takes no topk_idx / topk_weights (as "
+                                       "DeepEP: the handle holds the routing)")
+            if not isinstance(handle, _DispatchHandle):
+                raise ferry.InputError("ferry.deep_ep: handle is not a handle of this layer's dispatch()")
+            if x.size(0) != handle.num_tokens or handle.x_kind != (x.size(1), fp8):
+                raise ferry.InputError(
+                    f"ferry.deep_ep: dispatch(handle=...) got x of {tuple(x.shape)} ({'fp8' if fp8 else 'bf16'}); the "
+                    f"handle's dispatch had {handle.num_tokens} tokens of hidden={handle.x_kind[0]} "
+                    f"({'fp8' if handle.x_kind[1] else 'bf16'})")
+            if num_worst_tokens or expert_alignment != 1:
+                raise ferry.InputError("ferry.deep_ep: dispatch(handle=...) takes the num_worst_tokens and "
+                                       "expert_alignment of the handle's dispatch; leave them at their defaults")
+            self._wait_previous(previous_event)
+            pool, slot = handle.pool, handle.slot
+            got = self._ferry_dispatch(pool, slot, x, x_scales, handle.topk_idx, handle.topk_weights, handle.lazy)
+            pool.holder[slot] = weakref.ref(handle)
+            recv_x = self._recv_x(got, fp8, handle.lazy)
+            return recv_x, None, None, None, None, self._event(async_finish, (x,))
+        if topk_idx is None or topk_weights is None:
+            _refuse("dispatch without topk_idx / topk_weights (routing by is_token_in_rank alone)",
+                    "Ferry routes by expert id", "pass topk_idx and topk_weights (or handle= for a cached dispatch)")
+        if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
+            raise ferry.InputError("ferry.deep_ep: dispatch needs num_tokens_per_rank, is_token_in_rank and "
+                                   "num_tokens_per_expert from get_dispatch_layout (as DeepEP)")
+        world = self.group_size
+        num_tokens, hidden = x.size(0), x.size(1)
+        num_experts = num_tokens_per_expert.numel()
+        # NOTE: the layout tensors are what get_dispatch_layout derives from topk_idx; Ferry derives the same layout
+        # itself (its count exchange), so only their shapes are checked here: num_tokens_per_expert gives num_experts.
+        if tuple(num_tokens_per_rank.shape) != (world,) or tuple(is_token_in_rank.shape) != (num_tokens, world):
+            raise ferry.InputError(
+                f"ferry.deep_ep: num_tokens_per_rank {tuple(num_tokens_per_rank.shape)} / is_token_in_rank "
+                f"{tuple(is_token_in_rank.shape)} must be [{world}] / [{num_tokens}, {world}] (get_dispatch_layout)")
+        topk = topk_idx.size(1)
+        pool = self._normal_pool(hidden, num_experts, topk, fp8, num_worst_tokens)
+        if num_tokens > pool.max_tokens:
+            need = _normal_bytes(_fp8_payload_bytes(hidden) if fp8 else hidden * 2, topk, world, num_tokens)
+            _refuse(f"dispatch of {num_tokens} tokens with num_nvl_bytes={self.num_nvl_bytes}",
+                    f"that budget holds {pool.max_tokens} tokens per rank at hidden={hidden}, topk={topk}",
+                    f"create the Buffer with num_nvl_bytes >= {need}")
+        self._wait_previous(previous_event)
+        slot = pool.take()
+        lazy = num_worst_tokens > 0
+        if topk_weights.dtype != torch.float32:
+            raise ferry.InputError(f"ferry.deep_ep: topk_weights must be float32, got {topk_weights.dtype}")
+        got = self._ferry_dispatch(pool, slot, x, x_scales, topk_idx, topk_weights, lazy)
+        handle = _DispatchHandle(pool, slot, (hidden, fp8), topk_idx.clone(), topk_weights.clone(), num_tokens, lazy)
+        pool.holder[slot] = weakref.ref(handle)
+        recv_x = self._recv_x(got, fp8, lazy)
+        recv_topk_idx = got.recv_topk_idx.to(topk_idx.dtype)
+        recv_topk_weights = got.recv_topk_weights.clone()
+        if lazy:
+            # rows past the count: -1 ids (as DeepEP), found on the device (no synchronisation)
+            rows = torch.arange(recv_topk_idx.size(0), device=recv_topk_idx.device).unsqueeze(1)
+            recv_topk_idx.masked_fill_(rows >= got.num_recv.to(rows.device), -1)
+            counts = []
+        else:
+            counts = [-(-c // expert_alignment) * expert_alignment for c in got.expert_counts.tolist()]
+        return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, self._event(async_finish, (x,))
+
+    def _ferry_dispatch(self, pool, slot, x, x_scales, topk_idx, topk_weights, lazy):
+        return pool.buffers[slot].dispatch(x, topk_idx, topk_weights, x_scales=x_scales, eager=not lazy)
+
+    @staticmethod
+    def _recv_x(got, fp8: bool, lazy: bool):
+        if fp8:
+            return got.recv_x.clone(), got.recv_scales.clone()
+        return got.recv_x.clone()
+
+    def combine(self, x: torch.Tensor, handle, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None, config: Optional[Config] = None,
+                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """Normal-mode combine: the sum of each token's rows over the ranks it went to (no weights), bf16 accumulated
+        in fp32 and rounded once. Returns (combined_x [T, hidden] bf16, None, event)."""
+        self._check_config(config)
+        self._check_stream_args(previous_event, allocate_on_comm_stream)
+        if topk_weights is not None:
+            _refuse("combine(topk_weights=...)", "the reduced weights are the backward of dispatch, which comes with "
+                    "Ferry's training support", "pass topk_weights=None (combined_topk_weights is then None)")
+        if bias is not None:
+            _refuse("combine(bias=...)", "Ferry's combine fuses no bias (adding it afterwards rounds twice, which "
+                    "DeepEP does not)", "add the bias to combined_x yourself")
+        buf = self._current(handle, _DispatchHandle, "dispatch")
+        self._wait_previous(previous_event)
+        y = buf.combine(x, "rank", eager=False)
+        return y, None, self._event(async_finish, (x, y))
+
+    def _current(self, handle, kind, call: str):
+        if not isinstance(handle, kind):
+            raise ferry.InputError(f"ferry.deep_ep: handle is not a handle of this layer's {call}()")
+        holder = handle.pool.holder[handle.slot]
+        if holder is None or holder() is not handle:
+            raise ferry.InputError(
+                f"ferry.deep_ep: this handle's {call} was overwritten by later calls of the same shape: a Buffer keeps "
+                f"the layouts of the last {_POOL_SIZE} dispatches per shape (as DeepEP's low-latency double buffer); "
+                "combine before that, or use another Buffer for more micro-batches in flight")
+        return handle.pool.buffers[handle.slot]
+
+    # ---- low-latency mode
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Nothing to clean in Ferry: every call carries a sequence number, so its buffers never need zeroing between
+        normal and low-latency calls. Checks the arguments as a low-latency call of these shapes would."""
+        self._ll_check(num_max_dispatch_tokens_per_rank, hidden, num_experts, 1)
+
+    def _ll_check(self, max_tokens: int, hidden: int, num_experts: int, topk: int) -> None:
+        if not self.low_latency_mode:
+            _refuse("a low-latency call on a Buffer(low_latency_mode=False)", "its buffers are sized for normal mode",
+                    "create the Buffer with low_latency_mode=True and num_rdma_bytes from "
+                    "get_low_latency_rdma_size_hint", ferry.ConfigError)
+        if num_experts % self.group_size:
+            raise ferry.InputError(f"ferry.deep_ep: num_experts={num_experts} is not a multiple of the "
+                                   f"{self.group_size} ranks")
+        if max_tokens * topk > _MAX_LL_ROWS:
+            _refuse(f"num_max_dispatch_tokens_per_rank={max_tokens} with num_topk={topk}",
+                    f"the layer sends each (token, k) pair as a row and Ferry's low-latency mode takes at most "
+                    f"{_MAX_LL_ROWS} rows per rank", f"use num_max_dispatch_tokens_per_rank <= {_MAX_LL_ROWS // topk}")
+        need = _ll_bytes(max_tokens, hidden * 2, self.group_size, num_experts, topk)
+        if self.num_rdma_bytes < need:
+            _refuse(f"num_rdma_bytes={self.num_rdma_bytes} for low-latency calls of "
+                    f"num_max_dispatch_tokens_per_rank={max_tokens}, hidden={hidden}, num_experts={num_experts}",
+                    f"they need {need} bytes", "size it with Buffer.get_low_latency_rdma_size_hint", ferry.ConfigError)
+
+    def _ll_pool(self, max_tokens, hidden, num_experts, topk, fmt) -> _Pool:
+        key = ("ll", max_tokens, hidden, num_experts, topk, fmt)
+        pool = self._pools.get(key)
+        if pool is not None:
+            return pool
+        self._ll_check(max_tokens, hidden, num_experts, topk)
+        world = self.group_size
+        fmt_name, layout = {"bf16": ("bf16", "row_major"), "fp8": ("fp8", "mn_major_tma"),
+                            "fp8_round": ("fp8_ue8m0", "mn_major_tma"),
+                            "fp8_ue8m0": ("fp8_ue8m0", "mn_major_tma_packed_ue8m0")}[fmt]
+        kwargs = dict(hidden=hidden, num_experts=num_experts, topk=1, max_tokens_per_rank=max_tokens * topk,
+                      expert_capacity=world * max_tokens, mode="ll", dispatch_format=fmt_name,
+                      recv_scale_layout=layout)
+        def make():
+            # NOTE: a hooked dispatch returns its views only from the receive half, while DeepEP returns the tensors
+            # at once: an empty dispatch (collective, as the creation) gets the EpBuffer's views, which every later
+            # call reuses (checked in _ll_views).
+            buf = ferry.EpBuffer(self.comm, **kwargs)
+            device = torch.device("cuda", self.comm.device) if self.comm.backend == "cuda" else torch.device("cpu")
+            empty = buf.dispatch(torch.empty((0, hidden), dtype=torch.bfloat16, device=device),
+                                 torch.empty((0, 1), dtype=torch.int64, device=device),
+                                 torch.empty((0, 1), dtype=torch.float32, device=device), eager=False)
+            return buf, empty
+
+        return self._pool(key, make)
+
+    @staticmethod
+    def _ll_views(views, got):
+        if got.expert_x is not views.expert_x or got.expert_counts is not views.expert_counts:
+            raise ferry.Error("ferry.deep_ep: internal error: a low-latency dispatch returned views other than the "
+                              "EpBuffer's cached ones, so the tensors returned before the hook would be stale")
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """Returns (recv_x, recv_count, handle, event, hook) as DeepEP: recv_x [num_local_experts, num_ranks *
+        num_max_dispatch_tokens_per_rank, hidden] bf16, or with use_fp8 (float8_e4m3fn rows, scales [E_local, rows,
+        hidden // 128] float32, or with use_ue8m0 [E_local, rows, hidden // 512] int32 packed exponents; the scales'
+        last two dimensions column-major). Valid until the second next low-latency dispatch of the same shape."""
+        if dispatch_wait_recv_cost_stats is not None:
+            _refuse("dispatch_wait_recv_cost_stats", "Ferry records no per-rank receive wait times",
+                    "pass None (ferry trace records per-phase times: docs/design.md)")
+        if use_ue8m0 and not round_scale:
+            raise ferry.InputError("ferry.deep_ep: use_ue8m0=True needs round_scale=True (as DeepEP)")
+        if (round_scale or use_ue8m0) and not use_fp8:
+            raise ferry.InputError("ferry.deep_ep: round_scale / use_ue8m0 need use_fp8=True")
+        if async_finish and return_recv_hook:
+            raise ferry.InputError("ferry.deep_ep: async_finish and return_recv_hook cannot both be set (as DeepEP)")
+        if x.dim() != 2 or x.dtype != torch.bfloat16:
+            raise ferry.InputError(f"ferry.deep_ep: x must be [num_tokens, hidden] bfloat16, got {tuple(x.shape)} "
+                                   f"{x.dtype}")
+        if topk_idx.dim() != 2 or topk_idx.size(0) != x.size(0):
+            raise ferry.InputError(f"ferry.deep_ep: topk_idx must be [{x.size(0)}, num_topk], got "
+                                   f"{tuple(topk_idx.shape)}")
+        num_tokens, hidden = x.shape
+        topk = topk_idx.size(1)
+        if num_tokens > num_max_dispatch_tokens_per_rank:
+            raise ferry.InputError(f"ferry.deep_ep: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank="
+                                   f"{num_max_dispatch_tokens_per_rank}")
+        fmt = "bf16" if not use_fp8 else ("fp8" if not round_scale else ("fp8_ue8m0" if use_ue8m0 else "fp8_round"))
+        pool = self._ll_pool(num_max_dispatch_tokens_per_rank, hidden, num_experts, topk, fmt)
+        slot = pool.take()
+        buf, extras = pool.buffers[slot], pool.extras[slot]
+        ones = extras.get("ones")
+        if ones is None:
+            ones = extras["ones"] = torch.ones((num_max_dispatch_tokens_per_rank * topk, 1), dtype=torch.float32,
+                                               device=x.device)
+        # one row per (token, k): pair t * topk + k goes to expert topk_idx[t, k] alone
+        pairs_x = x.unsqueeze(1).expand(num_tokens, topk, hidden).contiguous().view(num_tokens * topk, hidden)
+        pairs_idx = topk_idx.reshape(num_tokens * topk, 1)
+        if not pairs_idx.is_contiguous():
+            pairs_idx = pairs_idx.contiguous()
+        sent = buf.dispatch(pairs_x, pairs_idx, ones[: num_tokens * topk], eager=False,
+                            return_recv_hook=return_recv_hook)
+        got = pool.views[slot]
+        if not return_recv_hook:
+            self._ll_views(got, sent)
+        handle = _LowLatencyHandle(self.rank, self.group_size, pool, slot, got, num_tokens, topk,
+                                   num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        pool.holder[slot] = weakref.ref(handle)
+        rows = got.expert_slots
+        scales = None
+        if fmt == "fp8" or fmt == "fp8_ue8m0":
+            scales = got.expert_scales.transpose(1, 2)[:, :rows, :]
+        elif fmt == "fp8_round":
+            words = extras.get("scale_words")
+            if words is None:
+                words = extras["scale_words"] = torch.empty(got.expert_scales.shape, dtype=torch.int32,
+                                                            device=x.device)
+            scales = words.view(torch.float32).transpose(1, 2)[:, :rows, :]
+
+        def finish():
+            if fmt == "fp8_round":  # UE8M0 exponent bytes -> the float32 powers of two DeepEP returns
+                words.copy_(got.expert_scales)
+                words.bitwise_left_shift_(23)
+            if cumulative_local_expert_recv_stats is not None:
+                cumulative_local_expert_recv_stats.add_(got.expert_counts)
+
+        if return_recv_hook:
+            def hook():
+                self._ll_views(got, buf.complete_dispatch())
+                finish()
+        else:
+            finish()
+            hook = None
+        recv_x = (got.expert_x, scales) if use_fp8 else got.expert_x
+        return recv_x, got.expert_counts, handle, self._event(async_finish, (x, topk_idx)), hook
+
+    def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
+        """The [num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden] bf16 tensor that
+        low_latency_combine(..., zero_copy=True) combines from (instead of x) for this handle's combine."""
+        self._current(handle, _LowLatencyHandle, "low_latency_dispatch")
+        extras = handle.pool.extras[handle.slot]
+        staged = extras.get("combine_input")
+        if staged is None:
+            local = handle.num_experts // self.group_size
+            staged = extras["combine_input"] = torch.empty(
+                (local, self.group_size * handle.max_tokens, handle.hidden), dtype=torch.bfloat16,
+                device=handle.got.expert_counts.device)
+        return staged
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
+                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+        """y[t] = sum_k topk_weights[t, k] * x(t, k) over the k with topk_idx[t, k] >= 0, in fp32, rounded once to
+        bf16. Returns (combined_x [num_tokens, hidden] bf16 (out when given), event, hook)."""
+        if use_logfmt:
+            _refuse("use_logfmt=True", "Ferry has no LogFMT wire format (its combine formats are bf16, fp8 and fp4: "
+                    "docs/quant.md)", "pass use_logfmt=False")
+        if combine_wait_recv_cost_stats is not None:
+            _refuse("combine_wait_recv_cost_stats", "Ferry records no per-rank receive wait times", "pass None")
+        if async_finish and return_recv_hook:
+            raise ferry.InputError("ferry.deep_ep: async_finish and return_recv_hook cannot both be set (as DeepEP)")
+        buf = self._current(handle, _LowLatencyHandle, "low_latency_dispatch")
+        num_tokens, topk, hidden = handle.num_tokens, handle.topk, handle.hidden
+        if tuple(topk_idx.shape) != (num_tokens, topk) or tuple(topk_weights.shape) != (num_tokens, topk):
+            raise ferry.InputError(
+                f"ferry.deep_ep: topk_idx {tuple(topk_idx.shape)} and topk_weights {tuple(topk_weights.shape)} must be "
+                f"[{num_tokens}, {topk}], those of the handle's dispatch")
+        source = self.get_next_low_latency_combine_buffer(handle) if zero_copy else x
+        pairs = torch.empty((num_tokens * topk, hidden), dtype=torch.bfloat16, device=source.device)
+        buf.combine(source, "expert", out=pairs, eager=False, return_recv_hook=return_recv_hook)
+        if out is None:
+            out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=source.device)
+        elif tuple(out.shape) != (num_tokens, hidden) or out.dtype != torch.bfloat16:
+            raise ferry.InputError(f"ferry.deep_ep: out must be [{num_tokens}, {hidden}] bfloat16, got "
+                                   f"{tuple(out.shape)} {out.dtype}")
+
+        def reduce():  # the source-side weighted sum over k, fp32, rounded once
+            weights = topk_weights.float().masked_fill(topk_idx < 0, 0.0).unsqueeze(2)
+            out.copy_((pairs.view(num_tokens, topk, hidden).float() * weights).sum(dim=1))
+
+        if return_recv_hook:
+            def hook():
+                buf.complete_combine()
+                reduce()
+        else:
+            reduce()
+            hook = None
+        return out, self._event(async_finish, (x, topk_idx, topk_weights, out)), hook
+
+
+_MAX_LL_ROWS = 1024  # ferry::kMaxLowLatencyTokens
+
+
+def _ll_bytes(max_tokens: int, row_bytes: int, world: int, num_experts: int, topk: int) -> int:
+    """Bytes the two low-latency EpBuffers of one pool hold: every rank's tokens for every local expert, each
+    rank's (token, k) rows in flight (sent and combined back)."""
+    local = num_experts // world
+    expert_rows = local * world * max_tokens * row_bytes
+    pair_rows = world * max_tokens * topk * (row_bytes + 16)
+    return _POOL_SIZE * 2 * (expert_rows + pair_rows)
+
+
+def _ll_src_info(handle: _LowLatencyHandle) -> torch.Tensor:
+    got = handle.got
+    rows = got.expert_src_row.to(torch.int64).clamp_(min=0)
+    token = got.recv_src[:, 1].to(torch.int64)[rows] // handle.topk
+    slots = torch.arange(rows.size(1), device=rows.device).unsqueeze(0)
+    return torch.where(slots < got.expert_counts.unsqueeze(1), token, -1).to(torch.int32)
+
+def _ll_layout_range(handle: _LowLatencyHandle) -> torch.Tensor:
+    got, world, rank = handle.got, handle.world, handle.rank
+    rows = got.expert_src_row.to(torch.int64).clamp_(min=0)
+    source = got.recv_src[:, 0].to(torch.int64)[rows]
+    slots = torch.arange(rows.size(1), device=rows.device).unsqueeze(0)
+    source = torch.where(slots < got.expert_counts.unsqueeze(1), source, world)
+    count = torch.zeros((rows.size(0), world + 1), dtype=torch.int64, device=rows.device)
+    count.scatter_add_(1, source, torch.ones_like(source))
+    count = count[:, :world]
+    # an expert's slots hold this rank's rows first, then rank + 1, ..., rank - 1 (Ferry's expert-major order)
+    order = (torch.arange(world, device=rows.device) + rank) % world
+    begin_rotated = torch.cumsum(count[:, order], dim=1) - count[:, order]
+    begin = torch.empty_like(count)
+    begin[:, order] = begin_rotated
+    return (begin << 32) | count
