@@ -56,25 +56,35 @@ inline constexpr int kSumUnroll = 6;
 using device::bf16x8_to_float;
 using device::float_to_bf16x8;
 
+// Lane k < topk of a warp: entry k of expert-major row `row` (its expert output row in x and its weight), when this
+// rank holds that expert and the entry has a slot; the rest of the warp holds none.
+struct RowEntry {
+  int4 const* entry = nullptr;
+  float w = 0.0f;
+  bool valid = false;
+};
+
+__device__ __forceinline__ RowEntry expert_entry(CombineParams const& p, int row, int lane, int num_vec) {
+  RowEntry out;
+  int const topk = p.topk;
+  if (lane < topk) {
+    int32_t const el = reinterpret_cast<int32_t const*>(p.net.local() + p.layout.recv_idx)[row * topk + lane];
+    int32_t const slot = p.recv_slot[row * topk + lane];
+    out.valid = el >= 0 && slot >= 0;
+    if (out.valid) {
+      out.w = reinterpret_cast<float const*>(p.net.local() + p.layout.recv_w)[row * topk + lane];
+      out.entry = static_cast<int4 const*>(p.x) + (static_cast<std::size_t>(el) * p.expert_slots + slot) * num_vec;
+    }
+  }
+  return out;
+}
+
 // Receiver side of vectors [v_begin, v_end) of one row, expert-major: the canonical fmaf chain over the row's local
 // entries (k ascending). The step loop is the same on every lane (the reduction's shuffles need the whole warp).
 __device__ __forceinline__ void reduce_expert_row(CombineParams const& p, int row, int4* dst, int lane, int v_begin,
                                                   int v_end) {
-  int const topk = p.topk;
   int const num_vec = p.hidden / 8;
-  int4 const* entry = nullptr;
-  float w = 0.0f;
-  bool valid = false;
-  if (lane < topk) {
-    int32_t const el =
-        reinterpret_cast<int32_t const*>(p.net.window(p.view.rank) + p.layout.recv_idx)[row * topk + lane];
-    int32_t const slot = p.recv_slot[row * topk + lane];
-    valid = el >= 0 && slot >= 0;
-    if (valid) {
-      w = reinterpret_cast<float const*>(p.net.window(p.view.rank) + p.layout.recv_w)[row * topk + lane];
-      entry = static_cast<int4 const*>(p.x) + (static_cast<std::size_t>(el) * p.expert_slots + slot) * num_vec;
-    }
-  }
+  auto const [entry, w, valid] = expert_entry(p, row, lane, num_vec);
   uint32_t const entries = __ballot_sync(0xffffffffu, valid);
   for (int i0 = v_begin; i0 < v_end; i0 += 32 * kCombineUnroll) {
     int const i = i0 + lane;
@@ -98,23 +108,11 @@ __device__ __forceinline__ void push_quantized_partial(CombineParams const& p, i
   int const num_vec = p.hidden / 8;
   WireRowLayout const wire = quant::make_row_layout(kFormat, p.hidden);
 
-  int4 const* entry = nullptr;  // expert-major: lane k holds entry k's row and weight
-  float w = 0.0f;
-  bool valid = false;
-  if constexpr (kExpertMajor) {
-    int const topk = p.topk;
-    if (lane < topk) {
-      int32_t const el =
-          reinterpret_cast<int32_t const*>(p.net.window(p.view.rank) + p.layout.recv_idx)[row * topk + lane];
-      int32_t const slot = p.recv_slot[row * topk + lane];
-      valid = el >= 0 && slot >= 0;
-      if (valid) {
-        w = reinterpret_cast<float const*>(p.net.window(p.view.rank) + p.layout.recv_w)[row * topk + lane];
-        entry = static_cast<int4 const*>(p.x) + (static_cast<std::size_t>(el) * p.expert_slots + slot) * num_vec;
-      }
-    }
-  }
-  uint32_t const entries = __ballot_sync(0xffffffffu, valid);
+  // expert-major: lane k holds entry k's row and weight
+  RowEntry const mine = kExpertMajor ? expert_entry(p, row, lane, num_vec) : RowEntry{};
+  int4 const* const entry = mine.entry;
+  float const w = mine.w;
+  uint32_t const entries = __ballot_sync(0xffffffffu, mine.valid);
   auto const* const src_row = static_cast<int4 const*>(p.x) + static_cast<std::size_t>(row) * num_vec;
 
   // Rank-major: the caller's bf16 row, units base + f * 32 + lane (zeros past the row, not loaded).
@@ -368,12 +366,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
   __shared__ int s_rows[2];
   __shared__ int s_claim;
 
-  int const world = p.view.world;
-  int const rank = p.view.rank;
-  int const tid = static_cast<int>(threadIdx.x);
-  int const lane = tid & 31;
-  int const warp = tid >> 5;
-  int const cta = static_cast<int>(blockIdx.x);
+  auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   int const num_vec = p.hidden / 8;
   std::size_t const landing_bytes = p.landing_row_bytes;  // a row of the landing zone (the wire row)
   FERRY_TRACE_WARP(trace, p.trace);

@@ -177,12 +177,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
   __shared__ int s_total;
   __shared__ int s_num_recv;
 
-  int const world = p.view.world;
-  int const rank = p.view.rank;
-  int const tid = static_cast<int>(threadIdx.x);
-  int const lane = tid & 31;
-  int const warp = tid >> 5;
-  int const cta = static_cast<int>(blockIdx.x);
+  auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   int const topk = p.topk;
   int const num_experts = p.num_experts;
   int const num_local = p.num_local_experts;

@@ -51,12 +51,7 @@ __global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchPara
   __shared__ int s_refuse;        // this CTA saw a bad or repeated id
   __shared__ uint32_t s_aborted;  // sources that refused this call
 
-  int const world = p.view.world;
-  int const rank = p.view.rank;
-  int const tid = static_cast<int>(threadIdx.x);
-  int const lane = tid & 31;
-  int const warp = tid >> 5;
-  int const cta = static_cast<int>(blockIdx.x);
+  auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   int const ctas = p.num_ctas;
   int const topk = p.topk;
   int const num_local = p.num_local_experts;
@@ -129,10 +124,6 @@ __global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchPara
       reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) + p.layout.land_abort) + parity * world,
       WaitPhase::dispatch_data, s_base, &s_aborted, &s_ok);
   if (num_landed < 0) return;
-  // once per call and refusing peer; a rank that refused the call itself records none (its own input error, or its
-  // host's InputError, is the call's error: a peer's record would surface as a refusal of a later call)
-  if (cta == 0 && tid < world && tid != rank && ((s_aborted >> tid) & 1u) != 0 && ((s_aborted >> rank) & 1u) == 0)
-    device::record_refusal(p.view, tid, WaitPhase::dispatch_data);
   FERRY_TRACE_END(trace, dispatch_land_wait);
 
   // 3. ordered scan of the landed records, kThreads per step (every CTA: each needs the whole order)

@@ -118,8 +118,9 @@ __device__ __forceinline__ void send_row_chunk(int4 const* src, int v_begin, int
 // source is out of step, recorded), and reads its token count from tokens[s] and its abort word from aborts[s] (this
 // call's parity; a source that refuses call seq writes seq there before its arrival). Then s_base[s] = the first
 // landed record of source s (s_base[world] = all of them). Returns that total; 0 when a source refused the call (its
-// bit in *s_aborted: every rank reads the same words, so every rank lands nothing); -1 for the whole CTA when a wait
-// failed (recorded). *s_ok must be 1 and *s_aborted 0 on entry, set before a barrier.
+// bit in *s_aborted: every rank reads the same words, so every rank lands nothing; CTA 0 records each refusing peer
+// in the error block, unless this rank refused the call itself); -1 for the whole CTA when a wait failed (recorded).
+// *s_ok must be 1 and *s_aborted 0 on entry, set before a barrier.
 __device__ __forceinline__ int wait_sources(DeviceView const& view, uint64_t const* arrivals, uint64_t seq,
                                             uint64_t per_call, uint64_t const volatile* tokens,
                                             uint64_t const volatile* aborts, WaitPhase phase, int32_t* s_base,
@@ -142,8 +143,14 @@ __device__ __forceinline__ int wait_sources(DeviceView const& view, uint64_t con
   }
   __syncthreads();
   if (!*s_ok) return -1;
+  // once per call and refusing peer; a rank that refused the call itself records none (its own input error, or its
+  // host's InputError, is the call's error: a peer's record would surface as a refusal of a later call)
+  uint32_t const aborted_mask = *s_aborted;
+  if (blockIdx.x == 0 && tid < world && tid != view.rank && ((aborted_mask >> tid) & 1u) != 0 &&
+      ((aborted_mask >> view.rank) & 1u) == 0)
+    device::record_refusal(view, tid, phase);
   if (tid == 0) {
-    bool const aborted = *s_aborted != 0;
+    bool const aborted = aborted_mask != 0;
     s_base[0] = 0;
     for (int s = 0; s < world; ++s) s_base[s + 1] = aborted ? 0 : s_base[s + 1] + s_base[s];
   }

@@ -66,12 +66,7 @@ __device__ __forceinline__ void reduce_chunk(RowEntries const& r, int v0, int v_
 // Chunked send (bf16 and the formats whose scale blocks lie inside a 1024-element chunk): warp per (row, chunk).
 template <bool kExpertMajor, WireFormat kFormat>
 __device__ __forceinline__ void ll_combine_send_chunks(LlCombineParams const& p, int parity) {
-  int const world = p.view.world;
-  int const rank = p.view.rank;
-  int const tid = static_cast<int>(threadIdx.x);
-  int const lane = tid & 31;
-  int const warp = tid >> 5;
-  int const cta = static_cast<int>(blockIdx.x);
+  auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   int const num_vec = p.hidden / 8;
   int const num_chunks = (num_vec + kChunkVecs - 1) / kChunkVecs;
   std::size_t const wire_bytes = p.layout.combine_row_bytes;
@@ -160,12 +155,7 @@ __device__ __forceinline__ void ll_combine_send_chunks(LlCombineParams const& p,
 template <bool kExpertMajor>
 __device__ __forceinline__ void ll_combine_send_rows_nvfp4(LlCombineParams const& p, int parity) {
   __shared__ device::CtaRowMax<kWarps> s_amax;  // the row's amax over its warps, one barrier a step
-  int const world = p.view.world;
-  int const rank = p.view.rank;
-  int const tid = static_cast<int>(threadIdx.x);
-  int const lane = tid & 31;
-  int const warp = tid >> 5;
-  int const cta = static_cast<int>(blockIdx.x);
+  auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   int const num_vec = p.hidden / 8;
   int const num_chunks = (num_vec + kChunkVecs - 1) / kChunkVecs;
   std::size_t const wire_bytes = p.layout.combine_row_bytes;
@@ -272,12 +262,7 @@ __device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, uint64
 template <WireFormat kFormat>
 __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, uint64_t seq FERRY_TRACE_PARAM(trace)) {
   __shared__ int s_ok;
-  int const world = p.view.world;
-  int const rank = p.view.rank;
-  int const tid = static_cast<int>(threadIdx.x);
-  int const lane = tid & 31;
-  int const warp = tid >> 5;
-  int const cta = static_cast<int>(blockIdx.x);
+  auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   int const parity = static_cast<int>(seq & 1);
   int const num_vec = p.hidden / 8;
   int const num_chunks = (num_vec + kChunkVecs - 1) / kChunkVecs;
@@ -361,13 +346,7 @@ template <bool kExpertMajor, WireFormat kFormat, bool kSend, bool kRecv>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(LlCombineParams const p) {
   static_assert(kSend || kRecv, "an LL combine kernel runs at least one half");
   __shared__ uint64_t s_seq[2];
-  int const cta = static_cast<int>(blockIdx.x);
-  // 0. this CTA's sequence numbers (its own words, as in dispatch)
-  if (threadIdx.x == 0) {
-    if constexpr (kSend) s_seq[0] = ++p.state->combine_send_seq[cta];
-    if constexpr (kRecv) s_seq[1] = ++p.state->combine_recv_seq[cta];
-  }
-  __syncthreads();
+  next_sequences<kSend, kRecv>(p.state->combine_send_seq, p.state->combine_recv_seq, s_seq);
   FERRY_TRACE_WARP(trace, p.trace);
   if constexpr (kSend) ll_combine_send<kExpertMajor, kFormat>(p, s_seq[0] FERRY_TRACE_ARG(trace));
   if constexpr (kRecv) ll_combine_recv<kFormat>(p, s_seq[1] FERRY_TRACE_ARG(trace));

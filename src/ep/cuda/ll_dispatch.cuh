@@ -370,12 +370,7 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Expa
   static_assert((kFormat == WireFormat::bf16) == (kUnitElems == 0), "bf16 rows are copied; quantized rows need a unit");
   __shared__ device::CtaRowMax<kWarps> s_amax;  // nvfp4: the chunks' amaxes of a step (nvfp4_chunk_token_scale)
   __shared__ int s_refuse;                      // this CTA saw a bad or repeated id, or the host refuses the call
-  int const world = p.view.world;
-  int const rank = p.view.rank;
-  int const tid = static_cast<int>(threadIdx.x);
-  int const lane = tid & 31;
-  int const warp = tid >> 5;
-  int const cta = static_cast<int>(blockIdx.x);
+  auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   int const parity = static_cast<int>(seq & 1);
   int const topk = p.topk;
   int const num_local = p.num_local_experts;
@@ -502,10 +497,6 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Expa
       reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) + p.layout.dispatch_abort) + parity * world,
       WaitPhase::ll_dispatch, s_base, &s_aborted, &s_ok);
   if (num_landed < 0) return;
-  // once per call and refusing peer; a rank that refused the call itself records none (its own input error, or its
-  // host's InputError, is the call's error: a peer's record would surface as a refusal of a later call)
-  if (cta == 0 && tid < world && tid != rank && ((s_aborted >> tid) & 1u) != 0 && ((s_aborted >> rank) & 1u) == 0)
-    device::record_refusal(p.view, tid, WaitPhase::ll_dispatch);
   FERRY_TRACE_END(trace, ll_dispatch_wait_arrivals);
 
   // 5. the totals, and where this rank's own records start and end in hit order (marks): one step keeps its records
@@ -660,13 +651,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(LlDispatchPara
   __shared__ uint64_t s_seq[2];
   __shared__ ExpandShared s_expand;
   extern __shared__ int32_t s_counts[];  // [2][num_local_experts] (expand_smem_bytes)
-  int const cta = static_cast<int>(blockIdx.x);
-  // 0. this CTA's sequence numbers (its own words: no other CTA touches them, stream order carries them across calls)
-  if (threadIdx.x == 0) {
-    if constexpr (kSend) s_seq[0] = ++p.state->dispatch_send_seq[cta];
-    if constexpr (kRecv) s_seq[1] = ++p.state->dispatch_recv_seq[cta];
-  }
-  __syncthreads();
+  next_sequences<kSend, kRecv>(p.state->dispatch_send_seq, p.state->dispatch_recv_seq, s_seq);
   FERRY_TRACE_WARP(trace, p.trace);
   if constexpr (kSend)
     ll_dispatch_send<IdxT, kFormat, kUnitElems>(p, s_expand, s_counts, s_seq[0] FERRY_TRACE_ARG(trace));

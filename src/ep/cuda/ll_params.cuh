@@ -37,6 +37,7 @@ using cuda_ep::KernelParams;
 using cuda_ep::kThreads;
 using cuda_ep::kWarps;
 using cuda_ep::SymLayout;
+using cuda_ep::thread_ids;
 // Most CTAs of an LL grid (per-CTA sequence words are sized for it).
 inline constexpr int kMaxCtas = cuda_ep::kMaxLlCtas;
 // 16-byte vectors per lane in flight before the stores; a combine work item is one such step of a row.
@@ -96,5 +97,17 @@ struct LlCombineParams : LlParams {
 
 using device::bf16x8_to_float;
 using device::float_to_bf16x8;
+
+// 0. of an LL kernel: this CTA's sequence numbers of the halves it runs, into s_seq[0] (send) and s_seq[1] (receive),
+// from its own words (no other CTA touches them; stream order carries them across calls). Every thread calls it.
+template <bool kSend, bool kRecv>
+__device__ __forceinline__ void next_sequences(uint64_t* send_seq, uint64_t* recv_seq, uint64_t (&s_seq)[2]) {
+  int const cta = static_cast<int>(blockIdx.x);
+  if (threadIdx.x == 0) {
+    if constexpr (kSend) s_seq[0] = ++send_seq[cta];
+    if constexpr (kRecv) s_seq[1] = ++recv_seq[cta];
+  }
+  __syncthreads();
+}
 
 }  // namespace ferry::cuda_ll

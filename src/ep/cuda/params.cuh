@@ -103,6 +103,22 @@ struct SymLayout {
   std::size_t total = 0;
 };
 
+// Who a thread of an EP kernel is: its rank's place in the world, and its own in the grid (every kernel starts with
+// these six numbers; `auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);`).
+struct ThreadIds {
+  int world;
+  int rank;
+  int tid;
+  int lane;
+  int warp;
+  int cta;
+};
+
+__device__ __forceinline__ ThreadIds thread_ids(DeviceView const& view) {
+  int const tid = static_cast<int>(threadIdx.x);
+  return ThreadIds{view.world, view.rank, tid, tid & 31, tid >> 5, static_cast<int>(blockIdx.x)};
+}
+
 // What every kernel's Params holds (one prologue fills it: common_params in buffers.cu).
 struct KernelParams {
   DeviceView view;     // rank, world, the wait bound, the error block
