@@ -14,6 +14,16 @@ See docs/python.md.
 
 from __future__ import annotations
 
+import importlib.util as _importlib_util
+import sys as _sys
+
+# NOTE: torch, when installed, is imported before the compiled module. Both load libnccl.so.2 and the first one loaded
+# serves the whole process: torch's libraries need the NCCL they ship with (one that Ferry was built against may lack
+# symbols they need, and `import torch` then fails with an undefined symbol), while Ferry's cuda communicator checks
+# the loaded NCCL's version itself and, on a mismatch, says which one to load or build against.
+if "torch" not in _sys.modules and _importlib_util.find_spec("torch") is not None:
+    import torch  # noqa: F401
+
 from ._ext import (  # noqa: F401  (the public names)
     BootstrapError,
     Communicator,
