@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
-#include "ferry/topology.hpp"
 #include "workloads/routing.hpp"
 
 namespace ferry::model {

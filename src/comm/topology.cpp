@@ -1,4 +1,4 @@
-#include "ferry/topology.hpp"
+#include "ferry/communicator.hpp"
 
 #include <cstdio>
 

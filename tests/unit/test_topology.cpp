@@ -1,6 +1,6 @@
-// The world's topology (include/ferry/topology.hpp): parsing, the split from LOCAL_WORLD_SIZE or FERRY_TOPOLOGY,
-// worlds far past one node (256 ranks), the cpu communicator's load/store reachability over emulated nodes, and the
-// refusal of an EpBuffer that spans nodes (the inter-node protocols are not built), on every rank.
+// The world's topology (Topology in include/ferry/communicator.hpp): parsing, the split from LOCAL_WORLD_SIZE or
+// FERRY_TOPOLOGY, worlds far past one node (256 ranks), the cpu communicator's load/store reachability over emulated
+// nodes, and the refusal of an EpBuffer that spans nodes (the inter-node protocols are not built), on every rank.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -8,7 +8,6 @@
 #include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
-#include "ferry/topology.hpp"
 #include "support/cpu_ranks.hpp"
 #include "support/host_fixtures.hpp"
 
