@@ -274,7 +274,7 @@ Table parse_table(std::string_view text, std::string const& source) {
     seen.emplace(describe(entry.key), static_cast<int>(i));
     if (Value const* v = item.find("dispatch")) entry.dispatch = parse_buckets(check, *v, Leg::dispatch);
     if (Value const* v = item.find("combine")) entry.combine = parse_buckets(check, *v, Leg::combine);
-    // NOTE: a low-latency EpBuffer runs one grid for both legs, chosen by the dispatch buckets (ll_ep.cu): combine
+    // NOTE: a low-latency EpBuffer runs one grid for both legs, chosen by the dispatch buckets (cuda_ep.cu): combine
     // buckets there would never be read.
     if (entry.key.mode == mode_name(Mode::low_latency) && !entry.combine.empty())
       check.fail(*item.find("combine"),
