@@ -119,11 +119,8 @@ class EmulatedEndpoint {
     group_.sync();
   }
   __device__ bool wait(DeviceView const& view, std::size_t signal_off, uint64_t least, int peer, WaitPhase phase) {
-    bool ok = true;
-    if (group_.leader())
-      ok = device::wait_signal_geq(view, reinterpret_cast<uint64_t const*>(net_.windows[net_.rank] + signal_off), least,
-                                   peer, phase);
-    return group_.all(ok);
+    return group_wait(group_, view, reinterpret_cast<uint64_t const*>(net_.windows[net_.rank] + signal_off), least,
+                      peer, phase);
   }
   __device__ void close() {
     group_.sync();

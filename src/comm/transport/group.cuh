@@ -3,6 +3,11 @@
 // calls are collective over the group.
 #pragma once
 
+#include <cstdint>
+
+#include "comm/device/signal.cuh"
+#include "ferry/device_view.hpp"
+
 namespace ferry::transport {
 
 // One thread alone.
@@ -36,5 +41,15 @@ struct Cta {
   __device__ __forceinline__ void sync() const { __syncthreads(); }
   __device__ __forceinline__ bool all(bool value) const { return __syncthreads_and(value) != 0; }
 };
+
+// The wait of every transport's endpoint: the group's leader waits (bounded, acquire) until the counter reaches
+// `least`; the group's barrier then extends the leader's acquire to every thread and carries its outcome.
+template <class Group>
+__device__ __forceinline__ bool group_wait(Group group, DeviceView const& view, uint64_t const* counter, uint64_t least,
+                                           int peer, WaitPhase phase) {
+  bool ok = true;
+  if (group.leader()) ok = device::wait_signal_geq(view, counter, least, peer, phase);
+  return group.all(ok);
+}
 
 }  // namespace ferry::transport

@@ -70,11 +70,8 @@ class LsaEndpoint {
   __device__ __forceinline__ void flush() const { group_.sync(); }
   __device__ __forceinline__ bool wait(DeviceView const& view, std::size_t signal_off, uint64_t least, int peer,
                                        WaitPhase phase) const {
-    bool ok = true;
-    if (group_.leader())
-      ok = device::wait_signal_geq(view, reinterpret_cast<uint64_t const*>(net_.windows[net_.rank] + signal_off), least,
-                                   peer, phase);
-    return group_.all(ok);  // also the barrier that extends the leader's acquire to the group
+    return group_wait(group_, view, reinterpret_cast<uint64_t const*>(net_.windows[net_.rank] + signal_off), least,
+                      peer, phase);
   }
   __device__ __forceinline__ void close() const {}
 
