@@ -102,30 +102,26 @@ FERRY_RANK_CASE(buffer_create_destroy_cycles) {
   return 0;
 }
 
-#define FERRY_REQUIRE_GPUS(n)                                                                 \
-  do {                                                                                        \
-    int const ferry_gpus_ = ::ferry::cuda_device_count();                                     \
-    if (ferry_gpus_ < (n)) GTEST_SKIP() << "needs " << (n) << " GPUs, found " << ferry_gpus_; \
-  } while (0)
-
 void expect_ok(LaunchResult const& result) {
   EXPECT_TRUE(result.ok()) << result.describe();
 }
 
-TEST(EpBufferCycles, NormalModeFreeMemoryStaysFlat) {
-  FERRY_REQUIRE_GPUS(1);
+// 20 create / use / destroy cycles of an EpBuffer of `mode` in one rank process (buffer_create_destroy_cycles).
+void expect_flat_cycles(char const* mode) {
   RankCaseOptions options;
-  options.args = {"20", "normal"};
+  options.args = {"20", mode};
   options.timeout = std::chrono::seconds(240);
   expect_ok(run_rank_case("buffer_create_destroy_cycles", 1, options));
 }
 
+TEST(EpBufferCycles, NormalModeFreeMemoryStaysFlat) {
+  FERRY_REQUIRE_GPUS(1);
+  expect_flat_cycles("normal");
+}
+
 TEST(EpBufferCycles, LowLatencyFreeMemoryStaysFlat) {
   FERRY_REQUIRE_GPUS(1);
-  RankCaseOptions options;
-  options.args = {"20", "ll"};
-  options.timeout = std::chrono::seconds(240);
-  expect_ok(run_rank_case("buffer_create_destroy_cycles", 1, options));
+  expect_flat_cycles("ll");
 }
 
 }  // namespace

@@ -31,12 +31,6 @@
 namespace ferry::test {
 namespace {
 
-#define FERRY_REQUIRE_GPUS(n)                                                                 \
-  do {                                                                                        \
-    int const ferry_gpus_ = ::ferry::cuda_device_count();                                     \
-    if (ferry_gpus_ < (n)) GTEST_SKIP() << "needs " << (n) << " GPUs, found " << ferry_gpus_; \
-  } while (0)
-
 // A fresh seed per run, printed so a failure can be replayed (FERRY_TEST_SEED=<seed> reuses one).
 std::string fresh_seed() {
   if (char const* fixed = std::getenv("FERRY_TEST_SEED"); fixed && *fixed) return fixed;

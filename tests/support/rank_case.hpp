@@ -13,6 +13,13 @@
 #include "core/launcher.hpp"
 #include "ferry/communicator.hpp"
 
+// In a gtest body (the caller includes gtest): skip, with a message naming both counts, below n visible GPUs.
+#define FERRY_REQUIRE_GPUS(n)                                                                 \
+  do {                                                                                        \
+    int const ferry_gpus_ = ::ferry::cuda_device_count();                                     \
+    if (ferry_gpus_ < (n)) GTEST_SKIP() << "needs " << (n) << " GPUs, found " << ferry_gpus_; \
+  } while (0)
+
 namespace ferry::test {
 
 // Returns the process exit code (0 = pass). Exceptions escaping it are printed and turned into exit code 1.
