@@ -75,6 +75,40 @@ struct EpConfig {
 
 enum class IndexType { int32, int64 };
 
+namespace detail {
+struct HandleState;
+}
+
+// The routing layout of one normal-mode dispatch, kept for later calls (docs/training.md): the rank-major metadata
+// (local expert ids, weights and source of every received row), the expert-major slots, the per-source offsets and
+// counts, and the source's own ids, weights and destination masks, all in the handle's storage (device memory on
+// the cuda backend). Made by EpBuffer::make_handle; filled by a dispatch with DispatchArgs::save_handle; used by a
+// cached dispatch (DispatchArgs::handle), a combine (CombineArgs::handle) and the backward passes.
+// Lifetime: a handle owns its storage (or borrows the caller's, see make_handle) and may outlive the EpBuffer that
+// made it; it fits every normal-mode EpBuffer on the same communicator with the same layout shape (num_experts,
+// topk, max_tokens_per_rank, recv_capacity, expert_capacity), whatever their hidden size and formats. A call that
+// reads it must be ordered after the dispatch that filled it (same stream, or an event); a dispatch that saves into
+// it must not run while a call that reads it is still running on the device. Copies share the same storage.
+class DispatchHandle {
+ public:
+  DispatchHandle();
+  ~DispatchHandle();
+  DispatchHandle(DispatchHandle const&);
+  DispatchHandle& operator=(DispatchHandle const&);
+  DispatchHandle(DispatchHandle&&) noexcept;
+  DispatchHandle& operator=(DispatchHandle&&) noexcept;
+
+  bool empty() const;         // made by no EpBuffer (default-constructed)
+  bool saved() const;         // a dispatch has saved its layout into it
+  int num_tokens() const;     // the saved dispatch's tokens (0 before)
+  bool expanded() const;      // the saved dispatch filled the expert-major layout
+  std::size_t bytes() const;  // device storage (0 on the cpu backend)
+
+ private:
+  friend class EpBuffer;
+  std::shared_ptr<detail::HandleState> state_;
+};
+
 struct DispatchArgs {
   // [num_tokens, hidden] bf16, row-major, contiguous; or, pre-quantized (x_scales set), the dispatch_format payload
   // [num_tokens, wire_payload_bytes(dispatch_format, hidden)] (fp8: one byte per element; fp4: two per byte, element
@@ -96,6 +130,13 @@ struct DispatchArgs {
   // this rank's inputs is read afterwards) and leave the receive half to EpBuffer::complete_dispatch, so the caller
   // can run other work on the stream in between. The returned views are valid only after complete_dispatch.
   bool return_recv_hook = false;
+  // Normal mode only. Save this dispatch's routing layout into the handle (made by make_handle for this buffer's
+  // shape), replacing what it held. Enqueued on the stream with the dispatch, so it can be captured in a graph.
+  DispatchHandle* save_handle = nullptr;
+  // Normal mode only. Cached dispatch: route by the layout the handle saved instead of topk_idx / topk_weights (both
+  // must be null; num_tokens must be the handle's). The rows land exactly where the saved dispatch put them: the
+  // layout is deterministic, and the ids and weights come from the handle's storage on the device, with no host sync.
+  DispatchHandle const* handle = nullptr;
 };
 
 // Views of the buffers the dispatch filled. Rows ordered by (source rank, source token).
@@ -144,6 +185,42 @@ struct CombineArgs {
   // Low-latency mode only (InputError otherwise): return after the send half (x has been read and this rank's rows
   // are on their way back) and leave the receive half (the sum into y) to EpBuffer::complete_combine.
   bool return_recv_hook = false;
+  // Normal mode only. Combine the rows of the dispatch this handle saved instead of the most recent dispatch (y has
+  // the handle's num_tokens rows). The handle's layout then becomes this buffer's current one: a later combine without
+  // a handle refers to it, and the rank-major metadata views of the last DispatchResult show it.
+  DispatchHandle const* handle = nullptr;
+};
+
+// The backward pass of a dispatch (docs/training.md): a combine of the gradients of the rows the dispatch delivered,
+// without weights. grad_x[t] = the sum over every rank that received token t (and, expert-major, over its slots of
+// t) of the gradients of t's copies, accumulated in fp32 in the canonical combine order (ref::dispatch_backward).
+// The gradient of topk_weights is 0 (dispatch does not use the weights); the caller supplies it.
+struct DispatchBackwardArgs {
+  DispatchHandle const* handle = nullptr;  // the forward dispatch's layout (required)
+  // Which output of the forward dispatch `grad` is the gradient of: rank_major, recv_x [num_recv, hidden]; or
+  // expert_major, expert_x [num_local_experts, expert_slots, hidden] (the handle must be expanded).
+  CombineLayout layout = CombineLayout::rank_major;
+  void const* grad = nullptr;  // bf16, in that layout
+  void* grad_x = nullptr;      // [num_tokens, hidden]: bf16, or fp32 with grad_x_fp32
+  bool grad_x_fp32 = false;    // fp32 output: the source's fp32 sum, not rounded to bf16
+  bool eager = true;
+};
+
+// The backward pass of a combine (docs/training.md): a cached dispatch of grad_y in the handle's layout.
+// rank_major (the caller applied the weights): the gradient of the combine's x row of (source s, token t) is
+// grad_y[t] of s, delivered as recv_x. expert_major: the gradient of slot (e, j) holding entry (t, k) is
+// bf16(w[t,k] * grad_y[t]), delivered as expert_x; and grad_topk_weights[t,k] = <grad_y[t], x(e, j)> in fp32
+// (computed on the rank that holds the expert, in the order of ref::combine_backward, and sent back; 0 for an
+// id of -1 and for entries without a slot). Needs a delivered row in bf16 (dispatch_format bf16, or
+// dispatch_dequantize).
+struct CombineBackwardArgs {
+  DispatchHandle const* handle = nullptr;              // the forward dispatch's layout (required)
+  CombineLayout layout = CombineLayout::expert_major;  // the forward combine's layout
+  void const* grad_y = nullptr;                        // [num_tokens, hidden] bf16
+  // expert_major: the forward combine's x, [num_local_experts, expert_slots, hidden] bf16 (the expert outputs)
+  void const* x = nullptr;
+  float* grad_topk_weights = nullptr;  // expert_major: [num_tokens, topk] fp32 output (null: not computed)
+  bool eager = true;
 };
 
 namespace detail {
@@ -193,6 +270,20 @@ class EpBuffer {
   // the next check).
   DispatchResult complete_dispatch(cudaStream_t stream = nullptr);
   void complete_combine(cudaStream_t stream = nullptr);
+  // Training (docs/training.md). Normal mode only: mode=ll throws ConfigError (train with mode=normal).
+  // make_handle: a handle for this buffer's layout shape. storage null: the handle allocates handle_bytes() of device
+  // memory (cuda), freed when its last copy goes; else caller-owned device memory of at least handle_bytes() bytes,
+  // 16-byte aligned, on this communicator's device, which must outlive the handle (a binding passes a tensor's).
+  // Not collective; allocates, so make handles before capturing a graph.
+  DispatchHandle make_handle(void* storage = nullptr, std::size_t storage_bytes = 0) const;
+  std::size_t handle_bytes() const;  // 0 on the cpu backend (its handles live in host memory)
+  // Collective, like dispatch and combine (their refusal rules apply). dispatch_backward is a combine leg (it uses
+  // combine_format on the wire); combine_backward is a dispatch leg (dispatch_format) and returns its views: recv_x
+  // (rank_major) or expert_x (expert_major) hold the gradient rows, valid until the next dispatch on this buffer.
+  // Both make the handle's layout the buffer's current one (as CombineArgs::handle).
+  void dispatch_backward(DispatchBackwardArgs const& args, cudaStream_t stream = nullptr);
+  DispatchResult combine_backward(CombineBackwardArgs const& args, cudaStream_t stream = nullptr);
+
   // The leg whose receive half is pending ("" when none).
   char const* pending_hook() const;
 
@@ -212,6 +303,11 @@ class EpBuffer {
   enum class Leg { dispatch, combine };
   void agree_on_config(EpConfig const& requested, std::string const& invalid) const;
   void join_refused(Leg leg, std::string const& reason, cudaStream_t stream);
+  // The handle's state, checked to fit this buffer (InputError naming `what` and the field otherwise).
+  detail::HandleState const& check_handle(DispatchHandle const& handle, char const* what, bool need_saved) const;
+  void make_current(std::shared_ptr<detail::HandleState> const& handle);
+  // Make the handle's layout the current one (restored only when it is not already).
+  void use_handle(std::shared_ptr<detail::HandleState> const& handle, cudaStream_t stream);
 
   std::shared_ptr<Communicator> comm_;
   EpConfig config_;
@@ -223,6 +319,9 @@ class EpBuffer {
   bool have_dispatch_ = false;
   bool last_expand_ = false;  // it filled the expert-major layout
   int last_num_tokens_ = 0;
+  // The handle whose saved layout is the current one (what combine reads), at which save (HandleState::version).
+  std::weak_ptr<detail::HandleState> current_handle_;
+  uint64_t current_version_ = 0;
 };
 
 }  // namespace ferry

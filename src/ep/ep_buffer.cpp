@@ -17,6 +17,28 @@ void EpBackendImpl::complete_combine(cudaStream_t) {
   FERRY_THROW(Error, "ferry", "this backend has no split combine (return_recv_hook); use mode=ll");
 }
 
+std::unique_ptr<HandleStorage> EpBackendImpl::make_handle_storage(void*) const {
+  FERRY_THROW(ConfigError, "config", "this backend has no dispatch handles (use mode=normal)");
+}
+void EpBackendImpl::save_handle(HandleState&, DispatchArgs const&, cudaStream_t) {
+  FERRY_THROW(ConfigError, "config", "this backend has no dispatch handles (use mode=normal)");
+}
+DispatchArgs EpBackendImpl::cached_args(HandleState const&, DispatchArgs) const {
+  FERRY_THROW(ConfigError, "config", "this backend has no cached dispatch (use mode=normal)");
+}
+void EpBackendImpl::restore_handle(HandleState const&, cudaStream_t) {
+  FERRY_THROW(ConfigError, "config", "this backend has no dispatch handles (use mode=normal)");
+}
+void EpBackendImpl::combine_unweighted(CombineArgs const&, bool, cudaStream_t) {
+  FERRY_THROW(ConfigError, "config", "this backend has no backward passes (train with mode=normal)");
+}
+void EpBackendImpl::combine_backward_weights(HandleState const&, void const*, float*, bool, cudaStream_t) {
+  FERRY_THROW(ConfigError, "config", "this backend has no backward passes (train with mode=normal)");
+}
+void EpBackendImpl::refuse_combine_backward_weights(cudaStream_t) {
+  FERRY_THROW(ConfigError, "config", "this backend has no backward passes (train with mode=normal)");
+}
+
 void validate_dispatch_args(EpConfig const& config, DispatchArgs const& args) {
   FERRY_CHECK_INPUT(args.num_tokens >= 0 && args.num_tokens <= config.max_tokens_per_rank,
                     "num_tokens=", args.num_tokens, " is outside [0, max_tokens_per_rank=", config.max_tokens_per_rank,
@@ -226,21 +248,48 @@ DispatchResult EpBuffer::dispatch(DispatchArgs const& args, cudaStream_t stream)
   comm_->ensure_usable();
   check_no_pending("dispatch", pending_hook());
   have_dispatch_ = false;
+  current_handle_.reset();
+  DispatchArgs run = args;
   try {
     check_stream(*comm_, stream);
     check_hook_mode(config_, args.return_recv_hook, "dispatch");
-    detail::validate_dispatch_args(config_, args);
+    FERRY_CHECK_INPUT(args.save_handle == nullptr || args.handle == nullptr,
+                      "dispatch save_handle and handle are both set; a cached dispatch (handle) keeps its layout in "
+                      "that handle already");
+    if (args.save_handle != nullptr) check_handle(*args.save_handle, "dispatch save_handle", false);
+    if (args.handle != nullptr) {
+      detail::HandleState const& handle = check_handle(*args.handle, "dispatch handle", true);
+      FERRY_CHECK_INPUT(args.topk_idx == nullptr && args.topk_weights == nullptr,
+                        "a cached dispatch (handle set) routes by the handle's saved ids and weights; pass topk_idx "
+                        "and topk_weights as null");
+      FERRY_CHECK_INPUT(args.num_tokens == handle.num_tokens,
+                        "a cached dispatch has the handle's num_tokens=", handle.num_tokens,
+                        ", got num_tokens=", args.num_tokens);
+      run = impl_->cached_args(handle, args);
+    }
+    detail::validate_dispatch_args(config_, run);
     // ids on the host are checked here; the cuda backend checks them on the device and refuses the call there
-    if (comm_->backend() == Backend::cpu) detail::validate_host_topk_idx(config_, comm_->rank(), args);
+    if (comm_->backend() == Backend::cpu) detail::validate_host_topk_idx(config_, comm_->rank(), run);
   } catch (InputError const& error) {
     join_refused(Leg::dispatch, error.what(), stream);
     throw;
   }
-  DispatchResult result = impl_->dispatch(args, stream);
+  DispatchResult result = impl_->dispatch(run, stream);
   have_dispatch_ = true;
   last_expand_ = args.expand || config_.mode == Mode::low_latency;
   last_num_tokens_ = args.num_tokens;
   if (args.return_recv_hook) pending_ = Pending::dispatch;
+  if (args.save_handle != nullptr) {
+    detail::HandleState& handle = *args.save_handle->state_;
+    impl_->save_handle(handle, run, stream);
+    handle.saved = true;
+    handle.num_tokens = args.num_tokens;
+    handle.expanded = args.expand;
+    ++handle.version;
+    make_current(args.save_handle->state_);
+  } else if (args.handle != nullptr) {
+    make_current(args.handle->state_);  // the same ids gave the same layout
+  }
   return result;
 }
 
@@ -250,13 +299,177 @@ void EpBuffer::combine(CombineArgs const& args, cudaStream_t stream) {
   try {
     check_stream(*comm_, stream);
     check_hook_mode(config_, args.return_recv_hook, "combine");
-    detail::validate_combine_args(config_, args, have_dispatch_, last_expand_, last_num_tokens_);
+    if (args.handle != nullptr) {
+      detail::HandleState const& handle = check_handle(*args.handle, "combine handle", true);
+      detail::validate_combine_args(config_, args, true, handle.expanded, handle.num_tokens);
+    } else {
+      detail::validate_combine_args(config_, args, have_dispatch_, last_expand_, last_num_tokens_);
+    }
   } catch (InputError const& error) {
     join_refused(Leg::combine, error.what(), stream);
     throw;
   }
+  if (args.handle != nullptr) use_handle(args.handle->state_, stream);
   impl_->combine(args, stream);
   if (args.return_recv_hook) pending_ = Pending::combine;
+}
+
+DispatchHandle EpBuffer::make_handle(void* storage, std::size_t storage_bytes) const {
+  FERRY_CHECK_CONFIG(config_.mode == Mode::normal, "mode=ll has no dispatch handles or backward passes; train ",
+                     "with mode=normal (docs/training.md)");
+  std::size_t const bytes = impl_->handle_bytes();
+  if (storage != nullptr) {
+    FERRY_CHECK_INPUT(comm_->backend() == Backend::cuda, "make_handle storage is set, but the cpu backend keeps ",
+                      "handles in host memory; pass null");
+    FERRY_CHECK_INPUT(storage_bytes >= bytes, "make_handle storage_bytes=", storage_bytes,
+                      " is smaller than handle_bytes()=", bytes);
+    FERRY_CHECK_INPUT(reinterpret_cast<uintptr_t>(storage) % 16 == 0, "make_handle storage=", storage,
+                      " is not 16-byte aligned");
+  }
+  auto state = std::make_shared<detail::HandleState>();
+  state->comm = comm_.get();
+  state->backend = comm_->backend();
+  state->world = comm_->world();
+  state->num_experts = config_.num_experts;
+  state->topk = config_.topk;
+  state->max_tokens = config_.max_tokens_per_rank;
+  state->recv_capacity = config_.recv_capacity(comm_->world());
+  state->expert_slots = config_.expert_slots();
+  state->bytes = bytes;
+  state->storage = impl_->make_handle_storage(storage);
+  DispatchHandle handle;
+  handle.state_ = std::move(state);
+  return handle;
+}
+
+std::size_t EpBuffer::handle_bytes() const {
+  return config_.mode == Mode::normal ? impl_->handle_bytes() : 0;
+}
+
+void EpBuffer::dispatch_backward(DispatchBackwardArgs const& args, cudaStream_t stream) {
+  comm_->ensure_usable();
+  FERRY_CHECK_CONFIG(config_.mode == Mode::normal, "dispatch_backward: mode=ll has no backward passes; train with ",
+                     "mode=normal (docs/training.md)");
+  check_no_pending("dispatch_backward", pending_hook());
+  CombineArgs combine;
+  combine.layout = args.layout;
+  combine.x = args.grad;
+  combine.y = args.grad_x;
+  combine.eager = args.eager;
+  try {
+    check_stream(*comm_, stream);
+    FERRY_CHECK_INPUT(args.handle != nullptr, "dispatch_backward needs the forward dispatch's handle (saved with ",
+                      "DispatchArgs::save_handle)");
+    detail::HandleState const& handle = check_handle(*args.handle, "dispatch_backward handle", true);
+    FERRY_CHECK_INPUT(args.layout != CombineLayout::expert_major || handle.expanded,
+                      "dispatch_backward layout=expert_major needs a handle saved by a dispatch with expand=true");
+    FERRY_CHECK_INPUT(args.grad != nullptr, "dispatch_backward grad is null");
+    FERRY_CHECK_INPUT(reinterpret_cast<uintptr_t>(args.grad) % 16 == 0, "dispatch_backward grad=", args.grad,
+                      " is not 16-byte aligned");
+    FERRY_CHECK_INPUT(handle.num_tokens == 0 || args.grad_x != nullptr, "dispatch_backward grad_x is null for the ",
+                      handle.num_tokens, " tokens of the handle's dispatch");
+    FERRY_CHECK_INPUT(reinterpret_cast<uintptr_t>(args.grad_x) % 16 == 0, "dispatch_backward grad_x=", args.grad_x,
+                      " is not 16-byte aligned");
+  } catch (InputError const& error) {
+    join_refused(Leg::combine, error.what(), stream);
+    throw;
+  }
+  use_handle(args.handle->state_, stream);
+  impl_->combine_unweighted(combine, args.grad_x_fp32, stream);
+}
+
+DispatchResult EpBuffer::combine_backward(CombineBackwardArgs const& args, cudaStream_t stream) {
+  comm_->ensure_usable();
+  FERRY_CHECK_CONFIG(config_.mode == Mode::normal, "combine_backward: mode=ll has no backward passes; train with ",
+                     "mode=normal (docs/training.md)");
+  check_no_pending("combine_backward", pending_hook());
+  bool const expert_major = args.layout == CombineLayout::expert_major;
+  have_dispatch_ = false;
+  current_handle_.reset();
+  DispatchArgs run;
+  try {
+    check_stream(*comm_, stream);
+    FERRY_CHECK_INPUT(args.handle != nullptr, "combine_backward needs the forward dispatch's handle (saved with ",
+                      "DispatchArgs::save_handle)");
+    detail::HandleState const& handle = check_handle(*args.handle, "combine_backward handle", true);
+    FERRY_CHECK_INPUT(!config_.delivers_quantized(),
+                      "combine_backward dispatches grad_y and needs bf16 rows "
+                      "delivered; this EpBuffer has dispatch_format=",
+                      wire_format_name(config_.dispatch_format),
+                      " without dispatch_dequantize (use a bf16 buffer for the backward pass: the handle fits it)");
+    FERRY_CHECK_INPUT(!expert_major || config_.expert_slots() > 0, "combine_backward layout=expert_major needs ",
+                      "EpConfig::expert_capacity on this EpBuffer");
+    FERRY_CHECK_INPUT(handle.num_tokens == 0 || args.grad_y != nullptr, "combine_backward grad_y is null for the ",
+                      handle.num_tokens, " tokens of the handle's dispatch");
+    FERRY_CHECK_INPUT(expert_major || (args.x == nullptr && args.grad_topk_weights == nullptr),
+                      "combine_backward layout=rank_major has no weights to differentiate (the caller applied them); "
+                      "pass x and grad_topk_weights as null");
+    FERRY_CHECK_INPUT(args.grad_topk_weights == nullptr || args.x != nullptr,
+                      "combine_backward grad_topk_weights needs x, the forward combine's expert outputs");
+    FERRY_CHECK_INPUT(reinterpret_cast<uintptr_t>(args.x) % 16 == 0, "combine_backward x=", args.x,
+                      " is not 16-byte aligned");
+    FERRY_CHECK_INPUT(reinterpret_cast<uintptr_t>(args.grad_topk_weights) % 4 == 0,
+                      "combine_backward grad_topk_weights=", static_cast<void const*>(args.grad_topk_weights),
+                      " is not 4-byte aligned");
+    DispatchArgs cached;
+    cached.x = args.grad_y;
+    cached.num_tokens = handle.num_tokens;
+    cached.expand = expert_major;
+    cached.eager = args.eager && !expert_major;  // expert-major: the weight step synchronises
+    run = impl_->cached_args(handle, cached);
+    detail::validate_dispatch_args(config_, run);
+  } catch (InputError const& error) {
+    join_refused(Leg::dispatch, error.what(), stream);
+    if (expert_major) impl_->refuse_combine_backward_weights(stream);
+    throw;
+  }
+  DispatchResult result = impl_->dispatch(run, stream);
+  have_dispatch_ = true;
+  last_expand_ = expert_major;
+  last_num_tokens_ = run.num_tokens;
+  make_current(args.handle->state_);
+  if (expert_major)
+    impl_->combine_backward_weights(*args.handle->state_, args.x, args.grad_topk_weights, args.eager, stream);
+  return result;
+}
+
+detail::HandleState const& EpBuffer::check_handle(DispatchHandle const& handle, char const* what,
+                                                  bool need_saved) const {
+  FERRY_CHECK_INPUT(config_.mode == Mode::normal, what,
+                    " is set, but mode=ll has no dispatch handles; use mode=normal");
+  FERRY_CHECK_INPUT(!handle.empty(), what, " is an empty DispatchHandle; make it with EpBuffer::make_handle");
+  detail::HandleState const& h = *handle.state_;
+  FERRY_CHECK_INPUT(h.comm == comm_.get(), what, " was made by an EpBuffer of another communicator");
+  auto const field = [&](char const* name, int mine, int theirs) {
+    FERRY_CHECK_INPUT(mine == theirs, what, " does not fit this EpBuffer: its ", name, "=", theirs,
+                      " but this "
+                      "buffer's is ",
+                      mine, " (a handle fits buffers of the same layout shape)");
+  };
+  field("world", comm_->world(), h.world);
+  field("num_experts", config_.num_experts, h.num_experts);
+  field("topk", config_.topk, h.topk);
+  field("max_tokens_per_rank", config_.max_tokens_per_rank, h.max_tokens);
+  field("recv_capacity", config_.recv_capacity(comm_->world()), h.recv_capacity);
+  field("expert_capacity", config_.expert_slots(), h.expert_slots);
+  FERRY_CHECK_INPUT(!need_saved || h.saved, what, " holds no layout yet; fill it with a dispatch whose ",
+                    "save_handle is this handle");
+  return h;
+}
+
+void EpBuffer::make_current(std::shared_ptr<detail::HandleState> const& handle) {
+  current_handle_ = handle;
+  current_version_ = handle->version;
+}
+
+void EpBuffer::use_handle(std::shared_ptr<detail::HandleState> const& handle, cudaStream_t stream) {
+  if (current_handle_.lock() != handle || current_version_ != handle->version) {
+    impl_->restore_handle(*handle, stream);
+    make_current(handle);
+  }
+  have_dispatch_ = true;
+  last_expand_ = handle->expanded;
+  last_num_tokens_ = handle->num_tokens;
 }
 
 void EpBuffer::refuse_dispatch(std::string const& reason, cudaStream_t stream) {
@@ -302,6 +515,28 @@ char const* EpBuffer::pending_hook() const {
     default:
       return "";
   }
+}
+
+DispatchHandle::DispatchHandle() = default;
+DispatchHandle::~DispatchHandle() = default;
+DispatchHandle::DispatchHandle(DispatchHandle const&) = default;
+DispatchHandle& DispatchHandle::operator=(DispatchHandle const&) = default;
+DispatchHandle::DispatchHandle(DispatchHandle&&) noexcept = default;
+DispatchHandle& DispatchHandle::operator=(DispatchHandle&&) noexcept = default;
+bool DispatchHandle::empty() const {
+  return state_ == nullptr;
+}
+bool DispatchHandle::saved() const {
+  return state_ != nullptr && state_->saved;
+}
+int DispatchHandle::num_tokens() const {
+  return state_ != nullptr ? state_->num_tokens : 0;
+}
+bool DispatchHandle::expanded() const {
+  return state_ != nullptr && state_->expanded;
+}
+std::size_t DispatchHandle::bytes() const {
+  return state_ != nullptr ? state_->bytes : 0;
 }
 
 std::string EpBuffer::explain() const {

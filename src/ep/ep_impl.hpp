@@ -11,6 +11,30 @@ namespace ferry::detail {
 
 struct RunRecord;
 
+// A backend's part of a handle: what it keeps of a dispatch's layout (device memory on cuda, host vectors on cpu).
+struct HandleStorage {
+  virtual ~HandleStorage() = default;
+};
+
+// What a DispatchHandle holds (include/ferry/ep.hpp). The shape fields say which buffers it fits (EpBuffer checks
+// them); the saved fields describe the last dispatch saved into it.
+struct HandleState {
+  Communicator const* comm = nullptr;
+  Backend backend = Backend::cpu;
+  int world = 0;
+  int num_experts = 0;
+  int topk = 0;
+  int max_tokens = 0;  // max_tokens_per_rank
+  int recv_capacity = 0;
+  int expert_slots = 0;
+  std::size_t bytes = 0;  // device storage (cuda)
+  bool saved = false;
+  int num_tokens = 0;
+  bool expanded = false;
+  uint64_t version = 0;  // bumps at every save: EpBuffer knows whether its current layout is this save
+  std::unique_ptr<HandleStorage> storage;
+};
+
 class EpBackendImpl {
  public:
   virtual ~EpBackendImpl() = default;
@@ -37,6 +61,32 @@ class EpBackendImpl {
   virtual TraceBuffer read_trace(EpConfig const& config, TraceKernel kernel, cudaStream_t stream);
   // What the last calls ran (run_record.hpp), for explain() and the fast-path test; null where none is kept (cpu).
   virtual RunRecord const* run_record() const { return nullptr; }
+
+  // Handles and the backward passes (normal mode; EpBuffer refuses them in low-latency mode and checks that a handle
+  // fits this backend's shape before any of these runs). The defaults throw ConfigError.
+  // Device bytes of one handle's storage (0: host memory).
+  virtual std::size_t handle_bytes() const { return 0; }
+  // A handle's storage: external (non-null, at least handle_bytes(), checked by EpBuffer) or the backend's own.
+  virtual std::unique_ptr<HandleStorage> make_handle_storage(void* external) const;
+  // After a dispatch that succeeded (enqueued after it on `stream`): copy its layout into `handle`, with the ids
+  // and weights of `args` (the dispatch's arguments). EpBuffer sets handle's saved fields afterwards.
+  virtual void save_handle(HandleState& handle, DispatchArgs const& args, cudaStream_t stream);
+  // A cached dispatch: `args` with topk_idx, topk_idx_type and topk_weights pointing at the handle's saved ids and
+  // weights (storage the backend reads on its own side: device on cuda, host on cpu).
+  virtual DispatchArgs cached_args(HandleState const& handle, DispatchArgs args) const;
+  // Make the handle's layout the current one (what combine reads), replacing the last dispatch's.
+  virtual void restore_handle(HandleState const& handle, cudaStream_t stream);
+  // dispatch_backward's combine: as combine, but expert-major entries take the weight 1 (not recv_topk_weights) and,
+  // with y_fp32, y is fp32 (the source's sum, not rounded). A refused one is refuse_combine.
+  virtual void combine_unweighted(CombineArgs const& args, bool y_fp32, cudaStream_t stream);
+  // combine_backward's weight step, after the cached expert-major dispatch of grad_y (expert_x holds grad_y per slot):
+  // per filled slot (e, j) of entry (t, k): the fp32 dot of expert_x(e, j) with x(e, j) (skipped where x is null)
+  // goes back to the source as grad_topk_weights[t, k], and expert_x(e, j) becomes bf16(w[t,k] * expert_x(e, j)).
+  // The exchange of the dots always runs (collective); grad_w null: this rank writes none. num_tokens: the handle's.
+  virtual void combine_backward_weights(HandleState const& handle, void const* x, float* grad_w, bool eager,
+                                        cudaStream_t stream);
+  // A refused combine_backward (expert-major) joins the exchange of the dots with none of its own.
+  virtual void refuse_combine_backward_weights(cudaStream_t stream);
 };
 
 // The backend behind an EpBuffer (EpBuffer befriends this; tests reach it through run_record_of).

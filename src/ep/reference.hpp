@@ -161,6 +161,36 @@ std::vector<uint16_t> combine_rank_major(EpConfig const& config, int world, int 
 std::vector<uint16_t> reduce_local_experts(EpConfig const& config, int world, RankDispatch const& received,
                                            std::vector<uint16_t> const& expert_out);
 
+// Backward passes (docs/training.md), from every rank's forward dispatch (received[r]: what rank r received).
+// dispatch_backward: grad_x of source `rank`, [num_tokens * hidden] fp32 (bf16 output: float_to_bf16 of each).
+// grads[r] is rank r's gradient of what its dispatch delivered: rank_major [num_recv * hidden] (of recv_x),
+// expert_major [num_local_experts * expert_slots * hidden] (of expert_x) bf16. The arithmetic is a combine's with
+// every weight 1 (fmaf(1, g, acc) == acc + g): per received row, acc = 0.0f, k ascending over the entries with a
+// slot, acc += float(g[e, slot]), row = bf16_rne(acc) (rank-major: the row itself); then the source's sum over d
+// ascending in combine_format, y += float(row_d(t)), starting from +0.0f.
+std::vector<float> dispatch_backward(EpConfig const& config, int world, int rank, std::span<RankInput const> inputs,
+                                     std::span<RankDispatch const> received,
+                                     std::span<std::vector<uint16_t> const> grads, CombineLayout layout);
+// combine_backward, the gradient rows receiving rank `rank` gets (grad_y[r]: rank r's [num_tokens * hidden] bf16):
+// rank_major [num_recv * hidden]: row i = grad_y[s][t] of its source (s, t); expert_major [num_local_experts *
+// expert_slots * hidden]: slot (e, j) of entry (i, k) = bf16_rne(w[i,k] * float(grad_y[s][t][h])) (the product
+// rounded to fp32, then to bf16), unfilled slots 0.
+std::vector<uint16_t> combine_backward_rows(EpConfig const& config, int world, int rank,
+                                            std::span<RankInput const> inputs, std::span<RankDispatch const> received,
+                                            std::span<std::vector<uint16_t> const> grad_y, CombineLayout layout);
+// combine_backward's grad_topk_weights of source `rank`, [num_tokens * topk] fp32: entry (t, k) whose row reached
+// rank d and got slot j of local expert e there: dot_warp(grad_y[rank][t], expert_out[d][e, j]); 0 for an id of -1,
+// a dropped row or an entry without a slot.
+std::vector<float> combine_backward_weights(EpConfig const& config, int world, int rank,
+                                            std::span<RankInput const> inputs, std::span<RankDispatch const> received,
+                                            std::span<std::vector<uint16_t> const> grad_y,
+                                            std::span<std::vector<uint16_t> const> expert_out);
+// The canonical fp32 dot of two bf16 rows of `hidden` elements (hidden % 8 == 0), as one warp computes it: lane l
+// (of 32) takes the 8-element vectors v = l, l + 32, ... ascending and, inside each, the elements ascending:
+// acc_l = fmaf(float(a[h]), float(b[h]), acc_l) from +0.0f; then for m = 16, 8, 4, 2, 1: acc_l = acc_l + acc_(l^m)
+// (every lane ends with the same value, float addition being commutative); the result is acc_0.
+float dot_warp(int hidden, uint16_t const* a, uint16_t const* b);
+
 // Per-row arithmetic of combine, the one implementation the reference and the cpu backend share.
 // Receiver side for one rank-major row: the fmaf chain above over its topk entries (local_idx: local expert or -1,
 // slot: slot or -1, weights), reading expert_out [num_local_experts * expert_slots * hidden]; writes bf16 to out.
