@@ -19,6 +19,7 @@ enum class WaitPhase : int32_t {
   ll_dispatch = 5,
   ll_combine = 6,
   test = 7,
+  weight_gradients = 8,  // combine_backward's exchange of the weight gradients (normal mode)
 };
 
 char const* wait_phase_name(WaitPhase phase);

@@ -22,6 +22,8 @@ char const* wait_phase_name(WaitPhase phase) {
       return "low-latency combine";
     case WaitPhase::test:
       return "test";
+    case WaitPhase::weight_gradients:
+      return "weight gradients";
   }
   return "unknown";
 }
