@@ -85,6 +85,8 @@ SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol) 
   layout.combine_abort = take(2 * w * sizeof(uint64_t));
   layout.tile_flags = take(w * kMaxCombineTiles * sizeof(uint64_t));
   layout.landing = take(slots * combine_row);
+  layout.weight_grad = take(2 * static_cast<std::size_t>(config.max_tokens_per_rank) * topk * sizeof(uint64_t));
+  layout.weight_grad_arrivals = take(w * sizeof(uint64_t));
   if (protocol == Protocol::landing) {
     layout.land_arrivals = take(w * sizeof(uint64_t));
     layout.land_tokens = take(2 * w * sizeof(uint64_t));

@@ -131,8 +131,50 @@ void launch_dispatch(Buffers const& buffers, DispatchArgs const& args, LaunchPla
                      bool refuse = false, detail::LegRecord* record = nullptr);
 void launch_expand(Buffers const& buffers, bool copy_rows, cudaStream_t stream);
 LaunchPlan plan_combine(Buffers const& buffers, int num_tokens);
+// What a combine computes besides the forward combine (dispatch_backward: EpBackendImpl::combine_unweighted).
+struct CombineVariant {
+  bool unit_weights = false;  // expert-major entries take the weight 1 instead of recv_topk_weights
+  bool y_fp32 = false;        // y is fp32 [num_tokens, hidden], the source's sum not rounded to bf16
+};
 void launch_combine(Buffers const& buffers, CombineArgs const& args, LaunchPlan const& plan, int num_tokens,
-                    cudaStream_t stream, bool refuse = false, detail::LegRecord* record = nullptr);
+                    cudaStream_t stream, bool refuse = false, detail::LegRecord* record = nullptr,
+                    CombineVariant variant = {});
+
+// A dispatch handle's device storage (EpBuffer::make_handle; handle.cu): byte offsets of its areas, each 256-byte
+// aligned. What the normal-mode combine and expand read of their dispatch (the rank-major metadata of this rank's
+// symmetric region, recv_slot, token_mask, the layout words of DeviceState, expert_counts) and the source's own ids
+// (int32) and weights, for a cached dispatch.
+struct HandleLayout {
+  std::size_t recv_idx = 0;       // [recv_capacity, topk] int32
+  std::size_t recv_w = 0;         // [recv_capacity, topk] float
+  std::size_t recv_src = 0;       // [recv_capacity, 2] int32
+  std::size_t recv_slot = 0;      // [recv_capacity, topk] int32 (kept only when the dispatch expanded)
+  std::size_t token_mask = 0;     // [max_tokens] uint32
+  std::size_t state_words = 0;    // [kHandleStateWords] int32: num_recv, num_tokens, src_offset, src_count, src_tokens
+  std::size_t expert_counts = 0;  // [num_local_experts] int32
+  std::size_t topk_idx = 0;       // [max_tokens, topk] int32
+  std::size_t topk_weights = 0;   // [max_tokens, topk] float
+  std::size_t total = 0;
+};
+HandleLayout make_handle_layout(EpConfig const& config, int world);
+// Enqueued after a normal-mode dispatch on the same stream (no host sync, graph-capturable): its layout and
+// args.topk_idx / topk_weights (args.num_tokens tokens) into the handle storage at `storage` (make_handle_layout).
+// expanded: the dispatch wrote recv_slot (expand); else recv_slot is not kept (it holds an older dispatch's slots).
+void launch_save_handle(Buffers const& buffers, void* storage, DispatchArgs const& args, bool expanded,
+                        cudaStream_t stream);
+// The reverse: the handle's layout becomes the one combine reads (num_tokens: the handle's; expanded: its recv_slot
+// was kept). Safe between calls: peers write this rank's receive areas only during a dispatch it joined.
+void launch_restore_handle(Buffers const& buffers, void const* storage, int num_tokens, bool expanded,
+                           cudaStream_t stream);
+
+// combine_backward's weight step (weight_grad.cuh), after the cached expert-major dispatch of grad_y (expert_x holds
+// grad_y per filled slot): two kernels. The first (the grid, never waits): per filled slot of entry (row, k) the dot
+// of expert_x with x (skipped with x null: 0) goes back to its source's weight_grad word (token, k), and expert_x
+// becomes bf16(w * grad_y); then an arrival on every rank. The second (kWeightGradWaitCtas CTAs): waits for every
+// rank's arrival (bounded) and writes grad_w [num_tokens, topk] (null: writes nothing). refuse: a refused
+// combine_backward joins with no stores of its own (x, grad_w null).
+void launch_weight_grad(Buffers const& buffers, void const* x, float* grad_w, int num_tokens, bool refuse,
+                        cudaStream_t stream);
 
 // Low-latency mode's grid, fixed per EpBuffer: `asked` CTAs by the tuning choice (`source` its reason), `agreed` the
 // smallest any rank can run (at most one CTA per SM, kMaxCtas). Fewer CTAs than asked is a fallback

@@ -42,8 +42,8 @@ LaunchPlan plan_combine(Buffers const& buffers, int num_tokens) {
 namespace {
 
 // Kernel invariants only (FERRY_CHECK: a failure is a bug; check_dispatch_invariants in buffers.cu says why).
-CombineParams to_params(Buffers const& b, CombineArgs const& args, LaunchPlan const& plan, int num_tokens,
-                        bool refuse) {
+CombineParams to_params(Buffers const& b, CombineArgs const& args, LaunchPlan const& plan, int num_tokens, bool refuse,
+                        CombineVariant variant) {
   FERRY_CHECK(refuse || num_tokens == 0 || args.y != nullptr, "combine y is null for num_tokens=", num_tokens,
               " of the last dispatch");
   FERRY_CHECK(args.layout != CombineLayout::expert_major || b.expert_slots > 0,
@@ -60,6 +60,8 @@ CombineParams to_params(Buffers const& b, CombineArgs const& args, LaunchPlan co
   p.num_push_ctas = plan.push_ctas;
   p.token_mask = b.token_mask;
   p.recv_slot = b.recv_slot;
+  p.unit_weights = variant.unit_weights;
+  p.y_fp32 = variant.y_fp32 && !refuse;  // a refused combine writes no y
   return p;
 }
 
@@ -80,9 +82,9 @@ struct CombineFamily : InstanceFamily<CombineKernel, 2, true> {
 }  // namespace
 
 void launch_combine(Buffers const& buffers, CombineArgs const& args, LaunchPlan const& plan, int num_tokens,
-                    cudaStream_t stream, bool refuse, detail::LegRecord* record) {
+                    cudaStream_t stream, bool refuse, detail::LegRecord* record, CombineVariant variant) {
   // num_tokens is only checked here; the kernel reads the device copy of the last dispatch's count
-  CombineParams const p = to_params(buffers, args, plan, num_tokens, refuse);
+  CombineParams const p = to_params(buffers, args, plan, num_tokens, refuse, variant);
   CombineKernel const kernel = find_instance<CombineFamily>(buffers.config.combine_format, buffers.config.hidden,
                                                             CombineFamily::variant(args.layout), record);
   cuda_grid::launch_grid<kThreads>(kernel, p, p.num_ctas, 0, buffers.cooperative, stream);

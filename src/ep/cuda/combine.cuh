@@ -72,7 +72,9 @@ __device__ __forceinline__ RowEntry expert_entry(CombineParams const& p, int row
     int32_t const slot = p.recv_slot[row * topk + lane];
     out.valid = el >= 0 && slot >= 0;
     if (out.valid) {
-      out.w = reinterpret_cast<float const*>(p.net.local() + p.layout.recv_w)[row * topk + lane];
+      // dispatch_backward: the gradient of a dispatched row is summed unweighted
+      out.w =
+          p.unit_weights ? 1.0f : reinterpret_cast<float const*>(p.net.local() + p.layout.recv_w)[row * topk + lane];
       out.entry = static_cast<int4 const*>(p.x) + (static_cast<std::size_t>(el) * p.expert_slots + slot) * num_vec;
     }
   }
@@ -227,14 +229,29 @@ __device__ __forceinline__ void push_quantized_partial(CombineParams const& p, i
   if constexpr (kWindowed) window.flush(end_block, lane, store_scales);
 }
 
+// Stores the fp32 sums of elements [8 v, 8 v + 8) of a y row: rounded once to bf16, or (kFp32Out, dispatch_backward's
+// fp32 gradient) as they are.
+template <bool kFp32Out>
+__device__ __forceinline__ void store_y_vector(void* y_row, std::size_t v, float const* acc) {
+  if constexpr (kFp32Out) {
+    auto* const dst = static_cast<int4*>(y_row) + 2 * v;
+    device::arch::store_na_v4(
+        dst, make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]), __float_as_int(acc[3])));
+    device::arch::store_na_v4(dst + 1, make_int4(__float_as_int(acc[4]), __float_as_int(acc[5]), __float_as_int(acc[6]),
+                                                 __float_as_int(acc[7])));
+  } else {
+    device::arch::store_na_v4(static_cast<int4*>(y_row) + v, float_to_bf16x8(acc));
+  }
+}
+
 // Source side of one token with a quantized combine_format: y[t] = bf16(sum over d ascending in mask of
 // dequantize(row_d)), the sum in fp32 from +0.0f. rows: the landing row of rank 0 for this token; rank d's is
 // d * rank_stride bytes further; units [u_begin, u_end) of the row. Ranks go in pairs: both rows' pieces are loaded
 // before either is added (one memory round trip per step and pair, where a rank at a time waited for each rank's loads
 // in turn), and added in ascending rank order.
-template <WireFormat kFormat, int kUnitElems>
+template <WireFormat kFormat, int kUnitElems, bool kFp32Out>
 __device__ __forceinline__ void sum_quantized_token(CombineParams const& p, uint32_t mask, char const* rows,
-                                                    std::size_t rank_stride, int4* y, int u_begin, int u_end,
+                                                    std::size_t rank_stride, void* y, int u_begin, int u_end,
                                                     int lane) {
   using Codec = device::UnitCodec<kFormat, kUnitElems>;
   constexpr int kInFlight = kSumUnroll / Codec::kVecs;
@@ -293,7 +310,7 @@ __device__ __forceinline__ void sum_quantized_token(CombineParams const& p, uint
       if (u >= u_end) continue;
 #pragma unroll
       for (int i = 0; i < Codec::kVecs; ++i)
-        device::arch::store_na_v4(y + static_cast<std::size_t>(u) * Codec::kVecs + i, float_to_bf16x8(acc[f] + 8 * i));
+        store_y_vector<kFp32Out>(y, static_cast<std::size_t>(u) * Codec::kVecs + i, acc[f] + 8 * i);
     }
   }
 }
@@ -318,8 +335,8 @@ __device__ __forceinline__ int lower_bound_token_warp(int2 const* recv_src, int 
 
 // Source side of tokens [t_begin, t_begin + tokens) of this rank, once every rank's rows of them have landed:
 // y[t] = bf16(sum over the ranks d that hold t, ascending, of the landing row of d), in fp32. (token, chunk) items
-// over the CTA's warps, so a few tokens still keep every warp busy.
-template <WireFormat kFormat, int kUnitElems>
+// over the CTA's warps, so a few tokens still keep every warp busy. kFp32Out: y is fp32 (CombineParams::y_fp32).
+template <WireFormat kFormat, int kUnitElems, bool kFp32Out>
 __device__ __forceinline__ void sum_tokens(CombineParams const& p, int t_begin, int tokens, int parity, int warp,
                                            int lane) {
   int const world = p.view.world;
@@ -333,10 +350,10 @@ __device__ __forceinline__ void sum_tokens(CombineParams const& p, int t_begin, 
     int const t = t_begin + item % tokens;
     auto const [begin, end] = device::chunk_range(row_items, item / tokens, chunks);
     uint32_t const mask = p.token_mask[t];
-    auto* y = static_cast<int4*>(p.y) + static_cast<std::size_t>(t) * num_vec;
+    void* const y = static_cast<char*>(p.y) + static_cast<std::size_t>(t) * p.hidden * (kFp32Out ? 4 : 2);
     if constexpr (kFormat != WireFormat::bf16) {
       std::size_t const rank_stride = static_cast<std::size_t>(p.max_tokens) * landing_bytes;
-      sum_quantized_token<kFormat, kUnitElems>(
+      sum_quantized_token<kFormat, kUnitElems, kFp32Out>(
           p, mask, landing + (static_cast<std::size_t>(parity * world) * p.max_tokens + t) * landing_bytes, rank_stride,
           y, begin, end, lane);
     } else {
@@ -352,10 +369,21 @@ __device__ __forceinline__ void sum_tokens(CombineParams const& p, int t_begin, 
         }
 #pragma unroll
         for (int u = 0; u < kCombineUnroll; ++u)
-          if (i + u * 32 < end) device::arch::store_na_v4(y + i + u * 32, float_to_bf16x8(acc[u]));
+          if (i + u * 32 < end) store_y_vector<kFp32Out>(y, i + u * 32, acc[u]);
       }
     }
   }
+}
+
+// The sums of one piece of this rank's tokens, into y in its dtype (a uniform branch: each instance keeps its own
+// store loop, the bf16 one unchanged).
+template <WireFormat kFormat, int kUnitElems>
+__device__ __forceinline__ void sum_piece(CombineParams const& p, SumPiece const& piece, int parity, int warp,
+                                          int lane) {
+  if (p.y_fp32)
+    sum_tokens<kFormat, kUnitElems, true>(p, piece.begin, piece.end - piece.begin, parity, warp, lane);
+  else
+    sum_tokens<kFormat, kUnitElems, false>(p, piece.begin, piece.end - piece.begin, parity, warp, lane);
 }
 
 template <bool kExpertMajor, WireFormat kFormat, int kUnitElems>
@@ -474,7 +502,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
       FERRY_TRACE_END(trace, combine_wait_tile);
       FERRY_TRACE_BEGIN(trace, combine_sum);
       SumPiece const piece = combine_sum_tile(sums, j);
-      sum_tokens<kFormat, kUnitElems>(p, piece.begin, piece.end - piece.begin, parity, warp, lane);
+      sum_piece<kFormat, kUnitElems>(p, piece, parity, warp, lane);
       __syncthreads();  // the flags of the next piece are waited by tid < world only after every warp is done here
       FERRY_TRACE_END(trace, combine_sum);
     }
@@ -496,7 +524,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
     if (!wait_tile(piece.tile, kClaimPollSleepNs)) break;
     FERRY_TRACE_END(trace, combine_wait_tile);
     FERRY_TRACE_BEGIN(trace, combine_sum);
-    sum_tokens<kFormat, kUnitElems>(p, piece.begin, piece.end - piece.begin, parity, warp, lane);
+    sum_piece<kFormat, kUnitElems>(p, piece, parity, warp, lane);
     __syncthreads();  // s_claim is rewritten only after every warp is done with this piece
     FERRY_TRACE_END(trace, combine_sum);
   }

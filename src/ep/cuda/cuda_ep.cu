@@ -46,6 +46,22 @@ bool same_pin(tuning::EnvPin const& a, tuning::EnvPin const& b) {
   return a.blocks == b.blocks;
 }
 
+// A handle's device storage (HandleLayout): its own allocation, freed with it, or the caller's.
+struct CudaHandleStorage final : detail::HandleStorage {
+  int device = 0;
+  char* ptr = nullptr;
+  bool owned = false;
+  ~CudaHandleStorage() override {
+    if (!owned || ptr == nullptr) return;
+    // NOTE: never throws; the handle may go on another thread or device than the one that made it, so the free runs
+    // on the allocation's device and the caller's current device is put back
+    int current = -1;
+    bool const have_current = cudaGetDevice(&current) == cudaSuccess;
+    if (cudaSetDevice(device) == cudaSuccess) cudaFree(ptr);
+    if (have_current) cudaSetDevice(current);
+  }
+};
+
 class CudaEp final : public detail::EpBackendImpl {
  public:
   CudaEp(Communicator& comm, EpConfig const& config) : comm_(comm) {
@@ -116,6 +132,7 @@ class CudaEp final : public detail::EpBackendImpl {
     b.layout = make_sym_layout(config, world, b.protocol);
     region_ = comm.alloc_symmetric(b.layout.total);
     b.sym = region_.view;
+    if (!ll) handle_layout_ = make_handle_layout(config, world);
     try {
       allocate_buffers(b);
       b.trace = &trace_;
@@ -223,6 +240,60 @@ class CudaEp final : public detail::EpBackendImpl {
 
   std::string explain() const override { return detail::explain_text(record_, context_); }
 
+  // Handles and the backward passes (normal mode: EpBuffer refuses them in low-latency mode before any runs).
+  std::size_t handle_bytes() const override { return handle_layout_.total; }
+
+  std::unique_ptr<detail::HandleStorage> make_handle_storage(void* external) const override {
+    auto storage = std::make_unique<CudaHandleStorage>();
+    storage->device = comm_.device();
+    if (external != nullptr) {
+      storage->ptr = static_cast<char*>(external);
+      return storage;
+    }
+    FERRY_CHECK_CUDA(cudaSetDevice(comm_.device()));
+    storage->ptr = detail::device_alloc<char>(handle_layout_.total);
+    storage->owned = true;
+    return storage;
+  }
+
+  void save_handle(detail::HandleState& handle, DispatchArgs const& args, cudaStream_t stream) override {
+    launch_save_handle(buffers_, storage_of(handle), args, args.expand, stream);
+  }
+
+  DispatchArgs cached_args(detail::HandleState const& handle, DispatchArgs args) const override {
+    char* const base = storage_of(handle);
+    args.topk_idx = base + handle_layout_.topk_idx;
+    args.topk_idx_type = IndexType::int32;
+    args.topk_weights = reinterpret_cast<float const*>(base + handle_layout_.topk_weights);
+    return args;
+  }
+
+  void restore_handle(detail::HandleState const& handle, cudaStream_t stream) override {
+    launch_restore_handle(buffers_, storage_of(handle), handle.num_tokens, handle.expanded, stream);
+    last_num_tokens_ = handle.num_tokens;  // the rows a combine now returns
+  }
+
+  void combine_unweighted(CombineArgs const& args, bool y_fp32, cudaStream_t stream) override {
+    Buffers const& b = buffers_;
+    FERRY_CHECK(b.protocol != Protocol::ll, "combine_unweighted on a low-latency backend");
+    detail::LegRecord& leg = start(record_.combine);
+    leg.expert_major = args.layout == CombineLayout::expert_major;
+    LaunchPlan const& plan = plan_of(1, last_num_tokens_);
+    launch_combine(b, args, plan, last_num_tokens_, stream, false, &leg, CombineVariant{true, y_fp32});
+    finish_normal(leg, plan);
+    if (args.eager) sync_and_check(stream);
+  }
+
+  void combine_backward_weights(detail::HandleState const& handle, void const* x, float* grad_w, bool eager,
+                                cudaStream_t stream) override {
+    launch_weight_grad(buffers_, x, grad_w, handle.num_tokens, /*refuse=*/false, stream);
+    if (eager) sync_and_check(stream);
+  }
+
+  void refuse_combine_backward_weights(cudaStream_t stream) override {
+    launch_weight_grad(buffers_, nullptr, nullptr, 0, /*refuse=*/true, stream);
+  }
+
   detail::RunRecord const* run_record() const override { return &record_; }
 
  private:
@@ -281,6 +352,13 @@ class CudaEp final : public detail::EpBackendImpl {
     comm_.check_errors(stream);
   }
 
+  // The device storage of a handle this backend's kind made (EpBuffer checked that it fits this buffer).
+  static char* storage_of(detail::HandleState const& handle) {
+    auto const* storage = dynamic_cast<CudaHandleStorage const*>(handle.storage.get());
+    FERRY_CHECK(storage != nullptr && storage->ptr != nullptr, "a dispatch handle without cuda storage");
+    return storage->ptr;
+  }
+
   void release() noexcept {
     detail::release_backend_memory(comm_, region_, "EpBuffer", [&] { free_buffers(buffers_); });
   }
@@ -289,6 +367,7 @@ class CudaEp final : public detail::EpBackendImpl {
   trace::DeviceRecorder trace_;  // Buffers::trace points here
   SymmetricRegion region_;       // the symmetric region of buffers_.sym
   Buffers buffers_;
+  HandleLayout handle_layout_;      // normal mode: the storage of this buffer's dispatch handles
   int last_num_tokens_ = 0;         // of the last dispatch: the rows combine returns
   DispatchArgs pending_dispatch_;   // low-latency: the send half's arguments, for its receive half
   CombineArgs pending_combine_;     // same for combine

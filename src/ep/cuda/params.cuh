@@ -34,6 +34,11 @@ inline constexpr int kMaxLandCtas = 256;
 inline constexpr uint64_t kLandArrivalsPerCall = 1ull << 20;
 // Most CTAs of a low-latency grid (its per-CTA sequence words are sized for it).
 inline constexpr int kMaxLlCtas = 256;
+// combine_backward's weight step (weight_grad.cuh): what the CTAs of one rank add to a source's arrival counter per
+// call, whatever the grid (CTA 0 adds kWeightGradArrivalsPerCall - (ctas - 1), every other CTA 1), and the CTAs of
+// its wait kernel (few: 8 virtual ranks' waits on one GPU must leave SMs to the ranks still sending).
+inline constexpr uint64_t kWeightGradArrivalsPerCall = kLandArrivalsPerCall;
+inline constexpr int kWeightGradWaitCtas = 4;
 
 // Device words of one EpBuffer (local memory, zeroed at construction), every protocol's. Sequence numbers live here,
 // not on the host, so a captured graph replays with increasing sequence numbers and no reset kernel.
@@ -56,7 +61,20 @@ struct DeviceState {
   uint64_t dispatch_recv_seq[kMaxLlCtas];
   uint64_t combine_send_seq[kMaxLlCtas];
   uint64_t combine_recv_seq[kMaxLlCtas];
+  // Normal mode, combine_backward's weight step (weight_grad.cuh): the last call whose weight gradients this rank
+  // collected (its wait kernel's last CTA advances it), and the CTAs of the running wait kernel that finished.
+  uint64_t weight_grad_seq;
+  uint64_t weight_grad_done;
 };
+
+// The words of DeviceState a normal-mode combine (and expand) reads of its dispatch, in their order there: what a
+// dispatch handle keeps of them (handle.cu). num_recv, num_tokens, src_offset, src_count, src_tokens.
+inline constexpr int kHandleStateWords = 2 + 3 * kMaxLocalPeers;
+static_assert(offsetof(DeviceState, num_tokens) == offsetof(DeviceState, num_recv) + 4 &&
+                  offsetof(DeviceState, src_offset) == offsetof(DeviceState, num_recv) + 8 &&
+                  offsetof(DeviceState, src_count) == offsetof(DeviceState, src_offset) + 4 * kMaxLocalPeers &&
+                  offsetof(DeviceState, src_tokens) == offsetof(DeviceState, src_count) + 4 * kMaxLocalPeers,
+              "a handle copies the layout words of DeviceState as one run of kHandleStateWords int32 words");
 
 // Word 0 of a source's count row: its token count, and this bit when the source refuses the call (a bad or repeated
 // id, or its host's refusal). A token count is below 2^31, so the bit never collides with one.
@@ -88,7 +106,11 @@ struct SymLayout {
   std::size_t land_abort = 0;     // [2 parities][world sources] u64: seq of the source's last refused call (abort)
   std::size_t land_meta = 0;      // [2][world][max_tokens] records (landing::record_bytes(topk) each)
   std::size_t land_rows = 0;      // [2][world][max_tokens] bf16 rows
-  int count_words = 0;            // 1 (tokens) + world (rows per destination) + num_local_experts (entries per expert)
+  // combine_backward's weight step (weight_grad.cuh), normal mode: the dots of this rank's entries come back from the
+  // ranks holding their experts (each entry has one such rank, so no sender dimension).
+  std::size_t weight_grad = 0;           // [2 parities][max_tokens][topk] u64: (seq << 32 | fp32 bits)
+  std::size_t weight_grad_arrivals = 0;  // [world senders] u64: sum over calls of kWeightGradArrivalsPerCall
+  int count_words = 0;  // 1 (tokens) + world (rows per destination) + num_local_experts (entries per expert)
   // Low-latency mode (ll_params.cuh); "source" is the sending rank:
   std::size_t dispatch_arrivals = 0;   // [world sources] u64: send CTAs of that source finished, over all calls
   std::size_t combine_arrivals = 0;    // [world sources] u64
@@ -205,6 +227,42 @@ struct CombineParams : KernelParams {
   int num_push_ctas;
   uint32_t const* token_mask;
   int32_t const* recv_slot;
+  // dispatch_backward (combine_unweighted): expert-major entries take the weight 1 instead of recv_w
+  // (fmaf(1, g, acc) == acc + g), and y is fp32 [num_tokens, hidden] (the source's sum, not rounded).
+  bool unit_weights;
+  bool y_fp32;
+};
+
+// The copy of a dispatch's layout into a handle's storage or back (handle.cuh): areas of 4-byte words.
+inline constexpr int kMaxHandleAreas = 8;
+struct HandleArea {
+  void const* src;
+  void* dst;
+  int words_per_row;
+  int rows;      // fixed rows, or (counted) at most this many
+  bool counted;  // rows = min(*p.num_rows, rows): the received rows of the layout
+};
+struct HandleCopyParams {
+  HandleArea areas[kMaxHandleAreas];
+  int num_areas;
+  int32_t const* num_rows;  // the layout's received rows: DeviceState::num_recv (save) or the handle's copy (restore)
+  // save only: the dispatch's ids [num_ids] (int32, or int64 with ids_64) into the handle as int32
+  void const* ids;
+  bool ids_64;
+  int32_t* ids_dst;
+  int num_ids;
+};
+
+// combine_backward's weight step (weight_grad.cuh), after the cached expert-major dispatch of grad_y.
+struct WeightGradParams : KernelParams {
+  void const* x;             // the forward combine's expert outputs [num_local_experts, expert_slots, hidden] (null:
+                             // no dots: every entry sends 0)
+  void* expert_x;            // grad_y per filled slot, scaled in place by the entry's weight
+  int32_t const* recv_slot;  // [recv_capacity, topk]
+  int num_local_experts;
+  int expert_slots;
+  float* grad_w;   // [num_tokens, topk] this rank's weight gradients (null: none written)
+  int num_tokens;  // this rank's tokens in the handle's dispatch
 };
 
 }  // namespace ferry::cuda_ep

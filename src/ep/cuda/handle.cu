@@ -1,0 +1,125 @@
+// Host launchers of the handle copy kernel (handle.cuh): a dispatch handle's storage layout, the save after a dispatch
+// and the restore before a combine that refers to an older layout.
+#include <algorithm>
+
+#include "core/cuda_check.hpp"
+#include "ep/cuda/buffers.hpp"
+#include "ep/cuda/handle.cuh"
+#include "ferry/error.hpp"
+#include "quant/layout.hpp"
+
+namespace ferry::cuda_ep {
+
+HandleLayout make_handle_layout(EpConfig const& config, int world) {
+  // NOTE: 256-byte alignment, as the symmetric region's areas: the copy moves 16-byte vectors.
+  constexpr std::size_t kAlign = 256;
+  HandleLayout layout;
+  std::size_t offset = 0;
+  auto take = [&](std::size_t bytes) {
+    std::size_t const at = offset;
+    offset = quant::align_up(offset + bytes, kAlign);
+    return at;
+  };
+  std::size_t const rows = static_cast<std::size_t>(config.recv_capacity(world));
+  std::size_t const topk = static_cast<std::size_t>(config.topk);
+  std::size_t const tokens = static_cast<std::size_t>(config.max_tokens_per_rank);
+  layout.recv_idx = take(rows * topk * sizeof(int32_t));
+  layout.recv_w = take(rows * topk * sizeof(float));
+  layout.recv_src = take(rows * 2 * sizeof(int32_t));
+  layout.recv_slot = take(rows * topk * sizeof(int32_t));
+  layout.token_mask = take(tokens * sizeof(uint32_t));
+  layout.state_words = take(kHandleStateWords * sizeof(int32_t));
+  layout.expert_counts = take(static_cast<std::size_t>(config.num_local_experts(world)) * sizeof(int32_t));
+  layout.topk_idx = take(tokens * topk * sizeof(int32_t));
+  layout.topk_weights = take(tokens * topk * sizeof(float));
+  layout.total = offset;
+  return layout;
+}
+
+namespace {
+
+// One direction of the copy: `areas` gets the layout's areas, each from the buffers to the handle (save) or back.
+struct LayoutAreas {
+  HandleCopyParams& p;
+  bool save;
+  void add(void* buffer, char* handle, int words_per_row, int rows, bool counted) {
+    FERRY_CHECK(p.num_areas < kMaxHandleAreas, "a handle copy of more than ", kMaxHandleAreas, " areas");
+    HandleArea& area = p.areas[p.num_areas++];
+    area.src = save ? buffer : handle;
+    area.dst = save ? static_cast<void*>(handle) : buffer;
+    area.words_per_row = words_per_row;
+    area.rows = rows;
+    area.counted = counted;
+  }
+};
+
+// The areas every direction copies: what combine and expand read of their dispatch (grep p.state, p.layout,
+// token_mask and recv_slot in combine.cuh and expand.cuh): the rank-major metadata of received rows, their slots
+// (only when the dispatch expanded: recv_slot is written by expand alone), the source's destination masks of its
+// num_tokens tokens, the layout words of DeviceState and the expert counts.
+void layout_areas(LayoutAreas& areas, Buffers const& b, char* storage, int num_tokens, bool expanded) {
+  HandleLayout const hl = make_handle_layout(b.config, b.world);
+  char* const sym = b.sym.ptr[b.rank];
+  int const topk = b.config.topk;
+  int const cap = b.recv_capacity;
+  areas.add(sym + b.layout.recv_idx, storage + hl.recv_idx, topk, cap, true);
+  areas.add(sym + b.layout.recv_w, storage + hl.recv_w, topk, cap, true);
+  areas.add(sym + b.layout.recv_src, storage + hl.recv_src, 2, cap, true);
+  if (expanded) areas.add(b.recv_slot, storage + hl.recv_slot, topk, cap, true);
+  areas.add(b.token_mask, storage + hl.token_mask, 1, num_tokens, false);
+  areas.add(&b.state->num_recv, storage + hl.state_words, kHandleStateWords, 1, false);
+  areas.add(b.expert_counts, storage + hl.expert_counts, b.num_local_experts, 1, false);
+}
+
+void launch_copy(Buffers const& b, HandleCopyParams const& p, cudaStream_t stream) {
+  // NOTE: a few MB at most: enough CTAs for about 8 vectors per thread, at most one per SM (the copy never waits)
+  std::size_t words = static_cast<std::size_t>(p.num_ids);
+  for (int a = 0; a < p.num_areas; ++a)
+    words += static_cast<std::size_t>(p.areas[a].rows) * static_cast<std::size_t>(p.areas[a].words_per_row);
+  std::size_t const per_cta = static_cast<std::size_t>(kThreads) * 32;
+  int const ctas = static_cast<int>(
+      std::clamp<std::size_t>((words + per_cta - 1) / per_cta, 1, static_cast<std::size_t>(std::max(1, b.num_sms))));
+  handle_copy_kernel<<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(p);
+  FERRY_CHECK_CUDA(cudaGetLastError());
+}
+
+}  // namespace
+
+void launch_save_handle(Buffers const& b, void* storage, DispatchArgs const& args, bool expanded, cudaStream_t stream) {
+  FERRY_CHECK(b.protocol != Protocol::ll, "a dispatch handle of a low-latency buffer");
+  FERRY_CHECK(storage != nullptr, "a handle without storage");
+  FERRY_CHECK(args.num_tokens >= 0 && args.num_tokens <= b.config.max_tokens_per_rank, "num_tokens=", args.num_tokens,
+              " is outside [0, max_tokens_per_rank=", b.config.max_tokens_per_rank, "]");
+  FERRY_CHECK(args.num_tokens == 0 || (args.topk_idx && args.topk_weights), "a saved dispatch without ids");
+  HandleLayout const hl = make_handle_layout(b.config, b.world);
+  char* const base = static_cast<char*>(storage);
+  int const topk = b.config.topk;
+  HandleCopyParams p{};
+  LayoutAreas areas{p, true};
+  layout_areas(areas, b, base, args.num_tokens, expanded);
+  if (args.num_tokens > 0)
+    areas.add(const_cast<float*>(args.topk_weights), base + hl.topk_weights, topk, args.num_tokens, false);
+  p.num_rows = &b.state->num_recv;
+  p.ids = args.topk_idx;
+  p.ids_64 = args.topk_idx_type == IndexType::int64;
+  p.ids_dst = reinterpret_cast<int32_t*>(base + hl.topk_idx);
+  p.num_ids = args.num_tokens * topk;
+  launch_copy(b, p, stream);
+}
+
+void launch_restore_handle(Buffers const& b, void const* storage, int num_tokens, bool expanded, cudaStream_t stream) {
+  FERRY_CHECK(b.protocol != Protocol::ll, "a dispatch handle of a low-latency buffer");
+  FERRY_CHECK(storage != nullptr, "a handle without storage");
+  FERRY_CHECK(num_tokens >= 0 && num_tokens <= b.config.max_tokens_per_rank, "num_tokens=", num_tokens,
+              " is outside [0, max_tokens_per_rank=", b.config.max_tokens_per_rank, "]");
+  HandleLayout const hl = make_handle_layout(b.config, b.world);
+  // the kernel only reads the handle's storage in this direction
+  char* const base = const_cast<char*>(static_cast<char const*>(storage));
+  HandleCopyParams p{};
+  LayoutAreas areas{p, false};
+  layout_areas(areas, b, base, num_tokens, expanded);
+  p.num_rows = reinterpret_cast<int32_t const*>(base + hl.state_words);  // the saved num_recv (first word)
+  launch_copy(b, p, stream);
+}
+
+}  // namespace ferry::cuda_ep
