@@ -65,6 +65,27 @@ TEST_F(BenchCli, ExpertMajorLayoutHotRoutingAndFp4FormatsPass) {
   EXPECT_EQ(count(run.output, "FAIL"), 0) << run.output;
 }
 
+// --backward: the four legs of each shape (forward dispatch and combine, dispatch_backward, combine_backward), every
+// one checked against the reference, in both combine layouts (expert: the weight gradients too), and each backward
+// leg's ratio to the forward leg of the same bytes in the table and in --json.
+TEST_F(BenchCli, BackwardLegsPassTheCheckInBothLayouts) {
+  for (char const* layout : {"rank", "expert"}) {
+    TempDir const dir;
+    std::string const json = dir.file("bench.json");
+    CliRun const run = run_ferry(std::string("bench --backend cpu --nproc 2 --tokens 16,40 --hidden 256 --backward") +
+                                 " --layout " + layout + " --check --iters 2 --warmup 1 --seed 0 --json " + json);
+    ASSERT_EQ(run.code, 0) << run.output;
+    EXPECT_EQ(count(run.output, "PASS"), 2 /*tokens*/ * 4 /*legs*/) << run.output;
+    EXPECT_EQ(count(run.output, "FAIL"), 0) << run.output;
+    EXPECT_EQ(count(run.output, "dispatch_backward / combine"), 2) << run.output;
+    std::string const records = read_file(json);
+    EXPECT_EQ(count(records, "\"leg\": \"dispatch_backward\""), 2) << records;
+    EXPECT_EQ(count(records, "\"leg\": \"combine_backward\""), 2) << records;
+    EXPECT_EQ(count(records, "\"backward_over_forward\""), 4) << records;
+    EXPECT_EQ(count(records, "\"check\": \"pass\""), 8) << records;
+  }
+}
+
 struct Refusal {
   char const* args;
   char const* says;
@@ -96,6 +117,10 @@ TEST_F(BenchCli, BadUseIsRefusedOnceBeforeAnyRankStarts) {
            Refusal{"bench --backend cpu --dispatch-blocks -1", "--dispatch-blocks=-1"},
            Refusal{"bench --backend cpu --mode ll --tokens 8 --combine-blocks 4",
                    "--combine-blocks=4 does nothing with --mode ll"},
+           Refusal{"bench --backend cpu --mode ll --tokens 8 --backward",
+                   "--backward times the training passes, which only mode=normal has"},
+           Refusal{"bench --backend cpu --mode both --backward", "use --mode normal (got --mode both)"},
+           Refusal{"bench --backend cpu --backward --combine fp8", "--backward times bf16 legs"},
        })
     expect_refused_once(c);
 }

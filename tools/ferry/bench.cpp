@@ -91,6 +91,11 @@ Options make_options() {
            "pin the normal-mode combine CTA count (EpConfig::combine_geometry; 0: tables / default; mode ll runs "
            "both legs on the dispatch grid)"},
           {"check", "", "compare every output row with the reference (exact for bf16)", true},
+          {"backward", "",
+           "also time the training passes (normal mode, bf16): dispatch_backward (a combine of the gradients) and "
+           "combine_backward (the cached dispatch of grad_y; --layout expert: with the weight gradients), each against "
+           "the forward leg that moves the same bytes (combine, dispatch)",
+           true},
           {"baseline", "", "nccl: also time the NCCL all-to-all dispatcher on the same inputs"},
           {"explain", "", "print which kernel path each leg took and why", true},
           {"floor", "",
@@ -149,6 +154,14 @@ void check_run_options(Options const& options, Backend backend) {
                      "--baseline nccl needs the cuda backend");
   FERRY_CHECK_CONFIG(options.str("layout") == "expert" || options.str("layout") == "rank",
                      "--layout=", options.str("layout"), " is unknown; use rank or expert");
+  if (options.flag("backward")) {
+    // NOTE: the backward passes keep a normal-mode dispatch's layout (DispatchHandle), which low-latency mode has not
+    FERRY_CHECK_CONFIG(options.str("mode") == "normal", "--backward times the training passes, which only mode=normal ",
+                       "has; use --mode normal (got --mode ", options.str("mode"), ")");
+    FERRY_CHECK_CONFIG(options.str("dispatch") == "bf16" && options.str("combine") == "bf16",
+                       "--backward times bf16 legs (combine_backward needs bf16 rows delivered); drop --dispatch=",
+                       options.str("dispatch"), " --combine=", options.str("combine"));
+  }
   if (options.str("trace").empty()) return;
   FERRY_CHECK_CONFIG(trace_compiled_in(),
                      "--trace needs in-kernel tracing, which this build does not have; rebuild "
@@ -367,6 +380,82 @@ std::string check_quantized_delivery(EpConfig const& config, int world, ref::Ran
   return "";
 }
 
+// The first element where two arrays of 32-bit values differ bit for bit (NaN-safe), or -1.
+template <typename T>
+long first_bit_diff(std::vector<T> const& got, std::vector<T> const& want) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 2, "16- or 32-bit values");
+  for (std::size_t i = 0; i < want.size(); ++i)
+    if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0) return static_cast<long>(i);
+  return -1;
+}
+
+// --backward --check: the forward dispatch again (saving its layout into `handle`), then one eager call of each
+// backward leg, outputs poisoned first, every row against the reference over every rank's inputs: grad_x against
+// ref::dispatch_backward (the gradient of the delivered rows: the combine input, identity experts), combine_backward's
+// rows (recv_x, or the filled slots of expert_x) against ref::combine_backward_rows and, expert layout, its weight
+// gradients against ref::combine_backward_weights (grad_y: the tokens' rows; the forward expert outputs: the combine
+// input). "" when everything matches.
+std::string check_backward(EpConfig const& config, int world, int rank, std::vector<ref::RankInput> const& inputs,
+                           CombineLayout layout, EpBuffer& buffer, DispatchArgs dargs, DispatchHandle& handle,
+                           DispatchBackwardArgs bargs, CombineBackwardArgs cbargs,
+                           std::function<void(DispatchResult const&)> const& fill_combine_input, void* y, void* grad_w,
+                           BenchMemory& memory) {
+  int const hidden = config.hidden;
+  std::size_t const tokens = static_cast<std::size_t>(inputs[rank].num_tokens);
+  bool const expert = layout == CombineLayout::expert_major;
+  std::vector<ref::RankDispatch> received;
+  std::vector<std::vector<uint16_t>> delivered, grad_y;
+  for (int r = 0; r < world; ++r) {
+    received.push_back(ref::dispatch(config, world, r, inputs));
+    delivered.push_back(expert ? ref::expand(config, world, received.back()) : received.back().recv_x);
+    grad_y.push_back(inputs[r].x);
+  }
+  ref::RankDispatch const& mine = received[rank];
+  // 1. the layout, and the gradient of what it delivered
+  dargs.save_handle = &handle;
+  dargs.eager = true;
+  fill_combine_input(buffer.dispatch(dargs, memory.stream()));
+  // 2. dispatch_backward (bf16 grad_x)
+  memory.fill(y, 0xff, tokens * hidden * 2);
+  bargs.eager = true;
+  buffer.dispatch_backward(bargs, memory.stream());
+  std::vector<float> const want_x = ref::dispatch_backward(config, world, rank, inputs, received, delivered, layout);
+  std::vector<uint16_t> want_bf16(want_x.size()), got_x(want_x.size());
+  for (std::size_t i = 0; i < want_x.size(); ++i) want_bf16[i] = ref::float_to_bf16(want_x[i]);
+  memory.download(got_x.data(), y, got_x.size() * 2);
+  if (long const d = first_bit_diff(got_x, want_bf16); d >= 0)
+    return detail::concat("dispatch_backward grad_x differs at element ", d);
+  // 3. combine_backward: the gradient rows, and (expert layout) the weight gradients
+  if (grad_w != nullptr) memory.fill(grad_w, 0xff, tokens * config.topk * sizeof(float));
+  cbargs.eager = true;
+  DispatchResult const result = buffer.combine_backward(cbargs, memory.stream());
+  std::vector<uint16_t> const want_rows =
+      ref::combine_backward_rows(config, world, rank, inputs, received, grad_y, layout);
+  std::vector<uint16_t> got_rows(want_rows.size());
+  if (!expert) {
+    memory.download(got_rows.data(), result.recv_x, got_rows.size() * 2);
+    if (long const d = first_bit_diff(got_rows, want_rows); d >= 0)
+      return detail::concat("combine_backward recv_x differs at element ", d);
+    return "";
+  }
+  memory.download(got_rows.data(), result.expert_x, got_rows.size() * 2);
+  int const slots = config.expert_slots();
+  for (int e = 0; e < config.num_local_experts(world); ++e) {
+    std::size_t const first = static_cast<std::size_t>(e) * slots * hidden;
+    std::size_t const filled = static_cast<std::size_t>(std::min(mine.expert_counts[e], slots)) * hidden;
+    for (std::size_t i = first; i < first + filled; ++i)
+      if (got_rows[i] != want_rows[i]) return detail::concat("combine_backward expert_x differs at element ", i);
+  }
+  if (cbargs.grad_topk_weights == nullptr) return "";
+  std::vector<float> const want_w =
+      ref::combine_backward_weights(config, world, rank, inputs, received, grad_y, delivered);
+  std::vector<float> got_w(want_w.size());
+  memory.download(got_w.data(), grad_w, got_w.size() * sizeof(float));
+  if (long const d = first_bit_diff(got_w, want_w); d >= 0)
+    return detail::concat("combine_backward grad_topk_weights differs at entry ", d);
+  return "";
+}
+
 struct LegStats {
   double median_us = 0, p10_us = 0, p90_us = 0;
 };
@@ -392,6 +481,8 @@ struct Record {
   double rel_l2 = -1;       // combine, quantized, --check: relative L2 error against the unquantized sum
   // the run's pair of formats and its combine input layout (rank | expert): format is one of the pair
   std::string dispatch_format, combine_format, layout;
+  // --backward, the backward legs: median / the median of the forward leg of the same bytes
+  double forward_ratio = -1;
 };
 
 void write_json(std::string const& path, Options const& options, Shape const& shape, std::string const& device,
@@ -408,6 +499,7 @@ void write_json(std::string const& path, Options const& options, Shape const& sh
     if (r.baseline_us > 0)
       rec.add("baseline_us", r.baseline_us).add("speedup_vs_baseline", r.baseline_us / r.stats.median_us);
     if (r.bound_ratio >= 0) rec.add("error_over_bound", r.bound_ratio).add("rel_l2_error", r.rel_l2);
+    if (r.forward_ratio >= 0) rec.add("backward_over_forward", r.forward_ratio);
   }
   util::write_result_file(path, {"ferry bench", git_commit(), device, world}, out);
 }
@@ -476,6 +568,7 @@ int run_bench_rank(Options const& options) {
   int const rank = comm->rank();
   bool const graph = options.flag("graph");
   bool const check = options.flag("check");
+  bool const backward = options.flag("backward");
   std::string const baseline = options.str("baseline");
   check_run_options(options, backend);
   CombineLayout const user_layout =
@@ -632,6 +725,38 @@ int run_bench_rank(Options const& options) {
       }
 #endif
 
+      // 2c. --backward: a handle of this dispatch's layout (one eager dispatch saves it), then the backward legs on it.
+      //     The gradients: of the delivered rows, the combine input (identity experts); grad_y, the tokens' own rows;
+      //     the forward combine's expert outputs (expert layout), the combine input.
+      LegStats dispatch_backward_stats, combine_backward_stats;
+      DispatchHandle handle;
+      DispatchBackwardArgs bargs;
+      CombineBackwardArgs cbargs;
+      void* grad_w = nullptr;
+      if (backward) {
+        handle = buffer.make_handle();
+        DispatchArgs save = dargs;
+        save.save_handle = &handle;
+        save.eager = true;
+        buffer.dispatch(save, memory.stream());
+        grad_w = memory.alloc(std::max<std::size_t>(1, mine.topk_weights.size() * sizeof(float)));
+        bargs.handle = &handle;
+        bargs.layout = layout;
+        bargs.grad = combine_in;
+        bargs.grad_x = y;
+        bargs.eager = false;
+        cbargs.handle = &handle;
+        cbargs.layout = layout;
+        cbargs.grad_y = x;
+        if (layout == CombineLayout::expert_major) {
+          cbargs.x = combine_in;
+          cbargs.grad_topk_weights = static_cast<float*>(grad_w);
+        }
+        cbargs.eager = false;
+        dispatch_backward_stats = time_leg([&] { buffer.dispatch_backward(bargs, memory.stream()); }, graph);
+        combine_backward_stats = time_leg([&] { buffer.combine_backward(cbargs, memory.stream()); }, graph);
+      }
+
       // 3. check: the last outputs against the reference (poisoned first, then one more eager call of each leg)
       std::string check_result = "skipped";
       double combine_bound_ratio = -1, combine_rel_l2 = -1;
@@ -704,6 +829,11 @@ int run_bench_rank(Options const& options) {
           combine_bound_ratio = worst[0];
           combine_rel_l2 = worst[1];
         }
+        if (backward) {
+          std::string const problem = check_backward(config, world, rank, inputs, layout, buffer, dargs, handle, bargs,
+                                                     cbargs, fill_combine_input, y, grad_w, memory);
+          if (!problem.empty()) ok = false, why += " " + problem;
+        }
         // Every rank must pass.
         int const failed = sum_over_ranks(bootstrap, ok ? 0.0 : 1.0) > 0;
         check_result = failed ? "fail" : "pass";
@@ -728,7 +858,9 @@ int run_bench_rank(Options const& options) {
       std::vector<double> const slow = max_over_ranks(
           bootstrap,
           {dispatch_stats.median_us, dispatch_stats.p10_us, dispatch_stats.p90_us, combine_stats.median_us,
-           combine_stats.p10_us, combine_stats.p90_us, baseline_dispatch.median_us, baseline_combine.median_us},
+           combine_stats.p10_us, combine_stats.p90_us, baseline_dispatch.median_us, baseline_combine.median_us,
+           dispatch_backward_stats.median_us, dispatch_backward_stats.p10_us, dispatch_backward_stats.p90_us,
+           combine_backward_stats.median_us, combine_backward_stats.p10_us, combine_backward_stats.p90_us},
           options.flag("per-rank"), "medians");
       double const mean_dispatch_bytes = sum_over_ranks(bootstrap, dispatch_bytes) / world;
       double const mean_combine_bytes = sum_over_ranks(bootstrap, combine_bytes) / world;
@@ -755,6 +887,24 @@ int run_bench_rank(Options const& options) {
                             slow[7],
                             combine_bound_ratio,
                             combine_rel_l2};
+      // --backward: dispatch_backward moves the forward combine's bytes, combine_backward the forward dispatch's
+      Record dispatch_backward_record = combine_record;
+      dispatch_backward_record.leg = "dispatch_backward";
+      dispatch_backward_record.stats = {slow[8], slow[9], slow[10]};
+      dispatch_backward_record.nvlink_gbps = mean_combine_bytes / slow[8] / 1e3;
+      dispatch_backward_record.logical_gbps = mean_logical / slow[8] / 1e3;
+      dispatch_backward_record.baseline_us = -1;
+      dispatch_backward_record.bound_ratio = -1;
+      dispatch_backward_record.forward_ratio = slow[8] / slow[3];
+      Record combine_backward_record = dispatch_record;
+      combine_backward_record.leg = "combine_backward";
+      combine_backward_record.stats = {slow[11], slow[12], slow[13]};
+      combine_backward_record.nvlink_gbps = mean_dispatch_bytes / slow[11] / 1e3;
+      combine_backward_record.logical_gbps = mean_logical / slow[11] / 1e3;
+      combine_backward_record.baseline_us = -1;
+      combine_backward_record.forward_ratio = slow[11] / slow[0];
+      std::vector<Record*> legs = {&dispatch_record, &combine_record};
+      if (backward) legs.insert(legs.end(), {&dispatch_backward_record, &combine_backward_record});
       if (rank == 0) {
         std::printf(
             "\n%s  tokens %d/rank  hidden %d  topk %d  experts %d  routing %s  layout %s  world %d  %s%s  dispatch "
@@ -769,30 +919,40 @@ int run_bench_rank(Options const& options) {
                        ? " (dequantized)"
                        : detail::concat(" (", scale_layout_name(config.recv_scale_layout), ")").c_str()),
             wire_format_name(config.combine_format));
-        std::printf("%-9s %10s %10s %10s %12s %13s %11s %8s %6s\n", "leg", "median_us", "p10_us", "p90_us",
-                    "nvlink_GB/s", "logical_GB/s", "nccl_us", "speedup", "check");
-        for (Record const* r : {&dispatch_record, &combine_record}) {
-          std::printf("%-9s %10.1f %10.1f %10.1f %12.1f %13.1f", r->leg.c_str(), r->stats.median_us, r->stats.p10_us,
-                      r->stats.p90_us, r->nvlink_gbps, r->logical_gbps);
+        int const leg_width = backward ? 17 : 9;
+        std::printf("%-*s %10s %10s %10s %12s %13s %11s %8s %6s%s\n", leg_width, "leg", "median_us", "p10_us", "p90_us",
+                    "nvlink_GB/s", "logical_GB/s", "nccl_us", "speedup", "check", backward ? "  vs_forward" : "");
+        for (Record const* r : legs) {
+          std::printf("%-*s %10.1f %10.1f %10.1f %12.1f %13.1f", leg_width, r->leg.c_str(), r->stats.median_us,
+                      r->stats.p10_us, r->stats.p90_us, r->nvlink_gbps, r->logical_gbps);
           if (r->baseline_us > 0)
             std::printf(" %11.1f %7.2fx", r->baseline_us, r->baseline_us / r->stats.median_us);
           else
             std::printf(" %11s %8s", "-", "-");
-          std::printf(" %6s\n", r->check == "pass" ? "PASS" : r->check == "fail" ? "FAIL" : "-");
+          std::printf(" %6s", r->check == "pass" ? "PASS" : r->check == "fail" ? "FAIL" : "-");
+          if (r->forward_ratio >= 0)
+            std::printf("  %9.2fx", r->forward_ratio);
+          else if (backward)
+            std::printf("  %10s", "-");
+          std::printf("\n");
         }
+        if (backward)
+          std::printf(
+              "backward / forward of the same bytes: dispatch_backward / combine %.2fx, combine_backward / "
+              "dispatch %.2fx\n",
+              dispatch_backward_record.forward_ratio, combine_backward_record.forward_ratio);
         if (combine_record.bound_ratio >= 0)
           std::printf(
               "combine %s error: max |y - exact| / derived bound = %.3f (must be <= 1), relative L2 error %.3g\n",
               combine_record.format.c_str(), combine_record.bound_ratio, combine_record.rel_l2);
         if (options.flag("explain")) std::printf("explain: %s\n", buffer.explain().c_str());
       }
-      for (Record* r : {&dispatch_record, &combine_record}) {
+      for (Record* r : legs) {
         r->dispatch_format = wire_format_name(config.dispatch_format);
         r->combine_format = wire_format_name(config.combine_format);
         r->layout = layout == CombineLayout::expert_major ? "expert" : "rank";
       }
-      records.push_back(dispatch_record);
-      records.push_back(combine_record);
+      for (Record const* r : legs) records.push_back(*r);
       last_shape = shape;
     }
   }
