@@ -166,7 +166,16 @@ class CudaEp final : public detail::EpBackendImpl {
     leg.prequantized = args.num_tokens > 0 && args.x_scales != nullptr;
     LaunchPlan const& plan = plan_of(0, args.num_tokens);
     launch_dispatch(b, args, plan, stream, false, &leg);
-    if (args.expand) launch_expand(b, /*copy_rows=*/true, stream);
+    bool const cached = args.topk_idx != nullptr && args.topk_idx == cached_ids_;
+    cached_ids_ = nullptr;
+    if (args.expand) {
+      launch_expand(b, /*copy_rows=*/true, stream);
+    } else if (cached && b.expert_slots > 0) {
+      // NOTE: a cached dispatch makes its handle's layout the current one (EpBuffer::make_current), and an
+      // expert-major combine of that handle reads recv_slot, which only expand writes: without expand, an older
+      // dispatch's slots would stay there. The slots alone (no row copies) are the handle's again.
+      launch_expand(b, /*copy_rows=*/false, stream);
+    }
     finish_normal(leg, plan);
     return finish_dispatch(args.expand, args.eager, stream);
   }
@@ -265,6 +274,7 @@ class CudaEp final : public detail::EpBackendImpl {
     args.topk_idx = base + handle_layout_.topk_idx;
     args.topk_idx_type = IndexType::int32;
     args.topk_weights = reinterpret_cast<float const*>(base + handle_layout_.topk_weights);
+    cached_ids_ = args.topk_idx;  // dispatch() knows the call is cached by these ids
     return args;
   }
 
@@ -367,13 +377,14 @@ class CudaEp final : public detail::EpBackendImpl {
   trace::DeviceRecorder trace_;  // Buffers::trace points here
   SymmetricRegion region_;       // the symmetric region of buffers_.sym
   Buffers buffers_;
-  HandleLayout handle_layout_;      // normal mode: the storage of this buffer's dispatch handles
-  int last_num_tokens_ = 0;         // of the last dispatch: the rows combine returns
-  DispatchArgs pending_dispatch_;   // low-latency: the send half's arguments, for its receive half
-  CombineArgs pending_combine_;     // same for combine
-  std::vector<PlanMemo> plans_[2];  // normal mode: [leg][num_tokens]
-  std::string protocol_why_;        // choose_protocol's reason
-  std::string grid_why_;            // low-latency: where the CTA count came from
+  HandleLayout handle_layout_;                // normal mode: the storage of this buffer's dispatch handles
+  mutable void const* cached_ids_ = nullptr;  // the ids cached_args handed out last (a cached dispatch's)
+  int last_num_tokens_ = 0;                   // of the last dispatch: the rows combine returns
+  DispatchArgs pending_dispatch_;             // low-latency: the send half's arguments, for its receive half
+  CombineArgs pending_combine_;               // same for combine
+  std::vector<PlanMemo> plans_[2];            // normal mode: [leg][num_tokens]
+  std::string protocol_why_;                  // choose_protocol's reason
+  std::string grid_why_;                      // low-latency: where the CTA count came from
   uint8_t protocol_fallbacks_ = detail::kNoFallback;
   uint8_t grid_fallbacks_ = detail::kNoFallback;
   detail::RunRecord record_;
