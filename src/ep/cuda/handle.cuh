@@ -15,11 +15,13 @@
 
 namespace ferry::cuda_ep {
 
-// Words [0, n) from src to dst, by thread `thread` of `threads`: 16-byte vectors where both pointers allow them
-// (every area is 256-byte aligned), then the tail.
+// Words [0, n) from src to dst, by thread `thread` of `threads`: 16-byte vectors when both pointers are 16-byte
+// aligned, then the tail; words alone otherwise. NOTE: not every area is: the layout words of DeviceState start at
+// byte 44 of it, and a caller's topk_weights need only be 4-byte aligned (a misaligned vector load faults the context).
 __device__ __forceinline__ void copy_words(uint32_t* dst, uint32_t const* src, std::size_t n, std::size_t thread,
                                            std::size_t threads) {
-  std::size_t const vectors = n / 4;
+  bool const aligned = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15u) == 0;
+  std::size_t const vectors = aligned ? n / 4 : 0;
   auto* const dst4 = reinterpret_cast<int4*>(dst);
   auto const* const src4 = reinterpret_cast<int4 const*>(src);
   for (std::size_t i = thread; i < vectors; i += threads) dst4[i] = src4[i];
