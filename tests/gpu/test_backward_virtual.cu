@@ -313,12 +313,18 @@ void run_backward(Spec const& spec, int num_ctas) {
     }
     return g;
   };
-  auto const poison_outputs = [&](BackwardRanks const& on) {
+  // layout_too: also the rank-major metadata (recv_topk_idx, recv_topk_weights, recv_src, expert_counts), which a call
+  // that rewrites them (a dispatch, or a graph that restores first) must fill again; a combine reads them instead
+  auto const poison_outputs = [&](BackwardRanks const& on, bool layout_too = true) {
     CK(cudaDeviceSynchronize());
     for (int r = 0; r < world; ++r) {
       poison(y[r]);
       poison(grad_w[r]);
-      poison_normal_dispatch(on.config(), world, cuda_ep::dispatch_result(on[r], true));
+      DispatchResult const out = cuda_ep::dispatch_result(on[r], true);
+      if (layout_too)
+        poison_normal_dispatch(on.config(), world, out);
+      else
+        CK(cudaMemset(out.recv_x, 0xEE, std::size_t(on.config().recv_capacity(world)) * on.config().hidden * 2));
       CK(cudaMemset(on[r].expert_x, 0xFF, expert_rows * on.config().hidden * 2));
     }
     CK(cudaDeviceSynchronize());
@@ -326,7 +332,7 @@ void run_backward(Spec const& spec, int num_ctas) {
   // dispatch_backward of `pass` (its layout current) in `layout`, fp32 or bf16 output, checked on every rank
   auto const dispatch_backward = [&](BackwardRanks& on, Pass const& pass, Grads const& g, CombineLayout layout,
                                      bool fp32, int step) {
-    poison_outputs(on);
+    poison_outputs(on, /*layout_too=*/false);
     on.combine_unweighted(layout, layout == CombineLayout::rank_major ? grad_rm : grad_em, y, fp32);
     std::string const failure = on.synchronize();
     ASSERT_TRUE(failure.empty()) << "dispatch_backward step " << step << ":\n" << failure;
