@@ -423,7 +423,14 @@ DispatchResult EpBuffer::combine_backward(CombineBackwardArgs const& args, cudaS
     if (expert_major) impl_->refuse_combine_backward_weights(stream);
     throw;
   }
-  DispatchResult result = impl_->dispatch(run, stream);
+  DispatchResult result;
+  try {
+    result = impl_->dispatch(run, stream);
+  } catch (InputError const&) {
+    // a peer refused (the cpu backend raises it from the dispatch): the weight step's exchange is joined all the same
+    if (expert_major) impl_->refuse_combine_backward_weights(stream);
+    throw;
+  }
   have_dispatch_ = true;
   last_expand_ = expert_major;
   last_num_tokens_ = run.num_tokens;

@@ -47,11 +47,12 @@ std::vector<int> rows_of_source(RankDispatch const& received, int source, int nu
   return rows;
 }
 
-// The source side shared by both combine layouts: y[t] = bf16(sum over d ascending of float(row_d(t))), where
-// row_of(d, i, out) yields the bf16 row that rank d sends back for its received row i.
+// The source side shared by both combine layouts, before the final rounding: acc[t] = sum over d ascending of
+// float(row_d(t)) (in combine_format), where row_of(d, i, out) yields the bf16 row that rank d sends back for its
+// received row i.
 template <typename RowOf>
-std::vector<uint16_t> source_sum(EpConfig const& config, int world, int rank, std::span<RankInput const> inputs,
-                                 std::span<RankDispatch const> received, RowOf&& row_of) {
+std::vector<float> source_sum_fp32(EpConfig const& config, int world, int rank, std::span<RankInput const> inputs,
+                                   std::span<RankDispatch const> received, RowOf&& row_of) {
   check_received(world, rank, inputs.size(), received.size());
   int const hidden = config.hidden;
   int const num_tokens = inputs[static_cast<std::size_t>(rank)].num_tokens;
@@ -59,22 +60,44 @@ std::vector<uint16_t> source_sum(EpConfig const& config, int world, int rank, st
   for (int d = 0; d < world; ++d)
     rows[static_cast<std::size_t>(d)] = rows_of_source(received[static_cast<std::size_t>(d)], rank, num_tokens);
 
-  std::vector<uint16_t> y(at(num_tokens, hidden));
-  std::vector<float> acc(static_cast<std::size_t>(hidden));
+  std::vector<float> y(at(num_tokens, hidden), 0.0f);
   std::vector<uint16_t> row(static_cast<std::size_t>(hidden));
   std::vector<uint8_t> wire_scratch;
   std::vector<float> value_scratch;
   for (int t = 0; t < num_tokens; ++t) {
-    std::fill(acc.begin(), acc.end(), 0.0f);
+    float* const acc = y.data() + at(t, hidden);
     for (int d = 0; d < world; ++d) {
       int const i = rows[static_cast<std::size_t>(d)][static_cast<std::size_t>(t)];
       if (i < 0) continue;
       uint16_t const* sent = row_of(d, i, row.data());
-      accumulate_combined_row(config.combine_format, hidden, sent, wire_scratch, value_scratch, acc.data());
+      accumulate_combined_row(config.combine_format, hidden, sent, wire_scratch, value_scratch, acc);
     }
-    round_row(hidden, acc.data(), y.data() + at(t, hidden));
   }
   return y;
+}
+
+// ...rounded: y[t] = bf16(acc[t]).
+template <typename RowOf>
+std::vector<uint16_t> source_sum(EpConfig const& config, int world, int rank, std::span<RankInput const> inputs,
+                                 std::span<RankDispatch const> received, RowOf&& row_of) {
+  std::vector<float> const acc = source_sum_fp32(config, world, rank, inputs, received, row_of);
+  std::vector<uint16_t> y(acc.size());
+  for (std::size_t i = 0; i < acc.size(); ++i) y[i] = float_to_bf16(acc[i]);
+  return y;
+}
+
+// Every rank's input with x replaced by grad_y[r] (the same routing): what combine_backward dispatches.
+std::vector<RankInput> gradient_inputs(EpConfig const& config, std::span<RankInput const> inputs,
+                                       std::span<std::vector<uint16_t> const> grad_y) {
+  FERRY_CHECK_INPUT(grad_y.size() == inputs.size(), "got ", grad_y.size(), " grad_y for ", inputs.size(), " ranks");
+  std::vector<RankInput> out(inputs.begin(), inputs.end());
+  for (std::size_t r = 0; r < out.size(); ++r) {
+    FERRY_CHECK_INPUT(grad_y[r].size() == at(out[r].num_tokens, config.hidden), "grad_y[", r, "] holds ",
+                      grad_y[r].size(), " elements; num_tokens x hidden needs ", at(out[r].num_tokens, config.hidden));
+    out[r].x = grad_y[r];
+    out[r].x_wire.clear();
+  }
+  return out;
 }
 
 }  // namespace
@@ -463,6 +486,100 @@ std::vector<uint16_t> combine_rank_major(EpConfig const& config, int world, int 
   return source_sum(config, world, rank, inputs, received, [&](int d, int i, uint16_t*) -> uint16_t const* {
     return rows[static_cast<std::size_t>(d)].data() + at(i, hidden);
   });
+}
+
+std::vector<float> dispatch_backward(EpConfig const& config, int world, int rank, std::span<RankInput const> inputs,
+                                     std::span<RankDispatch const> received,
+                                     std::span<std::vector<uint16_t> const> grads, CombineLayout layout) {
+  check_received(world, rank, inputs.size(), received.size());
+  FERRY_CHECK_INPUT(grads.size() == static_cast<std::size_t>(world), "got ", grads.size(),
+                    " gradients for world=", world);
+  int const hidden = config.hidden;
+  int const topk = config.topk;
+  if (layout == CombineLayout::rank_major)
+    return source_sum_fp32(config, world, rank, inputs, received, [&](int d, int i, uint16_t*) -> uint16_t const* {
+      return grads[static_cast<std::size_t>(d)].data() + at(i, hidden);
+    });
+  std::vector<float> const ones(static_cast<std::size_t>(topk), 1.0f);
+  std::vector<float> scratch(static_cast<std::size_t>(hidden));
+  return source_sum_fp32(config, world, rank, inputs, received, [&](int d, int i, uint16_t* row) -> uint16_t const* {
+    RankDispatch const& rd = received[static_cast<std::size_t>(d)];
+    reduce_row(hidden, topk, rd.expert_slots, rd.recv_topk_idx.data() + at(i, topk), rd.recv_slot.data() + at(i, topk),
+               ones.data(), grads[static_cast<std::size_t>(d)].data(), scratch.data(), row);
+    return row;
+  });
+}
+
+std::vector<uint16_t> combine_backward_rows(EpConfig const& config, int world, int rank,
+                                            std::span<RankInput const> inputs, std::span<RankDispatch const> received,
+                                            std::span<std::vector<uint16_t> const> grad_y, CombineLayout layout) {
+  check_received(world, rank, inputs.size(), received.size());
+  std::vector<RankInput> const grads = gradient_inputs(config, inputs, grad_y);
+  RankDispatch const moved = dispatch(config, world, rank, grads);
+  if (layout == CombineLayout::rank_major) return moved.recv_x;
+  std::vector<uint16_t> out = expand(config, world, moved);
+  int const hidden = config.hidden;
+  int const topk = config.topk;
+  for (int i = 0; i < moved.num_recv; ++i)
+    for (int k = 0; k < topk; ++k) {
+      int32_t const e = moved.recv_topk_idx[at(i, topk) + k];
+      int32_t const slot = moved.recv_slot[at(i, topk) + k];
+      if (e < 0 || slot < 0) continue;
+      float const w = moved.recv_topk_weights[at(i, topk) + k];
+      uint16_t* const row = out.data() + at(static_cast<int64_t>(e) * moved.expert_slots + slot, hidden);
+      for (int h = 0; h < hidden; ++h) row[h] = float_to_bf16(w * bf16_to_float(row[h]));
+    }
+  return out;
+}
+
+std::vector<float> combine_backward_weights(EpConfig const& config, int world, int rank,
+                                            std::span<RankInput const> inputs, std::span<RankDispatch const> received,
+                                            std::span<std::vector<uint16_t> const> grad_y,
+                                            std::span<std::vector<uint16_t> const> expert_out) {
+  check_received(world, rank, inputs.size(), received.size());
+  FERRY_CHECK_INPUT(expert_out.size() == static_cast<std::size_t>(world), "got ", expert_out.size(),
+                    " expert outputs for world=", world);
+  std::vector<RankInput> const grads = gradient_inputs(config, inputs, grad_y);
+  int const hidden = config.hidden;
+  int const topk = config.topk;
+  std::vector<float> grad_w(at(inputs[static_cast<std::size_t>(rank)].num_tokens, topk), 0.0f);
+  for (int d = 0; d < world; ++d) {
+    RankDispatch const moved = dispatch(config, world, d, grads);  // the gradient rows rank d received
+    std::vector<uint16_t> const& out = expert_out[static_cast<std::size_t>(d)];
+    FERRY_CHECK_INPUT(
+        out.size() == at(static_cast<int64_t>(config.num_local_experts(world)) * moved.expert_slots, hidden),
+        "expert_out[", d, "] holds ", out.size(), " elements; num_local_experts x expert_slots x hidden");
+    for (int i = 0; i < moved.num_recv; ++i) {
+      if (moved.recv_src[at(i, 2)] != rank) continue;
+      int const t = moved.recv_src[at(i, 2) + 1];
+      for (int k = 0; k < topk; ++k) {
+        int32_t const e = moved.recv_topk_idx[at(i, topk) + k];
+        int32_t const slot = moved.recv_slot[at(i, topk) + k];
+        if (e < 0 || slot < 0) continue;
+        grad_w[at(t, topk) + k] =
+            dot_warp(hidden, moved.recv_x.data() + at(i, hidden),
+                     out.data() + at(static_cast<int64_t>(e) * moved.expert_slots + slot, hidden));
+      }
+    }
+  }
+  return grad_w;
+}
+
+FERRY_ROW_LOOP float dot_warp(int hidden, uint16_t const* a, uint16_t const* b) {
+  float lanes[32];
+  int const num_vec = hidden / 8;
+  for (int l = 0; l < 32; ++l) {
+    float acc = 0.0f;
+    for (int v = l; v < num_vec; v += 32)
+      for (int j = 0; j < 8; ++j) acc = std::fmaf(bf16_to_float(a[v * 8 + j]), bf16_to_float(b[v * 8 + j]), acc);
+    lanes[l] = acc;
+  }
+  for (int m = 16; m >= 1; m /= 2) {
+    float next[32];
+    for (int l = 0; l < 32; ++l) next[l] = lanes[l] + lanes[l ^ m];
+    std::copy(next, next + 32, lanes);
+  }
+  return lanes[0];
 }
 
 }  // namespace ferry::ref

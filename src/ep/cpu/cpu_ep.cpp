@@ -67,7 +67,7 @@ class LocalPages {
 // The call header each rank publishes at the first barrier of every call (DESIGN "Collective consistency"): which
 // call of this buffer it is in, and whether it refused it on input. Every rank reads every header after that
 // barrier, so all of them take the same decision: go on, fail the call (a refusal), or fail the buffer (out of step).
-enum class CallKind : uint32_t { dispatch = 0, combine = 1 };
+enum class CallKind : uint32_t { dispatch = 0, combine = 1, grad_weights = 2 };
 
 struct CallHeader {
   uint64_t step;     // collective calls of this buffer so far, this one included; its parity picks the slot
@@ -77,6 +77,20 @@ struct CallHeader {
   // the refusing rank's reason (parity-buffered with the header: the communicator's slot may already hold the reason
   // of its next refusal by the time a slow peer reads)
   char reason[kRefusalBytes];
+};
+
+// What a handle keeps on the cpu backend: this rank's view of the dispatch (host memory).
+struct CpuHandle final : HandleStorage {
+  std::vector<int64_t> ids;  // [num_tokens * topk]
+  std::vector<float> weights;
+  std::vector<uint32_t> dest_mask;
+  std::vector<int64_t> dest_offset;
+  int32_t num_recv = 0;
+  std::vector<int32_t> recv_idx;  // [num_recv * topk]
+  std::vector<float> recv_weights;
+  std::vector<int32_t> recv_src;  // [num_recv * 2]
+  std::vector<int32_t> recv_slot;
+  std::vector<int32_t> expert_counts;
 };
 
 char const* call_kind_name(uint32_t kind) {
@@ -98,7 +112,20 @@ class CpuEp final : public EpBackendImpl {
   void refuse_dispatch(cudaStream_t stream) override;
   void refuse_combine(cudaStream_t stream) override;
 
+  std::unique_ptr<HandleStorage> make_handle_storage(void* external) const override;
+  void save_handle(HandleState& handle, DispatchArgs const& args, cudaStream_t stream) override;
+  DispatchArgs cached_args(HandleState const& handle, DispatchArgs args) const override;
+  void restore_handle(HandleState const& handle, cudaStream_t stream) override;
+  void combine_unweighted(CombineArgs const& args, bool y_fp32, cudaStream_t stream) override;
+  void combine_backward_weights(HandleState const& handle, void const* x, float* grad_w, bool eager,
+                                cudaStream_t stream) override;
+  void refuse_combine_backward_weights(cudaStream_t stream) override;
+
  private:
+  // combine, and dispatch_backward's (unit_weights: every expert-major weight 1; y_fp32: y is the fp32 sum)
+  void run_combine(CombineArgs const& args, bool unit_weights, bool y_fp32);
+  // combine_backward's weight step; refused: this rank joins the exchange with no dots of its own
+  void exchange_grad_weights(void const* x, float* grad_w, bool refused, bool eager);
   // Publishes this rank's header, waits at the barrier, reads every rank's. A peer's refusal throws InputError naming
   // it (the lowest refusing peer) unless this rank refused the call too (it then throws its own error). Throws Error,
   // and marks the buffer out of step for good, when a rank is in another call.
@@ -130,8 +157,10 @@ class CpuEp final : public EpBackendImpl {
   SymmetricRegion recv_src_;      // [capacity x 2] int32 (source rank, source token)
   SymmetricRegion combine_rows_;  // [capacity x combine wire row], the rows this rank sends back in combine
   SymmetricRegion headers_;       // [2 parities] CallHeader of this rank (peers read it from their mapping)
+  SymmetricRegion grad_w_;        // [max_tokens x topk] float: combine_backward's weight gradients of this rank's
+                                  // tokens, written by the ranks that hold the experts
   uint64_t step_ = 0;
-  uint64_t calls_[2] = {};   // by CallKind
+  uint64_t calls_[3] = {};   // by CallKind
   std::string out_of_step_;  // set once a rank was found in another call: every later call throws it
 
   // this rank's view of the last dispatch
@@ -157,6 +186,7 @@ class CpuEp final : public EpBackendImpl {
   bool pending_eager_ = true;
   int64_t pending_total_recv_ = 0;
   void* pending_y_ = nullptr;
+  bool pending_y_fp32_ = false;
   std::string last_dispatch_ = "dispatch: not called yet";
   std::string last_combine_ = "combine: not called yet";
 };
@@ -197,6 +227,7 @@ CpuEp::CpuEp(Communicator& comm, EpConfig const& config)
     recv_src_ = comm_.alloc_symmetric(at(capacity_, 2) * sizeof(int32_t));
     combine_rows_ = comm_.alloc_symmetric(at(capacity_, 1) * combine_wire_.row_bytes);
     headers_ = comm_.alloc_symmetric(2 * sizeof(CallHeader));  // zeroed: step 0 is "no call yet"
+    if (!low_latency_) grad_w_ = comm_.alloc_symmetric(at(config.max_tokens_per_rank, topk_) * sizeof(float));
   } catch (...) {
     release_regions();  // the destructor does not run for a constructor that throws
     throw;
@@ -231,7 +262,7 @@ CpuEp::~CpuEp() {
 
 void CpuEp::release_regions() noexcept {
   for (SymmetricRegion* region :
-       {&counts_, &recv_x_, &recv_idx_, &recv_weights_, &recv_src_, &combine_rows_, &headers_})
+       {&counts_, &recv_x_, &recv_idx_, &recv_weights_, &recv_src_, &combine_rows_, &headers_, &grad_w_})
     if (region->local != nullptr) comm_.release_symmetric(*region);
 }
 
@@ -501,6 +532,14 @@ DispatchResult CpuEp::receive_dispatch() {
 }
 
 void CpuEp::combine(CombineArgs const& args, cudaStream_t) {
+  run_combine(args, false, false);
+}
+
+void CpuEp::combine_unweighted(CombineArgs const& args, bool y_fp32, cudaStream_t) {
+  run_combine(args, true, y_fp32);
+}
+
+void CpuEp::run_combine(CombineArgs const& args, bool unit_weights, bool y_fp32) {
   // NOTE: EpBuffer validated the call (validate_combine_args, refused on every rank): it follows a dispatch that
   // succeeded, and an expert-major one follows an expanded dispatch, whose layout_ holds the slots.
   bool const expert_major = args.layout == CombineLayout::expert_major;
@@ -511,13 +550,15 @@ void CpuEp::combine(CombineArgs const& args, cudaStream_t) {
   std::size_t const wire_bytes = combine_wire_.row_bytes;
   auto const* expert_out = static_cast<uint16_t const*>(args.x);
   auto const* idx = reinterpret_cast<int32_t const*>(recv_idx_.local);
+  std::vector<float> const ones(unit_weights ? static_cast<std::size_t>(topk_) : 0, 1.0f);
   auto const* weights = reinterpret_cast<float const*>(recv_weights_.local);
   for (int i = 0; i < num_recv_; ++i) {
     // the bf16 row this received row sends back, then its wire row (bf16: the row itself)
     uint16_t const* row = nullptr;
     if (expert_major) {
       ref::reduce_row(hidden_, topk_, slots_, idx + at(i, topk_), layout_.recv_slot.data() + at(i, topk_),
-                      weights + at(i, topk_), expert_out, scratch_.data(), row_scratch_.data());
+                      unit_weights ? ones.data() : weights + at(i, topk_), expert_out, scratch_.data(),
+                      row_scratch_.data());
       row = row_scratch_.data();
     } else {
       row = expert_out + at(i, hidden_);
@@ -531,10 +572,13 @@ void CpuEp::combine(CombineArgs const& args, cudaStream_t) {
   // every rank's rows are ready, and every rank in this call: else nothing is summed
   join_call(CallKind::combine, false);
   pending_y_ = args.y;
+  pending_y_fp32_ = y_fp32;
   pending_eager_ = args.eager;
-  last_combine_ = concat("combine: cpu reference", low_latency_ ? ", ll" : "",
-                         " (host pull-reduce through shared memory, ", expert_major ? "expert_major" : "rank_major",
-                         args.return_recv_hook ? ", split: sum in complete_combine" : "", ")");
+  last_combine_ =
+      concat(unit_weights ? "dispatch_backward (combine of gradients): cpu reference" : "combine: cpu reference",
+             low_latency_ ? ", ll" : "", " (host pull-reduce through shared memory, ",
+             expert_major ? "expert_major" : "rank_major",
+             args.return_recv_hook ? ", split: sum in complete_combine" : "", ")");
   if (!args.return_recv_hook) receive_combine();
 }
 
@@ -548,6 +592,7 @@ void CpuEp::receive_combine() {
   // 2. source: pull and sum this rank's rows over the destinations in ascending order (rows beyond a destination's
   //    capacity were never delivered and add nothing)
   auto* const y = static_cast<uint16_t*>(pending_y_);
+  auto* const y_fp32 = static_cast<float*>(pending_y_);
   WireFormat const format = config_.combine_format;
   std::vector<float> values(static_cast<std::size_t>(hidden_));
   std::vector<int64_t> next = dest_offset_;
@@ -566,10 +611,99 @@ void CpuEp::receive_combine() {
         for (int h = 0; h < hidden_; ++h) scratch_[static_cast<std::size_t>(h)] += values[static_cast<std::size_t>(h)];
       }
     }
-    ref::round_row(hidden_, scratch_.data(), y + at(t, hidden_));
+    if (pending_y_fp32_)
+      std::copy(scratch_.begin(), scratch_.end(), y_fp32 + at(t, hidden_));
+    else
+      ref::round_row(hidden_, scratch_.data(), y + at(t, hidden_));
   }
   comm_.barrier(nullptr);  // every source has read the rows: the areas may be reused
   if (pending_eager_) comm_.check_errors(nullptr);
+}
+
+std::unique_ptr<HandleStorage> CpuEp::make_handle_storage(void*) const {
+  return std::make_unique<CpuHandle>();
+}
+
+void CpuEp::save_handle(HandleState& handle, DispatchArgs const& args, cudaStream_t) {
+  auto& h = static_cast<CpuHandle&>(*handle.storage);
+  h.ids = host_topk_ids(config_, args);
+  h.weights.assign(args.topk_weights, args.topk_weights + h.ids.size());
+  h.dest_mask = dest_mask_;
+  h.dest_offset = dest_offset_;
+  h.num_recv = num_recv_;
+  std::size_t const entries = at(num_recv_, topk_);
+  auto const* idx = reinterpret_cast<int32_t const*>(recv_idx_.local);
+  auto const* weights = reinterpret_cast<float const*>(recv_weights_.local);
+  auto const* src = reinterpret_cast<int32_t const*>(recv_src_.local);
+  h.recv_idx.assign(idx, idx + entries);
+  h.recv_weights.assign(weights, weights + entries);
+  h.recv_src.assign(src, src + at(num_recv_, 2));
+  h.recv_slot.assign(layout_.recv_slot.begin(), layout_.recv_slot.begin() + static_cast<std::ptrdiff_t>(entries));
+  h.expert_counts = layout_.expert_counts;
+}
+
+DispatchArgs CpuEp::cached_args(HandleState const& handle, DispatchArgs args) const {
+  auto const& h = static_cast<CpuHandle const&>(*handle.storage);
+  args.topk_idx = h.ids.data();
+  args.topk_idx_type = IndexType::int64;
+  args.topk_weights = h.weights.data();
+  return args;
+}
+
+void CpuEp::restore_handle(HandleState const& handle, cudaStream_t) {
+  auto const& h = static_cast<CpuHandle const&>(*handle.storage);
+  num_tokens_ = handle.num_tokens;
+  dest_mask_ = h.dest_mask;
+  dest_offset_ = h.dest_offset;
+  num_recv_ = h.num_recv;
+  std::copy(h.recv_idx.begin(), h.recv_idx.end(), static_cast<int32_t*>(recv_idx_.local));
+  std::copy(h.recv_weights.begin(), h.recv_weights.end(), static_cast<float*>(recv_weights_.local));
+  std::copy(h.recv_src.begin(), h.recv_src.end(), static_cast<int32_t*>(recv_src_.local));
+  std::copy(h.recv_slot.begin(), h.recv_slot.end(), layout_.recv_slot.begin());
+  std::copy(h.expert_counts.begin(), h.expert_counts.end(), layout_.expert_counts.begin());
+}
+
+void CpuEp::combine_backward_weights(HandleState const&, void const* x, float* grad_w, bool eager, cudaStream_t) {
+  exchange_grad_weights(x, grad_w, false, eager);
+}
+
+void CpuEp::refuse_combine_backward_weights(cudaStream_t) {
+  exchange_grad_weights(nullptr, nullptr, true, false);
+}
+
+void CpuEp::exchange_grad_weights(void const* x, float* grad_w, bool refused, bool eager) {
+  // 1. this rank's gradient area is zeroed before the barrier, after which the ranks holding its tokens' experts
+  //    write into it (an entry nobody writes, an id of -1 or a dropped row, stays 0)
+  std::fill_n(static_cast<float*>(grad_w_.local), at(config_.max_tokens_per_rank, topk_), 0.0f);
+  join_call(CallKind::grad_weights, false);
+  // 2. per filled slot: the dot of the gradient row (the cached dispatch delivered grad_y there) with the expert
+  //    output, into the source's area at (token, k); then the slot becomes w * grad_y
+  if (!refused) {
+    auto const* idx = reinterpret_cast<int32_t const*>(recv_idx_.local);
+    auto const* weights = reinterpret_cast<float const*>(recv_weights_.local);
+    auto const* src = reinterpret_cast<int32_t const*>(recv_src_.local);
+    auto* const slots = reinterpret_cast<uint16_t*>(expert_x_.data());
+    auto const* out = static_cast<uint16_t const*>(x);
+    for (int i = 0; i < num_recv_; ++i)
+      for (int k = 0; k < topk_; ++k) {
+        int32_t const e = idx[at(i, topk_) + k];
+        int32_t const slot = layout_.recv_slot[at(i, topk_) + k];
+        if (e < 0 || slot < 0) continue;
+        std::size_t const row = at(static_cast<int64_t>(e) * slots_ + slot, hidden_);
+        uint16_t* const g = slots + row;
+        if (out != nullptr) {
+          float const dot = ref::dot_warp(hidden_, g, out + row);
+          reinterpret_cast<float*>(grad_w_.view.ptr[src[at(i, 2)]])[at(src[at(i, 2) + 1], topk_) + k] = dot;
+        }
+        float const w = weights[at(i, topk_) + k];
+        for (int h = 0; h < hidden_; ++h) g[h] = ref::float_to_bf16(w * ref::bf16_to_float(g[h]));
+      }
+  }
+  comm_.barrier(nullptr);  // every dot has landed
+  if (grad_w != nullptr) std::copy_n(static_cast<float const*>(grad_w_.local), at(num_tokens_, topk_), grad_w);
+  last_dispatch_ = "combine_backward (cached dispatch of grad_y + weight step): cpu reference";
+  comm_.barrier(nullptr);  // every rank has read its area: the next call may zero it
+  if (eager) comm_.check_errors(nullptr);
 }
 
 std::string CpuEp::explain() const {
