@@ -192,7 +192,7 @@ def grad_check(comm, args, device) -> tuple[bool, str]:
         good = bool((err <= bound).all()) and exact_zero
         ok &= good
         worst = max(worst, ratio)
-        lines.append(f"{name} {ratio:.3f}")
+        lines.append(f"{name} {ratio:.2g}")
     return ok, f"worst |g - g_dense| / bound: {', '.join(lines)} ({'OK' if ok else 'FAILED'})"
 
 
