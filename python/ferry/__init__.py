@@ -9,7 +9,8 @@ buffers, and errors are the C++ error family with the same messages.
     got = buf.dispatch(x, topk_idx, topk_weights, expand=True)
     y = buf.combine(run_experts(got.expert_x, got.expert_counts), layout="expert")
 
-See docs/python.md.
+Training: ferry.autograd (torch.autograd Functions for dispatch and combine, an MoE layer; `from ferry import
+autograd`). See docs/python.md.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ._ext import (  # noqa: F401  (the public names)
     Communicator,
     ConfigError,
     CudaError,
+    DispatchHandle,
     DispatchResult,
     EpBuffer,
     EpConfig,
@@ -52,6 +54,7 @@ __all__ = [
     "Communicator",
     "ConfigError",
     "CudaError",
+    "DispatchHandle",
     "DispatchResult",
     "EpBuffer",
     "EpConfig",

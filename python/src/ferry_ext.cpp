@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "core/launcher.hpp"
+#include "ep/ep_impl.hpp"
 #include "ferry/bootstrap.hpp"
 #include "ferry/communicator.hpp"
 #include "ferry/env.hpp"
@@ -64,6 +65,7 @@ struct Frameworks {
   nb::object numpy_empty;
   nb::object torch_empty;
   nb::object torch_bf16;
+  nb::object torch_f32;
   nb::object torch_uint8;
   // torch's one-byte float dtypes (None where this torch lacks them): outputs of fp8 payload are uint8 views made
   // float8_e4m3fn with Tensor.view(dtype), inputs of these dtypes are viewed as uint8 before import (both work on
@@ -100,6 +102,7 @@ PyTypeObject* torch_tensor_type() {
     f.torch_tensor = reinterpret_cast<PyTypeObject*>(module.attr("Tensor").ptr());
     f.torch_empty = module.attr("empty");
     f.torch_bf16 = module.attr("bfloat16");
+    f.torch_f32 = module.attr("float32");
     f.torch_uint8 = module.attr("uint8");
     f.torch_fp8_e4m3fn = nb::getattr(module, "float8_e4m3fn", nb::none());
     f.torch_fp8_e8m0fnu = nb::getattr(module, "float8_e8m0fnu", nb::none());
@@ -437,6 +440,16 @@ struct PyDispatchResult {
   int expert_slots = 0;
 };
 
+// A DispatchHandle (include/ferry/ep.hpp) with the storage the binding gave it: on the cuda backend a torch uint8
+// tensor of handle_bytes() from torch's caching allocator (a handle per forward call costs no cudaMalloc), kept alive
+// as long as the handle; on the cpu backend none (the handle lives in host memory). num_recv_host: the rows of the
+// dispatch that saved it, when that dispatch knew them on the host (the binding's row checks of later calls).
+struct PyDispatchHandle {
+  DispatchHandle handle;
+  nb::object storage;
+  int64_t num_recv_host = -1;
+};
+
 class PyEpBuffer {
  public:
   PyEpBuffer(std::shared_ptr<Communicator> comm, EpConfig const& config)
@@ -486,9 +499,11 @@ class PyEpBuffer {
   // dispatch_format): x is the payload, one byte per element (fp8) or two elements per byte (fp4), x_scales the block
   // scales [num_tokens, num_scales], x_token_scales nvfp4's per-token scales. x_scales with bf16, or x_token_scales
   // where it does not belong, go to the C++ call as given: it refuses them with its own message.
+  // cached: a cached dispatch (DispatchArgs::handle), which routes by the handle's ids and weights: topk_idx and
+  // topk_weights are None there (given ones go to the C++ call as they are, which refuses them).
   Inputs dispatch_inputs(nb::handle x, nb::handle topk_idx, nb::handle topk_weights, nb::handle x_scales,
                          nb::handle x_token_scales, bool expand, bool eager, nb::handle stream,
-                         bool return_recv_hook = false) const {
+                         bool return_recv_hook = false, bool cached = false) const {
     Inputs in;
     in.framework = framework_of(x);
     bool const prequantized = !x_scales.is_none() && format_ != WireFormat::bf16;
@@ -540,18 +555,30 @@ class PyEpBuffer {
             nonnull(placement_.import_any<nb::ndarray<nb::ro>>(x_token_scales, "x_token_scales").data()));
       }
     }
-    auto const idx = placement_.import <nb::ndarray<nb::ro>>(topk_idx, "topk_idx", {num_tokens, topk_}, "num_tokens");
-    check_dtype(idx.dtype(), "topk_idx", {kI32, kI64}, "int32 or int64");
-    auto const weights =
-        placement_.import <nb::ndarray<nb::ro>>(topk_weights, "topk_weights", {num_tokens, topk_}, "num_tokens");
-    check_dtype(weights.dtype(), "topk_weights", {kF32}, "float32");
+    if (cached) {
+      if (!topk_idx.is_none())
+        in.args.topk_idx = nonnull(placement_.import_any<nb::ndarray<nb::ro>>(topk_idx, "topk_idx").data());
+      if (!topk_weights.is_none())
+        in.args.topk_weights = static_cast<float const*>(
+            nonnull(placement_.import_any<nb::ndarray<nb::ro>>(topk_weights, "topk_weights").data()));
+    } else {
+      FERRY_CHECK_INPUT(!topk_idx.is_none(), "topk_idx is None; dispatch needs the [num_tokens, topk] expert ids ",
+                        "(only a cached dispatch, handle=h, routes without them)");
+      FERRY_CHECK_INPUT(!topk_weights.is_none(), "topk_weights is None; dispatch needs the [num_tokens, topk] ",
+                        "weights (only a cached dispatch, handle=h, routes without them)");
+      auto const idx = placement_.import <nb::ndarray<nb::ro>>(topk_idx, "topk_idx", {num_tokens, topk_}, "num_tokens");
+      check_dtype(idx.dtype(), "topk_idx", {kI32, kI64}, "int32 or int64");
+      auto const weights =
+          placement_.import <nb::ndarray<nb::ro>>(topk_weights, "topk_weights", {num_tokens, topk_}, "num_tokens");
+      check_dtype(weights.dtype(), "topk_weights", {kF32}, "float32");
+      in.args.topk_idx = idx.data();
+      in.args.topk_idx_type = idx.dtype() == kI32 ? IndexType::int32 : IndexType::int64;
+      in.args.topk_weights = static_cast<float const*>(weights.data());
+    }
     FERRY_CHECK_INPUT(num_tokens <= max_tokens_, "num_tokens=", num_tokens, " (rows of x) is outside [0, ",
                       "max_tokens_per_rank=", max_tokens_, "]; split the batch or raise max_tokens_per_rank");
     in.args.x = xa.data();
     in.args.num_tokens = static_cast<int>(num_tokens);
-    in.args.topk_idx = idx.data();
-    in.args.topk_idx_type = idx.dtype() == kI32 ? IndexType::int32 : IndexType::int64;
-    in.args.topk_weights = static_cast<float const*>(weights.data());
     in.args.expand = expand;
     in.args.eager = eager;
     in.args.return_recv_hook = return_recv_hook;
@@ -561,10 +588,16 @@ class PyEpBuffer {
 
   PyDispatchResult dispatch(nb::handle x, nb::handle topk_idx, nb::handle topk_weights, nb::handle x_scales,
                             nb::handle x_token_scales, bool expand, bool eager, bool return_recv_hook,
-                            nb::handle stream) {
-    Inputs const in = checked(Leg::dispatch, stream, x, [&] {
-      return dispatch_inputs(x, topk_idx, topk_weights, x_scales, x_token_scales, expand, eager, stream,
-                             return_recv_hook);
+                            nb::handle save_handle, nb::handle handle, nb::handle stream) {
+    PyDispatchHandle* save = nullptr;
+    Inputs in = checked(Leg::dispatch, stream, x, [&] {
+      save = handle_arg(save_handle, "save_handle");
+      PyDispatchHandle* const cached = handle_arg(handle, "handle");
+      Inputs got = dispatch_inputs(x, topk_idx, topk_weights, x_scales, x_token_scales, expand, eager, stream,
+                                   return_recv_hook, cached != nullptr);
+      if (save) got.args.save_handle = &save->handle;
+      if (cached) got.args.handle = &cached->handle;
+      return got;
     });
     DispatchResult got;
     {
@@ -577,6 +610,7 @@ class PyEpBuffer {
       got = buffer_->dispatch(in.args, in.stream);
     }
     remember_dispatch(in.args.num_tokens, got, in.framework, eager);
+    if (save) save->num_recv_host = got.num_recv_host;
     return result(got, in.framework, eager && !return_recv_hook);
   }
 
@@ -612,8 +646,9 @@ class PyEpBuffer {
   };
 
   // Converts and checks combine arguments (no C++ call) for a dispatch of num_tokens tokens (y's rows).
+  // num_recv_host: the rows that dispatch received, when known on the host (-1: not known, recv_capacity is read).
   CombineInputs combine_inputs(nb::handle x, std::string const& layout, nb::handle out, bool eager, nb::handle stream,
-                               int num_tokens, bool return_recv_hook = false) const {
+                               int num_tokens, int64_t num_recv_host, bool return_recv_hook = false) const {
     CombineInputs in;
     bool const expert_major = layout == "expert";
     FERRY_CHECK_INPUT(expert_major || layout == "rank", "layout='", layout,
@@ -627,17 +662,17 @@ class PyEpBuffer {
     } else {
       xa = placement_.import <nb::ndarray<nb::ro>>(x, "x", {-1, hidden_}, "rows");
       // Rows the C++ side reads: num_recv (known on the host after an eager dispatch), else up to the capacity.
-      int64_t const needed = last_num_recv_host_ >= 0 ? last_num_recv_host_ : capacity_;
+      int64_t const needed = num_recv_host >= 0 ? num_recv_host : capacity_;
       FERRY_CHECK_INPUT(static_cast<int64_t>(xa.shape(0)) >= needed, "x has ", xa.shape(0), " rows; combine ",
                         "layout='rank' reads ", needed,
-                        last_num_recv_host_ >= 0 ? " (num_recv of the last dispatch)" : " (recv_capacity)",
+                        num_recv_host >= 0 ? " (num_recv of the dispatch it combines)" : " (recv_capacity)",
                         " rows of [rows, hidden=", hidden_, "]");
     }
     check_dtype(xa.dtype(), "x", {kBf16, kU16}, "bfloat16 (or uint16 holding bf16 bits)");
     Framework const framework = framework_of(x);
     if (num_tokens >= 0) {
       if (out.is_none()) {
-        in.y = allocate_y(framework, x, num_tokens);
+        in.y = allocate_rows(framework, x, num_tokens, false, "combine");
       } else {
         in.y = nb::borrow(out);
       }
@@ -655,16 +690,166 @@ class PyEpBuffer {
   }
 
   nb::object combine(nb::handle x, std::string const& layout, nb::handle out, bool eager, bool return_recv_hook,
-                     nb::handle stream) {
+                     nb::handle handle, nb::handle stream) {
+    PyDispatchHandle* h = nullptr;
     CombineInputs in = checked(Leg::combine, stream, x, [&] {
-      return combine_inputs(x, layout, out, eager, stream, last_num_tokens_, return_recv_hook);
+      h = handle_arg(handle, "handle");
+      // a handle's dispatch: its tokens (0 before a save: the C++ call refuses the handle itself)
+      CombineInputs got =
+          h ? combine_inputs(x, layout, out, eager, stream, h->handle.num_tokens(), h->num_recv_host, return_recv_hook)
+            : combine_inputs(x, layout, out, eager, stream, last_num_tokens_, last_num_recv_host_, return_recv_hook);
+      if (h) got.args.handle = &h->handle;
+      return got;
     });
     {
       Exclusive const exclusive(*this);
       nb::gil_scoped_release release;
       buffer_->combine(in.args, in.stream);
     }
+    if (h) use_handle(*h);
     return in.y.is_valid() ? in.y : nb::none();
+  }
+
+  // A handle for this buffer's layout shape (EpBuffer::make_handle). cuda: its storage is a torch uint8 tensor on
+  // this GPU when torch is loaded (the caching allocator, allocated on the current torch stream), else the library's
+  // own device memory; cpu: host memory of the handle's own.
+  PyDispatchHandle make_handle() const {
+    PyDispatchHandle out;
+    std::size_t const bytes = buffer_->handle_bytes();
+    if (bytes > 0 && torch_tensor_type() != nullptr) {
+      Frameworks const& f = frameworks();
+      out.storage = f.torch_empty(nb::make_tuple(bytes), "dtype"_a = f.torch_uint8,
+                                  "device"_a = concat("cuda:", placement_.device()));
+      auto const storage =
+          placement_.import <nb::ndarray<>>(out.storage, "handle storage", {static_cast<int64_t>(bytes)}, "");
+      out.handle = buffer_->make_handle(storage.data(), bytes);
+    } else {
+      out.storage = nb::none();
+      out.handle = buffer_->make_handle();
+    }
+    return out;
+  }
+
+  // The backward pass of a dispatch (EpBuffer::dispatch_backward): grad of the rows it delivered (layout 'rank':
+  // recv_x [>= num_recv, hidden]; 'expert': expert_x) -> grad_x [num_tokens, hidden] (bf16, or fp32 with fp32).
+  nb::object dispatch_backward(nb::handle grad, nb::handle handle, std::string const& layout, nb::handle out, bool fp32,
+                               bool eager, nb::handle stream) {
+    struct BackwardInputs {
+      DispatchBackwardArgs args;
+      cudaStream_t stream = nullptr;
+      nb::object grad_x;
+      PyDispatchHandle* handle = nullptr;
+    };
+    BackwardInputs in = checked(Leg::combine, stream, grad, [&] {
+      BackwardInputs got;
+      got.handle = required_handle(handle, "dispatch_backward");
+      bool const expert_major = expert_layout(layout, "dispatch_backward");
+      nb::ndarray<nb::ro> const ga =
+          grad_rows(grad, "grad", expert_major, got.handle->num_recv_host, "dispatch_backward");
+      Framework const framework = framework_of(grad);
+      int const num_tokens = got.handle->handle.num_tokens();
+      got.grad_x =
+          out.is_none() ? allocate_rows(framework, grad, num_tokens, fp32, "dispatch_backward") : nb::borrow(out);
+      auto const oa = placement_.import <nb::ndarray<>>(got.grad_x, "out", {num_tokens, hidden_}, "");
+      if (fp32)
+        check_dtype(oa.dtype(), "out", {kF32}, "float32 (fp32=True)");
+      else
+        check_dtype(oa.dtype(), "out", {kBf16, kU16}, "bfloat16 (or uint16 holding bf16 bits; fp32=True for float32)");
+      got.args.handle = &got.handle->handle;
+      got.args.layout = expert_major ? CombineLayout::expert_major : CombineLayout::rank_major;
+      got.args.grad = ga.data();
+      got.args.grad_x = oa.data();
+      got.args.grad_x_fp32 = fp32;
+      got.args.eager = eager;
+      got.stream = resolve_stream(stream, framework);
+      return got;
+    });
+    {
+      Exclusive const exclusive(*this);
+      nb::gil_scoped_release release;
+      buffer_->dispatch_backward(in.args, in.stream);
+    }
+    use_handle(*in.handle);
+    return in.grad_x;
+  }
+
+  // The backward pass of a combine (EpBuffer::combine_backward): a cached dispatch of grad_y [num_tokens, hidden].
+  // Returns (the gradient rows: recv_x for layout 'rank', expert_x for 'expert', views of this buffer valid until its
+  // next dispatch; grad_topk_weights [num_tokens, topk] float32 or None).
+  nb::tuple combine_backward(nb::handle grad_y, nb::handle handle, std::string const& layout, nb::handle x,
+                             std::optional<bool> want_grad_weights, nb::handle grad_topk_weights, bool eager,
+                             nb::handle stream) {
+    struct BackwardInputs {
+      CombineBackwardArgs args;
+      cudaStream_t stream = nullptr;
+      nb::object grad_w;
+      Framework framework = kNumpy;
+      int num_tokens = 0;
+    };
+    // NOTE: an unreadable layout is refused as the default one ('expert'): which exchanges a refusal joins depends on
+    // the layout (below), and the peers' calls are meant to be the same call.
+    bool const expert_major = layout != "rank";
+    BackwardInputs in;
+    std::string reason;
+    try {
+      PyDispatchHandle* const h = required_handle(handle, "combine_backward");
+      expert_layout(layout, "combine_backward");
+      in.num_tokens = h->handle.num_tokens();
+      in.framework = framework_of(grad_y);
+      auto const ga = placement_.import <nb::ndarray<nb::ro>>(grad_y, "grad_y", {in.num_tokens, hidden_}, "");
+      check_dtype(ga.dtype(), "grad_y", {kBf16, kU16}, "bfloat16 (or uint16 holding bf16 bits)");
+      bool const want = want_grad_weights.value_or(expert_major);
+      if (expert_major) {
+        FERRY_CHECK_INPUT(slots_ > 0, "combine_backward layout='expert' needs an expert-major layout: create the ",
+                          "EpBuffer with expert_capacity");
+        FERRY_CHECK_INPUT(!want || !x.is_none(), "combine_backward layout='expert' computes grad_topk_weights from ",
+                          "x, the forward combine's expert outputs [", num_local_, ", ", slots_, ", ", hidden_,
+                          "]; pass x, or want_grad_weights=False");
+        if (!x.is_none()) {
+          auto const xa = placement_.import <nb::ndarray<nb::ro>>(x, "x", {num_local_, slots_, hidden_}, "");
+          check_dtype(xa.dtype(), "x", {kBf16, kU16}, "bfloat16 (or uint16 holding bf16 bits)");
+          in.args.x = xa.data();
+        }
+      } else {
+        FERRY_CHECK_INPUT(!want, "combine_backward layout='rank' has no weights to differentiate (the caller ",
+                          "applied them); pass want_grad_weights=False (or leave it None)");
+        if (!x.is_none()) in.args.x = nonnull(placement_.import_any<nb::ndarray<nb::ro>>(x, "x").data());
+      }
+      if (want) {
+        in.grad_w = grad_topk_weights.is_none()
+                        ? allocate(in.framework, grad_y, in.num_tokens, topk_, true, "combine_backward")
+                        : nb::borrow(grad_topk_weights);
+        auto const wa = placement_.import <nb::ndarray<>>(in.grad_w, "grad_topk_weights", {in.num_tokens, topk_}, "");
+        check_dtype(wa.dtype(), "grad_topk_weights", {kF32}, "float32");
+        in.args.grad_topk_weights = static_cast<float*>(wa.data());
+      } else {
+        FERRY_CHECK_INPUT(grad_topk_weights.is_none(), "grad_topk_weights is given but want_grad_weights=False");
+      }
+      in.args.handle = &h->handle;
+      in.args.layout = expert_major ? CombineLayout::expert_major : CombineLayout::rank_major;
+      in.args.grad_y = ga.data();
+      in.args.eager = eager;
+      in.stream = resolve_stream(stream, in.framework);
+    } catch (InputError const& error) {
+      reason = error.what();
+    }
+    if (!reason.empty()) {
+      cudaStream_t const s = refusal_stream(stream, grad_y);
+      Exclusive const exclusive(*this);
+      forget_dispatch();
+      nb::gil_scoped_release release;
+      refuse_combine_backward(reason, expert_major, s);
+    }
+    DispatchResult got;
+    {
+      Exclusive const exclusive(*this);
+      forget_dispatch();  // as in dispatch: remembered once it returned
+      nb::gil_scoped_release release;
+      got = buffer_->combine_backward(in.args, in.stream);
+    }
+    remember_dispatch(in.num_tokens, got, in.framework, eager);
+    PyDispatchResult const views = result(got, in.framework, eager);
+    return nb::make_tuple(expert_major ? views.expert_x : views.recv_x, in.grad_w.is_valid() ? in.grad_w : nb::none());
   }
 
   // Host seconds of `iters` dispatch + combine pairs run in a C++ loop (arguments converted once): what the same
@@ -673,7 +858,8 @@ class PyEpBuffer {
                        nb::handle combine_x, std::string const& layout, nb::handle out, bool eager, nb::handle stream) {
     FERRY_CHECK_INPUT(iters >= 1, "iters=", iters, " must be at least 1");
     Inputs const d = dispatch_inputs(x, topk_idx, topk_weights, nb::none(), nb::none(), expand, eager, stream);
-    CombineInputs const c = combine_inputs(combine_x, layout, out, eager, stream, d.args.num_tokens);
+    CombineInputs const c =
+        combine_inputs(combine_x, layout, out, eager, stream, d.args.num_tokens, last_num_recv_host_);
     Exclusive const exclusive(*this);
     nb::gil_scoped_release release;
     auto const start = std::chrono::steady_clock::now();
@@ -764,17 +950,89 @@ class PyEpBuffer {
     return nullptr;
   }
 
-  nb::object allocate_y(Framework framework, nb::handle like, int num_tokens) const {
-    nb::tuple const shape = nb::make_tuple(num_tokens, hidden_);
+  // An output [rows, cols] in like's framework and device: bf16 (NumPy: uint16 bits) or float32.
+  nb::object allocate(Framework framework, nb::handle like, int64_t rows, int64_t cols, bool fp32,
+                      char const* call) const {
+    nb::tuple const shape = nb::make_tuple(rows, cols);
     if (framework == kTorch) {
       Frameworks const& f = frameworks();
-      return f.torch_empty(shape, "dtype"_a = f.torch_bf16, "device"_a = like.attr("device"));
+      nb::object const dtype = fp32 ? f.torch_f32 : f.torch_bf16;
+      return f.torch_empty(shape, "dtype"_a = dtype, "device"_a = like.attr("device"));
     }
-    FERRY_CHECK_INPUT(placement_.backend() == Backend::cpu, "combine cannot allocate its output for a ",
-                      python_type_name(like), " on the cuda backend; pass out=[", num_tokens, ", ", hidden_,
-                      "] bfloat16 on cuda:", placement_.device());
+    FERRY_CHECK_INPUT(placement_.backend() == Backend::cpu, call, " cannot allocate its output for a ",
+                      python_type_name(like), " on the cuda backend; pass out=[", rows, ", ", cols, "] ",
+                      fp32 ? "float32" : "bfloat16", " on cuda:", placement_.device());
     numpy_ndarray_type();
-    return frameworks().numpy_empty(shape, "dtype"_a = "uint16");
+    return frameworks().numpy_empty(shape, "dtype"_a = fp32 ? "float32" : "uint16");
+  }
+  nb::object allocate_rows(Framework framework, nb::handle like, int64_t rows, bool fp32, char const* call) const {
+    return allocate(framework, like, rows, hidden_, fp32, call);
+  }
+
+  // ---- handles
+
+  static PyDispatchHandle* handle_arg(nb::handle object, char const* name) {
+    if (object.is_none()) return nullptr;
+    PyDispatchHandle* handle = nullptr;
+    FERRY_CHECK_INPUT(nb::try_cast(object, handle, /*convert=*/false) && handle != nullptr, name,
+                      " must be a ferry.DispatchHandle (EpBuffer.make_handle()), got ", python_type_name(object));
+    return handle;
+  }
+  static PyDispatchHandle* required_handle(nb::handle object, char const* call) {
+    PyDispatchHandle* const handle = handle_arg(object, "handle");
+    FERRY_CHECK_INPUT(handle != nullptr, call, " needs handle, the forward dispatch's DispatchHandle (filled by ",
+                      "dispatch(..., save_handle=h))");
+    return handle;
+  }
+  // After a call that made the handle's layout the buffer's current one (EpBuffer: combine with a handle and the
+  // backward passes): a later combine without a handle refers to that dispatch.
+  void use_handle(PyDispatchHandle const& handle) {
+    last_num_tokens_ = handle.handle.num_tokens();
+    last_num_recv_host_ = handle.num_recv_host;
+  }
+
+  static bool expert_layout(std::string const& layout, char const* call) {
+    FERRY_CHECK_INPUT(layout == "expert" || layout == "rank", call, " layout='", layout, "' is not a layout; use ",
+                      "'expert' (expert-major rows [num_local_experts, expert_capacity, hidden]) or 'rank' ",
+                      "(rank-major rows [num_recv, hidden])");
+    return layout == "expert";
+  }
+
+  // Gradient rows in a dispatch's layout: expert-major [num_local_experts, expert_capacity, hidden], or rank-major
+  // [>= num_recv, hidden] (num_recv_host < 0: recv_capacity rows), bf16.
+  nb::ndarray<nb::ro> grad_rows(nb::handle grad, char const* name, bool expert_major, int64_t num_recv_host,
+                                char const* call) const {
+    nb::ndarray<nb::ro> ga;
+    if (expert_major) {
+      FERRY_CHECK_INPUT(slots_ > 0, call, " layout='expert' needs an expert-major layout: create the EpBuffer with ",
+                        "expert_capacity");
+      ga = placement_.import <nb::ndarray<nb::ro>>(grad, name, {num_local_, slots_, hidden_}, "");
+    } else {
+      ga = placement_.import <nb::ndarray<nb::ro>>(grad, name, {-1, hidden_}, "rows");
+      int64_t const needed = num_recv_host >= 0 ? num_recv_host : capacity_;
+      FERRY_CHECK_INPUT(static_cast<int64_t>(ga.shape(0)) >= needed, name, " has ", ga.shape(0), " rows; ", call,
+                        " layout='rank' reads ", needed,
+                        num_recv_host >= 0 ? " (num_recv of the handle's dispatch)" : " (recv_capacity)",
+                        " rows of [rows, hidden=", hidden_, "]");
+    }
+    check_dtype(ga.dtype(), name, {kBf16, kU16}, "bfloat16 (or uint16 holding bf16 bits)");
+    return ga;
+  }
+
+  // A refused combine_backward, as EpBuffer's own refusal of it runs: the cached dispatch joined as a refusal, then
+  // (expert-major) the weight step's exchange of the dots joined with none of this rank's.
+  // NOTE: EpBuffer has no public refusal of combine_backward (refuse_dispatch joins the dispatch leg alone, and the
+  // peers' expert-major calls then wait in the weight step for this rank until FERRY_TIMEOUT_S); the binding makes
+  // the backend's call that EpBuffer::combine_backward makes on its own refusal path.
+  [[noreturn]] void refuse_combine_backward(std::string const& reason, bool expert_major, cudaStream_t stream) {
+    try {
+      buffer_->refuse_dispatch(reason, stream);
+    } catch (InputError const&) {
+      if (expert_major)
+        const_cast<detail::EpBackendImpl&>(detail::EpBufferAccess::impl(*buffer_))
+            .refuse_combine_backward_weights(stream);
+      throw;
+    }
   }
 
   // ---- cached views
@@ -1203,6 +1461,36 @@ NB_MODULE(_ext, m) {
       .def_ro("recv_capacity", &PyDispatchResult::recv_capacity)
       .def_ro("expert_slots", &PyDispatchResult::expert_slots);
 
+  nb::class_<PyDispatchHandle>(
+      m, "DispatchHandle",
+      "The routing layout of one normal-mode dispatch, kept for later calls (training): made by "
+      "EpBuffer.make_handle(), filled by dispatch(..., save_handle=h), read by a cached dispatch (dispatch(x, "
+      "handle=h)), combine(..., handle=h), dispatch_backward and combine_backward. It fits every EpBuffer of the "
+      "same communicator and layout shape (num_experts, topk, max_tokens_per_rank, recv_capacity, expert_capacity), "
+      "whatever its hidden size, and may outlive the EpBuffer that made it. Its storage is a torch uint8 tensor "
+      "(cuda backend with torch) or host memory (cpu).")
+      .def_prop_ro(
+          "saved", [](PyDispatchHandle const& h) { return h.handle.saved(); },
+          "True once a dispatch saved its layout into it.")
+      .def_prop_ro(
+          "num_tokens", [](PyDispatchHandle const& h) { return h.handle.num_tokens(); },
+          "Tokens of the dispatch that saved it (0 before).")
+      .def_prop_ro(
+          "expanded", [](PyDispatchHandle const& h) { return h.handle.expanded(); },
+          "True when that dispatch filled the expert-major layout (expand=True).")
+      .def_prop_ro(
+          "num_recv_host",
+          [](PyDispatchHandle const& h) {
+            return h.num_recv_host >= 0 ? std::optional<int64_t>(h.num_recv_host) : std::nullopt;
+          },
+          "Rows that dispatch received, when it knew them on the host (eager; cpu always), else None.")
+      .def_prop_ro(
+          "bytes", [](PyDispatchHandle const& h) { return h.handle.bytes(); },
+          "Device bytes of its storage (0 on the cpu backend).")
+      .def_ro("storage", &PyDispatchHandle::storage,
+              "The torch uint8 tensor holding it on the device, or None (cpu backend; cuda without torch: the "
+              "library's own allocation).");
+
   nb::class_<PyEpBuffer>(m, "EpBuffer",
                          "Dispatch and combine of one MoE layer's tokens (collective: every rank creates it with the "
                          "same arguments).")
@@ -1224,21 +1512,50 @@ NB_MODULE(_ext, m) {
           "combine_format"_a = "bf16", "dispatch_dequantize"_a = defaults.dispatch_dequantize,
           "recv_scale_layout"_a = scale_layout_name(defaults.recv_scale_layout), "mode"_a = "normal",
           "dispatch_geometry"_a = nb::none(), "combine_geometry"_a = nb::none())
-      .def("dispatch", &PyEpBuffer::dispatch, "x"_a, "topk_idx"_a, "topk_weights"_a, nb::kw_only(),
-           "x_scales"_a = nb::none(), "x_token_scales"_a = nb::none(), "expand"_a = false, "eager"_a = true,
-           "return_recv_hook"_a = false, "stream"_a = nb::none(),
+      .def("dispatch", &PyEpBuffer::dispatch, "x"_a, "topk_idx"_a = nb::none(), "topk_weights"_a = nb::none(),
+           nb::kw_only(), "x_scales"_a = nb::none(), "x_token_scales"_a = nb::none(), "expand"_a = false,
+           "eager"_a = true, "return_recv_hook"_a = false, "save_handle"_a = nb::none(), "handle"_a = nb::none(),
+           "stream"_a = nb::none(),
            "Sends each token to the ranks of its experts. x [T, hidden] bf16, topk_idx [T, topk] int32/int64 "
            "(global ids, -1 = none), topk_weights [T, topk] float32. Returns a DispatchResult of views. "
            "Pre-quantized input (a quantized dispatch_format): x the payload (fp8 [T, hidden] float8_e4m3fn or "
            "uint8; fp4 [T, hidden / 2] uint8), x_scales [T, num_scales] (float32 for fp8, uint8 otherwise), "
            "x_token_scales [T] float32 (nvfp4). "
-           "return_recv_hook (mode='ll'): return after the send half; complete_dispatch() runs the receive half.")
+           "return_recv_hook (mode='ll'): return after the send half; complete_dispatch() runs the receive half. "
+           "save_handle=h (normal mode): also save this dispatch's layout into the DispatchHandle h. handle=h: a "
+           "cached dispatch, routed by h's saved layout (topk_idx and topk_weights None, T = h.num_tokens).")
       .def("combine", &PyEpBuffer::combine, "x"_a, "layout"_a = "expert", nb::kw_only(), "out"_a = nb::none(),
-           "eager"_a = true, "return_recv_hook"_a = false, "stream"_a = nb::none(),
+           "eager"_a = true, "return_recv_hook"_a = false, "handle"_a = nb::none(), "stream"_a = nb::none(),
            "Brings the expert outputs of the last dispatch back: layout='expert' takes [num_local_experts, "
            "expert_capacity, hidden] and applies the weights; layout='rank' takes [num_recv, hidden] rows already "
            "reduced. Returns out (allocated when None) [T, hidden] bf16. return_recv_hook (mode='ll'): return "
-           "after the send half; out is filled by complete_combine().")
+           "after the send half; out is filled by complete_combine(). handle=h (normal mode): combine the rows of the "
+           "dispatch h saved instead of the last one (T = h.num_tokens); h's layout becomes the current one.")
+      .def("make_handle", &PyEpBuffer::make_handle,
+           "A DispatchHandle for this buffer's layout shape (normal mode; ConfigError for mode='ll'). Not collective; "
+           "on the cuda backend its storage is a torch uint8 tensor of handle_bytes() on this GPU (torch's caching "
+           "allocator, on the current stream).")
+      .def_prop_ro(
+          "handle_bytes", [](PyEpBuffer const& b) { return b.buffer().handle_bytes(); },
+          "Device bytes of one DispatchHandle (0 on the cpu backend, whose handles live in host memory).")
+      .def("dispatch_backward", &PyEpBuffer::dispatch_backward, "grad"_a, "handle"_a, "layout"_a = "expert",
+           nb::kw_only(), "out"_a = nb::none(), "fp32"_a = false, "eager"_a = true, "stream"_a = nb::none(),
+           "The backward pass of the dispatch that saved handle (a combine leg without weights): grad is the "
+           "gradient of what it delivered, layout='expert' of expert_x [num_local_experts, expert_capacity, "
+           "hidden] (the handle must be expanded), layout='rank' of recv_x [>= num_recv, hidden], bf16. Returns out "
+           "(allocated when None) [T, hidden]: bf16, or float32 with fp32=True (the fp32 sum, not rounded): "
+           "grad_x[t] = the sum of the gradients of every copy of token t. The gradient of topk_weights through "
+           "dispatch is 0 (dispatch does not use them).")
+      .def("combine_backward", &PyEpBuffer::combine_backward, "grad_y"_a, "handle"_a, "layout"_a = "expert",
+           nb::kw_only(), "x"_a = nb::none(), "want_grad_weights"_a = nb::none(), "grad_topk_weights"_a = nb::none(),
+           "eager"_a = true, "stream"_a = nb::none(),
+           "The backward pass of a combine of the dispatch that saved handle (a cached dispatch of grad_y [T, "
+           "hidden] bf16). Returns (rows, grad_topk_weights): rows, views of this buffer valid until its next "
+           "dispatch, are layout='rank' recv_x (row of (s, t) = grad_y[t] of s) or layout='expert' expert_x (slot of "
+           "entry (t, k) = bf16(w[t, k] * grad_y[t]), unfilled slots 0). grad_topk_weights (layout='expert', "
+           "want_grad_weights None or True; needs x, the forward combine's expert outputs [num_local_experts, "
+           "expert_capacity, hidden] bf16): [T, topk] float32, <grad_y[t], x of the slot of (t, k)> (0 for an id of "
+           "-1 or an entry without a slot), written into grad_topk_weights when given; else None.")
       .def("complete_dispatch", &PyEpBuffer::complete_dispatch, "stream"_a = nb::none(),
            "The receive half of a dispatch made with return_recv_hook; returns its DispatchResult.")
       .def("complete_combine", &PyEpBuffer::complete_combine, "stream"_a = nb::none(),
