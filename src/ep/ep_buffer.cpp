@@ -425,7 +425,7 @@ DispatchResult EpBuffer::combine_backward(CombineBackwardArgs const& args, cudaS
   }
   DispatchResult result;
   try {
-    result = impl_->dispatch(run, stream);
+    result = expert_major ? impl_->dispatch_gradients(run, stream) : impl_->dispatch(run, stream);
   } catch (InputError const&) {
     // a peer refused (the cpu backend raises it from the dispatch): the weight step's exchange is joined all the same
     if (expert_major) impl_->refuse_combine_backward_weights(stream);

@@ -74,14 +74,20 @@ class EpBackendImpl {
   // A cached dispatch: `args` with topk_idx, topk_idx_type and topk_weights pointing at the handle's saved ids and
   // weights (storage the backend reads on its own side: device on cuda, host on cpu).
   virtual DispatchArgs cached_args(HandleState const& handle, DispatchArgs args) const;
+  // combine_backward's cached dispatch of grad_y (expert-major: args.expand). The backend may leave the slots' rows
+  // unwritten when its combine_backward_weights writes them (scaled) from the rank-major rows; the default is
+  // dispatch.
+  virtual DispatchResult dispatch_gradients(DispatchArgs const& args, cudaStream_t stream) {
+    return dispatch(args, stream);
+  }
   // Make the handle's layout the current one (what combine reads), replacing the last dispatch's.
   virtual void restore_handle(HandleState const& handle, cudaStream_t stream);
   // dispatch_backward's combine: as combine, but expert-major entries take the weight 1 (not recv_topk_weights) and,
   // with y_fp32, y is fp32 (the source's sum, not rounded). A refused one is refuse_combine.
   virtual void combine_unweighted(CombineArgs const& args, bool y_fp32, cudaStream_t stream);
-  // combine_backward's weight step, after the cached expert-major dispatch of grad_y (expert_x holds grad_y per slot):
-  // per filled slot (e, j) of entry (t, k): the fp32 dot of expert_x(e, j) with x(e, j) (skipped where x is null)
-  // goes back to the source as grad_topk_weights[t, k], and expert_x(e, j) becomes bf16(w[t,k] * expert_x(e, j)).
+  // combine_backward's weight step, after dispatch_gradients (the grad_y rows delivered rank-major): per filled slot
+  // (e, j) of entry (row i, k): the fp32 dot of grad_y's row i with x(e, j) (skipped where x is null) goes back to the
+  // source as grad_topk_weights[t, k], and expert_x(e, j) becomes bf16(w[t,k] * grad_y row i).
   // The exchange of the dots always runs (collective); grad_w null: this rank writes none. num_tokens: the handle's.
   virtual void combine_backward_weights(HandleState const& handle, void const* x, float* grad_w, bool eager,
                                         cudaStream_t stream);

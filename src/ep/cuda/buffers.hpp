@@ -129,7 +129,9 @@ struct LaunchPlan {
 LaunchPlan plan_dispatch(Buffers const& buffers, int num_tokens);
 void launch_dispatch(Buffers const& buffers, DispatchArgs const& args, LaunchPlan const& plan, cudaStream_t stream,
                      bool refuse = false, detail::LegRecord* record = nullptr);
-void launch_expand(Buffers const& buffers, bool copy_rows, cudaStream_t stream);
+// skip_rows (with copy_rows, bf16 rows): fill the slots' layout and expert_src_row but not the rows (combine_backward's
+// weight step writes them, scaled).
+void launch_expand(Buffers const& buffers, bool copy_rows, cudaStream_t stream, bool skip_rows = false);
 LaunchPlan plan_combine(Buffers const& buffers, int num_tokens);
 // What a combine computes besides the forward combine (dispatch_backward: EpBackendImpl::combine_unweighted).
 struct CombineVariant {

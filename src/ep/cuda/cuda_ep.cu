@@ -149,6 +149,16 @@ class CudaEp final : public detail::EpBackendImpl {
   ~CudaEp() override { release(); }
 
   DispatchResult dispatch(DispatchArgs const& args, cudaStream_t stream) override {
+    return run_dispatch(args, stream, false);
+  }
+
+  // combine_backward's cached dispatch: the expand fills the slots' layout but not their rows, which the weight step
+  // writes scaled from recv_x (weight_grad.cuh): one pass over the slots instead of a copy and a pass in place.
+  DispatchResult dispatch_gradients(DispatchArgs const& args, cudaStream_t stream) override {
+    return run_dispatch(args, stream, args.expand);
+  }
+
+  DispatchResult run_dispatch(DispatchArgs const& args, cudaStream_t stream, bool skip_slot_rows) {
     Buffers const& b = buffers_;
     detail::LegRecord& leg = start(record_.dispatch);
     leg.ids = args.topk_idx_type;
@@ -169,7 +179,7 @@ class CudaEp final : public detail::EpBackendImpl {
     bool const cached = args.topk_idx != nullptr && args.topk_idx == cached_ids_;
     cached_ids_ = nullptr;
     if (args.expand) {
-      launch_expand(b, /*copy_rows=*/true, stream);
+      launch_expand(b, /*copy_rows=*/true, stream, skip_slot_rows);
     } else if (cached && b.expert_slots > 0) {
       // NOTE: a cached dispatch makes its handle's layout the current one (EpBuffer::make_current), and an
       // expert-major combine of that handle reads recv_slot, which only expand writes: without expand, an older

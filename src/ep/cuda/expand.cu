@@ -9,7 +9,7 @@ namespace ferry::cuda_ep {
 namespace {
 
 // Kernel invariants only (FERRY_CHECK: a failure is a bug; check_dispatch_invariants in buffers.cu says why).
-ExpandParams to_params(Buffers const& b, bool copy_rows) {
+ExpandParams to_params(Buffers const& b, bool copy_rows, bool skip_rows) {
   FERRY_CHECK(b.expert_slots > 0, "the expert-major layout needs EpConfig::expert_capacity (rows per local ",
               "expert); set it when creating the EpBuffer");
   FERRY_CHECK(!copy_rows || (b.expert_x && b.expert_src_row), "expert-major buffers are not allocated");
@@ -31,13 +31,16 @@ ExpandParams to_params(Buffers const& b, bool copy_rows) {
   p.recv_slot = b.recv_slot;
   p.expert_x = b.expert_x;
   p.expert_src_row = b.expert_src_row;
+  p.skip_rows = skip_rows;
   return p;
 }
 
 }  // namespace
 
-void launch_expand(Buffers const& buffers, bool copy_rows, cudaStream_t stream) {
-  ExpandParams const p = to_params(buffers, copy_rows);
+void launch_expand(Buffers const& buffers, bool copy_rows, cudaStream_t stream, bool skip_rows) {
+  FERRY_CHECK(!skip_rows || (copy_rows && !buffers.config.delivers_quantized()),
+              "skip_rows belongs to combine_backward's expand of bf16 rows");
+  ExpandParams const p = to_params(buffers, copy_rows, skip_rows);
   unsigned const ctas = static_cast<unsigned>(p.num_ctas);
   if (copy_rows && p.format != WireFormat::bf16)
     expand_kernel<true, true><<<ctas, kThreads, 0, stream>>>(p);

@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(kThreads) expand_kernel(ExpandParams const p) 
       __syncthreads();
       int const total = s_total;
       if constexpr (kCopyRows) {
-        int const filled_end = total < slots ? total : slots;
+        int const filled_end = p.skip_rows ? running : (total < slots ? total : slots);
         for (int j = warp; running + j < filled_end; j += kWarps) {
           char const* src = p.sym_local + p.layout.recv_x + static_cast<std::size_t>(s_rows[j]) * row_bytes;
           char* dst = static_cast<char*>(p.expert_x) + (static_cast<std::size_t>(e) * slots + running + j) * row_bytes;

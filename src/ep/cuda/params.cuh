@@ -212,8 +212,11 @@ struct ExpandParams : KernelParams {
   float* expert_token_scales;      // nvfp4: [num_local_experts, expert_slots]
   int num_local_experts;
   int expert_slots;
-  int32_t* recv_slot;       // [recv_capacity, topk]
-  void* expert_x;           // [num_local_experts, expert_slots, row_bytes] (copy only)
+  int32_t* recv_slot;  // [recv_capacity, topk]
+  void* expert_x;      // [num_local_experts, expert_slots, row_bytes] (copy only)
+  // copy only: fill expert_src_row but leave the rows to combine_backward's weight step (weight_grad.cuh), which writes
+  // each slot scaled from its row in recv_x: one pass over the slots instead of a copy and a pass in place
+  bool skip_rows;
   int32_t* expert_src_row;  // [num_local_experts, expert_slots] (copy only)
 };
 
@@ -257,7 +260,7 @@ struct HandleCopyParams {
 struct WeightGradParams : KernelParams {
   void const* x;             // the forward combine's expert outputs [num_local_experts, expert_slots, hidden] (null:
                              // no dots: every entry sends 0)
-  void* expert_x;            // grad_y per filled slot, scaled in place by the entry's weight
+  void* expert_x;            // out: bf16_rn(w * grad_y) per filled slot (grad_y read from the row in recv_x)
   int32_t const* recv_slot;  // [recv_capacity, topk]
   int num_local_experts;
   int expert_slots;

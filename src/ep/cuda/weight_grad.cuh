@@ -1,18 +1,19 @@
-// combine_backward's weight step (normal mode), after the cached expert-major dispatch of grad_y: expert_x holds
-// grad_y[t] of source (s, t) in every filled slot (e, j) of its entries, and x (the forward combine's expert outputs)
-// the rows those slots held in the forward pass.
+// combine_backward's weight step (normal mode), after the cached expert-major dispatch of grad_y: recv_x holds
+// grad_y[t] of source (s, t) in received row i (the expand filled the slots' layout but not their rows:
+// CudaEp::dispatch_gradients), and x (the forward combine's expert outputs) the rows the slots held in the forward
+// pass.
 //
 // Two kernels, so that no CTA waits while another rank still has work to do on the same SMs:
 //  1. send (the grid; never waits): a warp per received row i, its entries (i, k) of a local expert in ascending k.
-//     A filled slot (e, j): dot = the canonical warp dot of expert_x(e, j) and x(e, j) (ref::dot_warp: lane l takes
+//     A filled slot (e, j): dot = the canonical warp dot of row i and x(e, j) (ref::dot_warp: lane l takes
 //     the 16-byte vectors l, l + 32, ... ascending and their 8 elements ascending, acc = fmaf(a, b, acc) from +0.0f,
-//     then the xor butterfly m = 16, 8, 4, 2, 1), and expert_x(e, j) becomes bf16_rn(w[i, k] * g) in place (each lane
-//     reads its own vectors before it overwrites them). The dot goes back to the source s = recv_src[i].rank as the
-//     word (seq << 32 | bits) at weight_grad[parity][t][k] of s: each entry has one rank holding its expert, so that
-//     rank alone writes the word. An entry of a local expert without a slot (past expert_capacity) sends a tagged 0.
-//     Then every CTA adds its share of kWeightGradArrivalsPerCall to every rank's arrival counter of this rank
-//     (release, after the CTA's barrier: cumulative over the CTA's word stores), so the sum per call does not depend
-//     on the grid.
+//     then the xor butterfly m = 16, 8, 4, 2, 1), and expert_x(e, j) = bf16_rn(w[i, k] * g): one pass that reads the
+//     row (once from memory, then from the L2) and x, and writes the slot. The dot goes back to the source
+//     s = recv_src[i].rank as the word (seq << 32 | bits) at weight_grad[parity][t][k] of s: each entry has one rank
+//     holding its expert, so that rank alone writes the word. An entry of a local expert without a slot (past
+//     expert_capacity) sends a tagged 0. Then every CTA adds its share of kWeightGradArrivalsPerCall to every rank's
+//     arrival counter of this rank (release, after the CTA's barrier: cumulative over the CTA's word stores), so the
+//     sum per call does not depend on the grid.
 //  2. collect (kWeightGradWaitCtas CTAs): thread d waits until rank d's arrivals reach seq * kWeightGradArrivalsPerCall
 //     (acquire, bounded, naming d on expiry; past (seq + 1) per call is an out-of-step error), then grad_w[t, k] =
 //     the word's value when its tag is seq, else 0 (an id of -1, or a row dropped by the receive capacity: no rank
@@ -43,19 +44,20 @@ __device__ __forceinline__ std::size_t weight_grad_offset(KernelParams const& p,
          ((static_cast<std::size_t>(parity) * p.max_tokens + token) * p.topk + k) * sizeof(uint64_t);
 }
 
-// One filled slot, warp-wide: the canonical dot of g (grad_y, overwritten) and x (null: none, 0), and g scaled in place
-// to bf16_rn(w * g). Every lane returns the same dot.
-__device__ __forceinline__ float dot_and_scale(int4* g, int4 const* x, float w, int num_vec, int lane) {
+// One filled slot, warp-wide: the canonical dot of g (grad_y's row) and x (null: none, 0), and out = bf16_rn(w * g).
+// Every lane returns the same dot.
+__device__ __forceinline__ float dot_and_scale(int4* out, int4 const* g, int4 const* x, float w, int num_vec,
+                                               int lane) {
   float acc = 0.0f;
   for (int i0 = 0; i0 < num_vec; i0 += 32 * kWeightGradUnroll) {
     int const i = i0 + lane;
     int4 gv[kWeightGradUnroll];
     int4 xv[kWeightGradUnroll];
-    // coherent loads of g: this kernel overwrites it; x is read-only here
+    // g (recv_x) and x are read-only here; a row's g is read once per entry, from the L2 after the first
 #pragma unroll
     for (int u = 0; u < kWeightGradUnroll; ++u) {
       if (i + u * 32 >= num_vec) continue;
-      gv[u] = device::arch::load_v4(g + i + u * 32);
+      gv[u] = device::arch::load_nc_v4(g + i + u * 32);
       if (x != nullptr) xv[u] = device::arch::load_nc_v4(x + i + u * 32);
     }
 #pragma unroll
@@ -72,7 +74,7 @@ __device__ __forceinline__ float dot_and_scale(int4* g, int4 const* x, float w, 
       float scaled[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) scaled[j] = __fmul_rn(w, gf[j]);  // the product in fp32, then rounded to bf16
-      g[i + u * 32] = device::float_to_bf16x8(scaled);
+      out[i + u * 32] = device::float_to_bf16x8(scaled);
     }
   }
   // the butterfly of ref::dot_warp: every lane ends with the same sum (float addition is commutative)
@@ -130,7 +132,9 @@ __global__ void __launch_bounds__(kThreads) weight_grad_send_kernel(WeightGradPa
         float const w_k = __shfl_sync(0xffffffffu, w, k);
         std::size_t const at = (static_cast<std::size_t>(e_k) * p.expert_slots + slot_k) * num_vec;
         int4 const* const x = p.x != nullptr ? static_cast<int4 const*>(p.x) + at : nullptr;
-        float const dot = dot_and_scale(static_cast<int4*>(p.expert_x) + at, x, w_k, num_vec, lane);
+        int4 const* const g =
+            reinterpret_cast<int4 const*>(sym + p.layout.recv_x) + static_cast<std::size_t>(row) * num_vec;
+        float const dot = dot_and_scale(static_cast<int4*>(p.expert_x) + at, g, x, w_k, num_vec, lane);
         if (lane == 0)
           *reinterpret_cast<uint64_t volatile*>(p.net.window(src.x) + weight_grad_offset(p, parity, src.y, k)) =
               (seq << 32) | __float_as_uint(dot);
