@@ -283,6 +283,11 @@ class EpBuffer {
   // Both make the handle's layout the buffer's current one (as CombineArgs::handle).
   void dispatch_backward(DispatchBackwardArgs const& args, cudaStream_t stream = nullptr);
   DispatchResult combine_backward(CombineBackwardArgs const& args, cudaStream_t stream = nullptr);
+  // For a binding that checks a backward call's arguments itself: joins this rank's next combine_backward of
+  // `layout` as a refusal with `reason` (every rank must pass the same layout), then throws InputError(reason).
+  // dispatch_backward's refusal is refuse_combine (it is a combine leg). Collective.
+  [[noreturn]] void refuse_combine_backward(CombineLayout layout, std::string const& reason,
+                                            cudaStream_t stream = nullptr);
 
   // The leg whose receive half is pending ("" when none).
   char const* pending_hook() const;

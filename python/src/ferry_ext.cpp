@@ -26,7 +26,6 @@
 #include <vector>
 
 #include "core/launcher.hpp"
-#include "ep/ep_impl.hpp"
 #include "ferry/bootstrap.hpp"
 #include "ferry/communicator.hpp"
 #include "ferry/env.hpp"
@@ -1019,20 +1018,9 @@ class PyEpBuffer {
     return ga;
   }
 
-  // A refused combine_backward, as EpBuffer's own refusal of it runs: the cached dispatch joined as a refusal, then
-  // (expert-major) the weight step's exchange of the dots joined with none of this rank's.
-  // NOTE: EpBuffer has no public refusal of combine_backward (refuse_dispatch joins the dispatch leg alone, and the
-  // peers' expert-major calls then wait in the weight step for this rank until FERRY_TIMEOUT_S); the binding makes
-  // the backend's call that EpBuffer::combine_backward makes on its own refusal path.
   [[noreturn]] void refuse_combine_backward(std::string const& reason, bool expert_major, cudaStream_t stream) {
-    try {
-      buffer_->refuse_dispatch(reason, stream);
-    } catch (InputError const&) {
-      if (expert_major)
-        const_cast<detail::EpBackendImpl&>(detail::EpBufferAccess::impl(*buffer_))
-            .refuse_combine_backward_weights(stream);
-      throw;
-    }
+    buffer_->refuse_combine_backward(expert_major ? CombineLayout::expert_major : CombineLayout::rank_major, reason,
+                                     stream);
   }
 
   // ---- cached views

@@ -486,6 +486,17 @@ void EpBuffer::refuse_dispatch(std::string const& reason, cudaStream_t stream) {
   throw InputError(reason);
 }
 
+void EpBuffer::refuse_combine_backward(CombineLayout layout, std::string const& reason, cudaStream_t stream) {
+  comm_->ensure_usable();
+  FERRY_CHECK_CONFIG(config_.mode == Mode::normal, "combine_backward: mode=ll has no backward passes; train with ",
+                     "mode=normal (docs/training.md)");
+  check_no_pending("combine_backward", pending_hook());
+  current_handle_.reset();
+  join_refused(Leg::dispatch, reason, stream);
+  if (layout == CombineLayout::expert_major) impl_->refuse_combine_backward_weights(stream);
+  throw InputError(reason);
+}
+
 void EpBuffer::refuse_combine(std::string const& reason, cudaStream_t stream) {
   comm_->ensure_usable();
   check_no_pending("combine", pending_hook());
