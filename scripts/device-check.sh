@@ -9,6 +9,10 @@
 # or a test the budget left out, is reported, not fatal).
 #
 # usage: scripts/device-check.sh [--tests REGEX] [--no-tests] [--p2p] [--no-bench] [--p2p-args "ARGS"] [--budget S]
+#                                [--python]
+#   --python                also build the Python module (ferry_python, against the image's torch) and run the Python
+#                           files with GPU cases (test_autograd, test_deep_ep_compat, test_gpu_torch) and
+#                           examples/train_moe.py on one GPU (twice in-process: the loss curves must be equal)
 #   --budget S              seconds for the whole check (default 570: the device tool's 600 s per call, less a margin)
 #   FERRY_TEST_WORLD=N      the EP GPU tests (normal, LL, quantized, trace) at N ranks, one per GPU (default: every
 #                           GPU of the machine, at most 8; 1 on a one-GPU machine: every expert local, the timeout
@@ -22,7 +26,7 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 BUILD=build-device
 LOGS="${OUT:-$BUILD/logs}"
 TEST_REGEX=""
-RUN_TESTS=1 RUN_P2P=0 RUN_BENCH=1
+RUN_TESTS=1 RUN_P2P=0 RUN_BENCH=1 RUN_PYTHON=0
 P2P_ARGS=""
 BUDGET=570
 while [[ $# -gt 0 ]]; do
@@ -34,6 +38,7 @@ while [[ $# -gt 0 ]]; do
     --no-bench) RUN_BENCH=0; shift ;;
     --p2p-args) P2P_ARGS="$2"; RUN_P2P=1; shift 2 ;;
     --budget) BUDGET="$2"; shift 2 ;;
+    --python) RUN_PYTHON=1; shift ;;
     -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "device-check: unknown argument '$1'; see --help" >&2; exit 2 ;;
   esac
@@ -51,7 +56,11 @@ left() { echo $((BUDGET - (SECONDS - START))); }
 
 # 1. configure + build (cmake picks the PyTorch wheel's NCCL, the libnccl a torch process loads)
 stamp "configure + build into $BUILD"
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >"$LOGS/configure.log" 2>&1
+PY=python3
+[[ -x /opt/torch/.venv/bin/python3 ]] && PY=/opt/torch/.venv/bin/python3
+PY_ARGS=()
+[[ $RUN_PYTHON -eq 1 ]] && PY_ARGS=(-DFERRY_BUILD_PYTHON=ON "-DPython_EXECUTABLE=$PY")
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release "${PY_ARGS[@]}" >"$LOGS/configure.log" 2>&1
 BUILD_RC=$?
 grep -E "Ferry: cuda backend" "$LOGS/configure.log"
 if [[ $BUILD_RC -ne 0 ]]; then
@@ -82,6 +91,11 @@ if [[ $RUN_BENCH -eq 1 ]]; then
   timeout 120 "$BUILD/ferry" bench --mode both --tokens 1,128 --graph --check --baseline nccl --iters 10 \
     --json "$LOGS/bench-ll.json" >"$LOGS/bench-ll.log" 2>&1 || BENCH_RC=$?
   tail -n 12 "$LOGS/bench-ll.log"
+  # the training passes beside the forward legs of the same bytes (docs/training.md, docs/perf.md)
+  stamp "ferry bench --backward"
+  timeout 120 "$BUILD/ferry" bench --backward --layout expert --tokens 128,4096 --check --iters 10 \
+    --json "$LOGS/bench-backward.json" >"$LOGS/bench-backward.log" 2>&1 || BENCH_RC=$?
+  grep -E "^(leg|dispatch|combine|backward)" "$LOGS/bench-backward.log" | tail -n 12
 fi
 
 # 3. GPU tests, one ctest run each (each starts one process per rank; a hang is bounded by the tests' own timeouts
@@ -139,6 +153,24 @@ if [[ $RUN_EXAMPLE -eq 1 ]]; then
       >>"$LOGS/example.log" 2>&1 || EXAMPLE_RC=$?
   fi
   tail -n 4 "$LOGS/example.log"
+fi
+
+# 4b. --python: the Python tests on the GPU and the training example on one GPU
+PY_RC=0
+if [[ $RUN_PYTHON -eq 1 && $(left) -lt 60 ]]; then
+  echo "device-check: no time left for the Python tests (budget)"
+  RUN_PYTHON=0
+fi
+if [[ $RUN_PYTHON -eq 1 ]]; then
+  stamp "Python tests (GPU) and examples/train_moe.py"
+  export PYTHONPATH="$PWD/$BUILD/python${PYTHONPATH:+:$PYTHONPATH}"
+  # the files with GPU cases (the others run their cpu worlds in CI already)
+  timeout $(($(left) - 40)) "$PY" -m pytest -q python/tests/test_autograd.py python/tests/test_deep_ep_compat.py \
+    python/tests/test_gpu_torch.py >"$LOGS/python-tests.log" 2>&1 || PY_RC=$?
+  tail -n 3 "$LOGS/python-tests.log"
+  timeout 150 "$PY" -m torch.distributed.run --nproc-per-node 1 examples/train_moe.py --check-determinism \
+    >"$LOGS/train-moe.log" 2>&1 || PY_RC=$?
+  tail -n 8 "$LOGS/train-moe.log"
 fi
 
 # 5. ferry p2p (--p2p: the transport's figures, docs/perf.md)
@@ -208,7 +240,7 @@ if run_p2p:
                 print(f"p2p latency            one-way {r['latency_us']:.2f} us")
         print(f"  (targets: push 256MiB >= 350 oneway, >= 690 bidir sum; latency <= 1.5 us)")
 if run_bench:
-    for name, label in (("bench.json", ""), ("bench-ll.json", "")):
+    for name, label in (("bench.json", ""), ("bench-ll.json", ""), ("bench-backward.json", "")):
         bench = load(name)
         if bench is None:
             print(f"bench                  no result in {name} (exit {bench_rc}); see {name[:-5]}.log")
@@ -222,8 +254,11 @@ if run_bench:
 print(f"logs                   {logs}")
 PY
 
-if [[ $BUILD_RC -ne 0 || $TESTS_RC -ne 0 || $P2P_RC -ne 0 || $EXAMPLE_RC -ne 0 ]]; then
-  echo "device-check: FAILED (build exit $BUILD_RC, gpu tests exit $TESTS_RC, p2p exit $P2P_RC, example exit $EXAMPLE_RC)"
+if [[ $RUN_PYTHON -eq 1 ]]; then
+  echo "python (GPU)           $([[ $PY_RC -eq 0 ]] && echo ok || echo "FAILED (exit $PY_RC), see python-tests.log, train-moe.log")"
+fi
+if [[ $BUILD_RC -ne 0 || $TESTS_RC -ne 0 || $P2P_RC -ne 0 || $EXAMPLE_RC -ne 0 || $PY_RC -ne 0 ]]; then
+  echo "device-check: FAILED (build exit $BUILD_RC, gpu tests exit $TESTS_RC, p2p exit $P2P_RC, example exit $EXAMPLE_RC, python exit $PY_RC)"
   exit 1
 fi
 echo "device-check: OK"

@@ -24,11 +24,14 @@ import pytest
 torch = pytest.importorskip("torch", reason="ferry.deep_ep needs torch (scripts/python-tests.sh installs it)")
 
 import ferry  # noqa: E402
-from support import RankContext, free_port, run_ranks  # noqa: E402
+from support import run_ranks  # noqa: E402
 
-# NOTE: with the cuda backend (a GPU machine) the layer takes CUDA tensors and each rank needs a GPU: world 1 runs
-# in this process (no fork after CUDA is initialised), larger worlds skip. Without it: cpu backend, forked ranks.
-CUDA = ferry.cuda_available()
+# NOTE: with the cuda backend (a GPU machine) the layer takes CUDA tensors and each rank needs a GPU: world 1 runs in
+# one forked rank, larger worlds skip. Without it: cpu backend, forked ranks.
+# NOTE: detected through NVML (torch.cuda.device_count creates no CUDA context): pytest's process, whose tests fork rank
+# processes, must never initialise CUDA (a forked child of a process with a context cannot use CUDA). Every body runs
+# in forked ranks (_run), the GPU ones included.
+CUDA = ferry.cuda_backend_compiled and torch.cuda.device_count() > 0
 DEVICE = "cuda" if CUDA else "cpu"
 
 SEED = int(os.environ.get("FERRY_TEST_SEED") or np.random.SeedSequence().entropy % (1 << 31))
@@ -93,19 +96,17 @@ def _group(ctx):
     return dist.group.WORLD
 
 
-def _run(body, world: int, *args):
-    """body's results on every rank: forked cpu-backend ranks, or (cuda backend) world 1 in this process."""
-    if not CUDA:
-        return run_ranks(body, world, *args, timeout=240)
-    if world > 1:
-        pytest.skip(f"cuda backend: world {world} needs one process per GPU; this file runs world 1 on a GPU")
-    import torch.distributed as dist
+def _on_host(ctx, body, *args):
+    """body's result with every tensor in it moved to host memory: a CUDA tensor sent back to pytest's process would
+    initialise CUDA there."""
+    return torch.utils._pytree.tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, body(ctx, *args))
 
-    try:
-        return [body(RankContext(0, 1, free_port()), *args)]
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+def _run(body, world: int, *args, timeout: float = 240):
+    """body's results on every rank, each a forked process: cpu-backend ranks, or (cuda backend) world 1 on a GPU."""
+    if CUDA and world > 1:
+        pytest.skip(f"cuda backend: world {world} needs one process per GPU; this file runs world 1 on a GPU")
+    return run_ranks(_on_host, world, body, *args, timeout=timeout)
 
 
 def _dev(t):
