@@ -4,7 +4,7 @@
 // pass.
 //
 // Two kernels, so that no CTA waits while another rank still has work to do on the same SMs:
-//  1. send (the grid; never waits): a warp per received row i, its entries (i, k) of a local expert in ascending k.
+//  1. send (the grid; never waits): a warp per entry (i, k) of a local expert (received row i, column k).
 //     A filled slot (e, j): dot = the canonical warp dot of row i and x(e, j) (ref::dot_warp: lane l takes
 //     the 16-byte vectors l, l + 32, ... ascending and their 8 elements ascending, acc = fmaf(a, b, acc) from +0.0f,
 //     then the xor butterfly m = 16, 8, 4, 2, 1), and expert_x(e, j) = bf16_rn(w[i, k] * g): one pass that reads the
@@ -95,50 +95,38 @@ __global__ void __launch_bounds__(kThreads) weight_grad_send_kernel(WeightGradPa
   int const num_vec = p.hidden / 8;
 
   if (!p.abort) {
-    // 1. a warp per received row of the cached dispatch (its layout is the handle's)
+    // 1. a warp per entry of the cached dispatch's rows (its layout is the handle's)
     char const* const sym = p.net.local();
     auto const* recv_idx = reinterpret_cast<int32_t const*>(sym + p.layout.recv_idx);
     auto const* recv_w = reinterpret_cast<float const*>(sym + p.layout.recv_w);
     auto const* recv_src = reinterpret_cast<int2 const*>(sym + p.layout.recv_src);
     int const num_recv = p.state->num_recv;
     int const total_warps = p.num_ctas * kWarps;
-    for (int row = cta * kWarps + warp; row < num_recv; row += total_warps) {
+    // NOTE: a warp per entry (i, k), not per row: at 128 tokens a warp per row left 128 warps each walking its row's
+    // 8 slots one after another (80 us against the forward dispatch's 20); entries of one row sit side by side, so
+    // the row is read from memory once and from the L2 by its other entries.
+    int const entries = num_recv * topk;
+    for (int item = cta * kWarps + warp; item < entries; item += total_warps) {
+      int const row = item / topk;
+      int const k = item - row * topk;
       int2 const src = recv_src[row];
-      // lane k < topk: entry k (local expert, slot, weight); bounds are checked so a stale layout cannot write
-      // outside the areas
-      int32_t el = -1;
-      int32_t slot = -1;
-      float w = 0.0f;
-      if (lane < topk) {
-        el = recv_idx[row * topk + lane];
-        if (el >= 0 && el < p.num_local_experts) {
-          slot = p.recv_slot[row * topk + lane];
-          w = recv_w[row * topk + lane];
-        } else {
-          el = -1;
-        }
+      // bounds are checked so a stale layout cannot write outside the areas
+      int32_t const el = recv_idx[item];
+      if (el < 0 || el >= p.num_local_experts) continue;  // not this rank's expert: its holder sends the word
+      if (src.x < 0 || src.x >= world || src.y < 0 || src.y >= p.max_tokens) continue;
+      int32_t const slot = p.recv_slot[item];
+      uint64_t* const word = reinterpret_cast<uint64_t*>(p.net.window(src.x) + weight_grad_offset(p, parity, src.y, k));
+      if (slot < 0 || slot >= p.expert_slots) {
+        // an entry of a local expert without a slot: the source's word says 0 for this call
+        if (lane == 0) *reinterpret_cast<uint64_t volatile*>(word) = seq << 32;
+        continue;
       }
-      bool const source_ok = src.x >= 0 && src.x < world && src.y >= 0 && src.y < p.max_tokens;
-      bool const filled = el >= 0 && slot >= 0 && slot < p.expert_slots;
-      uint32_t const slots = __ballot_sync(0xffffffffu, filled && source_ok);
-      // an entry of a local expert without a slot: the source's word says 0 for this call
-      if (source_ok && el >= 0 && !filled)
-        *reinterpret_cast<uint64_t volatile*>(p.net.window(src.x) + weight_grad_offset(p, parity, src.y, lane)) = seq
-                                                                                                                  << 32;
-      for (uint32_t m = slots; m != 0; m &= m - 1) {
-        int const k = __ffs(m) - 1;
-        int const e_k = __shfl_sync(0xffffffffu, el, k);
-        int const slot_k = __shfl_sync(0xffffffffu, slot, k);
-        float const w_k = __shfl_sync(0xffffffffu, w, k);
-        std::size_t const at = (static_cast<std::size_t>(e_k) * p.expert_slots + slot_k) * num_vec;
-        int4 const* const x = p.x != nullptr ? static_cast<int4 const*>(p.x) + at : nullptr;
-        int4 const* const g =
-            reinterpret_cast<int4 const*>(sym + p.layout.recv_x) + static_cast<std::size_t>(row) * num_vec;
-        float const dot = dot_and_scale(static_cast<int4*>(p.expert_x) + at, g, x, w_k, num_vec, lane);
-        if (lane == 0)
-          *reinterpret_cast<uint64_t volatile*>(p.net.window(src.x) + weight_grad_offset(p, parity, src.y, k)) =
-              (seq << 32) | __float_as_uint(dot);
-      }
+      std::size_t const at = (static_cast<std::size_t>(el) * p.expert_slots + slot) * num_vec;
+      int4 const* const x = p.x != nullptr ? static_cast<int4 const*>(p.x) + at : nullptr;
+      int4 const* const g =
+          reinterpret_cast<int4 const*>(sym + p.layout.recv_x) + static_cast<std::size_t>(row) * num_vec;
+      float const dot = dot_and_scale(static_cast<int4*>(p.expert_x) + at, g, x, recv_w[item], num_vec, lane);
+      if (lane == 0) *reinterpret_cast<uint64_t volatile*>(word) = (seq << 32) | __float_as_uint(dot);
     }
   }
 
