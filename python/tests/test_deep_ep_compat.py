@@ -306,7 +306,8 @@ def _layout_args(buffer, topk_idx, num_experts):
 def _wide_weights(gen, rows: int):
     """fp32 of wide exponents (a sum of three of them rounds, so the order of the ranks shows), with -0.0 and
     subnormals among them (what a byte-exact transport must keep)."""
-    w = torch.randn((rows, TOPK), generator=gen) * torch.exp2(torch.randint(-30, 30, (rows, TOPK), generator=gen).float())
+    exponents = torch.randint(-30, 30, (rows, TOPK), generator=gen).float()
+    w = torch.randn((rows, TOPK), generator=gen) * torch.exp2(exponents)
     flat = w.view(-1)
     if flat.numel() >= 4:
         flat[0], flat[1], flat[-1] = -0.0, 1e-40, -3e-42
@@ -469,7 +470,8 @@ def _round_trip_body(ctx, seed):
     loss.backward()  # the layers' backward passes run last layer first, as a training step's
     for layer, ((x, idx, w, g), y, (xg, wg, _, _)) in enumerate(zip(inputs, outputs, leaves)):
         want_y, want_gx, want_gw = _dense_reference(x, idx, w, g, scale)
-        for what, got, want in (("y", y, want_y), ("grad x", xg.grad, want_gx), ("grad topk_weights", wg.grad, want_gw)):
+        checks = (("y", y, want_y), ("grad x", xg.grad, want_gx), ("grad topk_weights", wg.grad, want_gw))
+        for what, got, want in checks:
             if not torch.equal(_host(got), want):
                 failed.append(f"layer {layer}: {what}")
     # a check that can fail: the reference of one weight gradient off by one
