@@ -17,10 +17,10 @@ Where the weights get their gradient:
     grad_topk_weights). Pass it the same tensor you dispatched with. Dispatch gives them none (it does not use them).
   - layout="rank": the caller applies the weights to the received rows (d.recv_topk_weights, a differentiable output
     of the dispatch), so their gradient is sent back by the dispatch Function's backward: the fp32 gradients of
-    recv_topk_weights, each split exactly into three bf16 parts (hi + mid + lo == g), travel through a
-    dispatch_backward on a small EpBuffer of the same layout shape (weight_buffer(); a handle fits every buffer of
-    its shape whatever the hidden size) and are joined again at the source in fp32: bit-exact, since every (t, k)
-    entry has exactly one rank that holds its expert and the others send 0 for it.
+    recv_topk_weights, each sent as its 4 bytes (integers in bf16) through a dispatch_backward on a small EpBuffer
+    of the same layout shape (weight_buffer(); a handle fits every buffer of its shape whatever the hidden size)
+    and rejoined at the source: bit-exact for every fp32 value, since every (t, k) entry has exactly one rank that
+    holds its expert and the others send 0 for it (ferry._exact).
 
 What is cloned, and why (the rest is used as it is):
   - the rows a dispatch returns (expert_x / recv_x) and its metadata: views of the EpBuffer, overwritten by the next
@@ -42,6 +42,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from . import _exact
 from ._ext import EpBuffer
 
 __all__ = ["Dispatched", "dispatch", "combine", "weight_buffer", "MoE", "swiglu_experts"]
@@ -90,29 +91,12 @@ def _row_mask(num_recv: torch.Tensor, rows: int) -> torch.Tensor:
     return (torch.arange(rows, device=num_recv.device) < num_recv.to(torch.int64)).unsqueeze(1)
 
 
-def _split3(g: torch.Tensor) -> torch.Tensor:
-    """fp32 [..., n] -> bf16 [..., 3n] with hi + mid + lo == g exactly (in fp32): each part takes the next 8 bits."""
-    hi = g.to(torch.bfloat16)
-    r1 = g - hi.float()  # exact (Sterbenz-like: the residual of a round to nearest)
-    mid = r1.to(torch.bfloat16)
-    lo = (r1 - mid.float()).to(torch.bfloat16)  # what is left has at most 8 significant bits: exact
-    return torch.cat([hi, mid, lo], dim=-1)
-
-
-def _join3(parts: torch.Tensor, n: int) -> torch.Tensor:
-    return parts[..., :n] + parts[..., n:2 * n] + parts[..., 2 * n:3 * n]
-
-
 def weight_buffer(comm, buf: EpBuffer) -> EpBuffer:
     """A small EpBuffer of buf's layout shape for the rank-major weight gradients (collective: every rank calls it).
 
-    Its rows hold 3 * topk bf16 values (padded to a multiple of 8); a handle of buf fits it (same num_experts, topk,
-    max_tokens_per_rank, receive capacity and expert capacity)."""
-    c = buf.config
-    hidden = -(-3 * c.topk // 8) * 8
-    return EpBuffer(comm, hidden=hidden, num_experts=c.num_experts, topk=c.topk,
-                    max_tokens_per_rank=c.max_tokens_per_rank, expert_capacity=c.expert_capacity,
-                    max_recv_tokens=c.max_recv_tokens)
+    Its rows carry topk fp32 values (4 bf16 columns each, padded to a multiple of 8: ferry._exact); a handle of buf
+    fits it (same num_experts, topk, max_tokens_per_rank, receive capacity and expert capacity)."""
+    return _exact.value_buffer(comm, buf, buf.config.topk)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -152,12 +136,8 @@ class _Dispatch(torch.autograd.Function):
             (idx,) = ctx.saved_tensors
             grad_recv_w = grads[3]
             # NOTE: collective: every rank with a weight_buffer runs it, whether or not its weights need a gradient
-            topk = idx.shape[1]
             g = torch.where(idx >= 0, grad_recv_w.float(), 0)  # an entry of an expert elsewhere sends 0
-            packed = torch.zeros((g.shape[0], ctx.wbuf.config.hidden), dtype=torch.bfloat16, device=g.device)
-            packed[:, :3 * topk] = _split3(g)
-            joined = ctx.wbuf.dispatch_backward(packed, ctx.handle, "rank", fp32=True, eager=ctx.eager)
-            grad_w = _join3(joined, topk)
+            grad_w = _exact.send_back(ctx.wbuf, ctx.handle, g, eager=ctx.eager)
         return grad_x, grad_w, None, None, None, None, None, None
 
 

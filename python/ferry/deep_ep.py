@@ -11,12 +11,18 @@ message). What differs from DeepEP and how it is mapped, in short:
   are byte budgets that learn shapes per call. A Buffer creates Ferry buffers lazily, one pool per (leg kind, shape,
   format), at the first call that needs it (every rank makes the same calls, so every rank creates it at the same
   call: EpBuffer construction is collective). Each pool holds two EpBuffers used in turn, as DeepEP's low-latency
-  mode double-buffers: a dispatch's layout stays valid for its combine while one more dispatch of the same shape
-  runs (two micro-batches in flight). A handle from an older dispatch of that pool is refused, never combined.
+  mode double-buffers: in low-latency mode a dispatch's layout stays valid for its combine while one more dispatch
+  of the same shape runs (two micro-batches in flight), and a handle from an older dispatch of that pool is
+  refused, never combined. Normal-mode handles carry their layout (below) and stay valid.
 - Normal mode: `num_nvl_bytes` sizes each EpBuffer's receive rows: max_tokens_per_rank = num_nvl_bytes // (world *
   bytes of one received row); a call with more tokens is refused with the size that would take it. The outputs are
-  copies (DeepEP's are fresh tensors); a cached dispatch (`handle=`) re-runs Ferry's dispatch with the topk_idx /
-  topk_weights the handle saved: the same routing, hence the same rows in the same order.
+  copies (DeepEP's are fresh tensors). Each dispatch saves its layout into a Ferry DispatchHandle of its own (the
+  layer's handle holds it), so a handle never goes stale, as DeepEP's: a cached dispatch (`handle=`) is Ferry's
+  cached dispatch (DispatchArgs::handle: the same rows in the same order, routed by the ids and weights the handle
+  keeps where the buffers live) and combine reads the handle's layout (CombineArgs::handle), whatever dispatches ran
+  in between. combine(topk_weights=...) (the backward of dispatch) sends each received row's fp32 weights back to
+  the source bit for bit (ferry._exact, through a small EpBuffer of the same layout shape) and sums them there over
+  the ranks in ascending order, in fp32, as DeepEP's intranode combine does.
 - Low-latency mode: DeepEP's combine takes the weights, its dispatch does not, while Ferry's combine applies the
   weights its dispatch carried. The layer therefore dispatches each (token, k) pair as its own row (topk = 1 in the
   EpBuffer, as DeepEP's low-latency kernels send one message per selected expert), combines the expert outputs back
@@ -37,6 +43,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 
 import ferry
+from ferry import _exact
 
 __all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "topk_idx_t"]
 
@@ -147,16 +154,17 @@ def _fp8_payload_bytes(hidden: int) -> int:
 
 
 class _Pool:
-    """_POOL_SIZE EpBuffers of one shape, used in turn; each remembers which call's layout it holds."""
+    """_POOL_SIZE EpBuffers of one shape, used in turn; low-latency: each remembers which call's layout it holds."""
 
     def __init__(self, make: Callable[[], tuple]):
         self.make = make
         self.buffers: list = [None] * _POOL_SIZE
         self.views: list = [None] * _POOL_SIZE  # low-latency: each buffer's cached views
-        # a weak reference to the handle whose dispatch each buffer holds (weak: no cycle pool <-> handle)
+        # low-latency: a weak reference to the handle whose dispatch each buffer holds (weak: no cycle pool <-> handle)
         self.holder: list = [None] * _POOL_SIZE
         self.extras: list = [dict() for _ in range(_POOL_SIZE)]
         self.next = 0
+        self.value_buffer = None  # normal mode: the EpBuffer combine(topk_weights=...) sends the weights back through
 
     def take(self) -> int:
         i = self.next
@@ -170,17 +178,17 @@ class _Pool:
 
 
 class _DispatchHandle:
-    """Normal mode's handle: opaque (Ferry keeps the layout in the EpBuffer). Holds the routing so a cached
-    dispatch can re-run it, and the pool slot whose layout the combine uses."""
+    """Normal mode's handle: opaque. Holds the Ferry DispatchHandle the dispatch saved its layout into (it fits every
+    EpBuffer of the pool: same layout shape), the pool and the slot of the EpBuffer that ran it."""
 
-    def __init__(self, pool: _Pool, slot: int, x_kind, topk_idx, topk_weights, num_tokens: int, lazy: bool):
-        self.pool, self.slot, self.x_kind = pool, slot, x_kind
-        self.topk_idx, self.topk_weights, self.num_tokens, self.lazy = topk_idx, topk_weights, num_tokens, lazy
+    def __init__(self, pool: _Pool, slot: int, x_kind, ferry_handle, num_tokens: int, lazy: bool):
+        self.pool, self.slot, self.x_kind, self.ferry_handle = pool, slot, x_kind, ferry_handle
+        self.num_tokens, self.lazy = num_tokens, lazy
 
     def __getitem__(self, i):
         raise ferry.InputError(
             f"ferry.deep_ep: handle[{i}] is not supported: a Ferry dispatch handle is opaque (DeepEP's prefix matrices "
-            "and send heads do not exist in Ferry, whose layout stays in its EpBuffer); pass the handle to combine() or "
+            "and send heads do not exist in Ferry, whose layout is a DispatchHandle); pass the handle to combine() or "
             "dispatch(handle=...) only")
 
 
@@ -335,6 +343,7 @@ class Buffer:
             if self.comm is None:
                 raise ferry.InputError("ferry.deep_ep: the Buffer was destroyed")
             pool = self._pools[key] = _Pool(make)
+            pool.key = key
         return pool
 
     @staticmethod
@@ -403,7 +412,7 @@ class Buffer:
         if num_worst_tokens:
             kwargs["max_recv_tokens"] = num_worst_tokens
         pool = self._pool(key, lambda: (ferry.EpBuffer(self.comm, **kwargs), None))
-        pool.max_tokens = max_tokens
+        pool.max_tokens, pool.topk = max_tokens, topk
         return pool
 
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle=None,
@@ -433,24 +442,24 @@ class Buffer:
                         "pass (x [T, hidden] float8_e4m3fn, scales [T, hidden // 128] float32)")
             x_scales = x_scales.contiguous()  # DeepEP takes column-major scales too; Ferry reads row-major
         if handle is not None:
-            # cached dispatch: re-run Ferry's dispatch with the routing the handle saved (the same rows, same order)
+            # cached dispatch: Ferry's, by the handle's saved layout (the same rows, same order; no routing inputs)
             if topk_idx is not None or topk_weights is not None:
                 raise ferry.InputError("ferry.deep_ep: dispatch(handle=...) takes no topk_idx / topk_weights (as "
                                        "DeepEP: the handle holds the routing)")
-            if not isinstance(handle, _DispatchHandle):
-                raise ferry.InputError("ferry.deep_ep: handle is not a handle of this layer's dispatch()")
+            self._normal_handle(handle, "dispatch(handle=...)")
             if x.size(0) != handle.num_tokens or handle.x_kind != (x.size(1), fp8):
+                # NOTE: a Ferry handle fits any EpBuffer of its layout shape, but the pool of another hidden size or
+                # input format has another max_tokens_per_rank (num_nvl_bytes // its row bytes), so it does not fit
                 raise ferry.InputError(
                     f"ferry.deep_ep: dispatch(handle=...) got x of {tuple(x.shape)} ({'fp8' if fp8 else 'bf16'}); the "
                     f"handle's dispatch had {handle.num_tokens} tokens of hidden={handle.x_kind[0]} "
-                    f"({'fp8' if handle.x_kind[1] else 'bf16'})")
+                    f"({'fp8' if handle.x_kind[1] else 'bf16'}); a cached dispatch takes x of that shape and format")
             if num_worst_tokens or expert_alignment != 1:
                 raise ferry.InputError("ferry.deep_ep: dispatch(handle=...) takes the num_worst_tokens and "
                                        "expert_alignment of the handle's dispatch; leave them at their defaults")
             self._wait_previous(previous_event)
-            pool, slot = handle.pool, handle.slot
-            got = self._ferry_dispatch(pool, slot, x, x_scales, handle.topk_idx, handle.topk_weights, handle.lazy)
-            pool.holder[slot] = weakref.ref(handle)
+            buf = handle.pool.buffers[handle.slot]
+            got = buf.dispatch(x, x_scales=x_scales, eager=not handle.lazy, handle=handle.ferry_handle)
             recv_x = self._recv_x(got, fp8, handle.lazy)
             return recv_x, None, None, None, None, self._event(async_finish, (x,))
         if topk_idx is None or topk_weights is None:
@@ -480,9 +489,10 @@ class Buffer:
         lazy = num_worst_tokens > 0
         if topk_weights.dtype != torch.float32:
             raise ferry.InputError(f"ferry.deep_ep: topk_weights must be float32, got {topk_weights.dtype}")
-        got = self._ferry_dispatch(pool, slot, x, x_scales, topk_idx, topk_weights, lazy)
-        handle = _DispatchHandle(pool, slot, (hidden, fp8), topk_idx.clone(), topk_weights.clone(), num_tokens, lazy)
-        pool.holder[slot] = weakref.ref(handle)
+        buf = pool.buffers[slot]
+        saved = buf.make_handle()
+        got = buf.dispatch(x, topk_idx, topk_weights, x_scales=x_scales, eager=not lazy, save_handle=saved)
+        handle = _DispatchHandle(pool, slot, (hidden, fp8), saved, num_tokens, lazy)
         recv_x = self._recv_x(got, fp8, lazy)
         recv_topk_idx = got.recv_topk_idx.to(topk_idx.dtype)
         recv_topk_weights = got.recv_topk_weights.clone()
@@ -495,9 +505,6 @@ class Buffer:
             counts = [-(-c // expert_alignment) * expert_alignment for c in got.expert_counts.tolist()]
         return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, self._event(async_finish, (x,))
 
-    def _ferry_dispatch(self, pool, slot, x, x_scales, topk_idx, topk_weights, lazy):
-        return pool.buffers[slot].dispatch(x, topk_idx, topk_weights, x_scales=x_scales, eager=not lazy)
-
     @staticmethod
     def _recv_x(got, fp8: bool, lazy: bool):
         if fp8:
@@ -508,20 +515,62 @@ class Buffer:
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None, config: Optional[Config] = None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False):
-        """Normal-mode combine: the sum of each token's rows over the ranks it went to (no weights), bf16 accumulated
-        in fp32 and rounded once. Returns (combined_x [T, hidden] bf16, None, event)."""
+        """Normal-mode combine of the handle's dispatch: the sum of each token's rows over the ranks it went to (no
+        weights), bf16 accumulated in fp32 and rounded once. With topk_weights [num_recv_rows, topk] float32 (the
+        backward of dispatch: the gradient of recv_topk_weights) also combined_topk_weights [T, topk] float32, the
+        fp32 sum of each token's topk_weights rows over the ranks it went to, in ascending rank order (DeepEP's
+        intranode combine), bit for bit. Returns (combined_x [T, hidden] bf16, combined_topk_weights or None,
+        event)."""
         self._check_config(config)
         self._check_stream_args(previous_event, allocate_on_comm_stream)
-        if topk_weights is not None:
-            _refuse("combine(topk_weights=...)", "the reduced weights are the backward of dispatch, which comes with "
-                    "Ferry's training support", "pass topk_weights=None (combined_topk_weights is then None)")
         if bias is not None:
             _refuse("combine(bias=...)", "Ferry's combine fuses no bias (adding it afterwards rounds twice, which "
                     "DeepEP does not)", "add the bias to combined_x yourself")
-        buf = self._current(handle, _DispatchHandle, "dispatch")
+        self._normal_handle(handle, "combine()")
+        pool = handle.pool
+        if topk_weights is not None:
+            if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32 or \
+                    tuple(topk_weights.shape) != (x.size(0), pool.topk):
+                got = (f"{tuple(topk_weights.shape)} {topk_weights.dtype}" if isinstance(topk_weights, torch.Tensor)
+                       else type(topk_weights).__name__)
+                raise ferry.InputError(
+                    f"ferry.deep_ep: combine(topk_weights=...) must be [{x.size(0)}, {pool.topk}] float32 (a row of "
+                    f"top-k weights per row of x, as DeepEP), got {got}")
+            if topk_weights.device != x.device:
+                raise ferry.InputError(f"ferry.deep_ep: combine(topk_weights=...) is on {topk_weights.device}, x on "
+                                       f"{x.device}; pass both on the same device")
         self._wait_previous(previous_event)
-        y = buf.combine(x, "rank", eager=False)
-        return y, None, self._event(async_finish, (x, y))
+        y = pool.buffers[handle.slot].combine(x, "rank", eager=False, handle=handle.ferry_handle)
+        combined_w = None
+        if topk_weights is not None:
+            combined_w = self._combine_weights(pool, handle, topk_weights)
+        return y, combined_w, self._event(async_finish, (x, y) if combined_w is None else (x, y, combined_w))
+
+    def _combine_weights(self, pool: _Pool, handle: _DispatchHandle, topk_weights: torch.Tensor) -> torch.Tensor:
+        """combined[t, k] = fp32 sum over r ascending of rank r's topk_weights row of token t (0 where r did not
+        receive t): each rank's rows travel back in their own columns (rank r's in columns r * topk.., so each column
+        has one sender: ferry._exact's contract), and the source adds the ranks in order, as DeepEP's kernel does."""
+        world, rank, topk = self.group_size, self.rank, pool.topk
+        if pool.value_buffer is None:
+            # NOTE: collective, at the pool's first combine with topk_weights (every rank makes the same calls)
+            pool.value_buffer = _exact.value_buffer(self.comm, pool.buffers[0], world * topk)
+        rows = topk_weights.size(0)
+        values = torch.zeros((rows, world, topk), dtype=torch.float32, device=topk_weights.device)
+        values[:, rank] = topk_weights
+        per_rank = _exact.send_back(pool.value_buffer, handle.ferry_handle, values.view(rows, world * topk),
+                                    eager=False).view(-1, world, topk)
+        combined = torch.zeros((per_rank.size(0), topk), dtype=torch.float32, device=per_rank.device)
+        for r in range(world):  # NOTE: one fp32 add per rank, in rank order (a torch.sum could reorder)
+            combined = combined + per_rank[:, r]
+        return combined
+
+    def _normal_handle(self, handle, call: str) -> None:
+        if not isinstance(handle, _DispatchHandle):
+            raise ferry.InputError(f"ferry.deep_ep: {call} needs handle= a handle of this layer's dispatch(), got "
+                                   f"{type(handle).__name__}")
+        if self._pools.get(handle.pool.key) is not handle.pool:
+            raise ferry.InputError(f"ferry.deep_ep: {call} got a handle of another Buffer's dispatch (or of this "
+                                   "Buffer before destroy()); pass the handle of this Buffer's dispatch")
 
     def _current(self, handle, kind, call: str):
         if not isinstance(handle, kind):

@@ -9,9 +9,15 @@ check_data only sees rank-constant rows).
 
 Ranks are processes (support.run_ranks) joined by a gloo torch.distributed group; cpu backend, torch CPU tensors.
 Worlds 1, 2 and 4; on a machine with the cuda backend, world 1 on one GPU with CUDA tensors. Skips without torch.
+The backward pass as engines run it (Megatron-LM's fused_a2a shape): combine(topk_weights=...) bit for bit against
+an independent numpy reduction, and three layers forward and backward through torch.autograd Functions against a
+dense reference, exact (torch.equal; each test also shows a perturbed reference is detected).
 Each family was made to fail once on purpose (layout_range without the rank rotation of Ferry's expert-major order:
-2 failed; combine without the weighted sum: 3 failed). Fresh data every run, the seed printed (FERRY_TEST_SEED
-replays it).
+2 failed; combine without the weighted sum: 3 failed; the weight sums in descending rank order: world 4 of the numpy
+reduction failed; every rank's weights in the same columns: worlds 2 and 4 of it and of the intranode port failed;
+combine by the buffer's last layout instead of the handle's: the round trip failed at worlds 2 and 4; at world 1
+the two layers' layouts coincide, one row per token in token order). Fresh data every
+run, the seed printed (FERRY_TEST_SEED replays it).
 """
 
 from __future__ import annotations
@@ -263,6 +269,20 @@ def _intranode_body(ctx, seed):
                 check_x = combined_x.float() / ranks_of_token
                 assert calc_diff(check_x[sent], ref_x[sent]) < 5e-6
                 assert bool((combined_x[~sent] == 0).all())  # a token with no expert combines to 0
+
+                # combine with topk_weights (test_main "Test combine", with_topk): the weights summed over the ranks
+                # a token went to; DeepEP's test fills the -1 entries of the rank-constant rows (so each of the
+                # token's ranks sends its source's rank there), the random ones keep their 0s
+                topk_w = recv_w if name == "rand" else filled
+                _, combined_w, event = _call(buffer.combine, **combine_args, topk_weights=topk_w)
+                if async_mode:
+                    event.current_stream_wait()
+                assert combined_w.dtype == torch.float32 and combined_w.shape == (TOKENS, TOPK)
+                if name == "rand":  # one rank holds each (t, k): its weight exactly, 0 for an id of -1
+                    want_w = torch.where(topk_idx >= 0, topk_weights_rand, 0)
+                else:  # rank r's rows hold r: r times the number of ranks the token went to (exact: small integers)
+                    want_w = (topk_weights_rank * in_rank.sum(dim=1, keepdim=True)).float()
+                assert calc_diff(combined_w, want_w) < 1e-9 and torch.equal(combined_w, want_w)
                 checked += 1
     buffer.destroy()
     return checked
@@ -271,8 +291,207 @@ def _intranode_body(ctx, seed):
 @pytest.mark.parametrize("world", WORLDS)
 def test_intranode(world):
     """tests/test_intranode.py test_main: layout, dispatch (bf16, fp8, with top-k; sync / async / previous event),
-    num_worst_tokens, cached dispatch, combine."""
+    num_worst_tokens, cached dispatch, combine (with topk_weights too)."""
     assert _run(_intranode_body, world, SEED) == [12] * world
+
+
+# ---- the backward pass as engines run it: combine(topk_weights=...) and the cached dispatch -----------------------
+
+
+def _layout_args(buffer, topk_idx, num_experts):
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+    return dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+
+
+def _wide_weights(gen, rows: int):
+    """fp32 of wide exponents (a sum of three of them rounds, so the order of the ranks shows), with -0.0 and
+    subnormals among them (what a byte-exact transport must keep)."""
+    exponents = torch.randint(-30, 30, (rows, TOPK), generator=gen).float()
+    w = torch.randn((rows, TOPK), generator=gen) * torch.exp2(exponents)
+    flat = w.view(-1)
+    if flat.numel() >= 4:
+        flat[0], flat[1], flat[-1] = -0.0, 1e-40, -3e-42
+    return w
+
+
+def _combine_weights_body(ctx, seed):
+    import ferry.deep_ep as deep_ep
+
+    group = _group(ctx)
+    rank, world = ctx.rank, ctx.world
+    num_experts = _num_experts(world)
+    buffer = deep_ep.Buffer(group, int(4e6), 0)
+    topk_idx, topk_weights, x = _routing(world, seed, rank)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(_dev(x), topk_idx=_dev(topk_idx), topk_weights=_dev(topk_weights),
+                                                 **_layout_args(buffer, _dev(topk_idx), num_experts))
+    # DeepEP sums whatever each rank passes, the entries of experts elsewhere included (its test fills them)
+    sent = _wide_weights(torch.Generator().manual_seed(seed * 13 + rank), recv_x.size(0))
+    _, combined_w, _ = buffer.combine(recv_x, handle, topk_weights=_dev(sent))
+    return sent.numpy(), _host(combined_w).numpy()  # numpy: torch tensors pickle through shared memory
+
+
+def _deep_ep_weight_sums(world: int, seed: int, sent: list) -> list:
+    """numpy, independent of the layer: for each source rank s, token t, entry k, the fp32 sum over r = 0, 1, ...
+    (the ranks t went to) of rank r's value for its row of (s, t), one np.float32 add at a time from 0."""
+    num_experts = _num_experts(world)
+    per_rank = num_experts // world
+    routing = [_routing(world, seed, s)[0].numpy() for s in range(world)]
+    goes = [[((routing[s] >= 0) & (routing[s] // per_rank == r)).any(axis=1) for r in range(world)]
+            for s in range(world)]
+    # rank r's rows: (source rank, source token) order over the tokens that go to r
+    row_of = [{} for _ in range(world)]
+    for r in range(world):
+        for s in range(world):
+            for t in np.nonzero(goes[s][r])[0]:
+                row_of[r][(s, int(t))] = len(row_of[r])
+    out = []
+    for s in range(world):
+        want = np.zeros((TOKENS, TOPK), dtype=np.float32)
+        for t in range(TOKENS):
+            for k in range(TOPK):
+                acc = np.float32(0.0)
+                for r in range(world):
+                    if goes[s][r][t]:
+                        acc = np.float32(acc + np.float32(sent[r][row_of[r][(s, t)], k]))
+                want[t, k] = acc
+        out.append(want)
+    return out
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_combine_topk_weights_exact(world):
+    """combine(topk_weights=...) against an independent numpy reduction, bit for bit: DeepEP's intranode combine sums
+    each token's rows over its ranks in ascending order in fp32; wide-exponent values (-0.0 and subnormals among
+    them) so that order and transport both show. A reference one ulp off in one entry is detected."""
+    got = _run(_combine_weights_body, world, SEED)
+    want = _deep_ep_weight_sums(world, SEED, [sent for sent, _ in got])
+    for rank, ((_, combined), ref) in enumerate(zip(got, want)):
+        assert combined.dtype == np.float32
+        np.testing.assert_array_equal(combined.view(np.int32), ref.view(np.int32), err_msg=f"rank {rank}")
+        perturbed = ref.copy()
+        perturbed[0, 0] = np.nextafter(perturbed[0, 0], np.float32(np.inf))
+        assert not np.array_equal(combined.view(np.int32), perturbed.view(np.int32)), "a check that can fail"
+
+
+def _autograd_functions(deep_ep_buffer, num_experts):
+    """The two torch.autograd Functions an engine wraps DeepEP's normal mode in (Megatron-LM's fused_a2a shape): the
+    backward of dispatch is combine(grad_recv_x, handle, topk_weights=grad_recv_topk_weights), the backward of
+    combine a cached dispatch(grad_y, handle=handle)."""
+
+    class Dispatch(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, topk_weights, topk_idx):
+            recv_x, recv_idx, recv_w, counts, handle, _ = deep_ep_buffer.dispatch(
+                x, topk_idx=topk_idx, topk_weights=topk_weights, **_layout_args(deep_ep_buffer, topk_idx, num_experts))
+            ctx.handle = handle
+            ctx.mark_non_differentiable(recv_idx)
+            return recv_x, recv_idx, recv_w, handle
+
+        @staticmethod
+        def backward(ctx, grad_recv_x, _grad_idx, grad_recv_w, _grad_handle):
+            grad_x, grad_w, _ = deep_ep_buffer.combine(grad_recv_x.contiguous(), ctx.handle,
+                                                       topk_weights=grad_recv_w.float().contiguous())
+            return grad_x, grad_w, None
+
+    class Combine(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, rows, handle):
+            y, _, _ = deep_ep_buffer.combine(rows, handle)
+            ctx.handle = handle
+            return y
+
+        @staticmethod
+        def backward(ctx, grad_y):
+            grad_rows, *_ = deep_ep_buffer.dispatch(grad_y.contiguous(), handle=ctx.handle)
+            return grad_rows, None
+
+    return Dispatch, Combine
+
+
+def _round_trip_inputs(world: int, seed: int, rank: int, layer: int):
+    """Exact inputs: x and grad_y integers in [-3, 3], weights 2^-1 .. 2^-4, expert scales 1 or 2. Every sum the
+    forward and backward make then has at most 8 significant bits (bf16-exact) and the weight gradients (dot products
+    of 256 small integers) are exact in fp32, so the comparisons with the dense reference are torch.equal."""
+    gen = torch.Generator().manual_seed(seed * 31 + rank * 7 + layer)
+    idx, _, _ = _routing(world, seed + layer, rank)
+    x = torch.randint(-3, 4, (TOKENS, HIDDEN), generator=gen).to(torch.bfloat16)
+    w = torch.exp2(-torch.randint(1, 5, (TOKENS, TOPK), generator=gen).float())
+    grad_y = torch.randint(-3, 4, (TOKENS, HIDDEN), generator=gen).to(torch.bfloat16)
+    return x, idx, w, grad_y
+
+
+def _expert_scale(num_experts: int) -> torch.Tensor:
+    return 1.0 + (torch.arange(num_experts) % 2).float()  # expert e: out = (1 + e % 2) * row
+
+
+def _dense_reference(x, idx, w, grad_y, scale):
+    """One rank's tokens through every expert, in float64: y = sum_k w_k s_k x, grad_x = sum_k w_k s_k grad_y,
+    grad_w[k] = <grad_y, s_k x> (0 for an id of -1)."""
+    valid = idx >= 0
+    s = torch.where(valid, scale[idx.clamp(min=0)], 0).double()
+    c = (w.double() * s).sum(dim=1, keepdim=True)
+    y = x.double() * c
+    grad_x = grad_y.double() * c
+    grad_w = torch.where(valid, s * (grad_y.double() * x.double()).sum(dim=1, keepdim=True), 0)
+    return y.to(torch.bfloat16), grad_x.to(torch.bfloat16), grad_w.float()
+
+
+def _round_trip_body(ctx, seed):
+    import ferry.deep_ep as deep_ep
+
+    group = _group(ctx)
+    rank, world = ctx.rank, ctx.world
+    num_experts = _num_experts(world)
+    num_local = num_experts // world
+    buffer = deep_ep.Buffer(group, int(4e6), 0)
+    Dispatch, Combine = _autograd_functions(buffer, num_experts)
+    scale = _expert_scale(num_experts)
+    layers = 3  # one shape: one pool of two EpBuffers, so layer 0's handle outlives its EpBuffer's reuse by layer 2
+    inputs = [_round_trip_inputs(world, seed, rank, layer) for layer in range(layers)]
+    leaves, outputs = [], []
+    for x, idx, w, _ in inputs:
+        xg = _dev(x).requires_grad_()
+        wg = _dev(w).requires_grad_()
+        recv_x, recv_idx, recv_w, handle = Dispatch.apply(xg, wg, _dev(idx))
+        out = torch.zeros(recv_x.shape, dtype=torch.float32, device=recv_x.device)
+        for e in range(num_local):  # the experts: out(row) += w * s_e * row, per local entry of the row
+            n, k = torch.nonzero(recv_idx == e, as_tuple=True)
+            s_e = float(scale[rank * num_local + e])
+            out = out.index_add(0, n, recv_w[n, k].unsqueeze(1) * (s_e * recv_x[n].float()))
+        outputs.append(Combine.apply(out.to(torch.bfloat16), handle))
+        leaves.append((xg, wg, out.detach().to(torch.bfloat16), handle))
+    failed = []
+    # layer 0's handle after layer 2's dispatch reused its EpBuffer: still combines layer 0's rows (DeepEP's handles
+    # never go stale; a combine of the buffer's last layout instead gives layer 2's tokens)
+    again, _, _ = buffer.combine(leaves[0][2], leaves[0][3])
+    if not torch.equal(again, outputs[0].detach()):
+        failed.append("layer 0: combine by its handle after two more dispatches")
+    loss = sum((y.float() * _dev(g).float()).sum() for y, (_, _, _, g) in zip(outputs, inputs))
+    loss.backward()  # the layers' backward passes run last layer first, as a training step's
+    for layer, ((x, idx, w, g), y, (xg, wg, _, _)) in enumerate(zip(inputs, outputs, leaves)):
+        want_y, want_gx, want_gw = _dense_reference(x, idx, w, g, scale)
+        checks = (("y", y, want_y), ("grad x", xg.grad, want_gx), ("grad topk_weights", wg.grad, want_gw))
+        for what, got, want in checks:
+            if not torch.equal(_host(got), want):
+                failed.append(f"layer {layer}: {what}")
+    # a check that can fail: the reference of one weight gradient off by one
+    x, idx, w, g = inputs[0]
+    _, _, want_gw = _dense_reference(x, idx, w, g, scale)
+    t, k = [int(v) for v in torch.nonzero(idx >= 0)[0]]
+    want_gw[t, k] += 1.0
+    detected = not torch.equal(_host(leaves[0][1].grad), want_gw)
+    return failed, detected
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_forward_backward_round_trip(world):
+    """Three MoE layers of one shape, forward then backward as torch.autograd runs them through an engine's Functions
+    (dispatch's backward: combine with topk_weights; combine's backward: the cached dispatch), against a dense
+    float64 reference of the same layers on every rank's tokens: y, grad x and grad topk_weights, torch.equal."""
+    got = _run(_round_trip_body, world, SEED)
+    for rank, (failed, detected) in enumerate(got):
+        assert failed == [], f"rank {rank}: {failed}"
+        assert detected, f"rank {rank}: a perturbed reference went unnoticed"
 
 
 # ---- tests/test_low_latency.py, test_main ------------------------------------------------------------------------
