@@ -635,6 +635,16 @@ TEST(TuneCli, LowLatencyWritesTheDispatchRowOnly) {
   EXPECT_EQ(written.entries[0].key.mode, "ll");
   ASSERT_EQ(written.entries[0].dispatch.size(), 2u);
   EXPECT_TRUE(written.entries[0].combine.empty());
+
+  // --verify without --tokens: the buckets are the table's, and the default token list (up to 4096, past what
+  // mode=ll accepts) must not refuse the run. Checked to fail before token_buckets: "max_tokens_per_rank=4096 is more
+  // than mode=ll accepts".
+  CliRun const verify = run_ferry(
+      "tune --mode ll --verify --backend cpu --nproc 2 --hidden 256 --topk 4 --experts 16 --expert-groups 4 "
+      "--topk-groups 2 --blocks 2,4 --rounds 1 --warmup 1 --iters 2 --seed 11 --table " +
+      table);
+  EXPECT_TRUE(verify.code == 0 || verify.code == 3) << verify.output;
+  EXPECT_TRUE(contains(verify.output, "verify both legs <=16")) << verify.output;
 }
 
 }  // namespace

@@ -64,7 +64,7 @@ Options make_options() {
       "has no effect: a cpu run exercises the machinery only. See docs/tuning.md.",
       {
           {"tokens", "128,256,512,1024,2048,4096",
-           "token buckets (inclusive upper bounds), each measured at its bound"},
+           "token buckets (inclusive upper bounds), each measured at its bound (--mode ll: the default stops at 1024)"},
           {"hidden", "7168", "elements per row"},
           {"topk", "8", "routed experts per token"},
           {"experts", "256", "global experts (divisible by the number of ranks)"},
@@ -127,6 +127,15 @@ std::vector<int> sorted_list(Options const& options, char const* name) {
   FERRY_CHECK_CONFIG(values.front() >= 1, "--", name, "=", options.str(name), " must list positive values");
   FERRY_CHECK_CONFIG(std::adjacent_find(values.begin(), values.end()) == values.end(), "--", name, "=",
                      options.str(name), " repeats a value");
+  return values;
+}
+
+// The token buckets: --tokens, or, for --mode ll without it, the default buckets low-latency mode accepts (at most
+// kMaxLowLatencyTokens per rank; the default list goes past it for normal mode).
+std::vector<int> token_buckets(Options const& options) {
+  std::vector<int> values = sorted_list(options, "tokens");
+  if (!options.given("tokens") && parse_mode(options.str("mode")) == Mode::low_latency)
+    std::erase_if(values, [](int tokens) { return tokens > kMaxLowLatencyTokens; });
   return values;
 }
 
@@ -282,7 +291,7 @@ int run_tune_rank(Options const& options) {
       }
     sweep.buckets.assign(bounds.begin(), bounds.end());
   } else {
-    sweep.buckets = sorted_list(options, "tokens");
+    sweep.buckets = token_buckets(options);
   }
   FERRY_CHECK_CONFIG(!sweep.buckets.empty(), "--verify: the entry for ", tuning::describe(key), " has no buckets");
   int const max_tokens = sweep.buckets.back();
@@ -526,7 +535,7 @@ int tune_main(int argc, char** argv) {
                      "the cpu backend needs --table FILE: its rows mean nothing for a GPU, so a cpu run never "
                      "writes into the shipped tables");
   read_settings(options, backend, 0);
-  EpConfig const config = make_config(options, nproc, sorted_list(options, "tokens").back());
+  EpConfig const config = make_config(options, nproc, token_buckets(options).back());
   for (RoutingKind kind : routing_kinds(options))
     validate_routing(make_routing(options, kind, 1), config.num_experts, nproc, config.topk);
   if (backend == Backend::cpu && options.str("backend") == "auto")
