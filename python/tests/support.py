@@ -88,3 +88,32 @@ def run_ranks(body, world: int, *args, timeout: float = 60.0, env: dict | None =
     if failures:
         raise AssertionError("rank failures:\n" + "\n".join(failures))
     return results
+
+
+def torch_cuda_backend() -> bool:
+    """Whether the torch tests run on the cuda backend: ferry has it compiled and torch sees a GPU.
+
+    NOTE: counted through NVML (torch.cuda.device_count creates no CUDA context): pytest's process, whose tests fork
+    rank processes, must never initialise CUDA (a forked child of a process with a context cannot use CUDA)."""
+    import torch
+
+    return ferry.cuda_backend_compiled and torch.cuda.device_count() > 0
+
+
+def _on_host(ctx: RankContext, body, *args):
+    """body's result with every tensor in it moved to host memory: a CUDA tensor sent back to pytest's process would
+    initialise CUDA there."""
+    import torch
+
+    return torch.utils._pytree.tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, body(ctx, *args))
+
+
+def run_torch_ranks(body, world: int, *args, timeout: float = 240):
+    """run_ranks for bodies that use torch: their results come back in host memory, and on the cuda backend
+    (torch_cuda_backend) world 1 runs on the GPU in one forked rank while larger worlds skip (one process per GPU)."""
+    import pytest
+
+    if world > 1 and torch_cuda_backend():
+        pytest.skip(f"cuda backend: world {world} needs one process per GPU; this file runs world 1 on a GPU")
+    return run_ranks(_on_host, world, body, *args, timeout=timeout)
+

@@ -29,12 +29,10 @@ torch = pytest.importorskip("torch", reason="ferry.autograd needs torch (scripts
 
 import ferry  # noqa: E402
 from ferry import autograd as fa  # noqa: E402
-from support import run_ranks  # noqa: E402
+from support import run_torch_ranks as _run  # noqa: E402
+from support import torch_cuda_backend  # noqa: E402
 
-# NOTE: detected through NVML (torch.cuda.device_count creates no CUDA context): pytest's process, whose tests fork rank
-# processes, must never initialise CUDA (a forked child of a process with a context cannot use CUDA). Every body runs
-# in forked ranks (_run), the GPU ones included.
-CUDA = ferry.cuda_backend_compiled and torch.cuda.device_count() > 0
+CUDA = torch_cuda_backend()  # every body runs in forked ranks (_run), the GPU ones included
 DEVICE = "cuda" if CUDA else "cpu"
 SEED = int(os.environ.get("FERRY_TEST_SEED") or np.random.SeedSequence().entropy % (1 << 31))
 print(f"autograd tests: seed {SEED} (FERRY_TEST_SEED={SEED} replays it)")
@@ -48,19 +46,6 @@ TOKENS = 12  # rank r has TOKENS - r
 
 def _num_experts(world: int) -> int:
     return 4 if world < 4 else 2 * world
-
-
-def _on_host(ctx, body, *args):
-    """body's result with every tensor in it moved to host memory: a CUDA tensor sent back to pytest's process would
-    initialise CUDA there."""
-    return torch.utils._pytree.tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, body(ctx, *args))
-
-
-def _run(body, world: int, *args, timeout: float = 240):
-    """body's results on every rank, each a forked process: cpu-backend ranks, or (cuda backend) world 1 on a GPU."""
-    if CUDA and world > 1:
-        pytest.skip(f"cuda backend: world {world} needs one process per GPU; this file runs world 1 on a GPU")
-    return run_ranks(_on_host, world, body, *args, timeout=timeout)
 
 
 def _gen(*key: int) -> torch.Generator:

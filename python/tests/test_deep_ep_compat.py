@@ -30,14 +30,12 @@ import pytest
 torch = pytest.importorskip("torch", reason="ferry.deep_ep needs torch (scripts/python-tests.sh installs it)")
 
 import ferry  # noqa: E402
-from support import run_ranks  # noqa: E402
+from support import run_ranks, torch_cuda_backend  # noqa: E402
+from support import run_torch_ranks as _run  # noqa: E402
 
 # NOTE: with the cuda backend (a GPU machine) the layer takes CUDA tensors and each rank needs a GPU: world 1 runs in
 # one forked rank, larger worlds skip. Without it: cpu backend, forked ranks.
-# NOTE: detected through NVML (torch.cuda.device_count creates no CUDA context): pytest's process, whose tests fork rank
-# processes, must never initialise CUDA (a forked child of a process with a context cannot use CUDA). Every body runs
-# in forked ranks (_run), the GPU ones included.
-CUDA = ferry.cuda_backend_compiled and torch.cuda.device_count() > 0
+CUDA = torch_cuda_backend()  # every body runs in forked ranks (_run), the GPU ones included
 DEVICE = "cuda" if CUDA else "cpu"
 
 SEED = int(os.environ.get("FERRY_TEST_SEED") or np.random.SeedSequence().entropy % (1 << 31))
@@ -100,19 +98,6 @@ def _group(ctx):
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ctx.port}", rank=ctx.rank, world_size=ctx.world)
     return dist.group.WORLD
-
-
-def _on_host(ctx, body, *args):
-    """body's result with every tensor in it moved to host memory: a CUDA tensor sent back to pytest's process would
-    initialise CUDA there."""
-    return torch.utils._pytree.tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, body(ctx, *args))
-
-
-def _run(body, world: int, *args, timeout: float = 240):
-    """body's results on every rank, each a forked process: cpu-backend ranks, or (cuda backend) world 1 on a GPU."""
-    if CUDA and world > 1:
-        pytest.skip(f"cuda backend: world {world} needs one process per GPU; this file runs world 1 on a GPU")
-    return run_ranks(_on_host, world, body, *args, timeout=timeout)
 
 
 def _dev(t):
