@@ -187,16 +187,23 @@ def _intranode_body(ctx, seed):
     checked = 0
     for previous_mode in (False, True):
         for async_mode in (False, True):
+
+            def mode_call(fn, args, **extra):
+                """fn(**args, **extra) as test_main calls it in this mode: with previous_event=buffer.capture()
+                (previous_mode), and the returned event, the last result, waited on (async_mode)."""
+                if previous_mode:
+                    extra["previous_event"] = buffer.capture()
+                got = _call(fn, **args, **extra)
+                if async_mode:
+                    got[-1].current_stream_wait()
+                return got
+
             for name, current_x in (("rand", x_rand), ("rank", x_rank), ("fp8", x_fp8)):
                 weights = topk_weights_rand if name == "rand" else topk_weights_rank
                 args = dict(x=current_x, num_tokens_per_rank=per_rank_t, is_token_in_rank=in_rank,
                             num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=weights, config=config,
                             async_finish=async_mode)
-                if previous_mode:
-                    args["previous_event"] = buffer.capture()
-                recv_x, recv_idx, recv_w, counts, handle, event = _call(buffer.dispatch, **args)
-                if async_mode:
-                    event.current_stream_wait()
+                recv_x, recv_idx, recv_w, counts, handle, _ = mode_call(buffer.dispatch, args)
                 recv_x = from_fp8(*recv_x) if isinstance(recv_x, tuple) else recv_x
                 # counts (test_main "Checks")
                 assert recv_x.size(0) == int(gbl_per_rank[:, rank].sum())
@@ -220,9 +227,7 @@ def _intranode_body(ctx, seed):
 
                 # num_worst_tokens (test_main "Test `num_worst_tokens != 0`")
                 worst = TOKENS * world
-                worst_x, worst_idx, worst_w, empty, _, event = _call(buffer.dispatch, **args, num_worst_tokens=worst)
-                if async_mode:
-                    event.current_stream_wait()
+                worst_x, worst_idx, worst_w, empty, _, _ = mode_call(buffer.dispatch, args, num_worst_tokens=worst)
                 worst_x = from_fp8(*worst_x) if isinstance(worst_x, tuple) else worst_x
                 n = recv_x.size(0)
                 assert empty == [] and worst_x.size(0) == worst == worst_idx.size(0) == worst_w.size(0)
@@ -231,22 +236,14 @@ def _intranode_body(ctx, seed):
 
                 # cached dispatch (test_main "Test cached dispatch"): the same rows from the handle's routing
                 cached_args = dict(x=current_x, handle=handle, config=config, async_finish=async_mode)
-                if previous_mode:
-                    cached_args["previous_event"] = buffer.capture()
-                cached_x, none_idx, none_w, none_counts, none_handle, event = _call(buffer.dispatch, **cached_args)
-                if async_mode:
-                    event.current_stream_wait()
+                cached_x, none_idx, none_w, none_counts, none_handle, _ = mode_call(buffer.dispatch, cached_args)
                 cached_x = from_fp8(*cached_x) if isinstance(cached_x, tuple) else cached_x
                 assert none_idx is None and none_w is None and none_counts is None and none_handle is None
                 assert torch.equal(cached_x, recv_x)
 
                 # combine (test_main "Test combine"): sum over the ranks a token went to, / their number == x
                 combine_args = dict(x=recv_x, handle=handle, config=config, async_finish=async_mode)
-                if previous_mode:
-                    combine_args["previous_event"] = buffer.capture()
-                combined_x, combined_w, event = _call(buffer.combine, **combine_args)
-                if async_mode:
-                    event.current_stream_wait()
+                combined_x, combined_w, _ = mode_call(buffer.combine, combine_args)
                 assert combined_w is None
                 ranks_of_token = in_rank.sum(dim=1, keepdim=True).clamp(min=1)
                 ref_x = x_rand if name == "rand" else x_rank
@@ -259,9 +256,7 @@ def _intranode_body(ctx, seed):
                 # a token went to; DeepEP's test fills the -1 entries of the rank-constant rows (so each of the
                 # token's ranks sends its source's rank there), the random ones keep their 0s
                 topk_w = recv_w if name == "rand" else filled
-                _, combined_w, event = _call(buffer.combine, **combine_args, topk_weights=topk_w)
-                if async_mode:
-                    event.current_stream_wait()
+                _, combined_w, _ = mode_call(buffer.combine, combine_args, topk_weights=topk_w)
                 assert combined_w.dtype == torch.float32 and combined_w.shape == (TOKENS, TOPK)
                 if name == "rand":  # one rank holds each (t, k): its weight exactly, 0 for an id of -1
                     want_w = torch.where(topk_idx >= 0, topk_weights_rand, 0)
