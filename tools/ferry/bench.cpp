@@ -887,22 +887,21 @@ int run_bench_rank(Options const& options) {
                             slow[7],
                             combine_bound_ratio,
                             combine_rel_l2};
-      // --backward: dispatch_backward moves the forward combine's bytes, combine_backward the forward dispatch's
-      Record dispatch_backward_record = combine_record;
-      dispatch_backward_record.leg = "dispatch_backward";
-      dispatch_backward_record.stats = {slow[8], slow[9], slow[10]};
-      dispatch_backward_record.nvlink_gbps = mean_combine_bytes / slow[8] / 1e3;
-      dispatch_backward_record.logical_gbps = mean_logical / slow[8] / 1e3;
-      dispatch_backward_record.baseline_us = -1;
-      dispatch_backward_record.bound_ratio = -1;
-      dispatch_backward_record.forward_ratio = slow[8] / slow[3];
-      Record combine_backward_record = dispatch_record;
-      combine_backward_record.leg = "combine_backward";
-      combine_backward_record.stats = {slow[11], slow[12], slow[13]};
-      combine_backward_record.nvlink_gbps = mean_dispatch_bytes / slow[11] / 1e3;
-      combine_backward_record.logical_gbps = mean_logical / slow[11] / 1e3;
-      combine_backward_record.baseline_us = -1;
-      combine_backward_record.forward_ratio = slow[11] / slow[0];
+      // --backward: dispatch_backward moves the forward combine's bytes, combine_backward the forward dispatch's; each
+      // record is its forward twin's with the backward leg's times (slow[first..first + 2]) and their ratio
+      auto const backward_record = [&](Record const& forward, char const* leg, int first, double bytes) {
+        Record record = forward;
+        record.leg = leg;
+        record.stats = {slow[first], slow[first + 1], slow[first + 2]};
+        record.nvlink_gbps = bytes / slow[first] / 1e3;
+        record.logical_gbps = mean_logical / slow[first] / 1e3;
+        record.baseline_us = -1;
+        record.bound_ratio = -1;
+        record.forward_ratio = slow[first] / forward.stats.median_us;
+        return record;
+      };
+      Record dispatch_backward_record = backward_record(combine_record, "dispatch_backward", 8, mean_combine_bytes);
+      Record combine_backward_record = backward_record(dispatch_record, "combine_backward", 11, mean_dispatch_bytes);
       std::vector<Record*> legs = {&dispatch_record, &combine_record};
       if (backward) legs.insert(legs.end(), {&dispatch_backward_record, &combine_backward_record});
       if (rank == 0) {
