@@ -33,15 +33,8 @@ void configure_buffers(Buffers& b, EpConfig const& config, int world, int rank, 
 }
 
 SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol) {
-  // NOTE: 256-byte alignment keeps every row and word area on its own cache lines and 16-byte vectors aligned.
-  constexpr std::size_t kAlign = 256;
   SymLayout layout;
-  std::size_t offset = 0;
-  auto take = [&](std::size_t bytes) {
-    std::size_t const at = offset;
-    offset = quant::align_up(offset + bytes, kAlign);
-    return at;
-  };
+  AreaPacker areas;
   std::size_t const w = static_cast<std::size_t>(world);
   // [2 parities][world][max_tokens]: the landing slots of the landing zone and of low-latency mode
   std::size_t const slots = 2 * w * static_cast<std::size_t>(config.max_tokens_per_rank);
@@ -50,15 +43,15 @@ SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol) 
     // NOTE: landing rows are wire rows (multiples of 16 bytes): a quantized leg's zone shrinks with its format.
     layout.dispatch_row_bytes = wire_row_bytes(config.dispatch_format, config.hidden);
     layout.combine_row_bytes = wire_row_bytes(config.combine_format, config.hidden);
-    layout.dispatch_arrivals = take(w * sizeof(uint64_t));
-    layout.combine_arrivals = take(w * sizeof(uint64_t));
-    layout.dispatch_tokens = take(2 * w * sizeof(uint64_t));
-    layout.dispatch_abort = take(2 * w * sizeof(uint64_t));
-    layout.combine_abort = take(2 * w * sizeof(uint64_t));
-    layout.dispatch_meta = take(slots * layout.meta_bytes);
-    layout.dispatch_rows = take(slots * layout.dispatch_row_bytes);
-    layout.combine_rows = take(slots * layout.combine_row_bytes);
-    layout.total = offset;
+    layout.dispatch_arrivals = areas.take(w * sizeof(uint64_t));
+    layout.combine_arrivals = areas.take(w * sizeof(uint64_t));
+    layout.dispatch_tokens = areas.take(2 * w * sizeof(uint64_t));
+    layout.dispatch_abort = areas.take(2 * w * sizeof(uint64_t));
+    layout.combine_abort = areas.take(2 * w * sizeof(uint64_t));
+    layout.dispatch_meta = areas.take(slots * layout.meta_bytes);
+    layout.dispatch_rows = areas.take(slots * layout.dispatch_row_bytes);
+    layout.combine_rows = areas.take(slots * layout.combine_row_bytes);
+    layout.total = areas.total();
     return layout;
   }
   std::size_t const cap = static_cast<std::size_t>(config.recv_capacity(world));
@@ -70,31 +63,31 @@ SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol) 
   bool const dequantize = config.dispatch_format != WireFormat::bf16 && config.dispatch_dequantize;
   std::size_t const combine_row = wire_row_bytes(config.combine_format, config.hidden);
   layout.count_words = 1 + world + config.num_local_experts(world);
-  layout.recv_x = take(cap * config.recv_row_bytes());
+  layout.recv_x = areas.take(cap * config.recv_row_bytes());
   if (config.delivers_quantized()) {
-    layout.recv_scales = take(cap * static_cast<std::size_t>(dispatch_wire.num_scales) *
-                              static_cast<std::size_t>(dispatch_wire.scale_bytes));
-    if (dispatch_wire.has_token_scale) layout.recv_token_scales = take(cap * sizeof(float));
+    layout.recv_scales = areas.take(cap * static_cast<std::size_t>(dispatch_wire.num_scales) *
+                                    static_cast<std::size_t>(dispatch_wire.scale_bytes));
+    if (dispatch_wire.has_token_scale) layout.recv_token_scales = areas.take(cap * sizeof(float));
   }
-  if (dequantize) layout.recv_wire = take(cap * dispatch_wire.row_bytes);
-  layout.recv_idx = take(cap * topk * sizeof(int32_t));
-  layout.recv_w = take(cap * topk * sizeof(float));
-  layout.recv_src = take(cap * 2 * sizeof(int32_t));
-  layout.counts = take(2 * w * layout.count_words * sizeof(uint64_t));
-  layout.data_signal = take(w * sizeof(uint64_t));
-  layout.combine_abort = take(2 * w * sizeof(uint64_t));
-  layout.tile_flags = take(w * kMaxCombineTiles * sizeof(uint64_t));
-  layout.landing = take(slots * combine_row);
-  layout.weight_grad = take(2 * static_cast<std::size_t>(config.max_tokens_per_rank) * topk * sizeof(uint64_t));
-  layout.weight_grad_arrivals = take(w * sizeof(uint64_t));
+  if (dequantize) layout.recv_wire = areas.take(cap * dispatch_wire.row_bytes);
+  layout.recv_idx = areas.take(cap * topk * sizeof(int32_t));
+  layout.recv_w = areas.take(cap * topk * sizeof(float));
+  layout.recv_src = areas.take(cap * 2 * sizeof(int32_t));
+  layout.counts = areas.take(2 * w * layout.count_words * sizeof(uint64_t));
+  layout.data_signal = areas.take(w * sizeof(uint64_t));
+  layout.combine_abort = areas.take(2 * w * sizeof(uint64_t));
+  layout.tile_flags = areas.take(w * kMaxCombineTiles * sizeof(uint64_t));
+  layout.landing = areas.take(slots * combine_row);
+  layout.weight_grad = areas.take(2 * static_cast<std::size_t>(config.max_tokens_per_rank) * topk * sizeof(uint64_t));
+  layout.weight_grad_arrivals = areas.take(w * sizeof(uint64_t));
   if (protocol == Protocol::landing) {
-    layout.land_arrivals = take(w * sizeof(uint64_t));
-    layout.land_tokens = take(2 * w * sizeof(uint64_t));
-    layout.land_abort = take(2 * w * sizeof(uint64_t));
-    layout.land_meta = take(slots * landing::record_bytes(config.topk));
-    layout.land_rows = take(slots * static_cast<std::size_t>(config.hidden) * 2);
+    layout.land_arrivals = areas.take(w * sizeof(uint64_t));
+    layout.land_tokens = areas.take(2 * w * sizeof(uint64_t));
+    layout.land_abort = areas.take(2 * w * sizeof(uint64_t));
+    layout.land_meta = areas.take(slots * landing::record_bytes(config.topk));
+    layout.land_rows = areas.take(slots * static_cast<std::size_t>(config.hidden) * 2);
   }
-  layout.total = offset;
+  layout.total = areas.total();
   return layout;
 }
 

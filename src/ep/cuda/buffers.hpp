@@ -14,10 +14,27 @@
 #include "ep/landing_policy.hpp"
 #include "ep/run_record.hpp"
 #include "ferry/ep.hpp"
+#include "quant/layout.hpp"
 #include "trace/cuda/recorder.hpp"
 #include "tuning/choose.hpp"
 
 namespace ferry::cuda_ep {
+
+// Places areas one after another, each starting 256-byte aligned: every row and word area on its own cache lines, and
+// 16-byte vectors aligned (the symmetric region's layout, make_sym_layout, and a handle's, make_handle_layout).
+class AreaPacker {
+ public:
+  std::size_t take(std::size_t bytes) {
+    std::size_t const at = offset_;
+    offset_ = quant::align_up(offset_ + bytes, kAlign);
+    return at;
+  }
+  std::size_t total() const { return offset_; }
+
+ private:
+  static constexpr std::size_t kAlign = 256;
+  std::size_t offset_ = 0;
+};
 
 using detail::Protocol;
 

@@ -6,33 +6,26 @@
 #include "ep/cuda/buffers.hpp"
 #include "ep/cuda/handle.cuh"
 #include "ferry/error.hpp"
-#include "quant/layout.hpp"
 
 namespace ferry::cuda_ep {
 
 HandleLayout make_handle_layout(EpConfig const& config, int world) {
-  // NOTE: 256-byte alignment, as the symmetric region's areas: the copy moves 16-byte vectors.
-  constexpr std::size_t kAlign = 256;
+  // NOTE: aligned as the symmetric region's areas: the copy moves 16-byte vectors.
   HandleLayout layout;
-  std::size_t offset = 0;
-  auto take = [&](std::size_t bytes) {
-    std::size_t const at = offset;
-    offset = quant::align_up(offset + bytes, kAlign);
-    return at;
-  };
+  AreaPacker areas;
   std::size_t const rows = static_cast<std::size_t>(config.recv_capacity(world));
   std::size_t const topk = static_cast<std::size_t>(config.topk);
   std::size_t const tokens = static_cast<std::size_t>(config.max_tokens_per_rank);
-  layout.recv_idx = take(rows * topk * sizeof(int32_t));
-  layout.recv_w = take(rows * topk * sizeof(float));
-  layout.recv_src = take(rows * 2 * sizeof(int32_t));
-  layout.recv_slot = take(rows * topk * sizeof(int32_t));
-  layout.token_mask = take(tokens * sizeof(uint32_t));
-  layout.state_words = take(kHandleStateWords * sizeof(int32_t));
-  layout.expert_counts = take(static_cast<std::size_t>(config.num_local_experts(world)) * sizeof(int32_t));
-  layout.topk_idx = take(tokens * topk * sizeof(int32_t));
-  layout.topk_weights = take(tokens * topk * sizeof(float));
-  layout.total = offset;
+  layout.recv_idx = areas.take(rows * topk * sizeof(int32_t));
+  layout.recv_w = areas.take(rows * topk * sizeof(float));
+  layout.recv_src = areas.take(rows * 2 * sizeof(int32_t));
+  layout.recv_slot = areas.take(rows * topk * sizeof(int32_t));
+  layout.token_mask = areas.take(tokens * sizeof(uint32_t));
+  layout.state_words = areas.take(kHandleStateWords * sizeof(int32_t));
+  layout.expert_counts = areas.take(static_cast<std::size_t>(config.num_local_experts(world)) * sizeof(int32_t));
+  layout.topk_idx = areas.take(tokens * topk * sizeof(int32_t));
+  layout.topk_weights = areas.take(tokens * topk * sizeof(float));
+  layout.total = areas.total();
   return layout;
 }
 
