@@ -415,6 +415,7 @@ DispatchResult EpBuffer::combine_backward(CombineBackwardArgs const& args, cudaS
     cached.x = args.grad_y;
     cached.num_tokens = handle.num_tokens;
     cached.expand = expert_major;
+    cached.handle = args.handle;                 // a cached dispatch (the backend knows it by this)
     cached.eager = args.eager && !expert_major;  // expert-major: the weight step synchronises
     run = impl_->cached_args(handle, cached);
     detail::validate_dispatch_args(config_, run);

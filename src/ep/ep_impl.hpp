@@ -72,7 +72,8 @@ class EpBackendImpl {
   // and weights of `args` (the dispatch's arguments). EpBuffer sets handle's saved fields afterwards.
   virtual void save_handle(HandleState& handle, DispatchArgs const& args, cudaStream_t stream);
   // A cached dispatch: `args` with topk_idx, topk_idx_type and topk_weights pointing at the handle's saved ids and
-  // weights (storage the backend reads on its own side: device on cuda, host on cpu).
+  // weights (storage the backend reads on its own side: device on cuda, host on cpu). EpBuffer passes the result to
+  // dispatch / dispatch_gradients with args.handle still set: that is how a backend knows the dispatch is cached.
   virtual DispatchArgs cached_args(HandleState const& handle, DispatchArgs args) const;
   // combine_backward's cached dispatch of grad_y (expert-major: args.expand). The backend may leave the slots' rows
   // unwritten when its combine_backward_weights writes them (scaled) from the rank-major rows; the default is

@@ -176,8 +176,7 @@ class CudaEp final : public detail::EpBackendImpl {
     leg.prequantized = args.num_tokens > 0 && args.x_scales != nullptr;
     LaunchPlan const& plan = plan_of(0, args.num_tokens);
     launch_dispatch(b, args, plan, stream, false, &leg);
-    bool const cached = args.topk_idx != nullptr && args.topk_idx == cached_ids_;
-    cached_ids_ = nullptr;
+    bool const cached = args.handle != nullptr;  // cached_args' ids (EpBuffer keeps the handle in the args)
     if (args.expand) {
       launch_expand(b, /*copy_rows=*/true, stream, skip_slot_rows);
     } else if (cached && b.expert_slots > 0) {
@@ -284,7 +283,6 @@ class CudaEp final : public detail::EpBackendImpl {
     args.topk_idx = base + handle_layout_.topk_idx;
     args.topk_idx_type = IndexType::int32;
     args.topk_weights = reinterpret_cast<float const*>(base + handle_layout_.topk_weights);
-    cached_ids_ = args.topk_idx;  // dispatch() knows the call is cached by these ids
     return args;
   }
 
@@ -387,14 +385,13 @@ class CudaEp final : public detail::EpBackendImpl {
   trace::DeviceRecorder trace_;  // Buffers::trace points here
   SymmetricRegion region_;       // the symmetric region of buffers_.sym
   Buffers buffers_;
-  HandleLayout handle_layout_;                // normal mode: the storage of this buffer's dispatch handles
-  mutable void const* cached_ids_ = nullptr;  // the ids cached_args handed out last (a cached dispatch's)
-  int last_num_tokens_ = 0;                   // of the last dispatch: the rows combine returns
-  DispatchArgs pending_dispatch_;             // low-latency: the send half's arguments, for its receive half
-  CombineArgs pending_combine_;               // same for combine
-  std::vector<PlanMemo> plans_[2];            // normal mode: [leg][num_tokens]
-  std::string protocol_why_;                  // choose_protocol's reason
-  std::string grid_why_;                      // low-latency: where the CTA count came from
+  HandleLayout handle_layout_;      // normal mode: the storage of this buffer's dispatch handles
+  int last_num_tokens_ = 0;         // of the last dispatch: the rows combine returns
+  DispatchArgs pending_dispatch_;   // low-latency: the send half's arguments, for its receive half
+  CombineArgs pending_combine_;     // same for combine
+  std::vector<PlanMemo> plans_[2];  // normal mode: [leg][num_tokens]
+  std::string protocol_why_;        // choose_protocol's reason
+  std::string grid_why_;            // low-latency: where the CTA count came from
   uint8_t protocol_fallbacks_ = detail::kNoFallback;
   uint8_t grid_fallbacks_ = detail::kNoFallback;
   detail::RunRecord record_;
