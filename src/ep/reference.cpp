@@ -47,12 +47,16 @@ std::vector<int> rows_of_source(RankDispatch const& received, int source, int nu
   return rows;
 }
 
-// The source side shared by both combine layouts, before the final rounding: acc[t] = sum over d ascending of
-// float(row_d(t)) (in combine_format), where row_of(d, i, out) yields the bf16 row that rank d sends back for its
-// received row i.
+// The source side shared by both combine layouts, before the final rounding (the order of reference.hpp, "Across
+// nodes"): acc[t] = sum over the nodes ascending; the source's own node adds float(row_d(t)) (in combine_format) for
+// each rank d of it ascending, every other node adds one row, its ranks' rows summed in fp32 (d ascending), rounded
+// to bf16 and sent in combine_format. row_of(d, i, out) yields the bf16 row that rank d sends back for its received
+// row i. One node: the sum over d ascending.
 template <typename RowOf>
-std::vector<float> source_sum_fp32(EpConfig const& config, int world, int rank, std::span<RankInput const> inputs,
-                                   std::span<RankDispatch const> received, RowOf&& row_of) {
+std::vector<float> source_sum_fp32(EpConfig const& config, Topology const& topology, int rank,
+                                   std::span<RankInput const> inputs, std::span<RankDispatch const> received,
+                                   RowOf&& row_of) {
+  int const world = topology.world();
   check_received(world, rank, inputs.size(), received.size());
   int const hidden = config.hidden;
   int const num_tokens = inputs[static_cast<std::size_t>(rank)].num_tokens;
@@ -62,15 +66,29 @@ std::vector<float> source_sum_fp32(EpConfig const& config, int world, int rank, 
 
   std::vector<float> y(at(num_tokens, hidden), 0.0f);
   std::vector<uint16_t> row(static_cast<std::size_t>(hidden));
+  std::vector<uint16_t> partial_row(static_cast<std::size_t>(hidden));
+  std::vector<float> partial(static_cast<std::size_t>(hidden));
   std::vector<uint8_t> wire_scratch;
   std::vector<float> value_scratch;
+  int const own_node = topology.node_of(rank);
   for (int t = 0; t < num_tokens; ++t) {
     float* const acc = y.data() + at(t, hidden);
-    for (int d = 0; d < world; ++d) {
-      int const i = rows[static_cast<std::size_t>(d)][static_cast<std::size_t>(t)];
-      if (i < 0) continue;
-      uint16_t const* sent = row_of(d, i, row.data());
-      accumulate_combined_row(config.combine_format, hidden, sent, wire_scratch, value_scratch, acc);
+    for (int n = 0; n < topology.nodes; ++n) {
+      bool reached = false;
+      if (n != own_node) std::fill(partial.begin(), partial.end(), 0.0f);
+      for (int d = n * topology.local; d < (n + 1) * topology.local; ++d) {
+        int const i = rows[static_cast<std::size_t>(d)][static_cast<std::size_t>(t)];
+        if (i < 0) continue;
+        uint16_t const* sent = row_of(d, i, row.data());
+        if (n == own_node)
+          accumulate_combined_row(config.combine_format, hidden, sent, wire_scratch, value_scratch, acc);
+        else
+          accumulate_row(hidden, sent, partial.data());
+        reached = true;
+      }
+      if (n == own_node || !reached) continue;
+      round_row(hidden, partial.data(), partial_row.data());
+      accumulate_combined_row(config.combine_format, hidden, partial_row.data(), wire_scratch, value_scratch, acc);
     }
   }
   return y;
@@ -78,9 +96,10 @@ std::vector<float> source_sum_fp32(EpConfig const& config, int world, int rank, 
 
 // ...rounded: y[t] = bf16(acc[t]).
 template <typename RowOf>
-std::vector<uint16_t> source_sum(EpConfig const& config, int world, int rank, std::span<RankInput const> inputs,
-                                 std::span<RankDispatch const> received, RowOf&& row_of) {
-  std::vector<float> const acc = source_sum_fp32(config, world, rank, inputs, received, row_of);
+std::vector<uint16_t> source_sum(EpConfig const& config, Topology const& topology, int rank,
+                                 std::span<RankInput const> inputs, std::span<RankDispatch const> received,
+                                 RowOf&& row_of) {
+  std::vector<float> const acc = source_sum_fp32(config, topology, rank, inputs, received, row_of);
   std::vector<uint16_t> y(acc.size());
   for (std::size_t i = 0; i < acc.size(); ++i) y[i] = float_to_bf16(acc[i]);
   return y;
@@ -448,6 +467,13 @@ std::vector<uint16_t> reduce_local_experts(EpConfig const& config, int world, Ra
 std::vector<uint16_t> combine_expert_major(EpConfig const& config, int world, int rank,
                                            std::span<RankInput const> inputs, std::span<RankDispatch const> received,
                                            std::span<std::vector<uint16_t> const> expert_out) {
+  return combine_expert_major(config, Topology{1, world}, rank, inputs, received, expert_out);
+}
+
+std::vector<uint16_t> combine_expert_major(EpConfig const& config, Topology const& topology, int rank,
+                                           std::span<RankInput const> inputs, std::span<RankDispatch const> received,
+                                           std::span<std::vector<uint16_t> const> expert_out) {
+  int const world = topology.world();
   check_received(world, rank, inputs.size(), received.size());
   FERRY_CHECK_INPUT(expert_out.size() == static_cast<std::size_t>(world), "got ", expert_out.size(),
                     " expert outputs for world=", world);
@@ -463,7 +489,7 @@ std::vector<uint16_t> combine_expert_major(EpConfig const& config, int world, in
   // Only the rows that came from `rank` are reduced (the receiver does this for every row; the result per row is
   // the same).
   std::vector<float> scratch(static_cast<std::size_t>(hidden));
-  return source_sum(config, world, rank, inputs, received, [&](int d, int i, uint16_t* row) -> uint16_t const* {
+  return source_sum(config, topology, rank, inputs, received, [&](int d, int i, uint16_t* row) -> uint16_t const* {
     RankDispatch const& rd = received[static_cast<std::size_t>(d)];
     reduce_row(hidden, topk, rd.expert_slots, rd.recv_topk_idx.data() + at(i, topk), rd.recv_slot.data() + at(i, topk),
                rd.recv_topk_weights.data() + at(i, topk), expert_out[static_cast<std::size_t>(d)].data(),
@@ -475,6 +501,13 @@ std::vector<uint16_t> combine_expert_major(EpConfig const& config, int world, in
 std::vector<uint16_t> combine_rank_major(EpConfig const& config, int world, int rank, std::span<RankInput const> inputs,
                                          std::span<RankDispatch const> received,
                                          std::span<std::vector<uint16_t> const> rows) {
+  return combine_rank_major(config, Topology{1, world}, rank, inputs, received, rows);
+}
+
+std::vector<uint16_t> combine_rank_major(EpConfig const& config, Topology const& topology, int rank,
+                                         std::span<RankInput const> inputs, std::span<RankDispatch const> received,
+                                         std::span<std::vector<uint16_t> const> rows) {
+  int const world = topology.world();
   check_received(world, rank, inputs.size(), received.size());
   FERRY_CHECK_INPUT(rows.size() == static_cast<std::size_t>(world), "got ", rows.size(), " row sets for world=", world);
   int const hidden = config.hidden;
@@ -483,7 +516,7 @@ std::vector<uint16_t> combine_rank_major(EpConfig const& config, int world, int 
     FERRY_CHECK_INPUT(rows[static_cast<std::size_t>(d)].size() == expected, "rows[", d, "] holds ",
                       rows[static_cast<std::size_t>(d)].size(), " elements; num_recv x hidden needs ", expected);
   }
-  return source_sum(config, world, rank, inputs, received, [&](int d, int i, uint16_t*) -> uint16_t const* {
+  return source_sum(config, topology, rank, inputs, received, [&](int d, int i, uint16_t*) -> uint16_t const* {
     return rows[static_cast<std::size_t>(d)].data() + at(i, hidden);
   });
 }
@@ -491,18 +524,25 @@ std::vector<uint16_t> combine_rank_major(EpConfig const& config, int world, int 
 std::vector<float> dispatch_backward(EpConfig const& config, int world, int rank, std::span<RankInput const> inputs,
                                      std::span<RankDispatch const> received,
                                      std::span<std::vector<uint16_t> const> grads, CombineLayout layout) {
+  return dispatch_backward(config, Topology{1, world}, rank, inputs, received, grads, layout);
+}
+
+std::vector<float> dispatch_backward(EpConfig const& config, Topology const& topology, int rank,
+                                     std::span<RankInput const> inputs, std::span<RankDispatch const> received,
+                                     std::span<std::vector<uint16_t> const> grads, CombineLayout layout) {
+  int const world = topology.world();
   check_received(world, rank, inputs.size(), received.size());
   FERRY_CHECK_INPUT(grads.size() == static_cast<std::size_t>(world), "got ", grads.size(),
                     " gradients for world=", world);
   int const hidden = config.hidden;
   int const topk = config.topk;
   if (layout == CombineLayout::rank_major)
-    return source_sum_fp32(config, world, rank, inputs, received, [&](int d, int i, uint16_t*) -> uint16_t const* {
+    return source_sum_fp32(config, topology, rank, inputs, received, [&](int d, int i, uint16_t*) -> uint16_t const* {
       return grads[static_cast<std::size_t>(d)].data() + at(i, hidden);
     });
   std::vector<float> const ones(static_cast<std::size_t>(topk), 1.0f);
   std::vector<float> scratch(static_cast<std::size_t>(hidden));
-  return source_sum_fp32(config, world, rank, inputs, received, [&](int d, int i, uint16_t* row) -> uint16_t const* {
+  return source_sum_fp32(config, topology, rank, inputs, received, [&](int d, int i, uint16_t* row) -> uint16_t const* {
     RankDispatch const& rd = received[static_cast<std::size_t>(d)];
     reduce_row(hidden, topk, rd.expert_slots, rd.recv_topk_idx.data() + at(i, topk), rd.recv_slot.data() + at(i, topk),
                ones.data(), grads[static_cast<std::size_t>(d)].data(), scratch.data(), row);

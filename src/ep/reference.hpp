@@ -10,6 +10,13 @@
 //   y += float(row_d(t)). y[t] = bf16_rne(y). A token with no valid expert gets 0. (Start from +0.0f and add, even
 //   for the first row: 0.0f + -0.0f is +0.0f, and the kernels must do the same to stay bit-identical.)
 // - Rank-major combine: row_d(t) is the caller's row; the source sum is the same.
+// - Across nodes (a Topology of N nodes x M ranks, hierarchical normal mode, docs/internode.md): dispatch delivers
+//   exactly what one node of N x M ranks would (the rows cross the network as their wire rows, unchanged). The
+//   source's sum runs over the nodes n = 0..N-1 ascending. Its own node adds float(row_d(t)) of its ranks d ascending
+//   (in combine_format), as above. Every other node n that received t adds one row: its ranks' bf16 rows summed in
+//   fp32, p = 0.0f; for d of node n ascending: p += float(row_d(t)); sent as quantize_row(combine_format,
+//   bf16_rne(p)) and added dequantized. One node is the rule above; one rank per node too (bf16_rne(float(row)) ==
+//   row).
 // - fp32 arithmetic is IEEE binary32 with subnormals (no flush to zero), fmaf rounded once.
 // - Wire formats (docs/quant.md): every row travels as its wire row (quant::quantize_row of the bf16 row;
 //   bf16 is the row's own bytes). Dispatch: the source quantizes each token once (or forwards its pre-quantized wire
@@ -152,9 +159,17 @@ std::vector<uint16_t> combine_expert_major(EpConfig const& config, int world, in
                                            std::span<RankInput const> inputs, std::span<RankDispatch const> received,
                                            std::span<std::vector<uint16_t> const> expert_out);
 
+// ...over a topology of several nodes (the order "Across nodes" above); the int-world form is one node.
+std::vector<uint16_t> combine_expert_major(EpConfig const& config, Topology const& topology, int rank,
+                                           std::span<RankInput const> inputs, std::span<RankDispatch const> received,
+                                           std::span<std::vector<uint16_t> const> expert_out);
+
 // y of rank `rank` from every rank's rank-major rows ([num_recv * hidden] bf16 each, already reduced).
 std::vector<uint16_t> combine_rank_major(EpConfig const& config, int world, int rank, std::span<RankInput const> inputs,
                                          std::span<RankDispatch const> received,
+                                         std::span<std::vector<uint16_t> const> rows);
+std::vector<uint16_t> combine_rank_major(EpConfig const& config, Topology const& topology, int rank,
+                                         std::span<RankInput const> inputs, std::span<RankDispatch const> received,
                                          std::span<std::vector<uint16_t> const> rows);
 
 // The receiver side of an expert-major combine alone: the bf16 row each received row sends back.
@@ -170,6 +185,9 @@ std::vector<uint16_t> reduce_local_experts(EpConfig const& config, int world, Ra
 // ascending in combine_format, y += float(row_d(t)), starting from +0.0f.
 std::vector<float> dispatch_backward(EpConfig const& config, int world, int rank, std::span<RankInput const> inputs,
                                      std::span<RankDispatch const> received,
+                                     std::span<std::vector<uint16_t> const> grads, CombineLayout layout);
+std::vector<float> dispatch_backward(EpConfig const& config, Topology const& topology, int rank,
+                                     std::span<RankInput const> inputs, std::span<RankDispatch const> received,
                                      std::span<std::vector<uint16_t> const> grads, CombineLayout layout);
 // combine_backward, the gradient rows receiving rank `rank` gets (grad_y[r]: rank r's [num_tokens * hidden] bf16):
 // rank_major [num_recv * hidden]: row i = grad_y[s][t] of its source (s, t); expert_major [num_local_experts *
