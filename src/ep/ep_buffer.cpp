@@ -167,10 +167,15 @@ EpBuffer::EpBuffer(std::shared_ptr<Communicator> comm, EpConfig const& config)
   try {
     config_.validate(comm_->world());
     Topology const& topology = comm_->topology();
-    FERRY_CHECK_CONFIG(topology.nodes == 1, "EpBuffer over ", topology.nodes, " nodes (topology ",
-                       topology_name(topology),
-                       ", from FERRY_TOPOLOGY or LOCAL_WORLD_SIZE) needs the inter-node "
-                       "protocols, which this version does not have (docs/internode.md); run every rank on one node");
+    // NOTE: over several nodes only the cuda backend's normal mode runs (its hierarchical protocol).
+    FERRY_CHECK_CONFIG(topology.nodes == 1 || config_.mode != Mode::low_latency, "mode=ll over ", topology.nodes,
+                       " nodes (topology ", topology_name(topology),
+                       ", from FERRY_TOPOLOGY or LOCAL_WORLD_SIZE): inter-node low-latency mode is not built yet "
+                       "(issue 28); use mode=normal or run every rank on one node");
+    FERRY_CHECK_CONFIG(topology.nodes == 1 || comm_->backend() == Backend::cuda, "EpBuffer over ", topology.nodes,
+                       " nodes (topology ", topology_name(topology),
+                       ") runs on the cuda backend only in this version (its hierarchical normal mode); run every "
+                       "rank on one node");
   } catch (ConfigError const& error) {
     invalid = error.what();
   }

@@ -59,8 +59,11 @@ LandingChoice choose_normal_landing(EpConfig const& config, int world, std::stri
                        " landing slots: a small batch)")};
 }
 
-ProtocolChoice choose_protocol(EpConfig const& config, int world, std::string const& landing_pin) {
+ProtocolChoice choose_protocol(EpConfig const& config, int world, std::string const& landing_pin, int nodes) {
   if (config.mode == Mode::low_latency) return {Protocol::ll, {}, false};
+  if (nodes > 1)
+    return {Protocol::hierarchical, "over nodes: a token crosses the network once per node, to its rail, then NVLink",
+            false};
   LandingChoice landing = choose_normal_landing(config, world, landing_pin);
   return {landing.use ? Protocol::landing : Protocol::push, std::move(landing.why), landing.fallback};
 }

@@ -36,8 +36,9 @@ struct LandingChoice {
 LandingChoice choose_normal_landing(EpConfig const& config, int world, std::string const& pin);
 
 // The protocols of the cuda backend: normal mode's count exchange + push (dispatch.cuh), normal mode's landing zone
-// (land_dispatch.cuh; combine is the push's), low-latency mode (ll_dispatch.cuh, ll_combine.cuh).
-enum class Protocol : uint8_t { push, landing, ll };
+// (land_dispatch.cuh; combine is the push's), low-latency mode (ll_dispatch.cuh, ll_combine.cuh), and normal mode
+// over several nodes (hier_dispatch.cuh, hier_combine.cuh: a token crosses the network once per node, to its rail).
+enum class Protocol : uint8_t { push, landing, ll, hierarchical };
 
 struct ProtocolChoice {
   Protocol protocol = Protocol::push;
@@ -47,7 +48,8 @@ struct ProtocolChoice {
 
 // The protocol of an EpBuffer: low-latency mode's, or choose_normal_landing's for normal mode (landing_pin: the text
 // of FERRY_NORMAL_LANDING).
-ProtocolChoice choose_protocol(EpConfig const& config, int world, std::string const& landing_pin);
+// nodes > 1 (normal mode): the hierarchical protocol, whatever the pin.
+ProtocolChoice choose_protocol(EpConfig const& config, int world, std::string const& landing_pin, int nodes = 1);
 
 // Dynamic shared memory of the landing receiver for a config.
 std::size_t landing_smem_bytes(EpConfig const& config, int world);

@@ -85,6 +85,9 @@ std::string dispatch_text(LegRecord const& leg, ExplainContext const& context) {
         return "dispatch: refused on input (joined the landing zone with no tokens and the abort flag)";
       case Protocol::ll:
         return "dispatch: refused on input (joined with no tokens and the abort flag)";
+      case Protocol::hierarchical:
+        return "dispatch: refused on input (joined the count exchange over the nodes with no tokens and the abort "
+               "flag)";
     }
   }
   std::string out;
@@ -103,7 +106,11 @@ std::string dispatch_text(LegRecord const& leg, ExplainContext const& context) {
         ids_name(leg.ids), ", wire ");
     push_ll_dispatch_format(out, config, leg);
   } else {
-    if (leg.protocol == Protocol::landing)
+    if (leg.protocol == Protocol::hierarchical)
+      out = concat("dispatch: normal/", context.protocol_why,
+                   " (count rows to every rank, rows once per remote node to its rail, which forwards them over "
+                   "NVLink), ");
+    else if (leg.protocol == Protocol::landing)
       out = concat("dispatch: normal/nvlink-landing (rows land in per-source slots, the receiver compacts them: no ",
                    "count exchange; ", context.protocol_why, "), ");
     else
@@ -137,6 +144,12 @@ std::string combine_text(LegRecord const& leg, ExplainContext const& context) {
             ? " (a row's chunks on warps of one CTA, which meet the row's amax, its token scale, in shared "
               "memory and quantize in registers; source dequantizes and sums in fp32)"
             : " (chunk quantized in registers; source dequantizes and sums in fp32)");
+  } else if (leg.protocol == Protocol::hierarchical) {
+    out = concat("combine: normal/", context.protocol_why, " (", leg.ctas, " CTAs x ", context.warps,
+                 " warps: rows of the own node to the source over NVLink, bf16 rows of another node's token to this "
+                 "node's rail, which sums them in fp32 and sends one row per (token, node) over the network), ",
+                 reduce_text(leg.expert_major), ", ");
+    push_combine_format(out, config, leg);
   } else {
     out = concat("combine: normal/nvlink-push pipelined (", leg.push_ctas, " push + ", leg.ctas - leg.push_ctas,
                  " sum CTAs x ", context.warps, " warps, ", leg.plan_why, "), ", reduce_text(leg.expert_major), ", ");

@@ -91,6 +91,40 @@ SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol) 
   return layout;
 }
 
+SymLayout make_hier_sym_layout(EpConfig const& config, Topology const& topology) {
+  int const world = topology.world();
+  SymLayout layout = make_sym_layout(config, world, Protocol::push);
+  std::size_t const w = static_cast<std::size_t>(world);
+  std::size_t const n = static_cast<std::size_t>(topology.nodes);
+  std::size_t const max_tokens = static_cast<std::size_t>(config.max_tokens_per_rank);
+  std::size_t const row = wire_row_bytes(config.dispatch_format, config.hidden);
+  std::size_t const combine_row = wire_row_bytes(config.combine_format, config.hidden);
+  // NOTE: a count row is one put: 16-byte multiples (an even number of words), every row 16-byte aligned.
+  layout.count_words = 1 + world + config.num_local_experts(world) + topology.nodes;
+  layout.count_words += layout.count_words % 2;
+  AreaPacker areas;
+  areas.take(layout.total);
+  layout.counts = areas.take(2 * w * layout.count_words * sizeof(uint64_t));  // replaces the push's (wider rows)
+  layout.hier_count_send = areas.take(w * layout.count_words * sizeof(uint64_t));
+  layout.hier_count_signal = areas.take(w * sizeof(uint64_t));
+  layout.hier_meta_bytes = hier_record_bytes(topology.local, config.topk);
+  layout.hier_send_rows = areas.take(max_tokens * row);
+  layout.hier_send_meta = areas.take(n * max_tokens * layout.hier_meta_bytes);
+  layout.hier_fwd_rows = areas.take(n * max_tokens * row);
+  layout.hier_fwd_meta = areas.take(n * max_tokens * layout.hier_meta_bytes);
+  layout.hier_fwd_signal = areas.take(n * sizeof(uint64_t));
+  layout.hier_partials = areas.take(2 * n * static_cast<std::size_t>(topology.local) * max_tokens *
+                                    static_cast<std::size_t>(config.hidden) * 2);
+  layout.hier_combine_send = areas.take(n * max_tokens * combine_row);
+  layout.hier_arrive = areas.take(w * sizeof(uint64_t));
+  layout.hier_abort = areas.take(2 * w * sizeof(uint64_t));
+  layout.hier_rail_signal = areas.take(w * sizeof(uint64_t));
+  layout.nodes = topology.nodes;
+  layout.local = topology.local;
+  layout.total = areas.total();
+  return layout;
+}
+
 void allocate_buffers(Buffers& b) {
   EpConfig const& config = b.config;
   std::size_t const max_tokens = static_cast<std::size_t>(config.max_tokens_per_rank);
@@ -129,6 +163,16 @@ void allocate_buffers(Buffers& b) {
     b.block_counts = device_alloc<int32_t>(static_cast<std::size_t>(b.max_dispatch_ctas) * b.world);
     b.count_totals = device_zeroed<int32_t>(static_cast<std::size_t>(b.world + config.num_experts + 1));
     if (config.dispatch_format == WireFormat::nvfp4) b.token_scales = device_alloc<float>(max_tokens);
+    if (b.protocol == Protocol::hierarchical) {
+      // 4. the hierarchical protocol: its layout words, and the network's endpoints (one per warp of the widest grid)
+      std::size_t const nodes = static_cast<std::size_t>(b.topology.nodes);
+      b.node_pos = device_alloc<int32_t>(max_tokens * nodes);
+      b.hier_mask = device_zeroed<uint32_t>(max_tokens);
+      if (config.combine_format != WireFormat::bf16)
+        b.rail_partials = device_alloc<uint16_t>(nodes * max_tokens * static_cast<std::size_t>(config.hidden));
+      b.network.num_areas = std::max(b.max_dispatch_ctas, b.num_sms) * kWarps;
+      b.network.areas = device_zeroed<transport::EmulatedArea>(static_cast<std::size_t>(b.network.num_areas));
+    }
     // NOTE: scale tensors are zeroed once: calls write every (row, block) entry of the rows they deliver and never the
     // padding entries (rows or blocks past the end), which the layouts define as zero.
     if (config.delivers_quantized() && config.recv_scale_layout != ScaleLayout::row_major)
@@ -158,6 +202,10 @@ void free_buffers(Buffers& b) noexcept {
   device_free(b.count_totals);
   device_free(b.token_scales);
   device_free(b.recv_scales_final);
+  device_free(b.node_pos);
+  device_free(b.hier_mask);
+  device_free(b.rail_partials);
+  device_free(b.network.areas);
   b.expert_scale_bytes = 0;
 }
 

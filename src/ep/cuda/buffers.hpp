@@ -9,10 +9,12 @@
 #include <optional>
 #include <string>
 
+#include "comm/transport/emulated.cuh"
 #include "ep/cuda/ll_params.cuh"
 #include "ep/cuda/params.cuh"
 #include "ep/landing_policy.hpp"
 #include "ep/run_record.hpp"
+#include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
 #include "quant/layout.hpp"
 #include "trace/cuda/recorder.hpp"
@@ -83,6 +85,16 @@ struct Buffers {
   tuning::LegTuning dispatch_tuning;
   tuning::LegTuning combine_tuning;
 
+  // Hierarchical normal mode (nodes > 1; hier_dispatch.cuh, hier_combine.cuh). The caller sets topology and the
+  // network transport's fields (windows, rank, world, seed, delays); allocate_buffers its endpoints' areas.
+  Topology topology{};
+  transport::Emulated network{};
+  int32_t* node_pos = nullptr;        // [max_tokens, nodes] position among this rank's tokens bound for that node
+  uint32_t* hier_mask = nullptr;      // [max_tokens] who sends a token's combine row back: own-node ranks, rails
+  uint16_t* rail_partials = nullptr;  // quantized combine_format: [nodes, max_tokens, hidden] the rail's bf16 sums
+  // TEST ONLY: the rail reads forwarded rows without waiting for the network's signal (the test must then fail).
+  bool test_skip_rail_wait = false;
+
   // Low-latency mode.
   int num_ctas = 0;  // the grid of both legs, the same on every rank (agreed at construction)
   // bf16 dispatch: the send half copies this rank's own rows from x into their slots (FERRY_LL_OWN_ROWS=direct)
@@ -101,6 +113,10 @@ void configure_buffers(Buffers& b, EpConfig const& config, int world, int rank, 
 
 // The symmetric region's layout for a config and protocol (the same on every rank).
 SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol);
+
+// The symmetric layout of the hierarchical protocol: the count exchange's (make_sym_layout, push) with a count row
+// that also counts tokens per node, and the hierarchical areas (SymLayout).
+SymLayout make_hier_sym_layout(EpConfig const& config, Topology const& topology);
 
 // Allocates a rank's local device buffers for its protocol (configure_buffers set the inputs); zeroes the state, the
 // counters and the scale tensors with cudaMemset (the default stream: synchronize the device before another stream
@@ -158,6 +174,12 @@ struct CombineVariant {
 void launch_combine(Buffers const& buffers, CombineArgs const& args, LaunchPlan const& plan, int num_tokens,
                     cudaStream_t stream, bool refuse = false, detail::LegRecord* record = nullptr,
                     CombineVariant variant = {});
+
+// The hierarchical protocol (nodes > 1): launch_dispatch / launch_combine hand their Params here (hier_dispatch.cu,
+// hier_combine.cu), which add the network transport and the topology and launch the two kernels of the leg.
+void launch_hier_dispatch(Buffers const& buffers, DispatchParams const& params, IndexType ids, cudaStream_t stream);
+void launch_hier_combine(Buffers const& buffers, CombineParams const& params, CombineLayout layout, cudaStream_t stream,
+                         detail::LegRecord* record);
 
 // A dispatch handle's device storage (EpBuffer::make_handle; handle.cu): byte offsets of its areas, each 256-byte
 // aligned. What the normal-mode combine and expand read of their dispatch (the rank-major metadata of this rank's

@@ -85,6 +85,10 @@ void launch_combine(Buffers const& buffers, CombineArgs const& args, LaunchPlan 
                     cudaStream_t stream, bool refuse, detail::LegRecord* record, CombineVariant variant) {
   // num_tokens is only checked here; the kernel reads the device copy of the last dispatch's count
   CombineParams const p = to_params(buffers, args, plan, num_tokens, refuse, variant);
+  if (buffers.protocol == Protocol::hierarchical) {
+    launch_hier_combine(buffers, p, args.layout, stream, record);
+    return;
+  }
   CombineKernel const kernel = find_instance<CombineFamily>(buffers.config.combine_format, buffers.config.hidden,
                                                             CombineFamily::variant(args.layout), record);
   cuda_grid::launch_grid<kThreads>(kernel, p, p.num_ctas, 0, buffers.cooperative, stream);

@@ -34,6 +34,22 @@ GridChoice ll_grid(int asked, std::string source, int agreed) {
 
 namespace {
 
+// NOTE: the hierarchical protocol (normal mode over several nodes) carries bf16 dispatch rows in this version, and
+// reaches the ranks of other nodes through the emulated network, which needs their windows mapped (emulated nodes on
+// one host, FERRY_TOPOLOGY); a real network needs the GIN transport in its kernels.
+void check_hierarchical(Communicator const& comm, EpConfig const& config, Topology const& topology) {
+  FERRY_CHECK_CONFIG(config.dispatch_format == WireFormat::bf16, "mode=normal over ", topology_name(topology),
+                     " nodes carries bf16 dispatch rows in this version, not dispatch_format=",
+                     wire_format_name(config.dispatch_format), "; use dispatch_format=bf16");
+  FERRY_CHECK_CONFIG(topology.world() + topology.nodes <= kMaxHierColumns, "topology ", topology_name(topology),
+                     " has more ranks and nodes than the hierarchical layout's ", kMaxHierColumns, " columns");
+  for (int peer = 0; peer < comm.world(); ++peer)
+    FERRY_CHECK_CONFIG(comm.load_store_reachable(peer), "rank ", comm.rank(), " cannot reach rank ", peer,
+                       " by load/store (topology ", topology_name(topology),
+                       "): the GIN transport is not wired into the EP kernels yet; only emulated nodes on one host "
+                       "(FERRY_TOPOLOGY) run the hierarchical protocol in this version");
+}
+
 // A normal-mode plan for one token count, with the env pins it was made under (the plan functions read them at every
 // call, so `ferry tune` can change them between calls: a changed pin makes a new plan).
 struct PlanMemo {
@@ -72,10 +88,15 @@ class CudaEp final : public detail::EpBackendImpl {
     FERRY_CHECK_CONFIG(world <= kMaxLocalPeers, "world=", world, " exceeds ", kMaxLocalPeers,
                        " ranks of one NVLink domain, the most mode=", mode_name(config.mode),
                        " supports in this version");
-    // 1. the protocol (the same on every rank: the config and FERRY_NORMAL_LANDING must agree)
-    detail::ProtocolChoice const protocol =
-        detail::choose_protocol(config, world, ll ? std::string() : env_string("FERRY_NORMAL_LANDING"));
-    protocol_why_ = protocol.why;
+    // 1. the protocol (the same on every rank: the config, the topology and FERRY_NORMAL_LANDING must agree)
+    Topology const topology = comm.topology();
+    bool const hierarchical = !ll && topology.nodes > 1;
+    if (hierarchical) check_hierarchical(comm, config, topology);
+    detail::ProtocolChoice const protocol = detail::choose_protocol(
+        config, world, ll ? std::string() : env_string("FERRY_NORMAL_LANDING"), ll ? 1 : topology.nodes);
+    protocol_why_ = hierarchical ? detail::concat("hierarchical (", topology_name(topology),
+                                                  ", network: ", transport::kind_name(transport::Kind::emulated), ")")
+                                 : protocol.why;
     protocol_fallbacks_ = protocol.fallback ? detail::kFallbackCountExchange : detail::kNoFallback;
     if (ll) {
       FERRY_CHECK_CONFIG(config.expert_slots() > 0,
@@ -96,6 +117,7 @@ class CudaEp final : public detail::EpBackendImpl {
     int num_sms = 0;
     FERRY_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, comm.device()));
     configure_buffers(b, config, world, comm.rank(), protocol.protocol, num_sms);
+    b.topology = topology;
     cudaDeviceProp prop{};
     FERRY_CHECK_CUDA(cudaGetDeviceProperties(&prop, comm.device()));
     tuning::TuningKey const key = tuning::make_key(prop.name, world, config);
@@ -129,9 +151,20 @@ class CudaEp final : public detail::EpBackendImpl {
 
     // 3. symmetric region (zeroed by the communicator: counters and sequence numbers start at 0) and local buffers
     b.view = comm.device_view();
-    b.layout = make_sym_layout(config, world, b.protocol);
+    b.layout = hierarchical ? make_hier_sym_layout(config, topology) : make_sym_layout(config, world, b.protocol);
     region_ = comm.alloc_symmetric(b.layout.total);
     b.sym = region_.view;
+    if (hierarchical) {
+      // the network between the nodes: emulated over the peers' windows (check_hierarchical: every peer is load/store
+      // reachable), with the transport's default seeded delays and reordering
+      transport::EmulatedOptions const options;
+      for (int r = 0; r < world; ++r) b.network.windows[r] = b.sym.ptr[r];
+      b.network.rank = comm.rank();
+      b.network.world = world;
+      b.network.seed = options.seed ^ static_cast<uint64_t>(comm.rank());
+      b.network.max_delay_ns = options.max_delay_ns;
+      b.network.reorder = options.reorder ? 1u : 0u;
+    }
     if (!ll) handle_layout_ = make_handle_layout(config, world);
     try {
       allocate_buffers(b);
@@ -275,6 +308,9 @@ class CudaEp final : public detail::EpBackendImpl {
   }
 
   void save_handle(detail::HandleState& handle, DispatchArgs const& args, cudaStream_t stream) override {
+    // NOTE: a handle keeps the one-node layout only (not the rails' forward records a hierarchical combine reads).
+    FERRY_CHECK_CONFIG(buffers_.protocol != Protocol::hierarchical,
+                       "dispatch handles (the backward passes) are not built for normal mode over several nodes yet");
     launch_save_handle(buffers_, storage_of(handle), args, args.expand, stream);
   }
 
@@ -304,6 +340,8 @@ class CudaEp final : public detail::EpBackendImpl {
 
   void combine_backward_weights(detail::HandleState const& handle, void const* x, float* grad_w, bool eager,
                                 cudaStream_t stream) override {
+    FERRY_CHECK_CONFIG(buffers_.protocol != Protocol::hierarchical,
+                       "combine_backward is not built for normal mode over several nodes yet");
     launch_weight_grad(buffers_, x, grad_w, handle.num_tokens, /*refuse=*/false, stream);
     if (eager) sync_and_check(stream);
   }

@@ -145,6 +145,10 @@ struct DispatchFamily : InstanceFamily<LaunchFn, 4, true> {
 void launch_dispatch(Buffers const& buffers, DispatchArgs const& args, LaunchPlan const& plan, cudaStream_t stream,
                      bool refuse, detail::LegRecord* record) {
   DispatchParams const p = to_params(buffers, args, plan, refuse);
+  if (buffers.protocol == Protocol::hierarchical) {
+    launch_hier_dispatch(buffers, p, args.topk_idx_type, stream);
+    return;
+  }
   bool const landing = buffers.protocol == Protocol::landing;
   FERRY_CHECK(!landing || plan.ctas == buffers.land_ctas, "landing dispatch grid of ", plan.ctas,
               " CTAs differs from the ", buffers.land_ctas, " its sequence words were counted with");

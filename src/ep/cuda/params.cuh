@@ -65,6 +65,9 @@ struct DeviceState {
   // collected (its wait kernel's last CTA advances it), and the CTAs of the running wait kernel that finished.
   uint64_t weight_grad_seq;
   uint64_t weight_grad_done;
+  // Hierarchical normal mode: the records this rank (a rail) received from each source node in the last dispatch
+  // (hier_dispatch.cuh; its combine sends one row back per record).
+  int32_t hier_fwd_count[kMaxLocalPeers];
 };
 
 // The words of DeviceState a normal-mode combine (and expand) reads of its dispatch, in their order there: what a
@@ -79,6 +82,18 @@ static_assert(offsetof(DeviceState, num_tokens) == offsetof(DeviceState, num_rec
 // Word 0 of a source's count row: its token count, and this bit when the source refuses the call (a bad or repeated
 // id, or its host's refusal). A token count is below 2^31, so the bit never collides with one.
 inline constexpr uint64_t kCountAbort = 1ull << 31;
+
+// The hierarchical protocol (hier_dispatch.cuh): what the CTAs of one rank add to a rail's (or a source's) arrival
+// counter per call, whatever the grid: warp 0 of the grid adds kHierArrivalsPerCall - (warps - 1), every other warp 1.
+inline constexpr uint64_t kHierArrivalsPerCall = 1ull << 20;
+// Most count-matrix columns of the hierarchical layout (world destination ranks + nodes).
+inline constexpr int kMaxHierColumns = 64;
+
+// A forwarded token's record (hier_dispatch.cuh), next to its row: int32 token, int32 rows[local] (its final row on
+// each rank of the rail's node, -1: none), int32 ids[topk] (global, -1: none), float weights[topk]; 16-byte multiple.
+__host__ __device__ inline std::size_t hier_record_bytes(int local, int topk) {
+  return (static_cast<std::size_t>(1 + local + 2 * topk) * 4 + 15) / 16 * 16;
+}
 
 // Byte offsets inside the symmetric region (the same on every rank; make_sym_layout in buffers.cu). Each protocol takes
 // its own areas; the areas of the other protocols stay empty (0).
@@ -111,6 +126,24 @@ struct SymLayout {
   std::size_t weight_grad = 0;           // [2 parities][max_tokens][topk] u64: (seq << 32 | fp32 bits)
   std::size_t weight_grad_arrivals = 0;  // [world senders] u64: sum over calls of kWeightGradArrivalsPerCall
   int count_words = 0;  // 1 (tokens) + world (rows per destination) + num_local_experts (entries per expert)
+                        // (+ nodes: tokens per node, rounded up to an even count, in the hierarchical protocol)
+  // Hierarchical normal mode only (hier_dispatch.cuh, hier_combine.cuh; empty otherwise). The rail of node n for a
+  // rank s of another node is rank n * local + local_of(s). Counters only grow (the network has no remote "set").
+  std::size_t hier_count_send = 0;    // [world destinations][count_words] u64: this rank's count rows (put sources)
+  std::size_t hier_count_signal = 0;  // [world sources] u64 counter: +1 per dispatch (its count row is in `counts`)
+  std::size_t hier_send_rows = 0;     // [max_tokens] wire rows of this rank's tokens bound for another node
+  std::size_t hier_send_meta = 0;     // [nodes][max_tokens] forward records (HierRecord) per destination node
+  std::size_t hier_fwd_rows = 0;      // [nodes sources][max_tokens] rows the rail received, compact per source node
+  std::size_t hier_fwd_meta = 0;      // [nodes sources][max_tokens] their records (kept for the combine)
+  std::size_t hier_fwd_signal = 0;    // [nodes sources] u64 counter: kHierArrivalsPerCall per dispatch
+  std::size_t hier_partials = 0;      // [2 parities][nodes sources][local][max_tokens] bf16 rows to the rail
+  std::size_t hier_combine_send = 0;  // [nodes][max_tokens] combine wire rows the rail puts (sources)
+  std::size_t hier_arrive = 0;        // [world senders] u64 counter: +1 per combine (rows and abort word are in)
+  std::size_t hier_abort = 0;         // [2 parities][world senders] u64: seq if the sender refused that call, else 0
+  std::size_t hier_rail_signal = 0;   // [world rails] u64 counter: kHierArrivalsPerCall per combine
+  std::size_t hier_meta_bytes = 0;    // one forward record (hier_record_bytes)
+  int nodes = 1;
+  int local = 0;  // ranks per node (the hierarchical protocol; 0 otherwise)
   // Low-latency mode (ll_params.cuh); "source" is the sending rank:
   std::size_t dispatch_arrivals = 0;   // [world sources] u64: send CTAs of that source finished, over all calls
   std::size_t combine_arrivals = 0;    // [world sources] u64
