@@ -1,0 +1,244 @@
+// Hierarchical normal mode (several nodes) with virtual ranks on ONE GPU (tests/support/virtual_ranks.hpp): N x M
+// ranks, the ranks of one node reaching each other by load/store (the Lsa transport, as on NVLink), the ranks of
+// different nodes only through the emulated network (transport::Emulated: seeded delays, reordered deliveries, a fresh
+// printed seed per case), so a protocol that reads what the network has not signalled reads wrong bytes here.
+//
+// Each case draws fresh inputs every iteration, poisons every output first, runs dispatch (and expand), the rank-major
+// combine and the expert-major combine on every rank, checks every rank's error block and compares every row of every
+// rank with the reference bit for bit: the dispatch with ref::dispatch of the whole world (a token crosses the
+// network once per node, yet every rank receives what one node of N x M ranks would), the combines with
+// ref::combine_*(config, topology, ...) (the order across nodes: a remote node's rows summed in fp32 by its rail and
+// sent once). Topologies 2x1, 2x2, 2x4 and 4x2; 1x8 runs today's one-node path against the int-world reference (which
+// the topology reference equals there). Routings random, grouped and hot, ranks and a whole node without tokens,
+// hidden 2048 and 7168, topk 8, combine in bf16, fp8, nvfp4 and mxfp4 (bit-exact: the reference models the same
+// quantization). MissingRailWaitIsCaught shows the test can fail: with the rail's wait on the network's signal
+// dropped (a test-only switch), the emulated run must deliver wrong rows. Needs one GPU; skips without one.
+#include <gtest/gtest.h>
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "ep/cuda/buffers.hpp"
+#include "ep/ep_impl.hpp"
+#include "ep/reference.hpp"
+#include "ferry/communicator.hpp"
+#include "ferry/ep.hpp"
+#include "ferry/error.hpp"
+#include "ferry/wire_format.hpp"
+#include "support/gpu_case.hpp"
+#include "support/ll_check.hpp"
+#include "support/normal_check.hpp"
+#include "support/virtual_ranks.hpp"
+#include "workloads/routing.hpp"
+
+namespace ferry::test {
+namespace {
+
+using cuda_ep::Buffers;
+
+struct Spec : VirtualSpec {
+  Topology topology{2, 1};  // topology=NxM (world = N * M)
+  bool expand = false;
+  int capacity = 0;
+  WireFormat combine_format = WireFormat::bf16;
+  uint32_t delay_ns = 20000;  // delay_ns=: the emulated network's most delay per delivery
+  bool skip_rail_wait = false;
+};
+
+Spec parse_spec(std::vector<std::string> const& words) {
+  CaseArgs const args(words);
+  Spec s;
+  s.read(args);
+  s.topology = parse_topology(args.text("topology", "2x1"));
+  s.world = s.topology.world();
+  s.expand = args.flag("expand", s.expand);
+  s.capacity = args.integer("capacity", s.capacity);
+  s.combine_format = parse_wire_format(args.text("combine", "bf16"));
+  s.delay_ns = static_cast<uint32_t>(args.integer("delay_ns", static_cast<int>(s.delay_ns)));
+  s.skip_rail_wait = args.flag("skip_rail_wait", false);
+  return s;
+}
+
+// The emulated network of a rank over every rank's region (what CudaEp builds when every peer is load/store
+// reachable): set by the allocator, which runs once the rank's sym view is known.
+void allocate_hier(Buffers& b) {
+  for (int r = 0; r < b.world; ++r) b.network.windows[r] = b.sym.ptr[r];
+  b.network.rank = b.rank;
+  b.network.world = b.world;
+  cuda_ep::allocate_buffers(b);
+}
+
+using VirtualHierRanks = VirtualRanks<Buffers, allocate_hier, cuda_ep::free_buffers>;
+
+// Runs `spec` on num_ctas CTAs per rank: "" when every rank's every output equals the reference, else the first
+// failure.
+std::string run_case(Spec const& spec, int num_ctas) {
+  Topology const topology = spec.topology;
+  int const world = topology.world();
+  bool const hierarchical = topology.nodes > 1;
+  std::vector<int> const tokens = per_rank(spec.tokens, world);
+  EpConfig user = spec.config();
+  user.combine_format = spec.combine_format;
+  user.expert_capacity = spec.capacity > 0 ? spec.capacity : user.recv_capacity(world);
+  user.validate(world);
+  EpConfig const config = user.resolved(world);
+  cuda_ep::Protocol const protocol = hierarchical ? cuda_ep::Protocol::hierarchical : cuda_ep::Protocol::push;
+  cuda_ep::SymLayout const layout = hierarchical ? cuda_ep::make_hier_sym_layout(config, topology)
+                                                 : cuda_ep::make_sym_layout(config, world, protocol);
+  VirtualHierRanks ranks(
+      world, layout.total,
+      [&](Buffers& b, int r) {
+        cuda_ep::configure_buffers(b, config, world, r, protocol, num_ctas);
+        b.layout = layout;
+        b.topology = topology;
+        b.network.seed = spec.seed * 1000003ull + static_cast<uint64_t>(r);
+        b.network.max_delay_ns = spec.delay_ns;
+        b.network.reorder = 1;
+        b.test_skip_rail_wait = spec.skip_rail_wait;
+      },
+      spec.timeout_s());
+  std::printf("topology %s x %d SMs: seed %llu routing %s tokens", topology_name(topology).c_str(), num_ctas,
+              static_cast<unsigned long long>(spec.seed), spec.routing.c_str());
+  for (int t : tokens) std::printf(" %d", t);
+  std::printf(" hidden %d topk %d experts %d slots %d expand %d combine %s network %s (delay < %u ns, reordered)%s\n",
+              config.hidden, config.topk, config.num_experts, config.expert_slots(), spec.expand,
+              wire_format_name(config.combine_format), hierarchical ? "emulated" : "none (one node: today's path)",
+              spec.delay_ns, spec.skip_rail_wait ? " [rail wait dropped]" : "");
+  std::fflush(stdout);
+  std::vector<VirtualRankIo> io;
+  io.reserve(world);
+  for (int r = 0; r < world; ++r) io.emplace_back(config, world, tokens[r]);
+  std::vector<DispatchArgs> dargs(world);
+  std::vector<CombineArgs> em(world), rm(world);
+  for (int r = 0; r < world; ++r) {
+    dargs[r].x = io[r].x.ptr;
+    dargs[r].num_tokens = tokens[r];
+    dargs[r].topk_idx = io[r].idx.ptr;
+    dargs[r].topk_idx_type = IndexType::int64;
+    dargs[r].topk_weights = static_cast<float const*>(io[r].w.ptr);
+    dargs[r].expand = spec.expand;
+    em[r] = CombineArgs{CombineLayout::expert_major, io[r].eout.ptr, io[r].y_em.ptr, true};
+    rm[r] = CombineArgs{CombineLayout::rank_major, io[r].rows.ptr, io[r].y_rm.ptr, true};
+    detail::validate_dispatch_args(config, dargs[r]);
+    detail::validate_combine_args(config, em[r], true, /*last_expand=*/true, tokens[r]);
+    detail::validate_combine_args(config, rm[r], true, true, tokens[r]);
+  }
+
+  for (int iter = 0; iter < spec.iters; ++iter) {
+    VirtualIteration const it(config, world, spec.routing_options(iter), tokens, io);
+    for (int r = 0; r < world; ++r) {
+      if (it.expected[r].dropped_rows != 0) return "rank " + std::to_string(r) + ": the case must fit recv_capacity";
+      poison_normal_dispatch(config, world, cuda_ep::dispatch_result(ranks[r], spec.expand));
+    }
+    CK(cudaDeviceSynchronize());
+    // leg by leg on every rank (test_normal_virtual.cu says why), the legs back to back on each rank's stream
+    for (int r = 0; r < world; ++r)
+      cuda_ep::launch_dispatch(ranks[r], dargs[r], cuda_ep::plan_dispatch(ranks[r], tokens[r]), ranks.stream(r));
+    if (spec.expand)
+      for (int r = 0; r < world; ++r) cuda_ep::launch_expand(ranks[r], /*copy_rows=*/true, ranks.stream(r));
+    for (int r = 0; r < world; ++r)
+      cuda_ep::launch_combine(ranks[r], rm[r], cuda_ep::plan_combine(ranks[r], tokens[r]), tokens[r], ranks.stream(r));
+    if (!spec.expand)
+      for (int r = 0; r < world; ++r) cuda_ep::launch_expand(ranks[r], /*copy_rows=*/false, ranks.stream(r));
+    for (int r = 0; r < world; ++r)
+      cuda_ep::launch_combine(ranks[r], em[r], cuda_ep::plan_combine(ranks[r], tokens[r]), tokens[r], ranks.stream(r));
+    std::string const failure = ranks.synchronize(std::vector<int>(world, 0));
+    if (!failure.empty()) return "iter " + std::to_string(iter) + ": device errors:\n" + failure;
+
+    for (int r = 0; r < world; ++r) {
+      std::string const where = "rank " + std::to_string(r) + " iter " + std::to_string(iter) + ": ";
+      // the dispatch: what one node of the whole world delivers
+      if (check_normal_dispatch(config, world, r, iter, it.expected[r], cuda_ep::dispatch_result(ranks[r], spec.expand),
+                                /*poisoned=*/true, spec.expand) != 0)
+        return where + "dispatch differs from ref::dispatch (above)";
+      // the combines: the reference's order across nodes
+      auto const y_em = ref::combine_expert_major(config, topology, r, it.inputs, it.expected, it.eout);
+      if (check_combined("y expert-major", io[r].y_em.ptr, y_em, kVirtualGuardElems, r, iter) != 0)
+        return where + "expert-major combine differs from ref::combine_expert_major(topology) (above)";
+      auto const y_rm = ref::combine_rank_major(config, topology, r, it.inputs, it.expected, it.rows);
+      if (check_combined("y rank-major", io[r].y_rm.ptr, y_rm, kVirtualGuardElems, r, iter) != 0)
+        return where + "rank-major combine differs from ref::combine_rank_major(topology) (above)";
+      if (!hierarchical) {
+        // one node: the topology reference is the int-world one (today's intranode semantics)
+        if (y_em != ref::combine_expert_major(config, world, r, it.inputs, it.expected, it.eout) ||
+            y_rm != ref::combine_rank_major(config, world, r, it.inputs, it.expected, it.rows))
+          return where + "the 1xW reference differs from the int-world reference";
+      }
+    }
+  }
+  std::printf("topology %s: %d iterations exact on every rank\n", topology_name(topology).c_str(), spec.iters);
+  return "";
+}
+
+void run_rows(std::vector<std::vector<std::string>> const& table) {
+  run_virtual_rows(table, cuda_ep::kMaxLandCtas, parse_spec, [](Spec const& spec, int ctas) {
+    std::string const failure = run_case(spec, ctas);
+    ASSERT_TRUE(failure.empty()) << failure;
+  });
+}
+
+// The shapes of one topology (tokens lists repeat over the ranks).
+std::vector<std::vector<std::string>> rows_of(std::string const& topology, std::string const& empty_node_tokens) {
+  std::string const t = "topology=" + topology;
+  return {
+      {t, "tokens=128", "hidden=7168", "topk=8", "experts=64", "capacity=128", "expand=1", "iters=2"},
+      {t, "tokens=0,37,128,5", "hidden=2048", "topk=8", "experts=64", "mask=0.3", "capacity=96", "iters=2"},
+      {t, "routing=grouped", "tokens=64,48", "hidden=2048", "topk=8", "experts=64", "capacity=128", "iters=2"},
+      {t, "routing=hot", "tokens=300,17", "hidden=2048", "topk=8", "experts=64", "capacity=256", "iters=2"},
+      {t, empty_node_tokens, "hidden=2048", "topk=8", "experts=64", "iters=2"},
+      {t, "tokens=0", "hidden=2048", "topk=8", "experts=64", "iters=1"},
+      {t, "combine=fp8", "expand=1", "tokens=256,100", "hidden=2048", "topk=8", "experts=64", "capacity=256",
+       "iters=2"},
+      {t, "combine=nvfp4", "tokens=200,64", "hidden=2048", "topk=8", "experts=64", "mask=0.2", "capacity=256",
+       "iters=2"},
+      {t, "combine=mxfp4", "routing=hot", "tokens=150,17", "hidden=2048", "topk=8", "experts=64", "capacity=256",
+       "iters=2"},
+      {t, "tokens=96", "hidden=7168", "topk=8", "experts=64", "combine=fp8", "iters=1"},
+  };
+}
+
+TEST(InternodeVirtual, Topology2x1) {
+  run_rows(rows_of("2x1", "tokens=0,64"));
+}
+
+TEST(InternodeVirtual, Topology2x2) {
+  run_rows(rows_of("2x2", "tokens=0,0,64,9"));
+}
+
+TEST(InternodeVirtual, Topology2x4) {
+  run_rows(rows_of("2x4", "tokens=0,0,0,0,64,100,3,50"));
+}
+
+TEST(InternodeVirtual, Topology4x2) {
+  run_rows(rows_of("4x2", "tokens=40,7,0,0,64,1,12,80"));
+}
+
+// One node of 8: today's intranode path, against the int-world reference.
+TEST(InternodeVirtual, Topology1x8IsTodaysPath) {
+  run_rows(rows_of("1x8", "tokens=0,0,0,0,64,100,3,50"));
+}
+
+// The test can fail: the rail forwarding rows before the network's signal says they arrived must deliver wrong rows
+// under the emulated network (its puts land only when their signal is sent, after a delay).
+TEST(InternodeVirtual, MissingRailWaitIsCaught) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU, found 0";
+  int caught = 0;
+  for (std::string const topology : {"2x1", "2x2", "4x2"}) {
+    uint64_t const seed = fresh_seed();
+    Spec const spec = parse_spec({"topology=" + topology, "tokens=128", "hidden=2048", "topk=8", "experts=64",
+                                  "delay_ns=200000", "skip_rail_wait=1", "iters=2", "seed=" + std::to_string(seed)});
+    int const ctas = virtual_ctas_per_rank(spec.world, cuda_ep::kMaxLandCtas);
+    std::string const failure = run_case(spec, ctas);
+    std::printf("without the rail's wait (topology %s, seed %llu): %s\n", topology.c_str(),
+                static_cast<unsigned long long>(seed), failure.empty() ? "NOT CAUGHT" : failure.c_str());
+    caught += !failure.empty();
+  }
+  EXPECT_EQ(caught, 3) << "a rail that forwards before the network's signal must fail every emulated run";
+}
+
+}  // namespace
+}  // namespace ferry::test
