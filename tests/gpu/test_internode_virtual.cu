@@ -74,6 +74,64 @@ void allocate_hier(Buffers& b) {
 
 using VirtualHierRanks = VirtualRanks<Buffers, allocate_hier, cuda_ep::free_buffers>;
 
+// The bytes rank r's hierarchical legs must send to other ranks (what hier_dispatch.cuh / hier_combine.cuh count),
+// from the inputs and the reference: dispatch: its count rows, its rows (+ metadata) to the ranks of its node and
+// once per other node (+ its record) to the rail, and the rows it forwards as a rail; combine: its rows to the
+// sources of its node (combine_format) and to its node's rails (bf16), and as a rail one row per record.
+struct ExpectedBytes {
+  cuda_ep::LinkBytes dispatch, combine;
+};
+ExpectedBytes expected_bytes(EpConfig const& config, Topology const& topology, cuda_ep::SymLayout const& layout, int r,
+                             std::vector<ref::RankInput> const& inputs, ref::RankDispatch const& received) {
+  int const local = topology.local;
+  int const own = topology.node_of(r);
+  int const num_local = config.num_local_experts(topology.world());
+  uint64_t const row = static_cast<uint64_t>(config.hidden) * 2;
+  uint64_t const meta_row = static_cast<uint64_t>(config.topk) * 8 + 8;
+  uint64_t const combine_row = wire_row_bytes(config.combine_format, config.hidden);
+  uint64_t const count_row = static_cast<uint64_t>(layout.count_words) * 8;
+  auto mask_of = [&](int s, int t) {
+    uint32_t mask = 0;
+    for (int k = 0; k < config.topk; ++k) {
+      int64_t const e = inputs[s].topk_idx[static_cast<std::size_t>(t) * config.topk + k];
+      if (e >= 0) mask |= 1u << (e / num_local);
+    }
+    return mask;
+  };
+  ExpectedBytes out;
+  out.dispatch.network = static_cast<uint64_t>(topology.world() - local) * count_row;
+  out.dispatch.nvlink = static_cast<uint64_t>(local - 1) * count_row;
+  uint32_t const own_bits = ((1u << local) - 1u) << (own * local);
+  for (int t = 0; t < inputs[r].num_tokens; ++t) {
+    uint32_t const mask = mask_of(r, t);
+    out.dispatch.nvlink += static_cast<uint64_t>(__builtin_popcount(mask & own_bits & ~(1u << r))) * (row + meta_row);
+    for (int n = 0; n < topology.nodes; ++n)
+      if (n != own && (mask & (((1u << local) - 1u) << (n * local))) != 0)
+        out.dispatch.network += row + layout.hier_meta_bytes;
+  }
+  // as a rail: the tokens of its peers on other nodes that this node holds
+  for (int n = 0; n < topology.nodes; ++n) {
+    int const s = n * local + topology.local_of(r);
+    if (n == own) continue;
+    for (int t = 0; t < inputs[s].num_tokens; ++t) {
+      uint32_t const mask = mask_of(s, t) & own_bits;
+      if (mask == 0) continue;
+      out.dispatch.nvlink += static_cast<uint64_t>(__builtin_popcount(mask & ~(1u << r))) * (row + meta_row);
+      out.combine.network += combine_row;
+    }
+  }
+  // every received row goes back once: to its source (this node) or to this node's rail for it
+  for (int i = 0; i < received.num_recv; ++i) {
+    int const s = received.recv_src[static_cast<std::size_t>(i) * 2];
+    if (topology.same_node(s, r)) {
+      if (s != r) out.combine.nvlink += combine_row;
+    } else if (own * local + topology.local_of(s) != r) {
+      out.combine.nvlink += row;
+    }
+  }
+  return out;
+}
+
 // Runs `spec` on num_ctas CTAs per rank: "" when every rank's every output equals the reference, else the first
 // failure.
 std::string run_case(Spec const& spec, int num_ctas) {
@@ -162,7 +220,23 @@ std::string run_case(Spec const& spec, int num_ctas) {
       auto const y_rm = ref::combine_rank_major(config, topology, r, it.inputs, it.expected, it.rows);
       if (check_combined("y rank-major", io[r].y_rm.ptr, y_rm, kVirtualGuardElems, r, iter) != 0)
         return where + "rank-major combine differs from ref::combine_rank_major(topology) (above)";
-      if (!hierarchical) {
+      if (hierarchical) {
+        // the bytes the legs sent, by link, as the device counted them (the last combine's: the expert-major one)
+        ExpectedBytes const want = expected_bytes(config, topology, layout, r, it.inputs, it.expected[r]);
+        cuda_ep::LinkBytes const d = cuda_ep::hier_link_bytes(ranks[r], cuda_ep::LinkLeg::dispatch, ranks.stream(r));
+        cuda_ep::LinkBytes const c = cuda_ep::hier_link_bytes(ranks[r], cuda_ep::LinkLeg::combine, ranks.stream(r));
+        if (d.network != want.dispatch.network || d.nvlink != want.dispatch.nvlink ||
+            c.network != want.combine.network || c.nvlink != want.combine.nvlink)
+          return where + "link bytes: dispatch network " + std::to_string(d.network) + " (want " +
+                 std::to_string(want.dispatch.network) + ") nvlink " + std::to_string(d.nvlink) + " (want " +
+                 std::to_string(want.dispatch.nvlink) + "), combine network " + std::to_string(c.network) + " (want " +
+                 std::to_string(want.combine.network) + ") nvlink " + std::to_string(c.nvlink) + " (want " +
+                 std::to_string(want.combine.nvlink) + ")";
+        if (r == 0 && iter == 0)
+          std::printf("rank 0 sent: dispatch %llu B network + %llu B NVLink, combine %llu B network + %llu B NVLink\n",
+                      static_cast<unsigned long long>(d.network), static_cast<unsigned long long>(d.nvlink),
+                      static_cast<unsigned long long>(c.network), static_cast<unsigned long long>(c.nvlink));
+      } else {
         // one node: the topology reference is the int-world one (today's intranode semantics)
         if (y_em != ref::combine_expert_major(config, world, r, it.inputs, it.expected, it.eout) ||
             y_rm != ref::combine_rank_major(config, world, r, it.inputs, it.expected, it.rows))

@@ -242,6 +242,14 @@ DispatchResult dispatch_result(Buffers const& b, bool expand) {
   return result;
 }
 
+LinkBytes hier_link_bytes(Buffers const& b, LinkLeg leg, cudaStream_t stream) {
+  unsigned long long words[2] = {0, 0};
+  FERRY_CHECK_CUDA(cudaMemcpyAsync(words, b.state->hier_bytes[static_cast<int>(leg)], sizeof(words),
+                                   cudaMemcpyDeviceToHost, stream));
+  FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
+  return LinkBytes{words[0], words[1]};
+}
+
 KernelParams common_params(Buffers const& b, int ctas, bool refuse, std::optional<TraceKernel> traced) {
   KernelParams p{};
   p.view = b.view;

@@ -181,6 +181,17 @@ void launch_hier_dispatch(Buffers const& buffers, DispatchParams const& params, 
 void launch_hier_combine(Buffers const& buffers, CombineParams const& params, CombineLayout layout, cudaStream_t stream,
                          detail::LegRecord* record);
 
+// What the last hierarchical leg of a rank sent to other ranks (rows, scales and metadata, its count rows
+// included; not the signals), counted by its kernels on the device: for the bench's network and NVLink rates. Reads
+// the device words after synchronising `stream` (the stream of the leg). Zero before the first call and for the
+// one-node protocols (which do not count).
+struct LinkBytes {
+  uint64_t network = 0;
+  uint64_t nvlink = 0;
+};
+enum class LinkLeg { dispatch = 0, combine = 1 };
+LinkBytes hier_link_bytes(Buffers const& buffers, LinkLeg leg, cudaStream_t stream);
+
 // A dispatch handle's device storage (EpBuffer::make_handle; handle.cu): byte offsets of its areas, each 256-byte
 // aligned. What the normal-mode combine and expand read of their dispatch (the rank-major metadata of this rank's
 // symmetric region, recv_slot, token_mask, the layout words of DeviceState, expert_counts) and the source's own ids

@@ -48,6 +48,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_push_kernel(HierComb
 
   // 1. warp per received row: to the source's landing zone (this node) or to this node's rail for it (bf16)
   int const num_recv = p.abort ? 0 : p.state->num_recv;
+  unsigned long long nvlink_bytes = 0;  // what this warp sent to other ranks (warp-uniform)
   auto const* recv_src = reinterpret_cast<int2 const*>(p.net.local() + p.layout.recv_src);
   for (int row = global_warp; row < num_recv; row += num_warps) {
     int2 const from = recv_src[row];
@@ -58,8 +59,10 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_push_kernel(HierComb
     if (near) {
       dst = p.net.window(s) + p.layout.landing +
             ((static_cast<std::size_t>(parity) * world + rank) * max_tokens + t) * p.landing_row_bytes;
+      if (s != rank) nvlink_bytes += p.landing_row_bytes;
     } else {
       int const rail = own_node * local + s % local;
+      if (rail != rank) nvlink_bytes += bf16_row;
       std::size_t const at =
           ((static_cast<std::size_t>(parity) * nodes + s / local) * local + local_rank) * max_tokens + t;
       dst = p.net.window(rail) + p.layout.hier_partials + at * bf16_row;
@@ -77,6 +80,8 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_push_kernel(HierComb
           dst, static_cast<int4 const*>(p.x) + static_cast<std::size_t>(row) * num_vec, bf16_row, lane, 32);
     }
   }
+
+  if (lane == 0) atomicAdd(&p.state->hier_bytes_running[1][1], nvlink_bytes);
 
   // 2. arrival; the last CTA publishes this rank's abort word and arrival on every rank
   __syncthreads();
@@ -185,6 +190,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_sum_kernel(HierCombi
   auto net = p.network.open(transport::Warp{}, global_warp);
   std::size_t const rank_stride = max_tokens * bf16_row;  // between the partials of two ranks of this node
   CombineParams rail_params = p;                          // the quantizer reads the rail's bf16 sums as its rows
+  unsigned long long network_bytes = 0;
   rail_params.x = p.rail_partials;
   for (int item = global_warp; !aborted && item < s_fwd_first[nodes]; item += num_warps) {
     int n = 0;
@@ -209,6 +215,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_sum_kernel(HierCombi
                                                          reinterpret_cast<uint8_t*>(own + send), lane);
     }
     __syncwarp();
+    network_bytes += landing_bytes;
     net.put(source,
             p.layout.landing + ((static_cast<std::size_t>(parity) * world + rank) * max_tokens + t) * landing_bytes,
             send, landing_bytes);
@@ -218,6 +225,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_sum_kernel(HierCombi
       net.signal(n * local + local_rank, p.layout.hier_rail_signal + static_cast<std::size_t>(rank) * sizeof(uint64_t),
                  hier_arrival(global_warp, num_warps));
   net.flush();
+  if (lane == 0) atomicAdd(&p.state->hier_bytes_running[1][0], network_bytes);
   // 2b. every other node's rail (warp 0; the network's wait), then the sums of this CTA's share of the tokens
   bool ok = true;
   if (warp == 0) {
@@ -249,8 +257,12 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_sum_kernel(HierCombi
     device::record_refusal(p.view, tid, WaitPhase::combine_data);
   __syncthreads();
   if (tid == 0) {
+    __threadfence();  // this CTA's byte counts before its arrival
     unsigned long long const old = atomicAdd(reinterpret_cast<unsigned long long*>(&p.state->combine_done), 1ull);
     if (old == static_cast<unsigned long long>(p.num_ctas - 1)) {
+      __threadfence();
+      for (int link = 0; link < 2; ++link)
+        p.state->hier_bytes[1][link] = atomicExch(&p.state->hier_bytes_running[1][link], 0ull);
       p.state->combine_done = 0;
       p.state->combine_seq = seq;
     }

@@ -155,6 +155,11 @@ __global__ void __launch_bounds__(kThreads, 1) hier_layout_kernel(HierDispatchPa
   }
   net.flush();
   net.close();
+  if (tid == 0) {  // the count rows this rank sent to other ranks, by link
+    unsigned long long const near = static_cast<unsigned long long>(local - 1) * row_bytes;
+    atomicAdd(&p.state->hier_bytes_running[0][0], static_cast<unsigned long long>(world - local) * row_bytes);
+    atomicAdd(&p.state->hier_bytes_running[0][1], near);
+  }
 }
 
 template <typename IdxT, class Net>
@@ -245,6 +250,9 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
   std::size_t const meta_bytes = p.layout.hier_meta_bytes;
   std::size_t const max_tokens = static_cast<std::size_t>(p.max_tokens);
   uint32_t const own_bits = node_bits(own_node, local);
+  std::size_t const meta_row = static_cast<std::size_t>(topk) * 8 + sizeof(int2);  // recv_idx, recv_w, recv_src
+  unsigned long long network_bytes = 0;  // what this warp sent to other ranks, by link (warp-uniform)
+  unsigned long long nvlink_bytes = 0;
   auto net = p.network.open(transport::Warp{}, global_warp);
   for (int t = global_warp; !aborted && t < p.num_tokens; t += num_warps) {
     uint32_t const mask = p.token_mask[t];
@@ -303,6 +311,8 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
     uint32_t far = 0;
     for (int n = 0; n < nodes; ++n)
       if (n != own_node && (mask & node_bits(n, local)) != 0) far |= 1u << n;
+    nvlink_bytes += static_cast<unsigned long long>(__popc(near & ~(1u << rank))) * (row_bytes + meta_row);
+    network_bytes += static_cast<unsigned long long>(__popc(far)) * (row_bytes + meta_bytes);
     if (far == 0) continue;
     std::size_t const send_row = p.layout.hier_send_rows + static_cast<std::size_t>(t) * row_bytes;
     device::copy_16B<true>(own + send_row, x_row, row_bytes, lane, 32);
@@ -366,6 +376,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
       int const r = __shfl_sync(0xffffffffu, row, l);
       if (r < 0) continue;
       int const d = own_node * local + l;
+      if (d != rank) nvlink_bytes += row_bytes + meta_row;
       char* const dst = p.net.window(d);
       if (lane < topk) {
         bool const mine = id >= 0 && id / num_local == d;
@@ -379,6 +390,11 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
       device::copy_16B<false>(dst + p.layout.recv_x + static_cast<std::size_t>(r) * row_bytes, fwd_row, row_bytes, lane,
                               32);
     }
+  }
+
+  if (lane == 0) {
+    atomicAdd(&p.state->hier_bytes_running[0][0], network_bytes);
+    atomicAdd(&p.state->hier_bytes_running[0][1], nvlink_bytes);
   }
 
   // e. arrival; the last CTA signals every rank of this node, for its own rows and every source it forwarded
@@ -452,6 +468,9 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
   }
   __syncthreads();
   if (tid == 0) {
+    // every CTA added its bytes before its arrival (fenced): the call's totals
+    for (int link = 0; link < 2; ++link)
+      p.state->hier_bytes[0][link] = atomicExch(&p.state->hier_bytes_running[0][link], 0ull);
     p.state->dispatch_done = 0;  // every CTA has arrived
     p.state->dispatch_seq = seq;
   }
