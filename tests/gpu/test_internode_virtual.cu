@@ -47,6 +47,7 @@ struct Spec : VirtualSpec {
   WireFormat combine_format = WireFormat::bf16;
   uint32_t delay_ns = 20000;  // delay_ns=: the emulated network's most delay per delivery
   bool skip_rail_wait = false;
+  int refuse = -1;  // refuse=k: first rank k refuses a dispatch, then a combine; every other rank must say so
 };
 
 Spec parse_spec(std::vector<std::string> const& words) {
@@ -60,6 +61,7 @@ Spec parse_spec(std::vector<std::string> const& words) {
   s.combine_format = parse_wire_format(args.text("combine", "bf16"));
   s.delay_ns = static_cast<uint32_t>(args.integer("delay_ns", static_cast<int>(s.delay_ns)));
   s.skip_rail_wait = args.flag("skip_rail_wait", false);
+  s.refuse = args.integer("refuse", -1);
   return s;
 }
 
@@ -186,6 +188,54 @@ std::string run_case(Spec const& spec, int num_ctas) {
     detail::validate_combine_args(config, rm[r], true, true, tokens[r]);
   }
 
+  // refusals: rank k joins a dispatch, then a combine, with its abort flag; every other rank records k's refusal,
+  // nobody times out, the refused dispatch delivers nothing, and the iterations below still run in step
+  auto expect_refusal = [&](char const* leg) -> std::string {
+    std::vector<DeviceErrorBlock> const blocks = ranks.take_errors();
+    for (int r = 0; r < world; ++r) {
+      DeviceErrorBlock const& block = blocks[r];
+      std::string const where =
+          std::string(leg) + " refused by rank " + std::to_string(spec.refuse) + ": rank " + std::to_string(r) + " ";
+      if (block.status != 0) return where + "recorded " + detail::describe_device_error(block, spec.timeout_s());
+      if (r != spec.refuse && (block.refusals == 0 || block.refusing_rank != spec.refuse))
+        return where + "recorded " + std::to_string(block.refusals) + " refusal(s), by rank " +
+               std::to_string(block.refusing_rank);
+      if (r == spec.refuse && block.refusals != 0) return where + "recorded a refusal of its own call";
+    }
+    return "";
+  };
+  if (spec.refuse >= 0) {
+    VirtualIteration const it(config, world, spec.routing_options(100), tokens, io);
+    for (int r = 0; r < world; ++r) {
+      if (r == spec.refuse)
+        cuda_ep::launch_dispatch(ranks[r], DispatchArgs{}, cuda_ep::plan_dispatch(ranks[r], 0), ranks.stream(r),
+                                 /*refuse=*/true);
+      else
+        cuda_ep::launch_dispatch(ranks[r], dargs[r], cuda_ep::plan_dispatch(ranks[r], tokens[r]), ranks.stream(r));
+    }
+    if (std::string const failure = expect_refusal("dispatch"); !failure.empty()) return failure;
+    for (int r = 0; r < world; ++r)
+      if (int const n = to_host<int32_t>(cuda_ep::dispatch_result(ranks[r], false).num_recv, 1)[0]; n != 0)
+        return "a refused dispatch delivered " + std::to_string(n) + " rows to rank " + std::to_string(r);
+    for (int r = 0; r < world; ++r)
+      cuda_ep::launch_dispatch(ranks[r], dargs[r], cuda_ep::plan_dispatch(ranks[r], tokens[r]), ranks.stream(r));
+    if (std::string const failure = ranks.synchronize(std::vector<int>(world, 0)); !failure.empty())
+      return "the dispatch after a refused one: " + failure;
+    for (int r = 0; r < world; ++r) {
+      CombineArgs none;
+      none.layout = CombineLayout::rank_major;
+      if (r == spec.refuse)
+        cuda_ep::launch_combine(ranks[r], none, cuda_ep::plan_combine(ranks[r], tokens[r]), tokens[r], ranks.stream(r),
+                                /*refuse=*/true);
+      else
+        cuda_ep::launch_combine(ranks[r], rm[r], cuda_ep::plan_combine(ranks[r], tokens[r]), tokens[r],
+                                ranks.stream(r));
+    }
+    if (std::string const failure = expect_refusal("combine"); !failure.empty()) return failure;
+    std::printf("rank %d's refused dispatch and combine: every other rank recorded the refusal, none timed out\n",
+                spec.refuse);
+  }
+
   for (int iter = 0; iter < spec.iters; ++iter) {
     VirtualIteration const it(config, world, spec.routing_options(iter), tokens, io);
     for (int r = 0; r < world; ++r) {
@@ -294,6 +344,13 @@ TEST(InternodeVirtual, Topology4x2) {
 // One node of 8: today's intranode path, against the int-world reference.
 TEST(InternodeVirtual, Topology1x8IsTodaysPath) {
   run_rows(rows_of("1x8", "tokens=0,0,0,0,64,100,3,50"));
+}
+
+// A refused dispatch and a refused combine are seen by every rank, across nodes too, and the calls after them run
+// in step (exact).
+TEST(InternodeVirtual, RefusalIsSeenByEveryRank) {
+  run_rows({{"topology=2x2", "refuse=3", "tokens=64,17", "hidden=2048", "topk=8", "experts=64", "iters=2"},
+            {"topology=4x2", "refuse=2", "tokens=64,0,17", "hidden=2048", "topk=8", "experts=64", "iters=2"}});
 }
 
 // The test can fail: the rail forwarding rows before the network's signal says they arrived must deliver wrong rows
