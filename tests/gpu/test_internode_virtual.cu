@@ -206,9 +206,13 @@ std::string run_case(Spec const& spec, int num_ctas) {
   };
   if (spec.refuse >= 0) {
     VirtualIteration const it(config, world, spec.routing_options(100), tokens, io);
+    // the refusing rank joins with no tokens; its ids' type picks the instance every rank runs (a kernel's first
+    // launch may load it, which waits for the running kernels: test_normal_virtual.cu)
+    DispatchArgs refused;
+    refused.topk_idx_type = IndexType::int64;
     for (int r = 0; r < world; ++r) {
       if (r == spec.refuse)
-        cuda_ep::launch_dispatch(ranks[r], DispatchArgs{}, cuda_ep::plan_dispatch(ranks[r], 0), ranks.stream(r),
+        cuda_ep::launch_dispatch(ranks[r], refused, cuda_ep::plan_dispatch(ranks[r], 0), ranks.stream(r),
                                  /*refuse=*/true);
       else
         cuda_ep::launch_dispatch(ranks[r], dargs[r], cuda_ep::plan_dispatch(ranks[r], tokens[r]), ranks.stream(r));
