@@ -247,26 +247,34 @@ std::string run_case(Spec const& spec, int num_ctas) {
       poison_normal_dispatch(config, world, cuda_ep::dispatch_result(ranks[r], spec.expand));
     }
     CK(cudaDeviceSynchronize());
-    // leg by leg on every rank (test_normal_virtual.cu says why), the legs back to back on each rank's stream
+    // leg by leg on every rank (test_normal_virtual.cu says why), the legs back to back on each rank's stream. The
+    // dispatch is checked on every rank before any combine runs: a combine over a wrong dispatch (the rail's missing
+    // wait below) reads rows nobody wrote, poisoned source ranks included.
     for (int r = 0; r < world; ++r)
       cuda_ep::launch_dispatch(ranks[r], dargs[r], cuda_ep::plan_dispatch(ranks[r], tokens[r]), ranks.stream(r));
     if (spec.expand)
       for (int r = 0; r < world; ++r) cuda_ep::launch_expand(ranks[r], /*copy_rows=*/true, ranks.stream(r));
+    // the expand that copies rows counts each entry past expert_capacity once (the reference's dropped_slots)
+    std::vector<int> overflow(world, 0);
+    for (int r = 0; r < world; ++r) overflow[r] = spec.expand ? it.expected[r].dropped_slots : 0;
+    if (std::string const failure = ranks.synchronize(overflow); !failure.empty())
+      return "iter " + std::to_string(iter) + ": dispatch device errors:\n" + failure;
+    for (int r = 0; r < world; ++r)
+      if (check_normal_dispatch(config, world, r, iter, it.expected[r], cuda_ep::dispatch_result(ranks[r], spec.expand),
+                                /*poisoned=*/true, spec.expand) != 0)
+        return "rank " + std::to_string(r) + " iter " + std::to_string(iter) +
+               ": dispatch differs from ref::dispatch (above)";
     for (int r = 0; r < world; ++r)
       cuda_ep::launch_combine(ranks[r], rm[r], cuda_ep::plan_combine(ranks[r], tokens[r]), tokens[r], ranks.stream(r));
     if (!spec.expand)
       for (int r = 0; r < world; ++r) cuda_ep::launch_expand(ranks[r], /*copy_rows=*/false, ranks.stream(r));
     for (int r = 0; r < world; ++r)
       cuda_ep::launch_combine(ranks[r], em[r], cuda_ep::plan_combine(ranks[r], tokens[r]), tokens[r], ranks.stream(r));
-    std::string const failure = ranks.synchronize(std::vector<int>(world, 0));
-    if (!failure.empty()) return "iter " + std::to_string(iter) + ": device errors:\n" + failure;
+    if (std::string const failure = ranks.synchronize(std::vector<int>(world, 0)); !failure.empty())
+      return "iter " + std::to_string(iter) + ": combine device errors:\n" + failure;
 
     for (int r = 0; r < world; ++r) {
       std::string const where = "rank " + std::to_string(r) + " iter " + std::to_string(iter) + ": ";
-      // the dispatch: what one node of the whole world delivers
-      if (check_normal_dispatch(config, world, r, iter, it.expected[r], cuda_ep::dispatch_result(ranks[r], spec.expand),
-                                /*poisoned=*/true, spec.expand) != 0)
-        return where + "dispatch differs from ref::dispatch (above)";
       // the combines: the reference's order across nodes
       auto const y_em = ref::combine_expert_major(config, topology, r, it.inputs, it.expected, it.eout);
       if (check_combined("y expert-major", io[r].y_em.ptr, y_em, kVirtualGuardElems, r, iter) != 0)
@@ -358,14 +366,16 @@ TEST(InternodeVirtual, RefusalIsSeenByEveryRank) {
 }
 
 // The test can fail: the rail forwarding rows before the network's signal says they arrived must deliver wrong rows
-// under the emulated network (its puts land only when their signal is sent, after a delay).
+// under the emulated network (its puts land only when their signal is sent, after a delay). The rail's own signals
+// are delayed too, so one call may still read its records in time: up to 8 calls per topology (on the H200, 2x1 was
+// caught at its second call; 2x2, before this test checked the dispatch first, made its combine read poisoned rows).
 TEST(InternodeVirtual, MissingRailWaitIsCaught) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU, found 0";
   int caught = 0;
   for (std::string const topology : {"2x1", "2x2", "4x2"}) {
     uint64_t const seed = fresh_seed();
     Spec const spec = parse_spec({"topology=" + topology, "tokens=128", "hidden=2048", "topk=8", "experts=64",
-                                  "delay_ns=200000", "skip_rail_wait=1", "iters=2", "seed=" + std::to_string(seed)});
+                                  "delay_ns=200000", "skip_rail_wait=1", "iters=8", "seed=" + std::to_string(seed)});
     int const ctas = virtual_ctas_per_rank(spec.world, cuda_ep::kMaxLandCtas);
     std::string const failure = run_case(spec, ctas);
     std::printf("without the rail's wait (topology %s, seed %llu): %s\n", topology.c_str(),
