@@ -158,7 +158,7 @@ class CpuCommunicator final : public Communicator {
   std::string failure_;
 };
 
-CpuCommunicator::CpuCommunicator(std::unique_ptr<Bootstrap> bootstrap, CommunicatorOptions const&)
+CpuCommunicator::CpuCommunicator(std::unique_ptr<Bootstrap> bootstrap, CommunicatorOptions const& options)
     : bootstrap_(std::move(bootstrap)) {
   rank_ = bootstrap_->rank();
   world_ = bootstrap_->world();
@@ -168,7 +168,8 @@ CpuCommunicator::CpuCommunicator(std::unique_ptr<Bootstrap> bootstrap, Communica
   FERRY_CHECK_CONFIG(bootstrap_->local_world() == world_, "backend cpu needs every rank on one host: world=", world_,
                      " but local_world=", bootstrap_->local_world(), "; use backend cuda across hosts");
   timeout_s_ = env_double("FERRY_TIMEOUT_S");  // its rule (positive) is the env table's
-  topology_ = topology_of(world_, bootstrap_->local_world(), env_string("FERRY_TOPOLOGY"));
+  topology_ = topology_of(world_, bootstrap_->local_world(),
+                          options.topology.empty() ? env_string("FERRY_TOPOLOGY") : options.topology);
 
   // 1. a name prefix no other job uses: rank 0's pid plus random bits, the same on every rank
   char prefix[kNameBytes] = {};

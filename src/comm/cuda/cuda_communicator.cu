@@ -178,7 +178,8 @@ void CudaCommunicator::init(CommunicatorOptions const& options) {
   FERRY_CHECK_CONFIG(world >= 1 && world <= kMaxLocalPeers, "the cuda backend supports 1..", kMaxLocalPeers,
                      " ranks in one NVLink domain, got world=", world);
   timeout_s_ = env_double("FERRY_TIMEOUT_S");  // its rule (positive) is the env table's
-  topology_ = topology_of(world, bootstrap_->local_world(), env_string("FERRY_TOPOLOGY"));
+  topology_ = topology_of(world, bootstrap_->local_world(),
+                          options.topology.empty() ? env_string("FERRY_TOPOLOGY") : options.topology);
 
   // 2. the GPU of this rank
   int num_devices = 0;
