@@ -223,6 +223,19 @@ struct CombineBackwardArgs {
   bool eager = true;
 };
 
+// Bytes one rank sent in one call, by link: over the network (to ranks on other nodes) and over NVLink (to other
+// ranks of its node, load/store); a rank's rows to itself cross no link. network_messages counts the puts that
+// carried rows (one per row and destination node).
+struct LinkBytes {
+  uint64_t network_bytes = 0;
+  uint64_t nvlink_bytes = 0;
+  uint64_t network_messages = 0;
+};
+struct CallLinkBytes {
+  LinkBytes dispatch;
+  LinkBytes combine;
+};
+
 namespace detail {
 class EpBackendImpl;
 struct EpBufferAccess;
@@ -294,6 +307,11 @@ class EpBuffer {
 
   // Name of the kernel path the last call of each leg took, and why (for `ferry bench --explain`).
   std::string explain() const;
+
+  // The bytes this rank sent in its last dispatch and its last combine, by link (docs/internode.md "Counting the
+  // bytes"): the rows and their metadata, not the control words (counts, signals). What `ferry bench --topology`
+  // compares with `ferry model`. On the cuda backend it synchronises `stream` first.
+  CallLinkBytes link_bytes(cudaStream_t stream = nullptr) const;
 
   // In-kernel trace (include/ferry/trace.hpp): normal mode on the cuda backend, in builds with -DFERRY_TRACE=ON.
   // enable_trace allocates max_events_per_warp 16-byte events for every warp of each kernel family (0: frees them,

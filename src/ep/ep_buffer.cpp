@@ -167,10 +167,15 @@ EpBuffer::EpBuffer(std::shared_ptr<Communicator> comm, EpConfig const& config)
   try {
     config_.validate(comm_->world());
     Topology const& topology = comm_->topology();
-    FERRY_CHECK_CONFIG(topology.nodes == 1, "EpBuffer over ", topology.nodes, " nodes (topology ",
-                       topology_name(topology),
-                       ", from FERRY_TOPOLOGY or LOCAL_WORLD_SIZE) needs the inter-node "
-                       "protocols, which this version does not have (docs/internode.md); run every rank on one node");
+    FERRY_CHECK_CONFIG(topology.nodes == 1 || config_.mode == Mode::normal, "mode=ll over ", topology.nodes,
+                       " nodes (topology ", topology_name(topology),
+                       ", from FERRY_TOPOLOGY or LOCAL_WORLD_SIZE): low-latency mode across nodes is not built in "
+                       "this version (docs/internode.md); use mode=normal, or run every rank on one node");
+    FERRY_CHECK_CONFIG(topology.nodes == 1 || comm_->backend() == Backend::cpu, "EpBuffer over ", topology.nodes,
+                       " nodes (topology ", topology_name(topology),
+                       ", from FERRY_TOPOLOGY or LOCAL_WORLD_SIZE) on the cuda backend: its hierarchical normal mode "
+                       "is not built in this version (docs/internode.md); run every rank on one node, or use the "
+                       "cpu backend");
   } catch (ConfigError const& error) {
     invalid = error.what();
   }
@@ -556,6 +561,10 @@ bool DispatchHandle::expanded() const {
 }
 std::size_t DispatchHandle::bytes() const {
   return state_ != nullptr ? state_->bytes : 0;
+}
+
+CallLinkBytes EpBuffer::link_bytes(cudaStream_t stream) const {
+  return impl_->link_bytes(stream);
 }
 
 std::string EpBuffer::explain() const {
