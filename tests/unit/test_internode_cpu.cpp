@@ -14,12 +14,14 @@
 #include <string>
 #include <vector>
 
+#include "comm/comm_impl.hpp"
 #include "ep/reference.hpp"
 #include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
 #include "ferry/wire_format.hpp"
 #include "support/cpu_ranks.hpp"
+#include "support/host_fixtures.hpp"
 #include "support/rank_case.hpp"
 #include "workloads/cost_model.hpp"
 #include "workloads/inputs.hpp"
@@ -416,6 +418,42 @@ TEST(InternodeCpuReference, LinkBytesMatchTheCostModel) {
     EXPECT_DOUBLE_EQ(combine_network, predicted.hier_combine.network_bytes_mean);
     EXPECT_DOUBLE_EQ(dispatch_nvlink, predicted.hier_dispatch.nvlink_bytes_mean);
   }
+}
+
+// A missing node is named as a node: the pure description, and a 2x2 world whose node 1 skips a dispatch (the ranks
+// of node 0 time out within FERRY_TIMEOUT_S naming both of its ranks and the node).
+TEST(InternodeCpuFailures, AbsentNodeIsNamedAsANode) {
+  Topology const t{2, 4};
+  EXPECT_NE(detail::describe_absent({4, 5, 6, 7}, t).find("rank(s) 4, 5, 6, 7 (every rank of node 1 of 2x4"),
+            std::string::npos)
+      << detail::describe_absent({4, 5, 6, 7}, t);
+  EXPECT_NE(detail::describe_absent({5, 6}, t).find("rank(s) 5, 6 (2 of node 1, topology 2x4)"), std::string::npos)
+      << detail::describe_absent({5, 6}, t);
+  EXPECT_EQ(detail::describe_absent({3}, Topology{1, 8}), "rank(s) 3");
+
+  test::ScopedEnv const timeout("FERRY_TIMEOUT_S", std::string("1"));
+  CommunicatorOptions options;
+  options.topology = "2x2";
+  std::vector<std::string> const failures = test::run_cpu_ranks(
+      4,
+      [](int r, std::shared_ptr<Communicator> const& comm) {
+        EpConfig config;
+        config.hidden = 256;
+        config.num_experts = 8;
+        config.topk = 2;
+        config.max_tokens_per_rank = 4;
+        EpBuffer buffer(comm, config);
+        if (r >= 2) return;  // node 1 never arrives
+        try {
+          buffer.dispatch(DispatchArgs{});
+          FERRY_THROW(Error, "test", "dispatch passed without node 1");
+        } catch (TimeoutError const& error) {
+          FERRY_CHECK(std::string(error.what()).find("rank(s) 2, 3 (every rank of node 1 of 2x2") != std::string::npos,
+                      error.what());
+        }
+      },
+      options);
+  for (auto const& failure : failures) EXPECT_EQ(failure, "");
 }
 
 // Low-latency mode across nodes is refused on every rank, naming the topology and what to use.

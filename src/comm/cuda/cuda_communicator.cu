@@ -420,7 +420,7 @@ void CudaCommunicator::check_errors(cudaStream_t stream) {
     DeviceErrorBlock block;
     std::memcpy(&block, const_cast<DeviceErrorBlock const*>(error_host_), sizeof(block));
     failure_ = format_error(status == kErrorTimeout ? "timeout" : "ferry", __FILE__, __LINE__,
-                            concat(describe_device_error(block, timeout_s_),
+                            concat(describe_device_error(block, timeout_s_, topology_),
                                    "; this communicator is now unusable: destroy it and create a new one"));
     failed_ = true;
     if (status == kErrorTimeout) throw TimeoutError(failure_);
