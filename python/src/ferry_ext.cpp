@@ -416,11 +416,12 @@ class PythonBootstrap final : public Bootstrap {
 };
 
 std::shared_ptr<Communicator> create_communicator(std::unique_ptr<Bootstrap> bootstrap, std::string const& backend,
-                                                  int device) {
+                                                  int device, std::string const& topology) {
   check_env();  // a FERRY_* value the library refuses is refused here, before any rank waits on this one
   CommunicatorOptions options;
   options.backend = parse_backend(backend);
   options.device = device;
+  options.topology = topology;
   nb::gil_scoped_release release;
   return std::shared_ptr<Communicator>(Communicator::create(std::move(bootstrap), options));
 }
@@ -1316,6 +1317,12 @@ NB_MODULE(_ext, m) {
                            "Rank, world and the symmetric heap shared by the ranks. Create with ferry.init().")
       .def_prop_ro("rank", &Communicator::rank)
       .def_prop_ro("world", &Communicator::world)
+      .def_prop_ro(
+          "topology",
+          [](Communicator const& c) { return std::make_tuple(c.topology().nodes, c.topology().local); },
+          "(nodes, ranks per node): from LOCAL_WORLD_SIZE, FERRY_TOPOLOGY or ferry.init(topology=).")
+      .def("load_store_reachable", &Communicator::load_store_reachable, "peer"_a,
+           "Whether `peer` is in this rank's NVLink team (cpu: on its emulated node).")
       .def_prop_ro("local_rank", [](Communicator const& c) { return c.bootstrap().local_rank(); })
       .def_prop_ro("local_world", [](Communicator const& c) { return c.bootstrap().local_world(); })
       .def_prop_ro("backend", [](Communicator const& c) { return std::string(backend_name(c.backend())); })
@@ -1342,20 +1349,20 @@ NB_MODULE(_ext, m) {
 
   m.def(
       "_init_env",
-      [](std::string const& backend, int device) {
+      [](std::string const& backend, int device, std::string const& topology) {
         SocketBootstrapOptions const options = socket_bootstrap_options_from_env();
         std::unique_ptr<Bootstrap> bootstrap;
         {
           nb::gil_scoped_release release;
           bootstrap = make_socket_bootstrap(options);
         }
-        return create_communicator(std::move(bootstrap), backend, device);
+        return create_communicator(std::move(bootstrap), backend, device, topology);
       },
-      "backend"_a, "device"_a);
+      "backend"_a, "device"_a, "topology"_a = "");
   m.def(
       "_init_socket",
       [](std::string const& backend, int device, std::string const& master_addr, int master_port, int rank, int world,
-         int local_rank, int local_world, double timeout_s) {
+         int local_rank, int local_world, double timeout_s, std::string const& topology) {
         SocketBootstrapOptions options;
         options.master_addr = master_addr;
         options.master_port = master_port;
@@ -1369,16 +1376,16 @@ NB_MODULE(_ext, m) {
           nb::gil_scoped_release release;
           bootstrap = make_socket_bootstrap(options);
         }
-        return create_communicator(std::move(bootstrap), backend, device);
+        return create_communicator(std::move(bootstrap), backend, device, topology);
       },
       "backend"_a, "device"_a, "master_addr"_a, "master_port"_a, "rank"_a, "world"_a, "local_rank"_a, "local_world"_a,
-      "timeout_s"_a);
+      "timeout_s"_a, "topology"_a = "");
   m.def(
       "_init_python",
-      [](nb::object bootstrap, std::string const& backend, int device) {
-        return create_communicator(std::make_unique<PythonBootstrap>(std::move(bootstrap)), backend, device);
+      [](nb::object bootstrap, std::string const& backend, int device, std::string const& topology) {
+        return create_communicator(std::make_unique<PythonBootstrap>(std::move(bootstrap)), backend, device, topology);
       },
-      "bootstrap"_a, "backend"_a, "device"_a);
+      "bootstrap"_a, "backend"_a, "device"_a, "topology"_a = "");
 
   // ---- EpConfig
   EpConfig const defaults;
@@ -1554,6 +1561,31 @@ NB_MODULE(_ext, m) {
       .def(
           "explain", [](PyEpBuffer const& b) { return b.buffer().explain(); },
           "The kernel path the last call of each leg took, and why.")
+      .def(
+          "link_bytes",
+          [](PyEpBuffer const& b, nb::object stream) {
+            cudaStream_t const s = stream_from(stream);
+            CallLinkBytes bytes;
+            {
+              nb::gil_scoped_release release;
+              bytes = b.buffer().link_bytes(s);
+            }
+            auto const leg = [](LinkBytes const& l) {
+              nb::dict d;
+              d["network_bytes"] = l.network_bytes;
+              d["nvlink_bytes"] = l.nvlink_bytes;
+              d["network_messages"] = l.network_messages;
+              return d;
+            };
+            nb::dict out;
+            out["dispatch"] = leg(bytes.dispatch);
+            out["combine"] = leg(bytes.combine);
+            return out;
+          },
+          "stream"_a = nb::none(),
+          "The bytes this rank sent in its last dispatch and combine, by link: {'dispatch': {...}, 'combine': "
+          "{...}} with network_bytes, nvlink_bytes, network_messages (rows and their metadata; docs/internode.md). "
+          "Synchronises stream on cuda.")
       .def_prop_ro("config", [](PyEpBuffer const& b) { return b.buffer().config(); })
       .def_prop_ro("num_local_experts", &PyEpBuffer::num_local_experts)
       .def_prop_ro("recv_capacity", &PyEpBuffer::recv_capacity)
