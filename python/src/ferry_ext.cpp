@@ -1221,8 +1221,8 @@ std::optional<int> geometry_to(std::optional<Geometry> const& value) {
 EpConfig make_config(int hidden, int num_experts, int topk, int max_tokens_per_rank, std::optional<int> expert_capacity,
                      std::optional<int> max_recv_tokens, std::string const& dispatch_format,
                      std::string const& combine_format, bool dispatch_dequantize, std::string const& recv_scale_layout,
-                     std::string const& mode, std::optional<int> dispatch_geometry,
-                     std::optional<int> combine_geometry) {
+                     std::string const& mode, std::optional<int> dispatch_geometry, std::optional<int> combine_geometry,
+                     std::string const& internode_route) {
   EpConfig config;
   config.hidden = hidden;
   config.num_experts = num_experts;
@@ -1237,6 +1237,7 @@ EpConfig make_config(int hidden, int num_experts, int topk, int max_tokens_per_r
   config.mode = parse_mode(mode);
   config.dispatch_geometry = geometry_from(dispatch_geometry);
   config.combine_geometry = geometry_from(combine_geometry);
+  config.internode_route = parse_internode_route(internode_route);
   return config;
 }
 
@@ -1318,8 +1319,7 @@ NB_MODULE(_ext, m) {
       .def_prop_ro("rank", &Communicator::rank)
       .def_prop_ro("world", &Communicator::world)
       .def_prop_ro(
-          "topology",
-          [](Communicator const& c) { return std::make_tuple(c.topology().nodes, c.topology().local); },
+          "topology", [](Communicator const& c) { return std::make_tuple(c.topology().nodes, c.topology().local); },
           "(nodes, ranks per node): from LOCAL_WORLD_SIZE, FERRY_TOPOLOGY or ferry.init(topology=).")
       .def("load_store_reachable", &Communicator::load_store_reachable, "peer"_a,
            "Whether `peer` is in this rank's NVLink team (cpu: on its emulated node).")
@@ -1409,6 +1409,9 @@ NB_MODULE(_ext, m) {
                    "Bytes of one delivered row: hidden * 2 (bf16) or the quantized payload.")
       .def_prop_ro("mode", [](EpConfig const& c) { return std::string(mode_name(c.mode)); })
       .def_prop_ro(
+          "internode_route", [](EpConfig const& c) { return std::string(internode_route_name(c.internode_route)); },
+          "Across nodes, mode='ll': 'automatic', 'forward' or 'direct' (docs/internode.md).")
+      .def_prop_ro(
           "dispatch_geometry", [](EpConfig const& c) { return geometry_to(c.dispatch_geometry); },
           "The pinned dispatch CTA count (0: choose), or None.")
       .def_prop_ro(
@@ -1495,10 +1498,11 @@ NB_MODULE(_ext, m) {
              int max_tokens_per_rank, std::optional<int> expert_capacity, std::optional<int> max_recv_tokens,
              std::string const& dispatch_format, std::string const& combine_format, bool dispatch_dequantize,
              std::string const& recv_scale_layout, std::string const& mode, std::optional<int> dispatch_geometry,
-             std::optional<int> combine_geometry) {
-            EpConfig const config = make_config(hidden, num_experts, topk, max_tokens_per_rank, expert_capacity,
-                                                max_recv_tokens, dispatch_format, combine_format, dispatch_dequantize,
-                                                recv_scale_layout, mode, dispatch_geometry, combine_geometry);
+             std::optional<int> combine_geometry, std::string const& internode_route) {
+            EpConfig const config =
+                make_config(hidden, num_experts, topk, max_tokens_per_rank, expert_capacity, max_recv_tokens,
+                            dispatch_format, combine_format, dispatch_dequantize, recv_scale_layout, mode,
+                            dispatch_geometry, combine_geometry, internode_route);
             new (self) PyEpBuffer(std::move(comm), config);
           },
           "comm"_a, nb::kw_only(), "hidden"_a = defaults.hidden, "num_experts"_a = defaults.num_experts,
@@ -1506,7 +1510,8 @@ NB_MODULE(_ext, m) {
           "expert_capacity"_a = nb::none(), "max_recv_tokens"_a = nb::none(), "dispatch_format"_a = "bf16",
           "combine_format"_a = "bf16", "dispatch_dequantize"_a = defaults.dispatch_dequantize,
           "recv_scale_layout"_a = scale_layout_name(defaults.recv_scale_layout), "mode"_a = "normal",
-          "dispatch_geometry"_a = nb::none(), "combine_geometry"_a = nb::none())
+          "dispatch_geometry"_a = nb::none(), "combine_geometry"_a = nb::none(),
+          "internode_route"_a = internode_route_name(defaults.internode_route))
       .def("dispatch", &PyEpBuffer::dispatch, "x"_a, "topk_idx"_a = nb::none(), "topk_weights"_a = nb::none(),
            nb::kw_only(), "x_scales"_a = nb::none(), "x_token_scales"_a = nb::none(), "expand"_a = false,
            "eager"_a = true, "return_recv_hook"_a = false, "save_handle"_a = nb::none(), "handle"_a = nb::none(),

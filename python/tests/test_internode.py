@@ -80,3 +80,37 @@ def test_one_node_differs_from_hierarchical_reference():
     rows = [ref.reduce_local_experts(config, received[d], ref.expert_outputs(config, 4, d, SEED)) for d in range(4)]
     assert any(not np.array_equal(ref.combine(config, 4, r, inputs, received, rows, local=2),
                                   ref.combine(config, 4, r, inputs, received, rows)) for r in range(4))
+
+
+def _ll_body(ctx, config: ref.Config, num_tokens, topology, route):
+    comm = ctx.init(topology=topology)
+    buf = ferry.EpBuffer(comm, **config.kwargs(), mode="ll", internode_route=route)
+    assert buf.config.internode_route == route
+    mine = ref.make_inputs(config, num_tokens, SEED, 0.1, np.int64)[ctx.rank]
+    got = buf.dispatch(mine.x, mine.topk_idx, mine.topk_weights, return_recv_hook=True)
+    got = buf.complete_dispatch()
+    out = {"expert_x": np.asarray(got.expert_x).copy(), "expert_counts": np.asarray(got.expert_counts).copy()}
+    y = np.full((len(mine.x), config.hidden), POISON, np.uint16)
+    buf.combine(ref.expert_outputs(config, ctx.world, ctx.rank, SEED), "expert", out=y)
+    out["y"] = y
+    out["bytes"] = buf.link_bytes()
+    return out
+
+
+@pytest.mark.parametrize("route", ["forward", "direct"])
+def test_low_latency_across_nodes(route):
+    topology, local, world = "2x2", 2, 4
+    config = ref.Config(64, 16, 3, 6, expert_capacity=24)
+    num_tokens = [6, 0, 4, 5]
+    results = run_ranks(_ll_body, world, config, num_tokens, topology, route)
+    inputs = ref.make_inputs(config, num_tokens, SEED, 0.1, np.int64)
+    received = [ref.dispatch(config, world, d, inputs) for d in range(world)]
+    rows = [ref.reduce_local_experts(config, received[d], ref.expert_outputs(config, world, d, SEED))
+            for d in range(world)]
+    for rank, got in enumerate(results):
+        np.testing.assert_array_equal(got["expert_counts"], received[rank].expert_counts)
+        expanded = ref.expand(config, world, received[rank])
+        for e, count in enumerate(np.minimum(received[rank].expert_counts, config.slots())):
+            np.testing.assert_array_equal(got["expert_x"][e, :count], expanded[e, :count])
+        want = ref.combine(config, world, rank, inputs, received, rows, local=local if route == "forward" else None)
+        np.testing.assert_array_equal(got["y"], want, err_msg=f"rank {rank} y ({route})")

@@ -146,6 +146,8 @@ constexpr ConfigField kConfigFields[] = {
     {"mode", [](EpConfig const& c) -> int64_t { return static_cast<int64_t>(c.mode); },
      [](int64_t v) { return std::string(mode_name(static_cast<Mode>(v))); }},
     {"max_recv_tokens", [](EpConfig const& c) { return optional_value(c.max_recv_tokens); }, optional_text},
+    {"internode_route", [](EpConfig const& c) -> int64_t { return static_cast<int64_t>(c.internode_route); },
+     [](int64_t v) { return std::string(internode_route_name(static_cast<InternodeRoute>(v))); }},
     {"expert_capacity", [](EpConfig const& c) { return optional_value(c.expert_capacity); }, optional_text},
     {"dispatch_geometry.blocks",
      [](EpConfig const& c) -> int64_t { return c.dispatch_geometry ? c.dispatch_geometry->blocks : -1; },
@@ -167,10 +169,11 @@ EpBuffer::EpBuffer(std::shared_ptr<Communicator> comm, EpConfig const& config)
   try {
     config_.validate(comm_->world());
     Topology const& topology = comm_->topology();
-    FERRY_CHECK_CONFIG(topology.nodes == 1 || config_.mode == Mode::normal, "mode=ll over ", topology.nodes,
-                       " nodes (topology ", topology_name(topology),
-                       ", from FERRY_TOPOLOGY or LOCAL_WORLD_SIZE): low-latency mode across nodes is not built in "
-                       "this version (docs/internode.md); use mode=normal, or run every rank on one node");
+    FERRY_CHECK_CONFIG(topology.nodes == 1 || config_.mode == Mode::normal || comm_->backend() == Backend::cpu,
+                       "mode=ll over ", topology.nodes, " nodes (topology ", topology_name(topology),
+                       ", from FERRY_TOPOLOGY or LOCAL_WORLD_SIZE) on the cuda backend: low-latency mode across nodes "
+                       "is built on the cpu backend only in this version (docs/internode.md); use mode=normal, or "
+                       "run every rank on one node");
     FERRY_CHECK_CONFIG(topology.nodes == 1 || comm_->backend() == Backend::cpu, "EpBuffer over ", topology.nodes,
                        " nodes (topology ", topology_name(topology),
                        ", from FERRY_TOPOLOGY or LOCAL_WORLD_SIZE) on the cuda backend: its hierarchical normal mode "

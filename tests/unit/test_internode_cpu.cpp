@@ -456,24 +456,163 @@ TEST(InternodeCpuFailures, AbsentNodeIsNamedAsANode) {
   for (auto const& failure : failures) EXPECT_EQ(failure, "");
 }
 
-// Low-latency mode across nodes is refused on every rank, naming the topology and what to use.
-TEST(InternodeCpuReference, LowLatencyAcrossNodesIsRefused) {
+// Low-latency mode across nodes on the cpu backend, both routes: forward (once per node, combine reduced per node:
+// the hierarchical reference) and direct (one put per (token, remote rank), combine as on one node: the one-node
+// reference); the hook split (complete_dispatch / complete_combine); every format; 1 to 16 tokens. The network bytes
+// follow the route: once per (token, node), or once per (token, remote rank).
+struct LlCase {
+  char const* topology;
+  InternodeRoute route;
+  WireFormat format;
+  int tokens;
+  bool hook;
+};
+
+class InternodeCpuLowLatency : public testing::TestWithParam<LlCase> {};
+
+TEST_P(InternodeCpuLowLatency, EveryRowMatchesTheReference) {
+  LlCase const c = GetParam();
+  Topology const topology = parse_topology(c.topology);
+  int const world = topology.world();
+  EpConfig config;
+  config.hidden = 256;
+  config.num_experts = 8 * world;
+  config.topk = 4;
+  config.max_tokens_per_rank = c.tokens;
+  config.mode = Mode::low_latency;
+  config.dispatch_format = c.format;
+  config.combine_format = c.format;
+  config.dispatch_dequantize = c.format != WireFormat::bf16;
+  config.internode_route = c.route;
+  config = config.resolved(world);
+  uint64_t const seed = test_seed();
+  std::mt19937_64 rng(seed);
+  RoutingOptions routing;
+  routing.seed = rng();
+  routing.mask_rate = 0.1;
+  std::vector<int> tokens;
+  for (int r = 0; r < world; ++r) tokens.push_back(static_cast<int>(rng() % static_cast<uint64_t>(c.tokens + 1)));
+  std::vector<ref::RankInput> const inputs = ref::generate_inputs(config, world, routing, tokens);
+  std::vector<ref::RankDispatch> received;
+  std::vector<std::vector<uint16_t>> expert_out;
+  std::size_t const expert_elems =
+      at(static_cast<int64_t>(config.num_local_experts(world)) * config.expert_slots(), config.hidden);
+  for (int d = 0; d < world; ++d) {
+    received.push_back(ref::dispatch(config, world, d, inputs));
+    expert_out.push_back(random_bf16(expert_elems, rng));
+  }
+  // forward reduces per node; direct sums the ranks as one node does
+  Topology const order = c.route == InternodeRoute::forward ? topology : Topology{1, world};
   CommunicatorOptions options;
-  options.topology = "2x2";
+  options.topology = c.topology;
   std::vector<std::string> const failures = test::run_cpu_ranks(
-      4,
-      [](int, std::shared_ptr<Communicator> const& comm) {
-        EpConfig config;
-        config.hidden = 256;
-        config.num_experts = 8;
-        config.topk = 2;
-        config.max_tokens_per_rank = 4;
-        config.mode = Mode::low_latency;
+      world,
+      [&](int r, std::shared_ptr<Communicator> const& comm) {
         EpBuffer buffer(comm, config);
+        std::size_t const R = static_cast<std::size_t>(r);
+        ref::RankInput const& in = inputs[R];
+        DispatchArgs args;
+        args.x = in.x.data();
+        args.num_tokens = in.num_tokens;
+        args.topk_idx = in.topk_idx.data();
+        args.topk_weights = in.topk_weights.data();
+        args.return_recv_hook = c.hook;
+        DispatchResult got = buffer.dispatch(args);
+        if (c.hook) got = buffer.complete_dispatch();
+        ref::RankDispatch const& want = received[R];
+        std::vector<uint16_t> const slots = ref::expand(config, world, want);
+        int const hidden = config.hidden;
+        for (std::size_t e = 0; e < want.expert_counts.size(); ++e) {
+          int const filled = std::min(want.expert_counts[e], want.expert_slots);
+          std::size_t const first = at(static_cast<int64_t>(e) * want.expert_slots, hidden);
+          require_same(r, differs("expert_x", static_cast<uint16_t const*>(got.expert_x) + first, slots.data() + first,
+                                  at(filled, hidden)));
+        }
+        require_same(r,
+                     differs("expert_counts", got.expert_counts, want.expert_counts.data(), want.expert_counts.size()));
+        std::vector<uint16_t> y(at(in.num_tokens, hidden) + 8, 0xffff);
+        CombineArgs ca;
+        ca.layout = CombineLayout::expert_major;
+        ca.x = expert_out[R].data();
+        ca.y = y.data();
+        ca.return_recv_hook = c.hook;
+        buffer.combine(ca);
+        if (c.hook) buffer.complete_combine();
+        std::vector<uint16_t> const want_y = ref::combine_expert_major(config, order, r, inputs, received, expert_out);
+        require_same(r, differs("y", y.data(), want_y.data(), want_y.size()));
+        FERRY_CHECK(y[want_y.size()] == 0xffff, "rank ", r, ": combine wrote past y");
+        // network rows: one per (token, other node) forwarded, one per (token, remote rank) direct
+        uint64_t rows = 0;
+        int const num_local = config.num_local_experts(world);
+        for (int t = 0; t < in.num_tokens; ++t) {
+          std::vector<char> node(static_cast<std::size_t>(topology.nodes), 0), rank(static_cast<std::size_t>(world), 0);
+          for (int k = 0; k < config.topk; ++k)
+            if (int64_t const e = in.topk_idx[at(t, config.topk) + k]; e >= 0) {
+              int const d = static_cast<int>(e / num_local);
+              if (topology.same_node(d, r)) continue;
+              rows += c.route == InternodeRoute::forward ? !node[static_cast<std::size_t>(topology.node_of(d))]
+                                                         : !rank[static_cast<std::size_t>(d)];
+              node[static_cast<std::size_t>(topology.node_of(d))] = 1;
+              rank[static_cast<std::size_t>(d)] = 1;
+            }
+        }
+        CallLinkBytes const bytes = buffer.link_bytes();
+        FERRY_CHECK(bytes.dispatch.network_messages == rows, "rank ", r, ": ", bytes.dispatch.network_messages,
+                    " network rows in dispatch, the routing gives ", rows);
+        FERRY_CHECK(
+            buffer.explain().find(c.route == InternodeRoute::forward ? "hierarchical" : "direct") != std::string::npos,
+            buffer.explain());
       },
       options);
-  for (auto const& failure : failures)
-    EXPECT_NE(failure.find("mode=ll over 2 nodes (topology 2x2"), std::string::npos) << failure;
+  for (std::size_t r = 0; r < failures.size(); ++r)
+    EXPECT_EQ(failures[r], "") << "rank " << r << ", seed " << seed << ", topology " << c.topology;
+}
+
+std::vector<LlCase> ll_cases() {
+  std::vector<LlCase> out;
+  for (char const* topology : {"2x1", "2x2", "2x4", "4x2"})
+    for (InternodeRoute route : {InternodeRoute::forward, InternodeRoute::direct}) {
+      out.push_back({topology, route, WireFormat::bf16, 16, false});
+      out.push_back({topology, route, WireFormat::bf16, 1, true});
+    }
+  for (WireFormat format : {WireFormat::fp8_e4m3, WireFormat::fp8_e4m3_ue8m0, WireFormat::nvfp4, WireFormat::mxfp4})
+    for (InternodeRoute route : {InternodeRoute::forward, InternodeRoute::direct})
+      out.push_back({"2x4", route, format, 4, true});
+  return out;
+}
+
+std::string ll_case_name(testing::TestParamInfo<LlCase> const& info) {
+  LlCase const& c = info.param;
+  std::string name = c.topology;
+  std::replace(name.begin(), name.end(), 'x', '_');
+  return detail::concat(name, "_", internode_route_name(c.route), "_", wire_format_name(c.format), "_", c.tokens,
+                        c.hook ? "_hook" : "");
+}
+
+INSTANTIATE_TEST_SUITE_P(Routes, InternodeCpuLowLatency, testing::ValuesIn(ll_cases()), ll_case_name);
+
+// The automatic route is the cost model's rule (direct up to kDirectRouteTokens tokens per rank), normal mode always
+// forwards, and direct is refused there.
+TEST(InternodeCpuReference, RouteRule) {
+  EpConfig config;
+  config.mode = Mode::low_latency;
+  config.max_tokens_per_rank = kDirectRouteTokens;
+  EXPECT_EQ(config.route(), InternodeRoute::direct);
+  config.max_tokens_per_rank = kDirectRouteTokens + 1;
+  EXPECT_EQ(config.route(), InternodeRoute::forward);
+  config.internode_route = InternodeRoute::direct;
+  EXPECT_EQ(config.route(), InternodeRoute::direct);
+  config.mode = Mode::normal;
+  EXPECT_EQ(config.route(), InternodeRoute::forward);
+  try {
+    config.validate(8);
+    ADD_FAILURE() << "internode_route=direct accepted in normal mode";
+  } catch (ConfigError const& error) {
+    EXPECT_NE(std::string(error.what()).find("internode_route=direct is a low-latency route"), std::string::npos)
+        << error.what();
+  }
+  EXPECT_EQ(parse_internode_route("forward"), InternodeRoute::forward);
+  EXPECT_THROW(parse_internode_route("sideways"), ConfigError);
 }
 
 }  // namespace

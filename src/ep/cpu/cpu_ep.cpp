@@ -148,9 +148,10 @@ class CpuEp final : public EpBackendImpl {
   bool on_my_node(int peer) const { return topology_.same_node(peer, rank_); }
   // what explain() says of the hierarchy ("" on one node)
   std::string hierarchy() const {
+    if (topology_.nodes == 1) return std::string();
     return hierarchical_ ? concat("hierarchical ", topology_name(topology_),
                                   ": rows for another node once per node through its rail, ")
-                         : std::string();
+                         : concat("direct ", topology_name(topology_), ": one put per (token, remote rank), ");
   }
   // the destination-mask bits of node n's ranks
   uint32_t node_bits(int n) const {
@@ -257,7 +258,7 @@ CpuEp::CpuEp(Communicator& comm, EpConfig const& config)
       combine_wire_(wire_row_layout(config.combine_format, config.hidden)),
       out_row_bytes_(config.recv_row_bytes()),
       topology_(comm.topology()),
-      hierarchical_(comm.topology().nodes > 1 && config.mode == Mode::normal),
+      hierarchical_(comm.topology().nodes > 1 && config.route() == InternodeRoute::forward),
       max_tokens_(config.max_tokens_per_rank),
       fwd_meta_bytes_(at(config.topk, 8) + 8),
       combine_stride_(comm.topology().nodes > 1 ? std::max(combine_wire_.row_bytes, row_bytes_)
@@ -474,10 +475,14 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
       link_bytes_.dispatch.network_messages += 1;
     }
     for (int d = 0; d < world_; ++d) {
-      if (!(mask >> d & 1U) || !on_my_node(d)) continue;
+      if (!(mask >> d & 1U) || (hierarchical_ && !on_my_node(d))) continue;
       int64_t const row = next[static_cast<std::size_t>(d)]++;
       if (row >= capacity_) continue;
-      if (d != rank_) link_bytes_.dispatch.nvlink_bytes += row_link_bytes;
+      if (d != rank_ && on_my_node(d)) link_bytes_.dispatch.nvlink_bytes += row_link_bytes;
+      if (!on_my_node(d)) {  // direct route: one put per (token, remote rank)
+        link_bytes_.dispatch.network_bytes += row_link_bytes;
+        link_bytes_.dispatch.network_messages += 1;
+      }
       std::memcpy(recv_x_.view.ptr[d] + at(row, 1) * dispatch_wire_.row_bytes, wire, dispatch_wire_.row_bytes);
       auto* const idx = reinterpret_cast<int32_t*>(recv_idx_.view.ptr[d]) + at(row, topk_);
       auto* const weights = reinterpret_cast<float*>(recv_weights_.view.ptr[d]) + at(row, topk_);
@@ -508,11 +513,12 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
   pending_expand_ = args.expand || low_latency_;
   pending_eager_ = args.eager;
   pending_total_recv_ = total_recv;
-  last_dispatch_ = low_latency_
-                       ? concat("dispatch: cpu reference, ll (host push through shared memory + expert-major",
-                                args.return_recv_hook ? ", split: receive half in complete_dispatch" : "", ")")
-                       : concat("dispatch: cpu reference (", hierarchy(), "host push through shared memory, rank-major",
-                                args.expand ? " + expand" : "", ")");
+  last_dispatch_ =
+      low_latency_
+          ? concat("dispatch: cpu reference, ll (", hierarchy(), "host push through shared memory + expert-major",
+                   args.return_recv_hook ? ", split: receive half in complete_dispatch" : "", ")")
+          : concat("dispatch: cpu reference (", hierarchy(), "host push through shared memory, rank-major",
+                   args.expand ? " + expand" : "", ")");
   if (args.return_recv_hook) {
     // the send half is done: this rank's rows are on every destination. Views are valid after complete_dispatch.
     DispatchResult pending;
@@ -749,7 +755,7 @@ void CpuEp::run_combine(CombineArgs const& args, bool unit_weights, bool y_fp32)
     }
     uint8_t* wire = out + at(i, 1) * combine_stride_;
     int const source = recv_src[at(i, 2)];
-    if (!on_my_node(source)) {
+    if (hierarchical_ && !on_my_node(source)) {
       // for the rail of this node (local index of the source): the bf16 row, which it sums with its node's
       std::memcpy(wire, row, row_bytes_);
       if (topology_.node_of(rank_) * topology_.local + topology_.local_of(source) != rank_)
@@ -760,7 +766,11 @@ void CpuEp::run_combine(CombineArgs const& args, bool unit_weights, bool y_fp32)
       std::memcpy(wire, row, row_bytes_);
     else
       quant::quantize_row(format, row, hidden_, wire);
-    if (source != rank_) link_bytes_.combine.nvlink_bytes += wire_bytes;
+    if (source != rank_ && on_my_node(source)) link_bytes_.combine.nvlink_bytes += wire_bytes;
+    if (!on_my_node(source)) {  // direct route
+      link_bytes_.combine.network_bytes += wire_bytes;
+      link_bytes_.combine.network_messages += 1;
+    }
   }
   // every rank's rows are ready, and every rank in this call: else nothing is summed
   join_call(CallKind::combine, false);
@@ -810,7 +820,7 @@ void CpuEp::receive_combine() {
     std::fill(scratch_.begin(), scratch_.end(), 0.0f);
     uint32_t const mask = dest_mask_[static_cast<std::size_t>(t)];
     for (int n = 0; n < topology_.nodes; ++n) {
-      if (n != my_node && (mask & node_bits(n)) != 0) {
+      if (hierarchical_ && n != my_node && (mask & node_bits(n)) != 0) {
         int64_t const j = fwd_next[static_cast<std::size_t>(n)]++;
         bool reached = false;
         for (int d = n * local; d < (n + 1) * local; ++d)
