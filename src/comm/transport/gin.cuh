@@ -84,8 +84,8 @@ struct Gin {
   }
 
   __device__ __forceinline__ char* local() const { return local_window; }
-  // The GIN signal that the counter offset `signal_off` names (in the signal range: an offset outside it is a
-  // protocol bug, and names another endpoint's signal).
+  // The GIN signal that the counter offset `signal_off` names. The offset must be in the signal range: one outside
+  // it is a protocol bug and names a signal that is not this Gin's.
   __device__ __forceinline__ ncclGinSignal_t signal_index(std::size_t signal_off) const {
     return static_cast<ncclGinSignal_t>((signal_off - signals_off) / sizeof(uint64_t));
   }
