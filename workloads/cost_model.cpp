@@ -64,6 +64,7 @@ Traffic count_traffic(EpConfig const& config, Topology const& topology, RoutingO
   traffic.combine_row_bytes = wire_row_bytes(config.combine_format, config.hidden);
   double const drow = static_cast<double>(traffic.dispatch_row_bytes);
   double const crow = static_cast<double>(traffic.combine_row_bytes);
+  double const brow = static_cast<double>(config.hidden) * 2;  // a bf16 row
 
   Sent hier_d(world), hier_c(world), direct_d(world), direct_c(world);
   double dest_ranks = 0, remote_nodes = 0, remote_ranks = 0;
@@ -113,10 +114,11 @@ Traffic count_traffic(EpConfig const& config, Topology const& topology, RoutingO
         hier_d.messages[r] += 1;
         hier_d.network_rows[r] += 1;
         hier_d.nvlink[rail] += forwards * drow;
-        // combine: the node's other ranks send their rows to the rail, which reduces and sends one row back
+        // combine: the node's other ranks send their bf16 rows to the rail, which reduces them in fp32 and sends
+        // one row back in combine_format
         for (int l = 0; l < topology.local; ++l) {
           int const d = n * topology.local + l;
-          if (hit[d] && d != rail) hier_c.nvlink[d] += crow;
+          if (hit[d] && d != rail) hier_c.nvlink[d] += brow;
         }
         hier_c.network[rail] += crow;
         hier_c.messages[rail] += 1;

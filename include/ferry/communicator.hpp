@@ -53,6 +53,9 @@ struct CommunicatorOptions {
   Backend backend = Backend::cpu;
   // cuda: the GPU of this rank; -1 means bootstrap.local_rank().
   int device = -1;
+  // "NxM": N emulated nodes of M ranks on this host (as FERRY_TOPOLOGY, which it overrides); empty: FERRY_TOPOLOGY,
+  // else LOCAL_WORLD_SIZE ranks per node.
+  std::string topology;
 };
 
 // One region of symmetric memory: `bytes` on every rank. Owned by the communicator; valid until it is destroyed.

@@ -22,6 +22,15 @@ enum class Mode { normal, low_latency };
 char const* mode_name(Mode mode);
 Mode parse_mode(std::string const& name);  // "normal" | "ll"
 
+// How low-latency rows reach the ranks of other nodes (docs/internode.md): forward: once per destination node, to
+// the rank of the source's local index there, which forwards them over NVLink (and combine reduces each node's rows
+// first, as normal mode always does); direct: one put per (token, remote rank), combine summing the ranks as on one
+// node; automatic: direct when max_tokens_per_rank <= kDirectRouteTokens, else forward (the cost model's rule).
+enum class InternodeRoute { automatic, forward, direct };
+char const* internode_route_name(InternodeRoute route);
+InternodeRoute parse_internode_route(std::string const& name);  // "automatic" | "forward" | "direct"
+inline constexpr int kDirectRouteTokens = 2;
+
 // The largest topk any path supports.
 inline constexpr int kMaxTopk = 16;
 // The most tokens per rank low-latency mode accepts: its buffers are sized for the worst case (every token of every
@@ -55,6 +64,11 @@ struct EpConfig {
   // is rarely affordable in normal mode; size it for the routing you expect); low-latency mode uses that worst case
   // (see resolved()). Slots past it are dropped and reported.
   std::optional<int> expert_capacity;
+  // Across nodes, low-latency mode: how rows reach other nodes (InternodeRoute). Normal mode always forwards
+  // (hierarchical); direct is refused there.
+  InternodeRoute internode_route = InternodeRoute::automatic;
+  // forward or direct: the route a call across nodes takes (automatic resolved by the rule above).
+  InternodeRoute route() const;
 
   // Throws ConfigError naming the field, the value and the rule for the first rule broken.
   // Low-latency mode also needs max_tokens_per_rank <= kMaxLowLatencyTokens and max_recv_tokens unset.
@@ -223,6 +237,19 @@ struct CombineBackwardArgs {
   bool eager = true;
 };
 
+// Bytes one rank sent in one call, by link: over the network (to ranks on other nodes) and over NVLink (to other
+// ranks of its node, load/store); a rank's rows to itself cross no link. network_messages counts the puts that
+// carried rows (one per row and destination node).
+struct LinkBytes {
+  uint64_t network_bytes = 0;
+  uint64_t nvlink_bytes = 0;
+  uint64_t network_messages = 0;
+};
+struct CallLinkBytes {
+  LinkBytes dispatch;
+  LinkBytes combine;
+};
+
 namespace detail {
 class EpBackendImpl;
 struct EpBufferAccess;
@@ -294,6 +321,11 @@ class EpBuffer {
 
   // Name of the kernel path the last call of each leg took, and why (for `ferry bench --explain`).
   std::string explain() const;
+
+  // The bytes this rank sent in its last dispatch and its last combine, by link (docs/internode.md "Counting the
+  // bytes"): the rows and their metadata, not the control words (counts, signals). What `ferry bench --topology`
+  // compares with `ferry model`. On the cuda backend it synchronises `stream` first.
+  CallLinkBytes link_bytes(cudaStream_t stream = nullptr) const;
 
   // In-kernel trace (include/ferry/trace.hpp): normal mode on the cuda backend, in builds with -DFERRY_TRACE=ON.
   // enable_trace allocates max_events_per_warp 16-byte events for every warp of each kernel family (0: frees them,

@@ -86,6 +86,7 @@ def init(
     local_rank: int | None = None,
     local_world: int | None = None,
     timeout_s: float = 60.0,
+    topology: str | None = None,
 ) -> Communicator:
     """Creates this rank's communicator. Collective: every rank calls it with the same backend.
 
@@ -101,6 +102,7 @@ def init(
 
     backend: "cuda" or "cpu"; default "cuda" when ferry.cuda_available(), else "cpu".
     device: cuda only, the GPU of this rank; -1 means the local rank.
+    topology: "NxM" emulates N nodes of M ranks on this host (overrides FERRY_TOPOLOGY; docs/internode.md).
     Raises BootstrapError (rendezvous), ConfigError (backend or options), CudaError / NcclError (transport setup).
     """
     if backend is None:
@@ -112,7 +114,7 @@ def init(
 
         bootstrap = TorchGroupBootstrap(group)
     if bootstrap is not None:
-        return _ext._init_python(bootstrap, backend, device)
+        return _ext._init_python(bootstrap, backend, device, topology or "")
     if rank is not None or world is not None:
         if rank is None or world is None:
             raise ConfigError("config error: ferry.init needs both rank= and world= (or neither, to read the env)")
@@ -126,10 +128,11 @@ def init(
             rank if local_rank is None else local_rank,
             world if local_world is None else local_world,
             timeout_s,
+            topology or "",
         )
     from .torch_bootstrap import TorchStoreBootstrap, torchrun_agent_store
 
     if torchrun_agent_store():
-        return _ext._init_python(TorchStoreBootstrap(timeout_s=timeout_s), backend, device)
-    return _ext._init_env(backend, device)
+        return _ext._init_python(TorchStoreBootstrap(timeout_s=timeout_s), backend, device, topology or "")
+    return _ext._init_env(backend, device, topology or "")
 

@@ -416,11 +416,12 @@ class PythonBootstrap final : public Bootstrap {
 };
 
 std::shared_ptr<Communicator> create_communicator(std::unique_ptr<Bootstrap> bootstrap, std::string const& backend,
-                                                  int device) {
+                                                  int device, std::string const& topology) {
   check_env();  // a FERRY_* value the library refuses is refused here, before any rank waits on this one
   CommunicatorOptions options;
   options.backend = parse_backend(backend);
   options.device = device;
+  options.topology = topology;
   nb::gil_scoped_release release;
   return std::shared_ptr<Communicator>(Communicator::create(std::move(bootstrap), options));
 }
@@ -1220,8 +1221,8 @@ std::optional<int> geometry_to(std::optional<Geometry> const& value) {
 EpConfig make_config(int hidden, int num_experts, int topk, int max_tokens_per_rank, std::optional<int> expert_capacity,
                      std::optional<int> max_recv_tokens, std::string const& dispatch_format,
                      std::string const& combine_format, bool dispatch_dequantize, std::string const& recv_scale_layout,
-                     std::string const& mode, std::optional<int> dispatch_geometry,
-                     std::optional<int> combine_geometry) {
+                     std::string const& mode, std::optional<int> dispatch_geometry, std::optional<int> combine_geometry,
+                     std::string const& internode_route) {
   EpConfig config;
   config.hidden = hidden;
   config.num_experts = num_experts;
@@ -1236,6 +1237,7 @@ EpConfig make_config(int hidden, int num_experts, int topk, int max_tokens_per_r
   config.mode = parse_mode(mode);
   config.dispatch_geometry = geometry_from(dispatch_geometry);
   config.combine_geometry = geometry_from(combine_geometry);
+  config.internode_route = parse_internode_route(internode_route);
   return config;
 }
 
@@ -1316,6 +1318,11 @@ NB_MODULE(_ext, m) {
                            "Rank, world and the symmetric heap shared by the ranks. Create with ferry.init().")
       .def_prop_ro("rank", &Communicator::rank)
       .def_prop_ro("world", &Communicator::world)
+      .def_prop_ro(
+          "topology", [](Communicator const& c) { return std::make_tuple(c.topology().nodes, c.topology().local); },
+          "(nodes, ranks per node): from LOCAL_WORLD_SIZE, FERRY_TOPOLOGY or ferry.init(topology=).")
+      .def("load_store_reachable", &Communicator::load_store_reachable, "peer"_a,
+           "Whether `peer` is in this rank's NVLink team (cpu: on its emulated node).")
       .def_prop_ro("local_rank", [](Communicator const& c) { return c.bootstrap().local_rank(); })
       .def_prop_ro("local_world", [](Communicator const& c) { return c.bootstrap().local_world(); })
       .def_prop_ro("backend", [](Communicator const& c) { return std::string(backend_name(c.backend())); })
@@ -1342,20 +1349,20 @@ NB_MODULE(_ext, m) {
 
   m.def(
       "_init_env",
-      [](std::string const& backend, int device) {
+      [](std::string const& backend, int device, std::string const& topology) {
         SocketBootstrapOptions const options = socket_bootstrap_options_from_env();
         std::unique_ptr<Bootstrap> bootstrap;
         {
           nb::gil_scoped_release release;
           bootstrap = make_socket_bootstrap(options);
         }
-        return create_communicator(std::move(bootstrap), backend, device);
+        return create_communicator(std::move(bootstrap), backend, device, topology);
       },
-      "backend"_a, "device"_a);
+      "backend"_a, "device"_a, "topology"_a = "");
   m.def(
       "_init_socket",
       [](std::string const& backend, int device, std::string const& master_addr, int master_port, int rank, int world,
-         int local_rank, int local_world, double timeout_s) {
+         int local_rank, int local_world, double timeout_s, std::string const& topology) {
         SocketBootstrapOptions options;
         options.master_addr = master_addr;
         options.master_port = master_port;
@@ -1369,16 +1376,16 @@ NB_MODULE(_ext, m) {
           nb::gil_scoped_release release;
           bootstrap = make_socket_bootstrap(options);
         }
-        return create_communicator(std::move(bootstrap), backend, device);
+        return create_communicator(std::move(bootstrap), backend, device, topology);
       },
       "backend"_a, "device"_a, "master_addr"_a, "master_port"_a, "rank"_a, "world"_a, "local_rank"_a, "local_world"_a,
-      "timeout_s"_a);
+      "timeout_s"_a, "topology"_a = "");
   m.def(
       "_init_python",
-      [](nb::object bootstrap, std::string const& backend, int device) {
-        return create_communicator(std::make_unique<PythonBootstrap>(std::move(bootstrap)), backend, device);
+      [](nb::object bootstrap, std::string const& backend, int device, std::string const& topology) {
+        return create_communicator(std::make_unique<PythonBootstrap>(std::move(bootstrap)), backend, device, topology);
       },
-      "bootstrap"_a, "backend"_a, "device"_a);
+      "bootstrap"_a, "backend"_a, "device"_a, "topology"_a = "");
 
   // ---- EpConfig
   EpConfig const defaults;
@@ -1401,6 +1408,9 @@ NB_MODULE(_ext, m) {
       .def_prop_ro("recv_row_bytes", &EpConfig::recv_row_bytes,
                    "Bytes of one delivered row: hidden * 2 (bf16) or the quantized payload.")
       .def_prop_ro("mode", [](EpConfig const& c) { return std::string(mode_name(c.mode)); })
+      .def_prop_ro(
+          "internode_route", [](EpConfig const& c) { return std::string(internode_route_name(c.internode_route)); },
+          "Across nodes, mode='ll': 'automatic', 'forward' or 'direct' (docs/internode.md).")
       .def_prop_ro(
           "dispatch_geometry", [](EpConfig const& c) { return geometry_to(c.dispatch_geometry); },
           "The pinned dispatch CTA count (0: choose), or None.")
@@ -1488,10 +1498,11 @@ NB_MODULE(_ext, m) {
              int max_tokens_per_rank, std::optional<int> expert_capacity, std::optional<int> max_recv_tokens,
              std::string const& dispatch_format, std::string const& combine_format, bool dispatch_dequantize,
              std::string const& recv_scale_layout, std::string const& mode, std::optional<int> dispatch_geometry,
-             std::optional<int> combine_geometry) {
-            EpConfig const config = make_config(hidden, num_experts, topk, max_tokens_per_rank, expert_capacity,
-                                                max_recv_tokens, dispatch_format, combine_format, dispatch_dequantize,
-                                                recv_scale_layout, mode, dispatch_geometry, combine_geometry);
+             std::optional<int> combine_geometry, std::string const& internode_route) {
+            EpConfig const config =
+                make_config(hidden, num_experts, topk, max_tokens_per_rank, expert_capacity, max_recv_tokens,
+                            dispatch_format, combine_format, dispatch_dequantize, recv_scale_layout, mode,
+                            dispatch_geometry, combine_geometry, internode_route);
             new (self) PyEpBuffer(std::move(comm), config);
           },
           "comm"_a, nb::kw_only(), "hidden"_a = defaults.hidden, "num_experts"_a = defaults.num_experts,
@@ -1499,7 +1510,8 @@ NB_MODULE(_ext, m) {
           "expert_capacity"_a = nb::none(), "max_recv_tokens"_a = nb::none(), "dispatch_format"_a = "bf16",
           "combine_format"_a = "bf16", "dispatch_dequantize"_a = defaults.dispatch_dequantize,
           "recv_scale_layout"_a = scale_layout_name(defaults.recv_scale_layout), "mode"_a = "normal",
-          "dispatch_geometry"_a = nb::none(), "combine_geometry"_a = nb::none())
+          "dispatch_geometry"_a = nb::none(), "combine_geometry"_a = nb::none(),
+          "internode_route"_a = internode_route_name(defaults.internode_route))
       .def("dispatch", &PyEpBuffer::dispatch, "x"_a, "topk_idx"_a = nb::none(), "topk_weights"_a = nb::none(),
            nb::kw_only(), "x_scales"_a = nb::none(), "x_token_scales"_a = nb::none(), "expand"_a = false,
            "eager"_a = true, "return_recv_hook"_a = false, "save_handle"_a = nb::none(), "handle"_a = nb::none(),
@@ -1554,6 +1566,31 @@ NB_MODULE(_ext, m) {
       .def(
           "explain", [](PyEpBuffer const& b) { return b.buffer().explain(); },
           "The kernel path the last call of each leg took, and why.")
+      .def(
+          "link_bytes",
+          [](PyEpBuffer const& b, nb::object stream) {
+            cudaStream_t const s = stream_from(stream);
+            CallLinkBytes bytes;
+            {
+              nb::gil_scoped_release release;
+              bytes = b.buffer().link_bytes(s);
+            }
+            auto const leg = [](LinkBytes const& l) {
+              nb::dict d;
+              d["network_bytes"] = l.network_bytes;
+              d["nvlink_bytes"] = l.nvlink_bytes;
+              d["network_messages"] = l.network_messages;
+              return d;
+            };
+            nb::dict out;
+            out["dispatch"] = leg(bytes.dispatch);
+            out["combine"] = leg(bytes.combine);
+            return out;
+          },
+          "stream"_a = nb::none(),
+          "The bytes this rank sent in its last dispatch and combine, by link: {'dispatch': {...}, 'combine': "
+          "{...}} with network_bytes, nvlink_bytes, network_messages (rows and their metadata; docs/internode.md). "
+          "Synchronises stream on cuda.")
       .def_prop_ro("config", [](PyEpBuffer const& b) { return b.buffer().config(); })
       .def_prop_ro("num_local_experts", &PyEpBuffer::num_local_experts)
       .def_prop_ro("recv_capacity", &PyEpBuffer::recv_capacity)

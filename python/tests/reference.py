@@ -198,13 +198,26 @@ def reduce_local_experts(config: Config, got: RankDispatch, expert_out: np.ndarr
 
 
 def combine(config: Config, world: int, rank: int, inputs: list[RankInput], received: list[RankDispatch],
-            rows: list[np.ndarray]) -> np.ndarray:
-    """y [T, hidden] of `rank` from every rank's send-back rows ([num_recv, hidden] bf16 each)."""
+            rows: list[np.ndarray], local: int | None = None) -> np.ndarray:
+    """y [T, hidden] of `rank` from every rank's send-back rows ([num_recv, hidden] bf16 each).
+
+    local: ranks per node (None: one node). Across nodes (docs/internode.md) the sum runs over the nodes ascending:
+    the own node's rows one by one, every other node's rows first summed in fp32 and rounded to bf16 (one row).
+    """
+    local = world if local is None else local
     tokens = len(inputs[rank].x)
     y = np.zeros((tokens, config.hidden), np.float32)
-    for d in range(world):
-        for t in range(tokens):
-            i = received[d].row_of.get((rank, t))
-            if i is not None:
-                y[t] = y[t] + bf16_to_float(rows[d][i])
+    for t in range(tokens):
+        for n in range(world // local):
+            partial, reached = np.zeros(config.hidden, np.float32), False
+            for d in range(n * local, (n + 1) * local):
+                i = received[d].row_of.get((rank, t))
+                if i is None:
+                    continue
+                if n == rank // local:
+                    y[t] = y[t] + bf16_to_float(rows[d][i])
+                else:
+                    partial, reached = partial + bf16_to_float(rows[d][i]), True
+            if reached:
+                y[t] = y[t] + bf16_to_float(float_to_bf16(partial))
     return float_to_bf16(y)

@@ -85,6 +85,41 @@ std::string describe_device_error(DeviceErrorBlock const& block, double timeout_
                 " did not arrive: it is stuck, crashed, or skipped a collective call");
 }
 
+std::string describe_device_error(DeviceErrorBlock const& block, double timeout_s, Topology const& topology) {
+  std::string text = describe_device_error(block, timeout_s);
+  if (topology.nodes > 1 && block.status != 0 && block.peer >= 0 && block.peer < topology.world())
+    text += concat(" (rank ", block.peer, " is local rank ", topology.local_of(block.peer), " of node ",
+                   topology.node_of(block.peer), " of ", topology_name(topology), ")");
+  return text;
+}
+
+std::string describe_absent(std::vector<int> const& missing, Topology const& topology) {
+  std::string ranks;
+  for (int r : missing) ranks += concat(ranks.empty() ? "" : ", ", r);
+  std::string text = concat("rank(s) ", ranks);
+  if (topology.nodes <= 1 || missing.empty()) return text;
+  // whole nodes first: every rank of node n missing
+  std::vector<int> absent(static_cast<std::size_t>(topology.nodes), 0);
+  for (int r : missing)
+    if (r >= 0 && r < topology.world()) ++absent[static_cast<std::size_t>(topology.node_of(r))];
+  std::string whole, parts;
+  for (int n = 0; n < topology.nodes; ++n) {
+    int const count = absent[static_cast<std::size_t>(n)];
+    if (count == 0) continue;
+    if (count == topology.local)
+      whole += concat(whole.empty() ? "" : ", ", n);
+    else
+      parts += concat(parts.empty() ? "" : "; ", count, " of node ", n);
+  }
+  if (!whole.empty())
+    text += concat(" (every rank of node ", whole, " of ", topology_name(topology),
+                   ": that node is absent as a whole: down, or its network unreachable from here",
+                   parts.empty() ? "" : concat("; and ", parts), ")");
+  else
+    text += concat(" (", parts, ", topology ", topology_name(topology), ")");
+  return text;
+}
+
 std::string describe_refusal(int refusing_rank, WaitPhase phase, std::string const& reason) {
   return concat(
       "rank ", refusing_rank, " refused this call on input",

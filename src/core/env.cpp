@@ -68,6 +68,12 @@ constexpr std::array kParams = {
              .allowed = "a count of events per warp (0: off)",
              .min = 0,
              .max = 1 << 20},
+    EnvParam{.name = "FERRY_NETWORK",
+             .default_value = "auto",
+             .meaning = "cuda backend, peers NVLink does not reach: auto (GIN when the world is larger than the NVLink "
+                        "team), emulated (never GIN), gin (set GIN up at construction, even at world 1)",
+             .kind = EnvKind::choice,
+             .allowed = "auto, emulated, gin"},
     EnvParam{.name = "FERRY_NCCL_VERSION_CHECK",
              .default_value = "1",
              .meaning = "refuse to start when the loaded NCCL differs from the headers (0 disables; unsafe)",

@@ -9,6 +9,30 @@ char const* mode_name(Mode mode) {
   return mode == Mode::normal ? "normal" : "ll";
 }
 
+char const* internode_route_name(InternodeRoute route) {
+  switch (route) {
+    case InternodeRoute::automatic:
+      return "automatic";
+    case InternodeRoute::forward:
+      return "forward";
+    case InternodeRoute::direct:
+      return "direct";
+  }
+  return "?";
+}
+
+InternodeRoute parse_internode_route(std::string const& name) {
+  for (InternodeRoute route : {InternodeRoute::automatic, InternodeRoute::forward, InternodeRoute::direct})
+    if (name == internode_route_name(route)) return route;
+  FERRY_THROW(ConfigError, "config", "internode_route '", name, "' is unknown; use automatic, forward or direct");
+}
+
+InternodeRoute EpConfig::route() const {
+  if (mode == Mode::normal) return InternodeRoute::forward;
+  if (internode_route != InternodeRoute::automatic) return internode_route;
+  return max_tokens_per_rank <= kDirectRouteTokens ? InternodeRoute::direct : InternodeRoute::forward;
+}
+
 Mode parse_mode(std::string const& name) {
   if (name == "normal") return Mode::normal;
   if (name == "ll" || name == "low_latency") return Mode::low_latency;
@@ -76,6 +100,9 @@ void EpConfig::validate(int world) const {
                        " is not used by mode=ll (every row is received: the landing zone holds world x "
                        "max_tokens_per_rank rows); leave it unset");
   }
+  FERRY_CHECK_CONFIG(mode == Mode::low_latency || internode_route != InternodeRoute::direct,
+                     "internode_route=direct is a low-latency route; normal mode always forwards across nodes "
+                     "(hierarchical): use forward or automatic, or mode=ll");
   FERRY_CHECK_CONFIG(!dispatch_dequantize || dispatch_format != WireFormat::bf16,
                      "dispatch_dequantize=true needs a quantized dispatch_format (got bf16, which is delivered as is); "
                      "set dispatch_format or leave dispatch_dequantize false");

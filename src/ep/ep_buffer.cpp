@@ -146,6 +146,8 @@ constexpr ConfigField kConfigFields[] = {
     {"mode", [](EpConfig const& c) -> int64_t { return static_cast<int64_t>(c.mode); },
      [](int64_t v) { return std::string(mode_name(static_cast<Mode>(v))); }},
     {"max_recv_tokens", [](EpConfig const& c) { return optional_value(c.max_recv_tokens); }, optional_text},
+    {"internode_route", [](EpConfig const& c) -> int64_t { return static_cast<int64_t>(c.internode_route); },
+     [](int64_t v) { return std::string(internode_route_name(static_cast<InternodeRoute>(v))); }},
     {"expert_capacity", [](EpConfig const& c) { return optional_value(c.expert_capacity); }, optional_text},
     {"dispatch_geometry.blocks",
      [](EpConfig const& c) -> int64_t { return c.dispatch_geometry ? c.dispatch_geometry->blocks : -1; },
@@ -167,15 +169,12 @@ EpBuffer::EpBuffer(std::shared_ptr<Communicator> comm, EpConfig const& config)
   try {
     config_.validate(comm_->world());
     Topology const& topology = comm_->topology();
-    // NOTE: over several nodes only the cuda backend's normal mode runs (its hierarchical protocol).
-    FERRY_CHECK_CONFIG(topology.nodes == 1 || config_.mode != Mode::low_latency, "mode=ll over ", topology.nodes,
-                       " nodes (topology ", topology_name(topology),
-                       ", from FERRY_TOPOLOGY or LOCAL_WORLD_SIZE): inter-node low-latency mode is not built yet "
-                       "(issue 28); use mode=normal or run every rank on one node");
-    FERRY_CHECK_CONFIG(topology.nodes == 1 || comm_->backend() == Backend::cuda, "EpBuffer over ", topology.nodes,
-                       " nodes (topology ", topology_name(topology),
-                       ") runs on the cuda backend only in this version (its hierarchical normal mode); run every "
-                       "rank on one node");
+    // NOTE: across nodes the cuda backend runs normal mode only (its hierarchical protocol, hier_dispatch.cuh).
+    FERRY_CHECK_CONFIG(topology.nodes == 1 || config_.mode == Mode::normal || comm_->backend() == Backend::cpu,
+                       "mode=ll over ", topology.nodes, " nodes (topology ", topology_name(topology),
+                       ", from FERRY_TOPOLOGY or LOCAL_WORLD_SIZE) on the cuda backend: low-latency mode across nodes "
+                       "is built on the cpu backend only in this version (docs/internode.md); use mode=normal, or "
+                       "run every rank on one node");
   } catch (ConfigError const& error) {
     invalid = error.what();
   }
@@ -561,6 +560,10 @@ bool DispatchHandle::expanded() const {
 }
 std::size_t DispatchHandle::bytes() const {
   return state_ != nullptr ? state_->bytes : 0;
+}
+
+CallLinkBytes EpBuffer::link_bytes(cudaStream_t stream) const {
+  return impl_->link_bytes(stream);
 }
 
 std::string EpBuffer::explain() const {

@@ -61,6 +61,8 @@ class EpBackendImpl {
   virtual TraceBuffer read_trace(EpConfig const& config, TraceKernel kernel, cudaStream_t stream);
   // What the last calls ran (run_record.hpp), for explain() and the fast-path test; null where none is kept (cpu).
   virtual RunRecord const* run_record() const { return nullptr; }
+  // What the last dispatch and combine sent, by link (EpBuffer::link_bytes); the default counts nothing.
+  virtual CallLinkBytes link_bytes(cudaStream_t /*stream*/) const { return {}; }
 
   // Handles and the backward passes (normal mode; EpBuffer refuses them in low-latency mode and checks that a handle
   // fits this backend's shape before any of these runs). The defaults throw ConfigError.

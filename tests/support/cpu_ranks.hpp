@@ -15,9 +15,11 @@
 
 namespace ferry::test {
 
-// Runs fn(rank, communicator) on `world` threads. Returns each rank's failure: what it threw ("" when it returned).
-inline std::vector<std::string> run_cpu_ranks(
-    int world, std::function<void(int, std::shared_ptr<Communicator> const&)> const& fn) {
+// Runs fn(rank, communicator) on `world` threads, each communicator made with `options` (its backend must be cpu).
+// Returns each rank's failure: what it threw ("" when it returned).
+inline std::vector<std::string> run_cpu_ranks(int world,
+                                              std::function<void(int, std::shared_ptr<Communicator> const&)> const& fn,
+                                              CommunicatorOptions const& options = {Backend::cpu}) {
   auto bootstraps = make_local_bootstraps(world, std::chrono::seconds(20));
   std::vector<std::string> failures(static_cast<std::size_t>(world));
   std::vector<std::thread> threads;
@@ -25,7 +27,7 @@ inline std::vector<std::string> run_cpu_ranks(
     threads.emplace_back([&, r] {
       try {
         std::shared_ptr<Communicator> const comm =
-            Communicator::create(std::move(bootstraps[static_cast<std::size_t>(r)]), {Backend::cpu});
+            Communicator::create(std::move(bootstraps[static_cast<std::size_t>(r)]), options);
         fn(r, comm);
       } catch (std::exception const& error) {
         failures[static_cast<std::size_t>(r)] = error.what();

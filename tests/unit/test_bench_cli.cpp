@@ -100,6 +100,30 @@ void expect_refused_once(Refusal const& c) {
   EXPECT_FALSE(contains(run.output, "rank 0")) << c.args << ": a rank started:\n" << run.output;
 }
 
+// --topology across emulated nodes: the hierarchical legs pass the check, and the network bytes each rank sent equal
+// ferry model's count from the same routing (random and grouped), labelled as emulated in the table and the records.
+TEST_F(BenchCli, TopologyAcrossNodesCountsTheNetworkBytes) {
+  TempDir const dir;
+  std::string const json = dir.file("bench.json");
+  CliRun const run = run_ferry(
+      "bench --backend cpu --topology 2x4 --tokens 16 --hidden 256 --routing random,grouped --layout expert"
+      " --dispatch bf16,fp8 --combine bf16,nvfp4 --check --iters 2 --warmup 1 --json " +
+      json);
+  ASSERT_EQ(run.code, 0) << run.output;
+  int const legs = 2 /*routings*/ * 2 /*format pairs*/ * 2 /*legs*/;
+  EXPECT_TRUE(contains(run.output, "8 ranks, backend cpu")) << run.output;
+  EXPECT_TRUE(contains(run.output, "topology 2x4 (emulated nodes on one host")) << run.output;
+  EXPECT_EQ(count(run.output, "PASS\n"), legs) << run.output;
+  EXPECT_EQ(count(run.output, ", equal), NVLink"), legs) << run.output;
+  EXPECT_EQ(count(run.output, "DIFFERENT"), 0) << run.output;
+  std::string const records = read_file(json);
+  EXPECT_EQ(count(records, "\"network\": \"emulated\""), legs) << records;
+  EXPECT_EQ(count(records, "\"topology\": \"2x4\""), legs) << records;
+  CliRun const ll = run_ferry("bench --backend cpu --topology 2x2 --mode ll --tokens 4");
+  EXPECT_NE(ll.code, 0);
+  EXPECT_TRUE(contains(ll.output, "--topology 2x2 spans nodes, where only mode=normal is built")) << ll.output;
+}
+
 TEST_F(BenchCli, BadUseIsRefusedOnceBeforeAnyRankStarts) {
   for (Refusal const& c : {
            Refusal{"bench --backend cpu --nproc 8 --baseline nccl", "--baseline nccl needs the cuda backend"},

@@ -67,7 +67,9 @@ TEST(Topology, CpuCommunicatorReachesItsEmulatedNodeByLoadStore) {
   for (auto const& failure : failures) EXPECT_EQ(failure, "");
 }
 
-TEST(Topology, EpBufferAcrossNodesIsRefusedOnEveryRank) {
+// Normal mode across emulated nodes runs the hierarchical protocol (tests/unit/test_internode_cpu.cpp checks its
+// results); explain() says so.
+TEST(Topology, EpBufferAcrossNodesRunsHierarchical) {
   ScopedEnv const topology("FERRY_TOPOLOGY", std::string("2x2"));
   auto const failures = run_cpu_ranks(4, [](int, std::shared_ptr<Communicator> const& comm) {
     EpConfig config;
@@ -76,25 +78,11 @@ TEST(Topology, EpBufferAcrossNodesIsRefusedOnEveryRank) {
     config.topk = 2;
     config.max_tokens_per_rank = 4;
     EpBuffer buffer(comm, config);
+    DispatchArgs args;
+    buffer.dispatch(args);
+    FERRY_CHECK(buffer.explain().find("hierarchical 2x2") != std::string::npos, buffer.explain());
   });
-  for (auto const& failure : failures)
-    EXPECT_NE(failure.find("EpBuffer over 2 nodes (topology 2x2"), std::string::npos) << failure;
-}
-
-// Low-latency mode across nodes is not built (issue 28): refused on every rank, whatever the backend.
-TEST(Topology, LowLatencyAcrossNodesIsRefusedOnEveryRank) {
-  ScopedEnv const topology("FERRY_TOPOLOGY", std::string("2x2"));
-  auto const failures = run_cpu_ranks(4, [](int, std::shared_ptr<Communicator> const& comm) {
-    EpConfig config;
-    config.mode = Mode::low_latency;
-    config.hidden = 64;
-    config.num_experts = 8;
-    config.topk = 2;
-    config.max_tokens_per_rank = 4;
-    EpBuffer buffer(comm, config);
-  });
-  for (auto const& failure : failures)
-    EXPECT_NE(failure.find("inter-node low-latency mode is not built yet (issue 28)"), std::string::npos) << failure;
+  for (auto const& failure : failures) EXPECT_EQ(failure, "");
 }
 
 }  // namespace

@@ -31,6 +31,7 @@
 #include "ranks.hpp"
 #include "trace/trace_file.hpp"
 #include "util/result_file.hpp"
+#include "workloads/cost_model.hpp"
 #include "workloads/routing.hpp"
 #if FERRY_HAVE_CUDA && __has_include("nccl_baseline.hpp")
 #define FERRY_BENCH_NCCL 1
@@ -74,6 +75,11 @@ Options make_options() {
           {"layout", "rank", "combine input: rank (caller-reduced rows) | expert (expert-major, weighted by combine)"},
           {"expert-capacity", "0", "rows per local expert for --layout expert (0: the largest load of the routing)"},
           {"backend", "auto", "auto (cuda when a GPU is visible, else cpu) | cuda | cpu"},
+          {"topology", "",
+           "NxM: emulate N nodes of M ranks on this host (N x M ranks; normal mode runs hierarchical). Prints the "
+           "bytes each rank sends over the network and over NVLink, counted by the protocol, beside ferry model's "
+           "count from the same routing, and the network GB/s; the network is emulated (shared memory / NVLink), so "
+           "these are not network figures"},
           {"nproc", "0", "ranks to start (0: one per GPU, or 4 on the cpu backend)"},
           {"warmup", "5", "untimed iterations per leg"},
           {"iters", "20", "timed iterations per leg (median, p10, p90 reported)"},
@@ -161,6 +167,17 @@ void check_run_options(Options const& options, Backend backend) {
     FERRY_CHECK_CONFIG(options.str("dispatch") == "bf16" && options.str("combine") == "bf16",
                        "--backward times bf16 legs (combine_backward needs bf16 rows delivered); drop --dispatch=",
                        options.str("dispatch"), " --combine=", options.str("combine"));
+  }
+  if (!options.str("topology").empty()) {
+    Topology const topology = parse_topology(options.str("topology"));
+    FERRY_CHECK_CONFIG(topology.nodes == 1 || options.str("mode") == "normal", "--topology ", options.str("topology"),
+                       " spans nodes, where only mode=normal is built (hierarchical); use "
+                       "--mode normal");
+    FERRY_CHECK_CONFIG(options.integer("nproc") == 0 || options.integer("nproc") == topology.world(),
+                       "--nproc=", options.integer("nproc"), " but --topology ", options.str("topology"), " has ",
+                       topology.world(), " ranks; drop --nproc");
+    FERRY_CHECK_CONFIG(options.str("baseline").empty() || topology.nodes == 1,
+                       "--baseline nccl runs on one node; drop it with --topology ", options.str("topology"));
   }
   if (options.str("trace").empty()) return;
   FERRY_CHECK_CONFIG(trace_compiled_in(),
@@ -262,17 +279,20 @@ std::vector<int> destinations(EpConfig const& config, int world, ref::RankInput 
 // The y an identity expert layer must produce (expert outputs = the bf16 rows delivered: the token's row, or its
 // dequantized wire row), by the canonical order of reference.hpp: each destination reduces its experts with fmaf over
 // k ascending and rounds to bf16 (rank-major: the row itself); that partial travels in combine_format; the source
-// sums the dequantized partials of the destination ranks ascending in fp32 and rounds once. Needs only this rank's
-// input. Also measures the combine's error against the exact sum of the partials and its derived bound
-// (quant::combine_error_bound): the largest |error| / bound, and the relative L2 error.
+// sums the dequantized partials of the destination ranks ascending in fp32 and rounds once. Across nodes ("Across
+// nodes" there) the partials of another node are first summed in fp32 and rounded to bf16, and that row travels in
+// combine_format instead. Needs only this rank's input. Also measures the combine's error against the exact sum of
+// the rows that travelled in combine_format, and its derived bound (quant::combine_error_bound): the largest |error| /
+// bound, and the relative L2 error.
 struct IdentityCombine {
   std::vector<uint16_t> y;
   double worst_bound_ratio = 0;  // max over elements of |y - exact| / bound (quantized combine formats)
   double rel_l2 = 0;             // ||y - exact|| / ||exact||
 };
 
-IdentityCombine expected_identity_combine(EpConfig const& config, int world, ref::RankInput const& input,
-                                          CombineLayout layout) {
+IdentityCombine expected_identity_combine(EpConfig const& config, Topology const& topology, int rank,
+                                          ref::RankInput const& input, CombineLayout layout) {
+  int const world = topology.world();
   int const hidden = config.hidden;
   int const per_rank = config.num_experts / world;
   WireFormat const dformat = config.dispatch_format;
@@ -296,6 +316,16 @@ IdentityCombine expected_identity_combine(EpConfig const& config, int world, ref
       for (int h = 0; h < hidden; ++h) delivered[h] = ref::bf16_to_float(row[h]);
     }
     partials.clear();
+    std::vector<float> node_sum(static_cast<std::size_t>(hidden));
+    int node = -1;  // the remote node whose partials node_sum holds
+    auto const flush_node = [&] {
+      if (node < 0) return;
+      std::vector<uint16_t> row(static_cast<std::size_t>(hidden));
+      ref::round_row(hidden, node_sum.data(), row.data());
+      ref::accumulate_combined_row(cformat, hidden, row.data(), combine_wire, combine_values, acc.data());
+      partials.push_back(std::move(row));
+      node = -1;
+    };
     for (int d : destinations(config, world, input, t)) {
       std::vector<uint16_t> partial(hidden);
       for (int h = 0; h < hidden; ++h) {
@@ -311,9 +341,17 @@ IdentityCombine expected_identity_combine(EpConfig const& config, int world, ref
         }
         partial[h] = ref::float_to_bf16(value);
       }
+      if (topology.node_of(d) != node) flush_node();
+      if (!topology.same_node(d, rank)) {
+        if (node < 0) std::fill(node_sum.begin(), node_sum.end(), 0.0f);
+        node = topology.node_of(d);
+        ref::accumulate_row(hidden, partial.data(), node_sum.data());
+        continue;
+      }
       ref::accumulate_combined_row(cformat, hidden, partial.data(), combine_wire, combine_values, acc.data());
       partials.push_back(std::move(partial));
     }
+    flush_node();
     uint16_t* y = &out.y[static_cast<std::size_t>(t) * hidden];
     for (int h = 0; h < hidden; ++h) y[h] = ref::float_to_bf16(acc[h]);
     if (partials.empty()) continue;
@@ -483,6 +521,9 @@ struct Record {
   std::string dispatch_format, combine_format, layout;
   // --backward, the backward legs: median / the median of the forward leg of the same bytes
   double forward_ratio = -1;
+  // --topology across nodes: bytes per rank (mean over ranks) by link, counted by the protocol, and ferry model's
+  // count of the network bytes from the same routing
+  double network_bytes = -1, nvlink_bytes = -1, model_network_bytes = -1, network_gbps = -1;
 };
 
 void write_json(std::string const& path, Options const& options, Shape const& shape, std::string const& device,
@@ -500,6 +541,11 @@ void write_json(std::string const& path, Options const& options, Shape const& sh
       rec.add("baseline_us", r.baseline_us).add("speedup_vs_baseline", r.baseline_us / r.stats.median_us);
     if (r.bound_ratio >= 0) rec.add("error_over_bound", r.bound_ratio).add("rel_l2_error", r.rel_l2);
     if (r.forward_ratio >= 0) rec.add("backward_over_forward", r.forward_ratio);
+    if (r.network_bytes >= 0) {
+      rec.add("topology", options.str("topology")).add("network", "emulated");
+      rec.add("network_bytes", r.network_bytes).add("nvlink_bytes", r.nvlink_bytes);
+      rec.add("model_network_bytes", r.model_network_bytes).add("network_gbps", r.network_gbps);
+    }
   }
   util::write_result_file(path, {"ferry bench", git_commit(), device, world}, out);
 }
@@ -561,8 +607,13 @@ void print_floor(Options const& options, Communicator& comm, Backend backend, bo
 
 int run_bench_rank(Options const& options) {
   Backend const backend = choose_backend(options, false);
+  CommunicatorOptions comm_options;
+  comm_options.backend = backend;
+  comm_options.topology = options.str("topology");
   auto comm = std::shared_ptr<Communicator>(
-      Communicator::create(make_socket_bootstrap(socket_bootstrap_options_from_env()), {backend}));
+      Communicator::create(make_socket_bootstrap(socket_bootstrap_options_from_env()), comm_options));
+  Topology const topology = comm->topology();
+  bool const across_nodes = topology.nodes > 1;
   Bootstrap& bootstrap = comm->bootstrap();
   int const world = comm->world();
   int const rank = comm->rank();
@@ -580,8 +631,13 @@ int run_bench_rank(Options const& options) {
   bootstrap.broadcast(&seed, sizeof(seed), 0);
   std::string const device = device_name(backend);
   if (rank == 0)
-    std::printf("ferry bench: %d ranks, backend %s (%s), seed %llu%s\n", world, backend_name(backend), device.c_str(),
-                static_cast<unsigned long long>(seed), graph ? ", graph mode" : "");
+    std::printf("ferry bench: %d ranks, backend %s (%s), seed %llu%s%s\n", world, backend_name(backend), device.c_str(),
+                static_cast<unsigned long long>(seed), graph ? ", graph mode" : "",
+                across_nodes ? detail::concat(", topology ", topology_name(topology),
+                                              " (emulated nodes on one host: the network figures are not network "
+                                              "measurements)")
+                                   .c_str()
+                             : "");
 
   if (options.flag("floor")) print_floor(options, *comm, backend, graph);
 
@@ -819,7 +875,7 @@ int run_bench_rank(Options const& options) {
         buffer.combine(cargs, memory.stream());
         std::vector<uint16_t> got_y(static_cast<std::size_t>(tokens) * hidden);
         memory.download(got_y.data(), y, got_y.size() * 2);
-        IdentityCombine const expected = expected_identity_combine(config, world, mine, layout);
+        IdentityCombine const expected = expected_identity_combine(config, topology, rank, mine, layout);
         if (got_y != expected.y) ok = false, why += " combine y differs";
         if (expected.worst_bound_ratio > 1.0) ok = false, why += " combine error exceeds its derived bound";
         if (config.combine_format != WireFormat::bf16) {
@@ -902,6 +958,21 @@ int run_bench_rank(Options const& options) {
       };
       Record dispatch_backward_record = backward_record(combine_record, "dispatch_backward", 8, mean_combine_bytes);
       Record combine_backward_record = backward_record(dispatch_record, "combine_backward", 11, mean_dispatch_bytes);
+      if (across_nodes) {
+        // what the protocol sent (the last call of each leg: the same routing as every timed one), and the model's
+        // count from the routing: they must be equal (no rows are dropped here)
+        CallLinkBytes const sent = buffer.link_bytes(memory.stream());
+        model::Traffic const predicted = model::count_traffic(config, topology, shape.routing, tokens);
+        auto const fill = [&](Record& record, LinkBytes const& link, double model_bytes) {
+          record.network_bytes = sum_over_ranks(bootstrap, static_cast<double>(link.network_bytes)) / world;
+          record.nvlink_bytes = sum_over_ranks(bootstrap, static_cast<double>(link.nvlink_bytes)) / world;
+          record.model_network_bytes = model_bytes;
+          record.network_gbps = record.network_bytes / record.stats.median_us / 1e3;
+          record.nvlink_gbps = record.nvlink_bytes / record.stats.median_us / 1e3;
+        };
+        fill(dispatch_record, sent.dispatch, predicted.hier_dispatch.network_bytes_mean);
+        fill(combine_record, sent.combine, predicted.hier_combine.network_bytes_mean);
+      }
       std::vector<Record*> legs = {&dispatch_record, &combine_record};
       if (backward) legs.insert(legs.end(), {&dispatch_backward_record, &combine_backward_record});
       if (rank == 0) {
@@ -944,6 +1015,13 @@ int run_bench_rank(Options const& options) {
           std::printf(
               "combine %s error: max |y - exact| / derived bound = %.3f (must be <= 1), relative L2 error %.3g\n",
               combine_record.format.c_str(), combine_record.bound_ratio, combine_record.rel_l2);
+        if (across_nodes)
+          for (Record const* r : {&dispatch_record, &combine_record})
+            std::printf(
+                "%s across nodes: network %.0f B/rank (ferry model: %.0f, %s), NVLink %.0f B/rank, network %.1f GB/s "
+                "(emulated)\n",
+                r->leg.c_str(), r->network_bytes, r->model_network_bytes,
+                r->network_bytes == r->model_network_bytes ? "equal" : "DIFFERENT", r->nvlink_bytes, r->network_gbps);
         if (options.flag("explain")) std::printf("explain: %s\n", buffer.explain().c_str());
       }
       for (Record* r : legs) {
@@ -1002,7 +1080,8 @@ int bench_main(int argc, char** argv) {
   Backend const backend = choose_backend(options, false);
   check_run_options(options, backend);
   util::check_result_path(options.str("json"), "--json");  // before any rank starts: records are written last
-  int const nproc = choose_nproc(options.integer("nproc"), backend, kCpuDefaultRanks);
+  int const nproc = options.str("topology").empty() ? choose_nproc(options.integer("nproc"), backend, kCpuDefaultRanks)
+                                                    : parse_topology(options.str("topology")).world();
   FERRY_CHECK_CONFIG(nproc >= 1, "no ranks to run: --backend cuda found no GPU; use --backend cpu");
   for (RoutingKind kind : routing_kinds(options))
     for (int tokens : options.int_list("tokens"))

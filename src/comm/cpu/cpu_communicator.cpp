@@ -158,7 +158,7 @@ class CpuCommunicator final : public Communicator {
   std::string failure_;
 };
 
-CpuCommunicator::CpuCommunicator(std::unique_ptr<Bootstrap> bootstrap, CommunicatorOptions const&)
+CpuCommunicator::CpuCommunicator(std::unique_ptr<Bootstrap> bootstrap, CommunicatorOptions const& options)
     : bootstrap_(std::move(bootstrap)) {
   rank_ = bootstrap_->rank();
   world_ = bootstrap_->world();
@@ -168,7 +168,8 @@ CpuCommunicator::CpuCommunicator(std::unique_ptr<Bootstrap> bootstrap, Communica
   FERRY_CHECK_CONFIG(bootstrap_->local_world() == world_, "backend cpu needs every rank on one host: world=", world_,
                      " but local_world=", bootstrap_->local_world(), "; use backend cuda across hosts");
   timeout_s_ = env_double("FERRY_TIMEOUT_S");  // its rule (positive) is the env table's
-  topology_ = topology_of(world_, bootstrap_->local_world(), env_string("FERRY_TOPOLOGY"));
+  topology_ = topology_of(world_, bootstrap_->local_world(),
+                          options.topology.empty() ? env_string("FERRY_TOPOLOGY") : options.topology);
 
   // 1. a name prefix no other job uses: rank 0's pid plus random bits, the same on every rank
   char prefix[kNameBytes] = {};
@@ -330,14 +331,14 @@ void CpuCommunicator::record_timeout(WaitPhase phase, std::vector<int> const& mi
     error_->observed = observed;
     status.store(kErrorTimeout, std::memory_order_release);
   }
-  std::string ranks;
-  for (int r : missing) ranks += concat(ranks.empty() ? "" : ", ", r);
-  failure_ = format_error("timeout", __FILE__, __LINE__,
-                          concat("rank ", rank_, " timed out after ", timeout_s_, " s in phase '",
-                                 wait_phase_name(phase), "' waiting for rank(s) ", ranks,
-                                 " (expected signal >= ", expected, ", observed ", observed, "); rank(s) ", ranks,
-                                 " did not arrive: stuck, crashed, or skipped a collective call; this communicator "
-                                 "is now unusable: destroy it and create a new one"));
+  std::string const ranks = describe_absent(missing, topology_);
+  failure_ =
+      format_error("timeout", __FILE__, __LINE__,
+                   concat("rank ", rank_, " timed out after ", timeout_s_, " s in phase '", wait_phase_name(phase),
+                          "' waiting for ", ranks, " (expected signal >= ", expected, ", observed ", observed,
+                          "); they did not arrive: stuck, crashed, or skipped a "
+                          "collective call; this communicator is now unusable: destroy it and create a new "
+                          "one"));
   failed_ = true;
   throw TimeoutError(failure_);
 }
@@ -397,7 +398,7 @@ void CpuCommunicator::check_errors(cudaStream_t stream) {
   // 1. a recorded timeout (the cpu barrier throws at once; this catches one recorded by another host-side wait)
   if (std::atomic_ref<uint32_t>(error_->status).load(std::memory_order_acquire) == kErrorTimeout) {
     failure_ = format_error("timeout", __FILE__, __LINE__,
-                            concat(describe_device_error(*error_, timeout_s_),
+                            concat(describe_device_error(*error_, timeout_s_, topology_),
                                    "; this communicator is now unusable: destroy it and create a new one"));
     failed_ = true;
     throw TimeoutError(failure_);

@@ -1,5 +1,5 @@
-// The cuda backend of Communicator: NCCL 2.28's device API (symmetric windows, LSA pointers over NVLink), a
-// host-visible error block, and a bounded device barrier over Ferry's own signal area.
+// The cuda backend of Communicator: NCCL 2.28's device API (symmetric windows, LSA pointers over NVLink; GIN when
+// FERRY_NETWORK asks for it), a host-visible error block, and a bounded device barrier over Ferry's own signal area.
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -15,7 +15,9 @@
 #include <vector>
 
 #include "comm/comm_impl.hpp"
+#include "comm/cuda/gin_setup.hpp"
 #include "comm/device/barrier.cuh"
+#include "comm/network.hpp"
 #include "core/cuda_check.hpp"
 #include "core/launcher.hpp"
 #include "core/log.hpp"
@@ -120,6 +122,8 @@ class CudaCommunicator final : public Communicator {
 
   void check_errors(cudaStream_t stream) override;
   bool failed() const override { return failed_; }
+  bool has_gin() const { return gin_; }
+  transport::Gin gin_transport(SymmetricRegion const& region, std::size_t signals_off, uint32_t num_signals) const;
   void ensure_usable() const override {
     if (failed_) FERRY_THROW(Error, "ferry", "communicator failed earlier: ", failure_, "; create a new communicator");
   }
@@ -152,6 +156,7 @@ class CudaCommunicator final : public Communicator {
   ncclComm_t comm_ = nullptr;
   ncclDevComm dev_comm_{};
   bool dev_comm_created_ = false;
+  bool gin_ = false;             // dev_comm_ has GIN (FERRY_NETWORK)
   std::vector<Region> regions_;  // in allocation order; released in reverse
   uint64_t next_region_id_ = 0;
   SymmetricRegion refusals_{};  // [world] kRefusalBytes: each rank's reason for its last refused call
@@ -178,7 +183,8 @@ void CudaCommunicator::init(CommunicatorOptions const& options) {
   FERRY_CHECK_CONFIG(world >= 1 && world <= kMaxLocalPeers, "the cuda backend supports 1..", kMaxLocalPeers,
                      " ranks in one NVLink domain, got world=", world);
   timeout_s_ = env_double("FERRY_TIMEOUT_S");  // its rule (positive) is the env table's
-  topology_ = topology_of(world, bootstrap_->local_world(), env_string("FERRY_TOPOLOGY"));
+  topology_ = topology_of(world, bootstrap_->local_world(),
+                          options.topology.empty() ? env_string("FERRY_TOPOLOGY") : options.topology);
 
   // 2. the GPU of this rank
   int num_devices = 0;
@@ -208,23 +214,38 @@ void CudaCommunicator::init(CommunicatorOptions const& options) {
   bootstrap_->broadcast(&id, sizeof(id), 0);
   FERRY_CHECK_NCCL(ncclCommInitRank(&comm_, world, id, rank));
 
-  // 5. the NVLink team (the ranks this one reaches by load/store) and the topology; every rank must be in it, as
-  // the network transport (gin) is not built in this version
+  // 5. the NVLink team (the ranks this one reaches by load/store), and whether the peers outside it (if any) are
+  // to be reached over GIN
   ncclTeam_t const lsa = ncclTeamLsa(comm_);
   lsa_size_ = lsa.nRanks;
   lsa_first_ = rank - lsa.rank;
-  FERRY_CHECK_CONFIG(lsa.nRanks == world, "only ", lsa.nRanks, " of ", world,
+  Network const network = network_of(env_string("FERRY_NETWORK"));
+  gin_ = wants_gin(network, world, lsa.nRanks);
+  FERRY_CHECK_CONFIG(gin_ || lsa.nRanks == world, "only ", lsa.nRanks, " of ", world,
                      " ranks share load/store access (NVLink) with rank ", rank, " (topology ",
-                     topology_name(topology_),
-                     "); ranks on several nodes need the network transport, which this "
-                     "version does not have: run all ranks on one NVLink-connected host");
+                     topology_name(topology_), ") and FERRY_NETWORK=", network_name(network),
+                     " leaves out the network (GIN); run all ranks on one NVLink-connected host");
 
-  // 6. the device communicator. NOTE: never lsaMultimem: NVLink multicast can take the host's GPUs out of service.
+  // 6. the device communicator, with GIN's contexts and signals when asked for (a ConfigError saying what is missing
+  // where GIN is not there). NOTE: never lsaMultimem: NVLink multicast can take the host's GPUs out of service.
   ncclDevCommRequirements requirements;
   std::memset(&requirements, 0, sizeof(requirements));  // 2.28 has no initializer macro; zero means "none"
   requirements.lsaBarrierCount = 1;
-  FERRY_CHECK_NCCL(ncclDevCommCreate(comm_, &requirements, &dev_comm_));
+  if (gin_) {
+    add_gin_requirements(comm_, requirements);
+    create_gin_dev_comm(comm_, requirements, &dev_comm_);
+  } else {
+    FERRY_CHECK_NCCL(ncclDevCommCreate(comm_, &requirements, &dev_comm_));
+  }
   dev_comm_created_ = true;
+  // NOTE: what follows (LSA pointers of every rank, the barrier, the EP protocols) needs every rank in the NVLink
+  // team; the protocols over GIN are not built yet
+  FERRY_CHECK_CONFIG(lsa.nRanks == world, "GIN is up (", static_cast<int>(dev_comm_.ginContextCount),
+                     " contexts), but only ", lsa.nRanks, " of ", world,
+                     " ranks share load/store access (NVLink) with rank ", rank, " (topology ",
+                     topology_name(topology_),
+                     ") and Ferry's protocols across nodes are not built yet: run all ranks on one NVLink-connected "
+                     "host");
 
   // 7. allocation granularity of symmetric memory (ncclMemAlloc uses cuMem with the recommended granularity)
   CUmemAllocationProp prop{};
@@ -257,6 +278,18 @@ void CudaCommunicator::init(CommunicatorOptions const& options) {
   view_.barrier_epoch = barrier_epoch_;
   refusals_ = alloc_region(kRefusalBytes);
   initialized_ = true;
+}
+
+transport::Gin CudaCommunicator::gin_transport(SymmetricRegion const& region, std::size_t signals_off,
+                                               uint32_t num_signals) const {
+  FERRY_CHECK_CONFIG(gin_,
+                     "this cuda communicator has no GIN: create it with FERRY_NETWORK=gin, or across nodes with "
+                     "FERRY_NETWORK=auto");
+  for (Region const& r : regions_)
+    if (r.ptr == region.local && r.ptr != nullptr && !r.released)
+      return make_gin(dev_comm_, r.window, static_cast<char*>(r.ptr), signals_off, num_signals);
+  FERRY_THROW(ConfigError, "config", "gin_transport: the region at ", region.local,
+              " is not a live symmetric region of this communicator");
 }
 
 void CudaCommunicator::release_symmetric(SymmetricRegion const& region) noexcept {
@@ -419,7 +452,7 @@ void CudaCommunicator::check_errors(cudaStream_t stream) {
     DeviceErrorBlock block;
     std::memcpy(&block, const_cast<DeviceErrorBlock const*>(error_host_), sizeof(block));
     failure_ = format_error(status == kErrorTimeout ? "timeout" : "ferry", __FILE__, __LINE__,
-                            concat(describe_device_error(block, timeout_s_),
+                            concat(describe_device_error(block, timeout_s_, topology_),
                                    "; this communicator is now unusable: destroy it and create a new one"));
     failed_ = true;
     if (status == kErrorTimeout) throw TimeoutError(failure_);
@@ -519,6 +552,19 @@ std::unique_ptr<Communicator> make_cuda_communicator(std::unique_ptr<Bootstrap> 
   auto comm = std::make_unique<CudaCommunicator>(std::move(bootstrap));
   comm->init(options);
   return comm;
+}
+
+bool has_gin(Communicator const& comm) {
+  auto const* cuda = dynamic_cast<CudaCommunicator const*>(&comm);
+  return cuda != nullptr && cuda->has_gin();
+}
+
+transport::Gin gin_transport(Communicator const& comm, SymmetricRegion const& region, std::size_t signals_off,
+                             uint32_t num_signals) {
+  auto const* cuda = dynamic_cast<CudaCommunicator const*>(&comm);
+  FERRY_CHECK_CONFIG(cuda != nullptr, "gin_transport: GIN is a cuda communicator's; this one is ",
+                     backend_name(comm.backend()));
+  return cuda->gin_transport(region, signals_off, num_signals);
 }
 
 int cuda_visible_devices() {

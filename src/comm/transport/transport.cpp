@@ -8,6 +8,8 @@ char const* kind_name(Kind kind) {
       return "lsa";
     case Kind::emulated:
       return "emulated";
+    case Kind::gin:
+      return "gin";
   }
   return "unknown";
 }

@@ -1,12 +1,16 @@
 // The transport seam: how a kernel reaches its peers. Host and device includable, no CUDA header.
 //
-// A transport is a small POD (Lsa, Emulated; Gin with the inter-node work) that a kernel receives in its Params. A
-// kernel opens an endpoint on it for a group of threads (`net.open(group, id)`) and moves data with the endpoint's
-// calls; no virtual call, no host involvement. Every implementation keeps this contract, and a protocol written
-// against it runs over any of them:
+// A transport is a small POD (Lsa, Emulated, Gin) that a kernel receives in its Params. A kernel opens an endpoint
+// on it for a group of threads (`net.open(group, id)`) and moves data with the endpoint's calls; no virtual call, no
+// host involvement. Every implementation keeps this contract, and a protocol written against it runs over any of
+// them:
 //
 //   Windows. Every rank has one symmetric window of the same size (the communicator's SymmetricRegion). Offsets are
-//   byte offsets into it, the same on every rank. A signal is a 64-bit counter at a window offset (8-byte aligned).
+//   byte offsets into it, the same on every rank. A signal is a 64-bit counter named by a window offset (8-byte
+//   aligned), read only through wait: over lsa and emulated it is the window's word at that offset; over gin it is
+//   a GIN signal that the offset names (the Gin maps the offsets of its signal range, 8 bytes apart, onto signal
+//   indices; the window's words there are left unused), because NCCL keeps GIN signals outside the windows.
+//   Portable protocols keep their counters in one range of the window and never load or store them directly.
 //
 //   put(peer, dst_off, src_off, bytes)   copies `bytes` (a multiple of 16, both offsets 16-byte aligned) from this
 //       rank's window at src_off to `peer`'s window at dst_off. The source must be in the window (registered
@@ -42,6 +46,7 @@ namespace ferry::transport {
 enum class Kind : int32_t {
   lsa = 0,       // NVLink load/store through LSA pointers (one NVLink domain)
   emulated = 1,  // the network's semantics between ranks that share memory, with seeded delays and reordering
+  gin = 2,       // NCCL's GPU-initiated networking (nccl_device/gin.h): RDMA between nodes (docs/gin.md)
 };
 
 char const* kind_name(Kind kind);

@@ -5,6 +5,14 @@
 // each source pulls and sums its tokens' rows over the destinations in ascending order, barrier. The per-row
 // arithmetic is ref::reduce_row / accumulate_row / round_row, so results are bit-identical with ref::.
 //
+// Across nodes (a topology of N nodes x M ranks, normal mode: docs/internode.md) the protocol is hierarchical, as the
+// cuda one: a source's row for another node goes once to that node's rail (the rank with the source's local index),
+// into the rail's forward area, and the rail places it in the final rows of its node's ranks (it computes the
+// offsets from the count matrix, as a source does). Combine: a receiver leaves the bf16 row of a source on another
+// node for the rail, which sums its node's rows of the token (ranks ascending, fp32), rounds, and leaves one wire row
+// per (token, node) in its network area; the source sums nodes ascending (ref::, "Across nodes"). Every step between
+// two barriers; the bytes each rank sends are counted by link (EpBuffer::link_bytes).
+//
 // Low-latency mode has the same semantics (docs/design.md, "Semantics") with its own output contract: every dispatch
 // fills the expert-major layout, recv_x is not returned, and each leg splits into a send half (dispatch: steps 1-5, the
 // rows have landed on every rank; combine: step 1, the rows to send back are published) and a receive half (dispatch:
@@ -81,6 +89,8 @@ struct CallHeader {
 
 // What a handle keeps on the cpu backend: this rank's view of the dispatch (host memory).
 struct CpuHandle final : HandleStorage {
+  std::vector<int32_t> fwd_rows;  // across nodes: the rail's forwarded entries' rows (CpuEp::fwd_rows_)
+  std::vector<int64_t> fwd_num;
   std::vector<int64_t> ids;  // [num_tokens * topk]
   std::vector<float> weights;
   std::vector<uint32_t> dest_mask;
@@ -107,6 +117,7 @@ class CpuEp final : public EpBackendImpl {
   DispatchResult dispatch(DispatchArgs const& args, cudaStream_t stream) override;
   void combine(CombineArgs const& args, cudaStream_t stream) override;
   std::string explain() const override;
+  CallLinkBytes link_bytes(cudaStream_t stream) const override;
   DispatchResult complete_dispatch(cudaStream_t stream) override;
   void complete_combine(cudaStream_t stream) override;
   void refuse_dispatch(cudaStream_t stream) override;
@@ -131,6 +142,22 @@ class CpuEp final : public EpBackendImpl {
   // and marks the buffer out of step for good, when a rank is in another call.
   void join_call(CallKind kind, bool refused);
   void release_regions() noexcept;
+  // across nodes: the rail places the rows forwarded to it (dispatch) and reduces its node's rows of them (combine)
+  void forward_rows();
+  void reduce_forwarded(WireFormat format);
+  bool on_my_node(int peer) const { return topology_.same_node(peer, rank_); }
+  // what explain() says of the hierarchy ("" on one node)
+  std::string hierarchy() const {
+    if (topology_.nodes == 1) return std::string();
+    return hierarchical_ ? concat("hierarchical ", topology_name(topology_),
+                                  ": rows for another node once per node through its rail, ")
+                         : concat("direct ", topology_name(topology_), ": one put per (token, remote rank), ");
+  }
+  // the destination-mask bits of node n's ranks
+  uint32_t node_bits(int n) const {
+    uint64_t const ones = (uint64_t{1} << topology_.local) - 1;
+    return static_cast<uint32_t>(ones << (n * topology_.local));
+  }
   void report_drops(int64_t dropped, bool eager);
   DispatchResult receive_dispatch();  // the receive half: expert-major layout, results, drop report
   void receive_combine();             // the receive half: sum into y
@@ -148,6 +175,11 @@ class CpuEp final : public EpBackendImpl {
   WireRowLayout dispatch_wire_;  // a dispatch wire row (bf16: the row itself)
   WireRowLayout combine_wire_;   // a combine wire row
   std::size_t out_row_bytes_;    // a delivered row: bf16, or the quantized payload
+  Topology topology_;
+  bool hierarchical_;  // normal mode over several nodes
+  int max_tokens_;
+  std::size_t fwd_meta_bytes_;  // a forwarded entry's metadata: topk global ids (int32), topk weights, the token
+  std::size_t combine_stride_;  // a row of combine_rows_: its wire row, or (across nodes) the bf16 row for the rail
 
   // symmetric memory (every rank's copy reachable from here)
   SymmetricRegion counts_;        // [world x world] int64: entry (s, d) = rows rank s sends to rank d
@@ -159,6 +191,14 @@ class CpuEp final : public EpBackendImpl {
   SymmetricRegion headers_;       // [2 parities] CallHeader of this rank (peers read it from their mapping)
   SymmetricRegion grad_w_;        // [max_tokens x topk] float: combine_backward's weight gradients of this rank's
                                   // tokens, written by the ranks that hold the experts
+  // across nodes: this rank as a rail, for the source of local index local(rank) on each node m
+  SymmetricRegion fwd_x_;          // [nodes x max_tokens x dispatch wire row] rows forwarded to this rank
+  SymmetricRegion fwd_meta_;       // [nodes x max_tokens x fwd_meta_bytes_]
+  SymmetricRegion fwd_count_;      // [nodes] int64 entries forwarded from node m
+  SymmetricRegion net_rows_;       // [nodes x max_tokens x combine wire row] one reduced row per forwarded entry
+  std::vector<int32_t> fwd_rows_;  // [nodes x max_tokens x local] row of entry (m, j) on local rank l, -1: none
+  std::vector<int64_t> fwd_num_;   // [nodes] entries forwarded from node m in the last dispatch
+  CallLinkBytes link_bytes_;
   uint64_t step_ = 0;
   uint64_t calls_[3] = {};   // by CallKind
   std::string out_of_step_;  // set once a rank was found in another call: every later call throws it
@@ -217,6 +257,12 @@ CpuEp::CpuEp(Communicator& comm, EpConfig const& config)
       dispatch_wire_(wire_row_layout(config.dispatch_format, config.hidden)),
       combine_wire_(wire_row_layout(config.combine_format, config.hidden)),
       out_row_bytes_(config.recv_row_bytes()),
+      topology_(comm.topology()),
+      hierarchical_(comm.topology().nodes > 1 && config.route() == InternodeRoute::forward),
+      max_tokens_(config.max_tokens_per_rank),
+      fwd_meta_bytes_(at(config.topk, 8) + 8),
+      combine_stride_(comm.topology().nodes > 1 ? std::max(combine_wire_.row_bytes, row_bytes_)
+                                                : combine_wire_.row_bytes),
       low_latency_(config.mode == Mode::low_latency) {
   // Collective: every rank allocates the same regions in the same order.
   try {
@@ -225,9 +271,16 @@ CpuEp::CpuEp(Communicator& comm, EpConfig const& config)
     recv_idx_ = comm_.alloc_symmetric(at(capacity_, topk_) * sizeof(int32_t));
     recv_weights_ = comm_.alloc_symmetric(at(capacity_, topk_) * sizeof(float));
     recv_src_ = comm_.alloc_symmetric(at(capacity_, 2) * sizeof(int32_t));
-    combine_rows_ = comm_.alloc_symmetric(at(capacity_, 1) * combine_wire_.row_bytes);
+    combine_rows_ = comm_.alloc_symmetric(at(capacity_, 1) * combine_stride_);
     headers_ = comm_.alloc_symmetric(2 * sizeof(CallHeader));  // zeroed: step 0 is "no call yet"
     if (!low_latency_) grad_w_ = comm_.alloc_symmetric(at(config.max_tokens_per_rank, topk_) * sizeof(float));
+    if (hierarchical_) {
+      std::size_t const entries = at(topology_.nodes, max_tokens_);
+      fwd_x_ = comm_.alloc_symmetric(entries * dispatch_wire_.row_bytes);
+      fwd_meta_ = comm_.alloc_symmetric(entries * fwd_meta_bytes_);
+      fwd_count_ = comm_.alloc_symmetric(at(topology_.nodes, sizeof(int64_t)));
+      net_rows_ = comm_.alloc_symmetric(entries * combine_wire_.row_bytes);
+    }
   } catch (...) {
     release_regions();  // the destructor does not run for a constructor that throws
     throw;
@@ -254,6 +307,10 @@ CpuEp::CpuEp(Communicator& comm, EpConfig const& config)
   layout_.expert_src_row.assign(at(static_cast<int64_t>(num_local_) * slots_, 1), 0);
   scratch_.resize(static_cast<std::size_t>(hidden_));
   dest_offset_.assign(static_cast<std::size_t>(world_), 0);
+  if (hierarchical_) {
+    fwd_rows_.assign(at(static_cast<int64_t>(topology_.nodes) * max_tokens_, topology_.local), -1);
+    fwd_num_.assign(static_cast<std::size_t>(topology_.nodes), 0);
+  }
 }
 
 CpuEp::~CpuEp() {
@@ -261,8 +318,8 @@ CpuEp::~CpuEp() {
 }
 
 void CpuEp::release_regions() noexcept {
-  for (SymmetricRegion* region :
-       {&counts_, &recv_x_, &recv_idx_, &recv_weights_, &recv_src_, &combine_rows_, &headers_, &grad_w_})
+  for (SymmetricRegion* region : {&counts_, &recv_x_, &recv_idx_, &recv_weights_, &recv_src_, &combine_rows_, &headers_,
+                                  &grad_w_, &fwd_x_, &fwd_meta_, &fwd_count_, &net_rows_})
     if (region->local != nullptr) comm_.release_symmetric(*region);
 }
 
@@ -389,13 +446,43 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
                        dispatch_wire_.has_token_scale ? args.x_token_scales + t : nullptr, wire);
     return wire;
   };
+  // Across nodes, a row for another node goes to that node's rail instead (entry j of this node in its forward
+  // area, the token's j-th row for that node), and the rail places it (forward_rows).
+  link_bytes_.dispatch = {};
+  std::size_t const meta_bytes = fwd_meta_bytes_;
+  uint64_t const row_link_bytes = dispatch_wire_.row_bytes + meta_bytes;
+  int const my_node = topology_.node_of(rank_);
+  std::vector<int64_t> fwd_next(static_cast<std::size_t>(topology_.nodes), 0);
   std::vector<int64_t> next = dest_offset_;
   for (int t = 0; t < num_tokens; ++t) {
-    uint8_t const* wire = dest_mask_[static_cast<std::size_t>(t)] != 0 ? wire_row(t) : nullptr;
+    uint32_t const mask = dest_mask_[static_cast<std::size_t>(t)];
+    uint8_t const* wire = mask != 0 ? wire_row(t) : nullptr;
+    for (int n = 0; n < topology_.nodes && hierarchical_; ++n) {
+      if (n == my_node || (mask & node_bits(n)) == 0) continue;
+      int const rail = n * topology_.local + topology_.local_of(rank_);
+      std::size_t const entry =
+          at(my_node, max_tokens_) + static_cast<std::size_t>(fwd_next[static_cast<std::size_t>(n)]++);
+      std::memcpy(fwd_x_.view.ptr[rail] + entry * dispatch_wire_.row_bytes, wire, dispatch_wire_.row_bytes);
+      char* const meta = fwd_meta_.view.ptr[rail] + entry * meta_bytes;
+      auto* const ids_out = reinterpret_cast<int32_t*>(meta);
+      auto* const weights_out = reinterpret_cast<float*>(meta + at(topk_, 4));
+      for (int k = 0; k < topk_; ++k) {
+        ids_out[k] = static_cast<int32_t>(ids[at(t, topk_) + k]);
+        weights_out[k] = args.topk_weights[at(t, topk_) + k];
+      }
+      *reinterpret_cast<int32_t*>(meta + at(topk_, 8)) = t;
+      link_bytes_.dispatch.network_bytes += row_link_bytes;
+      link_bytes_.dispatch.network_messages += 1;
+    }
     for (int d = 0; d < world_; ++d) {
-      if (!(dest_mask_[static_cast<std::size_t>(t)] >> d & 1U)) continue;
+      if (!(mask >> d & 1U) || (hierarchical_ && !on_my_node(d))) continue;
       int64_t const row = next[static_cast<std::size_t>(d)]++;
       if (row >= capacity_) continue;
+      if (d != rank_ && on_my_node(d)) link_bytes_.dispatch.nvlink_bytes += row_link_bytes;
+      if (!on_my_node(d)) {  // direct route: one put per (token, remote rank)
+        link_bytes_.dispatch.network_bytes += row_link_bytes;
+        link_bytes_.dispatch.network_messages += 1;
+      }
       std::memcpy(recv_x_.view.ptr[d] + at(row, 1) * dispatch_wire_.row_bytes, wire, dispatch_wire_.row_bytes);
       auto* const idx = reinterpret_cast<int32_t*>(recv_idx_.view.ptr[d]) + at(row, topk_);
       auto* const weights = reinterpret_cast<float*>(recv_weights_.view.ptr[d]) + at(row, topk_);
@@ -411,16 +498,27 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
       src[1] = t;
     }
   }
+  if (hierarchical_) {
+    for (int n = 0; n < topology_.nodes; ++n) {
+      if (n == my_node) continue;
+      int const rail = n * topology_.local + topology_.local_of(rank_);
+      reinterpret_cast<int64_t*>(fwd_count_.view.ptr[rail])[my_node] = fwd_next[static_cast<std::size_t>(n)];
+    }
+    comm_.barrier(nullptr);  // every forwarded row is in its rail's forward area
+    forward_rows();
+  }
   comm_.barrier(nullptr);  // every row has landed
   num_recv_ = num_recv;
   // NOTE: low-latency mode always fills the expert-major layout (its output contract).
   pending_expand_ = args.expand || low_latency_;
   pending_eager_ = args.eager;
   pending_total_recv_ = total_recv;
-  last_dispatch_ = low_latency_ ? concat("dispatch: cpu reference, ll (host push through shared memory + expert-major",
-                                         args.return_recv_hook ? ", split: receive half in complete_dispatch" : "", ")")
-                                : concat("dispatch: cpu reference (host push through shared memory, rank-major",
-                                         args.expand ? " + expand" : "", ")");
+  last_dispatch_ =
+      low_latency_
+          ? concat("dispatch: cpu reference, ll (", hierarchy(), "host push through shared memory + expert-major",
+                   args.return_recv_hook ? ", split: receive half in complete_dispatch" : "", ")")
+          : concat("dispatch: cpu reference (", hierarchy(), "host push through shared memory, rank-major",
+                   args.expand ? " + expand" : "", ")");
   if (args.return_recv_hook) {
     // the send half is done: this rank's rows are on every destination. Views are valid after complete_dispatch.
     DispatchResult pending;
@@ -531,6 +629,96 @@ DispatchResult CpuEp::receive_dispatch() {
   return result;
 }
 
+void CpuEp::forward_rows() {
+  // This rank is the rail of node my_node for the source of its local index on every other node m. That source's
+  // rows on local rank l follow the rows of every lower source there (the count matrix), in token order, as a source
+  // places its own rows: so the rows land exactly where a direct push would put them.
+  auto const* matrix = reinterpret_cast<int64_t const*>(counts_.local);
+  auto const* counts = reinterpret_cast<int64_t const*>(fwd_count_.local);
+  int const my_node = topology_.node_of(rank_);
+  int const local = topology_.local;
+  uint64_t const row_link_bytes = dispatch_wire_.row_bytes + fwd_meta_bytes_;
+  std::vector<int64_t> next(static_cast<std::size_t>(local));
+  for (int m = 0; m < topology_.nodes; ++m) {
+    if (m == my_node) continue;
+    int const source = m * local + topology_.local_of(rank_);
+    int64_t const num = counts[m];
+    fwd_num_[static_cast<std::size_t>(m)] = num;
+    for (int l = 0; l < local; ++l) {
+      int64_t offset = 0;
+      for (int s = 0; s < source; ++s) offset += matrix[at(s, world_) + my_node * local + l];
+      next[static_cast<std::size_t>(l)] = offset;
+    }
+    for (int64_t j = 0; j < num; ++j) {
+      std::size_t const entry = at(m, max_tokens_) + static_cast<std::size_t>(j);
+      uint8_t const* wire = reinterpret_cast<uint8_t const*>(fwd_x_.local) + entry * dispatch_wire_.row_bytes;
+      char const* const meta = static_cast<char const*>(fwd_meta_.local) + entry * fwd_meta_bytes_;
+      auto const* ids = reinterpret_cast<int32_t const*>(meta);
+      auto const* weights = reinterpret_cast<float const*>(meta + at(topk_, 4));
+      int32_t const token = *reinterpret_cast<int32_t const*>(meta + at(topk_, 8));
+      for (int l = 0; l < local; ++l) {
+        int const d = my_node * local + l;
+        int64_t const lo = static_cast<int64_t>(d) * num_local_;
+        bool hit = false;
+        for (int k = 0; k < topk_; ++k) hit = hit || (ids[k] >= lo && ids[k] < lo + num_local_);
+        int32_t placed = -1;
+        if (hit) {
+          int64_t const row = next[static_cast<std::size_t>(l)]++;
+          if (row < capacity_) {
+            placed = static_cast<int32_t>(row);
+            std::memcpy(recv_x_.view.ptr[d] + at(row, 1) * dispatch_wire_.row_bytes, wire, dispatch_wire_.row_bytes);
+            auto* const idx = reinterpret_cast<int32_t*>(recv_idx_.view.ptr[d]) + at(row, topk_);
+            auto* const w = reinterpret_cast<float*>(recv_weights_.view.ptr[d]) + at(row, topk_);
+            for (int k = 0; k < topk_; ++k) {
+              bool const mine = ids[k] >= lo && ids[k] < lo + num_local_;
+              idx[k] = mine ? static_cast<int32_t>(ids[k] - lo) : -1;
+              w[k] = mine ? weights[k] : 0.0f;
+            }
+            auto* const src = reinterpret_cast<int32_t*>(recv_src_.view.ptr[d]) + at(row, 2);
+            src[0] = source;
+            src[1] = token;
+            if (d != rank_) link_bytes_.dispatch.nvlink_bytes += row_link_bytes;
+          }
+        }
+        fwd_rows_[entry * static_cast<std::size_t>(local) + static_cast<std::size_t>(l)] = placed;
+      }
+    }
+  }
+}
+
+void CpuEp::reduce_forwarded(WireFormat format) {
+  // One row per forwarded entry: its node's rows summed in fp32, local ranks ascending, rounded, in combine_format.
+  int const my_node = topology_.node_of(rank_);
+  int const local = topology_.local;
+  std::size_t const wire_bytes = combine_wire_.row_bytes;
+  for (int m = 0; m < topology_.nodes; ++m) {
+    if (m == my_node) continue;
+    for (int64_t j = 0; j < fwd_num_[static_cast<std::size_t>(m)]; ++j) {
+      std::size_t const entry = at(m, max_tokens_) + static_cast<std::size_t>(j);
+      std::fill(scratch_.begin(), scratch_.end(), 0.0f);
+      bool reached = false;
+      for (int l = 0; l < local; ++l) {
+        int32_t const row = fwd_rows_[entry * static_cast<std::size_t>(local) + static_cast<std::size_t>(l)];
+        if (row < 0) continue;
+        int const d = my_node * local + l;
+        ref::accumulate_row(hidden_,
+                            reinterpret_cast<uint16_t const*>(combine_rows_.view.ptr[d] + at(row, 1) * combine_stride_),
+                            scratch_.data());
+        reached = true;
+      }
+      if (!reached) continue;  // every row of the token on this node was dropped: the source adds nothing
+      ref::round_row(hidden_, scratch_.data(), row_scratch_.data());
+      uint8_t* const out = reinterpret_cast<uint8_t*>(net_rows_.local) + entry * wire_bytes;
+      if (format == WireFormat::bf16)
+        std::memcpy(out, row_scratch_.data(), row_bytes_);
+      else
+        quant::quantize_row(format, row_scratch_.data(), hidden_, out);
+      link_bytes_.combine.network_bytes += wire_bytes;
+      link_bytes_.combine.network_messages += 1;
+    }
+  }
+}
+
 void CpuEp::combine(CombineArgs const& args, cudaStream_t) {
   run_combine(args, false, false);
 }
@@ -552,6 +740,8 @@ void CpuEp::run_combine(CombineArgs const& args, bool unit_weights, bool y_fp32)
   auto const* idx = reinterpret_cast<int32_t const*>(recv_idx_.local);
   std::vector<float> const ones(unit_weights ? static_cast<std::size_t>(topk_) : 0, 1.0f);
   auto const* weights = reinterpret_cast<float const*>(recv_weights_.local);
+  auto const* recv_src = reinterpret_cast<int32_t const*>(recv_src_.local);
+  link_bytes_.combine = {};
   for (int i = 0; i < num_recv_; ++i) {
     // the bf16 row this received row sends back, then its wire row (bf16: the row itself)
     uint16_t const* row = nullptr;
@@ -563,20 +753,37 @@ void CpuEp::run_combine(CombineArgs const& args, bool unit_weights, bool y_fp32)
     } else {
       row = expert_out + at(i, hidden_);
     }
-    uint8_t* wire = out + at(i, 1) * wire_bytes;
+    uint8_t* wire = out + at(i, 1) * combine_stride_;
+    int const source = recv_src[at(i, 2)];
+    if (hierarchical_ && !on_my_node(source)) {
+      // for the rail of this node (local index of the source): the bf16 row, which it sums with its node's
+      std::memcpy(wire, row, row_bytes_);
+      if (topology_.node_of(rank_) * topology_.local + topology_.local_of(source) != rank_)
+        link_bytes_.combine.nvlink_bytes += row_bytes_;
+      continue;
+    }
     if (format == WireFormat::bf16)
       std::memcpy(wire, row, row_bytes_);
     else
       quant::quantize_row(format, row, hidden_, wire);
+    if (source != rank_ && on_my_node(source)) link_bytes_.combine.nvlink_bytes += wire_bytes;
+    if (!on_my_node(source)) {  // direct route
+      link_bytes_.combine.network_bytes += wire_bytes;
+      link_bytes_.combine.network_messages += 1;
+    }
   }
   // every rank's rows are ready, and every rank in this call: else nothing is summed
   join_call(CallKind::combine, false);
+  if (hierarchical_) {
+    reduce_forwarded(format);
+    comm_.barrier(nullptr);  // every rail's rows are ready
+  }
   pending_y_ = args.y;
   pending_y_fp32_ = y_fp32;
   pending_eager_ = args.eager;
   last_combine_ =
       concat(unit_weights ? "dispatch_backward (combine of gradients): cpu reference" : "combine: cpu reference",
-             low_latency_ ? ", ll" : "", " (host pull-reduce through shared memory, ",
+             low_latency_ ? ", ll" : "", " (", hierarchy(), "host pull-reduce through shared memory, ",
              expert_major ? "expert_major" : "rank_major",
              args.return_recv_hook ? ", split: sum in complete_combine" : "", ")");
   if (!args.return_recv_hook) receive_combine();
@@ -595,20 +802,40 @@ void CpuEp::receive_combine() {
   auto* const y_fp32 = static_cast<float*>(pending_y_);
   WireFormat const format = config_.combine_format;
   std::vector<float> values(static_cast<std::size_t>(hidden_));
+  auto const add = [&](uint8_t const* sent) {
+    if (format == WireFormat::bf16) {
+      ref::accumulate_row(hidden_, reinterpret_cast<uint16_t const*>(sent), scratch_.data());
+      return;
+    }
+    quant::dequantize_row(format, sent, hidden_, values.data());
+    for (int h = 0; h < hidden_; ++h) scratch_[static_cast<std::size_t>(h)] += values[static_cast<std::size_t>(h)];
+  };
+  // nodes ascending; the own node's ranks one by one, every other node's one row from its rail (ref::, "Across
+  // nodes"); one node: the ranks ascending
+  int const my_node = topology_.node_of(rank_);
+  int const local = topology_.local;
   std::vector<int64_t> next = dest_offset_;
+  std::vector<int64_t> fwd_next(static_cast<std::size_t>(topology_.nodes), 0);
   for (int t = 0; t < num_tokens_; ++t) {
     std::fill(scratch_.begin(), scratch_.end(), 0.0f);
-    for (int d = 0; d < world_; ++d) {
-      if (!(dest_mask_[static_cast<std::size_t>(t)] >> d & 1U)) continue;
-      int64_t const row = next[static_cast<std::size_t>(d)]++;
-      if (row >= capacity_) continue;
-      auto const* sent =
-          reinterpret_cast<uint8_t const*>(combine_rows_.view.ptr[d]) + at(row, 1) * combine_wire_.row_bytes;
-      if (format == WireFormat::bf16) {
-        ref::accumulate_row(hidden_, reinterpret_cast<uint16_t const*>(sent), scratch_.data());
-      } else {
-        quant::dequantize_row(format, sent, hidden_, values.data());
-        for (int h = 0; h < hidden_; ++h) scratch_[static_cast<std::size_t>(h)] += values[static_cast<std::size_t>(h)];
+    uint32_t const mask = dest_mask_[static_cast<std::size_t>(t)];
+    for (int n = 0; n < topology_.nodes; ++n) {
+      if (hierarchical_ && n != my_node && (mask & node_bits(n)) != 0) {
+        int64_t const j = fwd_next[static_cast<std::size_t>(n)]++;
+        bool reached = false;
+        for (int d = n * local; d < (n + 1) * local; ++d)
+          if (mask >> d & 1U) reached = next[static_cast<std::size_t>(d)]++ < capacity_ || reached;
+        if (!reached) continue;
+        int const rail = n * local + topology_.local_of(rank_);
+        add(reinterpret_cast<uint8_t const*>(net_rows_.view.ptr[rail]) +
+            (at(my_node, max_tokens_) + static_cast<std::size_t>(j)) * combine_wire_.row_bytes);
+        continue;
+      }
+      for (int d = n * local; d < (n + 1) * local; ++d) {
+        if (!(mask >> d & 1U)) continue;
+        int64_t const row = next[static_cast<std::size_t>(d)]++;
+        if (row >= capacity_) continue;
+        add(reinterpret_cast<uint8_t const*>(combine_rows_.view.ptr[d]) + at(row, 1) * combine_stride_);
       }
     }
     if (pending_y_fp32_)
@@ -640,6 +867,8 @@ void CpuEp::save_handle(HandleState& handle, DispatchArgs const& args, cudaStrea
   h.recv_src.assign(src, src + at(num_recv_, 2));
   h.recv_slot.assign(layout_.recv_slot.begin(), layout_.recv_slot.begin() + static_cast<std::ptrdiff_t>(entries));
   h.expert_counts = layout_.expert_counts;
+  h.fwd_rows = fwd_rows_;
+  h.fwd_num = fwd_num_;
 }
 
 DispatchArgs CpuEp::cached_args(HandleState const& handle, DispatchArgs args) const {
@@ -661,6 +890,8 @@ void CpuEp::restore_handle(HandleState const& handle, cudaStream_t) {
   std::copy(h.recv_src.begin(), h.recv_src.end(), static_cast<int32_t*>(recv_src_.local));
   std::copy(h.recv_slot.begin(), h.recv_slot.end(), layout_.recv_slot.begin());
   std::copy(h.expert_counts.begin(), h.expert_counts.end(), layout_.expert_counts.begin());
+  fwd_rows_ = h.fwd_rows;
+  fwd_num_ = h.fwd_num;
 }
 
 void CpuEp::combine_backward_weights(HandleState const&, void const* x, float* grad_w, bool eager, cudaStream_t) {
@@ -704,6 +935,10 @@ void CpuEp::exchange_grad_weights(void const* x, float* grad_w, bool refused, bo
   last_dispatch_ = "combine_backward (cached dispatch of grad_y + weight step): cpu reference";
   comm_.barrier(nullptr);  // every rank has read its area: the next call may zero it
   if (eager) comm_.check_errors(nullptr);
+}
+
+CallLinkBytes CpuEp::link_bytes(cudaStream_t) const {
+  return link_bytes_;
 }
 
 std::string CpuEp::explain() const {

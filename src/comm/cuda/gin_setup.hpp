@@ -1,0 +1,48 @@
+// The cuda communicator's GIN: what the device communicator must be created with for the gin transport, the checks
+// that GIN is there (each failure a ConfigError with gin_missing_message: what is missing and how to get it), and the
+// Gin a kernel receives. For .cu files (NCCL's device API); docs/gin.md says what each call relies on.
+#pragma once
+
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "comm/transport/gin.cuh"
+#include "ferry/communicator.hpp"
+
+namespace ferry::detail {
+
+// GIN signals of the device communicator (ids [0, kGinSignals)), shared by every Gin made from it. NCCL's pool holds
+// 64 Ki by default (NCCL_GIN_SIGNAL_POOL_SIZE); 4096 = 32 nodes x 8 local ranks x 16 counters each.
+inline constexpr int kGinSignals = 4096;
+// GIN contexts asked for: a hint, NCCL decides (ginContextCount of the device communicator).
+inline constexpr int kGinContexts = 4;
+
+// Before ncclDevCommCreate: the loaded NCCL must have GIN (2.28.7 or newer) and, where NCCL can say so before the
+// device communicator exists (2.29.7 and newer: ncclCommQueryProperties), a GIN backend; then adds GIN's needs
+// (connection to every rank, kGinContexts, kGinSignals) to `requirements` (initialized by the caller: zeroed on 2.28,
+// NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER from 2.29). Throws ConfigError when GIN is missing.
+void add_gin_requirements(ncclComm_t comm, ncclDevCommRequirements& requirements);
+
+// ncclDevCommCreate with requirements that add_gin_requirements filled: NCCL connects GIN here, so a failure (or a
+// device communicator without GIN contexts) means GIN is missing: ConfigError with NCCL's own reason in it.
+void create_gin_dev_comm(ncclComm_t comm, ncclDevCommRequirements const& requirements, ncclDevComm* out);
+
+// The gin transport over `window` (a region registered with ncclCommWindowRegister: NCCL registers every window of
+// a communicator with GIN once GIN is up, the ones registered before included), whose counters are the words
+// [signals_off, signals_off + 8 * num_signals) of the window, num_signals <= kGinSignals. ConfigError for a signal
+// range NCCL did not allocate.
+transport::Gin make_gin(ncclDevComm const& dev_comm, ncclWindow_t window, char* local_window, std::size_t signals_off,
+                        uint32_t num_signals);
+
+// The communicator's side (cuda_communicator.cu), for the EP backends that hand a Gin to their kernels:
+// whether `comm` is a cuda communicator that set GIN up (FERRY_NETWORK=gin, or auto with peers outside the NVLink
+// team), and the gin transport over `region` (one of comm's live symmetric regions) with the signal range above.
+// gin_transport throws ConfigError for a communicator without GIN or a region that is not its own.
+bool has_gin(Communicator const& comm);
+transport::Gin gin_transport(Communicator const& comm, SymmetricRegion const& region, std::size_t signals_off,
+                             uint32_t num_signals);
+
+}  // namespace ferry::detail
