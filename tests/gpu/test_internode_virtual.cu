@@ -76,14 +76,15 @@ void allocate_hier(Buffers& b) {
 
 using VirtualHierRanks = VirtualRanks<Buffers, allocate_hier, cuda_ep::free_buffers>;
 
-// The bytes rank r's hierarchical legs must send to other ranks (what hier_dispatch.cuh / hier_combine.cuh count),
-// from the inputs and the reference: dispatch: its count rows, its rows (+ metadata) to the ranks of its node and
-// once per other node (+ its record) to the rail, and the rows it forwards as a rail; combine: its rows to the
-// sources of its node (combine_format) and to its node's rails (bf16), and as a rail one row per record.
+// What rank r's hierarchical legs must send to other ranks (EpBuffer::link_bytes, docs/internode.md "Counting the
+// bytes": rows and their metadata, not the control words), from the inputs and the reference: dispatch: its rows
+// (+ ids, weights and source) to the ranks of its node and once per other node to the rail, and the rows it forwards
+// as a rail; combine: its rows to the sources of its node (combine_format) and to its node's rails (bf16), and as a
+// rail one row per (token, node).
 struct ExpectedBytes {
-  cuda_ep::LinkBytes dispatch, combine;
+  LinkBytes dispatch, combine;
 };
-ExpectedBytes expected_bytes(EpConfig const& config, Topology const& topology, cuda_ep::SymLayout const& layout, int r,
+ExpectedBytes expected_bytes(EpConfig const& config, Topology const& topology, int r,
                              std::vector<ref::RankInput> const& inputs, ref::RankDispatch const& received) {
   int const local = topology.local;
   int const own = topology.node_of(r);
@@ -91,7 +92,6 @@ ExpectedBytes expected_bytes(EpConfig const& config, Topology const& topology, c
   uint64_t const row = static_cast<uint64_t>(config.hidden) * 2;
   uint64_t const meta_row = static_cast<uint64_t>(config.topk) * 8 + 8;
   uint64_t const combine_row = wire_row_bytes(config.combine_format, config.hidden);
-  uint64_t const count_row = static_cast<uint64_t>(layout.count_words) * 8;
   auto mask_of = [&](int s, int t) {
     uint32_t mask = 0;
     for (int k = 0; k < config.topk; ++k) {
@@ -101,15 +101,16 @@ ExpectedBytes expected_bytes(EpConfig const& config, Topology const& topology, c
     return mask;
   };
   ExpectedBytes out;
-  out.dispatch.network = static_cast<uint64_t>(topology.world() - local) * count_row;
-  out.dispatch.nvlink = static_cast<uint64_t>(local - 1) * count_row;
   uint32_t const own_bits = ((1u << local) - 1u) << (own * local);
   for (int t = 0; t < inputs[r].num_tokens; ++t) {
     uint32_t const mask = mask_of(r, t);
-    out.dispatch.nvlink += static_cast<uint64_t>(__builtin_popcount(mask & own_bits & ~(1u << r))) * (row + meta_row);
+    out.dispatch.nvlink_bytes +=
+        static_cast<uint64_t>(__builtin_popcount(mask & own_bits & ~(1u << r))) * (row + meta_row);
     for (int n = 0; n < topology.nodes; ++n)
-      if (n != own && (mask & (((1u << local) - 1u) << (n * local))) != 0)
-        out.dispatch.network += row + layout.hier_meta_bytes;
+      if (n != own && (mask & (((1u << local) - 1u) << (n * local))) != 0) {
+        out.dispatch.network_bytes += row + meta_row;
+        out.dispatch.network_messages += 1;
+      }
   }
   // as a rail: the tokens of its peers on other nodes that this node holds
   for (int n = 0; n < topology.nodes; ++n) {
@@ -118,17 +119,18 @@ ExpectedBytes expected_bytes(EpConfig const& config, Topology const& topology, c
     for (int t = 0; t < inputs[s].num_tokens; ++t) {
       uint32_t const mask = mask_of(s, t) & own_bits;
       if (mask == 0) continue;
-      out.dispatch.nvlink += static_cast<uint64_t>(__builtin_popcount(mask & ~(1u << r))) * (row + meta_row);
-      out.combine.network += combine_row;
+      out.dispatch.nvlink_bytes += static_cast<uint64_t>(__builtin_popcount(mask & ~(1u << r))) * (row + meta_row);
+      out.combine.network_bytes += combine_row;
+      out.combine.network_messages += 1;
     }
   }
   // every received row goes back once: to its source (this node) or to this node's rail for it
   for (int i = 0; i < received.num_recv; ++i) {
     int const s = received.recv_src[static_cast<std::size_t>(i) * 2];
     if (topology.same_node(s, r)) {
-      if (s != r) out.combine.nvlink += combine_row;
+      if (s != r) out.combine.nvlink_bytes += combine_row;
     } else if (own * local + topology.local_of(s) != r) {
-      out.combine.nvlink += row;
+      out.combine.nvlink_bytes += row;
     }
   }
   return out;
@@ -284,20 +286,22 @@ std::string run_case(Spec const& spec, int num_ctas) {
         return where + "rank-major combine differs from ref::combine_rank_major(topology) (above)";
       if (hierarchical) {
         // the bytes the legs sent, by link, as the device counted them (the last combine's: the expert-major one)
-        ExpectedBytes const want = expected_bytes(config, topology, layout, r, it.inputs, it.expected[r]);
-        cuda_ep::LinkBytes const d = cuda_ep::hier_link_bytes(ranks[r], cuda_ep::LinkLeg::dispatch, ranks.stream(r));
-        cuda_ep::LinkBytes const c = cuda_ep::hier_link_bytes(ranks[r], cuda_ep::LinkLeg::combine, ranks.stream(r));
-        if (d.network != want.dispatch.network || d.nvlink != want.dispatch.nvlink ||
-            c.network != want.combine.network || c.nvlink != want.combine.nvlink)
-          return where + "link bytes: dispatch network " + std::to_string(d.network) + " (want " +
-                 std::to_string(want.dispatch.network) + ") nvlink " + std::to_string(d.nvlink) + " (want " +
-                 std::to_string(want.dispatch.nvlink) + "), combine network " + std::to_string(c.network) + " (want " +
-                 std::to_string(want.combine.network) + ") nvlink " + std::to_string(c.nvlink) + " (want " +
-                 std::to_string(want.combine.nvlink) + ")";
+        ExpectedBytes const want = expected_bytes(config, topology, r, it.inputs, it.expected[r]);
+        LinkBytes const d = cuda_ep::hier_link_bytes(ranks[r], cuda_ep::LinkLeg::dispatch, ranks.stream(r));
+        LinkBytes const c = cuda_ep::hier_link_bytes(ranks[r], cuda_ep::LinkLeg::combine, ranks.stream(r));
+        auto text = [](LinkBytes const& b) {
+          return std::to_string(b.network_bytes) + " B network (" + std::to_string(b.network_messages) + " puts) + " +
+                 std::to_string(b.nvlink_bytes) + " B NVLink";
+        };
+        auto same = [](LinkBytes const& a, LinkBytes const& b) {
+          return a.network_bytes == b.network_bytes && a.nvlink_bytes == b.nvlink_bytes &&
+                 a.network_messages == b.network_messages;
+        };
+        if (!same(d, want.dispatch) || !same(c, want.combine))
+          return where + "link bytes: dispatch " + text(d) + " (want " + text(want.dispatch) + "), combine " + text(c) +
+                 " (want " + text(want.combine) + ")";
         if (r == 0 && iter == 0)
-          std::printf("rank 0 sent: dispatch %llu B network + %llu B NVLink, combine %llu B network + %llu B NVLink\n",
-                      static_cast<unsigned long long>(d.network), static_cast<unsigned long long>(d.nvlink),
-                      static_cast<unsigned long long>(c.network), static_cast<unsigned long long>(c.nvlink));
+          std::printf("rank 0 sent: dispatch %s, combine %s\n", text(d).c_str(), text(c).c_str());
       } else {
         // one node: the topology reference is the int-world one (today's intranode semantics)
         if (y_em != ref::combine_expert_major(config, world, r, it.inputs, it.expected, it.eout) ||

@@ -243,11 +243,11 @@ DispatchResult dispatch_result(Buffers const& b, bool expand) {
 }
 
 LinkBytes hier_link_bytes(Buffers const& b, LinkLeg leg, cudaStream_t stream) {
-  unsigned long long words[2] = {0, 0};
+  unsigned long long words[3] = {0, 0, 0};
   FERRY_CHECK_CUDA(cudaMemcpyAsync(words, b.state->hier_bytes[static_cast<int>(leg)], sizeof(words),
                                    cudaMemcpyDeviceToHost, stream));
   FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
-  return LinkBytes{words[0], words[1]};
+  return LinkBytes{words[0], words[1], words[2]};
 }
 
 KernelParams common_params(Buffers const& b, int ctas, bool refuse, std::optional<TraceKernel> traced) {

@@ -181,14 +181,9 @@ void launch_hier_dispatch(Buffers const& buffers, DispatchParams const& params, 
 void launch_hier_combine(Buffers const& buffers, CombineParams const& params, CombineLayout layout, cudaStream_t stream,
                          detail::LegRecord* record);
 
-// What the last hierarchical leg of a rank sent to other ranks (rows, scales and metadata, its count rows
-// included; not the signals), counted by its kernels on the device: for the bench's network and NVLink rates. Reads
-// the device words after synchronising `stream` (the stream of the leg). Zero before the first call and for the
-// one-node protocols (which do not count).
-struct LinkBytes {
-  uint64_t network = 0;
-  uint64_t nvlink = 0;
-};
+// What the last hierarchical leg of a rank sent to other ranks (EpBuffer::link_bytes: rows and their metadata, not
+// the control words), counted by its kernels on the device. Reads the device words after synchronising `stream`
+// (the stream of the leg). Zero before the first call and for the one-node protocols (which do not count).
 enum class LinkLeg { dispatch = 0, combine = 1 };
 LinkBytes hier_link_bytes(Buffers const& buffers, LinkLeg leg, cudaStream_t stream);
 

@@ -352,6 +352,13 @@ class CudaEp final : public detail::EpBackendImpl {
 
   detail::RunRecord const* run_record() const override { return &record_; }
 
+  // The hierarchical protocol counts what its legs send on the device (hier_link_bytes); one node counts nothing.
+  CallLinkBytes link_bytes(cudaStream_t stream) const override {
+    if (buffers_.protocol != Protocol::hierarchical) return {};
+    return CallLinkBytes{hier_link_bytes(buffers_, LinkLeg::dispatch, stream),
+                         hier_link_bytes(buffers_, LinkLeg::combine, stream)};
+  }
+
  private:
   // A fresh record of a leg that ran on this backend's protocol.
   detail::LegRecord& start(detail::LegRecord& leg) const {

@@ -190,7 +190,8 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_sum_kernel(HierCombi
   auto net = p.network.open(transport::Warp{}, global_warp);
   std::size_t const rank_stride = max_tokens * bf16_row;  // between the partials of two ranks of this node
   CombineParams rail_params = p;                          // the quantizer reads the rail's bf16 sums as its rows
-  unsigned long long network_bytes = 0;
+  unsigned long long network_bytes = 0;                   // what this warp put (warp-uniform)
+  unsigned long long network_messages = 0;
   rail_params.x = p.rail_partials;
   for (int item = global_warp; !aborted && item < s_fwd_first[nodes]; item += num_warps) {
     int n = 0;
@@ -216,6 +217,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_sum_kernel(HierCombi
     }
     __syncwarp();
     network_bytes += landing_bytes;
+    ++network_messages;
     net.put(source,
             p.layout.landing + ((static_cast<std::size_t>(parity) * world + rank) * max_tokens + t) * landing_bytes,
             send, landing_bytes);
@@ -225,7 +227,10 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_sum_kernel(HierCombi
       net.signal(n * local + local_rank, p.layout.hier_rail_signal + static_cast<std::size_t>(rank) * sizeof(uint64_t),
                  hier_arrival(global_warp, num_warps));
   net.flush();
-  if (lane == 0) atomicAdd(&p.state->hier_bytes_running[1][0], network_bytes);
+  if (lane == 0) {
+    atomicAdd(&p.state->hier_bytes_running[1][0], network_bytes);
+    atomicAdd(&p.state->hier_bytes_running[1][2], network_messages);
+  }
   // 2b. every other node's rail (warp 0; the network's wait), then the sums of this CTA's share of the tokens
   bool ok = true;
   if (warp == 0) {
@@ -261,8 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_sum_kernel(HierCombi
     unsigned long long const old = atomicAdd(reinterpret_cast<unsigned long long*>(&p.state->combine_done), 1ull);
     if (old == static_cast<unsigned long long>(p.num_ctas - 1)) {
       __threadfence();
-      for (int link = 0; link < 2; ++link)
-        p.state->hier_bytes[1][link] = atomicExch(&p.state->hier_bytes_running[1][link], 0ull);
+      for (int i = 0; i < 3; ++i) p.state->hier_bytes[1][i] = atomicExch(&p.state->hier_bytes_running[1][i], 0ull);
       p.state->combine_done = 0;
       p.state->combine_seq = seq;
     }

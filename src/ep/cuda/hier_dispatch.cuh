@@ -155,11 +155,6 @@ __global__ void __launch_bounds__(kThreads, 1) hier_layout_kernel(HierDispatchPa
   }
   net.flush();
   net.close();
-  if (tid == 0) {  // the count rows this rank sent to other ranks, by link
-    unsigned long long const near = static_cast<unsigned long long>(local - 1) * row_bytes;
-    atomicAdd(&p.state->hier_bytes_running[0][0], static_cast<unsigned long long>(world - local) * row_bytes);
-    atomicAdd(&p.state->hier_bytes_running[0][1], near);
-  }
 }
 
 template <typename IdxT, class Net>
@@ -253,6 +248,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
   std::size_t const meta_row = static_cast<std::size_t>(topk) * 8 + sizeof(int2);  // recv_idx, recv_w, recv_src
   unsigned long long network_bytes = 0;  // what this warp sent to other ranks, by link (warp-uniform)
   unsigned long long nvlink_bytes = 0;
+  unsigned long long network_messages = 0;
   auto net = p.network.open(transport::Warp{}, global_warp);
   for (int t = global_warp; !aborted && t < p.num_tokens; t += num_warps) {
     uint32_t const mask = p.token_mask[t];
@@ -312,7 +308,9 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
     for (int n = 0; n < nodes; ++n)
       if (n != own_node && (mask & node_bits(n, local)) != 0) far |= 1u << n;
     nvlink_bytes += static_cast<unsigned long long>(__popc(near & ~(1u << rank))) * (row_bytes + meta_row);
-    network_bytes += static_cast<unsigned long long>(__popc(far)) * (row_bytes + meta_bytes);
+    // a row to a rail counts as a row to a rank (its record's rows are control words)
+    network_bytes += static_cast<unsigned long long>(__popc(far)) * (row_bytes + meta_row);
+    network_messages += static_cast<unsigned long long>(__popc(far));
     if (far == 0) continue;
     std::size_t const send_row = p.layout.hier_send_rows + static_cast<std::size_t>(t) * row_bytes;
     device::copy_16B<true>(own + send_row, x_row, row_bytes, lane, 32);
@@ -395,6 +393,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
   if (lane == 0) {
     atomicAdd(&p.state->hier_bytes_running[0][0], network_bytes);
     atomicAdd(&p.state->hier_bytes_running[0][1], nvlink_bytes);
+    atomicAdd(&p.state->hier_bytes_running[0][2], network_messages);
   }
 
   // e. arrival; the last CTA signals every rank of this node, for its own rows and every source it forwarded
@@ -469,8 +468,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
   __syncthreads();
   if (tid == 0) {
     // every CTA added its bytes before its arrival (fenced): the call's totals
-    for (int link = 0; link < 2; ++link)
-      p.state->hier_bytes[0][link] = atomicExch(&p.state->hier_bytes_running[0][link], 0ull);
+    for (int i = 0; i < 3; ++i) p.state->hier_bytes[0][i] = atomicExch(&p.state->hier_bytes_running[0][i], 0ull);
     p.state->dispatch_done = 0;  // every CTA has arrived
     p.state->dispatch_seq = seq;
   }

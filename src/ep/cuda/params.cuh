@@ -68,11 +68,12 @@ struct DeviceState {
   // Hierarchical normal mode: the records this rank (a rail) received from each source node in the last dispatch
   // (hier_dispatch.cuh; its combine sends one row back per record).
   int32_t hier_fwd_count[kMaxLocalPeers];
-  // Hierarchical normal mode: the bytes this rank sent to other ranks ([leg: 0 dispatch, 1 combine][link: 0 the
-  // network, 1 NVLink]: rows, scales and metadata, count rows included; signals not): the running call's sums (its
-  // kernels add, its last kernel's last CTA moves them) and the last finished call's.
-  unsigned long long hier_bytes_running[2][2];
-  unsigned long long hier_bytes[2][2];
+  // Hierarchical normal mode: what this rank sent to other ranks (EpBuffer::link_bytes, docs/internode.md "Counting
+  // the bytes": rows and their metadata, not the control words), [leg: 0 dispatch, 1 combine][0 network bytes,
+  // 1 NVLink bytes, 2 network puts of rows]: the running call's sums (its kernels add, its last kernel's last CTA
+  // moves them) and the last finished call's.
+  unsigned long long hier_bytes_running[2][3];
+  unsigned long long hier_bytes[2][3];
 };
 
 // The words of DeviceState a normal-mode combine (and expand) reads of its dispatch, in their order there: what a
