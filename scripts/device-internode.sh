@@ -5,7 +5,7 @@
 # in normal mode at 128 and 4096 tokens, bf16 dispatch with bf16 and fp8 combine (a quantized dispatch across nodes is
 # refused on cuda in this version), random and grouped routing, every row checked, with
 # the network and NVLink bytes per rank beside ferry model's count; then the virtual-rank inter-node tests, and
-# `ferry env` with FERRY_NETWORK=gin (what GIN setup says on this machine). Logs and JSON in $OUT (else
+# the GIN setup test with FERRY_NETWORK=gin (what GIN setup says on this machine). Logs and JSON in $OUT (else
 # build-device/logs); a short table last. The figures are emulated nodes on one host, never network figures.
 # Low-latency mode across nodes has no cuda kernels yet: it is not run.
 # usage: scripts/device-internode.sh [--budget S]
