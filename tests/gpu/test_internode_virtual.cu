@@ -47,7 +47,8 @@ struct Spec : VirtualSpec {
   WireFormat combine_format = WireFormat::bf16;
   uint32_t delay_ns = 20000;  // delay_ns=: the emulated network's most delay per delivery
   bool skip_rail_wait = false;
-  int refuse = -1;  // refuse=k: first rank k refuses a dispatch, then a combine; every other rank must say so
+  int refuse = -1;     // refuse=k: first rank k refuses a dispatch, then a combine; every other rank must say so
+  bool graph = false;  // graph=1: iteration 0 runs the legs directly, the later ones replay one CUDA graph per rank
 };
 
 Spec parse_spec(std::vector<std::string> const& words) {
@@ -62,6 +63,7 @@ Spec parse_spec(std::vector<std::string> const& words) {
   s.delay_ns = static_cast<uint32_t>(args.integer("delay_ns", static_cast<int>(s.delay_ns)));
   s.skip_rail_wait = args.flag("skip_rail_wait", false);
   s.refuse = args.integer("refuse", -1);
+  s.graph = args.flag("graph", false);
   return s;
 }
 
@@ -242,8 +244,62 @@ std::string run_case(Spec const& spec, int num_ctas) {
                 spec.refuse);
   }
 
+  // graph=1: each rank's legs (dispatch, expand, both combines) captured once on its stream after iteration 0 has run
+  // them directly (a kernel's first launch may load it, which a capture must not do), then replayed with fresh
+  // inputs in the same buffers: no host synchronisation inside, the sequence numbers advancing on the device
+  std::vector<cudaGraphExec_t> graphs(world, nullptr);
+  struct GraphsGone {
+    std::vector<cudaGraphExec_t>& g;
+    ~GraphsGone() {
+      for (cudaGraphExec_t e : g)
+        if (e != nullptr) cudaGraphExecDestroy(e);
+    }
+  } const graphs_gone{graphs};
+  auto const enqueue_legs = [&](int r) {
+    cuda_ep::launch_dispatch(ranks[r], dargs[r], cuda_ep::plan_dispatch(ranks[r], tokens[r]), ranks.stream(r));
+    if (spec.expand) cuda_ep::launch_expand(ranks[r], /*copy_rows=*/true, ranks.stream(r));
+    cuda_ep::launch_combine(ranks[r], rm[r], cuda_ep::plan_combine(ranks[r], tokens[r]), tokens[r], ranks.stream(r));
+    if (!spec.expand) cuda_ep::launch_expand(ranks[r], /*copy_rows=*/false, ranks.stream(r));
+    cuda_ep::launch_combine(ranks[r], em[r], cuda_ep::plan_combine(ranks[r], tokens[r]), tokens[r], ranks.stream(r));
+  };
   for (int iter = 0; iter < spec.iters; ++iter) {
     VirtualIteration const it(config, world, spec.routing_options(iter), tokens, io);
+    if (spec.graph && iter > 0) {
+      for (int r = 0; r < world; ++r)
+        poison_normal_dispatch(config, world, cuda_ep::dispatch_result(ranks[r], spec.expand));
+      CK(cudaDeviceSynchronize());
+      if (graphs[0] == nullptr)
+        for (int r = 0; r < world; ++r) {
+          cudaGraph_t graph = nullptr;
+          CK(cudaStreamBeginCapture(ranks.stream(r), cudaStreamCaptureModeThreadLocal));
+          enqueue_legs(r);
+          CK(cudaStreamEndCapture(ranks.stream(r), &graph));
+          CK(cudaGraphInstantiate(&graphs[r], graph, 0));
+          CK(cudaGraphDestroy(graph));
+        }
+      for (int r = 0; r < world; ++r) CK(cudaGraphLaunch(graphs[r], ranks.stream(r)));
+      std::vector<int> overflow(world, 0);
+      for (int r = 0; r < world; ++r) overflow[r] = spec.expand ? it.expected[r].dropped_slots : 0;
+      if (std::string const failure = ranks.synchronize(overflow); !failure.empty())
+        return "iter " + std::to_string(iter) + " (graph replay): device errors:\n" + failure;
+      for (int r = 0; r < world; ++r)
+        if (check_normal_dispatch(config, world, r, iter, it.expected[r],
+                                  cuda_ep::dispatch_result(ranks[r], spec.expand), /*poisoned=*/true, spec.expand) != 0)
+          return "rank " + std::to_string(r) + " iter " + std::to_string(iter) +
+                 " (graph replay): dispatch differs from ref::dispatch (above)";
+      for (int r = 0; r < world; ++r) {
+        std::string const where = "rank " + std::to_string(r) + " iter " + std::to_string(iter) + " (graph replay): ";
+        if (check_combined("y expert-major", io[r].y_em.ptr,
+                           ref::combine_expert_major(config, topology, r, it.inputs, it.expected, it.eout),
+                           kVirtualGuardElems, r, iter) != 0)
+          return where + "expert-major combine differs from ref::combine_expert_major(topology) (above)";
+        if (check_combined("y rank-major", io[r].y_rm.ptr,
+                           ref::combine_rank_major(config, topology, r, it.inputs, it.expected, it.rows),
+                           kVirtualGuardElems, r, iter) != 0)
+          return where + "rank-major combine differs from ref::combine_rank_major(topology) (above)";
+      }
+      continue;
+    }
     for (int r = 0; r < world; ++r) {
       if (it.expected[r].dropped_rows != 0) return "rank " + std::to_string(r) + ": the case must fit recv_capacity";
       poison_normal_dispatch(config, world, cuda_ep::dispatch_result(ranks[r], spec.expand));
@@ -360,6 +416,15 @@ TEST(InternodeVirtual, Topology4x2) {
 // One node of 8: today's intranode path, against the int-world reference.
 TEST(InternodeVirtual, Topology1x8IsTodaysPath) {
   run_rows(rows_of("1x8", "tokens=0,0,0,0,64,100,3,50"));
+}
+
+// Graph replay across nodes: each rank's four legs captured as one CUDA graph and replayed with fresh inputs, every
+// row exact (the counts are exchanged on the device: nothing synchronises the host inside a call).
+TEST(InternodeVirtual, GraphReplaysWithFreshInputs) {
+  run_rows(
+      {{"topology=2x2", "graph=1", "tokens=64,17", "hidden=2048", "topk=8", "experts=64", "expand=1", "capacity=128",
+        "iters=4"},
+       {"topology=4x2", "graph=1", "tokens=40,0,33", "hidden=2048", "topk=8", "experts=64", "combine=fp8", "iters=3"}});
 }
 
 // A refused dispatch and a refused combine are seen by every rank, across nodes too, and the calls after them run

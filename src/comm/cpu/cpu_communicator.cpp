@@ -331,14 +331,15 @@ void CpuCommunicator::record_timeout(WaitPhase phase, std::vector<int> const& mi
     error_->observed = observed;
     status.store(kErrorTimeout, std::memory_order_release);
   }
-  std::string const ranks = describe_absent(missing, topology_);
-  failure_ =
-      format_error("timeout", __FILE__, __LINE__,
-                   concat("rank ", rank_, " timed out after ", timeout_s_, " s in phase '", wait_phase_name(phase),
-                          "' waiting for ", ranks, " (expected signal >= ", expected, ", observed ", observed,
-                          "); they did not arrive: stuck, crashed, or skipped a "
-                          "collective call; this communicator is now unusable: destroy it and create a new "
-                          "one"));
+  std::string const where = describe_absent(missing, topology_);
+  std::string ranks;
+  for (int r : missing) ranks += concat(ranks.empty() ? "" : ", ", r);
+  failure_ = format_error(
+      "timeout", __FILE__, __LINE__,
+      concat("rank ", rank_, " timed out after ", timeout_s_, " s in phase '", wait_phase_name(phase), "' waiting for ",
+             where, " (expected signal >= ", expected, ", observed ", observed, "); rank(s) ", ranks,
+             " did not arrive: stuck, crashed, or skipped a collective call; this communicator "
+             "is now unusable: destroy it and create a new one"));
   failed_ = true;
   throw TimeoutError(failure_);
 }
