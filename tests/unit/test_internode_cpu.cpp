@@ -132,6 +132,28 @@ void require_same(int rank, std::string const& difference) {
   FERRY_CHECK(difference.empty(), "rank ", rank, ": ", difference);
 }
 
+// The filled slots of each local expert of an expert-major tensor against `want` (the others are unspecified).
+void require_same_slots(int rank, char const* what, void const* got, std::vector<uint16_t> const& want,
+                        ref::RankDispatch const& mine, int hidden) {
+  for (std::size_t e = 0; e < mine.expert_counts.size(); ++e) {
+    int const filled = std::min(mine.expert_counts[e], mine.expert_slots);
+    std::size_t const first = at(static_cast<int64_t>(e) * mine.expert_slots, hidden);
+    require_same(rank,
+                 differs(what, static_cast<uint16_t const*>(got) + first, want.data() + first, at(filled, hidden)));
+  }
+}
+
+// A forward dispatch of `in` (host memory: the cpu backend).
+DispatchArgs forward_args(ref::RankInput const& in, bool expand) {
+  DispatchArgs args;
+  args.x = in.x.data();
+  args.num_tokens = in.num_tokens;
+  args.topk_idx = in.topk_idx.data();
+  args.topk_weights = in.topk_weights.data();
+  args.expand = expand;
+  return args;
+}
+
 // What rank r's rows cost on each link, counted from the routing alone (the rule of docs/internode.md): a dispatch
 // row (wire row + topk ids and weights + source) to every other rank of its node, once to each other node that holds
 // one of its experts (the network), and from that node's rail to its other destination ranks there (NVLink). Combine:
@@ -207,12 +229,7 @@ TEST_P(InternodeCpu, EveryRowMatchesTheReference) {
         ref::RankDispatch const& want = w.received[R];
         // NOTE: drops are reported at the next check; lazy calls keep them out of this case's results
         bool const eager = !c.capped;
-        DispatchArgs args;
-        args.x = in.x.data();
-        args.num_tokens = in.num_tokens;
-        args.topk_idx = in.topk_idx.data();
-        args.topk_weights = in.topk_weights.data();
-        args.expand = true;
+        DispatchArgs args = forward_args(in, true);
         args.eager = eager;
         DispatchResult const got = buffer.dispatch(args);
         FERRY_CHECK(got.num_recv_host == want.num_recv, "rank ", r, ": num_recv ", got.num_recv_host, ", want ",
@@ -226,12 +243,7 @@ TEST_P(InternodeCpu, EveryRowMatchesTheReference) {
         require_same(r,
                      differs("expert_counts", got.expert_counts, want.expert_counts.data(), want.expert_counts.size()));
         std::vector<uint16_t> const slots = ref::expand(config, world, want);
-        for (std::size_t e = 0; e < want.expert_counts.size(); ++e) {
-          int const filled = std::min(want.expert_counts[e], want.expert_slots);
-          std::size_t const first = at(static_cast<int64_t>(e) * want.expert_slots, hidden);
-          require_same(r, differs("expert_x", static_cast<uint16_t const*>(got.expert_x) + first, slots.data() + first,
-                                  at(filled, hidden)));
-        }
+        require_same_slots(r, "expert_x", got.expert_x, slots, want, hidden);
 
         std::size_t const tokens = at(in.num_tokens, hidden);
         std::vector<uint16_t> y(tokens + 64, 0xffff);  // poisoned, with a guard past the end
@@ -318,12 +330,7 @@ TEST(InternodeCpuBackward, BackwardPassesMatchTheReference) {
           std::size_t const R = static_cast<std::size_t>(r);
           ref::RankInput const& in = w.inputs[R];
           DispatchHandle handle = buffer.make_handle();
-          DispatchArgs args;
-          args.x = in.x.data();
-          args.num_tokens = in.num_tokens;
-          args.topk_idx = in.topk_idx.data();
-          args.topk_weights = in.topk_weights.data();
-          args.expand = true;
+          DispatchArgs args = forward_args(in, true);
           args.save_handle = &handle;
           buffer.dispatch(args);
 
@@ -350,12 +357,7 @@ TEST(InternodeCpuBackward, BackwardPassesMatchTheReference) {
           std::vector<uint16_t> const want_rows =
               ref::combine_backward_rows(config, world, r, w.inputs, w.received, grad_y, CombineLayout::expert_major);
           ref::RankDispatch const& mine = w.received[R];
-          for (std::size_t e = 0; e < mine.expert_counts.size(); ++e) {
-            int const filled = std::min(mine.expert_counts[e], mine.expert_slots);
-            std::size_t const first = at(static_cast<int64_t>(e) * mine.expert_slots, hidden);
-            require_same(r, differs("combine_backward expert_x", static_cast<uint16_t const*>(moved.expert_x) + first,
-                                    want_rows.data() + first, at(filled, hidden)));
-          }
+          require_same_slots(r, "combine_backward expert_x", moved.expert_x, want_rows, mine, hidden);
           std::vector<float> const want_w =
               ref::combine_backward_weights(config, world, r, w.inputs, w.received, grad_y, w.expert_out);
           require_same(r, differs("grad_topk_weights", grad_w.data(), want_w.data(), want_w.size()));
@@ -511,23 +513,14 @@ TEST_P(InternodeCpuLowLatency, EveryRowMatchesTheReference) {
         EpBuffer buffer(comm, config);
         std::size_t const R = static_cast<std::size_t>(r);
         ref::RankInput const& in = inputs[R];
-        DispatchArgs args;
-        args.x = in.x.data();
-        args.num_tokens = in.num_tokens;
-        args.topk_idx = in.topk_idx.data();
-        args.topk_weights = in.topk_weights.data();
+        DispatchArgs args = forward_args(in, false);
         args.return_recv_hook = c.hook;
         DispatchResult got = buffer.dispatch(args);
         if (c.hook) got = buffer.complete_dispatch();
         ref::RankDispatch const& want = received[R];
         std::vector<uint16_t> const slots = ref::expand(config, world, want);
         int const hidden = config.hidden;
-        for (std::size_t e = 0; e < want.expert_counts.size(); ++e) {
-          int const filled = std::min(want.expert_counts[e], want.expert_slots);
-          std::size_t const first = at(static_cast<int64_t>(e) * want.expert_slots, hidden);
-          require_same(r, differs("expert_x", static_cast<uint16_t const*>(got.expert_x) + first, slots.data() + first,
-                                  at(filled, hidden)));
-        }
+        require_same_slots(r, "expert_x", got.expert_x, slots, want, hidden);
         require_same(r,
                      differs("expert_counts", got.expert_counts, want.expert_counts.data(), want.expert_counts.size()));
         std::vector<uint16_t> y(at(in.num_tokens, hidden) + 8, 0xffff);
