@@ -1,5 +1,7 @@
 #include "comm/network.hpp"
 
+#include <algorithm>
+
 #include "ferry/error.hpp"
 
 namespace ferry::detail {
@@ -53,6 +55,42 @@ std::string gin_missing_message(int loaded_version, std::string const& reason) {
       "over TCP sockets, which needs GDRCopy. Leave NCCL_GIN_ENABLE unset (0 disables GIN), unset NCCL_GIN_TYPE or set "
       "it to a backend this host has, and run with NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET to see why NCCL found "
       "none. On one NVLink host no GIN is needed: FERRY_NETWORK=auto (the default) or emulated");
+}
+
+void check_node_in_team(Topology const& topology, int rank, int lsa_first, int lsa_size) {
+  int const first = topology.node_of(rank) * topology.local;
+  int const last = first + topology.local - 1;
+  FERRY_CHECK_CONFIG(first >= lsa_first && last < lsa_first + lsa_size, "topology ", topology_name(topology),
+                     " puts ranks ", first, "..", last, " on the node of rank ", rank, ", but only ranks ", lsa_first,
+                     "..", lsa_first + lsa_size - 1,
+                     " share load/store access (NVLink) with it: a node's ranks must be one NVLink domain. Use a "
+                     "topology with at most ",
+                     lsa_size, " ranks per node (FERRY_TOPOLOGY, CommunicatorOptions::topology), or unset it");
+}
+
+uint32_t SignalRanges::take(uint64_t owner, uint32_t count) {
+  if (count == 0) return 0;
+  uint32_t at = 0;
+  auto it = taken_.begin();
+  for (; it != taken_.end(); ++it) {
+    if (it->first - at >= count) break;
+    at = it->first + it->count;
+  }
+  FERRY_CHECK_CONFIG(it != taken_.end() || capacity_ - at >= count, "no ", count,
+                     " free GIN signals in a row: ", in_use(), " of the device communicator's ", capacity_,
+                     " are held by live buffers; destroy the buffers you no longer use");
+  taken_.insert(it, Range{at, count, owner});
+  return at;
+}
+
+void SignalRanges::give_back(uint64_t owner) {
+  std::erase_if(taken_, [owner](Range const& r) { return r.owner == owner; });
+}
+
+uint32_t SignalRanges::in_use() const {
+  uint32_t used = 0;
+  for (Range const& r : taken_) used += r.count;
+  return used;
 }
 
 }  // namespace ferry::detail

@@ -4,6 +4,9 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
+
+#include "ferry/communicator.hpp"
 
 namespace ferry::detail {
 
@@ -30,5 +33,36 @@ inline constexpr int kGinClusterNcclVersion = 23004;  // what clusters run (Deep
 // missing, in NCCL's words where it gave some), the loaded NCCL `loaded_version`, and how to get GIN (the version, a
 // backend and its NIC, NCCL_GIN_TYPE, where NCCL says why, and FERRY_NETWORK).
 std::string gin_missing_message(int loaded_version, std::string const& reason);
+
+// A rank's node (of `topology`) must lie inside its NVLink team, world ranks [lsa_first, lsa_first + lsa_size): the
+// protocols reach the ranks of their own node by load/store and only the others through the network. ConfigError
+// naming both ranges otherwise (a topology forced wider than the hardware's NVLink domain).
+void check_node_in_team(Topology const& topology, int rank, int lsa_first, int lsa_size);
+
+// The GIN signals of a device communicator, ids [0, capacity), handed out as ranges to the owners that count through
+// them (a symmetric region's protocol, named by the region's id). First fit, so every rank hands out the same ids when
+// it makes the same calls in the same order, which the communicator's collective, ordered region allocations ensure:
+// a signal id names the same counter on every rank. A range given back is reused; its new owner resets it first.
+class SignalRanges {
+ public:
+  explicit SignalRanges(uint32_t capacity) : capacity_(capacity) {}
+
+  // The first id of `count` free signals (count 0: no signals, returns 0), owned by `owner`. ConfigError when no
+  // free run is long enough, saying how many are in use.
+  uint32_t take(uint64_t owner, uint32_t count);
+  // Every range of `owner` is free again (none: nothing happens).
+  void give_back(uint64_t owner);
+  uint32_t in_use() const;
+  uint32_t capacity() const { return capacity_; }
+
+ private:
+  struct Range {
+    uint32_t first;
+    uint32_t count;
+    uint64_t owner;
+  };
+  uint32_t capacity_;
+  std::vector<Range> taken_;  // ascending by first, disjoint
+};
 
 }  // namespace ferry::detail

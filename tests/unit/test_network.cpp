@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "comm/network.hpp"
 #include "ferry/env.hpp"
@@ -90,6 +91,71 @@ TEST(Network, GinMissingMessageOnAnNcclWithoutGinNamesTheFirstVersionWithIt) {
   EXPECT_TRUE(contains(message, "the loaded NCCL 2.27.3 is older than 2.28.7, the first with GIN")) << message;
   EXPECT_TRUE(contains(message, "load NCCL 2.30.4 or newer")) << message;
   EXPECT_TRUE(contains(message, "this NCCL has no GIN")) << message;
+}
+
+}  // namespace
+}  // namespace ferry::test
+
+namespace ferry::test {
+namespace {
+
+TEST(SignalRanges, FirstFitReusesWhatIsGivenBackAndRefusesWhenFull) {
+  detail::SignalRanges ranges(100);
+  EXPECT_EQ(ranges.take(7, 0), 0u);  // no signals: nothing held
+  EXPECT_EQ(ranges.take(1, 30), 0u);
+  EXPECT_EQ(ranges.take(2, 30), 30u);
+  EXPECT_EQ(ranges.take(3, 30), 60u);
+  EXPECT_EQ(ranges.in_use(), 90u);
+  ranges.give_back(2);
+  EXPECT_EQ(ranges.in_use(), 60u);
+  EXPECT_EQ(ranges.take(4, 20), 30u);  // the hole first
+  EXPECT_EQ(ranges.take(5, 10), 50u);  // the rest of the hole
+  EXPECT_EQ(ranges.take(6, 10), 90u);  // the tail
+  EXPECT_EQ(ranges.in_use(), 100u);
+  try {
+    ranges.take(8, 1);
+    FAIL() << "a full pool handed out a signal";
+  } catch (ConfigError const& error) {
+    EXPECT_TRUE(contains(error.what(), "no 1 free GIN signals in a row: 100 of the device communicator's 100"))
+        << error.what();
+  }
+  ranges.give_back(1);
+  ranges.give_back(99);  // owns nothing
+  EXPECT_THROW(ranges.take(9, 31), ConfigError);
+  EXPECT_EQ(ranges.take(9, 30), 0u);
+}
+
+TEST(SignalRanges, TheSameCallsGiveTheSameIdsOnEveryRank) {
+  // each rank replays the communicator's collective sequence; the ids must agree (a signal names one counter)
+  std::vector<uint32_t> firsts[2];
+  for (auto& out : firsts) {
+    detail::SignalRanges ranges(4096);
+    out.push_back(ranges.take(0, 26));
+    out.push_back(ranges.take(1, 100));
+    ranges.give_back(0);
+    out.push_back(ranges.take(2, 10));
+    out.push_back(ranges.take(3, 20));
+  }
+  EXPECT_EQ(firsts[0], firsts[1]);
+  EXPECT_EQ(firsts[0], (std::vector<uint32_t>{0, 26, 0, 126}));  // 20 do not fit in the 16 left of the hole
+}
+
+TEST(Network, ANodeMustBeInsideItsNvlinkTeam) {
+  // 2 hosts of 8 GPUs: 2x8 fits, 1x16 does not; 4x4 splits a host, which is allowed
+  for (int rank : {0, 7, 8, 15}) {
+    int const first = rank / 8 * 8;
+    EXPECT_NO_THROW(detail::check_node_in_team(Topology{2, 8}, rank, first, 8));
+    EXPECT_NO_THROW(detail::check_node_in_team(Topology{4, 4}, rank, first, 8));
+  }
+  try {
+    detail::check_node_in_team(Topology{1, 16}, 9, 8, 8);
+    FAIL() << "a node wider than the NVLink team was accepted";
+  } catch (ConfigError const& error) {
+    EXPECT_TRUE(contains(error.what(),
+                         "topology 1x16 puts ranks 0..15 on the node of rank 9, but only ranks 8..15 "
+                         "share load/store access"))
+        << error.what();
+  }
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
-// The cuda backend of Communicator: NCCL 2.28's device API (symmetric windows, LSA pointers over NVLink; GIN when
-// FERRY_NETWORK asks for it), a host-visible error block, and a bounded device barrier over Ferry's own signal area.
+// The cuda backend of Communicator: NCCL's device API (symmetric windows, LSA pointers over NVLink; GIN for the peers
+// outside the NVLink team, or when FERRY_NETWORK asks for it), a host-visible error block, and a bounded device
+// barrier over Ferry's own signal area (a host barrier where some peer is reached only through the network).
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -24,9 +25,11 @@
 #include "ferry/env.hpp"
 #include "ferry/error.hpp"
 
-#if !defined(NCCL_VERSION_CODE) || NCCL_VERSION_CODE < 22800 || NCCL_VERSION_CODE >= 22900
-#error \
-    "Ferry's cuda backend is written against the NCCL 2.28 device API (2.29 changed ncclDevCommRequirements); point FERRY_NCCL_ROOT at an NCCL 2.28.x install"
+// NOTE: written against the device API of 2.28 and of 2.29 and newer (which added
+// NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER and the size/magic/version words it fills); scripts/check-gin-headers.sh
+// compiles this file against the newest.
+#if !defined(NCCL_VERSION_CODE) || NCCL_VERSION_CODE < 22807
+#error "Ferry's cuda backend needs NCCL's device API with GIN: NCCL 2.28.7 or newer headers (FERRY_NCCL_ROOT)"
 #endif
 
 namespace ferry::detail {
@@ -37,15 +40,38 @@ namespace {
 struct LsaPointerParams {
   ncclWindow_t window;
   int world;
-  int lsa_peer[kMaxLocalPeers];  // world rank -> LSA rank
+  int lsa_peer[kMaxLocalPeers];  // world rank -> LSA rank, -1 outside the NVLink team
   char** out;                    // world entries, device memory
 };
 
-// One thread per world rank reads the window's flat LSA address of that rank. The window struct lives in device
-// memory, so this is the only way to learn the addresses; they are fixed for the window's lifetime.
+// One thread per world rank reads the window's flat LSA address of that rank (null for a rank outside the NVLink
+// team: only the network reaches it). The window struct lives in device memory, so this is the only way to learn the
+// addresses; they are fixed for the window's lifetime.
 __global__ void fetch_lsa_pointers_kernel(LsaPointerParams const params) {
   int const r = static_cast<int>(threadIdx.x);
-  if (r < params.world) params.out[r] = static_cast<char*>(ncclGetLsaPointer(params.window, 0, params.lsa_peer[r]));
+  if (r >= params.world) return;
+  params.out[r] =
+      params.lsa_peer[r] < 0 ? nullptr : static_cast<char*>(ncclGetLsaPointer(params.window, 0, params.lsa_peer[r]));
+}
+
+struct RefusalPutParams {
+  transport::Gin gin;  // over the refusal region, no signals
+  int rank;
+  int world;
+  int lsa_first;
+  int lsa_size;
+};
+
+// One warp: this rank's reason (slot 0 of its refusal region) into slot 1 + rank of every rank outside its NVLink
+// team, which cannot read it by load/store. Context 0, the one the protocols' count rows go on: their strong signal
+// covers this earlier put to the same peer, so a peer that saw the abort flag finds the text (docs/gin.md).
+__global__ void put_refusal_kernel(RefusalPutParams const p) {
+  auto net = p.gin.open(transport::Warp{}, 0);
+  for (int peer = 0; peer < p.world; ++peer)
+    if (peer < p.lsa_first || peer >= p.lsa_first + p.lsa_size)
+      net.put(peer, kRefusalBytes * (1 + static_cast<std::size_t>(p.rank)), 0, kRefusalBytes);
+  net.flush();
+  net.close();
 }
 
 struct BarrierParams {
@@ -123,7 +149,7 @@ class CudaCommunicator final : public Communicator {
   void check_errors(cudaStream_t stream) override;
   bool failed() const override { return failed_; }
   bool has_gin() const { return gin_; }
-  transport::Gin gin_transport(SymmetricRegion const& region, std::size_t signals_off, uint32_t num_signals) const;
+  transport::Gin gin_transport(SymmetricRegion const& region, std::size_t signals_off, uint32_t num_signals);
   void ensure_usable() const override {
     if (failed_) FERRY_THROW(Error, "ferry", "communicator failed earlier: ", failure_, "; create a new communicator");
   }
@@ -131,6 +157,13 @@ class CudaCommunicator final : public Communicator {
   void barrier(cudaStream_t stream) override {
     ensure_usable();
     FERRY_CHECK_CUDA(cudaSetDevice(device_));
+    if (lsa_size_ < bootstrap_->world()) {
+      // NOTE: the device barrier stores into every peer's signal area, which the ranks of other nodes do not map:
+      // the stream's work, then the bootstrap's barrier (the host waits; bounded by the bootstrap's timeout)
+      FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
+      bootstrap_->barrier();
+      return;
+    }
     barrier_kernel<<<1, 1, 0, stream>>>(BarrierParams{view_});
     FERRY_CHECK_CUDA(cudaGetLastError());
   }
@@ -156,10 +189,14 @@ class CudaCommunicator final : public Communicator {
   ncclComm_t comm_ = nullptr;
   ncclDevComm dev_comm_{};
   bool dev_comm_created_ = false;
-  bool gin_ = false;             // dev_comm_ has GIN (FERRY_NETWORK)
-  std::vector<Region> regions_;  // in allocation order; released in reverse
+  bool gin_ = false;                         // dev_comm_ has GIN (FERRY_NETWORK)
+  SignalRanges signal_ranges_{kGinSignals};  // dev_comm_'s GIN signals, by the id of the region that holds them
+  std::vector<Region> regions_;              // in allocation order; released in reverse
   uint64_t next_region_id_ = 0;
-  SymmetricRegion refusals_{};  // [world] kRefusalBytes: each rank's reason for its last refused call
+  // [1 + world] x kRefusalBytes: slot 0 this rank's reason for its last refused call (peers of its NVLink team read it
+  // there), slot 1 + s the reason of rank s outside the team (put over GIN by post_refusal)
+  SymmetricRegion refusals_{};
+  transport::Gin refusal_gin_{};  // with GIN: puts into refusals_ of the ranks outside the NVLink team
   std::size_t alignment_ = NCCL_WIN_REQUIRED_ALIGNMENT;
   DeviceErrorBlock* error_host_ = nullptr;  // mapped pinned memory; view_.error is its device address
   uint64_t* barrier_epoch_ = nullptr;
@@ -225,11 +262,16 @@ void CudaCommunicator::init(CommunicatorOptions const& options) {
                      " ranks share load/store access (NVLink) with rank ", rank, " (topology ",
                      topology_name(topology_), ") and FERRY_NETWORK=", network_name(network),
                      " leaves out the network (GIN); run all ranks on one NVLink-connected host");
+  check_node_in_team(topology_, rank, lsa_first_, lsa_size_);
 
   // 6. the device communicator, with GIN's contexts and signals when asked for (a ConfigError saying what is missing
   // where GIN is not there). NOTE: never lsaMultimem: NVLink multicast can take the host's GPUs out of service.
+#if defined(NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER)
+  ncclDevCommRequirements requirements = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
+#else
   ncclDevCommRequirements requirements;
   std::memset(&requirements, 0, sizeof(requirements));  // 2.28 has no initializer macro; zero means "none"
+#endif
   requirements.lsaBarrierCount = 1;
   if (gin_) {
     add_gin_requirements(comm_, requirements);
@@ -238,14 +280,6 @@ void CudaCommunicator::init(CommunicatorOptions const& options) {
     FERRY_CHECK_NCCL(ncclDevCommCreate(comm_, &requirements, &dev_comm_));
   }
   dev_comm_created_ = true;
-  // NOTE: what follows (LSA pointers of every rank, the barrier, the EP protocols) needs every rank in the NVLink
-  // team; the protocols over GIN are not built yet
-  FERRY_CHECK_CONFIG(lsa.nRanks == world, "GIN is up (", static_cast<int>(dev_comm_.ginContextCount),
-                     " contexts), but only ", lsa.nRanks, " of ", world,
-                     " ranks share load/store access (NVLink) with rank ", rank, " (topology ",
-                     topology_name(topology_),
-                     ") and Ferry's protocols across nodes are not built yet: run all ranks on one NVLink-connected "
-                     "host");
 
   // 7. allocation granularity of symmetric memory (ncclMemAlloc uses cuMem with the recommended granularity)
   CUmemAllocationProp prop{};
@@ -276,18 +310,25 @@ void CudaCommunicator::init(CommunicatorOptions const& options) {
   view_.error = error_device;
   view_.signals = signals.view;
   view_.barrier_epoch = barrier_epoch_;
-  refusals_ = alloc_region(kRefusalBytes);
+  refusals_ = alloc_region(kRefusalBytes * (1 + static_cast<std::size_t>(world)));
+  if (gin_) refusal_gin_ = gin_transport(refusals_, 0, 0);
   initialized_ = true;
 }
 
 transport::Gin CudaCommunicator::gin_transport(SymmetricRegion const& region, std::size_t signals_off,
-                                               uint32_t num_signals) const {
+                                               uint32_t num_signals) {
   FERRY_CHECK_CONFIG(gin_,
                      "this cuda communicator has no GIN: create it with FERRY_NETWORK=gin, or across nodes with "
                      "FERRY_NETWORK=auto");
-  for (Region const& r : regions_)
-    if (r.ptr == region.local && r.ptr != nullptr && !r.released)
-      return make_gin(dev_comm_, r.window, static_cast<char*>(r.ptr), signals_off, num_signals);
+  for (Region const& r : regions_) {
+    if (r.ptr != region.local || r.ptr == nullptr || r.released) continue;
+    FERRY_CHECK_CONFIG(signals_off % sizeof(uint64_t) == 0 && signals_off + num_signals * sizeof(uint64_t) <= r.bytes,
+                       "gin_transport: the signal words [", signals_off, ", ", signals_off + num_signals * 8,
+                       ") are not 8-byte words inside the region's ", r.bytes, " bytes");
+    uint32_t const first = signal_ranges_.take(r.id, num_signals);
+    reset_gin_signals(dev_comm_, first, num_signals);
+    return make_gin(dev_comm_, r.window, static_cast<char*>(r.ptr), signals_off, first, num_signals);
+  }
   FERRY_THROW(ConfigError, "config", "gin_transport: the region at ", region.local,
               " is not a live symmetric region of this communicator");
 }
@@ -301,11 +342,22 @@ void CudaCommunicator::release_symmetric(SymmetricRegion const& region) noexcept
 
 void CudaCommunicator::post_refusal(std::string const& reason) {
   // Written (synchronously) before the refused call's kernels are enqueued: a peer that saw this rank's abort flag
-  // in that call reads it afterwards (refusal_of), when its own kernel has finished.
+  // in that call reads it afterwards (refusal_of), when its own kernel has finished. The ranks outside the NVLink
+  // team get it over GIN, ahead of the call's count rows on the same context.
   char text[kRefusalBytes] = {};
   std::memcpy(text, reason.data(), std::min(reason.size(), kRefusalBytes - 1));
   FERRY_CHECK_CUDA(cudaSetDevice(device_));
   FERRY_CHECK_CUDA(cudaMemcpy(refusals_.local, text, kRefusalBytes, cudaMemcpyHostToDevice));
+  if (lsa_size_ == bootstrap_->world()) return;
+  RefusalPutParams params{};
+  params.gin = refusal_gin_;
+  params.rank = bootstrap_->rank();
+  params.world = bootstrap_->world();
+  params.lsa_first = lsa_first_;
+  params.lsa_size = lsa_size_;
+  put_refusal_kernel<<<1, 32>>>(params);
+  FERRY_CHECK_CUDA(cudaGetLastError());
+  FERRY_CHECK_CUDA(cudaDeviceSynchronize());
 }
 
 std::string CudaCommunicator::refusal_of(int rank) {
@@ -313,8 +365,11 @@ std::string CudaCommunicator::refusal_of(int rank) {
               bootstrap_->world());
   char text[kRefusalBytes] = {};
   FERRY_CHECK_CUDA(cudaSetDevice(device_));
-  // the peer's copy through its LSA address (a flat address on this device)
-  FERRY_CHECK_CUDA(cudaMemcpy(text, refusals_.view.ptr[rank], kRefusalBytes, cudaMemcpyDeviceToHost));
+  // the peer's copy through its LSA address (a flat address on this device), or what it put here over GIN
+  char const* const from = load_store_reachable(rank)
+                               ? refusals_.view.ptr[rank]
+                               : static_cast<char const*>(refusals_.local) + kRefusalBytes * (1 + rank);
+  FERRY_CHECK_CUDA(cudaMemcpy(text, from, kRefusalBytes, cudaMemcpyDeviceToHost));
   return std::string(text, strnlen(text, kRefusalBytes));
 }
 
@@ -368,6 +423,7 @@ std::optional<SymmetricRegion> CudaCommunicator::recycle_released(std::size_t by
   std::optional<SymmetricRegion> out;
   for (uint64_t id : common) {
     auto const it = find(id);
+    signal_ranges_.give_back(id);  // a reused region's new owner asks for its signals again
     if (reuse && id == *reuse) {
       FERRY_CHECK_CUDA(cudaMemset(it->ptr, 0, it->bytes));
       FERRY_CHECK_CUDA(cudaDeviceSynchronize());
@@ -425,7 +481,8 @@ SymmetricRegion CudaCommunicator::alloc_region(std::size_t bytes) {
   params.window = region.window;
   params.world = world;
   ncclTeam_t const world_team = ncclTeamWorld(comm_);
-  for (int r = 0; r < world; ++r) params.lsa_peer[r] = ncclTeamRankToLsa(comm_, world_team, r);
+  for (int r = 0; r < world; ++r)
+    params.lsa_peer[r] = load_store_reachable(r) ? ncclTeamRankToLsa(comm_, world_team, r) : -1;
   params.out = pointer_scratch_;
   fetch_lsa_pointers_kernel<<<1, kMaxLocalPeers>>>(params);
   FERRY_CHECK_CUDA(cudaGetLastError());
@@ -559,9 +616,9 @@ bool has_gin(Communicator const& comm) {
   return cuda != nullptr && cuda->has_gin();
 }
 
-transport::Gin gin_transport(Communicator const& comm, SymmetricRegion const& region, std::size_t signals_off,
+transport::Gin gin_transport(Communicator& comm, SymmetricRegion const& region, std::size_t signals_off,
                              uint32_t num_signals) {
-  auto const* cuda = dynamic_cast<CudaCommunicator const*>(&comm);
+  auto* const cuda = dynamic_cast<CudaCommunicator*>(&comm);
   FERRY_CHECK_CONFIG(cuda != nullptr, "gin_transport: GIN is a cuda communicator's; this one is ",
                      backend_name(comm.backend()));
   return cuda->gin_transport(region, signals_off, num_signals);

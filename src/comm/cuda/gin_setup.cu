@@ -3,10 +3,26 @@
 #include <string>
 
 #include "comm/network.hpp"
+#include "core/cuda_check.hpp"
 #include "ferry/error.hpp"
 
 namespace ferry::detail {
 namespace {
+
+struct ResetParams {
+  ncclDevComm comm;
+  uint32_t first;
+  uint32_t count;
+};
+
+// A thread per signal, on context 0: NCCL's signals belong to the device communicator, whichever context adds to them
+// (docs/gin.md, checklist).
+__global__ void reset_signals_kernel(ResetParams const p) {
+  uint32_t const i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= p.count) return;
+  ncclGin const gin(p.comm, 0);
+  gin.resetSignal(static_cast<ncclGinSignal_t>(p.first + i));
+}
 
 [[noreturn]] void gin_missing(int loaded, std::string const& reason) {
   FERRY_THROW(ConfigError, "config", gin_missing_message(loaded, reason));
@@ -72,11 +88,11 @@ void create_gin_dev_comm(ncclComm_t comm, ncclDevCommRequirements const& require
 }
 
 transport::Gin make_gin(ncclDevComm const& dev_comm, ncclWindow_t window, char* local_window, std::size_t signals_off,
-                        uint32_t num_signals) {
+                        uint32_t first_signal, uint32_t num_signals) {
   FERRY_CHECK_CONFIG(dev_comm.ginContextCount > 0, "make_gin: the device communicator has no GIN contexts");
-  FERRY_CHECK_CONFIG(num_signals >= 1 && static_cast<int64_t>(num_signals) <= dev_comm.ginSignalCount,
-                     "make_gin: ", num_signals, " signals asked for, the device communicator has ",
-                     dev_comm.ginSignalCount);
+  FERRY_CHECK_CONFIG(static_cast<int64_t>(first_signal) + num_signals <= dev_comm.ginSignalCount, "make_gin: signals ",
+                     first_signal, "..", static_cast<int64_t>(first_signal) + num_signals - 1,
+                     " asked for, the device communicator has ", dev_comm.ginSignalCount);
   FERRY_CHECK_CONFIG(signals_off % sizeof(uint64_t) == 0, "make_gin: the signal range starts at ", signals_off,
                      ", not a multiple of 8 bytes");
   transport::Gin gin{};
@@ -84,11 +100,20 @@ transport::Gin make_gin(ncclDevComm const& dev_comm, ncclWindow_t window, char* 
   gin.window = window;
   gin.local_window = local_window;
   gin.signals_off = signals_off;
+  gin.first_signal = first_signal;
   gin.num_signals = num_signals;
   gin.num_contexts = static_cast<int32_t>(dev_comm.ginContextCount);
   gin.rank = dev_comm.rank;
   gin.world = dev_comm.nRanks;
   return gin;
+}
+
+void reset_gin_signals(ncclDevComm const& dev_comm, uint32_t first, uint32_t count) {
+  if (count == 0) return;
+  constexpr uint32_t kThreads = 256;
+  reset_signals_kernel<<<(count + kThreads - 1) / kThreads, kThreads>>>(ResetParams{dev_comm, first, count});
+  FERRY_CHECK_CUDA(cudaGetLastError());
+  FERRY_CHECK_CUDA(cudaDeviceSynchronize());
 }
 
 }  // namespace ferry::detail

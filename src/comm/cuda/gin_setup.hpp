@@ -32,17 +32,25 @@ void create_gin_dev_comm(ncclComm_t comm, ncclDevCommRequirements const& require
 
 // The gin transport over `window` (a region registered with ncclCommWindowRegister: NCCL registers every window of
 // a communicator with GIN once GIN is up, the ones registered before included), whose counters are the words
-// [signals_off, signals_off + 8 * num_signals) of the window, num_signals <= kGinSignals. ConfigError for a signal
-// range NCCL did not allocate.
+// [signals_off, signals_off + 8 * num_signals) of the window, standing for GIN signals [first_signal, first_signal +
+// num_signals). num_signals 0: puts only. ConfigError for a signal range NCCL did not allocate.
 transport::Gin make_gin(ncclDevComm const& dev_comm, ncclWindow_t window, char* local_window, std::size_t signals_off,
-                        uint32_t num_signals);
+                        uint32_t first_signal, uint32_t num_signals);
+
+// Sets GIN signals [first, first + count) of `dev_comm` (and their shadows) to zero and waits for it: a range that
+// another owner used before starts again from 0. Nobody may signal them meanwhile (NCCL's resetSignal may not race):
+// the caller's construction ends in a barrier before any peer's kernel can.
+void reset_gin_signals(ncclDevComm const& dev_comm, uint32_t first, uint32_t count);
 
 // The communicator's side (cuda_communicator.cu), for the EP backends that hand a Gin to their kernels:
 // whether `comm` is a cuda communicator that set GIN up (FERRY_NETWORK=gin, or auto with peers outside the NVLink
-// team), and the gin transport over `region` (one of comm's live symmetric regions) with the signal range above.
-// gin_transport throws ConfigError for a communicator without GIN or a region that is not its own.
+// team), and the gin transport over `region` (one of comm's live symmetric regions) whose counters are the window
+// words [signals_off, signals_off + 8 * num_signals): the communicator hands the region a range of its GIN signals
+// (reset, and given back with the region). Collective: every rank calls it for the same regions in the same order,
+// so the ids agree. gin_transport throws ConfigError for a communicator without GIN, a region that is not its own,
+// or no free range.
 bool has_gin(Communicator const& comm);
-transport::Gin gin_transport(Communicator const& comm, SymmetricRegion const& region, std::size_t signals_off,
+transport::Gin gin_transport(Communicator& comm, SymmetricRegion const& region, std::size_t signals_off,
                              uint32_t num_signals);
 
 }  // namespace ferry::detail

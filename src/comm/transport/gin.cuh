@@ -9,7 +9,8 @@
 //  - wait: the leader polls ncclGin::readSignal (acquire), bounded like every device wait; the group's barrier then
 //    extends the acquire to the group.
 // Counters are GIN signals, not window words: the Gin maps the 8-byte words of its signal range onto GIN signal
-// indices (offset signals_off + 8 i is signal i), which the communicator allocated with the device communicator.
+// ids (offset signals_off + 8 i is signal first_signal + i), a range of the device communicator's signals that the
+// communicator handed to this region's owner (SignalRanges) and reset.
 // docs/gin.md lists each GIN call and guarantee relied on, with NCCL's documentation section, for a cluster run.
 // Load/store capability: none (kLoadStore is false); local() is this rank's own window, for writing sources and
 // reading what arrived.
@@ -29,6 +30,12 @@
 
 #if !defined(NCCL_VERSION_CODE) || NCCL_VERSION_CODE < 22807
 #error "the gin transport needs NCCL's device API with GIN: NCCL 2.28.7 or newer headers (FERRY_NCCL_ROOT)"
+#endif
+// scripts/check-gin-headers.sh names the headers it means: a compile that picked up others (nvcc's own include folder
+// holds an nccl.h too) must fail, not pass against the wrong version.
+#if defined(FERRY_EXPECT_NCCL_VERSION_CODE)
+static_assert(NCCL_VERSION_CODE == FERRY_EXPECT_NCCL_VERSION_CODE,
+              "compiled against other NCCL headers than asked for");
 #endif
 
 namespace ferry::transport {
@@ -70,9 +77,10 @@ struct Gin {
   ncclDevComm comm;
   ncclWindow_t window;      // the region's window, on every rank (the source and destination of every put)
   char* local_window;       // this rank's window, as addressable from this rank
-  std::size_t signals_off;  // the signal range: offset signals_off + 8 i names GIN signal i
-  uint32_t num_signals;     // ... i < num_signals
-  int32_t num_contexts;     // GIN contexts of `comm` (>= 1)
+  std::size_t signals_off;  // the signal range: offset signals_off + 8 i names GIN signal first_signal + i
+  uint32_t first_signal;
+  uint32_t num_signals;  // ... i < num_signals
+  int32_t num_contexts;  // GIN contexts of `comm` (>= 1)
   int32_t rank;
   int32_t world;
 
@@ -87,7 +95,7 @@ struct Gin {
   // The GIN signal that the counter offset `signal_off` names. The offset must be in the signal range: one outside
   // it is a protocol bug and names a signal that is not this Gin's.
   __device__ __forceinline__ ncclGinSignal_t signal_index(std::size_t signal_off) const {
-    return static_cast<ncclGinSignal_t>((signal_off - signals_off) / sizeof(uint64_t));
+    return static_cast<ncclGinSignal_t>(first_signal + (signal_off - signals_off) / sizeof(uint64_t));
   }
 };
 
