@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Compiles the gin transport (tests/build_check/gin_exchange.cu: an all-to-all kernel over Gin) and its host setup
-# (src/comm/cuda/gin_setup.cu) against the NCCL headers of the newest nvidia-nccl-cu13 wheel on PyPI, with the
-# build's flags. The normal build compiles both against the installed NCCL; this keeps the code honest for the NCCL
-# clusters run (docs/gin.md, "Version guards"). The wheel's include folder is kept per version in
+# Compiles the code that meets NCCL's device API against the NCCL headers of the newest nvidia-nccl-cu13 wheel on PyPI,
+# with the build's flags: the gin transport (tests/build_check/gin_exchange.cu: an all-to-all kernel over Gin), its
+# host setup (src/comm/cuda/gin_setup.cu), the cuda communicator, and the hierarchical EP kernels instantiated over
+# Gin with their backend (src/ep/cuda/hier_*.cu, cuda_ep.cu). The normal build compiles them against the installed
+# NCCL; this keeps the code honest for the NCCL clusters run (docs/gin.md, "Version guards"). The wheel's include folder is kept per version in
 # BUILD/gin-headers/<version>/ (the wheel itself, ~300 MB, is deleted once unpacked), so a second run only asks PyPI
 # which version is the newest.
 #
@@ -49,12 +50,13 @@ fi
 CODE=$(sed -n 's/^#define NCCL_VERSION_CODE \([0-9]*\).*/\1/p' "$INCLUDE/nccl.h")
 echo "check-gin-headers: $PACKAGE $VERSION, NCCL_VERSION_CODE $CODE, headers $INCLUDE, $("$NVCC" --version | tail -n 1)"
 
-# 4. the two translation units, with the build's flags; the wheel's headers come before nvcc's own include folder
+# 4. the translation units, with the build's flags; the wheel's headers come before nvcc's own include folder
 #    (which holds the toolkit's nccl.h), and FERRY_EXPECT_NCCL_VERSION_CODE makes the kernel's TU prove it
 FLAGS=(-std=c++20 -arch=sm_90a --expt-relaxed-constexpr -DFERRY_HAVE_CUDA=1 -I"$SRC/include" -I"$SRC/src"
   -I"$INCLUDE" -DFERRY_EXPECT_NCCL_VERSION_CODE="$CODE")
 STATUS=0
-for tu in tests/build_check/gin_exchange.cu src/comm/cuda/gin_setup.cu; do
+for tu in tests/build_check/gin_exchange.cu src/comm/cuda/gin_setup.cu src/comm/cuda/cuda_communicator.cu \
+  src/ep/cuda/hier_dispatch.cu src/ep/cuda/hier_combine.cu src/ep/cuda/cuda_ep.cu; do
   OBJECT="$CACHE/$(basename "$tu").o"
   if "$NVCC" "${FLAGS[@]}" -c "$SRC/$tu" -o "$OBJECT"; then
     echo "check-gin-headers: OK   $tu against NCCL $VERSION"

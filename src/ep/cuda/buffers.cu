@@ -106,19 +106,24 @@ SymLayout make_hier_sym_layout(EpConfig const& config, Topology const& topology)
   areas.take(layout.total);
   layout.counts = areas.take(2 * w * layout.count_words * sizeof(uint64_t));  // replaces the push's (wider rows)
   layout.hier_count_send = areas.take(w * layout.count_words * sizeof(uint64_t));
-  layout.hier_count_signal = areas.take(w * sizeof(uint64_t));
+  // the counters the network signals, adjacent (the GIN transport's signal range): per source of count rows, per
+  // source node of forwarded rows, per sender of combine rows, per rail of combine rows
+  std::size_t const counters = 3 * w + n;
+  layout.hier_signals = areas.take(counters * sizeof(uint64_t));
+  layout.hier_num_signals = static_cast<uint32_t>(counters);
+  layout.hier_count_signal = layout.hier_signals;
+  layout.hier_fwd_signal = layout.hier_count_signal + w * sizeof(uint64_t);
+  layout.hier_arrive = layout.hier_fwd_signal + n * sizeof(uint64_t);
+  layout.hier_rail_signal = layout.hier_arrive + w * sizeof(uint64_t);
   layout.hier_meta_bytes = hier_record_bytes(topology.local, config.topk);
   layout.hier_send_rows = areas.take(max_tokens * row);
   layout.hier_send_meta = areas.take(n * max_tokens * layout.hier_meta_bytes);
   layout.hier_fwd_rows = areas.take(n * max_tokens * row);
   layout.hier_fwd_meta = areas.take(n * max_tokens * layout.hier_meta_bytes);
-  layout.hier_fwd_signal = areas.take(n * sizeof(uint64_t));
   layout.hier_partials = areas.take(2 * n * static_cast<std::size_t>(topology.local) * max_tokens *
                                     static_cast<std::size_t>(config.hidden) * 2);
   layout.hier_combine_send = areas.take(n * max_tokens * combine_row);
-  layout.hier_arrive = areas.take(w * sizeof(uint64_t));
   layout.hier_abort = areas.take(2 * w * sizeof(uint64_t));
-  layout.hier_rail_signal = areas.take(w * sizeof(uint64_t));
   layout.nodes = topology.nodes;
   layout.local = topology.local;
   layout.total = areas.total();
@@ -170,8 +175,10 @@ void allocate_buffers(Buffers& b) {
       b.hier_mask = device_zeroed<uint32_t>(max_tokens);
       if (config.combine_format != WireFormat::bf16)
         b.rail_partials = device_alloc<uint16_t>(nodes * max_tokens * static_cast<std::size_t>(config.hidden));
-      b.network.num_areas = std::max(b.max_dispatch_ctas, b.num_sms) * kWarps;
-      b.network.areas = device_zeroed<transport::EmulatedArea>(static_cast<std::size_t>(b.network.num_areas));
+      if (b.network_kind == transport::Kind::emulated) {
+        b.network.num_areas = std::max(b.max_dispatch_ctas, b.num_sms) * kWarps;
+        b.network.areas = device_zeroed<transport::EmulatedArea>(static_cast<std::size_t>(b.network.num_areas));
+      }
     }
     // NOTE: scale tensors are zeroed once: calls write every (row, block) entry of the rows they deliver and never the
     // padding entries (rows or blocks past the end), which the layouts define as zero.

@@ -10,12 +10,14 @@
 #include <string>
 
 #include "comm/transport/emulated.cuh"
+#include "comm/transport/gin.cuh"
 #include "ep/cuda/ll_params.cuh"
 #include "ep/cuda/params.cuh"
 #include "ep/landing_policy.hpp"
 #include "ep/run_record.hpp"
 #include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
+#include "ferry/error.hpp"
 #include "quant/layout.hpp"
 #include "trace/cuda/recorder.hpp"
 #include "tuning/choose.hpp"
@@ -86,9 +88,12 @@ struct Buffers {
   tuning::LegTuning combine_tuning;
 
   // Hierarchical normal mode (nodes > 1; hier_dispatch.cuh, hier_combine.cuh). The caller sets topology and the
-  // network transport's fields (windows, rank, world, seed, delays); allocate_buffers its endpoints' areas.
+  // network: GIN (gin, from the communicator), or the emulated transport (its fields: windows, rank, world, seed,
+  // delays; allocate_buffers its endpoints' areas). with_network (hier_params.cuh) hands the kernels the one in use.
   Topology topology{};
+  transport::Kind network_kind = transport::Kind::emulated;
   transport::Emulated network{};
+  transport::Gin gin{};
   int32_t* node_pos = nullptr;        // [max_tokens, nodes] position among this rank's tokens bound for that node
   uint32_t* hier_mask = nullptr;      // [max_tokens] who sends a token's combine row back: own-node ranks, rails
   uint16_t* rail_partials = nullptr;  // quantized combine_format: [nodes, max_tokens, hidden] the rail's bf16 sums
@@ -174,6 +179,33 @@ struct CombineVariant {
 void launch_combine(Buffers const& buffers, CombineArgs const& args, LaunchPlan const& plan, int num_tokens,
                     cudaStream_t stream, bool refuse = false, detail::LegRecord* record = nullptr,
                     CombineVariant variant = {});
+
+// Calls launch(net) with the network transport the hierarchical protocol of `b` runs over (network_kind): Gin, or
+// Emulated, whose endpoints (one per warp) must cover the leg's grid of `num_ctas` CTAs. The launchers instantiate
+// their kernels for both.
+template <class Launch>
+void with_network(Buffers const& b, int num_ctas, char const* leg, Launch&& launch) {
+  if (b.network_kind == transport::Kind::gin) {
+    launch(b.gin);
+    return;
+  }
+  FERRY_CHECK(b.network.areas != nullptr && num_ctas * kWarps <= b.network.num_areas, leg, " of ", num_ctas,
+              " CTAs needs ", num_ctas * kWarps, " emulated network endpoints, the buffers have ", b.network.num_areas);
+  launch(b.network);
+}
+
+// The Params of a hierarchical leg (hier_params.cuh): the one-node leg's `base` plus the network, the topology and the
+// last dispatch's senders per token; the leg's launcher adds its own fields.
+template <template <class> class HierParams, class Base, class Net>
+HierParams<Net> hier_params(Buffers const& b, Base const& base, Net const& network) {
+  HierParams<Net> p{};
+  static_cast<Base&>(p) = base;
+  p.network = network;
+  p.nodes = b.topology.nodes;
+  p.local = b.topology.local;
+  p.hier_mask = b.hier_mask;
+  return p;
+}
 
 // The hierarchical protocol (nodes > 1): launch_dispatch / launch_combine hand their Params here (hier_dispatch.cu,
 // hier_combine.cu), which add the network transport and the topology and launch the two kernels of the leg.

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "comm/cuda/gin_setup.hpp"
 #include "core/cuda_check.hpp"
 #include "ep/cuda/buffers.hpp"
 #include "ep/cuda/device_memory.hpp"
@@ -34,20 +35,24 @@ GridChoice ll_grid(int asked, std::string source, int agreed) {
 
 namespace {
 
-// NOTE: the hierarchical protocol (normal mode over several nodes) carries bf16 dispatch rows in this version, and
-// reaches the ranks of other nodes through the emulated network, which needs their windows mapped (emulated nodes on
-// one host, FERRY_TOPOLOGY); a real network needs the GIN transport in its kernels.
+// NOTE: the hierarchical protocol (normal mode over several nodes) carries bf16 dispatch rows in this version. It
+// reaches the ranks of other nodes over GIN when the communicator set GIN up, else through the emulated network,
+// which needs their windows mapped (emulated nodes on one host, FERRY_TOPOLOGY).
 void check_hierarchical(Communicator const& comm, EpConfig const& config, Topology const& topology) {
   FERRY_CHECK_CONFIG(config.dispatch_format == WireFormat::bf16, "mode=normal over ", topology_name(topology),
                      " nodes carries bf16 dispatch rows in this version, not dispatch_format=",
                      wire_format_name(config.dispatch_format), "; use dispatch_format=bf16");
   FERRY_CHECK_CONFIG(topology.world() + topology.nodes <= kMaxHierColumns, "topology ", topology_name(topology),
                      " has more ranks and nodes than the hierarchical layout's ", kMaxHierColumns, " columns");
-  for (int peer = 0; peer < comm.world(); ++peer)
-    FERRY_CHECK_CONFIG(comm.load_store_reachable(peer), "rank ", comm.rank(), " cannot reach rank ", peer,
-                       " by load/store (topology ", topology_name(topology),
-                       "): the GIN transport is not wired into the EP kernels yet; only emulated nodes on one host "
-                       "(FERRY_TOPOLOGY) run the hierarchical protocol in this version");
+  bool const gin = detail::has_gin(comm);
+  for (int peer = 0; peer < comm.world(); ++peer) {
+    if (comm.load_store_reachable(peer)) continue;
+    // the communicator keeps a node inside its NVLink team (check_node_in_team), and sets GIN up for the others
+    FERRY_CHECK_CONFIG(!topology.same_node(peer, comm.rank()), "rank ", comm.rank(), " cannot reach rank ", peer,
+                       " of its own node by load/store (topology ", topology_name(topology), ")");
+    FERRY_CHECK_CONFIG(gin, "rank ", comm.rank(), " reaches rank ", peer,
+                       " neither by load/store nor over GIN: create the communicator with FERRY_NETWORK=auto or gin");
+  }
 }
 
 // A normal-mode plan for one token count, with the env pins it was made under (the plan functions read them at every
@@ -94,8 +99,9 @@ class CudaEp final : public detail::EpBackendImpl {
     if (hierarchical) check_hierarchical(comm, config, topology);
     detail::ProtocolChoice const protocol = detail::choose_protocol(
         config, world, ll ? std::string() : env_string("FERRY_NORMAL_LANDING"), ll ? 1 : topology.nodes);
+    transport::Kind const network = detail::has_gin(comm) ? transport::Kind::gin : transport::Kind::emulated;
     protocol_why_ = hierarchical ? detail::concat("hierarchical (", topology_name(topology),
-                                                  ", network: ", transport::kind_name(transport::Kind::emulated), ")")
+                                                  ", network: ", transport::kind_name(network), ")")
                                  : protocol.why;
     protocol_fallbacks_ = protocol.fallback ? detail::kFallbackCountExchange : detail::kNoFallback;
     if (ll) {
@@ -154,19 +160,23 @@ class CudaEp final : public detail::EpBackendImpl {
     b.layout = hierarchical ? make_hier_sym_layout(config, topology) : make_sym_layout(config, world, b.protocol);
     region_ = comm.alloc_symmetric(b.layout.total);
     b.sym = region_.view;
-    if (hierarchical) {
-      // the network between the nodes: emulated over the peers' windows (check_hierarchical: every peer is load/store
-      // reachable), with the transport's default seeded delays and reordering
-      transport::EmulatedOptions const options;
-      for (int r = 0; r < world; ++r) b.network.windows[r] = b.sym.ptr[r];
-      b.network.rank = comm.rank();
-      b.network.world = world;
-      b.network.seed = options.seed ^ static_cast<uint64_t>(comm.rank());
-      b.network.max_delay_ns = options.max_delay_ns;
-      b.network.reorder = options.reorder ? 1u : 0u;
-    }
     if (!ll) handle_layout_ = make_handle_layout(config, world);
     try {
+      b.network_kind = network;
+      if (hierarchical && network == transport::Kind::gin) {
+        // the network between the nodes: GIN over this region's window, the layout's counters as GIN signals
+        b.gin = detail::gin_transport(comm, region_, b.layout.hier_signals, b.layout.hier_num_signals);
+      } else if (hierarchical) {
+        // the network between the nodes: emulated over the peers' windows (check_hierarchical: every peer is load/store
+        // reachable), with the transport's default seeded delays and reordering
+        transport::EmulatedOptions const options;
+        for (int r = 0; r < world; ++r) b.network.windows[r] = b.sym.ptr[r];
+        b.network.rank = comm.rank();
+        b.network.world = world;
+        b.network.seed = options.seed ^ static_cast<uint64_t>(comm.rank());
+        b.network.max_delay_ns = options.max_delay_ns;
+        b.network.reorder = options.reorder ? 1u : 0u;
+      }
       allocate_buffers(b);
       b.trace = &trace_;
       if (int const events = trace::env_events_per_warp(); events > 0) trace_.enable(b.rank, trace_warps(), events);

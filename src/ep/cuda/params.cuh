@@ -147,7 +147,11 @@ struct SymLayout {
   std::size_t hier_arrive = 0;        // [world senders] u64 counter: +1 per combine (rows and abort word are in)
   std::size_t hier_abort = 0;         // [2 parities][world senders] u64: seq if the sender refused that call, else 0
   std::size_t hier_rail_signal = 0;   // [world rails] u64 counter: kHierArrivalsPerCall per combine
-  std::size_t hier_meta_bytes = 0;    // one forward record (hier_record_bytes)
+  // The counters above that the network signals (count, fwd, arrive, rail: adjacent, in that order), the GIN
+  // transport's signal range; the own node's sources signal the same words by NVLink stores.
+  std::size_t hier_signals = 0;
+  uint32_t hier_num_signals = 0;
+  std::size_t hier_meta_bytes = 0;  // one forward record (hier_record_bytes)
   int nodes = 1;
   int local = 0;  // ranks per node (the hierarchical protocol; 0 otherwise)
   // Low-latency mode (ll_params.cuh); "source" is the sending rank:
