@@ -8,6 +8,8 @@ namespace ferry {
 
 // Most ranks that share load/store access (one NVLink domain). Past this, ranks talk through the network seam.
 inline constexpr int kMaxLocalPeers = 32;
+// Words of DeviceErrorBlock::absent: a bit per rank of a world of up to 256 (32 nodes x 8).
+inline constexpr int kAbsentWords = 8;
 
 // Phases a bounded wait can time out in (recorded in DeviceErrorBlock::phase).
 enum class WaitPhase : int32_t {
@@ -49,6 +51,10 @@ struct DeviceErrorBlock {
   int32_t refusing_rank;
   int32_t refused_phase;  // WaitPhase of the exchange that carried the flag
   uint32_t reserved;
+  // Every rank a wait of this rank gave up on (bit r % 32 of word r / 32): the timed-out wait's peer, and the peers
+  // of the waits that stopped early because of it and had still not seen their signal. The host names them all, and
+  // a whole node when every rank of one is in it.
+  uint32_t absent[kAbsentWords];
 };
 
 // Symmetric memory as a kernel sees it: one region of the same size on every rank; ptr[r] is rank r's copy,

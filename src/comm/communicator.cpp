@@ -90,6 +90,13 @@ std::string describe_device_error(DeviceErrorBlock const& block, double timeout_
   if (topology.nodes > 1 && block.status != 0 && block.peer >= 0 && block.peer < topology.world())
     text += concat(" (rank ", block.peer, " is local rank ", topology.local_of(block.peer), " of node ",
                    topology.node_of(block.peer), " of ", topology_name(topology), ")");
+  if (block.status != kErrorTimeout) return text;
+  // every rank the waits gave up on: more than the first one, or a node (a one-rank node included)
+  std::vector<int> absent;
+  for (int r = 0; r < 32 * kAbsentWords; ++r)
+    if ((block.absent[r / 32] >> (r % 32)) & 1u) absent.push_back(r);
+  if (absent.size() > 1 || (topology.nodes > 1 && !absent.empty()))
+    text += concat("; absent from this rank's waits: ", describe_absent(absent, topology));
   return text;
 }
 

@@ -433,6 +433,25 @@ TEST(InternodeCpuFailures, AbsentNodeIsNamedAsANode) {
       << detail::describe_absent({5, 6}, t);
   EXPECT_EQ(detail::describe_absent({3}, Topology{1, 8}), "rank(s) 3");
 
+  // the cuda backend's device error block: the first timeout's peer, and every peer its stopped waits still missed
+  DeviceErrorBlock block{};
+  block.status = kErrorTimeout;
+  block.rank = 0;
+  block.peer = 2;
+  block.phase = static_cast<int32_t>(WaitPhase::count_exchange);
+  block.absent[0] = (1u << 2) | (1u << 3);
+  std::string const node = detail::describe_device_error(block, 1.0, Topology{2, 2});
+  EXPECT_NE(node.find("waiting for rank 2"), std::string::npos) << node;
+  EXPECT_NE(node.find("absent from this rank's waits: rank(s) 2, 3 (every rank of node 1 of 2x2"), std::string::npos)
+      << node;
+  block.absent[0] = 1u << 2;  // one rank of a one-node world: the message is the first timeout's alone
+  EXPECT_EQ(detail::describe_device_error(block, 1.0, Topology{1, 4}).find("absent from"), std::string::npos);
+  block.absent[0] = 0;
+  block.absent[kAbsentWords - 1] = 1u << 31;  // the last of 256 ranks
+  block.absent[1] = 1u;                       // rank 32
+  std::string const wide = detail::describe_device_error(block, 1.0, Topology{32, 8});
+  EXPECT_NE(wide.find("rank(s) 32, 255 (1 of node 4; 1 of node 31, topology 32x8)"), std::string::npos) << wide;
+
   test::ScopedEnv const timeout("FERRY_TIMEOUT_S", std::string("1"));
   CommunicatorOptions options;
   options.topology = "2x2";

@@ -42,10 +42,23 @@ __device__ __forceinline__ void record_failure(DeviceView const& view, uint32_t 
   }
 }
 
-// Records a timeout in the error block; only the first failure on this rank is kept.
+// Adds `peer` to the ranks this rank's waits gave up on (DeviceErrorBlock::absent).
+__device__ __forceinline__ void record_absent(DeviceView const& view, int peer) {
+  if (peer >= 0 && peer < 32 * kAbsentWords) atomicOr(&view.error->absent[peer >> 5], 1u << (peer & 31));
+}
+
+// Records a timeout in the error block (only the first failure on this rank is kept) and its peer as absent.
 __device__ __forceinline__ void record_timeout(DeviceView const& view, int peer, WaitPhase phase, uint64_t expected,
                                                uint64_t observed) {
+  record_absent(view, peer);
   record_failure(view, kErrorTimeout, peer, phase, expected, observed);
+}
+
+// A wait that stops because another one of this rank failed: its peer is absent too if its signal is still short, so
+// that the host can name every missing rank (a whole node), not only the first.
+__device__ __forceinline__ bool stop_waiting(DeviceView const& view, int peer, uint64_t value, uint64_t expected) {
+  if (value < expected) record_absent(view, peer);
+  return false;
 }
 
 // Spins until *signal >= expected (acquire) and leaves the value that satisfied it in *observed (a
@@ -71,7 +84,7 @@ __device__ __forceinline__ bool wait_signal_geq_value(DeviceView const& view, ui
       return true;
     }
     if ((++spins & 255u) == 0u) {
-      if (device_failed(view)) return false;
+      if (device_failed(view)) return stop_waiting(view, peer, value, expected);
       if (arch::global_timer_ns() - start > view.timeout_ns) {
         record_timeout(view, peer, phase, expected, value);
         return false;
@@ -97,7 +110,7 @@ __device__ __forceinline__ bool wait_signal_geq_since(DeviceView const& view, ui
     uint64_t const observed = arch::load_acquire_sys_u64(signal);
     if (observed >= expected) return true;
     if ((++spins & 255u) == 0u) {
-      if (device_failed(view)) return false;
+      if (device_failed(view)) return stop_waiting(view, peer, observed, expected);
       if (arch::global_timer_ns() - start_ns > view.timeout_ns) {
         record_timeout(view, peer, phase, expected, observed);
         return false;

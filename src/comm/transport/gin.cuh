@@ -146,7 +146,7 @@ class GinEndpoint {
       value = gin_.readSignal(signal);
       if (value >= least) return true;
       if ((spins & 255u) == 0u) {
-        if (device::device_failed(view)) return false;
+        if (device::device_failed(view)) return device::stop_waiting(view, peer, value, least);
         if (device::arch::global_timer_ns() - start > view.timeout_ns) {
           device::record_timeout(view, peer, phase, least, value);
           return false;

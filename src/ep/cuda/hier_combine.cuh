@@ -160,10 +160,13 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_sum_kernel(HierCombi
     auto net = p.network.open(transport::Warp{}, global_warp);
     bool ok = true;
     uint32_t refused = 0;
-    for (int d = 0; d < world && ok; ++d) {
+    // NOTE: past a failed wait the loop goes on: the later waits stop at once (device_failed), each recording its
+    // sender if absent, so the error names every missing rank (a whole node), not only the first
+    for (int d = 0; d < world; ++d) {
       std::size_t const counter = p.layout.hier_arrive + static_cast<std::size_t>(d) * sizeof(uint64_t);
-      ok = d / local == own_node ? lsa.wait(p.view, counter, seq, d, WaitPhase::combine_data)
-                                 : net.wait(p.view, counter, seq, d, WaitPhase::combine_data);
+      bool const arrived = d / local == own_node ? lsa.wait(p.view, counter, seq, d, WaitPhase::combine_data)
+                                                 : net.wait(p.view, counter, seq, d, WaitPhase::combine_data);
+      ok = ok && arrived;
       uint64_t const* const abort_word = reinterpret_cast<uint64_t const*>(
           own + p.layout.hier_abort + (static_cast<std::size_t>(parity) * world + d) * sizeof(uint64_t));
       if (ok && device::arch::load_relaxed_sys_u64(abort_word) == seq) refused |= 1u << d;
@@ -234,11 +237,13 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_sum_kernel(HierCombi
   // 2b. every other node's rail (warp 0; the network's wait), then the sums of this CTA's share of the tokens
   bool ok = true;
   if (warp == 0) {
-    for (int n = 0; n < nodes && ok; ++n) {
+    for (int n = 0; n < nodes; ++n) {  // past a failure as above: every absent rail is recorded
       if (n == own_node) continue;
       int const rail = n * local + local_rank;
-      ok = net.wait(p.view, p.layout.hier_rail_signal + static_cast<std::size_t>(rail) * sizeof(uint64_t),
-                    seq * kHierArrivalsPerCall, rail, WaitPhase::combine_data);
+      bool const arrived =
+          net.wait(p.view, p.layout.hier_rail_signal + static_cast<std::size_t>(rail) * sizeof(uint64_t),
+                   seq * kHierArrivalsPerCall, rail, WaitPhase::combine_data);
+      ok = ok && arrived;
     }
     if (lane == 0 && !ok) s_ok = 0;
   }
