@@ -46,6 +46,9 @@ namespace ferry::test {
 namespace {
 
 using cuda_ep::Buffers;
+
+// The handle storage of a one-node layout (no hierarchical areas): every buffer of this test is on one node.
+cuda_ep::SymLayout const kOneNode{};
 using VirtualNormalRanks = VirtualRanks<Buffers, cuda_ep::allocate_buffers, cuda_ep::free_buffers>;
 
 struct Spec : VirtualSpec {
@@ -141,7 +144,7 @@ class BackwardRanks {
                 std::vector<DeviceBuffer> const* w_dev, std::vector<DeviceBuffer> const* handles, bool expand,
                 std::vector<DeviceBuffer> const* save, std::vector<ref::RankDispatch> const& layouts,
                 bool gradients = false) {
-    cuda_ep::HandleLayout const hl = cuda_ep::make_handle_layout(config_, world_);
+    cuda_ep::HandleLayout const hl = cuda_ep::make_handle_layout(config_, world_, kOneNode);
     std::vector<DispatchArgs> args(world_);
     for (int r = 0; r < world_; ++r) {
       DispatchArgs& a = args[r];
@@ -271,7 +274,7 @@ void run_backward(Spec const& spec, int num_ctas) {
   std::fflush(stdout);
 
   // per-rank device memory: two handles, gradients in both layouts, expert outputs, grad_y, outputs with guards
-  std::size_t const handle_bytes = cuda_ep::make_handle_layout(config, world).total;
+  std::size_t const handle_bytes = cuda_ep::make_handle_layout(config, world, kOneNode).total;
   auto handles1 = per_rank_buffers(world, [&](int) { return handle_bytes; });
   auto handles2 = per_rank_buffers(world, [&](int) { return handle_bytes; });
   auto grad_rm = per_rank_buffers(world, [&](int) { return config.recv_capacity(world) * std::size_t(hidden) * 2; });
@@ -451,7 +454,7 @@ void run_backward(Spec const& spec, int num_ctas) {
     for (int r = 0; r < world; ++r) {
       Buffers const& b = ranks[r];
       cudaStream_t const s = ranks.stream(r);
-      cuda_ep::HandleLayout const hl = cuda_ep::make_handle_layout(config, world);
+      cuda_ep::HandleLayout const hl = cuda_ep::make_handle_layout(config, world, kOneNode);
       CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
       cuda_ep::launch_restore_handle(b, handles1[r].ptr, tokens[r], true, s);
       CombineArgs const cargs{CombineLayout::expert_major, grad_em[r].ptr, y[r].ptr, false};
@@ -502,7 +505,8 @@ void run_backward(Spec const& spec, int num_ctas) {
     user2.hidden = hidden + 512;
     user2.validate(world);
     EpConfig const config2 = user2.resolved(world);
-    ASSERT_EQ(cuda_ep::make_handle_layout(config2, world).total, handle_bytes) << "a handle fits every hidden size";
+    ASSERT_EQ(cuda_ep::make_handle_layout(config2, world, kOneNode).total, handle_bytes)
+        << "a handle fits every hidden size";
     BackwardRanks ranks2(config2, world, num_ctas, spec.protocol, spec.timeout_s(), tokens);
     Pass p1b;  // pass 1's routing, rows of the second hidden
     p1b.inputs = p1.inputs;

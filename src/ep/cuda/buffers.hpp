@@ -233,9 +233,16 @@ struct HandleLayout {
   std::size_t expert_counts = 0;  // [num_local_experts] int32
   std::size_t topk_idx = 0;       // [max_tokens, topk] int32
   std::size_t topk_weights = 0;   // [max_tokens, topk] float
+  // hierarchical protocol only (what its combine reads of its dispatch, hier_combine.cuh): the senders of each token,
+  // the records this rank received as a rail per source node, and their forward records
+  std::size_t hier_mask = 0;       // [max_tokens] uint32
+  std::size_t hier_fwd_count = 0;  // [kMaxLocalPeers] int32
+  std::size_t hier_fwd_meta = 0;   // [nodes, max_tokens] records (SymLayout::hier_meta_bytes each)
   std::size_t total = 0;
 };
-HandleLayout make_handle_layout(EpConfig const& config, int world);
+// The storage of a normal-mode handle of a buffer whose symmetric layout is `layout` (the hierarchical areas when it
+// has nodes > 1).
+HandleLayout make_handle_layout(EpConfig const& config, int world, SymLayout const& layout);
 // Enqueued after a normal-mode dispatch on the same stream (no host sync, graph-capturable): its layout and
 // args.topk_idx / topk_weights (args.num_tokens tokens) into the handle storage at `storage` (make_handle_layout).
 // expanded: the dispatch wrote recv_slot (expand); else recv_slot is not kept (it holds an older dispatch's slots).

@@ -160,7 +160,7 @@ class CudaEp final : public detail::EpBackendImpl {
     b.layout = hierarchical ? make_hier_sym_layout(config, topology) : make_sym_layout(config, world, b.protocol);
     region_ = comm.alloc_symmetric(b.layout.total);
     b.sym = region_.view;
-    if (!ll) handle_layout_ = make_handle_layout(config, world);
+    if (!ll) handle_layout_ = make_handle_layout(config, world, b.layout);
     try {
       b.network_kind = network;
       if (hierarchical && network == transport::Kind::gin) {
@@ -318,9 +318,6 @@ class CudaEp final : public detail::EpBackendImpl {
   }
 
   void save_handle(detail::HandleState& handle, DispatchArgs const& args, cudaStream_t stream) override {
-    // NOTE: a handle keeps the one-node layout only (not the rails' forward records a hierarchical combine reads).
-    FERRY_CHECK_CONFIG(buffers_.protocol != Protocol::hierarchical,
-                       "dispatch handles (the backward passes) are not built for normal mode over several nodes yet");
     launch_save_handle(buffers_, storage_of(handle), args, args.expand, stream);
   }
 

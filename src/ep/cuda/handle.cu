@@ -9,7 +9,7 @@
 
 namespace ferry::cuda_ep {
 
-HandleLayout make_handle_layout(EpConfig const& config, int world) {
+HandleLayout make_handle_layout(EpConfig const& config, int world, SymLayout const& sym) {
   // NOTE: aligned as the symmetric region's areas: the copy moves 16-byte vectors.
   HandleLayout layout;
   AreaPacker areas;
@@ -25,6 +25,11 @@ HandleLayout make_handle_layout(EpConfig const& config, int world) {
   layout.expert_counts = areas.take(static_cast<std::size_t>(config.num_local_experts(world)) * sizeof(int32_t));
   layout.topk_idx = areas.take(tokens * topk * sizeof(int32_t));
   layout.topk_weights = areas.take(tokens * topk * sizeof(float));
+  if (sym.nodes > 1) {
+    layout.hier_mask = areas.take(tokens * sizeof(uint32_t));
+    layout.hier_fwd_count = areas.take(kMaxLocalPeers * sizeof(int32_t));
+    layout.hier_fwd_meta = areas.take(static_cast<std::size_t>(sym.nodes) * tokens * sym.hier_meta_bytes);
+  }
   layout.total = areas.total();
   return layout;
 }
@@ -49,9 +54,10 @@ struct LayoutAreas {
 // The areas every direction copies: what combine and expand read of their dispatch (grep p.state, p.layout,
 // token_mask and recv_slot in combine.cuh and expand.cuh): the rank-major metadata of received rows, their slots
 // (only when the dispatch expanded: recv_slot is written by expand alone), the source's destination masks of its
-// num_tokens tokens, the layout words of DeviceState and the expert counts.
+// num_tokens tokens, the layout words of DeviceState and the expert counts; across nodes also the senders of each
+// token, and as a rail the records it forwarded (all of them: their count is on the device).
 void layout_areas(LayoutAreas& areas, Buffers const& b, char* storage, int num_tokens, bool expanded) {
-  HandleLayout const hl = make_handle_layout(b.config, b.world);
+  HandleLayout const hl = make_handle_layout(b.config, b.world, b.layout);
   char* const sym = b.sym.ptr[b.rank];
   int const topk = b.config.topk;
   int const cap = b.recv_capacity;
@@ -62,6 +68,14 @@ void layout_areas(LayoutAreas& areas, Buffers const& b, char* storage, int num_t
   areas.add(b.token_mask, storage + hl.token_mask, 1, num_tokens, false);
   areas.add(&b.state->num_recv, storage + hl.state_words, kHandleStateWords, 1, false);
   areas.add(b.expert_counts, storage + hl.expert_counts, b.num_local_experts, 1, false);
+  if (b.protocol != Protocol::hierarchical) return;
+  FERRY_CHECK(b.layout.hier_meta_bytes % sizeof(uint32_t) == 0, "forward records of ", b.layout.hier_meta_bytes,
+              " bytes are not whole words");
+  int const records = b.layout.nodes * b.config.max_tokens_per_rank;
+  areas.add(b.hier_mask, storage + hl.hier_mask, 1, num_tokens, false);
+  areas.add(b.state->hier_fwd_count, storage + hl.hier_fwd_count, kMaxLocalPeers, 1, false);
+  areas.add(sym + b.layout.hier_fwd_meta, storage + hl.hier_fwd_meta,
+            static_cast<int>(b.layout.hier_meta_bytes / sizeof(uint32_t)), records, false);
 }
 
 void launch_copy(Buffers const& b, HandleCopyParams const& p, cudaStream_t stream) {
@@ -84,7 +98,7 @@ void launch_save_handle(Buffers const& b, void* storage, DispatchArgs const& arg
   FERRY_CHECK(args.num_tokens >= 0 && args.num_tokens <= b.config.max_tokens_per_rank, "num_tokens=", args.num_tokens,
               " is outside [0, max_tokens_per_rank=", b.config.max_tokens_per_rank, "]");
   FERRY_CHECK(args.num_tokens == 0 || (args.topk_idx && args.topk_weights), "a saved dispatch without ids");
-  HandleLayout const hl = make_handle_layout(b.config, b.world);
+  HandleLayout const hl = make_handle_layout(b.config, b.world, b.layout);
   char* const base = static_cast<char*>(storage);
   int const topk = b.config.topk;
   HandleCopyParams p{};
@@ -105,7 +119,7 @@ void launch_restore_handle(Buffers const& b, void const* storage, int num_tokens
   FERRY_CHECK(storage != nullptr, "a handle without storage");
   FERRY_CHECK(num_tokens >= 0 && num_tokens <= b.config.max_tokens_per_rank, "num_tokens=", num_tokens,
               " is outside [0, max_tokens_per_rank=", b.config.max_tokens_per_rank, "]");
-  HandleLayout const hl = make_handle_layout(b.config, b.world);
+  HandleLayout const hl = make_handle_layout(b.config, b.world, b.layout);
   // the kernel only reads the handle's storage in this direction
   char* const base = const_cast<char*>(static_cast<char const*>(storage));
   HandleCopyParams p{};
