@@ -10,7 +10,8 @@
 // ref::combine_*(config, topology, ...) (the order across nodes: a remote node's rows summed in fp32 by its rail and
 // sent once). Topologies 2x1, 2x2, 2x4 and 4x2; 1x8 runs today's one-node path against the int-world reference (which
 // the topology reference equals there). Routings random, grouped and hot, ranks and a whole node without tokens,
-// hidden 2048 and 7168, topk 8, combine in bf16, fp8, nvfp4 and mxfp4 (bit-exact: the reference models the same
+// hidden 2048 and 7168, topk 8, dispatch in bf16 and every quantized format (delivered quantized in two scale
+// layouts, or dequantized), combine in bf16, fp8, nvfp4 and mxfp4 (bit-exact: the reference models the same
 // quantization). MissingRailWaitIsCaught shows the test can fail: with the rail's wait on the network's signal
 // dropped (a test-only switch), the emulated run must deliver wrong rows. Needs one GPU; skips without one.
 #include <gtest/gtest.h>
@@ -45,10 +46,18 @@ struct Spec : VirtualSpec {
   bool expand = false;
   int capacity = 0;
   WireFormat combine_format = WireFormat::bf16;
-  uint32_t delay_ns = 20000;  // delay_ns=: the emulated network's most delay per delivery
+  WireFormat dispatch_format = WireFormat::bf16;  // dispatch=: the wire rows of the dispatch (the network leg too)
+  bool dequantize = false;                        // dequantize=1: dispatch_dequantize (bf16 rows delivered)
+  ScaleLayout scales = ScaleLayout::row_major;    // scales=: recv_scale_layout of quantized delivery
+  uint32_t delay_ns = 20000;                      // delay_ns=: the emulated network's most delay per delivery
   bool skip_rail_wait = false;
   int refuse = -1;     // refuse=k: first rank k refuses a dispatch, then a combine; every other rank must say so
   bool graph = false;  // graph=1: iteration 0 runs the legs directly, the later ones replay one CUDA graph per rank
+  bool handles =
+      false;  // handles=1: two dispatches saved into handles, the first restored for its combine and backward
+  int absent_node = -1;  // absent_node=n: every rank of node n skips the dispatch (absent_leg=combine: the combine)
+  // the bound of the device waits: short when a node is meant to be absent
+  double timeout_s() const { return absent_node >= 0 ? kAbsentTimeoutS : VirtualSpec::timeout_s(); }
 };
 
 Spec parse_spec(std::vector<std::string> const& words) {
@@ -60,10 +69,18 @@ Spec parse_spec(std::vector<std::string> const& words) {
   s.expand = args.flag("expand", s.expand);
   s.capacity = args.integer("capacity", s.capacity);
   s.combine_format = parse_wire_format(args.text("combine", "bf16"));
+  s.dispatch_format = parse_wire_format(args.text("dispatch", "bf16"));
+  s.dequantize = args.flag("dequantize", false);
+  s.scales = parse_scale_layout(args.text("scales", "row_major"));
   s.delay_ns = static_cast<uint32_t>(args.integer("delay_ns", static_cast<int>(s.delay_ns)));
   s.skip_rail_wait = args.flag("skip_rail_wait", false);
   s.refuse = args.integer("refuse", -1);
   s.graph = args.flag("graph", false);
+  s.handles = args.flag("handles", false);
+  s.absent_node = args.integer("absent_node", -1);
+  s.absent_leg = args.text("absent_leg", s.absent_leg);
+  FERRY_CHECK(s.absent_node < s.topology.nodes, "absent_node=", s.absent_node, " is not a node of ",
+              topology_name(s.topology));
   return s;
 }
 
@@ -91,7 +108,8 @@ ExpectedBytes expected_bytes(EpConfig const& config, Topology const& topology, i
   int const local = topology.local;
   int const own = topology.node_of(r);
   int const num_local = config.num_local_experts(topology.world());
-  uint64_t const row = static_cast<uint64_t>(config.hidden) * 2;
+  uint64_t const row = wire_row_bytes(config.dispatch_format, config.hidden);  // a dispatch row, as it is sent
+  uint64_t const bf16_row = static_cast<uint64_t>(config.hidden) * 2;
   uint64_t const meta_row = static_cast<uint64_t>(config.topk) * 8 + 8;
   uint64_t const combine_row = wire_row_bytes(config.combine_format, config.hidden);
   auto mask_of = [&](int s, int t) {
@@ -132,7 +150,7 @@ ExpectedBytes expected_bytes(EpConfig const& config, Topology const& topology, i
     if (topology.same_node(s, r)) {
       if (s != r) out.combine.nvlink_bytes += combine_row;
     } else if (own * local + topology.local_of(s) != r) {
-      out.combine.nvlink_bytes += row;
+      out.combine.nvlink_bytes += bf16_row;
     }
   }
   return out;
@@ -147,6 +165,9 @@ std::string run_case(Spec const& spec, int num_ctas) {
   std::vector<int> const tokens = per_rank(spec.tokens, world);
   EpConfig user = spec.config();
   user.combine_format = spec.combine_format;
+  user.dispatch_format = spec.dispatch_format;
+  user.dispatch_dequantize = spec.dequantize;
+  user.recv_scale_layout = spec.scales;
   user.expert_capacity = spec.capacity > 0 ? spec.capacity : user.recv_capacity(world);
   user.validate(world);
   EpConfig const config = user.resolved(world);
@@ -168,10 +189,14 @@ std::string run_case(Spec const& spec, int num_ctas) {
   std::printf("topology %s x %d SMs: seed %llu routing %s tokens", topology_name(topology).c_str(), num_ctas,
               static_cast<unsigned long long>(spec.seed), spec.routing.c_str());
   for (int t : tokens) std::printf(" %d", t);
-  std::printf(" hidden %d topk %d experts %d slots %d expand %d combine %s network %s (delay < %u ns, reordered)%s\n",
-              config.hidden, config.topk, config.num_experts, config.expert_slots(), spec.expand,
-              wire_format_name(config.combine_format), hierarchical ? "emulated" : "none (one node: today's path)",
-              spec.delay_ns, spec.skip_rail_wait ? " [rail wait dropped]" : "");
+  std::printf(
+      " hidden %d topk %d experts %d slots %d expand %d dispatch %s%s scales %s combine %s network %s (delay < %u ns, "
+      "reordered)%s\n",
+      config.hidden, config.topk, config.num_experts, config.expert_slots(), spec.expand,
+      wire_format_name(config.dispatch_format), config.dispatch_dequantize ? " (dequantized)" : "",
+      scale_layout_name(config.recv_scale_layout), wire_format_name(config.combine_format),
+      hierarchical ? "emulated" : "none (one node: today's path)", spec.delay_ns,
+      spec.skip_rail_wait ? " [rail wait dropped]" : "");
   std::fflush(stdout);
   std::vector<VirtualRankIo> io;
   io.reserve(world);
@@ -244,6 +269,102 @@ std::string run_case(Spec const& spec, int num_ctas) {
                 spec.refuse);
   }
 
+  // handles=1: dispatches A and B, each saving its layout into a handle (what EpBuffer::dispatch(save_handle) does);
+  // then A's handle restored (B overwrote the live layout, the rails' forward records included): the rank-major
+  // combine of A's rows, and dispatch_backward's unit-weight combine with fp32 output, each against A's reference
+  if (spec.handles) {
+    std::size_t const handle_bytes = cuda_ep::make_handle_layout(config, world, layout).total;
+    std::vector<DeviceBuffer> handles, grad_x;
+    for (int r = 0; r < world; ++r) {
+      handles.emplace_back(handle_bytes);
+      grad_x.emplace_back(static_cast<std::size_t>(tokens[r]) * config.hidden * sizeof(float));
+    }
+    std::vector<VirtualIteration> passes;
+    passes.reserve(2);
+    for (int pass = 0; pass < 2; ++pass) {
+      passes.emplace_back(config, world, spec.routing_options(pass), tokens, io);
+      for (int r = 0; r < world; ++r) {
+        poison_any_dispatch(config, world, cuda_ep::dispatch_result(ranks[r], false));
+        cuda_ep::launch_dispatch(ranks[r], dargs[r], cuda_ep::plan_dispatch(ranks[r], tokens[r]), ranks.stream(r));
+        cuda_ep::launch_save_handle(ranks[r], handles[r].ptr, dargs[r], /*expanded=*/false, ranks.stream(r));
+      }
+      if (std::string const failure = ranks.synchronize(std::vector<int>(world, 0)); !failure.empty())
+        return "handles: dispatch " + std::to_string(pass) + ": " + failure;
+      for (int r = 0; r < world; ++r)
+        if (check_any_dispatch(config, world, r, pass, passes[pass].expected[r],
+                               cuda_ep::dispatch_result(ranks[r], false), /*poisoned=*/true, false) != 0)
+          return "handles: rank " + std::to_string(r) + " dispatch " + std::to_string(pass) + " differs (above)";
+    }
+    VirtualIteration const& a = passes[0];
+    for (int r = 0; r < world; ++r) {
+      upload(io[r].rows, a.rows[r]);
+      cuda_ep::launch_restore_handle(ranks[r], handles[r].ptr, tokens[r], /*expanded=*/false, ranks.stream(r));
+      cuda_ep::launch_combine(ranks[r], rm[r], cuda_ep::plan_combine(ranks[r], tokens[r]), tokens[r], ranks.stream(r));
+      CombineArgs backward = rm[r];
+      backward.y = grad_x[r].ptr;
+      cuda_ep::launch_combine(ranks[r], backward, cuda_ep::plan_combine(ranks[r], tokens[r]), tokens[r],
+                              ranks.stream(r), false, nullptr, cuda_ep::CombineVariant{true, true});
+    }
+    if (std::string const failure = ranks.synchronize(std::vector<int>(world, 0)); !failure.empty())
+      return "handles: the combines of the restored handle: " + failure;
+    for (int r = 0; r < world; ++r) {
+      std::string const where = "handles: rank " + std::to_string(r) + ": ";
+      if (check_combined("y rank-major of handle A", io[r].y_rm.ptr,
+                         ref::combine_rank_major(config, topology, r, a.inputs, a.expected, a.rows), kVirtualGuardElems,
+                         r, 0) != 0)
+        return where + "the combine of the restored handle differs from ref::combine_rank_major (above)";
+      std::vector<float> const want =
+          ref::dispatch_backward(config, topology, r, a.inputs, a.expected, a.rows, CombineLayout::rank_major);
+      auto const got = to_host<float>(grad_x[r].ptr, want.size());
+      if (long const d = first_diff(got.data(), want.data(), want.size()); d >= 0)
+        return where + "dispatch_backward (fp32) differs from ref::dispatch_backward at element " + std::to_string(d) +
+               ": " + std::to_string(got[d]) + " vs " + std::to_string(want[d]);
+    }
+    std::printf("handles: the first of two dispatches restored, its combine and dispatch_backward exact on %d ranks\n",
+                world);
+    return "";
+  }
+
+  // absent_node=n: every rank of node n skips a leg (stuck, crashed, or its network down); every other rank must end
+  // within its bound in a timeout that names node n as a whole, its absent ranks exactly those of node n
+  if (spec.absent_node >= 0) {
+    VirtualIteration const it(config, world, spec.routing_options(0), tokens, io);
+    auto const skipped = [&](int r) { return topology.node_of(r) == spec.absent_node; };
+    bool const at_combine = spec.absent_leg == "combine";
+    for (int r = 0; r < world; ++r)
+      if (at_combine || !skipped(r))
+        cuda_ep::launch_dispatch(ranks[r], dargs[r], cuda_ep::plan_dispatch(ranks[r], tokens[r]), ranks.stream(r));
+    if (at_combine) {
+      if (std::string const failure = ranks.synchronize(std::vector<int>(world, 0)); !failure.empty())
+        return "the dispatch before the skipped combine: " + failure;
+      for (int r = 0; r < world; ++r)
+        if (!skipped(r))
+          cuda_ep::launch_combine(ranks[r], rm[r], cuda_ep::plan_combine(ranks[r], tokens[r]), tokens[r],
+                                  ranks.stream(r));
+    }
+    std::vector<DeviceErrorBlock> const blocks = ranks.take_errors();
+    std::string const whole =
+        "every rank of node " + std::to_string(spec.absent_node) + " of " + topology_name(topology);
+    for (int r = 0; r < world; ++r) {
+      std::string const said = detail::describe_device_error(blocks[r], spec.timeout_s(), topology);
+      std::string const where = "node " + std::to_string(spec.absent_node) + " absent at the " + spec.absent_leg +
+                                ": rank " + std::to_string(r) + " ";
+      if (skipped(r)) {
+        if (blocks[r].status != 0) return where + "launched nothing, yet recorded: " + said;
+        continue;
+      }
+      if (blocks[r].status != kErrorTimeout) return where + "recorded no timeout: " + said;
+      if (said.find(whole) == std::string::npos) return where + "did not name the node (" + whole + "): " + said;
+      for (int q = 0; q < world; ++q)
+        if ((((blocks[r].absent[q / 32] >> (q % 32)) & 1u) != 0) != skipped(q))
+          return where + "recorded rank " + std::to_string(q) + (skipped(q) ? " present" : " absent") + ": " + said;
+    }
+    int const first = skipped(0) ? world - 1 : 0;
+    std::printf("node %d absent at the %s: rank %d said: %s\n", spec.absent_node, spec.absent_leg.c_str(), first,
+                detail::describe_device_error(blocks[first], spec.timeout_s(), topology).c_str());
+    return "";
+  }
+
   // graph=1: each rank's legs (dispatch, expand, both combines) captured once on its stream after iteration 0 has run
   // them directly (a kernel's first launch may load it, which a capture must not do), then replayed with fresh
   // inputs in the same buffers: no host synchronisation inside, the sequence numbers advancing on the device
@@ -266,7 +387,7 @@ std::string run_case(Spec const& spec, int num_ctas) {
     VirtualIteration const it(config, world, spec.routing_options(iter), tokens, io);
     if (spec.graph && iter > 0) {
       for (int r = 0; r < world; ++r)
-        poison_normal_dispatch(config, world, cuda_ep::dispatch_result(ranks[r], spec.expand));
+        poison_any_dispatch(config, world, cuda_ep::dispatch_result(ranks[r], spec.expand));
       CK(cudaDeviceSynchronize());
       if (graphs[0] == nullptr)
         for (int r = 0; r < world; ++r) {
@@ -283,8 +404,8 @@ std::string run_case(Spec const& spec, int num_ctas) {
       if (std::string const failure = ranks.synchronize(overflow); !failure.empty())
         return "iter " + std::to_string(iter) + " (graph replay): device errors:\n" + failure;
       for (int r = 0; r < world; ++r)
-        if (check_normal_dispatch(config, world, r, iter, it.expected[r],
-                                  cuda_ep::dispatch_result(ranks[r], spec.expand), /*poisoned=*/true, spec.expand) != 0)
+        if (check_any_dispatch(config, world, r, iter, it.expected[r], cuda_ep::dispatch_result(ranks[r], spec.expand),
+                               /*poisoned=*/true, spec.expand) != 0)
           return "rank " + std::to_string(r) + " iter " + std::to_string(iter) +
                  " (graph replay): dispatch differs from ref::dispatch (above)";
       for (int r = 0; r < world; ++r) {
@@ -302,7 +423,7 @@ std::string run_case(Spec const& spec, int num_ctas) {
     }
     for (int r = 0; r < world; ++r) {
       if (it.expected[r].dropped_rows != 0) return "rank " + std::to_string(r) + ": the case must fit recv_capacity";
-      poison_normal_dispatch(config, world, cuda_ep::dispatch_result(ranks[r], spec.expand));
+      poison_any_dispatch(config, world, cuda_ep::dispatch_result(ranks[r], spec.expand));
     }
     CK(cudaDeviceSynchronize());
     // leg by leg on every rank (test_normal_virtual.cu says why), the legs back to back on each rank's stream. The
@@ -318,8 +439,8 @@ std::string run_case(Spec const& spec, int num_ctas) {
     if (std::string const failure = ranks.synchronize(overflow); !failure.empty())
       return "iter " + std::to_string(iter) + ": dispatch device errors:\n" + failure;
     for (int r = 0; r < world; ++r)
-      if (check_normal_dispatch(config, world, r, iter, it.expected[r], cuda_ep::dispatch_result(ranks[r], spec.expand),
-                                /*poisoned=*/true, spec.expand) != 0)
+      if (check_any_dispatch(config, world, r, iter, it.expected[r], cuda_ep::dispatch_result(ranks[r], spec.expand),
+                             /*poisoned=*/true, spec.expand) != 0)
         return "rank " + std::to_string(r) + " iter " + std::to_string(iter) +
                ": dispatch differs from ref::dispatch (above)";
     for (int r = 0; r < world; ++r)
@@ -418,13 +539,36 @@ TEST(InternodeVirtual, Topology1x8IsTodaysPath) {
   run_rows(rows_of("1x8", "tokens=0,0,0,0,64,100,3,50"));
 }
 
+// Every quantized dispatch_format across nodes (the network leg carries the wire row; the rail forwards its bytes):
+// delivered quantized in the MN-major, packed UE8M0 and 128x4 scale layouts (the receiver's relayout pass, after
+// every source's rows landed), delivered dequantized, expanded, with empty ranks and nodes, every row exact against
+// the reference's host codec bytes. The graph test below replays an nvfp4 dispatch in row-major scales.
+TEST(InternodeVirtual, QuantizedDispatchAcrossNodes) {
+  std::vector<std::vector<std::string>> table;
+  for (std::string const topology : {"2x1", "2x2", "2x4", "4x2", "1x8"}) {
+    std::string const t = "topology=" + topology;
+    table.push_back({t, "dispatch=fp8", "scales=mn_major_tma", "expand=1", "tokens=128,37", "hidden=7168", "topk=8",
+                     "experts=64", "capacity=128", "iters=2"});
+    table.push_back({t, "dispatch=nvfp4", "scales=blocked_128x4", "routing=grouped", "tokens=64,0,48", "hidden=2048",
+                     "topk=8", "experts=64", "combine=fp8", "iters=2"});
+    table.push_back({t, "dispatch=mxfp4", "scales=mn_major_tma_packed_ue8m0", "routing=hot", "expand=1",
+                     "tokens=100,17", "hidden=2048", "topk=8", "experts=64", "capacity=256", "combine=mxfp4",
+                     "iters=2"});
+    table.push_back({t, "dispatch=fp8_ue8m0", "dequantize=1", "tokens=0,77", "hidden=2048", "topk=8", "experts=64",
+                     "mask=0.2", "iters=2"});
+  }
+  run_rows(table);
+}
+
 // Graph replay across nodes: each rank's four legs captured as one CUDA graph and replayed with fresh inputs, every
 // row exact (the counts are exchanged on the device: nothing synchronises the host inside a call).
 TEST(InternodeVirtual, GraphReplaysWithFreshInputs) {
   run_rows(
       {{"topology=2x2", "graph=1", "tokens=64,17", "hidden=2048", "topk=8", "experts=64", "expand=1", "capacity=128",
         "iters=4"},
-       {"topology=4x2", "graph=1", "tokens=40,0,33", "hidden=2048", "topk=8", "experts=64", "combine=fp8", "iters=3"}});
+       {"topology=4x2", "graph=1", "tokens=40,0,33", "hidden=2048", "topk=8", "experts=64", "combine=fp8", "iters=3"},
+       {"topology=2x4", "graph=1", "dispatch=nvfp4", "expand=1", "tokens=50,3", "hidden=2048", "topk=8", "experts=64",
+        "capacity=128", "iters=3"}});
 }
 
 // A refused dispatch and a refused combine are seen by every rank, across nodes too, and the calls after them run
@@ -432,6 +576,25 @@ TEST(InternodeVirtual, GraphReplaysWithFreshInputs) {
 TEST(InternodeVirtual, RefusalIsSeenByEveryRank) {
   run_rows({{"topology=2x2", "refuse=3", "tokens=64,17", "hidden=2048", "topk=8", "experts=64", "iters=2"},
             {"topology=4x2", "refuse=2", "tokens=64,0,17", "hidden=2048", "topk=8", "experts=64", "iters=2"}});
+}
+
+// Handles across nodes: a dispatch's layout saved and restored after another dispatch, its combine and its
+// dispatch_backward (unit weights, fp32 output) exact against the reference of the first dispatch.
+TEST(InternodeVirtual, HandlesAcrossNodes) {
+  run_rows(
+      {{"topology=2x2", "handles=1", "tokens=64,17", "hidden=2048", "topk=8", "experts=64", "iters=1"},
+       {"topology=4x2", "handles=1", "routing=grouped", "tokens=40,0,33", "hidden=2048", "topk=8", "experts=64",
+        "combine=fp8", "iters=1"},
+       {"topology=2x4", "handles=1", "dispatch=fp8", "tokens=50,3", "hidden=2048", "topk=8", "experts=64", "iters=1"}});
+}
+
+// A whole node that does not arrive (every rank of it skips the call) is named as a node by every other rank, at
+// the dispatch's count exchange and at the combine, within the waits' bound.
+TEST(InternodeVirtual, AbsentNodeIsNamedAsANode) {
+  run_rows({{"topology=2x2", "absent_node=1", "tokens=64", "hidden=2048", "topk=8", "experts=64", "iters=1"},
+            {"topology=4x2", "absent_node=2", "absent_leg=combine", "tokens=64,17", "hidden=2048", "topk=8",
+             "experts=64", "iters=1"},
+            {"topology=2x4", "absent_node=0", "tokens=40", "hidden=2048", "topk=8", "experts=64", "iters=1"}});
 }
 
 // The test can fail: the rail forwarding rows before the network's signal says they arrived must deliver wrong rows

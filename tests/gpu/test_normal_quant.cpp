@@ -113,20 +113,6 @@ void upload(void* dev, std::vector<T> const& host) {
   if (!host.empty()) CK(cudaMemcpy(dev, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
 }
 
-// Compares the (row, block) entries of rows [0, num_rows) of two scale tensors of `tensor_rows` rows.
-long scale_diff(EpConfig const& config, int tensor_rows, int num_rows, std::vector<uint8_t> const& got,
-                std::vector<uint8_t> const& want) {
-  WireRowLayout const wire = wire_row_layout(config.dispatch_format, config.hidden);
-  for (int r = 0; r < num_rows; ++r)
-    for (int j = 0; j < wire.num_scales; ++j) {
-      std::size_t const at =
-          scale_byte_offset(config.dispatch_format, config.recv_scale_layout, tensor_rows, config.hidden, r, j);
-      if (std::memcmp(got.data() + at, want.data() + at, static_cast<std::size_t>(wire.scale_bytes)) != 0)
-        return static_cast<long>(r) * wire.num_scales + j;
-    }
-  return -1;
-}
-
 // Milliseconds since the rank process started its case (progress lines: where a slow or stuck case spends time).
 double elapsed_ms() {
   static auto const start = std::chrono::steady_clock::now();
@@ -197,11 +183,6 @@ int run_spec(std::shared_ptr<Communicator> const& comm, Spec const& spec) {
 
   cudaGraphExec_t graph = nullptr;
   DispatchResult result{};
-  std::size_t const recv_scale_bytes =
-      quantized ? scale_tensor_bytes(config.dispatch_format, config.recv_scale_layout, cap, hidden) : 0;
-  std::size_t const expert_scale_bytes =
-      quantized && slots > 0 ? scale_tensor_bytes(config.dispatch_format, config.recv_scale_layout, slots, hidden) : 0;
-
   for (int iter = 0; iter < spec.iters; ++iter) {
     RoutingOptions const routing = spec.routing_options(iter);
     auto inputs = ref::generate_inputs(config, world, routing, tokens);
@@ -245,17 +226,7 @@ int run_spec(std::shared_ptr<Communicator> const& comm, Spec const& spec) {
     upload(rows_dev, rows[rank]);
     if (slots > 0) upload(eout_dev, eout[rank]);
     // poison what the calls write (the buffers are known after the first call)
-    if (result.recv_x) {
-      CK(cudaMemset(result.recv_x, 0xEE, static_cast<std::size_t>(cap) * recv_row_bytes));
-      CK(cudaMemset(result.recv_topk_idx, 0xEE, static_cast<std::size_t>(cap) * topk * 4));
-      if (result.recv_scales) CK(cudaMemset(result.recv_scales, 0xEE, recv_scale_bytes));
-      if (result.recv_token_scales) CK(cudaMemset(result.recv_token_scales, 0xEE, static_cast<std::size_t>(cap) * 4));
-      if (result.expert_x)
-        CK(cudaMemset(result.expert_x, 0xEE, static_cast<std::size_t>(num_local) * slots * recv_row_bytes));
-      if (result.expert_scales) CK(cudaMemset(result.expert_scales, 0xEE, expert_scale_bytes * num_local));
-      if (result.expert_token_scales)
-        CK(cudaMemset(result.expert_token_scales, 0xEE, static_cast<std::size_t>(num_local) * slots * 4));
-    }
+    if (result.recv_x) poison_any_dispatch(config, world, result);
     CK(cudaMemset(y_rm, 0xEE, y_bytes));
     CK(cudaMemset(y_em, 0xEE, y_bytes));
     CK(cudaDeviceSynchronize());
@@ -294,62 +265,18 @@ int run_spec(std::shared_ptr<Communicator> const& comm, Spec const& spec) {
     if (int const code = check_normal_metadata(config, world, rank, iter, mine, result, num_recv)) return code;
     long d;
 
-    // 2. dispatch: the rows
+    // 2. dispatch: the rows, and 3. expand (normal_check.hpp)
     if (quantized) {
-      ref::DeliveredRows const want = ref::deliver(config, mine.recv_wire, num_recv, cap);
-      auto const payload = to_host<uint8_t>(result.recv_x, static_cast<std::size_t>(num_recv) * recv_row_bytes);
-      if ((d = first_diff(payload.data(), want.payload.data(), payload.size())) >= 0)
-        return fail("recv_x payload", rank, iter, d);
-      if (!result.recv_scales) return fail("recv_scales null", rank, iter, -1);
-      auto const scales = to_host<uint8_t>(result.recv_scales, recv_scale_bytes);
-      if ((d = scale_diff(config, cap, num_recv, scales, want.scales)) >= 0) return fail("recv_scales", rank, iter, d);
-      if (wire.has_token_scale) {
-        if (!result.recv_token_scales) return fail("recv_token_scales null", rank, iter, -1);
-        auto const ts = to_host<float>(result.recv_token_scales, num_recv);
-        if ((d = first_diff(ts.data(), want.token_scales.data(), ts.size())) >= 0)
-          return fail("recv_token_scales", rank, iter, d);
-      }
-      if (iter > 0 && num_recv < cap) {  // the row past the last received one was poisoned and must stay so
-        auto const past =
-            to_host<uint8_t>(static_cast<char*>(result.recv_x) + num_recv * recv_row_bytes, recv_row_bytes);
-        for (auto v : past)
-          if (v != 0xEE) return fail("row past num_recv written", rank, iter, num_recv);
-      }
+      if (int const code = check_quantized_rows(config, world, rank, iter, mine, result, num_recv,
+                                                /*poisoned=*/iter > 0, spec.expand))
+        return code;
     } else {
       auto const rx = to_host<uint16_t>(result.recv_x, static_cast<std::size_t>(num_recv) * hidden);
       if ((d = first_diff(rx.data(), mine.recv_x.data(), rx.size())) >= 0) return fail("recv_x bf16", rank, iter, d);
-    }
-
-    // 3. expand
-    if (spec.expand) {
-      auto const esr = to_host<int32_t>(result.expert_src_row, static_cast<std::size_t>(num_local) * slots);
-      if ((d = first_diff(esr.data(), mine.expert_src_row.data(), esr.size())) >= 0)
-        return fail("expert_src_row", rank, iter, d);
-      if (quantized) {
-        std::vector<uint8_t> const ex_wire = ref::expand_wire(config, world, mine);
-        auto const ex = to_host<uint8_t>(result.expert_x, static_cast<std::size_t>(num_local) * slots * recv_row_bytes);
-        auto const es = to_host<uint8_t>(result.expert_scales, expert_scale_bytes * num_local);
-        std::vector<float> ets;
-        if (wire.has_token_scale)
-          ets = to_host<float>(result.expert_token_scales, static_cast<std::size_t>(num_local) * slots);
-        for (int e = 0; e < num_local; ++e) {
-          int const filled = std::min(mine.expert_counts[e], slots);
-          std::span<uint8_t const> const rows_of_e(
-              ex_wire.data() + static_cast<std::size_t>(e) * slots * wire.row_bytes,
-              static_cast<std::size_t>(filled) * wire.row_bytes);
-          ref::DeliveredRows const want = ref::deliver(config, rows_of_e, filled, slots);
-          std::size_t const at = static_cast<std::size_t>(e) * slots * recv_row_bytes;
-          if ((d = first_diff(ex.data() + at, want.payload.data(), want.payload.size())) >= 0)
-            return fail("expert_x payload", rank, iter, static_cast<long>(at) + d);
-          std::vector<uint8_t> const got(es.begin() + static_cast<std::ptrdiff_t>(e * expert_scale_bytes),
-                                         es.begin() + static_cast<std::ptrdiff_t>((e + 1) * expert_scale_bytes));
-          if ((d = scale_diff(config, slots, filled, got, want.scales)) >= 0)
-            return fail("expert_scales", rank, iter, static_cast<long>(e) * 1000000 + d);
-          if (wire.has_token_scale && (d = first_diff(ets.data() + static_cast<std::size_t>(e) * slots,
-                                                      want.token_scales.data(), static_cast<std::size_t>(filled))) >= 0)
-            return fail("expert_token_scales", rank, iter, static_cast<long>(e) * slots + d);
-        }
-      } else {
+      if (spec.expand) {
+        auto const esr = to_host<int32_t>(result.expert_src_row, static_cast<std::size_t>(num_local) * slots);
+        if ((d = first_diff(esr.data(), mine.expert_src_row.data(), esr.size())) >= 0)
+          return fail("expert_src_row", rank, iter, d);
         if (int const code = check_expert_x_bf16("expert_x bf16", config, world, rank, iter, mine, result.expert_x))
           return code;
       }

@@ -209,7 +209,8 @@ HierParams<Net> hier_params(Buffers const& b, Base const& base, Net const& netwo
 
 // The hierarchical protocol (nodes > 1): launch_dispatch / launch_combine hand their Params here (hier_dispatch.cu,
 // hier_combine.cu), which add the network transport and the topology and launch the two kernels of the leg.
-void launch_hier_dispatch(Buffers const& buffers, DispatchParams const& params, IndexType ids, cudaStream_t stream);
+void launch_hier_dispatch(Buffers const& buffers, DispatchParams const& params, IndexType ids, cudaStream_t stream,
+                          detail::LegRecord* record);
 void launch_hier_combine(Buffers const& buffers, CombineParams const& params, CombineLayout layout, cudaStream_t stream,
                          detail::LegRecord* record);
 

@@ -35,13 +35,10 @@ GridChoice ll_grid(int asked, std::string source, int agreed) {
 
 namespace {
 
-// NOTE: the hierarchical protocol (normal mode over several nodes) carries bf16 dispatch rows in this version. It
-// reaches the ranks of other nodes over GIN when the communicator set GIN up, else through the emulated network,
-// which needs their windows mapped (emulated nodes on one host, FERRY_TOPOLOGY).
-void check_hierarchical(Communicator const& comm, EpConfig const& config, Topology const& topology) {
-  FERRY_CHECK_CONFIG(config.dispatch_format == WireFormat::bf16, "mode=normal over ", topology_name(topology),
-                     " nodes carries bf16 dispatch rows in this version, not dispatch_format=",
-                     wire_format_name(config.dispatch_format), "; use dispatch_format=bf16");
+// NOTE: the hierarchical protocol (normal mode over several nodes) reaches the ranks of other nodes over GIN when the
+// communicator set GIN up, else through the emulated network, which needs their windows mapped (emulated nodes on one
+// host, FERRY_TOPOLOGY).
+void check_hierarchical(Communicator const& comm, Topology const& topology) {
   FERRY_CHECK_CONFIG(topology.world() + topology.nodes <= kMaxHierColumns, "topology ", topology_name(topology),
                      " has more ranks and nodes than the hierarchical layout's ", kMaxHierColumns, " columns");
   bool const gin = detail::has_gin(comm);
@@ -96,7 +93,7 @@ class CudaEp final : public detail::EpBackendImpl {
     // 1. the protocol (the same on every rank: the config, the topology and FERRY_NORMAL_LANDING must agree)
     Topology const topology = comm.topology();
     bool const hierarchical = !ll && topology.nodes > 1;
-    if (hierarchical) check_hierarchical(comm, config, topology);
+    if (hierarchical) check_hierarchical(comm, topology);
     detail::ProtocolChoice const protocol = detail::choose_protocol(
         config, world, ll ? std::string() : env_string("FERRY_NORMAL_LANDING"), ll ? 1 : topology.nodes);
     transport::Kind const network = detail::has_gin(comm) ? transport::Kind::gin : transport::Kind::emulated;

@@ -146,7 +146,7 @@ void launch_dispatch(Buffers const& buffers, DispatchArgs const& args, LaunchPla
                      bool refuse, detail::LegRecord* record) {
   DispatchParams const p = to_params(buffers, args, plan, refuse);
   if (buffers.protocol == Protocol::hierarchical) {
-    launch_hier_dispatch(buffers, p, args.topk_idx_type, stream);
+    launch_hier_dispatch(buffers, p, args.topk_idx_type, stream, record);
     return;
   }
   bool const landing = buffers.protocol == Protocol::landing;

@@ -8,7 +8,7 @@
 //     (tokens + abort flag, rows per destination rank, entries per expert of that destination, tokens per node),
 //     staged in its window and put to every rank: over NVLink inside the node, over the network to the others, each
 //     with a signal (+1 per call on the destination's counter of this source).
-//  2. hier_dispatch_kernel (the grid):
+//  2. hier_dispatch_kernel (the grid; an instance per wire codec of dispatch_format):
 //     a. every source's count row (bounded waits: NVLink's for the node, the network's for the others); a refusal in
 //        any row refuses the call on every rank (every rank reads the same words);
 //     b. this rank's base on every destination (rows of lower sources there): every final row is known here;
@@ -16,13 +16,17 @@
 //        rows (NVLink stores); for every other node that holds it, the row once into this rank's window (the network
 //        reads registered memory) and a record (token, its final row on each rank of that node, global ids,
 //        weights), both put to that node's rail, compact per node (node_pos). Every warp then signals every rail
-//        (kHierArrivalsPerCall per call from the grid);
+//        (kHierArrivalsPerCall per call from the grid). A quantized dispatch_format quantizes the row once in
+//        registers (or forwards pre-quantized pieces: device_push.cuh) and stores the pieces into the own node's
+//        destinations and into the staged wire row in one pass: a token crosses the network as its wire row;
 //     d. rail: waits for the signal of each of its sources on other nodes, then forwards each record's row to the
-//        ranks of its node named in it (NVLink stores of the row and its metadata into their final rows);
+//        ranks of its node named in it (NVLink stores of the row and its metadata into their final rows; a wire row
+//        split into the delivered payload, scales and token scale, bytes unchanged);
 //     e. the last CTA signals (release) every rank of its node: data_signal[rank] for its own rows and
 //        data_signal[s] for every source s it forwarded (one writer per word), waits for every source's word on its
 //        own rows (as dispatch.cuh) and writes the outputs (num_recv, per-source offsets, expert counts), then
-//        advances the sequence.
+//        advances the sequence. With a receiver pass (dispatch_dequantize, or scales in another recv_scale_layout)
+//        every CTA waits for every source's rows and takes its share of the pass (dispatch_recv_pass, as one node).
 // Sequence numbers (DeviceState::dispatch_seq) grow per call on the device (graph replays need no reset); count rows
 // alternate by parity (a fast peer may write call n+1's row while this rank reads call n's); a rail's forward area is
 // reused only after every rank's count row of the next call came, which follows that rank's forward of this call.
@@ -37,6 +41,17 @@
 #include "ep/cuda/landing.cuh"  // send_row_chunk
 
 namespace ferry::cuda_ep {
+
+// A warp's copy of one piece of a forwarded wire row into its delivered place (coherent loads: the network wrote it
+// during this kernel): 16-byte vectors while both ends are aligned to them, then bytes.
+__device__ __forceinline__ void copy_piece_warp(char* dst, char const* src, std::size_t bytes, int lane) {
+  std::size_t head = 0;
+  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15u) == 0) {
+    head = bytes / 16 * 16;
+    device::copy_16B<false>(dst, src, head, lane, 32);
+  }
+  for (std::size_t i = head + lane; i < bytes; i += 32) dst[i] = *reinterpret_cast<char const volatile*>(src + i);
+}
 
 template <typename IdxT, class Net>
 __global__ void __launch_bounds__(kThreads, 1) hier_layout_kernel(HierDispatchParams<Net> const p) {
@@ -157,8 +172,40 @@ __global__ void __launch_bounds__(kThreads, 1) hier_layout_kernel(HierDispatchPa
   net.close();
 }
 
-template <typename IdxT, class Net>
+// A quantized token's push (as push_quantized_row, one node): the row quantized once in registers, or its pre-quantized
+// pieces forwarded, into every destination d of `send` at its final row rows[d] of the own node, and into `staged`
+// (this rank's window: the wire row the network carries) for the one bit of `send` outside the own node. nvfp4's
+// token scale is the row's (the whole row is one chunk here), given or computed from the row.
+template <WireFormat kFormat, int kUnitElems, class Net>
+__device__ __forceinline__ void push_hier_quantized_row(HierDispatchParams<Net> const& p, int t, uint32_t send,
+                                                        int32_t const* rows, char* staged, WireRowLayout const& wire,
+                                                        int lane) {
+  using Codec = device::UnitCodec<kFormat, kUnitElems>;
+  device::QuantRowInput const in = device::quant_row_input<kFormat, kUnitElems>(p.x, p.x_scales, p.hidden, t);
+  float token_scale = 0.0f;
+  if constexpr (kFormat == WireFormat::nvfp4)
+    token_scale = p.x_scales != nullptr
+                      ? p.x_token_scales[t]
+                      : quant::nvfp4_token_scale(device::chunk_finite_amax<kUnitElems>(in.x_row, p.hidden, 0, 1, lane));
+  int const own_node = p.view.rank / p.local;
+  device::push_quantized_chunk<kFormat, kUnitElems, kDispatchUnroll / Codec::kVecs>(
+      in, p.hidden, 0, 1, send, token_scale,
+      [&](int d) {
+        if (d / p.local != own_node)
+          return device::QuantRowPlaces{staged, staged + wire.scales_offset,
+                                        reinterpret_cast<float*>(staged + wire.token_scale_offset)};
+        std::size_t const r = static_cast<std::size_t>(rows[d]);
+        char* const sym = p.net.window(d);
+        return device::QuantRowPlaces{sym + p.qdst.payload + r * p.qdst.payload_stride,
+                                      sym + p.qdst.scales + r * p.qdst.scales_stride,
+                                      reinterpret_cast<float*>(sym + p.qdst.token + r * p.qdst.token_stride)};
+      },
+      lane);
+}
+
+template <typename IdxT, WireFormat kFormat, int kUnitElems, class Net>
 __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatchParams<Net> const p) {
+  static_assert((kFormat == WireFormat::bf16) == (kUnitElems == 0), "bf16 rows are copied; quantized rows need a unit");
   __shared__ int32_t s_dest_base[kMaxLocalPeers];
   __shared__ int32_t s_row[kWarps][kMaxLocalPeers];
   __shared__ int32_t s_fwd_first[kMaxLocalPeers + 1];
@@ -166,6 +213,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
   __shared__ uint32_t s_aborted;
   __shared__ int s_last;
   __shared__ int s_total;
+  __shared__ int s_num_recv;
 
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   int const topk = p.topk;
@@ -192,10 +240,13 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
     auto lsa = p.net.open(transport::Warp{});
     auto net = p.network.open(transport::Warp{}, global_warp);
     bool ok = true;
-    for (int s = 0; s < world && ok; ++s) {
+    // NOTE: past a failed wait the loop goes on: the later waits stop at once (device_failed), each recording its
+    // source if absent, so the error names every missing rank (a whole node), not only the first
+    for (int s = 0; s < world; ++s) {
       std::size_t const counter = p.layout.hier_count_signal + static_cast<std::size_t>(s) * sizeof(uint64_t);
-      ok = s / local == own_node ? lsa.wait(p.view, counter, seq, s, WaitPhase::count_exchange)
-                                 : net.wait(p.view, counter, seq, s, WaitPhase::count_exchange);
+      bool const arrived = s / local == own_node ? lsa.wait(p.view, counter, seq, s, WaitPhase::count_exchange)
+                                                 : net.wait(p.view, counter, seq, s, WaitPhase::count_exchange);
+      ok = ok && arrived;
       if (ok && lane == 0) {
         uint64_t const word0 = device::arch::load_relaxed_sys_u64(count_word(own, p.layout, parity, world, s, 0));
         if ((word0 >> 32) != (seq & 0xffffffffull)) {
@@ -241,7 +292,10 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
 
   // c. push: warp per token. The node's destinations get the row and metadata in their final rows; every other node
   //    that holds the token gets it once, through the network, at its rail.
-  std::size_t const row_bytes = static_cast<std::size_t>(p.hidden) * 2;
+  std::size_t const row_bytes = static_cast<std::size_t>(p.hidden) * 2;  // a bf16 row of x
+  // what crosses the network per token and node: the bf16 row, or the wire row (payload, scales, token scale)
+  WireRowLayout const wire = quant::make_row_layout(kFormat, p.hidden);
+  std::size_t const wire_bytes = kFormat == WireFormat::bf16 ? row_bytes : wire.row_bytes;
   std::size_t const meta_bytes = p.layout.hier_meta_bytes;
   std::size_t const max_tokens = static_cast<std::size_t>(p.max_tokens);
   uint32_t const own_bits = node_bits(own_node, local);
@@ -292,28 +346,36 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
       }
       if (lane == 0) reinterpret_cast<int2*>(dst + p.layout.recv_src)[r] = make_int2(rank, t);
     }
-    auto const* const x_row =
-        reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes);
-    if (near != 0)
-      landing::send_row_chunk<kDispatchUnroll>(
-          x_row, 0, p.hidden / 8, near,
-          [&](int d) {
-            return reinterpret_cast<int4*>(p.net.window(d) + p.layout.recv_x +
-                                           static_cast<std::size_t>(s_row[warp][d]) * row_bytes);
-          },
-          lane);
     // c2. other nodes (those the layout counted, dropped rows included: the record says -1 there): the row once into
     //     this rank's window, a record per node, both put to the node's rail at the token's place among its records
     uint32_t far = 0;
     for (int n = 0; n < nodes; ++n)
       if (n != own_node && (mask & node_bits(n, local)) != 0) far |= 1u << n;
-    nvlink_bytes += static_cast<unsigned long long>(__popc(near & ~(1u << rank))) * (row_bytes + meta_row);
+    std::size_t const send_row = p.layout.hier_send_rows + static_cast<std::size_t>(t) * wire_bytes;
+    auto const* const x_row =
+        reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes);
+    if constexpr (kFormat == WireFormat::bf16) {
+      if (near != 0)
+        landing::send_row_chunk<kDispatchUnroll>(
+            x_row, 0, p.hidden / 8, near,
+            [&](int d) {
+              return reinterpret_cast<int4*>(p.net.window(d) + p.layout.recv_x +
+                                             static_cast<std::size_t>(s_row[warp][d]) * row_bytes);
+            },
+            lane);
+      if (far != 0) device::copy_16B<true>(own + send_row, x_row, row_bytes, lane, 32);
+    } else {
+      // one quantization for the own node's destinations and the staged wire row: the staged row stands in the push
+      // as the rail of the first other node (a rank outside this node, so never one of `near`)
+      uint32_t const stage = far != 0 ? 1u << ((__ffs(far) - 1) * local + local_rank) : 0u;
+      if ((near | stage) != 0)
+        push_hier_quantized_row<kFormat, kUnitElems>(p, t, near | stage, s_row[warp], own + send_row, wire, lane);
+    }
+    nvlink_bytes += static_cast<unsigned long long>(__popc(near & ~(1u << rank))) * (wire_bytes + meta_row);
     // a row to a rail counts as a row to a rank (its record's rows are control words)
-    network_bytes += static_cast<unsigned long long>(__popc(far)) * (row_bytes + meta_row);
+    network_bytes += static_cast<unsigned long long>(__popc(far)) * (wire_bytes + meta_row);
     network_messages += static_cast<unsigned long long>(__popc(far));
     if (far == 0) continue;
-    std::size_t const send_row = p.layout.hier_send_rows + static_cast<std::size_t>(t) * row_bytes;
-    device::copy_16B<true>(own + send_row, x_row, row_bytes, lane, 32);
     for (uint32_t m = far; m != 0; m &= m - 1) {
       int const n = __ffs(m) - 1;
       std::size_t const send_meta =
@@ -329,7 +391,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
       int const rail = n * local + local_rank;
       std::size_t const j = static_cast<std::size_t>(p.node_pos[static_cast<std::size_t>(t) * nodes + n]);
       std::size_t const at = static_cast<std::size_t>(own_node) * max_tokens + j;
-      net.put(rail, p.layout.hier_fwd_rows + at * row_bytes, send_row, row_bytes);
+      net.put(rail, p.layout.hier_fwd_rows + at * wire_bytes, send_row, wire_bytes);
       net.put(rail, p.layout.hier_fwd_meta + at * meta_bytes, send_meta, meta_bytes);
     }
   }
@@ -361,7 +423,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
     int const source = n * local + local_rank;
     std::size_t const at = static_cast<std::size_t>(n) * max_tokens + j;
     HierRecord const record = hier_record(own + p.layout.hier_fwd_meta + at * meta_bytes, local, topk);
-    char const* const fwd_row = own + p.layout.hier_fwd_rows + at * row_bytes;
+    char const* const fwd_row = own + p.layout.hier_fwd_rows + at * wire_bytes;
     int const t = *record.token;
     int row = -1;
     if (lane < local) {
@@ -374,7 +436,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
       int const r = __shfl_sync(0xffffffffu, row, l);
       if (r < 0) continue;
       int const d = own_node * local + l;
-      if (d != rank) nvlink_bytes += row_bytes + meta_row;
+      if (d != rank) nvlink_bytes += wire_bytes + meta_row;
       char* const dst = p.net.window(d);
       if (lane < topk) {
         bool const mine = id >= 0 && id / num_local == d;
@@ -385,8 +447,18 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
       }
       if (lane == 0) reinterpret_cast<int2*>(dst + p.layout.recv_src)[r] = make_int2(source, t);
       // coherent loads: the network wrote the row during this kernel
-      device::copy_16B<false>(dst + p.layout.recv_x + static_cast<std::size_t>(r) * row_bytes, fwd_row, row_bytes, lane,
-                              32);
+      if constexpr (kFormat == WireFormat::bf16) {
+        device::copy_16B<false>(dst + p.layout.recv_x + static_cast<std::size_t>(r) * row_bytes, fwd_row, row_bytes,
+                                lane, 32);
+      } else {
+        std::size_t const rr = static_cast<std::size_t>(r);
+        copy_piece_warp(dst + p.qdst.payload + rr * p.qdst.payload_stride, fwd_row, wire.payload_bytes, lane);
+        copy_piece_warp(dst + p.qdst.scales + rr * p.qdst.scales_stride, fwd_row + wire.scales_offset,
+                        static_cast<std::size_t>(wire.num_scales) * wire.scale_bytes, lane);
+        if (wire.has_token_scale && lane == 0)
+          *reinterpret_cast<float*>(dst + p.qdst.token + rr * p.qdst.token_stride) =
+              *reinterpret_cast<float const volatile*>(fwd_row + wire.token_scale_offset);
+      }
     }
   }
 
@@ -416,7 +488,9 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
     }
   }
   __syncthreads();
-  if (!s_last) return;
+  // without a receiver pass only the last CTA waits; with one, every CTA waits for every source's rows
+  bool const recv_pass = kFormat != WireFormat::bf16 && p.recv_pass != RecvPass::none && !aborted;
+  if (!s_last && !recv_pass) return;
   if (tid < world) {
     uint64_t observed = 0;
     if (!device::wait_signal_geq_value(p.view, reinterpret_cast<uint64_t const*>(own + p.layout.data_signal) + tid, seq,
@@ -429,6 +503,19 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
   }
   __syncthreads();
   if (!s_ok) return;
+  if (recv_pass) {
+    // the local pass over the received rows (every source's rows have landed: acquired above)
+    if (tid == 0) {
+      int32_t total = 0;
+      for (int s = 0; s < world; ++s)
+        total += count_value(device::arch::load_relaxed_sys_u64(count_word(own, p.layout, parity, world, s, 1 + rank)));
+      s_num_recv = total < p.recv_capacity ? total : p.recv_capacity;
+    }
+    __syncthreads();
+    if constexpr (kFormat != WireFormat::bf16) dispatch_recv_pass<kFormat>(p, s_num_recv);
+    if (!s_last) return;
+    __syncthreads();
+  }
 
   // outputs (as dispatch.cuh step 8): rows per source, num_recv, expert counts
   if (tid == 0) {

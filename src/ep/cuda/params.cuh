@@ -279,8 +279,9 @@ struct CombineParams : KernelParams {
   bool y_fp32;
 };
 
-// The copy of a dispatch's layout into a handle's storage or back (handle.cuh): areas of 4-byte words.
-inline constexpr int kMaxHandleAreas = 8;
+// The copy of a dispatch's layout into a handle's storage or back (handle.cuh): areas of 4-byte words (7 of the
+// one-node layout, the saved weights, 3 of the hierarchical protocol; room to spare).
+inline constexpr int kMaxHandleAreas = 12;
 struct HandleArea {
   void const* src;
   void* dst;
