@@ -51,10 +51,9 @@ struct Spec : VirtualSpec {
   ScaleLayout scales = ScaleLayout::row_major;    // scales=: recv_scale_layout of quantized delivery
   uint32_t delay_ns = 20000;                      // delay_ns=: the emulated network's most delay per delivery
   bool skip_rail_wait = false;
-  int refuse = -1;     // refuse=k: first rank k refuses a dispatch, then a combine; every other rank must say so
-  bool graph = false;  // graph=1: iteration 0 runs the legs directly, the later ones replay one CUDA graph per rank
-  bool handles =
-      false;  // handles=1: two dispatches saved into handles, the first restored for its combine and backward
+  int refuse = -1;       // refuse=k: first rank k refuses a dispatch, then a combine; every other rank must say so
+  bool graph = false;    // graph=1: iteration 0 runs the legs directly, the later ones replay one CUDA graph per rank
+  int handles = 0;       // handles=n: n dispatches saved into handles, the first restored for its combine and backward
   int absent_node = -1;  // absent_node=n: every rank of node n skips the dispatch (absent_leg=combine: the combine)
   // the bound of the device waits: short when a node is meant to be absent
   double timeout_s() const { return absent_node >= 0 ? kAbsentTimeoutS : VirtualSpec::timeout_s(); }
@@ -76,7 +75,7 @@ Spec parse_spec(std::vector<std::string> const& words) {
   s.skip_rail_wait = args.flag("skip_rail_wait", false);
   s.refuse = args.integer("refuse", -1);
   s.graph = args.flag("graph", false);
-  s.handles = args.flag("handles", false);
+  s.handles = args.integer("handles", 0);
   s.absent_node = args.integer("absent_node", -1);
   s.absent_leg = args.text("absent_leg", s.absent_leg);
   FERRY_CHECK(s.absent_node < s.topology.nodes, "absent_node=", s.absent_node, " is not a node of ",
@@ -269,10 +268,11 @@ std::string run_case(Spec const& spec, int num_ctas) {
                 spec.refuse);
   }
 
-  // handles=1: dispatches A and B, each saving its layout into a handle (what EpBuffer::dispatch(save_handle) does);
-  // then A's handle restored (B overwrote the live layout, the rails' forward records included): the rank-major
-  // combine of A's rows, and dispatch_backward's unit-weight combine with fp32 output, each against A's reference
-  if (spec.handles) {
+  // handles=2: dispatches A and B (handles=1: A alone), each saving its layout into a handle (what
+  // EpBuffer::dispatch(save_handle) does); then A's handle restored (B overwrote the live layout, the rails' forward
+  // records included): the rank-major combine of A's rows, and dispatch_backward's unit-weight combine with fp32
+  // output, each against A's reference
+  if (spec.handles > 0) {
     std::size_t const handle_bytes = cuda_ep::make_handle_layout(config, world, layout).total;
     std::vector<DeviceBuffer> handles, grad_x;
     for (int r = 0; r < world; ++r) {
@@ -280,14 +280,16 @@ std::string run_case(Spec const& spec, int num_ctas) {
       grad_x.emplace_back(static_cast<std::size_t>(tokens[r]) * config.hidden * sizeof(float));
     }
     std::vector<VirtualIteration> passes;
-    passes.reserve(2);
-    for (int pass = 0; pass < 2; ++pass) {
+    passes.reserve(static_cast<std::size_t>(spec.handles));
+    for (int pass = 0; pass < spec.handles; ++pass) {
       passes.emplace_back(config, world, spec.routing_options(pass), tokens, io);
-      for (int r = 0; r < world; ++r) {
-        poison_any_dispatch(config, world, cuda_ep::dispatch_result(ranks[r], false));
+      // leg by leg over the ranks: a kernel's first launch may wait for the running ones (test_normal_virtual.cu)
+      for (int r = 0; r < world; ++r) poison_any_dispatch(config, world, cuda_ep::dispatch_result(ranks[r], false));
+      CK(cudaDeviceSynchronize());
+      for (int r = 0; r < world; ++r)
         cuda_ep::launch_dispatch(ranks[r], dargs[r], cuda_ep::plan_dispatch(ranks[r], tokens[r]), ranks.stream(r));
+      for (int r = 0; r < world; ++r)
         cuda_ep::launch_save_handle(ranks[r], handles[r].ptr, dargs[r], /*expanded=*/false, ranks.stream(r));
-      }
       if (std::string const failure = ranks.synchronize(std::vector<int>(world, 0)); !failure.empty())
         return "handles: dispatch " + std::to_string(pass) + ": " + failure;
       for (int r = 0; r < world; ++r)
@@ -296,10 +298,12 @@ std::string run_case(Spec const& spec, int num_ctas) {
           return "handles: rank " + std::to_string(r) + " dispatch " + std::to_string(pass) + " differs (above)";
     }
     VirtualIteration const& a = passes[0];
-    for (int r = 0; r < world; ++r) {
-      upload(io[r].rows, a.rows[r]);
+    for (int r = 0; r < world; ++r) upload(io[r].rows, a.rows[r]);
+    for (int r = 0; r < world; ++r)
       cuda_ep::launch_restore_handle(ranks[r], handles[r].ptr, tokens[r], /*expanded=*/false, ranks.stream(r));
+    for (int r = 0; r < world; ++r)
       cuda_ep::launch_combine(ranks[r], rm[r], cuda_ep::plan_combine(ranks[r], tokens[r]), tokens[r], ranks.stream(r));
+    for (int r = 0; r < world; ++r) {
       CombineArgs backward = rm[r];
       backward.y = grad_x[r].ptr;
       cuda_ep::launch_combine(ranks[r], backward, cuda_ep::plan_combine(ranks[r], tokens[r]), tokens[r],
@@ -309,10 +313,18 @@ std::string run_case(Spec const& spec, int num_ctas) {
       return "handles: the combines of the restored handle: " + failure;
     for (int r = 0; r < world; ++r) {
       std::string const where = "handles: rank " + std::to_string(r) + ": ";
-      if (check_combined("y rank-major of handle A", io[r].y_rm.ptr,
-                         ref::combine_rank_major(config, topology, r, a.inputs, a.expected, a.rows), kVirtualGuardElems,
-                         r, 0) != 0)
-        return where + "the combine of the restored handle differs from ref::combine_rank_major (above)";
+      std::vector<uint16_t> const y_want = ref::combine_rank_major(config, topology, r, a.inputs, a.expected, a.rows);
+      if (check_combined("y rank-major of handle A", io[r].y_rm.ptr, y_want, kVirtualGuardElems, r, 0) != 0) {
+        auto const y = to_host<uint16_t>(io[r].y_rm.ptr, y_want.size());
+        std::size_t wrong = 0, first = y.size();
+        for (std::size_t i = 0; i < y.size(); ++i)
+          if (y[i] != y_want[i]) first = std::min(first, i), ++wrong;
+        return where +
+               "the combine of the restored handle differs from ref::combine_rank_major: " + std::to_string(wrong) +
+               " of " + std::to_string(y.size()) + " elements, the first (token " +
+               std::to_string(first / config.hidden) + ") " + std::to_string(y[first]) + " vs " +
+               std::to_string(y_want[first]);
+      }
       std::vector<float> const want =
           ref::dispatch_backward(config, topology, r, a.inputs, a.expected, a.rows, CombineLayout::rank_major);
       auto const got = to_host<float>(grad_x[r].ptr, want.size());
@@ -320,8 +332,8 @@ std::string run_case(Spec const& spec, int num_ctas) {
         return where + "dispatch_backward (fp32) differs from ref::dispatch_backward at element " + std::to_string(d) +
                ": " + std::to_string(got[d]) + " vs " + std::to_string(want[d]);
     }
-    std::printf("handles: the first of two dispatches restored, its combine and dispatch_backward exact on %d ranks\n",
-                world);
+    std::printf("handles: the first of %d dispatch(es) restored, its combine and dispatch_backward exact on %d ranks\n",
+                spec.handles, world);
     return "";
   }
 
@@ -583,9 +595,10 @@ TEST(InternodeVirtual, RefusalIsSeenByEveryRank) {
 TEST(InternodeVirtual, HandlesAcrossNodes) {
   run_rows(
       {{"topology=2x2", "handles=1", "tokens=64,17", "hidden=2048", "topk=8", "experts=64", "iters=1"},
-       {"topology=4x2", "handles=1", "routing=grouped", "tokens=40,0,33", "hidden=2048", "topk=8", "experts=64",
+       {"topology=2x2", "handles=2", "tokens=64,17", "hidden=2048", "topk=8", "experts=64", "iters=1"},
+       {"topology=4x2", "handles=2", "routing=grouped", "tokens=40,0,33", "hidden=2048", "topk=8", "experts=64",
         "combine=fp8", "iters=1"},
-       {"topology=2x4", "handles=1", "dispatch=fp8", "tokens=50,3", "hidden=2048", "topk=8", "experts=64", "iters=1"}});
+       {"topology=2x4", "handles=2", "dispatch=fp8", "tokens=50,3", "hidden=2048", "topk=8", "experts=64", "iters=1"}});
 }
 
 // A whole node that does not arrive (every rank of it skips the call) is named as a node by every other rank, at
