@@ -26,6 +26,7 @@
 #include "options.hpp"
 #include "p2p_seam.hpp"
 #include "p2p_settings.hpp"
+#include "p2p_timing.cuh"
 #include "ranks.hpp"
 #include "util/result_file.hpp"
 
@@ -100,7 +101,8 @@ __global__ void ping_pong_kernel(PingPongParams const params) {
 
 class P2p {
  public:
-  P2p(Communicator& comm, Settings const& settings) : comm_(comm), s_(settings) {
+  P2p(Communicator& comm, Settings const& settings)
+      : comm_(comm), s_(settings), runs_(settings.warmup, settings.iters) {
     rank_ = comm.rank();
     peer_ = rank_ == 0 ? 1 : 0;
     FERRY_CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -113,15 +115,11 @@ class P2p {
     window_ = comm.alloc_symmetric(alltoall ? max_bytes_ * comm.world() : max_bytes_);
     flags_ = comm.alloc_symmetric(sizeof(uint64_t));
     FERRY_CHECK_CUDA(cudaMalloc(&elapsed_, sizeof(uint64_t)));
-    int const num_events = s_.warmup + s_.iters;
-    events_.resize(2 * num_events);
-    for (auto& event : events_) FERRY_CHECK_CUDA(cudaEventCreate(&event));
     FERRY_CHECK_CUDA(cudaDeviceSynchronize());
   }
 
   ~P2p() {
     // Best effort: the communicator's teardown reports anything serious.
-    for (auto event : events_) cudaEventDestroy(event);
     if (elapsed_) cudaFree(elapsed_);
     if (local_) cudaFree(local_);
     if (stream_) cudaStreamDestroy(stream_);
@@ -130,34 +128,19 @@ class P2p {
   // Median time in microseconds of the slowest sending rank (0 if no rank sends).
   double time_transfer(Op op, Direction direction, std::size_t bytes, int ctas) {
     bool const sends = rank_ == 0 || (rank_ == 1 && direction == Direction::bidir) || direction == Direction::alltoall;
-    int const runs = s_.warmup + s_.iters;
-    for (int i = 0; i < runs; ++i) {
-      // 1. meet the peer on the device (no host round trip), then time the transfer alone
-      comm_.barrier(stream_);
-      FERRY_CHECK_CUDA(cudaEventRecord(events_[2 * i], stream_));
-      if (sends) {
-        if (direction == Direction::alltoall)
-          enqueue_alltoall(op, bytes, ctas);
-        else
-          enqueue(op, bytes, ctas);
-      }
-      FERRY_CHECK_CUDA(cudaEventRecord(events_[2 * i + 1], stream_));
-    }
+    // 1. meet the peer on the device before every run, then time the transfer alone
+    runs_.enqueue(
+        stream_, [&] { comm_.barrier(stream_); },
+        [&] {
+          if (!sends) return;
+          if (direction == Direction::alltoall)
+            enqueue_alltoall(op, bytes, ctas);
+          else
+            enqueue(op, bytes, ctas);
+        });
     comm_.check_errors(stream_);
-    double mine = 0;
-    if (sends) {
-      std::vector<double> times;
-      for (int i = s_.warmup; i < runs; ++i) {
-        float ms = 0;
-        FERRY_CHECK_CUDA(cudaEventElapsedTime(&ms, events_[2 * i], events_[2 * i + 1]));
-        times.push_back(1e3 * ms);
-      }
-      mine = median(times);
-    }
     // 2. a transfer is as slow as its slowest sender
-    std::vector<double> all(comm_.world());
-    comm_.bootstrap().allgather(&mine, all.data(), sizeof(double));
-    return *std::max_element(all.begin(), all.end());
+    return slowest_rank(comm_, sends ? runs_.median_us() : 0);
   }
 
   // Median one-way latency in microseconds (round trip / 2) measured on rank 0.
@@ -251,7 +234,7 @@ class P2p {
   SymmetricRegion flags_{};
   uint64_t* elapsed_ = nullptr;
   uint64_t flag_base_ = 0;
-  std::vector<cudaEvent_t> events_;
+  TimedRuns runs_;
 };
 
 // ---- output -------------------------------------------------------------------------------------------------------

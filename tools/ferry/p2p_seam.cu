@@ -15,6 +15,7 @@
 #include "ferry/env.hpp"
 #include "ferry/error.hpp"
 #include "p2p_seam.cuh"
+#include "p2p_timing.cuh"
 
 namespace ferry::cli::p2p {
 namespace {
@@ -30,7 +31,7 @@ T* device_zeroed(std::size_t count) {
 template <class Net>
 class Seam final : public SeamMeasures {
  public:
-  Seam(Communicator* comm, Settings const& s) : comm_(comm), s_(s) {
+  Seam(Communicator* comm, Settings const& s) : comm_(comm), s_(s), runs_(s.warmup, s.iters) {
     world_ = comm ? comm->world() : s.nproc;
     sides_ = comm ? 1 : world_;
     FERRY_CHECK_CONFIG(sides_ <= kSides<Net>, "ferry p2p: ", sides_, " ranks in one process: the ",
@@ -68,9 +69,6 @@ class Seam final : public SeamMeasures {
         owned_.push_back(side.seen);
         side.net = make_net(windows, side.rank);
       }
-      int const num_events = s_.warmup + s_.iters;
-      events_.resize(2 * num_events);
-      for (auto& event : events_) FERRY_CHECK_CUDA(cudaEventCreate(&event));
       elapsed_ = device_zeroed<uint64_t>(1);
       params_.elapsed_ns = elapsed_;
       FERRY_CHECK_CUDA(cudaDeviceSynchronize());
@@ -109,27 +107,20 @@ class Seam final : public SeamMeasures {
       side.receives = params.alltoall || (pair && (side.rank == 1 || bidir));
       active |= side.sends || side.receives;
     }
-    int const runs = s_.warmup + s_.iters;
-    for (int i = 0; i < runs; ++i) {
-      // 1. meet the peers on the device (no host round trip), then time the exchange alone
-      if (comm_) comm_->barrier(stream_);
-      FERRY_CHECK_CUDA(cudaEventRecord(events_[2 * i], stream_));
-      if (active) put_signal_kernel<Net><<<dim3(ctas, sides_), s_.threads, 0, stream_>>>(params);
-      FERRY_CHECK_CUDA(cudaGetLastError());
-      FERRY_CHECK_CUDA(cudaEventRecord(events_[2 * i + 1], stream_));
-    }
+    // 1. meet the peers on the device before every run (one launch holds every virtual rank), then time it alone
+    runs_.enqueue(
+        stream_,
+        [&] {
+          if (comm_) comm_->barrier(stream_);
+        },
+        [&] {
+          if (active) put_signal_kernel<Net><<<dim3(ctas, sides_), s_.threads, 0, stream_>>>(params);
+          FERRY_CHECK_CUDA(cudaGetLastError());
+        });
     check_errors();
-    double mine = 0;
-    if (active) {
-      std::vector<double> times;
-      for (int i = s_.warmup; i < runs; ++i) {
-        float ms = 0;
-        FERRY_CHECK_CUDA(cudaEventElapsedTime(&ms, events_[2 * i], events_[2 * i + 1]));
-        times.push_back(1e3 * ms);
-      }
-      mine = median(times);
-    }
-    return slowest(mine);
+    // 2. as slow as the slowest rank
+    double const mine = active ? runs_.median_us() : 0;
+    return comm_ ? slowest_rank(*comm_, mine) : mine;
   }
 
   double time_latency() override {
@@ -194,19 +185,9 @@ class Seam final : public SeamMeasures {
         FERRY_THROW(TimeoutError, "p2p", detail::describe_device_error(*block, env_double("FERRY_TIMEOUT_S")));
   }
 
-  // A measure is as slow as its slowest rank (one launch holds every virtual rank).
-  double slowest(double mine) {
-    if (!comm_) return mine;
-    std::vector<double> all(world_);
-    comm_->bootstrap().allgather(&mine, all.data(), sizeof(double));
-    return *std::max_element(all.begin(), all.end());
-  }
-
   // Best effort (a destructor, or a constructor that threw): the communicator's teardown reports anything serious.
   void release() noexcept {
     if (stream_) cudaStreamSynchronize(stream_);
-    for (auto event : events_) cudaEventDestroy(event);
-    events_.clear();
     for (void* ptr : owned_) cudaFree(ptr);
     owned_.clear();
     for (void* ptr : virtual_windows_) cudaFree(ptr);
@@ -231,7 +212,7 @@ class Seam final : public SeamMeasures {
   std::vector<DeviceErrorBlock*> errors_;  // virtual ranks: host addresses of their mapped error blocks
   std::vector<void*> owned_;               // counters waited for, emulated endpoints
   cudaStream_t stream_ = nullptr;
-  std::vector<cudaEvent_t> events_;
+  TimedRuns runs_;
   uint64_t* elapsed_ = nullptr;
 };
 
