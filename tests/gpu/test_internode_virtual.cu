@@ -10,16 +10,18 @@
 // ref::combine_*(config, topology, ...) (the order across nodes: a remote node's rows summed in fp32 by its rail and
 // sent once). Topologies 2x1, 2x2, 2x4 and 4x2; 1x8 runs today's one-node path against the int-world reference (which
 // the topology reference equals there). Routings random, grouped and hot, ranks and a whole node without tokens,
-// hidden 2048 and 7168, topk 8, dispatch in bf16 and every quantized format (delivered quantized in two scale
-// layouts, or dequantized), combine in bf16, fp8, nvfp4 and mxfp4 (bit-exact: the reference models the same
-// quantization). MissingRailWaitIsCaught shows the test can fail: with the rail's wait on the network's signal
-// dropped (a test-only switch), the emulated run must deliver wrong rows. Needs one GPU; skips without one.
+// hidden 2048 and 7168, topk 8, dispatch in bf16 and every quantized format (delivered quantized in row-major and the
+// other scale layouts, or dequantized; quantized here or pre-quantized by the caller), combine in bf16, fp8, nvfp4 and
+// mxfp4 (bit-exact: the reference models the same quantization). MissingRailWaitIsCaught shows the test can fail: with
+// the rail's wait on the network's signal dropped (a test-only switch), the emulated run must deliver wrong rows, bf16
+// and quantized. Needs one GPU; skips without one.
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <cstdio>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -48,6 +50,7 @@ struct Spec : VirtualSpec {
   WireFormat combine_format = WireFormat::bf16;
   WireFormat dispatch_format = WireFormat::bf16;  // dispatch=: the wire rows of the dispatch (the network leg too)
   bool dequantize = false;                        // dequantize=1: dispatch_dequantize (bf16 rows delivered)
+  bool prequant = false;                          // prequant=1: pre-quantized input (DispatchArgs::x_scales)
   ScaleLayout scales = ScaleLayout::row_major;    // scales=: recv_scale_layout of quantized delivery
   uint32_t delay_ns = 20000;                      // delay_ns=: the emulated network's most delay per delivery
   bool skip_rail_wait = false;
@@ -70,6 +73,7 @@ Spec parse_spec(std::vector<std::string> const& words) {
   s.combine_format = parse_wire_format(args.text("combine", "bf16"));
   s.dispatch_format = parse_wire_format(args.text("dispatch", "bf16"));
   s.dequantize = args.flag("dequantize", false);
+  s.prequant = args.flag("prequant", false);
   s.scales = parse_scale_layout(args.text("scales", "row_major"));
   s.delay_ns = static_cast<uint32_t>(args.integer("delay_ns", static_cast<int>(s.delay_ns)));
   s.skip_rail_wait = args.flag("skip_rail_wait", false);
@@ -80,6 +84,8 @@ Spec parse_spec(std::vector<std::string> const& words) {
   s.absent_leg = args.text("absent_leg", s.absent_leg);
   FERRY_CHECK(s.absent_node < s.topology.nodes, "absent_node=", s.absent_node, " is not a node of ",
               topology_name(s.topology));
+  FERRY_CHECK(!s.prequant || (s.dispatch_format != WireFormat::bf16 && s.refuse < 0 && !s.handles && s.absent_node < 0),
+              "prequant=1 needs a quantized dispatch= and runs the plain iterations (no refuse, handles, absent_node)");
   return s;
 }
 
@@ -93,6 +99,35 @@ void allocate_hier(Buffers& b) {
 }
 
 using VirtualHierRanks = VirtualRanks<Buffers, allocate_hier, cuda_ep::free_buffers>;
+
+// Where prequant=1's pieces wait for the dispatch (DispatchArgs::x_scales, x_token_scales; the payload goes into x).
+struct PrequantIo {
+  DeviceBuffer scales, token_scales;
+  PrequantIo(EpConfig const& config, int num_tokens)
+      : scales(wire_scale_bytes(config) * static_cast<std::size_t>(num_tokens)),
+        token_scales(sizeof(float) * static_cast<std::size_t>(num_tokens)) {}
+  static std::size_t wire_scale_bytes(EpConfig const& config) {
+    WireRowLayout const wire = wire_row_layout(config.dispatch_format, config.hidden);
+    return static_cast<std::size_t>(wire.num_scales) * wire.scale_bytes;
+  }
+};
+
+// prequant=1: each rank's input replaced by the caller's own quantization of other rows (what arrives must be those
+// bytes, not a re-quantized x): the pieces uploaded where the dispatch reads them, the reference recomputed.
+void prequantize(EpConfig const& config, int world, uint64_t seed, VirtualIteration& it,
+                 std::vector<VirtualRankIo> const& io, std::vector<PrequantIo> const& pieces) {
+  for (int r = 0; r < world; ++r) {
+    ref::RankInput& in = it.inputs[r];
+    ref::RankInput other = in;
+    other.x = generate_tokens(seed + 999, r, in.num_tokens, config.hidden);
+    in.x_wire = ref::source_wire_rows(config, other);
+    ref::QuantizedInput const q = ref::split_wire_rows(config, in.x_wire, in.num_tokens);
+    upload(io[r].x, q.payload);
+    upload(pieces[r].scales, q.scales);
+    upload(pieces[r].token_scales, q.token_scales);
+  }
+  for (int r = 0; r < world; ++r) it.expected[r] = ref::dispatch(config, world, r, it.inputs);
+}
 
 // What rank r's hierarchical legs must send to other ranks (EpBuffer::link_bytes, docs/internode.md "Counting the
 // bytes": rows and their metadata, not the control words), from the inputs and the reference: dispatch: its rows
@@ -189,17 +224,23 @@ std::string run_case(Spec const& spec, int num_ctas) {
               static_cast<unsigned long long>(spec.seed), spec.routing.c_str());
   for (int t : tokens) std::printf(" %d", t);
   std::printf(
-      " hidden %d topk %d experts %d slots %d expand %d dispatch %s%s scales %s combine %s network %s (delay < %u ns, "
+      " hidden %d topk %d experts %d slots %d expand %d dispatch %s%s%s scales %s combine %s network %s (delay < %u "
+      "ns, "
       "reordered)%s\n",
       config.hidden, config.topk, config.num_experts, config.expert_slots(), spec.expand,
       wire_format_name(config.dispatch_format), config.dispatch_dequantize ? " (dequantized)" : "",
-      scale_layout_name(config.recv_scale_layout), wire_format_name(config.combine_format),
-      hierarchical ? "emulated" : "none (one node: today's path)", spec.delay_ns,
-      spec.skip_rail_wait ? " [rail wait dropped]" : "");
+      spec.prequant ? " (pre-quantized)" : "", scale_layout_name(config.recv_scale_layout),
+      wire_format_name(config.combine_format), hierarchical ? "emulated" : "none (one node: today's path)",
+      spec.delay_ns, spec.skip_rail_wait ? " [rail wait dropped]" : "");
   std::fflush(stdout);
   std::vector<VirtualRankIo> io;
   io.reserve(world);
   for (int r = 0; r < world; ++r) io.emplace_back(config, world, tokens[r]);
+  std::vector<PrequantIo> pieces;
+  if (spec.prequant) {
+    pieces.reserve(world);
+    for (int r = 0; r < world; ++r) pieces.emplace_back(config, tokens[r]);
+  }
   std::vector<DispatchArgs> dargs(world);
   std::vector<CombineArgs> em(world), rm(world);
   for (int r = 0; r < world; ++r) {
@@ -209,6 +250,11 @@ std::string run_case(Spec const& spec, int num_ctas) {
     dargs[r].topk_idx_type = IndexType::int64;
     dargs[r].topk_weights = static_cast<float const*>(io[r].w.ptr);
     dargs[r].expand = spec.expand;
+    if (spec.prequant) {
+      dargs[r].x_scales = pieces[r].scales.ptr;
+      if (wire_row_layout(config.dispatch_format, config.hidden).has_token_scale)
+        dargs[r].x_token_scales = static_cast<float const*>(pieces[r].token_scales.ptr);
+    }
     em[r] = CombineArgs{CombineLayout::expert_major, io[r].eout.ptr, io[r].y_em.ptr, true};
     rm[r] = CombineArgs{CombineLayout::rank_major, io[r].rows.ptr, io[r].y_rm.ptr, true};
     detail::validate_dispatch_args(config, dargs[r]);
@@ -396,7 +442,8 @@ std::string run_case(Spec const& spec, int num_ctas) {
     cuda_ep::launch_combine(ranks[r], em[r], cuda_ep::plan_combine(ranks[r], tokens[r]), tokens[r], ranks.stream(r));
   };
   for (int iter = 0; iter < spec.iters; ++iter) {
-    VirtualIteration const it(config, world, spec.routing_options(iter), tokens, io);
+    VirtualIteration it(config, world, spec.routing_options(iter), tokens, io);
+    if (spec.prequant) prequantize(config, world, spec.routing_options(iter).seed, it, io, pieces);
     if (spec.graph && iter > 0) {
       for (int r = 0; r < world; ++r)
         poison_any_dispatch(config, world, cuda_ep::dispatch_result(ranks[r], spec.expand));
@@ -552,9 +599,10 @@ TEST(InternodeVirtual, Topology1x8IsTodaysPath) {
 }
 
 // Every quantized dispatch_format across nodes (the network leg carries the wire row; the rail forwards its bytes):
-// delivered quantized in the MN-major, packed UE8M0 and 128x4 scale layouts (the receiver's relayout pass, after
-// every source's rows landed), delivered dequantized, expanded, with empty ranks and nodes, every row exact against
-// the reference's host codec bytes. The graph test below replays an nvfp4 dispatch in row-major scales.
+// delivered quantized in row-major scales and in the MN-major, packed UE8M0 and 128x4 scale layouts (the receiver's
+// relayout pass, after every source's rows landed), delivered dequantized, expanded, pre-quantized by the caller, with
+// empty ranks and nodes, every row exact against the reference's host codec bytes. The graph test below replays an
+// nvfp4 dispatch in row-major scales.
 TEST(InternodeVirtual, QuantizedDispatchAcrossNodes) {
   std::vector<std::vector<std::string>> table;
   for (std::string const topology : {"2x1", "2x2", "2x4", "4x2", "1x8"}) {
@@ -568,6 +616,14 @@ TEST(InternodeVirtual, QuantizedDispatchAcrossNodes) {
                      "iters=2"});
     table.push_back({t, "dispatch=fp8_ue8m0", "dequantize=1", "tokens=0,77", "hidden=2048", "topk=8", "experts=64",
                      "mask=0.2", "iters=2"});
+    // row-major scales: no receiver pass, so only the last CTA waits and the rail's split lands in the final places;
+    // pre-quantized input: the caller's pieces (nvfp4: its token scales too) cross the network unchanged
+    table.push_back(
+        {t, "dispatch=fp8", "prequant=1", "tokens=64,0,21", "hidden=2048", "topk=8", "experts=64", "iters=2"});
+    table.push_back({t, "dispatch=mxfp4", "routing=grouped", "tokens=33,80", "hidden=2048", "topk=8", "experts=64",
+                     "combine=fp8", "iters=2"});
+    table.push_back({t, "dispatch=nvfp4", "prequant=1", "scales=blocked_128x4", "routing=hot", "expand=1",
+                     "tokens=48,5", "hidden=2048", "topk=8", "experts=64", "capacity=128", "iters=2"});
   }
   run_rows(table);
 }
@@ -612,22 +668,30 @@ TEST(InternodeVirtual, AbsentNodeIsNamedAsANode) {
 
 // The test can fail: the rail forwarding rows before the network's signal says they arrived must deliver wrong rows
 // under the emulated network (its puts land only when their signal is sent, after a delay). The rail's own signals
-// are delayed too, so one call may still read its records in time: up to 8 calls per topology (on the H200, 2x1 was
+// are delayed too, so one call may still read its records in time: up to 8 calls per case (on the H200, 2x1 was
 // caught at its second call; 2x2, before this test checked the dispatch first, made its combine read poisoned rows).
+// The quantized cases forward split wire rows (payload, scales, token scale), checked by the quantized comparison.
 TEST(InternodeVirtual, MissingRailWaitIsCaught) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU, found 0";
+  struct Case {
+    char const* topology;
+    char const* dispatch;
+  };
+  Case const cases[] = {{"2x1", "bf16"}, {"2x2", "bf16"}, {"4x2", "bf16"}, {"2x1", "fp8"}, {"2x2", "nvfp4"}};
   int caught = 0;
-  for (std::string const topology : {"2x1", "2x2", "4x2"}) {
+  for (Case const& c : cases) {
     uint64_t const seed = fresh_seed();
-    Spec const spec = parse_spec({"topology=" + topology, "tokens=128", "hidden=2048", "topk=8", "experts=64",
-                                  "delay_ns=200000", "skip_rail_wait=1", "iters=8", "seed=" + std::to_string(seed)});
+    Spec const spec = parse_spec({std::string("topology=") + c.topology, std::string("dispatch=") + c.dispatch,
+                                  "tokens=128", "hidden=2048", "topk=8", "experts=64", "delay_ns=200000",
+                                  "skip_rail_wait=1", "iters=8", "seed=" + std::to_string(seed)});
     int const ctas = virtual_ctas_per_rank(spec.world, cuda_ep::kMaxLandCtas);
     std::string const failure = run_case(spec, ctas);
-    std::printf("without the rail's wait (topology %s, seed %llu): %s\n", topology.c_str(),
+    std::printf("without the rail's wait (topology %s, dispatch %s, seed %llu): %s\n", c.topology, c.dispatch,
                 static_cast<unsigned long long>(seed), failure.empty() ? "NOT CAUGHT" : failure.c_str());
     caught += !failure.empty();
   }
-  EXPECT_EQ(caught, 3) << "a rail that forwards before the network's signal must fail every emulated run";
+  EXPECT_EQ(caught, static_cast<int>(std::size(cases)))
+      << "a rail that forwards before the network's signal must fail every emulated run";
 }
 
 }  // namespace
