@@ -647,8 +647,12 @@ TEST(InternodeVirtual, RefusalIsSeenByEveryRank) {
 }
 
 // Handles across nodes: a dispatch's layout saved and restored after another dispatch, its combine and its
-// dispatch_backward (unit weights, fp32 output) exact against the reference of the first dispatch.
-TEST(InternodeVirtual, HandlesAcrossNodes) {
+// dispatch_backward (unit weights, fp32 output) exact against the reference of the first dispatch. DISABLED: on
+// 1 x H200 (2026-12-02) the handles=2 row at 2x2 got both dispatches exact and the rank-major combine of the restored
+// handle wrong from element 0 of rank 0; CudaEp refuses handles across nodes until this passes (run it with
+// --gtest_also_run_disabled_tests; the handles=1 row, a restore right after its own dispatch, tells a restore that
+// loses state from one that misses what the second dispatch overwrote).
+TEST(InternodeVirtual, DISABLED_HandlesAcrossNodes) {
   run_rows(
       {{"topology=2x2", "handles=1", "tokens=64,17", "hidden=2048", "topk=8", "experts=64", "iters=1"},
        {"topology=2x2", "handles=2", "tokens=64,17", "hidden=2048", "topk=8", "experts=64", "iters=1"},
