@@ -93,6 +93,15 @@ __device__ __forceinline__ void nvfp4_token_scales(DispatchParams const& p, int 
   }
 }
 
+// Where row `row` of destination d's delivered buffers are (the dispatch's QuantDst: payload, scales, token scale).
+__device__ __forceinline__ device::QuantRowPlaces delivered_places(DispatchParams const& p, int d, int32_t row) {
+  std::size_t const r = static_cast<std::size_t>(row);
+  char* const sym = p.net.window(d);
+  return device::QuantRowPlaces{sym + p.qdst.payload + r * p.qdst.payload_stride,
+                                sym + p.qdst.scales + r * p.qdst.scales_stride,
+                                reinterpret_cast<float*>(sym + p.qdst.token + r * p.qdst.token_stride)};
+}
+
 // Push of one quantized row (items (token, chunk) as the bf16 push): the warp quantizes its chunk of the row (or
 // forwards the pre-quantized pieces) and stores the pieces into every destination of `send` at its final row rows[d]
 // (device_push.cuh). Chunks are whole scale groups, so a block's lanes are all in one chunk.
@@ -108,15 +117,7 @@ __device__ __forceinline__ void push_quantized_row(DispatchParams const& p, int 
       kFormat != WireFormat::nvfp4 ? 0.0f : (prequantized ? p.x_token_scales[t] : p.token_scales[t]);
   // 4 vectors of bf16 in flight per lane, as the bf16 push
   device::push_quantized_chunk<kFormat, kUnitElems, kDispatchUnroll / Codec::kVecs>(
-      in, p.hidden, chunk, chunks, send, token_scale,
-      [&](int d) {
-        std::size_t const r = static_cast<std::size_t>(rows[d]);
-        char* const sym = p.net.window(d);
-        return device::QuantRowPlaces{sym + p.qdst.payload + r * p.qdst.payload_stride,
-                                      sym + p.qdst.scales + r * p.qdst.scales_stride,
-                                      reinterpret_cast<float*>(sym + p.qdst.token + r * p.qdst.token_stride)};
-      },
-      lane);
+      in, p.hidden, chunk, chunks, send, token_scale, [&](int d) { return delivered_places(p, d, rows[d]); }, lane);
 }
 
 // The receiver's local pass over rows [0, num_recv) once every source's rows have landed, spread over the whole grid.

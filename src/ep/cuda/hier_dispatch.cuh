@@ -194,11 +194,7 @@ __device__ __forceinline__ void push_hier_quantized_row(HierDispatchParams<Net> 
         if (d / p.local != own_node)
           return device::QuantRowPlaces{staged, staged + wire.scales_offset,
                                         reinterpret_cast<float*>(staged + wire.token_scale_offset)};
-        std::size_t const r = static_cast<std::size_t>(rows[d]);
-        char* const sym = p.net.window(d);
-        return device::QuantRowPlaces{sym + p.qdst.payload + r * p.qdst.payload_stride,
-                                      sym + p.qdst.scales + r * p.qdst.scales_stride,
-                                      reinterpret_cast<float*>(sym + p.qdst.token + r * p.qdst.token_stride)};
+        return delivered_places(p, d, rows[d]);
       },
       lane);
 }
