@@ -320,11 +320,11 @@ std::string run_case(Spec const& spec, int num_ctas) {
   // output, each against A's reference
   if (spec.handles > 0) {
     std::size_t const handle_bytes = cuda_ep::make_handle_layout(config, world, layout).total;
-    std::vector<DeviceBuffer> handles, grad_x;
-    for (int r = 0; r < world; ++r) {
-      handles.emplace_back(handle_bytes);
+    std::vector<DeviceBuffer> handles, grad_x;  // handles[pass * world + r]: each dispatch's own handle
+    for (int pass = 0; pass < spec.handles; ++pass)
+      for (int r = 0; r < world; ++r) handles.emplace_back(handle_bytes);
+    for (int r = 0; r < world; ++r)
       grad_x.emplace_back(static_cast<std::size_t>(tokens[r]) * config.hidden * sizeof(float));
-    }
     std::vector<VirtualIteration> passes;
     passes.reserve(static_cast<std::size_t>(spec.handles));
     for (int pass = 0; pass < spec.handles; ++pass) {
@@ -335,7 +335,8 @@ std::string run_case(Spec const& spec, int num_ctas) {
       for (int r = 0; r < world; ++r)
         cuda_ep::launch_dispatch(ranks[r], dargs[r], cuda_ep::plan_dispatch(ranks[r], tokens[r]), ranks.stream(r));
       for (int r = 0; r < world; ++r)
-        cuda_ep::launch_save_handle(ranks[r], handles[r].ptr, dargs[r], /*expanded=*/false, ranks.stream(r));
+        cuda_ep::launch_save_handle(ranks[r], handles[static_cast<std::size_t>(pass * world + r)].ptr, dargs[r],
+                                    /*expanded=*/false, ranks.stream(r));
       if (std::string const failure = ranks.synchronize(std::vector<int>(world, 0)); !failure.empty())
         return "handles: dispatch " + std::to_string(pass) + ": " + failure;
       for (int r = 0; r < world; ++r)
@@ -346,7 +347,7 @@ std::string run_case(Spec const& spec, int num_ctas) {
     VirtualIteration const& a = passes[0];
     for (int r = 0; r < world; ++r) upload(io[r].rows, a.rows[r]);
     for (int r = 0; r < world; ++r)
-      cuda_ep::launch_restore_handle(ranks[r], handles[r].ptr, tokens[r], /*expanded=*/false, ranks.stream(r));
+      cuda_ep::launch_restore_handle(ranks[r], handles[r].ptr, tokens[r], /*expanded=*/false, ranks.stream(r));  // A's
     for (int r = 0; r < world; ++r)
       cuda_ep::launch_combine(ranks[r], rm[r], cuda_ep::plan_combine(ranks[r], tokens[r]), tokens[r], ranks.stream(r));
     for (int r = 0; r < world; ++r) {
@@ -647,12 +648,10 @@ TEST(InternodeVirtual, RefusalIsSeenByEveryRank) {
 }
 
 // Handles across nodes: a dispatch's layout saved and restored after another dispatch, its combine and its
-// dispatch_backward (unit weights, fp32 output) exact against the reference of the first dispatch. DISABLED: on
-// 1 x H200 (2026-12-02) the handles=2 row at 2x2 got both dispatches exact and the rank-major combine of the restored
-// handle wrong from element 0 of rank 0; CudaEp refuses handles across nodes until this passes (run it with
-// --gtest_also_run_disabled_tests; the handles=1 row, a restore right after its own dispatch, tells a restore that
-// loses state from one that misses what the second dispatch overwrote).
-TEST(InternodeVirtual, DISABLED_HandlesAcrossNodes) {
+// dispatch_backward (unit weights, fp32 output) exact against the reference of the first dispatch. CudaEp refuses
+// handles across nodes until this passes on a GPU (its one run failed because both dispatches were saved into one
+// handle, a test bug since fixed; handles=1 restores right after its own dispatch).
+TEST(InternodeVirtual, HandlesAcrossNodes) {
   run_rows(
       {{"topology=2x2", "handles=1", "tokens=64,17", "hidden=2048", "topk=8", "experts=64", "iters=1"},
        {"topology=2x2", "handles=2", "tokens=64,17", "hidden=2048", "topk=8", "experts=64", "iters=1"},

@@ -315,9 +315,9 @@ class CudaEp final : public detail::EpBackendImpl {
   }
 
   void save_handle(detail::HandleState& handle, DispatchArgs const& args, cudaStream_t stream) override {
-    // NOTE: the handle keeps the hierarchical layout too (handle.cu), but on 1 x H200 the combine of a handle restored
-    // after a second dispatch differed from the reference (InternodeVirtual.DISABLED_HandlesAcrossNodes), so handles
-    // stay refused across nodes until that test passes.
+    // NOTE: the handle keeps the hierarchical layout too (handle.cu), but InternodeVirtual.HandlesAcrossNodes has not
+    // passed on a GPU yet (its one run saved both dispatches into one handle, a test bug), so handles stay refused
+    // across nodes until it does.
     FERRY_CHECK_CONFIG(buffers_.protocol != Protocol::hierarchical,
                        "dispatch handles (combine by handle, the cached dispatch, the backward passes) are not "
                        "available for normal mode over several nodes on the cuda backend in this version; combine "
