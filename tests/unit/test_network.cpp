@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "comm/network.hpp"
+#include "comm/transport/transport.hpp"
 #include "ferry/env.hpp"
 #include "ferry/error.hpp"
 #include "support/host_fixtures.hpp"
@@ -155,6 +156,36 @@ TEST(Network, ANodeMustBeInsideItsNvlinkTeam) {
                          "topology 1x16 puts ranks 0..15 on the node of rank 9, but only ranks 8..15 "
                          "share load/store access"))
         << error.what();
+  }
+}
+
+// The emulated network's settings come from the env table (a replayable seed, the delay bound, reordering); a bad
+// value is refused by name.
+TEST(EmulatedNetwork, OptionsComeFromTheEnvironment) {
+  transport::EmulatedOptions const defaults;
+  {
+    transport::EmulatedOptions const got = transport::emulated_options_from_env();
+    EXPECT_EQ(got.seed, defaults.seed);
+    EXPECT_EQ(got.max_delay_ns, defaults.max_delay_ns);
+    EXPECT_EQ(got.reorder, defaults.reorder);
+    EXPECT_STREQ(env_param("FERRY_EMULATED_SEED").default_value, std::to_string(defaults.seed).c_str());
+    EXPECT_STREQ(env_param("FERRY_EMULATED_DELAY_NS").default_value, std::to_string(defaults.max_delay_ns).c_str());
+  }
+  {
+    test::ScopedEnv const seed("FERRY_EMULATED_SEED", std::string("123456789"));
+    test::ScopedEnv const delay("FERRY_EMULATED_DELAY_NS", std::string("0"));
+    test::ScopedEnv const reorder("FERRY_EMULATED_REORDER", std::string("0"));
+    transport::EmulatedOptions const got = transport::emulated_options_from_env();
+    EXPECT_EQ(got.seed, 123456789u);
+    EXPECT_EQ(got.max_delay_ns, 0u);
+    EXPECT_FALSE(got.reorder);
+  }
+  test::ScopedEnv const bad("FERRY_EMULATED_DELAY_NS", std::string("-5"));
+  try {
+    transport::emulated_options_from_env();
+    FAIL() << "FERRY_EMULATED_DELAY_NS=-5 was accepted";
+  } catch (ConfigError const& error) {
+    EXPECT_TRUE(contains(error.what(), "FERRY_EMULATED_DELAY_NS=-5")) << error.what();
   }
 }
 

@@ -51,12 +51,16 @@ enum class Kind : int32_t {
 
 char const* kind_name(Kind kind);
 
-// The emulated transport's choices (FERRY_EMULATED_SEED / _DELAY_NS where a communicator starts one).
+// The emulated transport's choices. The defaults are FERRY_EMULATED_SEED, _DELAY_NS and _REORDER's.
 struct EmulatedOptions {
   uint64_t seed = 1;
   uint32_t max_delay_ns = 20000;  // each batch of deliveries waits a seeded time in [0, max_delay_ns)
   bool reorder = true;            // deliver a batch's puts (and each put's 16-byte pieces) in a seeded order
 };
+
+// FERRY_EMULATED_SEED, FERRY_EMULATED_DELAY_NS and FERRY_EMULATED_REORDER (the env table's rules; ConfigError for a
+// value outside them): what an EpBuffer's emulated network between nodes on one host runs with.
+EmulatedOptions emulated_options_from_env();
 
 // A 64-bit mix (splitmix64's finaliser): the emulated transport's seeded choices, the same on host and device so
 // that a schedule can be replayed and unit-tested on the host.

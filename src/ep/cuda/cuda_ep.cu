@@ -97,9 +97,17 @@ class CudaEp final : public detail::EpBackendImpl {
     detail::ProtocolChoice const protocol = detail::choose_protocol(
         config, world, ll ? std::string() : env_string("FERRY_NORMAL_LANDING"), ll ? 1 : topology.nodes);
     transport::Kind const network = detail::has_gin(comm) ? transport::Kind::gin : transport::Kind::emulated;
-    protocol_why_ = hierarchical ? detail::concat("hierarchical (", topology_name(topology),
-                                                  ", network: ", transport::kind_name(network), ")")
-                                 : protocol.why;
+    protocol_why_ = protocol.why;
+    if (hierarchical) {
+      protocol_why_ =
+          detail::concat("hierarchical (", topology_name(topology), ", network: ", transport::kind_name(network));
+      if (network == transport::Kind::emulated) {
+        transport::EmulatedOptions const emulated = transport::emulated_options_from_env();
+        protocol_why_ += detail::concat(" (FERRY_EMULATED_SEED=", emulated.seed, ", delays < ", emulated.max_delay_ns,
+                                        " ns, ", emulated.reorder ? "reordered" : "in order", ")");
+      }
+      protocol_why_ += ")";
+    }
     protocol_fallbacks_ = protocol.fallback ? detail::kFallbackCountExchange : detail::kNoFallback;
     if (ll) {
       FERRY_CHECK_CONFIG(config.expert_slots() > 0,
@@ -165,8 +173,8 @@ class CudaEp final : public detail::EpBackendImpl {
         b.gin = detail::gin_transport(comm, region_, b.layout.hier_signals, b.layout.hier_num_signals);
       } else if (hierarchical) {
         // the network between the nodes: emulated over the peers' windows (check_hierarchical: every peer is load/store
-        // reachable), with the transport's default seeded delays and reordering
-        transport::EmulatedOptions const options;
+        // reachable), with the seeded delays and reordering of FERRY_EMULATED_*
+        transport::EmulatedOptions const options = transport::emulated_options_from_env();
         for (int r = 0; r < world; ++r) b.network.windows[r] = b.sym.ptr[r];
         b.network.rank = comm.rank();
         b.network.world = world;
