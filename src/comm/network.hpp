@@ -53,7 +53,6 @@ class SignalRanges {
   // Every range of `owner` is free again (none: nothing happens).
   void give_back(uint64_t owner);
   uint32_t in_use() const;
-  uint32_t capacity() const { return capacity_; }
 
  private:
   struct Range {

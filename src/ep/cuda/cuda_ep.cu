@@ -38,10 +38,9 @@ namespace {
 // NOTE: the hierarchical protocol (normal mode over several nodes) reaches the ranks of other nodes over GIN when the
 // communicator set GIN up, else through the emulated network, which needs their windows mapped (emulated nodes on one
 // host, FERRY_TOPOLOGY).
-void check_hierarchical(Communicator const& comm, Topology const& topology) {
+void check_hierarchical(Communicator const& comm, Topology const& topology, bool gin) {
   FERRY_CHECK_CONFIG(topology.world() + topology.nodes <= kMaxHierColumns, "topology ", topology_name(topology),
                      " has more ranks and nodes than the hierarchical layout's ", kMaxHierColumns, " columns");
-  bool const gin = detail::has_gin(comm);
   for (int peer = 0; peer < comm.world(); ++peer) {
     if (comm.load_store_reachable(peer)) continue;
     // the communicator keeps a node inside its NVLink team (check_node_in_team), and sets GIN up for the others
@@ -93,19 +92,20 @@ class CudaEp final : public detail::EpBackendImpl {
     // 1. the protocol (the same on every rank: the config, the topology and FERRY_NORMAL_LANDING must agree)
     Topology const topology = comm.topology();
     bool const hierarchical = !ll && topology.nodes > 1;
-    if (hierarchical) check_hierarchical(comm, topology);
+    transport::Kind const network = detail::has_gin(comm) ? transport::Kind::gin : transport::Kind::emulated;
+    if (hierarchical) check_hierarchical(comm, topology, network == transport::Kind::gin);
     detail::ProtocolChoice const protocol = detail::choose_protocol(
         config, world, ll ? std::string() : env_string("FERRY_NORMAL_LANDING"), ll ? 1 : topology.nodes);
-    transport::Kind const network = detail::has_gin(comm) ? transport::Kind::gin : transport::Kind::emulated;
+    // the emulated network's settings (FERRY_EMULATED_*), read once: explain() prints what the kernels run with
+    transport::EmulatedOptions const emulated =
+        hierarchical ? transport::emulated_options_from_env() : transport::EmulatedOptions{};
     protocol_why_ = protocol.why;
     if (hierarchical) {
       protocol_why_ =
           detail::concat("hierarchical (", topology_name(topology), ", network: ", transport::kind_name(network));
-      if (network == transport::Kind::emulated) {
-        transport::EmulatedOptions const emulated = transport::emulated_options_from_env();
+      if (network == transport::Kind::emulated)
         protocol_why_ += detail::concat(" (FERRY_EMULATED_SEED=", emulated.seed, ", delays < ", emulated.max_delay_ns,
                                         " ns, ", emulated.reorder ? "reordered" : "in order", ")");
-      }
       protocol_why_ += ")";
     }
     protocol_fallbacks_ = protocol.fallback ? detail::kFallbackCountExchange : detail::kNoFallback;
@@ -174,13 +174,12 @@ class CudaEp final : public detail::EpBackendImpl {
       } else if (hierarchical) {
         // the network between the nodes: emulated over the peers' windows (check_hierarchical: every peer is load/store
         // reachable), with the seeded delays and reordering of FERRY_EMULATED_*
-        transport::EmulatedOptions const options = transport::emulated_options_from_env();
         for (int r = 0; r < world; ++r) b.network.windows[r] = b.sym.ptr[r];
         b.network.rank = comm.rank();
         b.network.world = world;
-        b.network.seed = options.seed ^ static_cast<uint64_t>(comm.rank());
-        b.network.max_delay_ns = options.max_delay_ns;
-        b.network.reorder = options.reorder ? 1u : 0u;
+        b.network.seed = emulated.seed ^ static_cast<uint64_t>(comm.rank());
+        b.network.max_delay_ns = emulated.max_delay_ns;
+        b.network.reorder = emulated.reorder ? 1u : 0u;
       }
       allocate_buffers(b);
       b.trace = &trace_;
