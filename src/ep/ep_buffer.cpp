@@ -169,12 +169,11 @@ EpBuffer::EpBuffer(std::shared_ptr<Communicator> comm, EpConfig const& config)
   try {
     config_.validate(comm_->world());
     Topology const& topology = comm_->topology();
-    // NOTE: across nodes the cuda backend runs normal mode only (its hierarchical protocol, hier_dispatch.cuh).
-    FERRY_CHECK_CONFIG(topology.nodes == 1 || config_.mode == Mode::normal || comm_->backend() == Backend::cpu,
-                       "mode=ll over ", topology.nodes, " nodes (topology ", topology_name(topology),
-                       ", from FERRY_TOPOLOGY or LOCAL_WORLD_SIZE) on the cuda backend: low-latency mode across nodes "
-                       "is built on the cpu backend only in this version (docs/internode.md); use mode=normal, or "
-                       "run every rank on one node");
+    // NOTE: low-latency mode across nodes on the cuda backend puts rows straight into their ranks (the direct route
+    // only; docs/internode.md): `automatic` means that route there.
+    if (topology.nodes > 1 && config_.mode == Mode::low_latency && comm_->backend() == Backend::cuda &&
+        config_.internode_route == InternodeRoute::automatic)
+      config_.internode_route = InternodeRoute::direct;
   } catch (ConfigError const& error) {
     invalid = error.what();
   }

@@ -43,9 +43,17 @@ struct Spec : VirtualSpec {
   ScaleLayout layout = ScaleLayout::row_major;
   bool hook = false;        // hook=1: each leg as its send half, then its receive half
   bool own_direct = false;  // own=direct: bf16 own rows copied by the send half (FERRY_LL_OWN_ROWS=direct)
+  // topology=NxM: N emulated nodes of M ranks (world N * M): the ranks of other nodes only through the emulated
+  // network (seeded delays of up to delay_ns= per delivery, reordered), their NVLink windows taken away
+  Topology topology{1, 0};
+  uint32_t delay_ns = 20000;
 };
 
-Spec parse_spec(std::vector<std::string> const& words) {
+Spec parse_spec(std::vector<std::string> words) {
+  // topology=NxM sets the world (before read_virtual checks absent= against it)
+  for (std::string const& word : words)
+    if (word.rfind("topology=", 0) == 0)
+      words.push_back("world=" + std::to_string(parse_topology(word.substr(9)).world()));
   CaseArgs const args(words);
   Spec s;
   s.read_virtual(args);
@@ -55,11 +63,30 @@ Spec parse_spec(std::vector<std::string> const& words) {
   s.layout = parse_scale_layout(args.text("layout", "row_major"));
   s.hook = args.flag("hook", s.hook);
   s.own_direct = args.text("own", "landing") == "direct";
+  if (std::string const topology = args.text("topology", ""); !topology.empty()) {
+    s.topology = parse_topology(topology);
+  }
+  s.delay_ns = static_cast<uint32_t>(args.integer("delay_ns", static_cast<int>(s.delay_ns)));
   return s;
 }
 
+// A rank's buffers (what CudaEp sets up); across nodes also the emulated network over every rank's region, after
+// which the rank loses the load/store windows of the other nodes' ranks: a kernel that stores into one faults.
+void allocate_ll(Buffers& b) {
+  bool const across = b.layout.nodes > 1;
+  if (across) {
+    for (int r = 0; r < b.world; ++r) b.network.windows[r] = b.sym.ptr[r];
+    b.network.rank = b.rank;
+    b.network.world = b.world;
+  }
+  cuda_ep::allocate_buffers(b);
+  if (across)
+    for (int r = 0; r < b.world; ++r)
+      if (r / b.layout.local != b.rank / b.layout.local) b.sym.ptr[r] = nullptr;
+}
+
 // `world` ranks of one LL EpBuffer on the current GPU: what CudaEp sets up per rank.
-using VirtualLlRanks = VirtualRanks<Buffers, cuda_ep::allocate_buffers, cuda_ep::free_buffers>;
+using VirtualLlRanks = VirtualRanks<Buffers, allocate_ll, cuda_ep::free_buffers>;
 
 // Launches one leg on every rank (each on its own stream, side by side): whole, or every send half then every
 // receive half.
@@ -85,15 +112,17 @@ void run_virtual(Spec const& spec, int num_ctas) {
   EpConfig const config = user.resolved(world);
   int const hidden = config.hidden;
   int const slots = config.expert_slots();
+  int const nodes = spec.topology.nodes;
   std::printf(
-      "world %d x %d CTAs: seed %llu routing %s hidden %d topk %d experts %d slots %d dispatch %s combine %s "
-      "layout %s hook %d\n",
-      world, num_ctas, static_cast<unsigned long long>(spec.seed), spec.routing.c_str(), hidden, config.topk,
+      "world %d (%s) x %d CTAs: seed %llu routing %s hidden %d topk %d (shared %d) experts %d slots %d dispatch %s "
+      "combine %s layout %s hook %d graph %d\n",
+      world, nodes > 1 ? topology_name(spec.topology).c_str() : "one node", num_ctas,
+      static_cast<unsigned long long>(spec.seed), spec.routing.c_str(), hidden, config.topk, spec.shared,
       config.num_experts, slots, wire_format_name(config.dispatch_format), wire_format_name(config.combine_format),
-      scale_layout_name(config.recv_scale_layout), spec.hook);
+      scale_layout_name(config.recv_scale_layout), spec.hook, spec.graph);
   std::fflush(stdout);
 
-  cuda_ep::SymLayout const layout = cuda_ep::make_sym_layout(config, world, cuda_ep::Protocol::ll);
+  cuda_ep::SymLayout const layout = cuda_ep::make_sym_layout(config, world, cuda_ep::Protocol::ll, nodes);
   VirtualLlRanks ranks(
       world, layout.total,
       [&](Buffers& b, int r) {
@@ -101,6 +130,13 @@ void run_virtual(Spec const& spec, int num_ctas) {
         b.num_ctas = num_ctas;
         b.own_direct = spec.own_direct;
         b.layout = layout;
+        if (nodes > 1) {
+          b.topology = spec.topology;
+          b.network_kind = transport::Kind::emulated;
+          b.network.seed = spec.seed ^ static_cast<uint64_t>(r);
+          b.network.max_delay_ns = spec.delay_ns;
+          b.network.reorder = 1;
+        }
       },
       spec.timeout_s());
   std::vector<VirtualRankIo> io;
@@ -122,6 +158,29 @@ void run_virtual(Spec const& spec, int num_ctas) {
     detail::validate_combine_args(config, em[r], true, true, tokens[r]);
     detail::validate_combine_args(config, rm[r], true, true, tokens[r]);
   }
+
+  // graph=1: each rank's three legs captured once on its stream after iteration 0 has run them directly (a kernel's
+  // first launch may load it, which a capture must not do), then replayed with fresh inputs in the same buffers
+  std::vector<cudaGraphExec_t> graphs(world, nullptr);
+  struct GraphsGone {
+    std::vector<cudaGraphExec_t>& g;
+    ~GraphsGone() {
+      for (cudaGraphExec_t e : g)
+        if (e != nullptr) cudaGraphExecDestroy(e);
+    }
+  } const graphs_gone{graphs};
+  auto const capture = [&](int r) {
+    cudaGraph_t graph = nullptr;
+    CK(cudaStreamBeginCapture(ranks.stream(r), cudaStreamCaptureModeThreadLocal));
+    for (Half half : spec.hook ? std::vector<Half>{Half::send, Half::recv} : std::vector<Half>{Half::both})
+      cuda_ep::launch_ll_dispatch(ranks[r], dargs[r], half, ranks.stream(r));
+    for (std::vector<CombineArgs> const* leg : {&em, &rm})
+      for (Half half : spec.hook ? std::vector<Half>{Half::send, Half::recv} : std::vector<Half>{Half::both})
+        cuda_ep::launch_ll_combine(ranks[r], (*leg)[r], tokens[r], half, ranks.stream(r));
+    CK(cudaStreamEndCapture(ranks.stream(r), &graph));
+    CK(cudaGraphInstantiate(&graphs[r], graph, 0));
+    CK(cudaGraphDestroy(graph));
+  };
 
   for (int iter = 0; iter < spec.iters; ++iter) {
     // 1. every rank's inputs (fresh), the reference, and the combine inputs (deterministic in (seed, rank)); y poisoned
@@ -151,13 +210,19 @@ void run_virtual(Spec const& spec, int num_ctas) {
     }
 
     // 3. dispatch, expert-major combine, rank-major combine: each leg on every rank side by side, the legs back to
-    //    back on each rank's stream (as a captured graph runs them)
-    launch_leg(ranks, spec.hook,
-               [&](int r, Half half) { cuda_ep::launch_ll_dispatch(ranks[r], dargs[r], half, ranks.stream(r)); });
-    for (std::vector<CombineArgs> const* leg : {&em, &rm})
-      launch_leg(ranks, spec.hook, [&](int r, Half half) {
-        cuda_ep::launch_ll_combine(ranks[r], (*leg)[r], tokens[r], half, ranks.stream(r));
-      });
+    //    back on each rank's stream (as a captured graph runs them); or every rank's graph of the three
+    if (spec.graph && iter > 0) {
+      if (graphs[0] == nullptr)
+        for (int r = 0; r < world; ++r) capture(r);
+      for (int r = 0; r < world; ++r) CK(cudaGraphLaunch(graphs[r], ranks.stream(r)));
+    } else {
+      launch_leg(ranks, spec.hook,
+                 [&](int r, Half half) { cuda_ep::launch_ll_dispatch(ranks[r], dargs[r], half, ranks.stream(r)); });
+      for (std::vector<CombineArgs> const* leg : {&em, &rm})
+        launch_leg(ranks, spec.hook, [&](int r, Half half) {
+          cuda_ep::launch_ll_combine(ranks[r], (*leg)[r], tokens[r], half, ranks.stream(r));
+        });
+    }
     std::string const failure = ranks.synchronize(dropped);
     ASSERT_TRUE(failure.empty()) << "iter " << iter << ":\n" << failure;
 
@@ -170,7 +235,8 @@ void run_virtual(Spec const& spec, int num_ctas) {
       ASSERT_EQ(it.check_combines(config, world, r, iter, io[r]), 0);
     }
   }
-  std::printf("world %d: %d iterations exact on every rank\n", world, spec.iters);
+  std::printf("world %d%s: %d iterations exact on every rank\n", world,
+              nodes > 1 ? (" (" + topology_name(spec.topology) + ")").c_str() : "", spec.iters);
 }
 
 // Runs each row (key=value words: CaseShape's, and world=, capacity=, dispatch=, combine=, layout=, hook=1) with a
@@ -271,6 +337,63 @@ TEST(LowLatencyVirtualRanks, HookSplitsEachLeg) {
       table.push_back({"world=" + std::to_string(world), "hook=1", "tokens=128,96", "hidden=7168", "topk=8",
                        "experts=256", "capacity=80", "iters=3", own});
   run_rows(table);
+}
+
+// Low-latency mode across nodes (the direct route: each row put straight into its rank, over NVLink on its node and
+// through the emulated network to the others, delayed and reordered; ll_dispatch_send_network): every row of every
+// rank against the one-node reference of N x M ranks, bit for bit. Topologies 2x1, 2x2, 2x4 and 4x2; 1, 4, 16, 128
+// and 512 tokens; hidden 6144 and 7168; topk 8, and 9 with a shared expert pinned to the own rank.
+TEST(LowLatencyAcrossNodes, Bf16Topologies) {
+  std::vector<std::vector<std::string>> table;
+  for (char const* topology : {"topology=2x1", "topology=2x2", "topology=2x4", "topology=4x2"}) {
+    table.push_back({topology, "tokens=128", "hidden=7168", "topk=8", "experts=256", "capacity=80", "iters=2"});
+    table.push_back({topology, "tokens=1,4,16,0", "hidden=6144", "topk=9", "shared=1", "experts=64", "iters=2"});
+    table.push_back(
+        {topology, "routing=grouped", "tokens=16,4", "hidden=7168", "topk=8", "experts=64", "iters=2", "own=direct"});
+  }
+  table.push_back({"topology=2x2", "tokens=512,300", "hidden=7168", "topk=9", "shared=1", "experts=256", "iters=1"});
+  table.push_back({"topology=4x2", "tokens=512", "hidden=6144", "topk=8", "experts=64", "mask=0.2", "iters=1"});
+  run_rows(table);
+}
+
+// Every wire format across nodes: fp8 (both scale kinds), nvfp4 and mxfp4 dispatch rows delivered quantized or
+// dequantized, fp8 / nvfp4 / mxfp4 combine rows (the network leg puts a quantized row whole).
+TEST(LowLatencyAcrossNodes, QuantizedTopologies) {
+  std::vector<std::vector<std::string>> table;
+  for (char const* topology : {"topology=2x2", "topology=4x2"}) {
+    table.push_back({topology, "dispatch=fp8", "combine=fp8", "layout=mn_major_tma", "tokens=128,16", "hidden=7168",
+                     "topk=8", "experts=256", "capacity=80", "iters=2"});
+    table.push_back({topology, "dispatch=nvfp4", "combine=nvfp4", "layout=blocked_128x4", "tokens=64,1", "hidden=6144",
+                     "topk=9", "shared=1", "experts=64", "iters=2"});
+    table.push_back({topology, "dispatch=mxfp4", "combine=mxfp4", "layout=mn_major_tma_packed_ue8m0", "tokens=37,4",
+                     "hidden=2080", "topk=6", "experts=64", "iters=2"});
+  }
+  table.push_back({"topology=2x4", "dispatch=fp8_ue8m0", "combine=bf16", "tokens=16,128", "hidden=7168", "topk=8",
+                   "experts=256", "iters=2"});
+  table.push_back({"topology=2x1", "dispatch=nvfp4", "combine=fp8", "tokens=512", "hidden=7168", "topk=8", "experts=64",
+                   "iters=1"});
+  run_rows(table);
+}
+
+// The hook across nodes (every rank's send half, then every receive half), and CUDA-graph replay of both ways.
+TEST(LowLatencyAcrossNodes, HookAndGraphReplay) {
+  std::vector<std::vector<std::string>> table;
+  for (char const* topology : {"topology=2x1", "topology=2x4", "topology=4x2"}) {
+    table.push_back({topology, "hook=1", "tokens=128,4", "hidden=7168", "topk=8", "experts=256", "iters=2"});
+    table.push_back(
+        {topology, "graph=1", "tokens=16,128", "hidden=6144", "topk=9", "shared=1", "experts=64", "iters=3"});
+  }
+  table.push_back({"topology=2x2", "hook=1", "graph=1", "dispatch=fp8", "combine=nvfp4", "tokens=64,1", "hidden=7168",
+                   "topk=8", "experts=64", "iters=3"});
+  run_rows(table);
+}
+
+// A rank that skips a call: every other rank, on its node and on the others (through the network's wait), ends in a
+// timeout naming it.
+TEST(LowLatencyAcrossNodes, AbsentRankIsNamedAcrossNodes) {
+  run_rows({{"topology=2x2", "absent=3", "tokens=64", "hidden=2048", "topk=8", "experts=64", "iters=1"},
+            {"topology=4x2", "absent=0", "hook=1", "absent_leg=combine", "tokens=16,4", "hidden=2048", "topk=8",
+             "experts=64", "iters=1"}});
 }
 
 }  // namespace

@@ -126,6 +126,7 @@ struct CaseShape {
   double mask_rate = 0.0;           // mask= (probability that a routed entry is -1)
   int iters = 1;                    // iters= (fresh inputs each)
   bool graph = false;               // graph=1: captured calls, replayed
+  int shared = 0;                   // shared=n: n trailing topk columns pinned to an expert of the own rank
   uint64_t seed = 1;                // seed= (printed by the test that starts the case)
 
   void read(CaseArgs const& args) {
@@ -137,6 +138,7 @@ struct CaseShape {
     mask_rate = args.number("mask", mask_rate);
     iters = args.integer("iters", iters);
     graph = args.flag("graph", graph);
+    shared = args.integer("shared", shared);
     seed = args.u64("seed", seed);
   }
   // The most tokens any rank passes (at least 1: the buffers' max_tokens_per_rank).
@@ -155,6 +157,7 @@ struct CaseShape {
     RoutingOptions options;
     options.kind = parse_routing(routing);
     options.mask_rate = mask_rate;
+    options.shared_experts = shared;
     options.seed = seed + static_cast<uint64_t>(iter) * 7919u;
     return options;
   }

@@ -32,7 +32,7 @@ void configure_buffers(Buffers& b, EpConfig const& config, int world, int rank, 
   b.land_ctas = std::min(num_sms, kMaxLandCtas);
 }
 
-SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol) {
+SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol, int nodes) {
   SymLayout layout;
   AreaPacker areas;
   std::size_t const w = static_cast<std::size_t>(world);
@@ -43,14 +43,30 @@ SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol) 
     // NOTE: landing rows are wire rows (multiples of 16 bytes): a quantized leg's zone shrinks with its format.
     layout.dispatch_row_bytes = wire_row_bytes(config.dispatch_format, config.hidden);
     layout.combine_row_bytes = wire_row_bytes(config.combine_format, config.hidden);
-    layout.dispatch_arrivals = areas.take(w * sizeof(uint64_t));
-    layout.combine_arrivals = areas.take(w * sizeof(uint64_t));
+    if (nodes > 1) {
+      // across nodes the arrival counters are one range: the network's signals (ll_signals)
+      layout.ll_num_signals = static_cast<uint32_t>(2 * w);
+      layout.ll_signals = areas.take(2 * w * sizeof(uint64_t));
+      layout.dispatch_arrivals = layout.ll_signals;
+      layout.combine_arrivals = layout.ll_signals + w * sizeof(uint64_t);
+    } else {
+      layout.dispatch_arrivals = areas.take(w * sizeof(uint64_t));
+      layout.combine_arrivals = areas.take(w * sizeof(uint64_t));
+    }
     layout.dispatch_tokens = areas.take(2 * w * sizeof(uint64_t));
     layout.dispatch_abort = areas.take(2 * w * sizeof(uint64_t));
     layout.combine_abort = areas.take(2 * w * sizeof(uint64_t));
     layout.dispatch_meta = areas.take(slots * layout.meta_bytes);
     layout.dispatch_rows = areas.take(slots * layout.dispatch_row_bytes);
     layout.combine_rows = areas.take(slots * layout.combine_row_bytes);
+    if (nodes > 1) {
+      std::size_t const max_tokens = static_cast<std::size_t>(config.max_tokens_per_rank);
+      layout.nodes = nodes;
+      layout.local = world / nodes;
+      layout.ll_send_rows = areas.take(2 * max_tokens * layout.dispatch_row_bytes);
+      layout.ll_send_meta = areas.take(slots * layout.meta_bytes);
+      layout.ll_combine_send = areas.take(slots * layout.combine_row_bytes);
+    }
     layout.total = areas.total();
     return layout;
   }
@@ -161,6 +177,11 @@ void allocate_buffers(Buffers& b) {
       b.recv_idx = device_alloc<int32_t>(rows * topk);
       b.recv_w = device_alloc<float>(rows * topk);
       b.own_slot = device_alloc<int32_t>(max_tokens * topk);
+      if (b.layout.nodes > 1 && b.network_kind == transport::Kind::emulated) {
+        // across nodes over the emulated network: an endpoint per warp of each leg's grid (dispatch, then combine)
+        b.network.num_areas = 2 * b.num_ctas * kWarps;
+        b.network.areas = device_zeroed<transport::EmulatedArea>(static_cast<std::size_t>(b.network.num_areas));
+      }
       return;
     }
     // 3. normal mode
@@ -277,6 +298,7 @@ cuda_ll::LlParams ll_params(Buffers const& b, bool refuse, TraceKernel traced) {
               cuda_ll::kMaxCtas, "]");
   cuda_ll::LlParams p{};
   static_cast<KernelParams&>(p) = common_params(b, b.num_ctas, refuse, traced);
+  p.local = b.layout.nodes > 1 ? b.layout.local : b.world;
   p.expert_slots = b.expert_slots;
   p.token_mask = b.token_mask;
   p.recv_src = b.recv_src;

@@ -116,8 +116,9 @@ struct Buffers {
 // tuning are the caller's.
 void configure_buffers(Buffers& b, EpConfig const& config, int world, int rank, Protocol protocol, int num_sms);
 
-// The symmetric region's layout for a config and protocol (the same on every rank).
-SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol);
+// The symmetric region's layout for a config and protocol (the same on every rank). nodes > 1 (low-latency mode
+// across nodes): with the areas the network leg sends from, and the arrival counters as one signal range.
+SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol, int nodes = 1);
 
 // The symmetric layout of the hierarchical protocol: the count exchange's (make_sym_layout, push) with a count row
 // that also counts tokens per node, and the hierarchical areas (SymLayout).
@@ -280,6 +281,13 @@ void launch_ll_dispatch(Buffers const& buffers, DispatchArgs const& args, Half h
 // num_tokens: this rank's tokens in the last dispatch (host copy, for the checks only).
 void launch_ll_combine(Buffers const& buffers, CombineArgs const& args, int num_tokens, Half half, cudaStream_t stream,
                        bool refuse = false, detail::LegRecord* record = nullptr);
+
+// Across nodes (layout.nodes > 1): the legs' instances over the buffers' network (ll_dispatch_net.cu,
+// ll_combine_net.cu), from the one-node launchers' Params and variant.
+void launch_ll_dispatch_net(Buffers const& buffers, cuda_ll::LlDispatchParams const& params, int variant,
+                            std::size_t smem, cudaStream_t stream, detail::LegRecord* record);
+void launch_ll_combine_net(Buffers const& buffers, cuda_ll::LlCombineParams const& params, int variant,
+                           cudaStream_t stream, detail::LegRecord* record);
 
 // Most local experts of a low-latency EpBuffer: its dispatch kernels keep two counters per local expert in shared
 // memory (expand_smem_bytes), next to ~12 KiB of their own, under the 48 KiB a launch gets by default.

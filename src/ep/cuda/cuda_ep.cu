@@ -91,18 +91,32 @@ class CudaEp final : public detail::EpBackendImpl {
                        " supports in this version");
     // 1. the protocol (the same on every rank: the config, the topology and FERRY_NORMAL_LANDING must agree)
     Topology const topology = comm.topology();
-    bool const hierarchical = !ll && topology.nodes > 1;
+    bool const across = topology.nodes > 1;
+    bool const hierarchical = !ll && across;
     transport::Kind const network = detail::has_gin(comm) ? transport::Kind::gin : transport::Kind::emulated;
-    if (hierarchical) check_hierarchical(comm, topology, network == transport::Kind::gin);
+    if (across) check_hierarchical(comm, topology, network == transport::Kind::gin);
+    if (ll && across) {
+      // NOTE: low-latency mode across nodes puts each row straight into its rank (ll_dispatch.cuh,
+      // ll_dispatch_send_network); EpBuffer resolves `automatic` to that route on this backend.
+      FERRY_CHECK_CONFIG(config.route() == InternodeRoute::direct,
+                         "internode_route=", internode_route_name(config.route()),
+                         " is not built for mode=ll across nodes on the cuda backend in this version; use "
+                         "internode_route=direct (or automatic), or the cpu backend");
+      // a quantized combine row crosses the network whole, from the CTA that holds all of its 1024-element chunks
+      FERRY_CHECK_CONFIG(config.combine_format == WireFormat::bf16 || config.hidden <= kWarps * cuda_ll::kChunkVecs * 8,
+                         "combine_format=", wire_format_name(config.combine_format), " with hidden=", config.hidden,
+                         " across nodes: mode=ll supports hidden <= ", kWarps * cuda_ll::kChunkVecs * 8,
+                         " for a quantized combine there; use combine_format=bf16");
+    }
     detail::ProtocolChoice const protocol = detail::choose_protocol(
         config, world, ll ? std::string() : env_string("FERRY_NORMAL_LANDING"), ll ? 1 : topology.nodes);
     // the emulated network's settings (FERRY_EMULATED_*), read once: explain() prints what the kernels run with
     transport::EmulatedOptions const emulated =
-        hierarchical ? transport::emulated_options_from_env() : transport::EmulatedOptions{};
+        across ? transport::emulated_options_from_env() : transport::EmulatedOptions{};
     protocol_why_ = protocol.why;
-    if (hierarchical) {
-      protocol_why_ =
-          detail::concat("hierarchical (", topology_name(topology), ", network: ", transport::kind_name(network));
+    if (across) {
+      protocol_why_ = detail::concat(ll ? "low-latency, rows direct to every rank (" : "hierarchical (",
+                                     topology_name(topology), ", network: ", transport::kind_name(network));
       if (network == transport::Kind::emulated)
         protocol_why_ += detail::concat(" (FERRY_EMULATED_SEED=", emulated.seed, ", delays < ", emulated.max_delay_ns,
                                         " ns, ", emulated.reorder ? "reordered" : "in order", ")");
@@ -162,16 +176,18 @@ class CudaEp final : public detail::EpBackendImpl {
 
     // 3. symmetric region (zeroed by the communicator: counters and sequence numbers start at 0) and local buffers
     b.view = comm.device_view();
-    b.layout = hierarchical ? make_hier_sym_layout(config, topology) : make_sym_layout(config, world, b.protocol);
+    b.layout = hierarchical ? make_hier_sym_layout(config, topology)
+                            : make_sym_layout(config, world, b.protocol, ll ? topology.nodes : 1);
     region_ = comm.alloc_symmetric(b.layout.total);
     b.sym = region_.view;
     if (!ll) handle_layout_ = make_handle_layout(config, world, b.layout);
     try {
       b.network_kind = network;
-      if (hierarchical && network == transport::Kind::gin) {
+      if (across && network == transport::Kind::gin) {
         // the network between the nodes: GIN over this region's window, the layout's counters as GIN signals
-        b.gin = detail::gin_transport(comm, region_, b.layout.hier_signals, b.layout.hier_num_signals);
-      } else if (hierarchical) {
+        b.gin = ll ? detail::gin_transport(comm, region_, b.layout.ll_signals, b.layout.ll_num_signals)
+                   : detail::gin_transport(comm, region_, b.layout.hier_signals, b.layout.hier_num_signals);
+      } else if (across) {
         // the network between the nodes: emulated over the peers' windows (check_hierarchical: every peer is load/store
         // reachable), with the seeded delays and reordering of FERRY_EMULATED_*
         for (int r = 0; r < world; ++r) b.network.windows[r] = b.sym.ptr[r];

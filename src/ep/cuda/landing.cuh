@@ -78,20 +78,28 @@ __device__ __forceinline__ int token_destination(Routing const& r, int t, int la
 
 // The token's record into slot `slot` of every rank's record area at byte offset `meta` (warp-wide; dest, e, w as
 // token_destination left them): lanes [0, topk) write the local ids, lanes [topk, 2 topk) the weights.
-__device__ __forceinline__ void write_records(transport::Lsa const& net, int world, std::size_t meta, std::size_t slot,
-                                              std::size_t record, int topk, int num_local, int dest, int64_t e, float w,
-                                              int lane) {
+// record_at(d): where destination d's record goes (a char*).
+template <typename RecordAt>
+__device__ __forceinline__ void write_records_at(int world, int topk, int num_local, int dest, int64_t e, float w,
+                                                 int lane, RecordAt record_at) {
   int const k = (lane < topk ? lane : lane - topk) & 31;
   int const dest_k = __shfl_sync(0xffffffffu, dest, k);
   int const e_k = static_cast<int>(__shfl_sync(0xffffffffu, static_cast<long long>(e), k));
   float const w_k = __shfl_sync(0xffffffffu, w, k);
   for (int d = 0; d < world; ++d) {
-    char* at = net.window(d) + meta + slot * record;
+    char* at = record_at(d);
     if (lane < topk)
       reinterpret_cast<int32_t*>(at)[lane] = dest_k == d ? e_k - d * num_local : -1;
     else if (lane < 2 * topk)
       reinterpret_cast<float*>(at)[lane] = dest_k == d ? w_k : 0.0f;
   }
+}
+
+__device__ __forceinline__ void write_records(transport::Lsa const& net, int world, std::size_t meta, std::size_t slot,
+                                              std::size_t record, int topk, int num_local, int dest, int64_t e, float w,
+                                              int lane) {
+  write_records_at(world, topk, num_local, dest, e, w, lane,
+                   [&](int d) { return net.window(d) + meta + slot * record; });
 }
 
 // Vectors [v_begin, v_end) of a bf16 row (src) to every destination d in `mask`, at dst_of(d) (an int4* to the row's
@@ -121,15 +129,26 @@ __device__ __forceinline__ void send_row_chunk(int4 const* src, int v_begin, int
 // bit in *s_aborted: every rank reads the same words, so every rank lands nothing; CTA 0 records each refusing peer
 // in the error block, unless this rank refused the call itself); -1 for the whole CTA when a wait failed (recorded).
 // *s_ok must be 1 and *s_aborted 0 on entry, set before a barrier.
+// Sources of other nodes (low-latency mode across nodes): `remote.of(s)` says which, and their wait is
+// `remote.wait(s, least)` (the network's), without the out-of-step check (a network counter is read only by the
+// transport's wait). NoRemoteSources: every source is on this node.
+struct NoRemoteSources {
+  __device__ __forceinline__ bool of(int) const { return false; }
+  __device__ __forceinline__ bool wait(int, uint64_t) const { return true; }
+};
+
+template <class Remote = NoRemoteSources>
 __device__ __forceinline__ int wait_sources(DeviceView const& view, uint64_t const* arrivals, uint64_t seq,
                                             uint64_t per_call, uint64_t const volatile* tokens,
                                             uint64_t const volatile* aborts, WaitPhase phase, int32_t* s_base,
-                                            uint32_t* s_aborted, int* s_ok) {
+                                            uint32_t* s_aborted, int* s_ok, Remote const& remote = {}) {
   int const tid = static_cast<int>(threadIdx.x);
   int const world = view.world;
   if (tid < world) {
     uint64_t observed = 0;
-    if (!device::wait_signal_geq_value(view, arrivals + tid, seq * per_call, tid, phase, &observed)) {
+    if (remote.of(tid)) {
+      if (!remote.wait(tid, seq * per_call)) *s_ok = 0;
+    } else if (!device::wait_signal_geq_value(view, arrivals + tid, seq * per_call, tid, phase, &observed)) {
       *s_ok = 0;
     } else if (observed > (seq + 1) * per_call) {
       device::record_out_of_step(view, tid, phase, seq, observed / per_call);
@@ -161,10 +180,14 @@ __device__ __forceinline__ int wait_sources(DeviceView const& view, uint64_t con
 // A sender's abort flag for call seq (a bad or repeated id in this CTA's tokens, or the host's refusal): thread
 // d < world writes seq into destination d's abort word of this source and parity, before its arrival (whose release
 // publishes it). Any CTA of the sender may write it: the receiver reads it once every CTA has arrived.
+// kEvery false: only to the destinations of `to` (across nodes: this node's ranks; the network leg puts the word to
+// the others).
+template <bool kEvery = true>
 __device__ __forceinline__ void publish_abort(transport::Lsa const& net, std::size_t aborts, int parity, int world,
-                                              int rank, uint64_t seq) {
+                                              int rank, uint64_t seq, uint32_t to = 0xffffffffu) {
   int const tid = static_cast<int>(threadIdx.x);
-  if (tid < world) *(reinterpret_cast<uint64_t volatile*>(net.window(tid) + aborts) + parity * world + rank) = seq;
+  if (tid < world && (kEvery || ((to >> tid) & 1u) != 0))
+    *(reinterpret_cast<uint64_t volatile*>(net.window(tid) + aborts) + parity * world + rank) = seq;
 }
 
 // A landed record's ids into registers, -1 past topk: 16-byte loads, all issued before any id is used (the record is

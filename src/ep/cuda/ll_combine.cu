@@ -1,15 +1,14 @@
-// Host launcher of the low-latency combine kernel (ll_combine.cuh): validation, template instance, launch.
+// Host launcher of the low-latency combine kernel (ll_combine.cuh): validation, template instance, launch. The
+// instances over a network (across nodes) are ll_combine_net.cu's.
 #include "core/cuda_check.hpp"
 #include "ep/cuda/buffers.hpp"
-#include "ep/cuda/instances.cuh"
-#include "ep/cuda/launch_grid.cuh"
-#include "ep/cuda/ll_combine.cuh"
+#include "ep/cuda/ll_instances.cuh"
 
 namespace ferry::cuda_ep {
 
-namespace {
-
 using cuda_ll::LlCombineParams;
+
+namespace {
 
 // Kernel invariants only (FERRY_CHECK: a failure is a bug; check_dispatch_invariants in buffers.cu says why).
 LlCombineParams to_params(Buffers const& b, CombineArgs const& args, int num_tokens, bool refuse) {
@@ -24,34 +23,19 @@ LlCombineParams to_params(Buffers const& b, CombineArgs const& args, int num_tok
   return p;
 }
 
-using CombineKernel = void (*)(LlCombineParams);
-
-// The family's instances (instances.cuh): codec x halves x layout. The kernels take no codec unit (a work item is a
-// chunk of whole scale blocks), and the receive half reads no expert outputs: one instance per format for it.
-struct LlCombineFamily : InstanceFamily<CombineKernel, 6, false> {
-  static constexpr char const* kName = "low-latency combine";
-  static constexpr char const* kFormatField = "combine_format";
-  static constexpr int variant(Half half, CombineLayout layout) {
-    return static_cast<int>(half) * 2 + (layout == CombineLayout::expert_major ? 1 : 0);
-  }
-  template <int kCodec, int kVariant>
-  static constexpr Kernel kernel() {
-    constexpr WireFormat format = kCodecs[kCodec].format;
-    constexpr Half half = static_cast<Half>(kVariant / 2);
-    if constexpr (half == Half::recv) return cuda_ll::ll_combine_kernel<true, format, false, true>;
-    return cuda_ll::ll_combine_kernel<kVariant % 2 == 1, format, true, half == Half::both>;
-  }
-};
-
 }  // namespace
 
 void launch_ll_combine(Buffers const& buffers, CombineArgs const& args, int num_tokens, Half half, cudaStream_t stream,
                        bool refuse, detail::LegRecord* record) {
   // num_tokens is only checked here; the kernel reads the device copy of the last dispatch's count
   LlCombineParams const p = to_params(buffers, args, num_tokens, refuse);
-  CombineKernel const kernel = find_instance<LlCombineFamily>(buffers.config.combine_format, buffers.config.hidden,
-                                                              LlCombineFamily::variant(half, args.layout), record);
-  cuda_grid::launch_grid<kThreads>(kernel, p, p.num_ctas, 0, buffers.cooperative, stream);
+  int const variant = LlCombineFamily<cuda_ll::OneNode>::variant(half, args.layout);
+  if (buffers.layout.nodes > 1) {
+    launch_ll_combine_net(buffers, p, variant, stream, record);
+    return;
+  }
+  launch_ll<LlCombineFamily<cuda_ll::OneNode>>(buffers, p, cuda_ll::OneNode{}, buffers.config.combine_format, variant,
+                                               0, stream, record);
 }
 
 }  // namespace ferry::cuda_ep

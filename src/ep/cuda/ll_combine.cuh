@@ -63,27 +63,55 @@ __device__ __forceinline__ void reduce_chunk(RowEntries const& r, int v0, int v_
   device::reduce_entries_step<kUnroll>(r.mask, r.w, r.entry, v0, v_end, acc);
 }
 
+// Where the combine row of rank-major row `row` (source, token) goes: the source's landing zone at (this rank,
+// token), or, for a source of another node (kNet), this rank's staged row, which the network leg puts there.
+template <bool kNet>
+__device__ __forceinline__ char* combine_row_at(LlCombineParams const& p, int parity, int source, int token, int row) {
+  std::size_t const wire_bytes = p.layout.combine_row_bytes;
+  if constexpr (kNet)
+    if (!same_node(p, source))
+      return p.net.local() + p.layout.ll_combine_send +
+             (static_cast<std::size_t>(parity) * p.view.world * p.max_tokens + row) * wire_bytes;
+  return p.net.window(source) + p.layout.combine_rows +
+         ((static_cast<std::size_t>(parity) * p.view.world + p.view.rank) * p.max_tokens + token) * wire_bytes;
+}
+
+// Chunks per row of the chunked send: bf16 splits a batch with fewer rows than the grid has warps into more
+// (smaller) chunks, so that every warp has bytes in flight; quantized formats keep 1024-element chunks (their scale
+// blocks lie inside a chunk), across nodes (kNet) a power of two of them (<= kWarps, checked by the backend), so that
+// a row's chunks are in one CTA and the network leg puts the row whole (chunks past the row's are idle).
+template <WireFormat kFormat, bool kNet>
+__device__ __forceinline__ int combine_chunks(LlCombineParams const& p, int num_recv) {
+  int const num_vec = p.hidden / 8;
+  int const num_chunks = (num_vec + kChunkVecs - 1) / kChunkVecs;
+  if constexpr (kFormat == WireFormat::bf16)
+    return max(num_chunks, device::chunks_per_row(num_recv, p.num_ctas * kWarps, num_vec));
+  if constexpr (kNet) {
+    int chunks = 1;
+    while (chunks < num_chunks) chunks *= 2;
+    return chunks;
+  }
+  return num_chunks;
+}
+
 // Chunked send (bf16 and the formats whose scale blocks lie inside a 1024-element chunk): warp per (row, chunk).
-template <bool kExpertMajor, WireFormat kFormat>
+template <bool kExpertMajor, WireFormat kFormat, bool kNet>
 __device__ __forceinline__ void ll_combine_send_chunks(LlCombineParams const& p, int parity) {
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   int const num_vec = p.hidden / 8;
   int const num_chunks = (num_vec + kChunkVecs - 1) / kChunkVecs;
-  std::size_t const wire_bytes = p.layout.combine_row_bytes;
   std::size_t const scales_offset = quant::make_row_layout(kFormat, p.hidden).scales_offset;
   // written by the dispatch's receive half, earlier on the stream
   int const num_recv = p.state->num_recv;
-  // bf16: a batch with fewer rows than the grid has warps splits rows into more (smaller) chunks, so that every warp
-  // has bytes in flight; quantized formats keep 1024-element chunks (their scale blocks lie inside a chunk)
   int const total_warps = p.num_ctas * kWarps;
-  int const chunks = kFormat == WireFormat::bf16
-                         ? max(num_chunks, device::chunks_per_row(num_recv, total_warps, num_vec))
-                         : num_chunks;
+  int const chunks = combine_chunks<kFormat, kNet>(p, num_recv);
   int const items = num_recv * chunks;
 
   for (int item = cta * kWarps + warp; item < items; item += total_warps) {
     int const row = item / chunks;
     int const chunk = item % chunks;
+    if constexpr (kNet && kFormat != WireFormat::bf16)
+      if (chunk >= num_chunks) continue;
     // this item's vectors: v0 + u * 32 below v_end (at most kChunkVecs of them)
     int v_begin = chunk * kChunkVecs;
     int v_end = min(v_begin + kChunkVecs, num_vec);
@@ -95,8 +123,7 @@ __device__ __forceinline__ void ll_combine_send_chunks(LlCombineParams const& p,
     int const v0 = v_begin + lane;
     int const source = p.recv_src[2 * row];
     int const token = p.recv_src[2 * row + 1];
-    char* const dst_row = p.net.window(source) + p.layout.combine_rows +
-                          ((static_cast<std::size_t>(parity) * world + rank) * p.max_tokens + token) * wire_bytes;
+    char* const dst_row = combine_row_at<kNet>(p, parity, source, token, row);
     auto* dst = reinterpret_cast<int4*>(dst_row);
     if constexpr (kExpertMajor) {
       RowEntries const entries = row_entries(p, row, lane, num_vec);
@@ -152,13 +179,12 @@ __device__ __forceinline__ void ll_combine_send_chunks(LlCombineParams const& p,
 // amax enters every block scale through the token scale. A warp of one chunk keeps its values in registers across
 // the barrier and quantizes them there; a warp of several (rows wider than kWarps chunks) computes them again after
 // it. Every thread of the CTA runs the same steps (the barrier).
-template <bool kExpertMajor>
+template <bool kExpertMajor, bool kNet>
 __device__ __forceinline__ void ll_combine_send_rows_nvfp4(LlCombineParams const& p, int parity) {
   __shared__ device::CtaRowMax<kWarps> s_amax;  // the row's amax over its warps, one barrier a step
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   int const num_vec = p.hidden / 8;
   int const num_chunks = (num_vec + kChunkVecs - 1) / kChunkVecs;
-  std::size_t const wire_bytes = p.layout.combine_row_bytes;
   WireRowLayout const wl = quant::make_row_layout(WireFormat::nvfp4, p.hidden);
   int const num_recv = p.state->num_recv;
   int const rows_per_step = max(1, kWarps / num_chunks);
@@ -217,9 +243,7 @@ __device__ __forceinline__ void ll_combine_send_rows_nvfp4(LlCombineParams const
     float const token_scale = quant::nvfp4_token_scale(row_amax);
     int const source = p.recv_src[2 * row];
     int const token = p.recv_src[2 * row + 1];
-    auto* const dst = reinterpret_cast<uint8_t*>(
-        p.net.window(source) + p.layout.combine_rows +
-        ((static_cast<std::size_t>(parity) * world + rank) * p.max_tokens + token) * wire_bytes);
+    auto* const dst = reinterpret_cast<uint8_t*>(combine_row_at<kNet>(p, parity, source, token, row));
     if (first_chunk == 0 && lane == 0) *reinterpret_cast<float*>(dst + wl.token_scale_offset) = token_scale;
     bool const kept = first_chunk + row_warps >= num_chunks;  // this warp's only chunk is in x
     for (int c = first_chunk; c < num_chunks; c += row_warps) {
@@ -234,8 +258,70 @@ __device__ __forceinline__ void ll_combine_send_rows_nvfp4(LlCombineParams const
   }
 }
 
-template <bool kExpertMajor, WireFormat kFormat>
-__device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, uint64_t seq FERRY_TRACE_PARAM(trace)) {
+// Across nodes, after the send (every thread of the CTA, past the barrier that ends it): the rows this CTA staged
+// for the sources of other nodes, put from this rank's window into their landing zones, then its arrival there
+// (ll_dispatch_send_network's scheme: warp w takes the ranks j = w, w + kWarps, ... of the other nodes over every
+// row of the CTA, in the send's order; bf16 a chunk's bytes, the quantized formats a row whole from its first chunk's
+// item; CTA 0 of a refusing rank puts its abort word). The staged rows alternate by parity, as the landing zones.
+template <WireFormat kFormat, class Net>
+__device__ __forceinline__ void ll_combine_send_network(LlCombineParams const& p, Net const& network, int parity,
+                                                        uint64_t seq) {
+  auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
+  int const num_vec = p.hidden / 8;
+  int const num_recv = p.abort ? 0 : p.state->num_recv;  // a refusing rank sends no rows
+  std::size_t const wire = p.layout.combine_row_bytes;
+  std::size_t const staged = p.layout.ll_combine_send + static_cast<std::size_t>(parity) * world * p.max_tokens * wire;
+  std::size_t const landed = p.layout.combine_rows + static_cast<std::size_t>(parity) * world * p.max_tokens * wire;
+  auto ep = network.open(transport::Warp{}, (p.num_ctas + cta) * kWarps + warp);
+  for (int j = warp; j < world - p.local; j += kWarps) {
+    int const d = remote_rank(p, j);
+    auto const put_row = [&](int row, std::size_t begin, std::size_t bytes) {
+      int const token = p.recv_src[2 * row + 1];
+      ep.put(d, landed + (static_cast<std::size_t>(rank) * p.max_tokens + token) * wire + begin,
+             staged + static_cast<std::size_t>(row) * wire + begin, bytes);
+    };
+    if constexpr (kFormat == WireFormat::nvfp4) {
+      // ll_combine_send_rows_nvfp4's rows: rows_per_step a step of each CTA, lane i looking at the step's row i
+      int const num_chunks = (num_vec + kChunkVecs - 1) / kChunkVecs;
+      int const rows_per_step = max(1, kWarps / num_chunks);
+      for (int r0 = cta * rows_per_step; r0 < num_recv; r0 += p.num_ctas * rows_per_step) {
+        int const row = r0 + lane;
+        bool const to_d = lane < rows_per_step && row < num_recv && p.recv_src[2 * row] == d;
+        for (uint32_t m = __ballot_sync(0xffffffffu, to_d); m != 0; m &= m - 1) put_row(r0 + __ffs(m) - 1, 0, wire);
+      }
+    } else {
+      // ll_combine_send_chunks's items: kWarps a step of each CTA, lane i looking at the step's item i
+      int const chunks = combine_chunks<kFormat, true>(p, num_recv);
+      int const items = num_recv * chunks;
+      for (int base = cta * kWarps; base < items; base += p.num_ctas * kWarps) {
+        int const item = base + lane;
+        bool const to_d = lane < kWarps && item < items && p.recv_src[2 * (item / chunks)] == d;
+        for (uint32_t m = __ballot_sync(0xffffffffu, to_d); m != 0; m &= m - 1) {
+          int const it = base + __ffs(m) - 1;
+          int const row = it / chunks;
+          int const chunk = it % chunks;
+          if constexpr (kFormat == WireFormat::bf16) {
+            auto const [v_begin, v_end] = device::chunk_range(num_vec, chunk, chunks);
+            if (v_end > v_begin)
+              put_row(row, static_cast<std::size_t>(v_begin) * 16, static_cast<std::size_t>(v_end - v_begin) * 16);
+          } else if (chunk == 0) {
+            put_row(row, 0, wire);
+          }
+        }
+      }
+    }
+    if (p.abort && cta == 0)
+      ep.put_value(d, p.layout.combine_abort + (static_cast<std::size_t>(parity) * world + rank) * sizeof(uint64_t),
+                   seq);
+    ep.signal(d, p.layout.combine_arrivals + static_cast<std::size_t>(rank) * sizeof(uint64_t), 1);
+  }
+  ep.close();
+}
+
+template <bool kExpertMajor, WireFormat kFormat, class Net>
+__device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, Net const& network,
+                                                uint64_t seq FERRY_TRACE_PARAM(trace)) {
+  constexpr bool kNet = kAcrossNodes<Net>;
   int const world = p.view.world;
   int const rank = p.view.rank;
   int const tid = static_cast<int>(threadIdx.x);
@@ -244,23 +330,29 @@ __device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, uint64
   FERRY_TRACE_BEGIN(trace, ll_combine_send);
   if (!p.abort) {
     if constexpr (kFormat == WireFormat::nvfp4)
-      ll_combine_send_rows_nvfp4<kExpertMajor>(p, parity);
+      ll_combine_send_rows_nvfp4<kExpertMajor, kNet>(p, parity);
     else
-      ll_combine_send_chunks<kExpertMajor, kFormat>(p, parity);
+      ll_combine_send_chunks<kExpertMajor, kFormat, kNet>(p, parity);
   }
   FERRY_TRACE_END(trace, ll_combine_send);
 
   // 2. arrival: the barrier orders every thread's rows before the release adds, which are cumulative over them
-  //    (no per-thread fence, which would drain each thread's NVLink stores); a refusal's abort word goes first
+  //    (no per-thread fence, which would drain each thread's NVLink stores); a refusal's abort word goes first.
+  //    Across nodes this node's ranks only; the network leg then reaches the others.
   FERRY_TRACE_BEGIN(trace, ll_combine_send_arrival);
   __syncthreads();
-  if (p.abort && blockIdx.x == 0) landing::publish_abort(p.net, p.layout.combine_abort, parity, world, rank, seq);
-  if (tid < world) p.net.add_signal(tid, p.layout.combine_arrivals + rank * sizeof(uint64_t), 1);
+  uint32_t const near = kNet ? node_ranks(p) : 0xffffffffu;
+  if (p.abort && blockIdx.x == 0)
+    landing::publish_abort<!kNet>(p.net, p.layout.combine_abort, parity, world, rank, seq, near);
+  if (tid < world && (!kNet || ((near >> tid) & 1u) != 0))
+    p.net.add_signal(tid, p.layout.combine_arrivals + rank * sizeof(uint64_t), 1);
+  if constexpr (kNet) ll_combine_send_network<kFormat>(p, network, parity, seq);
   FERRY_TRACE_END(trace, ll_combine_send_arrival);
 }
 
-template <WireFormat kFormat>
-__device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, uint64_t seq FERRY_TRACE_PARAM(trace)) {
+template <WireFormat kFormat, class Net>
+__device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net const& network,
+                                                uint64_t seq FERRY_TRACE_PARAM(trace)) {
   __shared__ int s_ok;
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   int const parity = static_cast<int>(seq & 1);
@@ -284,7 +376,19 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, uint64
     auto const* arrivals = reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.layout.combine_arrivals);
     uint64_t const per_call = static_cast<uint64_t>(p.num_ctas);
     uint64_t observed = 0;
-    if (!device::wait_signal_geq_value(p.view, arrivals + tid, seq * per_call, tid, WaitPhase::ll_combine, &observed)) {
+    bool remote = false;
+    if constexpr (kAcrossNodes<Net>) remote = !same_node(p, tid);
+    if (remote) {
+      // a rank of another node: through the network (no out-of-step check: its counter is the transport's)
+      if constexpr (kAcrossNodes<Net>) {
+        if (!wait_network(p, network, p.layout.combine_arrivals, tid, seq * per_call, WaitPhase::ll_combine))
+          s_ok = 0;
+        else if (cta == 0)
+          abort_seen = reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) +
+                                                                  p.layout.combine_abort)[parity * world + tid];
+      }
+    } else if (!device::wait_signal_geq_value(p.view, arrivals + tid, seq * per_call, tid, WaitPhase::ll_combine,
+                                              &observed)) {
       s_ok = 0;
     } else if (observed > (seq + 1) * per_call) {
       device::record_out_of_step(p.view, tid, WaitPhase::ll_combine, seq, observed / per_call);
@@ -342,14 +446,16 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, uint64
 }
 
 // kFormat: the combine_format.
-template <bool kExpertMajor, WireFormat kFormat, bool kSend, bool kRecv>
-__global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(LlCombineParams const p) {
+// Net: OneNode, or the network to the ranks of other nodes (NetParams).
+template <bool kExpertMajor, WireFormat kFormat, bool kSend, bool kRecv, class Net = OneNode>
+__global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(NetParams<LlCombineParams, Net> const p) {
   static_assert(kSend || kRecv, "an LL combine kernel runs at least one half");
   __shared__ uint64_t s_seq[2];
   next_sequences<kSend, kRecv>(p.state->combine_send_seq, p.state->combine_recv_seq, s_seq);
   FERRY_TRACE_WARP(trace, p.trace);
-  if constexpr (kSend) ll_combine_send<kExpertMajor, kFormat>(p, s_seq[0] FERRY_TRACE_ARG(trace));
-  if constexpr (kRecv) ll_combine_recv<kFormat>(p, s_seq[1] FERRY_TRACE_ARG(trace));
+  decltype(auto) network = network_of<Net>(p);
+  if constexpr (kSend) ll_combine_send<kExpertMajor, kFormat>(p, network, s_seq[0] FERRY_TRACE_ARG(trace));
+  if constexpr (kRecv) ll_combine_recv<kFormat>(p, network, s_seq[1] FERRY_TRACE_ARG(trace));
 }
 
 }  // namespace ferry::cuda_ll

@@ -1,20 +1,15 @@
-// Host launcher of the low-latency dispatch kernel (ll_dispatch.cuh): validation, template instance, launch.
-#include <type_traits>
-
+// Host launcher of the low-latency dispatch kernel (ll_dispatch.cuh): validation, template instance, launch. The
+// instances over a network (across nodes) are ll_dispatch_net.cu's.
 #include "core/cuda_check.hpp"
 #include "ep/cuda/buffers.hpp"
-#include "ep/cuda/instances.cuh"
-#include "ep/cuda/launch_grid.cuh"
-#include "ep/cuda/ll_dispatch.cuh"
+#include "ep/cuda/ll_instances.cuh"
 
 namespace ferry::cuda_ep {
-
-namespace {
 
 using cuda_ll::LlDispatchParams;
 
 // Kernel invariants only (FERRY_CHECK: a failure is a bug; check_dispatch_invariants in buffers.cu says why).
-LlDispatchParams to_params(Buffers const& b, DispatchArgs const& args, bool refuse) {
+LlDispatchParams ll_dispatch_params(Buffers const& b, DispatchArgs const& args, bool refuse) {
   check_dispatch_invariants(b, args, refuse);
   FERRY_CHECK(b.num_local_experts >= 1 && b.num_local_experts <= kMaxLlLocalExperts,
               "num_local_experts=", b.num_local_experts, " is outside [1, ", kMaxLlLocalExperts, "]");
@@ -45,40 +40,21 @@ LlDispatchParams to_params(Buffers const& b, DispatchArgs const& args, bool refu
   return p;
 }
 
-using DispatchKernel = void (*)(LlDispatchParams);
-
-// The family's instances (instances.cuh): codec x halves x index type. The receive half reads no ids and runs no
-// codec, so every index type and unit of a format shares its one instance.
-struct LlDispatchFamily : InstanceFamily<DispatchKernel, 6, true> {
-  static constexpr char const* kName = "low-latency dispatch";
-  static constexpr char const* kFormatField = "dispatch_format";
-  static constexpr int variant(Half half, IndexType ids) {
-    return static_cast<int>(half) * 2 + (ids == IndexType::int64 ? 1 : 0);
-  }
-  template <int kCodec, int kVariant>
-  static constexpr Kernel kernel() {
-    constexpr Codec codec = kCodecs[kCodec];
-    constexpr Half half = static_cast<Half>(kVariant / 2);
-    using IdxT = std::conditional_t<kVariant % 2 == 1, int64_t, int32_t>;
-    constexpr int kRecvUnit = device::unit_elems_for(codec.format, 0);
-    if constexpr (half == Half::recv) return cuda_ll::ll_dispatch_kernel<int64_t, codec.format, kRecvUnit, false, true>;
-    return cuda_ll::ll_dispatch_kernel<IdxT, codec.format, codec.unit, true, half == Half::both>;
-  }
-};
-
-}  // namespace
-
 void launch_ll_dispatch(Buffers const& buffers, DispatchArgs const& args, Half half, cudaStream_t stream, bool refuse,
                         detail::LegRecord* record) {
-  LlDispatchParams const p = to_params(buffers, args, refuse);
+  LlDispatchParams const p = ll_dispatch_params(buffers, args, refuse);
   FERRY_CHECK(args.topk_idx_type == IndexType::int32 || args.topk_idx_type == IndexType::int64,
               "topk_idx_type=", static_cast<int>(args.topk_idx_type), " is not int32 or int64");
-  DispatchKernel const kernel = find_instance<LlDispatchFamily>(
-      buffers.config.dispatch_format, buffers.config.hidden, LlDispatchFamily::variant(half, args.topk_idx_type),
-      half == Half::recv ? nullptr : record);  // the send half's codec is the leg's
+  int const variant = LlDispatchFamily<cuda_ll::OneNode>::variant(half, args.topk_idx_type);
   // both halves expand (the send half a bf16 dispatch's own rows): per-expert counters in shared memory
   std::size_t const smem = cuda_ll::expand_smem_bytes(p.num_local_experts);
-  cuda_grid::launch_grid<kThreads>(kernel, p, p.num_ctas, smem, buffers.cooperative, stream);
+  detail::LegRecord* const leg = half == Half::recv ? nullptr : record;  // the send half's codec is the leg's
+  if (buffers.layout.nodes > 1) {
+    launch_ll_dispatch_net(buffers, p, variant, smem, stream, leg);
+    return;
+  }
+  launch_ll<LlDispatchFamily<cuda_ll::OneNode>>(buffers, p, cuda_ll::OneNode{}, buffers.config.dispatch_format, variant,
+                                                smem, stream, leg);
 }
 
 }  // namespace ferry::cuda_ep

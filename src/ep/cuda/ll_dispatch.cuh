@@ -64,19 +64,18 @@ __device__ __forceinline__ void copy_payload_warp(void* dst, void const* src, st
 }
 
 // A quantized dispatch_format's send of chunk `chunk` of `chunks` of token t (device_push.cuh): quantized once from
-// x (or forwarded from pre-quantized input), its pieces stored straight into the wire row at landing slot `slot` of
-// every destination rank of `mask`.
-template <WireFormat kFormat, int kUnitElems>
+// x (or forwarded from pre-quantized input), its pieces stored straight into the wire row at row_at(d) (a char*: the
+// landing slot of destination d, or across nodes the staged row) for every destination rank d of `mask`.
+template <WireFormat kFormat, int kUnitElems, typename RowAt>
 __device__ __forceinline__ void send_quantized_chunk(LlDispatchParams const& p, int t, int chunk, int chunks,
-                                                     uint32_t mask, std::size_t slot, float token_scale, int lane) {
+                                                     uint32_t mask, RowAt row_at, float token_scale, int lane) {
   using Codec = device::UnitCodec<kFormat, kUnitElems>;
   WireRowLayout const wl = quant::make_row_layout(kFormat, p.hidden);
   device::QuantRowInput const in = device::quant_row_input<kFormat, kUnitElems>(p.x, p.x_scales, p.hidden, t);
-  std::size_t const at = p.layout.dispatch_rows + slot * p.layout.dispatch_row_bytes;
   device::push_quantized_chunk<kFormat, kUnitElems, kUnroll / Codec::kVecs>(
       in, p.hidden, chunk, chunks, mask, token_scale,
       [&](int d) {
-        char* const row = p.net.window(d) + at;
+        char* const row = row_at(d);
         return device::QuantRowPlaces{row, row + wl.scales_offset,
                                       reinterpret_cast<float*>(row + wl.token_scale_offset)};
       },
@@ -363,9 +362,67 @@ __device__ __forceinline__ void expand_own(LlDispatchParams const& p, ExpandShar
               [&](int n) { copy_window_bf16<true>(p, s, n, [&](int t) { return x + t * row_vecs; }); });
 }
 
-template <typename IdxT, WireFormat kFormat, int kUnitElems>
-__device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, ExpandShared& s, int32_t* s_counts,
-                                                 uint64_t seq FERRY_TRACE_PARAM(trace)) {
+// Across nodes, after the send loop (every thread of the CTA, past the barrier that ends it): what this CTA has for
+// the ranks of other nodes, staged in this rank's window by the loop, put from there, then its arrival there. Warp w
+// takes the ranks j = w, w + kWarps, ... of the other nodes, each over every item of the CTA (the loop's items, in
+// its order): a record per token (every rank gets every record), the row's chunk when the rank holds one of the
+// token's experts (a quantized row whole, with its chunk 0: a row's chunks are in one CTA), the token count (CTA 0)
+// and the abort word (a refusing CTA). One endpoint carries all of it to that rank, so its signal (+1 per CTA and
+// call, as over NVLink) covers it. The staging areas alternate by parity, and a source reuses one at call n + 2 only
+// after its receive of n + 1, which waited for every rank's send of n + 1, each after that rank's receive of n, which
+// waited for this rank's puts of n: so no put of n still reads the area then.
+template <typename IdxT, WireFormat kFormat, class Net>
+__device__ __forceinline__ void ll_dispatch_send_network(LlDispatchParams const& p, Net const& network, int parity,
+                                                         uint64_t seq, bool refused, int chunks, int items) {
+  auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
+  int const total_warps = p.num_ctas * kWarps;
+  int const num_vec = p.hidden / 8;
+  std::size_t const wire = p.layout.dispatch_row_bytes;
+  std::size_t const record = p.layout.meta_bytes;
+  std::size_t const max_tokens = static_cast<std::size_t>(p.max_tokens);
+  auto const* topk_idx = static_cast<IdxT const*>(p.topk_idx);
+  auto ep = network.open(transport::Warp{}, cta * kWarps + warp);
+  for (int j = warp; j < world - p.local; j += kWarps) {
+    int const d = remote_rank(p, j);
+    int64_t const lo = static_cast<int64_t>(d) * p.num_local_experts;
+    for (int base = cta * kWarps; base < items; base += total_warps) {
+      for (int w = 0; w < kWarps && base + w < items; ++w) {
+        int const item = base + w;
+        int const t = item / chunks;
+        int const chunk = item % chunks;
+        std::size_t const slot = landing::slot_index(parity, world, rank, p.max_tokens, t);
+        int64_t const e =
+            lane < p.topk ? static_cast<int64_t>(__ldg(topk_idx + static_cast<std::size_t>(t) * p.topk + lane)) : -1;
+        if (__any_sync(0xffffffffu, e >= lo && e < lo + p.num_local_experts)) {
+          std::size_t const from = p.layout.ll_send_rows + (parity * max_tokens + t) * wire;
+          std::size_t const to = p.layout.dispatch_rows + slot * wire;
+          if constexpr (kFormat == WireFormat::bf16) {
+            auto const [v_begin, v_end] = device::chunk_range(num_vec, chunk, chunks);
+            if (v_end > v_begin)
+              ep.put(d, to + static_cast<std::size_t>(v_begin) * 16, from + static_cast<std::size_t>(v_begin) * 16,
+                     static_cast<std::size_t>(v_end - v_begin) * 16);
+          } else if (chunk == 0) {
+            ep.put(d, to, from, wire);
+          }
+        }
+        if (chunk == 0)
+          ep.put(d, p.layout.dispatch_meta + slot * record,
+                 p.layout.ll_send_meta + ((parity * static_cast<std::size_t>(world) + d) * max_tokens + t) * record,
+                 record);
+      }
+    }
+    std::size_t const word = (static_cast<std::size_t>(parity) * world + rank) * sizeof(uint64_t);
+    if (cta == 0) ep.put_value(d, p.layout.dispatch_tokens + word, static_cast<uint64_t>(p.num_tokens));
+    if (refused) ep.put_value(d, p.layout.dispatch_abort + word, seq);
+    ep.signal(d, p.layout.dispatch_arrivals + static_cast<std::size_t>(rank) * sizeof(uint64_t), 1);
+  }
+  ep.close();
+}
+
+template <typename IdxT, WireFormat kFormat, int kUnitElems, class Net>
+__device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Net const& network, ExpandShared& s,
+                                                 int32_t* s_counts, uint64_t seq FERRY_TRACE_PARAM(trace)) {
+  constexpr bool kNet = kAcrossNodes<Net>;
   static_assert(sizeof(IdxT) == 4 || sizeof(IdxT) == 8, "topk_idx is int32 or int64");
   static_assert((kFormat == WireFormat::bf16) == (kUnitElems == 0), "bf16 rows are copied; quantized rows need a unit");
   __shared__ device::CtaRowMax<kWarps> s_amax;  // nvfp4: the chunks' amaxes of a step (nvfp4_chunk_token_scale)
@@ -381,7 +438,9 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Expa
 
   // 1. this call's token count to every destination (covered by CTA 0's arrival below)
   FERRY_TRACE_BEGIN(trace, ll_dispatch_send);
-  if (cta == 0 && tid < world) {
+  //    (across nodes to this node's ranks; the network leg puts it to the others)
+  uint32_t const near = kNet ? node_ranks(p) : 0xffffffffu;
+  if (cta == 0 && tid < world && (!kNet || ((near >> tid) & 1u) != 0)) {
     auto* word =
         reinterpret_cast<uint64_t volatile*>(p.net.window(tid) + p.layout.dispatch_tokens) + parity * world + rank;
     *word = static_cast<uint64_t>(p.num_tokens);
@@ -418,22 +477,41 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Expa
     uint32_t const mask = __reduce_or_sync(0xffffffffu, dest >= 0 ? 1u << dest : 0u);
     std::size_t const slot = landing::slot_index(parity, world, rank, p.max_tokens, t);
     if (refused) s_refuse = 1;  // any lane: every writer writes 1
+    // Across nodes the ranks of other nodes get the token through this rank's window: each one's record staged, the
+    // row staged once (the lowest of their bits stands for it in the mask); the network leg puts them after the loop.
+    uint32_t const far = mask & ~near;
+    uint32_t const send = (mask & near) | (far & (0u - far));
+    std::size_t const staged = (static_cast<std::size_t>(parity) * p.max_tokens + t);
+    auto const row_at = [&](int d) -> char* {
+      if constexpr (kNet)
+        if (((near >> d) & 1u) == 0)
+          return p.net.local() + p.layout.ll_send_rows + staged * p.layout.dispatch_row_bytes;
+      return p.net.window(d) + p.layout.dispatch_rows + slot * p.layout.dispatch_row_bytes;
+    };
 
     if (chunk == 0) {
       if (lane == 0) p.token_mask[t] = mask;
-      landing::write_records(p.net, world, p.layout.dispatch_meta, slot, p.layout.meta_bytes, topk, num_local, dest, e,
-                             w, lane);
+      if constexpr (kNet) {
+        landing::write_records_at(world, topk, num_local, dest, e, w, lane, [&](int d) -> char* {
+          if (((near >> d) & 1u) == 0)
+            return p.net.local() + p.layout.ll_send_meta +
+                   ((static_cast<std::size_t>(parity) * world + d) * p.max_tokens + t) * p.layout.meta_bytes;
+          return p.net.window(d) + p.layout.dispatch_meta + slot * p.layout.meta_bytes;
+        });
+      } else {
+        landing::write_records(p.net, world, p.layout.dispatch_meta, slot, p.layout.meta_bytes, topk, num_local, dest,
+                               e, w, lane);
+      }
     }
 
     // the row (this chunk of it), once per destination rank (with own_direct not to this rank: expand_own)
     if constexpr (kFormat != WireFormat::bf16) {
-      if (mask != 0) send_quantized_chunk<kFormat, kUnitElems>(p, t, chunk, chunks, mask, slot, token_scale, lane);
-    } else if (uint32_t const to = own_direct<kFormat>(p) ? mask & ~(1u << rank) : mask; to != 0) {
+      if (send != 0) send_quantized_chunk<kFormat, kUnitElems>(p, t, chunk, chunks, send, row_at, token_scale, lane);
+    } else if (uint32_t const to = own_direct<kFormat>(p) ? send & ~(1u << rank) : send; to != 0) {
       auto const [v_begin, v_end] = device::chunk_range(num_vec, chunk, chunks);
-      std::size_t const at = p.layout.dispatch_rows + slot * row_bytes;
       landing::send_row_chunk<kUnroll>(
           reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes),
-          v_begin, v_end, to, [&](int d) { return reinterpret_cast<int4*>(p.net.window(d) + at); }, lane);
+          v_begin, v_end, to, [&](int d) { return reinterpret_cast<int4*>(row_at(d)); }, lane);
     }
   }
   FERRY_TRACE_END(trace, ll_dispatch_send);
@@ -453,14 +531,29 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Expa
   //    (one release per destination; no per-thread fence, which would drain each thread's NVLink stores)
   FERRY_TRACE_BEGIN(trace, ll_dispatch_send_arrival);
   __syncthreads();
-  if (s_refuse) landing::publish_abort(p.net, p.layout.dispatch_abort, parity, world, rank, seq);
-  if (tid < world) p.net.add_signal(tid, p.layout.dispatch_arrivals + rank * sizeof(uint64_t), 1);
+  if (s_refuse) landing::publish_abort<!kNet>(p.net, p.layout.dispatch_abort, parity, world, rank, seq, near);
+  if (tid < world && (!kNet || ((near >> tid) & 1u) != 0))
+    p.net.add_signal(tid, p.layout.dispatch_arrivals + rank * sizeof(uint64_t), 1);
+  if constexpr (kNet) ll_dispatch_send_network<IdxT, kFormat>(p, network, parity, seq, s_refuse != 0, chunks, items);
   FERRY_TRACE_END(trace, ll_dispatch_send_arrival);
 }
 
-template <WireFormat kFormat>
-__device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, ExpandShared& s, int32_t* s_counts,
-                                                 uint64_t seq FERRY_TRACE_PARAM(trace)) {
+// The sources of other nodes of a receive half: their arrivals are waited for through the network.
+template <class Net>
+struct NetworkSources {
+  LlParams const& p;
+  Net const& network;
+  std::size_t counters;
+  WaitPhase phase;
+  __device__ __forceinline__ bool of(int s) const { return !same_node(p, s); }
+  __device__ __forceinline__ bool wait(int s, uint64_t least) const {
+    return wait_network(p, network, counters, s, least, phase);
+  }
+};
+
+template <WireFormat kFormat, class Net>
+__device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Net const& network, ExpandShared& s,
+                                                 int32_t* s_counts, uint64_t seq FERRY_TRACE_PARAM(trace)) {
   __shared__ int32_t s_base[kMaxLocalPeers + 1];  // first rank-major landing row of each source
   __shared__ int s_ok;
   __shared__ uint32_t s_aborted;  // sources that refused this call
@@ -490,12 +583,19 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Expa
     s_aborted = 0;
   }
   __syncthreads();
-  int const num_landed = landing::wait_sources(
-      p.view, reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.layout.dispatch_arrivals), seq,
-      static_cast<uint64_t>(p.num_ctas),
-      reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) + p.layout.dispatch_tokens) + parity * world,
-      reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) + p.layout.dispatch_abort) + parity * world,
-      WaitPhase::ll_dispatch, s_base, &s_aborted, &s_ok);
+  auto const wait = [&](auto const& remote) {
+    return landing::wait_sources(
+        p.view, reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.layout.dispatch_arrivals), seq,
+        static_cast<uint64_t>(p.num_ctas),
+        reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) + p.layout.dispatch_tokens) + parity * world,
+        reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) + p.layout.dispatch_abort) + parity * world,
+        WaitPhase::ll_dispatch, s_base, &s_aborted, &s_ok, remote);
+  };
+  int num_landed = 0;
+  if constexpr (kAcrossNodes<Net>)
+    num_landed = wait(NetworkSources<Net>{p, network, p.layout.dispatch_arrivals, WaitPhase::ll_dispatch});
+  else
+    num_landed = wait(landing::NoRemoteSources{});
   if (num_landed < 0) return;
   FERRY_TRACE_END(trace, ll_dispatch_wait_arrivals);
 
@@ -645,17 +745,19 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Expa
 
 // kSend / kRecv: which halves this instance runs (both: the one-kernel leg; one: the hook's halves). kFormat: the
 // dispatch_format; kUnitElems: the send's codec unit (device::unit_elems_for; 0 for bf16).
-template <typename IdxT, WireFormat kFormat, int kUnitElems, bool kSend, bool kRecv>
-__global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(LlDispatchParams const p) {
+// Net: OneNode, or the network to the ranks of other nodes (NetParams).
+template <typename IdxT, WireFormat kFormat, int kUnitElems, bool kSend, bool kRecv, class Net = OneNode>
+__global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(NetParams<LlDispatchParams, Net> const p) {
   static_assert(kSend || kRecv, "an LL dispatch kernel runs at least one half");
   __shared__ uint64_t s_seq[2];
   __shared__ ExpandShared s_expand;
   extern __shared__ int32_t s_counts[];  // [2][num_local_experts] (expand_smem_bytes)
   next_sequences<kSend, kRecv>(p.state->dispatch_send_seq, p.state->dispatch_recv_seq, s_seq);
   FERRY_TRACE_WARP(trace, p.trace);
+  decltype(auto) network = network_of<Net>(p);
   if constexpr (kSend)
-    ll_dispatch_send<IdxT, kFormat, kUnitElems>(p, s_expand, s_counts, s_seq[0] FERRY_TRACE_ARG(trace));
-  if constexpr (kRecv) ll_dispatch_recv<kFormat>(p, s_expand, s_counts, s_seq[1] FERRY_TRACE_ARG(trace));
+    ll_dispatch_send<IdxT, kFormat, kUnitElems>(p, network, s_expand, s_counts, s_seq[0] FERRY_TRACE_ARG(trace));
+  if constexpr (kRecv) ll_dispatch_recv<kFormat>(p, network, s_expand, s_counts, s_seq[1] FERRY_TRACE_ARG(trace));
 }
 
 }  // namespace ferry::cuda_ll

@@ -21,8 +21,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "comm/device/bf16x8.cuh"
+#include "comm/transport/group.cuh"
 #include "ep/cuda/params.cuh"
 #include "ferry/device_view.hpp"
 #include "ferry/ep.hpp"
@@ -57,6 +59,7 @@ struct LlParams : KernelParams {
   int32_t* recv_idx;     // [world * max_tokens, topk] local expert or -1
   float* recv_w;         // [world * max_tokens, topk]
   int32_t* recv_slot;    // [world * max_tokens, topk] slot within its expert or -1
+  int local;             // ranks per node (world on one node): ranks of other nodes only through the network leg
 };
 
 // The areas of the symmetric region are SymLayout's low-latency part; the state words DeviceState's.
@@ -94,6 +97,52 @@ struct LlCombineParams : LlParams {
   void const* x;  // expert-major [num_local_experts, expert_slots, hidden] or rank-major [num_recv, hidden]
   void* y;        // [num_tokens, hidden]
 };
+
+// The ranks of other nodes. On one node the kernels take their Params alone (OneNode: nothing across nodes is
+// compiled); across nodes, WithNetwork adds the network transport (Emulated on one host, Gin on a cluster) that
+// reaches them. Through it a leg's send half puts what it staged in its own window (SymLayout::ll_send_*) and
+// signals the same arrival counters as over NVLink, num_ctas per call and source, so the receive halves count alike.
+struct OneNode {};
+template <class Net>
+inline constexpr bool kAcrossNodes = !std::is_same_v<Net, OneNode>;
+template <class Base, class Net>
+struct WithNetwork : Base {
+  Net network;
+};
+template <class Base, class Net>
+using NetParams = std::conditional_t<kAcrossNodes<Net>, WithNetwork<Base, Net>, Base>;
+template <class Net, class P>
+__device__ __forceinline__ decltype(auto) network_of(P const& p) {
+  if constexpr (kAcrossNodes<Net>)
+    return (p.network);
+  else
+    return OneNode{};
+}
+
+// Rank d is on this rank's node (reached by NVLink stores).
+__device__ __forceinline__ bool same_node(LlParams const& p, int d) {
+  return d / p.local == p.view.rank / p.local;
+}
+// This rank's node as a mask of the world (world <= 32).
+__device__ __forceinline__ uint32_t node_ranks(LlParams const& p) {
+  uint32_t const one_node = p.local >= 32 ? 0xffffffffu : (1u << p.local) - 1u;
+  return one_node << (p.view.rank / p.local * p.local);
+}
+// The j-th rank of the other nodes, j in [0, world - local).
+__device__ __forceinline__ int remote_rank(LlParams const& p, int j) {
+  int const first = p.view.rank / p.local * p.local;
+  return j < first ? j : j + p.local;
+}
+
+// The receive halves' wait for the arrivals of a source of another node: through the network (a Gin's counters are
+// GIN signals, not window words). Thread `s` of the CTA calls it for source s; the endpoint is the CTA's first
+// warp's, idle by then (its send half closed it, or this is the hook's receive half).
+template <class Net>
+__device__ __forceinline__ bool wait_network(LlParams const& p, Net const& network, std::size_t counters, int s,
+                                             uint64_t least, WaitPhase phase) {
+  auto ep = network.open(transport::Thread{}, static_cast<int>(blockIdx.x) * kWarps);
+  return ep.wait(p.view, counters + static_cast<std::size_t>(s) * sizeof(uint64_t), least, s, phase);
+}
 
 using device::bf16x8_to_float;
 using device::float_to_bf16x8;

@@ -165,6 +165,15 @@ struct SymLayout {
   std::size_t meta_bytes = 0;          // bytes of one record (topk * 8, 16-byte aligned)
   std::size_t dispatch_row_bytes = 0;  // wire_row_bytes(dispatch_format, hidden) (bf16: hidden * 2)
   std::size_t combine_row_bytes = 0;   // wire_row_bytes(combine_format, hidden)
+  // Low-latency mode across nodes only (nodes > 1; empty otherwise): what the ranks of other nodes get is written
+  // here first and put from here (the network reads its sources from the window), by parity as the landing zones.
+  std::size_t ll_send_rows = 0;     // [2][max_tokens] dispatch wire rows of this rank's tokens bound for other nodes
+  std::size_t ll_send_meta = 0;     // [2][world destinations][max_tokens] records for the ranks of other nodes
+  std::size_t ll_combine_send = 0;  // [2][world * max_tokens] combine wire rows, by rank-major row, for other nodes
+  // dispatch_arrivals then combine_arrivals, adjacent (the GIN transport's signal range); the own node's sources
+  // signal the same words by NVLink stores.
+  std::size_t ll_signals = 0;
+  uint32_t ll_num_signals = 0;
   std::size_t total = 0;
 };
 
