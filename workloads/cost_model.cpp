@@ -30,10 +30,11 @@ struct Sent {
   }
 };
 
+// messages: the leg's network messages when their rate is modelled (0: bytes alone), each at 1 / nic_mmsgs us.
 LegPrediction leg(double fixed_us, double network_bytes, double nvlink_bytes, double logical_bytes, double hops_us,
-                  Links const& links) {
+                  Links const& links, double messages = 0) {
   // bytes / (GB/s) = ns / 1000 -> us
-  double const network_us = network_bytes / links.nic_gbps / 1e3;
+  double const network_us = std::max(network_bytes / links.nic_gbps / 1e3, messages / links.nic_mmsgs);
   double const nvlink_us = nvlink_bytes / links.nvlink_gbps / 1e3;
   double const transfer = std::max(network_us, nvlink_us);
   LegPrediction p;
@@ -47,7 +48,7 @@ LegPrediction leg(double fixed_us, double network_bytes, double nvlink_bytes, do
 }  // namespace
 
 Traffic count_traffic(EpConfig const& config, Topology const& topology, RoutingOptions const& routing,
-                      int tokens_per_rank) {
+                      int tokens_per_rank, int ll_ctas) {
   int const world = topology.world();
   FERRY_CHECK_CONFIG(config.num_experts % world == 0, "num_experts=", config.num_experts,
                      " is not divisible by the world ", world, " of topology ", topology.nodes, "x", topology.local);
@@ -66,7 +67,11 @@ Traffic count_traffic(EpConfig const& config, Topology const& topology, RoutingO
   double const crow = static_cast<double>(traffic.combine_row_bytes);
   double const brow = static_cast<double>(config.hidden) * 2;  // a bf16 row
 
-  Sent hier_d(world), hier_c(world), direct_d(world), direct_c(world);
+  // the cuda low-latency protocol: a row is its wire row alone, its record (local ids and weights, 16-byte
+  // aligned) a message of its own to every rank
+  double const ll_row = static_cast<double>(wire_row_bytes(config.dispatch_format, config.hidden));
+  double const ll_record = static_cast<double>((static_cast<std::size_t>(columns) * 8 + 15) / 16 * 16);
+  Sent hier_d(world), hier_c(world), direct_d(world), direct_c(world), ll_d(world), ll_c(world);
   double dest_ranks = 0, remote_nodes = 0, remote_ranks = 0;
   std::vector<int64_t> idx(static_cast<std::size_t>(tokens_per_rank) * columns);
   std::vector<float> weights(idx.size());
@@ -81,6 +86,18 @@ Traffic count_traffic(EpConfig const& config, Topology const& topology, RoutingO
       for (int k = 0; k < columns; ++k)
         if (int64_t const e = idx[static_cast<std::size_t>(t) * columns + k]; e >= 0) hit[e / num_local] = 1;
       for (int d = 0; d < world; ++d) {
+        if (d != r) {  // the ll protocol's record goes to every rank, its row to the ranks holding the token
+          bool const near = topology.node_of(d) == node;
+          double const bytes = ll_record + (hit[d] ? ll_row : 0.0);
+          (near ? ll_d.nvlink : ll_d.network)[r] += bytes;
+          (near ? ll_c.nvlink : ll_c.network)[d] += hit[d] ? crow : 0.0;
+          if (!near) {
+            ll_d.messages[r] += hit[d] ? 2 : 1;
+            ll_d.network_rows[r] += hit[d] ? 1 : 0;
+            ll_c.messages[d] += hit[d] ? 1 : 0;
+            ll_c.network_rows[d] += hit[d] ? 1 : 0;
+          }
+        }
         if (!hit[d]) continue;
         dest_ranks += 1;
         if (d == r) continue;  // a rank's own rows do not cross a link
@@ -136,6 +153,12 @@ Traffic count_traffic(EpConfig const& config, Topology const& topology, RoutingO
   traffic.hier_combine = hier_c.summary();
   traffic.direct_dispatch = direct_d.summary();
   traffic.direct_combine = direct_c.summary();
+  traffic.ll_dispatch = ll_d.summary();
+  traffic.ll_combine = ll_c.summary();
+  // per (CTA, remote rank): the arrival signal, and (dispatch, CTA 0) the token count
+  double const remote = static_cast<double>(world - topology.local);
+  traffic.ll_dispatch.control_messages = remote * (ll_ctas + 1);
+  traffic.ll_combine.control_messages = remote * ll_ctas;
   return traffic;
 }
 
@@ -159,6 +182,12 @@ Prediction predict(Traffic const& t, Links const& links) {
       leg(links.ll_fixed_us, dc.network_bytes_max, dc.nvlink_bytes_max, logical_c, links.nic_latency_us, links);
   p.forward_dispatch = leg(links.ll_fixed_us, hd.network_bytes_max, hd.nvlink_bytes_max, logical_d, hier_hops, links);
   p.forward_combine = leg(links.ll_fixed_us, hc.network_bytes_max, hc.nvlink_bytes_max, logical_c, hier_hops, links);
+  LegTraffic const& ld = t.ll_dispatch;
+  LegTraffic const& lc = t.ll_combine;
+  p.ll_dispatch = leg(links.ll_fixed_us, ld.network_bytes_max + 8 * ld.control_messages, ld.nvlink_bytes_max, logical_d,
+                      links.nic_latency_us, links, ld.network_messages_max + ld.control_messages);
+  p.ll_combine = leg(links.ll_fixed_us, lc.network_bytes_max + 8 * lc.control_messages, lc.nvlink_bytes_max, logical_c,
+                     links.nic_latency_us, links, lc.network_messages_max + lc.control_messages);
   return p;
 }
 

@@ -9,6 +9,10 @@
 // - direct (low-latency mode as today's single-node kernels do it): a token goes straight to each destination rank,
 //   over NVLink inside the node and over the network to the others (one message per (token, remote rank)).
 // Rows are de-duplicated per destination rank (or node) as the protocols do; metadata is counted per row.
+// The cuda low-latency protocol across nodes (ll_dispatch_send_network: the direct route as built) is counted apart,
+// with its own messages: a row per (token, remote rank holding it), a metadata record per (token, remote rank) to
+// every remote rank (the receivers scan every source's records), and per (CTA, remote rank) of the grid a signal and
+// (dispatch, CTA 0) the token count; its combine a row per (received row of a remote source) and the signals.
 #pragma once
 
 #include <cstdint>
@@ -30,12 +34,14 @@ struct LegTraffic {
   double nvlink_bytes_max = 0, nvlink_bytes_mean = 0;
   double network_messages_max = 0;  // puts over the network (one per row and destination)
   double network_rows_mean = 0;     // rows that cross the network, per rank
+  double control_messages = 0;      // per rank, besides network_messages_max: signals and counts (ll protocol only)
 };
 
 struct Traffic {
   int tokens_per_rank = 0;
   LegTraffic hier_dispatch, hier_combine;      // hierarchical normal mode
   LegTraffic direct_dispatch, direct_combine;  // straight to each destination rank
+  LegTraffic ll_dispatch, ll_combine;          // the cuda low-latency protocol across nodes, with its own messages
   // averages over every token of every rank
   double dest_ranks_per_token = 0;     // distinct destination ranks
   double remote_nodes_per_token = 0;   // distinct destination nodes other than the token's own
@@ -46,8 +52,9 @@ struct Traffic {
 
 // Counts the traffic of `tokens_per_rank` tokens on every rank, routed by `routing` (the generators of
 // ep/routing.hpp, as ferry bench routes). config.num_experts must divide by topology.world().
+// ll_ctas: the low-latency grid of each rank (its control messages are per CTA and remote rank).
 Traffic count_traffic(EpConfig const& config, Topology const& topology, RoutingOptions const& routing,
-                      int tokens_per_rank);
+                      int tokens_per_rank, int ll_ctas = 132);
 
 // The links, with the values the predictions use (printed with them). Defaults: a 400G ConnectX-7 NIC per GPU
 // (50 GB/s a direction), NVLink as measured on 2 x H200 (push, both ways at once: 362 GB/s a direction), and the
@@ -59,6 +66,9 @@ struct Links {
   double nvlink_latency_us = 1.3;  // one-way flag latency inside the node
   double normal_fixed_us = 8.7;    // a normal-mode leg at 1 token, world 2 (dispatch 8.8, combine 8.5)
   double ll_fixed_us = 8.4;        // a low-latency leg at 1 token, world 2 (dispatch 10.0, combine 6.7)
+  // Messages the NIC issues per us (millions per second), for the protocols whose message counts are modelled (the
+  // cuda low-latency protocol): an assumption, not a measured figure; a cluster run should replace it.
+  double nic_mmsgs = 200.0;
 };
 
 struct LegPrediction {
@@ -75,6 +85,8 @@ struct Prediction {
   LegPrediction hier_dispatch, hier_combine;
   LegPrediction direct_dispatch, direct_combine;
   LegPrediction forward_dispatch, forward_combine;  // low-latency rows once per node with an NVLink forward
+  // the cuda low-latency protocol across nodes: its bytes, and its messages at Links::nic_mmsgs
+  LegPrediction ll_dispatch, ll_combine;
 };
 
 // Time of a leg = its fixed cost + the slower of its network and NVLink transfers (they overlap: the forward starts

@@ -53,6 +53,40 @@ TEST(CostModel, RingRoutingOnTwoByTwoMatchesTheCountsWorkedOutByHand) {
   EXPECT_DOUBLE_EQ(t.direct_combine.network_bytes_mean, 1.5 * tokens * crow);
 }
 
+// The cuda low-latency protocol on the same ring at 2x2: every rank sends its record of every token to both ranks of
+// the other node (2 messages a token) and its row to the 1 or 2 of them that hold the token (rank 0: rank 2; rank 1:
+// ranks 2 and 3), plus per CTA of the grid and remote rank a signal (and CTA 0's token count); the combine sends a
+// row back per received row of a remote source. Its messages enter the time at Links::nic_mmsgs.
+TEST(CostModel, LowLatencyProtocolCountsItsRecordsRowsAndSignals) {
+  RoutingOptions routing;
+  routing.kind = RoutingKind::ring;
+  EpConfig const config = shape(8, 2);
+  int const tokens = 64;
+  int const ctas = 10;
+  Traffic const t = count_traffic(config, {2, 2}, routing, tokens, ctas);
+  double const row = static_cast<double>(wire_row_bytes(WireFormat::bf16, 7168));
+  double const record = 16;  // 2 ids + 2 weights, 16-byte aligned
+  // rank 1 (to ranks 2, 3) and rank 3 (to 0, 1): two rows and two records a token over the network
+  EXPECT_DOUBLE_EQ(t.ll_dispatch.network_bytes_max, tokens * (2 * row + 2 * record));
+  EXPECT_DOUBLE_EQ(t.ll_dispatch.network_bytes_mean, tokens * (1.5 * row + 2 * record));
+  EXPECT_DOUBLE_EQ(t.ll_dispatch.network_messages_max, tokens * 4.0);
+  EXPECT_DOUBLE_EQ(t.ll_dispatch.network_rows_mean, tokens * 1.5);
+  // over NVLink: the record to the own node's other rank, and the row when that rank holds the token (ranks 0, 2)
+  EXPECT_DOUBLE_EQ(t.ll_dispatch.nvlink_bytes_max, tokens * (row + record));
+  EXPECT_DOUBLE_EQ(t.ll_dispatch.control_messages, 2.0 * (ctas + 1));
+  EXPECT_DOUBLE_EQ(t.ll_combine.network_messages_max, tokens * 2.0);
+  EXPECT_DOUBLE_EQ(t.ll_combine.control_messages, 2.0 * ctas);
+  // 1e6 messages at 200 per us take 5000 us, more than their bytes at 50 GB/s
+  Traffic many;
+  many.ll_dispatch.network_bytes_max = 50e6;  // 1000 us
+  many.ll_dispatch.network_messages_max = 1e6 - 2;
+  many.ll_dispatch.control_messages = 2;
+  Links const links;
+  Prediction const p = predict(many, links);
+  EXPECT_NEAR(p.ll_dispatch.us, links.ll_fixed_us + links.nic_latency_us + 1e6 / links.nic_mmsgs, 1e-6);
+  EXPECT_EQ(p.ll_dispatch.bound, "network");
+}
+
 TEST(CostModel, OneNodeSendsNothingOverTheNetworkAndOneRankPerNodeForwardsNothing) {
   RoutingOptions routing;  // random
   routing.seed = 7;
@@ -122,10 +156,10 @@ TEST(CostModel, FerryModelPrintsItsInputsAndWritesItsRecords) {
   util::json::Value const doc = util::json::parse(test::read_file(json), json);
   EXPECT_EQ(doc.find("tool")->text, "ferry model");
   util::json::Value const& records = *doc.find("records");
-  ASSERT_EQ(records.items.size(), 12u) << "2 topologies x 1 token count x 3 protocols x 2 legs";
+  ASSERT_EQ(records.items.size(), 16u) << "2 topologies x 1 token count x 4 protocols x 2 legs";
   EXPECT_EQ(records.items[0].find("dispatch_format")->text, "fp8");
   EXPECT_GT(records.items[0].find("predicted_us")->number, 0.0);
-  EXPECT_EQ(records.items[6].find("world")->integer(), 32);
+  EXPECT_EQ(records.items[8].find("world")->integer(), 32);
 
   test::CliRun const bad = test::run_ferry("model --topology 2by8");
   EXPECT_EQ(bad.code, 2) << bad.output;

@@ -46,6 +46,8 @@ Options make_options() {
           {"nvlink-latency-us", text(links.nvlink_latency_us), "one NVLink hop (flag latency)"},
           {"normal-fixed-us", text(links.normal_fixed_us), "fixed cost of a normal-mode leg"},
           {"ll-fixed-us", text(links.ll_fixed_us), "fixed cost of a low-latency leg"},
+          {"nic-mmsgs", text(links.nic_mmsgs), "network messages per us (millions/s) the NIC issues: an assumption"},
+          {"ll-ctas", "132", "the low-latency grid per rank (its signals are per CTA and remote rank)"},
           {"json", "", "write the records to this file (the result-file format of docs/design.md)"},
       });
 }
@@ -81,15 +83,21 @@ int model_main(int argc, char** argv) {
   links.nvlink_latency_us = options.number("nvlink-latency-us");
   links.normal_fixed_us = options.number("normal-fixed-us");
   links.ll_fixed_us = options.number("ll-fixed-us");
+  links.nic_mmsgs = options.number("nic-mmsgs");
+  int const ll_ctas = options.integer("ll-ctas");
   FERRY_CHECK_CONFIG(links.nic_gbps > 0 && links.nvlink_gbps > 0, "--nic-gbps and --nvlink-gbps must be positive");
+  FERRY_CHECK_CONFIG(links.nic_mmsgs > 0, "--nic-mmsgs must be positive, got ", links.nic_mmsgs);
+  FERRY_CHECK_CONFIG(ll_ctas >= 1, "--ll-ctas must be at least 1, got ", ll_ctas);
   std::vector<model::Topology> topologies;
   std::stringstream list(options.str("topology"));
   for (std::string item; std::getline(list, item, ',');) topologies.push_back(model::parse_topology(item));
   std::vector<int> const tokens = options.int_list("tokens");
 
   std::printf("ferry model: predictions, not measurements (nothing runs). Inputs:\n");
-  std::printf("  network %.1f GB/s per GPU and direction, %.2f us a put; NVLink %.1f GB/s, %.2f us a hop\n",
-              links.nic_gbps, links.nic_latency_us, links.nvlink_gbps, links.nvlink_latency_us);
+  std::printf(
+      "  network %.1f GB/s per GPU and direction, %.2f us a put, %.0f M messages/s (assumed); NVLink %.1f GB/s, "
+      "%.2f us a hop; low-latency grid %d CTAs\n",
+      links.nic_gbps, links.nic_latency_us, links.nic_mmsgs, links.nvlink_gbps, links.nvlink_latency_us, ll_ctas);
   std::printf(
       "  fixed cost of a leg: normal %.2f us, low-latency %.2f us; hidden %d, topk %d, %d experts, %s routing, "
       "dispatch %s, combine %s\n",
@@ -103,7 +111,7 @@ int model_main(int argc, char** argv) {
   std::vector<util::ResultRecord> records;
   for (model::Topology const& topo : topologies) {
     for (int t : tokens) {
-      model::Traffic const traffic = model::count_traffic(config, topo, routing, t);
+      model::Traffic const traffic = model::count_traffic(config, topo, routing, t, ll_ctas);
       model::Prediction const p = model::predict(traffic, links);
       std::string const name = std::to_string(topo.nodes) + "x" + std::to_string(topo.local);
       struct Row {
@@ -119,6 +127,8 @@ int model_main(int argc, char** argv) {
           {"ll-direct", "combine", traffic.direct_combine, p.direct_combine},
           {"ll-fwd", "dispatch", traffic.hier_dispatch, p.forward_dispatch},
           {"ll-fwd", "combine", traffic.hier_combine, p.forward_combine},
+          {"ll-cuda", "dispatch", traffic.ll_dispatch, p.ll_dispatch},
+          {"ll-cuda", "combine", traffic.ll_combine, p.ll_combine},
       };
       for (Row const& row : rows) {
         std::printf("%-8s %6d %-10s %-9s %9s %9s %9.1f %9.1f %9.1f  %s\n", name.c_str(), t, row.protocol, row.leg,
@@ -133,6 +143,7 @@ int model_main(int argc, char** argv) {
         rec.add("combine_format", wire_format_name(config.combine_format));
         rec.add("network_bytes", row.traffic.network_bytes_max).add("nvlink_bytes", row.traffic.nvlink_bytes_max);
         rec.add("network_messages", row.traffic.network_messages_max).add("predicted_us", row.prediction.us);
+        rec.add("control_messages", row.traffic.control_messages);
         rec.add("network_gbps", row.prediction.network_gbps);
         rec.add("logical_network_gbps", row.prediction.logical_network_gbps).add("bound", row.prediction.bound);
         rec.add("nic_gbps", links.nic_gbps).add("nvlink_gbps", links.nvlink_gbps);
@@ -143,7 +154,10 @@ int model_main(int argc, char** argv) {
   }
   std::printf(
       "\nhier: normal mode, once per destination node to the same local rank, forwarded over NVLink (combine reduces "
-      "per node first).\nll-direct: straight to each destination rank. ll-fwd: low-latency rows routed as hier.\n");
+      "per node first).\nll-direct: straight to each destination rank. ll-fwd: low-latency rows routed as "
+      "hier.\nll-cuda: the cuda "
+      "low-latency protocol across nodes as built (direct, a record to every rank, per-CTA signals), its messages at "
+      "--nic-mmsgs.\n");
   if (!options.str("json").empty())
     util::write_result_file(options.str("json"), {"ferry model", git_commit(), "model (no device)", 0}, records);
   return 0;
