@@ -168,12 +168,6 @@ EpBuffer::EpBuffer(std::shared_ptr<Communicator> comm, EpConfig const& config)
   std::string invalid;
   try {
     config_.validate(comm_->world());
-    Topology const& topology = comm_->topology();
-    // NOTE: low-latency mode across nodes on the cuda backend puts rows straight into their ranks (the direct route
-    // only; docs/internode.md): `automatic` means that route there.
-    if (topology.nodes > 1 && config_.mode == Mode::low_latency && comm_->backend() == Backend::cuda &&
-        config_.internode_route == InternodeRoute::automatic)
-      config_.internode_route = InternodeRoute::direct;
   } catch (ConfigError const& error) {
     invalid = error.what();
   }

@@ -47,6 +47,8 @@ struct Spec : VirtualSpec {
   // network (seeded delays of up to delay_ns= per delivery, reordered), their NVLink windows taken away
   Topology topology{1, 0};
   uint32_t delay_ns = 20000;
+  // route=forward|direct across nodes (forward: once per node to its rail, which places it and reduces the combine)
+  InternodeRoute route = InternodeRoute::direct;
 };
 
 Spec parse_spec(std::vector<std::string> words) {
@@ -67,6 +69,7 @@ Spec parse_spec(std::vector<std::string> words) {
     s.topology = parse_topology(topology);
   }
   s.delay_ns = static_cast<uint32_t>(args.integer("delay_ns", static_cast<int>(s.delay_ns)));
+  s.route = parse_internode_route(args.text("route", "direct"));
   return s;
 }
 
@@ -107,6 +110,7 @@ void run_virtual(Spec const& spec, int num_ctas) {
   user.dispatch_format = spec.dispatch_format;
   user.combine_format = spec.combine_format;
   user.recv_scale_layout = spec.layout;
+  user.internode_route = spec.route;
   if (spec.capacity > 0) user.expert_capacity = spec.capacity;
   user.validate(world);
   EpConfig const config = user.resolved(world);
@@ -114,9 +118,10 @@ void run_virtual(Spec const& spec, int num_ctas) {
   int const slots = config.expert_slots();
   int const nodes = spec.topology.nodes;
   std::printf(
-      "world %d (%s) x %d CTAs: seed %llu routing %s hidden %d topk %d (shared %d) experts %d slots %d dispatch %s "
+      "world %d (%s%s) x %d CTAs: seed %llu routing %s hidden %d topk %d (shared %d) experts %d slots %d dispatch %s "
       "combine %s layout %s hook %d graph %d\n",
-      world, nodes > 1 ? topology_name(spec.topology).c_str() : "one node", num_ctas,
+      world, nodes > 1 ? topology_name(spec.topology).c_str() : "one node",
+      nodes > 1 ? (std::string(", route ") + internode_route_name(config.route())).c_str() : "", num_ctas,
       static_cast<unsigned long long>(spec.seed), spec.routing.c_str(), hidden, config.topk, spec.shared,
       config.num_experts, slots, wire_format_name(config.dispatch_format), wire_format_name(config.combine_format),
       scale_layout_name(config.recv_scale_layout), spec.hook, spec.graph);
@@ -232,7 +237,10 @@ void run_virtual(Spec const& spec, int num_ctas) {
       ASSERT_EQ(check_ll_dispatch(config, world, r, iter, it.expected[r], cuda_ep::dispatch_result(ranks[r], true),
                                   ranks[r].recv_slot),
                 0);
-      ASSERT_EQ(it.check_combines(config, world, r, iter, io[r]), 0);
+      if (nodes > 1 && config.route() == InternodeRoute::forward)
+        ASSERT_EQ(it.check_combines(config, spec.topology, r, iter, io[r]), 0);
+      else
+        ASSERT_EQ(it.check_combines(config, world, r, iter, io[r]), 0);
     }
   }
   std::printf("world %d%s: %d iterations exact on every rank\n", world,
@@ -385,6 +393,33 @@ TEST(LowLatencyAcrossNodes, HookAndGraphReplay) {
   }
   table.push_back({"topology=2x2", "hook=1", "graph=1", "dispatch=fp8", "combine=nvfp4", "tokens=64,1", "hidden=7168",
                    "topk=8", "experts=64", "iters=3"});
+  run_rows(table);
+}
+
+// The forward route (a row once per node to its rail, which places it over NVLink; the combine reduced per node at
+// the rail): the dispatch equals the one-node reference, the combines the reference of the topology.
+TEST(LowLatencyAcrossNodes, ForwardRoute) {
+  std::vector<std::vector<std::string>> table;
+  for (char const* topology : {"topology=2x1", "topology=2x2", "topology=2x4", "topology=4x2"}) {
+    table.push_back(
+        {topology, "route=forward", "tokens=128", "hidden=7168", "topk=8", "experts=256", "capacity=80", "iters=2"});
+    table.push_back({topology, "route=forward", "tokens=1,4,16,0", "hidden=6144", "topk=9", "shared=1", "experts=64",
+                     "iters=2", "own=direct"});
+  }
+  for (char const* topology : {"topology=2x2", "topology=4x2"}) {
+    table.push_back({topology, "route=forward", "dispatch=fp8", "combine=fp8", "layout=mn_major_tma", "tokens=128,16",
+                     "hidden=7168", "topk=8", "experts=256", "iters=2"});
+    table.push_back({topology, "route=forward", "dispatch=nvfp4", "combine=nvfp4", "layout=blocked_128x4",
+                     "tokens=64,1", "hidden=6144", "topk=9", "shared=1", "experts=64", "iters=2"});
+    table.push_back({topology, "route=forward", "dispatch=mxfp4", "combine=mxfp4", "tokens=37,4", "hidden=2080",
+                     "topk=6", "experts=64", "iters=2"});
+  }
+  table.push_back(
+      {"topology=2x4", "route=forward", "tokens=512,300", "hidden=7168", "topk=8", "experts=256", "iters=1"});
+  table.push_back(
+      {"topology=2x4", "route=forward", "hook=1", "tokens=128,4", "hidden=7168", "topk=8", "experts=256", "iters=2"});
+  table.push_back({"topology=4x2", "route=forward", "graph=1", "hook=1", "dispatch=fp8", "combine=bf16",
+                   "tokens=16,128", "hidden=6144", "topk=8", "experts=64", "iters=3"});
   run_rows(table);
 }
 

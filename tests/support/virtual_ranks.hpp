@@ -311,6 +311,13 @@ struct VirtualIteration {
     auto const y_rm = ref::combine_rank_major(config, world, r, inputs, expected, rows);
     return check_combined("y rank-major", io.y_rm.ptr, y_rm, kVirtualGuardElems, r, iter);
   }
+  // ...against the reference of a topology of several nodes (each other node's rows reduced there first)
+  int check_combines(EpConfig const& config, Topology const& topology, int r, int iter, VirtualRankIo const& io) const {
+    auto const y_em = ref::combine_expert_major(config, topology, r, inputs, expected, eout);
+    if (int const code = check_combined("y expert-major", io.y_em.ptr, y_em, kVirtualGuardElems, r, iter)) return code;
+    auto const y_rm = ref::combine_rank_major(config, topology, r, inputs, expected, rows);
+    return check_combined("y rank-major", io.y_rm.ptr, y_rm, kVirtualGuardElems, r, iter);
+  }
 };
 
 // Runs each row of `table` (key=value words) with a fresh seed: parse(words) gives the row's spec (its `world` the

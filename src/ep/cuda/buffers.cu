@@ -45,10 +45,12 @@ SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol, 
     layout.combine_row_bytes = wire_row_bytes(config.combine_format, config.hidden);
     if (nodes > 1) {
       // across nodes the arrival counters are one range: the network's signals (ll_signals)
-      layout.ll_num_signals = static_cast<uint32_t>(2 * w);
-      layout.ll_signals = areas.take(2 * w * sizeof(uint64_t));
+      std::size_t const n = static_cast<std::size_t>(nodes);
+      layout.ll_num_signals = static_cast<uint32_t>(2 * w + n);
+      layout.ll_signals = areas.take((2 * w + n) * sizeof(uint64_t));
       layout.dispatch_arrivals = layout.ll_signals;
       layout.combine_arrivals = layout.ll_signals + w * sizeof(uint64_t);
+      layout.ll_fwd_arrivals = layout.ll_signals + 2 * w * sizeof(uint64_t);
     } else {
       layout.dispatch_arrivals = areas.take(w * sizeof(uint64_t));
       layout.combine_arrivals = areas.take(w * sizeof(uint64_t));
@@ -66,6 +68,18 @@ SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol, 
       layout.ll_send_rows = areas.take(2 * max_tokens * layout.dispatch_row_bytes);
       layout.ll_send_meta = areas.take(slots * layout.meta_bytes);
       layout.ll_combine_send = areas.take(slots * layout.combine_row_bytes);
+      if (config.route() == InternodeRoute::forward) {
+        std::size_t const n = static_cast<std::size_t>(nodes);
+        std::size_t const per_node = 2 * n * max_tokens;  // [2][nodes][max_tokens]
+        layout.ll_fwd_rows = areas.take(per_node * layout.dispatch_row_bytes);
+        layout.ll_fwd_meta = areas.take(per_node * layout.meta_bytes);
+        layout.ll_fwd_tokens = areas.take(2 * n * sizeof(uint64_t));
+        layout.ll_fwd_abort = areas.take(2 * n * sizeof(uint64_t));
+        layout.ll_partials =
+            areas.take(per_node * static_cast<std::size_t>(layout.local) * static_cast<std::size_t>(config.hidden) * 2);
+        layout.ll_partial_arrivals = areas.take(w * sizeof(uint64_t));
+        layout.ll_rail_send = areas.take(per_node * layout.combine_row_bytes);
+      }
     }
     layout.total = areas.total();
     return layout;
@@ -177,6 +191,12 @@ void allocate_buffers(Buffers& b) {
       b.recv_idx = device_alloc<int32_t>(rows * topk);
       b.recv_w = device_alloc<float>(rows * topk);
       b.own_slot = device_alloc<int32_t>(max_tokens * topk);
+      if (b.layout.ll_fwd_rows != 0) {
+        // the forward route: what the rail placed, for its combine (per source node: tokens, their ranks here)
+        std::size_t const nodes = static_cast<std::size_t>(b.layout.nodes);
+        b.ll_fwd_num = device_zeroed<int32_t>(nodes);
+        b.ll_fwd_mask = device_zeroed<uint32_t>(nodes * max_tokens);
+      }
       if (b.layout.nodes > 1 && b.network_kind == transport::Kind::emulated) {
         // across nodes over the emulated network: an endpoint per warp of each leg's grid (dispatch, then combine)
         b.network.num_areas = 2 * b.num_ctas * kWarps;
@@ -234,6 +254,8 @@ void free_buffers(Buffers& b) noexcept {
   device_free(b.hier_mask);
   device_free(b.rail_partials);
   device_free(b.network.areas);
+  device_free(b.ll_fwd_num);
+  device_free(b.ll_fwd_mask);
   b.expert_scale_bytes = 0;
 }
 
@@ -299,6 +321,10 @@ cuda_ll::LlParams ll_params(Buffers const& b, bool refuse, TraceKernel traced) {
   cuda_ll::LlParams p{};
   static_cast<KernelParams&>(p) = common_params(b, b.num_ctas, refuse, traced);
   p.local = b.layout.nodes > 1 ? b.layout.local : b.world;
+  p.nodes = b.layout.nodes > 1 ? b.layout.nodes : 1;
+  p.forward = b.layout.ll_fwd_rows != 0;
+  p.fwd_num = b.ll_fwd_num;
+  p.fwd_mask = b.ll_fwd_mask;
   p.expert_slots = b.expert_slots;
   p.token_mask = b.token_mask;
   p.recv_src = b.recv_src;

@@ -109,6 +109,10 @@ struct Buffers {
   int32_t* recv_idx = nullptr;  // [recv_capacity, topk]
   float* recv_w = nullptr;      // [recv_capacity, topk]
   int32_t* own_slot = nullptr;  // [max_tokens, topk]
+  // Across nodes, the forward route: per source node, the tokens its source sent this rail in the last dispatch and,
+  // per token, the local ranks here that hold it (written by the dispatch's forward, read by the combine's reduction).
+  int32_t* ll_fwd_num = nullptr;    // [nodes]
+  uint32_t* ll_fwd_mask = nullptr;  // [nodes, max_tokens]
 };
 
 // Sets the fields every allocation and launch reads from the config, the world, this rank, the protocol and the SMs a

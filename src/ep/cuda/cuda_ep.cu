@@ -96,12 +96,6 @@ class CudaEp final : public detail::EpBackendImpl {
     transport::Kind const network = detail::has_gin(comm) ? transport::Kind::gin : transport::Kind::emulated;
     if (across) check_hierarchical(comm, topology, network == transport::Kind::gin);
     if (ll && across) {
-      // NOTE: low-latency mode across nodes puts each row straight into its rank (ll_dispatch.cuh,
-      // ll_dispatch_send_network); EpBuffer resolves `automatic` to that route on this backend.
-      FERRY_CHECK_CONFIG(config.route() == InternodeRoute::direct,
-                         "internode_route=", internode_route_name(config.route()),
-                         " is not built for mode=ll across nodes on the cuda backend in this version; use "
-                         "internode_route=direct (or automatic), or the cpu backend");
       // a quantized combine row crosses the network whole, from the CTA that holds all of its 1024-element chunks
       FERRY_CHECK_CONFIG(config.combine_format == WireFormat::bf16 || config.hidden <= kWarps * cuda_ll::kChunkVecs * 8,
                          "combine_format=", wire_format_name(config.combine_format), " with hidden=", config.hidden,
@@ -115,8 +109,11 @@ class CudaEp final : public detail::EpBackendImpl {
         across ? transport::emulated_options_from_env() : transport::EmulatedOptions{};
     protocol_why_ = protocol.why;
     if (across) {
-      protocol_why_ = detail::concat(ll ? "low-latency, rows direct to every rank (" : "hierarchical (",
-                                     topology_name(topology), ", network: ", transport::kind_name(network));
+      protocol_why_ = detail::concat(
+          ll ? (config.route() == InternodeRoute::forward ? "low-latency, rows forwarded once per node by its rail ("
+                                                          : "low-latency, rows direct to every rank (")
+             : "hierarchical (",
+          topology_name(topology), ", network: ", transport::kind_name(network));
       if (network == transport::Kind::emulated)
         protocol_why_ += detail::concat(" (FERRY_EMULATED_SEED=", emulated.seed, ", delays < ", emulated.max_delay_ns,
                                         " ns, ", emulated.reorder ? "reordered" : "in order", ")");

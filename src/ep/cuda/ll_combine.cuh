@@ -65,13 +65,24 @@ __device__ __forceinline__ void reduce_chunk(RowEntries const& r, int v0, int v_
 
 // Where the combine row of rank-major row `row` (source, token) goes: the source's landing zone at (this rank,
 // token), or, for a source of another node (kNet), this rank's staged row, which the network leg puts there.
+// The forward route instead: the row as bf16 (it is summed with its node's first) into the partials of this node's
+// rail for that source (the rank of the source's local index here), at (source's node, this rank's local index).
 template <bool kNet>
 __device__ __forceinline__ char* combine_row_at(LlCombineParams const& p, int parity, int source, int token, int row) {
   std::size_t const wire_bytes = p.layout.combine_row_bytes;
   if constexpr (kNet)
-    if (!same_node(p, source))
+    if (!same_node(p, source)) {
+      if (p.forward) {
+        int const rail = p.view.rank / p.local * p.local + source % p.local;
+        return p.net.window(rail) + p.layout.ll_partials +
+               (((static_cast<std::size_t>(parity) * p.nodes + source / p.local) * p.local + p.view.rank % p.local) *
+                    p.max_tokens +
+                token) *
+                   static_cast<std::size_t>(p.hidden) * 2;
+      }
       return p.net.local() + p.layout.ll_combine_send +
              (static_cast<std::size_t>(parity) * p.view.world * p.max_tokens + row) * wire_bytes;
+    }
   return p.net.window(source) + p.layout.combine_rows +
          ((static_cast<std::size_t>(parity) * p.view.world + p.view.rank) * p.max_tokens + token) * wire_bytes;
 }
@@ -125,6 +136,8 @@ __device__ __forceinline__ void ll_combine_send_chunks(LlCombineParams const& p,
     int const token = p.recv_src[2 * row + 1];
     char* const dst_row = combine_row_at<kNet>(p, parity, source, token, row);
     auto* dst = reinterpret_cast<int4*>(dst_row);
+    // the forward route's rows for another node go to its rail as bf16, whatever the combine_format
+    bool const raw = kFormat == WireFormat::bf16 || (kNet && p.forward && !same_node(p, source));
     if constexpr (kExpertMajor) {
       RowEntries const entries = row_entries(p, row, lane, num_vec);
       if constexpr (kFormat == WireFormat::bf16) {
@@ -142,9 +155,9 @@ __device__ __forceinline__ void ll_combine_send_chunks(LlCombineParams const& p,
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         int const v = v0 + u * 32;
-        if constexpr (kFormat == WireFormat::bf16) {
+        if (raw) {
           if (v < v_end) device::arch::store_na_v4(dst + v, float_to_bf16x8(acc[u]));
-        } else {
+        } else if constexpr (kFormat != WireFormat::bf16) {
           // the bf16 row's values (what the reference quantizes), then the codec's step for this vector
           float x[8];
           bf16x8_to_float(float_to_bf16x8(acc[u]), x);
@@ -162,9 +175,9 @@ __device__ __forceinline__ void ll_combine_send_chunks(LlCombineParams const& p,
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         int const vi = v0 + u * 32;
-        if constexpr (kFormat == WireFormat::bf16) {
+        if (raw) {
           if (vi < v_end) device::arch::store_na_v4(dst + vi, v[u]);
-        } else {
+        } else if constexpr (kFormat != WireFormat::bf16) {
           float x[8];
           bf16x8_to_float(v[u], x);
           device::quantize_vec<kFormat>(x, vi < v_end, vi, reinterpret_cast<uint8_t*>(dst_row), scales_offset, 0.0f);
@@ -244,7 +257,9 @@ __device__ __forceinline__ void ll_combine_send_rows_nvfp4(LlCombineParams const
     int const source = p.recv_src[2 * row];
     int const token = p.recv_src[2 * row + 1];
     auto* const dst = reinterpret_cast<uint8_t*>(combine_row_at<kNet>(p, parity, source, token, row));
-    if (first_chunk == 0 && lane == 0) *reinterpret_cast<float*>(dst + wl.token_scale_offset) = token_scale;
+    // the forward route's rows for another node go to its rail as bf16
+    bool const raw = kNet && p.forward && !same_node(p, source);
+    if (!raw && first_chunk == 0 && lane == 0) *reinterpret_cast<float*>(dst + wl.token_scale_offset) = token_scale;
     bool const kept = first_chunk + row_warps >= num_chunks;  // this warp's only chunk is in x
     for (int c = first_chunk; c < num_chunks; c += row_warps) {
       if (!kept) values(row, c, x);
@@ -252,7 +267,11 @@ __device__ __forceinline__ void ll_combine_send_rows_nvfp4(LlCombineParams const
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         int const v = c * kChunkVecs + lane + u * 32;
-        device::quantize_vec<WireFormat::nvfp4>(x[u], v < v_end, v, dst, wl.scales_offset, token_scale);
+        if (raw) {
+          if (v < v_end) device::arch::store_na_v4(reinterpret_cast<int4*>(dst) + v, float_to_bf16x8(x[u]));
+        } else {
+          device::quantize_vec<WireFormat::nvfp4>(x[u], v < v_end, v, dst, wl.scales_offset, token_scale);
+        }
       }
     }
   }
@@ -318,6 +337,127 @@ __device__ __forceinline__ void ll_combine_send_network(LlCombineParams const& p
   ep.close();
 }
 
+// The forward route's rail, at the end of a send half (every thread of the CTA): once every rank of this node has
+// sent its rows (their partial arrivals, bounded waits), the CTA's share of the tokens this rail placed in the last
+// dispatch (token t of node m's source: global warp t % (num_ctas * kWarps)) reduced as the reference does it: the
+// bf16 rows of the node's ranks holding it summed in fp32, local ranks ascending, rounded to bf16, then quantized to
+// combine_format (nvfp4: the token scale from the rounded row's amax, a first pass) into this rail's staged row;
+// after the barrier warp w takes the other nodes j = w, w + kWarps, ...: to that node's source it puts the CTA's
+// staged rows into its landing zone at (this rail, token), relays (CTA 0) the abort word of every rank of this node
+// that refused the call, and signals +1. Returns false when a rank of the node did not send (the timeout recorded):
+// then nothing is signalled, and the sources time out on this rail.
+template <WireFormat kFormat, class Net>
+__device__ __forceinline__ bool ll_combine_rail(LlCombineParams const& p, Net const& network, int parity,
+                                                uint64_t seq) {
+  __shared__ int s_rail_ok;
+  auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
+  int const own_node = rank / p.local;
+  int const first = own_node * p.local;
+  int const num_vec = p.hidden / 8;
+  int const num_chunks = (num_vec + kChunkVecs - 1) / kChunkVecs;
+  int const total_warps = p.num_ctas * kWarps;
+  std::size_t const wire = p.layout.combine_row_bytes;
+  std::size_t const max_tokens = static_cast<std::size_t>(p.max_tokens);
+  std::size_t const bf16_row = static_cast<std::size_t>(p.hidden) * 2;
+  WireRowLayout const wl = quant::make_row_layout(kFormat, p.hidden);
+  char* const own = p.net.local();
+  if (tid == 0) s_rail_ok = 1;
+  __syncthreads();
+  if (tid < p.local && !device::wait_signal_geq(
+                           p.view, reinterpret_cast<uint64_t const*>(own + p.layout.ll_partial_arrivals) + first + tid,
+                           seq * static_cast<uint64_t>(p.num_ctas), first + tid, WaitPhase::ll_combine))
+    s_rail_ok = 0;
+  __syncthreads();
+  if (!s_rail_ok) return false;
+
+  // 1. the reduction of each placed token into the staged row
+  for (int m = 0; m < p.nodes && !p.abort; ++m) {
+    if (m == own_node) continue;
+    int const n = p.fwd_num[m];
+    for (int t = cta * kWarps + warp; t < n; t += total_warps) {
+      uint32_t const here = p.fwd_mask[static_cast<std::size_t>(m) * max_tokens + t];
+      if (here == 0) continue;
+      std::size_t const at = (static_cast<std::size_t>(parity) * p.nodes + m) * max_tokens + t;
+      auto* const out = reinterpret_cast<uint8_t*>(own + p.layout.ll_rail_send + at * wire);
+      // chunk c of the node's sum, rounded to bf16, as fp32 values in x
+      auto const node_sum = [&](int c, float(&x)[kUnroll][8]) {
+        device::zero_acc(x);
+        int const v0 = c * kChunkVecs + lane;
+        int const v_end = min((c + 1) * kChunkVecs, num_vec);
+        for (uint32_t h = here; h != 0; h &= h - 1) {
+          int const l = __ffs(h) - 1;
+          auto const* row = reinterpret_cast<int4 const*>(
+              own + p.layout.ll_partials +
+              (((static_cast<std::size_t>(parity) * p.nodes + m) * p.local + l) * max_tokens + t) * bf16_row);
+          device::add_bf16_vectors(row, v0, v_end, x);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) bf16x8_to_float(float_to_bf16x8(x[u]), x[u]);
+      };
+      float token_scale = 0.0f;
+      if constexpr (kFormat == WireFormat::nvfp4) {
+        float amax = 0.0f;
+        for (int c = 0; c < num_chunks; ++c) {
+          float x[kUnroll][8];
+          node_sum(c, x);
+          int const v_end = min((c + 1) * kChunkVecs, num_vec);
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            bool all_finite;
+            if (c * kChunkVecs + lane + u * 32 < v_end)
+              amax = fmaxf(amax, device::quant_detail::finite_amax<8>(x[u], all_finite));
+          }
+        }
+        token_scale = quant::nvfp4_token_scale(device::quant_detail::group_max<32>(amax));
+        if (lane == 0) *reinterpret_cast<float*>(out + wl.token_scale_offset) = token_scale;
+      }
+      for (int c = 0; c < num_chunks; ++c) {
+        float x[kUnroll][8];
+        node_sum(c, x);
+        int const v_end = min((c + 1) * kChunkVecs, num_vec);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          int const v = c * kChunkVecs + lane + u * 32;
+          if constexpr (kFormat == WireFormat::bf16) {
+            if (v < v_end) device::arch::store_na_v4(reinterpret_cast<int4*>(out) + v, float_to_bf16x8(x[u]));
+          } else {
+            device::quantize_vec<kFormat>(x[u], v < v_end, v, out, wl.scales_offset, token_scale);
+          }
+        }
+      }
+    }
+  }
+
+  // 2. the network leg: the CTA's rows to each other node's source, its node's refusals, then its arrival there
+  __syncthreads();
+  auto ep = network.open(transport::Warp{}, (p.num_ctas + cta) * kWarps + warp);
+  for (int j = warp; j < p.nodes - 1; j += kWarps) {
+    int const m = j < own_node ? j : j + 1;
+    int const source = m * p.local + rank % p.local;
+    int const n = p.abort ? 0 : p.fwd_num[m];
+    std::size_t const landed =
+        p.layout.combine_rows + ((static_cast<std::size_t>(parity) * world + rank) * max_tokens) * wire;
+    for (int base = cta * kWarps; base < n; base += total_warps) {
+      int const t = base + lane;
+      bool const placed = lane < kWarps && t < n && p.fwd_mask[static_cast<std::size_t>(m) * max_tokens + t] != 0;
+      for (uint32_t b = __ballot_sync(0xffffffffu, placed); b != 0; b &= b - 1) {
+        int const tt = base + __ffs(b) - 1;
+        std::size_t const at = (static_cast<std::size_t>(parity) * p.nodes + m) * max_tokens + tt;
+        ep.put(source, landed + static_cast<std::size_t>(tt) * wire, p.layout.ll_rail_send + at * wire, wire);
+      }
+    }
+    if (cta == 0)
+      for (int d = first; d < first + p.local; ++d) {
+        std::size_t const word = (static_cast<std::size_t>(parity) * world + d) * sizeof(uint64_t);
+        if (*reinterpret_cast<uint64_t const volatile*>(own + p.layout.combine_abort + word) == seq)
+          ep.put_value(source, p.layout.combine_abort + word, seq);
+      }
+    ep.signal(source, p.layout.combine_arrivals + static_cast<std::size_t>(rank) * sizeof(uint64_t), 1);
+  }
+  ep.close();
+  return true;
+}
+
 template <bool kExpertMajor, WireFormat kFormat, class Net>
 __device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, Net const& network,
                                                 uint64_t seq FERRY_TRACE_PARAM(trace)) {
@@ -346,7 +486,16 @@ __device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, Net co
     landing::publish_abort<!kNet>(p.net, p.layout.combine_abort, parity, world, rank, seq, near);
   if (tid < world && (!kNet || ((near >> tid) & 1u) != 0))
     p.net.add_signal(tid, p.layout.combine_arrivals + rank * sizeof(uint64_t), 1);
-  if constexpr (kNet) ll_combine_send_network<kFormat>(p, network, parity, seq);
+  if constexpr (kNet) {
+    if (p.forward) {
+      // this rank's rows for the rails of its node are in (the same barrier orders them)
+      if (tid < world && ((near >> tid) & 1u) != 0)
+        p.net.add_signal(tid, p.layout.ll_partial_arrivals + rank * sizeof(uint64_t), 1);
+      ll_combine_rail<kFormat>(p, network, parity, seq);
+    } else {
+      ll_combine_send_network<kFormat>(p, network, parity, seq);
+    }
+  }
   FERRY_TRACE_END(trace, ll_combine_send_arrival);
 }
 
@@ -379,13 +528,16 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
     bool remote = false;
     if constexpr (kAcrossNodes<Net>) remote = !same_node(p, tid);
     if (remote) {
-      // a rank of another node: through the network (no out-of-step check: its counter is the transport's)
+      // a rank of another node: through the network (no out-of-step check: its counter is the transport's); the
+      // forward route hears only from each node's rail for this rank, which relays its node's refusals
       if constexpr (kAcrossNodes<Net>) {
-        if (!wait_network(p, network, p.layout.combine_arrivals, tid, seq * per_call, WaitPhase::ll_combine))
-          s_ok = 0;
-        else if (cta == 0)
-          abort_seen = reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) +
-                                                                  p.layout.combine_abort)[parity * world + tid];
+        if (!p.forward || tid % p.local == rank % p.local) {
+          if (!wait_network(p, network, p.layout.combine_arrivals, tid, seq * per_call, WaitPhase::ll_combine))
+            s_ok = 0;
+          else if (cta == 0)
+            abort_seen = reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) +
+                                                                    p.layout.combine_abort)[parity * world + tid];
+        }
       }
     } else if (!device::wait_signal_geq_value(p.view, arrivals + tid, seq * per_call, tid, WaitPhase::ll_combine,
                                               &observed)) {
@@ -400,6 +552,13 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
     }
   }
   __syncthreads();
+  if constexpr (kAcrossNodes<Net>) {
+    // the forward route: a rank of another node that is no rail here refused through its rail (relayed, after the
+    // rail's wait above)
+    if (p.forward && cta == 0 && tid < world && !same_node(p, tid) && tid % p.local != rank % p.local)
+      abort_seen =
+          reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) + p.layout.combine_abort)[parity * world + tid];
+  }
   if (!s_ok || p.abort) return;  // a refusing rank has no y
   FERRY_TRACE_END(trace, ll_combine_wait_arrivals);
 
@@ -411,7 +570,18 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
   for (int item = cta * kWarps + warp; item < items; item += p.num_ctas * kWarps) {
     int const token = item / num_chunks;
     int const v0 = (item % num_chunks) * kChunkVecs + lane;
-    uint32_t const mask = item == first_item ? first_mask : p.token_mask[token];
+    uint32_t mask = item == first_item ? first_mask : p.token_mask[token];
+    if constexpr (kAcrossNodes<Net>) {
+      // the forward route: each other node's ranks of the token send one row, from that node's rail for this rank
+      if (p.forward) {
+        uint32_t const near = node_ranks(p);
+        uint32_t rows = mask & near;
+        uint32_t const one_node = p.local >= 32 ? 0xffffffffu : (1u << p.local) - 1u;
+        for (int n = 0; n < p.nodes; ++n)
+          if ((mask & ~near & (one_node << (n * p.local))) != 0) rows |= 1u << (n * p.local + rank % p.local);
+        mask = rows;
+      }
+    }
     float acc[kUnroll][8];
     device::zero_acc(acc);
     for (uint32_t m = mask; m != 0; m &= m - 1) {

@@ -419,6 +419,162 @@ __device__ __forceinline__ void ll_dispatch_send_network(LlDispatchParams const&
   ep.close();
 }
 
+// A token's record with its global expert ids (-1: masked or bad) and weights, for the rails of the forward route
+// (warp-wide; e and w as token_destination left them, lane k < topk holding entry k).
+__device__ __forceinline__ void write_global_record(char* at, int topk, int64_t e, float w, int lane) {
+  int const k = (lane < topk ? lane : lane - topk) & 31;
+  int const e_k = static_cast<int>(__shfl_sync(0xffffffffu, static_cast<long long>(e), k));
+  float const w_k = __shfl_sync(0xffffffffu, w, k);
+  if (lane < topk)
+    reinterpret_cast<int32_t*>(at)[lane] = e_k;
+  else if (lane < 2 * topk)
+    reinterpret_cast<float*>(at)[lane] = w_k;
+}
+
+// The forward route's network leg of a send half (ll_dispatch_send_network's scheme, per node instead of per rank):
+// warp w takes the nodes j = w, w + kWarps, ... other than this rank's; to that node's rail (the rank of this rank's
+// local index there) it puts the CTA's records of global ids (every token: the rail places a record on every rank of
+// its node) and the rows of the tokens that node holds (once per node), into the rail's forward area at this node's
+// place, then the token count and the abort word, then +1 on the rail's counter of this node.
+template <typename IdxT, WireFormat kFormat, class Net>
+__device__ __forceinline__ void ll_dispatch_send_forward(LlDispatchParams const& p, Net const& network, int parity,
+                                                         uint64_t seq, bool refused, int chunks, int items) {
+  auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
+  int const total_warps = p.num_ctas * kWarps;
+  int const num_vec = p.hidden / 8;
+  int const own_node = rank / p.local;
+  std::size_t const wire = p.layout.dispatch_row_bytes;
+  std::size_t const record = p.layout.meta_bytes;
+  std::size_t const max_tokens = static_cast<std::size_t>(p.max_tokens);
+  std::size_t const place = (static_cast<std::size_t>(parity) * p.nodes + own_node) * max_tokens;  // at the rail
+  auto const* topk_idx = static_cast<IdxT const*>(p.topk_idx);
+  auto ep = network.open(transport::Warp{}, cta * kWarps + warp);
+  for (int j = warp; j < p.nodes - 1; j += kWarps) {
+    int const n = j < own_node ? j : j + 1;
+    int const rail = n * p.local + rank % p.local;
+    int64_t const lo = static_cast<int64_t>(n) * p.local * p.num_local_experts;
+    int64_t const hi = lo + static_cast<int64_t>(p.local) * p.num_local_experts;
+    for (int base = cta * kWarps; base < items; base += total_warps) {
+      for (int w = 0; w < kWarps && base + w < items; ++w) {
+        int const item = base + w;
+        int const t = item / chunks;
+        int const chunk = item % chunks;
+        int64_t const e =
+            lane < p.topk ? static_cast<int64_t>(__ldg(topk_idx + static_cast<std::size_t>(t) * p.topk + lane)) : -1;
+        if (__any_sync(0xffffffffu, e >= lo && e < hi)) {
+          std::size_t const from = p.layout.ll_send_rows + (parity * max_tokens + t) * wire;
+          std::size_t const to = p.layout.ll_fwd_rows + (place + t) * wire;
+          if constexpr (kFormat == WireFormat::bf16) {
+            auto const [v_begin, v_end] = device::chunk_range(num_vec, chunk, chunks);
+            if (v_end > v_begin)
+              ep.put(rail, to + static_cast<std::size_t>(v_begin) * 16, from + static_cast<std::size_t>(v_begin) * 16,
+                     static_cast<std::size_t>(v_end - v_begin) * 16);
+          } else if (chunk == 0) {
+            ep.put(rail, to, from, wire);
+          }
+        }
+        if (chunk == 0)
+          ep.put(rail, p.layout.ll_fwd_meta + (place + t) * record,
+                 p.layout.ll_send_meta + ((parity * static_cast<std::size_t>(world) + rank) * max_tokens + t) * record,
+                 record);
+      }
+    }
+    std::size_t const word = (static_cast<std::size_t>(parity) * p.nodes + own_node) * sizeof(uint64_t);
+    if (cta == 0) ep.put_value(rail, p.layout.ll_fwd_tokens + word, static_cast<uint64_t>(p.num_tokens));
+    if (refused) ep.put_value(rail, p.layout.ll_fwd_abort + word, seq);
+    ep.signal(rail, p.layout.ll_fwd_arrivals + static_cast<std::size_t>(own_node) * sizeof(uint64_t), 1);
+  }
+  ep.close();
+}
+
+// The rail's part of the forward route, at the start of a receive half (every thread of the CTA): for every other
+// node m, once its source (the rank of this rank's local index there) has arrived through the network, the CTA's
+// share of that source's tokens (token t: global warp t % (num_ctas * kWarps)) placed on every rank of this node as
+// the source would have stored them on one node: its record (local ids) into each rank's landing slot (source, t),
+// its row into the slots of the ranks holding it; then (CTA 0) the source's token count and abort word on every rank
+// of the node, and +1 on each rank's arrival counter of that source (release, after the barrier): num_ctas per call,
+// as a source of the node adds. Which ranks hold each token is kept for the combine (fwd_mask, fwd_num). Returns false
+// (for the whole CTA) when a source did not arrive (the timeout is recorded).
+template <class Net>
+__device__ __forceinline__ bool ll_dispatch_forward(LlDispatchParams const& p, Net const& network, int parity,
+                                                    uint64_t seq) {
+  __shared__ int s_fwd_ok;
+  auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
+  int const own_node = rank / p.local;
+  int const first = own_node * p.local;  // this node's first rank
+  int const topk = p.topk;
+  std::size_t const wire = p.layout.dispatch_row_bytes;
+  std::size_t const record = p.layout.meta_bytes;
+  std::size_t const max_tokens = static_cast<std::size_t>(p.max_tokens);
+  if (tid == 0) s_fwd_ok = 1;
+  __syncthreads();
+  if (tid < p.nodes && tid != own_node &&
+      !wait_network(p, network, p.layout.ll_fwd_arrivals, tid, seq * static_cast<uint64_t>(p.num_ctas),
+                    WaitPhase::ll_dispatch))
+    s_fwd_ok = 0;
+  __syncthreads();
+  if (!s_fwd_ok) return false;
+  int const total_warps = p.num_ctas * kWarps;
+  for (int m = 0; m < p.nodes; ++m) {
+    if (m == own_node) continue;
+    int const source = m * p.local + rank % p.local;
+    std::size_t const place = (static_cast<std::size_t>(parity) * p.nodes + m) * max_tokens;
+    int const n = static_cast<int>(reinterpret_cast<uint64_t const volatile*>(
+        p.net.local() + p.layout.ll_fwd_tokens)[static_cast<std::size_t>(parity) * p.nodes + m]);
+    for (int t = cta * kWarps + warp; t < n; t += total_warps) {
+      // the record: lane k < topk its global id k, lane topk + k its weight k
+      char const* const rec = p.net.local() + p.layout.ll_fwd_meta + (place + t) * record;
+      int const k = (lane < topk ? lane : lane - topk) & 31;
+      int64_t const e = lane < 2 * topk ? static_cast<int64_t>(reinterpret_cast<int32_t const volatile*>(rec)[k]) : -1;
+      float const w = lane < 2 * topk ? reinterpret_cast<float const volatile*>(rec)[topk + k] : 0.0f;
+      bool const valid = lane < topk && e >= 0 && e < p.num_experts;
+      int const dest = valid ? static_cast<int>(e / p.num_local_experts) : -1;
+      uint32_t const here = __reduce_or_sync(
+          0xffffffffu, dest >= first && dest < first + p.local ? 1u << (dest - first) : 0u);  // local ranks holding t
+      std::size_t const slot = landing::slot_index(parity, world, source, p.max_tokens, t);
+      // records on every rank of the node (lanes [0, topk) ids, [topk, 2 topk) weights)
+      int const dest_k = __shfl_sync(0xffffffffu, dest, k);
+      int const e_k = static_cast<int>(__shfl_sync(0xffffffffu, static_cast<long long>(e), k));
+      float const w_k = __shfl_sync(0xffffffffu, w, k);
+      for (int d = first; d < first + p.local; ++d) {
+        char* const at = p.net.window(d) + p.layout.dispatch_meta + slot * record;
+        if (lane < topk)
+          reinterpret_cast<int32_t*>(at)[lane] = dest_k == d ? e_k - d * p.num_local_experts : -1;
+        else if (lane < 2 * topk)
+          reinterpret_cast<float*>(at)[lane] = dest_k == d ? w_k : 0.0f;
+      }
+      // the row into each holding rank's slot: loaded once, stored to each
+      // (wire rows are 16-byte multiples; coherent loads: the network wrote the row during this kernel)
+      auto const* src = reinterpret_cast<int4 const*>(p.net.local() + p.layout.ll_fwd_rows + (place + t) * wire);
+      for (std::size_t i = lane; i < wire / 16; i += 32) {
+        int4 const v = device::arch::load_v4(src + i);
+        for (uint32_t h = here; h != 0; h &= h - 1)
+          device::arch::store_na_v4(
+              reinterpret_cast<int4*>(p.net.window(first + __ffs(h) - 1) + p.layout.dispatch_rows + slot * wire) + i,
+              v);
+      }
+      if (lane == 0) p.fwd_mask[static_cast<std::size_t>(m) * max_tokens + t] = here;
+    }
+    if (cta == 0 && tid < p.local) {
+      int const d = first + tid;
+      std::size_t const word = static_cast<std::size_t>(parity) * world + source;
+      reinterpret_cast<uint64_t volatile*>(p.net.window(d) + p.layout.dispatch_tokens)[word] = static_cast<uint64_t>(n);
+      if (reinterpret_cast<uint64_t const volatile*>(
+              p.net.local() + p.layout.ll_fwd_abort)[static_cast<std::size_t>(parity) * p.nodes + m] == seq)
+        reinterpret_cast<uint64_t volatile*>(p.net.window(d) + p.layout.dispatch_abort)[word] = seq;
+    }
+    if (cta == 0 && tid == 0) p.fwd_num[m] = n;
+  }
+  // the arrivals: the barrier orders every thread's stores before the release adds (cumulative over them)
+  __syncthreads();
+  if (tid < p.local)
+    for (int m = 0; m < p.nodes; ++m)
+      if (m != own_node)
+        p.net.add_signal(first + tid,
+                         p.layout.dispatch_arrivals + static_cast<std::size_t>(m * p.local + rank % p.local) * 8, 1);
+  return true;
+}
+
 template <typename IdxT, WireFormat kFormat, int kUnitElems, class Net>
 __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Net const& network, ExpandShared& s,
                                                  int32_t* s_counts, uint64_t seq FERRY_TRACE_PARAM(trace)) {
@@ -492,12 +648,16 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Net 
     if (chunk == 0) {
       if (lane == 0) p.token_mask[t] = mask;
       if constexpr (kNet) {
+        auto const staged_record = [&](int d) {
+          return p.net.local() + p.layout.ll_send_meta +
+                 ((static_cast<std::size_t>(parity) * world + d) * p.max_tokens + t) * p.layout.meta_bytes;
+        };
         landing::write_records_at(world, topk, num_local, dest, e, w, lane, [&](int d) -> char* {
-          if (((near >> d) & 1u) == 0)
-            return p.net.local() + p.layout.ll_send_meta +
-                   ((static_cast<std::size_t>(parity) * world + d) * p.max_tokens + t) * p.layout.meta_bytes;
+          if (((near >> d) & 1u) == 0) return staged_record(d);  // (the forward route puts none of these)
           return p.net.window(d) + p.layout.dispatch_meta + slot * p.layout.meta_bytes;
         });
+        // the forward route: one record of global ids for every rail, staged in this rank's own slot
+        if (p.forward) write_global_record(staged_record(rank), topk, e, w, lane);
       } else {
         landing::write_records(p.net, world, p.layout.dispatch_meta, slot, p.layout.meta_bytes, topk, num_local, dest,
                                e, w, lane);
@@ -534,7 +694,12 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Net 
   if (s_refuse) landing::publish_abort<!kNet>(p.net, p.layout.dispatch_abort, parity, world, rank, seq, near);
   if (tid < world && (!kNet || ((near >> tid) & 1u) != 0))
     p.net.add_signal(tid, p.layout.dispatch_arrivals + rank * sizeof(uint64_t), 1);
-  if constexpr (kNet) ll_dispatch_send_network<IdxT, kFormat>(p, network, parity, seq, s_refuse != 0, chunks, items);
+  if constexpr (kNet) {
+    if (p.forward)
+      ll_dispatch_send_forward<IdxT, kFormat>(p, network, parity, seq, s_refuse != 0, chunks, items);
+    else
+      ll_dispatch_send_network<IdxT, kFormat>(p, network, parity, seq, s_refuse != 0, chunks, items);
+  }
   FERRY_TRACE_END(trace, ll_dispatch_send_arrival);
 }
 
@@ -576,8 +741,11 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Net 
     s.marks[1] = -1;
   }
 
-  // 4. every source's send CTAs of this call (thread s waits for source s; acquire, bounded)
+  // 4. every source's send CTAs of this call (thread s waits for source s; acquire, bounded). The forward route:
+  //    first this rank's part as a rail, after which every source of another node arrives as one of this node
   FERRY_TRACE_BEGIN(trace, ll_dispatch_wait_arrivals);
+  if constexpr (kAcrossNodes<Net>)
+    if (p.forward && !ll_dispatch_forward(p, network, parity, seq)) return;
   if (tid == 0) {
     s_ok = 1;
     s_aborted = 0;
@@ -592,10 +760,14 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Net 
         WaitPhase::ll_dispatch, s_base, &s_aborted, &s_ok, remote);
   };
   int num_landed = 0;
-  if constexpr (kAcrossNodes<Net>)
-    num_landed = wait(NetworkSources<Net>{p, network, p.layout.dispatch_arrivals, WaitPhase::ll_dispatch});
-  else
+  if constexpr (kAcrossNodes<Net>) {
+    if (p.forward)
+      num_landed = wait(landing::NoRemoteSources{});
+    else
+      num_landed = wait(NetworkSources<Net>{p, network, p.layout.dispatch_arrivals, WaitPhase::ll_dispatch});
+  } else {
     num_landed = wait(landing::NoRemoteSources{});
+  }
   if (num_landed < 0) return;
   FERRY_TRACE_END(trace, ll_dispatch_wait_arrivals);
 

@@ -60,6 +60,10 @@ struct LlParams : KernelParams {
   float* recv_w;         // [world * max_tokens, topk]
   int32_t* recv_slot;    // [world * max_tokens, topk] slot within its expert or -1
   int local;             // ranks per node (world on one node): ranks of other nodes only through the network leg
+  int nodes;             // 1 on one node
+  bool forward;          // across nodes: the forward route (rows once per node, to the rail); else direct
+  int32_t* fwd_num;      // forward: [nodes] tokens of each node's source this rail placed (Buffers::ll_fwd_num)
+  uint32_t* fwd_mask;    // forward: [nodes, max_tokens] their local ranks here (Buffers::ll_fwd_mask)
 };
 
 // The areas of the symmetric region are SymLayout's low-latency part; the state words DeviceState's.

@@ -170,8 +170,18 @@ struct SymLayout {
   std::size_t ll_send_rows = 0;     // [2][max_tokens] dispatch wire rows of this rank's tokens bound for other nodes
   std::size_t ll_send_meta = 0;     // [2][world destinations][max_tokens] records for the ranks of other nodes
   std::size_t ll_combine_send = 0;  // [2][world * max_tokens] combine wire rows, by rank-major row, for other nodes
-  // dispatch_arrivals then combine_arrivals, adjacent (the GIN transport's signal range); the own node's sources
-  // signal the same words by NVLink stores.
+  // The forward route (EpConfig::route() == forward): a row crosses the network once per node, to the rank of the
+  // source's local index there (its rail), which places it over NVLink; the combine reduces per node at the rail.
+  std::size_t ll_fwd_rows = 0;          // [2][nodes sources][max_tokens] dispatch wire rows the rail received
+  std::size_t ll_fwd_meta = 0;          // [2][nodes][max_tokens] their records: topk global ids, topk weights
+  std::size_t ll_fwd_tokens = 0;        // [2][nodes] u64: tokens of that node's source of the call
+  std::size_t ll_fwd_abort = 0;         // [2][nodes] u64: seq of that source's last refused dispatch
+  std::size_t ll_fwd_arrivals = 0;      // [nodes] u64 counter: num_ctas per call from that node's source
+  std::size_t ll_partials = 0;          // [2][nodes][local senders][max_tokens] bf16 combine rows to this rail
+  std::size_t ll_partial_arrivals = 0;  // [world senders] u64 counter: num_ctas per combine from each node-mate
+  std::size_t ll_rail_send = 0;         // [2][nodes][max_tokens] the rail's reduced combine wire rows (put sources)
+  // dispatch_arrivals, combine_arrivals, ll_fwd_arrivals, adjacent (the GIN transport's signal range); the words the
+  // own node signals by NVLink stores are window words there.
   std::size_t ll_signals = 0;
   uint32_t ll_num_signals = 0;
   std::size_t total = 0;
