@@ -128,7 +128,8 @@ char const* call_kind_name(uint32_t kind) {
 // sync of a combine goes on (every sum is done; the rank may still be reading, but nothing it reads is reused while it
 // is masked).
 enum class SyncPoint { entry, inner, exit };
-// The leg whose receive half reads the sources' rows after a sync: its wait per source goes to the wait statistics.
+// The leg whose wait per source a sync times for the wait statistics: the entry exchange of each leg, where a late
+// source is waited for (after it every source's rows are, or are being, written, with no wait of its own to speak of).
 enum class StatsLeg { none = -1, dispatch = 0, combine = 1 };
 
 std::string ranks_text(uint32_t bits) {
@@ -639,8 +640,9 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
   //    barrier of the previous dispatch, so it is free to overwrite)
   for (int p = 0; p < world_; ++p)
     std::memcpy(counts_.view.ptr[p] + at(rank_, world_) * sizeof(int64_t), sends.data(), at(world_, sizeof(int64_t)));
-  // counts visible everywhere (release/acquire in the barrier), and every rank in this call: else nothing moves
-  join_call(CallKind::dispatch, false);
+  // counts visible everywhere (release/acquire in the barrier), and every rank in this call: else nothing moves.
+  // The wait statistics time each source here: a late source is waited for at this exchange, its rows follow.
+  join_call(CallKind::dispatch, false, StatsLeg::dispatch);
 
   // 3b. rank masking: the ranks the entry exchange masked get nothing either, and their entries are counted. The
   //     count rows already sent name them in their own columns only, which nobody reads; a masked source's row
@@ -752,7 +754,7 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
     sync(SyncPoint::inner, StatsLeg::none);  // every forwarded row is in its rail's forward area
     forward_rows();
   }
-  sync(SyncPoint::inner, StatsLeg::dispatch);  // every row has landed: the receive half reads them
+  sync(SyncPoint::inner, StatsLeg::none);  // every row has landed
   num_recv_ = num_recv;
   // NOTE: low-latency mode always fills the expert-major layout (its output contract).
   pending_expand_ = args.expand || low_latency_;
@@ -1033,10 +1035,10 @@ void CpuEp::run_combine(CombineArgs const& args, bool unit_weights, bool y_fp32)
     }
   }
   // every rank's rows are ready, and every rank in this call: else nothing is summed
-  join_call(CallKind::combine, false, hierarchical_ ? StatsLeg::none : StatsLeg::combine);
+  join_call(CallKind::combine, false, StatsLeg::combine);
   if (hierarchical_) {
     reduce_forwarded(format);
-    sync(SyncPoint::inner, StatsLeg::combine);  // every rail's rows are ready: the receive half reads them
+    sync(SyncPoint::inner, StatsLeg::none);  // every rail's rows are ready
   }
   if (masking_) {
     // what this combine's y misses: every entry of a masked rank, and (forward route) every entry that would come
