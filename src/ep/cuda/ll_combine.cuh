@@ -284,7 +284,10 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, uint64
     auto const* arrivals = reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.layout.combine_arrivals);
     uint64_t const per_call = static_cast<uint64_t>(p.num_ctas);
     uint64_t observed = 0;
-    if (!device::wait_signal_geq_value(p.view, arrivals + tid, seq * per_call, tid, WaitPhase::ll_combine, &observed)) {
+    if (!wait_stats::timed(wait_stats::row(p.wait_stats, wait_stats::kCombine, world), tid, [&] {
+          return device::wait_signal_geq_value(p.view, arrivals + tid, seq * per_call, tid, WaitPhase::ll_combine,
+                                               &observed);
+        })) {
       s_ok = 0;
     } else if (observed > (seq + 1) * per_call) {
       device::record_out_of_step(p.view, tid, WaitPhase::ll_combine, seq, observed / per_call);

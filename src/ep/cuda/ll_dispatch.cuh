@@ -495,7 +495,7 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Expa
       static_cast<uint64_t>(p.num_ctas),
       reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) + p.layout.dispatch_tokens) + parity * world,
       reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) + p.layout.dispatch_abort) + parity * world,
-      WaitPhase::ll_dispatch, s_base, &s_aborted, &s_ok);
+      WaitPhase::ll_dispatch, s_base, &s_aborted, &s_ok, wait_stats::row(p.wait_stats, wait_stats::kDispatch, world));
   if (num_landed < 0) return;
   FERRY_TRACE_END(trace, ll_dispatch_wait_arrivals);
 

@@ -24,6 +24,7 @@
 
 #include "comm/device/bf16x8.cuh"
 #include "ep/cuda/params.cuh"
+#include "ep/cuda/wait_stats.cuh"
 #include "ferry/device_view.hpp"
 #include "ferry/ep.hpp"
 #include "trace/trace_format.hpp"
@@ -57,6 +58,8 @@ struct LlParams : KernelParams {
   int32_t* recv_idx;     // [world * max_tokens, topk] local expert or -1
   float* recv_w;         // [world * max_tokens, topk]
   int32_t* recv_slot;    // [world * max_tokens, topk] slot within its expert or -1
+  wait_stats::Slot*
+      wait_stats;  // [kLegs][world] per-source waits of the receive halves (null: EpConfig::wait_stats off)
 };
 
 // The areas of the symmetric region are SymLayout's low-latency part; the state words DeviceState's.
