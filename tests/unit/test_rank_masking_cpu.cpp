@@ -6,7 +6,13 @@
 // until clear_mask, after which a call with every rank equals the full reference again. Without masking a skipped
 // call still fails naming the rank.
 //
-// Each check was seen to fail once (the mutation named beside it, reverted).
+// Each check was seen to fail once, each mutation of src/ep/cpu/cpu_ep.cpp reverted after: offsets that count a
+// masked source's stale count row (recv_topk_idx differs); no alternate rail for a masked one (rows differ);
+// masked_entries or the combine's entries left 0 (the counts); waiting for every rank, masked ones too (call 3 took
+// 2 s); clear_mask that keeps the mask (ranks still masked); no timeout without masking (the default check); a
+// masked rank that does not learn it (its own call passes); the statistics timed at two syncs (6 waits for 3 calls);
+// masked destinations summed (y differs); the combine's last step failing the call (TimeoutError); mask_ranks
+// requests not applied (TimeoutError at the next step).
 #include <gtest/gtest.h>
 
 #include <algorithm>
