@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "ferry/communicator.hpp"
 #include "ferry/trace.hpp"
@@ -69,6 +70,15 @@ struct EpConfig {
   InternodeRoute internode_route = InternodeRoute::automatic;
   // forward or direct: the route a call across nodes takes (automatic resolved by the rule above).
   InternodeRoute route() const;
+  // Rank masking (docs/internode.md "Rank masking"), mode=ll only, opt-in; every rank must set the same value. Off
+  // (the default): a rank that does not arrive within FERRY_TIMEOUT_S fails the call on every rank (TimeoutError
+  // naming it) and the communicator with it. On: the ranks that arrived agree to leave it out ("mask" it), and later
+  // calls skip it (no row goes to it, no rank waits for it); what it would have contributed is counted
+  // (EpBuffer::mask_status). The cpu backend builds it; the cuda backend refuses it (ConfigError) in this version.
+  bool rank_masking = false;
+  // Per-source wait statistics of the low-latency receive halves (EpBuffer::wait_stats), mode=ll only, opt-in; every
+  // rank must set the same value. Off, the kernels pay one predictable branch per wait and record nothing.
+  bool wait_stats = false;
 
   // Throws ConfigError naming the field, the value and the rule for the first rule broken.
   // Low-latency mode also needs max_tokens_per_rank <= kMaxLowLatencyTokens and max_recv_tokens unset.
@@ -184,6 +194,9 @@ struct DispatchResult {
   // scales [num_local_experts, expert_slots]. Entries of unfilled slots are unspecified.
   void* expert_scales = nullptr;
   float* expert_token_scales = nullptr;
+  // Rank masking (EpConfig::rank_masking): this call's (token, k) entries of this rank's tokens that were not sent
+  // because their expert's rank is masked (0 without masking). Cumulative counts: EpBuffer::mask_status.
+  int64_t masked_entries = 0;
 };
 
 enum class CombineLayout { rank_major, expert_major };
@@ -248,6 +261,33 @@ struct LinkBytes {
 struct CallLinkBytes {
   LinkBytes dispatch;
   LinkBytes combine;
+};
+
+// Where rank masking (EpConfig::rank_masking) stands on one rank. The entry counts are (token, k) entries of this
+// rank's tokens with a valid id whose expert lives on a masked rank, since the EpBuffer was made or clear_mask ran.
+struct MaskStatus {
+  bool enabled = false;               // EpConfig::rank_masking
+  std::vector<int> ranks;             // the masked ranks, ascending (this rank too, once its peers masked it)
+  bool self = false;                  // this rank is masked: its calls on this EpBuffer throw Error until clear_mask
+  int64_t dispatch_entries = 0;       // not sent by a dispatch (their rank was masked before its rows moved)
+  int64_t combine_entries = 0;        // whose expert output is missing from a combine's y
+  int64_t last_dispatch_entries = 0;  // ...of the last dispatch / combine alone
+  int64_t last_combine_entries = 0;
+};
+
+// The waits of one source rank in one low-latency leg's receive half (EpConfig::wait_stats): how many, and for how
+// long, in ns (cuda: %globaltimer read by the thread of CTA 0 that waits for that source; cpu: steady_clock around
+// the wait for that source's signal). A wait that found the signal already there counts with 0 ns.
+struct PeerWaitStats {
+  uint64_t waits = 0;
+  uint64_t total_ns = 0;
+  uint64_t max_ns = 0;
+};
+// Per leg, indexed by source rank ([world]; a masked source gets no more waits), since the EpBuffer was made or
+// reset_wait_stats ran. One wait per source per call of the leg (with the hook: per receive half).
+struct WaitStats {
+  std::vector<PeerWaitStats> dispatch;
+  std::vector<PeerWaitStats> combine;
 };
 
 namespace detail {
@@ -326,6 +366,32 @@ class EpBuffer {
   // bytes"): the rows and their metadata, not the control words (counts, signals). What `ferry bench --topology`
   // compares with `ferry model`. On the cuda backend it synchronises `stream` first.
   CallLinkBytes link_bytes(cudaStream_t stream = nullptr) const;
+
+  // Rank masking (EpConfig::rank_masking; docs/internode.md "Rank masking" has the whole contract). A rank is masked
+  // when a rank that took part in a call's exchange gave up waiting for it (FERRY_TIMEOUT_S) or asked for it
+  // (mask_ranks); every rank that took part computes the same set, from the same words, at the same exchange, so
+  // the ranks never disagree. A call whose entry exchange masks a rank finishes without it; a rank lost later in a
+  // call fails that call with TimeoutError on every rank still in it (the buffer and communicator stay usable, and
+  // the next call skips it). A masked rank's own calls throw Error (naming the call it was masked at) until clear_mask.
+  // mask_status / masked_ranks: local, no communication (never throw; disabled: empty).
+  MaskStatus mask_status() const;
+  std::vector<int> masked_ranks() const;
+  // Local: asks that `ranks` be masked from this rank's next dispatch or combine on (its entry exchange carries the
+  // request; every rank of that call applies the union of the requests). A rank may name itself: it then leaves
+  // without a timeout. Throws ConfigError when masking is off, InputError for a rank outside [0, world).
+  void mask_ranks(std::vector<int> const& ranks);
+  // Collective over EVERY rank of the world, masked ones included (through the bootstrap, so ranks whose calls are
+  // out of step meet again): unmasks every rank, puts every rank's protocol state back in step, and zeroes the
+  // counts. The dispatch before it is forgotten (a combine must follow a new dispatch). Call it with no hook
+  // pending. Throws ConfigError when masking is off, InputError while a hook is pending, BootstrapError when a rank
+  // does not come (a rank that is gone cannot be cleared: make a new communicator).
+  void clear_mask();
+
+  // Wait statistics (EpConfig::wait_stats). wait_stats reads them (cuda: synchronises `stream`, then a copy from the
+  // device), reset_wait_stats zeroes them (cuda: enqueued on `stream`). Local, off the hot path. Both throw
+  // ConfigError when the EpBuffer was made without wait_stats.
+  WaitStats wait_stats(cudaStream_t stream = nullptr) const;
+  void reset_wait_stats(cudaStream_t stream = nullptr);
 
   // In-kernel trace (include/ferry/trace.hpp): normal mode on the cuda backend, in builds with -DFERRY_TRACE=ON.
   // enable_trace allocates max_events_per_warp 16-byte events for every warp of each kernel family (0: frees them,

@@ -250,8 +250,9 @@ class Buffer:
         if use_fabric:
             refuse("use_fabric=True", "Ferry allocates its windows through NCCL (ncclMemAlloc)", "leave it False")
         if enable_shrink:
-            refuse("enable_shrink=True", "Ferry has no rank masking yet (a rank that does not arrive is a "
-                   "TimeoutError naming it)", "leave it False")
+            refuse("enable_shrink=True", "this layer does not wire Ferry's rank masking (ferry.EpBuffer("
+                   "rank_masking=True, mode='ll'), cpu backend only in this version) to DeepEP's shrink API",
+                   "leave it False, or use ferry.EpBuffer directly")
         if num_nvl_bytes < 0 or num_rdma_bytes < 0:
             raise ferry.ConfigError(f"ferry.deep_ep: num_nvl_bytes={num_nvl_bytes} and num_rdma_bytes="
                                     f"{num_rdma_bytes} must be >= 0")
@@ -322,13 +323,16 @@ class Buffer:
         _refuse("internode_combine()", "this layer runs within one node", "call combine() within a node")
 
     def low_latency_update_mask_buffer(self, *args, **kwargs):
-        _refuse("low_latency_update_mask_buffer()", "Ferry has no rank masking yet", "do not mask ranks")
+        _refuse("low_latency_update_mask_buffer()", "this layer does not wire Ferry's rank masking",
+                "use ferry.EpBuffer(rank_masking=True): mask_ranks(), mask_status(), clear_mask()")
 
     def low_latency_query_mask_buffer(self, *args, **kwargs):
-        _refuse("low_latency_query_mask_buffer()", "Ferry has no rank masking yet", "do not mask ranks")
+        _refuse("low_latency_query_mask_buffer()", "this layer does not wire Ferry's rank masking",
+                "use ferry.EpBuffer(rank_masking=True): mask_ranks(), mask_status(), clear_mask()")
 
     def low_latency_clean_mask_buffer(self, *args, **kwargs):
-        _refuse("low_latency_clean_mask_buffer()", "Ferry has no rank masking yet", "do not mask ranks")
+        _refuse("low_latency_clean_mask_buffer()", "this layer does not wire Ferry's rank masking",
+                "use ferry.EpBuffer(rank_masking=True): mask_ranks(), mask_status(), clear_mask()")
 
     def destroy(self) -> None:
         if not self.explicitly_destroy:

@@ -438,6 +438,7 @@ struct PyDispatchResult {
   std::optional<int64_t> num_recv_host;
   int recv_capacity = 0;
   int expert_slots = 0;
+  int64_t masked_entries = 0;  // rank masking: this call's entries not sent (their rank is masked)
 };
 
 // A DispatchHandle (include/ferry/ep.hpp) with the storage the binding gave it: on the cuda backend a torch uint8
@@ -1178,6 +1179,7 @@ class PyEpBuffer {
       }
     }
     out.recv_capacity = got.recv_capacity;
+    out.masked_entries = got.masked_entries;
     out.expert_slots = got.expert_slots;
     return out;
   }
@@ -1222,7 +1224,7 @@ EpConfig make_config(int hidden, int num_experts, int topk, int max_tokens_per_r
                      std::optional<int> max_recv_tokens, std::string const& dispatch_format,
                      std::string const& combine_format, bool dispatch_dequantize, std::string const& recv_scale_layout,
                      std::string const& mode, std::optional<int> dispatch_geometry, std::optional<int> combine_geometry,
-                     std::string const& internode_route) {
+                     std::string const& internode_route, bool rank_masking, bool wait_stats) {
   EpConfig config;
   config.hidden = hidden;
   config.num_experts = num_experts;
@@ -1238,6 +1240,8 @@ EpConfig make_config(int hidden, int num_experts, int topk, int max_tokens_per_r
   config.dispatch_geometry = geometry_from(dispatch_geometry);
   config.combine_geometry = geometry_from(combine_geometry);
   config.internode_route = parse_internode_route(internode_route);
+  config.rank_masking = rank_masking;
+  config.wait_stats = wait_stats;
   return config;
 }
 
@@ -1411,6 +1415,11 @@ NB_MODULE(_ext, m) {
       .def_prop_ro(
           "internode_route", [](EpConfig const& c) { return std::string(internode_route_name(c.internode_route)); },
           "Across nodes, mode='ll': 'automatic', 'forward' or 'direct' (docs/internode.md).")
+      .def_ro("rank_masking", &EpConfig::rank_masking,
+              "mode='ll': a rank that times out (or is asked out with mask_ranks) is masked instead of failing every "
+              "call (docs/internode.md, 'Rank masking'); cpu backend only in this version.")
+      .def_ro("wait_stats", &EpConfig::wait_stats,
+              "mode='ll': per-source wait statistics of the receive halves (EpBuffer.wait_stats()).")
       .def_prop_ro(
           "dispatch_geometry", [](EpConfig const& c) { return geometry_to(c.dispatch_geometry); },
           "The pinned dispatch CTA count (0: choose), or None.")
@@ -1457,7 +1466,9 @@ NB_MODULE(_ext, m) {
       .def_ro("expert_token_scales", &PyDispatchResult::expert_token_scales,
               "nvfp4 delivery with expand: [num_local_experts, expert_capacity] float32, else None")
       .def_ro("recv_capacity", &PyDispatchResult::recv_capacity)
-      .def_ro("expert_slots", &PyDispatchResult::expert_slots);
+      .def_ro("expert_slots", &PyDispatchResult::expert_slots)
+      .def_ro("masked_entries", &PyDispatchResult::masked_entries,
+              "Rank masking: this call's (token, k) entries of this rank's tokens not sent (their rank is masked).");
 
   nb::class_<PyDispatchHandle>(
       m, "DispatchHandle",
@@ -1498,11 +1509,12 @@ NB_MODULE(_ext, m) {
              int max_tokens_per_rank, std::optional<int> expert_capacity, std::optional<int> max_recv_tokens,
              std::string const& dispatch_format, std::string const& combine_format, bool dispatch_dequantize,
              std::string const& recv_scale_layout, std::string const& mode, std::optional<int> dispatch_geometry,
-             std::optional<int> combine_geometry, std::string const& internode_route) {
+             std::optional<int> combine_geometry, std::string const& internode_route, bool rank_masking,
+             bool wait_stats) {
             EpConfig const config =
                 make_config(hidden, num_experts, topk, max_tokens_per_rank, expert_capacity, max_recv_tokens,
                             dispatch_format, combine_format, dispatch_dequantize, recv_scale_layout, mode,
-                            dispatch_geometry, combine_geometry, internode_route);
+                            dispatch_geometry, combine_geometry, internode_route, rank_masking, wait_stats);
             new (self) PyEpBuffer(std::move(comm), config);
           },
           "comm"_a, nb::kw_only(), "hidden"_a = defaults.hidden, "num_experts"_a = defaults.num_experts,
@@ -1511,7 +1523,8 @@ NB_MODULE(_ext, m) {
           "combine_format"_a = "bf16", "dispatch_dequantize"_a = defaults.dispatch_dequantize,
           "recv_scale_layout"_a = scale_layout_name(defaults.recv_scale_layout), "mode"_a = "normal",
           "dispatch_geometry"_a = nb::none(), "combine_geometry"_a = nb::none(),
-          "internode_route"_a = internode_route_name(defaults.internode_route))
+          "internode_route"_a = internode_route_name(defaults.internode_route),
+          "rank_masking"_a = defaults.rank_masking, "wait_stats"_a = defaults.wait_stats)
       .def("dispatch", &PyEpBuffer::dispatch, "x"_a, "topk_idx"_a = nb::none(), "topk_weights"_a = nb::none(),
            nb::kw_only(), "x_scales"_a = nb::none(), "x_token_scales"_a = nb::none(), "expand"_a = false,
            "eager"_a = true, "return_recv_hook"_a = false, "save_handle"_a = nb::none(), "handle"_a = nb::none(),
@@ -1591,6 +1604,75 @@ NB_MODULE(_ext, m) {
           "The bytes this rank sent in its last dispatch and combine, by link: {'dispatch': {...}, 'combine': "
           "{...}} with network_bytes, nvlink_bytes, network_messages (rows and their metadata; docs/internode.md). "
           "Synchronises stream on cuda.")
+      .def(
+          "mask_status",
+          [](PyEpBuffer const& b) {
+            MaskStatus const s = b.buffer().mask_status();
+            nb::dict d;
+            d["enabled"] = s.enabled;
+            d["ranks"] = s.ranks;
+            d["self"] = s.self;
+            d["dispatch_entries"] = s.dispatch_entries;
+            d["combine_entries"] = s.combine_entries;
+            d["last_dispatch_entries"] = s.last_dispatch_entries;
+            d["last_combine_entries"] = s.last_combine_entries;
+            return d;
+          },
+          "Rank masking on this rank (local): {'enabled', 'ranks' (masked, ascending; this rank too once masked), "
+          "'self' (this rank is masked: its calls raise Error until clear_mask), 'dispatch_entries', "
+          "'combine_entries' ((token, k) entries of this rank's tokens left out because their expert's rank is "
+          "masked, since the buffer was made or cleared), 'last_dispatch_entries', 'last_combine_entries'}.")
+      .def(
+          "masked_ranks", [](PyEpBuffer const& b) { return b.buffer().masked_ranks(); },
+          "The masked ranks, ascending (local; [] when masking is off).")
+      .def(
+          "mask_ranks", [](PyEpBuffer& b, std::vector<int> const& ranks) { b.buffer().mask_ranks(ranks); }, "ranks"_a,
+          "Local: asks that these ranks be masked from this rank's next dispatch or combine on (every rank of that "
+          "call applies the union of the requests). ConfigError when masking is off, InputError for a bad rank.")
+      .def(
+          "clear_mask",
+          [](PyEpBuffer& b) {
+            nb::gil_scoped_release release;  // collective over every rank (the bootstrap)
+            b.buffer().clear_mask();
+          },
+          "Collective over every rank, masked ones included: unmasks every rank and zeroes the counts. The dispatch "
+          "before it is forgotten (dispatch again before a combine).")
+      .def(
+          "wait_stats",
+          [](PyEpBuffer const& b, nb::object stream) {
+            cudaStream_t const s = stream_from(stream);
+            WaitStats stats;
+            {
+              nb::gil_scoped_release release;
+              stats = b.buffer().wait_stats(s);
+            }
+            auto const leg = [](std::vector<PeerWaitStats> const& peers) {
+              nb::list out;
+              for (PeerWaitStats const& p : peers) {
+                nb::dict d;
+                d["waits"] = p.waits;
+                d["total_ns"] = p.total_ns;
+                d["max_ns"] = p.max_ns;
+                out.append(d);
+              }
+              return out;
+            };
+            nb::dict out;
+            out["dispatch"] = leg(stats.dispatch);
+            out["combine"] = leg(stats.combine);
+            return out;
+          },
+          "stream"_a = nb::none(),
+          "Per-source wait statistics (wait_stats=True): {'dispatch': [...], 'combine': [...]}, one dict per source "
+          "rank with waits, total_ns, max_ns. Synchronises stream on cuda. ConfigError when off.")
+      .def(
+          "reset_wait_stats",
+          [](PyEpBuffer& b, nb::object stream) {
+            cudaStream_t const s = stream_from(stream);
+            nb::gil_scoped_release release;
+            b.buffer().reset_wait_stats(s);
+          },
+          "stream"_a = nb::none(), "Zeroes the wait statistics (enqueued on stream on cuda).")
       .def_prop_ro("config", [](PyEpBuffer const& b) { return b.buffer().config(); })
       .def_prop_ro("num_local_experts", &PyEpBuffer::num_local_experts)
       .def_prop_ro("recv_capacity", &PyEpBuffer::recv_capacity)

@@ -100,6 +100,14 @@ void EpConfig::validate(int world) const {
                        " is not used by mode=ll (every row is received: the landing zone holds world x "
                        "max_tokens_per_rank rows); leave it unset");
   }
+  // NOTE: masking and the wait statistics are built around low-latency mode's per-source waits; normal mode's count
+  // exchange lays every row out from every rank's counts, so a rank left out mid-call has no cheap remedy there.
+  FERRY_CHECK_CONFIG(!rank_masking || mode == Mode::low_latency,
+                     "rank_masking=true needs mode=ll (normal mode fails the call and names the rank that did not "
+                     "arrive); use mode=ll or leave rank_masking false");
+  FERRY_CHECK_CONFIG(!wait_stats || mode == Mode::low_latency,
+                     "wait_stats=true needs mode=ll (it measures the per-source waits of the low-latency receive "
+                     "halves); use mode=ll or leave wait_stats false");
   FERRY_CHECK_CONFIG(mode == Mode::low_latency || internode_route != InternodeRoute::direct,
                      "internode_route=direct is a low-latency route; normal mode always forwards across nodes "
                      "(hierarchical): use forward or automatic, or mode=ll");

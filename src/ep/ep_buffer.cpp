@@ -38,6 +38,18 @@ void EpBackendImpl::combine_backward_weights(HandleState const&, void const*, fl
 void EpBackendImpl::refuse_combine_backward_weights(cudaStream_t) {
   FERRY_THROW(ConfigError, "config", "this backend has no backward passes (train with mode=normal)");
 }
+void EpBackendImpl::mask_ranks(std::vector<int> const&) {
+  FERRY_THROW(ConfigError, "config", "this backend has no rank masking");
+}
+void EpBackendImpl::clear_mask() {
+  FERRY_THROW(ConfigError, "config", "this backend has no rank masking");
+}
+WaitStats EpBackendImpl::wait_stats(cudaStream_t) const {
+  FERRY_THROW(ConfigError, "config", "this backend records no wait statistics");
+}
+void EpBackendImpl::reset_wait_stats(cudaStream_t) {
+  FERRY_THROW(ConfigError, "config", "this backend records no wait statistics");
+}
 
 void validate_dispatch_args(EpConfig const& config, DispatchArgs const& args) {
   FERRY_CHECK_INPUT(args.num_tokens >= 0 && args.num_tokens <= config.max_tokens_per_rank,
@@ -149,6 +161,8 @@ constexpr ConfigField kConfigFields[] = {
     {"internode_route", [](EpConfig const& c) -> int64_t { return static_cast<int64_t>(c.internode_route); },
      [](int64_t v) { return std::string(internode_route_name(static_cast<InternodeRoute>(v))); }},
     {"expert_capacity", [](EpConfig const& c) { return optional_value(c.expert_capacity); }, optional_text},
+    {"rank_masking", [](EpConfig const& c) -> int64_t { return c.rank_masking; }, number_text},
+    {"wait_stats", [](EpConfig const& c) -> int64_t { return c.wait_stats; }, number_text},
     {"dispatch_geometry.blocks",
      [](EpConfig const& c) -> int64_t { return c.dispatch_geometry ? c.dispatch_geometry->blocks : -1; },
      optional_text},
@@ -553,6 +567,54 @@ bool DispatchHandle::expanded() const {
 }
 std::size_t DispatchHandle::bytes() const {
   return state_ != nullptr ? state_->bytes : 0;
+}
+
+MaskStatus EpBuffer::mask_status() const {
+  return config_.rank_masking ? impl_->mask_status() : MaskStatus{};
+}
+
+std::vector<int> EpBuffer::masked_ranks() const {
+  return mask_status().ranks;
+}
+
+namespace {
+void check_masking(EpConfig const& config, char const* call) {
+  FERRY_CHECK_CONFIG(config.rank_masking, call, ": rank masking is off on this EpBuffer; create it with ",
+                     "EpConfig::rank_masking=true (mode=ll) on every rank");
+}
+}  // namespace
+
+void EpBuffer::mask_ranks(std::vector<int> const& ranks) {
+  check_masking(config_, "mask_ranks");
+  for (int r : ranks)
+    FERRY_CHECK_INPUT(r >= 0 && r < comm_->world(), "mask_ranks: rank ", r, " is outside [0, world=", comm_->world(),
+                      ")");
+  impl_->mask_ranks(ranks);
+}
+
+void EpBuffer::clear_mask() {
+  check_masking(config_, "clear_mask");
+  comm_->ensure_usable();
+  check_no_pending("clear_mask", pending_hook());
+  // NOTE: the dispatch before the clear may have left out ranks that are back now; a combine refers to a dispatch
+  // that every rank of the next call took part in.
+  have_dispatch_ = false;
+  current_handle_.reset();
+  impl_->clear_mask();
+}
+
+WaitStats EpBuffer::wait_stats(cudaStream_t stream) const {
+  FERRY_CHECK_CONFIG(config_.wait_stats, "wait_stats: this EpBuffer records none; create it with ",
+                     "EpConfig::wait_stats=true (mode=ll)");
+  check_stream(*comm_, stream);
+  return impl_->wait_stats(stream);
+}
+
+void EpBuffer::reset_wait_stats(cudaStream_t stream) {
+  FERRY_CHECK_CONFIG(config_.wait_stats, "reset_wait_stats: this EpBuffer records none; create it with ",
+                     "EpConfig::wait_stats=true (mode=ll)");
+  check_stream(*comm_, stream);
+  impl_->reset_wait_stats(stream);
 }
 
 CallLinkBytes EpBuffer::link_bytes(cudaStream_t stream) const {

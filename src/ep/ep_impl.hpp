@@ -64,6 +64,15 @@ class EpBackendImpl {
   // What the last dispatch and combine sent, by link (EpBuffer::link_bytes); the default counts nothing.
   virtual CallLinkBytes link_bytes(cudaStream_t /*stream*/) const { return {}; }
 
+  // Rank masking (EpConfig::rank_masking, include/ferry/ep.hpp). EpBuffer calls the last three only when masking is
+  // on (ConfigError otherwise), with the ranks checked. Defaults: nothing masked; the others throw ConfigError.
+  virtual MaskStatus mask_status() const { return {}; }
+  virtual void mask_ranks(std::vector<int> const& ranks);
+  virtual void clear_mask();
+  // Wait statistics (EpConfig::wait_stats); EpBuffer calls these only when it is on. Defaults throw ConfigError.
+  virtual WaitStats wait_stats(cudaStream_t stream) const;
+  virtual void reset_wait_stats(cudaStream_t stream);
+
   // Handles and the backward passes (normal mode; EpBuffer refuses them in low-latency mode and checks that a handle
   // fits this backend's shape before any of these runs). The defaults throw ConfigError.
   // Device bytes of one handle's storage (0: host memory).

@@ -245,6 +245,26 @@ ExpertLayout expert_layout(EpConfig const& config, int world, int num_recv, std:
   return layout;
 }
 
+MaskedWorld without_ranks(EpConfig const& config, int world, std::span<RankInput const> inputs, uint32_t masked) {
+  int const num_local = config.num_local_experts(world);
+  MaskedWorld out;
+  out.inputs.assign(inputs.begin(), inputs.end());
+  out.masked_entries.assign(static_cast<std::size_t>(world), 0);
+  for (int r = 0; r < world; ++r) {
+    RankInput& in = out.inputs[static_cast<std::size_t>(r)];
+    if ((masked >> r & 1U) != 0) {
+      in = RankInput{};  // a masked rank sends nothing
+      continue;
+    }
+    for (int64_t& id : in.topk_idx) {
+      if (id < 0 || (masked >> (id / num_local) & 1U) == 0) continue;
+      id = -1;
+      ++out.masked_entries[static_cast<std::size_t>(r)];
+    }
+  }
+  return out;
+}
+
 RankDispatch dispatch(EpConfig const& config, int world, int rank, std::span<RankInput const> inputs) {
   check_world(world, rank, inputs.size());
   for (int s = 0; s < world; ++s) validate_input(config, world, s, inputs[static_cast<std::size_t>(s)]);

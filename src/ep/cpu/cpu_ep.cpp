@@ -18,13 +18,27 @@
 // rows have landed on every rank; combine: step 1, the rows to send back are published) and a receive half (dispatch:
 // the expert-major layout; combine: the sum). With return_recv_hook the receive half waits for complete_dispatch /
 // complete_combine; otherwise it follows at once.
+//
+// Rank masking and the wait statistics (EpConfig::rank_masking / wait_stats, low-latency mode) replace the
+// communicator's barrier by this buffer's own (sync()), over the ranks not masked, with a time per source. With
+// masking every sync is an agreement in two rounds: each rank announces its arrival and waits for the others (bounded
+// by FERRY_TIMEOUT_S), then announces which ranks it saw and waits for the verdicts of those; the ranks in the call
+// are the intersection of the verdicts. A rank's view holds every rank that arrived before its own deadline, so the
+// views are nested and every rank computes the same intersection: the view of the first rank to arrive. The rank
+// left out learns it from the same words when it comes. A call's entry exchange (join_call) goes on without the ranks
+// it masked; a later sync of the call that masks one fails the call (its rows may be half written), and the final
+// one of a combine goes on (every sum is done). docs/internode.md "Rank masking".
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
+#include <bit>
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -78,10 +92,12 @@ class LocalPages {
 enum class CallKind : uint32_t { dispatch = 0, combine = 1, grad_weights = 2 };
 
 struct CallHeader {
-  uint64_t step;     // collective calls of this buffer so far, this one included; its parity picks the slot
-  uint32_t kind;     // CallKind
-  uint32_t refused;  // 1: this rank refused the call on input (its reason below)
-  uint64_t number;   // calls of this kind on this buffer so far, this one included
+  uint64_t step;      // collective calls of this buffer so far, this one included; its parity picks the slot
+  uint32_t kind;      // CallKind
+  uint32_t refused;   // 1: this rank refused the call on input (its reason below)
+  uint64_t number;    // calls of this kind on this buffer so far, this one included
+  uint32_t proposed;  // rank masking: the ranks this rank asks to mask (EpBuffer::mask_ranks), bit r for rank r
+  uint32_t unused;
   // the refusing rank's reason (parity-buffered with the header: the communicator's slot may already hold the reason
   // of its next refusal by the time a slow peer reads)
   char reason[kRefusalBytes];
@@ -105,6 +121,21 @@ struct CpuHandle final : HandleStorage {
 
 char const* call_kind_name(uint32_t kind) {
   return kind == static_cast<uint32_t>(CallKind::dispatch) ? "dispatch" : "combine";
+}
+
+// Where a sync (CpuEp::sync) sits in a call, which decides what a rank masked there does to the call: the entry
+// exchange goes on without it, a sync inside the call fails the call (the rank's rows may be half written), the last
+// sync of a combine goes on (every sum is done; the rank may still be reading, but nothing it reads is reused while it
+// is masked).
+enum class SyncPoint { entry, inner, exit };
+// The leg whose wait per source a sync times for the wait statistics: the entry exchange of each leg, where a late
+// source is waited for (after it every source's rows are, or are being, written, with no wait of its own to speak of).
+enum class StatsLeg { none = -1, dispatch = 0, combine = 1 };
+
+std::string ranks_text(uint32_t bits) {
+  std::string out;
+  for (uint32_t m = bits; m != 0; m &= m - 1) out += concat(out.empty() ? "" : ", ", std::countr_zero(m));
+  return out;
 }
 
 class CpuEp final : public EpBackendImpl {
@@ -131,6 +162,11 @@ class CpuEp final : public EpBackendImpl {
   void combine_backward_weights(HandleState const& handle, void const* x, float* grad_w, bool eager,
                                 cudaStream_t stream) override;
   void refuse_combine_backward_weights(cudaStream_t stream) override;
+  MaskStatus mask_status() const override;
+  void mask_ranks(std::vector<int> const& ranks) override;
+  void clear_mask() override;
+  WaitStats wait_stats(cudaStream_t stream) const override;
+  void reset_wait_stats(cudaStream_t stream) override;
 
  private:
   // combine, and dispatch_backward's (unit_weights: every expert-major weight 1; y_fp32: y is the fp32 sum)
@@ -140,7 +176,37 @@ class CpuEp final : public EpBackendImpl {
   // Publishes this rank's header, waits at the barrier, reads every rank's. A peer's refusal throws InputError naming
   // it (the lowest refusing peer) unless this rank refused the call too (it then throws its own error). Throws Error,
   // and marks the buffer out of step for good, when a rank is in another call.
-  void join_call(CallKind kind, bool refused);
+  void join_call(CallKind kind, bool refused, StatsLeg leg = StatsLeg::none);
+  // The barrier of the low-latency protocol: the communicator's, or with masking or wait statistics this buffer's own
+  // over the ranks not masked (see the top of the file). Throws what the masking rules say (Error: this rank is
+  // masked; TimeoutError: a rank was lost inside the call), or, without masking, TimeoutError marking the
+  // communicator failed as its barrier does.
+  void sync(SyncPoint point, StatsLeg leg);
+  // Waits until word p of `words` reaches `least` for every rank p in `want`, bounded by FERRY_TIMEOUT_S; returns
+  // the ranks seen. With `leg`, each seen rank's wait goes to the statistics.
+  uint32_t wait_words(uint64_t const* words, uint32_t want, uint64_t least, StatsLeg leg);
+  // A timeout that fails the communicator (no masking): recorded in the error block, raised by check_errors.
+  [[noreturn]] void fail_communicator(WaitPhase phase, uint32_t missing, uint64_t expected);
+  void check_not_masked() const {
+    if (!self_masked_.empty()) throw Error(self_masked_);
+  }
+  bool active(int r) const { return r >= 0 && (active_ >> r & 1U) != 0; }
+  // The rank of node n that relays `source`'s rows there (forward route): the one of the source's local index, or,
+  // when that one is masked (in `live`), the next live local index, ascending and wrapping; -1 when node n has none.
+  int rail_of(int n, int source, uint32_t live) const {
+    for (int i = 0; i < topology_.local; ++i) {
+      int const r = n * topology_.local + (topology_.local_of(source) + i) % topology_.local;
+      if ((live >> r & 1U) != 0) return r;
+    }
+    return -1;
+  }
+  // The source's entries in a rail's forward area: one block per source node, or with masking per source rank (a
+  // rail may then relay several sources of one node)
+  std::size_t fwd_slot(int source) const {
+    return static_cast<std::size_t>(masking_ ? source : topology_.node_of(source));
+  }
+  // The sources whose rows this rank relays (forward route), ascending, as `live` chooses the rails
+  std::vector<int> relayed_sources(uint32_t live) const;
   void release_regions() noexcept;
   // across nodes: the rail places the rows forwarded to it (dispatch) and reduces its node's rows of them (combine)
   void forward_rows();
@@ -203,6 +269,24 @@ class CpuEp final : public EpBackendImpl {
   uint64_t calls_[3] = {};   // by CallKind
   std::string out_of_step_;  // set once a rank was found in another call: every later call throws it
 
+  // rank masking and wait statistics (EpConfig::rank_masking / wait_stats)
+  bool masking_;
+  bool stats_on_;
+  bool own_sync_;                  // sync() runs this buffer's barrier (masking or statistics), not the communicator's
+  int fwd_slots_;                  // blocks of the forward areas (fwd_slot)
+  SymmetricRegion sync_;           // per rank: [world] arrival epochs (word p written by rank p), [2][world] verdicts
+  uint64_t epoch_ = 0;             // syncs of this buffer so far
+  uint32_t all_ranks_;             // bit r for every rank of the world
+  uint32_t active_;                // the ranks not masked
+  uint32_t dispatch_active_;       // ...when the last dispatch moved its rows (its rails and destinations)
+  uint32_t proposed_ = 0;          // mask_ranks, carried by the next entry exchange
+  std::string self_masked_;        // set when this rank learned that it is masked: every call throws it
+  uint32_t self_view_ = 0;         // then: the ranks it learned are masked (itself included)
+  std::string current_call_;       // the call being synced ("dispatch #3"), for the messages
+  std::vector<int64_t> last_ids_;  // masking: the last dispatch's ids (combine counts what it misses)
+  MaskStatus counts_of_masking_;
+  std::vector<PeerWaitStats> waits_[2];  // [leg][source]
+
   // this rank's view of the last dispatch
   int num_tokens_ = 0;
   int32_t num_recv_ = 0;
@@ -264,6 +348,14 @@ CpuEp::CpuEp(Communicator& comm, EpConfig const& config)
       combine_stride_(comm.topology().nodes > 1 ? std::max(combine_wire_.row_bytes, row_bytes_)
                                                 : combine_wire_.row_bytes),
       low_latency_(config.mode == Mode::low_latency) {
+  masking_ = config.rank_masking;
+  stats_on_ = config.wait_stats;
+  own_sync_ = masking_ || stats_on_;
+  fwd_slots_ = masking_ ? world_ : topology_.nodes;
+  all_ranks_ = world_ == 32 ? ~0U : (1U << world_) - 1U;
+  active_ = all_ranks_;
+  dispatch_active_ = all_ranks_;
+  for (auto& leg : waits_) leg.assign(static_cast<std::size_t>(world_), PeerWaitStats{});
   // Collective: every rank allocates the same regions in the same order.
   try {
     counts_ = comm_.alloc_symmetric(at(world_, world_) * sizeof(int64_t));
@@ -275,12 +367,13 @@ CpuEp::CpuEp(Communicator& comm, EpConfig const& config)
     headers_ = comm_.alloc_symmetric(2 * sizeof(CallHeader));  // zeroed: step 0 is "no call yet"
     if (!low_latency_) grad_w_ = comm_.alloc_symmetric(at(config.max_tokens_per_rank, topk_) * sizeof(float));
     if (hierarchical_) {
-      std::size_t const entries = at(topology_.nodes, max_tokens_);
+      std::size_t const entries = at(fwd_slots_, max_tokens_);
       fwd_x_ = comm_.alloc_symmetric(entries * dispatch_wire_.row_bytes);
       fwd_meta_ = comm_.alloc_symmetric(entries * fwd_meta_bytes_);
-      fwd_count_ = comm_.alloc_symmetric(at(topology_.nodes, sizeof(int64_t)));
+      fwd_count_ = comm_.alloc_symmetric(at(fwd_slots_, sizeof(int64_t)));
       net_rows_ = comm_.alloc_symmetric(entries * combine_wire_.row_bytes);
     }
+    if (own_sync_) sync_ = comm_.alloc_symmetric(at(3 * world_, sizeof(uint64_t)));  // zeroed: epoch 0
   } catch (...) {
     release_regions();  // the destructor does not run for a constructor that throws
     throw;
@@ -308,9 +401,10 @@ CpuEp::CpuEp(Communicator& comm, EpConfig const& config)
   scratch_.resize(static_cast<std::size_t>(hidden_));
   dest_offset_.assign(static_cast<std::size_t>(world_), 0);
   if (hierarchical_) {
-    fwd_rows_.assign(at(static_cast<int64_t>(topology_.nodes) * max_tokens_, topology_.local), -1);
-    fwd_num_.assign(static_cast<std::size_t>(topology_.nodes), 0);
+    fwd_rows_.assign(at(static_cast<int64_t>(fwd_slots_) * max_tokens_, topology_.local), -1);
+    fwd_num_.assign(static_cast<std::size_t>(fwd_slots_), 0);
   }
+  counts_of_masking_.enabled = masking_;
 }
 
 CpuEp::~CpuEp() {
@@ -319,14 +413,16 @@ CpuEp::~CpuEp() {
 
 void CpuEp::release_regions() noexcept {
   for (SymmetricRegion* region : {&counts_, &recv_x_, &recv_idx_, &recv_weights_, &recv_src_, &combine_rows_, &headers_,
-                                  &grad_w_, &fwd_x_, &fwd_meta_, &fwd_count_, &net_rows_})
+                                  &grad_w_, &fwd_x_, &fwd_meta_, &fwd_count_, &net_rows_, &sync_})
     if (region->local != nullptr) comm_.release_symmetric(*region);
 }
 
-void CpuEp::join_call(CallKind kind, bool refused) {
+void CpuEp::join_call(CallKind kind, bool refused, StatsLeg leg) {
   if (!out_of_step_.empty()) throw Error(out_of_step_);
+  check_not_masked();
   uint64_t const step = ++step_;
   uint64_t const number = ++calls_[static_cast<int>(kind)];
+  current_call_ = concat(call_kind_name(static_cast<uint32_t>(kind)), " #", number, " (call ", step, " of the buffer)");
   // NOTE: two slots by parity: a rank that is one call ahead writes the other slot while a slower one still reads
   // this one; it cannot get two calls ahead without this rank at the next call's barrier.
   std::size_t const slot = (step & 1) * sizeof(CallHeader);
@@ -335,16 +431,20 @@ void CpuEp::join_call(CallKind kind, bool refused) {
   mine->kind = static_cast<uint32_t>(kind);
   mine->refused = refused ? 1u : 0u;
   mine->number = number;
+  mine->proposed = proposed_;
   if (refused) {
     std::string const reason = comm_.refusal_of(rank_);  // posted by EpBuffer just before
     std::size_t const n = std::min(reason.size(), sizeof(mine->reason) - 1);
     std::memcpy(mine->reason, reason.data(), n);
     mine->reason[n] = '\0';
   }
-  comm_.barrier(nullptr);  // release / acquire: every header written before it is visible after it
+  sync(SyncPoint::entry, leg);  // release / acquire: every header written before it is visible after it
   int refusing = -1;
+  uint32_t asked = 0;  // rank masking: the union of the requests of the ranks in the call
   for (int r = 0; r < world_; ++r) {
+    if (!active(r)) continue;  // masked: its header is not read (it may be in any call)
     auto const& theirs = *reinterpret_cast<CallHeader const*>(headers_.view.ptr[r] + slot);
+    asked |= theirs.proposed;
     if (theirs.step != step || theirs.kind != mine->kind) {
       std::string const where = theirs.step == 0 ? std::string("had made no call on it yet")
                                                  : concat("was in ", call_kind_name(theirs.kind), " #", theirs.number,
@@ -359,7 +459,27 @@ void CpuEp::join_call(CallKind kind, bool refused) {
                  "rank and create a new one (the communicator stays usable)"));
       throw Error(out_of_step_);
     }
-    if (theirs.refused != 0 && r != rank_ && refusing < 0) refusing = r;
+  }
+  proposed_ = 0;
+  if (masking_ && (asked & active_) != 0) {
+    // every rank of the call read the same headers: the same ranks leave, here, before any row moves
+    uint32_t const leaving = asked & active_;
+    if ((leaving >> rank_ & 1U) != 0) {
+      self_view_ = (all_ranks_ & ~active_) | leaving;
+      self_masked_ = format_error("ferry", __FILE__, __LINE__,
+                                  concat("rank ", rank_, " is masked on this EpBuffer: at ", current_call_,
+                                         " mask_ranks asked for rank(s) ", ranks_text(leaving),
+                                         ", and the other ranks go on without it; its calls are refused until every "
+                                         "rank calls clear_mask()"));
+      throw Error(self_masked_);
+    }
+    active_ &= ~leaving;
+    FERRY_LOG_WARN("rank ", rank_, ": rank(s) ", ranks_text(leaving), " masked at ", current_call_,
+                   " (mask_ranks); later calls skip them");
+  }
+  for (int r = 0; r < world_ && refusing < 0; ++r) {
+    auto const& theirs = *reinterpret_cast<CallHeader const*>(headers_.view.ptr[r] + slot);
+    if (active(r) && r != rank_ && theirs.refused != 0) refusing = r;
   }
   if (refusing >= 0 && !refused) {
     auto const& theirs = *reinterpret_cast<CallHeader const*>(headers_.view.ptr[refusing] + slot);
@@ -367,6 +487,114 @@ void CpuEp::join_call(CallKind kind, bool refused) {
                 describe_refusal(refusing, WaitPhase::none,
                                  std::string(theirs.reason, strnlen(theirs.reason, sizeof(theirs.reason)))));
   }
+}
+
+uint32_t CpuEp::wait_words(uint64_t const* words, uint32_t want, uint64_t least, StatsLeg leg) {
+  uint32_t seen = 0;
+  auto const start = std::chrono::steady_clock::now();
+  auto const deadline = start + std::chrono::nanoseconds(comm_.device_view().timeout_ns);
+  for (uint64_t spin = 0;; ++spin) {
+    for (uint32_t m = want & ~seen; m != 0; m &= m - 1) {
+      int const p = std::countr_zero(m);
+      if (std::atomic_ref<uint64_t const>(words[p]).load(std::memory_order_acquire) < least) continue;
+      seen |= 1U << p;
+      if (leg == StatsLeg::none) continue;
+      auto const ns = static_cast<uint64_t>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
+      PeerWaitStats& stats = waits_[static_cast<int>(leg)][static_cast<std::size_t>(p)];
+      stats.waits += 1;
+      stats.total_ns += ns;
+      stats.max_ns = std::max(stats.max_ns, ns);
+    }
+    if (seen == want) return seen;
+    // as the communicator's barrier: spin briefly, then yield, then sleep, so oversubscribed hosts make progress
+    if (spin < 64) continue;
+    if (spin < 1024) {
+      std::this_thread::yield();
+      continue;
+    }
+    if (std::chrono::steady_clock::now() > deadline) return seen;
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+void CpuEp::fail_communicator(WaitPhase phase, uint32_t missing, uint64_t expected) {
+  DeviceErrorBlock& block = *comm_.device_view().error;
+  std::atomic_ref<uint32_t> status(block.status);
+  uint32_t idle = 0;
+  if (status.compare_exchange_strong(idle, 1U, std::memory_order_acq_rel)) {  // the first failure wins
+    block.rank = rank_;
+    block.peer = std::popcount(missing) == 1 ? std::countr_zero(missing) : -1;
+    block.phase = static_cast<int32_t>(phase);
+    block.expected = expected;
+    block.observed = expected - 1;
+    block.absent[0] |= missing;
+    status.store(kErrorTimeout, std::memory_order_release);
+  }
+  comm_.check_errors(nullptr);  // raises the recorded timeout and marks the communicator failed
+  FERRY_THROW(Error, "ferry", "cpu backend: a timeout was recorded but check_errors raised nothing");
+}
+
+void CpuEp::sync(SyncPoint point, StatsLeg leg) {
+  if (!own_sync_) {
+    comm_.barrier(nullptr);
+    return;
+  }
+  check_not_masked();
+  uint64_t const epoch = ++epoch_;
+  auto* const mine = static_cast<uint64_t*>(sync_.local);
+  std::size_t const arrival = static_cast<std::size_t>(rank_) * sizeof(uint64_t);
+  WaitPhase const phase = leg == StatsLeg::combine ? WaitPhase::ll_combine : WaitPhase::ll_dispatch;
+  // 1. this rank's arrival into every rank in the call (release: what it wrote before is visible with it), then the
+  //    others' (acquire), each timed for the statistics
+  for (uint32_t m = active_; m != 0; m &= m - 1)
+    std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(sync_.view.ptr[std::countr_zero(m)] + arrival))
+        .store(epoch, std::memory_order_release);
+  uint32_t const present = wait_words(mine, active_, epoch, leg);
+  if (!masking_) {
+    if (present != active_) fail_communicator(phase, active_ & ~present, epoch);
+    return;
+  }
+  // 2. the verdict: what this rank saw, tagged with the epoch, into every rank in the call (a rank it did not see
+  //    reads it when it comes); then the verdicts of the ranks it saw, which are all coming (they arrived). Two
+  //    slots by parity: a rank one sync ahead writes the other.
+  std::size_t const verdicts = at(world_, 1) + at(epoch & 1, world_);
+  uint64_t const verdict = epoch << 32 | present;
+  for (uint32_t m = active_; m != 0; m &= m - 1)
+    std::atomic_ref<uint64_t>(reinterpret_cast<uint64_t*>(sync_.view.ptr[std::countr_zero(m)])[verdicts + rank_])
+        .store(verdict, std::memory_order_release);
+  uint32_t const heard = wait_words(mine + verdicts, present, epoch << 32, StatsLeg::none);
+  // NOTE: a rank that arrived and then said nothing for FERRY_TIMEOUT_S died inside the agreement itself: the ranks
+  // may now disagree, so nothing after it can be trusted
+  if (heard != present) fail_communicator(phase, present & ~heard, epoch);
+  uint32_t agreed = present;
+  for (uint32_t m = present; m != 0; m &= m - 1)
+    agreed &= static_cast<uint32_t>(
+        std::atomic_ref<uint64_t const>(mine[verdicts + static_cast<std::size_t>(std::countr_zero(m))])
+            .load(std::memory_order_acquire));
+  uint32_t const lost = active_ & ~agreed;
+  if (lost == 0) return;
+  if ((lost >> rank_ & 1U) != 0) {
+    self_view_ = (all_ranks_ & ~agreed) | (all_ranks_ & ~active_);
+    self_masked_ = format_error(
+        "ferry", __FILE__, __LINE__,
+        concat("rank ", rank_, " is masked on this EpBuffer: at ", current_call_, " the other ranks waited ",
+               comm_.device_view().timeout_ns / 1e9, " s (FERRY_TIMEOUT_S) for it and went on without rank(s) ",
+               ranks_text(lost), "; its calls are refused until every rank calls clear_mask()"));
+    throw Error(self_masked_);
+  }
+  active_ = agreed;
+  std::vector<int> gone;
+  for (uint32_t m = lost; m != 0; m &= m - 1) gone.push_back(std::countr_zero(m));
+  FERRY_LOG_WARN("rank ", rank_, ": ", describe_absent(gone, topology_), " masked at ", current_call_,
+                 " (not there within FERRY_TIMEOUT_S); later calls skip them");
+  if (point == SyncPoint::inner)
+    FERRY_THROW(
+        TimeoutError, "timeout",
+        concat("rank ", rank_, " timed out in ", current_call_, " waiting for ", describe_absent(gone, topology_),
+               ", which entered the call but did not reach its next step within FERRY_TIMEOUT_S; no data of ",
+               "this call is returned. Rank masking is on: they are masked now and later calls skip them ",
+               "(this communicator stays usable)"));
 }
 
 void CpuEp::refuse_dispatch(cudaStream_t) {
@@ -387,12 +615,13 @@ void CpuEp::report_drops(int64_t dropped, bool eager) {
 }
 
 DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
+  check_not_masked();
   int const num_tokens = args.num_tokens;
 
   // 1. the ids (checked by EpBuffer: in [-1, num_experts), distinct per token)
   std::vector<int64_t> const ids = host_topk_ids(config_, args);
 
-  // 2. destinations of every token, rows per destination
+  // 2. destinations of every token, rows per destination (none to a masked rank)
   dest_mask_.assign(static_cast<std::size_t>(num_tokens), 0);
   std::vector<int64_t> sends(static_cast<std::size_t>(world_), 0);
   for (int t = 0; t < num_tokens; ++t) {
@@ -401,6 +630,7 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
       int64_t const id = ids[at(t, topk_) + k];
       if (id >= 0) mask |= 1U << (id / num_local_);
     }
+    mask &= active_;
     dest_mask_[static_cast<std::size_t>(t)] = mask;
     for (int d = 0; d < world_; ++d) sends[static_cast<std::size_t>(d)] += mask >> d & 1U;
   }
@@ -410,18 +640,35 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
   //    barrier of the previous dispatch, so it is free to overwrite)
   for (int p = 0; p < world_; ++p)
     std::memcpy(counts_.view.ptr[p] + at(rank_, world_) * sizeof(int64_t), sends.data(), at(world_, sizeof(int64_t)));
-  // counts visible everywhere (release/acquire in the barrier), and every rank in this call: else nothing moves
-  join_call(CallKind::dispatch, false);
+  // counts visible everywhere (release/acquire in the barrier), and every rank in this call: else nothing moves.
+  // The wait statistics time each source here: a late source is waited for at this exchange, its rows follow.
+  join_call(CallKind::dispatch, false, StatsLeg::dispatch);
+
+  // 3b. rank masking: the ranks the entry exchange masked get nothing either, and their entries are counted. The
+  //     count rows already sent name them in their own columns only, which nobody reads; a masked source's row
+  //     (stale, or of a later call) is not read either.
+  if (masking_) {
+    int64_t masked = 0;
+    for (int t = 0; t < num_tokens; ++t) {
+      dest_mask_[static_cast<std::size_t>(t)] &= active_;
+      for (int k = 0; k < topk_; ++k)
+        if (int64_t const id = ids[at(t, topk_) + k]; id >= 0 && !active(static_cast<int>(id / num_local_))) ++masked;
+    }
+    last_ids_ = ids;
+    dispatch_active_ = active_;
+    counts_of_masking_.last_dispatch_entries = masked;
+    counts_of_masking_.dispatch_entries += masked;
+  }
 
   // 4. offsets: rank s's rows on rank d follow the rows of ranks 0..s-1 (rank-major order, no atomics)
   auto const* matrix = reinterpret_cast<int64_t const*>(counts_.local);
   int64_t total_recv = 0;
   for (int d = 0; d < world_; ++d) {
     int64_t offset = 0;
-    for (int s = 0; s < rank_; ++s) offset += matrix[at(s, world_) + d];
+    for (int s = 0; s < rank_; ++s) offset += active(s) ? matrix[at(s, world_) + d] : 0;
     dest_offset_[static_cast<std::size_t>(d)] = offset;
   }
-  for (int s = 0; s < world_; ++s) total_recv += matrix[at(s, world_) + rank_];
+  for (int s = 0; s < world_; ++s) total_recv += active(s) ? matrix[at(s, world_) + rank_] : 0;
   int32_t const num_recv = static_cast<int32_t>(std::min<int64_t>(total_recv, capacity_));
 
   // 5. push each row and its metadata into its final slot on the destination; rows past its capacity are dropped
@@ -459,9 +706,9 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
     uint8_t const* wire = mask != 0 ? wire_row(t) : nullptr;
     for (int n = 0; n < topology_.nodes && hierarchical_; ++n) {
       if (n == my_node || (mask & node_bits(n)) == 0) continue;
-      int const rail = n * topology_.local + topology_.local_of(rank_);
+      int const rail = rail_of(n, rank_, active_);  // live: the token has a live destination there
       std::size_t const entry =
-          at(my_node, max_tokens_) + static_cast<std::size_t>(fwd_next[static_cast<std::size_t>(n)]++);
+          at(fwd_slot(rank_), max_tokens_) + static_cast<std::size_t>(fwd_next[static_cast<std::size_t>(n)]++);
       std::memcpy(fwd_x_.view.ptr[rail] + entry * dispatch_wire_.row_bytes, wire, dispatch_wire_.row_bytes);
       char* const meta = fwd_meta_.view.ptr[rail] + entry * meta_bytes;
       auto* const ids_out = reinterpret_cast<int32_t*>(meta);
@@ -500,14 +747,14 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
   }
   if (hierarchical_) {
     for (int n = 0; n < topology_.nodes; ++n) {
-      if (n == my_node) continue;
-      int const rail = n * topology_.local + topology_.local_of(rank_);
-      reinterpret_cast<int64_t*>(fwd_count_.view.ptr[rail])[my_node] = fwd_next[static_cast<std::size_t>(n)];
+      int const rail = rail_of(n, rank_, active_);
+      if (n == my_node || rail < 0) continue;
+      reinterpret_cast<int64_t*>(fwd_count_.view.ptr[rail])[fwd_slot(rank_)] = fwd_next[static_cast<std::size_t>(n)];
     }
-    comm_.barrier(nullptr);  // every forwarded row is in its rail's forward area
+    sync(SyncPoint::inner, StatsLeg::none);  // every forwarded row is in its rail's forward area
     forward_rows();
   }
-  comm_.barrier(nullptr);  // every row has landed
+  sync(SyncPoint::inner, StatsLeg::none);  // every row has landed
   num_recv_ = num_recv;
   // NOTE: low-latency mode always fills the expert-major layout (its output contract).
   pending_expand_ = args.expand || low_latency_;
@@ -531,6 +778,7 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
 DispatchResult CpuEp::complete_dispatch(cudaStream_t stream) {
   FERRY_CHECK_INPUT(stream == nullptr, "the cpu backend runs on the host: stream must be null, got ",
                     static_cast<void*>(stream));
+  check_not_masked();
   return receive_dispatch();
 }
 
@@ -613,6 +861,7 @@ DispatchResult CpuEp::receive_dispatch() {
   result.num_recv_host = num_recv_;  // calls are synchronous on cpu: known whether eager or not
   result.expert_counts = layout_.expert_counts.data();
   result.recv_capacity = capacity_;
+  result.masked_entries = masking_ ? counts_of_masking_.last_dispatch_entries : 0;
   if (expand) {
     result.expert_x = expert_x_.data();
     result.expert_src_row = layout_.expert_src_row.data();
@@ -629,28 +878,37 @@ DispatchResult CpuEp::receive_dispatch() {
   return result;
 }
 
+std::vector<int> CpuEp::relayed_sources(uint32_t live) const {
+  std::vector<int> sources;
+  int const my_node = topology_.node_of(rank_);
+  for (int s = 0; s < world_; ++s)
+    if (topology_.node_of(s) != my_node && (live >> s & 1U) != 0 && rail_of(my_node, s, live) == rank_)
+      sources.push_back(s);
+  return sources;
+}
+
 void CpuEp::forward_rows() {
-  // This rank is the rail of node my_node for the source of its local index on every other node m. That source's
-  // rows on local rank l follow the rows of every lower source there (the count matrix), in token order, as a source
-  // places its own rows: so the rows land exactly where a direct push would put them.
+  // This rank is the rail of node my_node for the source of its local index on every other node m (with masking: and
+  // for the sources whose rail of that index is masked, rail_of). A source's rows on local rank l follow the rows of
+  // every lower source there (the count matrix), in token order, as a source places its own rows: so the rows land
+  // exactly where a direct push would put them.
   auto const* matrix = reinterpret_cast<int64_t const*>(counts_.local);
   auto const* counts = reinterpret_cast<int64_t const*>(fwd_count_.local);
   int const my_node = topology_.node_of(rank_);
   int const local = topology_.local;
   uint64_t const row_link_bytes = dispatch_wire_.row_bytes + fwd_meta_bytes_;
   std::vector<int64_t> next(static_cast<std::size_t>(local));
-  for (int m = 0; m < topology_.nodes; ++m) {
-    if (m == my_node) continue;
-    int const source = m * local + topology_.local_of(rank_);
-    int64_t const num = counts[m];
-    fwd_num_[static_cast<std::size_t>(m)] = num;
+  for (int const source : relayed_sources(active_)) {
+    std::size_t const block = fwd_slot(source);
+    int64_t const num = counts[block];
+    fwd_num_[block] = num;
     for (int l = 0; l < local; ++l) {
       int64_t offset = 0;
-      for (int s = 0; s < source; ++s) offset += matrix[at(s, world_) + my_node * local + l];
+      for (int s = 0; s < source; ++s) offset += active(s) ? matrix[at(s, world_) + my_node * local + l] : 0;
       next[static_cast<std::size_t>(l)] = offset;
     }
     for (int64_t j = 0; j < num; ++j) {
-      std::size_t const entry = at(m, max_tokens_) + static_cast<std::size_t>(j);
+      std::size_t const entry = at(static_cast<int64_t>(block), max_tokens_) + static_cast<std::size_t>(j);
       uint8_t const* wire = reinterpret_cast<uint8_t const*>(fwd_x_.local) + entry * dispatch_wire_.row_bytes;
       char const* const meta = static_cast<char const*>(fwd_meta_.local) + entry * fwd_meta_bytes_;
       auto const* ids = reinterpret_cast<int32_t const*>(meta);
@@ -661,6 +919,7 @@ void CpuEp::forward_rows() {
         int64_t const lo = static_cast<int64_t>(d) * num_local_;
         bool hit = false;
         for (int k = 0; k < topk_; ++k) hit = hit || (ids[k] >= lo && ids[k] < lo + num_local_);
+        hit = hit && active(d);  // nothing for a masked rank
         int32_t placed = -1;
         if (hit) {
           int64_t const row = next[static_cast<std::size_t>(l)]++;
@@ -688,25 +947,27 @@ void CpuEp::forward_rows() {
 
 void CpuEp::reduce_forwarded(WireFormat format) {
   // One row per forwarded entry: its node's rows summed in fp32, local ranks ascending, rounded, in combine_format.
+  // The sources are those of the dispatch (its rails); a rank masked since has written no rows and adds nothing.
   int const my_node = topology_.node_of(rank_);
   int const local = topology_.local;
   std::size_t const wire_bytes = combine_wire_.row_bytes;
-  for (int m = 0; m < topology_.nodes; ++m) {
-    if (m == my_node) continue;
-    for (int64_t j = 0; j < fwd_num_[static_cast<std::size_t>(m)]; ++j) {
-      std::size_t const entry = at(m, max_tokens_) + static_cast<std::size_t>(j);
+  for (int const source : relayed_sources(dispatch_active_)) {
+    if (!active(source)) continue;  // masked since the dispatch: nobody reads its rows
+    std::size_t const block = fwd_slot(source);
+    for (int64_t j = 0; j < fwd_num_[block]; ++j) {
+      std::size_t const entry = at(static_cast<int64_t>(block), max_tokens_) + static_cast<std::size_t>(j);
       std::fill(scratch_.begin(), scratch_.end(), 0.0f);
       bool reached = false;
       for (int l = 0; l < local; ++l) {
         int32_t const row = fwd_rows_[entry * static_cast<std::size_t>(local) + static_cast<std::size_t>(l)];
-        if (row < 0) continue;
         int const d = my_node * local + l;
+        if (row < 0 || !active(d)) continue;
         ref::accumulate_row(hidden_,
                             reinterpret_cast<uint16_t const*>(combine_rows_.view.ptr[d] + at(row, 1) * combine_stride_),
                             scratch_.data());
         reached = true;
       }
-      if (!reached) continue;  // every row of the token on this node was dropped: the source adds nothing
+      if (!reached) continue;  // every row of the token on this node was dropped (or masked): the source adds nothing
       ref::round_row(hidden_, scratch_.data(), row_scratch_.data());
       uint8_t* const out = reinterpret_cast<uint8_t*>(net_rows_.local) + entry * wire_bytes;
       if (format == WireFormat::bf16)
@@ -730,6 +991,7 @@ void CpuEp::combine_unweighted(CombineArgs const& args, bool y_fp32, cudaStream_
 void CpuEp::run_combine(CombineArgs const& args, bool unit_weights, bool y_fp32) {
   // NOTE: EpBuffer validated the call (validate_combine_args, refused on every rank): it follows a dispatch that
   // succeeded, and an expert-major one follows an expanded dispatch, whose layout_ holds the slots.
+  check_not_masked();
   bool const expert_major = args.layout == CombineLayout::expert_major;
 
   // 1. receiver: the row each received row sends back, in this rank's send-back area
@@ -758,7 +1020,7 @@ void CpuEp::run_combine(CombineArgs const& args, bool unit_weights, bool y_fp32)
     if (hierarchical_ && !on_my_node(source)) {
       // for the rail of this node (local index of the source): the bf16 row, which it sums with its node's
       std::memcpy(wire, row, row_bytes_);
-      if (topology_.node_of(rank_) * topology_.local + topology_.local_of(source) != rank_)
+      if (rail_of(topology_.node_of(rank_), source, dispatch_active_) != rank_)
         link_bytes_.combine.nvlink_bytes += row_bytes_;
       continue;
     }
@@ -773,10 +1035,26 @@ void CpuEp::run_combine(CombineArgs const& args, bool unit_weights, bool y_fp32)
     }
   }
   // every rank's rows are ready, and every rank in this call: else nothing is summed
-  join_call(CallKind::combine, false);
+  join_call(CallKind::combine, false, StatsLeg::combine);
   if (hierarchical_) {
     reduce_forwarded(format);
-    comm_.barrier(nullptr);  // every rail's rows are ready
+    sync(SyncPoint::inner, StatsLeg::none);  // every rail's rows are ready
+  }
+  if (masking_) {
+    // what this combine's y misses: every entry of a masked rank, and (forward route) every entry that would come
+    // back through a rail masked since the dispatch
+    int64_t missed = 0;
+    int const my_node = topology_.node_of(rank_);
+    for (std::size_t i = 0; i < last_ids_.size(); ++i) {
+      int64_t const id = last_ids_[i];
+      if (id < 0) continue;
+      int const d = static_cast<int>(id / num_local_);
+      int const n = topology_.node_of(d);
+      bool const via_lost_rail = hierarchical_ && n != my_node && !active(rail_of(n, rank_, dispatch_active_));
+      missed += !active(d) || via_lost_rail;
+    }
+    counts_of_masking_.last_combine_entries = missed;
+    counts_of_masking_.combine_entries += missed;
   }
   pending_y_ = args.y;
   pending_y_fp32_ = y_fp32;
@@ -792,6 +1070,7 @@ void CpuEp::run_combine(CombineArgs const& args, bool unit_weights, bool y_fp32)
 void CpuEp::complete_combine(cudaStream_t stream) {
   FERRY_CHECK_INPUT(stream == nullptr, "the cpu backend runs on the host: stream must be null, got ",
                     static_cast<void*>(stream));
+  check_not_masked();
   receive_combine();
 }
 
@@ -818,23 +1097,25 @@ void CpuEp::receive_combine() {
   std::vector<int64_t> fwd_next(static_cast<std::size_t>(topology_.nodes), 0);
   for (int t = 0; t < num_tokens_; ++t) {
     std::fill(scratch_.begin(), scratch_.end(), 0.0f);
+    // the dispatch's destinations (what the rows and rails were laid out by); a rank masked since adds nothing
     uint32_t const mask = dest_mask_[static_cast<std::size_t>(t)];
     for (int n = 0; n < topology_.nodes; ++n) {
       if (hierarchical_ && n != my_node && (mask & node_bits(n)) != 0) {
         int64_t const j = fwd_next[static_cast<std::size_t>(n)]++;
         bool reached = false;
         for (int d = n * local; d < (n + 1) * local; ++d)
-          if (mask >> d & 1U) reached = next[static_cast<std::size_t>(d)]++ < capacity_ || reached;
-        if (!reached) continue;
-        int const rail = n * local + topology_.local_of(rank_);
+          if (mask >> d & 1U) reached = (next[static_cast<std::size_t>(d)]++ < capacity_ && active(d)) || reached;
+        int const rail = rail_of(n, rank_, dispatch_active_);
+        if (!reached || !active(rail)) continue;
         add(reinterpret_cast<uint8_t const*>(net_rows_.view.ptr[rail]) +
-            (at(my_node, max_tokens_) + static_cast<std::size_t>(j)) * combine_wire_.row_bytes);
+            (at(static_cast<int64_t>(fwd_slot(rank_)), max_tokens_) + static_cast<std::size_t>(j)) *
+                combine_wire_.row_bytes);
         continue;
       }
       for (int d = n * local; d < (n + 1) * local; ++d) {
         if (!(mask >> d & 1U)) continue;
         int64_t const row = next[static_cast<std::size_t>(d)]++;
-        if (row >= capacity_) continue;
+        if (row >= capacity_ || !active(d)) continue;
         add(reinterpret_cast<uint8_t const*>(combine_rows_.view.ptr[d]) + at(row, 1) * combine_stride_);
       }
     }
@@ -843,7 +1124,7 @@ void CpuEp::receive_combine() {
     else
       ref::round_row(hidden_, scratch_.data(), y + at(t, hidden_));
   }
-  comm_.barrier(nullptr);  // every source has read the rows: the areas may be reused
+  sync(SyncPoint::exit, StatsLeg::none);  // every source has read the rows: the areas may be reused
   if (pending_eager_) comm_.check_errors(nullptr);
 }
 
@@ -939,6 +1220,54 @@ void CpuEp::exchange_grad_weights(void const* x, float* grad_w, bool refused, bo
 
 CallLinkBytes CpuEp::link_bytes(cudaStream_t) const {
   return link_bytes_;
+}
+
+MaskStatus CpuEp::mask_status() const {
+  MaskStatus status = counts_of_masking_;
+  status.self = !self_masked_.empty();
+  uint32_t const masked = status.self ? self_view_ : all_ranks_ & ~active_;
+  for (uint32_t m = masked; m != 0; m &= m - 1) status.ranks.push_back(std::countr_zero(m));
+  return status;
+}
+
+void CpuEp::mask_ranks(std::vector<int> const& ranks) {
+  for (int r : ranks) proposed_ |= 1U << r;  // EpBuffer checked the range
+}
+
+void CpuEp::clear_mask() {
+  // Every rank, masked or not, brings its counters; all take the largest (those of the ranks that went on: a masked
+  // rank's stopped when it was left out). The words in symmetric memory need no reset: arrivals are compared with
+  // >= and verdicts carry their epoch, and every word written so far holds an epoch at most the largest.
+  struct Counters {
+    uint64_t epoch;
+    uint64_t step;
+    uint64_t calls[3];
+  };
+  Counters const mine{epoch_, step_, {calls_[0], calls_[1], calls_[2]}};
+  std::vector<Counters> all(static_cast<std::size_t>(world_));
+  comm_.bootstrap().allgather(&mine, all.data(), sizeof(Counters));
+  for (Counters const& theirs : all) {
+    epoch_ = std::max(epoch_, theirs.epoch);
+    step_ = std::max(step_, theirs.step);
+    for (int k = 0; k < 3; ++k) calls_[k] = std::max(calls_[k], theirs.calls[k]);
+  }
+  active_ = all_ranks_;
+  dispatch_active_ = all_ranks_;
+  proposed_ = 0;
+  self_masked_.clear();
+  self_view_ = 0;
+  last_ids_.clear();
+  num_tokens_ = 0;
+  counts_of_masking_ = MaskStatus{};
+  counts_of_masking_.enabled = true;
+}
+
+WaitStats CpuEp::wait_stats(cudaStream_t) const {
+  return WaitStats{waits_[0], waits_[1]};
+}
+
+void CpuEp::reset_wait_stats(cudaStream_t) {
+  for (auto& leg : waits_) std::fill(leg.begin(), leg.end(), PeerWaitStats{});
 }
 
 std::string CpuEp::explain() const {

@@ -172,6 +172,8 @@ void allocate_buffers(Buffers& b) {
     b.token_mask = device_alloc<uint32_t>(max_tokens);
     b.expert_counts = device_zeroed<int32_t>(static_cast<std::size_t>(b.num_local_experts));
     b.recv_slot = device_alloc<int32_t>(rows * topk);
+    if (config.wait_stats)
+      b.wait_stats = device_zeroed<wait_stats::Slot>(static_cast<std::size_t>(wait_stats::kLegs) * b.world);
     if (b.expert_slots > 0) {
       std::size_t const slots = static_cast<std::size_t>(b.num_local_experts) * b.expert_slots;
       b.expert_x = device_alloc<uint8_t>(slots * b.recv_row_bytes);
@@ -235,6 +237,7 @@ void allocate_buffers(Buffers& b) {
 void free_buffers(Buffers& b) noexcept {
   device_free(b.state);
   device_free(b.token_mask);
+  device_free(b.wait_stats);
   device_free(b.expert_counts);
   device_free(b.recv_slot);
   device_free(b.expert_x);
@@ -331,6 +334,7 @@ cuda_ll::LlParams ll_params(Buffers const& b, bool refuse, TraceKernel traced) {
   p.recv_idx = b.recv_idx;
   p.recv_w = b.recv_w;
   p.recv_slot = b.recv_slot;
+  p.wait_stats = b.wait_stats;
   return p;
 }
 

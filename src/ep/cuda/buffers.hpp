@@ -70,6 +70,8 @@ struct Buffers {
   void* expert_scales = nullptr;
   float* expert_token_scales = nullptr;
   trace::DeviceRecorder* trace = nullptr;  // in-kernel trace buffers (src/trace/), owned by the backend
+  // EpConfig::wait_stats (low-latency): [wait_stats::kLegs][world] per-source waits, zeroed; null when off
+  wait_stats::Slot* wait_stats = nullptr;
 
   // Normal mode (push and landing).
   int32_t* token_pos = nullptr;     // [max_tokens, world]

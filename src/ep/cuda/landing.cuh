@@ -14,6 +14,7 @@
 #include "comm/device/arch_sm90.cuh"
 #include "comm/device/signal.cuh"
 #include "comm/transport/lsa.cuh"
+#include "ep/cuda/wait_stats.cuh"
 #include "ferry/device_view.hpp"
 #include "ferry/ep.hpp"
 
@@ -128,7 +129,8 @@ __device__ __forceinline__ void send_row_chunk(int4 const* src, int v_begin, int
 // landed record of source s (s_base[world] = all of them). Returns that total; 0 when a source refused the call (its
 // bit in *s_aborted: every rank reads the same words, so every rank lands nothing; CTA 0 records each refusing peer
 // in the error block, unless this rank refused the call itself); -1 for the whole CTA when a wait failed (recorded).
-// *s_ok must be 1 and *s_aborted 0 on entry, set before a barrier.
+// *s_ok must be 1 and *s_aborted 0 on entry, set before a barrier. stats: the leg's row of the wait statistics
+// (wait_stats.cuh; null: off).
 // Sources of other nodes (low-latency mode across nodes): `remote.of(s)` says which, and their wait is
 // `remote.wait(s, least)` (the network's), without the out-of-step check (a network counter is read only by the
 // transport's wait). NoRemoteSources: every source is on this node.
@@ -141,14 +143,17 @@ template <class Remote = NoRemoteSources>
 __device__ __forceinline__ int wait_sources(DeviceView const& view, uint64_t const* arrivals, uint64_t seq,
                                             uint64_t per_call, uint64_t const volatile* tokens,
                                             uint64_t const volatile* aborts, WaitPhase phase, int32_t* s_base,
-                                            uint32_t* s_aborted, int* s_ok, Remote const& remote = {}) {
+                                            uint32_t* s_aborted, int* s_ok, wait_stats::Slot* stats = nullptr,
+                                            Remote const& remote = {}) {
   int const tid = static_cast<int>(threadIdx.x);
   int const world = view.world;
   if (tid < world) {
     uint64_t observed = 0;
     if (remote.of(tid)) {
-      if (!remote.wait(tid, seq * per_call)) *s_ok = 0;
-    } else if (!device::wait_signal_geq_value(view, arrivals + tid, seq * per_call, tid, phase, &observed)) {
+      if (!wait_stats::timed(stats, tid, [&] { return remote.wait(tid, seq * per_call); })) *s_ok = 0;
+    } else if (!wait_stats::timed(stats, tid, [&] {
+                 return device::wait_signal_geq_value(view, arrivals + tid, seq * per_call, tid, phase, &observed);
+               })) {
       *s_ok = 0;
     } else if (observed > (seq + 1) * per_call) {
       device::record_out_of_step(view, tid, phase, seq, observed / per_call);

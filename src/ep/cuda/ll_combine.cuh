@@ -526,21 +526,27 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
     uint64_t const per_call = static_cast<uint64_t>(p.num_ctas);
     uint64_t observed = 0;
     bool remote = false;
+    wait_stats::Slot* const stats = wait_stats::row(p.wait_stats, wait_stats::kCombine, world);
     if constexpr (kAcrossNodes<Net>) remote = !same_node(p, tid);
     if (remote) {
       // a rank of another node: through the network (no out-of-step check: its counter is the transport's); the
       // forward route hears only from each node's rail for this rank, which relays its node's refusals
       if constexpr (kAcrossNodes<Net>) {
         if (!p.forward || tid % p.local == rank % p.local) {
-          if (!wait_network(p, network, p.layout.combine_arrivals, tid, seq * per_call, WaitPhase::ll_combine))
+          if (!wait_stats::timed(stats, tid, [&] {
+                return wait_network(p, network, p.layout.combine_arrivals, tid, seq * per_call,
+                                    WaitPhase::ll_combine);
+              }))
             s_ok = 0;
           else if (cta == 0)
             abort_seen = reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) +
                                                                     p.layout.combine_abort)[parity * world + tid];
         }
       }
-    } else if (!device::wait_signal_geq_value(p.view, arrivals + tid, seq * per_call, tid, WaitPhase::ll_combine,
-                                              &observed)) {
+    } else if (!wait_stats::timed(stats, tid, [&] {
+                 return device::wait_signal_geq_value(p.view, arrivals + tid, seq * per_call, tid,
+                                                      WaitPhase::ll_combine, &observed);
+               })) {
       s_ok = 0;
     } else if (observed > (seq + 1) * per_call) {
       device::record_out_of_step(p.view, tid, WaitPhase::ll_combine, seq, observed / per_call);

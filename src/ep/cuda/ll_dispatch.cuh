@@ -751,13 +751,14 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Net 
     s_aborted = 0;
   }
   __syncthreads();
+  wait_stats::Slot* const stats = wait_stats::row(p.wait_stats, wait_stats::kDispatch, world);
   auto const wait = [&](auto const& remote) {
     return landing::wait_sources(
         p.view, reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.layout.dispatch_arrivals), seq,
         static_cast<uint64_t>(p.num_ctas),
         reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) + p.layout.dispatch_tokens) + parity * world,
         reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) + p.layout.dispatch_abort) + parity * world,
-        WaitPhase::ll_dispatch, s_base, &s_aborted, &s_ok, remote);
+        WaitPhase::ll_dispatch, s_base, &s_aborted, &s_ok, stats, remote);
   };
   int num_landed = 0;
   if constexpr (kAcrossNodes<Net>) {

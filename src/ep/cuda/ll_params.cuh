@@ -26,6 +26,7 @@
 #include "comm/device/bf16x8.cuh"
 #include "comm/transport/group.cuh"
 #include "ep/cuda/params.cuh"
+#include "ep/cuda/wait_stats.cuh"
 #include "ferry/device_view.hpp"
 #include "ferry/ep.hpp"
 #include "trace/trace_format.hpp"
@@ -64,6 +65,8 @@ struct LlParams : KernelParams {
   bool forward;          // across nodes: the forward route (rows once per node, to the rail); else direct
   int32_t* fwd_num;      // forward: [nodes] tokens of each node's source this rail placed (Buffers::ll_fwd_num)
   uint32_t* fwd_mask;    // forward: [nodes, max_tokens] their local ranks here (Buffers::ll_fwd_mask)
+  wait_stats::Slot*
+      wait_stats;  // [kLegs][world] per-source waits of the receive halves (null: EpConfig::wait_stats off)
 };
 
 // The areas of the symmetric region are SymLayout's low-latency part; the state words DeviceState's.

@@ -1,0 +1,515 @@
+// Rank masking (EpConfig::rank_masking, docs/internode.md "Rank masking") and the wait statistics on the cpu backend,
+// low-latency mode, ranks as threads. A rank (or a whole node) skips calls on purpose, or is asked out with
+// mask_ranks: the others finish the call within FERRY_TIMEOUT_S, report it masked, and every row they return equals
+// the reference of the world without it (ref::without_ranks), at one node (2, 4, 8 ranks) and across nodes (2x2, 2x4,
+// 4x2; both routes). The entries counted as masked equal what the routing gives; the masked rank's own calls throw
+// until clear_mask, after which a call with every rank equals the full reference again. Without masking a skipped
+// call still fails naming the rank.
+//
+// Each check was seen to fail once, each mutation of src/ep/cpu/cpu_ep.cpp reverted after: offsets that count a
+// masked source's stale count row (recv_topk_idx differs); no alternate rail for a masked one (rows differ);
+// masked_entries or the combine's entries left 0 (the counts); waiting for every rank, masked ones too (call 3 took
+// 2 s); clear_mask that keeps the mask (ranks still masked); no timeout without masking (the default check); a
+// masked rank that does not learn it (its own call passes); the statistics timed at two syncs (6 waits for 3 calls);
+// masked destinations summed (y differs); the combine's last step failing the call (TimeoutError); mask_ranks
+// requests not applied (TimeoutError at the next step).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ep/reference.hpp"
+#include "ferry/communicator.hpp"
+#include "ferry/ep.hpp"
+#include "ferry/error.hpp"
+#include "support/cpu_ranks.hpp"
+#include "support/host_fixtures.hpp"
+#include "support/rank_case.hpp"
+#include "workloads/inputs.hpp"
+#include "workloads/routing.hpp"
+
+namespace ferry {
+namespace {
+
+using detail::concat;
+using test::contains;
+
+std::size_t at(int64_t row, int64_t width) {
+  return static_cast<std::size_t>(row * width);
+}
+
+// Short waits keep the cases fast: a rank that skips a call costs its peers this long, once.
+constexpr char const* kTimeoutS = "0.5";
+constexpr double kTimeout = 0.5;
+
+enum class Skip { rank, node };
+enum class How { timeout, asked };  // the rank does not come, or mask_ranks asks it out
+
+struct Case {
+  char const* topology;
+  InternodeRoute route = InternodeRoute::direct;
+  Skip skip = Skip::rank;
+  How how = How::timeout;
+  bool hook = false;
+};
+
+std::string case_name(testing::TestParamInfo<Case> const& info) {
+  Case const& c = info.param;
+  std::string name = c.topology;
+  std::replace(name.begin(), name.end(), 'x', '_');
+  return concat(name, "_", internode_route_name(c.route), c.skip == Skip::node ? "_node" : "_rank",
+                c.how == How::asked ? "_asked" : "_timeout", c.hook ? "_hook" : "");
+}
+
+// The ranks a case leaves out: rank 1 (a rail of node 0 across nodes, so another rank relays for it), or every
+// rank of the last node.
+uint32_t skipped_ranks(Case const& c, Topology const& t) {
+  if (c.skip == Skip::rank) return 1U << 1;
+  uint32_t bits = 0;
+  for (int l = 0; l < t.local; ++l) bits |= 1U << ((t.nodes - 1) * t.local + l);
+  return bits;
+}
+
+std::vector<int> ranks_of(uint32_t bits) {
+  std::vector<int> out;
+  for (int r = 0; r < 32; ++r)
+    if ((bits >> r & 1U) != 0) out.push_back(r);
+  return out;
+}
+
+EpConfig case_config(Case const& c, int world) {
+  EpConfig config;
+  config.mode = Mode::low_latency;
+  config.hidden = 128;
+  config.num_experts = 4 * world;
+  config.topk = 4;
+  config.max_tokens_per_rank = 8;
+  config.internode_route = c.route;
+  config.rank_masking = true;
+  return config.resolved(world);
+}
+
+std::vector<uint16_t> random_bf16(std::size_t n, std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
+  std::vector<uint16_t> out(n);
+  for (auto& v : out) v = ref::float_to_bf16(dist(rng));
+  return out;
+}
+
+// One call's world: every rank's inputs and expert outputs, and the reference of the ranks that take part.
+struct CallWorld {
+  std::vector<ref::RankInput> inputs;  // what every rank passes
+  ref::MaskedWorld kept;               // ...without the masked ranks
+  std::vector<ref::RankDispatch> received;
+  std::vector<std::vector<uint16_t>> expert_out;
+};
+
+CallWorld make_call(EpConfig const& config, int world, uint64_t seed, uint32_t masked) {
+  std::mt19937_64 rng(seed);
+  RoutingOptions routing;
+  routing.seed = rng();
+  routing.mask_rate = 0.1;
+  std::vector<int> tokens;
+  for (int r = 0; r < world; ++r)
+    tokens.push_back(1 + static_cast<int>(rng() % static_cast<uint64_t>(config.max_tokens_per_rank)));
+  CallWorld w;
+  w.inputs = ref::generate_inputs(config, world, routing, tokens);
+  w.kept = ref::without_ranks(config, world, w.inputs, masked);
+  std::size_t const expert_elems =
+      at(static_cast<int64_t>(config.num_local_experts(world)) * config.expert_slots(), config.hidden);
+  for (int d = 0; d < world; ++d) {
+    w.received.push_back(ref::dispatch(config, world, d, w.kept.inputs));
+    w.expert_out.push_back(random_bf16(expert_elems, rng));
+  }
+  return w;
+}
+
+// A dispatch of `in` (host memory: the cpu backend).
+DispatchArgs args_of(ref::RankInput const& in) {
+  DispatchArgs args;
+  args.x = in.x.data();
+  args.num_tokens = in.num_tokens;
+  args.topk_idx = in.topk_idx.data();
+  args.topk_weights = in.topk_weights.data();
+  return args;
+}
+
+template <typename T>
+std::string differs(char const* what, T const* got, T const* want, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i)
+    if (std::memcmp(got + i, want + i, sizeof(T)) != 0) return concat(what, " differs at element ", i, " of ", n);
+  return "";
+}
+
+// A dispatch and an expert-major combine on rank r, every row checked against the reference of the ranks that take
+// part: the metadata of every received row, every filled slot, y (poisoned before, with a guard row past its end),
+// and the masked entries both legs report. `order`: the reference's summation order (forward: per node).
+void run_and_check(EpBuffer& buffer, CallWorld const& w, int r, Topology const& order, bool hook, char const* call,
+                   std::chrono::milliseconds before_combine = std::chrono::milliseconds(0)) {
+  EpConfig const& config = buffer.config();
+  int const world = order.world();
+  int const hidden = config.hidden;
+  std::size_t const R = static_cast<std::size_t>(r);
+  ref::RankInput const& in = w.inputs[R];
+  ref::RankDispatch const& want = w.received[R];
+  DispatchArgs args = args_of(in);
+  args.return_recv_hook = hook;
+  DispatchResult got = buffer.dispatch(args);
+  if (hook) got = buffer.complete_dispatch();
+  auto const fail = [&](std::string const& what) { FERRY_CHECK(what.empty(), "rank ", r, ", ", call, ": ", what); };
+  fail(got.num_recv_host == want.num_recv ? "" : concat("num_recv ", got.num_recv_host, ", want ", want.num_recv));
+  int const n = want.num_recv;
+  fail(differs("recv_topk_idx", got.recv_topk_idx, want.recv_topk_idx.data(), at(n, config.topk)));
+  fail(differs("recv_topk_weights", got.recv_topk_weights, want.recv_topk_weights.data(), at(n, config.topk)));
+  fail(differs("recv_src", got.recv_src, want.recv_src.data(), at(n, 2)));
+  fail(differs("expert_counts", got.expert_counts, want.expert_counts.data(), want.expert_counts.size()));
+  std::vector<uint16_t> const slots = ref::expand(config, world, want);
+  for (std::size_t e = 0; e < want.expert_counts.size(); ++e) {
+    std::size_t const first = at(static_cast<int64_t>(e) * want.expert_slots, hidden);
+    int const filled = std::min(want.expert_counts[e], want.expert_slots);
+    fail(differs("expert_x", static_cast<uint16_t const*>(got.expert_x) + first, slots.data() + first,
+                 at(filled, hidden)));
+    fail(differs("expert_src_row", got.expert_src_row + at(static_cast<int64_t>(e), want.expert_slots),
+                 want.expert_src_row.data() + at(static_cast<int64_t>(e), want.expert_slots),
+                 static_cast<std::size_t>(filled)));
+  }
+  int64_t const masked = w.kept.masked_entries[R];
+  fail(got.masked_entries == masked ? ""
+                                    : concat("masked_entries ", got.masked_entries, ", the routing gives ", masked));
+
+  std::vector<uint16_t> y(at(in.num_tokens + 1, hidden), 0xeeee);
+  CombineArgs ca;
+  ca.layout = CombineLayout::expert_major;
+  ca.x = w.expert_out[R].data();
+  ca.y = y.data();
+  ca.return_recv_hook = hook;
+  std::this_thread::sleep_for(before_combine);
+  buffer.combine(ca);
+  if (hook) buffer.complete_combine();
+  std::vector<uint16_t> const want_y =
+      ref::combine_expert_major(config, order, r, w.kept.inputs, w.received, w.expert_out);
+  // the masked rank's tokens are the caller's own: a rank that takes part keeps all of its rows
+  fail(want_y.size() == at(in.num_tokens, hidden) ? "" : "the reference has another token count");
+  fail(differs("y", y.data(), want_y.data(), want_y.size()));
+  fail(std::all_of(y.begin() + static_cast<std::ptrdiff_t>(want_y.size()), y.end(),
+                   [](uint16_t v) { return v == 0xeeee; })
+           ? ""
+           : "combine wrote past y");
+  MaskStatus const status = buffer.mask_status();
+  fail(status.last_combine_entries == masked
+           ? ""
+           : concat("combine's masked entries ", status.last_combine_entries, ", the routing gives ", masked));
+}
+
+class RankMaskingCpu : public testing::TestWithParam<Case> {};
+
+// Call 1 with every rank; call 2 without the skipped ranks (they do not come: their peers wait FERRY_TIMEOUT_S once;
+// or rank 0 asks them out and they learn it at the call's exchange); call 3 without them again, with no wait at all;
+// then the skipped ranks' own call throws, every rank clears the mask, and call 4 with every rank equals the full
+// reference.
+TEST_P(RankMaskingCpu, SkippedRanksAreMaskedAndTheOthersMatchTheReference) {
+  Case const c = GetParam();
+  test::ScopedEnv const timeout("FERRY_TIMEOUT_S", std::string(kTimeoutS));
+  Topology const topology = parse_topology(c.topology);
+  int const world = topology.world();
+  EpConfig const config = case_config(c, world);
+  uint32_t const skipped = skipped_ranks(c, topology);
+  uint64_t const seed = test::test_seed();
+  // forward reduces per node; direct (and one node) sums the ranks as one node does
+  Topology const order =
+      topology.nodes > 1 && config.route() == InternodeRoute::forward ? topology : Topology{1, world};
+  std::vector<CallWorld> calls;
+  for (int call = 0; call < 4; ++call)
+    calls.push_back(make_call(config, world, seed + 1000003ULL * call, call == 1 || call == 2 ? skipped : 0));
+  std::atomic<int> finished{0};  // ranks that took part and finished call 3
+  int const survivors = world - std::popcount(skipped);
+  CommunicatorOptions options;
+  options.topology = c.topology;
+  std::vector<std::string> const failures = test::run_cpu_ranks(
+      world,
+      [&](int r, std::shared_ptr<Communicator> const& comm) {
+        EpBuffer buffer(comm, config);
+        bool const out = (skipped >> r & 1U) != 0;
+        run_and_check(buffer, calls[0], r, order, c.hook, "call 1 (every rank)");
+        FERRY_CHECK(buffer.masked_ranks().empty(), "rank ", r, ": masked ranks before any was skipped");
+        if (out) {
+          if (c.how == How::asked) {
+            // it comes, and learns at the exchange that it is out
+            DispatchArgs none;
+            std::string const problem = test::expect_error<Error>([&] { buffer.dispatch(none); }, {"is masked"});
+            FERRY_CHECK(problem.empty(), "rank ", r, ": its call after mask_ranks: ", problem);
+          }
+          // bounded: a survivor that failed still counts itself (Finished below)
+          auto const deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+          while (finished.load() < survivors) {
+            FERRY_CHECK(std::chrono::steady_clock::now() < deadline, "rank ", r, ": the other ranks never finished");
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          }
+          // its next call: refused, naming the reason, at once or after reading its peers' verdicts
+          std::string const problem = test::expect_error<Error>(
+              [&] {
+                DispatchArgs none;
+                buffer.dispatch(none);
+              },
+              {"rank " + std::to_string(r) + " is masked", "clear_mask"});
+          FERRY_CHECK(problem.empty(), "rank ", r, ": its own call while masked: ", problem);
+          MaskStatus const status = buffer.mask_status();
+          FERRY_CHECK(status.self, "rank ", r, ": mask_status().self is false after its peers masked it");
+          FERRY_CHECK(std::find(status.ranks.begin(), status.ranks.end(), r) != status.ranks.end(), "rank ", r,
+                      ": masked_ranks() leaves itself out");
+        } else {
+          struct Finished {  // counts this rank as done however its calls end, so a skipped rank never waits forever
+            std::atomic<int>& count;
+            ~Finished() { count.fetch_add(1); }
+          } const done{finished};
+          if (c.how == How::asked && r == 0) buffer.mask_ranks(ranks_of(skipped));
+          auto const start = std::chrono::steady_clock::now();
+          run_and_check(buffer, calls[1], r, order, c.hook, "call 2 (the skipped ranks masked)");
+          double const first = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          FERRY_CHECK(buffer.masked_ranks() == ranks_of(skipped), "rank ", r, ": masked_ranks() after call 2 is not ",
+                      "the skipped ranks");
+          // the others finish within the timeout: one wait for the absent ranks (none when asked), then none
+          FERRY_CHECK(first < 6 * kTimeout, "rank ", r, ": call 2 took ", first, " s");
+          auto const again = std::chrono::steady_clock::now();
+          run_and_check(buffer, calls[2], r, order, !c.hook, "call 3 (masked again, no wait)");
+          double const second = std::chrono::duration<double>(std::chrono::steady_clock::now() - again).count();
+          FERRY_CHECK(second < kTimeout, "rank ", r, ": call 3 took ", second,
+                      " s: it waited for a masked rank (FERRY_TIMEOUT_S=", kTimeoutS, ")");
+          MaskStatus const status = buffer.mask_status();
+          FERRY_CHECK(status.dispatch_entries == calls[1].kept.masked_entries[static_cast<std::size_t>(r)] +
+                                                     calls[2].kept.masked_entries[static_cast<std::size_t>(r)],
+                      "rank ", r, ": cumulative masked dispatch entries ", status.dispatch_entries);
+          FERRY_CHECK(!status.self, "rank ", r, ": masked itself");
+        }
+        // every rank, masked or not: the mask goes, the counters meet again, and a call of every rank is whole
+        buffer.clear_mask();
+        FERRY_CHECK(buffer.masked_ranks().empty() && !buffer.mask_status().self, "rank ", r,
+                    ": ranks still masked after clear_mask");
+        run_and_check(buffer, calls[3], r, order, c.hook, "call 4 (after clear_mask)");
+        FERRY_CHECK(buffer.mask_status().dispatch_entries == 0, "rank ", r, ": entries counted after clear_mask");
+      },
+      options);
+  for (std::size_t r = 0; r < failures.size(); ++r)
+    EXPECT_EQ(failures[r], "") << "rank " << r << ", seed " << seed << ", topology " << c.topology;
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (char const* topology : {"1x2", "1x4", "1x8"}) {
+    out.push_back({topology});
+    out.push_back({topology, InternodeRoute::direct, Skip::rank, How::asked, true});
+  }
+  for (char const* topology : {"2x2", "2x4", "4x2"})
+    for (InternodeRoute route : {InternodeRoute::forward, InternodeRoute::direct}) {
+      out.push_back({topology, route, Skip::rank, How::timeout, false});
+      out.push_back({topology, route, Skip::node, How::timeout, true});
+      out.push_back({topology, route, Skip::rank, How::asked, true});
+    }
+  out.push_back({"2x4", InternodeRoute::forward, Skip::node, How::asked, false});
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Topologies, RankMaskingCpu, testing::ValuesIn(cases()), case_name);
+
+// A rank present at the dispatch that skips the combine: the combine's exchange masks it, and y equals the
+// reference without its rows (its expert outputs zero: 0.0f adds nothing to a sum that starts at +0.0f; its area
+// still holds the rows of a full call before, which must not be read); the combine counts every entry of this rank's
+// tokens on it. One node and the direct route (the forward route loses the node's rows behind a rail masked between
+// the legs: docs/internode.md).
+TEST(RankMaskingCpuLegs, RankSkippingTheCombineIsMaskedThere) {
+  test::ScopedEnv const timeout("FERRY_TIMEOUT_S", std::string(kTimeoutS));
+  for (char const* topology_name : {"1x4", "2x2"}) {
+    Topology const topology = parse_topology(topology_name);
+    int const world = topology.world();
+    Case const c{topology_name, InternodeRoute::direct};
+    EpConfig const config = case_config(c, world);
+    uint64_t const seed = test::test_seed();
+    CallWorld const before = make_call(config, world, seed + 5, 0);
+    CallWorld w = make_call(config, world, seed, 0);
+    int const gone = 2;
+    std::vector<std::vector<uint16_t>> without = w.expert_out;
+    std::fill(without[gone].begin(), without[gone].end(), uint16_t{0});
+    int const num_local = config.num_local_experts(world);
+    CommunicatorOptions options;
+    options.topology = topology_name;
+    std::vector<std::string> const failures = test::run_cpu_ranks(
+        world,
+        [&](int r, std::shared_ptr<Communicator> const& comm) {
+          EpBuffer buffer(comm, config);
+          Topology const one_node{1, world};
+          run_and_check(buffer, before, r, one_node, false, "the full call before");
+          ref::RankInput const& in = w.inputs[static_cast<std::size_t>(r)];
+          DispatchArgs args = args_of(in);
+          buffer.dispatch(args);
+          if (r == gone) return;  // no combine
+          std::vector<uint16_t> y(at(in.num_tokens, config.hidden), 0xeeee);
+          CombineArgs ca{CombineLayout::expert_major, w.expert_out[static_cast<std::size_t>(r)].data(), y.data()};
+          buffer.combine(ca);
+          std::vector<uint16_t> const want =
+              ref::combine_expert_major(config, Topology{1, world}, r, w.inputs, w.received, without);
+          std::string const diff = differs("y", y.data(), want.data(), want.size());
+          FERRY_CHECK(diff.empty(), "rank ", r, ": ", diff);
+          int64_t on_gone = 0;
+          for (int64_t id : in.topk_idx) on_gone += id >= 0 && id / num_local == gone;
+          MaskStatus const status = buffer.mask_status();
+          FERRY_CHECK(status.ranks == std::vector<int>{gone}, "rank ", r, ": masked ranks after the combine");
+          FERRY_CHECK(status.last_combine_entries == on_gone && status.last_dispatch_entries == 0, "rank ", r,
+                      ": combine entries ", status.last_combine_entries, ", the routing gives ", on_gone);
+        },
+        options);
+    for (std::size_t r = 0; r < failures.size(); ++r)
+      EXPECT_EQ(failures[r], "") << "rank " << r << ", seed " << seed << ", topology " << topology_name;
+  }
+}
+
+// A rank that sends its combine rows (the hook's send half) and never completes: the others' sums are whole (its rows
+// were there), and the combine's last step masks it without failing the call; the next call skips it.
+TEST(RankMaskingCpuLegs, RankLostAfterItsRowsLeavesTheCombineWhole) {
+  test::ScopedEnv const timeout("FERRY_TIMEOUT_S", std::string(kTimeoutS));
+  int const world = 4;
+  Case const c{"1x4"};
+  EpConfig const config = case_config(c, world);
+  uint64_t const seed = test::test_seed();
+  CallWorld const full = make_call(config, world, seed, 0);
+  CallWorld const next = make_call(config, world, seed + 17, 1U << 3);
+  std::vector<std::string> const failures =
+      test::run_cpu_ranks(world, [&](int r, std::shared_ptr<Communicator> const& comm) {
+        EpBuffer buffer(comm, config);
+        ref::RankInput const& in = full.inputs[static_cast<std::size_t>(r)];
+        DispatchArgs args = args_of(in);
+        buffer.dispatch(args);
+        std::vector<uint16_t> y(at(in.num_tokens, config.hidden), 0xeeee);
+        CombineArgs ca{CombineLayout::expert_major, full.expert_out[static_cast<std::size_t>(r)].data(), y.data()};
+        ca.return_recv_hook = true;
+        buffer.combine(ca);
+        if (r == 3) return;  // its receive half never runs
+        buffer.complete_combine();
+        std::vector<uint16_t> const want =
+            ref::combine_expert_major(config, Topology{1, world}, r, full.inputs, full.received, full.expert_out);
+        std::string const diff = differs("y", y.data(), want.data(), want.size());
+        FERRY_CHECK(diff.empty(), "rank ", r, ": ", diff);
+        FERRY_CHECK(buffer.masked_ranks() == std::vector<int>{3}, "rank ", r, ": rank 3 not masked");
+        run_and_check(buffer, next, r, Topology{1, world}, false, "the call after");
+      });
+  for (std::size_t r = 0; r < failures.size(); ++r) EXPECT_EQ(failures[r], "") << "rank " << r << ", seed " << seed;
+}
+
+// The default is unchanged: without rank_masking a skipped call fails naming the rank (TimeoutError, the
+// communicator failed), through the communicator's barrier, and through this buffer's own when only the wait
+// statistics are on.
+TEST(RankMaskingCpuDefault, ASkippedCallStillFailsNamingTheRank) {
+  test::ScopedEnv const timeout("FERRY_TIMEOUT_S", std::string(kTimeoutS));
+  for (bool stats : {false, true}) {
+    std::vector<std::string> const failures =
+        test::run_cpu_ranks(4, [&](int r, std::shared_ptr<Communicator> const& comm) {
+          EpConfig config = case_config(Case{"1x4"}, 4);
+          config.rank_masking = false;
+          config.wait_stats = stats;
+          EpBuffer buffer(comm, config);
+          if (r == 2) return;  // never arrives
+          try {
+            buffer.dispatch(DispatchArgs{});
+            FERRY_THROW(Error, "test", "rank ", r, ": dispatch passed without rank 2");
+          } catch (TimeoutError const& error) {
+            std::string const what = error.what();
+            FERRY_CHECK(contains(what, concat("rank ", r, " timed out")) &&
+                            (contains(what, "waiting for rank 2 ") || contains(what, "waiting for rank(s) 2 ")),
+                        "rank ", r, " (wait_stats=", stats, "): the timeout does not name rank 2: ", what);
+          }
+          FERRY_CHECK(comm->failed(), "rank ", r, ": the communicator is usable after the timeout");
+          FERRY_CHECK(buffer.masked_ranks().empty(), "rank ", r, ": ranks masked without masking");
+        });
+    for (std::size_t r = 0; r < failures.size(); ++r) EXPECT_EQ(failures[r], "") << "rank " << r << ", stats " << stats;
+  }
+}
+
+// The rules, refused with what to do.
+TEST(RankMaskingCpuConfig, RefusalsNameTheRule) {
+  EpConfig normal;
+  normal.rank_masking = true;
+  EXPECT_NE(test::expect_error<ConfigError>([&] { normal.validate(4); }, {"rank_masking=true needs mode=ll"}),
+            "no error")
+      << "normal mode accepted rank_masking";
+  normal.rank_masking = false;
+  normal.wait_stats = true;
+  EXPECT_EQ(test::expect_error<ConfigError>([&] { normal.validate(4); }, {"wait_stats=true needs mode=ll"}), "");
+  normal.wait_stats = false;
+  normal.rank_masking = true;
+  EXPECT_EQ(test::expect_error<ConfigError>([&] { normal.validate(4); }, {"rank_masking=true needs mode=ll"}), "");
+  std::vector<std::string> const failures = test::run_cpu_ranks(2, [](int r,
+                                                                      std::shared_ptr<Communicator> const& comm) {
+    EpConfig off = case_config(Case{"1x2"}, 2);
+    off.rank_masking = false;
+    EpBuffer plain(comm, off);
+    FERRY_CHECK(test::expect_error<ConfigError>([&] { plain.mask_ranks({1}); }, {"rank_masking=true"}).empty(),
+                "mask_ranks with masking off");
+    FERRY_CHECK(test::expect_error<ConfigError>([&] { plain.clear_mask(); }, {"rank masking is off"}).empty(),
+                "clear_mask with masking off");
+    FERRY_CHECK(test::expect_error<ConfigError>([&] { plain.wait_stats(); }, {"wait_stats=true"}).empty(),
+                "wait_stats with statistics off");
+    FERRY_CHECK(!plain.mask_status().enabled && plain.masked_ranks().empty(), "mask_status with masking off");
+    EpBuffer masked(comm, case_config(Case{"1x2"}, 2));
+    FERRY_CHECK(test::expect_input_error([&] { masked.mask_ranks({2}); }, {"rank 2 is outside [0, world=2)"}).empty(),
+                "rank ", r, ": mask_ranks out of range");
+  });
+  for (std::size_t r = 0; r < failures.size(); ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
+}
+
+// The wait statistics count one wait per source per call of each leg (with and without the hook), find a late
+// source (it comes 60 ms late to the combine of one call: its waits there are the longest on every other rank), go
+// back to zero with reset_wait_stats, with masking on and off.
+TEST(WaitStatsCpu, OneWaitPerSourceAndCallAndALateSourceShows) {
+  test::ScopedEnv const timeout("FERRY_TIMEOUT_S", std::string("5"));
+  int const world = 4;
+  int const late = 2;
+  auto const sleep = std::chrono::milliseconds(60);
+  uint64_t const seed = test::test_seed();
+  for (bool masking : {false, true}) {
+    EpConfig config = case_config(Case{"1x4"}, world);
+    config.rank_masking = masking;
+    config.wait_stats = true;
+    CallWorld const w = make_call(config, world, seed, 0);
+    std::vector<std::string> const failures =
+        test::run_cpu_ranks(world, [&](int r, std::shared_ptr<Communicator> const& comm) {
+          EpBuffer buffer(comm, config);
+          int const calls = 3;
+          for (int call = 0; call < calls; ++call)
+            run_and_check(buffer, w, r, Topology{1, world}, call == 2, "a timed call",
+                          r == late && call == 1 ? sleep : std::chrono::milliseconds(0));
+          WaitStats const stats = buffer.wait_stats();
+          FERRY_CHECK(
+              stats.dispatch.size() == static_cast<std::size_t>(world) && stats.combine.size() == stats.dispatch.size(),
+              "rank ", r, ": stats of ", stats.dispatch.size(), " sources");
+          for (int s = 0; s < world; ++s) {
+            PeerWaitStats const& d = stats.dispatch[static_cast<std::size_t>(s)];
+            PeerWaitStats const& k = stats.combine[static_cast<std::size_t>(s)];
+            FERRY_CHECK(d.waits == calls && k.waits == calls, "rank ", r, ", source ", s, ": ", d.waits,
+                        " dispatch and ", k.waits, " combine waits for ", calls, " calls");
+            FERRY_CHECK(d.max_ns <= d.total_ns && k.max_ns <= k.total_ns, "rank ", r, ", source ", s, ": max > total");
+            if (r == late || s == late) continue;
+            uint64_t const late_max = stats.combine[late].max_ns;
+            FERRY_CHECK(
+                late_max >= static_cast<uint64_t>(std::chrono::nanoseconds(sleep).count()) / 2 && late_max > k.max_ns,
+                "rank ", r, ": the late source's longest combine wait is ", late_max, " ns, source ", s, "'s ",
+                k.max_ns, " ns");
+          }
+          buffer.reset_wait_stats();
+          WaitStats const zero = buffer.wait_stats();
+          for (auto const* leg : {&zero.dispatch, &zero.combine})
+            for (PeerWaitStats const& s : *leg)
+              FERRY_CHECK(s.waits == 0 && s.total_ns == 0 && s.max_ns == 0, "rank ", r, ": stats after reset");
+        });
+    for (std::size_t r = 0; r < failures.size(); ++r)
+      EXPECT_EQ(failures[r], "") << "rank " << r << " masking " << masking;
+  }
+}
+
+}  // namespace
+}  // namespace ferry
