@@ -197,4 +197,49 @@ __device__ __forceinline__ Share cta_share(int begin, int total, int cta, int ct
           begin + static_cast<int>(static_cast<int64_t>(total) * (cta + 1) / ctas)};
 }
 
+// The whole layout for records whose scan order is the layout's order (hit j of the scan is hit j of
+// ref::expert_layout): the hits in all (one scan; a single step keeps its records in registers for the first fill),
+// this CTA's share of them (CTA cta of ctas), its windows. load(r): record r (HitRecord, r up to count rounded up to
+// kThreads: past count, no hits); on_record(rec): each record of the scan once, at the first fill (also past count
+// and not present: the caller filters); on_slot(hit, slot) and copy(n) as run_windows. s_before: zeroed by the
+// caller before a barrier (the scan's own barriers come before the first count). Every thread of the CTA calls it.
+template <typename Load, typename OnRecord, typename OnSlot, typename Copy>
+__device__ __forceinline__ void expand_records(ExpandShared& s, int32_t* s_before, int count, int cta, int ctas,
+                                               Load load, OnRecord on_record, OnSlot on_slot, Copy copy) {
+  int const tid = static_cast<int>(threadIdx.x);
+  bool const one_step = count <= kThreads;
+  HitRecord const mine = one_step ? load(tid) : HitRecord{};
+  int hits = 0;
+  landing::ScanOffsets first_step{0, 0, 0, 0};
+  if (one_step) {
+    first_step = landing::scan_step<true>(mine.present, mine.hits, s.scan, tid >> 5, tid & 31);
+    hits = first_step.hits;
+  } else {
+    hits = scan_records(s, count, load, [](HitRecord const&, int, int) {}).hits;
+  }
+  Share const share = cta_share(0, hits, cta, ctas);
+  bool first_fill = true;
+  auto const fill = [&](int w0, int w1, bool first) {
+    auto const visit = [&](HitRecord const& rec, int, int first_hit) {
+      if (first_fill) on_record(rec);
+      if (!rec.present) return;
+      int j = first_hit;
+#pragma unroll
+      for (int k = 0; k < kMaxTopk; ++k) {
+        int const e = rec.ids[k];
+        if (e < 0) continue;
+        if (first && j < w0) atomicAdd(&s_before[e], 1);
+        if (j >= w0 && j < w1) s.hit[j - w0] = WindowHit{e, rec.landing, 0, k};
+        ++j;
+      }
+    };
+    if (first && one_step)
+      visit(mine, 0, first_step.first_hit);
+    else
+      scan_records(s, count, load, visit);
+    first_fill = false;
+  };
+  run_windows(s, s_before, share.begin, share.end, fill, on_slot, copy);
+}
+
 }  // namespace ferry::cuda_ep

@@ -34,6 +34,8 @@
 //     over warps when a share has fewer rows than warps.
 // Why the hits and not the experts are spread over the grid (one CTA per expert before): the CTA of the busiest
 // expert (about twice the mean rows with random routing) set the leg's length (docs/perf.md, session 10).
+// Steps 2b, 5 and 6 run the expert-major layout's one algorithm (expert_layout.cuh, normal mode's expand runs it too);
+// this file says where their records come from (load_own, load_landed) and what each slot writes.
 #pragma once
 
 #include <cstdint>
@@ -107,6 +109,7 @@ __device__ __forceinline__ float nvfp4_chunk_token_scale(LlDispatchParams const&
 using cuda_ep::copy_window_bf16;
 using cuda_ep::count_hits;
 using cuda_ep::cta_share;
+using cuda_ep::expand_records;
 using cuda_ep::expand_smem_bytes;
 using cuda_ep::ExpandShared;
 using cuda_ep::HitRecord;
@@ -172,37 +175,6 @@ __device__ __forceinline__ HitRecord load_own(LlDispatchParams const& p, int t) 
 // their metadata (it knows their rank-major rows).
 template <typename IdxT>
 __device__ __forceinline__ void expand_own(LlDispatchParams const& p, ExpandShared& s, int32_t* s_before) {
-  int const tid = static_cast<int>(threadIdx.x);
-  auto const load = [&](int t) { return load_own<IdxT>(p, t); };
-  bool const one_step = p.num_tokens <= kThreads;
-  HitRecord const mine = one_step ? load(tid) : HitRecord{};
-  int hits = 0;
-  landing::ScanOffsets first_step{0, 0, 0, 0};
-  if (one_step) {
-    first_step = landing::scan_step<true>(mine.present, mine.hits, s.scan, tid >> 5, tid & 31);
-    hits = first_step.hits;
-  } else {
-    hits = scan_records(s, p.num_tokens, load, [](HitRecord const&, int, int) {}).hits;
-  }
-  Share const share = cta_share(0, hits, static_cast<int>(blockIdx.x), p.num_ctas);
-  auto const fill = [&](int w0, int w1, bool first) {
-    auto const visit = [&](HitRecord const& rec, int, int first_hit) {
-      if (!rec.present) return;
-      int j = first_hit;
-#pragma unroll
-      for (int k = 0; k < kMaxTopk; ++k) {
-        int const e = rec.ids[k];
-        if (e < 0) continue;
-        if (first && j < w0) atomicAdd(&s_before[e], 1);
-        if (j >= w0 && j < w1) s.hit[j - w0] = WindowHit{e, rec.landing, 0, k};
-        ++j;
-      }
-    };
-    if (first && one_step)
-      visit(mine, 0, first_step.first_hit);
-    else
-      scan_records(s, p.num_tokens, load, visit);
-  };
   auto const* x = static_cast<int4 const*>(p.x);
   std::size_t const row_vecs = static_cast<std::size_t>(p.hidden) / 8;
   // each hit's slot for the receive half's metadata (own_slot: -1 past expert_capacity, dropped and counted here)
@@ -210,8 +182,10 @@ __device__ __forceinline__ void expand_own(LlDispatchParams const& p, ExpandShar
     p.own_slot[static_cast<std::size_t>(hit.landing) * p.topk + hit.k] = slot < p.expert_slots ? slot : -1;
     if (slot >= p.expert_slots) device::record_input_error(p.view, slot, true);
   };
-  run_windows(s, s_before, share.begin, share.end, fill, on_slot,
-              [&](int n) { copy_window_bf16<true>(p, s, n, [&](int t) { return x + t * row_vecs; }); });
+  expand_records(
+      s, s_before, p.num_tokens, static_cast<int>(blockIdx.x), p.num_ctas, [&](int t) { return load_own<IdxT>(p, t); },
+      [](HitRecord const&) {}, on_slot,
+      [&](int n) { copy_window_bf16<true>(p, s, n, [&](int t) { return x + t * row_vecs; }); });
 }
 
 template <typename IdxT, WireFormat kFormat, int kUnitElems>
