@@ -281,8 +281,9 @@ void launch_ll_dispatch(Buffers const& buffers, DispatchArgs const& args, Half h
 void launch_ll_combine(Buffers const& buffers, CombineArgs const& args, int num_tokens, Half half, cudaStream_t stream,
                        bool refuse = false, detail::LegRecord* record = nullptr);
 
-// Most local experts of a low-latency EpBuffer: its dispatch kernels keep two counters per local expert in shared
-// memory (expand_smem_bytes), next to ~12 KiB of their own, under the 48 KiB a launch gets by default.
-inline constexpr int kMaxLlLocalExperts = 4096;
+// Most local experts of an expert-major layout (a low-latency EpBuffer; a normal-mode one with expert_capacity): the
+// kernels that build it (expert_layout.cuh) keep two counters per local expert in shared memory (expand_smem_bytes),
+// next to ~12 KiB of their own, under the 48 KiB a launch gets by default.
+inline constexpr int kMaxLayoutLocalExperts = 4096;
 
 }  // namespace ferry::cuda_ep
