@@ -5,20 +5,24 @@
 # each leg, A, B and B / A, each the median over the rounds. This tree is built into build-device/ (the build
 # scripts/device-check.sh then reuses), the base into /tmp/ferry-ab-base/.
 #
-# usage: scripts/device-ab.sh BASE_TAR [--rounds N] [--iters N] [--seed S] [--quick] [--host-time]
+# usage: scripts/device-ab.sh BASE_TAR [--rounds N] [--iters N] [--seed S] [--quick] [--also "ARGS"] [--host-time]
 #   default workloads: normal mode 128 and 4096 tokens, low-latency mode 1, 128 and 512 tokens, dispatch and combine
 #   in bf16 and fp8 (hidden 7168, topk 8, 256 experts, random routing, graph mode); --quick: normal 128 and LL 1/128,
 #   bf16 only
+#   --also "ARGS": one more workload, `ferry bench ARGS` (repeatable), e.g. "--mode normal --layout expert --tokens
+#   128,4096 --dispatch bf16,fp8 --combine bf16,fp8" (the expand); the table keys rows by layout too
 #   --host-time: also builds the Python module of both trees and runs python/bench_overhead.py at 1 token (world 1,
 #   lazy calls) with each, A B A B: the host time of a dispatch + combine pair from Python and from C++
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
+[[ "${1:-}" == -h || "${1:-}" == --help ]] && { sed -n '2,15p' "$0"; exit 0; }
 BASE_TAR="${1:-}"
 [[ -f "$BASE_TAR" ]] || { echo "device-ab: give the base tree's tarball as the first argument (see --help)" >&2; exit 2; }
 shift
 ROUNDS=2 ITERS=30 SEED=7 QUICK=0 HOST_TIME=0
+ALSO=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --rounds) ROUNDS="$2"; shift 2 ;;
@@ -26,7 +30,8 @@ while [[ $# -gt 0 ]]; do
     --seed) SEED="$2"; shift 2 ;;
     --quick) QUICK=1; shift ;;
     --host-time) HOST_TIME=1; shift ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    --also) ALSO+=("$2"); shift 2 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "device-ab: unknown argument '$1'; see --help" >&2; exit 2 ;;
   esac
 done
@@ -68,6 +73,7 @@ else
   RUNS=("--mode normal --tokens 128,4096 --dispatch bf16,fp8 --combine bf16,fp8"
         "--mode ll --tokens 1,128,512 --dispatch bf16,fp8 --combine bf16,fp8")
 fi
+RUNS+=("${ALSO[@]}")
 for ((round = 1; round <= ROUNDS; ++round)); do
   for side in a b; do
     bin=$([[ $side == a ]] && echo "$BASE/build/ferry" || echo build-device/ferry)
@@ -108,15 +114,20 @@ for side in "ab":
             except Exception:
                 continue
             for rec in doc["records"]:
-                key = (rec["mode"], rec["leg"], rec["tokens"], rec.get("dispatch_format", rec.get("format")),
-                       rec.get("combine_format", rec.get("format")))
+                key = (rec["mode"], rec.get("layout", "-"), rec["leg"], rec["tokens"],
+                       rec.get("dispatch_format", rec.get("format")), rec.get("combine_format", rec.get("format")))
                 med[side].setdefault(key, []).append(rec["median_us"])
                 checks[side].add(rec["check"])
-print(f"{'mode':<7} {'leg':<9} {'tokens':>6} {'dispatch':<9} {'combine':<9} {'A us':>8} {'B us':>8} {'B/A':>6}")
+# each leg: the median over the rounds of A and B, B / A, and the rounds' range of each side (the noise)
+span = lambda v: f"{min(v):.2f}-{max(v):.2f}" if v else "-"
+print(f"{'mode':<7} {'layout':<7} {'leg':<9} {'tokens':>6} {'dispatch':<9} {'combine':<9} {'A us':>8} {'B us':>8} "
+      f"{'B/A':>6}  {'A rounds':<13} {'B rounds':<13}")
 for key in sorted(set(med["a"]) | set(med["b"])):
-    a = statistics.median(med["a"][key]) if key in med["a"] else float("nan")
-    b = statistics.median(med["b"][key]) if key in med["b"] else float("nan")
-    print(f"{key[0]:<7} {key[1]:<9} {key[2]:>6} {key[3]:<9} {key[4]:<9} {a:8.2f} {b:8.2f} {b / a:6.3f}")
+    va, vb = med["a"].get(key, []), med["b"].get(key, [])
+    a = statistics.median(va) if va else float("nan")
+    b = statistics.median(vb) if vb else float("nan")
+    print(f"{key[0]:<7} {key[1]:<7} {key[2]:<9} {key[3]:>6} {key[4]:<9} {key[5]:<9} {a:8.2f} {b:8.2f} {b / a:6.3f}  "
+          f"{span(va):<13} {span(vb):<13}")
 print(f"checks: A {sorted(checks['a'])}, B {sorted(checks['b'])}")
 PY
 stamp "done"

@@ -10,7 +10,8 @@
 # or a test the budget left out, is reported, not fatal).
 #
 # usage: scripts/device-check.sh [--tests REGEX] [--no-tests] [--p2p] [--no-bench] [--p2p-args "ARGS"] [--budget S]
-#                                [--python]
+#                                [--python] [--no-example]
+#   --no-example            skip the installed-package example (a call that only reruns GPU tests)
 #   --python                also build the Python module (ferry_python, against the image's torch) and run the Python
 #                           files with GPU cases (test_autograd, test_deep_ep_compat, test_gpu_torch) and
 #                           examples/train_moe.py on one GPU (twice in-process: the loss curves must be equal)
@@ -27,7 +28,7 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 BUILD=build-device
 LOGS="${OUT:-$BUILD/logs}"
 TEST_REGEX=""
-RUN_TESTS=1 RUN_P2P=0 RUN_BENCH=1 RUN_PYTHON=0
+RUN_TESTS=1 RUN_P2P=0 RUN_BENCH=1 RUN_PYTHON=0 RUN_EXAMPLE_ASKED=1
 P2P_ARGS=""
 BUDGET=570
 while [[ $# -gt 0 ]]; do
@@ -40,7 +41,8 @@ while [[ $# -gt 0 ]]; do
     --p2p-args) P2P_ARGS="$2"; RUN_P2P=1; shift 2 ;;
     --budget) BUDGET="$2"; shift 2 ;;
     --python) RUN_PYTHON=1; shift ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    --no-example) RUN_EXAMPLE_ASKED=0; shift ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "device-check: unknown argument '$1'; see --help" >&2; exit 2 ;;
   esac
 done
@@ -141,7 +143,7 @@ fi
 # 4. the installed C++ package: examples/cpp built against `cmake --install` of this build, run on the cuda backend
 #    (one process alone; one per GPU through `ferry launch` when there are more)
 EXAMPLE_RC=0
-RUN_EXAMPLE=$RUN_TESTS
+RUN_EXAMPLE=$((RUN_TESTS && RUN_EXAMPLE_ASKED))
 if [[ $RUN_EXAMPLE -eq 1 && $(left) -lt 30 ]]; then
   echo "device-check: no time left for the installed-package example (budget)"
   RUN_EXAMPLE=0
@@ -193,11 +195,11 @@ fi
 stamp "done"
 echo
 echo "================ device-check summary ================"
-python3 - "$LOGS" "$BUILD_RC" "$TESTS_RC" "$P2P_RC" "$BENCH_RC" "$RUN_TESTS" "$RUN_P2P" "$RUN_BENCH" "$EXAMPLE_RC" <<'PY' || echo "(summary failed; logs in $LOGS)"
+python3 - "$LOGS" "$BUILD_RC" "$TESTS_RC" "$P2P_RC" "$BENCH_RC" "$RUN_TESTS" "$RUN_P2P" "$RUN_BENCH" "$EXAMPLE_RC" "$RUN_EXAMPLE" <<'PY' || echo "(summary failed; logs in $LOGS)"
 import json, os, re, sys
 logs, build_rc, tests_rc, p2p_rc, bench_rc = sys.argv[1], *map(int, sys.argv[2:6])
 run_tests, run_p2p, run_bench = (a == "1" for a in sys.argv[6:9])
-example_rc = int(sys.argv[9])
+example_rc, run_example = int(sys.argv[9]), sys.argv[10] == "1"
 
 def load(name):
     try:
@@ -208,7 +210,8 @@ def load(name):
 
 print(f"build                  {'ok' if build_rc == 0 else f'FAILED (exit {build_rc}), see build.log'}")
 if run_tests:
-    print(f"example (installed)    {'ok' if example_rc == 0 else f'FAILED (exit {example_rc}), see example.log'}")
+    example = "ok" if example_rc == 0 else f"FAILED (exit {example_rc}), see example.log"
+    print(f"example (installed)    {example if run_example else 'not run'}")
     status = {}
     with open(os.path.join(logs, "gpu-tests.status")) as f:
         for line in f:

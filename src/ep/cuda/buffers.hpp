@@ -295,8 +295,9 @@ void launch_ll_dispatch_net(Buffers const& buffers, cuda_ll::LlDispatchParams co
 void launch_ll_combine_net(Buffers const& buffers, cuda_ll::LlCombineParams const& params, int variant,
                            cudaStream_t stream, detail::LegRecord* record);
 
-// Most local experts of a low-latency EpBuffer: its dispatch kernels keep two counters per local expert in shared
-// memory (expand_smem_bytes), next to ~12 KiB of their own, under the 48 KiB a launch gets by default.
-inline constexpr int kMaxLlLocalExperts = 4096;
+// Most local experts of an expert-major layout (a low-latency EpBuffer; a normal-mode one with expert_capacity): the
+// kernels that build it (expert_layout.cuh) keep two counters per local expert in shared memory (expand_smem_bytes),
+// next to ~12 KiB of their own, under the 48 KiB a launch gets by default.
+inline constexpr int kMaxLayoutLocalExperts = 4096;
 
 }  // namespace ferry::cuda_ep

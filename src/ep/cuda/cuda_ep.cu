@@ -129,9 +129,6 @@ class CudaEp final : public detail::EpBackendImpl {
     if (ll) {
       FERRY_CHECK_CONFIG(config.expert_slots() > 0,
                          "mode=ll needs a resolved config (EpConfig::resolved) with expert slots");
-      FERRY_CHECK_CONFIG(config.num_local_experts(world) <= kMaxLlLocalExperts, "num_experts=", config.num_experts,
-                         " gives ", config.num_local_experts(world), " local experts per rank at world=", world,
-                         "; mode=ll supports at most ", kMaxLlLocalExperts, " (use mode=normal, or more ranks)");
       // env_string applies the env table's rule (landing or direct) and refuses anything else
       b.own_direct = env_string("FERRY_LL_OWN_ROWS") == "direct";  // a rank's own rows only: the ranks need not agree
     } else {
@@ -141,6 +138,12 @@ class CudaEp final : public detail::EpBackendImpl {
                          " bytes of shared memory for the dispatch layout, more than ", kMaxDispatchSmem,
                          "; use at most ", kMaxDispatchSmem / 4 - world, " experts");
     }
+    // NOTE: the kernels that build the expert-major layout keep two counters per local expert in shared memory.
+    FERRY_CHECK_CONFIG(config.expert_slots() == 0 || config.num_local_experts(world) <= kMaxLayoutLocalExperts,
+                       "num_experts=", config.num_experts, " gives ", config.num_local_experts(world),
+                       " local experts per rank at world=", world,
+                       "; the expert-major layout (mode=ll, or expert_capacity in mode=normal) supports at most ",
+                       kMaxLayoutLocalExperts, " (use more ranks, or mode=normal without expert_capacity)");
     FERRY_CHECK_CUDA(cudaSetDevice(comm.device()));
     int num_sms = 0;
     FERRY_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, comm.device()));

@@ -15,9 +15,12 @@ ExpandParams to_params(Buffers const& b, bool copy_rows, bool skip_rows) {
   FERRY_CHECK(!copy_rows || (b.expert_x && b.expert_src_row), "expert-major buffers are not allocated");
   FERRY_CHECK(!copy_rows || !b.config.delivers_quantized() || b.expert_scales,
               "expert-major scale tensors are not allocated");
-  // NOTE: one CTA per local expert (each scans every entry, ordered); the grid never needs to be co-resident.
+  FERRY_CHECK(b.num_local_experts >= 1 && b.num_local_experts <= kMaxLayoutLocalExperts,
+              "num_local_experts=", b.num_local_experts, " is outside [1, ", kMaxLayoutLocalExperts, "]");
+  // NOTE: one CTA per SM, each an even share of the hits (expert_layout.cuh); its CTAs never wait for each other, so
+  // the grid need not be co-resident.
   ExpandParams p{};
-  static_cast<KernelParams&>(p) = common_params(b, std::max(1, b.num_local_experts), false, std::nullopt);
+  static_cast<KernelParams&>(p) = common_params(b, std::max(1, b.num_sms), false, std::nullopt);
   p.sym_local = b.sym.ptr[b.rank];
   p.row_bytes = b.recv_row_bytes;
   // NOTE: dispatch_dequantize delivers bf16 rows: expand copies them like bf16 transport.
@@ -42,12 +45,13 @@ void launch_expand(Buffers const& buffers, bool copy_rows, cudaStream_t stream, 
               "skip_rows belongs to combine_backward's expand of bf16 rows");
   ExpandParams const p = to_params(buffers, copy_rows, skip_rows);
   unsigned const ctas = static_cast<unsigned>(p.num_ctas);
+  std::size_t const smem = expand_smem_bytes(p.num_local_experts);  // per-expert counters
   if (copy_rows && p.format != WireFormat::bf16)
-    expand_kernel<true, true><<<ctas, kThreads, 0, stream>>>(p);
+    expand_kernel<true, true><<<ctas, kThreads, smem, stream>>>(p);
   else if (copy_rows)
-    expand_kernel<true><<<ctas, kThreads, 0, stream>>>(p);
+    expand_kernel<true><<<ctas, kThreads, smem, stream>>>(p);
   else
-    expand_kernel<false><<<ctas, kThreads, 0, stream>>>(p);
+    expand_kernel<false><<<ctas, kThreads, smem, stream>>>(p);
   FERRY_CHECK_CUDA(cudaGetLastError());
 }
 

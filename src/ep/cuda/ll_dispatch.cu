@@ -11,8 +11,8 @@ using cuda_ll::LlDispatchParams;
 // Kernel invariants only (FERRY_CHECK: a failure is a bug; check_dispatch_invariants in buffers.cu says why).
 LlDispatchParams ll_dispatch_params(Buffers const& b, DispatchArgs const& args, bool refuse) {
   check_dispatch_invariants(b, args, refuse);
-  FERRY_CHECK(b.num_local_experts >= 1 && b.num_local_experts <= kMaxLlLocalExperts,
-              "num_local_experts=", b.num_local_experts, " is outside [1, ", kMaxLlLocalExperts, "]");
+  FERRY_CHECK(b.num_local_experts >= 1 && b.num_local_experts <= kMaxLayoutLocalExperts,
+              "num_local_experts=", b.num_local_experts, " is outside [1, ", kMaxLayoutLocalExperts, "]");
   WireFormat const format = b.config.dispatch_format;
   // Pre-quantized arguments were validated by EpBuffer (validate_dispatch_args); the kernel relies on these two.
   bool const prequantized = args.x_scales != nullptr;
