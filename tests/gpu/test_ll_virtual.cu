@@ -355,7 +355,7 @@ TEST(LowLatencyAcrossNodes, Bf16Topologies) {
   std::vector<std::vector<std::string>> table;
   for (char const* topology : {"topology=2x1", "topology=2x2", "topology=2x4", "topology=4x2"}) {
     table.push_back({topology, "tokens=128", "hidden=7168", "topk=8", "experts=256", "capacity=80", "iters=2"});
-    table.push_back({topology, "tokens=1,4,16,0", "hidden=6144", "topk=9", "shared=1", "experts=64", "iters=2"});
+    table.push_back({topology, "tokens=1,4,16,0", "hidden=6144", "topk=9", "shared=1", "experts=128", "iters=2"});
     table.push_back(
         {topology, "routing=grouped", "tokens=16,4", "hidden=7168", "topk=8", "experts=64", "iters=2", "own=direct"});
   }
@@ -372,7 +372,7 @@ TEST(LowLatencyAcrossNodes, QuantizedTopologies) {
     table.push_back({topology, "dispatch=fp8", "combine=fp8", "layout=mn_major_tma", "tokens=128,16", "hidden=7168",
                      "topk=8", "experts=256", "capacity=80", "iters=2"});
     table.push_back({topology, "dispatch=nvfp4", "combine=nvfp4", "layout=blocked_128x4", "tokens=64,1", "hidden=6144",
-                     "topk=9", "shared=1", "experts=64", "iters=2"});
+                     "topk=9", "shared=1", "experts=128", "iters=2"});
     table.push_back({topology, "dispatch=mxfp4", "combine=mxfp4", "layout=mn_major_tma_packed_ue8m0", "tokens=37,4",
                      "hidden=2080", "topk=6", "experts=64", "iters=2"});
   }
@@ -389,7 +389,7 @@ TEST(LowLatencyAcrossNodes, HookAndGraphReplay) {
   for (char const* topology : {"topology=2x1", "topology=2x4", "topology=4x2"}) {
     table.push_back({topology, "hook=1", "tokens=128,4", "hidden=7168", "topk=8", "experts=256", "iters=2"});
     table.push_back(
-        {topology, "graph=1", "tokens=16,128", "hidden=6144", "topk=9", "shared=1", "experts=64", "iters=3"});
+        {topology, "graph=1", "tokens=16,128", "hidden=6144", "topk=9", "shared=1", "experts=128", "iters=3"});
   }
   table.push_back({"topology=2x2", "hook=1", "graph=1", "dispatch=fp8", "combine=nvfp4", "tokens=64,1", "hidden=7168",
                    "topk=8", "experts=64", "iters=3"});
@@ -403,14 +403,14 @@ TEST(LowLatencyAcrossNodes, ForwardRoute) {
   for (char const* topology : {"topology=2x1", "topology=2x2", "topology=2x4", "topology=4x2"}) {
     table.push_back(
         {topology, "route=forward", "tokens=128", "hidden=7168", "topk=8", "experts=256", "capacity=80", "iters=2"});
-    table.push_back({topology, "route=forward", "tokens=1,4,16,0", "hidden=6144", "topk=9", "shared=1", "experts=64",
+    table.push_back({topology, "route=forward", "tokens=1,4,16,0", "hidden=6144", "topk=9", "shared=1", "experts=128",
                      "iters=2", "own=direct"});
   }
   for (char const* topology : {"topology=2x2", "topology=4x2"}) {
     table.push_back({topology, "route=forward", "dispatch=fp8", "combine=fp8", "layout=mn_major_tma", "tokens=128,16",
                      "hidden=7168", "topk=8", "experts=256", "iters=2"});
     table.push_back({topology, "route=forward", "dispatch=nvfp4", "combine=nvfp4", "layout=blocked_128x4",
-                     "tokens=64,1", "hidden=6144", "topk=9", "shared=1", "experts=64", "iters=2"});
+                     "tokens=64,1", "hidden=6144", "topk=9", "shared=1", "experts=128", "iters=2"});
     table.push_back({topology, "route=forward", "dispatch=mxfp4", "combine=mxfp4", "tokens=37,4", "hidden=2080",
                      "topk=6", "experts=64", "iters=2"});
   }
