@@ -427,14 +427,7 @@ std::string run_case(Spec const& spec, int num_ctas) {
   // graph=1: each rank's legs (dispatch, expand, both combines) captured once on its stream after iteration 0 has run
   // them directly (a kernel's first launch may load it, which a capture must not do), then replayed with fresh
   // inputs in the same buffers: no host synchronisation inside, the sequence numbers advancing on the device
-  std::vector<cudaGraphExec_t> graphs(world, nullptr);
-  struct GraphsGone {
-    std::vector<cudaGraphExec_t>& g;
-    ~GraphsGone() {
-      for (cudaGraphExec_t e : g)
-        if (e != nullptr) cudaGraphExecDestroy(e);
-    }
-  } const graphs_gone{graphs};
+  RankGraphs graphs(world);
   auto const enqueue_legs = [&](int r) {
     cuda_ep::launch_dispatch(ranks[r], dargs[r], cuda_ep::plan_dispatch(ranks[r], tokens[r]), ranks.stream(r));
     if (spec.expand) cuda_ep::launch_expand(ranks[r], /*copy_rows=*/true, ranks.stream(r));
@@ -449,16 +442,8 @@ std::string run_case(Spec const& spec, int num_ctas) {
       for (int r = 0; r < world; ++r)
         poison_any_dispatch(config, world, cuda_ep::dispatch_result(ranks[r], spec.expand));
       CK(cudaDeviceSynchronize());
-      if (graphs[0] == nullptr)
-        for (int r = 0; r < world; ++r) {
-          cudaGraph_t graph = nullptr;
-          CK(cudaStreamBeginCapture(ranks.stream(r), cudaStreamCaptureModeThreadLocal));
-          enqueue_legs(r);
-          CK(cudaStreamEndCapture(ranks.stream(r), &graph));
-          CK(cudaGraphInstantiate(&graphs[r], graph, 0));
-          CK(cudaGraphDestroy(graph));
-        }
-      for (int r = 0; r < world; ++r) CK(cudaGraphLaunch(graphs[r], ranks.stream(r)));
+      if (!graphs.captured()) graphs.capture(ranks, enqueue_legs);
+      graphs.launch(ranks);
       std::vector<int> overflow(world, 0);
       for (int r = 0; r < world; ++r) overflow[r] = spec.expand ? it.expected[r].dropped_slots : 0;
       if (std::string const failure = ranks.synchronize(overflow); !failure.empty())

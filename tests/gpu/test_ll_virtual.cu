@@ -166,25 +166,13 @@ void run_virtual(Spec const& spec, int num_ctas) {
 
   // graph=1: each rank's three legs captured once on its stream after iteration 0 has run them directly (a kernel's
   // first launch may load it, which a capture must not do), then replayed with fresh inputs in the same buffers
-  std::vector<cudaGraphExec_t> graphs(world, nullptr);
-  struct GraphsGone {
-    std::vector<cudaGraphExec_t>& g;
-    ~GraphsGone() {
-      for (cudaGraphExec_t e : g)
-        if (e != nullptr) cudaGraphExecDestroy(e);
-    }
-  } const graphs_gone{graphs};
-  auto const capture = [&](int r) {
-    cudaGraph_t graph = nullptr;
-    CK(cudaStreamBeginCapture(ranks.stream(r), cudaStreamCaptureModeThreadLocal));
+  RankGraphs graphs(world);
+  auto const enqueue_legs = [&](int r) {
     for (Half half : spec.hook ? std::vector<Half>{Half::send, Half::recv} : std::vector<Half>{Half::both})
       cuda_ep::launch_ll_dispatch(ranks[r], dargs[r], half, ranks.stream(r));
     for (std::vector<CombineArgs> const* leg : {&em, &rm})
       for (Half half : spec.hook ? std::vector<Half>{Half::send, Half::recv} : std::vector<Half>{Half::both})
         cuda_ep::launch_ll_combine(ranks[r], (*leg)[r], tokens[r], half, ranks.stream(r));
-    CK(cudaStreamEndCapture(ranks.stream(r), &graph));
-    CK(cudaGraphInstantiate(&graphs[r], graph, 0));
-    CK(cudaGraphDestroy(graph));
   };
 
   for (int iter = 0; iter < spec.iters; ++iter) {
@@ -217,9 +205,8 @@ void run_virtual(Spec const& spec, int num_ctas) {
     // 3. dispatch, expert-major combine, rank-major combine: each leg on every rank side by side, the legs back to
     //    back on each rank's stream (as a captured graph runs them); or every rank's graph of the three
     if (spec.graph && iter > 0) {
-      if (graphs[0] == nullptr)
-        for (int r = 0; r < world; ++r) capture(r);
-      for (int r = 0; r < world; ++r) CK(cudaGraphLaunch(graphs[r], ranks.stream(r)));
+      if (!graphs.captured()) graphs.capture(ranks, enqueue_legs);
+      graphs.launch(ranks);
     } else {
       launch_leg(ranks, spec.hook,
                  [&](int r, Half half) { cuda_ep::launch_ll_dispatch(ranks[r], dargs[r], half, ranks.stream(r)); });

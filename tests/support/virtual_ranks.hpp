@@ -211,6 +211,40 @@ class VirtualRanks {
   std::vector<Buffers> ranks_;
 };
 
+// One CUDA graph per rank (graph=1 cases): capture(ranks, enqueue) records enqueue(r) on each rank's stream once
+// (after the kernels have run directly: a kernel's first launch may load it, which a capture must not do), launch()
+// replays every rank's graph on its stream; the graphs go with the object.
+class RankGraphs {
+ public:
+  explicit RankGraphs(int world) : execs_(static_cast<std::size_t>(world), nullptr) {}
+  ~RankGraphs() {
+    for (cudaGraphExec_t exec : execs_)
+      if (exec != nullptr) cudaGraphExecDestroy(exec);
+  }
+  RankGraphs(RankGraphs const&) = delete;
+  RankGraphs& operator=(RankGraphs const&) = delete;
+
+  bool captured() const { return execs_[0] != nullptr; }
+  template <typename Ranks, typename Enqueue>
+  void capture(Ranks const& ranks, Enqueue const& enqueue) {
+    for (int r = 0; r < ranks.world(); ++r) {
+      cudaGraph_t graph = nullptr;
+      CK(cudaStreamBeginCapture(ranks.stream(r), cudaStreamCaptureModeThreadLocal));
+      enqueue(r);
+      CK(cudaStreamEndCapture(ranks.stream(r), &graph));
+      CK(cudaGraphInstantiate(&execs_[static_cast<std::size_t>(r)], graph, 0));
+      CK(cudaGraphDestroy(graph));
+    }
+  }
+  template <typename Ranks>
+  void launch(Ranks const& ranks) const {
+    for (int r = 0; r < ranks.world(); ++r) CK(cudaGraphLaunch(execs_[static_cast<std::size_t>(r)], ranks.stream(r)));
+  }
+
+ private:
+  std::vector<cudaGraphExec_t> execs_;
+};
+
 // One rank's inputs and combine outputs in device memory, at fixed addresses.
 struct VirtualRankIo {
   DeviceBuffer x, idx, w;   // dispatch inputs
