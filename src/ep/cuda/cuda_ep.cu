@@ -344,9 +344,10 @@ class CudaEp final : public detail::EpBackendImpl {
   }
 
   void save_handle(detail::HandleState& handle, DispatchArgs const& args, cudaStream_t stream) override {
-    // NOTE: the handle keeps the hierarchical layout too (handle.cu), but InternodeVirtual.HandlesAcrossNodes has not
-    // passed on a GPU yet (its one run saved both dispatches into one handle, a test bug), so handles stay refused
-    // across nodes until it does.
+    // NOTE: the handle keeps the hierarchical layout too (handle.cu), and InternodeVirtual.HandlesAcrossNodes (a handle
+    // restored after a second dispatch, its combine and dispatch_backward, on virtual ranks) passed on the H200; the
+    // cached dispatch across nodes and this path through EpBuffer have not run on a GPU, so handles stay refused
+    // across nodes until they have.
     FERRY_CHECK_CONFIG(buffers_.protocol != Protocol::hierarchical,
                        "dispatch handles (combine by handle, the cached dispatch, the backward passes) are not "
                        "available for normal mode over several nodes on the cuda backend in this version; combine "
