@@ -445,6 +445,17 @@ void CpuEp::join_call(CallKind kind, bool refused, StatsLeg leg) {
     if (!active(r)) continue;  // masked: its header is not read (it may be in any call)
     auto const& theirs = *reinterpret_cast<CallHeader const*>(headers_.view.ptr[r] + slot);
     asked |= theirs.proposed;
+    if (masking_ && theirs.step > step) {
+      // NOTE: with masking a rank gets past this call only by going on without this rank (the parity slots hold
+      // a rank one call ahead at most otherwise): it masked this rank, whose request or absence it saw first
+      self_view_ = (all_ranks_ & ~active_) | (1U << rank_);
+      self_masked_ = format_error("ferry", __FILE__, __LINE__,
+                                  concat("rank ", rank_, " is masked on this EpBuffer: at ", current_call_, " rank ", r,
+                                         " was already in call ", theirs.step,
+                                         " of the buffer, past this call without this rank; its calls are refused "
+                                         "until every rank calls clear_mask()"));
+      throw Error(self_masked_);
+    }
     if (theirs.step != step || theirs.kind != mine->kind) {
       std::string const where = theirs.step == 0 ? std::string("had made no call on it yet")
                                                  : concat("was in ", call_kind_name(theirs.kind), " #", theirs.number,
