@@ -35,12 +35,10 @@ GridChoice ll_grid(int asked, std::string source, int agreed) {
 
 namespace {
 
-// NOTE: the hierarchical protocol (normal mode over several nodes) reaches the ranks of other nodes over GIN when the
-// communicator set GIN up, else through the emulated network, which needs their windows mapped (emulated nodes on one
-// host, FERRY_TOPOLOGY).
-void check_hierarchical(Communicator const& comm, Topology const& topology, bool gin) {
-  FERRY_CHECK_CONFIG(topology.world() + topology.nodes <= kMaxHierColumns, "topology ", topology_name(topology),
-                     " has more ranks and nodes than the hierarchical layout's ", kMaxHierColumns, " columns");
+// NOTE: across nodes both protocols (hierarchical normal mode, low-latency mode) reach the ranks of other nodes over
+// GIN when the communicator set GIN up, else through the emulated network, which needs their windows mapped
+// (emulated nodes on one host, FERRY_TOPOLOGY); the ranks of the own node by load/store.
+void check_reachable_across_nodes(Communicator const& comm, Topology const& topology, bool gin) {
   for (int peer = 0; peer < comm.world(); ++peer) {
     if (comm.load_store_reachable(peer)) continue;
     // the communicator keeps a node inside its NVLink team (check_node_in_team), and sets GIN up for the others
@@ -100,7 +98,10 @@ class CudaEp final : public detail::EpBackendImpl {
     bool const across = topology.nodes > 1;
     bool const hierarchical = !ll && across;
     transport::Kind const network = detail::has_gin(comm) ? transport::Kind::gin : transport::Kind::emulated;
-    if (across) check_hierarchical(comm, topology, network == transport::Kind::gin);
+    FERRY_CHECK_CONFIG(!hierarchical || topology.world() + topology.nodes <= kMaxHierColumns, "topology ",
+                       topology_name(topology), " has more ranks and nodes than the hierarchical layout's ",
+                       kMaxHierColumns, " columns");
+    if (across) check_reachable_across_nodes(comm, topology, network == transport::Kind::gin);
     if (ll && across) {
       // a quantized combine row crosses the network whole, from the CTA that holds all of its 1024-element chunks
       FERRY_CHECK_CONFIG(config.combine_format == WireFormat::bf16 || config.hidden <= kWarps * cuda_ll::kChunkVecs * 8,
@@ -194,8 +195,8 @@ class CudaEp final : public detail::EpBackendImpl {
         b.gin = ll ? detail::gin_transport(comm, region_, b.layout.ll_signals, b.layout.ll_num_signals)
                    : detail::gin_transport(comm, region_, b.layout.hier_signals, b.layout.hier_num_signals);
       } else if (across) {
-        // the network between the nodes: emulated over the peers' windows (check_hierarchical: every peer is load/store
-        // reachable), with the seeded delays and reordering of FERRY_EMULATED_*
+        // the network between the nodes: emulated over the peers' windows (check_reachable_across_nodes: every peer is
+        // load/store reachable), with the seeded delays and reordering of FERRY_EMULATED_*
         for (int r = 0; r < world; ++r) b.network.windows[r] = b.sym.ptr[r];
         b.network.rank = comm.rank();
         b.network.world = world;
