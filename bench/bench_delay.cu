@@ -17,6 +17,11 @@ __global__ void delay_kernel(uint64_t ns) {
 
 __global__ void empty_kernel() {}
 
+struct ParamBlob {
+  unsigned char bytes[kLaunchParamBytes];
+};
+__global__ void empty_params_kernel(ParamBlob) {}
+
 }  // namespace
 
 void enqueue_empty(BenchMemory& memory, int ctas, int threads, bool cooperative) {
@@ -31,6 +36,26 @@ void enqueue_empty(BenchMemory& memory, int ctas, int threads, bool cooperative)
   config.attrs = &attribute;
   config.numAttrs = 1;
   FERRY_CHECK_CUDA(cudaLaunchKernelEx(&config, empty_kernel));
+}
+
+void enqueue_empty_params(BenchMemory& memory, int ctas, int threads, LaunchApi api) {
+  if (memory.backend() != Backend::cuda) return;
+  ParamBlob const blob{};
+  if (api == LaunchApi::chevrons) {
+    empty_params_kernel<<<ctas, threads, 0, memory.stream()>>>(blob);
+    FERRY_CHECK_CUDA(cudaGetLastError());
+    return;
+  }
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(ctas));
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.stream = memory.stream();
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeCooperative;
+  attribute.val.cooperative = 1;
+  config.attrs = &attribute;
+  config.numAttrs = api == LaunchApi::launch_ex_cooperative ? 1 : 0;
+  FERRY_CHECK_CUDA(cudaLaunchKernelEx(&config, empty_params_kernel, blob));
 }
 
 void enqueue_delay(BenchMemory& memory, double us) {

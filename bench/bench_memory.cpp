@@ -236,6 +236,23 @@ std::vector<double> time_leg(BenchMemory& memory, Communicator& comm, std::funct
   return samples;
 }
 
+std::vector<double> host_time(BenchMemory& memory, Communicator& comm, std::function<void()> const& enqueue, int warmup,
+                              int loops, int calls) {
+  FERRY_CHECK_CONFIG(calls >= 1, "calls=", calls, " must be at least 1");
+  std::vector<double> samples;
+  for (int i = 0; i < warmup + loops; ++i) {
+    comm.barrier(memory.stream());
+    memory.synchronize();
+    double const start = now_us();
+    for (int c = 0; c < calls; ++c) enqueue();
+    double const us = (now_us() - start) / calls;
+    if (i >= warmup) samples.push_back(us);
+  }
+  memory.synchronize();
+  comm.check_errors(memory.stream());
+  return samples;
+}
+
 std::string device_name(Backend backend) {
 #if FERRY_HAVE_CUDA
   if (backend == Backend::cuda) {

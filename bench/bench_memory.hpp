@@ -66,12 +66,18 @@ class LegGraph {
 // lets the host queue the leg behind it, so the GPU never idles waiting for the host's launch.
 // Enqueues an empty kernel of `ctas` x `threads` (cuda; nothing on cpu): `ferry bench --floor` times it like a leg,
 // which gives the floor of the timer (event records, launch, graph replay) under a leg's numbers.
+// The same with a kernel parameter of kLaunchParamBytes, the size of the largest EP kernel's Params (what the launch
+// copies), launched with <<<>>> or through cudaLaunchKernelEx with or without the cooperative attribute.
+inline constexpr std::size_t kLaunchParamBytes = 1296;
+enum class LaunchApi { chevrons, launch_ex, launch_ex_cooperative };
 #if FERRY_HAVE_CUDA
 void enqueue_delay(BenchMemory& memory, double us);
 void enqueue_empty(BenchMemory& memory, int ctas, int threads, bool cooperative);
+void enqueue_empty_params(BenchMemory& memory, int ctas, int threads, LaunchApi api);
 #else
 inline void enqueue_delay(BenchMemory&, double) {}
 inline void enqueue_empty(BenchMemory&, int, int, bool) {}
+inline void enqueue_empty_params(BenchMemory&, int, int, LaunchApi) {}
 #endif
 
 // Times one leg warmup + iters times and returns the timed samples (us per call). Before each: a device-side delay
@@ -82,6 +88,12 @@ inline void enqueue_empty(BenchMemory&, int, int, bool) {}
 // replay. Raises a device error recorded meanwhile (Communicator::check_errors).
 std::vector<double> time_leg(BenchMemory& memory, Communicator& comm, std::function<void()> const& enqueue, bool graph,
                              int warmup, int iters, int graph_calls = 1);
+
+// Host microseconds per call of `enqueue` (lazy calls: what the host spends to enqueue them, the device's time not
+// included): warmup + loops loops of `calls` calls, each loop from an idle stream after a barrier over the ranks (so
+// the launch queue never fills and the GPU never paces the host); one sample per loop, the loop's time / calls.
+std::vector<double> host_time(BenchMemory& memory, Communicator& comm, std::function<void()> const& enqueue, int warmup,
+                              int loops, int calls);
 
 // Name of this rank's device ("NVIDIA H200", or the cpu model on the cpu backend).
 std::string device_name(Backend backend);

@@ -108,6 +108,10 @@ Options make_options() {
            "first time what is not a leg, like a leg: empty kernels (1 CTA; 132 CTAs x 512 threads, plain and "
            "cooperative) and the cross-rank barrier: the timer's floor under every row (cuda)",
            true},
+          {"host-time", "",
+           "also time the host's side of each leg: microseconds to enqueue one lazy call (loops of 20 calls from an "
+           "idle stream, the median of --iters loops; the slowest rank), printed per case and written as host_us",
+           true},
           {"per-rank", "", "print every rank's medians", true},
           {"json", "", "write the records to this file (the result-file format of docs/design.md)"},
           {"trace", "",
@@ -524,6 +528,8 @@ struct Record {
   // --topology across nodes: bytes per rank (mean over ranks) by link, counted by the protocol, and ferry model's
   // count of the network bytes from the same routing
   double network_bytes = -1, nvlink_bytes = -1, model_network_bytes = -1, network_gbps = -1;
+  // --host-time: host microseconds to enqueue one lazy call of the leg (median of the loops, the slowest rank)
+  double host_us = -1;
 };
 
 void write_json(std::string const& path, Options const& options, Shape const& shape, std::string const& device,
@@ -541,6 +547,7 @@ void write_json(std::string const& path, Options const& options, Shape const& sh
       rec.add("baseline_us", r.baseline_us).add("speedup_vs_baseline", r.baseline_us / r.stats.median_us);
     if (r.bound_ratio >= 0) rec.add("error_over_bound", r.bound_ratio).add("rel_l2_error", r.rel_l2);
     if (r.forward_ratio >= 0) rec.add("backward_over_forward", r.forward_ratio);
+    if (r.host_us >= 0) rec.add("host_us", r.host_us);
     if (r.network_bytes >= 0) {
       rec.add("topology", options.str("topology")).add("network", "emulated");
       rec.add("network_bytes", r.network_bytes).add("nvlink_bytes", r.nvlink_bytes);
@@ -575,6 +582,9 @@ double sum_over_ranks(Bootstrap& bootstrap, double mine) {
   return total;
 }
 
+// --host-time and --floor: calls per timed host loop (short: the launch queue never fills)
+constexpr int kHostTimeCalls = 20;
+
 // --floor: what the timer reads for work that moves nothing, timed exactly like a leg (delay, barrier, event, replay).
 void print_floor(Options const& options, Communicator& comm, Backend backend, bool graph) {
   FERRY_CHECK_CONFIG(backend == Backend::cuda, "--floor times cuda launches; use --backend cuda");
@@ -589,6 +599,12 @@ void print_floor(Options const& options, Communicator& comm, Backend backend, bo
       {"empty kernel, 1 CTA x 32", [&] { bench::enqueue_empty(memory, 1, 32, false); }},
       {"empty kernel, 132 CTAs x 512", [&] { bench::enqueue_empty(memory, 132, 512, false); }},
       {"empty kernel, 132 CTAs x 512, cooperative", [&] { bench::enqueue_empty(memory, 132, 512, true); }},
+      {"132 x 512, Params-sized argument, <<<>>>",
+       [&] { bench::enqueue_empty_params(memory, 132, 512, bench::LaunchApi::chevrons); }},
+      {"132 x 512, Params-sized argument, LaunchKernelEx",
+       [&] { bench::enqueue_empty_params(memory, 132, 512, bench::LaunchApi::launch_ex); }},
+      {"132 x 512, Params-sized argument, cooperative",
+       [&] { bench::enqueue_empty_params(memory, 132, 512, bench::LaunchApi::launch_ex_cooperative); }},
       {"cross-rank barrier (1 thread)", [&] { comm.barrier(memory.stream()); }},
   };
   if (comm.rank() == 0)
@@ -598,10 +614,13 @@ void print_floor(Options const& options, Communicator& comm, Backend backend, bo
   for (auto const& item : items) {
     LegStats const stats =
         summarize(bench::time_leg(memory, comm, item.enqueue, graph, warmup, iters, options.integer("graph-calls")));
-    std::vector<double> const worst =
-        max_over_ranks(comm.bootstrap(), {stats.median_us, stats.p10_us, stats.p90_us}, false, item.what);
+    // the host's side of the same launch: what it takes to enqueue it (lazy, from an idle stream)
+    LegStats const host = summarize(bench::host_time(memory, comm, item.enqueue, warmup, iters, kHostTimeCalls));
+    std::vector<double> const worst = max_over_ranks(
+        comm.bootstrap(), {stats.median_us, stats.p10_us, stats.p90_us, host.median_us}, false, item.what);
     if (comm.rank() == 0)
-      std::printf("  %-44s median %6.2f us  p10 %6.2f  p90 %6.2f\n", item.what, worst[0], worst[1], worst[2]);
+      std::printf("  %-48s median %6.2f us  p10 %6.2f  p90 %6.2f  host %5.2f us/call\n", item.what, worst[0], worst[1],
+                  worst[2], worst[3]);
   }
 }
 
@@ -743,6 +762,20 @@ int run_bench_rank(Options const& options) {
       };
       LegStats const dispatch_stats = time_leg([&] { buffer.dispatch(dargs, memory.stream()); }, graph);
       LegStats const combine_stats = time_leg([&] { buffer.combine(cargs, memory.stream()); }, graph);
+      // 2a. --host-time: the host's side of the same lazy calls (each leg alone, then dispatch + combine pairs)
+      std::vector<double> host_us;  // dispatch, combine, pair
+      if (options.flag("host-time")) {
+        auto const host_leg = [&](std::function<void()> const& enqueue) {
+          return summarize(bench::host_time(memory, *comm, enqueue, warmup, iters, kHostTimeCalls)).median_us;
+        };
+        double const d = host_leg([&] { buffer.dispatch(dargs, memory.stream()); });
+        double const c = host_leg([&] { buffer.combine(cargs, memory.stream()); });
+        double const pair = host_leg([&] {
+          buffer.dispatch(dargs, memory.stream());
+          buffer.combine(cargs, memory.stream());
+        });
+        host_us = max_over_ranks(bootstrap, {d, c, pair}, options.flag("per-rank"), "host time");
+      }
 
       // 2b. --trace: one more call of each leg with the in-kernel recorder on, dumped per rank (ferry trace reads it)
       if (!options.str("trace").empty()) {
@@ -1022,8 +1055,13 @@ int run_bench_rank(Options const& options) {
                 "(emulated)\n",
                 r->leg.c_str(), r->network_bytes, r->model_network_bytes,
                 r->network_bytes == r->model_network_bytes ? "equal" : "DIFFERENT", r->nvlink_bytes, r->network_gbps);
+        if (!host_us.empty())
+          std::printf("host time (%s): dispatch %.2f us/call, combine %.2f us/call, dispatch + combine %.2f us/pair\n",
+                      backend == Backend::cuda ? "lazy calls, enqueue only" : "the cpu backend runs the whole call",
+                      host_us[0], host_us[1], host_us[2]);
         if (options.flag("explain")) std::printf("explain: %s\n", buffer.explain().c_str());
       }
+      if (!host_us.empty()) dispatch_record.host_us = host_us[0], combine_record.host_us = host_us[1];
       for (Record* r : legs) {
         r->dispatch_format = wire_format_name(config.dispatch_format);
         r->combine_format = wire_format_name(config.combine_format);
