@@ -97,19 +97,22 @@ def main() -> int:
     # low-latency mode: the layer against the native calls it makes
     native_ll = deep_ep.ferry.EpBuffer(comm, hidden=H, num_experts=E, topk=1, max_tokens_per_rank=ll_max * K,
                                        expert_capacity=world * ll_max, mode="ll")
-    ones = torch.ones((ll_max * K, 1), device=device)
+    ones = torch.ones((T * K, 1), device=device)
+    pairs_in = torch.empty((T * K, H), dtype=torch.bfloat16, device=device)
+    pairs_in3 = pairs_in.view(T, K, H)
     pairs_out = torch.empty((T * K, H), dtype=torch.bfloat16, device=device)
+    pairs_out3 = pairs_out.view(T, K, H)
     y = torch.empty((T, H), dtype=torch.bfloat16, device=device)
 
     def layer_ll():
         recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, idx, ll_max, E, use_fp8=False)
         buffer.low_latency_combine(recv_x, idx, w, handle, out=y)
 
-    def native_ll_pair():
-        pairs = x.unsqueeze(1).expand(T, K, H).contiguous().view(T * K, H)
-        got = native_ll.dispatch(pairs, idx.reshape(T * K, 1), ones[: T * K], eager=False)
+    def native_ll_pair():  # the torch ops of the layer's mapping, on tensors made once
+        pairs_in3.copy_(x.unsqueeze(1))
+        got = native_ll.dispatch(pairs_in, idx.reshape(T * K, 1), ones, eager=False)
         native_ll.combine(got.expert_x, "expert", out=pairs_out, eager=False)
-        y.copy_((pairs_out.view(T, K, H).float() * w.masked_fill(idx < 0, 0).unsqueeze(2)).sum(dim=1))
+        y.copy_(torch.mul(pairs_out3, w.masked_fill(idx < 0, 0.0).unsqueeze(2)).sum(dim=1))
 
     results = {}
     for name, layer_fn, native_fn in (("normal", layer_normal, native_normal), ("ll", layer_ll, native_ll_pair)):

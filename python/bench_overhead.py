@@ -3,6 +3,9 @@ a C++ loop by the binding (EpBuffer._time_cpp_loop: the same arguments, converte
 
     torchrun --nproc-per-node 2 python/bench_overhead.py            # GPUs: torch CUDA tensors (cuda backend)
     python -m ferry.launch --nproc 2 python/bench_overhead.py       # anywhere: NumPy arrays (cpu backend)
+    python -m ferry.launch --nproc 1 python/bench_overhead.py --backend cpu --torch    # torch CPU tensors
+
+--mode ll runs low-latency mode (the decode path: expert-major, always lazy on the device) instead of normal mode.
 
 Lazy calls (the default, --eager to change) never synchronise on the cuda backend, so a loop measures what the host
 spends to enqueue them; each timed loop starts from a synchronised stream and stays short (--iters) so the launch
@@ -46,22 +49,31 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=21, help="timed loops; the median is reported (default 21)")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--mode", choices=["normal", "ll"], default="normal",
+                        help="EpBuffer mode (default normal; ll: low-latency, the decode path)")
+    parser.add_argument("--torch", action="store_true",
+                        help="cpu backend: torch CPU tensors instead of NumPy arrays (the cuda backend always uses torch)")
     args = parser.parse_args()
 
     backend = args.backend if args.backend != "auto" else ("cuda" if ferry.cuda_available() else "cpu")
     torch = None
     device = None
-    if backend == "cuda":
+    if backend == "cuda" or args.torch:
         import torch
 
+    if backend == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+    elif args.torch:
+        device = torch.device("cpu")
+    if args.mode == "ll" and args.layout != "expert":
+        parser.error("--mode ll combines from the expert-major layout only (--layout expert)")
     comm = ferry.init(backend=backend)
     world, rank = comm.world, comm.rank
     num_experts = args.experts_per_rank * world
     capacity = world * args.tokens  # nothing dropped
     buf = ferry.EpBuffer(comm, hidden=args.hidden, num_experts=num_experts, topk=args.topk,
-                         max_tokens_per_rank=args.tokens, expert_capacity=capacity)
+                         max_tokens_per_rank=args.tokens, expert_capacity=capacity, mode=args.mode)
 
     rng = np.random.default_rng([7, rank])
     x = rng.integers(0, 0x3F80, (args.tokens, args.hidden), dtype=np.uint16)
@@ -80,11 +92,12 @@ def main() -> int:
             return (t.view(torch.int16).view(torch.bfloat16) if a.dtype == np.uint16 else t).to(device)
 
         x, idx, w, combine_x, out = (to_dev(a) for a in (x, idx, w, combine_x, out))
-        if args.explicit_stream:
+        if args.explicit_stream and backend == "cuda":
             stream = torch.cuda.current_stream(device).cuda_stream
 
         def sync():
-            torch.cuda.synchronize(device)
+            if backend == "cuda":
+                torch.cuda.synchronize(device)
             comm.barrier()
 
     expand = args.layout == "expert"
@@ -108,7 +121,7 @@ def main() -> int:
                                             stream))
     sync()
     if not args.eager:
-        comm.check_errors(stream if torch is None else torch.cuda.current_stream(device))
+        comm.check_errors(stream if backend != "cuda" else torch.cuda.current_stream(device))
 
     us = 1e6 / args.iters
     py = statistics.median(python_times) * us
@@ -116,8 +129,10 @@ def main() -> int:
     diffs = sorted((p - c) * us for p, c in zip(python_times, cpp_times))
     overhead = statistics.median(diffs)
     spread = (diffs[len(diffs) // 10], diffs[-1 - len(diffs) // 10])
+    arrays = "numpy" if torch is None else "torch"
     sys.stdout.write(
-        f"rank {rank}/{world} [{backend}, {'eager' if args.eager else 'lazy'}, layout={args.layout}, "
+        f"rank {rank}/{world} [{backend}, {arrays}, mode={args.mode}, {'eager' if args.eager else 'lazy'}, "
+        f"layout={args.layout}, "
         f"{'explicit' if stream is not None else 'current'} stream]: dispatch+combine from Python {py:.1f} us, "
         f"in C++ {cpp:.1f} us; Python overhead {overhead:.1f} us per pair ({overhead / 2:.1f} us per call; "
         f"p10..p90 {spread[0]:.1f}..{spread[1]:.1f} us per pair)\n")

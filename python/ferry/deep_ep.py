@@ -37,7 +37,6 @@ ferry.cuda_available(), else the cpu backend with torch CPU tensors.
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable, List, Optional, Tuple, Union
 
 import torch
@@ -48,6 +47,8 @@ from ferry import _exact
 __all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "topk_idx_t"]
 
 topk_idx_t = torch.int64  # DeepEP's index dtype (int32 is taken too: Ferry reads either)
+_INT64 = torch.int64
+_FLOAT32 = torch.float32
 
 _POOL_SIZE = 2  # EpBuffers per (kind, shape, format): DeepEP's low-latency double buffering
 _DEFAULT_HINT_TOKENS = 4096  # tokens per rank Config.get_nvl_buffer_size_hint sizes for (EpConfig's default)
@@ -154,17 +155,19 @@ def _fp8_payload_bytes(hidden: int) -> int:
 
 
 class _Pool:
-    """_POOL_SIZE EpBuffers of one shape, used in turn; low-latency: each remembers which call's layout it holds."""
+    """_POOL_SIZE EpBuffers of one shape, used in turn; low-latency: each counts the dispatches it ran, so a handle
+    knows whether its dispatch's layout is still the one its EpBuffer holds."""
 
     def __init__(self, make: Callable[[], tuple]):
         self.make = make
         self.buffers: list = [None] * _POOL_SIZE
         self.views: list = [None] * _POOL_SIZE  # low-latency: each buffer's cached views
-        # low-latency: a weak reference to the handle whose dispatch each buffer holds (weak: no cycle pool <-> handle)
-        self.holder: list = [None] * _POOL_SIZE
+        # low-latency: the number of the dispatch each buffer holds (a handle keeps the number of its own)
+        self.generation: list = [0] * _POOL_SIZE
         self.extras: list = [dict() for _ in range(_POOL_SIZE)]
         self.next = 0
         self.value_buffer = None  # normal mode: the EpBuffer combine(topk_weights=...) sends the weights back through
+        self.row_index = None  # normal mode, num_worst_tokens: [rows, 1] int64 row numbers (the -1 fill past the count)
 
     def take(self) -> int:
         i = self.next
@@ -174,12 +177,15 @@ class _Pool:
             # warm-up) then never creates a buffer (collective, allocating) inside the capture
             for j in range(_POOL_SIZE):
                 self.buffers[j], self.views[j] = self.make()
+        self.generation[i] += 1
         return i
 
 
 class _DispatchHandle:
     """Normal mode's handle: opaque. Holds the Ferry DispatchHandle the dispatch saved its layout into (it fits every
     EpBuffer of the pool: same layout shape), the pool and the slot of the EpBuffer that ran it."""
+
+    __slots__ = ("pool", "slot", "x_kind", "ferry_handle", "num_tokens", "lazy")
 
     def __init__(self, pool: _Pool, slot: int, x_kind, ferry_handle, num_tokens: int, lazy: bool):
         self.pool, self.slot, self.x_kind, self.ferry_handle = pool, slot, x_kind, ferry_handle
@@ -198,8 +204,12 @@ class _LowLatencyHandle:
     source token of each slot) and layout_range [num_local_experts, num_ranks] int64 ((first slot << 32) | count, per
     source rank) are computed from Ferry's layout when first read (device ops, no synchronisation)."""
 
+    __slots__ = ("rank", "world", "pool", "slot", "generation", "got", "num_tokens", "topk", "max_tokens", "hidden",
+                 "num_experts", "_src_info", "_layout_range")
+
     def __init__(self, rank, world, pool, slot, got, num_tokens, topk, max_tokens, hidden, num_experts):
         self.rank, self.world, self.pool, self.slot, self.got = rank, world, pool, slot, got
+        self.generation = pool.generation[slot]
         self.num_tokens, self.topk, self.max_tokens, self.hidden, self.num_experts = (num_tokens, topk, max_tokens,
                                                                                      hidden, num_experts)
         self._src_info = self._layout_range = None
@@ -430,8 +440,10 @@ class Buffer:
         """Normal-mode dispatch. Returns (recv_x or (recv_x, recv_x_scales), recv_topk_idx, recv_topk_weights,
         num_recv_tokens_per_expert_list, handle, event) as DeepEP: rows ordered by (source rank, source token);
         recv_topk_idx int64 local expert ids (-1 elsewhere), recv_topk_weights float32 (0 where -1)."""
-        self._check_config(config)
-        self._check_stream_args(previous_event, allocate_on_comm_stream)
+        if config is not None:
+            self._check_config(config)
+        if allocate_on_comm_stream:
+            self._check_stream_args(previous_event, allocate_on_comm_stream)
         if num_tokens_per_rdma_rank is not None:
             _refuse("num_tokens_per_rdma_rank", "this layer runs within one node (get_dispatch_layout returns None "
                     "for it)", "pass None")
@@ -461,11 +473,13 @@ class Buffer:
             if num_worst_tokens or expert_alignment != 1:
                 raise ferry.InputError("ferry.deep_ep: dispatch(handle=...) takes the num_worst_tokens and "
                                        "expert_alignment of the handle's dispatch; leave them at their defaults")
-            self._wait_previous(previous_event)
+            if previous_event is not None:
+                previous_event.current_stream_wait()
             buf = handle.pool.buffers[handle.slot]
-            got = buf.dispatch(x, x_scales=x_scales, eager=not handle.lazy, handle=handle.ferry_handle)
-            recv_x = self._recv_x(got, fp8, handle.lazy)
-            return recv_x, None, None, None, None, self._event(async_finish, (x,))
+            recv_x, recv_scales = buf._dispatch_owned(x, None, None, x_scales, not handle.lazy, False,
+                                                      handle.ferry_handle, False)[:2]
+            event = EventOverlap(EventHandle(), (x,)) if async_finish else EventOverlap(None)
+            return (recv_x, recv_scales) if fp8 else recv_x, None, None, None, None, event
         if topk_idx is None or topk_weights is None:
             _refuse("dispatch without topk_idx / topk_weights (routing by is_token_in_rank alone)",
                     "Ferry routes by expert id", "pass topk_idx and topk_weights (or handle= for a cached dispatch)")
@@ -488,32 +502,29 @@ class Buffer:
             _refuse(f"dispatch of {num_tokens} tokens with num_nvl_bytes={self.num_nvl_bytes}",
                     f"that budget holds {pool.max_tokens} tokens per rank at hidden={hidden}, topk={topk}",
                     f"create the Buffer with num_nvl_bytes >= {need}")
-        self._wait_previous(previous_event)
+        if previous_event is not None:
+            previous_event.current_stream_wait()
         slot = pool.take()
         lazy = num_worst_tokens > 0
         if topk_weights.dtype != torch.float32:
             raise ferry.InputError(f"ferry.deep_ep: topk_weights must be float32, got {topk_weights.dtype}")
-        buf = pool.buffers[slot]
-        saved = buf.make_handle()
-        got = buf.dispatch(x, topk_idx, topk_weights, x_scales=x_scales, eager=not lazy, save_handle=saved)
+        # NOTE: the binding copies the rows, ids (int64 when topk_idx is) and weights into fresh tensors (DeepEP's
+        # outputs are the caller's) and reads the counts, with no torch op here
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, counts, saved, num_recv = pool.buffers[
+            slot]._dispatch_owned(x, topk_idx, topk_weights, x_scales, not lazy, True, None,
+                                  topk_idx.dtype is _INT64)
         handle = _DispatchHandle(pool, slot, (hidden, fp8), saved, num_tokens, lazy)
-        recv_x = self._recv_x(got, fp8, lazy)
-        recv_topk_idx = got.recv_topk_idx.to(topk_idx.dtype)
-        recv_topk_weights = got.recv_topk_weights.clone()
         if lazy:
             # rows past the count: -1 ids (as DeepEP), found on the device (no synchronisation)
-            rows = torch.arange(recv_topk_idx.size(0), device=recv_topk_idx.device).unsqueeze(1)
-            recv_topk_idx.masked_fill_(rows >= got.num_recv.to(rows.device), -1)
+            rows = pool.row_index
+            if rows is None:
+                rows = pool.row_index = torch.arange(recv_topk_idx.size(0), device=recv_topk_idx.device).unsqueeze(1)
+            recv_topk_idx.masked_fill_(rows >= num_recv, -1)
             counts = []
-        else:
-            counts = [-(-c // expert_alignment) * expert_alignment for c in got.expert_counts.tolist()]
-        return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, self._event(async_finish, (x,))
-
-    @staticmethod
-    def _recv_x(got, fp8: bool, lazy: bool):
-        if fp8:
-            return got.recv_x.clone(), got.recv_scales.clone()
-        return got.recv_x.clone()
+        elif expert_alignment != 1:
+            counts = [-(-c // expert_alignment) * expert_alignment for c in counts]
+        event = EventOverlap(EventHandle(), (x,)) if async_finish else EventOverlap(None)
+        return (recv_x, recv_scales) if fp8 else recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event
 
     def combine(self, x: torch.Tensor, handle, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None, config: Optional[Config] = None,
@@ -525,8 +536,10 @@ class Buffer:
         fp32 sum of each token's topk_weights rows over the ranks it went to, in ascending rank order (DeepEP's
         intranode combine), bit for bit. Returns (combined_x [T, hidden] bf16, combined_topk_weights or None,
         event)."""
-        self._check_config(config)
-        self._check_stream_args(previous_event, allocate_on_comm_stream)
+        if config is not None:
+            self._check_config(config)
+        if allocate_on_comm_stream:
+            self._check_stream_args(previous_event, allocate_on_comm_stream)
         if bias is not None:
             _refuse("combine(bias=...)", "Ferry's combine fuses no bias (adding it afterwards rounds twice, which "
                     "DeepEP does not)", "add the bias to combined_x yourself")
@@ -543,11 +556,14 @@ class Buffer:
             if topk_weights.device != x.device:
                 raise ferry.InputError(f"ferry.deep_ep: combine(topk_weights=...) is on {topk_weights.device}, x on "
                                        f"{x.device}; pass both on the same device")
-        self._wait_previous(previous_event)
+        if previous_event is not None:
+            previous_event.current_stream_wait()
         y = pool.buffers[handle.slot].combine(x, "rank", eager=False, handle=handle.ferry_handle)
         combined_w = None
         if topk_weights is not None:
             combined_w = self._combine_weights(pool, handle, topk_weights)
+        if not async_finish:
+            return y, combined_w, EventOverlap(None)
         return y, combined_w, self._event(async_finish, (x, y) if combined_w is None else (x, y, combined_w))
 
     def _combine_weights(self, pool: _Pool, handle: _DispatchHandle, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -579,8 +595,7 @@ class Buffer:
     def _current(self, handle, kind, call: str):
         if not isinstance(handle, kind):
             raise ferry.InputError(f"ferry.deep_ep: handle is not a handle of this layer's {call}()")
-        holder = handle.pool.holder[handle.slot]
-        if holder is None or holder() is not handle:
+        if handle.pool.generation[handle.slot] != handle.generation:
             raise ferry.InputError(
                 f"ferry.deep_ep: this handle's {call} was overwritten by later calls of the same shape: a Buffer keeps "
                 f"the layouts of the last {_POOL_SIZE} dispatches per shape (as DeepEP's low-latency double buffer); "
@@ -676,23 +691,20 @@ class Buffer:
         pool = self._ll_pool(num_max_dispatch_tokens_per_rank, hidden, num_experts, topk, fmt)
         slot = pool.take()
         buf, extras = pool.buffers[slot], pool.extras[slot]
-        ones = extras.get("ones")
-        if ones is None:
-            ones = extras["ones"] = torch.ones((num_max_dispatch_tokens_per_rank * topk, 1), dtype=torch.float32,
-                                               device=x.device)
-        # one row per (token, k): pair t * topk + k goes to expert topk_idx[t, k] alone
-        pairs_x = x.unsqueeze(1).expand(num_tokens, topk, hidden).contiguous().view(num_tokens * topk, hidden)
+        # one row per (token, k): pair t * topk + k goes to expert topk_idx[t, k] alone; the pairs are copied into
+        # this EpBuffer's own staging tensor (the dispatch has read them before the next call on this EpBuffer)
+        pairs_x, pairs_x3, ones = _ll_shape(extras, num_tokens, topk, hidden, num_max_dispatch_tokens_per_rank,
+                                            x.device)
+        pairs_x3.copy_(x.unsqueeze(1))
         pairs_idx = topk_idx.reshape(num_tokens * topk, 1)
         if not pairs_idx.is_contiguous():
             pairs_idx = pairs_idx.contiguous()
-        sent = buf.dispatch(pairs_x, pairs_idx, ones[: num_tokens * topk], eager=False,
-                            return_recv_hook=return_recv_hook)
+        sent = buf.dispatch(pairs_x, pairs_idx, ones, eager=False, return_recv_hook=return_recv_hook)
         got = pool.views[slot]
         if not return_recv_hook:
             self._ll_views(got, sent)
         handle = _LowLatencyHandle(self.rank, self.group_size, pool, slot, got, num_tokens, topk,
                                    num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        pool.holder[slot] = weakref.ref(handle)
         rows = got.expert_slots
         scales = None
         if fmt == "fp8" or fmt == "fp8_ue8m0":
@@ -711,15 +723,16 @@ class Buffer:
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(got.expert_counts)
 
+        hook = None
         if return_recv_hook:
             def hook():
                 self._ll_views(got, buf.complete_dispatch())
                 finish()
-        else:
+        elif fmt == "fp8_round" or cumulative_local_expert_recv_stats is not None:
             finish()
-            hook = None
         recv_x = (got.expert_x, scales) if use_fp8 else got.expert_x
-        return recv_x, got.expert_counts, handle, self._event(async_finish, (x, topk_idx)), hook
+        event = EventOverlap(EventHandle(), (x, topk_idx)) if async_finish else EventOverlap(None)
+        return recv_x, got.expert_counts, handle, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
         """The [num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden] bf16 tensor that
@@ -754,7 +767,10 @@ class Buffer:
                 f"ferry.deep_ep: topk_idx {tuple(topk_idx.shape)} and topk_weights {tuple(topk_weights.shape)} must be "
                 f"[{num_tokens}, {topk}], those of the handle's dispatch")
         source = self.get_next_low_latency_combine_buffer(handle) if zero_copy else x
-        pairs = torch.empty((num_tokens * topk, hidden), dtype=torch.bfloat16, device=source.device)
+        # NOTE: the pairs come back into this EpBuffer's own staging tensor: the weighted sum below (or in the hook)
+        # reads them before the next call on this EpBuffer, in stream order
+        pairs, pairs3 = _ll_shape(handle.pool.extras[handle.slot], num_tokens, topk, hidden, handle.max_tokens,
+                                  source.device, "combine")
         buf.combine(source, "expert", out=pairs, eager=False, return_recv_hook=return_recv_hook)
         if out is None:
             out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=source.device)
@@ -763,20 +779,44 @@ class Buffer:
                                    f"{tuple(out.shape)} {out.dtype}")
 
         def reduce():  # the source-side weighted sum over k, fp32, rounded once
-            weights = topk_weights.float().masked_fill(topk_idx < 0, 0.0).unsqueeze(2)
-            out.copy_((pairs.view(num_tokens, topk, hidden).float() * weights).sum(dim=1))
+            weights = topk_weights if topk_weights.dtype is _FLOAT32 else topk_weights.float()
+            # NOTE: bf16 * fp32 promotes to fp32 (exact cast, then the product), as pairs.float() * weights
+            out.copy_(torch.mul(pairs3, weights.masked_fill(topk_idx < 0, 0.0).unsqueeze(2)).sum(dim=1))
 
+        hook = None
         if return_recv_hook:
             def hook():
                 buf.complete_combine()
                 reduce()
         else:
             reduce()
-            hook = None
-        return out, self._event(async_finish, (x, topk_idx, topk_weights, out)), hook
+        event = EventOverlap(EventHandle(), (x, topk_idx, topk_weights, out)) if async_finish else EventOverlap(None)
+        return out, event, hook
 
 
 _MAX_LL_ROWS = 1024  # ferry::kMaxLowLatencyTokens
+
+
+def _ll_shape(extras: dict, num_tokens: int, topk: int, hidden: int, max_tokens: int, device, leg: str = "dispatch"):
+    """One EpBuffer's staging tensors of the (token, k) pair rows and their views for num_tokens tokens, made once
+    per shape: dispatch (pairs [T * topk, hidden] bf16, the same as [T, topk, hidden], ones [T * topk, 1] float32,
+    the weights the pairs travel with); combine (the pairs that come back, [T * topk, hidden] and [T, topk, hidden])."""
+    key = (leg, num_tokens)
+    got = extras.get(key)
+    if got is None:
+        rows = num_tokens * topk
+        pairs = extras.get(leg + " pairs")
+        if pairs is None:
+            pairs = extras[leg + " pairs"] = torch.empty((max_tokens * topk, hidden), dtype=torch.bfloat16,
+                                                         device=device)
+        views = (pairs[:rows], pairs[:rows].view(num_tokens, topk, hidden))
+        if leg == "dispatch":
+            ones = extras.get("ones")
+            if ones is None:
+                ones = extras["ones"] = torch.ones((max_tokens * topk, 1), dtype=torch.float32, device=device)
+            views += (ones[:rows],)
+        got = extras[key] = views
+    return got
 
 
 def _ll_bytes(max_tokens: int, row_bytes: int, world: int, num_experts: int, topk: int) -> int:

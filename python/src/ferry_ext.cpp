@@ -25,6 +25,10 @@
 #include <utility>
 #include <vector>
 
+#if FERRY_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 #include "core/launcher.hpp"
 #include "ferry/bootstrap.hpp"
 #include "ferry/communicator.hpp"
@@ -66,6 +70,7 @@ struct Frameworks {
   nb::object torch_bf16;
   nb::object torch_f32;
   nb::object torch_uint8;
+  nb::object torch_int32, torch_int64;
   // torch's one-byte float dtypes (None where this torch lacks them): outputs of fp8 payload are uint8 views made
   // float8_e4m3fn with Tensor.view(dtype), inputs of these dtypes are viewed as uint8 before import (both work on
   // every torch with float8, whether or not its DLPack knows the type).
@@ -103,6 +108,8 @@ PyTypeObject* torch_tensor_type() {
     f.torch_bf16 = module.attr("bfloat16");
     f.torch_f32 = module.attr("float32");
     f.torch_uint8 = module.attr("uint8");
+    f.torch_int32 = module.attr("int32");
+    f.torch_int64 = module.attr("int64");
     f.torch_fp8_e4m3fn = nb::getattr(module, "float8_e4m3fn", nb::none());
     f.torch_fp8_e8m0fnu = nb::getattr(module, "float8_e8m0fnu", nb::none());
     f.torch_fp4_e2m1fn_x2 = nb::getattr(module, "float4_e2m1fn_x2", nb::none());
@@ -593,13 +600,81 @@ class PyEpBuffer {
     PyDispatchHandle* save = nullptr;
     Inputs in = checked(Leg::dispatch, stream, x, [&] {
       save = handle_arg(save_handle, "save_handle");
-      PyDispatchHandle* const cached = handle_arg(handle, "handle");
-      Inputs got = dispatch_inputs(x, topk_idx, topk_weights, x_scales, x_token_scales, expand, eager, stream,
-                                   return_recv_hook, cached != nullptr);
-      if (save) got.args.save_handle = &save->handle;
-      if (cached) got.args.handle = &cached->handle;
-      return got;
+      return dispatch_inputs_with(x, topk_idx, topk_weights, x_scales, x_token_scales, expand, eager, stream,
+                                  return_recv_hook, save, handle_arg(handle, "handle"));
     });
+    DispatchResult const got = run_dispatch(in, save);
+    return result(got, in.framework, eager && !return_recv_hook);
+  }
+
+  // A normal-mode dispatch whose rank-major outputs are fresh arrays the caller owns (ferry.deep_ep: DeepEP returns
+  // new tensors), filled here instead of by framework ops in Python: (recv_x, recv_scales or None, recv_topk_idx,
+  // recv_topk_weights, expert counts as a list (eager) or None, the DispatchHandle saved into (save_handle=True) or
+  // None, num_recv). Rows: num_recv_host (eager) or recv_capacity (lazy; rows at or past num_recv unspecified, their
+  // ids included). recv_topk_idx is int64 (idx_int64) or int32; with handle= (a cached dispatch) the ids, weights and
+  // counts are None. Refusals as dispatch().
+  nb::tuple dispatch_owned(nb::handle x, nb::handle topk_idx, nb::handle topk_weights, nb::handle x_scales, bool eager,
+                           bool save_handle, nb::handle handle, bool idx_int64, nb::handle stream) {
+    nb::object saved = nb::none();
+    PyDispatchHandle* save = nullptr;
+    PyDispatchHandle* cached = nullptr;
+    Inputs in = checked(Leg::dispatch, stream, x, [&] {
+      cached = handle_arg(handle, "handle");
+      FERRY_CHECK_INPUT(cached == nullptr || !save_handle,
+                        "a cached dispatch (handle=) saves no handle; pass "
+                        "save_handle=False");
+      FERRY_CHECK_INPUT(framework_of(x) == kTorch,
+                        "x must be a torch tensor (this call returns torch tensors), "
+                        "got ",
+                        python_type_name(x));
+      if (save_handle) {
+        saved = nb::cast(make_handle());
+        save = nb::inst_ptr<PyDispatchHandle>(saved);
+      }
+      return dispatch_inputs_with(x, topk_idx, topk_weights, x_scales, nb::none(), false, eager, stream, false, save,
+                                  cached);
+    });
+    DispatchResult const got = run_dispatch(in, save);
+    int64_t const rows = eager && got.num_recv_host >= 0 ? got.num_recv_host : capacity_;
+    Owned owned(*this, in.stream, x);
+    nb::object const recv_x = owned.copy(got.recv_x, {rows, static_cast<int64_t>(recv_x_spec_.dims[1])},
+                                         recv_x_spec_.dtype, got.recv_row_bytes);
+    nb::object recv_scales = nb::none();
+    if (quantized_) {
+      FERRY_CHECK_INPUT(scale_layout_ == ScaleLayout::row_major, "this call returns row-major recv_scales only");
+      recv_scales = owned.copy(got.recv_scales, {rows, wire_.num_scales}, wire_.scale_bytes == 4 ? kF32 : kU8,
+                               static_cast<size_t>(wire_.num_scales * wire_.scale_bytes));
+    }
+    nb::object ids = nb::none(), weights = nb::none(), counts = nb::none();
+    if (!cached) {
+      size_t const topk = static_cast<size_t>(topk_);
+      weights = owned.copy(got.recv_topk_weights, {rows, topk_}, kF32, topk * sizeof(float));
+      if (idx_int64) {
+        View& slot = views_[kTorch].recv_topk_idx;
+        view(slot, got.recv_topk_idx, kTorch, ViewSpec(kI32, {static_cast<size_t>(capacity_), topk}));
+        ids = owned.widen(got.recv_topk_idx, rows, topk_, slot);
+      } else {
+        ids = owned.copy(got.recv_topk_idx, {rows, topk_}, kI32, topk * sizeof(int32_t));
+      }
+      if (eager) counts = owned.host_list(got.expert_counts, num_local_);
+    }
+    nb::object const num_recv = view(views_[kTorch].num_recv, got.num_recv, kTorch, ViewSpec(kI32, {1}));
+    return nb::make_tuple(recv_x, recv_scales, ids, weights, counts, saved, num_recv);
+  }
+
+  // dispatch_inputs with the handles set: save (save_handle=) and cached (handle=: a cached dispatch).
+  Inputs dispatch_inputs_with(nb::handle x, nb::handle topk_idx, nb::handle topk_weights, nb::handle x_scales,
+                              nb::handle x_token_scales, bool expand, bool eager, nb::handle stream,
+                              bool return_recv_hook, PyDispatchHandle* save, PyDispatchHandle* cached) const {
+    Inputs got = dispatch_inputs(x, topk_idx, topk_weights, x_scales, x_token_scales, expand, eager, stream,
+                                 return_recv_hook, cached != nullptr);
+    if (save) got.args.save_handle = &save->handle;
+    if (cached) got.args.handle = &cached->handle;
+    return got;
+  }
+
+  // The C++ dispatch of checked inputs; save: the handle it saves into (its num_recv_host is set here).
+  DispatchResult run_dispatch(Inputs const& in, PyDispatchHandle* save) {
     DispatchResult got;
     {
       Exclusive const exclusive(*this);
@@ -610,9 +685,9 @@ class PyEpBuffer {
       nb::gil_scoped_release release;
       got = buffer_->dispatch(in.args, in.stream);
     }
-    remember_dispatch(in.args.num_tokens, got, in.framework, eager);
+    remember_dispatch(in.args.num_tokens, got, in.framework, in.args.eager);
     if (save) save->num_recv_host = got.num_recv_host;
-    return result(got, in.framework, eager && !return_recv_hook);
+    return got;
   }
 
   // The receive half of a dispatch made with return_recv_hook (low-latency mode).
@@ -1044,6 +1119,9 @@ class PyEpBuffer {
   struct View {
     void const* data = nullptr;
     nb::object object;
+    // the last slice of object handed out by an eager call: object[:head_rows] (head_base: the object it slices)
+    nb::object head, head_base;
+    int64_t head_rows = -1;
   };
   struct Views {
     View recv_x, recv_topk_idx, recv_topk_weights, recv_src, num_recv, expert_counts, expert_x, expert_src_row;
@@ -1138,8 +1216,118 @@ class PyEpBuffer {
   static nb::object head(nb::object const& full, int64_t rows) {
     if (full.is_none()) return full;
     nb::object const slice = nb::steal(PySlice_New(nullptr, nb::int_(rows).ptr(), nullptr));
-    return nb::steal(PyObject_GetItem(full.ptr(), slice.ptr()));
+    PyObject* const part = PyObject_GetItem(full.ptr(), slice.ptr());
+    if (!part) throw nb::python_error();
+    return nb::steal(part);
   }
+
+  // The first rows of the slot's cached view, itself cached: an eager call of the same row count returns the same
+  // slice again (a framework's slice costs as much as the rest of the call), as lazy calls return the same views.
+  static nb::object cached_head(View& slot, nb::object const& full, int64_t rows) {
+    if (full.is_none()) return full;
+    if (slot.head_rows != rows || !slot.head.is_valid() || !slot.head_base.is(full)) {
+      slot.head = head(full, rows);
+      slot.head_base = full;
+      slot.head_rows = rows;
+    }
+    return slot.head;
+  }
+
+  // ---- fresh outputs (dispatch_owned)
+
+  // Fresh torch tensors on like's device, filled from the EpBuffer's memory: on the cpu backend by host copies, on
+  // cuda by cudaMemcpyAsync on the call's stream (ids widened to int64 by torch there: a copy cannot sign-extend).
+  class Owned {
+   public:
+    Owned(PyEpBuffer& owner, cudaStream_t stream, nb::handle like)
+        : owner_(owner), stream_(stream), device_(like.attr("device")) {}
+
+    nb::object empty(int64_t rows, int64_t cols, nb::dlpack::dtype dtype) const {
+      Frameworks const& f = frameworks();
+      nb::handle const type = dtype == kBf16  ? f.torch_bf16
+                              : dtype == kF32 ? f.torch_f32
+                              : dtype == kI32 ? f.torch_int32
+                              : dtype == kI64 ? f.torch_int64
+                              : dtype == kFp8 ? f.torch_fp8_e4m3fn
+                                              : f.torch_uint8;
+      return f.torch_empty(nb::make_tuple(rows, cols), "dtype"_a = type, "device"_a = device_);
+    }
+
+    // [rows, cols] of dtype, rows of row_bytes copied from src.
+    nb::object copy(void const* src, std::pair<int64_t, int64_t> shape, nb::dlpack::dtype dtype,
+                    size_t row_bytes) const {
+      nb::object out = empty(shape.first, shape.second, dtype);
+      copy_bytes(data_of(out), src, static_cast<size_t>(shape.first) * row_bytes);
+      return out;
+    }
+
+    // int64 [rows, topk] from the int32 ids at src (full: their cached [recv_capacity, topk] view).
+    nb::object widen(int32_t const* src, int64_t rows, int topk, View& slot) const {
+      if (owner_.placement_.backend() == Backend::cuda)
+        return cached_head(slot, slot.object, rows).attr("to")(frameworks().torch_int64);
+      nb::object out = empty(rows, topk, kI64);
+      auto* const dst = reinterpret_cast<int64_t*>(data_of(out));
+      size_t const n = static_cast<size_t>(rows) * static_cast<size_t>(topk);
+      for (size_t i = 0; i < n; ++i) dst[i] = src[i];
+      return out;
+    }
+
+    // The n int32 values at src (host or device) as a list (cuda: copied to the host after the stream's work).
+    nb::list host_list(int32_t const* src, int n) const {
+      std::vector<int32_t> values(static_cast<size_t>(n));
+      if (n > 0) {
+        if (owner_.placement_.backend() == Backend::cuda) {
+#if FERRY_HAVE_CUDA
+          nb::gil_scoped_release release;
+          check_cuda(
+              cudaMemcpyAsync(values.data(), src, values.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_),
+              "cudaMemcpyAsync (expert counts to the host)");
+          check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+#endif
+        } else {
+          std::memcpy(values.data(), src, values.size() * sizeof(int32_t));
+        }
+      }
+      nb::list out;
+      for (int32_t v : values) out.append(v);
+      return out;
+    }
+
+   private:
+    static void* data_of(nb::handle tensor) {
+      return reinterpret_cast<void*>(nb::cast<uintptr_t>(tensor.attr("data_ptr")()));
+    }
+
+    void copy_bytes(void* dst, void const* src, size_t bytes) const {
+      if (bytes == 0) return;
+      if (owner_.placement_.backend() == Backend::cuda) {
+#if FERRY_HAVE_CUDA
+        check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_),
+                   "cudaMemcpyAsync (a dispatch output into its fresh tensor)");
+#endif
+        return;
+      }
+      constexpr size_t kReleaseBytes = size_t{1} << 20;  // NOTE: a large host copy runs without the GIL
+      if (bytes >= kReleaseBytes) {
+        nb::gil_scoped_release release;
+        std::memcpy(dst, src, bytes);
+      } else {
+        std::memcpy(dst, src, bytes);
+      }
+    }
+
+#if FERRY_HAVE_CUDA
+    static void check_cuda(cudaError_t error, char const* what) {
+      if (error != cudaSuccess)
+        FERRY_THROW(CudaError, "cuda", what, " failed: ", cudaGetErrorName(error), " (", cudaGetErrorString(error),
+                    ")");
+    }
+#endif
+
+    PyEpBuffer& owner_;
+    cudaStream_t stream_;
+    nb::object device_;
+  };
 
   PyDispatchResult result(DispatchResult const& got, Framework framework, bool eager) {
     Views& v = views_[framework];
@@ -1167,15 +1355,17 @@ class PyEpBuffer {
     }
     if (got.num_recv_host >= 0) out.num_recv_host = got.num_recv_host;
     if (eager && got.num_recv_host >= 0) {
-      out.recv_x = head(out.recv_x, got.num_recv_host);
-      out.recv_topk_idx = head(out.recv_topk_idx, got.num_recv_host);
-      out.recv_topk_weights = head(out.recv_topk_weights, got.num_recv_host);
-      out.recv_src = head(out.recv_src, got.num_recv_host);
+      int64_t const rows = got.num_recv_host;
+      out.recv_x = cached_head(v.recv_x, out.recv_x, rows);
+      out.recv_topk_idx = cached_head(v.recv_topk_idx, out.recv_topk_idx, rows);
+      out.recv_topk_weights = cached_head(v.recv_topk_weights, out.recv_topk_weights, rows);
+      out.recv_src = cached_head(v.recv_src, out.recv_src, rows);
       if (quantized_) {
         // NOTE: only the row-major scales have rows as their first dimension; the other layouts stay whole tensors
         // of recv_capacity rows (their strides depend on the row count).
-        if (scale_layout_ == ScaleLayout::row_major) out.recv_scales = head(out.recv_scales, got.num_recv_host);
-        out.recv_token_scales = head(out.recv_token_scales, got.num_recv_host);
+        if (scale_layout_ == ScaleLayout::row_major)
+          out.recv_scales = cached_head(v.recv_scales, out.recv_scales, rows);
+        out.recv_token_scales = cached_head(v.recv_token_scales, out.recv_token_scales, rows);
       }
     }
     out.recv_capacity = got.recv_capacity;
@@ -1569,6 +1759,11 @@ NB_MODULE(_ext, m) {
            "want_grad_weights None or True; needs x, the forward combine's expert outputs [num_local_experts, "
            "expert_capacity, hidden] bf16): [T, topk] float32, <grad_y[t], x of the slot of (t, k)> (0 for an id of "
            "-1 or an entry without a slot), written into grad_topk_weights when given; else None.")
+      .def("_dispatch_owned", &PyEpBuffer::dispatch_owned, "x"_a, "topk_idx"_a.none(), "topk_weights"_a.none(),
+           "x_scales"_a.none(), "eager"_a, "save_handle"_a, "handle"_a.none(), "idx_int64"_a, "stream"_a = nb::none(),
+           "A normal-mode dispatch of torch tensors returning fresh tensors the caller owns (ferry.deep_ep): "
+           "(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert counts (eager) or None, the saved "
+           "DispatchHandle or None, num_recv). Positional arguments only.")
       .def("complete_dispatch", &PyEpBuffer::complete_dispatch, "stream"_a = nb::none(),
            "The receive half of a dispatch made with return_recv_hook; returns its DispatchResult.")
       .def("complete_combine", &PyEpBuffer::complete_combine, "stream"_a = nb::none(),

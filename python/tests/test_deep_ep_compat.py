@@ -609,6 +609,64 @@ def test_binding_takes_torch_cpu_tensors():
     assert run_ranks(_dlpack_body, 1) == [True]
 
 
+def _owned_body(ctx):
+    """Normal-mode outputs are the caller's (fresh tensors, as DeepEP's): later dispatches of the same shape, which
+    reuse the pool's EpBuffers, leave them as they were; int32 ids come back as an int32 copy."""
+    import ferry.deep_ep as deep_ep
+
+    group = _group(ctx)
+    buffer = deep_ep.Buffer(group, deep_ep.Config().get_nvl_buffer_size_hint(HIDDEN * 2, 1))
+    calls = []
+    for seed, dtype in ((1, torch.int64), (2, torch.int32), (3, torch.int64), (4, torch.int64)):
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn((6, HIDDEN), generator=gen).to(torch.bfloat16)
+        idx = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(6)]).to(dtype)
+        w = torch.rand((6, 2), generator=gen)
+        layout = buffer.get_dispatch_layout(_dev(idx), 8)
+        got = buffer.dispatch(_dev(x), num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                              num_tokens_per_expert=layout[2], topk_idx=_dev(idx), topk_weights=_dev(w))
+        recv_x, recv_idx, recv_w = got[0], got[1], got[2]
+        assert recv_idx.dtype == dtype and recv_w.dtype == torch.float32 and recv_x.dtype == torch.bfloat16
+        calls.append((got, (recv_x.clone(), recv_idx.clone(), recv_w.clone()), x, idx, w))
+    pointers = set()
+    for got, copies, x, idx, w in calls:  # world 1: every token once, in order, ids as given
+        for tensor, copy in zip(got[:3], copies):
+            assert torch.equal(tensor, copy)  # unchanged by the later dispatches
+            pointers.add(tensor.data_ptr())
+        assert torch.equal(_host(got[0]), x) and torch.equal(_host(got[1]), idx) and torch.equal(_host(got[2]), w)
+    assert len(pointers) == 3 * len(calls)  # no two outputs share memory
+    return True
+
+
+def test_normal_outputs_are_owned():
+    assert _run(_owned_body, 1) == [True]
+
+
+def _ll_token_counts_body(ctx):
+    """Low-latency calls of one shape with changing token counts (the layer stages the (token, k) rows per count):
+    every combine matches its own tokens. (Fails when the staging is not keyed by the count.)"""
+    import ferry.deep_ep as deep_ep
+
+    group = _group(ctx)
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(4, HIDDEN, 1, 8)
+    buffer = deep_ep.Buffer(group, 0, hint, low_latency_mode=True, num_qps_per_rank=8)
+    worst = 0.0
+    for seed, tokens in enumerate((3, 1, 4, 3, 1)):
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn((tokens, HIDDEN), generator=gen).to(torch.bfloat16)
+        idx = torch.stack([torch.randperm(8, generator=gen)[:3] for _ in range(tokens)])
+        w = torch.rand((tokens, 3), generator=gen)
+        recv_x, _, handle, _, _ = buffer.low_latency_dispatch(_dev(x), _dev(idx), 4, 8, use_fp8=False)
+        y, _, _ = buffer.low_latency_combine(recv_x, _dev(idx), _dev(w), handle)
+        assert tuple(y.shape) == (tokens, HIDDEN)
+        worst = max(worst, calc_diff(_host(y).float(), x.float() * w.sum(dim=1, keepdim=True)))
+    return worst
+
+
+def test_low_latency_token_counts_change():
+    assert _run(_ll_token_counts_body, 1)[0] < 1e-5
+
+
 # ---- examples/deep_ep_moe.py: the engine-shaped layer against its dense reference --------------------------------
 
 

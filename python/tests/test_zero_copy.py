@@ -94,3 +94,25 @@ def test_torch_cpu_views_are_bfloat16_and_shared():
     assert torch.equal(first.recv_x, tx)
     y = buf.combine(first.expert_x, "expert")
     assert isinstance(y, torch.Tensor) and y.dtype == torch.bfloat16 and tuple(y.shape) == (4, 64)
+
+
+def test_eager_slices_follow_the_row_count(buf):
+    """Eager calls hand out cached slices of the full views: a call of the last call's row count gets the same object
+    (showing the new call's rows), another count a slice of its own. (Fails when the slice cache ignores the count: the
+    second call then returns 6 rows.)"""
+    x6, idx6, w6 = _inputs(6, 11)
+    x3, idx3, w3 = _inputs(3, 12)
+    first = buf.dispatch(x6, idx6, w6)
+    second = buf.dispatch(x3, idx3, w3)
+    assert second.recv_x.shape == (3, 64) and second.recv_src.shape == (3, 2)
+    np.testing.assert_array_equal(second.recv_x, x3)
+    x6b, idx6b, w6b = _inputs(6, 13)
+    third = buf.dispatch(x6b, idx6b, w6b)
+    assert third.recv_x.shape == (6, 64) and third.recv_topk_weights.shape == (6, 2)
+    np.testing.assert_array_equal(third.recv_x, x6b)
+    np.testing.assert_array_equal(first.recv_x, x6b)  # a view of the same rows: the last dispatch's contents
+    x6c, idx6c, w6c = _inputs(6, 14)
+    fourth = buf.dispatch(x6c, idx6c, w6c)
+    assert fourth.recv_x is third.recv_x  # the cached slice (the last count), now showing the fourth call's rows
+    np.testing.assert_array_equal(third.recv_x, x6c)
+    np.testing.assert_array_equal(fourth.recv_topk_weights, w6c)
