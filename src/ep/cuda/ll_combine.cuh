@@ -90,13 +90,23 @@ __device__ __forceinline__ char* combine_row_at(LlCombineParams const& p, int pa
 // Chunks per row of the chunked send: bf16 splits a batch with fewer rows than the grid has warps into more
 // (smaller) chunks, so that every warp has bytes in flight; quantized formats keep 1024-element chunks (their scale
 // blocks lie inside a chunk), across nodes (kNet) a power of two of them (<= kWarps, checked by the backend), so that
-// a row's chunks are in one CTA and the network leg puts the row whole (chunks past the row's are idle).
+// a row's chunks are in one CTA and the network leg puts the row whole (chunks past the row's are idle). bf16 across
+// nodes takes a power of two <= kWarps too where one holds its 1024-element chunks (hidden <= 16384), for the same
+// whole-row puts (one message per row, not per chunk); a wider row keeps its chunks and its per-chunk puts.
 template <WireFormat kFormat, bool kNet>
 __device__ __forceinline__ int combine_chunks(LlCombineParams const& p, int num_recv) {
   int const num_vec = p.hidden / 8;
   int const num_chunks = (num_vec + kChunkVecs - 1) / kChunkVecs;
-  if constexpr (kFormat == WireFormat::bf16)
-    return max(num_chunks, device::chunks_per_row(num_recv, p.num_ctas * kWarps, num_vec));
+  if constexpr (kFormat == WireFormat::bf16) {
+    int const chunks = max(num_chunks, device::chunks_per_row(num_recv, p.num_ctas * kWarps, num_vec));
+    if constexpr (kNet) {
+      int whole = 1;
+      while (whole < num_chunks) whole *= 2;
+      while (whole * 2 <= min(chunks, kWarps)) whole *= 2;
+      if (whole <= kWarps) return whole;
+    }
+    return chunks;
+  }
   if constexpr (kNet) {
     int chunks = 1;
     while (chunks < num_chunks) chunks *= 2;
@@ -280,8 +290,9 @@ __device__ __forceinline__ void ll_combine_send_rows_nvfp4(LlCombineParams const
 // Across nodes, after the send (every thread of the CTA, past the barrier that ends it): the rows this CTA staged
 // for the sources of other nodes, put from this rank's window into their landing zones, then its arrival there
 // (ll_dispatch_send_network's scheme: warp w takes the ranks j = w, w + kWarps, ... of the other nodes over every
-// row of the CTA, in the send's order; bf16 a chunk's bytes, the quantized formats a row whole from its first chunk's
-// item; CTA 0 of a refusing rank puts its abort word). The staged rows alternate by parity, as the landing zones.
+// row of the CTA, in the send's order; a row whole from its first chunk's item (combine_chunks keeps a row's chunks
+// in one CTA), a bf16 row wider than 16 of its 1024-element chunks a chunk's bytes per item; CTA 0 of a refusing
+// rank puts its abort word). The staged rows alternate by parity, as the landing zones.
 template <WireFormat kFormat, class Net>
 __device__ __forceinline__ void ll_combine_send_network(LlCombineParams const& p, Net const& network, int parity,
                                                         uint64_t seq) {
@@ -319,7 +330,7 @@ __device__ __forceinline__ void ll_combine_send_network(LlCombineParams const& p
           int const it = base + __ffs(m) - 1;
           int const row = it / chunks;
           int const chunk = it % chunks;
-          if constexpr (kFormat == WireFormat::bf16) {
+          if (kFormat == WireFormat::bf16 && chunks > kWarps) {  // a row wider than a CTA's chunks: per chunk
             auto const [v_begin, v_end] = device::chunk_range(num_vec, chunk, chunks);
             if (v_end > v_begin)
               put_row(row, static_cast<std::size_t>(v_begin) * 16, static_cast<std::size_t>(v_end - v_begin) * 16);
@@ -534,8 +545,7 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
       if constexpr (kAcrossNodes<Net>) {
         if (!p.forward || tid % p.local == rank % p.local) {
           if (!wait_stats::timed(stats, tid, [&] {
-                return wait_network(p, network, p.layout.combine_arrivals, tid, seq * per_call,
-                                    WaitPhase::ll_combine);
+                return wait_network(p, network, p.layout.combine_arrivals, tid, seq * per_call, WaitPhase::ll_combine);
               }))
             s_ok = 0;
           else if (cta == 0)

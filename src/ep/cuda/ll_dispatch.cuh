@@ -190,8 +190,8 @@ __device__ __forceinline__ void expand_own(LlDispatchParams const& p, ExpandShar
 // Across nodes, after the send loop (every thread of the CTA, past the barrier that ends it): what this CTA has for
 // the ranks of other nodes, staged in this rank's window by the loop, put from there, then its arrival there. Warp w
 // takes the ranks j = w, w + kWarps, ... of the other nodes, each over every item of the CTA (the loop's items, in
-// its order): a record per token (every rank gets every record), the row's chunk when the rank holds one of the
-// token's experts (a quantized row whole, with its chunk 0: a row's chunks are in one CTA), the token count (CTA 0)
+// its order): a record per token (every rank gets every record), the row whole with its chunk 0 when the rank holds
+// one of the token's experts (across nodes a row's chunks are in one CTA, in every format), the token count (CTA 0)
 // and the abort word (a refusing CTA). One endpoint carries all of it to that rank, so its signal (+1 per CTA and
 // call, as over NVLink) covers it. The staging areas alternate by parity, and a source reuses one at call n + 2 only
 // after its receive of n + 1, which waited for every rank's send of n + 1, each after that rank's receive of n, which
@@ -201,7 +201,6 @@ __device__ __forceinline__ void ll_dispatch_send_network(LlDispatchParams const&
                                                          uint64_t seq, bool refused, int chunks, int items) {
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   int const total_warps = p.num_ctas * kWarps;
-  int const num_vec = p.hidden / 8;
   std::size_t const wire = p.layout.dispatch_row_bytes;
   std::size_t const record = p.layout.meta_bytes;
   std::size_t const max_tokens = static_cast<std::size_t>(p.max_tokens);
@@ -221,14 +220,7 @@ __device__ __forceinline__ void ll_dispatch_send_network(LlDispatchParams const&
         if (__any_sync(0xffffffffu, e >= lo && e < lo + p.num_local_experts)) {
           std::size_t const from = p.layout.ll_send_rows + (parity * max_tokens + t) * wire;
           std::size_t const to = p.layout.dispatch_rows + slot * wire;
-          if constexpr (kFormat == WireFormat::bf16) {
-            auto const [v_begin, v_end] = device::chunk_range(num_vec, chunk, chunks);
-            if (v_end > v_begin)
-              ep.put(d, to + static_cast<std::size_t>(v_begin) * 16, from + static_cast<std::size_t>(v_begin) * 16,
-                     static_cast<std::size_t>(v_end - v_begin) * 16);
-          } else if (chunk == 0) {
-            ep.put(d, to, from, wire);
-          }
+          if (chunk == 0) ep.put(d, to, from, wire);
         }
         if (chunk == 0)
           ep.put(d, p.layout.dispatch_meta + slot * record,
@@ -266,7 +258,6 @@ __device__ __forceinline__ void ll_dispatch_send_forward(LlDispatchParams const&
                                                          uint64_t seq, bool refused, int chunks, int items) {
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   int const total_warps = p.num_ctas * kWarps;
-  int const num_vec = p.hidden / 8;
   int const own_node = rank / p.local;
   std::size_t const wire = p.layout.dispatch_row_bytes;
   std::size_t const record = p.layout.meta_bytes;
@@ -289,14 +280,7 @@ __device__ __forceinline__ void ll_dispatch_send_forward(LlDispatchParams const&
         if (__any_sync(0xffffffffu, e >= lo && e < hi)) {
           std::size_t const from = p.layout.ll_send_rows + (parity * max_tokens + t) * wire;
           std::size_t const to = p.layout.ll_fwd_rows + (place + t) * wire;
-          if constexpr (kFormat == WireFormat::bf16) {
-            auto const [v_begin, v_end] = device::chunk_range(num_vec, chunk, chunks);
-            if (v_end > v_begin)
-              ep.put(rail, to + static_cast<std::size_t>(v_begin) * 16, from + static_cast<std::size_t>(v_begin) * 16,
-                     static_cast<std::size_t>(v_end - v_begin) * 16);
-          } else if (chunk == 0) {
-            ep.put(rail, to, from, wire);
-          }
+          if (chunk == 0) ep.put(rail, to, from, wire);
         }
         if (chunk == 0)
           ep.put(rail, p.layout.ll_fwd_meta + (place + t) * record,
@@ -436,9 +420,13 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Net 
   //    row's conversions run on its 32 lanes alone). A quantized row's chunks are whole scale groups, a power of two
   //    of them in one CTA (nvfp4's token scale). Chunk 0 reports bad ids and writes the token's mask and metadata.
   //    Every warp of a CTA runs the same steps (nvfp4's barrier); a warp past the items only joins the barrier.
+  //    Across nodes a bf16 row's chunks are in one CTA too, so that the network leg puts each row whole: one message
+  //    per row and remote rank (or rail), not one per chunk (a NIC's message rate is what small puts run into).
   int chunks = 1;
-  if constexpr (kFormat == WireFormat::bf16)
+  if constexpr (kFormat == WireFormat::bf16 && !kNet)
     chunks = device::chunks_per_row(p.num_tokens, total_warps, num_vec);
+  else if constexpr (kFormat == WireFormat::bf16)
+    chunks = device::cta_chunks_per_row(p.num_tokens, total_warps, (num_vec + 31) / 32, kWarps);
   else
     chunks = device::cta_chunks_per_row(p.num_tokens, total_warps, device::scale_groups<kFormat, kUnitElems>(p.hidden),
                                         kWarps);
