@@ -71,7 +71,8 @@ Traffic count_traffic(EpConfig const& config, Topology const& topology, RoutingO
   // aligned) a message of its own to every rank
   double const ll_row = static_cast<double>(wire_row_bytes(config.dispatch_format, config.hidden));
   double const ll_record = static_cast<double>((static_cast<std::size_t>(columns) * 8 + 15) / 16 * 16);
-  Sent hier_d(world), hier_c(world), direct_d(world), direct_c(world), ll_d(world), ll_c(world);
+  Sent hier_d(world), hier_c(world), direct_d(world), direct_c(world), ll_d(world), ll_c(world), llf_d(world),
+      llf_c(world);
   double dest_ranks = 0, remote_nodes = 0, remote_ranks = 0;
   std::vector<int64_t> idx(static_cast<std::size_t>(tokens_per_rank) * columns);
   std::vector<float> weights(idx.size());
@@ -91,6 +92,10 @@ Traffic count_traffic(EpConfig const& config, Topology const& topology, RoutingO
           double const bytes = ll_record + (hit[d] ? ll_row : 0.0);
           (near ? ll_d.nvlink : ll_d.network)[r] += bytes;
           (near ? ll_c.nvlink : ll_c.network)[d] += hit[d] ? crow : 0.0;
+          if (near) {  // the forward route's own node: as on one node
+            llf_d.nvlink[r] += bytes;
+            llf_c.nvlink[d] += hit[d] ? crow : 0.0;
+          }
           if (!near) {
             ll_d.messages[r] += hit[d] ? 2 : 1;
             ll_d.network_rows[r] += hit[d] ? 1 : 0;
@@ -123,10 +128,24 @@ Traffic count_traffic(EpConfig const& config, Topology const& topology, RoutingO
         if (n == node) continue;
         int hits = 0;
         for (int l = 0; l < topology.local; ++l) hits += hit[n * topology.local + l];
-        if (hits == 0) continue;
-        remote_nodes += 1;
         int const rail = n * topology.local + local;
         int const forwards = hits - hit[rail];
+        // the cuda forward route: a record to the rail for every remote node, the row where the node holds it;
+        // the rail's records to the node's other ranks and rows to its other holding ranks over NVLink; back, the
+        // holding ranks' bf16 rows to the rail and one row from the rail
+        llf_d.network[r] += ll_record + (hits > 0 ? ll_row : 0.0);
+        llf_d.messages[r] += hits > 0 ? 2 : 1;
+        llf_d.network_rows[r] += hits > 0 ? 1 : 0;
+        llf_d.nvlink[rail] += (topology.local - 1) * ll_record + forwards * ll_row;
+        if (hits == 0) continue;
+        for (int l = 0; l < topology.local; ++l) {
+          int const d = n * topology.local + l;
+          if (hit[d] && d != rail) llf_c.nvlink[d] += brow;
+        }
+        llf_c.network[rail] += crow;
+        llf_c.messages[rail] += 1;
+        llf_c.network_rows[rail] += 1;
+        remote_nodes += 1;
         hier_d.network[r] += drow;
         hier_d.messages[r] += 1;
         hier_d.network_rows[r] += 1;
@@ -159,6 +178,12 @@ Traffic count_traffic(EpConfig const& config, Topology const& topology, RoutingO
   double const remote = static_cast<double>(world - topology.local);
   traffic.ll_dispatch.control_messages = remote * (ll_ctas + 1);
   traffic.ll_combine.control_messages = remote * ll_ctas;
+  // the forward route: per (CTA, remote node) the signal, and (dispatch, CTA 0) the token count
+  traffic.ll_fwd_dispatch = llf_d.summary();
+  traffic.ll_fwd_combine = llf_c.summary();
+  double const remote_nodes_count = static_cast<double>(topology.nodes - 1);
+  traffic.ll_fwd_dispatch.control_messages = remote_nodes_count * (ll_ctas + 1);
+  traffic.ll_fwd_combine.control_messages = remote_nodes_count * ll_ctas;
   return traffic;
 }
 
@@ -188,6 +213,14 @@ Prediction predict(Traffic const& t, Links const& links) {
                       links.nic_latency_us, links, ld.network_messages_max + ld.control_messages);
   p.ll_combine = leg(links.ll_fixed_us, lc.network_bytes_max + 8 * lc.control_messages, lc.nvlink_bytes_max, logical_c,
                      links.nic_latency_us, links, lc.network_messages_max + lc.control_messages);
+  // the forward route: the rail's NVLink hop after the network put (dispatch: the placement; combine: the node's
+  // rows reach the rail before its put)
+  auto const with_messages = [&](LegTraffic const& l, double logical) {
+    return leg(links.ll_fixed_us, l.network_bytes_max + 8 * l.control_messages, l.nvlink_bytes_max, logical, hier_hops,
+               links, l.network_messages_max + l.control_messages);
+  };
+  p.ll_fwd_dispatch = with_messages(t.ll_fwd_dispatch, logical_d);
+  p.ll_fwd_combine = with_messages(t.ll_fwd_combine, logical_c);
   return p;
 }
 

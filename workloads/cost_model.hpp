@@ -13,6 +13,11 @@
 // with its own messages: a row per (token, remote rank holding it), a metadata record per (token, remote rank) to
 // every remote rank (the receivers scan every source's records), and per (CTA, remote rank) of the grid a signal and
 // (dispatch, CTA 0) the token count; its combine a row per (received row of a remote source) and the signals.
+// Its forward route (ll_dispatch_send_forward) apart as well: per (token, remote node) a record of global ids and,
+// when the node holds the token, its row, to the rail, which places the record on every rank of its node and the row
+// on the holding ranks (NVLink); per (CTA, remote node) a signal and (CTA 0) the token count. Its combine: the node's
+// holding ranks' bf16 rows to the rail (NVLink), one row per (token, remote node) back, a signal per (CTA, node).
+// A row is one message in both routes: across nodes a row's chunks are in one CTA, which puts it whole.
 #pragma once
 
 #include <cstdint>
@@ -42,6 +47,7 @@ struct Traffic {
   LegTraffic hier_dispatch, hier_combine;      // hierarchical normal mode
   LegTraffic direct_dispatch, direct_combine;  // straight to each destination rank
   LegTraffic ll_dispatch, ll_combine;          // the cuda low-latency protocol across nodes, with its own messages
+  LegTraffic ll_fwd_dispatch, ll_fwd_combine;  // the same, forward route
   // averages over every token of every rank
   double dest_ranks_per_token = 0;     // distinct destination ranks
   double remote_nodes_per_token = 0;   // distinct destination nodes other than the token's own
@@ -87,6 +93,7 @@ struct Prediction {
   LegPrediction forward_dispatch, forward_combine;  // low-latency rows once per node with an NVLink forward
   // the cuda low-latency protocol across nodes: its bytes, and its messages at Links::nic_mmsgs
   LegPrediction ll_dispatch, ll_combine;
+  LegPrediction ll_fwd_dispatch, ll_fwd_combine;  // its forward route: one network put and one NVLink hop in series
 };
 
 // Time of a leg = its fixed cost + the slower of its network and NVLink transfers (they overlap: the forward starts

@@ -76,6 +76,15 @@ TEST(CostModel, LowLatencyProtocolCountsItsRecordsRowsAndSignals) {
   EXPECT_DOUBLE_EQ(t.ll_dispatch.control_messages, 2.0 * (ctas + 1));
   EXPECT_DOUBLE_EQ(t.ll_combine.network_messages_max, tokens * 2.0);
   EXPECT_DOUBLE_EQ(t.ll_combine.control_messages, 2.0 * ctas);
+  // the forward route: every rank's token hits the other node, so a record and the row go to its rail once, and one
+  // row comes back from it; one signal per CTA (and the count) to the one remote node
+  EXPECT_DOUBLE_EQ(t.ll_fwd_dispatch.network_bytes_max, tokens * (row + record));
+  EXPECT_DOUBLE_EQ(t.ll_fwd_dispatch.network_messages_max, tokens * 2.0);
+  EXPECT_DOUBLE_EQ(t.ll_fwd_dispatch.control_messages, ctas + 1.0);
+  EXPECT_DOUBLE_EQ(t.ll_fwd_combine.network_bytes_max, tokens * row);
+  EXPECT_DOUBLE_EQ(t.ll_fwd_combine.network_messages_max, tokens * 1.0);
+  EXPECT_DOUBLE_EQ(t.ll_fwd_combine.control_messages, 1.0 * ctas);
+  EXPECT_LT(t.ll_fwd_dispatch.network_bytes_max, t.ll_dispatch.network_bytes_max);
   // 1e6 messages at 200 per us take 5000 us, more than their bytes at 50 GB/s
   Traffic many;
   many.ll_dispatch.network_bytes_max = 50e6;  // 1000 us
@@ -156,10 +165,11 @@ TEST(CostModel, FerryModelPrintsItsInputsAndWritesItsRecords) {
   util::json::Value const doc = util::json::parse(test::read_file(json), json);
   EXPECT_EQ(doc.find("tool")->text, "ferry model");
   util::json::Value const& records = *doc.find("records");
-  ASSERT_EQ(records.items.size(), 16u) << "2 topologies x 1 token count x 4 protocols x 2 legs";
+  ASSERT_EQ(records.items.size(), 20u) << "2 topologies x 1 token count x 5 protocols x 2 legs";
   EXPECT_EQ(records.items[0].find("dispatch_format")->text, "fp8");
   EXPECT_GT(records.items[0].find("predicted_us")->number, 0.0);
-  EXPECT_EQ(records.items[8].find("world")->integer(), 32);
+  EXPECT_EQ(records.items[9].find("world")->integer(), 16);
+  EXPECT_EQ(records.items[10].find("world")->integer(), 32);
 
   test::CliRun const bad = test::run_ferry("model --topology 2by8");
   EXPECT_EQ(bad.code, 2) << bad.output;

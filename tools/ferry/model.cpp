@@ -106,7 +106,7 @@ int model_main(int argc, char** argv) {
   std::printf(
       "  per rank, the slowest rank: MB sent over the network / NVLink, predicted us, network GB/s (physical: at "
       "most the NIC's), logical network GB/s (rows every remote rank receives, once per rank / us)\n\n");
-  std::printf("%-8s %6s %-10s %-9s %9s %9s %9s %9s %9s  %s\n", "topology", "tokens", "protocol", "leg", "net MB",
+  std::printf("%-8s %6s %-11s %-9s %9s %9s %9s %9s %9s  %s\n", "topology", "tokens", "protocol", "leg", "net MB",
               "nvlink MB", "us", "net GB/s", "logical", "bound");
   std::vector<util::ResultRecord> records;
   for (model::Topology const& topo : topologies) {
@@ -129,9 +129,11 @@ int model_main(int argc, char** argv) {
           {"ll-fwd", "combine", traffic.hier_combine, p.forward_combine},
           {"ll-cuda", "dispatch", traffic.ll_dispatch, p.ll_dispatch},
           {"ll-cuda", "combine", traffic.ll_combine, p.ll_combine},
+          {"ll-cuda-fwd", "dispatch", traffic.ll_fwd_dispatch, p.ll_fwd_dispatch},
+          {"ll-cuda-fwd", "combine", traffic.ll_fwd_combine, p.ll_fwd_combine},
       };
       for (Row const& row : rows) {
-        std::printf("%-8s %6d %-10s %-9s %9s %9s %9.1f %9.1f %9.1f  %s\n", name.c_str(), t, row.protocol, row.leg,
+        std::printf("%-8s %6d %-11s %-9s %9s %9s %9.1f %9.1f %9.1f  %s\n", name.c_str(), t, row.protocol, row.leg,
                     mb(row.traffic.network_bytes_max).c_str(), mb(row.traffic.nvlink_bytes_max).c_str(),
                     row.prediction.us, row.prediction.network_gbps, row.prediction.logical_network_gbps,
                     row.prediction.bound.c_str());
@@ -157,7 +159,8 @@ int model_main(int argc, char** argv) {
       "per node first).\nll-direct: straight to each destination rank. ll-fwd: low-latency rows routed as "
       "hier.\nll-cuda: the cuda "
       "low-latency protocol across nodes as built (direct, a record to every rank, per-CTA signals), its messages at "
-      "--nic-mmsgs.\n");
+      "--nic-mmsgs.\nll-cuda-fwd: the same, forward route as built (a record and the row once per node to its rail, "
+      "per-CTA signals).\n");
   if (!options.str("json").empty())
     util::write_result_file(options.str("json"), {"ferry model", git_commit(), "model (no device)", 0}, records);
   return 0;
