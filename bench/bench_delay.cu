@@ -24,18 +24,26 @@ __global__ void empty_params_kernel(ParamBlob) {}
 
 }  // namespace
 
-void enqueue_empty(BenchMemory& memory, int ctas, int threads, bool cooperative) {
-  if (memory.backend() != Backend::cuda) return;
+namespace {
+// cudaLaunchKernelEx of `kernel` on ctas x threads, with the cooperative attribute or without any
+template <typename... Args>
+void launch_ex(BenchMemory& memory, int ctas, int threads, bool cooperative, void (*kernel)(Args...), Args... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(ctas));
   config.blockDim = dim3(static_cast<unsigned>(threads));
   config.stream = memory.stream();
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeCooperative;
-  attribute.val.cooperative = cooperative ? 1 : 0;
+  attribute.val.cooperative = 1;
   config.attrs = &attribute;
-  config.numAttrs = 1;
-  FERRY_CHECK_CUDA(cudaLaunchKernelEx(&config, empty_kernel));
+  config.numAttrs = cooperative ? 1 : 0;
+  FERRY_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, args...));
+}
+}  // namespace
+
+void enqueue_empty(BenchMemory& memory, int ctas, int threads, bool cooperative) {
+  if (memory.backend() != Backend::cuda) return;
+  launch_ex(memory, ctas, threads, cooperative, empty_kernel);
 }
 
 void enqueue_empty_params(BenchMemory& memory, int ctas, int threads, LaunchApi api) {
@@ -46,16 +54,7 @@ void enqueue_empty_params(BenchMemory& memory, int ctas, int threads, LaunchApi 
     FERRY_CHECK_CUDA(cudaGetLastError());
     return;
   }
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(ctas));
-  config.blockDim = dim3(static_cast<unsigned>(threads));
-  config.stream = memory.stream();
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeCooperative;
-  attribute.val.cooperative = 1;
-  config.attrs = &attribute;
-  config.numAttrs = api == LaunchApi::launch_ex_cooperative ? 1 : 0;
-  FERRY_CHECK_CUDA(cudaLaunchKernelEx(&config, empty_params_kernel, blob));
+  launch_ex(memory, ctas, threads, api == LaunchApi::launch_ex_cooperative, empty_params_kernel, blob);
 }
 
 void enqueue_delay(BenchMemory& memory, double us) {
