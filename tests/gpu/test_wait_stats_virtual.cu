@@ -3,12 +3,15 @@
 // test_ll_virtual.cu). Wait statistics at worlds 2 and 4: after `calls` dispatch + combine pairs (whole, then split by
 // the hook) every rank holds exactly `calls` waits per source and leg, every peer's count is non-zero, one source
 // held back by a spin kernel before its dispatch is the longest wait of every other rank, the results stay exact, and
-// with the pointer off (null, EpConfig::wait_stats false) nothing is recorded. Rank masking: written against the
-// contract (docs/internode.md, "Rank masking") and skipped while CudaEp refuses EpConfig::rank_masking.
+// with the pointer off (null, EpConfig::wait_stats false) nothing is recorded. Rank masking (docs/internode.md, "Rank
+// masking"; one node): a rank that never arrives at worlds 2, 4, 8 (and with fp8), a rank asked out, a rank lost at
+// the combine; each with the hook, a replayed graph and clear_mask where it applies, every row against
+// ref::without_ranks.
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <string>
@@ -17,6 +20,7 @@
 #include "ep/cuda/buffers.hpp"
 #include "ep/cuda/wait_stats.cuh"
 #include "ep/ep_impl.hpp"
+#include "ep/ll_mask_words.hpp"
 #include "ep/reference.hpp"
 #include "ferry/ep.hpp"
 #include "support/gpu_case.hpp"
@@ -160,56 +164,271 @@ TEST(WaitStatsVirtual, EveryPeerCountedOncePerCallWorld4) {
   run_stats(4);
 }
 
-// Rank masking on the cuda backend: rank `masked` skips a dispatch; the other ranks' calls must end within their
-// bound without a recorded timeout, and every row they return equal the reference of the world without it
-// (ref::without_ranks). Skipped while CudaEp refuses EpConfig::rank_masking (the kernels' side is not built yet):
-// remove the skip once Buffers carries the mask to the kernels.
-TEST(RankMaskingVirtual, SkippedRankIsMaskedAndTheOthersMatchTheReference) {
-  GTEST_SKIP() << "rank masking is built on the cpu backend only in this version: CudaEp refuses "
-                  "EpConfig::rank_masking with ConfigError (docs/internode.md, 'Rank masking'); enable this test "
-                  "with the kernels' masking";
+// ---- rank masking (EpConfig::rank_masking, one node; src/ep/cuda/ll_mask.cuh) ----
+
+// One masking world of virtual ranks: every rank's buffers with masking on, its inputs and the legs' arguments.
+struct MaskingWorld {
+  EpConfig config;
+  int world;
+  VirtualLlRanks ranks;
+  std::vector<int> tokens;
+  std::vector<VirtualRankIo> io;
+  std::vector<DispatchArgs> dargs;
+  std::vector<CombineArgs> em;
+
+  MaskingWorld(EpConfig const& c, int w, int ctas, double timeout_s)
+      : config(c),
+        world(w),
+        ranks(
+            w, cuda_ep::make_sym_layout(c, w, cuda_ep::Protocol::ll).total,
+            [&](Buffers& b, int r) {
+              cuda_ep::configure_buffers(b, c, w, r, cuda_ep::Protocol::ll, ctas);
+              b.num_ctas = ctas;
+              b.layout = cuda_ep::make_sym_layout(c, w, cuda_ep::Protocol::ll);
+            },
+            timeout_s),
+        tokens(static_cast<std::size_t>(w), c.max_tokens_per_rank),
+        dargs(w),
+        em(w) {
+    io.reserve(w);
+    for (int r = 0; r < w; ++r) io.emplace_back(c, w, tokens[r]);
+    for (int r = 0; r < w; ++r) {
+      dargs[r].x = io[r].x.ptr;
+      dargs[r].num_tokens = tokens[r];
+      dargs[r].topk_idx = io[r].idx.ptr;
+      dargs[r].topk_idx_type = IndexType::int64;
+      dargs[r].topk_weights = static_cast<float const*>(io[r].w.ptr);
+      em[r] = CombineArgs{CombineLayout::expert_major, io[r].eout.ptr, io[r].y_em.ptr};
+    }
+  }
+  bool in(uint32_t who, int r) const { return ((who >> r) & 1u) != 0; }
+  // fresh inputs (uploaded, y poisoned) and every rank's dispatch outputs poisoned
+  VirtualIteration iteration(uint64_t seed) {
+    RoutingOptions routing;
+    routing.seed = seed;
+    VirtualIteration it(config, world, routing, tokens, io);
+    for (int r = 0; r < world; ++r)
+      poison_ll_dispatch(config, world, cuda_ep::dispatch_result(ranks[r], true), ranks[r].recv_slot);
+    CK(cudaDeviceSynchronize());
+    return it;
+  }
+  // the legs of the ranks in `who`, whole or split by the hook (send halves of all, then receive halves)
+  void dispatch(uint32_t who, bool hook) {
+    for (Half half : hook ? std::vector<Half>{Half::send, Half::recv} : std::vector<Half>{Half::both})
+      for (int r = 0; r < world; ++r)
+        if (in(who, r)) cuda_ep::launch_ll_dispatch(ranks[r], dargs[r], half, ranks.stream(r));
+  }
+  void combine(uint32_t who, bool hook) {
+    for (Half half : hook ? std::vector<Half>{Half::send, Half::recv} : std::vector<Half>{Half::both})
+      for (int r = 0; r < world; ++r)
+        if (in(who, r)) cuda_ep::launch_ll_combine(ranks[r], em[r], tokens[r], half, ranks.stream(r));
+  }
+  uint32_t all() const { return world >= 32 ? 0xffffffffu : (1u << world) - 1u; }
+  detail::LlMaskWords words(int r) const { return cuda_ep::read_ll_mask(ranks[r], ranks.stream(r)); }
+  // clear_mask as CudaEp does it, every rank (the bootstrap's allgather and barrier are the host's loop here)
+  void clear() {
+    std::vector<detail::LlCallCounters> all_counters;
+    for (int r = 0; r < world; ++r) all_counters.push_back(cuda_ep::ll_call_counters(ranks[r], ranks.stream(r)));
+    detail::LlCallCounters const to = detail::merge_call_counters(all_counters);
+    for (int r = 0; r < world; ++r) cuda_ep::reset_ll_mask(ranks[r], to, ranks.stream(r));
+    CK(cudaDeviceSynchronize());
+  }
+};
+
+EpConfig masking_config(int world, WireFormat format) {
+  EpConfig user;
+  user.mode = Mode::low_latency;
+  user.hidden = 2048;
+  user.num_experts = 16 * world;
+  user.topk = 4;
+  user.max_tokens_per_rank = 64;
+  user.rank_masking = true;
+  user.dispatch_format = format;
+  user.validate(world);
+  return user.resolved(world);
+}
+
+// Every rank of `who` after its call: no failure recorded, its dispatch equal to the reference of the world without
+// the ranks of `masked` (ref::without_ranks), its combine's y too (expert-major), and its mask words what the call
+// agreed: those ranks masked, this rank's entries of them counted by both legs. Returns false at the first failure.
+bool expect_masked_world(MaskingWorld& w, VirtualIteration const& it, uint32_t who, uint32_t masked, int call) {
+  EpConfig const& config = w.config;
+  ref::MaskedWorld const kept = ref::without_ranks(config, w.world, it.inputs, masked);
+  std::vector<ref::RankDispatch> want;
+  for (int d = 0; d < w.world; ++d) want.push_back(ref::dispatch(config, w.world, d, kept.inputs));
+  std::string const failure = w.ranks.synchronize(std::vector<int>(static_cast<std::size_t>(w.world), 0));
+  EXPECT_TRUE(failure.empty()) << "call " << call << ": a rank failed instead of masking:\n" << failure;
+  if (!failure.empty()) return false;
+  for (int r = 0; r < w.world; ++r) {
+    if (!w.in(who, r)) continue;
+    EXPECT_EQ(check_ll_dispatch(config, w.world, r, call, want[r], cuda_ep::dispatch_result(w.ranks[r], true),
+                                w.ranks[r].recv_slot),
+              0)
+        << "rank " << r << ", call " << call;
+    auto const y = ref::combine_expert_major(config, w.world, r, kept.inputs, want, it.eout);
+    EXPECT_EQ(check_combined("y expert-major", w.io[r].y_em.ptr, y, kVirtualGuardElems, r, call), 0)
+        << "rank " << r << ", call " << call;
+    detail::LlMaskWords const words = w.words(r);
+    EXPECT_EQ(words.self, 0u) << "rank " << r << " learned it is masked";
+    EXPECT_EQ(words.masked, masked) << "rank " << r << ", call " << call;
+    EXPECT_EQ(static_cast<int64_t>(words.last_dispatch_entries), kept.masked_entries[r]) << "rank " << r;
+    EXPECT_EQ(static_cast<int64_t>(words.last_combine_entries), kept.masked_entries[r]) << "rank " << r;
+    if (::testing::Test::HasFailure()) return false;
+  }
+  return true;
+}
+
+// Rank `gone` never comes to a dispatch: every other rank's agreement waits its bound (FERRY_TIMEOUT_S, 1 s here),
+// masks it and finishes the call (no timeout recorded) with the reference of the world without it, the combine too;
+// then the masked rank's own late call learns it (LlMaskSelf::timeout, its outputs untouched), a hooked call and a
+// replayed CUDA graph go on without it, and after clear_mask the whole world is back, exact.
+void run_never_arrives(int world, WireFormat format) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU, found 0";
-  int const world = 4;
-  int const masked = 2;
   int const ctas = virtual_ctas_per_rank(world, cuda_ep::kMaxLlCtas);
   if (ctas < 1) GTEST_SKIP() << "fewer SMs than " << world << " ranks";
-  EpConfig config = stats_config(world, false);
-  config.rank_masking = true;
-  cuda_ep::SymLayout const layout = cuda_ep::make_sym_layout(config, world, cuda_ep::Protocol::ll);
-  VirtualLlRanks ranks(
-      world, layout.total,
-      [&](Buffers& b, int r) {
-        cuda_ep::configure_buffers(b, config, world, r, cuda_ep::Protocol::ll, ctas);
-        b.num_ctas = ctas;
-        b.layout = layout;
-      },
-      kAbsentTimeoutS);
-  std::vector<int> const tokens(static_cast<std::size_t>(world), config.max_tokens_per_rank);
-  std::vector<VirtualRankIo> io;
-  io.reserve(world);
-  for (int r = 0; r < world; ++r) io.emplace_back(config, world, tokens[r]);
-  RoutingOptions routing;
-  routing.seed = fresh_seed();
-  VirtualIteration const it(config, world, routing, tokens, io);
-  ref::MaskedWorld const kept = ref::without_ranks(config, world, it.inputs, 1U << masked);
-  for (int r = 0; r < world; ++r) {
-    if (r == masked) continue;  // never arrives
-    DispatchArgs args;
-    args.x = io[r].x.ptr;
-    args.num_tokens = tokens[r];
-    args.topk_idx = io[r].idx.ptr;
-    args.topk_idx_type = IndexType::int64;
-    args.topk_weights = static_cast<float const*>(io[r].w.ptr);
-    cuda_ep::launch_ll_dispatch(ranks[r], args, Half::both, ranks.stream(r));
+  MaskingWorld w(masking_config(world, format), world, ctas, kAbsentTimeoutS);
+  int const gone = world / 2;
+  uint32_t const others = w.all() & ~(1u << gone);
+  uint64_t const seed = fresh_seed();
+  std::printf("world %d x %d CTAs, dispatch_format %s, rank %d never arrives, seed %llu\n", world, ctas,
+              wire_format_name(format), gone, static_cast<unsigned long long>(seed));
+
+  // 1. the call without it: masked within the bound, every row of the others the reference's without it
+  VirtualIteration const first = w.iteration(seed);
+  auto const start = std::chrono::steady_clock::now();
+  w.dispatch(others, false);
+  w.combine(others, false);
+  ASSERT_TRUE(expect_masked_world(w, first, others, 1u << gone, 0));
+  double const waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(waited, 5 * kAbsentTimeoutS) << "the others did not finish within their bound";
+  std::printf("  masked in %.2f s (bound %.1f s); rank 0's entries left out: %llu\n", waited, kAbsentTimeoutS,
+              static_cast<unsigned long long>(w.words(gone == 0 ? 1 : 0).last_dispatch_entries));
+  // the check sees the mask: the same outputs against the reference of the whole world differ (a check that can fail)
+  int const someone = gone == 0 ? 1 : 0;
+  EXPECT_NE(check_ll_dispatch(w.config, world, someone, 0, first.expected[someone],
+                              cuda_ep::dispatch_result(w.ranks[someone], true), w.ranks[someone].recv_slot),
+            0)
+      << "the masked call matched the reference of the whole world: the check cannot tell them apart";
+
+  // 2. its own call, late: it learns that it is masked and moves nothing (its outputs keep the poison)
+  CK(cudaMemset(cuda_ep::dispatch_result(w.ranks[gone], true).num_recv, 0xEE, 4));
+  w.dispatch(1u << gone, false);
+  EXPECT_TRUE(w.ranks.synchronize(std::vector<int>(static_cast<std::size_t>(world), 0)).empty());
+  detail::LlMaskWords const own = w.words(gone);
+  EXPECT_EQ(own.self, static_cast<uint32_t>(detail::LlMaskSelf::timeout));
+  EXPECT_EQ(own.self_call, 1u);
+  EXPECT_EQ(own.self_view & (1u << gone), 1u << gone);
+  EXPECT_EQ(w.ranks[gone].mask_host->self, own.self) << "the host's word of the masked rank";
+  EXPECT_EQ(to_host<uint32_t>(cuda_ep::dispatch_result(w.ranks[gone], true).num_recv, 1)[0], 0xEEEEEEEEu)
+      << "the masked rank's dispatch wrote its outputs";
+  std::string const said = detail::self_masked_message(own, gone, kAbsentTimeoutS);
+  EXPECT_NE(said.find("rank " + std::to_string(gone) + " is masked on this EpBuffer: at dispatch #1"),
+            std::string::npos)
+      << said;
+  std::printf("  rank %d's own call: %s\n", gone, said.c_str());
+
+  // 3. a hooked call with the mask (the masked rank calls too: its kernels return at once)
+  VirtualIteration const hooked = w.iteration(seed + 1);
+  w.dispatch(w.all(), true);
+  w.combine(w.all(), true);
+  ASSERT_TRUE(expect_masked_world(w, hooked, others, 1u << gone, 1));
+
+  // 4. a captured graph of both legs, replayed with fresh inputs: the mask is read on the device at every replay
+  RankGraphs graphs(world);
+  graphs.capture(w.ranks, [&](int r) {
+    cuda_ep::launch_ll_dispatch(w.ranks[r], w.dargs[r], Half::both, w.ranks.stream(r));
+    cuda_ep::launch_ll_combine(w.ranks[r], w.em[r], w.tokens[r], Half::both, w.ranks.stream(r));
+  });
+  for (int replay = 0; replay < 2; ++replay) {
+    VirtualIteration const it = w.iteration(seed + 2 + replay);
+    graphs.launch(w.ranks);
+    ASSERT_TRUE(expect_masked_world(w, it, others, 1u << gone, 2 + replay));
   }
-  std::vector<DeviceErrorBlock> const blocks = ranks.take_errors();
+
+  // 5. clear_mask: every rank back, the whole world's reference
+  w.clear();
   for (int r = 0; r < world; ++r) {
-    if (r == masked) continue;
-    EXPECT_EQ(blocks[r].status, 0u) << "rank " << r << " failed instead of masking rank " << masked;
-    ref::RankDispatch const want = ref::dispatch(config, world, r, kept.inputs);
-    EXPECT_EQ(
-        check_ll_dispatch(config, world, r, 0, want, cuda_ep::dispatch_result(ranks[r], true), ranks[r].recv_slot), 0);
+    detail::LlMaskWords const words = w.words(r);
+    EXPECT_TRUE(words.masked == 0 && words.self == 0 && words.dispatch_entries == 0) << "rank " << r << " kept a mask";
   }
+  VirtualIteration const back = w.iteration(seed + 9);
+  w.dispatch(w.all(), false);
+  w.combine(w.all(), false);
+  ASSERT_TRUE(expect_masked_world(w, back, w.all(), 0, 9));
+}
+
+TEST(RankMaskingVirtual, RankThatNeverArrivesIsMaskedWorld2) {
+  run_never_arrives(2, WireFormat::bf16);
+}
+TEST(RankMaskingVirtual, RankThatNeverArrivesIsMaskedWorld4) {
+  run_never_arrives(4, WireFormat::bf16);
+}
+TEST(RankMaskingVirtual, RankThatNeverArrivesIsMaskedWorld8) {
+  run_never_arrives(8, WireFormat::bf16);
+}
+// fp8: the quantized delivery is compared byte for byte with the host codec's (check_ll_quantized_delivery)
+TEST(RankMaskingVirtual, RankThatNeverArrivesIsMaskedFp8) {
+  run_never_arrives(4, WireFormat::fp8_e4m3);
+}
+
+// mask_ranks: rank 0 asks for rank 2; every rank calls (rank 2 too), nobody waits a timeout (the bound here is the
+// long one), the others go on without it and rank 2 learns it was asked out.
+TEST(RankMaskingVirtual, AskedOutWithoutATimeout) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU, found 0";
+  int const world = 4;
+  int const asked = 2;
+  int const ctas = virtual_ctas_per_rank(world, cuda_ep::kMaxLlCtas);
+  if (ctas < 1) GTEST_SKIP() << "fewer SMs than " << world << " ranks";
+  MaskingWorld w(masking_config(world, WireFormat::bf16), world, ctas, kVirtualTimeoutS);
+  uint64_t const seed = fresh_seed();
+  std::printf("world %d, rank 0 asks for rank %d, seed %llu\n", world, asked, static_cast<unsigned long long>(seed));
+  VirtualIteration const it = w.iteration(seed);
+  cuda_ep::request_ll_mask(w.ranks[0], 1u << asked);
+  auto const start = std::chrono::steady_clock::now();
+  w.dispatch(w.all(), false);
+  w.combine(w.all(), false);
+  ASSERT_TRUE(expect_masked_world(w, it, w.all() & ~(1u << asked), 1u << asked, 0));
+  double const took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(took, kVirtualTimeoutS / 4) << "asking a rank out waited like a timeout";
+  detail::LlMaskWords const own = w.words(asked);
+  EXPECT_EQ(own.self, static_cast<uint32_t>(detail::LlMaskSelf::asked));
+  EXPECT_EQ(own.self_lost, 1u << asked);
+  std::printf("  done in %.3f s: %s\n", took, detail::self_masked_message(own, asked, kVirtualTimeoutS).c_str());
+}
+
+// A rank present at the dispatch and absent from the combine: the others' combine masks it after the bound and
+// returns y without its expert outputs (its rows summed as zeros by the reference: +0 changes no sum), counting the
+// entries y misses; the next dispatch goes on without it.
+TEST(RankMaskingVirtual, RankLostAtTheCombine) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU, found 0";
+  int const world = 4;
+  int const gone = 1;
+  int const ctas = virtual_ctas_per_rank(world, cuda_ep::kMaxLlCtas);
+  if (ctas < 1) GTEST_SKIP() << "fewer SMs than " << world << " ranks";
+  MaskingWorld w(masking_config(world, WireFormat::bf16), world, ctas, kAbsentTimeoutS);
+  uint32_t const others = w.all() & ~(1u << gone);
+  uint64_t const seed = fresh_seed();
+  std::printf("world %d, rank %d skips the combine, seed %llu\n", world, gone, static_cast<unsigned long long>(seed));
+  VirtualIteration it = w.iteration(seed);
+  w.dispatch(w.all(), false);
+  ASSERT_TRUE(w.ranks.synchronize(std::vector<int>(static_cast<std::size_t>(world), 0)).empty());
+  w.combine(others, false);
+  ASSERT_TRUE(w.ranks.synchronize(std::vector<int>(static_cast<std::size_t>(world), 0)).empty());
+  it.eout[gone].assign(it.eout[gone].size(), 0);  // its expert outputs never come back
+  ref::MaskedWorld const kept = ref::without_ranks(w.config, world, it.inputs, 1u << gone);
+  for (int r = 0; r < world; ++r) {
+    if (r == gone) continue;
+    auto const y = ref::combine_expert_major(w.config, world, r, it.inputs, it.expected, it.eout);
+    EXPECT_EQ(check_combined("y expert-major", w.io[r].y_em.ptr, y, kVirtualGuardElems, r, 0), 0) << "rank " << r;
+    detail::LlMaskWords const words = w.words(r);
+    EXPECT_EQ(words.masked, 1u << gone);
+    EXPECT_EQ(words.last_dispatch_entries, 0u);
+    EXPECT_EQ(static_cast<int64_t>(words.last_combine_entries), kept.masked_entries[r]) << "rank " << r;
+  }
+  VirtualIteration const next = w.iteration(seed + 1);
+  w.dispatch(others, false);
+  w.combine(others, false);
+  ASSERT_TRUE(expect_masked_world(w, next, others, 1u << gone, 1));
 }
 
 }  // namespace
