@@ -48,7 +48,7 @@ std::vector<wait_stats::Slot> read_stats(Buffers const& b) {
   return out;
 }
 
-EpConfig stats_config(int world, bool stats) {
+EpConfig ll_config(int world, bool stats, bool masking = false, WireFormat format = WireFormat::bf16) {
   EpConfig user;
   user.mode = Mode::low_latency;
   user.hidden = 2048;
@@ -56,118 +56,14 @@ EpConfig stats_config(int world, bool stats) {
   user.topk = 4;
   user.max_tokens_per_rank = 64;
   user.wait_stats = stats;
+  user.rank_masking = masking;
+  user.dispatch_format = format;
   user.validate(world);
   return user.resolved(world);
 }
 
-void run_stats(int world) {
-  int const ctas = virtual_ctas_per_rank(world, cuda_ep::kMaxLlCtas);
-  if (ctas < 1) GTEST_SKIP() << "fewer SMs than " << world << " ranks";
-  EpConfig const config = stats_config(world, true);
-  cuda_ep::SymLayout const layout = cuda_ep::make_sym_layout(config, world, cuda_ep::Protocol::ll);
-  VirtualLlRanks ranks(world, layout.total, [&](Buffers& b, int r) {
-    cuda_ep::configure_buffers(b, config, world, r, cuda_ep::Protocol::ll, ctas);
-    b.num_ctas = ctas;
-    b.layout = layout;
-  });
-  for (int r = 0; r < world; ++r) ASSERT_NE(ranks[r].wait_stats, nullptr) << "wait_stats=true allocated no array";
-  std::vector<int> const tokens(static_cast<std::size_t>(world), config.max_tokens_per_rank);
-  std::vector<VirtualRankIo> io;
-  io.reserve(world);
-  for (int r = 0; r < world; ++r) io.emplace_back(config, world, tokens[r]);
-  std::vector<DispatchArgs> dargs(world);
-  std::vector<CombineArgs> em(world);
-  for (int r = 0; r < world; ++r) {
-    dargs[r].x = io[r].x.ptr;
-    dargs[r].num_tokens = tokens[r];
-    dargs[r].topk_idx = io[r].idx.ptr;
-    dargs[r].topk_idx_type = IndexType::int64;
-    dargs[r].topk_weights = static_cast<float const*>(io[r].w.ptr);
-    em[r] = CombineArgs{CombineLayout::expert_major, io[r].eout.ptr, io[r].y_em.ptr};
-  }
-  uint64_t const seed = fresh_seed();
-  std::printf("world %d x %d CTAs, seed %llu\n", world, ctas, static_cast<unsigned long long>(seed));
-  int const late = world - 1;
-  uint64_t const late_ns = 2'000'000;  // 2 ms: far above an NVLink round trip
-  int const calls = 4;
-  std::vector<int> const none(static_cast<std::size_t>(world), 0);
-  for (int call = 0; call < calls; ++call) {
-    bool const hook = call % 2 == 1;
-    RoutingOptions routing;
-    routing.seed = seed + static_cast<uint64_t>(call);
-    VirtualIteration const it(config, world, routing, tokens, io);
-    for (int r = 0; r < world; ++r)
-      poison_ll_dispatch(config, world, cuda_ep::dispatch_result(ranks[r], true), ranks[r].recv_slot);
-    CK(cudaDeviceSynchronize());
-    // the late source, before its dispatch; not in the first calls: a kernel's first launch in the process loads its
-    // module, which waits for the running spin, so every rank would start late alike
-    if (call == 2) spin_for<<<1, 1, 0, ranks.stream(late)>>>(late_ns);
-    for (Half half : hook ? std::vector<Half>{Half::send, Half::recv} : std::vector<Half>{Half::both})
-      for (int r = 0; r < world; ++r) cuda_ep::launch_ll_dispatch(ranks[r], dargs[r], half, ranks.stream(r));
-    for (Half half : hook ? std::vector<Half>{Half::send, Half::recv} : std::vector<Half>{Half::both})
-      for (int r = 0; r < world; ++r) cuda_ep::launch_ll_combine(ranks[r], em[r], tokens[r], half, ranks.stream(r));
-    std::string const failure = ranks.synchronize(none);
-    ASSERT_TRUE(failure.empty()) << "call " << call << ":\n" << failure;
-    for (int r = 0; r < world; ++r) {
-      ASSERT_EQ(check_ll_dispatch(config, world, r, call, it.expected[r], cuda_ep::dispatch_result(ranks[r], true),
-                                  ranks[r].recv_slot),
-                0);
-      auto const y = ref::combine_expert_major(config, world, r, it.inputs, it.expected, it.eout);
-      ASSERT_EQ(check_combined("y expert-major", io[r].y_em.ptr, y, kVirtualGuardElems, r, call), 0);
-    }
-  }
-  for (int r = 0; r < world; ++r) {
-    std::vector<wait_stats::Slot> const stats = read_stats(ranks[r]);
-    for (int leg = 0; leg < wait_stats::kLegs; ++leg)
-      for (int s = 0; s < world; ++s) {
-        wait_stats::Slot const& slot = stats[static_cast<std::size_t>(leg) * world + s];
-        EXPECT_EQ(slot.waits, static_cast<unsigned long long>(calls))
-            << "rank " << r << (leg == 0 ? " dispatch" : " combine") << " source " << s;
-        EXPECT_LE(slot.max_ns, slot.total_ns) << "rank " << r << " source " << s;
-      }
-    if (r == late) continue;
-    // every other rank waited for the late source the longest in its dispatch (the spin held its send half back)
-    unsigned long long const late_max = stats[late].max_ns;
-    EXPECT_GE(late_max, late_ns / 2) << "rank " << r << ": the late source's longest wait";
-    for (int s = 0; s < world; ++s)
-      if (s != late) EXPECT_LT(stats[s].max_ns, late_max) << "rank " << r << ": source " << s << " waited longer";
-    std::printf("rank %d: dispatch waits for source %d: %llu, max %llu ns (the late one); for source 0: max %llu ns\n",
-                r, late, stats[late].waits, late_max, stats[0].max_ns);
-  }
-
-  // off: the kernels get a null pointer (what EpConfig::wait_stats=false gives them) and record nothing
-  for (int r = 0; r < world; ++r) CK(cudaMemset(ranks[r].wait_stats, 0, sizeof(wait_stats::Slot) * 2 * world));
-  std::vector<Buffers> off;
-  for (int r = 0; r < world; ++r) {
-    off.push_back(ranks[r]);
-    off.back().wait_stats = nullptr;
-  }
-  RoutingOptions routing;
-  routing.seed = seed + 99;
-  VirtualIteration const it(config, world, routing, tokens, io);
-  for (int r = 0; r < world; ++r) cuda_ep::launch_ll_dispatch(off[r], dargs[r], Half::both, ranks.stream(r));
-  for (int r = 0; r < world; ++r) cuda_ep::launch_ll_combine(off[r], em[r], tokens[r], Half::both, ranks.stream(r));
-  std::string const failure = ranks.synchronize(none);
-  ASSERT_TRUE(failure.empty()) << "the call without statistics:\n" << failure;
-  for (int r = 0; r < world; ++r)
-    for (wait_stats::Slot const& slot : read_stats(ranks[r]))
-      EXPECT_TRUE(slot.waits == 0 && slot.total_ns == 0 && slot.max_ns == 0) << "rank " << r << " recorded while off";
-}
-
-TEST(WaitStatsVirtual, EveryPeerCountedOncePerCallWorld2) {
-  if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU, found 0";
-  run_stats(2);
-}
-
-TEST(WaitStatsVirtual, EveryPeerCountedOncePerCallWorld4) {
-  if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU, found 0";
-  run_stats(4);
-}
-
-// ---- rank masking (EpConfig::rank_masking, one node; src/ep/cuda/ll_mask.cuh) ----
-
-// One masking world of virtual ranks: every rank's buffers with masking on, its inputs and the legs' arguments.
-struct MaskingWorld {
+// One world of virtual ranks in low-latency mode: every rank's buffers, its inputs and the legs' arguments.
+struct LlWorld {
   EpConfig config;
   int world;
   VirtualLlRanks ranks;
@@ -176,7 +72,7 @@ struct MaskingWorld {
   std::vector<DispatchArgs> dargs;
   std::vector<CombineArgs> em;
 
-  MaskingWorld(EpConfig const& c, int w, int ctas, double timeout_s)
+  LlWorld(EpConfig const& c, int w, int ctas, double timeout_s = kVirtualTimeoutS)
       : config(c),
         world(w),
         ranks(
@@ -235,23 +131,89 @@ struct MaskingWorld {
   }
 };
 
-EpConfig masking_config(int world, WireFormat format) {
-  EpConfig user;
-  user.mode = Mode::low_latency;
-  user.hidden = 2048;
-  user.num_experts = 16 * world;
-  user.topk = 4;
-  user.max_tokens_per_rank = 64;
-  user.rank_masking = true;
-  user.dispatch_format = format;
-  user.validate(world);
-  return user.resolved(world);
+void run_stats(int world) {
+  int const ctas = virtual_ctas_per_rank(world, cuda_ep::kMaxLlCtas);
+  if (ctas < 1) GTEST_SKIP() << "fewer SMs than " << world << " ranks";
+  LlWorld w(ll_config(world, true), world, ctas);
+  EpConfig const& config = w.config;
+  auto const& ranks = w.ranks;
+  for (int r = 0; r < world; ++r) ASSERT_NE(ranks[r].wait_stats, nullptr) << "wait_stats=true allocated no array";
+  uint64_t const seed = fresh_seed();
+  std::printf("world %d x %d CTAs, seed %llu\n", world, ctas, static_cast<unsigned long long>(seed));
+  int const late = world - 1;
+  uint64_t const late_ns = 2'000'000;  // 2 ms: far above an NVLink round trip
+  int const calls = 4;
+  std::vector<int> const none(static_cast<std::size_t>(world), 0);
+  for (int call = 0; call < calls; ++call) {
+    bool const hook = call % 2 == 1;
+    VirtualIteration const it = w.iteration(seed + static_cast<uint64_t>(call));
+    // the late source, before its dispatch; not in the first calls: a kernel's first launch in the process loads its
+    // module, which waits for the running spin, so every rank would start late alike
+    if (call == 2) spin_for<<<1, 1, 0, ranks.stream(late)>>>(late_ns);
+    w.dispatch(w.all(), hook);
+    w.combine(w.all(), hook);
+    std::string const failure = ranks.synchronize(none);
+    ASSERT_TRUE(failure.empty()) << "call " << call << ":\n" << failure;
+    for (int r = 0; r < world; ++r) {
+      ASSERT_EQ(check_ll_dispatch(config, world, r, call, it.expected[r], cuda_ep::dispatch_result(ranks[r], true),
+                                  ranks[r].recv_slot),
+                0);
+      auto const y = ref::combine_expert_major(config, world, r, it.inputs, it.expected, it.eout);
+      ASSERT_EQ(check_combined("y expert-major", w.io[r].y_em.ptr, y, kVirtualGuardElems, r, call), 0);
+    }
+  }
+  for (int r = 0; r < world; ++r) {
+    std::vector<wait_stats::Slot> const stats = read_stats(ranks[r]);
+    for (int leg = 0; leg < wait_stats::kLegs; ++leg)
+      for (int s = 0; s < world; ++s) {
+        wait_stats::Slot const& slot = stats[static_cast<std::size_t>(leg) * world + s];
+        EXPECT_EQ(slot.waits, static_cast<unsigned long long>(calls))
+            << "rank " << r << (leg == 0 ? " dispatch" : " combine") << " source " << s;
+        EXPECT_LE(slot.max_ns, slot.total_ns) << "rank " << r << " source " << s;
+      }
+    if (r == late) continue;
+    // every other rank waited for the late source the longest in its dispatch (the spin held its send half back)
+    unsigned long long const late_max = stats[late].max_ns;
+    EXPECT_GE(late_max, late_ns / 2) << "rank " << r << ": the late source's longest wait";
+    for (int s = 0; s < world; ++s)
+      if (s != late) EXPECT_LT(stats[s].max_ns, late_max) << "rank " << r << ": source " << s << " waited longer";
+    std::printf("rank %d: dispatch waits for source %d: %llu, max %llu ns (the late one); for source 0: max %llu ns\n",
+                r, late, stats[late].waits, late_max, stats[0].max_ns);
+  }
+
+  // off: the kernels get a null pointer (what EpConfig::wait_stats=false gives them) and record nothing
+  for (int r = 0; r < world; ++r) CK(cudaMemset(ranks[r].wait_stats, 0, sizeof(wait_stats::Slot) * 2 * world));
+  std::vector<Buffers> off;
+  for (int r = 0; r < world; ++r) {
+    off.push_back(ranks[r]);
+    off.back().wait_stats = nullptr;
+  }
+  VirtualIteration const it = w.iteration(seed + 99);
+  for (int r = 0; r < world; ++r) cuda_ep::launch_ll_dispatch(off[r], w.dargs[r], Half::both, ranks.stream(r));
+  for (int r = 0; r < world; ++r) cuda_ep::launch_ll_combine(off[r], w.em[r], w.tokens[r], Half::both, ranks.stream(r));
+  std::string const failure = ranks.synchronize(none);
+  ASSERT_TRUE(failure.empty()) << "the call without statistics:\n" << failure;
+  for (int r = 0; r < world; ++r)
+    for (wait_stats::Slot const& slot : read_stats(ranks[r]))
+      EXPECT_TRUE(slot.waits == 0 && slot.total_ns == 0 && slot.max_ns == 0) << "rank " << r << " recorded while off";
 }
+
+TEST(WaitStatsVirtual, EveryPeerCountedOncePerCallWorld2) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU, found 0";
+  run_stats(2);
+}
+
+TEST(WaitStatsVirtual, EveryPeerCountedOncePerCallWorld4) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU, found 0";
+  run_stats(4);
+}
+
+// ---- rank masking (EpConfig::rank_masking, one node; src/ep/cuda/ll_mask.cuh) ----
 
 // Every rank of `who` after its call: no failure recorded, its dispatch equal to the reference of the world without
 // the ranks of `masked` (ref::without_ranks), its combine's y too (expert-major), and its mask words what the call
 // agreed: those ranks masked, this rank's entries of them counted by both legs. Returns false at the first failure.
-bool expect_masked_world(MaskingWorld& w, VirtualIteration const& it, uint32_t who, uint32_t masked, int call) {
+bool expect_masked_world(LlWorld& w, VirtualIteration const& it, uint32_t who, uint32_t masked, int call) {
   EpConfig const& config = w.config;
   ref::MaskedWorld const kept = ref::without_ranks(config, w.world, it.inputs, masked);
   std::vector<ref::RankDispatch> want;
@@ -286,7 +248,7 @@ void run_never_arrives(int world, WireFormat format) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU, found 0";
   int const ctas = virtual_ctas_per_rank(world, cuda_ep::kMaxLlCtas);
   if (ctas < 1) GTEST_SKIP() << "fewer SMs than " << world << " ranks";
-  MaskingWorld w(masking_config(world, format), world, ctas, kAbsentTimeoutS);
+  LlWorld w(ll_config(world, false, true, format), world, ctas, kAbsentTimeoutS);
   int const gone = world / 2;
   uint32_t const others = w.all() & ~(1u << gone);
   uint64_t const seed = fresh_seed();
@@ -379,7 +341,7 @@ TEST(RankMaskingVirtual, AskedOutWithoutATimeout) {
   int const asked = 2;
   int const ctas = virtual_ctas_per_rank(world, cuda_ep::kMaxLlCtas);
   if (ctas < 1) GTEST_SKIP() << "fewer SMs than " << world << " ranks";
-  MaskingWorld w(masking_config(world, WireFormat::bf16), world, ctas, kVirtualTimeoutS);
+  LlWorld w(ll_config(world, false, true), world, ctas, kVirtualTimeoutS);
   uint64_t const seed = fresh_seed();
   std::printf("world %d, rank 0 asks for rank %d, seed %llu\n", world, asked, static_cast<unsigned long long>(seed));
   VirtualIteration const it = w.iteration(seed);
@@ -405,7 +367,7 @@ TEST(RankMaskingVirtual, RankLostAtTheCombine) {
   int const gone = 1;
   int const ctas = virtual_ctas_per_rank(world, cuda_ep::kMaxLlCtas);
   if (ctas < 1) GTEST_SKIP() << "fewer SMs than " << world << " ranks";
-  MaskingWorld w(masking_config(world, WireFormat::bf16), world, ctas, kAbsentTimeoutS);
+  LlWorld w(ll_config(world, false, true), world, ctas, kAbsentTimeoutS);
   uint32_t const others = w.all() & ~(1u << gone);
   uint64_t const seed = fresh_seed();
   std::printf("world %d, rank %d skips the combine, seed %llu\n", world, gone, static_cast<unsigned long long>(seed));

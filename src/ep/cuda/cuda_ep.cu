@@ -245,7 +245,11 @@ class CudaEp final : public detail::EpBackendImpl {
       launch_ll_dispatch(b, args, leg.split ? Half::send : Half::both, stream, false, &leg);
       finish_ll(leg);
       pending_dispatch_ = args;
-      if (leg.split) return dispatch_result(b, true);
+      if (leg.split) {
+        DispatchResult result = dispatch_result(b, true);
+        if (masking_) result.masked_entries = -1;  // on the device (finish_dispatch)
+        return result;
+      }
       return finish_dispatch(true, args.eager, stream);
     }
     leg.prequantized = args.num_tokens > 0 && args.x_scales != nullptr;
