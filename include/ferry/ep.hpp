@@ -74,7 +74,8 @@ struct EpConfig {
   // (the default): a rank that does not arrive within FERRY_TIMEOUT_S fails the call on every rank (TimeoutError
   // naming it) and the communicator with it. On: the ranks that arrived agree to leave it out ("mask" it), and later
   // calls skip it (no row goes to it, no rank waits for it); what it would have contributed is counted
-  // (EpBuffer::mask_status). The cpu backend builds it; the cuda backend refuses it (ConfigError) in this version.
+  // (EpBuffer::mask_status). The cpu backend builds it; the cuda backend builds it on one node and refuses it
+  // (ConfigError) across nodes in this version.
   bool rank_masking = false;
   // Per-source wait statistics of the low-latency receive halves (EpBuffer::wait_stats), mode=ll only, opt-in; every
   // rank must set the same value. Off, the kernels pay one predictable branch per wait and record nothing.
@@ -195,7 +196,8 @@ struct DispatchResult {
   void* expert_scales = nullptr;
   float* expert_token_scales = nullptr;
   // Rank masking (EpConfig::rank_masking): this call's (token, k) entries of this rank's tokens that were not sent
-  // because their expert's rank is masked (0 without masking). Cumulative counts: EpBuffer::mask_status.
+  // because their expert's rank is masked (0 without masking). Cumulative counts: EpBuffer::mask_status. On the cuda
+  // backend the count is on the device: an eager call returns it, a lazy one -1 (mask_status has it).
   int64_t masked_entries = 0;
 };
 

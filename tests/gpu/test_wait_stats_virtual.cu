@@ -3,12 +3,15 @@
 // test_ll_virtual.cu). Wait statistics at worlds 2 and 4: after `calls` dispatch + combine pairs (whole, then split by
 // the hook) every rank holds exactly `calls` waits per source and leg, every peer's count is non-zero, one source
 // held back by a spin kernel before its dispatch is the longest wait of every other rank, the results stay exact, and
-// with the pointer off (null, EpConfig::wait_stats false) nothing is recorded. Rank masking: written against the
-// contract (docs/internode.md, "Rank masking") and skipped while CudaEp refuses EpConfig::rank_masking.
+// with the pointer off (null, EpConfig::wait_stats false) nothing is recorded. Rank masking (docs/internode.md, "Rank
+// masking"; one node): a rank that never arrives at worlds 2, 4, 8 (and with fp8), a rank asked out, a rank lost at
+// the combine; each with the hook, a replayed graph and clear_mask where it applies, every row against
+// ref::without_ranks.
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <string>
@@ -17,6 +20,7 @@
 #include "ep/cuda/buffers.hpp"
 #include "ep/cuda/wait_stats.cuh"
 #include "ep/ep_impl.hpp"
+#include "ep/ll_mask_words.hpp"
 #include "ep/reference.hpp"
 #include "ferry/ep.hpp"
 #include "support/gpu_case.hpp"
@@ -44,7 +48,7 @@ std::vector<wait_stats::Slot> read_stats(Buffers const& b) {
   return out;
 }
 
-EpConfig stats_config(int world, bool stats) {
+EpConfig ll_config(int world, bool stats, bool masking = false, WireFormat format = WireFormat::bf16) {
   EpConfig user;
   user.mode = Mode::low_latency;
   user.hidden = 2048;
@@ -52,35 +56,108 @@ EpConfig stats_config(int world, bool stats) {
   user.topk = 4;
   user.max_tokens_per_rank = 64;
   user.wait_stats = stats;
+  user.rank_masking = masking;
+  user.dispatch_format = format;
   user.validate(world);
   return user.resolved(world);
 }
 
+// One world of virtual ranks in low-latency mode: every rank's buffers, its inputs and the legs' arguments.
+struct LlWorld {
+  EpConfig config;
+  int world;
+  VirtualLlRanks ranks;
+  std::vector<int> tokens;
+  std::vector<VirtualRankIo> io;
+  std::vector<DispatchArgs> dargs;
+  std::vector<CombineArgs> em;
+
+  LlWorld(EpConfig const& c, int w, int ctas, double timeout_s = kVirtualTimeoutS)
+      : config(c),
+        world(w),
+        ranks(
+            w, cuda_ep::make_sym_layout(c, w, cuda_ep::Protocol::ll).total,
+            [&](Buffers& b, int r) {
+              cuda_ep::configure_buffers(b, c, w, r, cuda_ep::Protocol::ll, ctas);
+              b.num_ctas = ctas;
+              b.layout = cuda_ep::make_sym_layout(c, w, cuda_ep::Protocol::ll);
+            },
+            timeout_s),
+        tokens(static_cast<std::size_t>(w), c.max_tokens_per_rank),
+        dargs(w),
+        em(w) {
+    io.reserve(w);
+    for (int r = 0; r < w; ++r) io.emplace_back(c, w, tokens[r]);
+    for (int r = 0; r < w; ++r) {
+      dargs[r].x = io[r].x.ptr;
+      dargs[r].num_tokens = tokens[r];
+      dargs[r].topk_idx = io[r].idx.ptr;
+      dargs[r].topk_idx_type = IndexType::int64;
+      dargs[r].topk_weights = static_cast<float const*>(io[r].w.ptr);
+      em[r] = CombineArgs{CombineLayout::expert_major, io[r].eout.ptr, io[r].y_em.ptr};
+    }
+  }
+  bool in(uint32_t who, int r) const { return ((who >> r) & 1u) != 0; }
+  // fresh inputs (uploaded, y poisoned) and every rank's dispatch outputs poisoned
+  VirtualIteration iteration(uint64_t seed) {
+    RoutingOptions routing;
+    routing.seed = seed;
+    VirtualIteration it(config, world, routing, tokens, io);
+    for (int r = 0; r < world; ++r)
+      poison_ll_dispatch(config, world, cuda_ep::dispatch_result(ranks[r], true), ranks[r].recv_slot);
+    CK(cudaDeviceSynchronize());
+    return it;
+  }
+  // the legs of the ranks in `who`, whole or split by the hook (send halves of all, then receive halves)
+  void dispatch(uint32_t who, bool hook) {
+    for (Half half : hook ? std::vector<Half>{Half::send, Half::recv} : std::vector<Half>{Half::both})
+      for (int r = 0; r < world; ++r)
+        if (in(who, r)) cuda_ep::launch_ll_dispatch(ranks[r], dargs[r], half, ranks.stream(r));
+  }
+  void combine(uint32_t who, bool hook) {
+    for (Half half : hook ? std::vector<Half>{Half::send, Half::recv} : std::vector<Half>{Half::both})
+      for (int r = 0; r < world; ++r)
+        if (in(who, r)) cuda_ep::launch_ll_combine(ranks[r], em[r], tokens[r], half, ranks.stream(r));
+  }
+  uint32_t all() const { return world >= 32 ? 0xffffffffu : (1u << world) - 1u; }
+  // Rank masking: loads the masked instances this world launches before any agreement runs. A kernel's first launch
+  // in the process loads it and waits for the device (CUDA's lazy loading), and one host thread launches every
+  // virtual rank: an agreement running then waits for ranks whose launches that host thread has not reached, and
+  // masks them (seen on the H200 in the first fp8 case). Each rank marked masked meanwhile, so that every kernel
+  // (the agreement too) returns at once; then the words and counters as clear_mask leaves them.
+  // Returns the calls of each leg it made (the counters go on from there: the next dispatch is #calls + 1).
+  uint64_t load_masked_kernels() {
+    uint32_t const masked = static_cast<uint32_t>(detail::LlMaskSelf::asked);
+    for (int r = 0; r < world; ++r)
+      CK(cudaMemcpy(&ranks[r].state->ll_mask.self, &masked, sizeof(masked), cudaMemcpyHostToDevice));
+    uint64_t calls = 0;
+    for (bool hook : {false, true}) {
+      dispatch(all(), hook);
+      combine(all(), hook);
+      ++calls;
+    }
+    CK(cudaDeviceSynchronize());
+    clear();
+    return calls;
+  }
+  detail::LlMaskWords words(int r) const { return cuda_ep::read_ll_mask(ranks[r], ranks.stream(r)); }
+  // clear_mask as CudaEp does it, every rank (the bootstrap's allgather and barrier are the host's loop here)
+  void clear() {
+    std::vector<detail::LlCallCounters> all_counters;
+    for (int r = 0; r < world; ++r) all_counters.push_back(cuda_ep::ll_call_counters(ranks[r], ranks.stream(r)));
+    detail::LlCallCounters const to = detail::merge_call_counters(all_counters);
+    for (int r = 0; r < world; ++r) cuda_ep::reset_ll_mask(ranks[r], to, ranks.stream(r));
+    CK(cudaDeviceSynchronize());
+  }
+};
+
 void run_stats(int world) {
   int const ctas = virtual_ctas_per_rank(world, cuda_ep::kMaxLlCtas);
   if (ctas < 1) GTEST_SKIP() << "fewer SMs than " << world << " ranks";
-  EpConfig const config = stats_config(world, true);
-  cuda_ep::SymLayout const layout = cuda_ep::make_sym_layout(config, world, cuda_ep::Protocol::ll);
-  VirtualLlRanks ranks(world, layout.total, [&](Buffers& b, int r) {
-    cuda_ep::configure_buffers(b, config, world, r, cuda_ep::Protocol::ll, ctas);
-    b.num_ctas = ctas;
-    b.layout = layout;
-  });
+  LlWorld w(ll_config(world, true), world, ctas);
+  EpConfig const& config = w.config;
+  auto const& ranks = w.ranks;
   for (int r = 0; r < world; ++r) ASSERT_NE(ranks[r].wait_stats, nullptr) << "wait_stats=true allocated no array";
-  std::vector<int> const tokens(static_cast<std::size_t>(world), config.max_tokens_per_rank);
-  std::vector<VirtualRankIo> io;
-  io.reserve(world);
-  for (int r = 0; r < world; ++r) io.emplace_back(config, world, tokens[r]);
-  std::vector<DispatchArgs> dargs(world);
-  std::vector<CombineArgs> em(world);
-  for (int r = 0; r < world; ++r) {
-    dargs[r].x = io[r].x.ptr;
-    dargs[r].num_tokens = tokens[r];
-    dargs[r].topk_idx = io[r].idx.ptr;
-    dargs[r].topk_idx_type = IndexType::int64;
-    dargs[r].topk_weights = static_cast<float const*>(io[r].w.ptr);
-    em[r] = CombineArgs{CombineLayout::expert_major, io[r].eout.ptr, io[r].y_em.ptr};
-  }
   uint64_t const seed = fresh_seed();
   std::printf("world %d x %d CTAs, seed %llu\n", world, ctas, static_cast<unsigned long long>(seed));
   int const late = world - 1;
@@ -89,19 +166,12 @@ void run_stats(int world) {
   std::vector<int> const none(static_cast<std::size_t>(world), 0);
   for (int call = 0; call < calls; ++call) {
     bool const hook = call % 2 == 1;
-    RoutingOptions routing;
-    routing.seed = seed + static_cast<uint64_t>(call);
-    VirtualIteration const it(config, world, routing, tokens, io);
-    for (int r = 0; r < world; ++r)
-      poison_ll_dispatch(config, world, cuda_ep::dispatch_result(ranks[r], true), ranks[r].recv_slot);
-    CK(cudaDeviceSynchronize());
+    VirtualIteration const it = w.iteration(seed + static_cast<uint64_t>(call));
     // the late source, before its dispatch; not in the first calls: a kernel's first launch in the process loads its
     // module, which waits for the running spin, so every rank would start late alike
     if (call == 2) spin_for<<<1, 1, 0, ranks.stream(late)>>>(late_ns);
-    for (Half half : hook ? std::vector<Half>{Half::send, Half::recv} : std::vector<Half>{Half::both})
-      for (int r = 0; r < world; ++r) cuda_ep::launch_ll_dispatch(ranks[r], dargs[r], half, ranks.stream(r));
-    for (Half half : hook ? std::vector<Half>{Half::send, Half::recv} : std::vector<Half>{Half::both})
-      for (int r = 0; r < world; ++r) cuda_ep::launch_ll_combine(ranks[r], em[r], tokens[r], half, ranks.stream(r));
+    w.dispatch(w.all(), hook);
+    w.combine(w.all(), hook);
     std::string const failure = ranks.synchronize(none);
     ASSERT_TRUE(failure.empty()) << "call " << call << ":\n" << failure;
     for (int r = 0; r < world; ++r) {
@@ -109,7 +179,7 @@ void run_stats(int world) {
                                   ranks[r].recv_slot),
                 0);
       auto const y = ref::combine_expert_major(config, world, r, it.inputs, it.expected, it.eout);
-      ASSERT_EQ(check_combined("y expert-major", io[r].y_em.ptr, y, kVirtualGuardElems, r, call), 0);
+      ASSERT_EQ(check_combined("y expert-major", w.io[r].y_em.ptr, y, kVirtualGuardElems, r, call), 0);
     }
   }
   for (int r = 0; r < world; ++r) {
@@ -138,11 +208,9 @@ void run_stats(int world) {
     off.push_back(ranks[r]);
     off.back().wait_stats = nullptr;
   }
-  RoutingOptions routing;
-  routing.seed = seed + 99;
-  VirtualIteration const it(config, world, routing, tokens, io);
-  for (int r = 0; r < world; ++r) cuda_ep::launch_ll_dispatch(off[r], dargs[r], Half::both, ranks.stream(r));
-  for (int r = 0; r < world; ++r) cuda_ep::launch_ll_combine(off[r], em[r], tokens[r], Half::both, ranks.stream(r));
+  VirtualIteration const it = w.iteration(seed + 99);
+  for (int r = 0; r < world; ++r) cuda_ep::launch_ll_dispatch(off[r], w.dargs[r], Half::both, ranks.stream(r));
+  for (int r = 0; r < world; ++r) cuda_ep::launch_ll_combine(off[r], w.em[r], w.tokens[r], Half::both, ranks.stream(r));
   std::string const failure = ranks.synchronize(none);
   ASSERT_TRUE(failure.empty()) << "the call without statistics:\n" << failure;
   for (int r = 0; r < world; ++r)
@@ -160,56 +228,196 @@ TEST(WaitStatsVirtual, EveryPeerCountedOncePerCallWorld4) {
   run_stats(4);
 }
 
-// Rank masking on the cuda backend: rank `masked` skips a dispatch; the other ranks' calls must end within their
-// bound without a recorded timeout, and every row they return equal the reference of the world without it
-// (ref::without_ranks). Skipped while CudaEp refuses EpConfig::rank_masking (the kernels' side is not built yet):
-// remove the skip once Buffers carries the mask to the kernels.
-TEST(RankMaskingVirtual, SkippedRankIsMaskedAndTheOthersMatchTheReference) {
-  GTEST_SKIP() << "rank masking is built on the cpu backend only in this version: CudaEp refuses "
-                  "EpConfig::rank_masking with ConfigError (docs/internode.md, 'Rank masking'); enable this test "
-                  "with the kernels' masking";
+// ---- rank masking (EpConfig::rank_masking, one node; src/ep/cuda/ll_mask.cuh) ----
+
+// Every rank of `who` after its call: no failure recorded, its dispatch equal to the reference of the world without
+// the ranks of `masked` (ref::without_ranks), its combine's y too (expert-major), and its mask words what the call
+// agreed: those ranks masked, this rank's entries of them counted by both legs. Returns false at the first failure.
+bool expect_masked_world(LlWorld& w, VirtualIteration const& it, uint32_t who, uint32_t masked, int call) {
+  EpConfig const& config = w.config;
+  ref::MaskedWorld const kept = ref::without_ranks(config, w.world, it.inputs, masked);
+  std::vector<ref::RankDispatch> want;
+  for (int d = 0; d < w.world; ++d) want.push_back(ref::dispatch(config, w.world, d, kept.inputs));
+  std::string const failure = w.ranks.synchronize(std::vector<int>(static_cast<std::size_t>(w.world), 0));
+  EXPECT_TRUE(failure.empty()) << "call " << call << ": a rank failed instead of masking:\n" << failure;
+  if (!failure.empty()) return false;
+  for (int r = 0; r < w.world; ++r) {
+    if (!w.in(who, r)) continue;
+    // NOTE: this call's checks alone decide (HasFailure would count an earlier, unrelated failure of the test)
+    int const dispatched = check_ll_dispatch(config, w.world, r, call, want[r],
+                                             cuda_ep::dispatch_result(w.ranks[r], true), w.ranks[r].recv_slot);
+    EXPECT_EQ(dispatched, 0) << "rank " << r << ", call " << call;
+    auto const y = ref::combine_expert_major(config, w.world, r, kept.inputs, want, it.eout);
+    int const combined = check_combined("y expert-major", w.io[r].y_em.ptr, y, kVirtualGuardElems, r, call);
+    EXPECT_EQ(combined, 0) << "rank " << r << ", call " << call;
+    detail::LlMaskWords const words = w.words(r);
+    bool const agreed = words.self == 0 && words.masked == masked &&
+                        static_cast<int64_t>(words.last_dispatch_entries) == kept.masked_entries[r] &&
+                        static_cast<int64_t>(words.last_combine_entries) == kept.masked_entries[r];
+    EXPECT_TRUE(agreed) << "rank " << r << ", call " << call << ": self " << words.self << ", masked " << words.masked
+                        << " (want " << masked << "), entries left out by the dispatch " << words.last_dispatch_entries
+                        << " and the combine " << words.last_combine_entries << " (want " << kept.masked_entries[r]
+                        << ")";
+    if (dispatched != 0 || combined != 0 || !agreed) return false;
+  }
+  return true;
+}
+
+// Rank `gone` never comes to a dispatch: every other rank's agreement waits its bound (FERRY_TIMEOUT_S, 1 s here),
+// masks it and finishes the call (no timeout recorded) with the reference of the world without it, the combine too;
+// then the masked rank's own late call learns it (LlMaskSelf::timeout, its outputs untouched), a hooked call and a
+// replayed CUDA graph go on without it, and after clear_mask the whole world is back, exact.
+void run_never_arrives(int world, WireFormat format) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU, found 0";
-  int const world = 4;
-  int const masked = 2;
   int const ctas = virtual_ctas_per_rank(world, cuda_ep::kMaxLlCtas);
   if (ctas < 1) GTEST_SKIP() << "fewer SMs than " << world << " ranks";
-  EpConfig config = stats_config(world, false);
-  config.rank_masking = true;
-  cuda_ep::SymLayout const layout = cuda_ep::make_sym_layout(config, world, cuda_ep::Protocol::ll);
-  VirtualLlRanks ranks(
-      world, layout.total,
-      [&](Buffers& b, int r) {
-        cuda_ep::configure_buffers(b, config, world, r, cuda_ep::Protocol::ll, ctas);
-        b.num_ctas = ctas;
-        b.layout = layout;
-      },
-      kAbsentTimeoutS);
-  std::vector<int> const tokens(static_cast<std::size_t>(world), config.max_tokens_per_rank);
-  std::vector<VirtualRankIo> io;
-  io.reserve(world);
-  for (int r = 0; r < world; ++r) io.emplace_back(config, world, tokens[r]);
-  RoutingOptions routing;
-  routing.seed = fresh_seed();
-  VirtualIteration const it(config, world, routing, tokens, io);
-  ref::MaskedWorld const kept = ref::without_ranks(config, world, it.inputs, 1U << masked);
-  for (int r = 0; r < world; ++r) {
-    if (r == masked) continue;  // never arrives
-    DispatchArgs args;
-    args.x = io[r].x.ptr;
-    args.num_tokens = tokens[r];
-    args.topk_idx = io[r].idx.ptr;
-    args.topk_idx_type = IndexType::int64;
-    args.topk_weights = static_cast<float const*>(io[r].w.ptr);
-    cuda_ep::launch_ll_dispatch(ranks[r], args, Half::both, ranks.stream(r));
+  LlWorld w(ll_config(world, false, true, format), world, ctas, kAbsentTimeoutS);
+  uint64_t const loaded = w.load_masked_kernels();
+  int const gone = world / 2;
+  uint32_t const others = w.all() & ~(1u << gone);
+  uint64_t const seed = fresh_seed();
+  std::printf("world %d x %d CTAs, dispatch_format %s, rank %d never arrives, seed %llu\n", world, ctas,
+              wire_format_name(format), gone, static_cast<unsigned long long>(seed));
+
+  // 1. the call without it: masked within the bound, every row of the others the reference's without it
+  VirtualIteration const first = w.iteration(seed);
+  auto const start = std::chrono::steady_clock::now();
+  w.dispatch(others, false);
+  w.combine(others, false);
+  ASSERT_TRUE(expect_masked_world(w, first, others, 1u << gone, 0));
+  double const waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(waited, 5 * kAbsentTimeoutS) << "the others did not finish within their bound";
+  std::printf("  masked in %.2f s (bound %.1f s); rank 0's entries left out: %llu\n", waited, kAbsentTimeoutS,
+              static_cast<unsigned long long>(w.words(gone == 0 ? 1 : 0).last_dispatch_entries));
+  // the check sees the mask: the same outputs against the reference of the whole world differ (a check that can fail)
+  int const someone = gone == 0 ? 1 : 0;
+  EXPECT_NE(check_ll_dispatch(w.config, world, someone, 0, first.expected[someone],
+                              cuda_ep::dispatch_result(w.ranks[someone], true), w.ranks[someone].recv_slot),
+            0)
+      << "the masked call matched the reference of the whole world: the check cannot tell them apart";
+
+  // 2. its own call, late: it learns that it is masked and moves nothing (its outputs keep the poison)
+  CK(cudaMemset(cuda_ep::dispatch_result(w.ranks[gone], true).num_recv, 0xEE, 4));
+  w.dispatch(1u << gone, false);
+  EXPECT_TRUE(w.ranks.synchronize(std::vector<int>(static_cast<std::size_t>(world), 0)).empty());
+  detail::LlMaskWords const own = w.words(gone);
+  EXPECT_EQ(own.self, static_cast<uint32_t>(detail::LlMaskSelf::timeout));
+  EXPECT_EQ(own.self_call, loaded + 1) << "its first dispatch after the loading calls";
+  EXPECT_EQ(own.self_view & (1u << gone), 1u << gone);
+  EXPECT_EQ(w.ranks[gone].mask_host->self, own.self) << "the host's word of the masked rank";
+  EXPECT_EQ(to_host<uint32_t>(cuda_ep::dispatch_result(w.ranks[gone], true).num_recv, 1)[0], 0xEEEEEEEEu)
+      << "the masked rank's dispatch wrote its outputs";
+  std::string const said = detail::self_masked_message(own, gone, kAbsentTimeoutS);
+  EXPECT_NE(said.find("rank " + std::to_string(gone) + " is masked on this EpBuffer: at dispatch #" +
+                      std::to_string(loaded + 1)),
+            std::string::npos)
+      << said;
+  std::printf("  rank %d's own call: %s\n", gone, said.c_str());
+
+  // 3. a hooked call with the mask (the masked rank calls too: its kernels return at once)
+  VirtualIteration const hooked = w.iteration(seed + 1);
+  w.dispatch(w.all(), true);
+  w.combine(w.all(), true);
+  ASSERT_TRUE(expect_masked_world(w, hooked, others, 1u << gone, 1));
+
+  // 4. a captured graph of both legs, replayed with fresh inputs: the mask is read on the device at every replay
+  RankGraphs graphs(world);
+  graphs.capture(w.ranks, [&](int r) {
+    cuda_ep::launch_ll_dispatch(w.ranks[r], w.dargs[r], Half::both, w.ranks.stream(r));
+    cuda_ep::launch_ll_combine(w.ranks[r], w.em[r], w.tokens[r], Half::both, w.ranks.stream(r));
+  });
+  for (int replay = 0; replay < 2; ++replay) {
+    VirtualIteration const it = w.iteration(seed + 2 + replay);
+    graphs.launch(w.ranks);
+    ASSERT_TRUE(expect_masked_world(w, it, others, 1u << gone, 2 + replay));
   }
-  std::vector<DeviceErrorBlock> const blocks = ranks.take_errors();
+
+  // 5. clear_mask: every rank back, the whole world's reference
+  w.clear();
   for (int r = 0; r < world; ++r) {
-    if (r == masked) continue;
-    EXPECT_EQ(blocks[r].status, 0u) << "rank " << r << " failed instead of masking rank " << masked;
-    ref::RankDispatch const want = ref::dispatch(config, world, r, kept.inputs);
-    EXPECT_EQ(
-        check_ll_dispatch(config, world, r, 0, want, cuda_ep::dispatch_result(ranks[r], true), ranks[r].recv_slot), 0);
+    detail::LlMaskWords const words = w.words(r);
+    EXPECT_TRUE(words.masked == 0 && words.self == 0 && words.dispatch_entries == 0) << "rank " << r << " kept a mask";
   }
+  VirtualIteration const back = w.iteration(seed + 9);
+  w.dispatch(w.all(), false);
+  w.combine(w.all(), false);
+  ASSERT_TRUE(expect_masked_world(w, back, w.all(), 0, 9));
+}
+
+TEST(RankMaskingVirtual, RankThatNeverArrivesIsMaskedWorld2) {
+  run_never_arrives(2, WireFormat::bf16);
+}
+TEST(RankMaskingVirtual, RankThatNeverArrivesIsMaskedWorld4) {
+  run_never_arrives(4, WireFormat::bf16);
+}
+TEST(RankMaskingVirtual, RankThatNeverArrivesIsMaskedWorld8) {
+  run_never_arrives(8, WireFormat::bf16);
+}
+// fp8: the quantized delivery is compared byte for byte with the host codec's (check_ll_quantized_delivery)
+TEST(RankMaskingVirtual, RankThatNeverArrivesIsMaskedFp8) {
+  run_never_arrives(4, WireFormat::fp8_e4m3);
+}
+
+// mask_ranks: rank 0 asks for rank 2; every rank calls (rank 2 too), nobody waits a timeout (the bound here is the
+// long one), the others go on without it and rank 2 learns it was asked out.
+TEST(RankMaskingVirtual, AskedOutWithoutATimeout) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU, found 0";
+  int const world = 4;
+  int const asked = 2;
+  int const ctas = virtual_ctas_per_rank(world, cuda_ep::kMaxLlCtas);
+  if (ctas < 1) GTEST_SKIP() << "fewer SMs than " << world << " ranks";
+  LlWorld w(ll_config(world, false, true), world, ctas, kVirtualTimeoutS);
+  w.load_masked_kernels();
+  uint64_t const seed = fresh_seed();
+  std::printf("world %d, rank 0 asks for rank %d, seed %llu\n", world, asked, static_cast<unsigned long long>(seed));
+  VirtualIteration const it = w.iteration(seed);
+  cuda_ep::request_ll_mask(w.ranks[0], 1u << asked);
+  auto const start = std::chrono::steady_clock::now();
+  w.dispatch(w.all(), false);
+  w.combine(w.all(), false);
+  ASSERT_TRUE(expect_masked_world(w, it, w.all() & ~(1u << asked), 1u << asked, 0));
+  double const took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(took, kVirtualTimeoutS / 4) << "asking a rank out waited like a timeout";
+  detail::LlMaskWords const own = w.words(asked);
+  EXPECT_EQ(own.self, static_cast<uint32_t>(detail::LlMaskSelf::asked));
+  EXPECT_EQ(own.self_lost, 1u << asked);
+  std::printf("  done in %.3f s: %s\n", took, detail::self_masked_message(own, asked, kVirtualTimeoutS).c_str());
+}
+
+// A rank present at the dispatch and absent from the combine: the others' combine masks it after the bound and
+// returns y without its expert outputs (its rows summed as zeros by the reference: +0 changes no sum), counting the
+// entries y misses; the next dispatch goes on without it.
+TEST(RankMaskingVirtual, RankLostAtTheCombine) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU, found 0";
+  int const world = 4;
+  int const gone = 1;
+  int const ctas = virtual_ctas_per_rank(world, cuda_ep::kMaxLlCtas);
+  if (ctas < 1) GTEST_SKIP() << "fewer SMs than " << world << " ranks";
+  LlWorld w(ll_config(world, false, true), world, ctas, kAbsentTimeoutS);
+  w.load_masked_kernels();
+  uint32_t const others = w.all() & ~(1u << gone);
+  uint64_t const seed = fresh_seed();
+  std::printf("world %d, rank %d skips the combine, seed %llu\n", world, gone, static_cast<unsigned long long>(seed));
+  VirtualIteration it = w.iteration(seed);
+  w.dispatch(w.all(), false);
+  ASSERT_TRUE(w.ranks.synchronize(std::vector<int>(static_cast<std::size_t>(world), 0)).empty());
+  w.combine(others, false);
+  ASSERT_TRUE(w.ranks.synchronize(std::vector<int>(static_cast<std::size_t>(world), 0)).empty());
+  it.eout[gone].assign(it.eout[gone].size(), 0);  // its expert outputs never come back
+  ref::MaskedWorld const kept = ref::without_ranks(w.config, world, it.inputs, 1u << gone);
+  for (int r = 0; r < world; ++r) {
+    if (r == gone) continue;
+    auto const y = ref::combine_expert_major(w.config, world, r, it.inputs, it.expected, it.eout);
+    EXPECT_EQ(check_combined("y expert-major", w.io[r].y_em.ptr, y, kVirtualGuardElems, r, 0), 0) << "rank " << r;
+    detail::LlMaskWords const words = w.words(r);
+    EXPECT_EQ(words.masked, 1u << gone);
+    EXPECT_EQ(words.last_dispatch_entries, 0u);
+    EXPECT_EQ(static_cast<int64_t>(words.last_combine_entries), kept.masked_entries[r]) << "rank " << r;
+  }
+  VirtualIteration const next = w.iteration(seed + 1);
+  w.dispatch(others, false);
+  w.combine(others, false);
+  ASSERT_TRUE(expect_masked_world(w, next, others, 1u << gone, 1));
 }
 
 }  // namespace

@@ -81,6 +81,9 @@ SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol, 
         layout.ll_rail_send = areas.take(per_node * layout.combine_row_bytes);
       }
     }
+    // rank masking: the agreement's words, the region's last area (ll_mask_area finds them from the total, so that
+    // SymLayout, and with it every kernel's Params, is the same with masking off)
+    if (config.rank_masking) areas.take(ll_mask_area_bytes(world));
     layout.total = areas.total();
     return layout;
   }
@@ -119,6 +122,15 @@ SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol, 
   }
   layout.total = areas.total();
   return layout;
+}
+
+std::size_t ll_mask_area_bytes(int world) {
+  return quant::align_up(3 * static_cast<std::size_t>(world) * sizeof(uint64_t), 256);
+}
+
+LlMaskArea ll_mask_area(SymLayout const& layout, int world) {
+  std::size_t const first = layout.total - ll_mask_area_bytes(world);
+  return LlMaskArea{first, first + static_cast<std::size_t>(world) * sizeof(uint64_t)};
 }
 
 SymLayout make_hier_sym_layout(EpConfig const& config, Topology const& topology) {
@@ -199,6 +211,16 @@ void allocate_buffers(Buffers& b) {
         b.ll_fwd_num = device_zeroed<int32_t>(nodes);
         b.ll_fwd_mask = device_zeroed<uint32_t>(nodes * max_tokens);
       }
+      if (config.rank_masking) {
+        // rank masking: the mapped words the host and the agreement share, and the entries' ranks for the combine
+        FERRY_CHECK_CUDA(
+            cudaHostAlloc(reinterpret_cast<void**>(&b.mask_host), sizeof(detail::LlMaskHost), cudaHostAllocMapped));
+        *b.mask_host = detail::LlMaskHost{0, 0};
+        FERRY_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&b.mask_host_device), b.mask_host, 0));
+        b.ll_entry_rank = device_alloc<int8_t>(max_tokens * topk);
+        FERRY_CHECK_CUDA(cudaMemcpy(&b.state->ll_mask.entry_rank, &b.ll_entry_rank, sizeof(b.ll_entry_rank),
+                                    cudaMemcpyHostToDevice));
+      }
       if (b.layout.nodes > 1 && b.network_kind == transport::Kind::emulated) {
         // across nodes over the emulated network: an endpoint per warp of each leg's grid (dispatch, then combine)
         b.network.num_areas = 2 * b.num_ctas * kWarps;
@@ -259,6 +281,10 @@ void free_buffers(Buffers& b) noexcept {
   device_free(b.network.areas);
   device_free(b.ll_fwd_num);
   device_free(b.ll_fwd_mask);
+  device_free(b.ll_entry_rank);
+  if (b.mask_host != nullptr) cudaFreeHost(b.mask_host);  // NOTE: never throws (free_buffers is noexcept)
+  b.mask_host = nullptr;
+  b.mask_host_device = nullptr;
   b.expert_scale_bytes = 0;
 }
 

@@ -115,6 +115,12 @@ struct Buffers {
   // per token, the local ranks here that hold it (written by the dispatch's forward, read by the combine's reduction).
   int32_t* ll_fwd_num = nullptr;    // [nodes]
   uint32_t* ll_fwd_mask = nullptr;  // [nodes, max_tokens]
+  // Rank masking (EpConfig::rank_masking; ll_mask.cuh): the request and this rank's verdict in mapped host memory
+  // (mask_host: the host's address, mask_host_device: the kernels'), and the entries' ranks of the last dispatch
+  // (DeviceState::ll_mask.entry_rank points here). Null when off.
+  detail::LlMaskHost* mask_host = nullptr;
+  detail::LlMaskHost* mask_host_device = nullptr;
+  int8_t* ll_entry_rank = nullptr;  // [max_tokens, topk]
 };
 
 // Sets the fields every allocation and launch reads from the config, the world, this rank, the protocol and the SMs a
@@ -125,6 +131,17 @@ void configure_buffers(Buffers& b, EpConfig const& config, int world, int rank, 
 // The symmetric region's layout for a config and protocol (the same on every rank). nodes > 1 (low-latency mode
 // across nodes): with the areas the network leg sends from, and the arrival counters as one signal range.
 SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol, int nodes = 1);
+
+// Rank masking (EpConfig::rank_masking, low-latency mode): where the agreement's words are in a layout that
+// make_sym_layout made with masking on (the region's last area, so that SymLayout is the same with masking off).
+// arrive: [world sources] u64 (epoch << 32 | the source's request); verdict: [2 parities][world sources] u64
+// (epoch << 32 | the ranks the source saw).
+struct LlMaskArea {
+  std::size_t arrive;
+  std::size_t verdict;
+};
+std::size_t ll_mask_area_bytes(int world);
+LlMaskArea ll_mask_area(SymLayout const& layout, int world);
 
 // The symmetric layout of the hierarchical protocol: the count exchange's (make_sym_layout, push) with a count row
 // that also counts tokens per node, and the hierarchical areas (SymLayout).
@@ -294,6 +311,23 @@ void launch_ll_dispatch_net(Buffers const& buffers, cuda_ll::LlDispatchParams co
                             std::size_t smem, cudaStream_t stream, detail::LegRecord* record);
 void launch_ll_combine_net(Buffers const& buffers, cuda_ll::LlCombineParams const& params, int variant,
                            cudaStream_t stream, detail::LegRecord* record);
+
+// Rank masking (EpConfig::rank_masking, one node; ll_mask.cu): the legs' launchers above run the agreement first
+// (launch_ll_agreement, on the leg's stream, with every half but the hook's receive half) and then the masked
+// instances (ll_masked.cu).
+void launch_ll_masked_dispatch(Buffers const& buffers, cuda_ll::LlDispatchParams const& params, int variant,
+                               std::size_t smem, cudaStream_t stream, detail::LegRecord* record);
+void launch_ll_masked_combine(Buffers const& buffers, cuda_ll::LlCombineParams const& params, int variant,
+                              cudaStream_t stream, detail::LegRecord* record);
+void launch_ll_agreement(Buffers const& buffers, detail::LlMaskLeg leg, cudaStream_t stream);
+// The mask words after `stream`'s work (synchronises it).
+detail::LlMaskWords read_ll_mask(Buffers const& buffers, cudaStream_t stream);
+// This rank's request (EpBuffer::mask_ranks: bit r asks for rank r), carried by its next agreements.
+void request_ll_mask(Buffers const& buffers, uint32_t ranks);
+// clear_mask's two steps on one rank (its stream idle): its counters, then (with everyone's merged:
+// detail::merge_call_counters) the reset of its counters, its region's arrival counters and its mask, on `stream`.
+detail::LlCallCounters ll_call_counters(Buffers const& buffers, cudaStream_t stream);
+void reset_ll_mask(Buffers const& buffers, detail::LlCallCounters const& to, cudaStream_t stream);
 
 // Most local experts of an expert-major layout (a low-latency EpBuffer; a normal-mode one with expert_capacity): the
 // kernels that build it (expert_layout.cuh) keep two counters per local expert in shared memory (expand_smem_bytes),

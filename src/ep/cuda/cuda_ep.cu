@@ -15,6 +15,7 @@
 #include "ep/cuda/ll_params.cuh"
 #include "ep/ep_impl.hpp"
 #include "ep/landing_policy.hpp"
+#include "ep/ll_mask_words.hpp"
 #include "ep/run_record.hpp"
 #include "ferry/env.hpp"
 #include "ferry/error.hpp"
@@ -79,13 +80,7 @@ struct CudaHandleStorage final : detail::HandleStorage {
 
 class CudaEp final : public detail::EpBackendImpl {
  public:
-  CudaEp(Communicator& comm, EpConfig const& config) : comm_(comm) {
-    // NOTE: the kernels' side of rank masking (skip a masked rank's waits and rows) is not built yet; refused here,
-    // on every rank alike (the config is agreed), before anything is allocated.
-    FERRY_CHECK_CONFIG(!config.rank_masking,
-                       "rank_masking=true: rank masking is built on the cpu backend only in this version "
-                       "(docs/internode.md, 'Rank masking'); leave it false on the cuda backend (a rank that does "
-                       "not arrive is then a TimeoutError naming it)");
+  CudaEp(Communicator& comm, EpConfig const& config) : comm_(comm), masking_(config.rank_masking) {
     Buffers& b = buffers_;
     int const world = comm.world();
     bool const ll = config.mode == Mode::low_latency;
@@ -96,6 +91,15 @@ class CudaEp final : public detail::EpBackendImpl {
     // 1. the protocol (the same on every rank: the config, the topology and FERRY_NORMAL_LANDING must agree)
     Topology const topology = comm.topology();
     bool const across = topology.nodes > 1;
+    // NOTE: rank masking's agreement and masked instances are built for the ranks of one node; across nodes (both
+    // routes, and the forward route's rail replacement) they are not, so the config is refused there, on every rank
+    // alike (the config and the topology agree), before anything is allocated.
+    FERRY_CHECK_CONFIG(!config.rank_masking || !across, "rank_masking=true across nodes (topology ",
+                       topology_name(topology),
+                       "): the cuda backend builds rank masking for the ranks of one node only in this version (the "
+                       "agreement and the masked kernels are not built for the network legs, either route); use the "
+                       "cpu backend, or rank_masking=false (a rank that does not arrive is then a TimeoutError "
+                       "naming it)");
     bool const hierarchical = !ll && across;
     transport::Kind const network = detail::has_gin(comm) ? transport::Kind::gin : transport::Kind::emulated;
     FERRY_CHECK_CONFIG(!hierarchical || topology.world() + topology.nodes <= kMaxHierColumns, "topology ",
@@ -235,12 +239,17 @@ class CudaEp final : public detail::EpBackendImpl {
     leg.expand = args.expand;
     last_num_tokens_ = args.num_tokens;
     if (b.protocol == Protocol::ll) {
+      check_not_masked(stream);
       leg.split = args.return_recv_hook;
       leg.prequantized = args.x_scales != nullptr;
       launch_ll_dispatch(b, args, leg.split ? Half::send : Half::both, stream, false, &leg);
       finish_ll(leg);
       pending_dispatch_ = args;
-      if (leg.split) return dispatch_result(b, true);
+      if (leg.split) {
+        DispatchResult result = dispatch_result(b, true);
+        if (masking_) result.masked_entries = -1;  // on the device (finish_dispatch)
+        return result;
+      }
       return finish_dispatch(true, args.eager, stream);
     }
     leg.prequantized = args.num_tokens > 0 && args.x_scales != nullptr;
@@ -270,6 +279,7 @@ class CudaEp final : public detail::EpBackendImpl {
   // and the sequence numbers and parities stay in step on every rank.
   void refuse_dispatch(cudaStream_t stream) override {
     Buffers const& b = buffers_;
+    check_not_masked(stream);
     if (b.protocol == Protocol::ll)
       launch_ll_dispatch(b, DispatchArgs{}, Half::both, stream, /*refuse=*/true);
     else
@@ -282,6 +292,7 @@ class CudaEp final : public detail::EpBackendImpl {
     Buffers const& b = buffers_;
     CombineArgs none;
     none.layout = CombineLayout::rank_major;  // reads no x
+    check_not_masked(stream);
     if (b.protocol == Protocol::ll)
       launch_ll_combine(b, none, last_num_tokens_, Half::both, stream, /*refuse=*/true);
     else
@@ -297,6 +308,7 @@ class CudaEp final : public detail::EpBackendImpl {
     detail::LegRecord& leg = start(record_.combine);
     leg.expert_major = args.layout == CombineLayout::expert_major;
     if (b.protocol == Protocol::ll) {
+      check_not_masked(stream);
       leg.split = args.return_recv_hook;
       launch_ll_combine(b, args, last_num_tokens_, leg.split ? Half::send : Half::both, stream, false, &leg);
       finish_ll(leg);
@@ -419,6 +431,39 @@ class CudaEp final : public detail::EpBackendImpl {
                          hier_link_bytes(buffers_, LinkLeg::combine, stream)};
   }
 
+  // Rank masking (low-latency mode, one node; ll_mask.cuh): the words the agreements and the kernels keep, after the
+  // last call's stream (synchronised).
+  MaskStatus mask_status() const override {
+    if (mask_stream_ == nullptr) return detail::mask_status_of(detail::LlMaskWords{}, buffers_.world);
+    FERRY_CHECK_CUDA(cudaSetDevice(comm_.device()));
+    detail::LlMaskWords const words = read_ll_mask(buffers_, mask_stream_);
+    note_self_masked(words);
+    return detail::mask_status_of(words, buffers_.world);
+  }
+
+  void mask_ranks(std::vector<int> const& ranks) override {
+    uint32_t bits = 0;
+    for (int r : ranks) bits |= 1u << r;  // EpBuffer checked the range
+    request_ll_mask(buffers_, bits);
+  }
+
+  // Collective over the whole world through the bootstrap (the masked ranks' calls are out of step with the others'):
+  // every rank's counters, the largest of each, the reset of this rank's (and of its region's arrival counters), then
+  // a barrier, so that no rank's next call reaches a peer that has not reset yet.
+  void clear_mask() override {
+    FERRY_CHECK_CUDA(cudaSetDevice(comm_.device()));
+    cudaStream_t const stream = mask_stream_ != nullptr ? mask_stream_ : cudaStreamPerThread;
+    FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
+    detail::LlCallCounters const mine = ll_call_counters(buffers_, stream);
+    std::vector<detail::LlCallCounters> all(static_cast<std::size_t>(buffers_.world));
+    comm_.bootstrap().allgather(&mine, all.data(), sizeof(mine));
+    reset_ll_mask(buffers_, detail::merge_call_counters(all), stream);
+    FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
+    comm_.bootstrap().barrier();
+    self_masked_.clear();
+    last_num_tokens_ = 0;  // the dispatch before the clear is forgotten
+  }
+
  private:
   // A fresh record of a leg that ran on this backend's protocol.
   detail::LegRecord& start(detail::LegRecord& leg) const {
@@ -455,14 +500,32 @@ class CudaEp final : public detail::EpBackendImpl {
 
   DispatchResult finish_dispatch(bool expand, bool eager, cudaStream_t stream) {
     DispatchResult result = dispatch_result(buffers_, expand);
+    // rank masking: the entries left out are known on the host after a sync (eager), else in mask_status()
+    if (masking_) result.masked_entries = -1;
     if (eager) {
       int32_t num_recv = 0;
       FERRY_CHECK_CUDA(
           cudaMemcpyAsync(&num_recv, &buffers_.state->num_recv, sizeof(num_recv), cudaMemcpyDeviceToHost, stream));
       sync_and_check(stream);
       result.num_recv_host = num_recv;
+      if (masking_) result.masked_entries = static_cast<int64_t>(read_ll_mask(buffers_, stream).last_dispatch_entries);
     }
     return result;
+  }
+
+  // Rank masking: a rank that learned that it is masked (its agreement wrote the host's word, no sync needed to see
+  // it) refuses every later call at once with the Error that names the call it was masked at. Remembers the stream
+  // of the call (mask_status and clear_mask synchronise it).
+  void check_not_masked(cudaStream_t stream) {
+    if (!masking_) return;
+    if (self_masked_.empty() && *reinterpret_cast<uint32_t const volatile*>(&buffers_.mask_host->self) != 0)
+      note_self_masked(read_ll_mask(buffers_, mask_stream_ != nullptr ? mask_stream_ : stream));
+    if (!self_masked_.empty()) throw Error(self_masked_);
+    mask_stream_ = stream;
+  }
+  void note_self_masked(detail::LlMaskWords const& words) const {
+    if (words.self != 0 && self_masked_.empty())
+      self_masked_ = detail::self_masked_message(words, buffers_.rank, buffers_.view.timeout_ns / 1e9);
   }
 
   // Warps a trace buffer is sized for: the largest grid any kernel of this protocol launches.
@@ -473,6 +536,11 @@ class CudaEp final : public detail::EpBackendImpl {
   void sync_and_check(cudaStream_t stream) {
     FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
     comm_.check_errors(stream);
+    if (masking_ && *reinterpret_cast<uint32_t const volatile*>(&buffers_.mask_host->self) != 0) {
+      // eager: the call that met the mask throws at once (its kernels moved nothing)
+      note_self_masked(read_ll_mask(buffers_, stream));
+      throw Error(self_masked_);
+    }
   }
 
   // The device storage of a handle this backend's kind made (EpBuffer checked that it fits this buffer).
@@ -501,6 +569,9 @@ class CudaEp final : public detail::EpBackendImpl {
   uint8_t grid_fallbacks_ = detail::kNoFallback;
   detail::RunRecord record_;
   detail::ExplainContext context_;
+  bool masking_ = false;                // EpConfig::rank_masking (low-latency mode, one node)
+  cudaStream_t mask_stream_ = nullptr;  // masking: the stream of the last call (mask_status, clear_mask sync it)
+  mutable std::string self_masked_;     // masking: set once this rank learned that it is masked
 };
 
 }  // namespace

@@ -80,14 +80,16 @@ __device__ __forceinline__ int token_destination(Routing const& r, int t, int la
 // The token's record into slot `slot` of every rank's record area at byte offset `meta` (warp-wide; dest, e, w as
 // token_destination left them): lanes [0, topk) write the local ids, lanes [topk, 2 topk) the weights.
 // record_at(d): where destination d's record goes (a char*).
+// to: the ranks that get it (rank masking: not the masked ones).
 template <typename RecordAt>
 __device__ __forceinline__ void write_records_at(int world, int topk, int num_local, int dest, int64_t e, float w,
-                                                 int lane, RecordAt record_at) {
+                                                 int lane, RecordAt record_at, uint32_t to = 0xffffffffu) {
   int const k = (lane < topk ? lane : lane - topk) & 31;
   int const dest_k = __shfl_sync(0xffffffffu, dest, k);
   int const e_k = static_cast<int>(__shfl_sync(0xffffffffu, static_cast<long long>(e), k));
   float const w_k = __shfl_sync(0xffffffffu, w, k);
   for (int d = 0; d < world; ++d) {
+    if (((to >> d) & 1u) == 0) continue;
     char* at = record_at(d);
     if (lane < topk)
       reinterpret_cast<int32_t*>(at)[lane] = dest_k == d ? e_k - d * num_local : -1;
@@ -98,9 +100,9 @@ __device__ __forceinline__ void write_records_at(int world, int topk, int num_lo
 
 __device__ __forceinline__ void write_records(transport::Lsa const& net, int world, std::size_t meta, std::size_t slot,
                                               std::size_t record, int topk, int num_local, int dest, int64_t e, float w,
-                                              int lane) {
-  write_records_at(world, topk, num_local, dest, e, w, lane,
-                   [&](int d) { return net.window(d) + meta + slot * record; });
+                                              int lane, uint32_t to = 0xffffffffu) {
+  write_records_at(
+      world, topk, num_local, dest, e, w, lane, [&](int d) { return net.window(d) + meta + slot * record; }, to);
 }
 
 // Vectors [v_begin, v_end) of a bf16 row (src) to every destination d in `mask`, at dst_of(d) (an int4* to the row's
@@ -134,9 +136,16 @@ __device__ __forceinline__ void send_row_chunk(int4 const* src, int v_begin, int
 // Sources of other nodes (low-latency mode across nodes): `remote.of(s)` says which, and their wait is
 // `remote.wait(s, least)` (the network's), without the out-of-step check (a network counter is read only by the
 // transport's wait). NoRemoteSources: every source is on this node.
+// `remote.skip(s)`: source s is masked (rank masking): no wait, no rows, no abort word read.
 struct NoRemoteSources {
   __device__ __forceinline__ bool of(int) const { return false; }
   __device__ __forceinline__ bool wait(int, uint64_t) const { return true; }
+  __device__ __forceinline__ bool skip(int) const { return false; }
+};
+// Every source on this node, the masked ones skipped (rank masking: `live` has a bit per rank still in the calls).
+struct LiveSources : NoRemoteSources {
+  uint32_t live;
+  __device__ __forceinline__ bool skip(int s) const { return ((live >> s) & 1u) == 0; }
 };
 
 template <class Remote = NoRemoteSources>
@@ -147,7 +156,9 @@ __device__ __forceinline__ int wait_sources(DeviceView const& view, uint64_t con
                                             Remote const& remote = {}) {
   int const tid = static_cast<int>(threadIdx.x);
   int const world = view.world;
-  if (tid < world) {
+  if (tid < world && remote.skip(tid)) {
+    s_base[tid + 1] = 0;
+  } else if (tid < world) {
     uint64_t observed = 0;
     if (remote.of(tid)) {
       if (!wait_stats::timed(stats, tid, [&] { return remote.wait(tid, seq * per_call); })) *s_ok = 0;

@@ -30,6 +30,13 @@ void launch_ll_combine(Buffers const& buffers, CombineArgs const& args, int num_
   // num_tokens is only checked here; the kernel reads the device copy of the last dispatch's count
   LlCombineParams const p = to_params(buffers, args, num_tokens, refuse);
   int const variant = LlCombineFamily<cuda_ll::OneNode>::variant(half, args.layout);
+  if (buffers.config.rank_masking) {
+    // NOTE: as launch_ll_dispatch: one node, the agreement first (the send half's)
+    FERRY_CHECK(buffers.layout.nodes == 1, "rank masking across nodes is not built");
+    if (half != Half::recv) launch_ll_agreement(buffers, detail::LlMaskLeg::combine, stream);
+    launch_ll_masked_combine(buffers, p, variant, stream, record);
+    return;
+  }
   if (buffers.layout.nodes > 1) {
     launch_ll_combine_net(buffers, p, variant, stream, record);
     return;

@@ -116,7 +116,7 @@ __device__ __forceinline__ int combine_chunks(LlCombineParams const& p, int num_
 }
 
 // Chunked send (bf16 and the formats whose scale blocks lie inside a 1024-element chunk): warp per (row, chunk).
-template <bool kExpertMajor, WireFormat kFormat, bool kNet>
+template <bool kExpertMajor, WireFormat kFormat, bool kNet, bool kMasking>
 __device__ __forceinline__ void ll_combine_send_chunks(LlCombineParams const& p, int parity) {
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   int const num_vec = p.hidden / 8;
@@ -127,6 +127,7 @@ __device__ __forceinline__ void ll_combine_send_chunks(LlCombineParams const& p,
   int const total_warps = p.num_ctas * kWarps;
   int const chunks = combine_chunks<kFormat, kNet>(p, num_recv);
   int const items = num_recv * chunks;
+  uint32_t const live = live_ranks<kMasking>(p);
 
   for (int item = cta * kWarps + warp; item < items; item += total_warps) {
     int const row = item / chunks;
@@ -144,6 +145,8 @@ __device__ __forceinline__ void ll_combine_send_chunks(LlCombineParams const& p,
     int const v0 = v_begin + lane;
     int const source = p.recv_src[2 * row];
     int const token = p.recv_src[2 * row + 1];
+    if constexpr (kMasking)
+      if (((live >> source) & 1u) == 0) continue;  // rank masking: masked since the dispatch, nothing to it
     char* const dst_row = combine_row_at<kNet>(p, parity, source, token, row);
     auto* dst = reinterpret_cast<int4*>(dst_row);
     // the forward route's rows for another node go to its rail as bf16, whatever the combine_format
@@ -202,7 +205,7 @@ __device__ __forceinline__ void ll_combine_send_chunks(LlCombineParams const& p,
 // amax enters every block scale through the token scale. A warp of one chunk keeps its values in registers across
 // the barrier and quantizes them there; a warp of several (rows wider than kWarps chunks) computes them again after
 // it. Every thread of the CTA runs the same steps (the barrier).
-template <bool kExpertMajor, bool kNet>
+template <bool kExpertMajor, bool kNet, bool kMasking>
 __device__ __forceinline__ void ll_combine_send_rows_nvfp4(LlCombineParams const& p, int parity) {
   __shared__ device::CtaRowMax<kWarps> s_amax;  // the row's amax over its warps, one barrier a step
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
@@ -214,6 +217,7 @@ __device__ __forceinline__ void ll_combine_send_rows_nvfp4(LlCombineParams const
   int const row_warps = kWarps / rows_per_step;  // warps of the CTA per row
   int const row_of_step = warp / row_warps;      // this warp's row among the step's (>= rows_per_step: idle)
   int const first_chunk = warp % row_warps;
+  uint32_t const live = live_ranks<kMasking>(p);
 
   // The bf16 values (as fp32) of chunk c of row `row`, zeros past the row's end: what the reference quantizes.
   auto values = [&](int row, int c, float(&x)[kUnroll][8]) {
@@ -266,6 +270,8 @@ __device__ __forceinline__ void ll_combine_send_rows_nvfp4(LlCombineParams const
     float const token_scale = quant::nvfp4_token_scale(row_amax);
     int const source = p.recv_src[2 * row];
     int const token = p.recv_src[2 * row + 1];
+    if constexpr (kMasking)
+      if (((live >> source) & 1u) == 0) continue;  // rank masking: masked since the dispatch (past the barrier)
     auto* const dst = reinterpret_cast<uint8_t*>(combine_row_at<kNet>(p, parity, source, token, row));
     // the forward route's rows for another node go to its rail as bf16
     bool const raw = kNet && p.forward && !same_node(p, source);
@@ -469,10 +475,20 @@ __device__ __forceinline__ bool ll_combine_rail(LlCombineParams const& p, Net co
   return true;
 }
 
-template <bool kExpertMajor, WireFormat kFormat, class Net>
+// Rank masking, the receive half's warp of token t's first chunk: counts its entries whose rank is masked now (y
+// misses their expert outputs), from the ranks the dispatch kept (LlMaskWords::entry_rank).
+__device__ __forceinline__ void count_combine_misses(LlCombineParams const& p, int t, int lane) {
+  uint32_t const live = live_ranks<true>(p);
+  int const d = lane < p.topk ? p.state->ll_mask.entry_rank[static_cast<std::size_t>(t) * p.topk + lane] : -1;
+  unsigned const n = __popc(__ballot_sync(0xffffffffu, d >= 0 && ((live >> d) & 1u) == 0));
+  if (lane == 0 && n != 0) count_masked_entries(p, detail::LlMaskLeg::combine, n);
+}
+
+template <bool kExpertMajor, WireFormat kFormat, bool kMasking, class Net>
 __device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, Net const& network,
                                                 uint64_t seq FERRY_TRACE_PARAM(trace)) {
   constexpr bool kNet = kAcrossNodes<Net>;
+  static_assert(!kMasking || !kNet, "rank masking is built on one node only");
   int const world = p.view.world;
   int const rank = p.view.rank;
   int const tid = static_cast<int>(threadIdx.x);
@@ -481,9 +497,9 @@ __device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, Net co
   FERRY_TRACE_BEGIN(trace, ll_combine_send);
   if (!p.abort) {
     if constexpr (kFormat == WireFormat::nvfp4)
-      ll_combine_send_rows_nvfp4<kExpertMajor, kNet>(p, parity);
+      ll_combine_send_rows_nvfp4<kExpertMajor, kNet, kMasking>(p, parity);
     else
-      ll_combine_send_chunks<kExpertMajor, kFormat, kNet>(p, parity);
+      ll_combine_send_chunks<kExpertMajor, kFormat, kNet, kMasking>(p, parity);
   }
   FERRY_TRACE_END(trace, ll_combine_send);
 
@@ -493,9 +509,10 @@ __device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, Net co
   FERRY_TRACE_BEGIN(trace, ll_combine_send_arrival);
   __syncthreads();
   uint32_t const near = kNet ? node_ranks(p) : 0xffffffffu;
+  uint32_t const live = live_ranks<kMasking>(p);  // rank masking: nothing to a masked rank
   if (p.abort && blockIdx.x == 0)
-    landing::publish_abort<!kNet>(p.net, p.layout.combine_abort, parity, world, rank, seq, near);
-  if (tid < world && (!kNet || ((near >> tid) & 1u) != 0))
+    landing::publish_abort<!kNet && !kMasking>(p.net, p.layout.combine_abort, parity, world, rank, seq, near & live);
+  if (tid < world && (!kNet || ((near >> tid) & 1u) != 0) && ((live >> tid) & 1u) != 0)
     p.net.add_signal(tid, p.layout.combine_arrivals + rank * sizeof(uint64_t), 1);
   if constexpr (kNet) {
     if (p.forward) {
@@ -510,7 +527,7 @@ __device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, Net co
   FERRY_TRACE_END(trace, ll_combine_send_arrival);
 }
 
-template <WireFormat kFormat, class Net>
+template <WireFormat kFormat, bool kMasking, class Net>
 __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net const& network,
                                                 uint64_t seq FERRY_TRACE_PARAM(trace)) {
   __shared__ int s_ok;
@@ -525,14 +542,15 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
   int const num_tokens = p.state->num_tokens;
   int const items = num_tokens * num_chunks;
   int const first_item = cta * kWarps + warp;
-  uint32_t const first_mask = first_item < items ? p.token_mask[first_item / num_chunks] : 0u;
+  uint32_t const live = live_ranks<kMasking>(p);  // rank masking: a masked rank is not waited for, its rows not summed
+  uint32_t const first_mask = first_item < items ? p.token_mask[first_item / num_chunks] & live : 0u;
 
   // 3. every rank's send CTAs of this call (thread d waits for rank d; acquire, bounded)
   FERRY_TRACE_BEGIN(trace, ll_combine_wait_arrivals);
   if (tid == 0) s_ok = 1;
   __syncthreads();
   uint64_t abort_seen = 0;  // CTA 0, thread d: rank d's abort word of this parity, checked after the sum
-  if (tid < world) {
+  if (tid < world && ((live >> tid) & 1u) != 0) {
     auto const* arrivals = reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.layout.combine_arrivals);
     uint64_t const per_call = static_cast<uint64_t>(p.num_ctas);
     uint64_t observed = 0;
@@ -586,7 +604,9 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
   for (int item = cta * kWarps + warp; item < items; item += p.num_ctas * kWarps) {
     int const token = item / num_chunks;
     int const v0 = (item % num_chunks) * kChunkVecs + lane;
-    uint32_t mask = item == first_item ? first_mask : p.token_mask[token];
+    uint32_t mask = item == first_item ? first_mask : p.token_mask[token] & live;
+    if constexpr (kMasking)
+      if (item % num_chunks == 0) count_combine_misses(p, token, lane);
     if constexpr (kAcrossNodes<Net>) {
       // the forward route: each other node's ranks of the token send one row, from that node's rail for this rank
       if (p.forward) {
@@ -633,15 +653,18 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
 
 // kFormat: the combine_format.
 // Net: OneNode, or the network to the ranks of other nodes (NetParams).
-template <bool kExpertMajor, WireFormat kFormat, bool kSend, bool kRecv, class Net = OneNode>
+// kMasking: rank masking (one node; ll_dispatch_kernel's rules): a rank masked since the dispatch gets no rows and
+// adds none to y, and the entries y misses are counted.
+template <bool kExpertMajor, WireFormat kFormat, bool kSend, bool kRecv, class Net = OneNode, bool kMasking = false>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(NetParams<LlCombineParams, Net> const p) {
   static_assert(kSend || kRecv, "an LL combine kernel runs at least one half");
   __shared__ uint64_t s_seq[2];
   next_sequences<kSend, kRecv>(p.state->combine_send_seq, p.state->combine_recv_seq, s_seq);
+  if (masked_out<kMasking>(p)) return;
   FERRY_TRACE_WARP(trace, p.trace);
   decltype(auto) network = network_of<Net>(p);
-  if constexpr (kSend) ll_combine_send<kExpertMajor, kFormat>(p, network, s_seq[0] FERRY_TRACE_ARG(trace));
-  if constexpr (kRecv) ll_combine_recv<kFormat>(p, network, s_seq[1] FERRY_TRACE_ARG(trace));
+  if constexpr (kSend) ll_combine_send<kExpertMajor, kFormat, kMasking>(p, network, s_seq[0] FERRY_TRACE_ARG(trace));
+  if constexpr (kRecv) ll_combine_recv<kFormat, kMasking>(p, network, s_seq[1] FERRY_TRACE_ARG(trace));
 }
 
 }  // namespace ferry::cuda_ll

@@ -384,10 +384,28 @@ __device__ __forceinline__ bool ll_dispatch_forward(LlDispatchParams const& p, N
   return true;
 }
 
-template <typename IdxT, WireFormat kFormat, int kUnitElems, class Net>
+// Rank masking, a token's entry on lane k < topk (warp-wide; dest and e as token_destination left them): an entry
+// whose expert's rank is masked goes nowhere, as an id of -1 (ref::without_ranks). With `first` (the token's chunk
+// 0) its entries are counted and their ranks kept for the combine's count (LlMaskWords::entry_rank).
+__device__ __forceinline__ int mask_destination(LlDispatchParams const& p, uint32_t live, int t, bool first, int lane,
+                                                int dest, int64_t& e) {
+  bool const gone = dest >= 0 && ((live >> dest) & 1u) == 0;
+  if (first) {
+    if (lane < p.topk)
+      p.state->ll_mask.entry_rank[static_cast<std::size_t>(t) * p.topk + lane] = static_cast<int8_t>(dest);
+    unsigned const n = __popc(__ballot_sync(0xffffffffu, gone));
+    if (lane == 0 && n != 0) count_masked_entries(p, detail::LlMaskLeg::dispatch, n);
+  }
+  if (!gone) return dest;
+  e = -1;
+  return -1;
+}
+
+template <typename IdxT, WireFormat kFormat, int kUnitElems, bool kMasking, class Net>
 __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Net const& network, ExpandShared& s,
                                                  int32_t* s_counts, uint64_t seq FERRY_TRACE_PARAM(trace)) {
   constexpr bool kNet = kAcrossNodes<Net>;
+  static_assert(!kMasking || !kNet, "rank masking is built on one node only");
   static_assert(sizeof(IdxT) == 4 || sizeof(IdxT) == 8, "topk_idx is int32 or int64");
   static_assert((kFormat == WireFormat::bf16) == (kUnitElems == 0), "bf16 rows are copied; quantized rows need a unit");
   __shared__ device::CtaRowMax<kWarps> s_amax;  // nvfp4: the chunks' amaxes of a step (nvfp4_chunk_token_scale)
@@ -405,7 +423,8 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Net 
   FERRY_TRACE_BEGIN(trace, ll_dispatch_send);
   //    (across nodes to this node's ranks; the network leg puts it to the others)
   uint32_t const near = kNet ? node_ranks(p) : 0xffffffffu;
-  if (cta == 0 && tid < world && (!kNet || ((near >> tid) & 1u) != 0)) {
+  uint32_t const live = live_ranks<kMasking>(p);  // rank masking: nothing to a masked rank
+  if (cta == 0 && tid < world && (!kNet || ((near >> tid) & 1u) != 0) && ((live >> tid) & 1u) != 0) {
     auto* word =
         reinterpret_cast<uint64_t volatile*>(p.net.window(tid) + p.layout.dispatch_tokens) + parity * world + rank;
     *word = static_cast<uint64_t>(p.num_tokens);
@@ -442,7 +461,8 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Net 
     int64_t e;
     float w;
     bool refused;
-    int const dest = landing::token_destination<IdxT>(routing, t, lane, chunk == 0, e, w, refused);
+    int dest = landing::token_destination<IdxT>(routing, t, lane, chunk == 0, e, w, refused);
+    if constexpr (kMasking) dest = mask_destination(p, live, t, chunk == 0, lane, dest, e);
     uint32_t const mask = __reduce_or_sync(0xffffffffu, dest >= 0 ? 1u << dest : 0u);
     std::size_t const slot = landing::slot_index(parity, world, rank, p.max_tokens, t);
     if (refused) s_refuse = 1;  // any lane: every writer writes 1
@@ -473,7 +493,7 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Net 
         if (p.forward) write_global_record(staged_record(rank), topk, e, w, lane);
       } else {
         landing::write_records(p.net, world, p.layout.dispatch_meta, slot, p.layout.meta_bytes, topk, num_local, dest,
-                               e, w, lane);
+                               e, w, lane, live);
       }
     }
 
@@ -504,8 +524,9 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Net 
   //    (one release per destination; no per-thread fence, which would drain each thread's NVLink stores)
   FERRY_TRACE_BEGIN(trace, ll_dispatch_send_arrival);
   __syncthreads();
-  if (s_refuse) landing::publish_abort<!kNet>(p.net, p.layout.dispatch_abort, parity, world, rank, seq, near);
-  if (tid < world && (!kNet || ((near >> tid) & 1u) != 0))
+  if (s_refuse)
+    landing::publish_abort<!kNet && !kMasking>(p.net, p.layout.dispatch_abort, parity, world, rank, seq, near & live);
+  if (tid < world && (!kNet || ((near >> tid) & 1u) != 0) && ((live >> tid) & 1u) != 0)
     p.net.add_signal(tid, p.layout.dispatch_arrivals + rank * sizeof(uint64_t), 1);
   if constexpr (kNet) {
     if (p.forward)
@@ -527,9 +548,10 @@ struct NetworkSources {
   __device__ __forceinline__ bool wait(int s, uint64_t least) const {
     return wait_network(p, network, counters, s, least, phase);
   }
+  __device__ __forceinline__ bool skip(int) const { return false; }
 };
 
-template <WireFormat kFormat, class Net>
+template <WireFormat kFormat, bool kMasking, class Net>
 __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Net const& network, ExpandShared& s,
                                                  int32_t* s_counts, uint64_t seq FERRY_TRACE_PARAM(trace)) {
   __shared__ int32_t s_base[kMaxLocalPeers + 1];  // first rank-major landing row of each source
@@ -579,6 +601,8 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Net 
       num_landed = wait(landing::NoRemoteSources{});
     else
       num_landed = wait(NetworkSources<Net>{p, network, p.layout.dispatch_arrivals, WaitPhase::ll_dispatch});
+  } else if constexpr (kMasking) {
+    num_landed = wait(landing::LiveSources{{}, live_ranks<kMasking>(p)});  // a masked source: no wait, no rows
   } else {
     num_landed = wait(landing::NoRemoteSources{});
   }
@@ -731,19 +755,25 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Net 
 
 // kSend / kRecv: which halves this instance runs (both: the one-kernel leg; one: the hook's halves). kFormat: the
 // dispatch_format; kUnitElems: the send's codec unit (device::unit_elems_for; 0 for bf16).
-// Net: OneNode, or the network to the ranks of other nodes (NetParams).
-template <typename IdxT, WireFormat kFormat, int kUnitElems, bool kSend, bool kRecv, class Net = OneNode>
+// Net: OneNode, or the network to the ranks of other nodes (NetParams). kMasking: rank masking (one node; the
+// agreement before this kernel set the mask): no record, row, count or arrival to a masked rank, no wait for one, and
+// a masked rank's own kernel returns at once.
+template <typename IdxT, WireFormat kFormat, int kUnitElems, bool kSend, bool kRecv, class Net = OneNode,
+          bool kMasking = false>
 __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(NetParams<LlDispatchParams, Net> const p) {
   static_assert(kSend || kRecv, "an LL dispatch kernel runs at least one half");
   __shared__ uint64_t s_seq[2];
   __shared__ ExpandShared s_expand;
   extern __shared__ int32_t s_counts[];  // [2][num_local_experts] (expand_smem_bytes)
   next_sequences<kSend, kRecv>(p.state->dispatch_send_seq, p.state->dispatch_recv_seq, s_seq);
+  if (masked_out<kMasking>(p)) return;
   FERRY_TRACE_WARP(trace, p.trace);
   decltype(auto) network = network_of<Net>(p);
   if constexpr (kSend)
-    ll_dispatch_send<IdxT, kFormat, kUnitElems>(p, network, s_expand, s_counts, s_seq[0] FERRY_TRACE_ARG(trace));
-  if constexpr (kRecv) ll_dispatch_recv<kFormat>(p, network, s_expand, s_counts, s_seq[1] FERRY_TRACE_ARG(trace));
+    ll_dispatch_send<IdxT, kFormat, kUnitElems, kMasking>(p, network, s_expand, s_counts,
+                                                          s_seq[0] FERRY_TRACE_ARG(trace));
+  if constexpr (kRecv)
+    ll_dispatch_recv<kFormat, kMasking>(p, network, s_expand, s_counts, s_seq[1] FERRY_TRACE_ARG(trace));
 }
 
 }  // namespace ferry::cuda_ll

@@ -1,6 +1,7 @@
 // The template instances of the low-latency legs (instances.cuh's scheme), for each network to the ranks of other
-// nodes: OneNode (ll_dispatch.cu, ll_combine.cu) and Emulated / Gin (ll_dispatch_net.cu, ll_combine_net.cu, compiled
-// apart so that the builds run side by side). Included by those launchers only.
+// nodes: OneNode (ll_dispatch.cu, ll_combine.cu) and Emulated / Gin (ll_dispatch_net.cu, ll_combine_net.cu), and with
+// rank masking (kMasking, one node: ll_masked.cu), each compiled apart so that the builds run side by side. Included
+// by those launchers only.
 #pragma once
 
 #include <cstdint>
@@ -16,7 +17,7 @@ namespace ferry::cuda_ep {
 
 // The dispatch family: codec x halves x index type. The receive half reads no ids and runs no codec, so every index
 // type and unit of a format shares its one instance.
-template <class Net>
+template <class Net, bool kMasking = false>
 struct LlDispatchFamily : InstanceFamily<void (*)(cuda_ll::NetParams<cuda_ll::LlDispatchParams, Net>), 6, true> {
   using Kernel = void (*)(cuda_ll::NetParams<cuda_ll::LlDispatchParams, Net>);
   static constexpr char const* kName = "low-latency dispatch";
@@ -31,14 +32,14 @@ struct LlDispatchFamily : InstanceFamily<void (*)(cuda_ll::NetParams<cuda_ll::Ll
     using IdxT = std::conditional_t<kVariant % 2 == 1, int64_t, int32_t>;
     constexpr int kRecvUnit = device::unit_elems_for(codec.format, 0);
     if constexpr (half == Half::recv)
-      return cuda_ll::ll_dispatch_kernel<int64_t, codec.format, kRecvUnit, false, true, Net>;
-    return cuda_ll::ll_dispatch_kernel<IdxT, codec.format, codec.unit, true, half == Half::both, Net>;
+      return cuda_ll::ll_dispatch_kernel<int64_t, codec.format, kRecvUnit, false, true, Net, kMasking>;
+    return cuda_ll::ll_dispatch_kernel<IdxT, codec.format, codec.unit, true, half == Half::both, Net, kMasking>;
   }
 };
 
 // The combine family: codec x halves x layout. The kernels take no codec unit (a work item is a chunk of whole scale
 // blocks), and the receive half reads no expert outputs: one instance per format for it.
-template <class Net>
+template <class Net, bool kMasking = false>
 struct LlCombineFamily : InstanceFamily<void (*)(cuda_ll::NetParams<cuda_ll::LlCombineParams, Net>), 6, false> {
   using Kernel = void (*)(cuda_ll::NetParams<cuda_ll::LlCombineParams, Net>);
   static constexpr char const* kName = "low-latency combine";
@@ -50,8 +51,8 @@ struct LlCombineFamily : InstanceFamily<void (*)(cuda_ll::NetParams<cuda_ll::LlC
   static constexpr Kernel kernel() {
     constexpr WireFormat format = kCodecs[kCodec].format;
     constexpr Half half = static_cast<Half>(kVariant / 2);
-    if constexpr (half == Half::recv) return cuda_ll::ll_combine_kernel<true, format, false, true, Net>;
-    return cuda_ll::ll_combine_kernel<kVariant % 2 == 1, format, true, half == Half::both, Net>;
+    if constexpr (half == Half::recv) return cuda_ll::ll_combine_kernel<true, format, false, true, Net, kMasking>;
+    return cuda_ll::ll_combine_kernel<kVariant % 2 == 1, format, true, half == Half::both, Net, kMasking>;
   }
 };
 

@@ -151,6 +151,32 @@ __device__ __forceinline__ bool wait_network(LlParams const& p, Net const& netwo
   return ep.wait(p.view, counters + static_cast<std::size_t>(s) * sizeof(uint64_t), least, s, phase);
 }
 
+// Rank masking (EpConfig::rank_masking; ll_mask.cuh runs the agreement at each leg's entry, before its kernel): what
+// the masked instances (kMasking) read of it. Without masking every rank is live and nothing is read.
+template <bool kMasking>
+__device__ __forceinline__ uint32_t live_ranks(KernelParams const& p) {
+  if constexpr (kMasking)
+    return ~p.state->ll_mask.masked;
+  else
+    return 0xffffffffu;
+}
+// This rank is masked: a masked instance returns at once (no row, no wait, no arrival; its peers skip it alike).
+template <bool kMasking>
+__device__ __forceinline__ bool masked_out(KernelParams const& p) {
+  if constexpr (kMasking)
+    return p.state->ll_mask.self != 0;
+  else
+    return false;
+}
+// Adds n entries of this rank's tokens whose expert's rank is masked to a leg's counts (this call's, and since the
+// buffer was made or cleared). One thread per warp, only when n > 0: off the path of a call that masks nothing.
+__device__ __forceinline__ void count_masked_entries(KernelParams const& p, detail::LlMaskLeg leg, unsigned n) {
+  detail::LlMaskWords& m = p.state->ll_mask;
+  bool const dispatch = leg == detail::LlMaskLeg::dispatch;
+  atomicAdd(dispatch ? &m.last_dispatch_entries : &m.last_combine_entries, static_cast<unsigned long long>(n));
+  atomicAdd(dispatch ? &m.dispatch_entries : &m.combine_entries, static_cast<unsigned long long>(n));
+}
+
 using device::bf16x8_to_float;
 using device::float_to_bf16x8;
 

@@ -9,6 +9,7 @@
 
 #include "comm/transport/lsa.cuh"
 #include "ep/combine_tiles.hpp"
+#include "ep/ll_mask_words.hpp"
 #include "ferry/device_view.hpp"
 #include "ferry/wire_format.hpp"
 #include "trace/trace_format.hpp"
@@ -74,6 +75,9 @@ struct DeviceState {
   // moves them) and the last finished call's.
   unsigned long long hier_bytes_running[2][3];
   unsigned long long hier_bytes[2][3];
+  // Low-latency mode with rank masking (EpConfig::rank_masking; ll_mask.cuh): the mask and its counts (last: the
+  // kernels without masking never read it, and every word above keeps its place).
+  detail::LlMaskWords ll_mask;
 };
 
 // The words of DeviceState a normal-mode combine (and expand) reads of its dispatch, in their order there: what a

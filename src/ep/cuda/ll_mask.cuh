@@ -1,0 +1,182 @@
+// Rank masking in low-latency mode (EpConfig::rank_masking; docs/internode.md "Rank masking"): the agreement that
+// opens every call of a leg, a kernel of one warp launched on the leg's stream before the leg's kernel (its send half
+// with the hook), so a captured graph replays it with the mask of the moment. Lane s speaks for rank s.
+//  1. arrival: (epoch << 32 | this rank's request) into this rank's arrive word on every live rank (release);
+//  2. wait for the live ranks' arrivals of this epoch, all lanes against one deadline, FERRY_TIMEOUT_S from the
+//     kernel's start: the ranks seen are this rank's view. A word of a later epoch means that rank is past this
+//     agreement without this rank: this rank is masked;
+//  3. verdict: (epoch << 32 | view) into this rank's verdict word of the epoch's parity on every live rank (release;
+//     a rank it did not see reads it when it comes);
+//  4. wait for the verdicts of the ranks it saw (they arrived, so they answer; one that does not within
+//     FERRY_TIMEOUT_S died inside the agreement: a timeout, recorded, which fails the communicator);
+//  5. the ranks of the call are the intersection of those verdicts: the views are nested (each holds every rank that
+//     arrived before its own deadline), so every rank computes the same set, the view of the first to arrive. The
+//     requests of the ranks in it are applied too (their union). A rank left out, or asked for, is masked on every
+//     rank; this rank, when it is one of them, records why (LlMaskWords::self, and the host's word) and its leg
+//     kernels return at once from then on.
+// Parities: a rank one epoch ahead writes the other verdict slot; two ahead only past an agreement that left this
+// rank out (it would have waited for this rank's verdict), which step 2 or 4 then sees as a later epoch.
+#pragma once
+
+#include <cstdint>
+
+#include "comm/device/signal.cuh"
+#include "comm/transport/lsa.cuh"
+#include "ep/cuda/params.cuh"
+#include "ep/ll_mask_words.hpp"
+#include "ferry/device_view.hpp"
+
+namespace ferry::cuda_ll {
+
+using detail::LlMaskLeg;
+using detail::LlMaskSelf;
+
+struct LlAgreementParams {
+  DeviceView view;
+  transport::Lsa net;
+  std::size_t arrive;  // the area's offsets in every rank's region (cuda_ep::ll_mask_area)
+  std::size_t verdict;
+  cuda_ep::DeviceState* state;
+  detail::LlMaskHost* host;  // mapped: the request (host), this rank's LlMaskSelf (written here when it is masked)
+  LlMaskLeg leg;
+  uint64_t const* send_seq;  // the leg's per-CTA sequence words (CTA 0's): the call this agreement opens is +1
+};
+
+inline constexpr int kAgreementThreads = 32;
+
+// Lane s (s in `want`) waits until the epoch of its word reaches `epoch`, until start_ns + the bound. Returns
+// whether it did, with the word in *word.
+__device__ __forceinline__ bool wait_epoch(uint64_t const* at, uint64_t epoch, uint64_t start_ns, uint64_t bound_ns,
+                                           uint64_t* word) {
+  while (true) {
+    *word = device::arch::load_acquire_sys_u64(at);
+    if ((*word >> 32) >= epoch) return true;
+    if (device::arch::global_timer_ns() - start_ns > bound_ns) return false;
+  }
+}
+
+// This rank learned that it is masked: why, at which call, what it saw; the host's word last (after a system fence,
+// so a host that sees it reads the rest after a sync).
+__device__ __forceinline__ void mask_self(LlAgreementParams const& p, LlMaskSelf why, uint64_t epoch, uint32_t view,
+                                          uint32_t lost, int by) {
+  detail::LlMaskWords& m = p.state->ll_mask;
+  m.epoch = epoch;
+  m.self = static_cast<uint32_t>(why);
+  m.self_epoch = epoch;
+  m.self_call = p.send_seq[0] + 1;
+  m.self_leg = static_cast<uint32_t>(p.leg);
+  m.self_view = view;
+  m.self_lost = lost;
+  m.self_by = by;
+  __threadfence_system();
+  *reinterpret_cast<uint32_t volatile*>(&p.host->self) = static_cast<uint32_t>(why);
+}
+
+__global__ void __launch_bounds__(kAgreementThreads, 1) ll_agreement_kernel(LlAgreementParams const p) {
+  int const lane = static_cast<int>(threadIdx.x);
+  int const world = p.view.world;
+  int const rank = p.view.rank;
+  detail::LlMaskWords& m = p.state->ll_mask;
+  if (m.self != 0) return;  // masked already: nothing to agree on (the leg's kernel returns too)
+  uint64_t const start = device::arch::global_timer_ns();
+  uint64_t const epoch = m.epoch + 1;
+  uint32_t const all = world >= 32 ? 0xffffffffu : (1u << world) - 1u;
+  uint32_t const live = all & ~m.masked;
+  uint32_t const mine = 1u << rank;
+  uint32_t const request = __shfl_sync(0xffffffffu, *reinterpret_cast<uint32_t const volatile*>(&p.host->request), 0);
+  bool const peer = lane < world && ((live >> lane) & 1u) != 0;
+  std::size_t const parity = static_cast<std::size_t>(epoch & 1) * world;
+
+  // 1. arrival (release: the leg's rows come after the verdicts, which order them)
+  if (peer)
+    device::signal_set(reinterpret_cast<uint64_t*>(p.net.window(lane) + p.arrive) + rank, epoch << 32 | request);
+  // 2. the live ranks' arrivals, one deadline for all
+  uint64_t arrival = 0;
+  bool const seen = peer && wait_epoch(reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.arrive) + lane, epoch,
+                                       start, p.view.timeout_ns, &arrival);
+  uint32_t const present = __ballot_sync(0xffffffffu, seen);
+  uint32_t const ahead = __ballot_sync(0xffffffffu, seen && (arrival >> 32) > epoch);
+  if (ahead != 0) {
+    if (lane == 0) mask_self(p, LlMaskSelf::ahead, epoch, (all & ~live) | mine, 0, __ffs(ahead) - 1);
+    return;
+  }
+  // 3. verdict
+  if (peer)
+    device::signal_set(reinterpret_cast<uint64_t*>(p.net.window(lane) + p.verdict) + parity + rank,
+                       epoch << 32 | present);
+  // 4. the verdicts of the ranks seen (bounded; a rank silent here died inside the agreement)
+  uint64_t verdict = 0;
+  bool const heard = ((present >> lane) & 1u) != 0 &&
+                     wait_epoch(reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.verdict) + parity + lane,
+                                epoch, device::arch::global_timer_ns(), p.view.timeout_ns, &verdict);
+  uint32_t const silent = present & ~__ballot_sync(0xffffffffu, heard);
+  if (silent != 0) {
+    if (((silent >> lane) & 1u) != 0)
+      device::record_timeout(p.view, lane,
+                             p.leg == LlMaskLeg::dispatch ? WaitPhase::ll_dispatch : WaitPhase::ll_combine, epoch << 32,
+                             verdict);
+    if (lane == 0) m.epoch = epoch;
+    return;
+  }
+  uint32_t const later = __ballot_sync(0xffffffffu, heard && (verdict >> 32) > epoch);
+  if (later != 0) {
+    if (lane == 0) mask_self(p, LlMaskSelf::ahead, epoch, (all & ~live) | mine, 0, __ffs(later) - 1);
+    return;
+  }
+  // 5. the ranks of the call, and the requests of those ranks
+  uint32_t const agreed = present & __reduce_and_sync(0xffffffffu, heard ? static_cast<uint32_t>(verdict) : all);
+  uint32_t const asked =
+      __reduce_or_sync(0xffffffffu, ((agreed >> lane) & 1u) != 0 ? static_cast<uint32_t>(arrival) : 0u) & agreed;
+  uint32_t const lost = live & ~agreed;
+  if (lane != 0) return;
+  if ((lost & mine) != 0) {
+    mask_self(p, LlMaskSelf::timeout, epoch, (all & ~agreed) | mine, lost, -1);
+  } else if ((asked & mine) != 0) {
+    mask_self(p, LlMaskSelf::asked, epoch, (all & ~live) | lost | asked, asked, -1);
+  } else {
+    m.epoch = epoch;
+    m.masked |= lost | asked;
+    if (p.leg == LlMaskLeg::dispatch)
+      m.last_dispatch_entries = 0;
+    else
+      m.last_combine_entries = 0;
+  }
+}
+
+// clear_mask (every rank, its stream idle, before a barrier of the whole world): the counters of both legs and the
+// agreements put where every rank now starts (the largest of everyone's), the arrival counters of this rank's region
+// with them (a counter holds num_ctas per call of its source), and the mask and its counts gone.
+struct LlMaskResetParams {
+  cuda_ep::DeviceState* state;
+  uint64_t* dispatch_arrivals;  // this rank's region: [world]
+  uint64_t* combine_arrivals;
+  detail::LlMaskHost* host;
+  int world;
+  int num_ctas;
+  detail::LlCallCounters to;
+};
+
+__global__ void __launch_bounds__(cuda_ep::kMaxLlCtas, 1) ll_mask_reset_kernel(LlMaskResetParams const p) {
+  int const tid = static_cast<int>(threadIdx.x);
+  cuda_ep::DeviceState& s = *p.state;
+  s.dispatch_send_seq[tid] = p.to.dispatch_seq;
+  s.dispatch_recv_seq[tid] = p.to.dispatch_seq;
+  s.combine_send_seq[tid] = p.to.combine_seq;
+  s.combine_recv_seq[tid] = p.to.combine_seq;
+  uint64_t const per_call = static_cast<uint64_t>(p.num_ctas);
+  if (tid < p.world) {
+    p.dispatch_arrivals[tid] = p.to.dispatch_seq * per_call;
+    p.combine_arrivals[tid] = p.to.combine_seq * per_call;
+  }
+  if (tid == 0) {
+    int8_t* const entry_rank = s.ll_mask.entry_rank;
+    s.ll_mask = detail::LlMaskWords{};
+    s.ll_mask.entry_rank = entry_rank;
+    s.ll_mask.epoch = p.to.epoch;
+    s.num_tokens = 0;  // the dispatch before the clear is forgotten (dispatch again before a combine)
+    p.host->request = 0;
+    p.host->self = 0;
+  }
+}
+
+}  // namespace ferry::cuda_ll
