@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <initializer_list>
 #include <numeric>
 
 #include "ferry/error.hpp"
@@ -131,34 +132,28 @@ Traffic count_traffic(EpConfig const& config, Topology const& topology, RoutingO
         int const rail = n * topology.local + local;
         int const forwards = hits - hit[rail];
         // the cuda forward route: a record to the rail for every remote node, the row where the node holds it;
-        // the rail's records to the node's other ranks and rows to its other holding ranks over NVLink; back, the
-        // holding ranks' bf16 rows to the rail and one row from the rail
+        // the rail's records to the node's other ranks and rows to its other holding ranks over NVLink
         llf_d.network[r] += ll_record + (hits > 0 ? ll_row : 0.0);
         llf_d.messages[r] += hits > 0 ? 2 : 1;
         llf_d.network_rows[r] += hits > 0 ? 1 : 0;
         llf_d.nvlink[rail] += (topology.local - 1) * ll_record + forwards * ll_row;
         if (hits == 0) continue;
-        for (int l = 0; l < topology.local; ++l) {
-          int const d = n * topology.local + l;
-          if (hit[d] && d != rail) llf_c.nvlink[d] += brow;
-        }
-        llf_c.network[rail] += crow;
-        llf_c.messages[rail] += 1;
-        llf_c.network_rows[rail] += 1;
         remote_nodes += 1;
         hier_d.network[r] += drow;
         hier_d.messages[r] += 1;
         hier_d.network_rows[r] += 1;
         hier_d.nvlink[rail] += forwards * drow;
-        // combine: the node's other ranks send their bf16 rows to the rail, which reduces them in fp32 and sends
-        // one row back in combine_format
-        for (int l = 0; l < topology.local; ++l) {
-          int const d = n * topology.local + l;
-          if (hit[d] && d != rail) hier_c.nvlink[d] += brow;
+        // combine, hierarchical and the cuda forward route alike: the node's other holding ranks send their bf16
+        // rows to the rail, which reduces them in fp32 and sends one row back in combine_format
+        for (Sent* combine : {&hier_c, &llf_c}) {
+          for (int l = 0; l < topology.local; ++l) {
+            int const d = n * topology.local + l;
+            if (hit[d] && d != rail) combine->nvlink[d] += brow;
+          }
+          combine->network[rail] += crow;
+          combine->messages[rail] += 1;
+          combine->network_rows[rail] += 1;
         }
-        hier_c.network[rail] += crow;
-        hier_c.messages[rail] += 1;
-        hier_c.network_rows[rail] += 1;
       }
     }
   }
