@@ -26,7 +26,7 @@
 #include <vector>
 
 #if FERRY_HAVE_CUDA
-#include <cuda_runtime_api.h>
+#include "core/cuda_check.hpp"
 #endif
 
 #include "core/launcher.hpp"
@@ -1279,10 +1279,9 @@ class PyEpBuffer {
         if (owner_.placement_.backend() == Backend::cuda) {
 #if FERRY_HAVE_CUDA
           nb::gil_scoped_release release;
-          check_cuda(
-              cudaMemcpyAsync(values.data(), src, values.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_),
-              "cudaMemcpyAsync (expert counts to the host)");
-          check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+          FERRY_CHECK_CUDA(
+              cudaMemcpyAsync(values.data(), src, values.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+          FERRY_CHECK_CUDA(cudaStreamSynchronize(stream_));
 #endif
         } else {
           std::memcpy(values.data(), src, values.size() * sizeof(int32_t));
@@ -1302,8 +1301,7 @@ class PyEpBuffer {
       if (bytes == 0) return;
       if (owner_.placement_.backend() == Backend::cuda) {
 #if FERRY_HAVE_CUDA
-        check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_),
-                   "cudaMemcpyAsync (a dispatch output into its fresh tensor)");
+        FERRY_CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
 #endif
         return;
       }
@@ -1315,14 +1313,6 @@ class PyEpBuffer {
         std::memcpy(dst, src, bytes);
       }
     }
-
-#if FERRY_HAVE_CUDA
-    static void check_cuda(cudaError_t error, char const* what) {
-      if (error != cudaSuccess)
-        FERRY_THROW(CudaError, "cuda", what, " failed: ", cudaGetErrorName(error), " (", cudaGetErrorString(error),
-                    ")");
-    }
-#endif
 
     PyEpBuffer& owner_;
     cudaStream_t stream_;
