@@ -440,10 +440,8 @@ class Buffer:
         """Normal-mode dispatch. Returns (recv_x or (recv_x, recv_x_scales), recv_topk_idx, recv_topk_weights,
         num_recv_tokens_per_expert_list, handle, event) as DeepEP: rows ordered by (source rank, source token);
         recv_topk_idx int64 local expert ids (-1 elsewhere), recv_topk_weights float32 (0 where -1)."""
-        if config is not None:
-            self._check_config(config)
-        if allocate_on_comm_stream:
-            self._check_stream_args(previous_event, allocate_on_comm_stream)
+        self._check_config(config)
+        self._check_stream_args(previous_event, allocate_on_comm_stream)
         if num_tokens_per_rdma_rank is not None:
             _refuse("num_tokens_per_rdma_rank", "this layer runs within one node (get_dispatch_layout returns None "
                     "for it)", "pass None")
@@ -473,12 +471,11 @@ class Buffer:
             if num_worst_tokens or expert_alignment != 1:
                 raise ferry.InputError("ferry.deep_ep: dispatch(handle=...) takes the num_worst_tokens and "
                                        "expert_alignment of the handle's dispatch; leave them at their defaults")
-            if previous_event is not None:
-                previous_event.current_stream_wait()
+            self._wait_previous(previous_event)
             buf = handle.pool.buffers[handle.slot]
             recv_x, recv_scales = buf._dispatch_owned(x, None, None, x_scales, not handle.lazy, False,
                                                       handle.ferry_handle, False)[:2]
-            event = EventOverlap(EventHandle(), (x,)) if async_finish else EventOverlap(None)
+            event = self._event(async_finish, (x,))
             return (recv_x, recv_scales) if fp8 else recv_x, None, None, None, None, event
         if topk_idx is None or topk_weights is None:
             _refuse("dispatch without topk_idx / topk_weights (routing by is_token_in_rank alone)",
@@ -502,8 +499,7 @@ class Buffer:
             _refuse(f"dispatch of {num_tokens} tokens with num_nvl_bytes={self.num_nvl_bytes}",
                     f"that budget holds {pool.max_tokens} tokens per rank at hidden={hidden}, topk={topk}",
                     f"create the Buffer with num_nvl_bytes >= {need}")
-        if previous_event is not None:
-            previous_event.current_stream_wait()
+        self._wait_previous(previous_event)
         slot = pool.take()
         lazy = num_worst_tokens > 0
         if topk_weights.dtype != torch.float32:
@@ -523,7 +519,7 @@ class Buffer:
             counts = []
         elif expert_alignment != 1:
             counts = [-(-c // expert_alignment) * expert_alignment for c in counts]
-        event = EventOverlap(EventHandle(), (x,)) if async_finish else EventOverlap(None)
+        event = self._event(async_finish, (x,))
         return (recv_x, recv_scales) if fp8 else recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event
 
     def combine(self, x: torch.Tensor, handle, topk_weights: Optional[torch.Tensor] = None,
@@ -536,10 +532,8 @@ class Buffer:
         fp32 sum of each token's topk_weights rows over the ranks it went to, in ascending rank order (DeepEP's
         intranode combine), bit for bit. Returns (combined_x [T, hidden] bf16, combined_topk_weights or None,
         event)."""
-        if config is not None:
-            self._check_config(config)
-        if allocate_on_comm_stream:
-            self._check_stream_args(previous_event, allocate_on_comm_stream)
+        self._check_config(config)
+        self._check_stream_args(previous_event, allocate_on_comm_stream)
         if bias is not None:
             _refuse("combine(bias=...)", "Ferry's combine fuses no bias (adding it afterwards rounds twice, which "
                     "DeepEP does not)", "add the bias to combined_x yourself")
@@ -556,14 +550,11 @@ class Buffer:
             if topk_weights.device != x.device:
                 raise ferry.InputError(f"ferry.deep_ep: combine(topk_weights=...) is on {topk_weights.device}, x on "
                                        f"{x.device}; pass both on the same device")
-        if previous_event is not None:
-            previous_event.current_stream_wait()
+        self._wait_previous(previous_event)
         y = pool.buffers[handle.slot].combine(x, "rank", eager=False, handle=handle.ferry_handle)
         combined_w = None
         if topk_weights is not None:
             combined_w = self._combine_weights(pool, handle, topk_weights)
-        if not async_finish:
-            return y, combined_w, EventOverlap(None)
         return y, combined_w, self._event(async_finish, (x, y) if combined_w is None else (x, y, combined_w))
 
     def _combine_weights(self, pool: _Pool, handle: _DispatchHandle, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -731,7 +722,7 @@ class Buffer:
         elif fmt == "fp8_round" or cumulative_local_expert_recv_stats is not None:
             finish()
         recv_x = (got.expert_x, scales) if use_fp8 else got.expert_x
-        event = EventOverlap(EventHandle(), (x, topk_idx)) if async_finish else EventOverlap(None)
+        event = self._event(async_finish, (x, topk_idx))
         return recv_x, got.expert_counts, handle, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
@@ -790,7 +781,7 @@ class Buffer:
                 reduce()
         else:
             reduce()
-        event = EventOverlap(EventHandle(), (x, topk_idx, topk_weights, out)) if async_finish else EventOverlap(None)
+        event = self._event(async_finish, (x, topk_idx, topk_weights, out))
         return out, event, hook
 
 
