@@ -68,4 +68,14 @@ ProtocolChoice choose_protocol(EpConfig const& config, int world, std::string co
   return {landing.use ? Protocol::landing : Protocol::push, std::move(landing.why), landing.fallback};
 }
 
+EpConfig cuda_route_for_masking(EpConfig config, Topology const& topology) {
+  if (!config.rank_masking || topology.nodes <= 1 || config.mode != Mode::low_latency) return config;
+  FERRY_CHECK_CONFIG(config.internode_route != InternodeRoute::forward,
+                     "rank_masking=true with internode_route=forward across nodes (topology ", topology_name(topology),
+                     "): the cuda backend masks ranks across nodes on the direct route only (the forward route's rail "
+                     "replacement is built on the cpu backend); use internode_route=direct or automatic");
+  config.internode_route = InternodeRoute::direct;
+  return config;
+}
+
 }  // namespace ferry::detail

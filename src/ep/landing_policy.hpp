@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 
+#include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
 
 namespace ferry::detail {
@@ -50,6 +51,13 @@ struct ProtocolChoice {
 // of FERRY_NORMAL_LANDING).
 // nodes > 1 (normal mode): the hierarchical protocol, whatever the pin.
 ProtocolChoice choose_protocol(EpConfig const& config, int world, std::string const& landing_pin, int nodes = 1);
+
+// Rank masking across nodes on the cuda backend runs low-latency mode's direct route: the forward route's rail
+// replacement (a masked rail's node reached through another rank of it, docs/internode.md) is built on the cpu
+// backend only. Returns `config` with an automatic route resolved to direct when rank_masking is on across nodes
+// (topology.nodes > 1); an explicit forward route there is a ConfigError. Anything else comes back unchanged. The same
+// on every rank (the config and the topology agree).
+EpConfig cuda_route_for_masking(EpConfig config, Topology const& topology);
 
 // Dynamic shared memory of the landing receiver for a config.
 std::size_t landing_smem_bytes(EpConfig const& config, int world);

@@ -27,6 +27,7 @@
 #include "ferry/wire_format.hpp"
 #include "support/gpu_case.hpp"
 #include "support/ll_check.hpp"
+#include "support/ll_nodes.hpp"
 #include "support/virtual_ranks.hpp"
 #include "workloads/routing.hpp"
 
@@ -71,21 +72,6 @@ Spec parse_spec(std::vector<std::string> words) {
   s.delay_ns = static_cast<uint32_t>(args.integer("delay_ns", static_cast<int>(s.delay_ns)));
   s.route = parse_internode_route(args.text("route", "direct"));
   return s;
-}
-
-// A rank's buffers (what CudaEp sets up); across nodes also the emulated network over every rank's region, after
-// which the rank loses the load/store windows of the other nodes' ranks: a kernel that stores into one faults.
-void allocate_ll(Buffers& b) {
-  bool const across = b.layout.nodes > 1;
-  if (across) {
-    for (int r = 0; r < b.world; ++r) b.network.windows[r] = b.sym.ptr[r];
-    b.network.rank = b.rank;
-    b.network.world = b.world;
-  }
-  cuda_ep::allocate_buffers(b);
-  if (across)
-    for (int r = 0; r < b.world; ++r)
-      if (r / b.layout.local != b.rank / b.layout.local) b.sym.ptr[r] = nullptr;
 }
 
 // `world` ranks of one LL EpBuffer on the current GPU: what CudaEp sets up per rank.
@@ -135,13 +121,7 @@ void run_virtual(Spec const& spec, int num_ctas) {
         b.num_ctas = num_ctas;
         b.own_direct = spec.own_direct;
         b.layout = layout;
-        if (nodes > 1) {
-          b.topology = spec.topology;
-          b.network_kind = transport::Kind::emulated;
-          b.network.seed = spec.seed ^ static_cast<uint64_t>(r);
-          b.network.max_delay_ns = spec.delay_ns;
-          b.network.reorder = 1;
-        }
+        set_emulated_nodes(b, spec.topology, spec.seed, r, spec.delay_ns);
       },
       spec.timeout_s());
   std::vector<VirtualRankIo> io;

@@ -4,8 +4,10 @@
 // the hook) every rank holds exactly `calls` waits per source and leg, every peer's count is non-zero, one source
 // held back by a spin kernel before its dispatch is the longest wait of every other rank, the results stay exact, and
 // with the pointer off (null, EpConfig::wait_stats false) nothing is recorded. Rank masking (docs/internode.md, "Rank
-// masking"; one node): a rank that never arrives at worlds 2, 4, 8 (and with fp8), a rank asked out, a rank lost at
-// the combine; each with the hook, a replayed graph and clear_mask where it applies, every row against
+// masking"): a rank that never arrives at worlds 2, 4, 8 (and with fp8), a rank asked out, a rank lost at the
+// combine; across emulated nodes (2x1, 2x2, 2x4, 4x2: the direct route, the agreement's words to other nodes through
+// the network, seeded delays and reordering) a rank and a whole node that never arrive, and a rank of another node
+// asked out; each with the hook, a replayed graph and clear_mask where it applies, every row against
 // ref::without_ranks.
 #include <gtest/gtest.h>
 
@@ -20,11 +22,13 @@
 #include "ep/cuda/buffers.hpp"
 #include "ep/cuda/wait_stats.cuh"
 #include "ep/ep_impl.hpp"
+#include "ep/landing_policy.hpp"
 #include "ep/ll_mask_words.hpp"
 #include "ep/reference.hpp"
 #include "ferry/ep.hpp"
 #include "support/gpu_case.hpp"
 #include "support/ll_check.hpp"
+#include "support/ll_nodes.hpp"
 #include "support/virtual_ranks.hpp"
 #include "workloads/routing.hpp"
 
@@ -33,7 +37,7 @@ namespace {
 
 using cuda_ep::Buffers;
 using cuda_ep::Half;
-using VirtualLlRanks = VirtualRanks<Buffers, cuda_ep::allocate_buffers, cuda_ep::free_buffers>;
+using VirtualLlRanks = VirtualRanks<Buffers, allocate_ll, cuda_ep::free_buffers>;
 
 // Holds a stream for `ns` of %globaltimer: a source that comes late to its dispatch.
 __global__ void spin_for(uint64_t ns) {
@@ -48,7 +52,9 @@ std::vector<wait_stats::Slot> read_stats(Buffers const& b) {
   return out;
 }
 
-EpConfig ll_config(int world, bool stats, bool masking = false, WireFormat format = WireFormat::bf16) {
+// topology: across nodes (nodes > 1) the route CudaEp runs with masking (cuda_route_for_masking: direct).
+EpConfig ll_config(int world, bool stats, bool masking = false, WireFormat format = WireFormat::bf16,
+                   Topology topology = {1, 0}) {
   EpConfig user;
   user.mode = Mode::low_latency;
   user.hidden = 2048;
@@ -59,28 +65,34 @@ EpConfig ll_config(int world, bool stats, bool masking = false, WireFormat forma
   user.rank_masking = masking;
   user.dispatch_format = format;
   user.validate(world);
-  return user.resolved(world);
+  return detail::cuda_route_for_masking(user, topology).resolved(world);
 }
 
-// One world of virtual ranks in low-latency mode: every rank's buffers, its inputs and the legs' arguments.
+// One world of virtual ranks in low-latency mode: every rank's buffers, its inputs and the legs' arguments. Across
+// nodes (topology.nodes > 1) the ranks of other nodes only through the emulated network (allocate_ll), its deliveries
+// delayed and reordered with a seed printed by the caller.
 struct LlWorld {
   EpConfig config;
   int world;
+  Topology topology;
   VirtualLlRanks ranks;
   std::vector<int> tokens;
   std::vector<VirtualRankIo> io;
   std::vector<DispatchArgs> dargs;
   std::vector<CombineArgs> em;
 
-  LlWorld(EpConfig const& c, int w, int ctas, double timeout_s = kVirtualTimeoutS)
+  LlWorld(EpConfig const& c, int w, int ctas, double timeout_s = kVirtualTimeoutS, Topology nodes = {1, 0},
+          uint64_t network_seed = 0)
       : config(c),
         world(w),
+        topology(nodes.nodes > 1 ? nodes : Topology{1, w}),
         ranks(
-            w, cuda_ep::make_sym_layout(c, w, cuda_ep::Protocol::ll).total,
+            w, cuda_ep::make_sym_layout(c, w, cuda_ep::Protocol::ll, topology.nodes).total,
             [&](Buffers& b, int r) {
               cuda_ep::configure_buffers(b, c, w, r, cuda_ep::Protocol::ll, ctas);
               b.num_ctas = ctas;
-              b.layout = cuda_ep::make_sym_layout(c, w, cuda_ep::Protocol::ll);
+              b.layout = cuda_ep::make_sym_layout(c, w, cuda_ep::Protocol::ll, topology.nodes);
+              set_emulated_nodes(b, topology, network_seed, r, 20000);
             },
             timeout_s),
         tokens(static_cast<std::size_t>(w), c.max_tokens_per_rank),
@@ -263,62 +275,68 @@ bool expect_masked_world(LlWorld& w, VirtualIteration const& it, uint32_t who, u
   return true;
 }
 
-// Rank `gone` never comes to a dispatch: every other rank's agreement waits its bound (FERRY_TIMEOUT_S, 1 s here),
-// masks it and finishes the call (no timeout recorded) with the reference of the world without it, the combine too;
-// then the masked rank's own late call learns it (LlMaskSelf::timeout, its outputs untouched), a hooked call and a
-// replayed CUDA graph go on without it, and after clear_mask the whole world is back, exact.
-void run_never_arrives(int world, WireFormat format) {
+// The ranks of `gone` (one rank, or a whole node) never come to a dispatch: every other rank's agreement waits its
+// bound (FERRY_TIMEOUT_S, 1 s here), masks them and finishes the call (no timeout recorded) with the reference of the
+// world without them, the combine too; then their own late call learns it (LlMaskSelf::timeout, their outputs
+// untouched), a hooked call and a replayed CUDA graph go on without them, and after clear_mask the whole world is
+// back, exact. topology: across nodes (nodes > 1) the ranks of other nodes only through the emulated network.
+void run_never_arrives(int world, WireFormat format, Topology topology = {1, 0}, uint32_t gone = 0) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU, found 0";
   int const ctas = virtual_ctas_per_rank(world, cuda_ep::kMaxLlCtas);
   if (ctas < 1) GTEST_SKIP() << "fewer SMs than " << world << " ranks";
-  LlWorld w(ll_config(world, false, true, format), world, ctas, kAbsentTimeoutS);
-  uint64_t const loaded = w.load_masked_kernels();
-  int const gone = world / 2;
-  uint32_t const others = w.all() & ~(1u << gone);
+  if (gone == 0) gone = 1u << (world / 2);
   uint64_t const seed = fresh_seed();
-  std::printf("world %d x %d CTAs, dispatch_format %s, rank %d never arrives, seed %llu\n", world, ctas,
-              wire_format_name(format), gone, static_cast<unsigned long long>(seed));
+  LlWorld w(ll_config(world, false, true, format, topology), world, ctas, kAbsentTimeoutS, topology, seed);
+  uint64_t const loaded = w.load_masked_kernels();
+  uint32_t const others = w.all() & ~gone;
+  std::printf("world %d (%s) x %d CTAs, dispatch_format %s, ranks 0x%x never arrive, seed %llu\n", world,
+              topology_name(w.topology).c_str(), ctas, wire_format_name(format), gone,
+              static_cast<unsigned long long>(seed));
 
-  // 1. the call without it: masked within the bound, every row of the others the reference's without it
+  // 1. the call without them: masked within the bound, every row of the others the reference's without them
   VirtualIteration const first = w.iteration(seed);
   auto const start = std::chrono::steady_clock::now();
   w.dispatch(others, false);
   w.combine(others, false);
-  ASSERT_TRUE(expect_masked_world(w, first, others, 1u << gone, 0));
+  ASSERT_TRUE(expect_masked_world(w, first, others, gone, 0));
   double const waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_LT(waited, 5 * kAbsentTimeoutS) << "the others did not finish within their bound";
-  std::printf("  masked in %.2f s (bound %.1f s); rank 0's entries left out: %llu\n", waited, kAbsentTimeoutS,
-              static_cast<unsigned long long>(w.words(gone == 0 ? 1 : 0).last_dispatch_entries));
+  int const someone = __builtin_ctz(others);
+  std::printf("  masked in %.2f s (bound %.1f s); rank %d's entries left out: %llu\n", waited, kAbsentTimeoutS, someone,
+              static_cast<unsigned long long>(w.words(someone).last_dispatch_entries));
   // the check sees the mask: the same outputs against the reference of the whole world differ (a check that can fail)
-  int const someone = gone == 0 ? 1 : 0;
   EXPECT_NE(check_ll_dispatch(w.config, world, someone, 0, first.expected[someone],
                               cuda_ep::dispatch_result(w.ranks[someone], true), w.ranks[someone].recv_slot),
             0)
       << "the masked call matched the reference of the whole world: the check cannot tell them apart";
 
-  // 2. its own call, late: it learns that it is masked and moves nothing (its outputs keep the poison)
-  CK(cudaMemset(cuda_ep::dispatch_result(w.ranks[gone], true).num_recv, 0xEE, 4));
-  w.dispatch(1u << gone, false);
+  // 2. their own call, late: each learns that it is masked and moves nothing (its outputs keep the poison)
+  for (int g = 0; g < world; ++g)
+    if (w.in(gone, g)) CK(cudaMemset(cuda_ep::dispatch_result(w.ranks[g], true).num_recv, 0xEE, 4));
+  w.dispatch(gone, false);
   EXPECT_TRUE(w.ranks.synchronize(std::vector<int>(static_cast<std::size_t>(world), 0)).empty());
-  detail::LlMaskWords const own = w.words(gone);
-  EXPECT_EQ(own.self, static_cast<uint32_t>(detail::LlMaskSelf::timeout));
-  EXPECT_EQ(own.self_call, loaded + 1) << "its first dispatch after the loading calls";
-  EXPECT_EQ(own.self_view & (1u << gone), 1u << gone);
-  EXPECT_EQ(w.ranks[gone].mask_host->self, own.self) << "the host's word of the masked rank";
-  EXPECT_EQ(to_host<uint32_t>(cuda_ep::dispatch_result(w.ranks[gone], true).num_recv, 1)[0], 0xEEEEEEEEu)
-      << "the masked rank's dispatch wrote its outputs";
-  std::string const said = detail::self_masked_message(own, gone, kAbsentTimeoutS);
-  EXPECT_NE(said.find("rank " + std::to_string(gone) + " is masked on this EpBuffer: at dispatch #" +
-                      std::to_string(loaded + 1)),
-            std::string::npos)
-      << said;
-  std::printf("  rank %d's own call: %s\n", gone, said.c_str());
+  for (int g = 0; g < world; ++g) {
+    if (!w.in(gone, g)) continue;
+    detail::LlMaskWords const own = w.words(g);
+    EXPECT_EQ(own.self, static_cast<uint32_t>(detail::LlMaskSelf::timeout)) << "rank " << g;
+    EXPECT_EQ(own.self_call, loaded + 1) << "rank " << g << ": its first dispatch after the loading calls";
+    EXPECT_EQ(own.self_view & (1u << g), 1u << g) << "rank " << g;
+    EXPECT_EQ(w.ranks[g].mask_host->self, own.self) << "the host's word of masked rank " << g;
+    EXPECT_EQ(to_host<uint32_t>(cuda_ep::dispatch_result(w.ranks[g], true).num_recv, 1)[0], 0xEEEEEEEEu)
+        << "masked rank " << g << "'s dispatch wrote its outputs";
+    std::string const said = detail::self_masked_message(own, g, kAbsentTimeoutS);
+    EXPECT_NE(said.find("rank " + std::to_string(g) + " is masked on this EpBuffer: at dispatch #" +
+                        std::to_string(loaded + 1)),
+              std::string::npos)
+        << said;
+    std::printf("  rank %d's own call: %s\n", g, said.c_str());
+  }
 
-  // 3. a hooked call with the mask (the masked rank calls too: its kernels return at once)
+  // 3. a hooked call with the mask (the masked ranks call too: their kernels return at once)
   VirtualIteration const hooked = w.iteration(seed + 1);
   w.dispatch(w.all(), true);
   w.combine(w.all(), true);
-  ASSERT_TRUE(expect_masked_world(w, hooked, others, 1u << gone, 1));
+  ASSERT_TRUE(expect_masked_world(w, hooked, others, gone, 1));
 
   // 4. a captured graph of both legs, replayed with fresh inputs: the mask is read on the device at every replay
   RankGraphs graphs(world);
@@ -329,7 +347,7 @@ void run_never_arrives(int world, WireFormat format) {
   for (int replay = 0; replay < 2; ++replay) {
     VirtualIteration const it = w.iteration(seed + 2 + replay);
     graphs.launch(w.ranks);
-    ASSERT_TRUE(expect_masked_world(w, it, others, 1u << gone, 2 + replay));
+    ASSERT_TRUE(expect_masked_world(w, it, others, gone, 2 + replay));
   }
 
   // 5. clear_mask: every rank back, the whole world's reference
@@ -358,18 +376,17 @@ TEST(RankMaskingVirtual, RankThatNeverArrivesIsMaskedFp8) {
   run_never_arrives(4, WireFormat::fp8_e4m3);
 }
 
-// mask_ranks: rank 0 asks for rank 2; every rank calls (rank 2 too), nobody waits a timeout (the bound here is the
-// long one), the others go on without it and rank 2 learns it was asked out.
-TEST(RankMaskingVirtual, AskedOutWithoutATimeout) {
+// mask_ranks: rank 0 asks for rank `asked`; every rank calls (that rank too), nobody waits a timeout (the bound here
+// is the long one), the others go on without it and it learns it was asked out. topology: as run_never_arrives.
+void run_asked_out(int world, int asked, Topology topology = {1, 0}) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU, found 0";
-  int const world = 4;
-  int const asked = 2;
   int const ctas = virtual_ctas_per_rank(world, cuda_ep::kMaxLlCtas);
   if (ctas < 1) GTEST_SKIP() << "fewer SMs than " << world << " ranks";
-  LlWorld w(ll_config(world, false, true), world, ctas, kVirtualTimeoutS);
-  w.load_masked_kernels();
   uint64_t const seed = fresh_seed();
-  std::printf("world %d, rank 0 asks for rank %d, seed %llu\n", world, asked, static_cast<unsigned long long>(seed));
+  LlWorld w(ll_config(world, false, true, WireFormat::bf16, topology), world, ctas, kVirtualTimeoutS, topology, seed);
+  w.load_masked_kernels();
+  std::printf("world %d (%s), rank 0 asks for rank %d, seed %llu\n", world, topology_name(w.topology).c_str(), asked,
+              static_cast<unsigned long long>(seed));
   VirtualIteration const it = w.iteration(seed);
   cuda_ep::request_ll_mask(w.ranks[0], 1u << asked);
   auto const start = std::chrono::steady_clock::now();
@@ -382,6 +399,10 @@ TEST(RankMaskingVirtual, AskedOutWithoutATimeout) {
   EXPECT_EQ(own.self, static_cast<uint32_t>(detail::LlMaskSelf::asked));
   EXPECT_EQ(own.self_lost, 1u << asked);
   std::printf("  done in %.3f s: %s\n", took, detail::self_masked_message(own, asked, kVirtualTimeoutS).c_str());
+}
+
+TEST(RankMaskingVirtual, AskedOutWithoutATimeout) {
+  run_asked_out(4, 2);
 }
 
 // A rank present at the dispatch and absent from the combine: the others' combine masks it after the bound and
@@ -418,6 +439,29 @@ TEST(RankMaskingVirtual, RankLostAtTheCombine) {
   w.dispatch(others, false);
   w.combine(others, false);
   ASSERT_TRUE(expect_masked_world(w, next, others, 1u << gone, 1));
+}
+
+// ---- across emulated nodes: the direct route (cuda_route_for_masking), the agreement's words to the ranks of other
+// nodes through the emulated network (seeded delays and reordering), the masked instances over it ----
+
+TEST(RankMaskingAcrossNodes, OtherNodeNeverArrives2x1) {
+  run_never_arrives(2, WireFormat::bf16, Topology{2, 1}, 1u << 1);
+}
+TEST(RankMaskingAcrossNodes, RankOfAnotherNodeNeverArrives2x2) {
+  run_never_arrives(4, WireFormat::bf16, Topology{2, 2}, 1u << 3);
+}
+TEST(RankMaskingAcrossNodes, WholeNodeNeverArrives2x4) {
+  run_never_arrives(8, WireFormat::bf16, Topology{2, 4}, 0xf0u);
+}
+TEST(RankMaskingAcrossNodes, WholeNodeNeverArrives4x2) {
+  run_never_arrives(8, WireFormat::bf16, Topology{4, 2}, 0x30u);
+}
+// fp8 across nodes: the quantized rows through the network, the delivery byte for byte with the host codec's
+TEST(RankMaskingAcrossNodes, RankNeverArrivesFp8At2x2) {
+  run_never_arrives(4, WireFormat::fp8_e4m3, Topology{2, 2}, 1u << 2);
+}
+TEST(RankMaskingAcrossNodes, RankOfAnotherNodeAskedOut2x2) {
+  run_asked_out(4, 3, Topology{2, 2});
 }
 
 }  // namespace

@@ -25,6 +25,34 @@ EpConfig small(int max_tokens, WireFormat format = WireFormat::bf16) {
   return config;
 }
 
+// Rank masking across nodes on cuda runs the direct route: automatic resolves to it, an explicit forward route is
+// refused with the reason, and nothing changes without masking, on one node, or in normal mode.
+TEST(RunRecord, RankMaskingAcrossNodesTakesTheDirectRouteOnCuda) {
+  EpConfig ll = small(128);
+  ll.mode = Mode::low_latency;
+  ll.rank_masking = true;
+  Topology const two{2, 4};
+  ASSERT_EQ(ll.route(), InternodeRoute::forward) << "128 tokens take the forward route unmasked";
+  EXPECT_EQ(cuda_route_for_masking(ll, two).route(), InternodeRoute::direct);
+  EXPECT_EQ(cuda_route_for_masking(ll, Topology{1, 8}).route(), InternodeRoute::forward) << "one node: unchanged";
+  EpConfig unmasked = ll;
+  unmasked.rank_masking = false;
+  EXPECT_EQ(cuda_route_for_masking(unmasked, two).route(), InternodeRoute::forward);
+  EpConfig direct = ll;
+  direct.internode_route = InternodeRoute::direct;
+  EXPECT_EQ(cuda_route_for_masking(direct, two).route(), InternodeRoute::direct);
+  EpConfig forward = ll;
+  forward.internode_route = InternodeRoute::forward;
+  try {
+    cuda_route_for_masking(forward, two);
+    ADD_FAILURE() << "an explicit forward route with rank masking across nodes was accepted";
+  } catch (ConfigError const& error) {
+    EXPECT_TRUE(contains(error.what(), "internode_route=forward")) << error.what();
+    EXPECT_TRUE(contains(error.what(), "2x4")) << error.what();
+    EXPECT_TRUE(contains(error.what(), "use internode_route=direct or automatic")) << error.what();
+  }
+}
+
 TEST(RunRecord, ProtocolFallbackIsASmallBatchOnTheCountExchange) {
   // the fast protocol of each size: no fallback
   ProtocolChoice const landing = choose_protocol(small(16), 2, "auto");

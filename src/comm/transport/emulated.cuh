@@ -122,6 +122,9 @@ class EmulatedEndpoint {
     return group_wait(group_, view, reinterpret_cast<uint64_t const*>(net_.windows[net_.rank] + signal_off), least,
                       peer, phase);
   }
+  __device__ uint64_t read(std::size_t signal_off) const {
+    return device::arch::load_acquire_sys_u64(reinterpret_cast<uint64_t const*>(net_.windows[net_.rank] + signal_off));
+  }
   __device__ void close() {
     group_.sync();
     if (group_.leader()) deliver(-1);

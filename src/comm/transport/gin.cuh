@@ -132,6 +132,10 @@ class GinEndpoint {
     if (group_.leader()) ok = wait_leader(view, net_.signal_index(signal_off), least, peer, phase);
     return group_.all(ok);
   }
+  // ncclGin::readSignal: acquire at system scope, as wait_leader's polls.
+  __device__ __forceinline__ uint64_t read(std::size_t signal_off) const {
+    return gin_.readSignal(net_.signal_index(signal_off));
+  }
   // Nothing is held by the endpoint: GIN owns the queues, and puts nobody signalled arrive when the network delivers.
   __device__ __forceinline__ void close() const {}
 

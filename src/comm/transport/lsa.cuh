@@ -73,6 +73,9 @@ class LsaEndpoint {
     return group_wait(group_, view, reinterpret_cast<uint64_t const*>(net_.windows[net_.rank] + signal_off), least,
                       peer, phase);
   }
+  __device__ __forceinline__ uint64_t read(std::size_t signal_off) const {
+    return device::arch::load_acquire_sys_u64(reinterpret_cast<uint64_t const*>(net_.windows[net_.rank] + signal_off));
+  }
   __device__ __forceinline__ void close() const {}
 
  private:

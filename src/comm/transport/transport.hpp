@@ -27,6 +27,9 @@
 //   wait(view, signal_off, least, peer, phase)   bounded acquire wait until this rank's counter >= least. On expiry
 //       it records (rank, peer, phase, least, observed) in the error block and returns false, like every device wait
 //       (comm/device/signal.cuh). After it returns true, the group sees every put the signal covers.
+//   read(signal_off)                     this rank's counter at signal_off now (acquire, by the calling thread; no
+//       wait, no bound): for a protocol that waits against its own deadline and decides itself what a missing signal
+//       means (rank masking's agreement). A value it returns covers what wait(least <= value) would.
 //   close()                              the endpoint is done; puts nobody signalled are delivered some time later.
 //
 //   Every thread of the group calls every endpoint call, with the same arguments (the group is a thread, a warp or a

@@ -125,12 +125,20 @@ SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol, 
 }
 
 std::size_t ll_mask_area_bytes(int world) {
-  return quant::align_up(3 * static_cast<std::size_t>(world) * sizeof(uint64_t), 256);
+  return quant::align_up(5 * static_cast<std::size_t>(world) * sizeof(uint64_t), 256);
 }
 
 LlMaskArea ll_mask_area(SymLayout const& layout, int world) {
+  std::size_t const words = static_cast<std::size_t>(world) * sizeof(uint64_t);
   std::size_t const first = layout.total - ll_mask_area_bytes(world);
-  return LlMaskArea{first, first + static_cast<std::size_t>(world) * sizeof(uint64_t)};
+  LlMaskArea area{};
+  area.arrive = first;
+  area.verdict = first + words;
+  area.arrive_signals = first + 3 * words;
+  area.verdict_signals = first + 4 * words;
+  area.signals = area.arrive_signals;
+  area.num_signals = static_cast<uint32_t>(2 * world);
+  return area;
 }
 
 SymLayout make_hier_sym_layout(EpConfig const& config, Topology const& topology) {

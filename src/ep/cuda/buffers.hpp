@@ -121,6 +121,10 @@ struct Buffers {
   detail::LlMaskHost* mask_host = nullptr;
   detail::LlMaskHost* mask_host_device = nullptr;
   int8_t* ll_entry_rank = nullptr;  // [max_tokens, topk]
+  // Across nodes over GIN: the agreement's own Gin, whose signal range is LlMaskArea's counters (the legs' Gin covers
+  // the layout's counters only). Over the emulated network the agreement uses `network` (its counters are window
+  // words).
+  transport::Gin mask_gin{};
 };
 
 // Sets the fields every allocation and launch reads from the config, the world, this rank, the protocol and the SMs a
@@ -135,10 +139,16 @@ SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol, 
 // Rank masking (EpConfig::rank_masking, low-latency mode): where the agreement's words are in a layout that
 // make_sym_layout made with masking on (the region's last area, so that SymLayout is the same with masking off).
 // arrive: [world sources] u64 (epoch << 32 | the source's request); verdict: [2 parities][world sources] u64
-// (epoch << 32 | the ranks the source saw).
+// (epoch << 32 | the ranks the source saw). Across nodes a source of another node puts its words through the network
+// and counts them in arrive_signals / verdict_signals ([world sources] counters each, adjacent: one signal range,
+// `signals` .. + num_signals words), one per agreement it took part in.
 struct LlMaskArea {
   std::size_t arrive;
   std::size_t verdict;
+  std::size_t arrive_signals;
+  std::size_t verdict_signals;
+  std::size_t signals;
+  uint32_t num_signals;
 };
 std::size_t ll_mask_area_bytes(int world);
 LlMaskArea ll_mask_area(SymLayout const& layout, int world);
@@ -312,13 +322,18 @@ void launch_ll_dispatch_net(Buffers const& buffers, cuda_ll::LlDispatchParams co
 void launch_ll_combine_net(Buffers const& buffers, cuda_ll::LlCombineParams const& params, int variant,
                            cudaStream_t stream, detail::LegRecord* record);
 
-// Rank masking (EpConfig::rank_masking, one node; ll_mask.cu): the legs' launchers above run the agreement first
+// Rank masking (EpConfig::rank_masking; ll_mask.cu): the legs' launchers above run the agreement first
 // (launch_ll_agreement, on the leg's stream, with every half but the hook's receive half) and then the masked
-// instances (ll_masked.cu).
+// instances: one node (ll_masked.cu), across nodes over the buffers' network, the direct route
+// (ll_masked_dispatch_net.cu, ll_masked_combine_net.cu).
 void launch_ll_masked_dispatch(Buffers const& buffers, cuda_ll::LlDispatchParams const& params, int variant,
                                std::size_t smem, cudaStream_t stream, detail::LegRecord* record);
 void launch_ll_masked_combine(Buffers const& buffers, cuda_ll::LlCombineParams const& params, int variant,
                               cudaStream_t stream, detail::LegRecord* record);
+void launch_ll_masked_dispatch_net(Buffers const& buffers, cuda_ll::LlDispatchParams const& params, int variant,
+                                   std::size_t smem, cudaStream_t stream, detail::LegRecord* record);
+void launch_ll_masked_combine_net(Buffers const& buffers, cuda_ll::LlCombineParams const& params, int variant,
+                                  cudaStream_t stream, detail::LegRecord* record);
 void launch_ll_agreement(Buffers const& buffers, detail::LlMaskLeg leg, cudaStream_t stream);
 // The mask words after `stream`'s work (synchronises it).
 detail::LlMaskWords read_ll_mask(Buffers const& buffers, cudaStream_t stream);

@@ -80,7 +80,8 @@ struct CudaHandleStorage final : detail::HandleStorage {
 
 class CudaEp final : public detail::EpBackendImpl {
  public:
-  CudaEp(Communicator& comm, EpConfig const& config) : comm_(comm), masking_(config.rank_masking) {
+  CudaEp(Communicator& comm, EpConfig const& user_config) : comm_(comm), masking_(user_config.rank_masking) {
+    EpConfig const config = detail::cuda_route_for_masking(user_config, comm.topology());
     Buffers& b = buffers_;
     int const world = comm.world();
     bool const ll = config.mode == Mode::low_latency;
@@ -91,15 +92,6 @@ class CudaEp final : public detail::EpBackendImpl {
     // 1. the protocol (the same on every rank: the config, the topology and FERRY_NORMAL_LANDING must agree)
     Topology const topology = comm.topology();
     bool const across = topology.nodes > 1;
-    // NOTE: rank masking's agreement and masked instances are built for the ranks of one node; across nodes (both
-    // routes, and the forward route's rail replacement) they are not, so the config is refused there, on every rank
-    // alike (the config and the topology agree), before anything is allocated.
-    FERRY_CHECK_CONFIG(!config.rank_masking || !across, "rank_masking=true across nodes (topology ",
-                       topology_name(topology),
-                       "): the cuda backend builds rank masking for the ranks of one node only in this version (the "
-                       "agreement and the masked kernels are not built for the network legs, either route); use the "
-                       "cpu backend, or rank_masking=false (a rank that does not arrive is then a TimeoutError "
-                       "naming it)");
     bool const hierarchical = !ll && across;
     transport::Kind const network = detail::has_gin(comm) ? transport::Kind::gin : transport::Kind::emulated;
     FERRY_CHECK_CONFIG(!hierarchical || topology.world() + topology.nodes <= kMaxHierColumns, "topology ",
@@ -122,7 +114,9 @@ class CudaEp final : public detail::EpBackendImpl {
     if (across) {
       protocol_why_ = detail::concat(
           ll ? (config.route() == InternodeRoute::forward ? "low-latency, rows forwarded once per node by its rail ("
-                                                          : "low-latency, rows direct to every rank (")
+                : user_config.route() == InternodeRoute::forward
+                    ? "low-latency, rows direct to every rank (rank masking runs the direct route; "
+                    : "low-latency, rows direct to every rank (")
              : "hierarchical (",
           topology_name(topology), ", network: ", transport::kind_name(network));
       if (network == transport::Kind::emulated)
@@ -198,6 +192,11 @@ class CudaEp final : public detail::EpBackendImpl {
         // the network between the nodes: GIN over this region's window, the layout's counters as GIN signals
         b.gin = ll ? detail::gin_transport(comm, region_, b.layout.ll_signals, b.layout.ll_num_signals)
                    : detail::gin_transport(comm, region_, b.layout.hier_signals, b.layout.hier_num_signals);
+        if (ll && config.rank_masking) {
+          // rank masking's agreement counts its words from other nodes in signals of its own (LlMaskArea)
+          LlMaskArea const area = ll_mask_area(b.layout, world);
+          b.mask_gin = detail::gin_transport(comm, region_, area.signals, area.num_signals);
+        }
       } else if (across) {
         // the network between the nodes: emulated over the peers' windows (check_reachable_across_nodes: every peer is
         // load/store reachable), with the seeded delays and reordering of FERRY_EMULATED_*
@@ -431,7 +430,7 @@ class CudaEp final : public detail::EpBackendImpl {
                          hier_link_bytes(buffers_, LinkLeg::combine, stream)};
   }
 
-  // Rank masking (low-latency mode, one node; ll_mask.cuh): the words the agreements and the kernels keep, after the
+  // Rank masking (low-latency mode; ll_mask.cuh): the words the agreements and the kernels keep, after the
   // last call's stream (synchronised).
   MaskStatus mask_status() const override {
     if (mask_stream_ == nullptr) return detail::mask_status_of(detail::LlMaskWords{}, buffers_.world);
@@ -451,6 +450,13 @@ class CudaEp final : public detail::EpBackendImpl {
   // every rank's counters, the largest of each, the reset of this rank's (and of its region's arrival counters), then
   // a barrier, so that no rank's next call reaches a peer that has not reset yet.
   void clear_mask() override {
+    // NOTE: the reset puts the counters back in step by setting them; over GIN the counters of the other nodes'
+    // sources are GIN signals, which only add (a remote set does not exist), so there it is refused, on every rank
+    // alike (the topology and the network agree), before any rank starts the collective steps.
+    FERRY_CHECK_CONFIG(buffers_.layout.nodes <= 1 || buffers_.network_kind != transport::Kind::gin,
+                       "clear_mask across nodes over GIN (topology ", topology_name(buffers_.topology),
+                       "): the counters of the other nodes' ranks are GIN signals, which cannot be set back into step "
+                       "in this version; make a new EpBuffer (the masked ranks rejoin it)");
     FERRY_CHECK_CUDA(cudaSetDevice(comm_.device()));
     cudaStream_t const stream = mask_stream_ != nullptr ? mask_stream_ : cudaStreamPerThread;
     FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
@@ -569,7 +575,7 @@ class CudaEp final : public detail::EpBackendImpl {
   uint8_t grid_fallbacks_ = detail::kNoFallback;
   detail::RunRecord record_;
   detail::ExplainContext context_;
-  bool masking_ = false;                // EpConfig::rank_masking (low-latency mode, one node)
+  bool masking_ = false;                // EpConfig::rank_masking (low-latency mode)
   cudaStream_t mask_stream_ = nullptr;  // masking: the stream of the last call (mask_status, clear_mask sync it)
   mutable std::string self_masked_;     // masking: set once this rank learned that it is masked
 };

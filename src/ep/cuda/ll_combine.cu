@@ -31,10 +31,14 @@ void launch_ll_combine(Buffers const& buffers, CombineArgs const& args, int num_
   LlCombineParams const p = to_params(buffers, args, num_tokens, refuse);
   int const variant = LlCombineFamily<cuda_ll::OneNode>::variant(half, args.layout);
   if (buffers.config.rank_masking) {
-    // NOTE: as launch_ll_dispatch: one node, the agreement first (the send half's)
-    FERRY_CHECK(buffers.layout.nodes == 1, "rank masking across nodes is not built");
+    // NOTE: as launch_ll_dispatch: the agreement first (the send half's); across nodes the direct route
+    FERRY_CHECK(buffers.layout.nodes == 1 || buffers.layout.ll_fwd_rows == 0,
+                "rank masking across nodes runs the direct route");
     if (half != Half::recv) launch_ll_agreement(buffers, detail::LlMaskLeg::combine, stream);
-    launch_ll_masked_combine(buffers, p, variant, stream, record);
+    if (buffers.layout.nodes > 1)
+      launch_ll_masked_combine_net(buffers, p, variant, stream, record);
+    else
+      launch_ll_masked_combine(buffers, p, variant, stream, record);
     return;
   }
   if (buffers.layout.nodes > 1) {

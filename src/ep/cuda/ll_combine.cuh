@@ -298,8 +298,9 @@ __device__ __forceinline__ void ll_combine_send_rows_nvfp4(LlCombineParams const
 // (ll_dispatch_send_network's scheme: warp w takes the ranks j = w, w + kWarps, ... of the other nodes over every
 // row of the CTA, in the send's order; a row whole from its first chunk's item (combine_chunks keeps a row's chunks
 // in one CTA), a bf16 row wider than 16 of its 1024-element chunks a chunk's bytes per item; CTA 0 of a refusing
-// rank puts its abort word). The staged rows alternate by parity, as the landing zones.
-template <WireFormat kFormat, class Net>
+// rank puts its abort word). The staged rows alternate by parity, as the landing zones. kMasking: a rank masked
+// since the dispatch gets nothing (its rows were not staged either).
+template <WireFormat kFormat, bool kMasking, class Net>
 __device__ __forceinline__ void ll_combine_send_network(LlCombineParams const& p, Net const& network, int parity,
                                                         uint64_t seq) {
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
@@ -308,9 +309,11 @@ __device__ __forceinline__ void ll_combine_send_network(LlCombineParams const& p
   std::size_t const wire = p.layout.combine_row_bytes;
   std::size_t const staged = p.layout.ll_combine_send + static_cast<std::size_t>(parity) * world * p.max_tokens * wire;
   std::size_t const landed = p.layout.combine_rows + static_cast<std::size_t>(parity) * world * p.max_tokens * wire;
+  uint32_t const live = live_ranks<kMasking>(p);
   auto ep = network.open(transport::Warp{}, (p.num_ctas + cta) * kWarps + warp);
   for (int j = warp; j < world - p.local; j += kWarps) {
     int const d = remote_rank(p, j);
+    if (((live >> d) & 1u) == 0) continue;
     auto const put_row = [&](int row, std::size_t begin, std::size_t bytes) {
       int const token = p.recv_src[2 * row + 1];
       ep.put(d, landed + (static_cast<std::size_t>(rank) * p.max_tokens + token) * wire + begin,
@@ -488,7 +491,6 @@ template <bool kExpertMajor, WireFormat kFormat, bool kMasking, class Net>
 __device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, Net const& network,
                                                 uint64_t seq FERRY_TRACE_PARAM(trace)) {
   constexpr bool kNet = kAcrossNodes<Net>;
-  static_assert(!kMasking || !kNet, "rank masking is built on one node only");
   int const world = p.view.world;
   int const rank = p.view.rank;
   int const tid = static_cast<int>(threadIdx.x);
@@ -514,14 +516,17 @@ __device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, Net co
     landing::publish_abort<!kNet && !kMasking>(p.net, p.layout.combine_abort, parity, world, rank, seq, near & live);
   if (tid < world && (!kNet || ((near >> tid) & 1u) != 0) && ((live >> tid) & 1u) != 0)
     p.net.add_signal(tid, p.layout.combine_arrivals + rank * sizeof(uint64_t), 1);
-  if constexpr (kNet) {
+  if constexpr (kNet && kMasking) {
+    // rank masking across nodes runs the direct route (the backend refuses the forward one)
+    ll_combine_send_network<kFormat, true>(p, network, parity, seq);
+  } else if constexpr (kNet) {
     if (p.forward) {
       // this rank's rows for the rails of its node are in (the same barrier orders them)
       if (tid < world && ((near >> tid) & 1u) != 0)
         p.net.add_signal(tid, p.layout.ll_partial_arrivals + rank * sizeof(uint64_t), 1);
       ll_combine_rail<kFormat>(p, network, parity, seq);
     } else {
-      ll_combine_send_network<kFormat>(p, network, parity, seq);
+      ll_combine_send_network<kFormat, false>(p, network, parity, seq);
     }
   }
   FERRY_TRACE_END(trace, ll_combine_send_arrival);
@@ -653,8 +658,8 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
 
 // kFormat: the combine_format.
 // Net: OneNode, or the network to the ranks of other nodes (NetParams).
-// kMasking: rank masking (one node; ll_dispatch_kernel's rules): a rank masked since the dispatch gets no rows and
-// adds none to y, and the entries y misses are counted.
+// kMasking: rank masking (ll_dispatch_kernel's rules; across nodes the direct route): a rank masked since the
+// dispatch gets no rows and adds none to y, and the entries y misses are counted.
 template <bool kExpertMajor, WireFormat kFormat, bool kSend, bool kRecv, class Net = OneNode, bool kMasking = false>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(NetParams<LlCombineParams, Net> const p) {
   static_assert(kSend || kRecv, "an LL combine kernel runs at least one half");

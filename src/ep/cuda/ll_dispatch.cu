@@ -50,10 +50,14 @@ void launch_ll_dispatch(Buffers const& buffers, DispatchArgs const& args, Half h
   std::size_t const smem = cuda_ll::expand_smem_bytes(p.num_local_experts);
   detail::LegRecord* const leg = half == Half::recv ? nullptr : record;  // the send half's codec is the leg's
   if (buffers.config.rank_masking) {
-    // NOTE: CudaEp refuses rank masking across nodes (not built there); the agreement opens the call (its send half)
-    FERRY_CHECK(buffers.layout.nodes == 1, "rank masking across nodes is not built");
+    // NOTE: the agreement opens the call (its send half); across nodes CudaEp runs the direct route with masking
+    FERRY_CHECK(buffers.layout.nodes == 1 || buffers.layout.ll_fwd_rows == 0,
+                "rank masking across nodes runs the direct route");
     if (half != Half::recv) launch_ll_agreement(buffers, detail::LlMaskLeg::dispatch, stream);
-    launch_ll_masked_dispatch(buffers, p, variant, smem, stream, leg);
+    if (buffers.layout.nodes > 1)
+      launch_ll_masked_dispatch_net(buffers, p, variant, smem, stream, leg);
+    else
+      launch_ll_masked_dispatch(buffers, p, variant, smem, stream, leg);
     return;
   }
   if (buffers.layout.nodes > 1) {

@@ -195,8 +195,9 @@ __device__ __forceinline__ void expand_own(LlDispatchParams const& p, ExpandShar
 // and the abort word (a refusing CTA). One endpoint carries all of it to that rank, so its signal (+1 per CTA and
 // call, as over NVLink) covers it. The staging areas alternate by parity, and a source reuses one at call n + 2 only
 // after its receive of n + 1, which waited for every rank's send of n + 1, each after that rank's receive of n, which
-// waited for this rank's puts of n: so no put of n still reads the area then.
-template <typename IdxT, WireFormat kFormat, class Net>
+// waited for this rank's puts of n: so no put of n still reads the area then. kMasking: a masked rank gets nothing
+// (no record, row, count, abort word or arrival), as on this node.
+template <typename IdxT, WireFormat kFormat, bool kMasking, class Net>
 __device__ __forceinline__ void ll_dispatch_send_network(LlDispatchParams const& p, Net const& network, int parity,
                                                          uint64_t seq, bool refused, int chunks, int items) {
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
@@ -205,9 +206,11 @@ __device__ __forceinline__ void ll_dispatch_send_network(LlDispatchParams const&
   std::size_t const record = p.layout.meta_bytes;
   std::size_t const max_tokens = static_cast<std::size_t>(p.max_tokens);
   auto const* topk_idx = static_cast<IdxT const*>(p.topk_idx);
+  uint32_t const live = live_ranks<kMasking>(p);
   auto ep = network.open(transport::Warp{}, cta * kWarps + warp);
   for (int j = warp; j < world - p.local; j += kWarps) {
     int const d = remote_rank(p, j);
+    if (((live >> d) & 1u) == 0) continue;
     int64_t const lo = static_cast<int64_t>(d) * p.num_local_experts;
     for (int base = cta * kWarps; base < items; base += total_warps) {
       for (int w = 0; w < kWarps && base + w < items; ++w) {
@@ -405,7 +408,6 @@ template <typename IdxT, WireFormat kFormat, int kUnitElems, bool kMasking, clas
 __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Net const& network, ExpandShared& s,
                                                  int32_t* s_counts, uint64_t seq FERRY_TRACE_PARAM(trace)) {
   constexpr bool kNet = kAcrossNodes<Net>;
-  static_assert(!kMasking || !kNet, "rank masking is built on one node only");
   static_assert(sizeof(IdxT) == 4 || sizeof(IdxT) == 8, "topk_idx is int32 or int64");
   static_assert((kFormat == WireFormat::bf16) == (kUnitElems == 0), "bf16 rows are copied; quantized rows need a unit");
   __shared__ device::CtaRowMax<kWarps> s_amax;  // nvfp4: the chunks' amaxes of a step (nvfp4_chunk_token_scale)
@@ -485,12 +487,16 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Net 
           return p.net.local() + p.layout.ll_send_meta +
                  ((static_cast<std::size_t>(parity) * world + d) * p.max_tokens + t) * p.layout.meta_bytes;
         };
-        landing::write_records_at(world, topk, num_local, dest, e, w, lane, [&](int d) -> char* {
-          if (((near >> d) & 1u) == 0) return staged_record(d);  // (the forward route puts none of these)
-          return p.net.window(d) + p.layout.dispatch_meta + slot * p.layout.meta_bytes;
-        });
+        landing::write_records_at(
+            world, topk, num_local, dest, e, w, lane,
+            [&](int d) -> char* {
+              if (((near >> d) & 1u) == 0) return staged_record(d);  // (the forward route puts none of these)
+              return p.net.window(d) + p.layout.dispatch_meta + slot * p.layout.meta_bytes;
+            },
+            live);
         // the forward route: one record of global ids for every rail, staged in this rank's own slot
-        if (p.forward) write_global_record(staged_record(rank), topk, e, w, lane);
+        if constexpr (!kMasking)
+          if (p.forward) write_global_record(staged_record(rank), topk, e, w, lane);
       } else {
         landing::write_records(p.net, world, p.layout.dispatch_meta, slot, p.layout.meta_bytes, topk, num_local, dest,
                                e, w, lane, live);
@@ -528,27 +534,37 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Net 
     landing::publish_abort<!kNet && !kMasking>(p.net, p.layout.dispatch_abort, parity, world, rank, seq, near & live);
   if (tid < world && (!kNet || ((near >> tid) & 1u) != 0) && ((live >> tid) & 1u) != 0)
     p.net.add_signal(tid, p.layout.dispatch_arrivals + rank * sizeof(uint64_t), 1);
-  if constexpr (kNet) {
+  if constexpr (kNet && kMasking) {
+    // rank masking across nodes runs the direct route (the backend refuses the forward one)
+    ll_dispatch_send_network<IdxT, kFormat, true>(p, network, parity, seq, s_refuse != 0, chunks, items);
+  } else if constexpr (kNet) {
     if (p.forward)
       ll_dispatch_send_forward<IdxT, kFormat>(p, network, parity, seq, s_refuse != 0, chunks, items);
     else
-      ll_dispatch_send_network<IdxT, kFormat>(p, network, parity, seq, s_refuse != 0, chunks, items);
+      ll_dispatch_send_network<IdxT, kFormat, false>(p, network, parity, seq, s_refuse != 0, chunks, items);
   }
   FERRY_TRACE_END(trace, ll_dispatch_send_arrival);
 }
 
-// The sources of other nodes of a receive half: their arrivals are waited for through the network.
-template <class Net>
+// The sources of other nodes of a receive half: their arrivals are waited for through the network. kMasking: a
+// masked source (of any node) is not waited for and lands nothing.
+template <class Net, bool kMasking = false>
 struct NetworkSources {
   LlParams const& p;
   Net const& network;
   std::size_t counters;
   WaitPhase phase;
+  uint32_t live;  // kMasking: the ranks still in the calls
   __device__ __forceinline__ bool of(int s) const { return !same_node(p, s); }
   __device__ __forceinline__ bool wait(int s, uint64_t least) const {
     return wait_network(p, network, counters, s, least, phase);
   }
-  __device__ __forceinline__ bool skip(int) const { return false; }
+  __device__ __forceinline__ bool skip(int s) const {
+    if constexpr (kMasking)
+      return ((live >> s) & 1u) == 0;
+    else
+      return false;
+  }
 };
 
 template <WireFormat kFormat, bool kMasking, class Net>
@@ -579,7 +595,7 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Net 
   // 4. every source's send CTAs of this call (thread s waits for source s; acquire, bounded). The forward route:
   //    first this rank's part as a rail, after which every source of another node arrives as one of this node
   FERRY_TRACE_BEGIN(trace, ll_dispatch_wait_arrivals);
-  if constexpr (kAcrossNodes<Net>)
+  if constexpr (kAcrossNodes<Net> && !kMasking)
     if (p.forward && !ll_dispatch_forward(p, network, parity, seq)) return;
   if (tid == 0) {
     s_ok = 1;
@@ -596,11 +612,15 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Net 
         WaitPhase::ll_dispatch, s_base, &s_aborted, &s_ok, stats, remote);
   };
   int num_landed = 0;
-  if constexpr (kAcrossNodes<Net>) {
+  if constexpr (kAcrossNodes<Net> && kMasking) {
+    num_landed = wait(NetworkSources<Net, true>{p, network, p.layout.dispatch_arrivals, WaitPhase::ll_dispatch,
+                                                live_ranks<kMasking>(p)});
+  } else if constexpr (kAcrossNodes<Net>) {
     if (p.forward)
       num_landed = wait(landing::NoRemoteSources{});
     else
-      num_landed = wait(NetworkSources<Net>{p, network, p.layout.dispatch_arrivals, WaitPhase::ll_dispatch});
+      num_landed =
+          wait(NetworkSources<Net>{p, network, p.layout.dispatch_arrivals, WaitPhase::ll_dispatch, 0xffffffffu});
   } else if constexpr (kMasking) {
     num_landed = wait(landing::LiveSources{{}, live_ranks<kMasking>(p)});  // a masked source: no wait, no rows
   } else {
@@ -755,9 +775,9 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Net 
 
 // kSend / kRecv: which halves this instance runs (both: the one-kernel leg; one: the hook's halves). kFormat: the
 // dispatch_format; kUnitElems: the send's codec unit (device::unit_elems_for; 0 for bf16).
-// Net: OneNode, or the network to the ranks of other nodes (NetParams). kMasking: rank masking (one node; the
-// agreement before this kernel set the mask): no record, row, count or arrival to a masked rank, no wait for one, and
-// a masked rank's own kernel returns at once.
+// Net: OneNode, or the network to the ranks of other nodes (NetParams). kMasking: rank masking (the agreement before
+// this kernel set the mask; across nodes the direct route): no record, row, count or arrival to a masked rank, no
+// wait for one, and a masked rank's own kernel returns at once.
 template <typename IdxT, WireFormat kFormat, int kUnitElems, bool kSend, bool kRecv, class Net = OneNode,
           bool kMasking = false>
 __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(NetParams<LlDispatchParams, Net> const p) {

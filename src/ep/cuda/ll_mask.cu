@@ -1,5 +1,7 @@
 // Host side of rank masking in low-latency mode (ll_mask.cuh): the agreement's launch, the mask words, clear_mask's
 // steps.
+#include <type_traits>
+
 #include "core/cuda_check.hpp"
 #include "ep/cuda/buffers.hpp"
 #include "ep/cuda/ll_mask.cuh"
@@ -14,11 +16,29 @@ void launch_ll_agreement(Buffers const& b, detail::LlMaskLeg leg, cudaStream_t s
   LlMaskArea const area = ll_mask_area(b.layout, b.world);
   p.arrive = area.arrive;
   p.verdict = area.verdict;
+  p.arrive_signals = area.arrive_signals;
+  p.verdict_signals = area.verdict_signals;
+  p.local = b.layout.nodes > 1 ? b.layout.local : b.world;
   p.state = b.state;
   p.host = b.mask_host_device;
   p.leg = leg;
   p.send_seq = leg == detail::LlMaskLeg::dispatch ? b.state->dispatch_send_seq : b.state->combine_send_seq;
-  cuda_ll::ll_agreement_kernel<<<1, cuda_ll::kAgreementThreads, 0, stream>>>(p);
+  auto const launch = [&](auto const& network) {
+    using Net = std::decay_t<decltype(network)>;
+    cuda_ll::NetParams<cuda_ll::LlAgreementParams, Net> params{};
+    static_cast<cuda_ll::LlAgreementParams&>(params) = p;
+    if constexpr (cuda_ll::kAcrossNodes<Net>) params.network = network;
+    cuda_ll::ll_agreement_kernel<Net><<<1, cuda_ll::kAgreementThreads, 0, stream>>>(params);
+  };
+  if (b.layout.nodes <= 1) {
+    launch(cuda_ll::OneNode{});
+  } else if (b.network_kind == transport::Kind::gin) {
+    launch(b.mask_gin);  // the agreement's own signal range (LlMaskArea::signals)
+  } else {
+    // lane s opens endpoint s < 32, as many as 2 CTAs of warps (the legs' endpoints, idle between kernels on the
+    // stream; each lane closes its own)
+    with_network(b, 2, "rank masking's agreement", launch);
+  }
   FERRY_CHECK_CUDA(cudaGetLastError());
 }
 
@@ -51,6 +71,7 @@ void reset_ll_mask(Buffers const& b, detail::LlCallCounters const& to, cudaStrea
   char* const region = b.sym.ptr[b.rank];
   p.dispatch_arrivals = reinterpret_cast<uint64_t*>(region + b.layout.dispatch_arrivals);
   p.combine_arrivals = reinterpret_cast<uint64_t*>(region + b.layout.combine_arrivals);
+  p.agreement_signals = reinterpret_cast<uint64_t*>(region + ll_mask_area(b.layout, b.world).signals);
   p.host = b.mask_host_device;
   p.world = b.world;
   p.num_ctas = b.num_ctas;

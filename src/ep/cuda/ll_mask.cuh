@@ -16,12 +16,18 @@
 //     kernels return at once from then on.
 // Parities: a rank one epoch ahead writes the other verdict slot; two ahead only past an agreement that left this
 // rank out (it would have waited for this rank's verdict), which step 2 or 4 then sees as a later epoch.
+// Across nodes (Net: the network to the ranks of other nodes) a word to a rank of another node is a put of the value
+// through the network, then +1 on that rank's counter of this source (arrive_signals / verdict_signals: the signal
+// covers the put); a lane waits for its rank's counter to reach the epoch (one signal per agreement the source took
+// part in; clear_mask sets the counters to the epoch every rank starts from), then reads the word the put brought.
+// The words and the rules are the same, so the ranks of every node compute the same set.
 #pragma once
 
 #include <cstdint>
 
 #include "comm/device/signal.cuh"
 #include "comm/transport/lsa.cuh"
+#include "ep/cuda/ll_params.cuh"
 #include "ep/cuda/params.cuh"
 #include "ep/ll_mask_words.hpp"
 #include "ferry/device_view.hpp"
@@ -33,9 +39,12 @@ using detail::LlMaskSelf;
 
 struct LlAgreementParams {
   DeviceView view;
-  transport::Lsa net;
+  transport::Lsa net;  // the ranks of this node (load/store)
   std::size_t arrive;  // the area's offsets in every rank's region (cuda_ep::ll_mask_area)
   std::size_t verdict;
+  std::size_t arrive_signals;  // across nodes: [world] counters of the words put by the ranks of other nodes
+  std::size_t verdict_signals;
+  int local;  // ranks per node (world on one node)
   cuda_ep::DeviceState* state;
   detail::LlMaskHost* host;  // mapped: the request (host), this rank's LlMaskSelf (written here when it is masked)
   LlMaskLeg leg;
@@ -44,10 +53,44 @@ struct LlAgreementParams {
 
 inline constexpr int kAgreementThreads = 32;
 
-// Lane s (s in `want`) waits until the epoch of its word reaches `epoch`, until start_ns + the bound. Returns
-// whether it did, with the word in *word.
-__device__ __forceinline__ bool wait_epoch(uint64_t const* at, uint64_t epoch, uint64_t start_ns, uint64_t bound_ns,
-                                           uint64_t* word) {
+// This rank's word for rank s (lane s): into s's `words` at this rank's index (plus `at`, the verdict's parity
+// offset). On this node a release store; across nodes a put of the value, then +1 on s's counter of this rank.
+template <class Net>
+__device__ __forceinline__ void send_word(LlAgreementParams const& p, Net const& network, int s, std::size_t words,
+                                          std::size_t signals, uint64_t word) {
+  int const rank = p.view.rank;
+  if constexpr (kAcrossNodes<Net>) {
+    if (s / p.local != rank / p.local) {
+      auto ep = network.open(transport::Thread{}, s);
+      ep.put_value(s, words + static_cast<std::size_t>(rank) * sizeof(uint64_t), word);
+      ep.signal(s, signals + static_cast<std::size_t>(rank) * sizeof(uint64_t), 1);
+      ep.close();
+      return;
+    }
+  }
+  device::signal_set(reinterpret_cast<uint64_t*>(p.net.window(s) + words) + rank, word);
+}
+
+// Lane s waits until rank s's word in this rank's `words` holds `epoch` or a later one, until start_ns + the bound.
+// On this node the word itself tells (its epoch); across nodes s's counter of this rank reaching `epoch` says that
+// the put of this epoch's word has arrived, then the word is read. Returns whether it did, with the word in *word.
+template <class Net>
+__device__ __forceinline__ bool wait_word(LlAgreementParams const& p, Net const& network, int s, std::size_t words,
+                                          std::size_t signals, uint64_t epoch, uint64_t start_ns, uint64_t bound_ns,
+                                          uint64_t* word) {
+  auto const* at = reinterpret_cast<uint64_t const*>(p.net.local() + words) + s;
+  if constexpr (kAcrossNodes<Net>) {
+    if (s / p.local != p.view.rank / p.local) {
+      auto ep = network.open(transport::Thread{}, s);
+      while (true) {
+        if (ep.read(signals + static_cast<std::size_t>(s) * sizeof(uint64_t)) >= epoch) {
+          *word = device::arch::load_acquire_sys_u64(at);
+          return true;
+        }
+        if (device::arch::global_timer_ns() - start_ns > bound_ns) return false;
+      }
+    }
+  }
   while (true) {
     *word = device::arch::load_acquire_sys_u64(at);
     if ((*word >> 32) >= epoch) return true;
@@ -72,10 +115,13 @@ __device__ __forceinline__ void mask_self(LlAgreementParams const& p, LlMaskSelf
   *reinterpret_cast<uint32_t volatile*>(&p.host->self) = static_cast<uint32_t>(why);
 }
 
-__global__ void __launch_bounds__(kAgreementThreads, 1) ll_agreement_kernel(LlAgreementParams const p) {
+// Net: OneNode (every rank on this node), or the network to the ranks of other nodes (NetParams: Emulated, Gin).
+template <class Net = OneNode>
+__global__ void __launch_bounds__(kAgreementThreads, 1) ll_agreement_kernel(NetParams<LlAgreementParams, Net> const p) {
   int const lane = static_cast<int>(threadIdx.x);
   int const world = p.view.world;
   int const rank = p.view.rank;
+  decltype(auto) network = network_of<Net>(p);
   detail::LlMaskWords& m = p.state->ll_mask;
   if (m.self != 0) return;  // masked already: nothing to agree on (the leg's kernel returns too)
   uint64_t const start = device::arch::global_timer_ns();
@@ -85,15 +131,14 @@ __global__ void __launch_bounds__(kAgreementThreads, 1) ll_agreement_kernel(LlAg
   uint32_t const mine = 1u << rank;
   uint32_t const request = __shfl_sync(0xffffffffu, *reinterpret_cast<uint32_t const volatile*>(&p.host->request), 0);
   bool const peer = lane < world && ((live >> lane) & 1u) != 0;
-  std::size_t const parity = static_cast<std::size_t>(epoch & 1) * world;
+  std::size_t const parity = static_cast<std::size_t>(epoch & 1) * world * sizeof(uint64_t);
 
   // 1. arrival (release: the leg's rows come after the verdicts, which order them)
-  if (peer)
-    device::signal_set(reinterpret_cast<uint64_t*>(p.net.window(lane) + p.arrive) + rank, epoch << 32 | request);
+  if (peer) send_word(p, network, lane, p.arrive, p.arrive_signals, epoch << 32 | request);
   // 2. the live ranks' arrivals, one deadline for all
   uint64_t arrival = 0;
-  bool const seen = peer && wait_epoch(reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.arrive) + lane, epoch,
-                                       start, p.view.timeout_ns, &arrival);
+  bool const seen =
+      peer && wait_word(p, network, lane, p.arrive, p.arrive_signals, epoch, start, p.view.timeout_ns, &arrival);
   uint32_t const present = __ballot_sync(0xffffffffu, seen);
   uint32_t const ahead = __ballot_sync(0xffffffffu, seen && (arrival >> 32) > epoch);
   if (ahead != 0) {
@@ -101,14 +146,12 @@ __global__ void __launch_bounds__(kAgreementThreads, 1) ll_agreement_kernel(LlAg
     return;
   }
   // 3. verdict
-  if (peer)
-    device::signal_set(reinterpret_cast<uint64_t*>(p.net.window(lane) + p.verdict) + parity + rank,
-                       epoch << 32 | present);
+  if (peer) send_word(p, network, lane, p.verdict + parity, p.verdict_signals, epoch << 32 | present);
   // 4. the verdicts of the ranks seen (bounded; a rank silent here died inside the agreement)
   uint64_t verdict = 0;
-  bool const heard = ((present >> lane) & 1u) != 0 &&
-                     wait_epoch(reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.verdict) + parity + lane,
-                                epoch, device::arch::global_timer_ns(), p.view.timeout_ns, &verdict);
+  bool const heard =
+      ((present >> lane) & 1u) != 0 && wait_word(p, network, lane, p.verdict + parity, p.verdict_signals, epoch,
+                                                 device::arch::global_timer_ns(), p.view.timeout_ns, &verdict);
   uint32_t const silent = present & ~__ballot_sync(0xffffffffu, heard);
   if (silent != 0) {
     if (((silent >> lane) & 1u) != 0)
@@ -145,11 +188,14 @@ __global__ void __launch_bounds__(kAgreementThreads, 1) ll_agreement_kernel(LlAg
 
 // clear_mask (every rank, its stream idle, before a barrier of the whole world): the counters of both legs and the
 // agreements put where every rank now starts (the largest of everyone's), the arrival counters of this rank's region
-// with them (a counter holds num_ctas per call of its source), and the mask and its counts gone.
+// with them (a counter holds num_ctas per call of its source; across nodes over the emulated network the counters of
+// the other nodes' sources are these words too), the agreement's counters of the other nodes' words at the epoch,
+// and the mask and its counts gone.
 struct LlMaskResetParams {
   cuda_ep::DeviceState* state;
   uint64_t* dispatch_arrivals;  // this rank's region: [world]
   uint64_t* combine_arrivals;
+  uint64_t* agreement_signals;  // this rank's region: [2][world] (LlMaskArea::signals)
   detail::LlMaskHost* host;
   int world;
   int num_ctas;
@@ -167,6 +213,8 @@ __global__ void __launch_bounds__(cuda_ep::kMaxLlCtas, 1) ll_mask_reset_kernel(L
   if (tid < p.world) {
     p.dispatch_arrivals[tid] = p.to.dispatch_seq * per_call;
     p.combine_arrivals[tid] = p.to.combine_seq * per_call;
+    p.agreement_signals[tid] = p.to.epoch;
+    p.agreement_signals[p.world + tid] = p.to.epoch;
   }
   if (tid == 0) {
     int8_t* const entry_rank = s.ll_mask.entry_rank;
