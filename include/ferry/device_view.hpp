@@ -22,6 +22,7 @@ enum class WaitPhase : int32_t {
   ll_combine = 6,
   test = 7,
   weight_gradients = 8,  // combine_backward's exchange of the weight gradients (normal mode)
+  clear_mask = 9,        // EpBuffer::clear_mask across nodes: the network's counters put back in step
 };
 
 char const* wait_phase_name(WaitPhase phase);

@@ -24,6 +24,8 @@ char const* wait_phase_name(WaitPhase phase) {
       return "test";
     case WaitPhase::weight_gradients:
       return "weight gradients";
+    case WaitPhase::clear_mask:
+      return "clear_mask";
   }
   return "unknown";
 }

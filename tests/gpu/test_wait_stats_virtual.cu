@@ -153,13 +153,19 @@ struct LlWorld {
     return calls;
   }
   detail::LlMaskWords words(int r) const { return cuda_ep::read_ll_mask(ranks[r], ranks.stream(r)); }
-  // clear_mask as CudaEp does it, every rank (the bootstrap's allgather and barrier are the host's loop here)
+  // clear_mask as CudaEp does it, every rank (the bootstrap's allgathers and barrier are the host's loops here); across
+  // nodes the network's counters through it (the reset sets only the counters of each rank's own node)
   void clear() {
     std::vector<detail::LlCallCounters> all_counters;
     for (int r = 0; r < world; ++r) all_counters.push_back(cuda_ep::ll_call_counters(ranks[r], ranks.stream(r)));
     detail::LlCallCounters const to = detail::merge_call_counters(all_counters);
+    std::vector<std::vector<uint64_t>> network;
+    for (int r = 0; r < world; ++r) network.push_back(cuda_ep::read_network_counters(ranks[r], ranks.stream(r)));
+    for (int r = 0; r < world; ++r) cuda_ep::realign_network_counters(ranks[r], to, network, ranks.stream(r));
     for (int r = 0; r < world; ++r) cuda_ep::reset_ll_mask(ranks[r], to, ranks.stream(r));
     CK(cudaDeviceSynchronize());
+    std::string const failure = ranks.synchronize(std::vector<int>(static_cast<std::size_t>(world), 0));
+    EXPECT_TRUE(failure.empty()) << "clear_mask:\n" << failure;
   }
 };
 

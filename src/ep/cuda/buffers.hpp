@@ -8,6 +8,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "comm/transport/emulated.cuh"
 #include "comm/transport/gin.cuh"
@@ -343,6 +344,15 @@ void request_ll_mask(Buffers const& buffers, uint32_t ranks);
 // detail::merge_call_counters) the reset of its counters, its region's arrival counters and its mask, on `stream`.
 detail::LlCallCounters ll_call_counters(Buffers const& buffers, cudaStream_t stream);
 void reset_ll_mask(Buffers const& buffers, detail::LlCallCounters const& to, cudaStream_t stream);
+// clear_mask across nodes (ll_mask.cuh, ll_counters_kernel): the counters the ranks of other nodes add to, put back
+// in step through the network. read_network_counters: this rank's counters of each other node's source,
+// [kNetworkCounters][world] (synchronises `stream`; zeros on one node). realign_network_counters, with every rank's
+// reads (counters[r]: rank r's): adds to each rank of another node what its counters of this rank lack of the
+// targets, then waits (bounded) until this rank's counters of the other nodes' sources reach them. Nothing on one
+// node. Every rank runs both, with an allgather between, before reset_ll_mask.
+std::vector<uint64_t> read_network_counters(Buffers const& buffers, cudaStream_t stream);
+void realign_network_counters(Buffers const& buffers, detail::LlCallCounters const& to,
+                              std::vector<std::vector<uint64_t>> const& counters, cudaStream_t stream);
 
 // Most local experts of an expert-major layout (a low-latency EpBuffer; a normal-mode one with expert_capacity): the
 // kernels that build it (expert_layout.cuh) keep two counters per local expert in shared memory (expand_smem_bytes),

@@ -447,24 +447,32 @@ class CudaEp final : public detail::EpBackendImpl {
   }
 
   // Collective over the whole world through the bootstrap (the masked ranks' calls are out of step with the others'):
-  // every rank's counters, the largest of each, the reset of this rank's (and of its region's arrival counters), then
-  // a barrier, so that no rank's next call reaches a peer that has not reset yet.
+  // every rank's counters, the largest of each; across nodes the network's counters put in step through it (every
+  // rank's reading of them, then what each source adds); the reset of this rank's (and of its region's arrival
+  // counters of its node), then a barrier, so that no rank's next call reaches a peer that has not reset yet.
   void clear_mask() override {
-    // NOTE: the reset puts the counters back in step by setting them; over GIN the counters of the other nodes'
-    // sources are GIN signals, which only add (a remote set does not exist), so there it is refused, on every rank
-    // alike (the topology and the network agree), before any rank starts the collective steps.
-    FERRY_CHECK_CONFIG(buffers_.layout.nodes <= 1 || buffers_.network_kind != transport::Kind::gin,
-                       "clear_mask across nodes over GIN (topology ", topology_name(buffers_.topology),
-                       "): the counters of the other nodes' ranks are GIN signals, which cannot be set back into step "
-                       "in this version; make a new EpBuffer (the masked ranks rejoin it)");
     FERRY_CHECK_CUDA(cudaSetDevice(comm_.device()));
     cudaStream_t const stream = mask_stream_ != nullptr ? mask_stream_ : cudaStreamPerThread;
     FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
+    int const world = buffers_.world;
     detail::LlCallCounters const mine = ll_call_counters(buffers_, stream);
-    std::vector<detail::LlCallCounters> all(static_cast<std::size_t>(buffers_.world));
+    std::vector<detail::LlCallCounters> all(static_cast<std::size_t>(world));
     comm_.bootstrap().allgather(&mine, all.data(), sizeof(mine));
-    reset_ll_mask(buffers_, detail::merge_call_counters(all), stream);
+    detail::LlCallCounters const to = detail::merge_call_counters(all);
+    if (buffers_.layout.nodes > 1) {
+      std::vector<uint64_t> const reads = read_network_counters(buffers_, stream);
+      std::vector<uint64_t> gathered(reads.size() * static_cast<std::size_t>(world));
+      comm_.bootstrap().allgather(reads.data(), gathered.data(), reads.size() * sizeof(uint64_t));
+      std::vector<std::vector<uint64_t>> counters;
+      for (int r = 0; r < world; ++r)
+        counters.emplace_back(gathered.begin() + static_cast<std::ptrdiff_t>(r * reads.size()),
+                              gathered.begin() + static_cast<std::ptrdiff_t>((r + 1) * reads.size()));
+      realign_network_counters(buffers_, to, counters, stream);
+    }
+    reset_ll_mask(buffers_, to, stream);
     FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
+    // across nodes a rank that did not add its part: the realignment's bounded wait, a TimeoutError naming it
+    if (buffers_.layout.nodes > 1) comm_.check_errors(nullptr);
     comm_.bootstrap().barrier();
     self_masked_.clear();
     last_num_tokens_ = 0;  // the dispatch before the clear is forgotten

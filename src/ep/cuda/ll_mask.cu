@@ -4,6 +4,7 @@
 
 #include "core/cuda_check.hpp"
 #include "ep/cuda/buffers.hpp"
+#include "ep/cuda/device_memory.hpp"
 #include "ep/cuda/ll_mask.cuh"
 
 namespace ferry::cuda_ep {
@@ -71,13 +72,91 @@ void reset_ll_mask(Buffers const& b, detail::LlCallCounters const& to, cudaStrea
   char* const region = b.sym.ptr[b.rank];
   p.dispatch_arrivals = reinterpret_cast<uint64_t*>(region + b.layout.dispatch_arrivals);
   p.combine_arrivals = reinterpret_cast<uint64_t*>(region + b.layout.combine_arrivals);
-  p.agreement_signals = reinterpret_cast<uint64_t*>(region + ll_mask_area(b.layout, b.world).signals);
   p.host = b.mask_host_device;
   p.world = b.world;
+  p.rank = b.rank;
+  p.local = b.layout.nodes > 1 ? b.layout.local : b.world;
   p.num_ctas = b.num_ctas;
   p.to = to;
   cuda_ll::ll_mask_reset_kernel<<<1, kMaxLlCtas, 0, stream>>>(p);
   FERRY_CHECK_CUDA(cudaGetLastError());
+}
+
+namespace {
+
+// The Params of ll_counters_kernel for this rank, and the launch of one step over the buffers' network (the legs'
+// Gin and the agreement's own over GIN; the emulated network, whose counters are window words, for both otherwise).
+cuda_ll::LlCounterParams counter_params(Buffers const& b, detail::LlCallCounters const& to) {
+  cuda_ll::LlCounterParams p{};
+  p.view = b.view;
+  p.local = b.layout.local;
+  LlMaskArea const area = ll_mask_area(b.layout, b.world);
+  std::size_t const counters[cuda_ll::kNetworkCounters] = {b.layout.dispatch_arrivals, b.layout.combine_arrivals,
+                                                           area.arrive_signals, area.verdict_signals};
+  uint64_t const per_call = static_cast<uint64_t>(b.num_ctas);
+  uint64_t const target[cuda_ll::kNetworkCounters] = {to.dispatch_seq * per_call, to.combine_seq * per_call, to.epoch,
+                                                      to.epoch};
+  for (int k = 0; k < cuda_ll::kNetworkCounters; ++k) {
+    p.counters[k] = counters[k];
+    p.target[k] = target[k];
+  }
+  return p;
+}
+
+template <cuda_ll::LlCounterStep kStep>
+void launch_counters(Buffers const& b, cuda_ll::LlCounterParams const& base, cudaStream_t stream) {
+  auto const launch = [&](auto const& legs, auto const& agreement) {
+    using Net = std::decay_t<decltype(legs)>;
+    cuda_ll::LlCounterNets<Net> p{};
+    static_cast<cuda_ll::LlCounterParams&>(p) = base;
+    p.legs = legs;
+    p.agreement = agreement;
+    cuda_ll::ll_counters_kernel<Net, kStep><<<1, cuda_ll::kAgreementThreads, 0, stream>>>(p);
+  };
+  if (b.network_kind == transport::Kind::gin)
+    launch(b.gin, b.mask_gin);
+  else
+    with_network(b, 2, "clear_mask", [&](auto const& network) { launch(network, network); });
+  FERRY_CHECK_CUDA(cudaGetLastError());
+}
+
+}  // namespace
+
+std::vector<uint64_t> read_network_counters(Buffers const& b, cudaStream_t stream) {
+  std::size_t const n = static_cast<std::size_t>(cuda_ll::kNetworkCounters) * b.world;
+  std::vector<uint64_t> out(n, 0);
+  if (b.layout.nodes <= 1) return out;
+  cuda_ll::LlCounterParams p = counter_params(b, detail::LlCallCounters{});
+  p.read = detail::device_zeroed<uint64_t>(n);
+  try {
+    launch_counters<cuda_ll::LlCounterStep::read>(b, p, stream);
+    FERRY_CHECK_CUDA(cudaMemcpyAsync(out.data(), p.read, n * sizeof(uint64_t), cudaMemcpyDeviceToHost, stream));
+    FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
+  } catch (...) {
+    detail::device_free(p.read);
+    throw;
+  }
+  detail::device_free(p.read);
+  return out;
+}
+
+void realign_network_counters(Buffers const& b, detail::LlCallCounters const& to,
+                              std::vector<std::vector<uint64_t>> const& counters, cudaStream_t stream) {
+  if (b.layout.nodes <= 1) return;
+  FERRY_CHECK(static_cast<int>(counters.size()) == b.world, "realign_network_counters needs every rank's counters");
+  cuda_ll::LlCounterParams p = counter_params(b, to);
+  for (int d = 0; d < b.world; ++d) {
+    if (d / b.layout.local == b.rank / b.layout.local) continue;
+    for (int k = 0; k < cuda_ll::kNetworkCounters; ++k) {
+      uint64_t const has = counters[static_cast<std::size_t>(d)][static_cast<std::size_t>(k) * b.world + b.rank];
+      // NOTE: the targets are the largest counters of everyone, and a counter only ever holds what its source sent
+      FERRY_CHECK(has <= p.target[k], "rank ", d, "'s counter ", k, " of rank ", b.rank, " holds ", has,
+                  ", past the target ", p.target[k]);
+      p.add[k][d] = p.target[k] - has;
+    }
+  }
+  launch_counters<cuda_ll::LlCounterStep::add>(b, p, stream);
+  launch_counters<cuda_ll::LlCounterStep::wait>(b, p, stream);
 }
 
 }  // namespace ferry::cuda_ep

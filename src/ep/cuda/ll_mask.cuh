@@ -188,16 +188,17 @@ __global__ void __launch_bounds__(kAgreementThreads, 1) ll_agreement_kernel(NetP
 
 // clear_mask (every rank, its stream idle, before a barrier of the whole world): the counters of both legs and the
 // agreements put where every rank now starts (the largest of everyone's), the arrival counters of this rank's region
-// with them (a counter holds num_ctas per call of its source; across nodes over the emulated network the counters of
-// the other nodes' sources are these words too), the agreement's counters of the other nodes' words at the epoch,
-// and the mask and its counts gone.
+// with them (a counter holds num_ctas per call of its source) for the sources of this node (the other nodes'
+// counters are the network's: realign_network_counters puts them in step before this), and the mask and its counts
+// gone.
 struct LlMaskResetParams {
   cuda_ep::DeviceState* state;
   uint64_t* dispatch_arrivals;  // this rank's region: [world]
   uint64_t* combine_arrivals;
-  uint64_t* agreement_signals;  // this rank's region: [2][world] (LlMaskArea::signals)
   detail::LlMaskHost* host;
   int world;
+  int rank;
+  int local;  // ranks per node (world on one node)
   int num_ctas;
   detail::LlCallCounters to;
 };
@@ -210,11 +211,9 @@ __global__ void __launch_bounds__(cuda_ep::kMaxLlCtas, 1) ll_mask_reset_kernel(L
   s.combine_send_seq[tid] = p.to.combine_seq;
   s.combine_recv_seq[tid] = p.to.combine_seq;
   uint64_t const per_call = static_cast<uint64_t>(p.num_ctas);
-  if (tid < p.world) {
+  if (tid < p.world && tid / p.local == p.rank / p.local) {
     p.dispatch_arrivals[tid] = p.to.dispatch_seq * per_call;
     p.combine_arrivals[tid] = p.to.combine_seq * per_call;
-    p.agreement_signals[tid] = p.to.epoch;
-    p.agreement_signals[p.world + tid] = p.to.epoch;
   }
   if (tid == 0) {
     int8_t* const entry_rank = s.ll_mask.entry_rank;
@@ -224,6 +223,55 @@ __global__ void __launch_bounds__(cuda_ep::kMaxLlCtas, 1) ll_mask_reset_kernel(L
     s.num_tokens = 0;  // the dispatch before the clear is forgotten (dispatch again before a combine)
     p.host->request = 0;
     p.host->self = 0;
+  }
+}
+
+// clear_mask across nodes: the counters that the ranks of other nodes add to (the legs' arrivals, the agreement's
+// counters) belong to the network, which has no remote "set" (GIN's signals only add), so they are put back in step
+// through it, in three steps with the host's allgather between the first two:
+//  1. read: every rank reads its counters of each source of another node (the seam's read);
+//  2. add: every source adds to each rank of another node what that rank's counters of it lack of the targets (the
+//     largest call counters of everyone, as the reset kernel sets the local ones) with one signal each;
+//  3. wait: every rank waits, bounded, until its counters of the other nodes' sources reach the targets.
+// Thread s (of one warp) speaks for rank s; the ranks of this node are the reset kernel's (load/store).
+inline constexpr int kNetworkCounters = 4;  // dispatch arrivals, combine arrivals, agreement arrivals, verdicts
+
+struct LlCounterParams {
+  DeviceView view;
+  int local;                                       // ranks per node
+  std::size_t counters[kNetworkCounters];          // offsets of the four [world] arrays (by source)
+  uint64_t target[kNetworkCounters];               // what every counter must hold
+  uint64_t* read;                                  // step 1: [kNetworkCounters][world] this rank's counters
+  uint64_t add[kNetworkCounters][kMaxLocalPeers];  // step 2: what to add to each rank's counters of this one
+};
+// legs: the network of the legs' counters (a Gin's range is the layout's), agreement: the agreement's (LlMaskArea).
+template <class Net>
+struct LlCounterNets : LlCounterParams {
+  Net legs;
+  Net agreement;
+};
+
+enum class LlCounterStep { read, add, wait };
+
+template <class Net, LlCounterStep kStep>
+__global__ void __launch_bounds__(kAgreementThreads, 1) ll_counters_kernel(LlCounterNets<Net> const p) {
+  int const s = static_cast<int>(threadIdx.x);
+  int const rank = p.view.rank;
+  if (s >= p.view.world || s / p.local == rank / p.local) return;
+  for (int k = 0; k < kNetworkCounters; ++k) {
+    auto ep = (k < 2 ? p.legs : p.agreement).open(transport::Thread{}, s);
+    if constexpr (kStep == LlCounterStep::read) {
+      p.read[static_cast<std::size_t>(k) * p.view.world + s] =
+          ep.read(p.counters[k] + static_cast<std::size_t>(s) * sizeof(uint64_t));
+    } else if constexpr (kStep == LlCounterStep::add) {
+      if (p.add[k][s] != 0)
+        ep.signal(s, p.counters[k] + static_cast<std::size_t>(rank) * sizeof(uint64_t), p.add[k][s]);
+      ep.close();
+    } else {
+      if (!ep.wait(p.view, p.counters[k] + static_cast<std::size_t>(s) * sizeof(uint64_t), p.target[k], s,
+                   WaitPhase::clear_mask))
+        return;
+    }
   }
 }
 
