@@ -3,7 +3,8 @@
 //   buffer protocol (nb::ndarray); since the C++ API takes raw pointers, the shape, dtype, contiguity and device
 //   checks a pointer cannot carry are made here, as InputError in the library's own message format;
 // - outputs are views of the EpBuffer's buffers (DispatchResult pointers), created once per (buffer, framework) and
-//   reused, so a call allocates only the small view objects it returns (a slice in eager mode, the result record);
+//   reused, so a call allocates only the small view objects it returns (a slice in eager mode, the result record
+//   when it differs from the last one);
 // - every C++ call that can block or run long is made with the GIL released.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -568,6 +569,9 @@ struct PyDispatchResult {
   int64_t masked_entries = 0;  // rank masking: this call's entries not sent (their rank is masked)
 };
 
+// A DispatchResult as the Python object a call returns (typed as one in the signature).
+using ResultObject = nb::typed<nb::object, PyDispatchResult>;
+
 // A DispatchHandle (include/ferry/ep.hpp) with the storage the binding gave it: on the cuda backend a torch uint8
 // tensor of handle_bytes() from torch's caching allocator (a handle per forward call costs no cudaMalloc), kept alive
 // as long as the handle; on the cpu backend none (the handle lives in host memory). num_recv_host: the rows of the
@@ -710,9 +714,9 @@ class PyEpBuffer {
     return in;
   }
 
-  PyDispatchResult dispatch(nb::handle x, nb::handle topk_idx, nb::handle topk_weights, nb::handle x_scales,
-                            nb::handle x_token_scales, bool expand, bool eager, bool return_recv_hook,
-                            nb::handle save_handle, nb::handle handle, nb::handle stream) {
+  ResultObject dispatch(nb::handle x, nb::handle topk_idx, nb::handle topk_weights, nb::handle x_scales,
+                        nb::handle x_token_scales, bool expand, bool eager, bool return_recv_hook,
+                        nb::handle save_handle, nb::handle handle, nb::handle stream) {
     PyDispatchHandle* save = nullptr;
     Inputs in = checked(Leg::dispatch, stream, x, [&] {
       save = handle_arg(save_handle, "save_handle");
@@ -720,7 +724,7 @@ class PyEpBuffer {
                                   return_recv_hook, save, handle_arg(handle, "handle"));
     });
     DispatchResult const got = run_dispatch(in, save);
-    return result(got, in.framework, eager && !return_recv_hook);
+    return result_object(result(got, in.framework, eager && !return_recv_hook));
   }
 
   // A normal-mode dispatch whose rank-major outputs are fresh arrays the caller owns (ferry.deep_ep: DeepEP returns
@@ -810,7 +814,7 @@ class PyEpBuffer {
   // NOTE: the completions refuse a bad stream locally, before anything: the hook stays pending (the send half
   // already went out, so there is no exchange left to join as a refusal), and a second call with a good stream
   // completes it. The C++ completions refuse their misuse the same way.
-  PyDispatchResult complete_dispatch(nb::handle stream) {
+  ResultObject complete_dispatch(nb::handle stream) {
     cudaStream_t const s = resolve_stream(stream, last_framework_);
     bool const hooked = buffer_->pending_hook() == std::string("dispatch");  // else C++ refuses, nothing changes
     DispatchResult got;
@@ -821,7 +825,7 @@ class PyEpBuffer {
       got = buffer_->complete_dispatch(s);
     }
     remember_dispatch(hooked_num_tokens_, got, last_framework_, last_eager_);
-    return result(got, last_framework_, last_eager_);
+    return result_object(result(got, last_framework_, last_eager_));
   }
 
   void complete_combine(nb::handle stream) {
@@ -1480,6 +1484,26 @@ class PyEpBuffer {
     return out;
   }
 
+  // The Python object of a result: the last one again when every field is the same (lazy calls return the same
+  // cached views each time; a DispatchResult is read-only), else a new one, so that a call creates no object.
+  ResultObject result_object(PyDispatchResult&& got) {
+    if (last_result_.is_valid()) {
+      PyDispatchResult const& last = *nb::inst_ptr<PyDispatchResult>(last_result_);
+      if (same_result(last, got)) return nb::borrow<ResultObject>(last_result_);
+    }
+    last_result_ = nb::cast(std::move(got));
+    return nb::borrow<ResultObject>(last_result_);
+  }
+  static bool same_result(PyDispatchResult const& a, PyDispatchResult const& b) {
+    return a.recv_x.is(b.recv_x) && a.recv_topk_idx.is(b.recv_topk_idx) &&
+           a.recv_topk_weights.is(b.recv_topk_weights) && a.recv_src.is(b.recv_src) && a.num_recv.is(b.num_recv) &&
+           a.expert_counts.is(b.expert_counts) && a.expert_x.is(b.expert_x) && a.expert_src_row.is(b.expert_src_row) &&
+           a.recv_scales.is(b.recv_scales) && a.recv_token_scales.is(b.recv_token_scales) &&
+           a.expert_scales.is(b.expert_scales) && a.expert_token_scales.is(b.expert_token_scales) &&
+           a.num_recv_host == b.num_recv_host && a.recv_capacity == b.recv_capacity &&
+           a.expert_slots == b.expert_slots && a.masked_entries == b.masked_entries;
+  }
+
   Placement placement_;
   std::shared_ptr<EpBuffer> buffer_;
   nb::object owner_;
@@ -1500,6 +1524,7 @@ class PyEpBuffer {
   Framework last_framework_ = kNumpy;  // of the last dispatch (the completion of a hook returns views in it)
   bool last_eager_ = true;
   Views views_[kNumFrameworks];
+  nb::object last_result_;  // the DispatchResult object dispatch or complete_dispatch returned last
   std::atomic<bool> busy_{false};
 };
 
