@@ -262,13 +262,12 @@ class ArrayArg {
   explicit ArrayArg(nb::dlpack::dltensor const& tensor) : tensor_(tensor) {}
   template <typename... Args>
   explicit ArrayArg(nb::ndarray<Args...> const& array) : keep_(array) {
-    tensor_.data = array.data_handle();
+    tensor_.data = const_cast<void*>(static_cast<void const*>(array.data()));  // byte_offset included
     tensor_.device = {array.device_type(), array.device_id()};
     tensor_.ndim = static_cast<int32_t>(array.ndim());
     tensor_.dtype = array.dtype();
     tensor_.shape = const_cast<int64_t*>(array.shape_ptr());
     tensor_.strides = const_cast<int64_t*>(array.stride_ptr());
-    tensor_.byte_offset = array.byte_offset();
   }
 
   size_t ndim() const { return static_cast<size_t>(tensor_.ndim); }
