@@ -1,9 +1,10 @@
 // ferry._ext: the nanobind module over Ferry's C++ API (include/ferry/). Thin by design:
-// - arrays come in through DLPack or the buffer protocol (nb::ndarray); since the C++ API takes raw pointers, the
-//   shape, dtype, contiguity and device checks a pointer cannot carry are made here, as InputError in the library's
-//   own message format;
+// - arrays come in through torch's DLPack C exchange API (torch tensors, where torch has it), DLPack capsules or the
+//   buffer protocol (nb::ndarray); since the C++ API takes raw pointers, the shape, dtype, contiguity and device
+//   checks a pointer cannot carry are made here, as InputError in the library's own message format;
 // - outputs are views of the EpBuffer's buffers (DispatchResult pointers), created once per (buffer, framework) and
-//   reused, so a call allocates only the small view objects it returns (a slice in eager mode, the result record);
+//   reused, so a call allocates only the small view objects it returns (a slice in eager mode, the result record
+//   when it differs from the last one);
 // - every C++ call that can block or run long is made with the GIL released.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -61,6 +62,36 @@ constexpr nb::dlpack::dtype kI8 = nb::dtype<int8_t>();
 constexpr nb::dlpack::dtype kFp8{static_cast<uint8_t>(nb::dlpack::dtype_code::Float8_E4M3FN), 8, 1};
 constexpr nb::dlpack::dtype kE8M0{static_cast<uint8_t>(nb::dlpack::dtype_code::Float8_E8M0FNU), 8, 1};
 
+// DLPack's C exchange API (dlpack.h 1.2+, DLPackExchangeAPI), the fields read here: a C function that fills a
+// DLTensor from a framework's Python object without allocating, and the framework's current stream of a device.
+// torch >= 2.11 publishes it as torch.Tensor.__dlpack_c_exchange_api__, a PyCapsule named "dlpack_exchange_api".
+// nb::dlpack::dltensor is DLTensor's layout.
+struct DlpackExchangeApi {
+  struct Header {
+    uint32_t major, minor;   // DLPackVersion
+    Header const* prev_api;  // an older table of the chain (a consumer of an older major version walks it)
+  } header;
+  void* managed_tensor_allocator;
+  void* managed_tensor_from_py_object_no_sync;
+  void* managed_tensor_to_py_object_no_sync;
+  // 0, or -1 with a Python exception set; shape, strides and data are the object's own (valid while it lives)
+  int (*dltensor_from_py_object_no_sync)(void* py_object, nb::dlpack::dltensor* out);
+  // 0, or -1 with a Python exception set (DLDeviceType, device id, the stream out)
+  int (*current_work_stream)(int device_type, int32_t device_id, void** out_stream);
+};
+
+// The table of major version 1 in the chain of a __dlpack_c_exchange_api__ capsule, if it has the two functions.
+DlpackExchangeApi const* exchange_api_of(nb::handle capsule) {
+  if (!PyCapsule_IsValid(capsule.ptr(), "dlpack_exchange_api")) return nullptr;
+  auto const* header =
+      static_cast<DlpackExchangeApi::Header const*>(PyCapsule_GetPointer(capsule.ptr(), "dlpack_exchange_api"));
+  while (header != nullptr && header->major > 1) header = header->prev_api;
+  // NOTE: the table came with DLPack 1.2; its layout is fixed within a major version
+  if (header == nullptr || header->major != 1 || header->minor < 2) return nullptr;
+  auto const* api = reinterpret_cast<DlpackExchangeApi const*>(header);
+  return api->dltensor_from_py_object_no_sync && api->current_work_stream ? api : nullptr;
+}
+
 // Types and callables found lazily (numpy at the first call that needs it; torch once something imported it).
 struct Frameworks {
   PyTypeObject* numpy_ndarray = nullptr;
@@ -78,6 +109,9 @@ struct Frameworks {
   nb::object torch_to_dlpack;        // torch._C._to_dlpack (None where this torch lacks it)
   nb::object torch_current_stream;   // (device index) -> raw cudaStream_t as int
   bool torch_stream_is_raw = false;  // torch._C._cuda_getCurrentRawStream (an int directly) vs current_stream()
+  // torch.Tensor.__dlpack_c_exchange_api__'s table (null where this torch has none, or use_exchange_api(false))
+  DlpackExchangeApi const* torch_exchange = nullptr;
+  DlpackExchangeApi const* torch_exchange_found = nullptr;  // what torch has, whether used or not
 };
 
 Frameworks& frameworks() {
@@ -114,8 +148,33 @@ PyTypeObject* torch_tensor_type() {
     f.torch_fp8_e8m0fnu = nb::getattr(module, "float8_e8m0fnu", nb::none());
     f.torch_fp4_e2m1fn_x2 = nb::getattr(module, "float4_e2m1fn_x2", nb::none());
     f.torch_to_dlpack = nb::getattr(module.attr("_C"), "_to_dlpack", nb::none());
+    // NOTE: the capsule is a class attribute of torch.Tensor, alive as long as torch (never unloaded)
+    f.torch_exchange_found =
+        exchange_api_of(nb::getattr(module.attr("Tensor"), "__dlpack_c_exchange_api__", nb::none()));
+    f.torch_exchange = f.torch_exchange_found;
   }
   return f.torch_tensor;
+}
+
+// Whether the imports and stream lookups below take torch's C exchange API where torch has one (the default), or the
+// ways a torch without it is read (a DLPack capsule, a Python call for the stream). Returns whether this torch has
+// one. For the tests, which run the same calls both ways.
+bool use_exchange_api(bool on) {
+  Frameworks& f = frameworks();
+  if (!torch_tensor_type()) return false;
+  f.torch_exchange = on ? f.torch_exchange_found : nullptr;
+  return f.torch_exchange_found != nullptr;
+}
+
+// Fills `out` with a torch tensor's DLTensor through torch's C exchange API: no allocation, no Python call. False for
+// anything else, a torch without the API, or a tensor it refuses (the caller then imports it the other way).
+bool torch_dltensor(nb::handle object, nb::dlpack::dltensor& out) {
+  PyTypeObject* const torch = torch_tensor_type();
+  DlpackExchangeApi const* const api = frameworks().torch_exchange;
+  if (!api || !PyType_IsSubtype(Py_TYPE(object.ptr()), torch)) return false;
+  if (api->dltensor_from_py_object_no_sync(object.ptr(), &out) == 0) return true;
+  PyErr_Clear();
+  return false;
 }
 
 // The DLPack capsule of a torch tensor straight from torch's C++ exporter, or an invalid object (anything else, or
@@ -143,6 +202,11 @@ Framework framework_of(nb::handle array) {
 // The current torch stream of a GPU as a cudaStream_t.
 cudaStream_t torch_current_stream(int device) {
   Frameworks& f = frameworks();
+  if (f.torch_exchange != nullptr) {
+    void* stream = nullptr;
+    if (f.torch_exchange->current_work_stream(nb::device::cuda::value, device, &stream) != 0) throw nb::python_error();
+    return static_cast<cudaStream_t>(stream);
+  }
   if (!f.torch_current_stream.is_valid()) {
     nb::object c = nb::module_::import_("torch._C");
     // NOTE: torch._C._cuda_getCurrentRawStream returns the raw pointer as an int, several times cheaper than
@@ -189,7 +253,48 @@ char const* dtype_name(nb::dlpack::dtype dtype) {
   }
 }
 
-std::string shape_text(nb::ndarray<nb::ro> const& array) {
+// An imported array argument: the DLTensor fields the checks and the C++ call read. It borrows what it describes:
+// data, shape and strides stay valid while the Python object it was read from lives unchanged (an argument of the
+// running call); an import through nanobind keeps its ndarray here.
+class ArrayArg {
+ public:
+  ArrayArg() = default;
+  explicit ArrayArg(nb::dlpack::dltensor const& tensor) : tensor_(tensor) {}
+  template <typename... Args>
+  explicit ArrayArg(nb::ndarray<Args...> const& array) : keep_(array) {
+    tensor_.data = const_cast<void*>(static_cast<void const*>(array.data()));  // byte_offset included
+    tensor_.device = {array.device_type(), array.device_id()};
+    tensor_.ndim = static_cast<int32_t>(array.ndim());
+    tensor_.dtype = array.dtype();
+    tensor_.shape = const_cast<int64_t*>(array.shape_ptr());
+    tensor_.strides = const_cast<int64_t*>(array.stride_ptr());
+  }
+
+  size_t ndim() const { return static_cast<size_t>(tensor_.ndim); }
+  size_t shape(size_t i) const { return static_cast<size_t>(tensor_.shape[i]); }
+  // NOTE: DLPack before 1.2 allows null strides for a row-major array
+  int64_t stride(size_t i) const {
+    if (tensor_.strides) return tensor_.strides[i];
+    int64_t stride = 1;
+    for (size_t j = i + 1; j < ndim(); ++j) stride *= tensor_.shape[j];
+    return stride;
+  }
+  size_t size() const {
+    size_t n = 1;
+    for (size_t i = 0; i < ndim(); ++i) n *= shape(i);
+    return n;
+  }
+  nb::dlpack::dtype dtype() const { return tensor_.dtype; }
+  int device_type() const { return static_cast<int>(tensor_.device.device_type); }
+  int device_id() const { return static_cast<int>(tensor_.device.device_id); }
+  void* data() const { return static_cast<char*>(tensor_.data) + tensor_.byte_offset; }
+
+ private:
+  nb::dlpack::dltensor tensor_;
+  nb::ndarray<nb::ro> keep_;
+};
+
+std::string shape_text(ArrayArg const& array) {
   std::string out = "[";
   for (size_t i = 0; i < array.ndim(); ++i) out += concat(i ? ", " : "", array.shape(i));
   return out + "]";
@@ -203,7 +308,7 @@ std::string device_text(int device_type, int device_id) {
 }
 
 // Row-major and dense (dimensions of extent 1 may have any stride).
-bool is_c_contiguous(nb::ndarray<nb::ro> const& array) {
+bool is_c_contiguous(ArrayArg const& array) {
   if (array.size() == 0) return true;
   int64_t expected = 1;
   for (size_t i = array.ndim(); i-- > 0;) {
@@ -239,33 +344,37 @@ class Placement {
   }
   int dlpack_device_id() const { return backend_ == Backend::cuda ? device_ : 0; }
 
+  enum class Access { read, write };
+
   // Imports `object` as an array without copying (no conversion), checking placement, contiguity and rank.
-  template <typename Array>
-  Array import(nb::handle object, char const* name, std::initializer_list<int64_t> dims, char const* free_name) const {
-    Array array = import_any<Array>(object, name);
-    nb::ndarray<nb::ro> const view(array);
+  ArrayArg import(nb::handle object, char const* name, std::initializer_list<int64_t> dims, char const* free_name,
+                  Access access = Access::read) const {
+    ArrayArg array = import_any(object, name, access);
     bool shape_ok = array.ndim() == dims.size();
     size_t i = 0;
     for (int64_t dim : dims) {
       if (shape_ok && dim >= 0 && static_cast<int64_t>(array.shape(i)) != dim) shape_ok = false;
       ++i;
     }
-    FERRY_CHECK_INPUT(shape_ok, name, " has shape ", shape_text(view), "; expected ", wanted_shape(dims, free_name));
-    FERRY_CHECK_INPUT(is_c_contiguous(view), name, " of shape ", shape_text(view),
+    FERRY_CHECK_INPUT(shape_ok, name, " has shape ", shape_text(array), "; expected ", wanted_shape(dims, free_name));
+    FERRY_CHECK_INPUT(is_c_contiguous(array), name, " of shape ", shape_text(array),
                       " is not contiguous (row-major); pass a contiguous array (.contiguous() / np.ascontiguousarray)");
     return array;
   }
 
   // Imports `object` as an array, checking only that it is one and where it lives (for an argument the C++ call
-  // refuses by itself, whatever its shape).
-  template <typename Array>
-  Array import_any(nb::handle object, char const* name) const {
-    Array array;
-    nb::object const capsule = torch_capsule(object);
-    bool const imported = (capsule.is_valid() && nb::try_cast(capsule, array, /*convert=*/false)) ||
-                          nb::try_cast(object, array, /*convert=*/false);
-    FERRY_CHECK_INPUT(imported, name, " must be an array (DLPack or the buffer protocol: NumPy, torch, ...)",
-                      Array::ReadOnly ? "" : " that is writable", ", got ", python_type_name(object));
+  // refuses by itself, whatever its shape). A torch tensor is read through torch's C exchange API where torch has
+  // one (torch tensors are writable), else through a DLPack capsule or the buffer protocol (nanobind).
+  ArrayArg import_any(nb::handle object, char const* name, Access access = Access::read) const {
+    ArrayArg array;
+    if (nb::dlpack::dltensor tensor; torch_dltensor(object, tensor)) {
+      array = ArrayArg(tensor);
+    } else {
+      bool const imported = access == Access::read ? import_ndarray<nb::ndarray<nb::ro>>(object, array)
+                                                   : import_ndarray<nb::ndarray<>>(object, array);
+      FERRY_CHECK_INPUT(imported, name, " must be an array (DLPack or the buffer protocol: NumPy, torch, ...)",
+                        access == Access::read ? "" : " that is writable", ", got ", python_type_name(object));
+    }
     int const type = array.device_type();
     if (backend_ == Backend::cpu) {
       FERRY_CHECK_INPUT(type == nb::device::cpu::value || type == nb::device::cuda_host::value, name, " is on ",
@@ -279,6 +388,17 @@ class Placement {
   }
 
  private:
+  // nanobind's import of `object` (a torch tensor through its DLPack capsule) into `out`; false if it is no array.
+  template <typename Array>
+  static bool import_ndarray(nb::handle object, ArrayArg& out) {
+    Array array;
+    nb::object const capsule = torch_capsule(object);
+    bool const imported = (capsule.is_valid() && nb::try_cast(capsule, array, /*convert=*/false)) ||
+                          nb::try_cast(object, array, /*convert=*/false);
+    if (imported) out = ArrayArg(array);
+    return imported;
+  }
+
   Backend backend_;
   int device_;
 };
@@ -448,6 +568,9 @@ struct PyDispatchResult {
   int64_t masked_entries = 0;  // rank masking: this call's entries not sent (their rank is masked)
 };
 
+// A DispatchResult as the Python object a call returns (typed as one in the signature).
+using ResultObject = nb::typed<nb::object, PyDispatchResult>;
+
 // A DispatchHandle (include/ferry/ep.hpp) with the storage the binding gave it: on the cuda backend a torch uint8
 // tensor of handle_bytes() from torch's caching allocator (a handle per forward call costs no cudaMalloc), kept alive
 // as long as the handle; on the cpu backend none (the handle lives in host memory). num_recv_host: the rows of the
@@ -516,12 +639,11 @@ class PyEpBuffer {
     in.framework = framework_of(x);
     bool const prequantized = !x_scales.is_none() && format_ != WireFormat::bf16;
     bool const fp8 = format_ == WireFormat::fp8_e4m3 || format_ == WireFormat::fp8_e4m3_ue8m0;
-    nb::ndarray<nb::ro> xa;
+    ArrayArg xa;
     if (prequantized) {
       Frameworks const& f = frameworks();
       in.x_bytes = torch_bytes(x, in.framework, fp8 ? f.torch_fp8_e4m3fn : f.torch_fp4_e2m1fn_x2);
-      xa = placement_.import <nb::ndarray<nb::ro>>(in.x_bytes, "x", {-1, static_cast<int64_t>(wire_.payload_bytes)},
-                                                   "num_tokens");
+      xa = placement_.import(in.x_bytes, "x", {-1, static_cast<int64_t>(wire_.payload_bytes)}, "num_tokens");
       if (fp8)
         check_dtype(xa.dtype(), "x", {kFp8, kU8, kI8},
                     "float8_e4m3fn or uint8 (pre-quantized x is the fp8 payload: one byte per element)");
@@ -529,7 +651,7 @@ class PyEpBuffer {
         check_dtype(xa.dtype(), "x", {kU8, kI8},
                     "uint8 (pre-quantized x is the e2m1 payload: two elements per byte, element 2i in the low nibble)");
     } else {
-      xa = placement_.import <nb::ndarray<nb::ro>>(x, "x", {-1, hidden_}, "num_tokens");
+      xa = placement_.import(x, "x", {-1, hidden_}, "num_tokens");
       check_dtype(xa.dtype(), "x", {kBf16, kU16}, "bfloat16 (or uint16 holding bf16 bits)");
     }
     int64_t const num_tokens = static_cast<int64_t>(xa.shape(0));
@@ -540,8 +662,7 @@ class PyEpBuffer {
                                       format_ == WireFormat::nvfp4 ? f.torch_fp8_e4m3fn
                                       : wire_.scale_bytes == 1     ? f.torch_fp8_e8m0fnu
                                                                    : nb::none());
-        auto const sa =
-            placement_.import <nb::ndarray<nb::ro>>(in.scales_bytes, "x_scales", {num_tokens, wire_.num_scales}, "");
+        auto const sa = placement_.import(in.scales_bytes, "x_scales", {num_tokens, wire_.num_scales}, "");
         if (wire_.scale_bytes == 4)
           check_dtype(sa.dtype(), "x_scales", {kF32}, "float32 (the fp32 block scales of dispatch_format=fp8)");
         else if (format_ == WireFormat::nvfp4)
@@ -550,34 +671,32 @@ class PyEpBuffer {
           check_dtype(sa.dtype(), "x_scales", {kU8, kE8M0}, "uint8 or float8_e8m0fnu (UE8M0 block scales)");
         in.args.x_scales = nonnull(sa.data());
       } else {
-        in.args.x_scales = nonnull(placement_.import_any<nb::ndarray<nb::ro>>(x_scales, "x_scales").data());
+        in.args.x_scales = nonnull(placement_.import_any(x_scales, "x_scales").data());
       }
     }
     if (!x_token_scales.is_none()) {
       if (prequantized && wire_.has_token_scale) {
-        auto const ta = placement_.import <nb::ndarray<nb::ro>>(x_token_scales, "x_token_scales", {num_tokens}, "");
+        auto const ta = placement_.import(x_token_scales, "x_token_scales", {num_tokens}, "");
         check_dtype(ta.dtype(), "x_token_scales", {kF32}, "float32 (nvfp4's per-token scales)");
         in.args.x_token_scales = static_cast<float const*>(nonnull(ta.data()));
       } else {
-        in.args.x_token_scales = static_cast<float const*>(
-            nonnull(placement_.import_any<nb::ndarray<nb::ro>>(x_token_scales, "x_token_scales").data()));
+        in.args.x_token_scales =
+            static_cast<float const*>(nonnull(placement_.import_any(x_token_scales, "x_token_scales").data()));
       }
     }
     if (cached) {
-      if (!topk_idx.is_none())
-        in.args.topk_idx = nonnull(placement_.import_any<nb::ndarray<nb::ro>>(topk_idx, "topk_idx").data());
+      if (!topk_idx.is_none()) in.args.topk_idx = nonnull(placement_.import_any(topk_idx, "topk_idx").data());
       if (!topk_weights.is_none())
-        in.args.topk_weights = static_cast<float const*>(
-            nonnull(placement_.import_any<nb::ndarray<nb::ro>>(topk_weights, "topk_weights").data()));
+        in.args.topk_weights =
+            static_cast<float const*>(nonnull(placement_.import_any(topk_weights, "topk_weights").data()));
     } else {
       FERRY_CHECK_INPUT(!topk_idx.is_none(), "topk_idx is None; dispatch needs the [num_tokens, topk] expert ids ",
                         "(only a cached dispatch, handle=h, routes without them)");
       FERRY_CHECK_INPUT(!topk_weights.is_none(), "topk_weights is None; dispatch needs the [num_tokens, topk] ",
                         "weights (only a cached dispatch, handle=h, routes without them)");
-      auto const idx = placement_.import <nb::ndarray<nb::ro>>(topk_idx, "topk_idx", {num_tokens, topk_}, "num_tokens");
+      auto const idx = placement_.import(topk_idx, "topk_idx", {num_tokens, topk_}, "num_tokens");
       check_dtype(idx.dtype(), "topk_idx", {kI32, kI64}, "int32 or int64");
-      auto const weights =
-          placement_.import <nb::ndarray<nb::ro>>(topk_weights, "topk_weights", {num_tokens, topk_}, "num_tokens");
+      auto const weights = placement_.import(topk_weights, "topk_weights", {num_tokens, topk_}, "num_tokens");
       check_dtype(weights.dtype(), "topk_weights", {kF32}, "float32");
       in.args.topk_idx = idx.data();
       in.args.topk_idx_type = idx.dtype() == kI32 ? IndexType::int32 : IndexType::int64;
@@ -594,9 +713,9 @@ class PyEpBuffer {
     return in;
   }
 
-  PyDispatchResult dispatch(nb::handle x, nb::handle topk_idx, nb::handle topk_weights, nb::handle x_scales,
-                            nb::handle x_token_scales, bool expand, bool eager, bool return_recv_hook,
-                            nb::handle save_handle, nb::handle handle, nb::handle stream) {
+  ResultObject dispatch(nb::handle x, nb::handle topk_idx, nb::handle topk_weights, nb::handle x_scales,
+                        nb::handle x_token_scales, bool expand, bool eager, bool return_recv_hook,
+                        nb::handle save_handle, nb::handle handle, nb::handle stream) {
     PyDispatchHandle* save = nullptr;
     Inputs in = checked(Leg::dispatch, stream, x, [&] {
       save = handle_arg(save_handle, "save_handle");
@@ -604,7 +723,7 @@ class PyEpBuffer {
                                   return_recv_hook, save, handle_arg(handle, "handle"));
     });
     DispatchResult const got = run_dispatch(in, save);
-    return result(got, in.framework, eager && !return_recv_hook);
+    return result_object(result(got, in.framework, eager && !return_recv_hook));
   }
 
   // A normal-mode dispatch whose rank-major outputs are fresh arrays the caller owns (ferry.deep_ep: DeepEP returns
@@ -694,7 +813,7 @@ class PyEpBuffer {
   // NOTE: the completions refuse a bad stream locally, before anything: the hook stays pending (the send half
   // already went out, so there is no exchange left to join as a refusal), and a second call with a good stream
   // completes it. The C++ completions refuse their misuse the same way.
-  PyDispatchResult complete_dispatch(nb::handle stream) {
+  ResultObject complete_dispatch(nb::handle stream) {
     cudaStream_t const s = resolve_stream(stream, last_framework_);
     bool const hooked = buffer_->pending_hook() == std::string("dispatch");  // else C++ refuses, nothing changes
     DispatchResult got;
@@ -705,7 +824,7 @@ class PyEpBuffer {
       got = buffer_->complete_dispatch(s);
     }
     remember_dispatch(hooked_num_tokens_, got, last_framework_, last_eager_);
-    return result(got, last_framework_, last_eager_);
+    return result_object(result(got, last_framework_, last_eager_));
   }
 
   void complete_combine(nb::handle stream) {
@@ -730,13 +849,13 @@ class PyEpBuffer {
     FERRY_CHECK_INPUT(expert_major || layout == "rank", "layout='", layout,
                       "' is not a combine layout; use 'expert' (expert outputs [num_local_experts, expert_capacity, ",
                       "hidden], weights applied by combine) or 'rank' (rows [num_recv, hidden], already reduced)");
-    nb::ndarray<nb::ro> xa;
+    ArrayArg xa;
     if (expert_major) {
       FERRY_CHECK_INPUT(slots_ > 0, "combine layout='expert' needs an expert-major layout: create the EpBuffer with ",
                         "expert_capacity and dispatch with expand=True, or combine with layout='rank'");
-      xa = placement_.import <nb::ndarray<nb::ro>>(x, "x", {num_local_, slots_, hidden_}, "");
+      xa = placement_.import(x, "x", {num_local_, slots_, hidden_}, "");
     } else {
-      xa = placement_.import <nb::ndarray<nb::ro>>(x, "x", {-1, hidden_}, "rows");
+      xa = placement_.import(x, "x", {-1, hidden_}, "rows");
       // Rows the C++ side reads: num_recv (known on the host after an eager dispatch), else up to the capacity.
       int64_t const needed = num_recv_host >= 0 ? num_recv_host : capacity_;
       FERRY_CHECK_INPUT(static_cast<int64_t>(xa.shape(0)) >= needed, "x has ", xa.shape(0), " rows; combine ",
@@ -752,7 +871,7 @@ class PyEpBuffer {
       } else {
         in.y = nb::borrow(out);
       }
-      auto const ya = placement_.import <nb::ndarray<>>(in.y, "out", {num_tokens, hidden_}, "");
+      auto const ya = placement_.import(in.y, "out", {num_tokens, hidden_}, "", Placement::Access::write);
       check_dtype(ya.dtype(), "out", {kBf16, kU16}, "bfloat16 (or uint16 holding bf16 bits)");
       in.args.y = ya.data();
     }
@@ -797,7 +916,7 @@ class PyEpBuffer {
       out.storage = f.torch_empty(nb::make_tuple(bytes), "dtype"_a = f.torch_uint8,
                                   "device"_a = concat("cuda:", placement_.device()));
       auto const storage =
-          placement_.import <nb::ndarray<>>(out.storage, "handle storage", {static_cast<int64_t>(bytes)}, "");
+          placement_.import(out.storage, "handle storage", {static_cast<int64_t>(bytes)}, "", Placement::Access::write);
       out.handle = buffer_->make_handle(storage.data(), bytes);
     } else {
       out.storage = nb::none();
@@ -820,13 +939,12 @@ class PyEpBuffer {
       BackwardInputs got;
       got.handle = required_handle(handle, "dispatch_backward");
       bool const expert_major = expert_layout(layout, "dispatch_backward");
-      nb::ndarray<nb::ro> const ga =
-          grad_rows(grad, "grad", expert_major, got.handle->num_recv_host, "dispatch_backward");
+      ArrayArg const ga = grad_rows(grad, "grad", expert_major, got.handle->num_recv_host, "dispatch_backward");
       Framework const framework = framework_of(grad);
       int const num_tokens = got.handle->handle.num_tokens();
       got.grad_x =
           out.is_none() ? allocate_rows(framework, grad, num_tokens, fp32, "dispatch_backward") : nb::borrow(out);
-      auto const oa = placement_.import <nb::ndarray<>>(got.grad_x, "out", {num_tokens, hidden_}, "");
+      auto const oa = placement_.import(got.grad_x, "out", {num_tokens, hidden_}, "", Placement::Access::write);
       if (fp32)
         check_dtype(oa.dtype(), "out", {kF32}, "float32 (fp32=True)");
       else
@@ -872,7 +990,7 @@ class PyEpBuffer {
       expert_layout(layout, "combine_backward");
       in.num_tokens = h->handle.num_tokens();
       in.framework = framework_of(grad_y);
-      auto const ga = placement_.import <nb::ndarray<nb::ro>>(grad_y, "grad_y", {in.num_tokens, hidden_}, "");
+      auto const ga = placement_.import(grad_y, "grad_y", {in.num_tokens, hidden_}, "");
       check_dtype(ga.dtype(), "grad_y", {kBf16, kU16}, "bfloat16 (or uint16 holding bf16 bits)");
       bool const want = want_grad_weights.value_or(expert_major);
       if (expert_major) {
@@ -882,20 +1000,21 @@ class PyEpBuffer {
                           "x, the forward combine's expert outputs [", num_local_, ", ", slots_, ", ", hidden_,
                           "]; pass x, or want_grad_weights=False");
         if (!x.is_none()) {
-          auto const xa = placement_.import <nb::ndarray<nb::ro>>(x, "x", {num_local_, slots_, hidden_}, "");
+          auto const xa = placement_.import(x, "x", {num_local_, slots_, hidden_}, "");
           check_dtype(xa.dtype(), "x", {kBf16, kU16}, "bfloat16 (or uint16 holding bf16 bits)");
           in.args.x = xa.data();
         }
       } else {
         FERRY_CHECK_INPUT(!want, "combine_backward layout='rank' has no weights to differentiate (the caller ",
                           "applied them); pass want_grad_weights=False (or leave it None)");
-        if (!x.is_none()) in.args.x = nonnull(placement_.import_any<nb::ndarray<nb::ro>>(x, "x").data());
+        if (!x.is_none()) in.args.x = nonnull(placement_.import_any(x, "x").data());
       }
       if (want) {
         in.grad_w = grad_topk_weights.is_none()
                         ? allocate(in.framework, grad_y, in.num_tokens, topk_, true, "combine_backward")
                         : nb::borrow(grad_topk_weights);
-        auto const wa = placement_.import <nb::ndarray<>>(in.grad_w, "grad_topk_weights", {in.num_tokens, topk_}, "");
+        auto const wa =
+            placement_.import(in.grad_w, "grad_topk_weights", {in.num_tokens, topk_}, "", Placement::Access::write);
         check_dtype(wa.dtype(), "grad_topk_weights", {kF32}, "float32");
         in.args.grad_topk_weights = static_cast<float*>(wa.data());
       } else {
@@ -1076,15 +1195,15 @@ class PyEpBuffer {
 
   // Gradient rows in a dispatch's layout: expert-major [num_local_experts, expert_capacity, hidden], or rank-major
   // [>= num_recv, hidden] (num_recv_host < 0: recv_capacity rows), bf16.
-  nb::ndarray<nb::ro> grad_rows(nb::handle grad, char const* name, bool expert_major, int64_t num_recv_host,
-                                char const* call) const {
-    nb::ndarray<nb::ro> ga;
+  ArrayArg grad_rows(nb::handle grad, char const* name, bool expert_major, int64_t num_recv_host,
+                     char const* call) const {
+    ArrayArg ga;
     if (expert_major) {
       FERRY_CHECK_INPUT(slots_ > 0, call, " layout='expert' needs an expert-major layout: create the EpBuffer with ",
                         "expert_capacity");
-      ga = placement_.import <nb::ndarray<nb::ro>>(grad, name, {num_local_, slots_, hidden_}, "");
+      ga = placement_.import(grad, name, {num_local_, slots_, hidden_}, "");
     } else {
-      ga = placement_.import <nb::ndarray<nb::ro>>(grad, name, {-1, hidden_}, "rows");
+      ga = placement_.import(grad, name, {-1, hidden_}, "rows");
       int64_t const needed = num_recv_host >= 0 ? num_recv_host : capacity_;
       FERRY_CHECK_INPUT(static_cast<int64_t>(ga.shape(0)) >= needed, name, " has ", ga.shape(0), " rows; ", call,
                         " layout='rank' reads ", needed,
@@ -1364,6 +1483,26 @@ class PyEpBuffer {
     return out;
   }
 
+  // The Python object of a result: the last one again when every field is the same (lazy calls return the same
+  // cached views each time; a DispatchResult is read-only), else a new one, so that a call creates no object.
+  ResultObject result_object(PyDispatchResult&& got) {
+    if (last_result_.is_valid()) {
+      PyDispatchResult const& last = *nb::inst_ptr<PyDispatchResult>(last_result_);
+      if (same_result(last, got)) return nb::borrow<ResultObject>(last_result_);
+    }
+    last_result_ = nb::cast(std::move(got));
+    return nb::borrow<ResultObject>(last_result_);
+  }
+  static bool same_result(PyDispatchResult const& a, PyDispatchResult const& b) {
+    return a.recv_x.is(b.recv_x) && a.recv_topk_idx.is(b.recv_topk_idx) &&
+           a.recv_topk_weights.is(b.recv_topk_weights) && a.recv_src.is(b.recv_src) && a.num_recv.is(b.num_recv) &&
+           a.expert_counts.is(b.expert_counts) && a.expert_x.is(b.expert_x) && a.expert_src_row.is(b.expert_src_row) &&
+           a.recv_scales.is(b.recv_scales) && a.recv_token_scales.is(b.recv_token_scales) &&
+           a.expert_scales.is(b.expert_scales) && a.expert_token_scales.is(b.expert_token_scales) &&
+           a.num_recv_host == b.num_recv_host && a.recv_capacity == b.recv_capacity &&
+           a.expert_slots == b.expert_slots && a.masked_entries == b.masked_entries;
+  }
+
   Placement placement_;
   std::shared_ptr<EpBuffer> buffer_;
   nb::object owner_;
@@ -1384,6 +1523,7 @@ class PyEpBuffer {
   Framework last_framework_ = kNumpy;  // of the last dispatch (the completion of a hook returns views in it)
   bool last_eager_ = true;
   Views views_[kNumFrameworks];
+  nb::object last_result_;  // the DispatchResult object dispatch or complete_dispatch returned last
   std::atomic<bool> busy_{false};
 };
 
@@ -1462,6 +1602,10 @@ NB_MODULE(_ext, m) {
       "The rendezvous between ranks failed: a rank is missing, died, or sent something else.";
   m.def("_raise_for_test", &raise_for_test, "kind"_a, "message"_a,
         "Throws the C++ exception `kind` (tests of the exception translation).");
+  m.def("_use_exchange_api", &use_exchange_api, "on"_a,
+        "Whether torch tensors and torch's current stream are read through torch's DLPack C exchange API (default) "
+        "or its Python-level exports (tests of both ways). Returns whether the loaded torch has the API (False "
+        "without torch).");
 
   // ---- module functions
   m.def("cuda_available", &cuda_available, "True when this build has the cuda backend and a GPU is visible.");

@@ -52,6 +52,15 @@ def test_lazy_views_are_the_cached_objects(buf):
     assert first.recv_src is second.recv_src
 
 
+def test_an_unchanged_result_is_the_same_object(buf):
+    x, idx, w = _inputs(4, 8)
+    first = buf.dispatch(x, idx, w, eager=False)
+    assert buf.dispatch(x, idx, w, eager=False) is first  # every field the same: no new record
+    third = buf.dispatch(*_inputs(3, 9))  # eager, 3 rows: a record of its own, the earlier one unchanged
+    assert third is not first and third.recv_x.shape[0] == 3
+    assert first.recv_x.shape[0] == buf.recv_capacity
+
+
 def test_views_see_the_data_without_copy(buf):
     x, idx, w = _inputs(4, 5)
     got = buf.dispatch(x, idx, w)
