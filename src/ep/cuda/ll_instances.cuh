@@ -1,7 +1,8 @@
 // The template instances of the low-latency legs (instances.cuh's scheme), for each network to the ranks of other
 // nodes: OneNode (ll_dispatch.cu, ll_combine.cu) and Emulated / Gin (ll_dispatch_net.cu, ll_combine_net.cu), and with
-// rank masking (kMasking, one node: ll_masked.cu), each compiled apart so that the builds run side by side. Included
-// by those launchers only.
+// rank masking (kMasking: one node in ll_masked.cu, over a network in ll_masked_dispatch_net.cu and
+// ll_masked_combine_net.cu), each compiled apart so that the builds run side by side. Included by those launchers
+// only.
 #pragma once
 
 #include <cstdint>
