@@ -357,7 +357,7 @@ cuda_ll::LlParams ll_params(Buffers const& b, bool refuse, TraceKernel traced) {
               cuda_ll::kMaxCtas, "]");
   cuda_ll::LlParams p{};
   static_cast<KernelParams&>(p) = common_params(b, b.num_ctas, refuse, traced);
-  p.local = b.layout.nodes > 1 ? b.layout.local : b.world;
+  p.local = ll_ranks_per_node(b);
   p.nodes = b.layout.nodes > 1 ? b.layout.nodes : 1;
   p.forward = b.layout.ll_fwd_rows != 0;
   p.fwd_num = b.ll_fwd_num;

@@ -175,6 +175,11 @@ KernelParams common_params(Buffers const& b, int ctas, bool refuse, std::optiona
 // The part both low-latency legs' Params share (their prologue): common_params and the rank-major metadata.
 cuda_ll::LlParams ll_params(Buffers const& b, bool refuse, TraceKernel traced);
 
+// Low-latency mode: the ranks of one node (the world on one node; the layout's `local` is set across nodes only).
+inline int ll_ranks_per_node(Buffers const& b) {
+  return b.layout.nodes > 1 ? b.layout.local : b.world;
+}
+
 // Sets the inputs every dispatch kernel's Params reads from the call (rows, ids, weights, token count).
 template <typename Params>
 void set_dispatch_inputs(Params& p, DispatchArgs const& args) {
@@ -227,6 +232,18 @@ void with_network(Buffers const& b, int num_ctas, char const* leg, Launch&& laun
   FERRY_CHECK(b.network.areas != nullptr && num_ctas * kWarps <= b.network.num_areas, leg, " of ", num_ctas,
               " CTAs needs ", num_ctas * kWarps, " emulated network endpoints, the buffers have ", b.network.num_areas);
   launch(b.network);
+}
+
+// Rank masking across nodes (ll_mask.cu): calls launch(legs, agreement) with the networks its kernels reach the other
+// nodes' ranks by: over GIN the legs' Gin and the agreement's own (each with its signal range), else the emulated
+// network for both (its counters are window words). Thread s of those one-warp kernels opens endpoint s < 32.
+template <class Launch>
+void with_mask_networks(Buffers const& b, char const* what, Launch&& launch) {
+  if (b.network_kind == transport::Kind::gin) {
+    launch(b.gin, b.mask_gin);
+    return;
+  }
+  with_network(b, 2, what, [&](auto const& network) { launch(network, network); });
 }
 
 // The Params of a hierarchical leg (hier_params.cuh): the one-node leg's `base` plus the network, the topology and the

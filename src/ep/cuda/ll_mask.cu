@@ -19,7 +19,7 @@ void launch_ll_agreement(Buffers const& b, detail::LlMaskLeg leg, cudaStream_t s
   p.verdict = area.verdict;
   p.arrive_signals = area.arrive_signals;
   p.verdict_signals = area.verdict_signals;
-  p.local = b.layout.nodes > 1 ? b.layout.local : b.world;
+  p.local = ll_ranks_per_node(b);
   p.state = b.state;
   p.host = b.mask_host_device;
   p.leg = leg;
@@ -31,15 +31,10 @@ void launch_ll_agreement(Buffers const& b, detail::LlMaskLeg leg, cudaStream_t s
     if constexpr (cuda_ll::kAcrossNodes<Net>) params.network = network;
     cuda_ll::ll_agreement_kernel<Net><<<1, cuda_ll::kAgreementThreads, 0, stream>>>(params);
   };
-  if (b.layout.nodes <= 1) {
+  if (b.layout.nodes <= 1)
     launch(cuda_ll::OneNode{});
-  } else if (b.network_kind == transport::Kind::gin) {
-    launch(b.mask_gin);  // the agreement's own signal range (LlMaskArea::signals)
-  } else {
-    // lane s opens endpoint s < 32, as many as 2 CTAs of warps (the legs' endpoints, idle between kernels on the
-    // stream; each lane closes its own)
-    with_network(b, 2, "rank masking's agreement", launch);
-  }
+  else  // lane s opens endpoint s (the legs' endpoints, idle between kernels on the stream; each lane closes its own)
+    with_mask_networks(b, "rank masking's agreement", [&](auto const&, auto const& agreement) { launch(agreement); });
   FERRY_CHECK_CUDA(cudaGetLastError());
 }
 
@@ -75,7 +70,7 @@ void reset_ll_mask(Buffers const& b, detail::LlCallCounters const& to, cudaStrea
   p.host = b.mask_host_device;
   p.world = b.world;
   p.rank = b.rank;
-  p.local = b.layout.nodes > 1 ? b.layout.local : b.world;
+  p.local = ll_ranks_per_node(b);
   p.num_ctas = b.num_ctas;
   p.to = to;
   cuda_ll::ll_mask_reset_kernel<<<1, kMaxLlCtas, 0, stream>>>(p);
@@ -84,8 +79,7 @@ void reset_ll_mask(Buffers const& b, detail::LlCallCounters const& to, cudaStrea
 
 namespace {
 
-// The Params of ll_counters_kernel for this rank, and the launch of one step over the buffers' network (the legs'
-// Gin and the agreement's own over GIN; the emulated network, whose counters are window words, for both otherwise).
+// The Params of ll_counters_kernel for this rank, and the launch of one step over with_mask_networks' networks.
 cuda_ll::LlCounterParams counter_params(Buffers const& b, detail::LlCallCounters const& to) {
   cuda_ll::LlCounterParams p{};
   p.view = b.view;
@@ -113,10 +107,7 @@ void launch_counters(Buffers const& b, cuda_ll::LlCounterParams const& base, cud
     p.agreement = agreement;
     cuda_ll::ll_counters_kernel<Net, kStep><<<1, cuda_ll::kAgreementThreads, 0, stream>>>(p);
   };
-  if (b.network_kind == transport::Kind::gin)
-    launch(b.gin, b.mask_gin);
-  else
-    with_network(b, 2, "clear_mask", [&](auto const& network) { launch(network, network); });
+  with_mask_networks(b, "clear_mask", launch);
   FERRY_CHECK_CUDA(cudaGetLastError());
 }
 
