@@ -162,6 +162,14 @@ struct DispatchArgs {
   // must be null; num_tokens must be the handle's). The rows land exactly where the saved dispatch put them: the
   // layout is deterministic, and the ids and weights come from the handle's storage on the device, with no host sync.
   DispatchHandle const* handle = nullptr;
+  // Low-latency mode only (InputError otherwise). Token i's row is row i / x_repeat of x (and of x_scales and
+  // x_token_scales): x holds num_tokens / x_repeat rows, and num_tokens must be a multiple of x_repeat. A caller that
+  // sends every (token, k) entry as a token of its own (topk 1, num_tokens = T * k, the ids of token t's entries
+  // consecutive) passes x unexpanded with x_repeat = k, instead of copying each row k times first.
+  int x_repeat = 1;
+  // Eager calls only (InputError otherwise): also copy the expert counts (DispatchResult::expert_counts) into this
+  // host memory of num_local_experts int32, within the call's one synchronisation (no second round trip).
+  int32_t* expert_counts_host = nullptr;
 };
 
 // Views of the buffers the dispatch filled. Rows ordered by (source rank, source token).
@@ -218,6 +226,28 @@ struct CombineArgs {
   // the handle's num_tokens rows). The handle's layout then becomes this buffer's current one: a later combine without
   // a handle refers to it, and the rank-major metadata views of the last DispatchResult show it.
   DispatchHandle const* handle = nullptr;
+  // Low-latency mode with topk 1 only (InputError otherwise): a weighted sum over groups of `group` consecutive
+  // tokens, the weights given here, at combine (an entry-per-token dispatch, see DispatchArgs::x_repeat, combined
+  // back into its tokens). y then has num_tokens / group rows (num_tokens of the dispatch, a multiple of group):
+  // y[u] = bf16(sum over j < group ascending of group_weights[u * group + j] * v(u * group + j)), in fp32, each
+  // product rounded before its sum (no fused multiply-add), from +0.0f; v(i) is token i's row as it came back (its
+  // fp32 value, dequantized for a quantized combine_format). A token that went nowhere (id -1, or a rank masked since)
+  // adds nothing, whatever its weight. group_weights: [num_tokens] fp32, required when group > 1.
+  int group = 1;
+  float const* group_weights = nullptr;
+};
+
+// Where EpBuffer::copy_received copies the rank-major outputs of the last dispatch (normal mode): memory of the
+// caller's on the buffer's GPU (host memory on the cpu backend), rows [0, rows) of each; a null field is skipped.
+// For a caller that hands out outputs of its own (ferry.deep_ep: DeepEP returns fresh tensors) in one launch.
+struct ReceivedCopy {
+  int rows = 0;                        // 0 <= rows <= recv_capacity; rows at or past num_recv are unspecified
+  void* recv_x = nullptr;              // [rows, recv_row_bytes], 16-byte aligned
+  void* recv_scales = nullptr;         // [rows, hidden / wire_block_elems] scale entries (recv_scale_layout row_major)
+  float* recv_token_scales = nullptr;  // nvfp4: [rows]
+  float* recv_topk_weights = nullptr;  // [rows, topk]
+  void* recv_topk_idx = nullptr;       // [rows, topk] of recv_topk_idx_type: int32, or int64 (sign-extended)
+  IndexType recv_topk_idx_type = IndexType::int32;
 };
 
 // The backward pass of a dispatch (docs/training.md): a combine of the gradients of the rows the dispatch delivered,
@@ -319,6 +349,11 @@ class EpBuffer {
   // call and nothing waits past FERRY_TIMEOUT_S. The buffer and the communicator stay usable afterwards.
   DispatchResult dispatch(DispatchArgs const& args, cudaStream_t stream = nullptr);
   void combine(CombineArgs const& args, cudaStream_t stream = nullptr);
+  // Copies the last dispatch's rank-major outputs into the caller's memory (ReceivedCopy), enqueued on `stream` (one
+  // kernel on cuda). Local, not collective; normal mode only. InputError for a field its dispatch does not have
+  // (scales of an unquantized delivery, a scale layout other than row_major), rows outside [0, recv_capacity], or no
+  // dispatch to copy from.
+  void copy_received(ReceivedCopy const& to, cudaStream_t stream = nullptr);
   // For a caller that checks arguments itself before calling (a binding's shape and dtype checks): joins this
   // rank's next dispatch / combine as a refusal with `reason` (as above), then throws InputError(reason). Collective.
   [[noreturn]] void refuse_dispatch(std::string const& reason, cudaStream_t stream = nullptr);
@@ -422,7 +457,8 @@ class EpBuffer {
   Pending pending_ = Pending::none;
   // The last dispatch, as combine refers to it (set only when it succeeded on this rank).
   bool have_dispatch_ = false;
-  bool last_expand_ = false;  // it filled the expert-major layout
+  bool last_expand_ = false;    // it filled the expert-major layout
+  DispatchResult last_result_;  // its views (copy_received)
   int last_num_tokens_ = 0;
   // The handle whose saved layout is the current one (what combine reads), at which save (HandleState::version).
   std::weak_ptr<detail::HandleState> current_handle_;

@@ -5,6 +5,7 @@
 #include "ep/reference.hpp"
 #include "ep_impl.hpp"
 #include "ferry/error.hpp"
+#include "quant/layout.hpp"
 
 namespace ferry {
 namespace detail {
@@ -38,6 +39,16 @@ void EpBackendImpl::combine_backward_weights(HandleState const&, void const*, fl
 void EpBackendImpl::refuse_combine_backward_weights(cudaStream_t) {
   FERRY_THROW(ConfigError, "config", "this backend has no backward passes (train with mode=normal)");
 }
+void EpBackendImpl::copy(CopyPlan const& plan, cudaStream_t) {
+  for (int a = 0; a < plan.num_areas; ++a)
+    if (plan.areas[a].bytes > 0) std::memcpy(plan.areas[a].dst, plan.areas[a].src, plan.areas[a].bytes);
+  for (std::size_t i = 0; i < plan.num_ids; ++i) {
+    if (plan.ids_64)
+      static_cast<int64_t*>(plan.ids_dst)[i] = plan.ids[i];
+    else
+      static_cast<int32_t*>(plan.ids_dst)[i] = plan.ids[i];
+  }
+}
 void EpBackendImpl::mask_ranks(std::vector<int> const&) {
   FERRY_THROW(ConfigError, "config", "this backend has no rank masking");
 }
@@ -59,6 +70,13 @@ void validate_dispatch_args(EpConfig const& config, DispatchArgs const& args) {
                     "topk_idx_type=", static_cast<int>(args.topk_idx_type), " is not int32 or int64");
   FERRY_CHECK_INPUT(!args.expand || config.expert_slots() > 0, "expand=true needs EpConfig::expert_capacity (rows per ",
                     "local expert of the expert-major layout); set it when creating the EpBuffer");
+  FERRY_CHECK_INPUT(args.x_repeat == 1 || config.mode == Mode::low_latency, "x_repeat=", args.x_repeat,
+                    " belongs to low-latency mode (mode=normal here); pass x_repeat=1");
+  FERRY_CHECK_INPUT(args.x_repeat >= 1 && args.num_tokens % args.x_repeat == 0, "x_repeat=", args.x_repeat,
+                    " must be >= 1 and divide num_tokens=", args.num_tokens);
+  FERRY_CHECK_INPUT(args.expert_counts_host == nullptr || args.eager,
+                    "expert_counts_host is set on a lazy call (eager=false), which never synchronises; read "
+                    "DispatchResult::expert_counts on the device, or call eagerly");
   bool const prequantized = args.x_scales != nullptr;
   FERRY_CHECK_INPUT(!prequantized || config.dispatch_format != WireFormat::bf16,
                     "x_scales is set (pre-quantized input) but dispatch_format=bf16 has no scales; pass bf16 x without "
@@ -99,6 +117,16 @@ void validate_combine_args(EpConfig const& config, CombineArgs const& args, bool
   FERRY_CHECK_INPUT(args.layout != CombineLayout::expert_major || last_expand || config.mode == Mode::low_latency,
                     "combine layout=expert_major needs the last dispatch to have expand=true (its expert-major "
                     "layout gives each row's slots); dispatch with expand=true or combine with layout=rank_major");
+  if (args.group == 1 && args.group_weights == nullptr) return;
+  FERRY_CHECK_INPUT(config.mode == Mode::low_latency && config.topk == 1, "combine group=", args.group,
+                    " / group_weights belong to low-latency mode with topk 1 (an entry-per-token dispatch; here mode=",
+                    mode_name(config.mode), ", topk=", config.topk, "); pass group=1 and no group_weights");
+  FERRY_CHECK_INPUT(args.group >= 1 && last_num_tokens % args.group == 0, "combine group=", args.group,
+                    " must be >= 1 and divide the ", last_num_tokens, " tokens of the last dispatch");
+  FERRY_CHECK_INPUT(last_num_tokens == 0 || args.group_weights != nullptr, "combine group=", args.group,
+                    " needs group_weights (one fp32 weight per token of the last dispatch)");
+  FERRY_CHECK_INPUT(reinterpret_cast<uintptr_t>(args.group_weights) % 4 == 0,
+                    "combine group_weights=", static_cast<void const*>(args.group_weights), " is not 4-byte aligned");
 }
 
 std::vector<int64_t> host_topk_ids(EpConfig const& config, DispatchArgs const& args) {
@@ -287,6 +315,7 @@ DispatchResult EpBuffer::dispatch(DispatchArgs const& args, cudaStream_t stream)
   }
   DispatchResult result = impl_->dispatch(run, stream);
   have_dispatch_ = true;
+  last_result_ = result;
   last_expand_ = args.expand || config_.mode == Mode::low_latency;
   last_num_tokens_ = args.num_tokens;
   if (args.return_recv_hook) pending_ = Pending::dispatch;
@@ -323,6 +352,54 @@ void EpBuffer::combine(CombineArgs const& args, cudaStream_t stream) {
   if (args.handle != nullptr) use_handle(args.handle->state_, stream);
   impl_->combine(args, stream);
   if (args.return_recv_hook) pending_ = Pending::combine;
+}
+
+void EpBuffer::copy_received(ReceivedCopy const& to, cudaStream_t stream) {
+  comm_->ensure_usable();
+  check_stream(*comm_, stream);
+  FERRY_CHECK_CONFIG(config_.mode == Mode::normal,
+                     "copy_received copies the rank-major outputs of normal mode; "
+                     "mode=ll delivers the expert-major layout only (DispatchResult::expert_x)");
+  FERRY_CHECK_INPUT(have_dispatch_,
+                    "copy_received without a successful dispatch on this EpBuffer (none yet, or the "
+                    "last one was refused)");
+  DispatchResult const& from = last_result_;
+  FERRY_CHECK_INPUT(to.rows >= 0 && to.rows <= from.recv_capacity, "copy_received rows=", to.rows,
+                    " is outside [0, recv_capacity=", from.recv_capacity, "]");
+  bool const quantized = config_.delivers_quantized();
+  FERRY_CHECK_INPUT(to.recv_scales == nullptr || (quantized && config_.recv_scale_layout == ScaleLayout::row_major),
+                    "copy_received recv_scales is set, but this buffer delivers ",
+                    quantized
+                        ? detail::concat("scales in recv_scale_layout=", scale_layout_name(config_.recv_scale_layout),
+                                         " (row_major only)")
+                        : std::string("bf16 rows without scales"));
+  FERRY_CHECK_INPUT(to.recv_token_scales == nullptr || from.recv_token_scales != nullptr,
+                    "copy_received recv_token_scales is set, but only a delivered nvfp4 payload has token scales");
+  FERRY_CHECK_INPUT(to.recv_topk_idx_type == IndexType::int32 || to.recv_topk_idx_type == IndexType::int64,
+                    "copy_received recv_topk_idx_type=", static_cast<int>(to.recv_topk_idx_type),
+                    " is not int32 or int64");
+  FERRY_CHECK_INPUT(reinterpret_cast<uintptr_t>(to.recv_x) % 16 == 0, "copy_received recv_x=", to.recv_x,
+                    " is not 16-byte aligned");
+  std::size_t const rows = static_cast<std::size_t>(to.rows);
+  std::size_t const topk = static_cast<std::size_t>(config_.topk);
+  detail::EpBackendImpl::CopyPlan plan;
+  auto const area = [&](void const* src, void* dst, std::size_t bytes) {
+    if (dst != nullptr && bytes > 0) plan.areas[plan.num_areas++] = {src, dst, bytes};
+  };
+  area(from.recv_x, to.recv_x, rows * from.recv_row_bytes);
+  if (to.recv_scales != nullptr) {
+    WireRowLayout const wire = quant::make_row_layout(config_.dispatch_format, config_.hidden);
+    area(from.recv_scales, to.recv_scales, rows * static_cast<std::size_t>(wire.num_scales) * wire.scale_bytes);
+  }
+  area(from.recv_token_scales, to.recv_token_scales, rows * sizeof(float));
+  area(from.recv_topk_weights, to.recv_topk_weights, rows * topk * sizeof(float));
+  if (to.recv_topk_idx != nullptr && rows > 0) {
+    plan.ids = from.recv_topk_idx;
+    plan.ids_dst = to.recv_topk_idx;
+    plan.ids_64 = to.recv_topk_idx_type == IndexType::int64;
+    plan.num_ids = rows * topk;
+  }
+  impl_->copy(plan, stream);
 }
 
 DispatchHandle EpBuffer::make_handle(void* storage, std::size_t storage_bytes) const {

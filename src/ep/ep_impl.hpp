@@ -105,6 +105,22 @@ class EpBackendImpl {
                                         cudaStream_t stream);
   // A refused combine_backward (expert-major) joins the exchange of the dots with none of its own.
   virtual void refuse_combine_backward_weights(cudaStream_t stream);
+  // EpBuffer::copy_received's copies, enqueued on the stream: the byte areas, then num_ids int32 ids, sign-extended
+  // to int64 with ids_64. The default copies on the host (the cpu backend's memory).
+  struct CopyPlan {
+    struct Area {
+      void const* src = nullptr;
+      void* dst = nullptr;
+      std::size_t bytes = 0;
+    };
+    Area areas[4];
+    int num_areas = 0;
+    int32_t const* ids = nullptr;
+    void* ids_dst = nullptr;
+    bool ids_64 = false;
+    std::size_t num_ids = 0;
+  };
+  virtual void copy(CopyPlan const& plan, cudaStream_t stream);
 };
 
 // The backend behind an EpBuffer (EpBuffer befriends this; tests reach it through run_record_of).

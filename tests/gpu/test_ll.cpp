@@ -18,6 +18,7 @@
 #include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
+#include "support/entry_tokens.hpp"
 #include "support/gpu_case.hpp"
 #include "support/ll_check.hpp"
 #include "workloads/inputs.hpp"
@@ -309,6 +310,123 @@ FERRY_RANK_CASE(ll_hook_misuse_and_timeout) {
   std::_Exit(code);  // the communicator failed: skip the collective teardown
 }
 
+// Entry tokens (DispatchArgs::x_repeat, CombineArgs::group: ferry.deep_ep's low-latency mapping): T tokens of topk 8
+// (ids masked at random) sent as 8 T tokens of topk 1 from x unexpanded, and combined back with weights given at
+// combine (NaN where an entry went nowhere: it must add nothing). Every call: fresh inputs, poisoned outputs, the
+// expert counts and every filled expert row against the reference of the expanded input, and every row of y against
+// the grouped sum of the reference's entry rows (tests/support/entry_tokens.hpp), bit for bit; call 1 with the hook.
+int ll_entry_tokens_case() {
+  Spec const spec = parse_spec(rank_case_args());
+  auto comm = make_cuda_comm();
+  int const rank = comm->rank();
+  int const world = comm->world();
+  CK(cudaSetDevice(comm->device()));
+  int const k = 8;
+  int const max_t = 64;
+  EpConfig user;
+  user.mode = Mode::low_latency;
+  user.hidden = spec.hidden;
+  user.topk = 1;
+  user.num_experts = spec.experts;
+  user.max_tokens_per_rank = max_t * k;
+  user.expert_capacity = world * max_t;  // well above a random load of 8 * T entries over the experts
+  EpBuffer buffer(comm, user);
+  EpConfig const& config = buffer.config();
+  int const hidden = config.hidden;
+  int const num_local = config.num_local_experts(world);
+  int const slots = config.expert_slots();
+  std::size_t const row_bytes = static_cast<std::size_t>(hidden) * 2;
+  DeviceInputs dev(max_t * row_bytes, max_t * k * 8, max_t * k * 4, 16,
+                   static_cast<std::size_t>(num_local) * slots * row_bytes, max_t * row_bytes);
+  void* group_w = nullptr;
+  CK(cudaMalloc(&group_w, max_t * k * 4));
+  int code = 0;
+  for (int call = 0; call < 3 && code == 0; ++call) {
+    RoutingOptions routing;
+    routing.mask_rate = 0.2;
+    routing.seed = spec.seed + static_cast<uint64_t>(call) * 104729u;
+    std::vector<int> tokens(static_cast<std::size_t>(world));
+    for (int r = 0; r < world; ++r) tokens[static_cast<std::size_t>(r)] = std::max(1, max_t - 7 * (r + call));
+    EntryTokens const ex = make_entry_tokens(config, world, k, tokens, routing);
+    std::vector<ref::RankDispatch> want;
+    for (int d = 0; d < world; ++d) want.push_back(ref::dispatch(config, world, d, ex.expanded));
+    ref::RankInput const& in = ex.expanded[static_cast<std::size_t>(rank)];
+    ref::RankDispatch const& mine = want[static_cast<std::size_t>(rank)];
+    int const t_count = tokens[static_cast<std::size_t>(rank)];
+    bool const hook = call == 1;
+    CK(cudaMemcpy(dev.x, ex.x[static_cast<std::size_t>(rank)].data(), t_count * row_bytes, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dev.idx, in.topk_idx.data(), in.topk_idx.size() * 8, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dev.w, in.topk_weights.data(), in.topk_weights.size() * 4, cudaMemcpyHostToDevice));
+    std::vector<float> const& w = ex.weights[static_cast<std::size_t>(rank)];
+    CK(cudaMemcpy(group_w, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
+    std::vector<std::vector<uint16_t>> expert_out;
+    for (int d = 0; d < world; ++d)
+      expert_out.push_back(generate_tokens(routing.seed ^ 0xe0e0, d, num_local * slots, hidden));
+    CK(cudaMemcpy(dev.eout, expert_out[static_cast<std::size_t>(rank)].data(),
+                  expert_out[static_cast<std::size_t>(rank)].size() * 2, cudaMemcpyHostToDevice));
+    CK(cudaMemset(dev.y_em, 0xEE, dev.y_bytes + 4096));
+    poison_ll_dispatch(config, world, buffer.dispatch(DispatchArgs{}));  // the views (an empty call: no rows)
+    CK(cudaDeviceSynchronize());
+
+    DispatchArgs args;
+    args.x = dev.x;
+    args.x_repeat = k;
+    args.num_tokens = in.num_tokens;
+    args.topk_idx = dev.idx;
+    args.topk_weights = static_cast<float const*>(dev.w);
+    args.return_recv_hook = hook;
+    DispatchResult got = buffer.dispatch(args);
+    if (hook) got = buffer.complete_dispatch();
+    CombineArgs combine{CombineLayout::expert_major, dev.eout, dev.y_em};
+    combine.group = k;
+    combine.group_weights = static_cast<float const*>(group_w);
+    combine.return_recv_hook = hook;
+    buffer.combine(combine);
+    if (hook) buffer.complete_combine();
+    CK(cudaDeviceSynchronize());
+
+    auto const counts = to_host<int32_t>(got.expert_counts, static_cast<std::size_t>(num_local));
+    auto const expert_x = to_host<uint16_t>(got.expert_x, static_cast<std::size_t>(num_local) * slots * hidden);
+    std::vector<uint16_t> const want_x = ref::expand(config, world, mine);
+    for (int e = 0; e < num_local && code == 0; ++e) {
+      if (counts[static_cast<std::size_t>(e)] != mine.expert_counts[static_cast<std::size_t>(e)]) {
+        std::fprintf(stderr, "rank %d call %d: expert %d count %d, want %d\n", rank, call, e,
+                     counts[static_cast<std::size_t>(e)], mine.expert_counts[static_cast<std::size_t>(e)]);
+        code = 1;
+      }
+      std::size_t const first = static_cast<std::size_t>(e) * slots * hidden;
+      std::size_t const filled =
+          static_cast<std::size_t>(std::min(mine.expert_counts[static_cast<std::size_t>(e)], slots)) * hidden;
+      if (std::memcmp(expert_x.data() + first, want_x.data() + first, filled * 2) != 0) {
+        std::fprintf(stderr, "rank %d call %d: expert_x of expert %d differs\n", rank, call, e);
+        code = 1;
+      }
+    }
+    std::vector<uint16_t> const want_y = grouped_y(
+        ref::combine_expert_major(config, world, rank, ex.expanded, want, expert_out), in.topk_idx, w, k, hidden);
+    auto const y = to_host<uint16_t>(dev.y_em, (dev.y_bytes + 4096) / 2);
+    for (int u = 0; u < t_count && code == 0; ++u)
+      if (std::memcmp(y.data() + static_cast<std::size_t>(u) * hidden,
+                      want_y.data() + static_cast<std::size_t>(u) * hidden, row_bytes) != 0) {
+        std::fprintf(stderr, "rank %d call %d: y row %d of %d differs\n", rank, call, u, t_count);
+        code = 1;
+      }
+    for (std::size_t i = static_cast<std::size_t>(t_count) * hidden; i < y.size() && code == 0; ++i)
+      if (y[i] != 0xEEEE) {
+        std::fprintf(stderr, "rank %d call %d: y written past its %d rows (element %zu)\n", rank, call, t_count, i);
+        code = 1;
+      }
+    if (code == 0)
+      std::printf("rank %d call %d%s: %d tokens, every row exact\n", rank, call, hook ? " (hook)" : "", t_count);
+  }
+  cudaFree(group_w);
+  return code;
+}
+
+FERRY_RANK_CASE(ll_entry_tokens) {
+  return ll_entry_tokens_case();
+}
+
 std::string spec_seed() {
   uint64_t const seed = fresh_seed();
   std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
@@ -373,6 +491,14 @@ TEST(LowLatency, OwnRowsDirect) {
            {spec_seed(), "tokens=32,32", "hidden=7168", "topk=8", "experts=256", "graph=1", "hook=1", "iters=50",
             "check_every=10"},
            env);
+#else
+  GTEST_SKIP() << "built without the cuda backend";
+#endif
+}
+
+TEST(LowLatency, EntryTokensXRepeatAndGroupedCombine) {
+#if FERRY_HAVE_CUDA
+  run_case("ll_entry_tokens", {spec_seed(), "hidden=2880", "experts=64"});
 #else
   GTEST_SKIP() << "built without the cuda backend";
 #endif

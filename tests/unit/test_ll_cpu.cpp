@@ -17,6 +17,7 @@
 #include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
+#include "support/entry_tokens.hpp"
 #include "support/host_fixtures.hpp"
 #include "support/rank_case.hpp"
 #include "workloads/inputs.hpp"
@@ -31,6 +32,22 @@ using test::expect_input_error;
 
 std::size_t at(int64_t row, int64_t width) {
   return static_cast<std::size_t>(row * width);
+}
+
+// The first expert whose filled rows of expert_x differ from the reference's, or "".
+std::string expert_x_problem(EpConfig const& config, int world, ref::RankDispatch const& mine,
+                             DispatchResult const& result, std::string const& where) {
+  int const hidden = config.hidden;
+  int const slots = config.expert_slots();
+  std::vector<uint16_t> const want_x = ref::expand(config, world, mine);
+  auto const* got_x = static_cast<uint16_t const*>(result.expert_x);
+  for (int e = 0; e < config.num_local_experts(world); ++e) {
+    std::size_t const first = at(static_cast<int64_t>(e) * slots, hidden);
+    std::size_t const filled = at(std::min(mine.expert_counts[static_cast<std::size_t>(e)], slots), hidden);
+    if (std::memcmp(got_x + first, want_x.data() + first, filled * 2) != 0)
+      return concat(where, "expert_x of expert ", e, " differs");
+  }
+  return "";
 }
 
 struct SubCase {
@@ -117,14 +134,7 @@ std::vector<std::string> run_sub_case(std::shared_ptr<Communicator> const& comm,
     if (!std::equal(mine.recv_topk_idx.begin(), mine.recv_topk_idx.end(), result.recv_topk_idx))
       note(where + "recv_topk_idx differs");
     if (!std::equal(mine.recv_src.begin(), mine.recv_src.end(), result.recv_src)) note(where + "recv_src differs");
-    std::vector<uint16_t> const want_x = ref::expand(config, world, mine);
-    auto const* got_x = static_cast<uint16_t const*>(result.expert_x);
-    for (int e = 0; e < num_local; ++e) {
-      std::size_t const first = at(static_cast<int64_t>(e) * slots, hidden);
-      std::size_t const filled = at(std::min(mine.expert_counts[static_cast<std::size_t>(e)], slots), hidden);
-      if (std::memcmp(got_x + first, want_x.data() + first, filled * 2) != 0)
-        note(concat(where, "expert_x of expert ", e, " differs"));
-    }
+    note(expert_x_problem(config, world, mine, result, where));
 
     // 2. expert-major combine of arbitrary expert outputs
     std::vector<std::vector<uint16_t>> expert_out;
@@ -190,6 +200,140 @@ TEST_P(LowLatencyCpuWorld, MatchesTheReferenceBitForBitWithAndWithoutTheHook) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, LowLatencyCpuWorld, testing::Values(1, 2, 4, 8));
+
+// Entry tokens (DispatchArgs::x_repeat, CombineArgs::group; what ferry.deep_ep sends): T tokens of topk 4 as 4 T
+// tokens of topk 1, x unexpanded, combined back into T rows with weights given at combine (NaN for the entries that
+// went nowhere: they must add nothing). Dispatch and combine against the reference of the expanded input, bit for
+// bit, with and without the hook; then the arguments' misuse (InputError on every rank alike).
+FERRY_RANK_CASE(ll_cpu_entry_tokens) {
+  uint64_t const seed = test::seed_arg();
+  std::shared_ptr<Communicator> const comm = test::connect_rank(Backend::cpu);
+  int const rank = comm->rank();
+  int const world = comm->world();
+  int const k = 4;
+  int const max_t = 6;
+  std::vector<std::string> problems;
+  auto note = [&](std::string const& problem) {
+    if (!problem.empty()) problems.push_back(problem);
+  };
+  EpConfig user;
+  user.mode = Mode::low_latency;
+  user.hidden = 64;
+  user.topk = 1;
+  user.num_experts = 8 * world;
+  user.max_tokens_per_rank = max_t * k;
+  EpBuffer buffer(comm, user);
+  EpConfig const& config = buffer.config();
+  int const hidden = config.hidden;
+  int const num_local = config.num_local_experts(world);
+  int const slots = config.expert_slots();
+  for (int call = 0; call < 3; ++call) {
+    RoutingOptions routing;
+    routing.mask_rate = 0.2;
+    routing.seed = seed + static_cast<uint64_t>(call) * 104729u;
+    std::vector<int> tokens(static_cast<std::size_t>(world));
+    std::mt19937 sizes(static_cast<uint32_t>(routing.seed));
+    for (int r = 0; r < world; ++r) tokens[static_cast<std::size_t>(r)] = static_cast<int>(sizes() % (max_t + 1));
+    test::EntryTokens const ex = test::make_entry_tokens(config, world, k, tokens, routing);
+    std::vector<ref::RankDispatch> want;
+    for (int d = 0; d < world; ++d) want.push_back(ref::dispatch(config, world, d, ex.expanded));
+    ref::RankInput const& in = ex.expanded[static_cast<std::size_t>(rank)];
+    ref::RankDispatch const& mine = want[static_cast<std::size_t>(rank)];
+    bool const hook = call == 1;
+    std::string const where = concat("call ", call, hook ? " (hook)" : "", ": ");
+
+    DispatchArgs args;
+    args.x = ex.x[static_cast<std::size_t>(rank)].data();
+    args.x_repeat = k;
+    args.num_tokens = in.num_tokens;
+    args.topk_idx = in.topk_idx.data();
+    args.topk_weights = in.topk_weights.data();
+    args.return_recv_hook = hook;
+    DispatchResult result = buffer.dispatch(args);
+    if (hook) result = buffer.complete_dispatch();
+    if (result.num_recv_host != mine.num_recv) note(concat(where, "num_recv ", result.num_recv_host));
+    if (!std::equal(mine.expert_counts.begin(), mine.expert_counts.end(), result.expert_counts))
+      note(where + "expert_counts differ");
+    note(expert_x_problem(config, world, mine, result, where));
+
+    std::vector<std::vector<uint16_t>> expert_out;
+    for (int d = 0; d < world; ++d)
+      expert_out.push_back(generate_tokens(routing.seed ^ 0xe0e0, d, num_local * slots, hidden));
+    int const t_count = tokens[static_cast<std::size_t>(rank)];
+    std::vector<uint16_t> y(at(t_count + 1, hidden), 0xeeee);
+    CombineArgs combine;
+    combine.x = expert_out[static_cast<std::size_t>(rank)].data();
+    combine.y = y.data();
+    combine.group = k;
+    combine.group_weights = ex.weights[static_cast<std::size_t>(rank)].data();
+    combine.return_recv_hook = hook;
+    buffer.combine(combine);
+    if (hook) buffer.complete_combine();
+    std::vector<uint16_t> const want_y =
+        test::grouped_y(ref::combine_expert_major(config, world, rank, ex.expanded, want, expert_out), in.topk_idx,
+                        ex.weights[static_cast<std::size_t>(rank)], k, hidden);
+    for (int u = 0; u < t_count; ++u)
+      if (std::memcmp(y.data() + at(u, hidden), want_y.data() + at(u, hidden), at(1, hidden) * 2) != 0)
+        note(concat(where, "y row ", u, " of ", t_count, " differs"));
+    if (!std::all_of(y.begin() + static_cast<std::ptrdiff_t>(at(t_count, hidden)), y.end(),
+                     [](uint16_t v) { return v == 0xeeee; }))
+      note(where + "y written past its T rows");
+  }
+
+  // misuse: the same on every rank (each refusal is collective)
+  std::vector<uint16_t> x(at(max_t, hidden));
+  std::vector<int64_t> ids(static_cast<std::size_t>(max_t * k), 0);
+  std::vector<float> ones(ids.size(), 1.0f);
+  DispatchArgs args;
+  args.x = x.data();
+  args.num_tokens = 6;
+  args.topk_idx = ids.data();
+  args.topk_weights = ones.data();
+  args.x_repeat = 4;
+  note(expect_input_error([&] { buffer.dispatch(args); }, {"x_repeat=4", "divide num_tokens=6"}));
+  args.x_repeat = 0;
+  note(expect_input_error([&] { buffer.dispatch(args); }, {"x_repeat=0", "must be >= 1"}));
+  args.x_repeat = 2;
+  buffer.dispatch(args);
+  std::vector<uint16_t> out(at(static_cast<int64_t>(num_local) * slots, hidden));
+  std::vector<uint16_t> y(at(6, hidden));
+  CombineArgs combine{CombineLayout::expert_major, out.data(), y.data()};
+  combine.group = 4;
+  combine.group_weights = ones.data();
+  note(expect_input_error([&] { buffer.combine(combine); }, {"group=4", "divide the 6 tokens"}));
+  combine.group = 2;
+  combine.group_weights = nullptr;
+  note(expect_input_error([&] { buffer.combine(combine); }, {"group=2 needs group_weights"}));
+  {
+    EpConfig two = user;
+    two.topk = 2;
+    EpBuffer pairs(comm, two);
+    std::vector<int64_t> const distinct = {0, 1, 0, 1, 0, 1};  // three tokens of topk 2
+    DispatchArgs a2 = args;
+    a2.topk_idx = distinct.data();
+    a2.x_repeat = 1;
+    a2.num_tokens = 3;
+    pairs.dispatch(a2);
+    combine.group_weights = ones.data();
+    note(expect_input_error([&] { pairs.combine(combine); }, {"group=2", "low-latency mode with topk 1", "topk=2"}));
+    EpConfig normal = two;
+    normal.mode = Mode::normal;
+    EpBuffer normal_buffer(comm, normal);
+    a2.x_repeat = 3;
+    note(expect_input_error([&] { normal_buffer.dispatch(a2); }, {"x_repeat=3", "low-latency mode"}));
+  }
+  for (auto const& problem : problems) std::fprintf(stderr, "rank %d, world %d: %s\n", rank, world, problem.c_str());
+  return problems.empty() ? 0 : 1;
+}
+
+class LowLatencyCpuEntryTokens : public testing::TestWithParam<int> {};
+
+TEST_P(LowLatencyCpuEntryTokens, XRepeatAndGroupedCombineMatchTheExpandedReference) {
+  LaunchResult const result = test::run_rank_case("ll_cpu_entry_tokens", GetParam(), case_options());
+  EXPECT_TRUE(result.ok()) << result.describe() << " (seed " << test::test_seed() << ")";
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, LowLatencyCpuEntryTokens, testing::Values(1, 2, 4));
 
 // Misuse of the hook is refused on the host before anything runs; every rank misuses it the same way, so no rank
 // waits. Then rank 1 skips a dispatch: rank 0 times out naming it.

@@ -311,6 +311,9 @@ class CpuEp final : public EpBackendImpl {
   int64_t pending_total_recv_ = 0;
   void* pending_y_ = nullptr;
   bool pending_y_fp32_ = false;
+  int32_t* counts_host_ = nullptr;                // DispatchArgs::expert_counts_host of the last dispatch
+  int pending_group_ = 1;                         // CombineArgs::group
+  float const* pending_group_weights_ = nullptr;  // CombineArgs::group_weights (null: group 1, unweighted)
   std::string last_dispatch_ = "dispatch: not called yet";
   std::string last_combine_ = "combine: not called yet";
 };
@@ -628,6 +631,7 @@ void CpuEp::report_drops(int64_t dropped, bool eager) {
 DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
   check_not_masked();
   int const num_tokens = args.num_tokens;
+  counts_host_ = args.expert_counts_host;
 
   // 1. the ids (checked by EpBuffer: in [-1, num_experts), distinct per token)
   std::vector<int64_t> const ids = host_topk_ids(config_, args);
@@ -694,6 +698,7 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
   WireFormat const format = config_.dispatch_format;
   std::size_t const scale_row = static_cast<std::size_t>(dispatch_wire_.num_scales) * dispatch_wire_.scale_bytes;
   auto const wire_row = [&](int t) -> uint8_t const* {
+    t /= args.x_repeat;  // the row of x the token sends (DispatchArgs::x_repeat)
     if (format == WireFormat::bf16) return reinterpret_cast<uint8_t const*>(x + at(t, hidden_));
     uint8_t* wire = wire_scratch_.data();
     if (!prequantized) {
@@ -871,6 +876,7 @@ DispatchResult CpuEp::receive_dispatch() {
   result.num_recv = &num_recv_;
   result.num_recv_host = num_recv_;  // calls are synchronous on cpu: known whether eager or not
   result.expert_counts = layout_.expert_counts.data();
+  if (counts_host_ != nullptr) std::copy(layout_.expert_counts.begin(), layout_.expert_counts.end(), counts_host_);
   result.recv_capacity = capacity_;
   result.masked_entries = masking_ ? counts_of_masking_.last_dispatch_entries : 0;
   if (expand) {
@@ -1069,6 +1075,8 @@ void CpuEp::run_combine(CombineArgs const& args, bool unit_weights, bool y_fp32)
   }
   pending_y_ = args.y;
   pending_y_fp32_ = y_fp32;
+  pending_group_ = args.group;
+  pending_group_weights_ = args.group_weights;
   pending_eager_ = args.eager;
   last_combine_ =
       concat(unit_weights ? "dispatch_backward (combine of gradients): cpu reference" : "combine: cpu reference",
@@ -1092,7 +1100,7 @@ void CpuEp::receive_combine() {
   auto* const y_fp32 = static_cast<float*>(pending_y_);
   WireFormat const format = config_.combine_format;
   std::vector<float> values(static_cast<std::size_t>(hidden_));
-  auto const add = [&](uint8_t const* sent) {
+  auto const add_row = [&](uint8_t const* sent) {
     if (format == WireFormat::bf16) {
       ref::accumulate_row(hidden_, reinterpret_cast<uint16_t const*>(sent), scratch_.data());
       return;
@@ -1106,8 +1114,18 @@ void CpuEp::receive_combine() {
   int const local = topology_.local;
   std::vector<int64_t> next = dest_offset_;
   std::vector<int64_t> fwd_next(static_cast<std::size_t>(topology_.nodes), 0);
+  // CombineArgs::group: y[u] = sum over j ascending of w(u * group + j) * (that token's fp32 row), each product
+  // rounded to fp32 before its sum; a token no row came back for adds nothing
+  bool const grouped = pending_group_weights_ != nullptr;
+  std::vector<float> group_sum(grouped ? static_cast<std::size_t>(hidden_) : 0);
+  bool added = false;
+  auto const add = [&](uint8_t const* sent) {
+    added = true;
+    add_row(sent);
+  };
   for (int t = 0; t < num_tokens_; ++t) {
     std::fill(scratch_.begin(), scratch_.end(), 0.0f);
+    added = false;
     // the dispatch's destinations (what the rows and rails were laid out by); a rank masked since adds nothing
     uint32_t const mask = dest_mask_[static_cast<std::size_t>(t)];
     for (int n = 0; n < topology_.nodes; ++n) {
@@ -1129,6 +1147,19 @@ void CpuEp::receive_combine() {
         if (row >= capacity_ || !active(d)) continue;
         add(reinterpret_cast<uint8_t const*>(combine_rows_.view.ptr[d]) + at(row, 1) * combine_stride_);
       }
+    }
+    if (grouped) {
+      if (t % pending_group_ == 0) std::fill(group_sum.begin(), group_sum.end(), 0.0f);
+      if (added) {
+        float const w = pending_group_weights_[t];
+        for (std::size_t h = 0; h < group_sum.size(); ++h) {
+          float const product = w * scratch_[h];
+          group_sum[h] += product;
+        }
+      }
+      if (t % pending_group_ == pending_group_ - 1)
+        ref::round_row(hidden_, group_sum.data(), y + at(t / pending_group_, hidden_));
+      continue;
     }
     if (pending_y_fp32_)
       std::copy(scratch_.begin(), scratch_.end(), y_fp32 + at(t, hidden_));

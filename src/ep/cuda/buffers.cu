@@ -191,6 +191,9 @@ void allocate_buffers(Buffers& b) {
     b.state = device_zeroed<DeviceState>(1);
     b.token_mask = device_alloc<uint32_t>(max_tokens);
     b.expert_counts = device_zeroed<int32_t>(static_cast<std::size_t>(b.num_local_experts));
+    FERRY_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&b.host_words),
+                                   (1 + static_cast<std::size_t>(b.num_local_experts)) * sizeof(int32_t),
+                                   cudaHostAllocDefault));
     b.recv_slot = device_alloc<int32_t>(rows * topk);
     if (config.wait_stats)
       b.wait_stats = device_zeroed<wait_stats::Slot>(static_cast<std::size_t>(wait_stats::kLegs) * b.world);
@@ -291,6 +294,8 @@ void free_buffers(Buffers& b) noexcept {
   device_free(b.ll_fwd_mask);
   device_free(b.ll_entry_rank);
   if (b.mask_host != nullptr) cudaFreeHost(b.mask_host);  // NOTE: never throws (free_buffers is noexcept)
+  if (b.host_words != nullptr) cudaFreeHost(b.host_words);
+  b.host_words = nullptr;
   b.mask_host = nullptr;
   b.mask_host_device = nullptr;
   b.expert_scale_bytes = 0;

@@ -14,6 +14,7 @@
 #include "comm/transport/gin.cuh"
 #include "ep/cuda/ll_params.cuh"
 #include "ep/cuda/params.cuh"
+#include "ep/ep_impl.hpp"
 #include "ep/landing_policy.hpp"
 #include "ep/run_record.hpp"
 #include "ferry/communicator.hpp"
@@ -121,6 +122,9 @@ struct Buffers {
   // (DeviceState::ll_mask.entry_rank points here). Null when off.
   detail::LlMaskHost* mask_host = nullptr;
   detail::LlMaskHost* mask_host_device = nullptr;
+  // What an eager call reads after its one synchronisation, copied there by async copies enqueued before it (pinned
+  // memory): num_recv, then the expert counts (DispatchArgs::expert_counts_host).
+  int32_t* host_words = nullptr;    // [1 + num_local_experts]
   int8_t* ll_entry_rank = nullptr;  // [max_tokens, topk]
   // Across nodes over GIN: the agreement's own Gin, whose signal range is LlMaskArea's counters (the legs' Gin covers
   // the layout's counters only). Over the emulated network the agreement uses `network` (its counters are window
@@ -305,6 +309,8 @@ void launch_save_handle(Buffers const& buffers, void* storage, DispatchArgs cons
 // was kept). Safe between calls: peers write this rank's receive areas only during a dispatch it joined.
 void launch_restore_handle(Buffers const& buffers, void const* storage, int num_tokens, bool expanded,
                            cudaStream_t stream);
+// EpBuffer::copy_received's copies (the handle copy kernel: whole words, int32 ids widened to int64 with ids_64).
+void launch_received_copy(Buffers const& buffers, detail::EpBackendImpl::CopyPlan const& plan, cudaStream_t stream);
 
 // combine_backward's weight step (weight_grad.cuh), after the cached expert-major dispatch of grad_y (expert_x holds
 // grad_y per filled slot): two kernels. The first (the grid, never waits): per filled slot of entry (row, k) the dot

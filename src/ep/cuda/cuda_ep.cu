@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "comm/cuda/gin_setup.hpp"
@@ -249,7 +250,7 @@ class CudaEp final : public detail::EpBackendImpl {
         if (masking_) result.masked_entries = -1;  // on the device (finish_dispatch)
         return result;
       }
-      return finish_dispatch(true, args.eager, stream);
+      return finish_dispatch(true, args.eager, args.expert_counts_host, stream);
     }
     leg.prequantized = args.num_tokens > 0 && args.x_scales != nullptr;
     LaunchPlan const& plan = plan_of(0, args.num_tokens);
@@ -264,13 +265,13 @@ class CudaEp final : public detail::EpBackendImpl {
       launch_expand(b, /*copy_rows=*/false, stream);
     }
     finish_normal(leg, plan);
-    return finish_dispatch(args.expand, args.eager, stream);
+    return finish_dispatch(args.expand, args.eager, args.expert_counts_host, stream);
   }
 
   DispatchResult complete_dispatch(cudaStream_t stream) override {
     FERRY_CHECK(buffers_.protocol == Protocol::ll, "complete_dispatch on a normal-mode backend");
     launch_ll_dispatch(buffers_, pending_dispatch_, Half::recv, stream);
-    return finish_dispatch(true, pending_dispatch_.eager, stream);
+    return finish_dispatch(true, pending_dispatch_.eager, pending_dispatch_.expert_counts_host, stream);
   }
 
   // A refused call joins the exchange with no tokens (no rows) and this rank's abort flag (low-latency mode: both
@@ -298,6 +299,8 @@ class CudaEp final : public detail::EpBackendImpl {
       launch_combine(b, none, plan_of(1, last_num_tokens_), last_num_tokens_, stream, /*refuse=*/true);
     start(record_.combine).refused = true;
   }
+
+  void copy(CopyPlan const& plan, cudaStream_t stream) override { launch_received_copy(buffers_, plan, stream); }
 
   void combine(CombineArgs const& args, cudaStream_t stream) override {
     Buffers const& b = buffers_;
@@ -512,16 +515,22 @@ class CudaEp final : public detail::EpBackendImpl {
     return memo.plan;
   }
 
-  DispatchResult finish_dispatch(bool expand, bool eager, cudaStream_t stream) {
+  // counts_host: DispatchArgs::expert_counts_host (eager only)
+  DispatchResult finish_dispatch(bool expand, bool eager, int32_t* counts_host, cudaStream_t stream) {
     DispatchResult result = dispatch_result(buffers_, expand);
     // rank masking: the entries left out are known on the host after a sync (eager), else in mask_status()
     if (masking_) result.masked_entries = -1;
     if (eager) {
-      int32_t num_recv = 0;
+      int32_t* const words = buffers_.host_words;
+      std::size_t const counts_bytes = static_cast<std::size_t>(buffers_.num_local_experts) * sizeof(int32_t);
       FERRY_CHECK_CUDA(
-          cudaMemcpyAsync(&num_recv, &buffers_.state->num_recv, sizeof(num_recv), cudaMemcpyDeviceToHost, stream));
+          cudaMemcpyAsync(words, &buffers_.state->num_recv, sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
+      if (counts_host != nullptr)
+        FERRY_CHECK_CUDA(
+            cudaMemcpyAsync(words + 1, buffers_.expert_counts, counts_bytes, cudaMemcpyDeviceToHost, stream));
       sync_and_check(stream);
-      result.num_recv_host = num_recv;
+      result.num_recv_host = words[0];
+      if (counts_host != nullptr) std::memcpy(counts_host, words + 1, counts_bytes);
       if (masking_) result.masked_entries = static_cast<int64_t>(read_ll_mask(buffers_, stream).last_dispatch_entries);
     }
     return result;

@@ -114,6 +114,25 @@ void launch_save_handle(Buffers const& b, void* storage, DispatchArgs const& arg
   launch_copy(b, p, stream);
 }
 
+void launch_received_copy(Buffers const& b, detail::EpBackendImpl::CopyPlan const& plan, cudaStream_t stream) {
+  HandleCopyParams p{};
+  for (int a = 0; a < plan.num_areas; ++a) {
+    detail::EpBackendImpl::CopyPlan::Area const& area = plan.areas[a];
+    FERRY_CHECK(area.bytes % sizeof(uint32_t) == 0, "a copy of ", area.bytes, " bytes is not whole words");
+    FERRY_CHECK(area.bytes / sizeof(uint32_t) <= INT32_MAX, "a copy of ", area.bytes, " bytes");
+    // one row of every word: the rows of the copy are the caller's, not a count on the device
+    p.areas[p.num_areas++] = {area.src, area.dst, static_cast<int>(area.bytes / sizeof(uint32_t)), 1, false};
+  }
+  p.num_rows = &b.state->num_recv;  // read but unused: no area is counted
+  p.ids = plan.ids;
+  p.ids_64 = false;
+  p.widen = plan.ids_64;
+  p.ids_dst = plan.ids_dst;
+  p.num_ids = static_cast<int>(plan.num_ids);
+  if (p.num_areas == 0 && p.num_ids == 0) return;
+  launch_copy(b, p, stream);
+}
+
 void launch_restore_handle(Buffers const& b, void const* storage, int num_tokens, bool expanded, cudaStream_t stream) {
   FERRY_CHECK(b.protocol != Protocol::ll, "a dispatch handle of a low-latency buffer");
   FERRY_CHECK(storage != nullptr, "a handle without storage");

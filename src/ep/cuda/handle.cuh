@@ -41,11 +41,13 @@ __global__ void __launch_bounds__(kThreads) handle_copy_kernel(HandleCopyParams 
   }
   // save: the ids as int32; an int64 id outside int32 (a bad id: that dispatch was refused) stays a bad id (-2)
   for (std::size_t i = thread; i < static_cast<std::size_t>(p.num_ids); i += threads) {
-    if (p.ids_64) {
+    if (p.widen) {
+      static_cast<int64_t*>(p.ids_dst)[i] = static_cast<int32_t const*>(p.ids)[i];
+    } else if (p.ids_64) {
       int64_t const id = static_cast<int64_t const*>(p.ids)[i];
-      p.ids_dst[i] = id < -1 || id > INT32_MAX ? -2 : static_cast<int32_t>(id);
+      static_cast<int32_t*>(p.ids_dst)[i] = id < -1 || id > INT32_MAX ? -2 : static_cast<int32_t>(id);
     } else {
-      p.ids_dst[i] = static_cast<int32_t const*>(p.ids)[i];
+      static_cast<int32_t*>(p.ids_dst)[i] = static_cast<int32_t const*>(p.ids)[i];
     }
   }
 }

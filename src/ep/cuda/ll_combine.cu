@@ -20,6 +20,8 @@ LlCombineParams to_params(Buffers const& b, CombineArgs const& args, int num_tok
   static_cast<cuda_ll::LlParams&>(p) = ll_params(b, refuse, TraceKernel::ll_combine);
   p.x = args.x;
   p.y = args.y;
+  p.group = args.group;
+  p.group_weights = args.group_weights;
   return p;
 }
 

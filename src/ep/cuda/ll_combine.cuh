@@ -606,12 +606,8 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
   WireRowLayout const wl = quant::make_row_layout(kFormat, p.hidden);
   char const* landing =
       p.net.window(rank) + p.layout.combine_rows + static_cast<std::size_t>(parity) * world * p.max_tokens * row_bytes;
-  for (int item = cta * kWarps + warp; item < items; item += p.num_ctas * kWarps) {
-    int const token = item / num_chunks;
-    int const v0 = (item % num_chunks) * kChunkVecs + lane;
-    uint32_t mask = item == first_item ? first_mask : p.token_mask[token] & live;
-    if constexpr (kMasking)
-      if (item % num_chunks == 0) count_combine_misses(p, token, lane);
+  // the ranks whose rows of `token` come back (mask: its destinations, live ones)
+  auto const rows_of = [&](uint32_t mask) {
     if constexpr (kAcrossNodes<Net>) {
       // the forward route: each other node's ranks of the token send one row, from that node's rail for this rank
       if (p.forward) {
@@ -620,11 +616,13 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
         uint32_t const one_node = p.local >= 32 ? 0xffffffffu : (1u << p.local) - 1u;
         for (int n = 0; n < p.nodes; ++n)
           if ((mask & ~near & (one_node << (n * p.local))) != 0) rows |= 1u << (n * p.local + rank % p.local);
-        mask = rows;
+        return rows;
       }
     }
-    float acc[kUnroll][8];
-    device::zero_acc(acc);
+    return mask;
+  };
+  // acc += the rows of `token` from the ranks of `mask`, ascending (fp32; a quantized row dequantized first)
+  auto const add_rows = [&](uint32_t mask, int token, int v0, float(&acc)[kUnroll][8]) {
     for (uint32_t m = mask; m != 0; m &= m - 1) {
       int const d = __ffs(m) - 1;
       char const* const row = landing + (static_cast<std::size_t>(d) * p.max_tokens + token) * row_bytes;
@@ -646,10 +644,50 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
         }
       }
     }
-    auto* y = static_cast<int4*>(p.y) + static_cast<std::size_t>(token) * num_vec;
+  };
+  auto const store_y = [&](int row, int v0, float const(&acc)[kUnroll][8]) {
+    auto* y = static_cast<int4*>(p.y) + static_cast<std::size_t>(row) * num_vec;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       if (v0 + u * 32 < num_vec) device::arch::store_na_v4(y + v0 + u * 32, float_to_bf16x8(acc[u]));
+  };
+  if (p.group_weights == nullptr) {
+    for (int item = cta * kWarps + warp; item < items; item += p.num_ctas * kWarps) {
+      int const token = item / num_chunks;
+      int const v0 = (item % num_chunks) * kChunkVecs + lane;
+      uint32_t const mask = rows_of(item == first_item ? first_mask : p.token_mask[token] & live);
+      if constexpr (kMasking)
+        if (item % num_chunks == 0) count_combine_misses(p, token, lane);
+      float acc[kUnroll][8];
+      device::zero_acc(acc);
+      add_rows(mask, token, v0, acc);
+      store_y(token, v0, acc);
+    }
+  } else {
+    // CombineArgs::group: y[u] = sum over j ascending of w(u * group + j) * (that token's fp32 row), no fma
+    int const outputs = num_tokens / p.group;
+    for (int item = cta * kWarps + warp; item < outputs * num_chunks; item += p.num_ctas * kWarps) {
+      int const out = item / num_chunks;
+      int const v0 = (item % num_chunks) * kChunkVecs + lane;
+      float acc[kUnroll][8];
+      device::zero_acc(acc);
+      for (int j = 0; j < p.group; ++j) {
+        int const token = out * p.group + j;
+        if constexpr (kMasking)
+          if (item % num_chunks == 0) count_combine_misses(p, token, lane);
+        uint32_t const mask = rows_of(p.token_mask[token] & live);
+        if (mask == 0) continue;  // went nowhere (or its rows were dropped): adds nothing, whatever its weight
+        float const w = __ldg(p.group_weights + token);
+        float part[kUnroll][8];
+        device::zero_acc(part);
+        add_rows(mask, token, v0, part);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[u][e] = __fadd_rn(acc[u][e], __fmul_rn(w, part[u][e]));
+      }
+      store_y(out, v0, acc);
+    }
   }
   FERRY_TRACE_END(trace, ll_combine_sum);
   if (cta == 0 && tid < world && tid != rank && abort_seen == seq)

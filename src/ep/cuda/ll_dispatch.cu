@@ -22,6 +22,7 @@ LlDispatchParams ll_dispatch_params(Buffers const& b, DispatchArgs const& args, 
   LlDispatchParams p{};
   static_cast<cuda_ll::LlParams&>(p) = ll_params(b, refuse, TraceKernel::ll_dispatch);
   set_dispatch_inputs(p, args);
+  p.x_repeat = args.x_repeat;
   p.x_scales = args.x_scales;
   p.x_token_scales = args.x_token_scales;
   p.num_experts = b.config.num_experts;

@@ -66,6 +66,11 @@ __device__ __forceinline__ void copy_payload_warp(void* dst, void const* src, st
   for (std::size_t i = lane; i < bytes / 8; i += 32) d[i] = s[i];
 }
 
+// The row of x (and of x_scales, x_token_scales) that token t sends (DispatchArgs::x_repeat).
+__device__ __forceinline__ int x_row(LlDispatchParams const& p, int t) {
+  return p.x_repeat == 1 ? t : t / p.x_repeat;
+}
+
 // A quantized dispatch_format's send of chunk `chunk` of `chunks` of token t (device_push.cuh): quantized once from
 // x (or forwarded from pre-quantized input), its pieces stored straight into the wire row at row_at(d) (a char*: the
 // landing slot of destination d, or across nodes the staged row) for every destination rank d of `mask`.
@@ -74,7 +79,7 @@ __device__ __forceinline__ void send_quantized_chunk(LlDispatchParams const& p, 
                                                      uint32_t mask, RowAt row_at, float token_scale, int lane) {
   using Codec = device::UnitCodec<kFormat, kUnitElems>;
   WireRowLayout const wl = quant::make_row_layout(kFormat, p.hidden);
-  device::QuantRowInput const in = device::quant_row_input<kFormat, kUnitElems>(p.x, p.x_scales, p.hidden, t);
+  device::QuantRowInput const in = device::quant_row_input<kFormat, kUnitElems>(p.x, p.x_scales, p.hidden, x_row(p, t));
   device::push_quantized_chunk<kFormat, kUnitElems, kUnroll / Codec::kVecs>(
       in, p.hidden, chunk, chunks, mask, token_scale,
       [&](int d) {
@@ -91,12 +96,12 @@ __device__ __forceinline__ void send_quantized_chunk(LlDispatchParams const& p, 
 template <int kUnitElems>
 __device__ __forceinline__ float nvfp4_chunk_token_scale(LlDispatchParams const& p, device::CtaRowMax<kWarps>& s_amax,
                                                          int step, int t, int chunk, int chunks, bool valid) {
-  if (p.x_scales != nullptr) return valid ? __ldg(p.x_token_scales + t) : 0.0f;
+  if (p.x_scales != nullptr) return valid ? __ldg(p.x_token_scales + x_row(p, t)) : 0.0f;
   int const lane = static_cast<int>(threadIdx.x) & 31;
   int const warp = static_cast<int>(threadIdx.x) >> 5;
   float const amax = valid ? device::chunk_finite_amax<kUnitElems>(
-                                 static_cast<int4 const*>(p.x) + static_cast<std::size_t>(t) * (p.hidden / 8), p.hidden,
-                                 chunk, chunks, lane)
+                                 static_cast<int4 const*>(p.x) + static_cast<std::size_t>(x_row(p, t)) * (p.hidden / 8),
+                                 p.hidden, chunk, chunks, lane)
                            : 0.0f;
   return quant::nvfp4_token_scale(s_amax.meet(step, amax, warp - chunk, chunks));
 }
@@ -184,7 +189,7 @@ __device__ __forceinline__ void expand_own(LlDispatchParams const& p, ExpandShar
   expand_records(
       s, s_before, p.num_tokens, static_cast<int>(blockIdx.x), p.num_ctas, [&](int t) { return load_own<IdxT>(p, t); },
       [](HitRecord const&) {}, on_slot,
-      [&](int n) { copy_window_bf16<true>(p, s, n, [&](int t) { return x + t * row_vecs; }); });
+      [&](int n) { copy_window_bf16<true>(p, s, n, [&](int t) { return x + x_row(p, t) * row_vecs; }); });
 }
 
 // Across nodes, after the send loop (every thread of the CTA, past the barrier that ends it): what this CTA has for
@@ -509,7 +514,8 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Net 
     } else if (uint32_t const to = own_direct<kFormat>(p) ? send & ~(1u << rank) : send; to != 0) {
       auto const [v_begin, v_end] = device::chunk_range(num_vec, chunk, chunks);
       landing::send_row_chunk<kUnroll>(
-          reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes),
+          reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) +
+                                        static_cast<std::size_t>(x_row(p, t)) * row_bytes),
           v_begin, v_end, to, [&](int d) { return reinterpret_cast<int4*>(row_at(d)); }, lane);
     }
   }

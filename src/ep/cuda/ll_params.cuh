@@ -79,6 +79,7 @@ struct LlDispatchParams : LlParams {
   void const* topk_idx;
   float const* topk_weights;
   int num_tokens;
+  int x_repeat;  // token t reads row t / x_repeat of x, x_scales and x_token_scales (DispatchArgs::x_repeat)
   int num_experts;
   int num_local_experts;
   int32_t* expert_counts;   // [num_local_experts]
@@ -102,7 +103,10 @@ struct LlDispatchParams : LlParams {
 
 struct LlCombineParams : LlParams {
   void const* x;  // expert-major [num_local_experts, expert_slots, hidden] or rank-major [num_recv, hidden]
-  void* y;        // [num_tokens, hidden]
+  void* y;        // [num_tokens / group, hidden]
+  // CombineArgs::group: y[u] is the weighted sum of tokens u * group + j (group_weights null: group 1, y[t] is t's)
+  int group;
+  float const* group_weights;
 };
 
 // The ranks of other nodes. On one node the kernels take their Params alone (OneNode: nothing across nodes is

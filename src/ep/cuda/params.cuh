@@ -316,10 +316,12 @@ struct HandleCopyParams {
   HandleArea areas[kMaxHandleAreas];
   int num_areas;
   int32_t const* num_rows;  // the layout's received rows: DeviceState::num_recv (save) or the handle's copy (restore)
-  // save only: the dispatch's ids [num_ids] (int32, or int64 with ids_64) into the handle as int32
+  // save: the dispatch's ids [num_ids] (int32, or int64 with ids_64) into the handle as int32; widen (copy_received):
+  // int32 ids into int64 ones
   void const* ids;
   bool ids_64;
-  int32_t* ids_dst;
+  bool widen;
+  void* ids_dst;
   int num_ids;
 };
 
