@@ -5,13 +5,12 @@
 
 Pairs of calls, in loops of --iters, the median over --repeats loops after --warmup:
   normal   deep_ep: dispatch (bf16, topk) + combine(handle)        native: EpBuffer.dispatch (eager) + combine("rank")
-  ll       deep_ep: low_latency_dispatch + low_latency_combine     native: the EpBuffer calls the layer makes (a
-           (bf16, no hook)                                         (token, k) pair per row, topk 1, lazy) + the
-                                                                   same expand of x and weighted sum in torch
+  ll       deep_ep: low_latency_dispatch + low_latency_combine     native: EpBuffer.dispatch + combine("expert") of an
+           (bf16, no hook, out given)                              LL EpBuffer of topk K (lazy, out given)
+           --graph: the same ll pairs captured in CUDA graphs, a replay's host time each
 The difference is what the layer adds per pair: its argument checks, pool and handle bookkeeping, and (normal) the
-copies of the outputs (DeepEP returns fresh tensors); the ll native side already includes the torch ops the
-mapping needs, so its difference is the layer's Python alone. On GPUs calls are lazy where the layer's are (normal
-dispatch is eager in both: it returns the count on the host, as DeepEP's). Every rank prints its own line.
+copies of the outputs (DeepEP returns fresh tensors). On GPUs calls are lazy where the layer's are (normal dispatch is
+eager in both: it returns the count on the host, as DeepEP's). Every rank prints its own line.
 """
 
 from __future__ import annotations
@@ -54,6 +53,7 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--graph", action="store_true", help="GPU: also time CUDA-graph replays of the ll pairs")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available() and deep_ep.ferry.cuda_available()
@@ -94,25 +94,18 @@ def main() -> int:
         got = native.dispatch(x, idx, w)
         native.combine(got.recv_x, "rank", eager=False)
 
-    # low-latency mode: the layer against the native calls it makes
-    native_ll = deep_ep.ferry.EpBuffer(comm, hidden=H, num_experts=E, topk=1, max_tokens_per_rank=ll_max * K,
-                                       expert_capacity=world * ll_max, mode="ll")
-    ones = torch.ones((T * K, 1), device=device)
-    pairs_in = torch.empty((T * K, H), dtype=torch.bfloat16, device=device)
-    pairs_in3 = pairs_in.view(T, K, H)
-    pairs_out = torch.empty((T * K, H), dtype=torch.bfloat16, device=device)
-    pairs_out3 = pairs_out.view(T, K, H)
+    # low-latency mode: the layer against the native calls a Ferry user makes for the same work (one EpBuffer of
+    # topk K: the weights go with the dispatch and the combine applies them)
+    native_ll = deep_ep.ferry.EpBuffer(comm, hidden=H, num_experts=E, topk=K, max_tokens_per_rank=ll_max, mode="ll")
     y = torch.empty((T, H), dtype=torch.bfloat16, device=device)
 
     def layer_ll():
         recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, idx, ll_max, E, use_fp8=False)
         buffer.low_latency_combine(recv_x, idx, w, handle, out=y)
 
-    def native_ll_pair():  # the torch ops of the layer's mapping, on tensors made once
-        pairs_in3.copy_(x.unsqueeze(1))
-        got = native_ll.dispatch(pairs_in, idx.reshape(T * K, 1), ones, eager=False)
-        native_ll.combine(got.expert_x, "expert", out=pairs_out, eager=False)
-        y.copy_(torch.mul(pairs_out3, w.masked_fill(idx < 0, 0.0).unsqueeze(2)).sum(dim=1))
+    def native_ll_pair():
+        got = native_ll.dispatch(x, idx, w, eager=False)
+        native_ll.combine(got.expert_x, "expert", out=y, eager=False)
 
     results = {}
     for name, layer_fn, native_fn in (("normal", layer_normal, native_normal), ("ll", layer_ll, native_ll_pair)):
@@ -121,6 +114,20 @@ def main() -> int:
         diffs = sorted(a - b for a, b in zip(lt, nt))
         results[name] = (statistics.median(lt), statistics.median(nt), statistics.median(diffs),
                          diffs[len(diffs) // 10], diffs[-1 - len(diffs) // 10])
+    if cuda and args.graph:
+        # the same pairs captured in CUDA graphs (as a decode step is): a replay's host time, layer against native
+        graphs = {}
+        for name, fn in (("layer", layer_ll), ("native", native_ll_pair)):
+            fn()  # every buffer made and every kernel loaded before the capture
+            torch.cuda.synchronize(device)
+            graphs[name] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[name]):
+                fn()
+        lt = timed(graphs["layer"].replay, args.iters, args.repeats, args.warmup, sync)
+        nt = timed(graphs["native"].replay, args.iters, args.repeats, args.warmup, sync)
+        diffs = sorted(a - b for a, b in zip(lt, nt))
+        results["ll graph"] = (statistics.median(lt), statistics.median(nt), statistics.median(diffs),
+                               diffs[len(diffs) // 10], diffs[-1 - len(diffs) // 10])
     text = "; ".join(f"{n}: layer {v[0]:.1f} us, native {v[1]:.1f} us per dispatch+combine pair, overhead "
                      f"{v[2]:.1f} us per pair ({v[2] / 2:.1f} us per call; p10..p90 {v[3]:.1f}..{v[4]:.1f})"
                      for n, v in results.items())

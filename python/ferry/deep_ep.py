@@ -205,13 +205,14 @@ class _LowLatencyHandle:
     source rank) are computed from Ferry's layout when first read (device ops, no synchronisation)."""
 
     __slots__ = ("rank", "world", "pool", "slot", "generation", "got", "num_tokens", "topk", "max_tokens", "hidden",
-                 "num_experts", "_src_info", "_layout_range")
+                 "num_experts", "topk_idx", "_src_info", "_layout_range")
 
-    def __init__(self, rank, world, pool, slot, got, num_tokens, topk, max_tokens, hidden, num_experts):
+    def __init__(self, rank, world, pool, slot, got, num_tokens, topk, max_tokens, hidden, num_experts, topk_idx):
         self.rank, self.world, self.pool, self.slot, self.got = rank, world, pool, slot, got
         self.generation = pool.generation[slot]
         self.num_tokens, self.topk, self.max_tokens, self.hidden, self.num_experts = (num_tokens, topk, max_tokens,
                                                                                      hidden, num_experts)
+        self.topk_idx = topk_idx  # the dispatch's ids (a combine given other ids masks its weights by them)
         self._src_info = self._layout_range = None
 
     def __len__(self) -> int:
@@ -635,13 +636,17 @@ class Buffer:
             # at once: an empty dispatch (collective, as the creation) gets the EpBuffer's views, which every later
             # call reuses (checked in _ll_views).
             buf = ferry.EpBuffer(self.comm, **kwargs)
-            device = torch.device("cuda", self.comm.device) if self.comm.backend == "cuda" else torch.device("cpu")
             empty = buf.dispatch(torch.empty((0, hidden), dtype=torch.bfloat16, device=device),
                                  torch.empty((0, 1), dtype=torch.int64, device=device),
                                  torch.empty((0, 1), dtype=torch.float32, device=device), eager=False)
             return buf, empty
 
-        return self._pool(key, make)
+        device = torch.device("cuda", self.comm.device) if self.comm.backend == "cuda" else torch.device("cpu")
+        pool = self._pool(key, make)
+        # the entries' weights (1), made with the pool (outside any capture), and their [T, topk] views per T
+        pool.ones_base = torch.ones((max_tokens * topk,), dtype=torch.float32, device=device)
+        pool.ones = {}
+        return pool
 
     @staticmethod
     def _ll_views(views, got):
@@ -681,26 +686,27 @@ class Buffer:
         fmt = "bf16" if not use_fp8 else ("fp8" if not round_scale else ("fp8_ue8m0" if use_ue8m0 else "fp8_round"))
         pool = self._ll_pool(num_max_dispatch_tokens_per_rank, hidden, num_experts, topk, fmt)
         slot = pool.take()
-        buf, extras = pool.buffers[slot], pool.extras[slot]
-        # one row per (token, k): pair t * topk + k goes to expert topk_idx[t, k] alone; the pairs are copied into
-        # this EpBuffer's own staging tensor (the dispatch has read them before the next call on this EpBuffer)
-        pairs_x, pairs_x3, ones = _ll_shape(extras, num_tokens, topk, hidden, num_max_dispatch_tokens_per_rank,
-                                            x.device)
-        pairs_x3.copy_(x.unsqueeze(1))
-        pairs_idx = topk_idx.reshape(num_tokens * topk, 1)
-        if not pairs_idx.is_contiguous():
-            pairs_idx = pairs_idx.contiguous()
-        sent = buf.dispatch(pairs_x, pairs_idx, ones, eager=False, return_recv_hook=return_recv_hook)
+        buf = pool.buffers[slot]
+        # one row per (token, k): entry t * topk + k is a token of its own that goes to expert topk_idx[t, k] alone,
+        # and sends row t of x (x_repeat: no expanded copy of x); its weight travels as 1 (the combine's weights are
+        # applied when the entries are summed back into their tokens, low_latency_combine)
+        # (the binding takes the entries' ids and weights as [T, topk] with x_repeat=topk: no view made here)
+        ones = pool.ones.get(num_tokens)
+        if ones is None:  # a view (no kernel: also right when first made inside a graph capture)
+            ones = pool.ones[num_tokens] = pool.ones_base[:num_tokens * topk].view(num_tokens, topk)
+        sent = buf.dispatch(x, topk_idx if topk_idx.is_contiguous() else topk_idx.contiguous(), ones, eager=False,
+                            return_recv_hook=return_recv_hook, x_repeat=topk)
         got = pool.views[slot]
         if not return_recv_hook:
             self._ll_views(got, sent)
         handle = _LowLatencyHandle(self.rank, self.group_size, pool, slot, got, num_tokens, topk,
-                                   num_max_dispatch_tokens_per_rank, hidden, num_experts)
+                                   num_max_dispatch_tokens_per_rank, hidden, num_experts, topk_idx)
         rows = got.expert_slots
         scales = None
         if fmt == "fp8" or fmt == "fp8_ue8m0":
             scales = got.expert_scales.transpose(1, 2)[:, :rows, :]
         elif fmt == "fp8_round":
+            extras = pool.extras[slot]
             words = extras.get("scale_words")
             if words is None:
                 words = extras["scale_words"] = torch.empty(got.expert_scales.shape, dtype=torch.int32,
@@ -758,56 +764,24 @@ class Buffer:
                 f"ferry.deep_ep: topk_idx {tuple(topk_idx.shape)} and topk_weights {tuple(topk_weights.shape)} must be "
                 f"[{num_tokens}, {topk}], those of the handle's dispatch")
         source = self.get_next_low_latency_combine_buffer(handle) if zero_copy else x
-        # NOTE: the pairs come back into this EpBuffer's own staging tensor: the weighted sum below (or in the hook)
-        # reads them before the next call on this EpBuffer, in stream order
-        pairs, pairs3 = _ll_shape(handle.pool.extras[handle.slot], num_tokens, topk, hidden, handle.max_tokens,
-                                  source.device, "combine")
-        buf.combine(source, "expert", out=pairs, eager=False, return_recv_hook=return_recv_hook)
-        if out is None:
-            out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=source.device)
-        elif tuple(out.shape) != (num_tokens, hidden) or out.dtype != torch.bfloat16:
+        if out is not None and (tuple(out.shape) != (num_tokens, hidden) or out.dtype != torch.bfloat16):
             raise ferry.InputError(f"ferry.deep_ep: out must be [{num_tokens}, {hidden}] bfloat16, got "
                                    f"{tuple(out.shape)} {out.dtype}")
-
-        def reduce():  # the source-side weighted sum over k, fp32, rounded once
-            weights = topk_weights if topk_weights.dtype is _FLOAT32 else topk_weights.float()
-            # NOTE: bf16 * fp32 promotes to fp32 (exact cast, then the product), as pairs.float() * weights
-            out.copy_(torch.mul(pairs3, weights.masked_fill(topk_idx < 0, 0.0).unsqueeze(2)).sum(dim=1))
-
-        hook = None
-        if return_recv_hook:
-            def hook():
-                buf.complete_combine()
-                reduce()
-        else:
-            reduce()
+        weights = topk_weights if topk_weights.dtype is _FLOAT32 else topk_weights.float()
+        if topk_idx is not handle.topk_idx:
+            # other ids than the dispatch's: an entry they mark -1 adds nothing (its weight 0); the dispatch's own
+            # -1 entries went nowhere and add nothing in Ferry's sum, whatever their weight
+            weights = weights.masked_fill(topk_idx < 0, 0.0)
+        # the entries come back and Ferry sums each token's topk of them with these weights, in fp32, rounded once
+        # (CombineArgs::group), into out
+        out = buf.combine(source, "expert", out=out, eager=False, return_recv_hook=return_recv_hook, group=topk,
+                          group_weights=weights if weights.is_contiguous() else weights.contiguous())
+        hook = buf.complete_combine if return_recv_hook else None
         event = self._event(async_finish, (x, topk_idx, topk_weights, out))
         return out, event, hook
 
 
 _MAX_LL_ROWS = 1024  # ferry::kMaxLowLatencyTokens
-
-
-def _ll_shape(extras: dict, num_tokens: int, topk: int, hidden: int, max_tokens: int, device, leg: str = "dispatch"):
-    """One EpBuffer's staging tensors of the (token, k) pair rows and their views for num_tokens tokens, made once
-    per shape: dispatch (pairs [T * topk, hidden] bf16, the same as [T, topk, hidden], ones [T * topk, 1] float32,
-    the weights the pairs travel with); combine (the pairs that come back, [T * topk, hidden] and [T, topk, hidden])."""
-    key = (leg, num_tokens)
-    got = extras.get(key)
-    if got is None:
-        rows = num_tokens * topk
-        pairs = extras.get(leg + " pairs")
-        if pairs is None:
-            pairs = extras[leg + " pairs"] = torch.empty((max_tokens * topk, hidden), dtype=torch.bfloat16,
-                                                         device=device)
-        views = (pairs[:rows], pairs[:rows].view(num_tokens, topk, hidden))
-        if leg == "dispatch":
-            ones = extras.get("ones")
-            if ones is None:
-                ones = extras["ones"] = torch.ones((max_tokens * topk, 1), dtype=torch.float32, device=device)
-            views += (ones[:rows],)
-        got = extras[key] = views
-    return got
 
 
 def _ll_bytes(max_tokens: int, row_bytes: int, world: int, num_experts: int, topk: int) -> int:

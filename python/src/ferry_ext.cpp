@@ -634,7 +634,7 @@ class PyEpBuffer {
   // topk_weights are None there (given ones go to the C++ call as they are, which refuses them).
   Inputs dispatch_inputs(nb::handle x, nb::handle topk_idx, nb::handle topk_weights, nb::handle x_scales,
                          nb::handle x_token_scales, bool expand, bool eager, nb::handle stream,
-                         bool return_recv_hook = false, bool cached = false) const {
+                         bool return_recv_hook = false, bool cached = false, int x_repeat = 1) const {
     Inputs in;
     in.framework = framework_of(x);
     bool const prequantized = !x_scales.is_none() && format_ != WireFormat::bf16;
@@ -654,7 +654,10 @@ class PyEpBuffer {
       xa = placement_.import(x, "x", {-1, hidden_}, "num_tokens");
       check_dtype(xa.dtype(), "x", {kBf16, kU16}, "bfloat16 (or uint16 holding bf16 bits)");
     }
-    int64_t const num_tokens = static_cast<int64_t>(xa.shape(0));
+    // x_repeat (mode='ll'): token i sends row i // x_repeat of x, so x has num_tokens / x_repeat rows
+    FERRY_CHECK_INPUT(x_repeat >= 1, "x_repeat=", x_repeat, " must be >= 1 and divide num_tokens");
+    int64_t const x_rows = static_cast<int64_t>(xa.shape(0));
+    int64_t const num_tokens = x_rows * x_repeat;
     if (!x_scales.is_none()) {
       if (prequantized) {
         Frameworks const& f = frameworks();
@@ -662,7 +665,7 @@ class PyEpBuffer {
                                       format_ == WireFormat::nvfp4 ? f.torch_fp8_e4m3fn
                                       : wire_.scale_bytes == 1     ? f.torch_fp8_e8m0fnu
                                                                    : nb::none());
-        auto const sa = placement_.import(in.scales_bytes, "x_scales", {num_tokens, wire_.num_scales}, "");
+        auto const sa = placement_.import(in.scales_bytes, "x_scales", {x_rows, wire_.num_scales}, "");
         if (wire_.scale_bytes == 4)
           check_dtype(sa.dtype(), "x_scales", {kF32}, "float32 (the fp32 block scales of dispatch_format=fp8)");
         else if (format_ == WireFormat::nvfp4)
@@ -676,7 +679,7 @@ class PyEpBuffer {
     }
     if (!x_token_scales.is_none()) {
       if (prequantized && wire_.has_token_scale) {
-        auto const ta = placement_.import(x_token_scales, "x_token_scales", {num_tokens}, "");
+        auto const ta = placement_.import(x_token_scales, "x_token_scales", {x_rows}, "");
         check_dtype(ta.dtype(), "x_token_scales", {kF32}, "float32 (nvfp4's per-token scales)");
         in.args.x_token_scales = static_cast<float const*>(nonnull(ta.data()));
       } else {
@@ -694,17 +697,30 @@ class PyEpBuffer {
                         "(only a cached dispatch, handle=h, routes without them)");
       FERRY_CHECK_INPUT(!topk_weights.is_none(), "topk_weights is None; dispatch needs the [num_tokens, topk] ",
                         "weights (only a cached dispatch, handle=h, routes without them)");
-      auto const idx = placement_.import(topk_idx, "topk_idx", {num_tokens, topk_}, "num_tokens");
+      // entry tokens (x_repeat=r on a topk-1 buffer): the ids and weights may come as [rows of x, r], each token's
+      // r entries in a row, the same memory as [num_tokens, 1]
+      auto const import_entries = [&](nb::handle array, char const* name) {
+        if (x_repeat > 1 && topk_ == 1) {
+          ArrayArg a = placement_.import_any(array, name);
+          if (a.ndim() == 2 && static_cast<int64_t>(a.shape(0)) == x_rows &&
+              static_cast<int64_t>(a.shape(1)) == x_repeat && is_c_contiguous(a))
+            return a;
+        }
+        return placement_.import(array, name, {num_tokens, topk_}, "num_tokens");
+      };
+      auto const idx = import_entries(topk_idx, "topk_idx");
       check_dtype(idx.dtype(), "topk_idx", {kI32, kI64}, "int32 or int64");
-      auto const weights = placement_.import(topk_weights, "topk_weights", {num_tokens, topk_}, "num_tokens");
+      auto const weights = import_entries(topk_weights, "topk_weights");
       check_dtype(weights.dtype(), "topk_weights", {kF32}, "float32");
       in.args.topk_idx = idx.data();
       in.args.topk_idx_type = idx.dtype() == kI32 ? IndexType::int32 : IndexType::int64;
       in.args.topk_weights = static_cast<float const*>(weights.data());
     }
-    FERRY_CHECK_INPUT(num_tokens <= max_tokens_, "num_tokens=", num_tokens, " (rows of x) is outside [0, ",
+    FERRY_CHECK_INPUT(num_tokens <= max_tokens_, "num_tokens=", num_tokens,
+                      x_repeat == 1 ? " (rows of x)" : " (rows of x times x_repeat)", " is outside [0, ",
                       "max_tokens_per_rank=", max_tokens_, "]; split the batch or raise max_tokens_per_rank");
     in.args.x = xa.data();
+    in.args.x_repeat = x_repeat;
     in.args.num_tokens = static_cast<int>(num_tokens);
     in.args.expand = expand;
     in.args.eager = eager;
@@ -715,12 +731,12 @@ class PyEpBuffer {
 
   ResultObject dispatch(nb::handle x, nb::handle topk_idx, nb::handle topk_weights, nb::handle x_scales,
                         nb::handle x_token_scales, bool expand, bool eager, bool return_recv_hook,
-                        nb::handle save_handle, nb::handle handle, nb::handle stream) {
+                        nb::handle save_handle, nb::handle handle, nb::handle stream, int x_repeat) {
     PyDispatchHandle* save = nullptr;
     Inputs in = checked(Leg::dispatch, stream, x, [&] {
       save = handle_arg(save_handle, "save_handle");
       return dispatch_inputs_with(x, topk_idx, topk_weights, x_scales, x_token_scales, expand, eager, stream,
-                                  return_recv_hook, save, handle_arg(handle, "handle"));
+                                  return_recv_hook, save, handle_arg(handle, "handle"), x_repeat);
     });
     DispatchResult const got = run_dispatch(in, save);
     return result_object(result(got, in.framework, eager && !return_recv_hook));
@@ -753,29 +769,43 @@ class PyEpBuffer {
       return dispatch_inputs_with(x, topk_idx, topk_weights, x_scales, nb::none(), false, eager, stream, false, save,
                                   cached);
     });
+    // eager: the counts come back within the dispatch's one synchronisation
+    std::vector<int32_t> counts_host;
+    if (eager && !cached) {
+      counts_host.resize(static_cast<std::size_t>(num_local_));
+      in.args.expert_counts_host = counts_host.data();
+    }
     DispatchResult const got = run_dispatch(in, save);
     int64_t const rows = eager && got.num_recv_host >= 0 ? got.num_recv_host : capacity_;
-    Owned owned(*this, in.stream, x);
-    nb::object const recv_x = owned.copy(got.recv_x, {rows, static_cast<int64_t>(recv_x_spec_.dims[1])},
-                                         recv_x_spec_.dtype, got.recv_row_bytes);
+    // fresh tensors from torch's allocator (on the current stream), filled by one copy_received (one kernel on cuda)
+    Owned const owned(x);
+    ReceivedCopy to;
+    to.rows = static_cast<int>(rows);
+    nb::object const recv_x = owned.empty(rows, static_cast<int64_t>(recv_x_spec_.dims[1]), recv_x_spec_.dtype);
+    to.recv_x = Owned::data_of(recv_x);
     nb::object recv_scales = nb::none();
     if (quantized_) {
       FERRY_CHECK_INPUT(scale_layout_ == ScaleLayout::row_major, "this call returns row-major recv_scales only");
-      recv_scales = owned.copy(got.recv_scales, {rows, wire_.num_scales}, wire_.scale_bytes == 4 ? kF32 : kU8,
-                               static_cast<size_t>(wire_.num_scales * wire_.scale_bytes));
+      recv_scales = owned.empty(rows, wire_.num_scales, wire_.scale_bytes == 4 ? kF32 : kU8);
+      to.recv_scales = Owned::data_of(recv_scales);
     }
     nb::object ids = nb::none(), weights = nb::none(), counts = nb::none();
     if (!cached) {
-      size_t const topk = static_cast<size_t>(topk_);
-      weights = owned.copy(got.recv_topk_weights, {rows, topk_}, kF32, topk * sizeof(float));
-      if (idx_int64) {
-        View& slot = views_[kTorch].recv_topk_idx;
-        view(slot, got.recv_topk_idx, kTorch, ViewSpec(kI32, {static_cast<size_t>(capacity_), topk}));
-        ids = owned.widen(got.recv_topk_idx, rows, topk_, slot);
-      } else {
-        ids = owned.copy(got.recv_topk_idx, {rows, topk_}, kI32, topk * sizeof(int32_t));
+      weights = owned.empty(rows, topk_, kF32);
+      to.recv_topk_weights = static_cast<float*>(Owned::data_of(weights));
+      ids = owned.empty(rows, topk_, idx_int64 ? kI64 : kI32);
+      to.recv_topk_idx = Owned::data_of(ids);
+      to.recv_topk_idx_type = idx_int64 ? IndexType::int64 : IndexType::int32;
+      if (eager) {
+        nb::list list;
+        for (int32_t c : counts_host) list.append(c);
+        counts = std::move(list);
       }
-      if (eager) counts = owned.host_list(got.expert_counts, num_local_);
+    }
+    {
+      Exclusive const exclusive(*this);
+      nb::gil_scoped_release release;
+      buffer_->copy_received(to, in.stream);
     }
     nb::object const num_recv = view(views_[kTorch].num_recv, got.num_recv, kTorch, ViewSpec(kI32, {1}));
     return nb::make_tuple(recv_x, recv_scales, ids, weights, counts, saved, num_recv);
@@ -784,9 +814,10 @@ class PyEpBuffer {
   // dispatch_inputs with the handles set: save (save_handle=) and cached (handle=: a cached dispatch).
   Inputs dispatch_inputs_with(nb::handle x, nb::handle topk_idx, nb::handle topk_weights, nb::handle x_scales,
                               nb::handle x_token_scales, bool expand, bool eager, nb::handle stream,
-                              bool return_recv_hook, PyDispatchHandle* save, PyDispatchHandle* cached) const {
+                              bool return_recv_hook, PyDispatchHandle* save, PyDispatchHandle* cached,
+                              int x_repeat = 1) const {
     Inputs got = dispatch_inputs(x, topk_idx, topk_weights, x_scales, x_token_scales, expand, eager, stream,
-                                 return_recv_hook, cached != nullptr);
+                                 return_recv_hook, cached != nullptr, x_repeat);
     if (save) got.args.save_handle = &save->handle;
     if (cached) got.args.handle = &cached->handle;
     return got;
@@ -842,8 +873,11 @@ class PyEpBuffer {
 
   // Converts and checks combine arguments (no C++ call) for a dispatch of num_tokens tokens (y's rows).
   // num_recv_host: the rows that dispatch received, when known on the host (-1: not known, recv_capacity is read).
+  // group, group_weights (mode='ll', topk 1): y gets num_tokens / group rows, the weighted sums of groups of tokens
+  // (CombineArgs::group); group_weights [num_tokens / group, group] float32.
   CombineInputs combine_inputs(nb::handle x, std::string const& layout, nb::handle out, bool eager, nb::handle stream,
-                               int num_tokens, int64_t num_recv_host, bool return_recv_hook = false) const {
+                               int num_tokens, int64_t num_recv_host, bool return_recv_hook = false, int group = 1,
+                               nb::handle group_weights = nb::none()) const {
     CombineInputs in;
     bool const expert_major = layout == "expert";
     FERRY_CHECK_INPUT(expert_major || layout == "rank", "layout='", layout,
@@ -865,13 +899,24 @@ class PyEpBuffer {
     }
     check_dtype(xa.dtype(), "x", {kBf16, kU16}, "bfloat16 (or uint16 holding bf16 bits)");
     Framework const framework = framework_of(x);
+    // a group that does not divide the tokens: y as if ungrouped, and the C++ call refuses the group
+    int const y_rows = group >= 1 && num_tokens >= 0 && num_tokens % group == 0 ? num_tokens / group : num_tokens;
+    if (!group_weights.is_none()) {
+      // shape and dtype checked against a group that divides the tokens (else the C++ call refuses the group)
+      auto const wa = y_rows == num_tokens && group != 1
+                          ? placement_.import_any(group_weights, "group_weights")
+                          : placement_.import(group_weights, "group_weights", {y_rows, group}, "");
+      check_dtype(wa.dtype(), "group_weights", {kF32}, "float32");
+      in.args.group_weights = static_cast<float const*>(nonnull(wa.data()));
+    }
+    in.args.group = group;
     if (num_tokens >= 0) {
       if (out.is_none()) {
-        in.y = allocate_rows(framework, x, num_tokens, false, "combine");
+        in.y = allocate_rows(framework, x, y_rows, false, "combine");
       } else {
         in.y = nb::borrow(out);
       }
-      auto const ya = placement_.import(in.y, "out", {num_tokens, hidden_}, "", Placement::Access::write);
+      auto const ya = placement_.import(in.y, "out", {y_rows, hidden_}, "", Placement::Access::write);
       check_dtype(ya.dtype(), "out", {kBf16, kU16}, "bfloat16 (or uint16 holding bf16 bits)");
       in.args.y = ya.data();
     }
@@ -885,14 +930,15 @@ class PyEpBuffer {
   }
 
   nb::object combine(nb::handle x, std::string const& layout, nb::handle out, bool eager, bool return_recv_hook,
-                     nb::handle handle, nb::handle stream) {
+                     nb::handle handle, nb::handle stream, int group, nb::handle group_weights) {
     PyDispatchHandle* h = nullptr;
     CombineInputs in = checked(Leg::combine, stream, x, [&] {
       h = handle_arg(handle, "handle");
       // a handle's dispatch: its tokens (0 before a save: the C++ call refuses the handle itself)
-      CombineInputs got =
-          h ? combine_inputs(x, layout, out, eager, stream, h->handle.num_tokens(), h->num_recv_host, return_recv_hook)
-            : combine_inputs(x, layout, out, eager, stream, last_num_tokens_, last_num_recv_host_, return_recv_hook);
+      CombineInputs got = h ? combine_inputs(x, layout, out, eager, stream, h->handle.num_tokens(), h->num_recv_host,
+                                             return_recv_hook, group, group_weights)
+                            : combine_inputs(x, layout, out, eager, stream, last_num_tokens_, last_num_recv_host_,
+                                             return_recv_hook, group, group_weights);
       if (h) got.args.handle = &h->handle;
       return got;
     });
@@ -1354,12 +1400,11 @@ class PyEpBuffer {
 
   // ---- fresh outputs (dispatch_owned)
 
-  // Fresh torch tensors on like's device, filled from the EpBuffer's memory: on the cpu backend by host copies, on
-  // cuda by cudaMemcpyAsync on the call's stream (ids widened to int64 by torch there: a copy cannot sign-extend).
+  // Fresh torch tensors on like's device (torch's allocator: on cuda its caching allocator, on the current stream),
+  // for dispatch_owned to fill.
   class Owned {
    public:
-    Owned(PyEpBuffer& owner, cudaStream_t stream, nb::handle like)
-        : owner_(owner), stream_(stream), device_(like.attr("device")) {}
+    explicit Owned(nb::handle like) : device_(like.attr("device")) {}
 
     nb::object empty(int64_t rows, int64_t cols, nb::dlpack::dtype dtype) const {
       Frameworks const& f = frameworks();
@@ -1372,69 +1417,14 @@ class PyEpBuffer {
       return f.torch_empty(nb::make_tuple(rows, cols), "dtype"_a = type, "device"_a = device_);
     }
 
-    // [rows, cols] of dtype, rows of row_bytes copied from src.
-    nb::object copy(void const* src, std::pair<int64_t, int64_t> shape, nb::dlpack::dtype dtype,
-                    size_t row_bytes) const {
-      nb::object out = empty(shape.first, shape.second, dtype);
-      copy_bytes(data_of(out), src, static_cast<size_t>(shape.first) * row_bytes);
-      return out;
-    }
-
-    // int64 [rows, topk] from the int32 ids at src (full: their cached [recv_capacity, topk] view).
-    nb::object widen(int32_t const* src, int64_t rows, int topk, View& slot) const {
-      if (owner_.placement_.backend() == Backend::cuda)
-        return cached_head(slot, slot.object, rows).attr("to")(frameworks().torch_int64);
-      nb::object out = empty(rows, topk, kI64);
-      auto* const dst = reinterpret_cast<int64_t*>(data_of(out));
-      size_t const n = static_cast<size_t>(rows) * static_cast<size_t>(topk);
-      for (size_t i = 0; i < n; ++i) dst[i] = src[i];
-      return out;
-    }
-
-    // The n int32 values at src (host or device) as a list (cuda: copied to the host after the stream's work).
-    nb::list host_list(int32_t const* src, int n) const {
-      std::vector<int32_t> values(static_cast<size_t>(n));
-      if (n > 0) {
-        if (owner_.placement_.backend() == Backend::cuda) {
-#if FERRY_HAVE_CUDA
-          nb::gil_scoped_release release;
-          FERRY_CHECK_CUDA(
-              cudaMemcpyAsync(values.data(), src, values.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
-          FERRY_CHECK_CUDA(cudaStreamSynchronize(stream_));
-#endif
-        } else {
-          std::memcpy(values.data(), src, values.size() * sizeof(int32_t));
-        }
-      }
-      nb::list out;
-      for (int32_t v : values) out.append(v);
-      return out;
-    }
-
-   private:
+    // The data pointer of a tensor made by empty(): through torch's C exchange API where torch has it (no Python
+    // call), else Tensor.data_ptr().
     static void* data_of(nb::handle tensor) {
+      if (nb::dlpack::dltensor t; torch_dltensor(tensor, t)) return static_cast<char*>(t.data) + t.byte_offset;
       return reinterpret_cast<void*>(nb::cast<uintptr_t>(tensor.attr("data_ptr")()));
     }
 
-    void copy_bytes(void* dst, void const* src, size_t bytes) const {
-      if (bytes == 0) return;
-      if (owner_.placement_.backend() == Backend::cuda) {
-#if FERRY_HAVE_CUDA
-        FERRY_CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
-#endif
-        return;
-      }
-      constexpr size_t kReleaseBytes = size_t{1} << 20;  // NOTE: a large host copy runs without the GIL
-      if (bytes >= kReleaseBytes) {
-        nb::gil_scoped_release release;
-        std::memcpy(dst, src, bytes);
-      } else {
-        std::memcpy(dst, src, bytes);
-      }
-    }
-
-    PyEpBuffer& owner_;
-    cudaStream_t stream_;
+   private:
     nb::object device_;
   };
 
@@ -1852,7 +1842,7 @@ NB_MODULE(_ext, m) {
       .def("dispatch", &PyEpBuffer::dispatch, "x"_a, "topk_idx"_a = nb::none(), "topk_weights"_a = nb::none(),
            nb::kw_only(), "x_scales"_a = nb::none(), "x_token_scales"_a = nb::none(), "expand"_a = false,
            "eager"_a = true, "return_recv_hook"_a = false, "save_handle"_a = nb::none(), "handle"_a = nb::none(),
-           "stream"_a = nb::none(),
+           "stream"_a = nb::none(), "x_repeat"_a = 1,
            "Sends each token to the ranks of its experts. x [T, hidden] bf16, topk_idx [T, topk] int32/int64 "
            "(global ids, -1 = none), topk_weights [T, topk] float32. Returns a DispatchResult of views. "
            "Pre-quantized input (a quantized dispatch_format): x the payload (fp8 [T, hidden] float8_e4m3fn or "
@@ -1860,14 +1850,20 @@ NB_MODULE(_ext, m) {
            "x_token_scales [T] float32 (nvfp4). "
            "return_recv_hook (mode='ll'): return after the send half; complete_dispatch() runs the receive half. "
            "save_handle=h (normal mode): also save this dispatch's layout into the DispatchHandle h. handle=h: a "
-           "cached dispatch, routed by h's saved layout (topk_idx and topk_weights None, T = h.num_tokens).")
+           "cached dispatch, routed by h's saved layout (topk_idx and topk_weights None, T = h.num_tokens). "
+           "x_repeat=r (mode='ll'): token i sends row i // r of x, which has T / r rows (topk_idx and topk_weights "
+           "have T): every (token, k) entry sent as a token of its own without copying x r times.")
       .def("combine", &PyEpBuffer::combine, "x"_a, "layout"_a = "expert", nb::kw_only(), "out"_a = nb::none(),
            "eager"_a = true, "return_recv_hook"_a = false, "handle"_a = nb::none(), "stream"_a = nb::none(),
+           "group"_a = 1, "group_weights"_a = nb::none(),
            "Brings the expert outputs of the last dispatch back: layout='expert' takes [num_local_experts, "
            "expert_capacity, hidden] and applies the weights; layout='rank' takes [num_recv, hidden] rows already "
            "reduced. Returns out (allocated when None) [T, hidden] bf16. return_recv_hook (mode='ll'): return "
            "after the send half; out is filled by complete_combine(). handle=h (normal mode): combine the rows of the "
-           "dispatch h saved instead of the last one (T = h.num_tokens); h's layout becomes the current one.")
+           "dispatch h saved instead of the last one (T = h.num_tokens); h's layout becomes the current one. "
+           "group=g, group_weights [T / g, g] float32 (mode='ll', topk 1): out [T / g, hidden] holds the weighted "
+           "sums of groups of g consecutive tokens, in fp32 rounded once (CombineArgs::group), the way an "
+           "entry-per-token dispatch (x_repeat=g) is combined back into its tokens.")
       .def("make_handle", &PyEpBuffer::make_handle,
            "A DispatchHandle for this buffer's layout shape (normal mode; ConfigError for mode='ll'). Not collective; "
            "on the cuda backend its storage is a torch uint8 tensor of handle_bytes() on this GPU (torch's caching "
