@@ -19,7 +19,7 @@
 # Every step is bounded by the budget (--budget S, default 560) and FERRY_TIMEOUT_S (default 20 here). Logs and JSON
 # go to one archive, $OUT/internode-logs.tgz (else build-device/internode-logs.tgz), refreshed after every step, and
 # the summary to summary.txt beside it; the summary is printed last.
-# usage: scripts/device-internode.sh [--budget S] [--no-build]
+# usage: [FERRY_BUILD_DIR=DIR] scripts/device-internode.sh [--budget S] [--no-build]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 BUDGET=560
@@ -38,7 +38,7 @@ export FERRY_TIMEOUT_S="${FERRY_TIMEOUT_S:-20}"
 START=$SECONDS
 left() { echo $((BUDGET - (SECONDS - START))); }
 stamp() { echo "== [$((SECONDS - START)) s] $*"; }
-BUILD=build-device
+BUILD="${FERRY_BUILD_DIR:-build-device}"  # a second call can reuse a build kept outside a carried folder
 DEST="${OUT:-$BUILD}"
 LOGS=$(mktemp -d /tmp/internode-logs.XXXX)
 mkdir -p "$DEST"
