@@ -66,6 +66,13 @@ void push_ll_dispatch_format(std::string& out, EpConfig const& config, LegRecord
     out += concat("; payload + ", scale_layout_name(config.recv_scale_layout), " scales delivered in the copy)");
 }
 
+// A low-latency leg's path: across nodes the route and the network (protocol_why: "low-latency, rows forwarded once
+// per node by its rail (2x1, network: emulated ...)"), then its own node's NVLink push; one node: the push alone.
+std::string ll_route_text(ExplainContext const& context) {
+  if (context.protocol_why == nullptr || *context.protocol_why == '\0') return "nvlink-push ";
+  return concat(context.protocol_why, "; own node: nvlink-push ");
+}
+
 // "; fast path", or what fell back.
 void push_verdict(std::string& out, LegRecord const& leg, ExplainContext const& context) {
   if (leg.fallbacks == kNoFallback)
@@ -93,7 +100,7 @@ std::string dispatch_text(LegRecord const& leg, ExplainContext const& context) {
   std::string out;
   if (leg.protocol == Protocol::ll) {
     out = concat(
-        "dispatch: ll/nvlink-push ",
+        "dispatch: ll/", ll_route_text(context),
         leg.split ? "split (send kernel now, receive kernel in complete_dispatch)" : "one kernel (send + receive)",
         ", ", leg.ctas, " CTAs x ", context.warps, " warps (", context.cooperative ? "cooperative; " : "",
         "grid: ", leg.plan_why, "), a warp per token (a row split over several warps when the batch has fewer ",
@@ -135,7 +142,7 @@ std::string combine_text(LegRecord const& leg, ExplainContext const& context) {
   if (leg.protocol == Protocol::ll) {
     WireFormat const format = config.combine_format;
     out = concat(
-        "combine: ll/nvlink-push ",
+        "combine: ll/", ll_route_text(context),
         leg.split ? "split (send kernel now, receive kernel in complete_combine)" : "one kernel (send + receive)", ", ",
         leg.ctas, " CTAs x ", context.warps, " warps (grid: ", leg.plan_why, "), warp per (row, ",
         context.ll_chunk_elems, "-element chunk), ", reduce_text(leg.expert_major), ", wire ", wire_format_name(format),

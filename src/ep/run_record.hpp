@@ -50,10 +50,12 @@ struct RunRecord {
 // What explain() needs besides the record, fixed per EpBuffer.
 struct ExplainContext {
   EpConfig const* config = nullptr;
-  char const* protocol_why = "";  // normal mode: choose_normal_landing's reason
-  int warps = 0;                  // warps per CTA of every kernel
-  int ll_chunk_elems = 0;         // elements of a low-latency combine work item
-  bool own_direct = false;        // FERRY_LL_OWN_ROWS=direct
+  // normal mode: choose_normal_landing's reason (across nodes: the hierarchical protocol and its network);
+  // low-latency mode: "" on one node, across nodes the route and the network
+  char const* protocol_why = "";
+  int warps = 0;            // warps per CTA of every kernel
+  int ll_chunk_elems = 0;   // elements of a low-latency combine work item
+  bool own_direct = false;  // FERRY_LL_OWN_ROWS=direct
   bool cooperative = true;
 };
 

@@ -119,9 +119,28 @@ TEST_F(BenchCli, TopologyAcrossNodesCountsTheNetworkBytes) {
   std::string const records = read_file(json);
   EXPECT_EQ(count(records, "\"network\": \"emulated\""), legs) << records;
   EXPECT_EQ(count(records, "\"topology\": \"2x4\""), legs) << records;
-  CliRun const ll = run_ferry("bench --backend cpu --topology 2x2 --mode ll --tokens 4");
-  EXPECT_NE(ll.code, 0);
-  EXPECT_TRUE(contains(ll.output, "--topology 2x2 spans nodes, where only mode=normal is built")) << ll.output;
+}
+
+// Low-latency mode across emulated nodes, both routes: every leg checked against the reference of its route (the
+// direct route's combine is one node's, the forward route's the topology's), the network bytes equal to ferry model's
+// count of the route that ran (the direct route sends more), and the route in the table and the records.
+TEST_F(BenchCli, TopologyAcrossNodesRunsLowLatencyOnEveryRoute) {
+  TempDir const dir;
+  std::string const json = dir.file("bench.json");
+  CliRun const run = run_ferry(
+      "bench --backend cpu --topology 2x2 --mode ll --route forward,direct --tokens 1,8 --hidden 256"
+      " --routing random --dispatch bf16,fp8 --combine bf16,fp8 --check --iters 2 --warmup 1 --json " +
+      json);
+  ASSERT_EQ(run.code, 0) << run.output;
+  int const legs = 2 /*sizes*/ * 2 /*format pairs*/ * 2 /*routes*/ * 2 /*legs*/;
+  EXPECT_EQ(count(run.output, "PASS\n"), legs) << run.output;
+  EXPECT_EQ(count(run.output, ", equal), NVLink"), legs) << run.output;
+  EXPECT_EQ(count(run.output, "DIFFERENT"), 0) << run.output;
+  EXPECT_EQ(count(run.output, "route forward  cpu"), legs / 4) << run.output;
+  EXPECT_EQ(count(run.output, "route direct  cpu"), legs / 4) << run.output;
+  std::string const records = read_file(json);
+  EXPECT_EQ(count(records, "\"route\": \"forward\""), legs / 2) << records;
+  EXPECT_EQ(count(records, "\"route\": \"direct\""), legs / 2) << records;
 }
 
 TEST_F(BenchCli, BadUseIsRefusedOnceBeforeAnyRankStarts) {
@@ -144,6 +163,9 @@ TEST_F(BenchCli, BadUseIsRefusedOnceBeforeAnyRankStarts) {
            Refusal{"bench --backend cpu --mode ll --tokens 8 --backward",
                    "--backward times the training passes, which only mode=normal has"},
            Refusal{"bench --backend cpu --mode both --backward", "use --mode normal (got --mode both)"},
+           Refusal{"bench --backend cpu --topology 2x2 --route direct", "normal mode always forwards"},
+           Refusal{"bench --backend cpu --mode ll --route forward", "it needs a --topology of 2 nodes or more"},
+           Refusal{"bench --backend cpu --topology 2x2 --mode ll --route sideways", "internode_route 'sideways'"},
            Refusal{"bench --backend cpu --backward --combine fp8", "--backward times bf16 legs"},
        })
     expect_refused_once(c);

@@ -156,5 +156,23 @@ TEST(RunRecord, ExplainNamesTheFormatsAndUnits) {
   EXPECT_TRUE(fallback_text(kNoFallback, "").empty());
 }
 
+// Across nodes a low-latency leg names its route and network (docs/internode.md: "explain() names the route"); on
+// one node it is the NVLink push alone.
+TEST(RunRecord, ExplainNamesTheLowLatencyRouteAcrossNodes) {
+  EpConfig config = small(128);
+  config.mode = Mode::low_latency;
+  RunRecord record;
+  record.dispatch.ran = record.combine.ran = true;
+  record.dispatch.protocol = record.combine.protocol = Protocol::ll;
+  record.dispatch.plan_why = record.combine.plan_why = "one CTA per SM";
+  char const* const forward = "low-latency, rows forwarded once per node by its rail (2x1, network: emulated)";
+  std::string const across = explain_text(record, context_of(config, forward));
+  EXPECT_TRUE(contains(across, concat("dispatch: ll/", forward, "; own node: nvlink-push one kernel"))) << across;
+  EXPECT_TRUE(contains(across, concat("combine: ll/", forward, "; own node: nvlink-push one kernel"))) << across;
+  std::string const one_node = explain_text(record, context_of(config, ""));
+  EXPECT_TRUE(contains(one_node, "dispatch: ll/nvlink-push one kernel")) << one_node;
+  EXPECT_FALSE(contains(one_node, "own node")) << one_node;
+}
+
 }  // namespace
 }  // namespace ferry::detail

@@ -76,10 +76,14 @@ Options make_options() {
           {"expert-capacity", "0", "rows per local expert for --layout expert (0: the largest load of the routing)"},
           {"backend", "auto", "auto (cuda when a GPU is visible, else cpu) | cuda | cpu"},
           {"topology", "",
-           "NxM: emulate N nodes of M ranks on this host (N x M ranks; normal mode runs hierarchical). Prints the "
-           "bytes each rank sends over the network and over NVLink, counted by the protocol, beside ferry model's "
-           "count from the same routing, and the network GB/s; the network is emulated (shared memory / NVLink), so "
-           "these are not network figures"},
+           "NxM: emulate N nodes of M ranks on this host (N x M ranks; normal mode runs hierarchical, mode ll the "
+           "--route). Prints the bytes each rank sends over the network and over NVLink, counted by the protocol, "
+           "beside ferry model's count from the same routing, and the network GB/s; the network is emulated (shared "
+           "memory / NVLink), so these are not network figures"},
+          {"route", "automatic",
+           "low-latency mode across nodes (--topology of 2 nodes or more): how rows reach other nodes, automatic | "
+           "forward | direct (EpConfig::internode_route), or a comma-separated list (a run each); normal mode always "
+           "forwards"},
           {"nproc", "0", "ranks to start (0: one per GPU, or 4 on the cpu backend)"},
           {"warmup", "5", "untimed iterations per leg"},
           {"iters", "20", "timed iterations per leg (median, p10, p90 reported)"},
@@ -141,6 +145,16 @@ Backend choose_backend(Options const& options, bool print_notice) {
   return backend;
 }
 
+// The routes --route names (low-latency runs across nodes: a run each).
+std::vector<InternodeRoute> bench_routes(Options const& options) {
+  std::vector<InternodeRoute> routes;
+  std::stringstream stream(options.str("route"));
+  std::string item;
+  while (std::getline(stream, item, ',')) routes.push_back(parse_internode_route(item));
+  FERRY_CHECK_CONFIG(!routes.empty(), "--route needs at least one of automatic, forward, direct");
+  return routes;
+}
+
 // The options that depend on the backend or name a choice, checked by the launching process before any rank starts
 // (one error line, not one per rank) and again by each rank. --trace records in-kernel traces: only builds with them
 // compiled in, only the cuda kernels.
@@ -172,11 +186,20 @@ void check_run_options(Options const& options, Backend backend) {
                        "--backward times bf16 legs (combine_backward needs bf16 rows delivered); drop --dispatch=",
                        options.str("dispatch"), " --combine=", options.str("combine"));
   }
+  // NOTE: low-latency mode across nodes is the library's to refuse (EpBuffer: e.g. a quantized combine past its
+  // hidden limit there), each rank with the same ConfigError; --route itself only means something there
+  std::vector<InternodeRoute> const routes = bench_routes(options);
+  if (routes.size() > 1 || routes.front() != InternodeRoute::automatic) {
+    FERRY_CHECK_CONFIG(options.str("mode") != "normal", "--route=", options.str("route"),
+                       " chooses low-latency mode's route across nodes (normal mode always forwards); add --mode ll or "
+                       "--mode both");
+    FERRY_CHECK_CONFIG(!options.str("topology").empty() && parse_topology(options.str("topology")).nodes > 1,
+                       "--route=", options.str("route"),
+                       " chooses how rows reach other nodes; it needs a --topology of 2 nodes or more (got '",
+                       options.str("topology"), "')");
+  }
   if (!options.str("topology").empty()) {
     Topology const topology = parse_topology(options.str("topology"));
-    FERRY_CHECK_CONFIG(topology.nodes == 1 || options.str("mode") == "normal", "--topology ", options.str("topology"),
-                       " spans nodes, where only mode=normal is built (hierarchical); use "
-                       "--mode normal");
     FERRY_CHECK_CONFIG(options.integer("nproc") == 0 || options.integer("nproc") == topology.world(),
                        "--nproc=", options.integer("nproc"), " but --topology ", options.str("topology"), " has ",
                        topology.world(), " ranks; drop --nproc");
@@ -223,7 +246,7 @@ std::vector<std::pair<WireFormat, WireFormat>> format_pairs(Options const& optio
 }
 
 Shape make_shape(Options const& options, int world, int tokens, RoutingKind kind, uint64_t seed, Mode mode,
-                 std::pair<WireFormat, WireFormat> formats) {
+                 std::pair<WireFormat, WireFormat> formats, InternodeRoute route) {
   Shape shape;
   shape.routed_topk = options.integer("topk");
   shape.routing.kind = kind;
@@ -238,6 +261,7 @@ Shape make_shape(Options const& options, int world, int tokens, RoutingKind kind
   shape.config.topk = routing_columns(shape.routing, shape.routed_topk);
   shape.config.max_tokens_per_rank = tokens;
   shape.config.mode = mode;
+  shape.config.internode_route = route;
   if (options.integer("dispatch-blocks") > 0)
     shape.config.dispatch_geometry = Geometry{options.integer("dispatch-blocks")};
   // mode=ll runs both legs on the dispatch grid (EpConfig refuses a combine pin there): --combine-blocks pins the
@@ -285,7 +309,8 @@ std::vector<int> destinations(EpConfig const& config, int world, ref::RankInput 
 // k ascending and rounds to bf16 (rank-major: the row itself); that partial travels in combine_format; the source
 // sums the dequantized partials of the destination ranks ascending in fp32 and rounds once. Across nodes ("Across
 // nodes" there) the partials of another node are first summed in fp32 and rounded to bf16, and that row travels in
-// combine_format instead. Needs only this rank's input. Also measures the combine's error against the exact sum of
+// combine_format instead (pass one node of every rank for a route that sums the ranks as one node does: low-latency
+// mode's direct route). Needs only this rank's input. Also measures the combine's error against the exact sum of
 // the rows that travelled in combine_format, and its derived bound (quant::combine_error_bound): the largest |error| /
 // bound, and the relative L2 error.
 struct IdentityCombine {
@@ -525,9 +550,12 @@ struct Record {
   std::string dispatch_format, combine_format, layout;
   // --backward, the backward legs: median / the median of the forward leg of the same bytes
   double forward_ratio = -1;
-  // --topology across nodes: bytes per rank (mean over ranks) by link, counted by the protocol, and ferry model's
-  // count of the network bytes from the same routing
+  // --topology across nodes: bytes per rank (mean over ranks) by link, counted by the protocol (when it counts:
+  // `counted`), and ferry model's count from the same routing; the route the leg took
   double network_bytes = -1, nvlink_bytes = -1, model_network_bytes = -1, network_gbps = -1;
+  double model_nvlink_bytes = -1;
+  bool counted = false;
+  std::string route;
   // --host-time: host microseconds to enqueue one lazy call of the leg (median of the loops, the slowest rank)
   double host_us = -1;
 };
@@ -548,10 +576,13 @@ void write_json(std::string const& path, Options const& options, Shape const& sh
     if (r.bound_ratio >= 0) rec.add("error_over_bound", r.bound_ratio).add("rel_l2_error", r.rel_l2);
     if (r.forward_ratio >= 0) rec.add("backward_over_forward", r.forward_ratio);
     if (r.host_us >= 0) rec.add("host_us", r.host_us);
-    if (r.network_bytes >= 0) {
-      rec.add("topology", options.str("topology")).add("network", "emulated");
-      rec.add("network_bytes", r.network_bytes).add("nvlink_bytes", r.nvlink_bytes);
-      rec.add("model_network_bytes", r.model_network_bytes).add("network_gbps", r.network_gbps);
+    if (!r.route.empty()) {
+      rec.add("topology", options.str("topology")).add("network", "emulated").add("route", r.route);
+      if (r.counted)
+        rec.add("network_bytes", r.network_bytes)
+            .add("nvlink_bytes", r.nvlink_bytes)
+            .add("network_gbps", r.network_gbps);
+      rec.add("model_network_bytes", r.model_network_bytes).add("model_nvlink_bytes", r.model_nvlink_bytes);
     }
   }
   util::write_result_file(path, {"ferry bench", git_commit(), device, world}, out);
@@ -666,8 +697,9 @@ int run_bench_rank(Options const& options) {
   int const iters = options.integer("iters");
   int const graph_calls = options.integer("graph-calls");
   for (RoutingKind kind : routing_kinds(options)) {
-    // (mode, tokens, formats): --mode both times both modes at each size, every format pair at each
-    std::vector<std::tuple<Mode, int, std::pair<WireFormat, WireFormat>>> runs;
+    // (mode, tokens, formats, route): --mode both times both modes at each size, every format pair at each, and
+    // low-latency mode every --route (normal mode always forwards: its route stays automatic)
+    std::vector<std::tuple<Mode, int, std::pair<WireFormat, WireFormat>, InternodeRoute>> runs;
     for (int tokens : options.int_list("tokens"))
       for (Mode mode : bench_modes(options)) {
         // --mode both: low-latency mode stops at kMaxLowLatencyTokens; larger sizes run in normal mode only
@@ -677,10 +709,14 @@ int run_bench_rank(Options const& options) {
                         kMaxLowLatencyTokens);
           continue;
         }
-        for (auto const& formats : format_pairs(options)) runs.emplace_back(mode, tokens, formats);
+        for (auto const& formats : format_pairs(options))
+          for (InternodeRoute route : mode == Mode::low_latency
+                                          ? bench_routes(options)
+                                          : std::vector<InternodeRoute>{InternodeRoute::automatic})
+            runs.emplace_back(mode, tokens, formats, route);
       }
-    for (auto const& [mode, tokens, formats] : runs) {
-      Shape shape = make_shape(options, world, tokens, kind, seed + tokens, mode, formats);
+    for (auto const& [mode, tokens, formats, user_route] : runs) {
+      Shape shape = make_shape(options, world, tokens, kind, seed + tokens, mode, formats, user_route);
       EpConfig& config = shape.config;
       bool const ll = mode == Mode::low_latency;
       // NOTE: low-latency mode returns the expert-major layout (its slots default to the worst case), so its combine
@@ -704,6 +740,12 @@ int run_bench_rank(Options const& options) {
       }
       EpBuffer buffer(comm, config);
       config = buffer.config();  // resolved (ll: expert slots)
+      // across nodes: the route the legs take (normal mode: forward, hierarchical); low-latency mode's direct route
+      // sums the ranks' rows as one node of every rank does, so its combine reference is that node's
+      InternodeRoute const route = config.route();
+      char const* const route_label = !across_nodes ? "" : ll ? internode_route_name(route) : "hierarchical";
+      Topology const combine_topology =
+          ll && route == InternodeRoute::direct ? Topology{1, topology.world()} : topology;
       BenchMemory memory(backend);
       int const hidden = config.hidden;
       std::size_t const row_bytes = static_cast<std::size_t>(hidden) * 2;
@@ -908,7 +950,7 @@ int run_bench_rank(Options const& options) {
         buffer.combine(cargs, memory.stream());
         std::vector<uint16_t> got_y(static_cast<std::size_t>(tokens) * hidden);
         memory.download(got_y.data(), y, got_y.size() * 2);
-        IdentityCombine const expected = expected_identity_combine(config, topology, rank, mine, layout);
+        IdentityCombine const expected = expected_identity_combine(config, combine_topology, rank, mine, layout);
         if (got_y != expected.y) ok = false, why += " combine y differs";
         if (expected.worst_bound_ratio > 1.0) ok = false, why += " combine error exceeds its derived bound";
         if (config.combine_format != WireFormat::bf16) {
@@ -993,29 +1035,44 @@ int run_bench_rank(Options const& options) {
       Record combine_backward_record = backward_record(dispatch_record, "combine_backward", 11, mean_dispatch_bytes);
       if (across_nodes) {
         // what the protocol sent (the last call of each leg: the same routing as every timed one), and the model's
-        // count from the routing: they must be equal (no rows are dropped here)
+        // count from the routing: they must be equal (no rows are dropped here). The model's protocol is the one
+        // that ran: hierarchical (normal mode; the cpu backend's forward route moves the same rows) or direct (the
+        // cpu backend's direct route); the cuda low-latency kernels have their own (records to every rank, rows
+        // without metadata: the model's ll-cuda and ll-cuda-fwd counts) and count nothing on the device
+        // (EpBuffer::link_bytes is zero there), so only the model's count is printed for them.
+        bool const cuda_ll = ll && backend == Backend::cuda;
         CallLinkBytes const sent = buffer.link_bytes(memory.stream());
         model::Traffic const predicted = model::count_traffic(config, topology, shape.routing, tokens);
-        auto const fill = [&](Record& record, LinkBytes const& link, double model_bytes) {
+        bool const direct = ll && route == InternodeRoute::direct;
+        model::LegTraffic const& model_dispatch = cuda_ll
+                                                      ? (direct ? predicted.ll_dispatch : predicted.ll_fwd_dispatch)
+                                                      : (direct ? predicted.direct_dispatch : predicted.hier_dispatch);
+        model::LegTraffic const& model_combine = cuda_ll ? (direct ? predicted.ll_combine : predicted.ll_fwd_combine)
+                                                         : (direct ? predicted.direct_combine : predicted.hier_combine);
+        auto const fill = [&](Record& record, LinkBytes const& link, model::LegTraffic const& model_leg) {
+          record.counted = !cuda_ll;
+          record.model_network_bytes = model_leg.network_bytes_mean;
+          record.model_nvlink_bytes = model_leg.nvlink_bytes_mean;
+          record.route = route_label;
+          if (!record.counted) return;
           record.network_bytes = sum_over_ranks(bootstrap, static_cast<double>(link.network_bytes)) / world;
           record.nvlink_bytes = sum_over_ranks(bootstrap, static_cast<double>(link.nvlink_bytes)) / world;
-          record.model_network_bytes = model_bytes;
           record.network_gbps = record.network_bytes / record.stats.median_us / 1e3;
           record.nvlink_gbps = record.nvlink_bytes / record.stats.median_us / 1e3;
         };
-        fill(dispatch_record, sent.dispatch, predicted.hier_dispatch.network_bytes_mean);
-        fill(combine_record, sent.combine, predicted.hier_combine.network_bytes_mean);
+        fill(dispatch_record, sent.dispatch, model_dispatch);
+        fill(combine_record, sent.combine, model_combine);
       }
       std::vector<Record*> legs = {&dispatch_record, &combine_record};
       if (backward) legs.insert(legs.end(), {&dispatch_backward_record, &combine_backward_record});
       if (rank == 0) {
         std::printf(
-            "\n%s  tokens %d/rank  hidden %d  topk %d  experts %d  routing %s  layout %s  world %d  %s%s  dispatch "
-            "%s%s  "
-            "combine %s\n",
+            "\n%s  tokens %d/rank  hidden %d  topk %d  experts %d  routing %s  layout %s  world %d%s%s  %s%s  "
+            "dispatch %s%s  combine %s\n",
             mode_name(mode), tokens, hidden, config.topk, config.num_experts, routing_name(kind),
-            layout == CombineLayout::expert_major ? "expert" : "rank", world, backend_name(backend),
-            graph ? detail::concat("  graph x", graph_calls).c_str() : "", wire_format_name(config.dispatch_format),
+            layout == CombineLayout::expert_major ? "expert" : "rank", world, across_nodes ? "  route " : "",
+            route_label, backend_name(backend), graph ? detail::concat("  graph x", graph_calls).c_str() : "",
+            wire_format_name(config.dispatch_format),
             config.dispatch_format == WireFormat::bf16
                 ? ""
                 : (config.dispatch_dequantize
@@ -1049,12 +1106,20 @@ int run_bench_rank(Options const& options) {
               "combine %s error: max |y - exact| / derived bound = %.3f (must be <= 1), relative L2 error %.3g\n",
               combine_record.format.c_str(), combine_record.bound_ratio, combine_record.rel_l2);
         if (across_nodes)
-          for (Record const* r : {&dispatch_record, &combine_record})
-            std::printf(
-                "%s across nodes: network %.0f B/rank (ferry model: %.0f, %s), NVLink %.0f B/rank, network %.1f GB/s "
-                "(emulated)\n",
-                r->leg.c_str(), r->network_bytes, r->model_network_bytes,
-                r->network_bytes == r->model_network_bytes ? "equal" : "DIFFERENT", r->nvlink_bytes, r->network_gbps);
+          for (Record const* r : {&dispatch_record, &combine_record}) {
+            if (r->counted)
+              std::printf(
+                  "%s across nodes: network %.0f B/rank (ferry model: %.0f, %s), NVLink %.0f B/rank, network %.1f "
+                  "GB/s (emulated)\n",
+                  r->leg.c_str(), r->network_bytes, r->model_network_bytes,
+                  r->network_bytes == r->model_network_bytes ? "equal" : "DIFFERENT", r->nvlink_bytes, r->network_gbps);
+            else
+              std::printf(
+                  "%s across nodes: ferry model (%s): network %.0f B/rank, NVLink %.0f B/rank; not counted by the "
+                  "cuda low-latency kernels\n",
+                  r->leg.c_str(), route == InternodeRoute::direct ? "ll-cuda" : "ll-cuda-fwd", r->model_network_bytes,
+                  r->model_nvlink_bytes);
+          }
         if (!host_us.empty())
           std::printf("host time (%s): dispatch %.2f us/call, combine %.2f us/call, dispatch + combine %.2f us/pair\n",
                       backend == Backend::cuda ? "lazy calls, enqueue only" : "the cpu backend runs the whole call",
@@ -1072,18 +1137,17 @@ int run_bench_rank(Options const& options) {
     }
   }
   if (rank == 0 && bench_modes(options).size() > 1) {
-    // --mode both: normal and ll side by side at the same sizes (slowest rank's medians)
-    std::printf("\nnormal vs ll (median us, slowest rank)\n%-9s %-9s %-10s %8s %10s %10s %8s\n", "routing", "leg",
-                "format", "tokens", "normal_us", "ll_us", "ll_gain");
+    // --mode both: normal and ll side by side at the same sizes (slowest rank's medians); across nodes a row per
+    // low-latency route
+    std::printf("\nnormal vs ll (median us, slowest rank)\n%-9s %-9s %-10s %8s %-9s %10s %10s %8s\n", "routing", "leg",
+                "format", "tokens", "ll_route", "normal_us", "ll_us", "ll_gain");
     for (Record const& n : records) {
       if (n.mode != "normal") continue;
       for (Record const& l : records)
-        if (l.mode == "ll" && l.leg == n.leg && l.tokens == n.tokens && l.routing == n.routing &&
-            l.format == n.format) {
-          std::printf("%-9s %-9s %-10s %8d %10.1f %10.1f %7.2fx\n", n.routing.c_str(), n.leg.c_str(), n.format.c_str(),
-                      n.tokens, n.stats.median_us, l.stats.median_us, n.stats.median_us / l.stats.median_us);
-          break;
-        }
+        if (l.mode == "ll" && l.leg == n.leg && l.tokens == n.tokens && l.routing == n.routing && l.format == n.format)
+          std::printf("%-9s %-9s %-10s %8d %-9s %10.1f %10.1f %7.2fx\n", n.routing.c_str(), n.leg.c_str(),
+                      n.format.c_str(), n.tokens, l.route.empty() ? "-" : l.route.c_str(), n.stats.median_us,
+                      l.stats.median_us, n.stats.median_us / l.stats.median_us);
     }
   }
   if (rank == 0 && format_pairs(options).size() > 1) {
@@ -1094,7 +1158,7 @@ int run_bench_rank(Options const& options) {
       if (q.format == "bf16") continue;
       for (Record const& b : records)
         if (b.format == "bf16" && b.mode == q.mode && b.leg == q.leg && b.tokens == q.tokens &&
-            b.routing == q.routing) {
+            b.routing == q.routing && b.route == q.route) {
           std::printf("%-6s %-9s %-9s %8d %-10s %10.1f %10.1f %6.2fx\n", q.mode.c_str(), q.routing.c_str(),
                       q.leg.c_str(), q.tokens, q.format.c_str(), b.stats.median_us, q.stats.median_us,
                       q.stats.median_us / b.stats.median_us);
@@ -1126,7 +1190,10 @@ int bench_main(int argc, char** argv) {
       for (Mode mode : bench_modes(options))
         for (auto const& formats : format_pairs(options))
           if (mode == Mode::normal || tokens <= kMaxLowLatencyTokens || bench_modes(options).size() == 1)
-            make_shape(options, nproc, tokens, kind, 1, mode, formats);
+            for (InternodeRoute route : mode == Mode::low_latency
+                                            ? bench_routes(options)
+                                            : std::vector<InternodeRoute>{InternodeRoute::automatic})
+              make_shape(options, nproc, tokens, kind, 1, mode, formats, route);
   choose_backend(options, true);  // the notice, once the shape is known to be valid
   return launch_self("bench", argc, argv, nproc);
 }
