@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "ferry/bootstrap.hpp"
 #include "ferry/device_view.hpp"
@@ -14,7 +15,7 @@ typedef struct CUstream_st* cudaStream_t;
 namespace ferry {
 
 // How a world is laid out over nodes: N nodes x M local ranks, world rank r = node * M + local (torchrun's order).
-// A world of any size is representable (256 ranks = 32 nodes x 8); which peers a rank reaches by load/store is the
+// A world has at most kMaxWorld ranks (256 = 32 nodes x 8); which peers a rank reaches by load/store is the
 // communicator's to say (Communicator::load_store_reachable).
 struct Topology {
   int nodes = 1;
@@ -25,7 +26,8 @@ struct Topology {
   bool same_node(int a, int b) const { return node_of(a) == node_of(b); }
 };
 
-// "NxM" (e.g. "2x8"): N nodes of M ranks, both at least 1. Throws ConfigError naming the text and the form.
+// "NxM" (e.g. "2x8"): N nodes of M ranks, both at least 1, N x M at most kMaxWorld. Throws ConfigError naming the
+// text and the form or the bound.
 Topology parse_topology(std::string const& text);
 
 // "2x8"
@@ -61,7 +63,11 @@ struct CommunicatorOptions {
 // One region of symmetric memory: `bytes` on every rank. Owned by the communicator; valid until it is destroyed.
 struct SymmetricRegion {
   void* local = nullptr;  // this rank's copy (host memory on cpu, device memory on cuda)
-  SymmetricView view{};   // every rank's copy as addressable from here
+  SymmetricView view{};   // the load/store team's copies, as kernels address them
+  // [world] every rank's copy as addressable from here, null where only the network reaches it (cuda: outside the
+  // NVLink team; cpu: none, every rank maps every segment, so the cpu backend emulates the network through them).
+  std::vector<char*> ranks;
+  char* of(int rank) const { return ranks[static_cast<std::size_t>(rank)]; }
 };
 
 class Communicator {

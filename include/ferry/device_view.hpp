@@ -6,10 +6,16 @@
 
 namespace ferry {
 
-// Most ranks that share load/store access (one NVLink domain). Past this, ranks talk through the network seam.
-inline constexpr int kMaxLocalPeers = 32;
-// Words of DeviceErrorBlock::absent: a bit per rank of a world of up to 256 (32 nodes x 8).
-inline constexpr int kAbsentWords = 8;
+// Most ranks of one world (32 nodes x 8 GPUs). What is sized from it: DeviceErrorBlock::absent (a bit per rank) and
+// the barrier slots of the signal area ([0, world) of kSignalSlots). The buffers' int32 row indices do not bind it: a
+// rank receives at most world x max_tokens_per_rank rows of topk entries, and EpConfig::validate derives the token
+// bound from the world (at 256 ranks and topk 16, 2^19 tokens per rank still index in int32).
+inline constexpr int kMaxWorld = 256;
+// Most ranks of one load/store team (an NVLink domain, NCCL's LSA team; a node on the cpu backend): a SymmetricView
+// holds one pointer per rank of the team. Peers outside the team are reached through the network transport.
+inline constexpr int kMaxLsaTeam = 32;
+// Words of DeviceErrorBlock::absent: a bit per rank of the largest world.
+inline constexpr int kAbsentWords = kMaxWorld / 32;
 
 // Phases a bounded wait can time out in (recorded in DeviceErrorBlock::phase).
 enum class WaitPhase : int32_t {
@@ -58,11 +64,21 @@ struct DeviceErrorBlock {
   uint32_t absent[kAbsentWords];
 };
 
-// Symmetric memory as a kernel sees it: one region of the same size on every rank; ptr[r] is rank r's copy,
-// addressable from this rank (an LSA / IPC flat address on cuda, a shared mapping on cpu).
+// Symmetric memory as a kernel sees it: one region of the same size on every rank, and the copies of this rank's
+// load/store team, addressable from this rank (an LSA / IPC flat address on cuda, a shared mapping on cpu). The team
+// is the world ranks [lsa_first, lsa_first + lsa_size); ptr[r - lsa_first] is the copy of its rank r. Where the team
+// is the whole world (one NVLink domain; virtual ranks), lsa_first is 0 and ptr[r] is world rank r's copy.
 struct SymmetricView {
-  char* ptr[kMaxLocalPeers];
+  char* ptr[kMaxLsaTeam];
   std::size_t bytes;
+  int32_t lsa_first;
+  int32_t lsa_size;
+  // World rank `rank`'s copy, or null when it is outside the team (only the network reaches it). Host code; kernels
+  // index ptr[] themselves.
+  char* peer(int rank) const {
+    int const slot = rank - lsa_first;
+    return slot >= 0 && slot < lsa_size ? ptr[slot] : nullptr;
+  }
 };
 
 // What every kernel gets from its communicator.
@@ -72,7 +88,8 @@ struct DeviceView {
   uint64_t timeout_ns;      // bound of every device wait (FERRY_TIMEOUT_S)
   DeviceErrorBlock* error;  // host-visible error block of this rank
   // Communicator-owned signal area: per rank kSignalSlots 64-bit words, written by peers with release stores.
-  // signals.ptr[r] + slot * 8. Slots [0, world) are the barrier slots (slot p written by rank p).
+  // signals.peer(r) + slot * 8 for a rank r of the load/store team. Slots [0, world) are the barrier slots (slot p
+  // written by rank p).
   SymmetricView signals;
   // Device word this rank's barrier epochs count in (local only; incremented by the barrier itself, so barriers
   // work inside CUDA graphs without host involvement).
@@ -80,5 +97,6 @@ struct DeviceView {
 };
 
 inline constexpr int kSignalSlots = 1024;
+static_assert(kMaxWorld <= kSignalSlots, "the barrier slots [0, world) of the signal area must fit in it");
 
 }  // namespace ferry

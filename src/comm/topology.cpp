@@ -1,5 +1,6 @@
 #include "ferry/communicator.hpp"
 
+#include <cstdint>
 #include <cstdio>
 
 #include "ferry/error.hpp"
@@ -11,6 +12,9 @@ Topology parse_topology(std::string const& text) {
   char tail = 0;
   FERRY_CHECK_CONFIG(std::sscanf(text.c_str(), "%dx%d%c", &nodes, &local, &tail) == 2 && nodes >= 1 && local >= 1,
                      "topology '", text, "' is not of the form NxM (N nodes of M ranks, both at least 1, e.g. 2x8)");
+  int64_t const world = int64_t{nodes} * local;
+  FERRY_CHECK_CONFIG(world <= kMaxWorld, "topology '", text, "' has ", world, " ranks; a world has at most ", kMaxWorld,
+                     " (kMaxWorld, e.g. 32x8)");
   return {nodes, local};
 }
 

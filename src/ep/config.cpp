@@ -1,5 +1,8 @@
 #include <algorithm>
+#include <cstdint>
 
+#include "comm/transport/transport.hpp"
+#include "ep/ep_impl.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
 
@@ -40,8 +43,16 @@ Mode parse_mode(std::string const& name) {
 }
 
 namespace {
-// Largest token count per rank the int32 row indices of the buffers can address at kMaxLocalPeers ranks.
+// Most tokens per rank at any world (a rank's own buffers are sized from it).
 constexpr int kMaxTokensPerRank = 1 << 20;
+
+// Most tokens per rank at `world` ranks of `topk` entries. NOTE: a rank receives up to world x max_tokens_per_rank
+// rows, and the buffers index them, and their topk entries ([rows x topk]: recv_topk_idx, recv_topk_weights), with
+// int32; at 256 ranks and topk 16 that leaves 2^19 tokens per rank.
+int max_tokens_per_rank_at(int world, int topk) {
+  int64_t const entries_per_token = static_cast<int64_t>(world) * std::max(topk, 2);  // recv_src holds 2 per row
+  return static_cast<int>(std::min<int64_t>(kMaxTokensPerRank, INT32_MAX / entries_per_token));
+}
 
 void validate_geometry(char const* field, std::optional<Geometry> const& geometry) {
   if (!geometry) return;
@@ -51,7 +62,8 @@ void validate_geometry(char const* field, std::optional<Geometry> const& geometr
 }  // namespace
 
 void EpConfig::validate(int world) const {
-  FERRY_CHECK_CONFIG(world >= 1, "world=", world, " must be at least 1");
+  FERRY_CHECK_CONFIG(world >= 1 && world <= kMaxWorld, "world=", world, " is outside [1, ", kMaxWorld,
+                     "] (kMaxWorld), the ranks of one world");
   FERRY_CHECK_CONFIG(hidden > 0, "hidden=", hidden, " must be positive");
   // NOTE: rows move as 16-byte vectors; a bf16 row must be a whole number of them.
   FERRY_CHECK_CONFIG(hidden % 8 == 0, "hidden=", hidden,
@@ -73,10 +85,11 @@ void EpConfig::validate(int world) const {
                      "], the supported range");
   FERRY_CHECK_CONFIG(topk <= num_experts, "topk=", topk, " is larger than num_experts=", num_experts,
                      "; a token picks distinct experts");
-  FERRY_CHECK_CONFIG(max_tokens_per_rank >= 1 && max_tokens_per_rank <= kMaxTokensPerRank,
-                     "max_tokens_per_rank=", max_tokens_per_rank, " is outside [1, ", kMaxTokensPerRank, "]");
-  FERRY_CHECK_CONFIG(world <= kMaxLocalPeers, "world=", world, " exceeds ", kMaxLocalPeers,
-                     " ranks, the most that share one load/store domain in this version");
+  int const max_tokens = max_tokens_per_rank_at(world, topk);
+  FERRY_CHECK_CONFIG(
+      max_tokens_per_rank >= 1 && max_tokens_per_rank <= max_tokens, "max_tokens_per_rank=", max_tokens_per_rank,
+      " is outside [1, ", max_tokens, "], the most at world=", world, " and topk=", topk,
+      " (a rank receives up to world x max_tokens_per_rank rows of topk entries, ", "indexed with int32)");
   if (max_recv_tokens)
     FERRY_CHECK_CONFIG(*max_recv_tokens >= 1, "max_recv_tokens=", *max_recv_tokens, " must be at least 1 (or unset)");
   if (expert_capacity)
@@ -138,5 +151,17 @@ int EpConfig::recv_capacity(int world) const {
   int64_t const worst = static_cast<int64_t>(world) * max_tokens_per_rank;
   return static_cast<int>(max_recv_tokens ? std::min<int64_t>(*max_recv_tokens, worst) : worst);
 }
+
+namespace detail {
+
+void check_cuda_world(int world) {
+  // NOTE: the cuda kernels keep a destination or rank set in one 32-bit word and per-rank arrays of kMaxCudaWorld
+  // entries (shared memory, Params, their transports' windows); a larger world would overflow them.
+  FERRY_CHECK_CONFIG(world <= kMaxCudaWorld, "world=", world, " is more than backend cuda's EpBuffer supports (",
+                     kMaxCudaWorld, " ranks): the cuda kernels' rank masks are 32-bit. Use at most ", kMaxCudaWorld,
+                     " ranks on cuda; the communicator and the cpu backend take up to ", kMaxWorld);
+}
+
+}  // namespace detail
 
 }  // namespace ferry

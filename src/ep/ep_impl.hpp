@@ -129,6 +129,9 @@ struct EpBufferAccess {
 };
 
 std::unique_ptr<EpBackendImpl> make_cpu_ep(Communicator& comm, EpConfig const& config);
+// The cuda backend's EpBuffer (make_cuda_ep calls it first): throws ConfigError for a world past kMaxCudaWorld, the
+// ranks its kernels address, naming the world, the bound and why. Host code, so that builds without cuda test it.
+void check_cuda_world(int world);
 #if FERRY_HAVE_CUDA
 // Every mode and protocol (src/ep/cuda/cuda_ep.cu chooses); config is resolved (EpConfig::resolved).
 std::unique_ptr<EpBackendImpl> make_cuda_ep(Communicator& comm, EpConfig const& config);

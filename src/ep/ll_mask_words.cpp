@@ -2,20 +2,11 @@
 #include "ep/ll_mask_words.hpp"
 
 #include <algorithm>
-#include <bit>
 
+#include "core/rank_set.hpp"
 #include "ferry/error.hpp"
 
 namespace ferry::detail {
-namespace {
-
-std::string ranks_text(uint32_t bits) {
-  std::string out;
-  for (uint32_t m = bits; m != 0; m &= m - 1) out += concat(out.empty() ? "" : ", ", std::countr_zero(m));
-  return out;
-}
-
-}  // namespace
 
 LlCallCounters merge_call_counters(std::span<LlCallCounters const> all) {
   LlCallCounters out{0, 0, 0};
@@ -31,9 +22,9 @@ MaskStatus mask_status_of(LlMaskWords const& words, int world) {
   MaskStatus status;
   status.enabled = true;
   status.self = words.self != static_cast<uint32_t>(LlMaskSelf::none);
-  uint32_t const all = world >= 32 ? 0xffffffffu : (1u << world) - 1u;
-  uint32_t const masked = (status.self ? words.self_view : words.masked) & all;
-  for (uint32_t m = masked; m != 0; m &= m - 1) status.ranks.push_back(std::countr_zero(m));
+  // NOTE: the cuda kernels' words are 32-bit (check_cuda_world keeps their worlds within them)
+  RankSet const masked = RankSet::from_mask32(status.self ? words.self_view : words.masked) & RankSet::range(0, world);
+  status.ranks = masked.ranks();
   status.dispatch_entries = static_cast<int64_t>(words.dispatch_entries);
   status.combine_entries = static_cast<int64_t>(words.combine_entries);
   status.last_dispatch_entries = static_cast<int64_t>(words.last_dispatch_entries);
@@ -48,13 +39,13 @@ std::string self_masked_message(LlMaskWords const& words, int rank, double timeo
   switch (static_cast<LlMaskSelf>(words.self)) {
     case LlMaskSelf::timeout:
       why = concat("the other ranks waited ", timeout_s, " s (FERRY_TIMEOUT_S) for it and went on without rank(s) ",
-                   ranks_text(words.self_lost));
+                   RankSet::from_mask32(words.self_lost).text());
       break;
     case LlMaskSelf::ahead:
       why = concat("rank ", words.self_by, " was already past this call's agreement, without this rank");
       break;
     case LlMaskSelf::asked:
-      why = concat("mask_ranks asked for rank(s) ", ranks_text(words.self_lost),
+      why = concat("mask_ranks asked for rank(s) ", RankSet::from_mask32(words.self_lost).text(),
                    ", and the other ranks go on without it");
       break;
     case LlMaskSelf::none:

@@ -245,19 +245,20 @@ ExpertLayout expert_layout(EpConfig const& config, int world, int num_recv, std:
   return layout;
 }
 
-MaskedWorld without_ranks(EpConfig const& config, int world, std::span<RankInput const> inputs, uint32_t masked) {
+MaskedWorld without_ranks(EpConfig const& config, int world, std::span<RankInput const> inputs,
+                          detail::RankSet const& masked) {
   int const num_local = config.num_local_experts(world);
   MaskedWorld out;
   out.inputs.assign(inputs.begin(), inputs.end());
   out.masked_entries.assign(static_cast<std::size_t>(world), 0);
   for (int r = 0; r < world; ++r) {
     RankInput& in = out.inputs[static_cast<std::size_t>(r)];
-    if ((masked >> r & 1U) != 0) {
+    if (masked.test(r)) {
       in = RankInput{};  // a masked rank sends nothing
       continue;
     }
     for (int64_t& id : in.topk_idx) {
-      if (id < 0 || (masked >> (id / num_local) & 1U) == 0) continue;
+      if (id < 0 || !masked.test(static_cast<int>(id / num_local))) continue;
       id = -1;
       ++out.masked_entries[static_cast<std::size_t>(r)];
     }

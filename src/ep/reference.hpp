@@ -47,6 +47,7 @@
 #include <string>
 #include <vector>
 
+#include "core/rank_set.hpp"
 #include "ferry/ep.hpp"
 
 namespace ferry::ref {
@@ -88,7 +89,7 @@ inline float bf16_to_float(uint16_t bits) {
   return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
 }
 
-// Rank masking (EpConfig::rank_masking): the inputs of the world without the ranks in `masked` (bit r for rank r).
+// Rank masking (EpConfig::rank_masking): the inputs of the world without the ranks in `masked`.
 // They send nothing (num_tokens 0, no rows), and every other rank's ids of their experts become -1. A masked call
 // returns, on every rank that takes part, what the reference returns for these inputs (one node, the direct route,
 // or the forward route: the rail of a masked rank's local index is then another rank of its node, which changes no
@@ -97,7 +98,8 @@ struct MaskedWorld {
   std::vector<RankInput> inputs;
   std::vector<int64_t> masked_entries;
 };
-MaskedWorld without_ranks(EpConfig const& config, int world, std::span<RankInput const> inputs, uint32_t masked);
+MaskedWorld without_ranks(EpConfig const& config, int world, std::span<RankInput const> inputs,
+                          detail::RankSet const& masked);
 
 // Throws InputError for an id outside [-1, num_experts), naming rank, token, column, value and the range.
 // topk_idx holds num_tokens * config.topk entries.

@@ -107,7 +107,7 @@ TuningKey parse_key(Checker const& check, Value const& value) {
   Value const& gpu = check.required(value, "gpu", "key");
   key.gpu = canonical_gpu_name(check.string(gpu, "key.gpu"));
   if (key.gpu.empty()) check.fail(gpu, "key.gpu is empty");
-  key.world = check.integer(check.required(value, "world", "key"), "key.world", 1, kMaxLocalPeers);
+  key.world = check.integer(check.required(value, "world", "key"), "key.world", 1, kMaxWorld);
   key.hidden = check.integer(check.required(value, "hidden", "key"), "key.hidden", 1, 1 << 20);
   key.topk = check.integer(check.required(value, "topk", "key"), "key.topk", 1, kMaxTopk);
   for (auto [field, out] :

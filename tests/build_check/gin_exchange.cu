@@ -17,7 +17,7 @@ constexpr std::size_t kRowBytes = 1024;  // a multiple of 16 (the seam's puts)
 // Window of every rank: send rows [peer][row], receive rows [source][row], one counter per source.
 struct Layout {
   std::size_t recv_base;
-  std::size_t signals;  // kMaxLocalPeers counters, 8 bytes apart: the Gin's signal range
+  std::size_t signals;  // kMaxCudaWorld counters, 8 bytes apart: the Gin's signal range
   __host__ __device__ static constexpr std::size_t send(int peer, int row) {
     return (static_cast<std::size_t>(peer) * kRows + row) * kRowBytes;
   }

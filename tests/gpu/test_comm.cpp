@@ -98,7 +98,7 @@ FERRY_RANK_CASE(symmetric_peer_rw) {
   // ptr[rank] is NCCL's flat LSA alias of the local buffer (another address, the same memory)
   uint32_t const probe = 0xc0ffee00u + static_cast<uint32_t>(rank);
   uint32_t seen = 0;
-  FERRY_CHECK_CUDA(cudaMemcpy(region.view.ptr[rank] + 64, &probe, sizeof(probe), cudaMemcpyHostToDevice));
+  FERRY_CHECK_CUDA(cudaMemcpy(region.view.peer(rank) + 64, &probe, sizeof(probe), cudaMemcpyHostToDevice));
   FERRY_CHECK_CUDA(cudaMemcpy(&seen, static_cast<char*>(region.local) + 64, sizeof(seen), cudaMemcpyDeviceToHost));
   FERRY_CHECK(seen == probe, "a word written through ptr[rank] reads back as ", seen, " through local, expected ",
               probe, ": ptr[rank] does not alias this rank's buffer");
@@ -112,7 +112,7 @@ FERRY_RANK_CASE(symmetric_peer_rw) {
   void* staging = nullptr;
   FERRY_CHECK_CUDA(cudaMalloc(&staging, kBytes));
   FERRY_CHECK_CUDA(cudaMemcpy(staging, mine.data(), kBytes, cudaMemcpyHostToDevice));
-  launch_copy(region.view.ptr[peer], staging, kBytes, stream);
+  launch_copy(region.view.peer(peer), staging, kBytes, stream);
   comm->barrier(stream);
   comm->check_errors(stream);
   FERRY_CHECK_CUDA(cudaMemcpy(host.data(), region.local, kBytes, cudaMemcpyDeviceToHost));
@@ -120,7 +120,7 @@ FERRY_RANK_CASE(symmetric_peer_rw) {
 
   // 3. pull our words back from the peer's copy
   FERRY_CHECK_CUDA(cudaMemset(staging, 0xff, kBytes));
-  launch_copy(staging, region.view.ptr[peer], kBytes, stream);
+  launch_copy(staging, region.view.peer(peer), kBytes, stream);
   FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
   FERRY_CHECK_CUDA(cudaMemcpy(host.data(), staging, kBytes, cudaMemcpyDeviceToHost));
   check_words(host, mine, "words pulled back from the peer");
@@ -157,8 +157,8 @@ FERRY_RANK_CASE(barrier_many) {
   cudaStream_t stream = nullptr;
   FERRY_CHECK_CUDA(cudaStreamCreate(&stream));
   SymmetricRegion slots = comm->alloc_symmetric(4096);
-  auto* own_slot = reinterpret_cast<uint64_t*>(slots.view.ptr[rank]);
-  auto* peer_slot = reinterpret_cast<uint64_t*>(slots.view.ptr[peer]);
+  auto* own_slot = reinterpret_cast<uint64_t*>(slots.view.peer(rank));
+  auto* peer_slot = reinterpret_cast<uint64_t*>(slots.view.peer(peer));
   uint64_t* counter = nullptr;
   uint32_t* mismatches = nullptr;
   FERRY_CHECK_CUDA(cudaMalloc(&counter, sizeof(uint64_t)));

@@ -27,8 +27,8 @@ namespace {
 #if FERRY_HAVE_CUDA
 
 struct DealtParams {
-  void* dst[kMaxLocalPeers];
-  void const* src[kMaxLocalPeers];
+  void* dst[kMaxLsaTeam];
+  void const* src[kMaxLsaTeam];
   int pairs;
   std::size_t bytes;
 };

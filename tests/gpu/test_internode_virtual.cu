@@ -92,7 +92,7 @@ Spec parse_spec(std::vector<std::string> const& words) {
 // The emulated network of a rank over every rank's region (what CudaEp builds when every peer is load/store
 // reachable): set by the allocator, which runs once the rank's sym view is known.
 void allocate_hier(Buffers& b) {
-  for (int r = 0; r < b.world; ++r) b.network.windows[r] = b.sym.ptr[r];
+  for (int r = 0; r < b.world; ++r) b.network.windows[r] = b.sym.peer(r);
   b.network.rank = b.rank;
   b.network.world = b.world;
   cuda_ep::allocate_buffers(b);

@@ -152,7 +152,7 @@ transport::Emulated make_net<transport::Emulated>(VirtualWorld const& vw, std::s
                                                   transport::EmulatedArea* areas) {
   transport::Emulated net{};
   SymmetricView const sym = vw.sym(bytes);
-  for (int peer = 0; peer < vw.world(); ++peer) net.windows[peer] = sym.ptr[peer];
+  for (int peer = 0; peer < vw.world(); ++peer) net.windows[peer] = sym.peer(peer);
   net.rank = r;
   net.world = vw.world();
   net.areas = areas;

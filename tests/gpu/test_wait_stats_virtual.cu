@@ -253,7 +253,7 @@ TEST(WaitStatsVirtual, EveryPeerCountedOncePerCallWorld4) {
 // agreed: those ranks masked, this rank's entries of them counted by both legs. Returns false at the first failure.
 bool expect_masked_world(LlWorld& w, VirtualIteration const& it, uint32_t who, uint32_t masked, int call) {
   EpConfig const& config = w.config;
-  ref::MaskedWorld const kept = ref::without_ranks(config, w.world, it.inputs, masked);
+  ref::MaskedWorld const kept = ref::without_ranks(config, w.world, it.inputs, detail::RankSet::from_mask32(masked));
   std::vector<ref::RankDispatch> want;
   for (int d = 0; d < w.world; ++d) want.push_back(ref::dispatch(config, w.world, d, kept.inputs));
   std::string const failure = w.ranks.synchronize(std::vector<int>(static_cast<std::size_t>(w.world), 0));
@@ -431,7 +431,8 @@ TEST(RankMaskingVirtual, RankLostAtTheCombine) {
   w.combine(others, false);
   ASSERT_TRUE(w.ranks.synchronize(std::vector<int>(static_cast<std::size_t>(world), 0)).empty());
   it.eout[gone].assign(it.eout[gone].size(), 0);  // its expert outputs never come back
-  ref::MaskedWorld const kept = ref::without_ranks(w.config, world, it.inputs, 1u << gone);
+  ref::MaskedWorld const kept =
+      ref::without_ranks(w.config, world, it.inputs, detail::RankSet::from_mask32(1u << gone));
   for (int r = 0; r < world; ++r) {
     if (r == gone) continue;
     auto const y = ref::combine_expert_major(w.config, world, r, it.inputs, it.expected, it.eout);

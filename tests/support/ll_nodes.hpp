@@ -26,14 +26,14 @@ inline void set_emulated_nodes(cuda_ep::Buffers& b, Topology const& topology, ui
 inline void allocate_ll(cuda_ep::Buffers& b) {
   bool const across = b.layout.nodes > 1;
   if (across) {
-    for (int r = 0; r < b.world; ++r) b.network.windows[r] = b.sym.ptr[r];
+    for (int r = 0; r < b.world; ++r) b.network.windows[r] = b.sym.peer(r);
     b.network.rank = b.rank;
     b.network.world = b.world;
   }
   cuda_ep::allocate_buffers(b);
   if (across)
     for (int r = 0; r < b.world; ++r)
-      if (r / b.layout.local != b.rank / b.layout.local) b.sym.ptr[r] = nullptr;
+      if (r / b.layout.local != b.rank / b.layout.local) b.sym.ptr[r] = nullptr;  // team slot r: lsa_first is 0
 }
 
 }  // namespace ferry::test

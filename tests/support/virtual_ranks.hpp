@@ -103,6 +103,8 @@ class VirtualWorld {
     SymmetricView view{};
     for (int peer = 0; peer < world(); ++peer) view.ptr[peer] = static_cast<char*>(regions_[peer]);
     view.bytes = bytes;
+    view.lsa_first = 0;  // one GPU: every virtual rank is in the load/store team
+    view.lsa_size = world();
     return view;
   }
   // Rank r's DeviceView: its rank, the world, the wait bound and its error block (the signal area is unused).

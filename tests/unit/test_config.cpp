@@ -8,6 +8,7 @@
 #include <set>
 #include <string>
 
+#include "ep/ep_impl.hpp"
 #include "ferry/env.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
@@ -99,8 +100,40 @@ TEST(Config, GeometryAndWorld) {
   config.max_tokens_per_rank = EpConfig{}.max_tokens_per_rank;
   expect_message(EpConfig{}, 0, {"world=0"});
   config = EpConfig{};
-  config.num_experts = 64 * 64;
-  expect_message(config, 64, {"world=64", "32"});
+  config.num_experts = 257 * 4;
+  expect_message(config, 257, {"world=257", "[1, 256]", "kMaxWorld"});
+}
+
+// The world bound (kMaxWorld: 32 nodes x 8) and the token bound derived from it: a rank receives up to world x
+// max_tokens_per_rank rows of topk entries, indexed with int32.
+TEST(Config, WorldsUpToTheBoundAndTheirTokenBound) {
+  EpConfig config;
+  config.topk = 16;
+  for (int world : {33, 64, 256}) {
+    config.num_experts = world * 16;
+    EXPECT_EQ(config_error(config, world), "") << "world " << world;
+  }
+  config.max_tokens_per_rank = 1 << 19;  // 256 x 2^19 x 16 = 2^31: one entry too many for int32
+  expect_message(config, 256, {"max_tokens_per_rank=524288", "outside [1, 524287]", "world=256", "topk=16", "int32"});
+  config.max_tokens_per_rank = (1 << 19) - 1;
+  EXPECT_EQ(config_error(config, 256), "");
+  EXPECT_EQ(config_error(config, 32), "");
+  config.max_tokens_per_rank = (1 << 20) + 1;  // the bound at any world
+  expect_message(config, 1, {"max_tokens_per_rank=1048577", "outside [1, 1048576]"});
+}
+
+// The cuda backend's EpBuffer refuses, at construction, a world its kernels cannot address (their rank masks are one
+// 32-bit word); the check is host code, called first by make_cuda_ep.
+TEST(Config, CudaBackendRefusesAWorldPastItsKernels) {
+  EXPECT_NO_THROW(detail::check_cuda_world(32));
+  try {
+    detail::check_cuda_world(33);
+    ADD_FAILURE() << "world 33 accepted";
+  } catch (ConfigError const& error) {
+    std::string const message = error.what();
+    for (char const* part : {"world=33", "backend cuda", "32 ranks", "rank masks are 32-bit", "256"})
+      EXPECT_NE(message.find(part), std::string::npos) << part << " not in: " << message;
+  }
 }
 
 TEST(Config, LowLatencyRules) {

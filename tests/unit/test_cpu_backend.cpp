@@ -63,14 +63,14 @@ TEST(CpuCommunicator, SymmetricMemoryIsZeroedSharedAndOrderedByTheBarrier) {
       FERRY_CHECK(comm.rank() == rank && comm.world() == world, "rank/world");
       SymmetricRegion const region = comm.alloc_symmetric(10000);
       FERRY_CHECK(region.view.bytes == 12288, "rounded to pages: ", region.view.bytes);
-      FERRY_CHECK(region.local == region.view.ptr[rank], "local is this rank's copy");
+      FERRY_CHECK(region.local == region.of(rank) && region.local == region.view.peer(rank),
+                  "local is this rank's copy");
       auto const* mine = static_cast<unsigned char const*>(region.local);
       FERRY_CHECK(std::all_of(mine, mine + region.view.bytes, [](unsigned char b) { return b == 0; }), "zeroed");
       comm.barrier();  // everyone has checked before anyone writes
       // Each rank writes a word into every peer's copy, then reads what every peer wrote into its own.
       for (int round = 1; round <= 20; ++round) {
-        for (int p = 0; p < world; ++p)
-          reinterpret_cast<int64_t*>(region.view.ptr[p])[rank] = int64_t{round} * 1000 + rank;
+        for (int p = 0; p < world; ++p) reinterpret_cast<int64_t*>(region.of(p))[rank] = int64_t{round} * 1000 + rank;
         comm.barrier();
         for (int p = 0; p < world; ++p) {
           int64_t const seen = reinterpret_cast<int64_t const*>(region.local)[p];

@@ -301,6 +301,9 @@ std::vector<Case> cases() {
       out.push_back({topology, RoutingKind::random, format, format});
   }
   out.push_back({"2x2", RoutingKind::grouped, WireFormat::fp8_e4m3, WireFormat::nvfp4});
+  // past 32 ranks (the host's rank sets are sized from the world): rows for ranks 32..39 and their node's rail. With
+  // 32-bit rank sets this case failed (rank 0: num_recv 82, want 43; rank 39: num_recv 0, want 39).
+  out.push_back({"5x8", RoutingKind::random});
   return out;
 }
 
@@ -590,6 +593,9 @@ std::vector<LlCase> ll_cases() {
   for (WireFormat format : {WireFormat::fp8_e4m3, WireFormat::fp8_e4m3_ue8m0, WireFormat::nvfp4, WireFormat::mxfp4})
     for (InternodeRoute route : {InternodeRoute::forward, InternodeRoute::direct})
       out.push_back({"2x4", route, format, 4, true});
+  // past 32 ranks: 8 emulated nodes of 8, each rank's rows forwarded once per node (with 32-bit rank sets: expert_x
+  // differs on every rank)
+  out.push_back({"8x8", InternodeRoute::forward, WireFormat::bf16, 4, false});
   return out;
 }
 

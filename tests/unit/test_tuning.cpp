@@ -235,7 +235,8 @@ TEST(TuningTable, RejectsUnknownFieldsAndBadValues) {
       {table_json({entry_json("H200", "{\"max_tokens\": 128, \"blocks\": 8.5}")}),
        {"entry 0 (H200", "blocks must be an integer, not 8.5"}},
       {table_json({entry_json("H200", "{\"max_tokens\": 128}")}), {"entry 0 (H200", "has no \"blocks\""}},
-      {table_json({"{\"key\": " + key_json("H200", 0) + "}"}), {"entry 0", "key.world=0 is outside [1, 32]"}},
+      {table_json({"{\"key\": " + key_json("H200", 0) + "}"}), {"entry 0", "key.world=0 is outside [1, 256]"}},
+      {table_json({"{\"key\": " + key_json("H200", 257) + "}"}), {"entry 0", "key.world=257 is outside [1, 256]"}},
       {table_json({"{\"key\": {\"gpu\": \"H200\", \"world\": 8, \"hidden\": 7168, \"topk\": 8, \"dispatch_format\": "
                    "\"fp9\", \"combine_format\": \"bf16\", \"mode\": \"normal\"}}"}),
        {"entry 0", "key.dispatch_format=\"fp9\" is not a wire format"}},

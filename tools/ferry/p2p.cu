@@ -56,8 +56,8 @@ __global__ void copy_kernel(CopyParams const params) {
 
 // The all-to-all: pair g of this rank is peer (rank + 1 + g) % world; the grid's CTAs are dealt over the pairs.
 struct AllToAllParams {
-  void* dst[kMaxLocalPeers];
-  void const* src[kMaxLocalPeers];
+  void* dst[kMaxLsaTeam];
+  void const* src[kMaxLsaTeam];
   int pairs;
   std::size_t bytes;  // per pair
 };
@@ -146,8 +146,8 @@ class P2p {
   // Median one-way latency in microseconds (round trip / 2) measured on rank 0.
   double time_latency() {
     constexpr int kWarmupRounds = 100;
-    auto* own = reinterpret_cast<uint64_t*>(flags_.view.ptr[rank_]);
-    auto* peer = reinterpret_cast<uint64_t*>(flags_.view.ptr[peer_]);
+    auto* own = reinterpret_cast<uint64_t*>(flags_.view.peer(rank_));
+    auto* peer = reinterpret_cast<uint64_t*>(flags_.view.peer(peer_));
     std::vector<double> samples;
     for (int i = 0; i < s_.iters; ++i) {
       comm_.barrier(stream_);
@@ -177,7 +177,7 @@ class P2p {
     params.bytes = bytes;
     for (int g = 0; g < params.pairs; ++g) {
       int const peer = (rank_ + 1 + g) % world;
-      char* const slice = static_cast<char*>(window_.view.ptr[peer]) + static_cast<std::size_t>(rank_) * bytes;
+      char* const slice = static_cast<char*>(window_.view.peer(peer)) + static_cast<std::size_t>(rank_) * bytes;
       if (op == Op::push) {
         params.src[g] = local_;
         params.dst[g] = slice;
@@ -197,7 +197,7 @@ class P2p {
   }
 
   void enqueue(Op op, std::size_t bytes, int ctas) {
-    void* peer_window = window_.view.ptr[peer_];
+    void* peer_window = window_.view.peer(peer_);
     // Pull waits a full NVLink round trip per load, so it wants more loads in flight than push by default.
     int const unroll = s_.unroll != 0 ? s_.unroll : (op == Op::pull ? 8 : 4);
     switch (op) {

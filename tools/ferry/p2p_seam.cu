@@ -45,10 +45,10 @@ class Seam final : public SeamMeasures {
     try {
       FERRY_CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
       // 1. the windows: the communicator's symmetric region (zeroed: the counters start at 0), or one per virtual rank
-      char* windows[kMaxLocalPeers] = {};
+      char* windows[kMaxCudaWorld] = {};
       if (comm_) {
         region_ = comm_->alloc_symmetric(window_bytes);
-        for (int r = 0; r < world_; ++r) windows[r] = region_.view.ptr[r];
+        for (int r = 0; r < world_; ++r) windows[r] = region_.view.peer(r);
       } else {
         for (int r = 0; r < world_; ++r) {
           windows[r] = device_zeroed<char>(window_bytes);

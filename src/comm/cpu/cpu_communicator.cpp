@@ -107,6 +107,13 @@ void sweep_stale_segments() noexcept {
   closedir(dir);
 }
 
+// The fewest nodes of equal size, each within one load/store team, that a world splits into (a suggestion).
+Topology smallest_nodes(int world) {
+  for (int nodes = 1; nodes <= world; ++nodes)
+    if (world % nodes == 0 && world / nodes <= kMaxLsaTeam) return {nodes, world / nodes};
+  return {world, 1};
+}
+
 struct Mapping {
   void* base = nullptr;
   std::size_t bytes = 0;
@@ -152,6 +159,7 @@ class CpuCommunicator final : public Communicator {
   std::string segment_prefix_;  // "/ferry-<pid of rank 0>-<random>", the same on every rank
   uint64_t num_segments_ = 0;
   std::vector<Mapping> mappings_;
+  SymmetricRegion signals_;   // view_.signals, every rank's copy (the barrier reaches every rank)
   SymmetricRegion refusals_;  // [world] kRefusalBytes: each rank's reason for its last refused call
   Topology topology_;
   bool failed_ = false;
@@ -162,15 +170,19 @@ CpuCommunicator::CpuCommunicator(std::unique_ptr<Bootstrap> bootstrap, Communica
     : bootstrap_(std::move(bootstrap)) {
   rank_ = bootstrap_->rank();
   world_ = bootstrap_->world();
-  FERRY_CHECK_CONFIG(world_ >= 1 && world_ <= kMaxLocalPeers, "world=", world_, " is outside [1, ", kMaxLocalPeers,
-                     "], the ranks one cpu communicator can map");
+  FERRY_CHECK_CONFIG(world_ >= 1 && world_ <= kMaxWorld, "world=", world_, " is outside [1, ", kMaxWorld,
+                     "] (kMaxWorld), the ranks of one world");
   // NOTE: the symmetric heap is shared memory of one host; ranks on other hosts could not map it.
   FERRY_CHECK_CONFIG(bootstrap_->local_world() == world_, "backend cpu needs every rank on one host: world=", world_,
                      " but local_world=", bootstrap_->local_world(), "; use backend cuda across hosts");
   timeout_s_ = env_double("FERRY_TIMEOUT_S");  // its rule (positive) is the env table's
   topology_ = topology_of(world_, bootstrap_->local_world(),
                           options.topology.empty() ? env_string("FERRY_TOPOLOGY") : options.topology);
-
+  // NOTE: a node is this rank's load/store team, and SymmetricView holds a pointer per rank of the team.
+  FERRY_CHECK_CONFIG(topology_.local <= kMaxLsaTeam, "topology ", topology_name(topology_), ": a node of ",
+                     topology_.local, " ranks is more than the ", kMaxLsaTeam,
+                     " ranks of one load/store team (kMaxLsaTeam); emulate smaller nodes, e.g. FERRY_TOPOLOGY=",
+                     topology_name(smallest_nodes(world_)));
   // 1. a name prefix no other job uses: rank 0's pid plus random bits, the same on every rank
   char prefix[kNameBytes] = {};
   if (rank_ == 0) {
@@ -189,7 +201,8 @@ CpuCommunicator::CpuCommunicator(std::unique_ptr<Bootstrap> bootstrap, Communica
   view_.timeout_ns = static_cast<uint64_t>(timeout_s_ * 1e9);
   view_.error = error_.get();
   view_.barrier_epoch = &barrier_epoch_;
-  view_.signals = alloc_symmetric(sizeof(uint64_t) * kSignalSlots).view;
+  signals_ = alloc_symmetric(sizeof(uint64_t) * kSignalSlots);
+  view_.signals = signals_.view;
   refusals_ = alloc_symmetric(kRefusalBytes * static_cast<std::size_t>(world_));
 }
 
@@ -200,7 +213,7 @@ CpuCommunicator::~CpuCommunicator() {
 void CpuCommunicator::release_symmetric(SymmetricRegion const& region) noexcept {
   // Local: the segment holds every rank's copy and lives until the last rank unmaps it, so a peer still using its
   // mapping is unaffected; this rank's share of the memory goes now.
-  char* const base = region.view.ptr[0];
+  char* const base = region.ranks.empty() ? nullptr : region.ranks.front();  // the segment starts with rank 0's
   auto const it =
       std::find_if(mappings_.begin(), mappings_.end(), [base](Mapping const& mapping) { return mapping.base == base; });
   if (base == nullptr || it == mappings_.end()) return;  // not this communicator's, or released already
@@ -211,7 +224,7 @@ void CpuCommunicator::release_symmetric(SymmetricRegion const& region) noexcept 
 
 void CpuCommunicator::post_refusal(std::string const& reason) {
   // Written before this rank joins the refused call's exchange, whose barrier (release / acquire) publishes it.
-  char* const slot = refusals_.view.ptr[rank_];
+  char* const slot = refusals_.of(rank_);
   std::size_t const n = std::min(reason.size(), kRefusalBytes - 1);
   std::memcpy(slot, reason.data(), n);
   slot[n] = '\0';
@@ -219,7 +232,7 @@ void CpuCommunicator::post_refusal(std::string const& reason) {
 
 std::string CpuCommunicator::refusal_of(int rank) {
   FERRY_CHECK(rank >= 0 && rank < world_, "refusal_of(", rank, "): no such rank in a world of ", world_);
-  char const* const slot = refusals_.view.ptr[rank];
+  char const* const slot = refusals_.of(rank);
   return std::string(slot, strnlen(slot, kRefusalBytes));
 }
 
@@ -310,11 +323,16 @@ SymmetricRegion CpuCommunicator::alloc_symmetric(std::size_t bytes) {
   }
   mappings_.push_back(Mapping{base, total});
 
+  // 5. every rank's copy; the kernels' view holds this rank's node, its load/store team
   SymmetricRegion region;
-  region.view.bytes = rounded;
+  region.ranks.resize(static_cast<std::size_t>(world_));
   for (int r = 0; r < world_; ++r)
-    region.view.ptr[r] = static_cast<char*>(base) + static_cast<std::size_t>(r) * rounded;
-  region.local = region.view.ptr[rank_];
+    region.ranks[static_cast<std::size_t>(r)] = static_cast<char*>(base) + static_cast<std::size_t>(r) * rounded;
+  region.local = region.of(rank_);
+  region.view.bytes = rounded;
+  region.view.lsa_first = topology_.node_of(rank_) * topology_.local;
+  region.view.lsa_size = topology_.local;
+  for (int slot = 0; slot < topology_.local; ++slot) region.view.ptr[slot] = region.of(region.view.lsa_first + slot);
   return region;
 }
 
@@ -354,12 +372,12 @@ void CpuCommunicator::barrier(cudaStream_t stream) {
   // 1. announce the epoch in slot `rank` of every rank's signal area (release: everything this rank wrote before
   //    the barrier is visible to a rank that sees the epoch)
   for (int p = 0; p < world_; ++p)
-    std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(view_.signals.ptr[p] + my_slot))
+    std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(signals_.of(p) + my_slot))
         .store(epoch, std::memory_order_release);
 
   // 2. wait until every rank announced it here (acquire: their writes before the barrier are visible after it).
   //    Bounded by FERRY_TIMEOUT_S; spins briefly, then yields, then sleeps, so oversubscribed hosts make progress.
-  auto* const slots = reinterpret_cast<uint64_t*>(view_.signals.ptr[rank_]);
+  auto* const slots = reinterpret_cast<uint64_t*>(signals_.local);
   auto const start = std::chrono::steady_clock::now();
   auto const deadline = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                     std::chrono::duration<double>(timeout_s_));

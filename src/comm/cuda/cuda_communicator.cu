@@ -39,19 +39,17 @@ namespace {
 
 struct LsaPointerParams {
   ncclWindow_t window;
-  int world;
-  int lsa_peer[kMaxLocalPeers];  // world rank -> LSA rank, -1 outside the NVLink team
-  char** out;                    // world entries, device memory
+  int lsa_size;  // ranks of this rank's NVLink team (<= kMaxLsaTeam)
+  char** out;    // lsa_size entries, device memory
 };
 
-// One thread per world rank reads the window's flat LSA address of that rank (null for a rank outside the NVLink
-// team: only the network reaches it). The window struct lives in device memory, so this is the only way to learn the
+// One thread per rank of the NVLink team reads the window's flat LSA address of that rank (its LSA rank: its world
+// rank minus the team's first). The window struct lives in device memory, so this is the only way to learn the
 // addresses; they are fixed for the window's lifetime.
 __global__ void fetch_lsa_pointers_kernel(LsaPointerParams const params) {
-  int const r = static_cast<int>(threadIdx.x);
-  if (r >= params.world) return;
-  params.out[r] =
-      params.lsa_peer[r] < 0 ? nullptr : static_cast<char*>(ncclGetLsaPointer(params.window, 0, params.lsa_peer[r]));
+  int const lsa_rank = static_cast<int>(threadIdx.x);
+  if (lsa_rank >= params.lsa_size) return;
+  params.out[lsa_rank] = static_cast<char*>(ncclGetLsaPointer(params.window, 0, lsa_rank));
 }
 
 struct RefusalPutParams {
@@ -216,9 +214,10 @@ void CudaCommunicator::init(CommunicatorOptions const& options) {
   set_multicast_safety_env();
   int const rank = bootstrap_->rank();
   int const world = bootstrap_->world();
-  // NOTE: DeviceView carries one pointer per rank; past kMaxLocalPeers ranks need the network path.
-  FERRY_CHECK_CONFIG(world >= 1 && world <= kMaxLocalPeers, "the cuda backend supports 1..", kMaxLocalPeers,
-                     " ranks in one NVLink domain, got world=", world);
+  // NOTE: DeviceView carries a pointer per rank of the NVLink team (checked against kMaxLsaTeam below); the world
+  // past it is reached through the network. (EpBuffer's kernels address at most kMaxCudaWorld ranks: check_cuda_world.)
+  FERRY_CHECK_CONFIG(world >= 1 && world <= kMaxWorld, "world=", world, " is outside [1, ", kMaxWorld,
+                     "] (kMaxWorld), the ranks of one world");
   timeout_s_ = env_double("FERRY_TIMEOUT_S");  // its rule (positive) is the env table's
   topology_ = topology_of(world, bootstrap_->local_world(),
                           options.topology.empty() ? env_string("FERRY_TOPOLOGY") : options.topology);
@@ -256,6 +255,12 @@ void CudaCommunicator::init(CommunicatorOptions const& options) {
   ncclTeam_t const lsa = ncclTeamLsa(comm_);
   lsa_size_ = lsa.nRanks;
   lsa_first_ = rank - lsa.rank;
+  // NOTE: SymmetricView holds one pointer per rank of the team; a larger NVLink domain (e.g. NVL72) needs a larger
+  // kMaxLsaTeam, whose cost is every kernel's Params.
+  FERRY_CHECK_CONFIG(lsa_size_ <= kMaxLsaTeam, "rank ", rank, "'s NVLink team has ", lsa_size_,
+                     " ranks, more than the ", kMaxLsaTeam,
+                     " (kMaxLsaTeam) that a SymmetricView holds pointers for; start at most ", kMaxLsaTeam,
+                     " ranks per NVLink domain");
   Network const network = network_of(env_string("FERRY_NETWORK"));
   gin_ = wants_gin(network, world, lsa.nRanks);
   FERRY_CHECK_CONFIG(gin_ || lsa.nRanks == world, "only ", lsa.nRanks, " of ", world,
@@ -299,7 +304,7 @@ void CudaCommunicator::init(CommunicatorOptions const& options) {
   FERRY_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_device), error_host_, 0));
   FERRY_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&barrier_epoch_), sizeof(uint64_t)));
   FERRY_CHECK_CUDA(cudaMemset(barrier_epoch_, 0, sizeof(uint64_t)));
-  FERRY_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&pointer_scratch_), kMaxLocalPeers * sizeof(char*)));
+  FERRY_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&pointer_scratch_), kMaxLsaTeam * sizeof(char*)));
 
   // 9. the signal area: kSignalSlots words per rank, zeroed (barrier epochs start at 0)
   SymmetricRegion const signals = alloc_region(kSignalSlots * sizeof(uint64_t));
@@ -367,7 +372,7 @@ std::string CudaCommunicator::refusal_of(int rank) {
   FERRY_CHECK_CUDA(cudaSetDevice(device_));
   // the peer's copy through its LSA address (a flat address on this device), or what it put here over GIN
   char const* const from = load_store_reachable(rank)
-                               ? refusals_.view.ptr[rank]
+                               ? refusals_.view.peer(rank)
                                : static_cast<char const*>(refusals_.local) + kRefusalBytes * (1 + rank);
   FERRY_CHECK_CUDA(cudaMemcpy(text, from, kRefusalBytes, cudaMemcpyDeviceToHost));
   return std::string(text, strnlen(text, kRefusalBytes));
@@ -474,25 +479,23 @@ SymmetricRegion CudaCommunicator::alloc_region(std::size_t bytes) {
   }
   regions_.push_back(region);
 
-  // 4. every rank's flat LSA address, fetched once (world rank -> LSA rank through the world team). NCCL maps all
-  // ranks' memory into one flat range, so ptr[rank] is a second virtual address of this rank's buffer, not
-  // region.ptr itself; both are valid on this device.
+  // 4. the NVLink team's flat LSA addresses, fetched once (LSA rank = world rank - lsa_first_). NCCL maps all
+  // ranks' memory into one flat range, so the view's pointer of this rank is a second virtual address of its buffer,
+  // not region.ptr itself; both are valid on this device.
   LsaPointerParams params{};
   params.window = region.window;
-  params.world = world;
-  ncclTeam_t const world_team = ncclTeamWorld(comm_);
-  for (int r = 0; r < world; ++r)
-    params.lsa_peer[r] = load_store_reachable(r) ? ncclTeamRankToLsa(comm_, world_team, r) : -1;
+  params.lsa_size = lsa_size_;
   params.out = pointer_scratch_;
-  fetch_lsa_pointers_kernel<<<1, kMaxLocalPeers>>>(params);
+  fetch_lsa_pointers_kernel<<<1, kMaxLsaTeam>>>(params);
   FERRY_CHECK_CUDA(cudaGetLastError());
-  char* pointers[kMaxLocalPeers] = {};
-  FERRY_CHECK_CUDA(cudaMemcpy(pointers, pointer_scratch_, world * sizeof(char*), cudaMemcpyDeviceToHost));
-
   SymmetricRegion out{};
+  FERRY_CHECK_CUDA(cudaMemcpy(out.view.ptr, pointer_scratch_, lsa_size_ * sizeof(char*), cudaMemcpyDeviceToHost));
   out.local = region.ptr;
   out.view.bytes = region.bytes;
-  for (int r = 0; r < world; ++r) out.view.ptr[r] = pointers[r];
+  out.view.lsa_first = lsa_first_;
+  out.view.lsa_size = lsa_size_;
+  out.ranks.resize(static_cast<std::size_t>(world));  // null outside the team: only the network reaches those
+  for (int r = 0; r < world; ++r) out.ranks[static_cast<std::size_t>(r)] = out.view.peer(r);
   regions_.back().view = out;
   return out;
 }

@@ -32,6 +32,8 @@ namespace ferry::device {
 //    which a fast peer's next barrier could be lost to a reset, and `>=` tolerates a peer that is already one
 //    barrier ahead. The epoch lives on the device and is incremented here, so a captured CUDA graph replays
 //    correctly with no host involvement.
+//  - Every rank of the world is in the load/store team (the communicator's barrier runs this only then), so the
+//    team's first rank is 0 and signals.ptr[peer] is world rank peer's area.
 __device__ __forceinline__ bool barrier_ranks(DeviceView const& view, WaitPhase phase) {
   // 1. next epoch (device-local word; only this thread touches it during the kernel, stream order between kernels)
   uint64_t const epoch = ++(*view.barrier_epoch);

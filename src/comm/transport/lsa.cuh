@@ -12,6 +12,7 @@
 #include "comm/transport/group.cuh"
 #include "comm/transport/transport.hpp"
 #include "ferry/device_view.hpp"
+#include "ferry/error.hpp"
 
 namespace ferry::transport {
 
@@ -22,7 +23,8 @@ struct Lsa {
   static constexpr Kind kKind = Kind::lsa;
   static constexpr bool kLoadStore = true;
 
-  char* windows[kMaxLocalPeers];  // every rank's window, as addressable from this rank (world <= kMaxLocalPeers)
+  char* windows[kMaxCudaWorld];  // every rank's window by world rank, as addressable from this rank (null outside its
+                                 // load/store team)
   int32_t rank;
   int32_t world;
 
@@ -83,10 +85,13 @@ class LsaEndpoint {
   Group group_;
 };
 
-// The lsa transport over a communicator's region (its SymmetricView).
+// The lsa transport over a communicator's region (its SymmetricView). A world past kMaxCudaWorld is refused before
+// (check_cuda_world); here it is an invariant.
 inline Lsa make_lsa(SymmetricView const& view, int rank, int world) {
+  FERRY_CHECK(world <= kMaxCudaWorld, "make_lsa: world=", world, " is more than the ", kMaxCudaWorld,
+              " ranks (kMaxCudaWorld) the cuda kernels address by world rank");
   Lsa net{};
-  for (int r = 0; r < world; ++r) net.windows[r] = view.ptr[r];
+  for (int r = 0; r < world; ++r) net.windows[r] = view.peer(r);
   net.rank = rank;
   net.world = world;
   return net;

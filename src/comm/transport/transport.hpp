@@ -44,6 +44,16 @@
 
 #include <cstdint>
 
+namespace ferry {
+
+// Most ranks of a world that the cuda kernels address: their destination and rank masks are one 32-bit word, and they
+// keep per-rank arrays of this size in shared memory and in their transports (windows by world rank). Less than
+// kMaxWorld: EpBuffer refuses a larger world on the cuda backend at construction (detail::check_cuda_world); the
+// communicators and the cpu backend go up to kMaxWorld.
+inline constexpr int kMaxCudaWorld = 32;
+
+}  // namespace ferry
+
 namespace ferry::transport {
 
 enum class Kind : int32_t {

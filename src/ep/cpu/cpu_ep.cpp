@@ -44,6 +44,7 @@
 
 #include "comm/comm_impl.hpp"
 #include "core/log.hpp"
+#include "core/rank_set.hpp"
 #include "ep/ep_impl.hpp"
 #include "ep/reference.hpp"
 #include "ferry/error.hpp"
@@ -92,16 +93,17 @@ class LocalPages {
 enum class CallKind : uint32_t { dispatch = 0, combine = 1, grad_weights = 2 };
 
 struct CallHeader {
-  uint64_t step;      // collective calls of this buffer so far, this one included; its parity picks the slot
-  uint32_t kind;      // CallKind
-  uint32_t refused;   // 1: this rank refused the call on input (its reason below)
-  uint64_t number;    // calls of this kind on this buffer so far, this one included
-  uint32_t proposed;  // rank masking: the ranks this rank asks to mask (EpBuffer::mask_ranks), bit r for rank r
-  uint32_t unused;
+  uint64_t step;     // collective calls of this buffer so far, this one included; its parity picks the slot
+  uint32_t kind;     // CallKind
+  uint32_t refused;  // 1: this rank refused the call on input (its reason below)
+  uint64_t number;   // calls of this kind on this buffer so far, this one included
   // the refusing rank's reason (parity-buffered with the header: the communicator's slot may already hold the reason
   // of its next refusal by the time a slow peer reads)
   char reason[kRefusalBytes];
+  // followed by RankSet::words_for(world) words: with rank masking, the ranks this rank asks to mask
+  // (EpBuffer::mask_ranks), bit r for rank r (CpuEp::header_bytes_)
 };
+static_assert(sizeof(CallHeader) % sizeof(uint64_t) == 0, "the words of the proposed ranks follow the header");
 
 // What a handle keeps on the cpu backend: this rank's view of the dispatch (host memory).
 struct CpuHandle final : HandleStorage {
@@ -109,7 +111,7 @@ struct CpuHandle final : HandleStorage {
   std::vector<int64_t> fwd_num;
   std::vector<int64_t> ids;  // [num_tokens * topk]
   std::vector<float> weights;
-  std::vector<uint32_t> dest_mask;
+  std::vector<RankSet> dest_mask;
   std::vector<int64_t> dest_offset;
   int32_t num_recv = 0;
   std::vector<int32_t> recv_idx;  // [num_recv * topk]
@@ -131,12 +133,6 @@ enum class SyncPoint { entry, inner, exit };
 // The leg whose wait per source a sync times for the wait statistics: the entry exchange of each leg, where a late
 // source is waited for (after it every source's rows are, or are being, written, with no wait of its own to speak of).
 enum class StatsLeg { none = -1, dispatch = 0, combine = 1 };
-
-std::string ranks_text(uint32_t bits) {
-  std::string out;
-  for (uint32_t m = bits; m != 0; m &= m - 1) out += concat(out.empty() ? "" : ", ", std::countr_zero(m));
-  return out;
-}
 
 class CpuEp final : public EpBackendImpl {
  public:
@@ -184,19 +180,20 @@ class CpuEp final : public EpBackendImpl {
   void sync(SyncPoint point, StatsLeg leg);
   // Waits until word p of `words` reaches `least` for every rank p in `want`, bounded by FERRY_TIMEOUT_S; returns
   // the ranks seen. With `leg`, each seen rank's wait goes to the statistics.
-  uint32_t wait_words(uint64_t const* words, uint32_t want, uint64_t least, StatsLeg leg);
+  // Word p is words[p * stride].
+  RankSet wait_words(uint64_t const* words, std::size_t stride, RankSet const& want, uint64_t least, StatsLeg leg);
   // A timeout that fails the communicator (no masking): recorded in the error block, raised by check_errors.
-  [[noreturn]] void fail_communicator(WaitPhase phase, uint32_t missing, uint64_t expected);
+  [[noreturn]] void fail_communicator(WaitPhase phase, RankSet const& missing, uint64_t expected);
   void check_not_masked() const {
     if (!self_masked_.empty()) throw Error(self_masked_);
   }
-  bool active(int r) const { return r >= 0 && (active_ >> r & 1U) != 0; }
+  bool active(int r) const { return active_.test(r); }
   // The rank of node n that relays `source`'s rows there (forward route): the one of the source's local index, or,
   // when that one is masked (in `live`), the next live local index, ascending and wrapping; -1 when node n has none.
-  int rail_of(int n, int source, uint32_t live) const {
+  int rail_of(int n, int source, RankSet const& live) const {
     for (int i = 0; i < topology_.local; ++i) {
       int const r = n * topology_.local + (topology_.local_of(source) + i) % topology_.local;
-      if ((live >> r & 1U) != 0) return r;
+      if (live.test(r)) return r;
     }
     return -1;
   }
@@ -206,7 +203,7 @@ class CpuEp final : public EpBackendImpl {
     return static_cast<std::size_t>(masking_ ? source : topology_.node_of(source));
   }
   // The sources whose rows this rank relays (forward route), ascending, as `live` chooses the rails
-  std::vector<int> relayed_sources(uint32_t live) const;
+  std::vector<int> relayed_sources(RankSet const& live) const;
   void release_regions() noexcept;
   // across nodes: the rail places the rows forwarded to it (dispatch) and reduces its node's rows of them (combine)
   void forward_rows();
@@ -219,10 +216,12 @@ class CpuEp final : public EpBackendImpl {
                                   ": rows for another node once per node through its rail, ")
                          : concat("direct ", topology_name(topology_), ": one put per (token, remote rank), ");
   }
-  // the destination-mask bits of node n's ranks
-  uint32_t node_bits(int n) const {
-    uint64_t const ones = (uint64_t{1} << topology_.local) - 1;
-    return static_cast<uint32_t>(ones << (n * topology_.local));
+  // node n's ranks
+  RankSet node_ranks(int n) const { return RankSet::range(n * topology_.local, topology_.local); }
+  // the proposed ranks that follow a CallHeader
+  uint64_t* proposed_words(CallHeader* header) const { return reinterpret_cast<uint64_t*>(header + 1); }
+  uint64_t const* proposed_words(CallHeader const* header) const {
+    return reinterpret_cast<uint64_t const*>(header + 1);
   }
   void report_drops(int64_t dropped, bool eager);
   DispatchResult receive_dispatch();  // the receive half: expert-major layout, results, drop report
@@ -254,7 +253,8 @@ class CpuEp final : public EpBackendImpl {
   SymmetricRegion recv_weights_;  // [capacity x topk] float
   SymmetricRegion recv_src_;      // [capacity x 2] int32 (source rank, source token)
   SymmetricRegion combine_rows_;  // [capacity x combine wire row], the rows this rank sends back in combine
-  SymmetricRegion headers_;       // [2 parities] CallHeader of this rank (peers read it from their mapping)
+  SymmetricRegion headers_;       // [2 parities] CallHeader and its proposed ranks, header_bytes_ each, of this rank
+                                  // (peers read it from their mapping)
   SymmetricRegion grad_w_;        // [max_tokens x topk] float: combine_backward's weight gradients of this rank's
                                   // tokens, written by the ranks that hold the experts
   // across nodes: this rank as a rail, for the source of local index local(rank) on each node m
@@ -272,16 +272,21 @@ class CpuEp final : public EpBackendImpl {
   // rank masking and wait statistics (EpConfig::rank_masking / wait_stats)
   bool masking_;
   bool stats_on_;
-  bool own_sync_;                  // sync() runs this buffer's barrier (masking or statistics), not the communicator's
-  int fwd_slots_;                  // blocks of the forward areas (fwd_slot)
-  SymmetricRegion sync_;           // per rank: [world] arrival epochs (word p written by rank p), [2][world] verdicts
+  bool own_sync_;             // sync() runs this buffer's barrier (masking or statistics), not the communicator's
+  int fwd_slots_;             // blocks of the forward areas (fwd_slot)
+  int set_words_;             // RankSet::words_for(world): a set of ranks in shared memory
+  std::size_t header_bytes_;  // a CallHeader and its proposed ranks
+  // per rank: [world] arrival epochs (word p written by rank p), then [2 parities][world] verdicts of verdict_words_
+  // each (the epoch, then the ranks its writer saw)
+  SymmetricRegion sync_;
+  std::size_t verdict_words_;
   uint64_t epoch_ = 0;             // syncs of this buffer so far
-  uint32_t all_ranks_;             // bit r for every rank of the world
-  uint32_t active_;                // the ranks not masked
-  uint32_t dispatch_active_;       // ...when the last dispatch moved its rows (its rails and destinations)
-  uint32_t proposed_ = 0;          // mask_ranks, carried by the next entry exchange
+  RankSet all_ranks_;              // every rank of the world
+  RankSet active_;                 // the ranks not masked
+  RankSet dispatch_active_;        // ...when the last dispatch moved its rows (its rails and destinations)
+  RankSet proposed_;               // mask_ranks, carried by the next entry exchange
   std::string self_masked_;        // set when this rank learned that it is masked: every call throws it
-  uint32_t self_view_ = 0;         // then: the ranks it learned are masked (itself included)
+  RankSet self_view_;              // then: the ranks it learned are masked (itself included)
   std::string current_call_;       // the call being synced ("dispatch #3"), for the messages
   std::vector<int64_t> last_ids_;  // masking: the last dispatch's ids (combine counts what it misses)
   MaskStatus counts_of_masking_;
@@ -290,7 +295,7 @@ class CpuEp final : public EpBackendImpl {
   // this rank's view of the last dispatch
   int num_tokens_ = 0;
   int32_t num_recv_ = 0;
-  std::vector<uint32_t> dest_mask_;   // [num_tokens] bit d: the token went to rank d
+  std::vector<RankSet> dest_mask_;    // [num_tokens] the ranks the token went to
   std::vector<int64_t> dest_offset_;  // [world] first row of this rank's tokens on rank d
   ref::ExpertLayout layout_;
   LocalPages expert_x_;  // [num_local x slots x out_row_bytes_], only with an expert capacity
@@ -317,8 +322,6 @@ class CpuEp final : public EpBackendImpl {
   std::string last_dispatch_ = "dispatch: not called yet";
   std::string last_combine_ = "combine: not called yet";
 };
-
-static_assert(kMaxLocalPeers <= 32, "destination masks are 32-bit");
 
 namespace {
 // Copies src into dst, whose size was fixed at construction to the largest src can be; the rest of dst is zeroed.
@@ -355,7 +358,10 @@ CpuEp::CpuEp(Communicator& comm, EpConfig const& config)
   stats_on_ = config.wait_stats;
   own_sync_ = masking_ || stats_on_;
   fwd_slots_ = masking_ ? world_ : topology_.nodes;
-  all_ranks_ = world_ == 32 ? ~0U : (1U << world_) - 1U;
+  set_words_ = RankSet::words_for(world_);
+  header_bytes_ = sizeof(CallHeader) + at(set_words_, sizeof(uint64_t));
+  verdict_words_ = 1 + static_cast<std::size_t>(set_words_);
+  all_ranks_ = RankSet::range(0, world_);
   active_ = all_ranks_;
   dispatch_active_ = all_ranks_;
   for (auto& leg : waits_) leg.assign(static_cast<std::size_t>(world_), PeerWaitStats{});
@@ -367,7 +373,7 @@ CpuEp::CpuEp(Communicator& comm, EpConfig const& config)
     recv_weights_ = comm_.alloc_symmetric(at(capacity_, topk_) * sizeof(float));
     recv_src_ = comm_.alloc_symmetric(at(capacity_, 2) * sizeof(int32_t));
     combine_rows_ = comm_.alloc_symmetric(at(capacity_, 1) * combine_stride_);
-    headers_ = comm_.alloc_symmetric(2 * sizeof(CallHeader));  // zeroed: step 0 is "no call yet"
+    headers_ = comm_.alloc_symmetric(2 * header_bytes_);  // zeroed: step 0 is "no call yet"
     if (!low_latency_) grad_w_ = comm_.alloc_symmetric(at(config.max_tokens_per_rank, topk_) * sizeof(float));
     if (hierarchical_) {
       std::size_t const entries = at(fwd_slots_, max_tokens_);
@@ -376,7 +382,8 @@ CpuEp::CpuEp(Communicator& comm, EpConfig const& config)
       fwd_count_ = comm_.alloc_symmetric(at(fwd_slots_, sizeof(int64_t)));
       net_rows_ = comm_.alloc_symmetric(entries * combine_wire_.row_bytes);
     }
-    if (own_sync_) sync_ = comm_.alloc_symmetric(at(3 * world_, sizeof(uint64_t)));  // zeroed: epoch 0
+    if (own_sync_)  // zeroed: epoch 0
+      sync_ = comm_.alloc_symmetric((at(world_, 1) + at(2 * world_, 1) * verdict_words_) * sizeof(uint64_t));
   } catch (...) {
     release_regions();  // the destructor does not run for a constructor that throws
     throw;
@@ -428,13 +435,13 @@ void CpuEp::join_call(CallKind kind, bool refused, StatsLeg leg) {
   current_call_ = concat(call_kind_name(static_cast<uint32_t>(kind)), " #", number, " (call ", step, " of the buffer)");
   // NOTE: two slots by parity: a rank that is one call ahead writes the other slot while a slower one still reads
   // this one; it cannot get two calls ahead without this rank at the next call's barrier.
-  std::size_t const slot = (step & 1) * sizeof(CallHeader);
+  std::size_t const slot = (step & 1) * header_bytes_;
   auto* const mine = reinterpret_cast<CallHeader*>(static_cast<char*>(headers_.local) + slot);
   mine->step = step;
   mine->kind = static_cast<uint32_t>(kind);
   mine->refused = refused ? 1u : 0u;
   mine->number = number;
-  mine->proposed = proposed_;
+  proposed_.store(proposed_words(mine), set_words_);
   if (refused) {
     std::string const reason = comm_.refusal_of(rank_);  // posted by EpBuffer just before
     std::size_t const n = std::min(reason.size(), sizeof(mine->reason) - 1);
@@ -443,15 +450,16 @@ void CpuEp::join_call(CallKind kind, bool refused, StatsLeg leg) {
   }
   sync(SyncPoint::entry, leg);  // release / acquire: every header written before it is visible after it
   int refusing = -1;
-  uint32_t asked = 0;  // rank masking: the union of the requests of the ranks in the call
+  RankSet asked;  // rank masking: the union of the requests of the ranks in the call
   for (int r = 0; r < world_; ++r) {
     if (!active(r)) continue;  // masked: its header is not read (it may be in any call)
-    auto const& theirs = *reinterpret_cast<CallHeader const*>(headers_.view.ptr[r] + slot);
-    asked |= theirs.proposed;
+    auto const& theirs = *reinterpret_cast<CallHeader const*>(headers_.of(r) + slot);
+    asked |= RankSet::load(proposed_words(&theirs), set_words_);
     if (masking_ && theirs.step > step) {
       // NOTE: with masking a rank gets past this call only by going on without this rank (the parity slots hold
       // a rank one call ahead at most otherwise): it masked this rank, whose request or absence it saw first
-      self_view_ = (all_ranks_ & ~active_) | (1U << rank_);
+      self_view_ = all_ranks_ - active_;
+      self_view_.set(rank_);
       self_masked_ = format_error("ferry", __FILE__, __LINE__,
                                   concat("rank ", rank_, " is masked on this EpBuffer: at ", current_call_, " rank ", r,
                                          " was already in call ", theirs.step,
@@ -474,44 +482,44 @@ void CpuEp::join_call(CallKind kind, bool refused, StatsLeg leg) {
       throw Error(out_of_step_);
     }
   }
-  proposed_ = 0;
-  if (masking_ && (asked & active_) != 0) {
+  proposed_ = RankSet();
+  if (masking_ && asked.intersects(active_)) {
     // every rank of the call read the same headers: the same ranks leave, here, before any row moves
-    uint32_t const leaving = asked & active_;
-    if ((leaving >> rank_ & 1U) != 0) {
-      self_view_ = (all_ranks_ & ~active_) | leaving;
+    RankSet const leaving = asked & active_;
+    if (leaving.test(rank_)) {
+      self_view_ = (all_ranks_ - active_) | leaving;
       self_masked_ = format_error("ferry", __FILE__, __LINE__,
                                   concat("rank ", rank_, " is masked on this EpBuffer: at ", current_call_,
-                                         " mask_ranks asked for rank(s) ", ranks_text(leaving),
+                                         " mask_ranks asked for rank(s) ", leaving.text(),
                                          ", and the other ranks go on without it; its calls are refused until every "
                                          "rank calls clear_mask()"));
       throw Error(self_masked_);
     }
-    active_ &= ~leaving;
-    FERRY_LOG_WARN("rank ", rank_, ": rank(s) ", ranks_text(leaving), " masked at ", current_call_,
+    active_ -= leaving;
+    FERRY_LOG_WARN("rank ", rank_, ": rank(s) ", leaving.text(), " masked at ", current_call_,
                    " (mask_ranks); later calls skip them");
   }
   for (int r = 0; r < world_ && refusing < 0; ++r) {
-    auto const& theirs = *reinterpret_cast<CallHeader const*>(headers_.view.ptr[r] + slot);
+    auto const& theirs = *reinterpret_cast<CallHeader const*>(headers_.of(r) + slot);
     if (active(r) && r != rank_ && theirs.refused != 0) refusing = r;
   }
   if (refusing >= 0 && !refused) {
-    auto const& theirs = *reinterpret_cast<CallHeader const*>(headers_.view.ptr[refusing] + slot);
+    auto const& theirs = *reinterpret_cast<CallHeader const*>(headers_.of(refusing) + slot);
     FERRY_THROW(InputError, "input",
                 describe_refusal(refusing, WaitPhase::none,
                                  std::string(theirs.reason, strnlen(theirs.reason, sizeof(theirs.reason)))));
   }
 }
 
-uint32_t CpuEp::wait_words(uint64_t const* words, uint32_t want, uint64_t least, StatsLeg leg) {
-  uint32_t seen = 0;
+RankSet CpuEp::wait_words(uint64_t const* words, std::size_t stride, RankSet const& want, uint64_t least,
+                          StatsLeg leg) {
+  RankSet seen;
   auto const start = std::chrono::steady_clock::now();
   auto const deadline = start + std::chrono::nanoseconds(comm_.device_view().timeout_ns);
   for (uint64_t spin = 0;; ++spin) {
-    for (uint32_t m = want & ~seen; m != 0; m &= m - 1) {
-      int const p = std::countr_zero(m);
-      if (std::atomic_ref<uint64_t const>(words[p]).load(std::memory_order_acquire) < least) continue;
-      seen |= 1U << p;
+    for (int const p : want - seen) {
+      if (std::atomic_ref<uint64_t const>(words[at(p, stride)]).load(std::memory_order_acquire) < least) continue;
+      seen.set(p);
       if (leg == StatsLeg::none) continue;
       auto const ns = static_cast<uint64_t>(
           std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
@@ -532,17 +540,17 @@ uint32_t CpuEp::wait_words(uint64_t const* words, uint32_t want, uint64_t least,
   }
 }
 
-void CpuEp::fail_communicator(WaitPhase phase, uint32_t missing, uint64_t expected) {
+void CpuEp::fail_communicator(WaitPhase phase, RankSet const& missing, uint64_t expected) {
   DeviceErrorBlock& block = *comm_.device_view().error;
   std::atomic_ref<uint32_t> status(block.status);
   uint32_t idle = 0;
   if (status.compare_exchange_strong(idle, 1U, std::memory_order_acq_rel)) {  // the first failure wins
     block.rank = rank_;
-    block.peer = std::popcount(missing) == 1 ? std::countr_zero(missing) : -1;
+    block.peer = missing.count() == 1 ? missing.lowest() : -1;
     block.phase = static_cast<int32_t>(phase);
     block.expected = expected;
     block.observed = expected - 1;
-    block.absent[0] |= missing;
+    for (int const r : missing) block.absent[r / 32] |= 1U << (r % 32);
     status.store(kErrorTimeout, std::memory_order_release);
   }
   comm_.check_errors(nullptr);  // raises the recorded timeout and marks the communicator failed
@@ -561,45 +569,45 @@ void CpuEp::sync(SyncPoint point, StatsLeg leg) {
   WaitPhase const phase = leg == StatsLeg::combine ? WaitPhase::ll_combine : WaitPhase::ll_dispatch;
   // 1. this rank's arrival into every rank in the call (release: what it wrote before is visible with it), then the
   //    others' (acquire), each timed for the statistics
-  for (uint32_t m = active_; m != 0; m &= m - 1)
-    std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(sync_.view.ptr[std::countr_zero(m)] + arrival))
+  for (int const r : active_)
+    std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(sync_.of(r) + arrival))
         .store(epoch, std::memory_order_release);
-  uint32_t const present = wait_words(mine, active_, epoch, leg);
+  RankSet const present = wait_words(mine, 1, active_, epoch, leg);
   if (!masking_) {
-    if (present != active_) fail_communicator(phase, active_ & ~present, epoch);
+    if (present != active_) fail_communicator(phase, active_ - present, epoch);
     return;
   }
-  // 2. the verdict: what this rank saw, tagged with the epoch, into every rank in the call (a rank it did not see
-  //    reads it when it comes); then the verdicts of the ranks it saw, which are all coming (they arrived). Two
-  //    slots by parity: a rank one sync ahead writes the other.
-  std::size_t const verdicts = at(world_, 1) + at(epoch & 1, world_);
-  uint64_t const verdict = epoch << 32 | present;
-  for (uint32_t m = active_; m != 0; m &= m - 1)
-    std::atomic_ref<uint64_t>(reinterpret_cast<uint64_t*>(sync_.view.ptr[std::countr_zero(m)])[verdicts + rank_])
-        .store(verdict, std::memory_order_release);
-  uint32_t const heard = wait_words(mine + verdicts, present, epoch << 32, StatsLeg::none);
+  // 2. the verdict: what this rank saw, after its epoch, into every rank in the call (a rank it did not see reads it
+  //    when it comes); then the verdicts of the ranks it saw, which are all coming (they arrived). The ranks' words
+  //    first, then the epoch with a release store, which the reader acquires before it reads them. Two slots by
+  //    parity: a rank one sync ahead writes the other, and it gets two ahead only once this rank arrived at the next
+  //    sync (done reading this one) or was left out of it.
+  std::size_t const verdicts = at(world_, 1) + at(epoch & 1, world_) * verdict_words_;
+  std::size_t const my_verdict = verdicts + at(rank_, verdict_words_);
+  for (int const r : active_) {
+    auto* const verdict = reinterpret_cast<uint64_t*>(sync_.of(r)) + my_verdict;
+    present.store(verdict + 1, set_words_);
+    std::atomic_ref<uint64_t>(verdict[0]).store(epoch, std::memory_order_release);
+  }
+  RankSet const heard = wait_words(mine + verdicts, verdict_words_, present, epoch, StatsLeg::none);
   // NOTE: a rank that arrived and then said nothing for FERRY_TIMEOUT_S died inside the agreement itself: the ranks
   // may now disagree, so nothing after it can be trusted
-  if (heard != present) fail_communicator(phase, present & ~heard, epoch);
-  uint32_t agreed = present;
-  for (uint32_t m = present; m != 0; m &= m - 1)
-    agreed &= static_cast<uint32_t>(
-        std::atomic_ref<uint64_t const>(mine[verdicts + static_cast<std::size_t>(std::countr_zero(m))])
-            .load(std::memory_order_acquire));
-  uint32_t const lost = active_ & ~agreed;
-  if (lost == 0) return;
-  if ((lost >> rank_ & 1U) != 0) {
-    self_view_ = (all_ranks_ & ~agreed) | (all_ranks_ & ~active_);
+  if (heard != present) fail_communicator(phase, present - heard, epoch);
+  RankSet agreed = present;
+  for (int const p : present) agreed &= RankSet::load(mine + verdicts + at(p, verdict_words_) + 1, set_words_);
+  RankSet const lost = active_ - agreed;
+  if (lost.empty()) return;
+  if (lost.test(rank_)) {
+    self_view_ = (all_ranks_ - agreed) | (all_ranks_ - active_);
     self_masked_ = format_error(
         "ferry", __FILE__, __LINE__,
         concat("rank ", rank_, " is masked on this EpBuffer: at ", current_call_, " the other ranks waited ",
                comm_.device_view().timeout_ns / 1e9, " s (FERRY_TIMEOUT_S) for it and went on without rank(s) ",
-               ranks_text(lost), "; its calls are refused until every rank calls clear_mask()"));
+               lost.text(), "; its calls are refused until every rank calls clear_mask()"));
     throw Error(self_masked_);
   }
   active_ = agreed;
-  std::vector<int> gone;
-  for (uint32_t m = lost; m != 0; m &= m - 1) gone.push_back(std::countr_zero(m));
+  std::vector<int> const gone = lost.ranks();
   FERRY_LOG_WARN("rank ", rank_, ": ", describe_absent(gone, topology_), " masked at ", current_call_,
                  " (not there within FERRY_TIMEOUT_S); later calls skip them");
   if (point == SyncPoint::inner)
@@ -637,24 +645,24 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
   std::vector<int64_t> const ids = host_topk_ids(config_, args);
 
   // 2. destinations of every token, rows per destination (none to a masked rank)
-  dest_mask_.assign(static_cast<std::size_t>(num_tokens), 0);
+  dest_mask_.assign(static_cast<std::size_t>(num_tokens), RankSet());
   std::vector<int64_t> sends(static_cast<std::size_t>(world_), 0);
   for (int t = 0; t < num_tokens; ++t) {
-    uint32_t mask = 0;
+    RankSet mask;
     for (int k = 0; k < topk_; ++k) {
       int64_t const id = ids[at(t, topk_) + k];
-      if (id >= 0) mask |= 1U << (id / num_local_);
+      if (id >= 0) mask.set(static_cast<int>(id / num_local_));
     }
     mask &= active_;
     dest_mask_[static_cast<std::size_t>(t)] = mask;
-    for (int d = 0; d < world_; ++d) sends[static_cast<std::size_t>(d)] += mask >> d & 1U;
+    for (int const d : mask) ++sends[static_cast<std::size_t>(d)];
   }
   num_tokens_ = num_tokens;
 
   // 3. count exchange: this rank's row of the count matrix into every rank (no one reads the matrix after the last
   //    barrier of the previous dispatch, so it is free to overwrite)
   for (int p = 0; p < world_; ++p)
-    std::memcpy(counts_.view.ptr[p] + at(rank_, world_) * sizeof(int64_t), sends.data(), at(world_, sizeof(int64_t)));
+    std::memcpy(counts_.of(p) + at(rank_, world_) * sizeof(int64_t), sends.data(), at(world_, sizeof(int64_t)));
   // counts visible everywhere (release/acquire in the barrier), and every rank in this call: else nothing moves.
   // The wait statistics time each source here: a late source is waited for at this exchange, its rows follow.
   join_call(CallKind::dispatch, false, StatsLeg::dispatch);
@@ -718,15 +726,15 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
   std::vector<int64_t> fwd_next(static_cast<std::size_t>(topology_.nodes), 0);
   std::vector<int64_t> next = dest_offset_;
   for (int t = 0; t < num_tokens; ++t) {
-    uint32_t const mask = dest_mask_[static_cast<std::size_t>(t)];
-    uint8_t const* wire = mask != 0 ? wire_row(t) : nullptr;
+    RankSet const& mask = dest_mask_[static_cast<std::size_t>(t)];
+    uint8_t const* wire = !mask.empty() ? wire_row(t) : nullptr;
     for (int n = 0; n < topology_.nodes && hierarchical_; ++n) {
-      if (n == my_node || (mask & node_bits(n)) == 0) continue;
+      if (n == my_node || !mask.intersects(node_ranks(n))) continue;
       int const rail = rail_of(n, rank_, active_);  // live: the token has a live destination there
       std::size_t const entry =
           at(fwd_slot(rank_), max_tokens_) + static_cast<std::size_t>(fwd_next[static_cast<std::size_t>(n)]++);
-      std::memcpy(fwd_x_.view.ptr[rail] + entry * dispatch_wire_.row_bytes, wire, dispatch_wire_.row_bytes);
-      char* const meta = fwd_meta_.view.ptr[rail] + entry * meta_bytes;
+      std::memcpy(fwd_x_.of(rail) + entry * dispatch_wire_.row_bytes, wire, dispatch_wire_.row_bytes);
+      char* const meta = fwd_meta_.of(rail) + entry * meta_bytes;
       auto* const ids_out = reinterpret_cast<int32_t*>(meta);
       auto* const weights_out = reinterpret_cast<float*>(meta + at(topk_, 4));
       for (int k = 0; k < topk_; ++k) {
@@ -737,8 +745,8 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
       link_bytes_.dispatch.network_bytes += row_link_bytes;
       link_bytes_.dispatch.network_messages += 1;
     }
-    for (int d = 0; d < world_; ++d) {
-      if (!(mask >> d & 1U) || (hierarchical_ && !on_my_node(d))) continue;
+    for (int const d : mask) {
+      if (hierarchical_ && !on_my_node(d)) continue;
       int64_t const row = next[static_cast<std::size_t>(d)]++;
       if (row >= capacity_) continue;
       if (d != rank_ && on_my_node(d)) link_bytes_.dispatch.nvlink_bytes += row_link_bytes;
@@ -746,9 +754,9 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
         link_bytes_.dispatch.network_bytes += row_link_bytes;
         link_bytes_.dispatch.network_messages += 1;
       }
-      std::memcpy(recv_x_.view.ptr[d] + at(row, 1) * dispatch_wire_.row_bytes, wire, dispatch_wire_.row_bytes);
-      auto* const idx = reinterpret_cast<int32_t*>(recv_idx_.view.ptr[d]) + at(row, topk_);
-      auto* const weights = reinterpret_cast<float*>(recv_weights_.view.ptr[d]) + at(row, topk_);
+      std::memcpy(recv_x_.of(d) + at(row, 1) * dispatch_wire_.row_bytes, wire, dispatch_wire_.row_bytes);
+      auto* const idx = reinterpret_cast<int32_t*>(recv_idx_.of(d)) + at(row, topk_);
+      auto* const weights = reinterpret_cast<float*>(recv_weights_.of(d)) + at(row, topk_);
       int64_t const lo = static_cast<int64_t>(d) * num_local_;
       for (int k = 0; k < topk_; ++k) {
         int64_t const id = ids[at(t, topk_) + k];
@@ -756,7 +764,7 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
         idx[k] = local ? static_cast<int32_t>(id - lo) : -1;
         weights[k] = local ? args.topk_weights[at(t, topk_) + k] : 0.0f;
       }
-      auto* const src = reinterpret_cast<int32_t*>(recv_src_.view.ptr[d]) + at(row, 2);
+      auto* const src = reinterpret_cast<int32_t*>(recv_src_.of(d)) + at(row, 2);
       src[0] = rank_;
       src[1] = t;
     }
@@ -765,7 +773,7 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
     for (int n = 0; n < topology_.nodes; ++n) {
       int const rail = rail_of(n, rank_, active_);
       if (n == my_node || rail < 0) continue;
-      reinterpret_cast<int64_t*>(fwd_count_.view.ptr[rail])[fwd_slot(rank_)] = fwd_next[static_cast<std::size_t>(n)];
+      reinterpret_cast<int64_t*>(fwd_count_.of(rail))[fwd_slot(rank_)] = fwd_next[static_cast<std::size_t>(n)];
     }
     sync(SyncPoint::inner, StatsLeg::none);  // every forwarded row is in its rail's forward area
     forward_rows();
@@ -895,12 +903,11 @@ DispatchResult CpuEp::receive_dispatch() {
   return result;
 }
 
-std::vector<int> CpuEp::relayed_sources(uint32_t live) const {
+std::vector<int> CpuEp::relayed_sources(RankSet const& live) const {
   std::vector<int> sources;
   int const my_node = topology_.node_of(rank_);
   for (int s = 0; s < world_; ++s)
-    if (topology_.node_of(s) != my_node && (live >> s & 1U) != 0 && rail_of(my_node, s, live) == rank_)
-      sources.push_back(s);
+    if (topology_.node_of(s) != my_node && live.test(s) && rail_of(my_node, s, live) == rank_) sources.push_back(s);
   return sources;
 }
 
@@ -942,15 +949,15 @@ void CpuEp::forward_rows() {
           int64_t const row = next[static_cast<std::size_t>(l)]++;
           if (row < capacity_) {
             placed = static_cast<int32_t>(row);
-            std::memcpy(recv_x_.view.ptr[d] + at(row, 1) * dispatch_wire_.row_bytes, wire, dispatch_wire_.row_bytes);
-            auto* const idx = reinterpret_cast<int32_t*>(recv_idx_.view.ptr[d]) + at(row, topk_);
-            auto* const w = reinterpret_cast<float*>(recv_weights_.view.ptr[d]) + at(row, topk_);
+            std::memcpy(recv_x_.of(d) + at(row, 1) * dispatch_wire_.row_bytes, wire, dispatch_wire_.row_bytes);
+            auto* const idx = reinterpret_cast<int32_t*>(recv_idx_.of(d)) + at(row, topk_);
+            auto* const w = reinterpret_cast<float*>(recv_weights_.of(d)) + at(row, topk_);
             for (int k = 0; k < topk_; ++k) {
               bool const mine = ids[k] >= lo && ids[k] < lo + num_local_;
               idx[k] = mine ? static_cast<int32_t>(ids[k] - lo) : -1;
               w[k] = mine ? weights[k] : 0.0f;
             }
-            auto* const src = reinterpret_cast<int32_t*>(recv_src_.view.ptr[d]) + at(row, 2);
+            auto* const src = reinterpret_cast<int32_t*>(recv_src_.of(d)) + at(row, 2);
             src[0] = source;
             src[1] = token;
             if (d != rank_) link_bytes_.dispatch.nvlink_bytes += row_link_bytes;
@@ -980,7 +987,7 @@ void CpuEp::reduce_forwarded(WireFormat format) {
         int const d = my_node * local + l;
         if (row < 0 || !active(d)) continue;
         ref::accumulate_row(hidden_,
-                            reinterpret_cast<uint16_t const*>(combine_rows_.view.ptr[d] + at(row, 1) * combine_stride_),
+                            reinterpret_cast<uint16_t const*>(combine_rows_.of(d) + at(row, 1) * combine_stride_),
                             scratch_.data());
         reached = true;
       }
@@ -1127,25 +1134,25 @@ void CpuEp::receive_combine() {
     std::fill(scratch_.begin(), scratch_.end(), 0.0f);
     added = false;
     // the dispatch's destinations (what the rows and rails were laid out by); a rank masked since adds nothing
-    uint32_t const mask = dest_mask_[static_cast<std::size_t>(t)];
+    RankSet const& mask = dest_mask_[static_cast<std::size_t>(t)];
     for (int n = 0; n < topology_.nodes; ++n) {
-      if (hierarchical_ && n != my_node && (mask & node_bits(n)) != 0) {
+      if (hierarchical_ && n != my_node && mask.intersects(node_ranks(n))) {
         int64_t const j = fwd_next[static_cast<std::size_t>(n)]++;
         bool reached = false;
         for (int d = n * local; d < (n + 1) * local; ++d)
-          if (mask >> d & 1U) reached = (next[static_cast<std::size_t>(d)]++ < capacity_ && active(d)) || reached;
+          if (mask.test(d)) reached = (next[static_cast<std::size_t>(d)]++ < capacity_ && active(d)) || reached;
         int const rail = rail_of(n, rank_, dispatch_active_);
         if (!reached || !active(rail)) continue;
-        add(reinterpret_cast<uint8_t const*>(net_rows_.view.ptr[rail]) +
+        add(reinterpret_cast<uint8_t const*>(net_rows_.of(rail)) +
             (at(static_cast<int64_t>(fwd_slot(rank_)), max_tokens_) + static_cast<std::size_t>(j)) *
                 combine_wire_.row_bytes);
         continue;
       }
       for (int d = n * local; d < (n + 1) * local; ++d) {
-        if (!(mask >> d & 1U)) continue;
+        if (!mask.test(d)) continue;
         int64_t const row = next[static_cast<std::size_t>(d)]++;
         if (row >= capacity_ || !active(d)) continue;
-        add(reinterpret_cast<uint8_t const*>(combine_rows_.view.ptr[d]) + at(row, 1) * combine_stride_);
+        add(reinterpret_cast<uint8_t const*>(combine_rows_.of(d)) + at(row, 1) * combine_stride_);
       }
     }
     if (grouped) {
@@ -1247,7 +1254,7 @@ void CpuEp::exchange_grad_weights(void const* x, float* grad_w, bool refused, bo
         uint16_t* const g = slots + row;
         if (out != nullptr) {
           float const dot = ref::dot_warp(hidden_, g, out + row);
-          reinterpret_cast<float*>(grad_w_.view.ptr[src[at(i, 2)]])[at(src[at(i, 2) + 1], topk_) + k] = dot;
+          reinterpret_cast<float*>(grad_w_.of(src[at(i, 2)]))[at(src[at(i, 2) + 1], topk_) + k] = dot;
         }
         float const w = weights[at(i, topk_) + k];
         for (int h = 0; h < hidden_; ++h) g[h] = ref::float_to_bf16(w * ref::bf16_to_float(g[h]));
@@ -1267,13 +1274,12 @@ CallLinkBytes CpuEp::link_bytes(cudaStream_t) const {
 MaskStatus CpuEp::mask_status() const {
   MaskStatus status = counts_of_masking_;
   status.self = !self_masked_.empty();
-  uint32_t const masked = status.self ? self_view_ : all_ranks_ & ~active_;
-  for (uint32_t m = masked; m != 0; m &= m - 1) status.ranks.push_back(std::countr_zero(m));
+  status.ranks = (status.self ? self_view_ : all_ranks_ - active_).ranks();
   return status;
 }
 
 void CpuEp::mask_ranks(std::vector<int> const& ranks) {
-  for (int r : ranks) proposed_ |= 1U << r;  // EpBuffer checked the range
+  for (int r : ranks) proposed_.set(r);  // EpBuffer checked the range
 }
 
 void CpuEp::clear_mask() {
@@ -1295,9 +1301,9 @@ void CpuEp::clear_mask() {
   }
   active_ = all_ranks_;
   dispatch_active_ = all_ranks_;
-  proposed_ = 0;
+  proposed_ = RankSet();
   self_masked_.clear();
-  self_view_ = 0;
+  self_view_ = RankSet();
   last_ids_.clear();
   num_tokens_ = 0;
   counts_of_masking_ = MaskStatus{};

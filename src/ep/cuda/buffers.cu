@@ -321,7 +321,7 @@ DispatchResult dispatch_result(Buffers const& b, bool expand) {
     result.recv_src = b.recv_src;
     return result;
   }
-  char* const sym = b.sym.ptr[b.rank];
+  char* const sym = b.sym.peer(b.rank);
   result.recv_x = sym + b.layout.recv_x;
   if (b.config.delivers_quantized()) {
     result.recv_scales = b.recv_scales_final ? b.recv_scales_final : sym + b.layout.recv_scales;

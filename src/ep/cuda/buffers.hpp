@@ -293,7 +293,7 @@ struct HandleLayout {
   // hierarchical protocol only (what its combine reads of its dispatch, hier_combine.cuh): the senders of each token,
   // the records this rank received as a rail per source node, and their forward records
   std::size_t hier_mask = 0;       // [max_tokens] uint32
-  std::size_t hier_fwd_count = 0;  // [kMaxLocalPeers] int32
+  std::size_t hier_fwd_count = 0;  // [kMaxCudaWorld] int32
   std::size_t hier_fwd_meta = 0;   // [nodes, max_tokens] records (SymLayout::hier_meta_bytes each)
   std::size_t total = 0;
 };

@@ -86,10 +86,7 @@ class CudaEp final : public detail::EpBackendImpl {
     Buffers& b = buffers_;
     int const world = comm.world();
     bool const ll = config.mode == Mode::low_latency;
-    // NOTE: the token mask of a destination set is one 32-bit word, and kernels index peers by LSA pointer.
-    FERRY_CHECK_CONFIG(world <= kMaxLocalPeers, "world=", world, " exceeds ", kMaxLocalPeers,
-                       " ranks of one NVLink domain, the most mode=", mode_name(config.mode),
-                       " supports in this version");
+    detail::check_cuda_world(world);  // the one place a world too large for the kernels is refused
     // 1. the protocol (the same on every rank: the config, the topology and FERRY_NORMAL_LANDING must agree)
     Topology const topology = comm.topology();
     bool const across = topology.nodes > 1;
@@ -201,7 +198,7 @@ class CudaEp final : public detail::EpBackendImpl {
       } else if (across) {
         // the network between the nodes: emulated over the peers' windows (check_reachable_across_nodes: every peer is
         // load/store reachable), with the seeded delays and reordering of FERRY_EMULATED_*
-        for (int r = 0; r < world; ++r) b.network.windows[r] = b.sym.ptr[r];
+        for (int r = 0; r < world; ++r) b.network.windows[r] = b.sym.peer(r);
         b.network.rank = comm.rank();
         b.network.world = world;
         b.network.seed = emulated.seed ^ static_cast<uint64_t>(comm.rank());

@@ -165,10 +165,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
   static_assert(sizeof(IdxT) == 4 || sizeof(IdxT) == 8, "topk_idx is int32 or int64");
   static_assert((kFormat == WireFormat::bf16) == (kUnitElems == 0), "bf16 rows are copied; quantized rows need a unit");
   extern __shared__ int32_t s_cnt[];  // [world] rows per destination, then [num_experts] entries per expert
-  __shared__ int32_t s_warp_cnt[kWarps][kMaxLocalPeers];
-  __shared__ int32_t s_warp_off[kWarps][kMaxLocalPeers];
-  __shared__ int32_t s_dest_base[kMaxLocalPeers];
-  __shared__ int32_t s_row[kWarps][kMaxLocalPeers];
+  __shared__ int32_t s_warp_cnt[kWarps][kMaxCudaWorld];
+  __shared__ int32_t s_warp_off[kWarps][kMaxCudaWorld];
+  __shared__ int32_t s_dest_base[kMaxCudaWorld];
+  __shared__ int32_t s_row[kWarps][kMaxCudaWorld];
   __shared__ uint64_t s_seq;
   __shared__ int s_ok;
   __shared__ int s_bad;           // this CTA's layout found a bad or repeated id

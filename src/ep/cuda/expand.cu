@@ -21,7 +21,7 @@ ExpandParams to_params(Buffers const& b, bool copy_rows, bool skip_rows) {
   // the grid need not be co-resident.
   ExpandParams p{};
   static_cast<KernelParams&>(p) = common_params(b, std::max(1, b.num_sms), false, std::nullopt);
-  p.sym_local = b.sym.ptr[b.rank];
+  p.sym_local = b.sym.peer(b.rank);
   p.row_bytes = b.recv_row_bytes;
   // NOTE: dispatch_dequantize delivers bf16 rows: expand copies them like bf16 transport.
   p.format = b.config.delivers_quantized() ? b.config.dispatch_format : WireFormat::bf16;

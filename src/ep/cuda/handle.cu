@@ -27,7 +27,7 @@ HandleLayout make_handle_layout(EpConfig const& config, int world, SymLayout con
   layout.topk_weights = areas.take(tokens * topk * sizeof(float));
   if (sym.nodes > 1) {
     layout.hier_mask = areas.take(tokens * sizeof(uint32_t));
-    layout.hier_fwd_count = areas.take(kMaxLocalPeers * sizeof(int32_t));
+    layout.hier_fwd_count = areas.take(kMaxCudaWorld * sizeof(int32_t));
     layout.hier_fwd_meta = areas.take(static_cast<std::size_t>(sym.nodes) * tokens * sym.hier_meta_bytes);
   }
   layout.total = areas.total();
@@ -58,7 +58,7 @@ struct LayoutAreas {
 // token, and as a rail the records it forwarded (all of them: their count is on the device).
 void layout_areas(LayoutAreas& areas, Buffers const& b, char* storage, int num_tokens, bool expanded) {
   HandleLayout const hl = make_handle_layout(b.config, b.world, b.layout);
-  char* const sym = b.sym.ptr[b.rank];
+  char* const sym = b.sym.peer(b.rank);
   int const topk = b.config.topk;
   int const cap = b.recv_capacity;
   areas.add(sym + b.layout.recv_idx, storage + hl.recv_idx, topk, cap, true);
@@ -73,7 +73,7 @@ void layout_areas(LayoutAreas& areas, Buffers const& b, char* storage, int num_t
               " bytes are not whole words");
   int const records = b.layout.nodes * b.config.max_tokens_per_rank;
   areas.add(b.hier_mask, storage + hl.hier_mask, 1, num_tokens, false);
-  areas.add(b.state->hier_fwd_count, storage + hl.hier_fwd_count, kMaxLocalPeers, 1, false);
+  areas.add(b.state->hier_fwd_count, storage + hl.hier_fwd_count, kMaxCudaWorld, 1, false);
   areas.add(sym + b.layout.hier_fwd_meta, storage + hl.hier_fwd_meta,
             static_cast<int>(b.layout.hier_meta_bytes / sizeof(uint32_t)), records, false);
 }

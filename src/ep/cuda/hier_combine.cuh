@@ -138,7 +138,7 @@ template <WireFormat kFormat, int kUnitElems, class Net>
 __global__ void __launch_bounds__(kThreads, 1) hier_combine_sum_kernel(HierCombineParams<Net> const p) {
   __shared__ int s_ok;
   __shared__ uint32_t s_refused;
-  __shared__ int32_t s_fwd_first[kMaxLocalPeers + 1];
+  __shared__ int32_t s_fwd_first[kMaxCudaWorld + 1];
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   int const local = p.local;
   int const nodes = p.nodes;

@@ -202,9 +202,9 @@ __device__ __forceinline__ void push_hier_quantized_row(HierDispatchParams<Net> 
 template <typename IdxT, WireFormat kFormat, int kUnitElems, class Net>
 __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatchParams<Net> const p) {
   static_assert((kFormat == WireFormat::bf16) == (kUnitElems == 0), "bf16 rows are copied; quantized rows need a unit");
-  __shared__ int32_t s_dest_base[kMaxLocalPeers];
-  __shared__ int32_t s_row[kWarps][kMaxLocalPeers];
-  __shared__ int32_t s_fwd_first[kMaxLocalPeers + 1];
+  __shared__ int32_t s_dest_base[kMaxCudaWorld];
+  __shared__ int32_t s_row[kWarps][kMaxCudaWorld];
+  __shared__ int32_t s_fwd_first[kMaxCudaWorld + 1];
   __shared__ int s_ok;
   __shared__ uint32_t s_aborted;
   __shared__ int s_last;

@@ -43,8 +43,8 @@ template <typename IdxT>
 __global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchParams const p) {
   static_assert(sizeof(IdxT) == 4 || sizeof(IdxT) == 8, "topk_idx is int32 or int64");
   extern __shared__ int32_t s_dyn[];  // [world * max_tokens] landing slot of each rank-major row, [num_local] entries
-  __shared__ int32_t s_base[kMaxLocalPeers + 1];  // first landed record of each source
-  __shared__ int32_t s_src_rows[kMaxLocalPeers];  // CTA 0: present rows per source
+  __shared__ int32_t s_base[kMaxCudaWorld + 1];  // first landed record of each source
+  __shared__ int32_t s_src_rows[kMaxCudaWorld];  // CTA 0: present rows per source
   __shared__ landing::ScanShared<kWarps> s_scan;
   __shared__ uint64_t s_seq;
   __shared__ int s_ok;

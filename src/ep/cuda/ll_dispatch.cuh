@@ -576,7 +576,7 @@ struct NetworkSources {
 template <WireFormat kFormat, bool kMasking, class Net>
 __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Net const& network, ExpandShared& s,
                                                  int32_t* s_counts, uint64_t seq FERRY_TRACE_PARAM(trace)) {
-  __shared__ int32_t s_base[kMaxLocalPeers + 1];  // first rank-major landing row of each source
+  __shared__ int32_t s_base[kMaxCudaWorld + 1];  // first rank-major landing row of each source
   __shared__ int s_ok;
   __shared__ uint32_t s_aborted;  // sources that refused this call
 

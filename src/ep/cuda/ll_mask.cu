@@ -64,7 +64,7 @@ detail::LlCallCounters ll_call_counters(Buffers const& b, cudaStream_t stream) {
 void reset_ll_mask(Buffers const& b, detail::LlCallCounters const& to, cudaStream_t stream) {
   cuda_ll::LlMaskResetParams p{};
   p.state = b.state;
-  char* const region = b.sym.ptr[b.rank];
+  char* const region = b.sym.peer(b.rank);
   p.dispatch_arrivals = reinterpret_cast<uint64_t*>(region + b.layout.dispatch_arrivals);
   p.combine_arrivals = reinterpret_cast<uint64_t*>(region + b.layout.combine_arrivals);
   p.host = b.mask_host_device;

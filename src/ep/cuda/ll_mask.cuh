@@ -238,11 +238,11 @@ inline constexpr int kNetworkCounters = 4;  // dispatch arrivals, combine arriva
 
 struct LlCounterParams {
   DeviceView view;
-  int local;                                       // ranks per node
-  std::size_t counters[kNetworkCounters];          // offsets of the four [world] arrays (by source)
-  uint64_t target[kNetworkCounters];               // what every counter must hold
-  uint64_t* read;                                  // step 1: [kNetworkCounters][world] this rank's counters
-  uint64_t add[kNetworkCounters][kMaxLocalPeers];  // step 2: what to add to each rank's counters of this one
+  int local;                                      // ranks per node
+  std::size_t counters[kNetworkCounters];         // offsets of the four [world] arrays (by source)
+  uint64_t target[kNetworkCounters];              // what every counter must hold
+  uint64_t* read;                                 // step 1: [kNetworkCounters][world] this rank's counters
+  uint64_t add[kNetworkCounters][kMaxCudaWorld];  // step 2: what to add to each rank's counters of this one
 };
 // legs: the network of the legs' counters (a Gin's range is the layout's), agreement: the agreement's (LlMaskArea).
 template <class Net>

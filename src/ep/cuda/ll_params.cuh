@@ -48,8 +48,8 @@ inline constexpr int kUnroll = 4;
 inline constexpr int kChunkVecs = 32 * kUnroll;
 
 static_assert(kMaxTopk * 2 <= 32, "dispatch metadata is written by one warp: topk ids + topk weights, one per lane");
-static_assert(kMaxLocalPeers <= 32, "destination masks are 32-bit and waits use one thread per source");
-static_assert(kThreads >= kMaxLocalPeers, "one thread per source waits for its arrivals");
+static_assert(kMaxCudaWorld <= 32, "destination masks are 32-bit and waits use one thread per source");
+static_assert(kThreads >= kMaxCudaWorld, "one thread per source waits for its arrivals");
 
 // What both low-latency legs share past KernelParams: the rank-major metadata the dispatch writes and the combine
 // reads (local memory).

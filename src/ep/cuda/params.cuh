@@ -44,18 +44,18 @@ inline constexpr int kWeightGradWaitCtas = 4;
 // Device words of one EpBuffer (local memory, zeroed at construction), every protocol's. Sequence numbers live here,
 // not on the host, so a captured graph replays with increasing sequence numbers and no reset kernel.
 struct DeviceState {
-  uint64_t dispatch_seq;       // sequence number of the last finished dispatch (the next one uses +1)
-  uint64_t combine_seq;        // same for combine
-  uint64_t dispatch_arrive;    // CTAs of the running dispatch that finished their layout (reset by the last CTA)
-  uint64_t dispatch_done;      // CTAs of the running dispatch that finished pushing (reset by the last CTA)
-  uint64_t combine_done;       // CTAs of the running combine that finished (reset by the last CTA)
-  unsigned int combine_claim;  // the combine's sum pieces claimed so far (CombineSums; reset by the last CTA)
-  int32_t num_recv;            // rows received by the last dispatch (clipped to recv_capacity)
-  int32_t num_tokens;          // this rank's tokens in the last dispatch
-  int32_t src_offset[kMaxLocalPeers];  // first row of source s in the receive buffers
-  int32_t src_count[kMaxLocalPeers];   // rows of source s that were delivered
-  int32_t src_tokens[kMaxLocalPeers];  // tokens source s passed to the last dispatch
-  uint64_t land_seq[kMaxLandCtas];     // small-batch dispatch: calls this CTA ran (each CTA only touches its own)
+  uint64_t dispatch_seq;              // sequence number of the last finished dispatch (the next one uses +1)
+  uint64_t combine_seq;               // same for combine
+  uint64_t dispatch_arrive;           // CTAs of the running dispatch that finished their layout (reset by the last CTA)
+  uint64_t dispatch_done;             // CTAs of the running dispatch that finished pushing (reset by the last CTA)
+  uint64_t combine_done;              // CTAs of the running combine that finished (reset by the last CTA)
+  unsigned int combine_claim;         // the combine's sum pieces claimed so far (CombineSums; reset by the last CTA)
+  int32_t num_recv;                   // rows received by the last dispatch (clipped to recv_capacity)
+  int32_t num_tokens;                 // this rank's tokens in the last dispatch
+  int32_t src_offset[kMaxCudaWorld];  // first row of source s in the receive buffers
+  int32_t src_count[kMaxCudaWorld];   // rows of source s that were delivered
+  int32_t src_tokens[kMaxCudaWorld];  // tokens source s passed to the last dispatch
+  uint64_t land_seq[kMaxLandCtas];    // small-batch dispatch: calls this CTA ran (each CTA only touches its own)
   // Low-latency mode (ll_params.cuh), per CTA: calls whose send / receive half this CTA ran (num_tokens is written by
   // the send half's CTA 0, num_recv by the receive half's CTA of expert 0).
   uint64_t dispatch_send_seq[kMaxLlCtas];
@@ -68,7 +68,7 @@ struct DeviceState {
   uint64_t weight_grad_done;
   // Hierarchical normal mode: the records this rank (a rail) received from each source node in the last dispatch
   // (hier_dispatch.cuh; its combine sends one row back per record).
-  int32_t hier_fwd_count[kMaxLocalPeers];
+  int32_t hier_fwd_count[kMaxCudaWorld];
   // Hierarchical normal mode: what this rank sent to other ranks (EpBuffer::link_bytes, docs/internode.md "Counting
   // the bytes": rows and their metadata, not the control words), [leg: 0 dispatch, 1 combine][0 network bytes,
   // 1 NVLink bytes, 2 network puts of rows]: the running call's sums (its kernels add, its last kernel's last CTA
@@ -82,11 +82,11 @@ struct DeviceState {
 
 // The words of DeviceState a normal-mode combine (and expand) reads of its dispatch, in their order there: what a
 // dispatch handle keeps of them (handle.cu). num_recv, num_tokens, src_offset, src_count, src_tokens.
-inline constexpr int kHandleStateWords = 2 + 3 * kMaxLocalPeers;
+inline constexpr int kHandleStateWords = 2 + 3 * kMaxCudaWorld;
 static_assert(offsetof(DeviceState, num_tokens) == offsetof(DeviceState, num_recv) + 4 &&
                   offsetof(DeviceState, src_offset) == offsetof(DeviceState, num_recv) + 8 &&
-                  offsetof(DeviceState, src_count) == offsetof(DeviceState, src_offset) + 4 * kMaxLocalPeers &&
-                  offsetof(DeviceState, src_tokens) == offsetof(DeviceState, src_count) + 4 * kMaxLocalPeers,
+                  offsetof(DeviceState, src_count) == offsetof(DeviceState, src_offset) + 4 * kMaxCudaWorld &&
+                  offsetof(DeviceState, src_tokens) == offsetof(DeviceState, src_count) + 4 * kMaxCudaWorld,
               "a handle copies the layout words of DeviceState as one run of kHandleStateWords int32 words");
 
 // Word 0 of a source's count row: its token count, and this bit when the source refuses the call (a bad or repeated
