@@ -20,6 +20,8 @@ LlCombineParams to_params(Buffers const& b, CombineArgs const& args, int num_tok
   static_cast<cuda_ll::LlParams&>(p) = ll_params(b, refuse, TraceKernel::ll_combine);
   p.x = args.x;
   p.y = args.y;
+  FERRY_CHECK(args.group_weights == nullptr || b.config.topk == 1, "a grouped combine on a buffer of topk ",
+              b.config.topk, " (EpBuffer allows topk 1 only: one row per token)");
   p.group = args.group;
   p.group_weights = args.group_weights;
   return p;

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "comm/device/memory.cuh"
 #include "comm/device/signal.cuh"
@@ -621,12 +622,13 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
     }
     return mask;
   };
-  // acc += the rows of `token` from the ranks of `mask`, ascending (fp32; a quantized row dequantized first)
-  auto const add_rows = [&](uint32_t mask, int token, int v0, float(&acc)[kUnroll][8]) {
+  // acc += the rows of `token` from the ranks of `mask`, ascending (fp32; a quantized row dequantized first);
+  // weighted (std::true_type): acc += w * row, the product rounded before the sum (CombineArgs::group)
+  auto const add_rows = [&](uint32_t mask, int token, int v0, float(&acc)[kUnroll][8], auto weighted, float w) {
     for (uint32_t m = mask; m != 0; m &= m - 1) {
       int const d = __ffs(m) - 1;
       char const* const row = landing + (static_cast<std::size_t>(d) * p.max_tokens + token) * row_bytes;
-      if constexpr (kFormat == WireFormat::bf16) {
+      if constexpr (kFormat == WireFormat::bf16 && !decltype(weighted)::value) {
         device::add_bf16_vectors(reinterpret_cast<int4 const*>(row), v0, num_vec, acc);
       } else {
         // y = code * scale in fp32 (plain loads: the acquire above made the peer's row visible)
@@ -638,9 +640,13 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
         for (int u = 0; u < kUnroll; ++u) {
           if (v0 + u * 32 >= num_vec) continue;
           float f[8];
-          device::dequantize_vec<kFormat>(wire, wl.scales_offset, v0 + u * 32, token_scale, f);
+          if constexpr (kFormat == WireFormat::bf16)
+            bf16x8_to_float(device::arch::load_v4(reinterpret_cast<int4 const*>(row) + v0 + u * 32), f);
+          else
+            device::dequantize_vec<kFormat>(wire, wl.scales_offset, v0 + u * 32, token_scale, f);
 #pragma unroll
-          for (int j = 0; j < 8; ++j) acc[u][j] = __fadd_rn(acc[u][j], f[j]);
+          for (int j = 0; j < 8; ++j)
+            acc[u][j] = __fadd_rn(acc[u][j], decltype(weighted)::value ? __fmul_rn(w, f[j]) : f[j]);
         }
       }
     }
@@ -660,11 +666,12 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
         if (item % num_chunks == 0) count_combine_misses(p, token, lane);
       float acc[kUnroll][8];
       device::zero_acc(acc);
-      add_rows(mask, token, v0, acc);
+      add_rows(mask, token, v0, acc, std::false_type{}, 1.0f);
       store_y(token, v0, acc);
     }
   } else {
-    // CombineArgs::group: y[u] = sum over j ascending of w(u * group + j) * (that token's fp32 row), no fma
+    // CombineArgs::group: y[u] = sum over j ascending of w(u * group + j) * (that token's row), no fma. The buffer
+    // has topk 1 (EpBuffer refuses a group otherwise), so a token's row comes from one rank (or its node's rail)
     int const outputs = num_tokens / p.group;
     for (int item = cta * kWarps + warp; item < outputs * num_chunks; item += p.num_ctas * kWarps) {
       int const out = item / num_chunks;
@@ -676,15 +683,8 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
         if constexpr (kMasking)
           if (item % num_chunks == 0) count_combine_misses(p, token, lane);
         uint32_t const mask = rows_of(p.token_mask[token] & live);
-        if (mask == 0) continue;  // went nowhere (or its rows were dropped): adds nothing, whatever its weight
-        float const w = __ldg(p.group_weights + token);
-        float part[kUnroll][8];
-        device::zero_acc(part);
-        add_rows(mask, token, v0, part);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[u][e] = __fadd_rn(acc[u][e], __fmul_rn(w, part[u][e]));
+        if (mask == 0) continue;  // went nowhere (or to a rank masked since): adds nothing, whatever its weight
+        add_rows(mask, token, v0, acc, std::true_type{}, __ldg(p.group_weights + token));
       }
       store_y(out, v0, acc);
     }
