@@ -694,7 +694,7 @@ class Buffer:
         ones = pool.ones.get(num_tokens)
         if ones is None:  # a view (no kernel: also right when first made inside a graph capture)
             ones = pool.ones[num_tokens] = pool.ones_base[:num_tokens * topk].view(num_tokens, topk)
-        sent = buf.dispatch(x, topk_idx if topk_idx.is_contiguous() else topk_idx.contiguous(), ones, eager=False,
+        sent = buf.dispatch(x, topk_idx.contiguous(), ones, eager=False,
                             return_recv_hook=return_recv_hook, x_repeat=topk)
         got = pool.views[slot]
         if not return_recv_hook:
@@ -775,7 +775,7 @@ class Buffer:
         # the entries come back and Ferry sums each token's topk of them with these weights, in fp32, rounded once
         # (CombineArgs::group), into out
         out = buf.combine(source, "expert", out=out, eager=False, return_recv_hook=return_recv_hook, group=topk,
-                          group_weights=weights if weights.is_contiguous() else weights.contiguous())
+                          group_weights=weights.contiguous())
         hook = buf.complete_combine if return_recv_hook else None
         event = self._event(async_finish, (x, topk_idx, topk_weights, out))
         return out, event, hook

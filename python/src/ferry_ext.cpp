@@ -1420,7 +1420,7 @@ class PyEpBuffer {
     // The data pointer of a tensor made by empty(): through torch's C exchange API where torch has it (no Python
     // call), else Tensor.data_ptr().
     static void* data_of(nb::handle tensor) {
-      if (nb::dlpack::dltensor t; torch_dltensor(tensor, t)) return static_cast<char*>(t.data) + t.byte_offset;
+      if (nb::dlpack::dltensor t; torch_dltensor(tensor, t)) return ArrayArg(t).data();
       return reinterpret_cast<void*>(nb::cast<uintptr_t>(tensor.attr("data_ptr")()));
     }
 

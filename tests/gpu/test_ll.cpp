@@ -387,20 +387,11 @@ int ll_entry_tokens_case() {
 
     auto const counts = to_host<int32_t>(got.expert_counts, static_cast<std::size_t>(num_local));
     auto const expert_x = to_host<uint16_t>(got.expert_x, static_cast<std::size_t>(num_local) * slots * hidden);
-    std::vector<uint16_t> const want_x = ref::expand(config, world, mine);
-    for (int e = 0; e < num_local && code == 0; ++e) {
-      if (counts[static_cast<std::size_t>(e)] != mine.expert_counts[static_cast<std::size_t>(e)]) {
-        std::fprintf(stderr, "rank %d call %d: expert %d count %d, want %d\n", rank, call, e,
-                     counts[static_cast<std::size_t>(e)], mine.expert_counts[static_cast<std::size_t>(e)]);
-        code = 1;
-      }
-      std::size_t const first = static_cast<std::size_t>(e) * slots * hidden;
-      std::size_t const filled =
-          static_cast<std::size_t>(std::min(mine.expert_counts[static_cast<std::size_t>(e)], slots)) * hidden;
-      if (std::memcmp(expert_x.data() + first, want_x.data() + first, filled * 2) != 0) {
-        std::fprintf(stderr, "rank %d call %d: expert_x of expert %d differs\n", rank, call, e);
-        code = 1;
-      }
+    std::string const layout = expert_layout_problem(config, world, mine, counts.data(), expert_x.data(),
+                                                     detail::concat("rank ", rank, " call ", call, ": "));
+    if (!layout.empty()) {
+      std::fprintf(stderr, "%s\n", layout.c_str());
+      code = 1;
     }
     std::vector<uint16_t> const want_y = grouped_y(
         ref::combine_expert_major(config, world, rank, ex.expanded, want, expert_out), in.topk_idx, w, k, hidden);

@@ -6,15 +6,19 @@
 // cpu backend's test (tests/unit/test_ll_cpu.cpp) and the GPU test (tests/gpu/test_ll.cpp).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "ep/reference.hpp"
 #include "ferry/ep.hpp"
+#include "ferry/error.hpp"
 #include "workloads/inputs.hpp"
 #include "workloads/routing.hpp"
 
@@ -81,6 +85,25 @@ inline std::vector<uint16_t> grouped_y(std::vector<uint16_t> const& entry_rows, 
     ref::round_row(hidden, acc.data(), y.data() + u * static_cast<std::size_t>(hidden));
   }
   return y;
+}
+
+// The first mismatch of one rank's expert-major layout against the reference (its counts, then the filled rows of
+// each expert, bit for bit), prefixed by `where`; "" when they match. counts and expert_x: host copies of
+// DispatchResult::expert_counts / expert_x. Shared by every low-latency host check (test_ll_cpu.cpp, test_ll.cpp).
+inline std::string expert_layout_problem(EpConfig const& config, int world, ref::RankDispatch const& mine,
+                                         int32_t const* counts, uint16_t const* expert_x, std::string const& where) {
+  std::size_t const hidden = static_cast<std::size_t>(config.hidden);
+  int const slots = config.expert_slots();
+  std::vector<uint16_t> const want_x = ref::expand(config, world, mine);
+  for (int e = 0; e < config.num_local_experts(world); ++e) {
+    int const want = mine.expert_counts[static_cast<std::size_t>(e)];
+    if (counts[e] != want) return detail::concat(where, "expert ", e, " count ", counts[e], ", want ", want);
+    std::size_t const first = static_cast<std::size_t>(e) * static_cast<std::size_t>(slots) * hidden;
+    std::size_t const filled = static_cast<std::size_t>(std::min(want, slots)) * hidden;
+    if (std::memcmp(expert_x + first, want_x.data() + first, filled * 2) != 0)
+      return detail::concat(where, "expert_x of expert ", e, " differs");
+  }
+  return "";
 }
 
 }  // namespace ferry::test
