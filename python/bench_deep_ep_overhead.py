@@ -3,7 +3,8 @@
     python -m ferry.launch --nproc 1 python/bench_deep_ep_overhead.py --tokens 1     # cpu backend, torch CPU tensors
     torchrun --nproc-per-node 1 python/bench_deep_ep_overhead.py --tokens 128         # GPU: torch CUDA tensors
 
-Pairs of calls, in loops of --iters, the median over --repeats loops after --warmup:
+Pairs of calls, in loops of --iters, layer and native loops interleaved, the median over --repeats loops of each after
+--warmup (the overhead: the median of the loop-by-loop differences):
   normal   deep_ep: dispatch (bf16, topk) + combine(handle)        native: EpBuffer.dispatch (eager) + combine("rank")
   ll       deep_ep: low_latency_dispatch + low_latency_combine     native: EpBuffer.dispatch + combine("expert") of an
            (bf16, no hook, out given)                              LL EpBuffer of topk K (lazy, out given)
@@ -30,16 +31,21 @@ import torch.distributed as dist  # noqa: E402
 import ferry.deep_ep as deep_ep  # noqa: E402
 
 
-def timed(fn, iters: int, repeats: int, warmup: int, sync) -> list:
+def timed_pair(layer, native, iters: int, repeats: int, warmup: int, sync) -> tuple:
+    """Host time per call of layer and of native (us): loops of iters calls, the two interleaved loop by loop (in
+    turn first), so a drift of the machine moves both alike; one list of repeats loop times each."""
     for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        times.append((time.perf_counter() - start) / iters * 1e6)
+        layer()
+        native()
+    times = ([], [])
+    for r in range(repeats):
+        for which in ((0, 1) if r % 2 == 0 else (1, 0)):
+            fn = (layer, native)[which]
+            sync()
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            times[which].append((time.perf_counter() - start) / iters * 1e6)
     sync()
     return times
 
@@ -107,13 +113,25 @@ def main() -> int:
         got = native_ll.dispatch(x, idx, w, eager=False)
         native_ll.combine(got.expert_x, "expert", out=y, eager=False)
 
+    # what DeepEP's fresh normal-mode outputs cost by themselves: the torch.empty calls the layer's dispatch makes
+    # (recv_x, recv_topk_idx, recv_topk_weights, and the storage of the handle's layout), none of which Ferry's
+    # native dispatch needs (it returns views of its buffers)
+    handle_bytes = native.handle_bytes
+
+    def fresh_outputs():
+        torch.empty((T, H), dtype=torch.bfloat16, device=device)
+        torch.empty((T, K), dtype=torch.int64, device=device)
+        torch.empty((T, K), dtype=torch.float32, device=device)
+        torch.empty((max(handle_bytes, 1),), dtype=torch.uint8, device=device)
+
     results = {}
     for name, layer_fn, native_fn in (("normal", layer_normal, native_normal), ("ll", layer_ll, native_ll_pair)):
-        lt = timed(layer_fn, args.iters, args.repeats, args.warmup, sync)
-        nt = timed(native_fn, args.iters, args.repeats, args.warmup, sync)
+        lt, nt = timed_pair(layer_fn, native_fn, args.iters, args.repeats, args.warmup, sync)
         diffs = sorted(a - b for a, b in zip(lt, nt))
         results[name] = (statistics.median(lt), statistics.median(nt), statistics.median(diffs),
                          diffs[len(diffs) // 10], diffs[-1 - len(diffs) // 10])
+    ft, nt = timed_pair(fresh_outputs, lambda: None, args.iters, args.repeats, args.warmup, sync)
+    fresh = statistics.median(ft) - statistics.median(nt)
     if cuda and args.graph:
         # the same pairs captured in CUDA graphs (as a decode step is): a replay's host time, layer against native
         graphs = {}
@@ -123,14 +141,15 @@ def main() -> int:
             graphs[name] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graphs[name]):
                 fn()
-        lt = timed(graphs["layer"].replay, args.iters, args.repeats, args.warmup, sync)
-        nt = timed(graphs["native"].replay, args.iters, args.repeats, args.warmup, sync)
+        lt, nt = timed_pair(graphs["layer"].replay, graphs["native"].replay, args.iters, args.repeats, args.warmup,
+                            sync)
         diffs = sorted(a - b for a, b in zip(lt, nt))
         results["ll graph"] = (statistics.median(lt), statistics.median(nt), statistics.median(diffs),
                                diffs[len(diffs) // 10], diffs[-1 - len(diffs) // 10])
     text = "; ".join(f"{n}: layer {v[0]:.1f} us, native {v[1]:.1f} us per dispatch+combine pair, overhead "
                      f"{v[2]:.1f} us per pair ({v[2] / 2:.1f} us per call; p10..p90 {v[3]:.1f}..{v[4]:.1f})"
                      for n, v in results.items())
+    text += f"; normal's fresh outputs alone (4 torch.empty): {fresh:.1f} us per dispatch"
     sys.stdout.write(f"rank {rank}/{world} [{'cuda' if cuda else 'cpu'}, {T} tokens, hidden {H}, topk {K}]: {text}\n")
     sys.stdout.flush()
     dist.barrier()

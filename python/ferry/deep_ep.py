@@ -103,6 +103,10 @@ class EventOverlap:
             self.event.current_stream_wait()
 
 
+# what a call without async_finish returns (DeepEP: an EventOverlap holding no event); one object, none made per call
+_NO_EVENT = EventOverlap(None)
+
+
 class Config:
     """DeepEP's performance Config (SMs and chunk sizes of its ring buffers). Ferry picks its launch geometry from
     its tuning tables (docs/tuning.md), so a Config never changes what a call computes, in DeepEP or here: it is
@@ -169,14 +173,17 @@ class _Pool:
         self.value_buffer = None  # normal mode: the EpBuffer combine(topk_weights=...) sends the weights back through
         self.row_index = None  # normal mode, num_worst_tokens: [rows, 1] int64 row numbers (the -1 fill past the count)
 
+    def fill(self) -> None:
+        # NOTE: all at once, at the pool's first call: a CUDA graph captured after one eager call (an engine's
+        # warm-up) then never creates a buffer (collective, allocating) inside the capture
+        for j in range(_POOL_SIZE):
+            self.buffers[j], self.views[j] = self.make()
+
     def take(self) -> int:
         i = self.next
         self.next = (i + 1) % _POOL_SIZE
         if self.buffers[i] is None:
-            # NOTE: all at once, at the pool's first call: a CUDA graph captured after one eager call (an engine's
-            # warm-up) then never creates a buffer (collective, allocating) inside the capture
-            for j in range(_POOL_SIZE):
-                self.buffers[j], self.views[j] = self.make()
+            self.fill()
         self.generation[i] += 1
         return i
 
@@ -202,18 +209,23 @@ class _LowLatencyHandle:
     """Low-latency mode's handle, indexable as DeepEP's (src_info, layout_range, num_max_dispatch_tokens_per_rank,
     hidden, num_experts). src_info [num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank] int32 (the
     source token of each slot) and layout_range [num_local_experts, num_ranks] int64 ((first slot << 32) | count, per
-    source rank) are computed from Ferry's layout when first read (device ops, no synchronisation)."""
+    source rank) are computed from Ferry's layout when first read (device ops, no synchronisation). The shapes live in
+    the pool (one per shape): a handle holds what differs per call."""
 
-    __slots__ = ("rank", "world", "pool", "slot", "generation", "got", "num_tokens", "topk", "max_tokens", "hidden",
-                 "num_experts", "topk_idx", "_src_info", "_layout_range")
+    __slots__ = ("pool", "slot", "generation", "num_tokens", "topk", "topk_idx", "_src_info", "_layout_range")
 
-    def __init__(self, rank, world, pool, slot, got, num_tokens, topk, max_tokens, hidden, num_experts, topk_idx):
-        self.rank, self.world, self.pool, self.slot, self.got = rank, world, pool, slot, got
+    def __init__(self, pool, slot, num_tokens, topk, topk_idx):
+        self.pool, self.slot, self.num_tokens, self.topk = pool, slot, num_tokens, topk
         self.generation = pool.generation[slot]
-        self.num_tokens, self.topk, self.max_tokens, self.hidden, self.num_experts = (num_tokens, topk, max_tokens,
-                                                                                     hidden, num_experts)
         self.topk_idx = topk_idx  # the dispatch's ids (a combine given other ids masks its weights by them)
         self._src_info = self._layout_range = None
+
+    got = property(lambda self: self.pool.views[self.slot])  # the EpBuffer's cached views (a DispatchResult)
+    rank = property(lambda self: self.pool.rank)
+    world = property(lambda self: self.pool.world)
+    max_tokens = property(lambda self: self.pool.max_tokens)
+    hidden = property(lambda self: self.pool.hidden)
+    num_experts = property(lambda self: self.pool.num_experts)
 
     def __len__(self) -> int:
         return 5
@@ -373,7 +385,7 @@ class Buffer:
 
     @staticmethod
     def _event(async_finish: bool, tensors=None) -> EventOverlap:
-        return EventOverlap(EventHandle(), tensors) if async_finish else EventOverlap(None)
+        return EventOverlap(EventHandle(), tensors) if async_finish else _NO_EVENT
 
     def _check_stream_args(self, previous_event, allocate_on_comm_stream) -> None:
         if allocate_on_comm_stream and previous_event is None:
@@ -631,6 +643,7 @@ class Buffer:
         kwargs = dict(hidden=hidden, num_experts=num_experts, topk=1, max_tokens_per_rank=max_tokens * topk,
                       expert_capacity=world * max_tokens, mode="ll", dispatch_format=fmt_name,
                       recv_scale_layout=layout)
+
         def make():
             # NOTE: a hooked dispatch returns its views only from the receive half, while DeepEP returns the tensors
             # at once: an empty dispatch (collective, as the creation) gets the EpBuffer's views, which every later
@@ -643,6 +656,9 @@ class Buffer:
 
         device = torch.device("cuda", self.comm.device) if self.comm.backend == "cuda" else torch.device("cpu")
         pool = self._pool(key, make)
+        pool.fill()
+        pool.rank, pool.world, pool.max_tokens, pool.hidden, pool.num_experts = (self.rank, world, max_tokens, hidden,
+                                                                                 num_experts)
         # the entries' weights (1), made with the pool (outside any capture), and their [T, topk] views per T
         pool.ones_base = torch.ones((max_tokens * topk,), dtype=torch.float32, device=device)
         pool.ones = {}
@@ -654,6 +670,9 @@ class Buffer:
             raise ferry.Error("ferry.deep_ep: internal error: a low-latency dispatch returned views other than the "
                               "EpBuffer's cached ones, so the tensors returned before the hook would be stale")
 
+    # NOTE on the low-latency calls' host time (decode without graphs is bound by it, docs/python.md): the binding
+    # checks x, the ids, the weights and out itself, collectively (a refusal there raises on every rank); the layer
+    # checks only what the binding cannot name in DeepEP's terms, and makes no torch op.
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
@@ -666,41 +685,54 @@ class Buffer:
         if dispatch_wait_recv_cost_stats is not None:
             _refuse("dispatch_wait_recv_cost_stats", "Ferry records no per-rank receive wait times",
                     "pass None (ferry trace records per-phase times: docs/design.md)")
-        if use_ue8m0 and not round_scale:
-            raise ferry.InputError("ferry.deep_ep: use_ue8m0=True needs round_scale=True (as DeepEP)")
-        if (round_scale or use_ue8m0) and not use_fp8:
-            raise ferry.InputError("ferry.deep_ep: round_scale / use_ue8m0 need use_fp8=True")
         if async_finish and return_recv_hook:
             raise ferry.InputError("ferry.deep_ep: async_finish and return_recv_hook cannot both be set (as DeepEP)")
-        if x.dim() != 2 or x.dtype != torch.bfloat16:
-            raise ferry.InputError(f"ferry.deep_ep: x must be [num_tokens, hidden] bfloat16, got {tuple(x.shape)} "
-                                   f"{x.dtype}")
-        if topk_idx.dim() != 2 or topk_idx.size(0) != x.size(0):
-            raise ferry.InputError(f"ferry.deep_ep: topk_idx must be [{x.size(0)}, num_topk], got "
-                                   f"{tuple(topk_idx.shape)}")
-        num_tokens, hidden = x.shape
-        topk = topk_idx.size(1)
+        if use_fp8:
+            if use_ue8m0 and not round_scale:
+                raise ferry.InputError("ferry.deep_ep: use_ue8m0=True needs round_scale=True (as DeepEP)")
+            fmt = "fp8" if not round_scale else ("fp8_ue8m0" if use_ue8m0 else "fp8_round")
+        elif round_scale or use_ue8m0:
+            raise ferry.InputError("ferry.deep_ep: round_scale / use_ue8m0 need use_fp8=True")
+        else:
+            fmt = "bf16"
+        try:
+            num_tokens, hidden = x.shape
+            idx_tokens, topk = topk_idx.shape
+        except (AttributeError, ValueError):
+            num_tokens = idx_tokens = None
+        if idx_tokens is None or idx_tokens != num_tokens:
+            raise ferry.InputError(
+                f"ferry.deep_ep: x must be [num_tokens, hidden] bfloat16 and topk_idx [num_tokens, num_topk], got x "
+                f"{_shape_text(x)} and topk_idx {_shape_text(topk_idx)}")
         if num_tokens > num_max_dispatch_tokens_per_rank:
             raise ferry.InputError(f"ferry.deep_ep: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank="
                                    f"{num_max_dispatch_tokens_per_rank}")
-        fmt = "bf16" if not use_fp8 else ("fp8" if not round_scale else ("fp8_ue8m0" if use_ue8m0 else "fp8_round"))
-        pool = self._ll_pool(num_max_dispatch_tokens_per_rank, hidden, num_experts, topk, fmt)
+        pool = self._pools.get(("ll", num_max_dispatch_tokens_per_rank, hidden, num_experts, topk, fmt))
+        if pool is None:
+            pool = self._ll_pool(num_max_dispatch_tokens_per_rank, hidden, num_experts, topk, fmt)
         slot = pool.take()
         buf = pool.buffers[slot]
         # one row per (token, k): entry t * topk + k is a token of its own that goes to expert topk_idx[t, k] alone,
         # and sends row t of x (x_repeat: no expanded copy of x); its weight travels as 1 (the combine's weights are
-        # applied when the entries are summed back into their tokens, low_latency_combine)
-        # (the binding takes the entries' ids and weights as [T, topk] with x_repeat=topk: no view made here)
+        # applied when the entries are summed back into their tokens, low_latency_combine). The binding takes the
+        # entries' ids and weights as [T, topk] (x_repeat=topk): no view is made here.
         ones = pool.ones.get(num_tokens)
         if ones is None:  # a view (no kernel: also right when first made inside a graph capture)
             ones = pool.ones[num_tokens] = pool.ones_base[:num_tokens * topk].view(num_tokens, topk)
-        sent = buf.dispatch(x, topk_idx.contiguous(), ones, eager=False,
-                            return_recv_hook=return_recv_hook, x_repeat=topk)
+        sent = buf.dispatch(x, topk_idx, ones, eager=False, return_recv_hook=return_recv_hook, x_repeat=topk)
         got = pool.views[slot]
+        handle = _LowLatencyHandle(pool, slot, num_tokens, topk, topk_idx)
+        hook = None
+        if fmt == "bf16" and cumulative_local_expert_recv_stats is None:
+            if return_recv_hook:
+                def hook():
+                    self._ll_views(got, buf.complete_dispatch())
+            elif sent.expert_x is not got.expert_x or sent.expert_counts is not got.expert_counts:
+                self._ll_views(got, sent)  # raises
+            return (got.expert_x, got.expert_counts, handle,
+                    _NO_EVENT if not async_finish else self._event(True, (x, topk_idx)), hook)
         if not return_recv_hook:
             self._ll_views(got, sent)
-        handle = _LowLatencyHandle(self.rank, self.group_size, pool, slot, got, num_tokens, topk,
-                                   num_max_dispatch_tokens_per_rank, hidden, num_experts, topk_idx)
         rows = got.expert_slots
         scales = None
         if fmt == "fp8" or fmt == "fp8_ue8m0":
@@ -720,7 +752,6 @@ class Buffer:
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(got.expert_counts)
 
-        hook = None
         if return_recv_hook:
             def hook():
                 self._ll_views(got, buf.complete_dispatch())
@@ -728,8 +759,7 @@ class Buffer:
         elif fmt == "fp8_round" or cumulative_local_expert_recv_stats is not None:
             finish()
         recv_x = (got.expert_x, scales) if use_fp8 else got.expert_x
-        event = self._event(async_finish, (x, topk_idx))
-        return recv_x, got.expert_counts, handle, event, hook
+        return recv_x, got.expert_counts, handle, self._event(async_finish, (x, topk_idx)), hook
 
     def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
         """The [num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden] bf16 tensor that
@@ -757,28 +787,37 @@ class Buffer:
             _refuse("combine_wait_recv_cost_stats", "Ferry records no per-rank receive wait times", "pass None")
         if async_finish and return_recv_hook:
             raise ferry.InputError("ferry.deep_ep: async_finish and return_recv_hook cannot both be set (as DeepEP)")
-        buf = self._current(handle, _LowLatencyHandle, "low_latency_dispatch")
-        num_tokens, topk, hidden = handle.num_tokens, handle.topk, handle.hidden
-        if tuple(topk_idx.shape) != (num_tokens, topk) or tuple(topk_weights.shape) != (num_tokens, topk):
+        if type(handle) is not _LowLatencyHandle or handle.pool.generation[handle.slot] != handle.generation:
+            self._current(handle, _LowLatencyHandle, "low_latency_dispatch")  # raises
+        buf = handle.pool.buffers[handle.slot]
+        num_tokens, topk = handle.num_tokens, handle.topk
+        if topk_idx is handle.topk_idx:
+            # the dispatch's own -1 entries went nowhere and add nothing in Ferry's sum, whatever their weight
+            weights = topk_weights
+            shapes_ok = getattr(topk_weights, "shape", None) == topk_idx.shape
+        else:
+            shapes_ok = (getattr(topk_idx, "shape", None) == (num_tokens, topk) and
+                         getattr(topk_weights, "shape", None) == (num_tokens, topk))
+            # other ids than the dispatch's: an entry they mark -1 adds nothing (its weight 0)
+            weights = topk_weights.masked_fill(topk_idx < 0, 0.0) if shapes_ok else None
+        if not shapes_ok:
             raise ferry.InputError(
-                f"ferry.deep_ep: topk_idx {tuple(topk_idx.shape)} and topk_weights {tuple(topk_weights.shape)} must be "
-                f"[{num_tokens}, {topk}], those of the handle's dispatch")
+                f"ferry.deep_ep: topk_idx {_shape_text(topk_idx)} and topk_weights {_shape_text(topk_weights)} must "
+                f"be [{num_tokens}, {topk}], those of the handle's dispatch")
+        if weights.dtype is not _FLOAT32:
+            weights = weights.float()
+        weights = weights.contiguous()  # (no copy when it is: DeepEP's weights usually are)
         source = self.get_next_low_latency_combine_buffer(handle) if zero_copy else x
-        if out is not None and (tuple(out.shape) != (num_tokens, hidden) or out.dtype != torch.bfloat16):
-            raise ferry.InputError(f"ferry.deep_ep: out must be [{num_tokens}, {hidden}] bfloat16, got "
-                                   f"{tuple(out.shape)} {out.dtype}")
-        weights = topk_weights if topk_weights.dtype is _FLOAT32 else topk_weights.float()
-        if topk_idx is not handle.topk_idx:
-            # other ids than the dispatch's: an entry they mark -1 adds nothing (its weight 0); the dispatch's own
-            # -1 entries went nowhere and add nothing in Ferry's sum, whatever their weight
-            weights = weights.masked_fill(topk_idx < 0, 0.0)
         # the entries come back and Ferry sums each token's topk of them with these weights, in fp32, rounded once
-        # (CombineArgs::group), into out
+        # (CombineArgs::group), into out; the binding checks x, out and the weights' dtype and layout
         out = buf.combine(source, "expert", out=out, eager=False, return_recv_hook=return_recv_hook, group=topk,
-                          group_weights=weights.contiguous())
-        hook = buf.complete_combine if return_recv_hook else None
-        event = self._event(async_finish, (x, topk_idx, topk_weights, out))
-        return out, event, hook
+                          group_weights=weights)
+        return (out, _NO_EVENT if not async_finish else self._event(True, (x, topk_idx, topk_weights, out)),
+                buf.complete_combine if return_recv_hook else None)
+
+
+def _shape_text(t) -> str:
+    return f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 _MAX_LL_ROWS = 1024  # ferry::kMaxLowLatencyTokens

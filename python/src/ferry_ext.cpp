@@ -703,8 +703,12 @@ class PyEpBuffer {
         if (x_repeat > 1 && topk_ == 1) {
           ArrayArg a = placement_.import_any(array, name);
           if (a.ndim() == 2 && static_cast<int64_t>(a.shape(0)) == x_rows &&
-              static_cast<int64_t>(a.shape(1)) == x_repeat && is_c_contiguous(a))
+              static_cast<int64_t>(a.shape(1)) == x_repeat) {
+            FERRY_CHECK_INPUT(is_c_contiguous(a), name, " of shape ", shape_text(a),
+                              " is not contiguous (row-major); pass a contiguous array (.contiguous() / "
+                              "np.ascontiguousarray)");
             return a;
+          }
         }
         return placement_.import(array, name, {num_tokens, topk_}, "num_tokens");
       };

@@ -707,3 +707,62 @@ def _one_token_body(ctx):
 def test_low_latency_one_token():
     """A one-token batch (its (token, k) rows once came out non-contiguous: found by bench_deep_ep_overhead.py)."""
     assert _run(_one_token_body, 1)[0] < 1e-5
+
+
+def _ll_refusals_body(ctx):
+    """Misuse of the low-latency calls raises InputError naming the argument, on every rank (the same bad call on
+    each: the layer's own checks are local, the binding's join the call's exchange), and the next pair of calls is
+    right. Returns the count of refusals seen."""
+    import ferry.deep_ep as deep_ep
+
+    group = _group(ctx)
+    world, rank = ctx.world, ctx.rank
+    experts = 4 * world
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(4, HIDDEN, world, experts)
+    buffer = deep_ep.Buffer(group, 0, hint, low_latency_mode=True, num_qps_per_rank=4)
+    gen = torch.Generator().manual_seed(SEED + rank)
+    x = torch.randn((3, HIDDEN), generator=gen).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(experts, generator=gen)[:3] for _ in range(3)])
+    w = torch.rand((3, 3), generator=gen)
+    want = (x.float() * w.sum(dim=1, keepdim=True)).to(torch.bfloat16)  # one expert output per entry: x itself
+
+    def good_pair():
+        recv_x, _, handle, _, _ = buffer.low_latency_dispatch(_dev(x), _dev(idx), 4, experts, use_fp8=False)
+        y, _, _ = buffer.low_latency_combine(recv_x, _dev(idx), _dev(w), handle)
+        assert calc_diff(_host(y).float(), want.float()) < 1e-5
+        return recv_x, handle
+
+    def refused(call, *pieces):
+        with pytest.raises(ferry.InputError) as caught:
+            call()
+        for piece in pieces:
+            assert piece in str(caught.value), (piece, str(caught.value))
+        good_pair()
+        return 1
+
+    dispatch = lambda xx, ii: buffer.low_latency_dispatch(_dev(xx), _dev(ii), 4, experts, use_fp8=False)  # noqa
+    seen = 0
+    seen += refused(lambda: dispatch(x.unsqueeze(0), idx), "x must be [num_tokens, hidden]", "(1, 3, 256)")
+    seen += refused(lambda: dispatch(x, idx[:2]), "topk_idx [num_tokens, num_topk]", "(2, 3)")
+    seen += refused(lambda: dispatch(x.float(), idx), "x has dtype float32")
+    seen += refused(lambda: dispatch(x, idx.t().contiguous().t()), "topk_idx of shape", "not contiguous")
+    seen += refused(lambda: dispatch(x[:1].expand(5, HIDDEN), idx[:1].expand(5, 3)), "5 tokens exceed")
+    recv_x, handle = good_pair()
+    seen += refused(lambda: buffer.low_latency_combine(recv_x, _dev(idx), _dev(w[:, :2]), handle), "topk_weights",
+                    "must be [3, 3]")
+    recv_x, handle = good_pair()
+    seen += refused(lambda: buffer.low_latency_combine(recv_x, _dev(idx), _dev(w), handle,
+                                                       out=torch.empty((2, HIDDEN), dtype=torch.bfloat16,
+                                                                       device=DEVICE)), "out has shape")
+    recv_x, handle = good_pair()
+    good_pair()
+    good_pair()  # both EpBuffers of the pool were used again: handle's layout is gone
+    seen += refused(lambda: buffer.low_latency_combine(recv_x, _dev(idx), _dev(w), handle), "overwritten")
+    return seen
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_low_latency_refusals(world):
+    if CUDA and world > 1:
+        pytest.skip("cuda backend: one GPU, world 1")
+    assert _run(_ll_refusals_body, world) == [8] * world
