@@ -6,6 +6,9 @@
 Pairs of calls, in loops of --iters, layer and native loops interleaved, the median over --repeats loops of each after
 --warmup (the overhead: the median of the loop-by-loop differences):
   normal   deep_ep: dispatch (bf16, topk) + combine(handle)        native: EpBuffer.dispatch (eager) + combine("rank")
+           (the same layer pair)                                   "vs owned": the same work natively, fresh outputs
+                                                                   and a saved layout (EpBuffer._dispatch_owned, the
+                                                                   call the layer makes) + combine(handle=)
   ll       deep_ep: low_latency_dispatch + low_latency_combine     native: EpBuffer.dispatch + combine("expert") of an
            (bf16, no hook, out given)                              LL EpBuffer of topk K (lazy, out given)
            --graph: the same ll pairs captured in CUDA graphs, a replay's host time each
@@ -100,6 +103,12 @@ def main() -> int:
         got = native.dispatch(x, idx, w)
         native.combine(got.recv_x, "rank", eager=False)
 
+    # the same work as the layer's normal pair, natively: fresh outputs and a saved layout (the binding's owned-output
+    # dispatch, which the layer calls), combined by that layout
+    def native_owned():
+        got = native._dispatch_owned(x, idx, w, None, True, True, None, True)
+        native.combine(got[0], "rank", eager=False, handle=got[5])
+
     # low-latency mode: the layer against the native calls a Ferry user makes for the same work (one EpBuffer of
     # topk K: the weights go with the dispatch and the combine applies them)
     native_ll = deep_ep.ferry.EpBuffer(comm, hidden=H, num_experts=E, topk=K, max_tokens_per_rank=ll_max, mode="ll")
@@ -125,7 +134,8 @@ def main() -> int:
         torch.empty((max(handle_bytes, 1),), dtype=torch.uint8, device=device)
 
     results = {}
-    for name, layer_fn, native_fn in (("normal", layer_normal, native_normal), ("ll", layer_ll, native_ll_pair)):
+    for name, layer_fn, native_fn in (("normal", layer_normal, native_normal),
+                                      ("normal vs owned", layer_normal, native_owned), ("ll", layer_ll, native_ll_pair)):
         lt, nt = timed_pair(layer_fn, native_fn, args.iters, args.repeats, args.warmup, sync)
         diffs = sorted(a - b for a, b in zip(lt, nt))
         results[name] = (statistics.median(lt), statistics.median(nt), statistics.median(diffs),

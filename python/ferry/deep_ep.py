@@ -453,8 +453,10 @@ class Buffer:
         """Normal-mode dispatch. Returns (recv_x or (recv_x, recv_x_scales), recv_topk_idx, recv_topk_weights,
         num_recv_tokens_per_expert_list, handle, event) as DeepEP: rows ordered by (source rank, source token);
         recv_topk_idx int64 local expert ids (-1 elsewhere), recv_topk_weights float32 (0 where -1)."""
-        self._check_config(config)
-        self._check_stream_args(previous_event, allocate_on_comm_stream)
+        if config is not None:
+            self._check_config(config)
+        if allocate_on_comm_stream:
+            self._check_stream_args(previous_event, allocate_on_comm_stream)
         if num_tokens_per_rdma_rank is not None:
             _refuse("num_tokens_per_rdma_rank", "this layer runs within one node (get_dispatch_layout returns None "
                     "for it)", "pass None")
@@ -497,26 +499,32 @@ class Buffer:
             raise ferry.InputError("ferry.deep_ep: dispatch needs num_tokens_per_rank, is_token_in_rank and "
                                    "num_tokens_per_expert from get_dispatch_layout (as DeepEP)")
         world = self.group_size
-        num_tokens, hidden = x.size(0), x.size(1)
+        try:
+            num_tokens, hidden = x.shape
+            _, topk = topk_idx.shape
+        except (AttributeError, ValueError):
+            raise ferry.InputError(f"ferry.deep_ep: x must be [num_tokens, hidden] and topk_idx [num_tokens, num_topk],"
+                                   f" got x {_shape_text(x)} and topk_idx {_shape_text(topk_idx)}") from None
         num_experts = num_tokens_per_expert.numel()
         # NOTE: the layout tensors are what get_dispatch_layout derives from topk_idx; Ferry derives the same layout
         # itself (its count exchange), so only their shapes are checked here: num_tokens_per_expert gives num_experts.
-        if tuple(num_tokens_per_rank.shape) != (world,) or tuple(is_token_in_rank.shape) != (num_tokens, world):
+        # The binding checks x, topk_idx and topk_weights (shapes, dtypes, placement), collectively.
+        if num_tokens_per_rank.shape != (world,) or is_token_in_rank.shape != (num_tokens, world):
             raise ferry.InputError(
                 f"ferry.deep_ep: num_tokens_per_rank {tuple(num_tokens_per_rank.shape)} / is_token_in_rank "
                 f"{tuple(is_token_in_rank.shape)} must be [{world}] / [{num_tokens}, {world}] (get_dispatch_layout)")
-        topk = topk_idx.size(1)
-        pool = self._normal_pool(hidden, num_experts, topk, fp8, num_worst_tokens)
+        pool = self._pools.get(("normal", hidden, num_experts, topk, fp8, num_worst_tokens))
+        if pool is None:
+            pool = self._normal_pool(hidden, num_experts, topk, fp8, num_worst_tokens)
         if num_tokens > pool.max_tokens:
             need = _normal_bytes(_fp8_payload_bytes(hidden) if fp8 else hidden * 2, topk, world, num_tokens)
             _refuse(f"dispatch of {num_tokens} tokens with num_nvl_bytes={self.num_nvl_bytes}",
                     f"that budget holds {pool.max_tokens} tokens per rank at hidden={hidden}, topk={topk}",
                     f"create the Buffer with num_nvl_bytes >= {need}")
-        self._wait_previous(previous_event)
+        if previous_event is not None:
+            previous_event.current_stream_wait()
         slot = pool.take()
         lazy = num_worst_tokens > 0
-        if topk_weights.dtype != torch.float32:
-            raise ferry.InputError(f"ferry.deep_ep: topk_weights must be float32, got {topk_weights.dtype}")
         # NOTE: the binding copies the rows, ids (int64 when topk_idx is) and weights into fresh tensors (DeepEP's
         # outputs are the caller's) and reads the counts, with no torch op here
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, counts, saved, num_recv = pool.buffers[
@@ -532,7 +540,7 @@ class Buffer:
             counts = []
         elif expert_alignment != 1:
             counts = [-(-c // expert_alignment) * expert_alignment for c in counts]
-        event = self._event(async_finish, (x,))
+        event = _NO_EVENT if not async_finish else self._event(True, (x,))
         return (recv_x, recv_scales) if fp8 else recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event
 
     def combine(self, x: torch.Tensor, handle, topk_weights: Optional[torch.Tensor] = None,
@@ -545,12 +553,15 @@ class Buffer:
         fp32 sum of each token's topk_weights rows over the ranks it went to, in ascending rank order (DeepEP's
         intranode combine), bit for bit. Returns (combined_x [T, hidden] bf16, combined_topk_weights or None,
         event)."""
-        self._check_config(config)
-        self._check_stream_args(previous_event, allocate_on_comm_stream)
+        if config is not None:
+            self._check_config(config)
+        if allocate_on_comm_stream:
+            self._check_stream_args(previous_event, allocate_on_comm_stream)
         if bias is not None:
             _refuse("combine(bias=...)", "Ferry's combine fuses no bias (adding it afterwards rounds twice, which "
                     "DeepEP does not)", "add the bias to combined_x yourself")
-        self._normal_handle(handle, "combine()")
+        if type(handle) is not _DispatchHandle or self._pools.get(handle.pool.key) is not handle.pool:
+            self._normal_handle(handle, "combine()")  # raises
         pool = handle.pool
         if topk_weights is not None:
             if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32 or \
@@ -563,12 +574,13 @@ class Buffer:
             if topk_weights.device != x.device:
                 raise ferry.InputError(f"ferry.deep_ep: combine(topk_weights=...) is on {topk_weights.device}, x on "
                                        f"{x.device}; pass both on the same device")
-        self._wait_previous(previous_event)
+        if previous_event is not None:
+            previous_event.current_stream_wait()
         y = pool.buffers[handle.slot].combine(x, "rank", eager=False, handle=handle.ferry_handle)
-        combined_w = None
-        if topk_weights is not None:
-            combined_w = self._combine_weights(pool, handle, topk_weights)
-        return y, combined_w, self._event(async_finish, (x, y) if combined_w is None else (x, y, combined_w))
+        if topk_weights is None:
+            return y, None, _NO_EVENT if not async_finish else self._event(True, (x, y))
+        combined_w = self._combine_weights(pool, handle, topk_weights)
+        return y, combined_w, self._event(async_finish, (x, y, combined_w))
 
     def _combine_weights(self, pool: _Pool, handle: _DispatchHandle, topk_weights: torch.Tensor) -> torch.Tensor:
         """combined[t, k] = fp32 sum over r ascending of rank r's topk_weights row of token t (0 where r did not

@@ -755,6 +755,7 @@ class PyEpBuffer {
   nb::tuple dispatch_owned(nb::handle x, nb::handle topk_idx, nb::handle topk_weights, nb::handle x_scales, bool eager,
                            bool save_handle, nb::handle handle, bool idx_int64, nb::handle stream) {
     nb::object saved = nb::none();
+    nb::object device;  // x's torch.device: the outputs' and the handle's
     PyDispatchHandle* save = nullptr;
     PyDispatchHandle* cached = nullptr;
     Inputs in = checked(Leg::dispatch, stream, x, [&] {
@@ -766,8 +767,9 @@ class PyEpBuffer {
                         "x must be a torch tensor (this call returns torch tensors), "
                         "got ",
                         python_type_name(x));
+      device = x.attr("device");
       if (save_handle) {
-        saved = nb::cast(make_handle());
+        saved = nb::cast(make_handle(device));
         save = nb::inst_ptr<PyDispatchHandle>(saved);
       }
       return dispatch_inputs_with(x, topk_idx, topk_weights, x_scales, nb::none(), false, eager, stream, false, save,
@@ -782,7 +784,7 @@ class PyEpBuffer {
     DispatchResult const got = run_dispatch(in, save);
     int64_t const rows = eager && got.num_recv_host >= 0 ? got.num_recv_host : capacity_;
     // fresh tensors from torch's allocator (on the current stream), filled by one copy_received (one kernel on cuda)
-    Owned const owned(x);
+    Owned const owned(device);
     ReceivedCopy to;
     to.rows = static_cast<int>(rows);
     nb::object const recv_x = owned.empty(rows, static_cast<int64_t>(recv_x_spec_.dims[1]), recv_x_spec_.dtype);
@@ -958,13 +960,16 @@ class PyEpBuffer {
   // A handle for this buffer's layout shape (EpBuffer::make_handle). cuda: its storage is a torch uint8 tensor on
   // this GPU when torch is loaded (the caching allocator, allocated on the current torch stream), else the library's
   // own device memory; cpu: host memory of the handle's own.
-  PyDispatchHandle make_handle() const {
+  // device: a torch.device of this GPU where the caller has one at hand (a string is parsed per call otherwise)
+  PyDispatchHandle make_handle(nb::handle device = nb::handle()) const {
     PyDispatchHandle out;
     std::size_t const bytes = buffer_->handle_bytes();
     if (bytes > 0 && torch_tensor_type() != nullptr) {
       Frameworks const& f = frameworks();
-      out.storage = f.torch_empty(nb::make_tuple(bytes), "dtype"_a = f.torch_uint8,
-                                  "device"_a = concat("cuda:", placement_.device()));
+      out.storage = device.is_valid()
+                        ? f.torch_empty(nb::make_tuple(bytes), "dtype"_a = f.torch_uint8, "device"_a = device)
+                        : f.torch_empty(nb::make_tuple(bytes), "dtype"_a = f.torch_uint8,
+                                        "device"_a = concat("cuda:", placement_.device()));
       auto const storage =
           placement_.import(out.storage, "handle storage", {static_cast<int64_t>(bytes)}, "", Placement::Access::write);
       out.handle = buffer_->make_handle(storage.data(), bytes);
@@ -1408,7 +1413,7 @@ class PyEpBuffer {
   // for dispatch_owned to fill.
   class Owned {
    public:
-    explicit Owned(nb::handle like) : device_(like.attr("device")) {}
+    explicit Owned(nb::object device) : device_(std::move(device)) {}
 
     nb::object empty(int64_t rows, int64_t cols, nb::dlpack::dtype dtype) const {
       Frameworks const& f = frameworks();
@@ -1868,10 +1873,11 @@ NB_MODULE(_ext, m) {
            "group=g, group_weights [T / g, g] float32 (mode='ll', topk 1): out [T / g, hidden] holds the weighted "
            "sums of groups of g consecutive tokens, in fp32 rounded once (CombineArgs::group), the way an "
            "entry-per-token dispatch (x_repeat=g) is combined back into its tokens.")
-      .def("make_handle", &PyEpBuffer::make_handle,
-           "A DispatchHandle for this buffer's layout shape (normal mode; ConfigError for mode='ll'). Not collective; "
-           "on the cuda backend its storage is a torch uint8 tensor of handle_bytes() on this GPU (torch's caching "
-           "allocator, on the current stream).")
+      .def(
+          "make_handle", [](PyEpBuffer const& b) { return b.make_handle(); },
+          "A DispatchHandle for this buffer's layout shape (normal mode; ConfigError for mode='ll'). Not collective; "
+          "on the cuda backend its storage is a torch uint8 tensor of handle_bytes() on this GPU (torch's caching "
+          "allocator, on the current stream).")
       .def_prop_ro(
           "handle_bytes", [](PyEpBuffer const& b) { return b.buffer().handle_bytes(); },
           "Device bytes of one DispatchHandle (0 on the cpu backend, whose handles live in host memory).")

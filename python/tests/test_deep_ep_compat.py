@@ -766,3 +766,60 @@ def test_low_latency_refusals(world):
     if CUDA and world > 1:
         pytest.skip("cuda backend: one GPU, world 1")
     assert _run(_ll_refusals_body, world) == [8] * world
+
+
+def _normal_refusals_body(ctx):
+    """Misuse of the normal-mode calls raises InputError naming the argument on every rank (the same bad call on
+    each), and the next pair is right. Returns the count of refusals seen."""
+    import ferry.deep_ep as deep_ep
+
+    group = _group(ctx)
+    world, rank = ctx.world, ctx.rank
+    experts = 4 * world
+    buffer = deep_ep.Buffer(group, deep_ep.Config().get_nvl_buffer_size_hint(HIDDEN * 2, world))
+    other = deep_ep.Buffer(group, deep_ep.Config().get_nvl_buffer_size_hint(HIDDEN * 2, world))
+    gen = torch.Generator().manual_seed(SEED + rank)
+    x = torch.randn((5, HIDDEN), generator=gen).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(experts, generator=gen)[:3] for _ in range(5)])
+    w = torch.rand((5, 3), generator=gen)
+    ranks_hit = torch.stack([torch.unique(row // 4).numel() * torch.ones(()) for row in idx]).unsqueeze(1)
+    want = (x.float() * ranks_hit).to(torch.bfloat16)  # combine sums a token's rows over the ranks it went to
+    layout = buffer.get_dispatch_layout(_dev(idx), experts)
+    kw = dict(num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2])
+
+    def dispatch(buf, xx=x, ww=w, **extra):
+        args = dict(kw, topk_idx=_dev(idx), topk_weights=_dev(ww))
+        args.update(extra)
+        return buf.dispatch(_dev(xx), **args)
+
+    def good_pair():
+        recv_x, _, _, _, handle, _ = dispatch(buffer)
+        y, _, _ = buffer.combine(recv_x, handle)
+        assert torch.equal(_host(y), want)
+        return recv_x, handle
+
+    def refused(call, *pieces):
+        with pytest.raises(ferry.InputError) as caught:
+            call()
+        for piece in pieces:
+            assert piece in str(caught.value), (piece, str(caught.value))
+        good_pair()
+        return 1
+
+    seen = 0
+    seen += refused(lambda: dispatch(buffer, xx=x[0]), "x must be [num_tokens, hidden]", f"({HIDDEN},)")
+    seen += refused(lambda: dispatch(buffer, is_token_in_rank=layout[3][:2]), "is_token_in_rank", f"[5, {world}]")
+    seen += refused(lambda: dispatch(buffer, ww=w.double()), "topk_weights has dtype float64")
+    recv_x, handle = good_pair()
+    seen += refused(lambda: buffer.combine(recv_x, "handle"), "needs handle=", "got str")
+    recv_x_other, _, _, _, handle_other, _ = dispatch(other)
+    other.combine(recv_x_other, handle_other)
+    seen += refused(lambda: buffer.combine(recv_x, handle_other), "another Buffer's dispatch")
+    return seen
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_normal_refusals(world):
+    if CUDA and world > 1:
+        pytest.skip("cuda backend: one GPU, world 1")
+    assert _run(_normal_refusals_body, world) == [5] * world
