@@ -709,6 +709,16 @@ def test_low_latency_one_token():
     assert _run(_one_token_body, 1)[0] < 1e-5
 
 
+def _refused(call, pieces, good_pair) -> int:
+    """call raises InputError whose message holds every piece; then good_pair() (a right pair) runs. Returns 1."""
+    with pytest.raises(ferry.InputError) as caught:
+        call()
+    for piece in pieces:
+        assert piece in str(caught.value), (piece, str(caught.value))
+    good_pair()
+    return 1
+
+
 def _ll_refusals_body(ctx):
     """Misuse of the low-latency calls raises InputError naming the argument, on every rank (the same bad call on
     each: the layer's own checks are local, the binding's join the call's exchange), and the next pair of calls is
@@ -732,13 +742,7 @@ def _ll_refusals_body(ctx):
         assert calc_diff(_host(y).float(), want.float()) < 1e-5
         return recv_x, handle
 
-    def refused(call, *pieces):
-        with pytest.raises(ferry.InputError) as caught:
-            call()
-        for piece in pieces:
-            assert piece in str(caught.value), (piece, str(caught.value))
-        good_pair()
-        return 1
+    refused = lambda call, *pieces: _refused(call, pieces, good_pair)  # noqa: E731
 
     dispatch = lambda xx, ii: buffer.low_latency_dispatch(_dev(xx), _dev(ii), 4, experts, use_fp8=False)  # noqa
     seen = 0
@@ -798,13 +802,7 @@ def _normal_refusals_body(ctx):
         assert torch.equal(_host(y), want)
         return recv_x, handle
 
-    def refused(call, *pieces):
-        with pytest.raises(ferry.InputError) as caught:
-            call()
-        for piece in pieces:
-            assert piece in str(caught.value), (piece, str(caught.value))
-        good_pair()
-        return 1
+    refused = lambda call, *pieces: _refused(call, pieces, good_pair)  # noqa: E731
 
     seen = 0
     seen += refused(lambda: dispatch(buffer, xx=x[0]), "x must be [num_tokens, hidden]", f"({HIDDEN},)")
