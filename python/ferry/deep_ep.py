@@ -668,12 +668,12 @@ class Buffer:
 
         device = torch.device("cuda", self.comm.device) if self.comm.backend == "cuda" else torch.device("cpu")
         pool = self._pool(key, make)
-        pool.fill()
         pool.rank, pool.world, pool.max_tokens, pool.hidden, pool.num_experts = (self.rank, world, max_tokens, hidden,
                                                                                  num_experts)
         # the entries' weights (1), made with the pool (outside any capture), and their [T, topk] views per T
         pool.ones_base = torch.ones((max_tokens * topk,), dtype=torch.float32, device=device)
         pool.ones = {}
+        pool.fill()  # (collective; if it raises, the pool's next call makes them again: take())
         return pool
 
     @staticmethod
