@@ -13,8 +13,9 @@
 #                                [--python] [--no-example]
 #   --no-example            skip the installed-package example (a call that only reruns GPU tests)
 #   --python                also build the Python module (ferry_python, against the image's torch) and run the Python
-#                           files with GPU cases (test_autograd, test_deep_ep_compat, test_gpu_torch) and
-#                           examples/train_moe.py on one GPU (twice in-process: the loss curves must be equal)
+#                           files with GPU cases (test_autograd, test_deep_ep_compat, test_gpu_torch),
+#                           examples/train_moe.py on one GPU (twice in-process: the loss curves must be equal) and,
+#                           budget left, python/bench_deep_ep_overhead.py at 1 token (a figure, not a check)
 #   --budget S              seconds for the whole check (default 570: the device tool's 600 s per call, less a margin)
 #   FERRY_TEST_WORLD=N      the EP GPU tests (normal, LL, quantized, trace) at N ranks, one per GPU (default: every
 #                           GPU of the machine, at most 8; 1 on a one-GPU machine: every expert local, the timeout
@@ -42,7 +43,7 @@ while [[ $# -gt 0 ]]; do
     --budget) BUDGET="$2"; shift 2 ;;
     --python) RUN_PYTHON=1; shift ;;
     --no-example) RUN_EXAMPLE_ASKED=0; shift ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "device-check: unknown argument '$1'; see --help" >&2; exit 2 ;;
   esac
 done
@@ -174,6 +175,11 @@ if [[ $RUN_PYTHON -eq 1 ]]; then
   timeout 150 "$PY" -m torch.distributed.run --nproc-per-node 1 examples/train_moe.py --check-determinism \
     >"$LOGS/train-moe.log" 2>&1 || PY_RC=$?
   tail -n 8 "$LOGS/train-moe.log"
+  # the DeepEP-compatible layer's host time per call over the native calls (docs/python.md; a figure, not a check)
+  if [[ $(left) -gt 70 ]]; then
+    timeout 60 "$PY" -m torch.distributed.run --nproc-per-node 1 python/bench_deep_ep_overhead.py --tokens 1 --graph \
+      >"$LOGS/deep-ep-overhead.log" 2>&1 || echo "device-check: bench_deep_ep_overhead.py exit $? (see deep-ep-overhead.log)"
+  fi
 fi
 
 # 5. ferry p2p (--p2p: the transport's figures, docs/perf.md)
@@ -270,6 +276,7 @@ PY
 
 if [[ $RUN_PYTHON -eq 1 ]]; then
   echo "python (GPU)           $([[ $PY_RC -eq 0 ]] && echo ok || echo "FAILED (exit $PY_RC), see python-tests.log, train-moe.log")"
+  grep -h '^rank' "$LOGS/deep-ep-overhead.log" 2>/dev/null | tr ';' '\n' | sed 's/^ */deep_ep overhead       /'
 fi
 if [[ $BUILD_RC -ne 0 || $TESTS_RC -ne 0 || $P2P_RC -ne 0 || $EXAMPLE_RC -ne 0 || $PY_RC -ne 0 ]]; then
   echo "device-check: FAILED (build exit $BUILD_RC, gpu tests exit $TESTS_RC, p2p exit $P2P_RC, example exit $EXAMPLE_RC, python exit $PY_RC)"
