@@ -116,7 +116,7 @@ if [[ $RUN_TESTS -eq 1 ]]; then
     mapfile -t NAMES < <(printf '%s\n' "${NAMES[@]}" | grep -v '^FastPathVirtualRanks\.'
       printf '%s\n' "${NAMES[@]}" | grep '^FastPathVirtualRanks\.')
   fi
-  RESERVE=40  # the example and the summary
+  RESERVE=$((40 + RUN_PYTHON * 170))  # the example and the summary (and --python: its tests, train_moe, the layer bench)
   for entry in "${NAMES[@]}"; do
     name="${entry%% *}"
     if [[ "$entry" == *"(Disabled)"* ]]; then echo "$name disabled" >>"$LOGS/gpu-tests.status"; continue; fi
