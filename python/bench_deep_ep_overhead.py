@@ -7,7 +7,7 @@ Pairs of calls, in loops of --iters, layer and native loops interleaved, the med
 --warmup (the overhead: the median of the loop-by-loop differences):
   normal   deep_ep: dispatch (bf16, topk) + combine(handle)        native: EpBuffer.dispatch (eager) + combine("rank")
            (the same layer pair)                                   "vs owned": the same work natively, fresh outputs
-                                                                   and a saved layout (EpBuffer._dispatch_owned, the
+                                                                   and a saved layout (EpBuffer.dispatch_owned, the
                                                                    call the layer makes) + combine(handle=)
   ll       deep_ep: low_latency_dispatch + low_latency_combine     native: EpBuffer.dispatch + combine("expert") of an
            (bf16, no hook, out given)                              LL EpBuffer of topk K (lazy, out given)
@@ -103,10 +103,10 @@ def main() -> int:
         got = native.dispatch(x, idx, w)
         native.combine(got.recv_x, "rank", eager=False)
 
-    # the same work as the layer's normal pair, natively: fresh outputs and a saved layout (the binding's owned-output
-    # dispatch, which the layer calls), combined by that layout
+    # the same work as the layer's normal pair, natively: fresh outputs and a saved layout (EpBuffer.dispatch_owned,
+    # which the layer calls), combined by that layout
     def native_owned():
-        got = native._dispatch_owned(x, idx, w, None, True, True, None, True)
+        got = native.dispatch_owned(x, idx, w, save_handle=True)
         native.combine(got[0], "rank", eager=False, handle=got[5])
 
     # low-latency mode: the layer against the native calls a Ferry user makes for the same work (one EpBuffer of

@@ -47,7 +47,6 @@ from ferry import _exact
 __all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "topk_idx_t"]
 
 topk_idx_t = torch.int64  # DeepEP's index dtype (int32 is taken too: Ferry reads either)
-_INT64 = torch.int64
 _FLOAT32 = torch.float32
 
 _POOL_SIZE = 2  # EpBuffers per (kind, shape, format): DeepEP's low-latency double buffering
@@ -488,8 +487,8 @@ class Buffer:
                                        "expert_alignment of the handle's dispatch; leave them at their defaults")
             self._wait_previous(previous_event)
             buf = handle.pool.buffers[handle.slot]
-            recv_x, recv_scales = buf._dispatch_owned(x, None, None, x_scales, not handle.lazy, False,
-                                                      handle.ferry_handle, False)[:2]
+            recv_x, recv_scales = buf.dispatch_owned(x, x_scales=x_scales, eager=not handle.lazy,
+                                                     handle=handle.ferry_handle)[:2]
             event = self._event(async_finish, (x,))
             return (recv_x, recv_scales) if fp8 else recv_x, None, None, None, None, event
         if topk_idx is None or topk_weights is None:
@@ -528,8 +527,7 @@ class Buffer:
         # NOTE: the binding copies the rows, ids (int64 when topk_idx is) and weights into fresh tensors (DeepEP's
         # outputs are the caller's) and reads the counts, with no torch op here
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, counts, saved, num_recv = pool.buffers[
-            slot]._dispatch_owned(x, topk_idx, topk_weights, x_scales, not lazy, True, None,
-                                  topk_idx.dtype is _INT64)
+            slot].dispatch_owned(x, topk_idx, topk_weights, x_scales=x_scales, eager=not lazy, save_handle=True)
         handle = _DispatchHandle(pool, slot, (hidden, fp8), saved, num_tokens, lazy)
         if lazy:
             # rows past the count: -1 ids (as DeepEP), found on the device (no synchronisation)

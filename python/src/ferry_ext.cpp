@@ -746,14 +746,15 @@ class PyEpBuffer {
     return result_object(result(got, in.framework, eager && !return_recv_hook));
   }
 
-  // A normal-mode dispatch whose rank-major outputs are fresh arrays the caller owns (ferry.deep_ep: DeepEP returns
-  // new tensors), filled here instead of by framework ops in Python: (recv_x, recv_scales or None, recv_topk_idx,
-  // recv_topk_weights, expert counts as a list (eager) or None, the DispatchHandle saved into (save_handle=True) or
-  // None, num_recv). Rows: num_recv_host (eager) or recv_capacity (lazy; rows at or past num_recv unspecified, their
-  // ids included). recv_topk_idx is int64 (idx_int64) or int32; with handle= (a cached dispatch) the ids, weights and
-  // counts are None. Refusals as dispatch().
+  // A normal-mode dispatch whose rank-major outputs are fresh arrays the caller owns (what a caller that keeps them
+  // past the next dispatch needs, ferry.deep_ep among them: DeepEP returns new tensors), filled here in one launch
+  // instead of by framework ops in Python: (recv_x, recv_scales or None, recv_topk_idx, recv_topk_weights, expert
+  // counts as a list (eager) or None, the DispatchHandle saved into (save_handle=True) or None, num_recv). Rows:
+  // num_recv_host (eager) or recv_capacity (lazy; rows at or past num_recv unspecified, their ids included).
+  // recv_topk_idx has topk_idx's dtype (int64 or int32); with handle= (a cached dispatch) the ids, weights and counts
+  // are None. Refusals as dispatch().
   nb::tuple dispatch_owned(nb::handle x, nb::handle topk_idx, nb::handle topk_weights, nb::handle x_scales, bool eager,
-                           bool save_handle, nb::handle handle, bool idx_int64, nb::handle stream) {
+                           bool save_handle, nb::handle handle, nb::handle stream) {
     nb::object saved = nb::none();
     nb::object device;  // x's torch.device: the outputs' and the handle's
     PyDispatchHandle* save = nullptr;
@@ -799,9 +800,10 @@ class PyEpBuffer {
     if (!cached) {
       weights = owned.empty(rows, topk_, kF32);
       to.recv_topk_weights = static_cast<float*>(Owned::data_of(weights));
+      bool const idx_int64 = in.args.topk_idx_type == IndexType::int64;
       ids = owned.empty(rows, topk_, idx_int64 ? kI64 : kI32);
       to.recv_topk_idx = Owned::data_of(ids);
-      to.recv_topk_idx_type = idx_int64 ? IndexType::int64 : IndexType::int32;
+      to.recv_topk_idx_type = in.args.topk_idx_type;
       if (eager) {
         nb::list list;
         for (int32_t c : counts_host) list.append(c);
@@ -1899,11 +1901,16 @@ NB_MODULE(_ext, m) {
            "want_grad_weights None or True; needs x, the forward combine's expert outputs [num_local_experts, "
            "expert_capacity, hidden] bf16): [T, topk] float32, <grad_y[t], x of the slot of (t, k)> (0 for an id of "
            "-1 or an entry without a slot), written into grad_topk_weights when given; else None.")
-      .def("_dispatch_owned", &PyEpBuffer::dispatch_owned, "x"_a, "topk_idx"_a.none(), "topk_weights"_a.none(),
-           "x_scales"_a.none(), "eager"_a, "save_handle"_a, "handle"_a.none(), "idx_int64"_a, "stream"_a = nb::none(),
-           "A normal-mode dispatch of torch tensors returning fresh tensors the caller owns (ferry.deep_ep): "
-           "(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert counts (eager) or None, the saved "
-           "DispatchHandle or None, num_recv). Positional arguments only.")
+      .def("dispatch_owned", &PyEpBuffer::dispatch_owned, "x"_a, "topk_idx"_a.none() = nb::none(),
+           "topk_weights"_a.none() = nb::none(), nb::kw_only(), "x_scales"_a.none() = nb::none(), "eager"_a = true,
+           "save_handle"_a = false, "handle"_a.none() = nb::none(), "stream"_a = nb::none(),
+           "A normal-mode dispatch of torch tensors whose rank-major outputs are fresh torch tensors the caller owns "
+           "(torch's allocator, on the current stream), valid after later dispatches, filled in one launch: "
+           "(recv_x, recv_scales or None, recv_topk_idx (topk_idx's dtype), recv_topk_weights, expert counts as a "
+           "list (eager) or None, the DispatchHandle saved into (save_handle=True) or None, num_recv [1] int32 (a "
+           "view)). eager: exactly num_recv rows; lazy: recv_capacity rows, those at or past num_recv unspecified. "
+           "handle=h: a cached dispatch (no ids or weights; they and the counts come back None). Refusals as "
+           "dispatch().")
       .def("complete_dispatch", &PyEpBuffer::complete_dispatch, "stream"_a = nb::none(),
            "The receive half of a dispatch made with return_recv_hook; returns its DispatchResult.")
       .def("complete_combine", &PyEpBuffer::complete_combine, "stream"_a = nb::none(),
