@@ -16,7 +16,6 @@
 #include <optional>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "ep/reference.hpp"
@@ -181,44 +180,31 @@ TEST(CpuEpThreads, DispatchAndCombineMatchTheReference) {
   std::vector<std::vector<uint16_t>> identity;
   for (int d = 0; d < world; ++d) identity.push_back(ref::expand(config, world, want[static_cast<std::size_t>(d)]));
 
-  auto bootstraps = make_local_bootstraps(world, std::chrono::seconds(20));
-  std::vector<std::string> failures(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        std::shared_ptr<Communicator> comm =
-            Communicator::create(std::move(bootstraps[static_cast<std::size_t>(r)]), {Backend::cpu});
-        EpBuffer buffer(comm, config);
-        ref::RankInput const& in = inputs[static_cast<std::size_t>(r)];
-        DispatchArgs args;
-        args.x = in.x.data();
-        args.num_tokens = in.num_tokens;
-        args.topk_idx = in.topk_idx.data();
-        args.topk_weights = in.topk_weights.data();
-        args.expand = true;
-        DispatchResult const result = buffer.dispatch(args);
-        ref::RankDispatch const& w = want[static_cast<std::size_t>(r)];
-        FERRY_CHECK(*result.num_recv == w.num_recv, "num_recv");
-        FERRY_CHECK(std::memcmp(result.recv_x, w.recv_x.data(), at(w.num_recv, config.hidden) * 2) == 0, "recv_x");
-        FERRY_CHECK(std::memcmp(result.recv_src, w.recv_src.data(), at(w.num_recv, 2) * 4) == 0, "recv_src");
-        std::vector<uint16_t> y(at(in.num_tokens, config.hidden) + 8, 0xdead);
-        CombineArgs combine;
-        combine.x = result.expert_x;
-        combine.y = y.data();
-        buffer.combine(combine);
-        std::vector<uint16_t> const want_y = ref::combine_expert_major(config, world, r, inputs, want, identity);
-        FERRY_CHECK(std::equal(want_y.begin(), want_y.end(), y.begin()), "y differs");
-        FERRY_CHECK(std::all_of(y.begin() + static_cast<std::ptrdiff_t>(want_y.size()), y.end(),
-                                [](uint16_t v) { return v == 0xdead; }),
-                    "wrote past y");
-      } catch (std::exception const& error) {
-        failures[static_cast<std::size_t>(r)] = error.what();
-      }
-    });
-  }
-  for (auto& thread : threads) thread.join();
-  expect_all_passed(failures);
+  expect_all_passed(test::run_cpu_ranks(world, [&](int r, std::shared_ptr<Communicator> const& comm) {
+    EpBuffer buffer(comm, config);
+    ref::RankInput const& in = inputs[static_cast<std::size_t>(r)];
+    DispatchArgs args;
+    args.x = in.x.data();
+    args.num_tokens = in.num_tokens;
+    args.topk_idx = in.topk_idx.data();
+    args.topk_weights = in.topk_weights.data();
+    args.expand = true;
+    DispatchResult const result = buffer.dispatch(args);
+    ref::RankDispatch const& w = want[static_cast<std::size_t>(r)];
+    FERRY_CHECK(*result.num_recv == w.num_recv, "num_recv");
+    FERRY_CHECK(std::memcmp(result.recv_x, w.recv_x.data(), at(w.num_recv, config.hidden) * 2) == 0, "recv_x");
+    FERRY_CHECK(std::memcmp(result.recv_src, w.recv_src.data(), at(w.num_recv, 2) * 4) == 0, "recv_src");
+    std::vector<uint16_t> y(at(in.num_tokens, config.hidden) + 8, 0xdead);
+    CombineArgs combine;
+    combine.x = result.expert_x;
+    combine.y = y.data();
+    buffer.combine(combine);
+    std::vector<uint16_t> const want_y = ref::combine_expert_major(config, world, r, inputs, want, identity);
+    FERRY_CHECK(std::equal(want_y.begin(), want_y.end(), y.begin()), "y differs");
+    FERRY_CHECK(std::all_of(y.begin() + static_cast<std::ptrdiff_t>(want_y.size()), y.end(),
+                            [](uint16_t v) { return v == 0xdead; }),
+                "wrote past y");
+  }));
 }
 
 // --- EpBuffer, ranks as processes ---------------------------------------------------------------------------------
@@ -433,75 +419,58 @@ TEST(CpuEpThreads, CopyReceivedAndHostCountsMatchTheReference) {
   std::vector<ref::RankInput> const inputs = ref::generate_inputs(config, world, routing, tokens);
   std::vector<ref::RankDispatch> want;
   for (int d = 0; d < world; ++d) want.push_back(ref::dispatch(config, world, d, inputs));
-  auto bootstraps = make_local_bootstraps(world, std::chrono::seconds(20));
-  std::vector<std::string> failures(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      auto fail = [&](std::string const& what) {
-        if (failures[static_cast<std::size_t>(r)].empty()) failures[static_cast<std::size_t>(r)] = what;
-      };
-      try {
-        std::shared_ptr<Communicator> comm =
-            Communicator::create(std::move(bootstraps[static_cast<std::size_t>(r)]), {Backend::cpu});
-        EpBuffer buffer(comm, config);
-        ref::RankInput const& in = inputs[static_cast<std::size_t>(r)];
-        ref::RankDispatch const& mine = want[static_cast<std::size_t>(r)];
-        int const topk = config.topk;
-        int const local = config.num_local_experts(world);
-        std::vector<int32_t> counts(static_cast<std::size_t>(local), -7);
-        DispatchArgs args;
-        args.x = in.x.data();
-        args.num_tokens = in.num_tokens;
-        args.topk_idx = in.topk_idx.data();
-        args.topk_weights = in.topk_weights.data();
-        args.expert_counts_host = counts.data();
-        DispatchResult const result = buffer.dispatch(args);
-        if (!std::equal(counts.begin(), counts.end(), mine.expert_counts.begin())) fail("expert_counts_host differ");
-        int const n = mine.num_recv;
-        std::size_t const hidden = static_cast<std::size_t>(config.hidden);
-        std::vector<uint16_t> x(static_cast<std::size_t>(n + 1) * hidden, 0xeeee);
-        std::vector<float> w(static_cast<std::size_t>(n + 1) * topk, -3.0f);
-        std::vector<int64_t> ids(static_cast<std::size_t>(n + 1) * topk, -9);
-        ReceivedCopy to;
-        to.rows = n;
-        to.recv_x = x.data();
-        to.recv_topk_weights = w.data();
-        to.recv_topk_idx = ids.data();
-        to.recv_topk_idx_type = IndexType::int64;
-        buffer.copy_received(to);
-        if (std::memcmp(x.data(), mine.recv_x.data(), static_cast<std::size_t>(n) * hidden * 2) != 0)
-          fail("recv_x rows differ");
-        for (std::size_t i = 0; i < static_cast<std::size_t>(n) * topk; ++i) {
-          if (ids[i] != mine.recv_topk_idx[i]) fail(concat("id ", i, " is ", ids[i]));
-          if (w[i] != result.recv_topk_weights[i]) fail(concat("weight ", i));
-        }
-        if (x[static_cast<std::size_t>(n) * hidden] != 0xeeee || ids[static_cast<std::size_t>(n) * topk] != -9 ||
-            w[static_cast<std::size_t>(n) * topk] != -3.0f)
-          fail("written past the rows asked for");
-        // misuse (local: no peer waits)
-        ReceivedCopy bad = to;
-        bad.rows = result.recv_capacity + 1;
-        std::string problem =
-            expect_input_error([&] { buffer.copy_received(bad); }, {"copy_received rows=", "recv_capacity="});
-        if (!problem.empty()) fail(problem);
-        bad = to;
-        bad.recv_scales = x.data();
-        problem = expect_input_error([&] { buffer.copy_received(bad); }, {"recv_scales is set", "bf16 rows"});
-        if (!problem.empty()) fail(problem);
-        DispatchArgs lazy = args;
-        lazy.eager = false;
-        problem = expect_input_error([&] { buffer.dispatch(lazy); }, {"expert_counts_host is set on a lazy call"});
-        if (!problem.empty()) fail(problem);
-      } catch (std::exception const& error) {
-        fail(error.what());
-      }
-    });
-  }
-  for (auto& thread : threads) thread.join();
-  for (int r = 0; r < world; ++r)
-    EXPECT_TRUE(failures[static_cast<std::size_t>(r)].empty())
-        << "rank " << r << ": " << failures[static_cast<std::size_t>(r)] << " (seed " << test_seed() << ")";
+  expect_all_passed(test::run_cpu_ranks(world, [&](int r, std::shared_ptr<Communicator> const& comm) {
+    auto fail = [](std::string const& what) { throw std::runtime_error(what); };
+    EpBuffer buffer(comm, config);
+    ref::RankInput const& in = inputs[static_cast<std::size_t>(r)];
+    ref::RankDispatch const& mine = want[static_cast<std::size_t>(r)];
+    int const topk = config.topk;
+    int const local = config.num_local_experts(world);
+    std::vector<int32_t> counts(static_cast<std::size_t>(local), -7);
+    DispatchArgs args;
+    args.x = in.x.data();
+    args.num_tokens = in.num_tokens;
+    args.topk_idx = in.topk_idx.data();
+    args.topk_weights = in.topk_weights.data();
+    args.expert_counts_host = counts.data();
+    DispatchResult const result = buffer.dispatch(args);
+    if (!std::equal(counts.begin(), counts.end(), mine.expert_counts.begin())) fail("expert_counts_host differ");
+    int const n = mine.num_recv;
+    std::size_t const hidden = static_cast<std::size_t>(config.hidden);
+    std::vector<uint16_t> x(static_cast<std::size_t>(n + 1) * hidden, 0xeeee);
+    std::vector<float> w(static_cast<std::size_t>(n + 1) * topk, -3.0f);
+    std::vector<int64_t> ids(static_cast<std::size_t>(n + 1) * topk, -9);
+    ReceivedCopy to;
+    to.rows = n;
+    to.recv_x = x.data();
+    to.recv_topk_weights = w.data();
+    to.recv_topk_idx = ids.data();
+    to.recv_topk_idx_type = IndexType::int64;
+    buffer.copy_received(to);
+    if (std::memcmp(x.data(), mine.recv_x.data(), static_cast<std::size_t>(n) * hidden * 2) != 0)
+      fail("recv_x rows differ");
+    for (std::size_t i = 0; i < static_cast<std::size_t>(n) * topk; ++i) {
+      if (ids[i] != mine.recv_topk_idx[i]) fail(concat("id ", i, " is ", ids[i]));
+      if (w[i] != result.recv_topk_weights[i]) fail(concat("weight ", i));
+    }
+    if (x[static_cast<std::size_t>(n) * hidden] != 0xeeee || ids[static_cast<std::size_t>(n) * topk] != -9 ||
+        w[static_cast<std::size_t>(n) * topk] != -3.0f)
+      fail("written past the rows asked for");
+    // misuse (local: no peer waits)
+    ReceivedCopy bad = to;
+    bad.rows = result.recv_capacity + 1;
+    std::string problem =
+        expect_input_error([&] { buffer.copy_received(bad); }, {"copy_received rows=", "recv_capacity="});
+    if (!problem.empty()) fail(problem);
+    bad = to;
+    bad.recv_scales = x.data();
+    problem = expect_input_error([&] { buffer.copy_received(bad); }, {"recv_scales is set", "bf16 rows"});
+    if (!problem.empty()) fail(problem);
+    DispatchArgs lazy = args;
+    lazy.eager = false;
+    problem = expect_input_error([&] { buffer.dispatch(lazy); }, {"expert_counts_host is set on a lazy call"});
+    if (!problem.empty()) fail(problem);
+  }));
 }
 
 FERRY_RANK_CASE(cpu_ep_matches_reference) {
