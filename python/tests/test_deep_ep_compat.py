@@ -765,13 +765,6 @@ def _ll_refusals_body(ctx):
     return seen
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_low_latency_refusals(world):
-    if CUDA and world > 1:
-        pytest.skip("cuda backend: one GPU, world 1")
-    assert _run(_ll_refusals_body, world) == [8] * world
-
-
 def _normal_refusals_body(ctx):
     """Misuse of the normal-mode calls raises InputError naming the argument on every rank (the same bad call on
     each), and the next pair is right. Returns the count of refusals seen."""
@@ -817,7 +810,9 @@ def _normal_refusals_body(ctx):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_normal_refusals(world):
+@pytest.mark.parametrize("body, refusals", [(_ll_refusals_body, 8), (_normal_refusals_body, 5)],
+                         ids=["low_latency", "normal"])
+def test_refusals(body, refusals, world):
     if CUDA and world > 1:
         pytest.skip("cuda backend: one GPU, world 1")
-    assert _run(_normal_refusals_body, world) == [5] * world
+    assert _run(body, world) == [refusals] * world
