@@ -6,6 +6,7 @@
 # scripts/device-check.sh then reuses), the base into /tmp/ferry-ab-base/.
 #
 # usage: scripts/device-ab.sh BASE_TAR [--rounds N] [--iters N] [--seed S] [--quick] [--also "ARGS"] [--host-time]
+#                              [--budget S]
 #   default workloads: normal mode 128 and 4096 tokens, low-latency mode 1, 128 and 512 tokens, dispatch and combine
 #   in bf16 and fp8 (hidden 7168, topk 8, 256 experts, random routing, graph mode); --quick: normal 128 and LL 1/128,
 #   bf16 only
@@ -13,15 +14,19 @@
 #   128,4096 --dispatch bf16,fp8 --combine bf16,fp8" (the expand); the table keys rows by layout too
 #   --host-time: also builds the Python module of both trees and runs python/bench_overhead.py at 1 token (world 1,
 #   lazy calls) with each, A B A B: the host time of a dispatch + combine pair from Python and from C++
+#   --budget S: seconds the script may take (default 570, under a device call's 600): a round (or a host-time pair)
+#   that the last one's duration says would not fit is not started, and the table is made of the rounds that ran
+# The base's build is kept in /tmp/ferry-ab-base and reused by a later call with the same tarball (a warm machine),
+# as build-device/ is: a second call spends its time on rounds, not on builds.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
-[[ "${1:-}" == -h || "${1:-}" == --help ]] && { sed -n '2,15p' "$0"; exit 0; }
+[[ "${1:-}" == -h || "${1:-}" == --help ]] && { sed -n '2,21p' "$0"; exit 0; }
 BASE_TAR="${1:-}"
 [[ -f "$BASE_TAR" ]] || { echo "device-ab: give the base tree's tarball as the first argument (see --help)" >&2; exit 2; }
 shift
-ROUNDS=2 ITERS=30 SEED=7 QUICK=0 HOST_TIME=0
+ROUNDS=2 ITERS=30 SEED=7 QUICK=0 HOST_TIME=0 BUDGET=570
 ALSO=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -30,8 +35,9 @@ while [[ $# -gt 0 ]]; do
     --seed) SEED="$2"; shift 2 ;;
     --quick) QUICK=1; shift ;;
     --host-time) HOST_TIME=1; shift ;;
+    --budget) BUDGET="$2"; shift 2 ;;
     --also) ALSO+=("$2"); shift 2 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "device-ab: unknown argument '$1'; see --help" >&2; exit 2 ;;
   esac
 done
@@ -40,8 +46,17 @@ mkdir -p "$LOGS"
 START=$SECONDS
 stamp() { echo "== [$((SECONDS - START)) s] $*"; }
 
+# Whether `seconds` more fit in the budget (with 15 s kept for the table).
+fits() { (( SECONDS - START + $1 + 15 <= BUDGET )); }
+
 BASE=/tmp/ferry-ab-base
-rm -rf "$BASE" && mkdir -p "$BASE" && tar -xf "$BASE_TAR" -C "$BASE" || { echo "device-ab: cannot unpack $BASE_TAR"; exit 2; }
+TAR_SUM=$(sha256sum "$BASE_TAR" | cut -d' ' -f1)
+if [[ -f "$BASE/.tar-sha256" && "$(cat "$BASE/.tar-sha256")" == "$TAR_SUM" ]]; then
+  stamp "the base tree of this tarball is already in $BASE: its build is reused"
+else
+  rm -rf "$BASE" && mkdir -p "$BASE" && tar -xf "$BASE_TAR" -C "$BASE" || { echo "device-ab: cannot unpack $BASE_TAR"; exit 2; }
+  echo "$TAR_SUM" >"$BASE/.tar-sha256"
+fi
 stamp "configure + build: this tree (build-device) and the base ($BASE/build)"
 PY=python3
 [[ -x /opt/torch/.venv/bin/python3 ]] && PY=/opt/torch/.venv/bin/python3
@@ -74,7 +89,14 @@ else
         "--mode ll --tokens 1,128,512 --dispatch bf16,fp8 --combine bf16,fp8")
 fi
 RUNS+=("${ALSO[@]}")
+ROUND_S=0  # the last round's duration: a round that would not fit in the budget is not started
+ROUNDS_RUN=0
 for ((round = 1; round <= ROUNDS; ++round)); do
+  if ! fits "$ROUND_S"; then
+    echo "device-ab: round $round and later not run: $((BUDGET - (SECONDS - START))) s of the budget left, a round took ${ROUND_S} s"
+    break
+  fi
+  round_start=$SECONDS
   for side in a b; do
     bin=$([[ $side == a ]] && echo "$BASE/build/ferry" || echo build-device/ferry)
     for i in "${!RUNS[@]}"; do
@@ -83,11 +105,19 @@ for ((round = 1; round <= ROUNDS; ++round)); do
         --json "$LOGS/$side-$round-$i.json" >"$LOGS/$side-$round-$i.log" 2>&1 || echo "device-ab: run $side $round $i exit $?"
     done
   done
+  ROUND_S=$((SECONDS - round_start))
+  ROUNDS_RUN=$round
   stamp "round $round done"
 done
 
 if [[ $HOST_TIME -eq 1 ]]; then
+  PAIR_S=60  # a host-time pair (A and B) before one has run: two builds' imports and 21 loops each
   for ((round = 1; round <= ROUNDS; ++round)); do
+    if ! fits "$PAIR_S"; then
+      echo "device-ab: host time round $round and later not run: $((BUDGET - (SECONDS - START))) s of the budget left"
+      break
+    fi
+    pair_start=$SECONDS
     for side in a b; do
       root=$([[ $side == a ]] && echo "$BASE" || echo .)
       build=$([[ $side == a ]] && echo "$BASE/build" || echo build-device)
@@ -96,11 +126,12 @@ if [[ $HOST_TIME -eq 1 ]]; then
         echo "device-ab: host time $side $round exit $?"
       echo "host time $side round $round: $(grep -h 'from Python' "$LOGS/host-$side-$round.log" | head -n 1)"
     done
+    PAIR_S=$((SECONDS - pair_start))
   done
   stamp "host time done"
 fi
 
-python3 - "$LOGS" "$ROUNDS" "${#RUNS[@]}" <<'PY'
+python3 - "$LOGS" "$ROUNDS_RUN" "${#RUNS[@]}" <<'PY'
 import json, os, statistics, sys
 logs, rounds, runs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 med = {"a": {}, "b": {}}
