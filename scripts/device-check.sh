@@ -10,7 +10,11 @@
 # or a test the budget left out, is reported, not fatal).
 #
 # usage: scripts/device-check.sh [--tests REGEX] [--no-tests] [--p2p] [--no-bench] [--p2p-args "ARGS"] [--budget S]
-#                                [--python] [--no-example]
+#                                [--python] [--no-example] [--resume STATUS_FILE]
+#   --resume FILE           an earlier call's gpu-tests.status (copied into the checkout: a call carries nothing
+#                           else): the tests it lists as passed or skipped are not run again and count as it says, so
+#                           that the GPU tests that one call's budget left out run in the next call (with
+#                           --no-bench --no-example); the summary then covers both calls
 #   --no-example            skip the installed-package example (a call that only reruns GPU tests)
 #   --python                also build the Python module (ferry_python, against the image's torch) and run the Python
 #                           files with GPU cases (test_autograd, test_deep_ep_compat, test_gpu_torch),
@@ -32,6 +36,7 @@ TEST_REGEX=""
 RUN_TESTS=1 RUN_P2P=0 RUN_BENCH=1 RUN_PYTHON=0 RUN_EXAMPLE_ASKED=1
 P2P_ARGS=""
 BUDGET=570
+RESUME=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --tests) TEST_REGEX="$2"; shift 2 ;;
@@ -43,11 +48,16 @@ while [[ $# -gt 0 ]]; do
     --budget) BUDGET="$2"; shift 2 ;;
     --python) RUN_PYTHON=1; shift ;;
     --no-example) RUN_EXAMPLE_ASKED=0; shift ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    --resume) RESUME="$2"; shift 2 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "device-check: unknown argument '$1'; see --help" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$LOGS"
+if [[ -n "$RESUME" && ! -f "$RESUME" ]]; then
+  echo "device-check: --resume $RESUME: no such file (copy an earlier call's gpu-tests.status into the checkout)" >&2
+  exit 2
+fi
 START=$SECONDS
 # the EP tests at the machine's world unless told otherwise (the tests' own default is 2 ranks, which skips on one GPU)
 GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
@@ -120,6 +130,12 @@ if [[ $RUN_TESTS -eq 1 ]]; then
   for entry in "${NAMES[@]}"; do
     name="${entry%% *}"
     if [[ "$entry" == *"(Disabled)"* ]]; then echo "$name disabled" >>"$LOGS/gpu-tests.status"; continue; fi
+    earlier=$([[ -n "$RESUME" ]] && awk -v n="$name" '$1 == n && ($2 == "passed" || $2 == "skipped") {print $2}' "$RESUME")
+    if [[ -n "$earlier" ]]; then
+      echo "$name $earlier" >>"$LOGS/gpu-tests.status"
+      printf '%-60s %s\n' "$name" "$earlier (earlier call)"
+      continue
+    fi
     budget=$(($(left) - RESERVE))
     if [[ $budget -lt 30 ]]; then echo "$name not-run" >>"$LOGS/gpu-tests.status"; continue; fi
     limit=$((budget < 450 ? budget : 450))
