@@ -164,12 +164,7 @@ TEST(CpuCommunicator, DroppedRowsAreReportedOnceAsInputError) {
 // The cpu backend with ranks as threads: a quick end-to-end check that needs no process launch.
 TEST(CpuEpThreads, DispatchAndCombineMatchTheReference) {
   int const world = 3;
-  EpConfig config;
-  config.hidden = 32;
-  config.num_experts = 12;
-  config.topk = 3;
-  config.max_tokens_per_rank = 20;
-  config.expert_capacity = 60;
+  EpConfig const config{.hidden = 32, .num_experts = 12, .topk = 3, .max_tokens_per_rank = 20, .expert_capacity = 60};
   RoutingOptions routing;
   routing.seed = test_seed();
   routing.mask_rate = 0.2;
@@ -204,6 +199,96 @@ TEST(CpuEpThreads, DispatchAndCombineMatchTheReference) {
     FERRY_CHECK(std::all_of(y.begin() + static_cast<std::ptrdiff_t>(want_y.size()), y.end(),
                             [](uint16_t v) { return v == 0xdead; }),
                 "wrote past y");
+  }));
+}
+
+// explain() describes the last dispatch and combine as they ran (built when asked, from what the calls recorded): each
+// kind of leg, both modes, the hook's split halves and the backward legs.
+TEST(CpuEpThreads, ExplainDescribesTheLastLegsAsTheyRan) {
+  EpConfig config{.hidden = 32, .num_experts = 4, .topk = 2, .max_tokens_per_rank = 4, .expert_capacity = 8};
+  RoutingOptions routing;
+  routing.seed = test_seed();
+  std::vector<int> const tokens = {4};
+  std::vector<ref::RankInput> const inputs = ref::generate_inputs(config, 1, routing, tokens);
+  expect_all_passed(test::run_cpu_ranks(1, [&](int, std::shared_ptr<Communicator> const& comm) {
+    ref::RankInput const& in = inputs[0];
+    DispatchArgs args;
+    args.x = in.x.data();
+    args.num_tokens = in.num_tokens;
+    args.topk_idx = in.topk_idx.data();
+    args.topk_weights = in.topk_weights.data();
+    std::vector<uint16_t> y(at(in.num_tokens, config.hidden));
+    auto const expect_explain = [](EpBuffer const& buffer, std::string const& want, char const* after) {
+      FERRY_CHECK(buffer.explain() == want, "after ", after, ": explain() is\n", buffer.explain(), "\nnot\n", want);
+    };
+    std::string const push = "dispatch: cpu reference (host push through shared memory, rank-major";
+    std::string const pull = "cpu reference (host pull-reduce through shared memory, ";
+
+    EpBuffer normal(comm, config);
+    expect_explain(normal, "dispatch: not called yet\ncombine: not called yet", "construction");
+    DispatchResult const result = normal.dispatch(args);
+    expect_explain(normal, push + ")\ncombine: not called yet", "a rank-major dispatch");
+    CombineArgs combine;
+    combine.x = result.recv_x;
+    combine.layout = CombineLayout::rank_major;
+    combine.y = y.data();
+    normal.combine(combine);
+    expect_explain(normal, push + ")\ncombine: " + pull + "rank_major)", "its combine");
+    DispatchHandle handle = normal.make_handle();
+    args.save_handle = &handle;
+    args.expand = true;
+    DispatchResult const expanded = normal.dispatch(args);
+    args.save_handle = nullptr;
+    expect_explain(normal, push + " + expand)\ncombine: " + pull + "rank_major)", "an expanding dispatch");
+    // the expert outputs, kept apart from the buffer (the backward legs deliver into it)
+    std::vector<uint16_t> const outputs(static_cast<uint16_t const*>(expanded.expert_x),
+                                        static_cast<uint16_t const*>(expanded.expert_x) +
+                                            at(config.num_local_experts(1) * expanded.expert_slots, config.hidden));
+    std::vector<uint16_t> const grad(at(*expanded.num_recv, config.hidden), 0x3f80);
+    combine.x = outputs.data();
+    combine.layout = CombineLayout::expert_major;
+    normal.combine(combine);
+    expect_explain(normal, push + " + expand)\ncombine: " + pull + "expert_major)", "an expert-major combine");
+    DispatchBackwardArgs backward;
+    backward.handle = &handle;
+    backward.grad = grad.data();
+    backward.grad_x = y.data();
+    normal.dispatch_backward(backward);
+    std::string const grads = "dispatch_backward (combine of gradients): " + pull + "rank_major)";
+    expect_explain(normal, push + " + expand)\n" + grads, "dispatch_backward");
+    // rank-major, combine_backward is a cached dispatch of grad_y (and says so); expert-major it adds the weight step
+    CombineBackwardArgs combine_backward;
+    combine_backward.handle = &handle;
+    combine_backward.layout = CombineLayout::rank_major;
+    combine_backward.grad_y = y.data();
+    normal.combine_backward(combine_backward);
+    expect_explain(normal, push + ")\n" + grads, "a rank-major combine_backward");
+    std::vector<float> grad_w(at(in.num_tokens, config.topk));
+    combine_backward.layout = CombineLayout::expert_major;
+    combine_backward.x = outputs.data();
+    combine_backward.grad_topk_weights = grad_w.data();
+    normal.combine_backward(combine_backward);
+    expect_explain(normal, "combine_backward (cached dispatch of grad_y + weight step): cpu reference\n" + grads,
+                   "an expert-major combine_backward");
+
+    config.mode = Mode::low_latency;
+    EpBuffer ll(comm, config);
+    args.expand = false;
+    args.return_recv_hook = true;
+    ll.dispatch(args);
+    DispatchResult const landed = ll.complete_dispatch();
+    std::string const ll_push = "dispatch: cpu reference, ll (host push through shared memory + expert-major";
+    expect_explain(ll, ll_push + ", split: receive half in complete_dispatch)\ncombine: not called yet",
+                   "a low-latency dispatch with the hook");
+    combine.x = landed.expert_x;
+    combine.return_recv_hook = true;
+    ll.combine(combine);
+    ll.complete_combine();
+    expect_explain(ll,
+                   ll_push +
+                       ", split: receive half in complete_dispatch)\ncombine: cpu reference, ll (host "
+                       "pull-reduce through shared memory, expert_major, split: sum in complete_combine)",
+                   "its combine with the hook");
   }));
 }
 

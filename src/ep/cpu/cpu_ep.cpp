@@ -287,7 +287,8 @@ class CpuEp final : public EpBackendImpl {
   RankSet proposed_;               // mask_ranks, carried by the next entry exchange
   std::string self_masked_;        // set when this rank learned that it is masked: every call throws it
   RankSet self_view_;              // then: the ranks it learned are masked (itself included)
-  std::string current_call_;       // the call being synced ("dispatch #3"), for the messages
+  uint32_t current_kind_ = 0;      // the call being synced (CallKind; step_ is its step), for the messages:
+  uint64_t current_number_ = 0;    // call_text() names it ("dispatch #3 (call 5 of the buffer)") when one is made
   std::vector<int64_t> last_ids_;  // masking: the last dispatch's ids (combine counts what it misses)
   MaskStatus counts_of_masking_;
   std::vector<PeerWaitStats> waits_[2];  // [leg][source]
@@ -319,8 +320,23 @@ class CpuEp final : public EpBackendImpl {
   int32_t* counts_host_ = nullptr;                // DispatchArgs::expert_counts_host of the last dispatch
   int pending_group_ = 1;                         // CombineArgs::group
   float const* pending_group_weights_ = nullptr;  // CombineArgs::group_weights (null: group 1, unweighted)
-  std::string last_dispatch_ = "dispatch: not called yet";
-  std::string last_combine_ = "combine: not called yet";
+  // What the last dispatch and combine ran, for explain(), which builds its text when asked (nothing is formatted
+  // on a call's path).
+  enum class DispatchRan : uint8_t { none, dispatch, combine_backward };
+  struct LastDispatch {
+    DispatchRan ran = DispatchRan::none;
+    bool expand = false;
+    bool hook = false;
+  } last_dispatch_;
+  struct LastCombine {
+    bool ran = false;
+    bool unit_weights = false;  // dispatch_backward's combine of gradients
+    bool expert_major = false;
+    bool hook = false;
+  } last_combine_;
+  std::string call_text() const {
+    return concat(call_kind_name(current_kind_), " #", current_number_, " (call ", step_, " of the buffer)");
+  }
 };
 
 namespace {
@@ -432,7 +448,8 @@ void CpuEp::join_call(CallKind kind, bool refused, StatsLeg leg) {
   check_not_masked();
   uint64_t const step = ++step_;
   uint64_t const number = ++calls_[static_cast<int>(kind)];
-  current_call_ = concat(call_kind_name(static_cast<uint32_t>(kind)), " #", number, " (call ", step, " of the buffer)");
+  current_kind_ = static_cast<uint32_t>(kind);
+  current_number_ = number;
   // NOTE: two slots by parity: a rank that is one call ahead writes the other slot while a slower one still reads
   // this one; it cannot get two calls ahead without this rank at the next call's barrier.
   std::size_t const slot = (step & 1) * header_bytes_;
@@ -461,7 +478,7 @@ void CpuEp::join_call(CallKind kind, bool refused, StatsLeg leg) {
       self_view_ = all_ranks_ - active_;
       self_view_.set(rank_);
       self_masked_ = format_error("ferry", __FILE__, __LINE__,
-                                  concat("rank ", rank_, " is masked on this EpBuffer: at ", current_call_, " rank ", r,
+                                  concat("rank ", rank_, " is masked on this EpBuffer: at ", call_text(), " rank ", r,
                                          " was already in call ", theirs.step,
                                          " of the buffer, past this call without this rank; its calls are refused "
                                          "until every rank calls clear_mask()"));
@@ -489,14 +506,14 @@ void CpuEp::join_call(CallKind kind, bool refused, StatsLeg leg) {
     if (leaving.test(rank_)) {
       self_view_ = (all_ranks_ - active_) | leaving;
       self_masked_ = format_error("ferry", __FILE__, __LINE__,
-                                  concat("rank ", rank_, " is masked on this EpBuffer: at ", current_call_,
+                                  concat("rank ", rank_, " is masked on this EpBuffer: at ", call_text(),
                                          " mask_ranks asked for rank(s) ", leaving.text(),
                                          ", and the other ranks go on without it; its calls are refused until every "
                                          "rank calls clear_mask()"));
       throw Error(self_masked_);
     }
     active_ -= leaving;
-    FERRY_LOG_WARN("rank ", rank_, ": rank(s) ", leaving.text(), " masked at ", current_call_,
+    FERRY_LOG_WARN("rank ", rank_, ": rank(s) ", leaving.text(), " masked at ", call_text(),
                    " (mask_ranks); later calls skip them");
   }
   for (int r = 0; r < world_ && refusing < 0; ++r) {
@@ -601,22 +618,21 @@ void CpuEp::sync(SyncPoint point, StatsLeg leg) {
     self_view_ = (all_ranks_ - agreed) | (all_ranks_ - active_);
     self_masked_ = format_error(
         "ferry", __FILE__, __LINE__,
-        concat("rank ", rank_, " is masked on this EpBuffer: at ", current_call_, " the other ranks waited ",
+        concat("rank ", rank_, " is masked on this EpBuffer: at ", call_text(), " the other ranks waited ",
                comm_.device_view().timeout_ns / 1e9, " s (FERRY_TIMEOUT_S) for it and went on without rank(s) ",
                lost.text(), "; its calls are refused until every rank calls clear_mask()"));
     throw Error(self_masked_);
   }
   active_ = agreed;
   std::vector<int> const gone = lost.ranks();
-  FERRY_LOG_WARN("rank ", rank_, ": ", describe_absent(gone, topology_), " masked at ", current_call_,
+  FERRY_LOG_WARN("rank ", rank_, ": ", describe_absent(gone, topology_), " masked at ", call_text(),
                  " (not there within FERRY_TIMEOUT_S); later calls skip them");
   if (point == SyncPoint::inner)
-    FERRY_THROW(
-        TimeoutError, "timeout",
-        concat("rank ", rank_, " timed out in ", current_call_, " waiting for ", describe_absent(gone, topology_),
-               ", which entered the call but did not reach its next step within FERRY_TIMEOUT_S; no data of ",
-               "this call is returned. Rank masking is on: they are masked now and later calls skip them ",
-               "(this communicator stays usable)"));
+    FERRY_THROW(TimeoutError, "timeout",
+                concat("rank ", rank_, " timed out in ", call_text(), " waiting for ", describe_absent(gone, topology_),
+                       ", which entered the call but did not reach its next step within FERRY_TIMEOUT_S; no data of ",
+                       "this call is returned. Rank masking is on: they are masked now and later calls skip them ",
+                       "(this communicator stays usable)"));
 }
 
 void CpuEp::refuse_dispatch(cudaStream_t) {
@@ -784,12 +800,7 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
   pending_expand_ = args.expand || low_latency_;
   pending_eager_ = args.eager;
   pending_total_recv_ = total_recv;
-  last_dispatch_ =
-      low_latency_
-          ? concat("dispatch: cpu reference, ll (", hierarchy(), "host push through shared memory + expert-major",
-                   args.return_recv_hook ? ", split: receive half in complete_dispatch" : "", ")")
-          : concat("dispatch: cpu reference (", hierarchy(), "host push through shared memory, rank-major",
-                   args.expand ? " + expand" : "", ")");
+  last_dispatch_ = LastDispatch{DispatchRan::dispatch, args.expand, args.return_recv_hook};
   if (args.return_recv_hook) {
     // the send half is done: this rank's rows are on every destination. Views are valid after complete_dispatch.
     DispatchResult pending;
@@ -1085,11 +1096,7 @@ void CpuEp::run_combine(CombineArgs const& args, bool unit_weights, bool y_fp32)
   pending_group_ = args.group;
   pending_group_weights_ = args.group_weights;
   pending_eager_ = args.eager;
-  last_combine_ =
-      concat(unit_weights ? "dispatch_backward (combine of gradients): cpu reference" : "combine: cpu reference",
-             low_latency_ ? ", ll" : "", " (", hierarchy(), "host pull-reduce through shared memory, ",
-             expert_major ? "expert_major" : "rank_major",
-             args.return_recv_hook ? ", split: sum in complete_combine" : "", ")");
+  last_combine_ = LastCombine{true, unit_weights, expert_major, args.return_recv_hook};
   if (!args.return_recv_hook) receive_combine();
 }
 
@@ -1262,7 +1269,7 @@ void CpuEp::exchange_grad_weights(void const* x, float* grad_w, bool refused, bo
   }
   comm_.barrier(nullptr);  // every dot has landed
   if (grad_w != nullptr) std::copy_n(static_cast<float const*>(grad_w_.local), at(num_tokens_, topk_), grad_w);
-  last_dispatch_ = "combine_backward (cached dispatch of grad_y + weight step): cpu reference";
+  last_dispatch_ = LastDispatch{DispatchRan::combine_backward, false, false};
   comm_.barrier(nullptr);  // every rank has read its area: the next call may zero it
   if (eager) comm_.check_errors(nullptr);
 }
@@ -1319,7 +1326,32 @@ void CpuEp::reset_wait_stats(cudaStream_t) {
 }
 
 std::string CpuEp::explain() const {
-  return concat(last_dispatch_, "\n", last_combine_);
+  std::string dispatch;
+  switch (last_dispatch_.ran) {
+    case DispatchRan::none:
+      dispatch = "dispatch: not called yet";
+      break;
+    case DispatchRan::combine_backward:
+      dispatch = "combine_backward (cached dispatch of grad_y + weight step): cpu reference";
+      break;
+    case DispatchRan::dispatch:
+      dispatch =
+          low_latency_
+              ? concat("dispatch: cpu reference, ll (", hierarchy(), "host push through shared memory + expert-major",
+                       last_dispatch_.hook ? ", split: receive half in complete_dispatch" : "", ")")
+              : concat("dispatch: cpu reference (", hierarchy(), "host push through shared memory, rank-major",
+                       last_dispatch_.expand ? " + expand" : "", ")");
+      break;
+  }
+  LastCombine const& c = last_combine_;
+  std::string const combine =
+      !c.ran
+          ? std::string("combine: not called yet")
+          : concat(
+                c.unit_weights ? "dispatch_backward (combine of gradients): cpu reference" : "combine: cpu reference",
+                low_latency_ ? ", ll" : "", " (", hierarchy(), "host pull-reduce through shared memory, ",
+                c.expert_major ? "expert_major" : "rank_major", c.hook ? ", split: sum in complete_combine" : "", ")");
+  return concat(dispatch, "\n", combine);
 }
 
 }  // namespace
