@@ -19,7 +19,7 @@
 #   --python                also build the Python module (ferry_python, against the image's torch) and run the Python
 #                           files with GPU cases (test_autograd, test_deep_ep_compat, test_gpu_torch),
 #                           examples/train_moe.py on one GPU (twice in-process: the loss curves must be equal) and,
-#                           budget left, python/bench_deep_ep_overhead.py at 1 token (a figure, not a check)
+#                           budget left, python/bench_deep_ep_overhead.py at 1 and 128 tokens (figures, not checks)
 #   --budget S              seconds for the whole check (default 570: the device tool's 600 s per call, less a margin)
 #   FERRY_TEST_WORLD=N      the EP GPU tests (normal, LL, quantized, trace) at N ranks, one per GPU (default: every
 #                           GPU of the machine, at most 8; 1 on a one-GPU machine: every expert local, the timeout
@@ -126,7 +126,7 @@ if [[ $RUN_TESTS -eq 1 ]]; then
     mapfile -t NAMES < <(printf '%s\n' "${NAMES[@]}" | grep -v '^FastPathVirtualRanks\.'
       printf '%s\n' "${NAMES[@]}" | grep '^FastPathVirtualRanks\.')
   fi
-  RESERVE=$((40 + RUN_PYTHON * 170))  # the example and the summary (and --python: its tests, train_moe, the layer bench)
+  RESERVE=$((40 + RUN_PYTHON * 200))  # the example and the summary (and --python: its tests, train_moe, the layer benches)
   for entry in "${NAMES[@]}"; do
     name="${entry%% *}"
     if [[ "$entry" == *"(Disabled)"* ]]; then echo "$name disabled" >>"$LOGS/gpu-tests.status"; continue; fi
@@ -191,11 +191,16 @@ if [[ $RUN_PYTHON -eq 1 ]]; then
   timeout 150 "$PY" -m torch.distributed.run --nproc-per-node 1 examples/train_moe.py --check-determinism \
     >"$LOGS/train-moe.log" 2>&1 || PY_RC=$?
   tail -n 8 "$LOGS/train-moe.log"
-  # the DeepEP-compatible layer's host time per call over the native calls (docs/python.md; a figure, not a check)
-  if [[ $(left) -gt 70 ]]; then
-    timeout 60 "$PY" -m torch.distributed.run --nproc-per-node 1 python/bench_deep_ep_overhead.py --tokens 1 --graph \
-      >"$LOGS/deep-ep-overhead.log" 2>&1 || echo "device-check: bench_deep_ep_overhead.py exit $? (see deep-ep-overhead.log)"
-  fi
+  # the DeepEP-compatible layer's host time per call over the native calls, at 1 and 128 tokens (docs/python.md; a
+  # figure, not a check)
+  : >"$LOGS/deep-ep-overhead.log"
+  for tokens in 1 128; do
+    if [[ $(left) -gt 70 ]]; then
+      timeout 60 "$PY" -m torch.distributed.run --nproc-per-node 1 python/bench_deep_ep_overhead.py --tokens "$tokens" \
+        --graph >>"$LOGS/deep-ep-overhead.log" 2>&1 ||
+        echo "device-check: bench_deep_ep_overhead.py --tokens $tokens exit $? (see deep-ep-overhead.log)"
+    fi
+  done
 fi
 
 # 5. ferry p2p (--p2p: the transport's figures, docs/perf.md)
