@@ -368,7 +368,7 @@ std::vector<uint8_t> source_wire_rows(EpConfig const& config, RankInput const& i
   std::size_t const row_bytes = wire_row_bytes(config.dispatch_format, hidden);
   std::vector<uint8_t> wire(at(input.num_tokens, static_cast<int64_t>(row_bytes)));
   if (config.dispatch_format == WireFormat::bf16) {
-    std::memcpy(wire.data(), input.x.data(), wire.size());
+    if (!wire.empty()) std::memcpy(wire.data(), input.x.data(), wire.size());  // no tokens: both may be null
     return wire;
   }
   for (int t = 0; t < input.num_tokens; ++t)
