@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import difflib
+import io
 import json
 import os
 import re
@@ -189,7 +191,6 @@ def pair_key(demangled: str, renames: list[list[str]] = ()) -> str:
 
 
 def first_differences(a: list[str], b: list[str], count: int) -> list[str]:
-    import difflib
     lines = []
     matcher = difflib.SequenceMatcher(None, [masked(x) for x in a], [masked(x) for x in b], autojunk=False)
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():
@@ -205,15 +206,22 @@ def first_differences(a: list[str], b: list[str], count: int) -> list[str]:
 def base_tree(base: str, into: Path) -> Path:
     tree = into / "base"
     tree.mkdir()
+
+    def extract(tar: tarfile.TarFile) -> None:
+        try:
+            tar.extractall(tree, filter="data")
+        except TypeError:  # a Python without extraction filters (before 3.11.4): a tree we made or were given
+            tar.extractall(tree)
+
     if Path(base).is_file():
         with tarfile.open(base) as tar:
-            tar.extractall(tree, filter="data")
+            extract(tar)
     else:
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", base], capture_output=True)
         if archive.returncode != 0:
             die(f"'{base}' is neither a tarball nor a commit: {archive.stderr.decode().strip()}")
-        with tarfile.open(fileobj=__import__("io").BytesIO(archive.stdout)) as tar:
-            tar.extractall(tree, filter="data")
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+            extract(tar)
     return tree
 
 
