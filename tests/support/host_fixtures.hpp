@@ -8,6 +8,7 @@
 #include <array>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -20,6 +21,12 @@
 #include "ferry/error.hpp"
 
 namespace ferry::test {
+
+// Whether `bytes` bytes at a and b are equal; true for 0 bytes, where either pointer may be null (an empty vector's
+// data()), which memcmp does not allow.
+inline bool same_bytes(void const* a, void const* b, std::size_t bytes) {
+  return bytes == 0 || std::memcmp(a, b, bytes) == 0;
+}
 
 // A fresh folder under the temp folder, removed (with what is in it) with the object.
 class TempDir {

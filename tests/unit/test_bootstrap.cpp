@@ -26,6 +26,7 @@
 #include "core/launcher.hpp"
 #include "ferry/bootstrap.hpp"
 #include "ferry/error.hpp"
+#include "support/host_fixtures.hpp"
 #include "support/rank_case.hpp"
 
 namespace {
@@ -115,7 +116,7 @@ TEST(LocalBootstrap, CollectivesDeliverEveryBlock) {
           std::vector<unsigned char> all(world * bytes, 0xEE);
           bootstrap->allgather(mine.data(), all.data(), bytes);
           for (int r = 0; r < world; ++r)
-            if (std::memcmp(all.data() + r * bytes, pattern(seed, r, op_idx, bytes).data(), bytes) != 0)
+            if (!ferry::test::same_bytes(all.data() + r * bytes, pattern(seed, r, op_idx, bytes).data(), bytes))
               ++num_mismatches;
           ++op_idx;
           // allgather in place (send aliases recv + rank * bytes)
@@ -124,7 +125,7 @@ TEST(LocalBootstrap, CollectivesDeliverEveryBlock) {
           std::copy(mine2.begin(), mine2.end(), in_place.begin() + rank * bytes);
           bootstrap->allgather(in_place.data() + rank * bytes, in_place.data(), bytes);
           for (int r = 0; r < world; ++r)
-            if (std::memcmp(in_place.data() + r * bytes, pattern(seed, r, op_idx, bytes).data(), bytes) != 0)
+            if (!ferry::test::same_bytes(in_place.data() + r * bytes, pattern(seed, r, op_idx, bytes).data(), bytes))
               ++num_mismatches;
           ++op_idx;
           // broadcast from every root
@@ -322,8 +323,8 @@ FERRY_RANK_CASE(socket_collectives) {
     std::vector<unsigned char> all(world * bytes, 0xEE);
     bootstrap->allgather(mine.data(), all.data(), bytes);
     for (int r = 0; r < world; ++r)
-      check(std::memcmp(all.data() + r * bytes, pattern(seed, r, op_idx, bytes).data(), bytes) == 0, "allgather block",
-            op_idx, r);
+      check(ferry::test::same_bytes(all.data() + r * bytes, pattern(seed, r, op_idx, bytes).data(), bytes),
+            "allgather block", op_idx, r);
     ++op_idx;
 
     std::vector<unsigned char> in_place(world * bytes, 0xEE);
@@ -331,7 +332,7 @@ FERRY_RANK_CASE(socket_collectives) {
     std::copy(mine2.begin(), mine2.end(), in_place.begin() + rank * bytes);
     bootstrap->allgather(in_place.data() + rank * bytes, in_place.data(), bytes);
     for (int r = 0; r < world; ++r)
-      check(std::memcmp(in_place.data() + r * bytes, pattern(seed, r, op_idx, bytes).data(), bytes) == 0,
+      check(ferry::test::same_bytes(in_place.data() + r * bytes, pattern(seed, r, op_idx, bytes).data(), bytes),
             "in-place allgather block", op_idx, r);
     ++op_idx;
 

@@ -79,23 +79,23 @@ std::string compare_dispatch(EpConfig const& config, int world, DispatchResult c
   int const topk = config.topk;
   if (got.num_recv_host != want.num_recv) return concat("num_recv ", got.num_recv_host, " != ", want.num_recv);
   int const n = want.num_recv;
-  if (got.recv_x != nullptr && std::memcmp(got.recv_x, want.recv_x.data(), at(n, hidden) * sizeof(uint16_t)) != 0)
+  if (got.recv_x != nullptr && !test::same_bytes(got.recv_x, want.recv_x.data(), at(n, hidden) * sizeof(uint16_t)))
     return "recv_x differs";
-  if (std::memcmp(got.recv_topk_idx, want.recv_topk_idx.data(), at(n, topk) * sizeof(int32_t)) != 0)
+  if (!test::same_bytes(got.recv_topk_idx, want.recv_topk_idx.data(), at(n, topk) * sizeof(int32_t)))
     return "recv_topk_idx differs";
-  if (std::memcmp(got.recv_topk_weights, want.recv_topk_weights.data(), at(n, topk) * sizeof(float)) != 0)
+  if (!test::same_bytes(got.recv_topk_weights, want.recv_topk_weights.data(), at(n, topk) * sizeof(float)))
     return "recv_topk_weights differs";
-  if (std::memcmp(got.recv_src, want.recv_src.data(), at(n, 2) * sizeof(int32_t)) != 0) return "recv_src differs";
+  if (!test::same_bytes(got.recv_src, want.recv_src.data(), at(n, 2) * sizeof(int32_t))) return "recv_src differs";
   int const num_local = config.num_local_experts(world);
-  if (std::memcmp(got.expert_counts, want.expert_counts.data(), at(num_local, 1) * sizeof(int32_t)) != 0)
+  if (!test::same_bytes(got.expert_counts, want.expert_counts.data(), at(num_local, 1) * sizeof(int32_t)))
     return "expert_counts differ";
   if (expert_major) {
     std::vector<uint16_t> const expanded = ref::expand(config, world, want);
     for (int e = 0; e < num_local; ++e) {
       int const filled = std::min(want.expert_counts[static_cast<std::size_t>(e)], want.expert_slots);
       std::size_t const first = at(static_cast<int64_t>(e) * want.expert_slots, hidden);
-      if (std::memcmp(static_cast<uint16_t const*>(got.expert_x) + first, expanded.data() + first,
-                      at(filled, hidden) * sizeof(uint16_t)) != 0)
+      if (!test::same_bytes(static_cast<uint16_t const*>(got.expert_x) + first, expanded.data() + first,
+                            at(filled, hidden) * sizeof(uint16_t)))
         return concat("expert_x of local expert ", e, " differs");
     }
   }

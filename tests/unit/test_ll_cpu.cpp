@@ -132,7 +132,7 @@ std::vector<std::string> run_sub_case(std::shared_ptr<Communicator> const& comm,
     buffer.combine(combine);
     if (c.hook) buffer.complete_combine();
     std::vector<uint16_t> want_y = ref::combine_expert_major(config, world, rank, inputs, want, expert_out);
-    if (std::memcmp(y.data(), want_y.data(), want_y.size() * 2) != 0) note(where + "y (expert_major) differs");
+    if (!test::same_bytes(y.data(), want_y.data(), want_y.size() * 2)) note(where + "y (expert_major) differs");
     if (!std::all_of(y.begin() + static_cast<std::ptrdiff_t>(want_y.size()), y.end(),
                      [](uint16_t v) { return v == 0xeeee; }))
       note(where + "y written past num_tokens");
@@ -148,7 +148,7 @@ std::vector<std::string> run_sub_case(std::shared_ptr<Communicator> const& comm,
     buffer.combine(combine);
     if (c.hook) buffer.complete_combine();
     want_y = ref::combine_rank_major(config, world, rank, inputs, want, rows);
-    if (std::memcmp(y.data(), want_y.data(), want_y.size() * 2) != 0) note(where + "y (rank_major) differs");
+    if (!test::same_bytes(y.data(), want_y.data(), want_y.size() * 2)) note(where + "y (rank_major) differs");
   }
   return problems;
 }
