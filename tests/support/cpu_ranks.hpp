@@ -10,10 +10,23 @@
 #include <thread>
 #include <vector>
 
+#include "ep/reference.hpp"
 #include "ferry/bootstrap.hpp"
 #include "ferry/communicator.hpp"
+#include "ferry/ep.hpp"
 
 namespace ferry::test {
+
+// A dispatch of `in` from host memory (the cpu backend reads its arrays in place).
+inline DispatchArgs host_dispatch_args(ref::RankInput const& in, bool expand = false) {
+  DispatchArgs args;
+  args.x = in.x.data();
+  args.num_tokens = in.num_tokens;
+  args.topk_idx = in.topk_idx.data();
+  args.topk_weights = in.topk_weights.data();
+  args.expand = expand;
+  return args;
+}
 
 // Runs fn(rank, communicator) on `world` threads, each communicator made with `options` (its backend must be cpu).
 // Returns each rank's failure: what it threw ("" when it returned).

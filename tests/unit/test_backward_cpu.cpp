@@ -140,16 +140,6 @@ void run_world(int world, std::function<void(int, std::shared_ptr<Communicator> 
   for (std::size_t r = 0; r < failures.size(); ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
 }
 
-DispatchArgs forward_args(ref::RankInput const& in, bool expand) {
-  DispatchArgs args;
-  args.x = in.x.data();
-  args.num_tokens = in.num_tokens;
-  args.topk_idx = in.topk_idx.data();
-  args.topk_weights = in.topk_weights.data();
-  args.expand = expand;
-  return args;
-}
-
 class BackwardCpu : public testing::TestWithParam<int> {};
 
 // Two forward dispatches saved into two handles; then, out of order and after the buffer moved on, every backward
@@ -166,10 +156,10 @@ TEST_P(BackwardCpu, BackwardPassesMatchTheReference) {
     DispatchHandle hb = buffer.make_handle();
     FERRY_CHECK(!ha.empty() && !ha.saved(), "a new handle is empty of layout");
     std::size_t const R = static_cast<std::size_t>(r);
-    DispatchArgs args = forward_args(a.inputs[R], true);
+    DispatchArgs args = test::host_dispatch_args(a.inputs[R], true);
     args.save_handle = &ha;
     buffer.dispatch(args);
-    DispatchArgs args_b = forward_args(b.inputs[R], true);
+    DispatchArgs args_b = test::host_dispatch_args(b.inputs[R], true);
     args_b.save_handle = &hb;
     buffer.dispatch(args_b);
     FERRY_CHECK(ha.saved() && ha.num_tokens() == a.inputs[R].num_tokens && ha.expanded(), "handle a saved");
@@ -282,7 +272,7 @@ TEST_P(BackwardCpu, DroppedSlotsGetNoGradient) {
     EpBuffer buffer(comm, config);
     DispatchHandle h = buffer.make_handle();
     std::size_t const R = static_cast<std::size_t>(r);
-    DispatchArgs args = forward_args(w.inputs[R], true);
+    DispatchArgs args = test::host_dispatch_args(w.inputs[R], true);
     args.save_handle = &h;
     args.eager = false;  // the drops are reported by the next eager call's check
     buffer.dispatch(args);
@@ -324,7 +314,7 @@ TEST(BackwardCpuErrors, AHandleOfAnotherShapeIsRefusedOnEveryRank) {
     DispatchHandle mine = buffer.make_handle();
     std::size_t const R = static_cast<std::size_t>(r);
     std::vector<uint16_t> gx(at(w.inputs[R].num_tokens, config.hidden));
-    DispatchArgs args = forward_args(w.inputs[R], true);
+    DispatchArgs args = test::host_dispatch_args(w.inputs[R], true);
     args.save_handle = r == 0 ? &foreign : &mine;  // rank 0 passes a handle of the other shape
     try {
       buffer.dispatch(args);

@@ -178,13 +178,7 @@ TEST(CpuEpThreads, DispatchAndCombineMatchTheReference) {
   expect_all_passed(test::run_cpu_ranks(world, [&](int r, std::shared_ptr<Communicator> const& comm) {
     EpBuffer buffer(comm, config);
     ref::RankInput const& in = inputs[static_cast<std::size_t>(r)];
-    DispatchArgs args;
-    args.x = in.x.data();
-    args.num_tokens = in.num_tokens;
-    args.topk_idx = in.topk_idx.data();
-    args.topk_weights = in.topk_weights.data();
-    args.expand = true;
-    DispatchResult const result = buffer.dispatch(args);
+    DispatchResult const result = buffer.dispatch(test::host_dispatch_args(in, /*expand=*/true));
     ref::RankDispatch const& w = want[static_cast<std::size_t>(r)];
     FERRY_CHECK(*result.num_recv == w.num_recv, "num_recv");
     FERRY_CHECK(std::memcmp(result.recv_x, w.recv_x.data(), at(w.num_recv, config.hidden) * 2) == 0, "recv_x");
@@ -212,11 +206,7 @@ TEST(CpuEpThreads, ExplainDescribesTheLastLegsAsTheyRan) {
   std::vector<ref::RankInput> const inputs = ref::generate_inputs(config, 1, routing, tokens);
   expect_all_passed(test::run_cpu_ranks(1, [&](int, std::shared_ptr<Communicator> const& comm) {
     ref::RankInput const& in = inputs[0];
-    DispatchArgs args;
-    args.x = in.x.data();
-    args.num_tokens = in.num_tokens;
-    args.topk_idx = in.topk_idx.data();
-    args.topk_weights = in.topk_weights.data();
+    DispatchArgs args = test::host_dispatch_args(in);
     std::vector<uint16_t> y(at(in.num_tokens, config.hidden));
     auto const expect_explain = [](EpBuffer const& buffer, std::string const& want, char const* after) {
       FERRY_CHECK(buffer.explain() == want, "after ", after, ": explain() is\n", buffer.explain(), "\nnot\n", want);
@@ -512,11 +502,7 @@ TEST(CpuEpThreads, CopyReceivedAndHostCountsMatchTheReference) {
     int const topk = config.topk;
     int const local = config.num_local_experts(world);
     std::vector<int32_t> counts(static_cast<std::size_t>(local), -7);
-    DispatchArgs args;
-    args.x = in.x.data();
-    args.num_tokens = in.num_tokens;
-    args.topk_idx = in.topk_idx.data();
-    args.topk_weights = in.topk_weights.data();
+    DispatchArgs args = test::host_dispatch_args(in);
     args.expert_counts_host = counts.data();
     DispatchResult const result = buffer.dispatch(args);
     if (!std::equal(counts.begin(), counts.end(), mine.expert_counts.begin())) fail("expert_counts_host differ");

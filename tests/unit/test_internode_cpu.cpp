@@ -143,17 +143,6 @@ void require_same_slots(int rank, char const* what, void const* got, std::vector
   }
 }
 
-// A forward dispatch of `in` (host memory: the cpu backend).
-DispatchArgs forward_args(ref::RankInput const& in, bool expand) {
-  DispatchArgs args;
-  args.x = in.x.data();
-  args.num_tokens = in.num_tokens;
-  args.topk_idx = in.topk_idx.data();
-  args.topk_weights = in.topk_weights.data();
-  args.expand = expand;
-  return args;
-}
-
 // What rank r's rows cost on each link, counted from the routing alone (the rule of docs/internode.md): a dispatch
 // row (wire row + topk ids and weights + source) to every other rank of its node, once to each other node that holds
 // one of its experts (the network), and from that node's rail to its other destination ranks there (NVLink). Combine:
@@ -229,7 +218,7 @@ TEST_P(InternodeCpu, EveryRowMatchesTheReference) {
         ref::RankDispatch const& want = w.received[R];
         // NOTE: drops are reported at the next check; lazy calls keep them out of this case's results
         bool const eager = !c.capped;
-        DispatchArgs args = forward_args(in, true);
+        DispatchArgs args = test::host_dispatch_args(in, true);
         args.eager = eager;
         DispatchResult const got = buffer.dispatch(args);
         FERRY_CHECK(got.num_recv_host == want.num_recv, "rank ", r, ": num_recv ", got.num_recv_host, ", want ",
@@ -333,7 +322,7 @@ TEST(InternodeCpuBackward, BackwardPassesMatchTheReference) {
           std::size_t const R = static_cast<std::size_t>(r);
           ref::RankInput const& in = w.inputs[R];
           DispatchHandle handle = buffer.make_handle();
-          DispatchArgs args = forward_args(in, true);
+          DispatchArgs args = test::host_dispatch_args(in, true);
           args.save_handle = &handle;
           buffer.dispatch(args);
 
@@ -535,7 +524,7 @@ TEST_P(InternodeCpuLowLatency, EveryRowMatchesTheReference) {
         EpBuffer buffer(comm, config);
         std::size_t const R = static_cast<std::size_t>(r);
         ref::RankInput const& in = inputs[R];
-        DispatchArgs args = forward_args(in, false);
+        DispatchArgs args = test::host_dispatch_args(in, false);
         args.return_recv_hook = c.hook;
         DispatchResult got = buffer.dispatch(args);
         if (c.hook) got = buffer.complete_dispatch();

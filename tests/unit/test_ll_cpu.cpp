@@ -17,6 +17,7 @@
 #include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
+#include "support/cpu_ranks.hpp"
 #include "support/entry_tokens.hpp"
 #include "support/host_fixtures.hpp"
 #include "support/rank_case.hpp"
@@ -95,11 +96,7 @@ std::vector<std::string> run_sub_case(std::shared_ptr<Communicator> const& comm,
     ref::RankDispatch const& mine = want[static_cast<std::size_t>(rank)];
 
     // 1. dispatch (send half + hook, or one call)
-    DispatchArgs args;
-    args.x = in.x.data();
-    args.num_tokens = in.num_tokens;
-    args.topk_idx = in.topk_idx.data();
-    args.topk_weights = in.topk_weights.data();
+    DispatchArgs args = test::host_dispatch_args(in);
     args.return_recv_hook = c.hook;
     DispatchResult result = buffer.dispatch(args);
     if (c.hook) {

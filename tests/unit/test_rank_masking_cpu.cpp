@@ -130,16 +130,6 @@ CallWorld make_call(EpConfig const& config, int world, uint64_t seed, RankSet co
   return w;
 }
 
-// A dispatch of `in` (host memory: the cpu backend).
-DispatchArgs args_of(ref::RankInput const& in) {
-  DispatchArgs args;
-  args.x = in.x.data();
-  args.num_tokens = in.num_tokens;
-  args.topk_idx = in.topk_idx.data();
-  args.topk_weights = in.topk_weights.data();
-  return args;
-}
-
 template <typename T>
 std::string differs(char const* what, T const* got, T const* want, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i)
@@ -158,7 +148,7 @@ void run_and_check(EpBuffer& buffer, CallWorld const& w, int r, Topology const& 
   std::size_t const R = static_cast<std::size_t>(r);
   ref::RankInput const& in = w.inputs[R];
   ref::RankDispatch const& want = w.received[R];
-  DispatchArgs args = args_of(in);
+  DispatchArgs args = test::host_dispatch_args(in);
   args.return_recv_hook = hook;
   DispatchResult got = buffer.dispatch(args);
   if (hook) got = buffer.complete_dispatch();
@@ -348,7 +338,7 @@ TEST(RankMaskingCpuLegs, RankSkippingTheCombineIsMaskedThere) {
           Topology const one_node{1, world};
           run_and_check(buffer, before, r, one_node, false, "the full call before");
           ref::RankInput const& in = w.inputs[static_cast<std::size_t>(r)];
-          DispatchArgs args = args_of(in);
+          DispatchArgs args = test::host_dispatch_args(in);
           buffer.dispatch(args);
           if (r == gone) return;  // no combine
           std::vector<uint16_t> y(at(in.num_tokens, config.hidden), 0xeeee);
@@ -385,7 +375,7 @@ TEST(RankMaskingCpuLegs, RankLostAfterItsRowsLeavesTheCombineWhole) {
       test::run_cpu_ranks(world, [&](int r, std::shared_ptr<Communicator> const& comm) {
         EpBuffer buffer(comm, config);
         ref::RankInput const& in = full.inputs[static_cast<std::size_t>(r)];
-        DispatchArgs args = args_of(in);
+        DispatchArgs args = test::host_dispatch_args(in);
         buffer.dispatch(args);
         std::vector<uint16_t> y(at(in.num_tokens, config.hidden), 0xeeee);
         CombineArgs ca{CombineLayout::expert_major, full.expert_out[static_cast<std::size_t>(r)].data(), y.data()};
