@@ -56,10 +56,14 @@ def die(message: str) -> None:
 
 def find_tools(build: Path, nvcc: str) -> dict[str, str]:
     """cuobjdump and nvdisasm: beside nvcc, on PATH, or installed from PyPI into BUILD/sass-tools."""
-    dirs = [str(Path(nvcc).parent)] + os.environ.get("PATH", "").split(os.pathsep)
     target = build / "sass-tools"
-    dirs += [str(p.parent) for p in target.glob("nvidia/*/bin/cuobjdump")]
-    found = {t: shutil.which(t, path=os.pathsep.join(dirs)) for t in ("cuobjdump", "nvdisasm")}
+
+    def search() -> dict[str, str]:
+        dirs = [str(Path(nvcc).parent)] + os.environ.get("PATH", "").split(os.pathsep)
+        dirs += [str(p.parent) for p in target.glob("nvidia/*/bin/cuobjdump")]
+        return {t: shutil.which(t, path=os.pathsep.join(dirs)) for t in ("cuobjdump", "nvdisasm")}
+
+    found = search()
     if all(found.values()):
         return found
     sys.stderr.write(f"sass-compare: cuobjdump/nvdisasm not found; installing them from PyPI into {target}\n")
@@ -67,8 +71,7 @@ def find_tools(build: Path, nvcc: str) -> dict[str, str]:
                     "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm"], check=True)
     for p in target.glob("nvidia/*/bin/*"):
         p.chmod(0o755)
-    dirs += [str(p.parent) for p in target.glob("nvidia/*/bin/cuobjdump")]
-    found = {t: shutil.which(t, path=os.pathsep.join(dirs)) for t in ("cuobjdump", "nvdisasm")}
+    found = search()
     if not all(found.values()):
         die(f"no cuobjdump/nvdisasm after installing them into {target}")
     return found
@@ -245,21 +248,23 @@ def main() -> int:
             str(p.relative_to(ROOT)) for p in (ROOT / "src/ep/cuda").glob("*.cu")
             if (base / p.relative_to(ROOT)).is_file())
         tools = None
+        dump_env = None  # cuobjdump runs nvdisasm, which it finds on PATH
         different = 0
         for source in sources:
             if not (ROOT / source).is_file() or not (base / source).is_file():
                 print(f"{source}: not in both trees, skipped")
                 continue
             command = compile_command(build, ROOT / source)
-            tools = tools or find_tools(build, command[0])
+            if tools is None:
+                tools = find_tools(build, command[0])
+                dump_env = {**os.environ,
+                            "PATH": os.pathsep.join([str(Path(tools["nvdisasm"]).parent), os.environ.get("PATH", "")])}
             sides = {}
             for side, tree in (("A", base), ("B", ROOT)):
                 obj = tmp_path / f"{side}-{Path(source).stem}.o"
                 compile_tree(tree, source, command, obj)
                 dump = lambda *flags: subprocess.run([tools["cuobjdump"], *flags, str(obj)], capture_output=True,
-                                                     text=True, env={**os.environ, "PATH": os.pathsep.join(
-                                                         [str(Path(tools["nvdisasm"]).parent),
-                                                          os.environ.get("PATH", "")])}).stdout
+                                                     text=True, env=dump_env).stdout
                 sides[side] = (parse_sass(dump("-sass")), parse_resources(dump("-res-usage")),
                                parse_param_bytes(dump("-elf")))
             (sass_a, res_a, par_a), (sass_b, res_b, par_b) = sides["A"], sides["B"]
