@@ -968,10 +968,9 @@ class PyEpBuffer {
     std::size_t const bytes = buffer_->handle_bytes();
     if (bytes > 0 && torch_tensor_type() != nullptr) {
       Frameworks const& f = frameworks();
-      out.storage = device.is_valid()
-                        ? f.torch_empty(nb::make_tuple(bytes), "dtype"_a = f.torch_uint8, "device"_a = device)
-                        : f.torch_empty(nb::make_tuple(bytes), "dtype"_a = f.torch_uint8,
-                                        "device"_a = concat("cuda:", placement_.device()));
+      nb::object const on =
+          device.is_valid() ? nb::borrow(device) : nb::str(concat("cuda:", placement_.device()).c_str());
+      out.storage = f.torch_empty(nb::make_tuple(bytes), "dtype"_a = f.torch_uint8, "device"_a = on);
       auto const storage =
           placement_.import(out.storage, "handle storage", {static_cast<int64_t>(bytes)}, "", Placement::Access::write);
       out.handle = buffer_->make_handle(storage.data(), bytes);
