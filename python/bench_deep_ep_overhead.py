@@ -53,6 +53,13 @@ def timed_pair(layer, native, iters: int, repeats: int, warmup: int, sync) -> tu
     return times
 
 
+def summary(layer_times: list, native_times: list) -> tuple:
+    """(layer median, native median, median of the loop-by-loop differences, their p10, their p90), us."""
+    diffs = sorted(a - b for a, b in zip(layer_times, native_times))
+    return (statistics.median(layer_times), statistics.median(native_times), statistics.median(diffs),
+            diffs[len(diffs) // 10], diffs[-1 - len(diffs) // 10])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=128, help="tokens per rank (default 128)")
@@ -136,10 +143,7 @@ def main() -> int:
     results = {}
     for name, layer_fn, native_fn in (("normal", layer_normal, native_normal),
                                       ("normal vs owned", layer_normal, native_owned), ("ll", layer_ll, native_ll_pair)):
-        lt, nt = timed_pair(layer_fn, native_fn, args.iters, args.repeats, args.warmup, sync)
-        diffs = sorted(a - b for a, b in zip(lt, nt))
-        results[name] = (statistics.median(lt), statistics.median(nt), statistics.median(diffs),
-                         diffs[len(diffs) // 10], diffs[-1 - len(diffs) // 10])
+        results[name] = summary(*timed_pair(layer_fn, native_fn, args.iters, args.repeats, args.warmup, sync))
     ft, nt = timed_pair(fresh_outputs, lambda: None, args.iters, args.repeats, args.warmup, sync)
     fresh = statistics.median(ft) - statistics.median(nt)
     if cuda and args.graph:
@@ -151,11 +155,8 @@ def main() -> int:
             graphs[name] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graphs[name]):
                 fn()
-        lt, nt = timed_pair(graphs["layer"].replay, graphs["native"].replay, args.iters, args.repeats, args.warmup,
-                            sync)
-        diffs = sorted(a - b for a, b in zip(lt, nt))
-        results["ll graph"] = (statistics.median(lt), statistics.median(nt), statistics.median(diffs),
-                               diffs[len(diffs) // 10], diffs[-1 - len(diffs) // 10])
+        results["ll graph"] = summary(*timed_pair(graphs["layer"].replay, graphs["native"].replay, args.iters,
+                                                  args.repeats, args.warmup, sync))
     text = "; ".join(f"{n}: layer {v[0]:.1f} us, native {v[1]:.1f} us per dispatch+combine pair, overhead "
                      f"{v[2]:.1f} us per pair ({v[2] / 2:.1f} us per call; p10..p90 {v[3]:.1f}..{v[4]:.1f})"
                      for n, v in results.items())
