@@ -122,8 +122,10 @@ std::vector<RankInput> gradient_inputs(EpConfig const& config, std::span<RankInp
 }  // namespace
 
 // NOTE: the row loops are compiled twice, for x86-64 with FMA and for the baseline, and picked at load time: fmaf is
-// one instruction with FMA and a libm call without it. Both round once, so the results are identical.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// one instruction with FMA and a libm call without it. Both round once, so the results are identical. Not under
+// ThreadSanitizer: the clones' ifunc resolver runs while the program is relocated, before TSan's runtime is up, and
+// its instrumented code crashes there.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
 #define FERRY_ROW_LOOP __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define FERRY_ROW_LOOP
