@@ -15,6 +15,8 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -119,6 +121,62 @@ struct Mapping {
   std::size_t bytes = 0;
 };
 
+// The segments this process maps, by name. Ranks that are threads of one process (LocalBootstrap) share one mapping
+// of each segment, so a byte has one address in the process whichever rank touches it: ThreadSanitizer relates the
+// ranks' accesses (with a mapping each, the same byte had one address per rank and a race between ranks was
+// invisible to it), and a world of threads maps each segment once. The last rank that lets go unmaps it.
+class ProcessMappings {
+ public:
+  // The segment `name` of `bytes` in this process: the mapping a rank of this process made already, or a new one
+  // (of the open descriptor `fd`, or of the name opened here when fd < 0). MAP_FAILED with errno set on failure.
+  static void* attach(std::string const& name, int fd, std::size_t bytes) {
+    std::lock_guard<std::mutex> const lock(mutex());
+    auto& all = entries();
+    if (auto const it = all.find(name); it != all.end()) {
+      FERRY_CHECK(it->second.bytes == bytes, "segment ", name, " is mapped with ", it->second.bytes,
+                  " bytes in this process, asked for ", bytes);
+      ++it->second.refs;
+      return it->second.base;
+    }
+    int const own = fd >= 0 ? -1 : shm_open(name.c_str(), O_RDWR, 0);
+    if (fd < 0 && own < 0) return MAP_FAILED;
+    void* const base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd >= 0 ? fd : own, 0);
+    int const error = errno;
+    if (own >= 0) close(own);
+    errno = error;
+    if (base != MAP_FAILED) all[name] = Entry{base, bytes, 1};
+    return base;
+  }
+  // One rank lets go of the mapping at `base`; the last one unmaps it. False when munmap failed (errno set).
+  static bool detach(void* base, std::size_t bytes) noexcept {
+    std::lock_guard<std::mutex> const lock(mutex());
+    auto& all = entries();
+    auto const it =
+        std::find_if(all.begin(), all.end(), [base](auto const& entry) { return entry.second.base == base; });
+    if (it != all.end()) {
+      if (--it->second.refs > 0) return true;
+      all.erase(it);
+    }
+    return munmap(base, bytes) == 0;
+  }
+
+ private:
+  struct Entry {
+    void* base;
+    std::size_t bytes;
+    int refs;
+  };
+  // Function-local statics: a communicator made during static initialization finds them constructed.
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::map<std::string, Entry>& entries() {
+    static auto* const e = new std::map<std::string, Entry>();  // never destroyed: used by destructors at exit
+    return *e;
+  }
+};
+
 class CpuCommunicator final : public Communicator {
  public:
   CpuCommunicator(std::unique_ptr<Bootstrap> bootstrap, CommunicatorOptions const& options);
@@ -217,7 +275,7 @@ void CpuCommunicator::release_symmetric(SymmetricRegion const& region) noexcept 
   auto const it =
       std::find_if(mappings_.begin(), mappings_.end(), [base](Mapping const& mapping) { return mapping.base == base; });
   if (base == nullptr || it == mappings_.end()) return;  // not this communicator's, or released already
-  if (munmap(it->base, it->bytes) != 0)
+  if (!ProcessMappings::detach(it->base, it->bytes))
     FERRY_LOG_WARN("cpu communicator (rank ", rank_, "): munmap of ", it->bytes, " bytes failed: ", errno_text(errno));
   mappings_.erase(it);
 }
@@ -239,7 +297,7 @@ std::string CpuCommunicator::refusal_of(int rank) {
 void CpuCommunicator::release_mappings() noexcept {
   // Local only: the memory lives on while a peer still maps it, so tearing down never needs the others.
   for (Mapping const& mapping : mappings_)
-    if (munmap(mapping.base, mapping.bytes) != 0)
+    if (!ProcessMappings::detach(mapping.base, mapping.bytes))
       FERRY_LOG_WARN("cpu communicator (rank ", rank_, "): munmap of ", mapping.bytes,
                      " bytes failed: ", errno_text(errno));
   mappings_.clear();
@@ -293,17 +351,11 @@ SymmetricRegion CpuCommunicator::alloc_symmetric(std::size_t bytes) {
                 "max_recv_tokens / hidden");
   }
 
-  // 3. every rank maps the whole segment
+  // 3. every rank maps the whole segment (ranks that are threads of one process: one mapping, ProcessMappings)
   int32_t map_error = 0;
-  if (rank_ != 0) fd = shm_open(created.name, O_RDWR, 0);
-  void* base = MAP_FAILED;
-  if (fd < 0) {
-    map_error = errno;
-  } else {
-    base = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (base == MAP_FAILED) map_error = errno;
-    close(fd);
-  }
+  void* const base = ProcessMappings::attach(created.name, fd, total);
+  if (base == MAP_FAILED) map_error = errno;
+  if (fd >= 0) close(fd);
 
   // 4. all ranks report; then rank 0's guard removes the name. From here on the memory exists only as long as some
   //    rank maps it: no segment outlives a crash.
@@ -311,12 +363,12 @@ SymmetricRegion CpuCommunicator::alloc_symmetric(std::size_t bytes) {
   try {
     bootstrap_->allgather(&map_error, map_errors.data(), sizeof(map_error));
   } catch (...) {
-    if (base != MAP_FAILED) munmap(base, total);
+    if (base != MAP_FAILED) ProcessMappings::detach(base, total);
     throw;
   }
   for (int r = 0; r < world_; ++r) {
     if (map_errors[static_cast<std::size_t>(r)] == 0) continue;
-    if (base != MAP_FAILED) munmap(base, total);
+    if (base != MAP_FAILED) ProcessMappings::detach(base, total);
     FERRY_THROW(Error, "ferry", "cpu communicator: rank ", r, " could not map shared memory segment ", created.name,
                 " (", total, " bytes): ", errno_text(map_errors[static_cast<std::size_t>(r)]),
                 "; backend cpu needs every rank on one host with room for the segment in its address space");
