@@ -104,6 +104,60 @@ struct CallHeader {
   // (EpBuffer::mask_ranks), bit r for rank r (CpuEp::header_bytes_)
 };
 static_assert(sizeof(CallHeader) % sizeof(uint64_t) == 0, "the words of the proposed ranks follow the header");
+static_assert(offsetof(CallHeader, reason) % sizeof(uint64_t) == 0, "the reason is stored in 64-bit words");
+
+// A peer's header or verdict slot, as one rank read it (CpuEp::read_header; the verdicts in CpuEp::sync).
+struct HeaderCopy {
+  uint64_t step = 0;  // kRewritten: its writer was rewriting the slot (it went past the reader's call)
+  uint32_t kind = 0;
+  uint32_t refused = 0;
+  uint64_t number = 0;
+  RankSet proposed;
+  std::string reason;  // when refused
+};
+
+// The parity slots (call headers, verdicts) are sequence locks. A rank reads a peer's slot after a sync, and with
+// rank masking a peer does not wait at the next sync for a rank left out of it: it may come back to the same slot
+// two calls later while a slow rank still reads it. So every word of a slot is an atomic; the writer first sets the
+// slot's tag word to a mark, then writes the words and publishes the tag (release); the reader loads the tag
+// (acquire), the words, and the tag again. A tag that changed, or the mark, says the slot was being rewritten: the
+// writer went past the reader's call without it. The words are stored with release and loaded with acquire, so a
+// word of a rewrite that the reader saw makes the mark visible to its second load of the tag (no fences, which
+// ThreadSanitizer does not model).
+constexpr uint64_t kRewritten = UINT64_MAX;  // a header's mark (a verdict's is 0: its readers wait for the epoch)
+
+void open_slot(uint64_t* tag, uint64_t mark) {
+  std::atomic_ref<uint64_t>(*tag).store(mark, std::memory_order_relaxed);
+}
+void publish_slot(uint64_t* tag, uint64_t value) {
+  std::atomic_ref<uint64_t>(*tag).store(value, std::memory_order_release);
+}
+// the tag as seen before the words are read
+uint64_t slot_tag(uint64_t const* tag) {
+  return std::atomic_ref<uint64_t const>(*tag).load(std::memory_order_acquire);
+}
+// after the words are read: whether the tag still holds `seen`
+bool slot_unchanged(uint64_t const* tag, uint64_t seen) {
+  return std::atomic_ref<uint64_t const>(*tag).load(std::memory_order_relaxed) == seen;
+}
+template <typename T>
+void store_word(T* at, T value) {
+  std::atomic_ref<T>(*at).store(value, std::memory_order_release);
+}
+template <typename T>
+T load_word(T const* at) {
+  return std::atomic_ref<T const>(*at).load(std::memory_order_acquire);
+}
+void store_set(uint64_t* words, RankSet const& set, int num_words) {
+  uint64_t bits[RankSet::kWords] = {};
+  set.store(bits, num_words);
+  for (int w = 0; w < num_words; ++w) store_word(words + w, bits[w]);
+}
+RankSet load_set(uint64_t const* words, int num_words) {
+  uint64_t bits[RankSet::kWords] = {};
+  for (int w = 0; w < num_words && w < RankSet::kWords; ++w) bits[w] = load_word(words + w);
+  return RankSet::load(bits, num_words);
+}
 
 // What a handle keeps on the cpu backend: this rank's view of the dispatch (host memory).
 struct CpuHandle final : HandleStorage {
@@ -173,6 +227,9 @@ class CpuEp final : public EpBackendImpl {
   // it (the lowest refusing peer) unless this rank refused the call too (it then throws its own error). Throws Error,
   // and marks the buffer out of step for good, when a rank is in another call.
   void join_call(CallKind kind, bool refused, StatsLeg leg = StatsLeg::none);
+  // Rank r's header in the parity slot at `slot` (a sequence lock: HeaderCopy::step is kRewritten when r was
+  // rewriting it), its reason copied when it refused.
+  HeaderCopy read_header(int r, std::size_t slot) const;
   // The barrier of the low-latency protocol: the communicator's, or with masking or wait statistics this buffer's own
   // over the ranks not masked (see the top of the file). Throws what the masking rules say (Error: this rank is
   // masked; TimeoutError: a rank was lost inside the call), or, without masking, TimeoutError marking the
@@ -265,6 +322,7 @@ class CpuEp final : public EpBackendImpl {
   std::vector<int32_t> fwd_rows_;  // [nodes x max_tokens x local] row of entry (m, j) on local rank l, -1: none
   std::vector<int64_t> fwd_num_;   // [nodes] entries forwarded from node m in the last dispatch
   CallLinkBytes link_bytes_;
+  std::vector<HeaderCopy> seen_headers_;  // [world] the headers join_call read, of the ranks in the call
   uint64_t step_ = 0;
   uint64_t calls_[3] = {};   // by CallKind
   std::string out_of_step_;  // set once a rank was found in another call: every later call throws it
@@ -426,6 +484,7 @@ CpuEp::CpuEp(Communicator& comm, EpConfig const& config)
   layout_.expert_src_row.assign(at(static_cast<int64_t>(num_local_) * slots_, 1), 0);
   scratch_.resize(static_cast<std::size_t>(hidden_));
   dest_offset_.assign(static_cast<std::size_t>(world_), 0);
+  seen_headers_.resize(static_cast<std::size_t>(world_));
   if (hierarchical_) {
     fwd_rows_.assign(at(static_cast<int64_t>(fwd_slots_) * max_tokens_, topology_.local), -1);
     fwd_num_.assign(static_cast<std::size_t>(fwd_slots_), 0);
@@ -451,37 +510,44 @@ void CpuEp::join_call(CallKind kind, bool refused, StatsLeg leg) {
   current_kind_ = static_cast<uint32_t>(kind);
   current_number_ = number;
   // NOTE: two slots by parity: a rank that is one call ahead writes the other slot while a slower one still reads
-  // this one; it cannot get two calls ahead without this rank at the next call's barrier.
+  // this one; it gets two calls ahead only by leaving this rank out of the next call (rank masking), which
+  // read_header tells (the slots are sequence locks).
   std::size_t const slot = (step & 1) * header_bytes_;
   auto* const mine = reinterpret_cast<CallHeader*>(static_cast<char*>(headers_.local) + slot);
-  mine->step = step;
-  mine->kind = static_cast<uint32_t>(kind);
-  mine->refused = refused ? 1u : 0u;
-  mine->number = number;
-  proposed_.store(proposed_words(mine), set_words_);
+  open_slot(&mine->step, kRewritten);
+  store_word(&mine->kind, static_cast<uint32_t>(kind));
+  store_word(&mine->refused, refused ? 1u : 0u);
+  store_word(&mine->number, number);
+  store_set(proposed_words(mine), proposed_, set_words_);
   if (refused) {
-    std::string const reason = comm_.refusal_of(rank_);  // posted by EpBuffer just before
-    std::size_t const n = std::min(reason.size(), sizeof(mine->reason) - 1);
-    std::memcpy(mine->reason, reason.data(), n);
-    mine->reason[n] = '\0';
+    char reason[sizeof(mine->reason)] = {};
+    std::string const posted = comm_.refusal_of(rank_);  // posted by EpBuffer just before
+    std::memcpy(reason, posted.data(), std::min(posted.size(), sizeof(reason) - 1));
+    for (std::size_t w = 0; w < sizeof(reason) / sizeof(uint64_t); ++w) {
+      uint64_t word = 0;
+      std::memcpy(&word, reason + w * sizeof(uint64_t), sizeof(word));
+      store_word(reinterpret_cast<uint64_t*>(mine->reason) + w, word);
+    }
   }
+  publish_slot(&mine->step, step);
   sync(SyncPoint::entry, leg);  // release / acquire: every header written before it is visible after it
   int refusing = -1;
   RankSet asked;  // rank masking: the union of the requests of the ranks in the call
   for (int r = 0; r < world_; ++r) {
     if (!active(r)) continue;  // masked: its header is not read (it may be in any call)
-    auto const& theirs = *reinterpret_cast<CallHeader const*>(headers_.of(r) + slot);
-    asked |= RankSet::load(proposed_words(&theirs), set_words_);
+    HeaderCopy const& theirs = seen_headers_[static_cast<std::size_t>(r)] = read_header(r, slot);
+    asked |= theirs.proposed;
     if (masking_ && theirs.step > step) {
       // NOTE: with masking a rank gets past this call only by going on without this rank (the parity slots hold
       // a rank one call ahead at most otherwise): it masked this rank, whose request or absence it saw first
       self_view_ = all_ranks_ - active_;
       self_view_.set(rank_);
-      self_masked_ = format_error("ferry", __FILE__, __LINE__,
-                                  concat("rank ", rank_, " is masked on this EpBuffer: at ", call_text(), " rank ", r,
-                                         " was already in call ", theirs.step,
-                                         " of the buffer, past this call without this rank; its calls are refused "
-                                         "until every rank calls clear_mask()"));
+      self_masked_ = format_error(
+          "ferry", __FILE__, __LINE__,
+          concat("rank ", rank_, " is masked on this EpBuffer: at ", call_text(), " rank ", r, " was already ",
+                 theirs.step == kRewritten ? std::string("in a later call") : concat("in call ", theirs.step),
+                 " of the buffer, past this call without this rank; its calls are refused "
+                 "until every rank calls clear_mask()"));
       throw Error(self_masked_);
     }
     if (theirs.step != step || theirs.kind != mine->kind) {
@@ -516,16 +582,31 @@ void CpuEp::join_call(CallKind kind, bool refused, StatsLeg leg) {
     FERRY_LOG_WARN("rank ", rank_, ": rank(s) ", leaving.text(), " masked at ", call_text(),
                    " (mask_ranks); later calls skip them");
   }
-  for (int r = 0; r < world_ && refusing < 0; ++r) {
-    auto const& theirs = *reinterpret_cast<CallHeader const*>(headers_.of(r) + slot);
-    if (active(r) && r != rank_ && theirs.refused != 0) refusing = r;
-  }
-  if (refusing >= 0 && !refused) {
-    auto const& theirs = *reinterpret_cast<CallHeader const*>(headers_.of(refusing) + slot);
+  for (int r = 0; r < world_ && refusing < 0; ++r)  // (the active ranks' headers were read above)
+    if (active(r) && r != rank_ && seen_headers_[static_cast<std::size_t>(r)].refused != 0) refusing = r;
+  if (refusing >= 0 && !refused)
     FERRY_THROW(InputError, "input",
-                describe_refusal(refusing, WaitPhase::none,
-                                 std::string(theirs.reason, strnlen(theirs.reason, sizeof(theirs.reason)))));
+                describe_refusal(refusing, WaitPhase::none, seen_headers_[static_cast<std::size_t>(refusing)].reason));
+}
+
+HeaderCopy CpuEp::read_header(int r, std::size_t slot) const {
+  auto const* const theirs = reinterpret_cast<CallHeader const*>(headers_.of(r) + slot);
+  HeaderCopy copy;
+  uint64_t const step = slot_tag(&theirs->step);
+  copy.kind = load_word(&theirs->kind);
+  copy.refused = load_word(&theirs->refused);
+  copy.number = load_word(&theirs->number);
+  copy.proposed = load_set(proposed_words(theirs), set_words_);
+  if (copy.refused != 0) {
+    char reason[sizeof(theirs->reason)];
+    for (std::size_t w = 0; w < sizeof(reason) / sizeof(uint64_t); ++w) {
+      uint64_t const word = load_word(reinterpret_cast<uint64_t const*>(theirs->reason) + w);
+      std::memcpy(reason + w * sizeof(uint64_t), &word, sizeof(word));
+    }
+    copy.reason.assign(reason, strnlen(reason, sizeof(reason)));
   }
+  copy.step = slot_unchanged(&theirs->step, step) ? step : kRewritten;
+  return copy;
 }
 
 RankSet CpuEp::wait_words(uint64_t const* words, std::size_t stride, RankSet const& want, uint64_t least,
@@ -598,20 +679,29 @@ void CpuEp::sync(SyncPoint point, StatsLeg leg) {
   //    when it comes); then the verdicts of the ranks it saw, which are all coming (they arrived). The ranks' words
   //    first, then the epoch with a release store, which the reader acquires before it reads them. Two slots by
   //    parity: a rank one sync ahead writes the other, and it gets two ahead only once this rank arrived at the next
-  //    sync (done reading this one) or was left out of it.
+  //    sync (done reading this one) or was left out of it (the sequence lock tells: kRewritten).
   std::size_t const verdicts = at(world_, 1) + at(epoch & 1, world_) * verdict_words_;
   std::size_t const my_verdict = verdicts + at(rank_, verdict_words_);
   for (int const r : active_) {
     auto* const verdict = reinterpret_cast<uint64_t*>(sync_.of(r)) + my_verdict;
-    present.store(verdict + 1, set_words_);
-    std::atomic_ref<uint64_t>(verdict[0]).store(epoch, std::memory_order_release);
+    open_slot(verdict, 0);  // (a sequence lock: see kRewritten)
+    store_set(verdict + 1, present, set_words_);
+    publish_slot(verdict, epoch);
   }
   RankSet const heard = wait_words(mine + verdicts, verdict_words_, present, epoch, StatsLeg::none);
   // NOTE: a rank that arrived and then said nothing for FERRY_TIMEOUT_S died inside the agreement itself: the ranks
   // may now disagree, so nothing after it can be trusted
   if (heard != present) fail_communicator(phase, present - heard, epoch);
   RankSet agreed = present;
-  for (int const p : present) agreed &= RankSet::load(mine + verdicts + at(p, verdict_words_) + 1, set_words_);
+  for (int const p : present) {
+    uint64_t const* const verdict = mine + verdicts + at(p, verdict_words_);
+    uint64_t const tag = slot_tag(verdict);
+    RankSet const view = load_set(verdict + 1, set_words_);
+    if (tag == epoch && slot_unchanged(verdict, tag))
+      agreed &= view;
+    else
+      agreed.reset(rank_);  // a verdict of a later sync: p went on without this rank (it left it out of the next one)
+  }
   RankSet const lost = active_ - agreed;
   if (lost.empty()) return;
   if (lost.test(rank_)) {
