@@ -38,8 +38,10 @@ test-gpu: build
 	cd $(BUILD) && ctest --output-on-failure -L gpu
 
 # The host code and the unit tests under AddressSanitizer (leaks included) and UndefinedBehaviorSanitizer, in a build
-# of their own without the cuda backend; any report fails its test. About 10 minutes on 2 cores, so not part of `make
-# test` (CI). Install.* is left out: its consumer project links without the sanitizers' runtimes.
+# of their own without the cuda backend; any report fails its test. Then the Python tests against that build's module
+# (the runtimes preloaded into pytest and its ranks; leaks not checked: the interpreter's own would fill the report).
+# About 12 minutes on 2 cores, so not part of `make test` (CI). Install.* is left out: its consumer project links
+# without the sanitizers' runtimes.
 test-sanitize:
 	@scripts/install-deps.sh
 	cmake -S . -B $(SANITIZE_BUILD) -G "$(GENERATOR)" -DFERRY_ENABLE_CUDA=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo \
@@ -48,6 +50,9 @@ test-sanitize:
 	cmake --build $(SANITIZE_BUILD) -j $(JOBS)
 	cd $(SANITIZE_BUILD) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ctest -L unit -E '^Install\.' --output-on-failure --timeout 600 -j $(JOBS)
+	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 FERRY_VENV=$(abspath $(BUILD))/venv \
+	  FERRY_PYTEST_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	  scripts/python-tests.sh $(SANITIZE_BUILD)
 
 # The same unit tests under ThreadSanitizer, in a build of their own (any report fails its test). Ranks that are
 # threads share one mapping of each segment (the cpu communicator's ProcessMappings), so a race between ranks is

@@ -14,7 +14,9 @@
 #      With FERRY_CTEST_JUNIT set (make test: ctest's --output-junit file), the line before pytest's summary says
 #      what was skipped, in ctest and pytest, and why.
 # Nothing to do when there are no Python tests. PYTHON picks the interpreter the environment is made from (default
-# python3).
+# python3); FERRY_VENV another place for the environment (make test-sanitize reuses the main build's, torch and all);
+# FERRY_PYTEST_PRELOAD libraries preloaded into pytest alone (make test-sanitize: the sanitizers' runtimes, which an
+# instrumented module needs loaded first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! ls python/tests/test_*.py >/dev/null 2>&1; then
@@ -25,7 +27,7 @@ fi
 BUILD=${1:-build}
 case "$BUILD" in /*) ;; *) BUILD="$PWD/$BUILD" ;; esac
 PYTHON=${PYTHON:-python3}
-VENV="$BUILD/venv"
+VENV=${FERRY_VENV:-$BUILD/venv}
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "python tests: creating the virtual environment $VENV ($PYTHON -m venv --system-site-packages)"
@@ -54,7 +56,11 @@ echo "python tests: module built in $(($(date +%s) - start)) s ($BUILD/python/fe
 
 export PYTHONPATH="$BUILD/python${PYTHONPATH:+:$PYTHONPATH}"
 status=0
-"$PYTHON_PATH" -m pytest -q -rs python/tests || status=$?
+if [ -n "${FERRY_PYTEST_PRELOAD:-}" ]; then
+  LD_PRELOAD="$FERRY_PYTEST_PRELOAD" "$PYTHON_PATH" -m pytest -q -rs python/tests || status=$?
+else
+  "$PYTHON_PATH" -m pytest -q -rs python/tests || status=$?
+fi
 if [ "$status" -eq 5 ]; then
   echo "python tests: pytest collected no tests"
   status=0
