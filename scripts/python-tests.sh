@@ -56,11 +56,8 @@ echo "python tests: module built in $(($(date +%s) - start)) s ($BUILD/python/fe
 
 export PYTHONPATH="$BUILD/python${PYTHONPATH:+:$PYTHONPATH}"
 status=0
-if [ -n "${FERRY_PYTEST_PRELOAD:-}" ]; then
-  LD_PRELOAD="$FERRY_PYTEST_PRELOAD" "$PYTHON_PATH" -m pytest -q -rs python/tests || status=$?
-else
-  "$PYTHON_PATH" -m pytest -q -rs python/tests || status=$?
-fi
+env ${FERRY_PYTEST_PRELOAD:+"LD_PRELOAD=$FERRY_PYTEST_PRELOAD"} "$PYTHON_PATH" -m pytest -q -rs python/tests ||
+  status=$?
 if [ "$status" -eq 5 ]; then
   echo "python tests: pytest collected no tests"
   status=0

@@ -122,9 +122,9 @@ struct Mapping {
 };
 
 // The segments this process maps, by name. Ranks that are threads of one process (LocalBootstrap) share one mapping
-// of each segment, so a byte has one address in the process whichever rank touches it: ThreadSanitizer relates the
-// ranks' accesses (with a mapping each, the same byte had one address per rank and a race between ranks was
-// invisible to it), and a world of threads maps each segment once. The last rank that lets go unmaps it.
+// of each segment, so a byte has one address in the process whichever rank touches it: ThreadSanitizer, which keys on
+// addresses, relates the ranks' accesses (with a mapping per rank it could not see a race between ranks), and a world
+// of threads maps each segment once. The last rank that lets go unmaps it.
 class ProcessMappings {
  public:
   // The segment `name` of `bytes` in this process: the mapping a rank of this process made already, or a new one

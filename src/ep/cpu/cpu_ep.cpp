@@ -104,9 +104,10 @@ struct CallHeader {
   // (EpBuffer::mask_ranks), bit r for rank r (CpuEp::header_bytes_)
 };
 static_assert(sizeof(CallHeader) % sizeof(uint64_t) == 0, "the words of the proposed ranks follow the header");
-static_assert(offsetof(CallHeader, reason) % sizeof(uint64_t) == 0, "the reason is stored in 64-bit words");
+static_assert(offsetof(CallHeader, reason) % sizeof(uint64_t) == 0 && kRefusalBytes % sizeof(uint64_t) == 0,
+              "the reason is stored in 64-bit words");
 
-// A peer's header or verdict slot, as one rank read it (CpuEp::read_header; the verdicts in CpuEp::sync).
+// A peer's call header as one rank read it (CpuEp::read_header).
 struct HeaderCopy {
   uint64_t step = 0;  // kRewritten: its writer was rewriting the slot (it went past the reader's call)
   uint32_t kind = 0;
@@ -148,16 +149,25 @@ template <typename T>
 T load_word(T const* at) {
   return std::atomic_ref<T const>(*at).load(std::memory_order_acquire);
 }
+// count words of a slot, from a private copy / into one
+void store_words(uint64_t* to, uint64_t const* from, std::size_t count) {
+  for (std::size_t w = 0; w < count; ++w) store_word(to + w, from[w]);
+}
+void load_words(uint64_t* to, uint64_t const* from, std::size_t count) {
+  for (std::size_t w = 0; w < count; ++w) to[w] = load_word(from + w);
+}
+// a RankSet of num_words words (RankSet::words_for(world), at most RankSet::kWords)
 void store_set(uint64_t* words, RankSet const& set, int num_words) {
   uint64_t bits[RankSet::kWords] = {};
   set.store(bits, num_words);
-  for (int w = 0; w < num_words; ++w) store_word(words + w, bits[w]);
+  store_words(words, bits, static_cast<std::size_t>(num_words));
 }
 RankSet load_set(uint64_t const* words, int num_words) {
   uint64_t bits[RankSet::kWords] = {};
-  for (int w = 0; w < num_words && w < RankSet::kWords; ++w) bits[w] = load_word(words + w);
+  load_words(bits, words, static_cast<std::size_t>(num_words));
   return RankSet::load(bits, num_words);
 }
+constexpr std::size_t kReasonWords = kRefusalBytes / sizeof(uint64_t);  // CallHeader::reason in 64-bit words
 
 // What a handle keeps on the cpu backend: this rank's view of the dispatch (host memory).
 struct CpuHandle final : HandleStorage {
@@ -520,14 +530,10 @@ void CpuEp::join_call(CallKind kind, bool refused, StatsLeg leg) {
   store_word(&mine->number, number);
   store_set(proposed_words(mine), proposed_, set_words_);
   if (refused) {
-    char reason[sizeof(mine->reason)] = {};
+    uint64_t reason[kReasonWords] = {};
     std::string const posted = comm_.refusal_of(rank_);  // posted by EpBuffer just before
     std::memcpy(reason, posted.data(), std::min(posted.size(), sizeof(reason) - 1));
-    for (std::size_t w = 0; w < sizeof(reason) / sizeof(uint64_t); ++w) {
-      uint64_t word = 0;
-      std::memcpy(&word, reason + w * sizeof(uint64_t), sizeof(word));
-      store_word(reinterpret_cast<uint64_t*>(mine->reason) + w, word);
-    }
+    store_words(reinterpret_cast<uint64_t*>(mine->reason), reason, kReasonWords);
   }
   publish_slot(&mine->step, step);
   sync(SyncPoint::entry, leg);  // release / acquire: every header written before it is visible after it
@@ -598,12 +604,10 @@ HeaderCopy CpuEp::read_header(int r, std::size_t slot) const {
   copy.number = load_word(&theirs->number);
   copy.proposed = load_set(proposed_words(theirs), set_words_);
   if (copy.refused != 0) {
-    char reason[sizeof(theirs->reason)];
-    for (std::size_t w = 0; w < sizeof(reason) / sizeof(uint64_t); ++w) {
-      uint64_t const word = load_word(reinterpret_cast<uint64_t const*>(theirs->reason) + w);
-      std::memcpy(reason + w * sizeof(uint64_t), &word, sizeof(word));
-    }
-    copy.reason.assign(reason, strnlen(reason, sizeof(reason)));
+    uint64_t reason[kReasonWords];
+    load_words(reason, reinterpret_cast<uint64_t const*>(theirs->reason), kReasonWords);
+    auto const* const text = reinterpret_cast<char const*>(reason);
+    copy.reason.assign(text, strnlen(text, sizeof(reason)));
   }
   copy.step = slot_unchanged(&theirs->step, step) ? step : kRewritten;
   return copy;
