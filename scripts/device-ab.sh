@@ -12,8 +12,9 @@
 #   bf16 only
 #   --also "ARGS": one more workload, `ferry bench ARGS` (repeatable), e.g. "--mode normal --layout expert --tokens
 #   128,4096 --dispatch bf16,fp8 --combine bf16,fp8" (the expand); the table keys rows by layout too
-#   --host-time: also builds the Python module of both trees and runs python/bench_overhead.py at 1 token (world 1,
-#   lazy calls) with each, A B A B: the host time of a dispatch + combine pair from Python and from C++
+#   --host-time: also builds the Python module of both trees and runs this tree's python/bench_overhead.py at 1 token
+#   (world 1, lazy calls) with each module, A B A B, in normal mode and in low-latency mode: the host time of a
+#   dispatch + combine pair from Python and from C++ (the same script on both sides: only the library differs)
 #   --budget S: seconds the script may take (default 570, under a device call's 600): a round (or a host-time pair)
 #   that the last one's duration says would not fit is not started, and the table is made of the rounds that ran
 # The base's build is kept in /tmp/ferry-ab-base and reused by a later call with the same tarball (a warm machine),
@@ -22,7 +23,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
-[[ "${1:-}" == -h || "${1:-}" == --help ]] && { sed -n '2,21p' "$0"; exit 0; }
+[[ "${1:-}" == -h || "${1:-}" == --help ]] && { sed -n '2,22p' "$0"; exit 0; }
 BASE_TAR="${1:-}"
 [[ -f "$BASE_TAR" ]] || { echo "device-ab: give the base tree's tarball as the first argument (see --help)" >&2; exit 2; }
 shift
@@ -37,7 +38,7 @@ while [[ $# -gt 0 ]]; do
     --host-time) HOST_TIME=1; shift ;;
     --budget) BUDGET="$2"; shift 2 ;;
     --also) ALSO+=("$2"); shift 2 ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "device-ab: unknown argument '$1'; see --help" >&2; exit 2 ;;
   esac
 done
@@ -111,20 +112,22 @@ for ((round = 1; round <= ROUNDS; ++round)); do
 done
 
 if [[ $HOST_TIME -eq 1 ]]; then
-  PAIR_S=60  # a host-time pair (A and B) before one has run: two builds' imports and 21 loops each
+  PAIR_S=120  # a host-time round (A and B, both modes) before one has run: four imports and 21 loops each
   for ((round = 1; round <= ROUNDS; ++round)); do
     if ! fits "$PAIR_S"; then
       echo "device-ab: host time round $round and later not run: $((BUDGET - (SECONDS - START))) s of the budget left"
       break
     fi
     pair_start=$SECONDS
-    for side in a b; do
-      root=$([[ $side == a ]] && echo "$BASE" || echo .)
-      build=$([[ $side == a ]] && echo "$BASE/build" || echo build-device)
-      PYTHONPATH="$build/python" timeout 120 "$PY" -m torch.distributed.run --nproc-per-node 1 \
-        "$root/python/bench_overhead.py" --tokens 1 --iters 50 --repeats 21 >"$LOGS/host-$side-$round.log" 2>&1 ||
-        echo "device-ab: host time $side $round exit $?"
-      echo "host time $side round $round: $(grep -h 'from Python' "$LOGS/host-$side-$round.log" | head -n 1)"
+    for mode in normal ll; do
+      for side in a b; do
+        build=$([[ $side == a ]] && echo "$BASE/build" || echo build-device)
+        log="$LOGS/host-$mode-$side-$round.log"
+        PYTHONPATH="$build/python" timeout 120 "$PY" -m torch.distributed.run --nproc-per-node 1 \
+          python/bench_overhead.py --mode "$mode" --tokens 1 --iters 50 --repeats 21 >"$log" 2>&1 ||
+          echo "device-ab: host time $mode $side $round exit $?"
+        echo "host time $mode $side round $round: $(grep -h 'from Python' "$log" | head -n 1)"
+      done
     done
     PAIR_S=$((SECONDS - pair_start))
   done

@@ -33,7 +33,7 @@ void launch_ll_combine(Buffers const& buffers, CombineArgs const& args, int num_
                        bool refuse, detail::LegRecord* record) {
   // num_tokens is only checked here; the kernel reads the device copy of the last dispatch's count
   LlCombineParams const p = to_params(buffers, args, num_tokens, refuse);
-  int const variant = LlCombineFamily<cuda_ll::OneNode>::variant(half, args.layout);
+  int const variant = LlCombineFamily<cuda_ll::OneNode>::variant(half, args.layout, args.group_weights != nullptr);
   if (buffers.config.rank_masking) {
     // NOTE: as launch_ll_dispatch: the agreement first (the send half's); across nodes the direct route
     FERRY_CHECK(buffers.layout.nodes == 1 || buffers.layout.ll_fwd_rows == 0,

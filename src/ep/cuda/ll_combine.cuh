@@ -533,7 +533,7 @@ __device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, Net co
   FERRY_TRACE_END(trace, ll_combine_send_arrival);
 }
 
-template <WireFormat kFormat, bool kMasking, class Net>
+template <WireFormat kFormat, bool kMasking, bool kGrouped, class Net>
 __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net const& network,
                                                 uint64_t seq FERRY_TRACE_PARAM(trace)) {
   __shared__ int s_ok;
@@ -657,7 +657,7 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
     for (int u = 0; u < kUnroll; ++u)
       if (v0 + u * 32 < num_vec) device::arch::store_na_v4(y + v0 + u * 32, float_to_bf16x8(acc[u]));
   };
-  if (p.group_weights == nullptr) {
+  if constexpr (!kGrouped) {
     for (int item = cta * kWarps + warp; item < items; item += p.num_ctas * kWarps) {
       int const token = item / num_chunks;
       int const v0 = (item % num_chunks) * kChunkVecs + lane;
@@ -698,7 +698,9 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
 // Net: OneNode, or the network to the ranks of other nodes (NetParams).
 // kMasking: rank masking (ll_dispatch_kernel's rules; across nodes the direct route): a rank masked since the
 // dispatch gets no rows and adds none to y, and the entries y misses are counted.
-template <bool kExpertMajor, WireFormat kFormat, bool kSend, bool kRecv, class Net = OneNode, bool kMasking = false>
+// kGrouped: the receive half sums groups of tokens with weights (CombineArgs::group; p.group_weights set).
+template <bool kExpertMajor, WireFormat kFormat, bool kSend, bool kRecv, class Net = OneNode, bool kMasking = false,
+          bool kGrouped = false>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(NetParams<LlCombineParams, Net> const p) {
   static_assert(kSend || kRecv, "an LL combine kernel runs at least one half");
   __shared__ uint64_t s_seq[2];
@@ -707,7 +709,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(NetParams<LlCom
   FERRY_TRACE_WARP(trace, p.trace);
   decltype(auto) network = network_of<Net>(p);
   if constexpr (kSend) ll_combine_send<kExpertMajor, kFormat, kMasking>(p, network, s_seq[0] FERRY_TRACE_ARG(trace));
-  if constexpr (kRecv) ll_combine_recv<kFormat, kMasking>(p, network, s_seq[1] FERRY_TRACE_ARG(trace));
+  if constexpr (kRecv) ll_combine_recv<kFormat, kMasking, kGrouped>(p, network, s_seq[1] FERRY_TRACE_ARG(trace));
 }
 
 }  // namespace ferry::cuda_ll

@@ -38,22 +38,33 @@ struct LlDispatchFamily : InstanceFamily<void (*)(cuda_ll::NetParams<cuda_ll::Ll
   }
 };
 
-// The combine family: codec x halves x layout. The kernels take no codec unit (a work item is a chunk of whole scale
-// blocks), and the receive half reads no expert outputs: one instance per format for it.
+// The combine family: codec x halves x layout, and the grouped sum (CombineArgs::group_weights) as instances of its
+// own: the receive half's loop with weights is compiled apart, so that the plain sum keeps its code and registers.
+// The kernels take no codec unit (a work item is a chunk of whole scale blocks), and the receive half reads no expert
+// outputs: one instance per format for it. The send half reads no group: a grouped send-only call runs the plain one.
 template <class Net, bool kMasking = false>
-struct LlCombineFamily : InstanceFamily<void (*)(cuda_ll::NetParams<cuda_ll::LlCombineParams, Net>), 6, false> {
+struct LlCombineFamily : InstanceFamily<void (*)(cuda_ll::NetParams<cuda_ll::LlCombineParams, Net>), 9, false> {
   using Kernel = void (*)(cuda_ll::NetParams<cuda_ll::LlCombineParams, Net>);
   static constexpr char const* kName = "low-latency combine";
   static constexpr char const* kFormatField = "combine_format";
-  static constexpr int variant(Half half, CombineLayout layout) {
-    return static_cast<int>(half) * 2 + (layout == CombineLayout::expert_major ? 1 : 0);
+  // 0..5: half x layout; 6, 7: both halves, grouped, by layout; 8: the receive half, grouped
+  static constexpr int variant(Half half, CombineLayout layout, bool grouped) {
+    int const major = layout == CombineLayout::expert_major ? 1 : 0;
+    if (grouped && half == Half::both) return 6 + major;
+    if (grouped && half == Half::recv) return 8;
+    return static_cast<int>(half) * 2 + major;
   }
   template <int kCodec, int kVariant>
   static constexpr Kernel kernel() {
     constexpr WireFormat format = kCodecs[kCodec].format;
-    constexpr Half half = static_cast<Half>(kVariant / 2);
-    if constexpr (half == Half::recv) return cuda_ll::ll_combine_kernel<true, format, false, true, Net, kMasking>;
-    return cuda_ll::ll_combine_kernel<kVariant % 2 == 1, format, true, half == Half::both, Net, kMasking>;
+    if constexpr (kVariant >= 6) {
+      constexpr bool kBoth = kVariant < 8;
+      return cuda_ll::ll_combine_kernel < kVariant == 7 || !kBoth, format, kBoth, true, Net, kMasking, true > ;
+    } else {
+      constexpr Half half = static_cast<Half>(kVariant / 2);
+      if constexpr (half == Half::recv) return cuda_ll::ll_combine_kernel<true, format, false, true, Net, kMasking>;
+      return cuda_ll::ll_combine_kernel<kVariant % 2 == 1, format, true, half == Half::both, Net, kMasking>;
+    }
   }
 };
 
