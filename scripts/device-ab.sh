@@ -6,7 +6,7 @@
 # scripts/device-check.sh then reuses), the base into /tmp/ferry-ab-base/.
 #
 # usage: scripts/device-ab.sh BASE_TAR [--rounds N] [--iters N] [--seed S] [--quick] [--also "ARGS"] [--host-time]
-#                              [--budget S]
+#                              [--kernel-time] [--budget S]
 #   default workloads: normal mode 128 and 4096 tokens, low-latency mode 1, 128 and 512 tokens, dispatch and combine
 #   in bf16 and fp8 (hidden 7168, topk 8, 256 experts, random routing, graph mode); --quick: normal 128 and LL 1/128,
 #   bf16 only
@@ -15,6 +15,9 @@
 #   --host-time: also builds the Python module of both trees and runs this tree's python/bench_overhead.py at 1 token
 #   (world 1, lazy calls) with each module, A B A B, in normal mode and in low-latency mode: the host time of a
 #   dispatch + combine pair from Python and from C++ (the same script on both sides: only the library differs)
+#   --kernel-time: also the low-latency kernels' own time at 1 token (bf16 and fp8), without the gaps a graph's launches
+#   leave between them: ncu (--clock-control none --cache-control none) on `ferry bench --mode ll --tokens 1`, A B A B,
+#   the median over a run's launches of each kernel's duration and warp instructions (about 50 s)
 #   --budget S: seconds the script may take (default 570, under a device call's 600): a round (or a host-time pair)
 #   that the last one's duration says would not fit is not started, and the table is made of the rounds that ran
 # The base's build is kept in /tmp/ferry-ab-base and reused by a later call with the same tarball (a warm machine),
@@ -23,11 +26,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
-[[ "${1:-}" == -h || "${1:-}" == --help ]] && { sed -n '2,22p' "$0"; exit 0; }
+[[ "${1:-}" == -h || "${1:-}" == --help ]] && { sed -n '2,25p' "$0"; exit 0; }
 BASE_TAR="${1:-}"
 [[ -f "$BASE_TAR" ]] || { echo "device-ab: give the base tree's tarball as the first argument (see --help)" >&2; exit 2; }
 shift
-ROUNDS=2 ITERS=30 SEED=7 QUICK=0 HOST_TIME=0 BUDGET=570
+ROUNDS=2 ITERS=30 SEED=7 QUICK=0 HOST_TIME=0 KERNEL_TIME=0 BUDGET=570
 ALSO=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -36,9 +39,10 @@ while [[ $# -gt 0 ]]; do
     --seed) SEED="$2"; shift 2 ;;
     --quick) QUICK=1; shift ;;
     --host-time) HOST_TIME=1; shift ;;
+    --kernel-time) KERNEL_TIME=1; shift ;;
     --budget) BUDGET="$2"; shift 2 ;;
     --also) ALSO+=("$2"); shift 2 ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "device-ab: unknown argument '$1'; see --help" >&2; exit 2 ;;
   esac
 done
@@ -63,6 +67,56 @@ PY=python3
 [[ -x /opt/torch/.venv/bin/python3 ]] && PY=/opt/torch/.venv/bin/python3
 PY_ARGS=()
 TARGETS_A=(--target ferry_cli)
+if [[ $KERNEL_TIME -eq 1 ]]; then
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
+  if [[ -z "$NCU" ]]; then
+    echo "device-ab: --kernel-time needs ncu, which this machine lacks"
+  elif ! fits 60; then
+    echo "device-ab: kernel time not run: $((BUDGET - (SECONDS - START))) s of the budget left"
+  else
+    for round in 1 2; do
+      for side in a b; do
+        bin=$([[ $side == a ]] && echo "$BASE/build/ferry" || echo build-device/ferry)
+        for fmt in bf16 fp8; do
+          timeout 100 "$NCU" --clock-control none --cache-control none -k regex:ll_ -c 40 --csv \
+            --metrics gpu__time_duration.sum,sm__inst_executed.sum \
+            "$bin" bench --mode ll --tokens 1 --dispatch $fmt --combine $fmt --iters 10 --seed "$SEED" \
+            >"$LOGS/ncu-$side-$fmt-$round.csv" 2>"$LOGS/ncu-$side-$fmt-$round.err" ||
+            echo "device-ab: ncu $side $fmt $round exit $?"
+        done
+      done
+    done
+    python3 - "$LOGS" <<'PY'
+import collections, csv, glob, os, re, statistics, sys
+# (side, format, leg) -> metric -> [median of each run]
+runs = collections.defaultdict(lambda: collections.defaultdict(list))
+for path in glob.glob(os.path.join(sys.argv[1], "ncu-*.csv")):
+    side, fmt = os.path.basename(path).split("-")[1:3]
+    values = collections.defaultdict(lambda: collections.defaultdict(list))
+    with open(path) as f:
+        for r in csv.DictReader(line for line in f if line.startswith('"')):
+            leg = re.search(r"ll_(dispatch|combine)_kernel", r.get("Kernel Name", ""))
+            if leg:
+                values[leg.group(1)][r["Metric Name"]].append(float(r["Metric Value"].replace(",", "")))
+    for leg, metrics in values.items():
+        for name, v in metrics.items():
+            runs[(side, fmt, leg)][name].append(statistics.median(v))
+print("kernel time at 1 token (ncu; median of each run's launches, then of the runs)")
+print(f"{'leg':<16}{'A ns':>10}{'B ns':>10}{'B/A':>8}{'A instr':>12}{'B instr':>12}")
+for fmt in ("bf16", "fp8"):
+    for leg in ("dispatch", "combine"):
+        a, b = runs.get(("a", fmt, leg)), runs.get(("b", fmt, leg))
+        if not a or not b:
+            print(f"{fmt + ' ' + leg:<16} missing (see ncu-*.err)")
+            continue
+        t = [statistics.median(x["gpu__time_duration.sum"]) for x in (a, b)]
+        i = [statistics.median(x["sm__inst_executed.sum"]) for x in (a, b)]
+        print(f"{fmt + ' ' + leg:<16}{t[0]:>10.0f}{t[1]:>10.0f}{t[1] / t[0]:>8.3f}{i[0]:>12.0f}{i[1]:>12.0f}")
+PY
+  fi
+  stamp "kernel time done"
+fi
+
 if [[ $HOST_TIME -eq 1 ]]; then
   PY_ARGS=(-DFERRY_BUILD_PYTHON=ON "-DPython_EXECUTABLE=$PY")
   TARGETS_A=(--target ferry_cli ferry_python)
