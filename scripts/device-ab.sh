@@ -2,8 +2,8 @@
 # On the GPU machine, from the repo root: an A/B of `ferry bench` between a base tree (A: a tarball of another commit,
 # e.g. `git archive PARENT -o build-ab/base.tar`, carried to the machine) and this tree (B), same seeds, every row
 # checked, rounds interleaved A B A B so that a drift of the machine falls on both; then a table of the medians of
-# each leg, A, B and B / A, each the median over the rounds. This tree is built into build-device/ (the build
-# scripts/device-check.sh then reuses), the base into /tmp/ferry-ab-base/.
+# each leg, A, B and B / A, each the median over the rounds. This tree's CLI (and module) is built into build-device/
+# (which scripts/device-check.sh then completes), the base's into /tmp/ferry-ab-base/.
 #
 # usage: scripts/device-ab.sh BASE_TAR [--rounds N] [--iters N] [--seed S] [--quick] [--also "ARGS"] [--host-time]
 #                              [--kernel-time] [--budget S]
@@ -66,7 +66,56 @@ stamp "configure + build: this tree (build-device) and the base ($BASE/build)"
 PY=python3
 [[ -x /opt/torch/.venv/bin/python3 ]] && PY=/opt/torch/.venv/bin/python3
 PY_ARGS=()
-TARGETS_A=(--target ferry_cli)
+TARGETS=(--target ferry_cli)
+if [[ $HOST_TIME -eq 1 ]]; then
+  PY_ARGS=(-DFERRY_BUILD_PYTHON=ON "-DPython_EXECUTABLE=$PY")
+  TARGETS=(--target ferry_cli ferry_python)
+fi
+cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release "${PY_ARGS[@]}" >"$LOGS/configure-b.log" 2>&1 ||
+  { tail "$LOGS/configure-b.log"; exit 2; }
+cmake -S "$BASE" -B "$BASE/build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${PY_ARGS[@]}" >"$LOGS/configure-a.log" 2>&1 ||
+  { tail "$LOGS/configure-a.log"; exit 2; }
+JOBS=$(nproc)
+# the same targets on both sides, half the cores each (the GPU tests are device-check.sh's, which builds them after)
+(cmake --build build-device -j $((JOBS / 2)) "${TARGETS[@]}" >"$LOGS/build-b.log" 2>&1; echo $? >"$LOGS/build-b.rc") &
+(cmake --build "$BASE/build" -j $((JOBS / 2)) "${TARGETS[@]}" >"$LOGS/build-a.log" 2>&1; echo $? >"$LOGS/build-a.rc") &
+wait
+for side in a b; do
+  if [[ "$(cat "$LOGS/build-$side.rc")" != 0 ]]; then
+    grep -E "FAILED|error" "$LOGS/build-$side.log" | head -n 10
+    [[ -x "$([[ $side == a ]] && echo "$BASE/build" || echo build-device)/ferry" ]] || { echo "device-ab: build $side failed"; exit 1; }
+  fi
+done
+stamp "built"
+
+if [[ $QUICK -eq 1 ]]; then
+  RUNS=("--mode normal --tokens 128 --dispatch bf16 --combine bf16" "--mode ll --tokens 1,128 --dispatch bf16 --combine bf16")
+else
+  RUNS=("--mode normal --tokens 128,4096 --dispatch bf16,fp8 --combine bf16,fp8"
+        "--mode ll --tokens 1,128,512 --dispatch bf16,fp8 --combine bf16,fp8")
+fi
+RUNS+=("${ALSO[@]}")
+ROUND_S=0  # the last round's duration: a round that would not fit in the budget is not started
+ROUNDS_RUN=0
+for ((round = 1; round <= ROUNDS; ++round)); do
+  if ! fits "$ROUND_S"; then
+    echo "device-ab: round $round and later not run: $((BUDGET - (SECONDS - START))) s of the budget left, a round took ${ROUND_S} s"
+    break
+  fi
+  round_start=$SECONDS
+  for side in a b; do
+    bin=$([[ $side == a ]] && echo "$BASE/build/ferry" || echo build-device/ferry)
+    for i in "${!RUNS[@]}"; do
+      # shellcheck disable=SC2086
+      timeout 150 "$bin" bench ${RUNS[$i]} --graph --check --iters "$ITERS" --seed "$SEED" \
+        --json "$LOGS/$side-$round-$i.json" >"$LOGS/$side-$round-$i.log" 2>&1 || echo "device-ab: run $side $round $i exit $?"
+    done
+  done
+  ROUND_S=$((SECONDS - round_start))
+  ROUNDS_RUN=$round
+  stamp "round $round done"
+done
+
 if [[ $KERNEL_TIME -eq 1 ]]; then
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
   if [[ -z "$NCU" ]]; then
@@ -116,54 +165,6 @@ PY
   fi
   stamp "kernel time done"
 fi
-
-if [[ $HOST_TIME -eq 1 ]]; then
-  PY_ARGS=(-DFERRY_BUILD_PYTHON=ON "-DPython_EXECUTABLE=$PY")
-  TARGETS_A=(--target ferry_cli ferry_python)
-fi
-cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release "${PY_ARGS[@]}" >"$LOGS/configure-b.log" 2>&1 ||
-  { tail "$LOGS/configure-b.log"; exit 2; }
-cmake -S "$BASE" -B "$BASE/build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${PY_ARGS[@]}" >"$LOGS/configure-a.log" 2>&1 ||
-  { tail "$LOGS/configure-a.log"; exit 2; }
-JOBS=$(nproc)
-(cmake --build build-device -j $((JOBS * 2 / 3)) -- -k 0 >"$LOGS/build-b.log" 2>&1; echo $? >"$LOGS/build-b.rc") &
-(cmake --build "$BASE/build" -j $((JOBS / 3)) "${TARGETS_A[@]}" >"$LOGS/build-a.log" 2>&1; echo $? >"$LOGS/build-a.rc") &
-wait
-for side in a b; do
-  if [[ "$(cat "$LOGS/build-$side.rc")" != 0 ]]; then
-    grep -E "FAILED|error" "$LOGS/build-$side.log" | head -n 10
-    [[ -x "$([[ $side == a ]] && echo "$BASE/build" || echo build-device)/ferry" ]] || { echo "device-ab: build $side failed"; exit 1; }
-  fi
-done
-stamp "built"
-
-if [[ $QUICK -eq 1 ]]; then
-  RUNS=("--mode normal --tokens 128 --dispatch bf16 --combine bf16" "--mode ll --tokens 1,128 --dispatch bf16 --combine bf16")
-else
-  RUNS=("--mode normal --tokens 128,4096 --dispatch bf16,fp8 --combine bf16,fp8"
-        "--mode ll --tokens 1,128,512 --dispatch bf16,fp8 --combine bf16,fp8")
-fi
-RUNS+=("${ALSO[@]}")
-ROUND_S=0  # the last round's duration: a round that would not fit in the budget is not started
-ROUNDS_RUN=0
-for ((round = 1; round <= ROUNDS; ++round)); do
-  if ! fits "$ROUND_S"; then
-    echo "device-ab: round $round and later not run: $((BUDGET - (SECONDS - START))) s of the budget left, a round took ${ROUND_S} s"
-    break
-  fi
-  round_start=$SECONDS
-  for side in a b; do
-    bin=$([[ $side == a ]] && echo "$BASE/build/ferry" || echo build-device/ferry)
-    for i in "${!RUNS[@]}"; do
-      # shellcheck disable=SC2086
-      timeout 150 "$bin" bench ${RUNS[$i]} --graph --check --iters "$ITERS" --seed "$SEED" \
-        --json "$LOGS/$side-$round-$i.json" >"$LOGS/$side-$round-$i.log" 2>&1 || echo "device-ab: run $side $round $i exit $?"
-    done
-  done
-  ROUND_S=$((SECONDS - round_start))
-  ROUNDS_RUN=$round
-  stamp "round $round done"
-done
 
 if [[ $HOST_TIME -eq 1 ]]; then
   PAIR_S=120  # a host-time round (A and B, both modes) before one has run: four imports and 21 loops each
