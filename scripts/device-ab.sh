@@ -18,7 +18,7 @@
 #   --kernel-time: also the low-latency kernels' own time at 1 token (bf16 and fp8), without the gaps a graph's launches
 #   leave between them: ncu (--clock-control none --cache-control none) on `ferry bench --mode ll --tokens 1`, A B A B,
 #   the median over a run's launches of each kernel's duration and warp instructions (about 50 s)
-#   --budget S: seconds the script may take (default 570, under a device call's 600): a round (or a host-time pair)
+#   --budget S: seconds the script may take (default 570, under a device call's 600): a round (or a host-time round)
 #   that the last one's duration says would not fit is not started, and the table is made of the rounds that ran
 # The base's build is kept in /tmp/ferry-ab-base and reused by a later call with the same tarball (a warm machine),
 # as build-device/ is: a second call spends its time on rounds, not on builds.
@@ -167,13 +167,13 @@ PY
 fi
 
 if [[ $HOST_TIME -eq 1 ]]; then
-  PAIR_S=120  # a host-time round (A and B, both modes) before one has run: four imports and 21 loops each
+  HOST_ROUND_S=120  # a host-time round (A and B, both modes) before one has run: four imports and 21 loops each
   for ((round = 1; round <= ROUNDS; ++round)); do
-    if ! fits "$PAIR_S"; then
+    if ! fits "$HOST_ROUND_S"; then
       echo "device-ab: host time round $round and later not run: $((BUDGET - (SECONDS - START))) s of the budget left"
       break
     fi
-    pair_start=$SECONDS
+    host_start=$SECONDS
     for mode in normal ll; do
       for side in a b; do
         build=$([[ $side == a ]] && echo "$BASE/build" || echo build-device)
@@ -184,7 +184,7 @@ if [[ $HOST_TIME -eq 1 ]]; then
         echo "host time $mode $side round $round: $(grep -h 'from Python' "$log" | head -n 1)"
       done
     done
-    PAIR_S=$((SECONDS - pair_start))
+    HOST_ROUND_S=$((SECONDS - host_start))
   done
   stamp "host time done"
 fi

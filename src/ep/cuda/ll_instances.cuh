@@ -58,8 +58,9 @@ struct LlCombineFamily : InstanceFamily<void (*)(cuda_ll::NetParams<cuda_ll::LlC
   static constexpr Kernel kernel() {
     constexpr WireFormat format = kCodecs[kCodec].format;
     if constexpr (kVariant >= 6) {
-      constexpr bool kBoth = kVariant < 8;
-      return cuda_ll::ll_combine_kernel < kVariant == 7 || !kBoth, format, kBoth, true, Net, kMasking, true > ;
+      constexpr bool kBoth = kVariant != 8;
+      constexpr bool kExpertMajor = kVariant != 6;  // the receive half alone reads no layout: expert-major, as above
+      return cuda_ll::ll_combine_kernel<kExpertMajor, format, kBoth, true, Net, kMasking, true>;
     } else {
       constexpr Half half = static_cast<Half>(kVariant / 2);
       if constexpr (half == Half::recv) return cuda_ll::ll_combine_kernel<true, format, false, true, Net, kMasking>;
