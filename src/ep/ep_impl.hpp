@@ -129,9 +129,10 @@ struct EpBufferAccess {
 };
 
 std::unique_ptr<EpBackendImpl> make_cpu_ep(Communicator& comm, EpConfig const& config);
-// The cuda backend's EpBuffer (make_cuda_ep calls it first): throws ConfigError for a world past kMaxCudaWorld, the
-// ranks its kernels address, naming the world, the bound and why. Host code, so that builds without cuda test it.
-void check_cuda_world(int world);
+// The cuda backend's EpBuffer (make_cuda_ep calls it first): throws ConfigError for a world its kernels cannot
+// address, naming the world, the bound and why: past kMaxCudaWorld ranks only low-latency mode across nodes runs (up
+// to kMaxWorld), without rank masking. Host code, so that builds without cuda test it.
+void check_cuda_world(EpConfig const& config, Topology const& topology);
 #if FERRY_HAVE_CUDA
 // Every mode and protocol (src/ep/cuda/cuda_ep.cu chooses); config is resolved (EpConfig::resolved).
 std::unique_ptr<EpBackendImpl> make_cuda_ep(Communicator& comm, EpConfig const& config);

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "comm/device/bits.cuh"
 #include "comm/device/work_items.hpp"
 #include "quant/device_unit_codec.cuh"
 
@@ -83,13 +84,14 @@ struct CtaRowMax {
   }
 };
 
-// Pushes chunk `chunk` of `chunks` of a row (the scale groups chunk_range gives it) to every destination d of `send`,
+// Pushes chunk `chunk` of `chunks` of a row (the scale groups chunk_range gives it) to every destination d of `send`
+// (a 32- or 64-bit set, device/bits.cuh),
 // at places_of(d) (QuantRowPlaces): quantized unit by unit (kInFlight units per lane loaded before the conversions),
 // or forwarded piece by piece when pre-quantized; chunk 0 also stores nvfp4's token_scale. Every lane of the warp
 // calls it.
-template <WireFormat kFormat, int kUnitElems, int kInFlight, typename PlacesOf>
+template <WireFormat kFormat, int kUnitElems, int kInFlight, typename PlacesOf, typename Set>
 __device__ __forceinline__ void push_quantized_chunk(QuantRowInput const& in, int hidden, int chunk, int chunks,
-                                                     uint32_t send, float token_scale, PlacesOf places_of, int lane) {
+                                                     Set send, float token_scale, PlacesOf places_of, int lane) {
   using Codec = UnitCodec<kFormat, kUnitElems>;
   constexpr int kScaleBytes = Codec::kTraits.scale_bytes;
   static_assert(kInFlight >= 1, "at least one unit per lane in flight");
@@ -100,13 +102,13 @@ __device__ __forceinline__ void push_quantized_chunk(QuantRowInput const& in, in
 
   if constexpr (kFormat == WireFormat::nvfp4)
     if (chunk == 0 && lane == 0)
-      for (uint32_t m = send; m != 0; m &= m - 1) *places_of(__ffs(m) - 1).token = token_scale;
+      for (Set m = send; m != 0; m &= m - 1) *places_of(lowest(m)).token = token_scale;
 
   // Scales of blocks that span several lanes are gathered over the steps and stored 32 at a time (ScaleWindow).
   constexpr bool kWindowed = Codec::kLanesPerBlock > 1;
   auto store_scales_everywhere = [&](std::size_t block, uint32_t scales) {
-    for (uint32_t m = send; m != 0; m &= m - 1)
-      Codec::store_scales(places_of(__ffs(m) - 1).scales + block * kScaleBytes, scales);
+    for (Set m = send; m != 0; m &= m - 1)
+      Codec::store_scales(places_of(lowest(m)).scales + block * kScaleBytes, scales);
   };
   std::size_t const end_block = Codec::block_of(static_cast<std::size_t>(u_end));
   ScaleWindowFor<Codec, kInFlight> window(Codec::block_of(static_cast<std::size_t>(u_begin)));
@@ -147,8 +149,8 @@ __device__ __forceinline__ void push_quantized_chunk(QuantRowInput const& in, in
     for (int f = 0; f < kInFlight; ++f) {
       int const u = base + f * 32 + lane;
       if (u >= u_end) continue;
-      for (uint32_t m = send; m != 0; m &= m - 1) {
-        QuantRowPlaces const at = places_of(__ffs(m) - 1);
+      for (Set m = send; m != 0; m &= m - 1) {
+        QuantRowPlaces const at = places_of(lowest(m));
         Codec::store_piece(at.payload + static_cast<std::size_t>(u) * Codec::kPieceBytes, payload[f]);
         if (!kWindowed && Codec::leader(lane))
           Codec::store_scales(at.scales + Codec::block_of(u) * kScaleBytes, scales[f]);

@@ -1,8 +1,8 @@
 // Low-latency mode with several ranks on ONE GPU ("virtual ranks", tests/support/virtual_ranks.hpp). An LL rank's
 // kernels address their peers only through Buffers::sym (every rank's symmetric region) and their DeviceView, so W
 // ranks fit on one device: a VirtualWorld's regions, error blocks and streams, and each rank's local buffers
-// (allocate_buffers). The grids are launched non-cooperatively (Buffers::cooperative = false) with SMs / W CTAs
-// each, so all W of them are co-resident (an LL CTA takes a whole SM).
+// (allocate_buffers; across emulated nodes ll_nodes.hpp). The grids are launched non-cooperatively
+// (Buffers::cooperative = false) with SMs / W CTAs each, so all W of them are co-resident (an LL CTA takes a whole SM).
 //
 // Each case draws fresh inputs every iteration (seed printed), poisons every output first, runs dispatch, the
 // expert-major combine and the rank-major combine back to back on every rank, checks every rank's error block and
@@ -75,7 +75,7 @@ Spec parse_spec(std::vector<std::string> words) {
 }
 
 // `world` ranks of one LL EpBuffer on the current GPU: what CudaEp sets up per rank.
-using VirtualLlRanks = VirtualRanks<Buffers, allocate_ll, cuda_ep::free_buffers>;
+using VirtualLlRanks = VirtualRanks<Buffers, cuda_ep::allocate_buffers, cuda_ep::free_buffers>;
 
 // Launches one leg on every rank (each on its own stream, side by side): whole, or every send half then every
 // receive half.
@@ -116,12 +116,12 @@ void run_virtual(Spec const& spec, int num_ctas) {
   cuda_ep::SymLayout const layout = cuda_ep::make_sym_layout(config, world, cuda_ep::Protocol::ll, nodes);
   VirtualLlRanks ranks(
       world, layout.total,
-      [&](Buffers& b, int r) {
+      [&](Buffers& b, int r, VirtualWorld const& vw) {
         cuda_ep::configure_buffers(b, config, world, r, cuda_ep::Protocol::ll, num_ctas);
         b.num_ctas = num_ctas;
         b.own_direct = spec.own_direct;
         b.layout = layout;
-        set_emulated_nodes(b, spec.topology, spec.seed, r, spec.delay_ns);
+        set_emulated_nodes(b, spec.topology, spec.seed, r, spec.delay_ns, vw, layout.total);
       },
       spec.timeout_s());
   std::vector<VirtualRankIo> io;
@@ -395,6 +395,37 @@ TEST(LowLatencyAcrossNodes, ForwardRoute) {
 TEST(LowLatencyAcrossNodes, AbsentRankIsNamedAcrossNodes) {
   run_rows({{"topology=2x2", "absent=3", "tokens=64", "hidden=2048", "topk=8", "experts=64", "iters=1"},
             {"topology=4x2", "absent=0", "hook=1", "absent_leg=combine", "tokens=16,4", "hidden=2048", "topk=8",
+             "experts=64", "iters=1"}});
+}
+
+// Worlds past 32 ranks: low-latency mode across nodes addresses up to kMaxWorld (a token's destinations in
+// ceil(world / 32) words, a thread per source in the waits, the node's windows by local index; ll_params.cuh "Wider
+// worlds"). 8x8 and 16x4 (64 ranks, 2 CTAs each on 132 SMs), 3x12 (36: a node's ranks straddle two words of a
+// destination mask), 64x2 (128 ranks, one CTA each); both routes, bf16 and quantized rows, the hook with graph
+// replay; every row of every rank against the reference, bit for bit.
+TEST(LowLatencyAcrossNodes, WorldsPast32) {
+  std::vector<std::vector<std::string>> table;
+  for (char const* route : {"route=direct", "route=forward"}) {
+    table.push_back({"topology=8x8", route, "tokens=64,16,1,0", "hidden=2048", "topk=8", "experts=256", "iters=2"});
+    table.push_back({"topology=3x12", route, "tokens=32,5", "hidden=2048", "topk=9", "shared=1", "experts=144",
+                     "iters=2", "own=direct"});
+    table.push_back({"topology=64x2", route, "tokens=8,1,0", "hidden=1024", "topk=8", "experts=256", "iters=2"});
+  }
+  table.push_back({"topology=3x12", "routing=grouped", "tokens=24", "hidden=2048", "topk=8", "experts=144",
+                   "capacity=24", "iters=2"});
+  table.push_back({"topology=16x4", "dispatch=fp8", "combine=fp8", "layout=mn_major_tma", "tokens=32,8", "hidden=2048",
+                   "topk=8", "experts=128", "iters=2"});
+  table.push_back({"topology=16x4", "route=forward", "dispatch=nvfp4", "combine=nvfp4", "layout=blocked_128x4",
+                   "tokens=16,3", "hidden=2048", "topk=8", "experts=128", "iters=2"});
+  table.push_back(
+      {"topology=8x8", "hook=1", "graph=1", "tokens=16,64", "hidden=2048", "topk=8", "experts=64", "iters=3"});
+  run_rows(table);
+}
+
+// A rank past 32 that skips a call is named by every other rank (the error block keeps a bit per rank of kMaxWorld).
+TEST(LowLatencyAcrossNodes, AbsentRankPast32IsNamed) {
+  run_rows({{"topology=8x8", "absent=37", "tokens=16", "hidden=2048", "topk=8", "experts=64", "iters=1"},
+            {"topology=8x8", "absent=63", "hook=1", "absent_leg=combine", "tokens=16,4", "hidden=2048", "topk=8",
              "experts=64", "iters=1"}});
 }
 

@@ -37,7 +37,7 @@ namespace {
 
 using cuda_ep::Buffers;
 using cuda_ep::Half;
-using VirtualLlRanks = VirtualRanks<Buffers, allocate_ll, cuda_ep::free_buffers>;
+using VirtualLlRanks = VirtualRanks<Buffers, cuda_ep::allocate_buffers, cuda_ep::free_buffers>;
 
 // Holds a stream for `ns` of %globaltimer: a source that comes late to its dispatch.
 __global__ void spin_for(uint64_t ns) {
@@ -69,8 +69,8 @@ EpConfig ll_config(int world, bool stats, bool masking = false, WireFormat forma
 }
 
 // One world of virtual ranks in low-latency mode: every rank's buffers, its inputs and the legs' arguments. Across
-// nodes (topology.nodes > 1) the ranks of other nodes only through the emulated network (allocate_ll), its deliveries
-// delayed and reordered with a seed printed by the caller.
+// nodes (topology.nodes > 1) the ranks of other nodes only through the emulated network (set_emulated_nodes), its
+// deliveries delayed and reordered with a seed printed by the caller.
 struct LlWorld {
   EpConfig config;
   int world;
@@ -88,11 +88,11 @@ struct LlWorld {
         topology(nodes.nodes > 1 ? nodes : Topology{1, w}),
         ranks(
             w, cuda_ep::make_sym_layout(c, w, cuda_ep::Protocol::ll, topology.nodes).total,
-            [&](Buffers& b, int r) {
+            [&](Buffers& b, int r, VirtualWorld const& vw) {
               cuda_ep::configure_buffers(b, c, w, r, cuda_ep::Protocol::ll, ctas);
               b.num_ctas = ctas;
               b.layout = cuda_ep::make_sym_layout(c, w, cuda_ep::Protocol::ll, topology.nodes);
-              set_emulated_nodes(b, topology, network_seed, r, 20000);
+              set_emulated_nodes(b, topology, network_seed, r, 20000, vw, b.layout.total);
             },
             timeout_s),
         tokens(static_cast<std::size_t>(w), c.max_tokens_per_rank),

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "comm/comm_impl.hpp"
@@ -98,15 +99,21 @@ class VirtualWorld {
   int world() const { return static_cast<int>(regions_.size()); }
   double timeout_s() const { return timeout_s_; }
   cudaStream_t stream(int r) const { return streams_[r]; }
-  // Every rank's symmetric region, as a communicator's SymmetricView gives it.
-  SymmetricView sym(std::size_t bytes) const {
+  // The symmetric regions of the load/store team [first, first + size) (default: every rank, the team of one GPU), as
+  // a communicator's SymmetricView gives them. A world past kMaxLsaTeam has teams of emulated nodes (ll_nodes.hpp).
+  SymmetricView sym(std::size_t bytes, int first = 0, int size = -1) const {
+    if (size < 0) size = world();
+    FERRY_CHECK(first >= 0 && size >= 1 && size <= kMaxLsaTeam && first + size <= world(), "a team [", first, ", ",
+                first + size, ") of world ", world(), " (at most ", kMaxLsaTeam, " ranks)");
     SymmetricView view{};
-    for (int peer = 0; peer < world(); ++peer) view.ptr[peer] = static_cast<char*>(regions_[peer]);
+    for (int i = 0; i < size; ++i) view.ptr[i] = static_cast<char*>(regions_[first + i]);
     view.bytes = bytes;
-    view.lsa_first = 0;  // one GPU: every virtual rank is in the load/store team
-    view.lsa_size = world();
+    view.lsa_first = first;
+    view.lsa_size = size;
     return view;
   }
+  // Rank r's region (what an emulated network between nodes reaches, whatever the teams).
+  char* region(int r) const { return static_cast<char*>(regions_[r]); }
   // Rank r's DeviceView: its rank, the world, the wait bound and its error block (the signal area is unused).
   DeviceView view(int r) const {
     DeviceView v{};
@@ -169,10 +176,11 @@ class VirtualWorld {
 };
 
 // `world` ranks of one EpBuffer on the current GPU: each rank's local buffers (Buffers: cuda_ep::Buffers, every
-// protocol's, allocated by kAllocate, freed by kFree) on a VirtualWorld of region_bytes a rank. setup(b, r)
-// sets rank r's own fields (config, shape, grid, layout); the rank's DeviceView and symmetric regions come from the
-// VirtualWorld (device waits bounded by timeout_s), and its grids launch non-cooperatively (side by side: co-resident
-// by their size, not by the runtime's promise).
+// protocol's, allocated by kAllocate, freed by kFree) on a VirtualWorld of region_bytes a rank. setup(b, r), or
+// setup(b, r, virtual_world), sets rank r's own fields (config, shape, grid, layout); the rank's DeviceView and
+// symmetric regions come from the VirtualWorld (device waits bounded by timeout_s; the team of every rank up to
+// kMaxLsaTeam ranks, else the setup sets it), and its grids launch non-cooperatively (side by side: co-resident by
+// their size, not by the runtime's promise).
 template <typename Buffers, void (*kAllocate)(Buffers&), void (*kFree)(Buffers&) noexcept>
 class VirtualRanks {
  public:
@@ -182,10 +190,13 @@ class VirtualRanks {
     try {
       for (int r = 0; r < world; ++r) {
         Buffers& b = ranks_[r];
-        setup(b, r);
-        b.cooperative = false;
         b.view = world_.view(r);
-        b.sym = world_.sym(region_bytes);
+        if (world <= kMaxLsaTeam) b.sym = world_.sym(region_bytes);
+        if constexpr (std::is_invocable_v<Setup const&, Buffers&, int, VirtualWorld const&>)
+          setup(b, r, world_);
+        else
+          setup(b, r);
+        b.cooperative = false;
         kAllocate(b);
       }
       CK(cudaDeviceSynchronize());  // every rank's buffers exist (and are zeroed) before any peer pushes into them

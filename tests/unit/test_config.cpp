@@ -7,6 +7,7 @@
 #include <iterator>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "ep/ep_impl.hpp"
 #include "ferry/env.hpp"
@@ -122,18 +123,39 @@ TEST(Config, WorldsUpToTheBoundAndTheirTokenBound) {
   expect_message(config, 1, {"max_tokens_per_rank=1048577", "outside [1, 1048576]"});
 }
 
-// The cuda backend's EpBuffer refuses, at construction, a world its kernels cannot address (their rank masks are one
-// 32-bit word); the check is host code, called first by make_cuda_ep.
+// The cuda backend's EpBuffer refuses, at construction, a world its kernels cannot address: past 32 ranks only
+// low-latency mode across nodes runs (its kernels' rank sets are sized for 256), without rank masking (its agreement
+// keeps one 32-bit word). The check is host code, called first by make_cuda_ep.
 TEST(Config, CudaBackendRefusesAWorldPastItsKernels) {
-  EXPECT_NO_THROW(detail::check_cuda_world(32));
-  try {
-    detail::check_cuda_world(33);
-    ADD_FAILURE() << "world 33 accepted";
-  } catch (ConfigError const& error) {
-    std::string const message = error.what();
-    for (char const* part : {"world=33", "backend cuda", "32 ranks", "rank masks are 32-bit", "256"})
-      EXPECT_NE(message.find(part), std::string::npos) << part << " not in: " << message;
+  auto const refusal = [](EpConfig const& config, Topology const& topology) -> std::string {
+    try {
+      detail::check_cuda_world(config, topology);
+    } catch (ConfigError const& error) {
+      return error.what();
+    }
+    return "";
+  };
+  auto const expect_parts = [](std::string const& message, std::vector<char const*> const& parts) {
+    EXPECT_FALSE(message.empty()) << "accepted";
+    for (char const* part : parts) EXPECT_NE(message.find(part), std::string::npos) << part << " not in: " << message;
+  };
+  EpConfig normal;
+  EpConfig ll;
+  ll.mode = Mode::low_latency;
+  EpConfig masked = ll;
+  masked.rank_masking = true;
+  for (EpConfig const& config : {normal, ll, masked}) {
+    EXPECT_EQ(refusal(config, Topology{1, 32}), "");
+    EXPECT_EQ(refusal(config, Topology{4, 8}), "");
+    EXPECT_EQ(refusal(config, Topology{32, 1}), "");
   }
+  for (Topology const topology : {Topology{2, 17}, Topology{8, 8}, Topology{3, 12}, Topology{32, 8}, Topology{256, 1}})
+    EXPECT_EQ(refusal(ll, topology), "") << topology_name(topology);
+  expect_parts(refusal(normal, Topology{5, 8}),
+               {"world=40", "topology 5x8", "backend cuda", "mode=normal", "32 ranks", "mode=ll across nodes", "256"});
+  expect_parts(refusal(ll, Topology{1, 33}), {"world=33", "mode=ll on one node", "32 ranks", "256"});
+  expect_parts(refusal(masked, Topology{8, 8}),
+               {"rank_masking with world=64", "backend cuda", "32-bit word", "up to 32 ranks", "256"});
 }
 
 TEST(Config, LowLatencyRules) {

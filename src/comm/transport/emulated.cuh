@@ -53,7 +53,7 @@ struct Emulated {
   static constexpr Kind kKind = Kind::emulated;
   static constexpr bool kLoadStore = false;
 
-  char* windows[kMaxCudaWorld];  // every rank's window, by world rank (shared memory; only the leader copies)
+  char* windows[kMaxWorld];  // every rank's window, by world rank (shared memory; only the leader copies)
   int32_t rank;
   int32_t world;
   EmulatedArea* areas;  // this rank's endpoints

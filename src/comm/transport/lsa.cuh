@@ -23,8 +23,9 @@ struct Lsa {
   static constexpr Kind kKind = Kind::lsa;
   static constexpr bool kLoadStore = true;
 
-  char* windows[kMaxCudaWorld];  // every rank's window by world rank, as addressable from this rank (null outside its
-                                 // load/store team)
+  // every rank's window by world rank, as addressable from this rank (null outside its load/store team); or, from
+  // make_node_lsa, the windows of this rank's node by local index (rank and world then index that node)
+  char* windows[kMaxCudaWorld];
   int32_t rank;
   int32_t world;
 
@@ -94,6 +95,24 @@ inline Lsa make_lsa(SymmetricView const& view, int rank, int world) {
   for (int r = 0; r < world; ++r) net.windows[r] = view.peer(r);
   net.rank = rank;
   net.world = world;
+  return net;
+}
+
+// The lsa transport over the ranks of this rank's node only (`local` ranks a node, a part of its load/store team),
+// by local index: window(l) is the node's l-th rank's, rank is this rank's local index. What low-latency mode's
+// kernels across nodes hold (a world of up to kMaxWorld ranks; ll_params.cuh "Wider worlds").
+inline Lsa make_node_lsa(SymmetricView const& view, int rank, int local) {
+  FERRY_CHECK(local >= 1 && local <= kMaxCudaWorld, "make_node_lsa: local=", local, " is outside [1, ", kMaxCudaWorld,
+              "]");
+  int const first = rank / local * local;
+  Lsa net{};
+  for (int l = 0; l < local; ++l) {
+    net.windows[l] = view.peer(first + l);
+    FERRY_CHECK(net.windows[l] != nullptr, "make_node_lsa: rank ", first + l, " of rank ", rank,
+                "'s node is outside its load/store team");
+  }
+  net.rank = rank - first;
+  net.world = local;
   return net;
 }
 

@@ -189,7 +189,7 @@ void allocate_buffers(Buffers& b) {
   try {
     // 1. every protocol
     b.state = device_zeroed<DeviceState>(1);
-    b.token_mask = device_alloc<uint32_t>(max_tokens);
+    b.token_mask = device_alloc<uint32_t>(max_tokens * static_cast<std::size_t>(cuda_ll::mask_words(b.world)));
     b.expert_counts = device_zeroed<int32_t>(static_cast<std::size_t>(b.num_local_experts));
     FERRY_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&b.host_words),
                                    (1 + static_cast<std::size_t>(b.num_local_experts)) * sizeof(int32_t),
@@ -345,7 +345,9 @@ LinkBytes hier_link_bytes(Buffers const& b, LinkLeg leg, cudaStream_t stream) {
 KernelParams common_params(Buffers const& b, int ctas, bool refuse, std::optional<TraceKernel> traced) {
   KernelParams p{};
   p.view = b.view;
-  p.net = transport::make_lsa(b.sym, b.rank, b.world);
+  // every rank's window by world rank; low-latency mode across nodes holds its node's (ll_params.cuh "Wider worlds")
+  p.net = b.protocol == Protocol::ll && b.layout.nodes > 1 ? transport::make_node_lsa(b.sym, b.rank, b.layout.local)
+                                                           : transport::make_lsa(b.sym, b.rank, b.world);
   p.layout = b.layout;
   p.state = b.state;
   p.abort = refuse;

@@ -60,7 +60,7 @@ struct Buffers {
   SymmetricView sym{};
   SymLayout layout;
   DeviceState* state = nullptr;
-  uint32_t* token_mask = nullptr;     // [max_tokens] destination ranks of each token (for combine)
+  uint32_t* token_mask = nullptr;     // [max_tokens][ceil(world / 32)] destination ranks of each token (for combine)
   int32_t* expert_counts = nullptr;   // [num_local_experts]
   int32_t* recv_slot = nullptr;       // [recv_capacity, topk] slot within its expert or -1
   std::size_t recv_row_bytes = 0;     // EpConfig::recv_row_bytes(): bf16 row or quantized payload

@@ -86,9 +86,9 @@ class CudaEp final : public detail::EpBackendImpl {
     Buffers& b = buffers_;
     int const world = comm.world();
     bool const ll = config.mode == Mode::low_latency;
-    detail::check_cuda_world(world);  // the one place a world too large for the kernels is refused
     // 1. the protocol (the same on every rank: the config, the topology and FERRY_NORMAL_LANDING must agree)
     Topology const topology = comm.topology();
+    detail::check_cuda_world(config, topology);  // the one place a world too large for the kernels is refused
     bool const across = topology.nodes > 1;
     bool const hierarchical = !ll && across;
     transport::Kind const network = detail::has_gin(comm) ? transport::Kind::gin : transport::Kind::emulated;

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "comm/device/arch_sm90.cuh"
+#include "comm/device/bits.cuh"
 #include "comm/device/signal.cuh"
 #include "comm/transport/lsa.cuh"
 #include "ep/cuda/wait_stats.cuh"
@@ -77,25 +78,32 @@ __device__ __forceinline__ int token_destination(Routing const& r, int t, int la
   return e >= 0 ? static_cast<int>(e) / r.num_local_experts : -1;
 }
 
-// The token's record into slot `slot` of every rank's record area at byte offset `meta` (warp-wide; dest, e, w as
-// token_destination left them): lanes [0, topk) write the local ids, lanes [topk, 2 topk) the weights.
-// record_at(d): where destination d's record goes (a char*).
-// to: the ranks that get it (rank masking: not the masked ones).
-template <typename RecordAt>
-__device__ __forceinline__ void write_records_at(int world, int topk, int num_local, int dest, int64_t e, float w,
-                                                 int lane, RecordAt record_at, uint32_t to = 0xffffffffu) {
+// The token's record to the ranks d in [begin, end) that keep(d) names, at record_at(d) (a char*) (warp-wide; dest,
+// e, w as token_destination left them): lanes [0, topk) write the local ids, lanes [topk, 2 topk) the weights.
+template <typename Keep, typename RecordAt>
+__device__ __forceinline__ void write_records_where(int begin, int end, int topk, int num_local, int dest, int64_t e,
+                                                    float w, int lane, Keep keep, RecordAt record_at) {
   int const k = (lane < topk ? lane : lane - topk) & 31;
   int const dest_k = __shfl_sync(0xffffffffu, dest, k);
   int const e_k = static_cast<int>(__shfl_sync(0xffffffffu, static_cast<long long>(e), k));
   float const w_k = __shfl_sync(0xffffffffu, w, k);
-  for (int d = 0; d < world; ++d) {
-    if (((to >> d) & 1u) == 0) continue;
+  for (int d = begin; d < end; ++d) {
+    if (!keep(d)) continue;
     char* at = record_at(d);
     if (lane < topk)
       reinterpret_cast<int32_t*>(at)[lane] = dest_k == d ? e_k - d * num_local : -1;
     else if (lane < 2 * topk)
       reinterpret_cast<float*>(at)[lane] = dest_k == d ? w_k : 0.0f;
   }
+}
+
+// The token's record into every rank of a world of at most 32 (into slot `slot` of its record area at byte offset
+// `meta`: write_records). to: the ranks that get it (rank masking: not the masked ones).
+template <typename RecordAt>
+__device__ __forceinline__ void write_records_at(int world, int topk, int num_local, int dest, int64_t e, float w,
+                                                 int lane, RecordAt record_at, uint32_t to = 0xffffffffu) {
+  write_records_where(
+      0, world, topk, num_local, dest, e, w, lane, [&](int d) { return ((to >> d) & 1u) != 0; }, record_at);
 }
 
 __device__ __forceinline__ void write_records(transport::Lsa const& net, int world, std::size_t meta, std::size_t slot,
@@ -105,18 +113,19 @@ __device__ __forceinline__ void write_records(transport::Lsa const& net, int wor
       world, topk, num_local, dest, e, w, lane, [&](int d) { return net.window(d) + meta + slot * record; }, to);
 }
 
-// Vectors [v_begin, v_end) of a bf16 row (src) to every destination d in `mask`, at dst_of(d) (an int4* to the row's
-// first vector there), warp-wide: kUnroll loads in flight per lane, then the stores to every destination.
-template <int kUnroll, typename DstOf>
-__device__ __forceinline__ void send_row_chunk(int4 const* src, int v_begin, int v_end, uint32_t mask, DstOf dst_of,
+// Vectors [v_begin, v_end) of a bf16 row (src) to every destination d in `mask` (a 32- or 64-bit set,
+// device/bits.cuh), at dst_of(d) (an int4* to the row's first vector there), warp-wide: kUnroll loads in flight per
+// lane, then the stores to every destination.
+template <int kUnroll, typename DstOf, typename Set>
+__device__ __forceinline__ void send_row_chunk(int4 const* src, int v_begin, int v_end, Set mask, DstOf dst_of,
                                                int lane) {
   for (int i = v_begin + lane; i < v_end; i += 32 * kUnroll) {
     int4 v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       if (i + u * 32 < v_end) v[u] = device::arch::load_nc_v4(src + i + u * 32);
-    for (uint32_t m = mask; m != 0; m &= m - 1) {
-      int4* const dst = dst_of(__ffs(m) - 1);
+    for (Set m = mask; m != 0; m &= m - 1) {
+      int4* const dst = dst_of(device::lowest(m));
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
         if (i + u * 32 < v_end) device::arch::store_na_v4(dst + i + u * 32, v[u]);
@@ -131,12 +140,11 @@ __device__ __forceinline__ void send_row_chunk(int4 const* src, int v_begin, int
 // landed record of source s (s_base[world] = all of them). Returns that total; 0 when a source refused the call (its
 // bit in *s_aborted: every rank reads the same words, so every rank lands nothing; CTA 0 records each refusing peer
 // in the error block, unless this rank refused the call itself); -1 for the whole CTA when a wait failed (recorded).
-// *s_ok must be 1 and *s_aborted 0 on entry, set before a barrier. stats: the leg's row of the wait statistics
-// (wait_stats.cuh; null: off).
-// Sources of other nodes (low-latency mode across nodes): `remote.of(s)` says which, and their wait is
-// `remote.wait(s, least)` (the network's), without the out-of-step check (a network counter is read only by the
-// transport's wait). NoRemoteSources: every source is on this node.
-// `remote.skip(s)`: source s is masked (rank masking): no wait, no rows, no abort word read.
+// *s_ok must be 1 and every word of s_aborted 0 on entry, set before a barrier. stats: the leg's row of the wait
+// statistics (wait_stats.cuh; null: off). Sources of other nodes (low-latency mode across nodes): `remote.of(s)` says
+// which, and their wait is `remote.wait(s, least)` (the network's), without the out-of-step check (a network counter is
+// read only by the transport's wait). NoRemoteSources: every source is on this node. `remote.skip(s)`: source s is
+// masked (rank masking): no wait, no rows, no abort word read.
 struct NoRemoteSources {
   __device__ __forceinline__ bool of(int) const { return false; }
   __device__ __forceinline__ bool wait(int, uint64_t) const { return true; }
@@ -148,12 +156,16 @@ struct LiveSources : NoRemoteSources {
   __device__ __forceinline__ bool skip(int s) const { return ((live >> s) & 1u) == 0; }
 };
 
-template <class Remote = NoRemoteSources>
+// kMaxSources: the most sources (world ranks) the caller's shared arrays hold: s_base[kMaxSources + 1] and
+// s_aborted[kMaxSources / 32] (a bit per source; one word for one node's kernels, kMaxWorld / 32 across nodes).
+template <class Remote = NoRemoteSources, int kMaxSources = kMaxCudaWorld>
 __device__ __forceinline__ int wait_sources(DeviceView const& view, uint64_t const* arrivals, uint64_t seq,
                                             uint64_t per_call, uint64_t const volatile* tokens,
                                             uint64_t const volatile* aborts, WaitPhase phase, int32_t* s_base,
                                             uint32_t* s_aborted, int* s_ok, wait_stats::Slot* stats = nullptr,
                                             Remote const& remote = {}) {
+  static_assert(kMaxSources % 32 == 0 && kMaxSources <= 512, "a bit per source in whole words; a thread per source");
+  constexpr int kWords = kMaxSources / 32;
   int const tid = static_cast<int>(threadIdx.x);
   int const world = view.world;
   if (tid < world && remote.skip(tid)) {
@@ -174,20 +186,36 @@ __device__ __forceinline__ int wait_sources(DeviceView const& view, uint64_t con
     uint64_t const num_tokens = tokens[tid];
     uint64_t const abort_seq = aborts[tid];
     s_base[tid + 1] = static_cast<int32_t>(num_tokens);
-    if (abort_seq == seq) atomicOr(s_aborted, 1u << tid);
+    if (abort_seq == seq) {
+      if constexpr (kWords == 1)
+        atomicOr(s_aborted, 1u << tid);
+      else
+        atomicOr(s_aborted + (tid >> 5), 1u << (tid & 31));
+    }
   }
   __syncthreads();
   if (!*s_ok) return -1;
   // once per call and refusing peer; a rank that refused the call itself records none (its own input error, or its
   // host's InputError, is the call's error: a peer's record would surface as a refusal of a later call)
-  uint32_t const aborted_mask = *s_aborted;
-  if (blockIdx.x == 0 && tid < world && tid != view.rank && ((aborted_mask >> tid) & 1u) != 0 &&
-      ((aborted_mask >> view.rank) & 1u) == 0)
-    device::record_refusal(view, tid, phase);
-  if (tid == 0) {
-    bool const aborted = aborted_mask != 0;
+  auto const bases = [&](bool aborted) {
     s_base[0] = 0;
     for (int s = 0; s < world; ++s) s_base[s + 1] = aborted ? 0 : s_base[s + 1] + s_base[s];
+  };
+  if constexpr (kWords == 1) {
+    uint32_t const aborted_mask = *s_aborted;
+    if (blockIdx.x == 0 && tid < world && tid != view.rank && ((aborted_mask >> tid) & 1u) != 0 &&
+        ((aborted_mask >> view.rank) & 1u) == 0)
+      device::record_refusal(view, tid, phase);
+    if (tid == 0) bases(aborted_mask != 0);
+  } else {
+    auto const refused = [&](int s) { return ((s_aborted[s >> 5] >> (s & 31)) & 1u) != 0; };
+    if (blockIdx.x == 0 && tid < world && tid != view.rank && refused(tid) && !refused(view.rank))
+      device::record_refusal(view, tid, phase);
+    if (tid == 0) {
+      bool aborted = false;
+      for (int w = 0; w < (world + 31) / 32; ++w) aborted |= s_aborted[w] != 0;
+      bases(aborted);
+    }
   }
   __syncthreads();
   return s_base[world];

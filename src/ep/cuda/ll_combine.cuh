@@ -74,7 +74,7 @@ __device__ __forceinline__ char* combine_row_at(LlCombineParams const& p, int pa
   if constexpr (kNet)
     if (!same_node(p, source)) {
       if (p.forward) {
-        int const rail = p.view.rank / p.local * p.local + source % p.local;
+        int const rail = source % p.local;  // the rank of the source's local index on this node (a local index)
         return p.net.window(rail) + p.layout.ll_partials +
                (((static_cast<std::size_t>(parity) * p.nodes + source / p.local) * p.local + p.view.rank % p.local) *
                     p.max_tokens +
@@ -84,7 +84,7 @@ __device__ __forceinline__ char* combine_row_at(LlCombineParams const& p, int pa
       return p.net.local() + p.layout.ll_combine_send +
              (static_cast<std::size_t>(parity) * p.view.world * p.max_tokens + row) * wire_bytes;
     }
-  return p.net.window(source) + p.layout.combine_rows +
+  return near_window<kNet>(p, source) + p.layout.combine_rows +
          ((static_cast<std::size_t>(parity) * p.view.world + p.view.rank) * p.max_tokens + token) * wire_bytes;
 }
 
@@ -314,7 +314,7 @@ __device__ __forceinline__ void ll_combine_send_network(LlCombineParams const& p
   auto ep = network.open(transport::Warp{}, (p.num_ctas + cta) * kWarps + warp);
   for (int j = warp; j < world - p.local; j += kWarps) {
     int const d = remote_rank(p, j);
-    if (((live >> d) & 1u) == 0) continue;
+    if (!is_live<kMasking>(live, d)) continue;
     auto const put_row = [&](int row, std::size_t begin, std::size_t bytes) {
       int const token = p.recv_src[2 * row + 1];
       ep.put(d, landed + (static_cast<std::size_t>(rank) * p.max_tokens + token) * wire + begin,
@@ -511,20 +511,27 @@ __device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, Net co
   //    Across nodes this node's ranks only; the network leg then reaches the others.
   FERRY_TRACE_BEGIN(trace, ll_combine_send_arrival);
   __syncthreads();
-  uint32_t const near = kNet ? node_ranks(p) : 0xffffffffu;
   uint32_t const live = live_ranks<kMasking>(p);  // rank masking: nothing to a masked rank
-  if (p.abort && blockIdx.x == 0)
-    landing::publish_abort<!kNet && !kMasking>(p.net, p.layout.combine_abort, parity, world, rank, seq, near & live);
-  if (tid < world && (!kNet || ((near >> tid) & 1u) != 0) && ((live >> tid) & 1u) != 0)
-    p.net.add_signal(tid, p.layout.combine_arrivals + rank * sizeof(uint64_t), 1);
+  if constexpr (kNet) {
+    // this node's ranks, thread l its l-th (the abort word first: the same thread's release add publishes it)
+    if (tid < p.local && is_live<kMasking>(live, node_first(p) + tid)) {
+      if (p.abort && blockIdx.x == 0)
+        reinterpret_cast<uint64_t volatile*>(p.net.window(tid) + p.layout.combine_abort)[parity * world + rank] = seq;
+      p.net.add_signal(tid, p.layout.combine_arrivals + rank * sizeof(uint64_t), 1);
+    }
+  } else {
+    if (p.abort && blockIdx.x == 0)
+      landing::publish_abort<!kMasking>(p.net, p.layout.combine_abort, parity, world, rank, seq, live);
+    if (tid < world && ((live >> tid) & 1u) != 0)
+      p.net.add_signal(tid, p.layout.combine_arrivals + rank * sizeof(uint64_t), 1);
+  }
   if constexpr (kNet && kMasking) {
     // rank masking across nodes runs the direct route (the backend refuses the forward one)
     ll_combine_send_network<kFormat, true>(p, network, parity, seq);
   } else if constexpr (kNet) {
     if (p.forward) {
       // this rank's rows for the rails of its node are in (the same barrier orders them)
-      if (tid < world && ((near >> tid) & 1u) != 0)
-        p.net.add_signal(tid, p.layout.ll_partial_arrivals + rank * sizeof(uint64_t), 1);
+      if (tid < p.local) p.net.add_signal(tid, p.layout.ll_partial_arrivals + rank * sizeof(uint64_t), 1);
       ll_combine_rail<kFormat>(p, network, parity, seq);
     } else {
       ll_combine_send_network<kFormat, false>(p, network, parity, seq);
@@ -536,12 +543,14 @@ __device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, Net co
 template <WireFormat kFormat, bool kMasking, bool kGrouped, class Net>
 __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net const& network,
                                                 uint64_t seq FERRY_TRACE_PARAM(trace)) {
+  constexpr bool kNet = kAcrossNodes<Net>;
   __shared__ int s_ok;
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   int const parity = static_cast<int>(seq & 1);
   int const num_vec = p.hidden / 8;
   int const num_chunks = (num_vec + kChunkVecs - 1) / kChunkVecs;
   std::size_t const row_bytes = p.layout.combine_row_bytes;
+  auto const own = [&] { return own_window<kNet>(p); };  // read where used (a register held across the wait costs)
 
   // The token count and the mask of this warp's first token, loaded before the wait (both written by the dispatch,
   // earlier on the stream): the sum then starts with its row loads, one round trip sooner.
@@ -549,15 +558,16 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
   int const items = num_tokens * num_chunks;
   int const first_item = cta * kWarps + warp;
   uint32_t const live = live_ranks<kMasking>(p);  // rank masking: a masked rank is not waited for, its rows not summed
-  uint32_t const first_mask = first_item < items ? p.token_mask[first_item / num_chunks] & live : 0u;
+  // (across nodes a token's mask is several words, read where it is summed)
+  uint32_t const first_mask = !kNet && first_item < items ? p.token_mask[first_item / num_chunks] & live : 0u;
 
   // 3. every rank's send CTAs of this call (thread d waits for rank d; acquire, bounded)
   FERRY_TRACE_BEGIN(trace, ll_combine_wait_arrivals);
   if (tid == 0) s_ok = 1;
   __syncthreads();
   uint64_t abort_seen = 0;  // CTA 0, thread d: rank d's abort word of this parity, checked after the sum
-  if (tid < world && ((live >> tid) & 1u) != 0) {
-    auto const* arrivals = reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.layout.combine_arrivals);
+  if (tid < world && (kNet ? is_live<kMasking>(live, tid) : ((live >> tid) & 1u) != 0)) {
+    auto const* arrivals = reinterpret_cast<uint64_t const*>(own() + p.layout.combine_arrivals);
     uint64_t const per_call = static_cast<uint64_t>(p.num_ctas);
     uint64_t observed = 0;
     bool remote = false;
@@ -573,8 +583,8 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
               }))
             s_ok = 0;
           else if (cta == 0)
-            abort_seen = reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) +
-                                                                    p.layout.combine_abort)[parity * world + tid];
+            abort_seen =
+                reinterpret_cast<uint64_t const volatile*>(own() + p.layout.combine_abort)[parity * world + tid];
         }
       }
     } else if (!wait_stats::timed(stats, tid, [&] {
@@ -587,8 +597,7 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
       s_ok = 0;
     } else if (cta == 0) {
       // after the acquire; not waited for here (the barrier does not wait for loads in flight)
-      abort_seen =
-          reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) + p.layout.combine_abort)[parity * world + tid];
+      abort_seen = reinterpret_cast<uint64_t const volatile*>(own() + p.layout.combine_abort)[parity * world + tid];
     }
   }
   __syncthreads();
@@ -596,8 +605,7 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
     // the forward route: a rank of another node that is no rail here refused through its rail (relayed, after the
     // rail's wait above)
     if (p.forward && cta == 0 && tid < world && !same_node(p, tid) && tid % p.local != rank % p.local)
-      abort_seen =
-          reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) + p.layout.combine_abort)[parity * world + tid];
+      abort_seen = reinterpret_cast<uint64_t const volatile*>(own() + p.layout.combine_abort)[parity * world + tid];
   }
   if (!s_ok || p.abort) return;  // a refusing rank has no y
   FERRY_TRACE_END(trace, ll_combine_wait_arrivals);
@@ -606,49 +614,61 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
   FERRY_TRACE_BEGIN(trace, ll_combine_sum);
   WireRowLayout const wl = quant::make_row_layout(kFormat, p.hidden);
   char const* landing =
-      p.net.window(rank) + p.layout.combine_rows + static_cast<std::size_t>(parity) * world * p.max_tokens * row_bytes;
-  // the ranks whose rows of `token` come back (mask: its destinations, live ones)
-  auto const rows_of = [&](uint32_t mask) {
-    if constexpr (kAcrossNodes<Net>) {
-      // the forward route: each other node's ranks of the token send one row, from that node's rail for this rank
-      if (p.forward) {
-        uint32_t const near = node_ranks(p);
-        uint32_t rows = mask & near;
-        uint32_t const one_node = p.local >= 32 ? 0xffffffffu : (1u << p.local) - 1u;
-        for (int n = 0; n < p.nodes; ++n)
-          if ((mask & ~near & (one_node << (n * p.local))) != 0) rows |= 1u << (n * p.local + rank % p.local);
-        return rows;
+      own() + p.layout.combine_rows + static_cast<std::size_t>(parity) * world * p.max_tokens * row_bytes;
+  // acc += the row of `token` from rank d (fp32; a quantized row dequantized first); weighted (std::true_type):
+  // acc += w * row, the product rounded before the sum (CombineArgs::group)
+  auto const add_row = [&](int d, int token, int v0, float(&acc)[kUnroll][8], auto weighted, float w) {
+    char const* const row = landing + (static_cast<std::size_t>(d) * p.max_tokens + token) * row_bytes;
+    if constexpr (kFormat == WireFormat::bf16 && !decltype(weighted)::value) {
+      device::add_bf16_vectors(reinterpret_cast<int4 const*>(row), v0, num_vec, acc);
+    } else {
+      // y = code * scale in fp32 (plain loads: the acquire above made the peer's row visible)
+      auto const* wire = reinterpret_cast<uint8_t const*>(row);
+      float token_scale = 0.0f;
+      if constexpr (kFormat == WireFormat::nvfp4)
+        token_scale = *reinterpret_cast<float const*>(wire + wl.token_scale_offset);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (v0 + u * 32 >= num_vec) continue;
+        float f[8];
+        if constexpr (kFormat == WireFormat::bf16)
+          bf16x8_to_float(device::arch::load_v4(reinterpret_cast<int4 const*>(row) + v0 + u * 32), f);
+        else
+          device::dequantize_vec<kFormat>(wire, wl.scales_offset, v0 + u * 32, token_scale, f);
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          acc[u][j] = __fadd_rn(acc[u][j], decltype(weighted)::value ? __fmul_rn(w, f[j]) : f[j]);
       }
     }
-    return mask;
   };
-  // acc += the rows of `token` from the ranks of `mask`, ascending (fp32; a quantized row dequantized first);
-  // weighted (std::true_type): acc += w * row, the product rounded before the sum (CombineArgs::group)
+  // The rows of `token` that come back, ranks ascending: on one node the ranks of `mask` (its destinations, live
+  // ones); across nodes the words of its token_mask, where the forward route hears once from each other node that
+  // holds it (from that node's rail for this rank) and from this node's ranks one by one.
   auto const add_rows = [&](uint32_t mask, int token, int v0, float(&acc)[kUnroll][8], auto weighted, float w) {
-    for (uint32_t m = mask; m != 0; m &= m - 1) {
-      int const d = __ffs(m) - 1;
-      char const* const row = landing + (static_cast<std::size_t>(d) * p.max_tokens + token) * row_bytes;
-      if constexpr (kFormat == WireFormat::bf16 && !decltype(weighted)::value) {
-        device::add_bf16_vectors(reinterpret_cast<int4 const*>(row), v0, num_vec, acc);
-      } else {
-        // y = code * scale in fp32 (plain loads: the acquire above made the peer's row visible)
-        auto const* wire = reinterpret_cast<uint8_t const*>(row);
-        float token_scale = 0.0f;
-        if constexpr (kFormat == WireFormat::nvfp4)
-          token_scale = *reinterpret_cast<float const*>(wire + wl.token_scale_offset);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          if (v0 + u * 32 >= num_vec) continue;
-          float f[8];
-          if constexpr (kFormat == WireFormat::bf16)
-            bf16x8_to_float(device::arch::load_v4(reinterpret_cast<int4 const*>(row) + v0 + u * 32), f);
-          else
-            device::dequantize_vec<kFormat>(wire, wl.scales_offset, v0 + u * 32, token_scale, f);
-#pragma unroll
-          for (int j = 0; j < 8; ++j)
-            acc[u][j] = __fadd_rn(acc[u][j], decltype(weighted)::value ? __fmul_rn(w, f[j]) : f[j]);
+    if constexpr (kNet) {
+      int const words = mask_words(world);
+      uint32_t const* const dests = p.token_mask + static_cast<std::size_t>(token) * words;
+      auto const word = [&](int i) { return i < words ? dests[i] & (kMasking && i == 0 ? live : ~0u) : 0u; };
+      if (p.forward) {
+        int const own_node = rank / p.local;
+        for (int n = 0; n < p.nodes; ++n) {
+          // node n's ranks of the token (a node's ranks may straddle two words)
+          int const at = n * p.local;
+          uint64_t const two = word(at / 32) | static_cast<uint64_t>(word(at / 32 + 1)) << 32;
+          uint32_t const here = static_cast<uint32_t>(two >> (at % 32)) & (p.local >= 32 ? ~0u : (1u << p.local) - 1u);
+          if (here == 0) continue;
+          if (n != own_node) {
+            add_row(at + rank % p.local, token, v0, acc, weighted, w);
+            continue;
+          }
+          for (uint32_t m = here; m != 0; m &= m - 1) add_row(at + __ffs(m) - 1, token, v0, acc, weighted, w);
         }
+      } else {
+        for (int i = 0; i < words; ++i)
+          for (uint32_t m = word(i); m != 0; m &= m - 1) add_row(32 * i + __ffs(m) - 1, token, v0, acc, weighted, w);
       }
+    } else {
+      for (uint32_t m = mask; m != 0; m &= m - 1) add_row(__ffs(m) - 1, token, v0, acc, weighted, w);
     }
   };
   auto const store_y = [&](int row, int v0, float const(&acc)[kUnroll][8]) {
@@ -661,7 +681,7 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
     for (int item = cta * kWarps + warp; item < items; item += p.num_ctas * kWarps) {
       int const token = item / num_chunks;
       int const v0 = (item % num_chunks) * kChunkVecs + lane;
-      uint32_t const mask = rows_of(item == first_item ? first_mask : p.token_mask[token] & live);
+      uint32_t const mask = kNet ? 0u : item == first_item ? first_mask : p.token_mask[token] & live;
       if constexpr (kMasking)
         if (item % num_chunks == 0) count_combine_misses(p, token, lane);
       float acc[kUnroll][8];
@@ -682,8 +702,9 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
         int const token = out * p.group + j;
         if constexpr (kMasking)
           if (item % num_chunks == 0) count_combine_misses(p, token, lane);
-        uint32_t const mask = rows_of(p.token_mask[token] & live);
-        if (mask == 0) continue;  // went nowhere (or to a rank masked since): adds nothing, whatever its weight
+        uint32_t const mask = kNet ? 0u : p.token_mask[token] & live;
+        if (!kNet && mask == 0)
+          continue;  // went nowhere (or to a rank masked since): adds nothing, whatever its weight
         add_rows(mask, token, v0, acc, std::true_type{}, __ldg(p.group_weights + token));
       }
       store_y(out, v0, acc);

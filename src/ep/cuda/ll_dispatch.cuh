@@ -131,7 +131,9 @@ __device__ __forceinline__ bool own_direct(LlDispatchParams const& p) {
   return kFormat == WireFormat::bf16 && p.own_direct;
 }
 
-// Landed record r of this call (receive half), in (source, token) order.
+// Landed record r of this call (receive half), in (source, token) order. Its source: the last s with
+// s_base[s] <= r, walked on one node (at most 32 sources), halved across nodes (up to kMaxWorld).
+template <bool kNet>
 __device__ __forceinline__ HitRecord load_landed(LlDispatchParams const& p, int32_t const* s_base, int parity, int r,
                                                  int num_landed) {
   HitRecord rec;
@@ -140,10 +142,21 @@ __device__ __forceinline__ HitRecord load_landed(LlDispatchParams const& p, int3
   rec.r = r;
   if (r >= num_landed) return rec;
   int source = 0;
-  while (s_base[source + 1] <= r) ++source;
+  if constexpr (kNet) {
+    int hi = p.view.world - 1;  // s_base[world] > r: the source is in [source, hi]
+    while (source < hi) {
+      int const mid = (source + hi + 1) / 2;
+      if (s_base[mid] <= r)
+        source = mid;
+      else
+        hi = mid - 1;
+    }
+  } else {
+    while (s_base[source + 1] <= r) ++source;
+  }
   int const token = r - s_base[source];
   rec.landing = source * p.max_tokens + token;
-  rec.record = reinterpret_cast<int32_t const*>(p.net.window(p.view.rank) + p.layout.dispatch_meta +
+  rec.record = reinterpret_cast<int32_t const*>(own_window<kNet>(p) + p.layout.dispatch_meta +
                                                 landing::slot_index(parity, p.view.world, source, p.max_tokens, token) *
                                                     p.layout.meta_bytes);
   // 16-byte loads, all issued before any id is used (4-byte ones made the scan bound by L2 requests)
@@ -215,7 +228,7 @@ __device__ __forceinline__ void ll_dispatch_send_network(LlDispatchParams const&
   auto ep = network.open(transport::Warp{}, cta * kWarps + warp);
   for (int j = warp; j < world - p.local; j += kWarps) {
     int const d = remote_rank(p, j);
-    if (((live >> d) & 1u) == 0) continue;
+    if (!is_live<kMasking>(live, d)) continue;
     int64_t const lo = static_cast<int64_t>(d) * p.num_local_experts;
     for (int base = cta * kWarps; base < items; base += total_warps) {
       for (int w = 0; w < kWarps && base + w < items; ++w) {
@@ -354,7 +367,7 @@ __device__ __forceinline__ bool ll_dispatch_forward(LlDispatchParams const& p, N
       int const e_k = static_cast<int>(__shfl_sync(0xffffffffu, static_cast<long long>(e), k));
       float const w_k = __shfl_sync(0xffffffffu, w, k);
       for (int d = first; d < first + p.local; ++d) {
-        char* const at = p.net.window(d) + p.layout.dispatch_meta + slot * record;
+        char* const at = p.net.window(d - first) + p.layout.dispatch_meta + slot * record;
         if (lane < topk)
           reinterpret_cast<int32_t*>(at)[lane] = dest_k == d ? e_k - d * p.num_local_experts : -1;
         else if (lane < 2 * topk)
@@ -367,18 +380,17 @@ __device__ __forceinline__ bool ll_dispatch_forward(LlDispatchParams const& p, N
         int4 const v = device::arch::load_v4(src + i);
         for (uint32_t h = here; h != 0; h &= h - 1)
           device::arch::store_na_v4(
-              reinterpret_cast<int4*>(p.net.window(first + __ffs(h) - 1) + p.layout.dispatch_rows + slot * wire) + i,
-              v);
+              reinterpret_cast<int4*>(p.net.window(__ffs(h) - 1) + p.layout.dispatch_rows + slot * wire) + i, v);
       }
       if (lane == 0) p.fwd_mask[static_cast<std::size_t>(m) * max_tokens + t] = here;
     }
-    if (cta == 0 && tid < p.local) {
-      int const d = first + tid;
+    if (cta == 0 && tid < p.local) {  // thread l: this node's l-th rank
       std::size_t const word = static_cast<std::size_t>(parity) * world + source;
-      reinterpret_cast<uint64_t volatile*>(p.net.window(d) + p.layout.dispatch_tokens)[word] = static_cast<uint64_t>(n);
+      reinterpret_cast<uint64_t volatile*>(p.net.window(tid) + p.layout.dispatch_tokens)[word] =
+          static_cast<uint64_t>(n);
       if (reinterpret_cast<uint64_t const volatile*>(
               p.net.local() + p.layout.ll_fwd_abort)[static_cast<std::size_t>(parity) * p.nodes + m] == seq)
-        reinterpret_cast<uint64_t volatile*>(p.net.window(d) + p.layout.dispatch_abort)[word] = seq;
+        reinterpret_cast<uint64_t volatile*>(p.net.window(tid) + p.layout.dispatch_abort)[word] = seq;
     }
     if (cta == 0 && tid == 0) p.fwd_num[m] = n;
   }
@@ -387,8 +399,8 @@ __device__ __forceinline__ bool ll_dispatch_forward(LlDispatchParams const& p, N
   if (tid < p.local)
     for (int m = 0; m < p.nodes; ++m)
       if (m != own_node)
-        p.net.add_signal(first + tid,
-                         p.layout.dispatch_arrivals + static_cast<std::size_t>(m * p.local + rank % p.local) * 8, 1);
+        p.net.add_signal(tid, p.layout.dispatch_arrivals + static_cast<std::size_t>(m * p.local + rank % p.local) * 8,
+                         1);
   return true;
 }
 
@@ -415,6 +427,9 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Net 
   constexpr bool kNet = kAcrossNodes<Net>;
   static_assert(sizeof(IdxT) == 4 || sizeof(IdxT) == 8, "topk_idx is int32 or int64");
   static_assert((kFormat == WireFormat::bf16) == (kUnitElems == 0), "bf16 rows are copied; quantized rows need a unit");
+  // a row's destinations: world ranks on one node; across nodes this node's ranks by local index and the staged row
+  using Send = std::conditional_t<kNet, uint64_t, uint32_t>;
+  constexpr int kStaged = 32;
   __shared__ device::CtaRowMax<kWarps> s_amax;  // nvfp4: the chunks' amaxes of a step (nvfp4_chunk_token_scale)
   __shared__ int s_refuse;                      // this CTA saw a bad or repeated id, or the host refuses the call
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
@@ -428,10 +443,14 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Net 
 
   // 1. this call's token count to every destination (covered by CTA 0's arrival below)
   FERRY_TRACE_BEGIN(trace, ll_dispatch_send);
-  //    (across nodes to this node's ranks; the network leg puts it to the others)
-  uint32_t const near = kNet ? node_ranks(p) : 0xffffffffu;
+  //    (across nodes to this node's ranks, thread l to its l-th; the network leg puts it to the others)
   uint32_t const live = live_ranks<kMasking>(p);  // rank masking: nothing to a masked rank
-  if (cta == 0 && tid < world && (!kNet || ((near >> tid) & 1u) != 0) && ((live >> tid) & 1u) != 0) {
+  int const first = kNet ? node_first(p) : 0;     // across nodes: this node's first rank
+  if constexpr (kNet) {
+    if (cta == 0 && tid < p.local && is_live<kMasking>(live, first + tid))
+      reinterpret_cast<uint64_t volatile*>(p.net.window(tid) + p.layout.dispatch_tokens)[parity * world + rank] =
+          static_cast<uint64_t>(p.num_tokens);
+  } else if (cta == 0 && tid < world && ((live >> tid) & 1u) != 0) {
     auto* word =
         reinterpret_cast<uint64_t volatile*>(p.net.window(tid) + p.layout.dispatch_tokens) + parity * world + rank;
     *word = static_cast<uint64_t>(p.num_tokens);
@@ -470,39 +489,52 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Net 
     bool refused;
     int dest = landing::token_destination<IdxT>(routing, t, lane, chunk == 0, e, w, refused);
     if constexpr (kMasking) dest = mask_destination(p, live, t, chunk == 0, lane, dest, e);
-    uint32_t const mask = __reduce_or_sync(0xffffffffu, dest >= 0 ? 1u << dest : 0u);
+    // One node: the destination ranks (a word). Across nodes (ll_params.cuh "Wider worlds") the ranks of this node by
+    // local index, and bit kStaged for the ranks of other nodes: they get the token through this rank's window, each
+    // one's record staged, the row staged once; the network leg puts them after the loop.
+    Send const send = [&]() -> Send {
+      if constexpr (kNet) {
+        bool const near = dest >= first && dest < first + p.local;
+        Send const here = __reduce_or_sync(0xffffffffu, near ? 1u << (dest - first) : 0u);
+        return __any_sync(0xffffffffu, dest >= 0 && !near) ? here | Send{1} << kStaged : here;
+      } else {
+        return __reduce_or_sync(0xffffffffu, dest >= 0 ? 1u << dest : 0u);
+      }
+    }();
     std::size_t const slot = landing::slot_index(parity, world, rank, p.max_tokens, t);
     if (refused) s_refuse = 1;  // any lane: every writer writes 1
-    // Across nodes the ranks of other nodes get the token through this rank's window: each one's record staged, the
-    // row staged once (the lowest of their bits stands for it in the mask); the network leg puts them after the loop.
-    uint32_t const far = mask & ~near;
-    uint32_t const send = (mask & near) | (far & (0u - far));
     std::size_t const staged = (static_cast<std::size_t>(parity) * p.max_tokens + t);
     auto const row_at = [&](int d) -> char* {
       if constexpr (kNet)
-        if (((near >> d) & 1u) == 0)
-          return p.net.local() + p.layout.ll_send_rows + staged * p.layout.dispatch_row_bytes;
+        if (d == kStaged) return p.net.local() + p.layout.ll_send_rows + staged * p.layout.dispatch_row_bytes;
       return p.net.window(d) + p.layout.dispatch_rows + slot * p.layout.dispatch_row_bytes;
     };
 
     if (chunk == 0) {
-      if (lane == 0) p.token_mask[t] = mask;
       if constexpr (kNet) {
+        // the token's destinations for the combine, a word at a time
+        int const words = mask_words(world);
+        for (int i = 0; i < words; ++i) {
+          uint32_t const word = __reduce_or_sync(0xffffffffu, dest >= 0 && dest / 32 == i ? 1u << (dest % 32) : 0u);
+          if (lane == 0) p.token_mask[static_cast<std::size_t>(t) * words + i] = word;
+        }
         auto const staged_record = [&](int d) {
           return p.net.local() + p.layout.ll_send_meta +
                  ((static_cast<std::size_t>(parity) * world + d) * p.max_tokens + t) * p.layout.meta_bytes;
         };
-        landing::write_records_at(
-            world, topk, num_local, dest, e, w, lane,
+        // this node's ranks their records; the direct route stages every other rank's (the forward route puts none)
+        bool const direct = kMasking || !p.forward;
+        landing::write_records_where(
+            direct ? 0 : first, direct ? world : first + p.local, topk, num_local, dest, e, w, lane,
+            [&](int d) { return is_live<kMasking>(live, d); },
             [&](int d) -> char* {
-              if (((near >> d) & 1u) == 0) return staged_record(d);  // (the forward route puts none of these)
-              return p.net.window(d) + p.layout.dispatch_meta + slot * p.layout.meta_bytes;
-            },
-            live);
+              if (d < first || d >= first + p.local) return staged_record(d);
+              return p.net.window(d - first) + p.layout.dispatch_meta + slot * p.layout.meta_bytes;
+            });
         // the forward route: one record of global ids for every rail, staged in this rank's own slot
-        if constexpr (!kMasking)
-          if (p.forward) write_global_record(staged_record(rank), topk, e, w, lane);
+        if (!direct) write_global_record(staged_record(rank), topk, e, w, lane);
       } else {
+        if (lane == 0) p.token_mask[t] = send;
         landing::write_records(p.net, world, p.layout.dispatch_meta, slot, p.layout.meta_bytes, topk, num_local, dest,
                                e, w, lane, live);
       }
@@ -511,7 +543,8 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Net 
     // the row (this chunk of it), once per destination rank (with own_direct not to this rank: expand_own)
     if constexpr (kFormat != WireFormat::bf16) {
       if (send != 0) send_quantized_chunk<kFormat, kUnitElems>(p, t, chunk, chunks, send, row_at, token_scale, lane);
-    } else if (uint32_t const to = own_direct<kFormat>(p) ? send & ~(1u << rank) : send; to != 0) {
+    } else if (Send const to = own_direct<kFormat>(p) ? send & ~(Send{1} << (kNet ? p.net.rank : rank)) : send;
+               to != 0) {
       auto const [v_begin, v_end] = device::chunk_range(num_vec, chunk, chunks);
       landing::send_row_chunk<kUnroll>(
           reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) +
@@ -536,10 +569,18 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Net 
   //    (one release per destination; no per-thread fence, which would drain each thread's NVLink stores)
   FERRY_TRACE_BEGIN(trace, ll_dispatch_send_arrival);
   __syncthreads();
-  if (s_refuse)
-    landing::publish_abort<!kNet && !kMasking>(p.net, p.layout.dispatch_abort, parity, world, rank, seq, near & live);
-  if (tid < world && (!kNet || ((near >> tid) & 1u) != 0) && ((live >> tid) & 1u) != 0)
-    p.net.add_signal(tid, p.layout.dispatch_arrivals + rank * sizeof(uint64_t), 1);
+  if constexpr (kNet) {
+    // this node's ranks, thread l its l-th (the abort word first: the same thread's release add publishes it)
+    if (tid < p.local && is_live<kMasking>(live, first + tid)) {
+      if (s_refuse)
+        reinterpret_cast<uint64_t volatile*>(p.net.window(tid) + p.layout.dispatch_abort)[parity * world + rank] = seq;
+      p.net.add_signal(tid, p.layout.dispatch_arrivals + rank * sizeof(uint64_t), 1);
+    }
+  } else {
+    if (s_refuse) landing::publish_abort<!kMasking>(p.net, p.layout.dispatch_abort, parity, world, rank, seq, live);
+    if (tid < world && ((live >> tid) & 1u) != 0)
+      p.net.add_signal(tid, p.layout.dispatch_arrivals + rank * sizeof(uint64_t), 1);
+  }
   if constexpr (kNet && kMasking) {
     // rank masking across nodes runs the direct route (the backend refuses the forward one)
     ll_dispatch_send_network<IdxT, kFormat, true>(p, network, parity, seq, s_refuse != 0, chunks, items);
@@ -576,9 +617,11 @@ struct NetworkSources {
 template <WireFormat kFormat, bool kMasking, class Net>
 __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Net const& network, ExpandShared& s,
                                                  int32_t* s_counts, uint64_t seq FERRY_TRACE_PARAM(trace)) {
-  __shared__ int32_t s_base[kMaxCudaWorld + 1];  // first rank-major landing row of each source
+  constexpr bool kNet = kAcrossNodes<Net>;
+  constexpr int kSources = kMaxSources<kNet>;
+  __shared__ int32_t s_base[kSources + 1];  // first rank-major landing row of each source
   __shared__ int s_ok;
-  __shared__ uint32_t s_aborted;  // sources that refused this call
+  __shared__ uint32_t s_aborted[kSources / 32];  // sources that refused this call, a bit each
 
   int const world = p.view.world;
   int const rank = p.view.rank;
@@ -605,17 +648,20 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Net 
     if (p.forward && !ll_dispatch_forward(p, network, parity, seq)) return;
   if (tid == 0) {
     s_ok = 1;
-    s_aborted = 0;
+    if constexpr (!kNet) s_aborted[0] = 0;
   }
+  if constexpr (kNet)
+    if (tid < kSources / 32) s_aborted[tid] = 0;
   __syncthreads();
   wait_stats::Slot* const stats = wait_stats::row(p.wait_stats, wait_stats::kDispatch, world);
+  auto const window = [&] { return own_window<kNet>(p); };  // read where used (a register held across the wait costs)
   auto const wait = [&](auto const& remote) {
-    return landing::wait_sources(
-        p.view, reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.layout.dispatch_arrivals), seq,
+    return landing::wait_sources<std::decay_t<decltype(remote)>, kSources>(
+        p.view, reinterpret_cast<uint64_t const*>(window() + p.layout.dispatch_arrivals), seq,
         static_cast<uint64_t>(p.num_ctas),
-        reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) + p.layout.dispatch_tokens) + parity * world,
-        reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) + p.layout.dispatch_abort) + parity * world,
-        WaitPhase::ll_dispatch, s_base, &s_aborted, &s_ok, stats, remote);
+        reinterpret_cast<uint64_t const volatile*>(window() + p.layout.dispatch_tokens) + parity * world,
+        reinterpret_cast<uint64_t const volatile*>(window() + p.layout.dispatch_abort) + parity * world,
+        WaitPhase::ll_dispatch, s_base, s_aborted, &s_ok, stats, remote);
   };
   int num_landed = 0;
   if constexpr (kAcrossNodes<Net> && kMasking) {
@@ -638,7 +684,7 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Net 
   // 5. the totals, and where this rank's own records start and end in hit order (marks): one step keeps its records
   //    in registers for the first windows below, more steps scan again
   FERRY_TRACE_BEGIN(trace, ll_dispatch_scan);
-  auto const load = [&](int r) { return load_landed(p, s_base, parity, r, num_landed); };
+  auto const load = [&](int r) { return load_landed<kNet>(p, s_base, parity, r, num_landed); };
   auto const mark = [&](HitRecord const& rec, int first_hit) {
     if (rec.r == s_base[rank] - 1) s.marks[0] = first_hit + rec.hits;
     if (rec.r == s_base[rank + 1] - 1) s.marks[1] = first_hit + rec.hits;
@@ -724,8 +770,8 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Net 
     }
   };
   // 6. the window's landed rows into expert_x
-  char const* const landing_zone = p.net.window(rank) + p.layout.dispatch_rows +
-                                   static_cast<std::size_t>(parity) * world * p.max_tokens * wire_bytes;
+  char const* const landing_zone =
+      window() + p.layout.dispatch_rows + static_cast<std::size_t>(parity) * world * p.max_tokens * wire_bytes;
   auto const copy = [&](int n) {
     FERRY_TRACE_END(trace, ll_dispatch_scan);
     FERRY_TRACE_BEGIN(trace, ll_dispatch_copy);
@@ -775,7 +821,9 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Net 
   if (cta == 0 && tid == 0) {
     p.state->num_recv = totals.rows;
     // a refused call leaves no tokens for the combine (the send half, earlier on the stream, wrote this rank's count)
-    if (s_aborted != 0) p.state->num_tokens = 0;
+    bool aborted = false;
+    for (int i = 0; i < (kNet ? mask_words(world) : 1); ++i) aborted |= s_aborted[i] != 0;
+    if (aborted) p.state->num_tokens = 0;
   }
 }
 

@@ -48,23 +48,26 @@ inline constexpr int kUnroll = 4;
 inline constexpr int kChunkVecs = 32 * kUnroll;
 
 static_assert(kMaxTopk * 2 <= 32, "dispatch metadata is written by one warp: topk ids + topk weights, one per lane");
-static_assert(kMaxCudaWorld <= 32, "destination masks are 32-bit and waits use one thread per source");
-static_assert(kThreads >= kMaxCudaWorld, "one thread per source waits for its arrivals");
+static_assert(kMaxCudaWorld <= 32, "one node's destination masks are one 32-bit word");
+static_assert(kThreads >= kMaxWorld, "one thread per source waits for its arrivals, across nodes too");
+static_assert(kMaxLsaTeam <= 32, "a node's ranks are one 32-bit word (the forward route's fwd_mask, the send sets)");
 
 // What both low-latency legs share past KernelParams: the rank-major metadata the dispatch writes and the combine
 // reads (local memory).
 struct LlParams : KernelParams {
   int expert_slots;
-  uint32_t* token_mask;  // [max_tokens] destination ranks of each token (for combine)
-  int32_t* recv_src;     // [world * max_tokens, 2] (source rank, source token), rank-major
-  int32_t* recv_idx;     // [world * max_tokens, topk] local expert or -1
-  float* recv_w;         // [world * max_tokens, topk]
-  int32_t* recv_slot;    // [world * max_tokens, topk] slot within its expert or -1
-  int local;             // ranks per node (world on one node): ranks of other nodes only through the network leg
-  int nodes;             // 1 on one node
-  bool forward;          // across nodes: the forward route (rows once per node, to the rail); else direct
-  int32_t* fwd_num;      // forward: [nodes] tokens of each node's source this rail placed (Buffers::ll_fwd_num)
-  uint32_t* fwd_mask;    // forward: [nodes, max_tokens] their local ranks here (Buffers::ll_fwd_mask)
+  // [max_tokens][mask_words(world)] destination ranks of each token (for combine): rank d is bit d % 32 of word
+  // d / 32 (one word on one node)
+  uint32_t* token_mask;
+  int32_t* recv_src;   // [world * max_tokens, 2] (source rank, source token), rank-major
+  int32_t* recv_idx;   // [world * max_tokens, topk] local expert or -1
+  float* recv_w;       // [world * max_tokens, topk]
+  int32_t* recv_slot;  // [world * max_tokens, topk] slot within its expert or -1
+  int local;           // ranks per node (world on one node): ranks of other nodes only through the network leg
+  int nodes;           // 1 on one node
+  bool forward;        // across nodes: the forward route (rows once per node, to the rail); else direct
+  int32_t* fwd_num;    // forward: [nodes] tokens of each node's source this rail placed (Buffers::ll_fwd_num)
+  uint32_t* fwd_mask;  // forward: [nodes, max_tokens] their local ranks here (Buffers::ll_fwd_mask)
   wait_stats::Slot*
       wait_stats;  // [kLegs][world] per-source waits of the receive halves (null: EpConfig::wait_stats off)
 };
@@ -134,10 +137,37 @@ __device__ __forceinline__ decltype(auto) network_of(P const& p) {
 __device__ __forceinline__ bool same_node(LlParams const& p, int d) {
   return d / p.local == p.view.rank / p.local;
 }
-// This rank's node as a mask of the world (world <= 32).
-__device__ __forceinline__ uint32_t node_ranks(LlParams const& p) {
-  uint32_t const one_node = p.local >= 32 ? 0xffffffffu : (1u << p.local) - 1u;
-  return one_node << (p.view.rank / p.local * p.local);
+
+// Wider worlds. One node's kernels address at most kMaxCudaWorld ranks: a set of ranks is one 32-bit word and
+// p.net (Lsa) holds every rank's window by world rank. Across nodes a world has up to kMaxWorld ranks, so there
+//  - p.net holds this node's windows by local index (make_node_lsa): this node's rank d is window(d - first), with
+//    first = view.rank - net.rank (near_window); this rank's own window is net.local();
+//  - sets of this node's ranks are one word by local index (bit d - first), and what goes to the other nodes is
+//    staged once (bit kStaged of the 64-bit send sets);
+//  - a token's destinations (token_mask) are mask_words(world) words; shared arrays by source hold kMaxWorld.
+// Rank masking keeps one 32-bit word of ranks (EpBuffer refuses it past kMaxCudaWorld ranks).
+__host__ __device__ constexpr int mask_words(int world) {
+  return (world + 31) / 32;
+}
+template <bool kNet>
+inline constexpr int kMaxSources = kNet ? kMaxWorld : kMaxCudaWorld;
+template <bool kNet>
+__device__ __forceinline__ char* near_window(LlParams const& p, int d) {
+  if constexpr (kNet)
+    return p.net.window(d - (p.view.rank - p.net.rank));
+  else
+    return p.net.window(d);
+}
+template <bool kNet>
+__device__ __forceinline__ char* own_window(LlParams const& p) {
+  if constexpr (kNet)
+    return p.net.local();
+  else
+    return p.net.window(p.view.rank);
+}
+// The first rank of this rank's node (across nodes).
+__device__ __forceinline__ int node_first(LlParams const& p) {
+  return p.view.rank - p.net.rank;
 }
 // The j-th rank of the other nodes, j in [0, world - local).
 __device__ __forceinline__ int remote_rank(LlParams const& p, int j) {
@@ -163,6 +193,15 @@ __device__ __forceinline__ uint32_t live_ranks(KernelParams const& p) {
     return ~p.state->ll_mask.masked;
   else
     return 0xffffffffu;
+}
+// Rank d is still in the calls (kMasking: its bit of live_ranks; world <= 32 then). Without masking every rank is,
+// whatever the world.
+template <bool kMasking>
+__device__ __forceinline__ bool is_live(uint32_t live, int d) {
+  if constexpr (kMasking)
+    return ((live >> d) & 1u) != 0;
+  else
+    return true;
 }
 // This rank is masked: a masked instance returns at once (no row, no wait, no arrival; its peers skip it alike).
 template <bool kMasking>
