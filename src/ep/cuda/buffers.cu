@@ -189,7 +189,7 @@ void allocate_buffers(Buffers& b) {
   try {
     // 1. every protocol
     b.state = device_zeroed<DeviceState>(1);
-    b.token_mask = device_alloc<uint32_t>(max_tokens * static_cast<std::size_t>(cuda_ll::mask_words(b.world)));
+    b.token_mask = device_alloc<uint32_t>(max_tokens * static_cast<std::size_t>(ferry::detail::rank_words(b.world)));
     b.expert_counts = device_zeroed<int32_t>(static_cast<std::size_t>(b.num_local_experts));
     FERRY_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&b.host_words),
                                    (1 + static_cast<std::size_t>(b.num_local_experts)) * sizeof(int32_t),

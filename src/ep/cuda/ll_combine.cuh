@@ -646,16 +646,14 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
   // holds it (from that node's rail for this rank) and from this node's ranks one by one.
   auto const add_rows = [&](uint32_t mask, int token, int v0, float(&acc)[kUnroll][8], auto weighted, float w) {
     if constexpr (kNet) {
-      int const words = mask_words(world);
+      int const words = ferry::detail::rank_words(world);
       uint32_t const* const dests = p.token_mask + static_cast<std::size_t>(token) * words;
       auto const word = [&](int i) { return i < words ? dests[i] & (kMasking && i == 0 ? live : ~0u) : 0u; };
       if (p.forward) {
         int const own_node = rank / p.local;
         for (int n = 0; n < p.nodes; ++n) {
-          // node n's ranks of the token (a node's ranks may straddle two words)
           int const at = n * p.local;
-          uint64_t const two = word(at / 32) | static_cast<uint64_t>(word(at / 32 + 1)) << 32;
-          uint32_t const here = static_cast<uint32_t>(two >> (at % 32)) & (p.local >= 32 ? ~0u : (1u << p.local) - 1u);
+          uint32_t const here = ferry::detail::ranks_of_node(word, at, p.local);  // node n's ranks of the token
           if (here == 0) continue;
           if (n != own_node) {
             add_row(at + rank % p.local, token, v0, acc, weighted, w);

@@ -513,7 +513,7 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Net 
     if (chunk == 0) {
       if constexpr (kNet) {
         // the token's destinations for the combine, a word at a time
-        int const words = mask_words(world);
+        int const words = ferry::detail::rank_words(world);
         for (int i = 0; i < words; ++i) {
           uint32_t const word = __reduce_or_sync(0xffffffffu, dest >= 0 && dest / 32 == i ? 1u << (dest % 32) : 0u);
           if (lane == 0) p.token_mask[static_cast<std::size_t>(t) * words + i] = word;
@@ -822,7 +822,7 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Net 
     p.state->num_recv = totals.rows;
     // a refused call leaves no tokens for the combine (the send half, earlier on the stream, wrote this rank's count)
     bool aborted = false;
-    for (int i = 0; i < (kNet ? mask_words(world) : 1); ++i) aborted |= s_aborted[i] != 0;
+    for (int i = 0; i < (kNet ? ferry::detail::rank_words(world) : 1); ++i) aborted |= s_aborted[i] != 0;
     if (aborted) p.state->num_tokens = 0;
   }
 }

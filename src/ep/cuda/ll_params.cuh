@@ -25,6 +25,7 @@
 
 #include "comm/device/bf16x8.cuh"
 #include "comm/transport/group.cuh"
+#include "core/rank_words.hpp"
 #include "ep/cuda/params.cuh"
 #include "ep/cuda/wait_stats.cuh"
 #include "ferry/device_view.hpp"
@@ -56,7 +57,7 @@ static_assert(kMaxLsaTeam <= 32, "a node's ranks are one 32-bit word (the forwar
 // reads (local memory).
 struct LlParams : KernelParams {
   int expert_slots;
-  // [max_tokens][mask_words(world)] destination ranks of each token (for combine): rank d is bit d % 32 of word
+  // [max_tokens][rank_words(world)] destination ranks of each token (for combine): rank d is bit d % 32 of word
   // d / 32 (one word on one node)
   uint32_t* token_mask;
   int32_t* recv_src;   // [world * max_tokens, 2] (source rank, source token), rank-major
@@ -144,11 +145,8 @@ __device__ __forceinline__ bool same_node(LlParams const& p, int d) {
 //    first = view.rank - net.rank (near_window); this rank's own window is net.local();
 //  - sets of this node's ranks are one word by local index (bit d - first), and what goes to the other nodes is
 //    staged once (bit kStaged of the 64-bit send sets);
-//  - a token's destinations (token_mask) are mask_words(world) words; shared arrays by source hold kMaxWorld.
+//  - a token's destinations (token_mask) are rank_words(world) words; shared arrays by source hold kMaxWorld.
 // Rank masking keeps one 32-bit word of ranks (EpBuffer refuses it past kMaxCudaWorld ranks).
-__host__ __device__ constexpr int mask_words(int world) {
-  return (world + 31) / 32;
-}
 template <bool kNet>
 inline constexpr int kMaxSources = kNet ? kMaxWorld : kMaxCudaWorld;
 template <bool kNet>
