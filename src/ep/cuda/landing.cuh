@@ -201,7 +201,7 @@ __device__ __forceinline__ int wait_sources(DeviceView const& view, uint64_t con
     s_base[0] = 0;
     for (int s = 0; s < world; ++s) s_base[s + 1] = aborted ? 0 : s_base[s + 1] + s_base[s];
   };
-  if constexpr (kWords == 1) {
+  if constexpr (kWords == 1) {  // one node's kernels: one word, the code they compiled to before the wide path
     uint32_t const aborted_mask = *s_aborted;
     if (blockIdx.x == 0 && tid < world && tid != view.rank && ((aborted_mask >> tid) & 1u) != 0 &&
         ((aborted_mask >> view.rank) & 1u) == 0)

@@ -362,17 +362,10 @@ __device__ __forceinline__ bool ll_dispatch_forward(LlDispatchParams const& p, N
       uint32_t const here = __reduce_or_sync(
           0xffffffffu, dest >= first && dest < first + p.local ? 1u << (dest - first) : 0u);  // local ranks holding t
       std::size_t const slot = landing::slot_index(parity, world, source, p.max_tokens, t);
-      // records on every rank of the node (lanes [0, topk) ids, [topk, 2 topk) weights)
-      int const dest_k = __shfl_sync(0xffffffffu, dest, k);
-      int const e_k = static_cast<int>(__shfl_sync(0xffffffffu, static_cast<long long>(e), k));
-      float const w_k = __shfl_sync(0xffffffffu, w, k);
-      for (int d = first; d < first + p.local; ++d) {
-        char* const at = p.net.window(d - first) + p.layout.dispatch_meta + slot * record;
-        if (lane < topk)
-          reinterpret_cast<int32_t*>(at)[lane] = dest_k == d ? e_k - d * p.num_local_experts : -1;
-        else if (lane < 2 * topk)
-          reinterpret_cast<float*>(at)[lane] = dest_k == d ? w_k : 0.0f;
-      }
+      // records on every rank of the node
+      landing::write_records_where(
+          first, first + p.local, topk, p.num_local_experts, dest, e, w, lane, [](int) { return true; },
+          [&](int d) { return p.net.window(d - first) + p.layout.dispatch_meta + slot * record; });
       // the row into each holding rank's slot: loaded once, stored to each
       // (wire rows are 16-byte multiples; coherent loads: the network wrote the row during this kernel)
       auto const* src = reinterpret_cast<int4 const*>(p.net.local() + p.layout.ll_fwd_rows + (place + t) * wire);

@@ -149,10 +149,14 @@ __device__ __forceinline__ bool same_node(LlParams const& p, int d) {
 // Rank masking keeps one 32-bit word of ranks (EpBuffer refuses it past kMaxCudaWorld ranks).
 template <bool kNet>
 inline constexpr int kMaxSources = kNet ? kMaxWorld : kMaxCudaWorld;
+// The first rank of this rank's node (across nodes).
+__device__ __forceinline__ int node_first(LlParams const& p) {
+  return p.view.rank - p.net.rank;
+}
 template <bool kNet>
 __device__ __forceinline__ char* near_window(LlParams const& p, int d) {
   if constexpr (kNet)
-    return p.net.window(d - (p.view.rank - p.net.rank));
+    return p.net.window(d - node_first(p));
   else
     return p.net.window(d);
 }
@@ -162,10 +166,6 @@ __device__ __forceinline__ char* own_window(LlParams const& p) {
     return p.net.local();
   else
     return p.net.window(p.view.rank);
-}
-// The first rank of this rank's node (across nodes).
-__device__ __forceinline__ int node_first(LlParams const& p) {
-  return p.view.rank - p.net.rank;
 }
 // The j-th rank of the other nodes, j in [0, world - local).
 __device__ __forceinline__ int remote_rank(LlParams const& p, int j) {
