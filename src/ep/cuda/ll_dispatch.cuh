@@ -73,10 +73,11 @@ __device__ __forceinline__ int x_row(LlDispatchParams const& p, int t) {
 
 // A quantized dispatch_format's send of chunk `chunk` of `chunks` of token t (device_push.cuh): quantized once from
 // x (or forwarded from pre-quantized input), its pieces stored straight into the wire row at row_at(d) (a char*: the
-// landing slot of destination d, or across nodes the staged row) for every destination rank d of `mask`.
-template <WireFormat kFormat, int kUnitElems, typename RowAt>
-__device__ __forceinline__ void send_quantized_chunk(LlDispatchParams const& p, int t, int chunk, int chunks,
-                                                     uint32_t mask, RowAt row_at, float token_scale, int lane) {
+// landing slot of destination d, or across nodes the staged row) for every destination d of `mask` (the send set: 32
+// bits on one node, 64 across nodes, where bit kStaged is the staged row; a narrower parameter would drop it).
+template <WireFormat kFormat, int kUnitElems, typename RowAt, typename Set>
+__device__ __forceinline__ void send_quantized_chunk(LlDispatchParams const& p, int t, int chunk, int chunks, Set mask,
+                                                     RowAt row_at, float token_scale, int lane) {
   using Codec = device::UnitCodec<kFormat, kUnitElems>;
   WireRowLayout const wl = quant::make_row_layout(kFormat, p.hidden);
   device::QuantRowInput const in = device::quant_row_input<kFormat, kUnitElems>(p.x, p.x_scales, p.hidden, x_row(p, t));
