@@ -256,13 +256,18 @@ std::vector<void const*> pointers(std::vector<DeviceBuffer> const& buffers) {
   return out;
 }
 
+// The config a user would pass for `spec` (backend_config validates and resolves it).
+EpConfig user_config(Spec const& spec) {
+  EpConfig user = spec.config();
+  user.expert_capacity = spec.capacity > 0 ? spec.capacity : user.recv_capacity(spec.world);
+  return user;
+}
+
 void run_backward(Spec const& spec, int num_ctas) {
   int const world = spec.world;
   std::vector<int> const tokens = per_rank(spec.tokens, world);
-  EpConfig user = spec.config();
-  user.expert_capacity = spec.capacity > 0 ? spec.capacity : user.recv_capacity(world);
-  user.validate(world);
-  EpConfig const config = user.resolved(world);
+  EpConfig const user = user_config(spec);
+  EpConfig const config = backend_config(user, world);
   int const hidden = config.hidden;
   int const topk = config.topk;
   int const num_local = config.num_local_experts(world);
@@ -551,7 +556,9 @@ void run_backward(Spec const& spec, int num_ctas) {
 }
 
 void run_rows(std::vector<std::vector<std::string>> const& table) {
-  run_virtual_rows(table, cuda_ep::kMaxLandCtas, parse_spec, run_backward);
+  run_virtual_rows(
+      table, cuda_ep::kMaxLandCtas, parse_spec, [](Spec const& s) { check_row(user_config(s), s.world, s); },
+      run_backward);
 }
 
 // The rows of one world: the count exchange with masked entries and uneven tokens (0 included), every entry with a

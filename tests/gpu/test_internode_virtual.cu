@@ -190,6 +190,17 @@ ExpectedBytes expected_bytes(EpConfig const& config, Topology const& topology, i
   return out;
 }
 
+// The config a user would pass for `spec` (backend_config validates and resolves it).
+EpConfig user_config(Spec const& spec) {
+  EpConfig user = spec.config();
+  user.combine_format = spec.combine_format;
+  user.dispatch_format = spec.dispatch_format;
+  user.dispatch_dequantize = spec.dequantize;
+  user.recv_scale_layout = spec.scales;
+  user.expert_capacity = spec.capacity > 0 ? spec.capacity : user.recv_capacity(spec.world);
+  return user;
+}
+
 // Runs `spec` on num_ctas CTAs per rank: "" when every rank's every output equals the reference, else the first
 // failure.
 std::string run_case(Spec const& spec, int num_ctas) {
@@ -197,14 +208,7 @@ std::string run_case(Spec const& spec, int num_ctas) {
   int const world = topology.world();
   bool const hierarchical = topology.nodes > 1;
   std::vector<int> const tokens = per_rank(spec.tokens, world);
-  EpConfig user = spec.config();
-  user.combine_format = spec.combine_format;
-  user.dispatch_format = spec.dispatch_format;
-  user.dispatch_dequantize = spec.dequantize;
-  user.recv_scale_layout = spec.scales;
-  user.expert_capacity = spec.capacity > 0 ? spec.capacity : user.recv_capacity(world);
-  user.validate(world);
-  EpConfig const config = user.resolved(world);
+  EpConfig const config = backend_config(user_config(spec), world);
   cuda_ep::Protocol const protocol = hierarchical ? cuda_ep::Protocol::hierarchical : cuda_ep::Protocol::push;
   cuda_ep::SymLayout const layout = hierarchical ? cuda_ep::make_hier_sym_layout(config, topology)
                                                  : cuda_ep::make_sym_layout(config, world, protocol);
@@ -537,7 +541,8 @@ std::string run_case(Spec const& spec, int num_ctas) {
 }
 
 void run_rows(std::vector<std::vector<std::string>> const& table) {
-  run_virtual_rows(table, cuda_ep::kMaxLandCtas, parse_spec, [](Spec const& spec, int ctas) {
+  auto const check = [](Spec const& s) { check_row(user_config(s), s.world, s); };
+  run_virtual_rows(table, cuda_ep::kMaxLandCtas, parse_spec, check, [](Spec const& spec, int ctas) {
     std::string const failure = run_case(spec, ctas);
     ASSERT_TRUE(failure.empty()) << failure;
   });

@@ -86,11 +86,8 @@ void launch_leg(VirtualLlRanks const& ranks, bool hook, Launch const& launch) {
     for (int r = 0; r < ranks.world(); ++r) launch(r, Half::recv);
 }
 
-// Runs `spec` on spec.world virtual ranks of num_ctas CTAs each; fails the calling test at the first mismatch.
-void run_virtual(Spec const& spec, int num_ctas) {
-  int const world = spec.world;
-  std::vector<int> const tokens = per_rank(spec.tokens, world);  // the lists repeat over the ranks
-  // the config a real EpBuffer would give its backend (ep_buffer.cpp): validated, then resolved for the world
+// The config a user would pass for `spec` (backend_config validates and resolves it).
+EpConfig user_config(Spec const& spec) {
   EpConfig user = spec.config();
   user.mode = Mode::low_latency;
   user.dispatch_format = spec.dispatch_format;
@@ -98,8 +95,14 @@ void run_virtual(Spec const& spec, int num_ctas) {
   user.recv_scale_layout = spec.layout;
   user.internode_route = spec.route;
   if (spec.capacity > 0) user.expert_capacity = spec.capacity;
-  user.validate(world);
-  EpConfig const config = user.resolved(world);
+  return user;
+}
+
+// Runs `spec` on spec.world virtual ranks of num_ctas CTAs each; fails the calling test at the first mismatch.
+void run_virtual(Spec const& spec, int num_ctas) {
+  int const world = spec.world;
+  std::vector<int> const tokens = per_rank(spec.tokens, world);  // the lists repeat over the ranks
+  EpConfig const config = backend_config(user_config(spec), world);
   int const hidden = config.hidden;
   int const slots = config.expert_slots();
   int const nodes = spec.topology.nodes;
@@ -217,7 +220,9 @@ void run_virtual(Spec const& spec, int num_ctas) {
 // Runs each row (key=value words: CaseShape's, and world=, capacity=, dispatch=, combine=, layout=, hook=1) with a
 // fresh seed (run_virtual_rows).
 void run_rows(std::vector<std::vector<std::string>> const& table) {
-  run_virtual_rows(table, cuda_ep::kMaxLlCtas, parse_spec, run_virtual);
+  run_virtual_rows(
+      table, cuda_ep::kMaxLlCtas, parse_spec, [](Spec const& s) { check_row(user_config(s), s.world, s); },
+      run_virtual);
 }
 
 // The shapes of one world, bf16 on both legs: DeepSeek's decode shape, tokens that differ per rank (0 included) with

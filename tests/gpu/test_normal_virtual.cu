@@ -63,17 +63,19 @@ Spec parse_spec(std::vector<std::string> const& words) {
 using VirtualNormalRanks = VirtualRanks<Buffers, cuda_ep::allocate_buffers, cuda_ep::free_buffers>;
 
 // Runs `spec` on spec.world virtual ranks of num_ctas CTAs each; fails the calling test at the first mismatch.
+// The config a user would pass for `spec` (backend_config validates and resolves it): an expert capacity in every
+// case, so the expert-major combine runs in each (entries past it have no slot: the reference drops them too).
+EpConfig user_config(Spec const& spec) {
+  EpConfig user = spec.config();
+  user.combine_format = spec.combine_format;
+  user.expert_capacity = spec.capacity > 0 ? spec.capacity : user.recv_capacity(spec.world);
+  return user;
+}
+
 void run_virtual(Spec const& spec, int num_ctas) {
   int const world = spec.world;
   std::vector<int> const tokens = per_rank(spec.tokens, world);  // the lists repeat over the ranks
-  // the config a real EpBuffer would give its backend (ep_buffer.cpp): validated, then resolved for the world; an
-  // expert capacity in every case, so the expert-major combine runs in each (entries past it have no slot: the
-  // reference drops them too)
-  EpConfig user = spec.config();
-  user.combine_format = spec.combine_format;
-  user.expert_capacity = spec.capacity > 0 ? spec.capacity : user.recv_capacity(world);
-  user.validate(world);
-  EpConfig const config = user.resolved(world);
+  EpConfig const config = backend_config(user_config(spec), world);
   // the dispatch protocol, pinned as FERRY_NORMAL_LANDING pins it
   detail::LandingChoice const landing = detail::choose_normal_landing(config, world,
                                                                       spec.protocol == "landing"  ? "on"
@@ -176,7 +178,9 @@ void run_virtual(Spec const& spec, int num_ctas) {
 }
 
 void run_rows(std::vector<std::vector<std::string>> const& table) {
-  run_virtual_rows(table, cuda_ep::kMaxLandCtas, parse_spec, run_virtual);
+  run_virtual_rows(
+      table, cuda_ep::kMaxLandCtas, parse_spec, [](Spec const& s) { check_row(user_config(s), s.world, s); },
+      run_virtual);
 }
 
 // The shapes of one world: a decode batch of DeepSeek's shape (the landing zone), tokens that differ per rank (0

@@ -185,15 +185,23 @@ void print_case(Spec const& spec, EpConfig const& config, int num_ctas) {
   std::fflush(stdout);
 }
 
+// The config a user would pass for `spec` (backend_config validates and resolves it): mode=ll low-latency mode, the
+// others normal mode with an expert capacity.
+EpConfig user_config(Spec const& spec) {
+  EpConfig user = spec.config();
+  if (spec.mode == "ll")
+    user.mode = Mode::low_latency;
+  else
+    user.expert_capacity = user.recv_capacity(spec.world);
+  return user;
+}
+
 // ---- normal mode ----
 
 void run_normal(Spec const& spec, int num_ctas) {
   int const world = spec.world;
   std::vector<int> const tokens = per_rank(spec.tokens, world);
-  EpConfig user = spec.config();
-  user.expert_capacity = user.recv_capacity(world);
-  user.validate(world);
-  EpConfig const config = user.resolved(world);
+  EpConfig const config = backend_config(user_config(spec), world);
   detail::LandingChoice const landing =
       detail::choose_normal_landing(config, world, spec.mode == "landing" ? "on" : "off");
   ASSERT_EQ(landing.use, spec.mode == "landing") << landing.why;
@@ -267,10 +275,7 @@ void run_normal(Spec const& spec, int num_ctas) {
 void run_ll(Spec const& spec, int num_ctas) {
   int const world = spec.world;
   std::vector<int> const tokens = per_rank(spec.tokens, world);
-  EpConfig user = spec.config();
-  user.mode = Mode::low_latency;
-  user.validate(world);
-  EpConfig const config = user.resolved(world);
+  EpConfig const config = backend_config(user_config(spec), world);
   cuda_ep::SymLayout const layout = cuda_ep::make_sym_layout(config, world, cuda_ep::Protocol::ll);
   VirtualLlRanks ranks(
       world, layout.total,
@@ -373,7 +378,8 @@ std::vector<std::vector<std::string>> rows_of(std::vector<std::string> const& mo
 }
 
 void run_rows(std::vector<std::vector<std::string>> const& table, int max_ctas) {
-  run_virtual_rows(table, max_ctas, parse_spec, run_case);
+  run_virtual_rows(
+      table, max_ctas, parse_spec, [](Spec const& s) { check_row(user_config(s), s.world, s); }, run_case);
 }
 
 TEST(RefusalVirtualRanks, NormalCountExchange) {

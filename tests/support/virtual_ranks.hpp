@@ -18,9 +18,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "comm/comm_impl.hpp"
@@ -369,37 +371,67 @@ struct VirtualIteration {
   }
 };
 
+// The config a real EpBuffer would give its backend (ep_buffer.cpp): `user` validated, then resolved for the world.
+inline EpConfig backend_config(EpConfig user, int world) {
+  user.validate(world);
+  return user.resolved(world);
+}
+
+// What the host can tell of a row before a GPU runs it: its config passes EpBuffer's validation, and its routing is
+// one the generator can draw for that config and world (what ref::generate_inputs checks). Throws ConfigError
+// otherwise. run_virtual_rows makes this check on every row, also where there is no GPU (CI), so that a row which
+// asks for the impossible fails there instead of on the first device run.
+inline void check_row(EpConfig const& user, int world, CaseShape const& shape) {
+  EpConfig const config = backend_config(user, world);
+  int const routed_topk = config.topk - shape.shared;
+  FERRY_CHECK(routed_topk >= 1, "topk=", config.topk, " leaves no routed column beside shared=", shape.shared);
+  validate_routing(shape.routing_options(0), config.num_experts, world, routed_topk);
+}
+
 // Runs each row of `table` (key=value words) with a fresh seed: parse(words) gives the row's spec (its `world` the
-// virtual ranks), run(spec, ctas) runs it on ctas CTAs per rank (at most max_ctas) and fails the calling test at its
-// first mismatch. Skips without a GPU; a row whose world the GPU cannot hold is skipped with the reason (the test too,
-// when no row ran).
-template <typename Parse, typename Run>
+// virtual ranks), check(spec) makes the host's checks of it (check_row; throws on a bad row), run(spec, ctas) runs it
+// on ctas CTAs per rank (at most max_ctas) and fails the calling test at its first mismatch. Every row is parsed and
+// checked first, with or without a GPU; then the test skips without a GPU, and a row whose world the GPU cannot hold is
+// skipped with the reason (the test too, when no row ran).
+template <typename Parse, typename Check, typename Run>
 void run_virtual_rows(std::vector<std::vector<std::string>> const& table, int max_ctas, Parse const& parse,
-                      Run const& run) {
-  int const gpus = cuda_device_count();
-  if (gpus == 0) GTEST_SKIP() << "needs a GPU, found 0";
+                      Check const& check, Run const& run) {
   // FERRY_TEST_ROWS="w1 w2 ...": only the rows holding every one of these words (a short device call reruns a few)
   std::vector<std::string> wanted;
   if (char const* text = std::getenv("FERRY_TEST_ROWS")) {
     std::istringstream words(text);
     for (std::string word; words >> word;) wanted.push_back(word);
   }
-  int ran = 0;
-  std::string skipped;
+  using Spec = decltype(parse(std::vector<std::string>{}));
+  std::vector<std::pair<std::string, Spec>> picked;  // (label, spec)
+  bool bad_row = false;
   for (auto const& row : table) {
     std::string label;
     for (auto const& word : row) label += word + " ";
-    bool const picked = std::all_of(wanted.begin(), wanted.end(), [&](std::string const& word) {
-      return std::find(row.begin(), row.end(), word) != row.end();
-    });
-    if (!picked) {
+    if (!std::all_of(wanted.begin(), wanted.end(),
+                     [&](std::string const& word) { return std::find(row.begin(), row.end(), word) != row.end(); })) {
       std::printf("not picked by FERRY_TEST_ROWS: %s\n", label.c_str());
       continue;
     }
     std::vector<std::string> words = row;
     uint64_t const seed = fresh_seed();
     words.push_back("seed=" + std::to_string(seed));
-    auto const spec = parse(words);
+    try {
+      Spec spec = parse(words);
+      check(spec);
+      picked.emplace_back(label + "seed=" + std::to_string(seed), std::move(spec));
+    } catch (std::exception const& e) {
+      ADD_FAILURE() << "row " << label << "is not one the host accepts: " << e.what();
+      bad_row = true;
+    }
+  }
+  if (bad_row) return;
+  if (picked.empty()) GTEST_SKIP() << "no row holds every word of FERRY_TEST_ROWS";
+  if (cuda_device_count() == 0)
+    GTEST_SKIP() << "needs a GPU, found 0 (the " << picked.size() << " rows' configs and routing were checked here)";
+  int ran = 0;
+  std::string skipped;
+  for (auto const& [label, spec] : picked) {
     int const ctas = virtual_ctas_per_rank(spec.world, max_ctas);
     if (ctas < 1) {
       std::printf("skipped %s: fewer SMs than the %d ranks, which need one co-resident CTA each at least\n",
@@ -407,12 +439,11 @@ void run_virtual_rows(std::vector<std::vector<std::string>> const& table, int ma
       skipped += label + "\n";
       continue;
     }
-    SCOPED_TRACE(label + "seed=" + std::to_string(seed));
+    SCOPED_TRACE(label);
     run(spec, ctas);
     if (::testing::Test::HasFatalFailure()) return;
     ++ran;
   }
-  if (ran == 0 && skipped.empty()) GTEST_SKIP() << "no row holds every word of FERRY_TEST_ROWS";
   if (ran == 0) GTEST_SKIP() << "no row fits this GPU:\n" << skipped;
 }
 
