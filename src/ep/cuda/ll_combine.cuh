@@ -622,9 +622,10 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
     if constexpr (kFormat == WireFormat::bf16 && !decltype(weighted)::value) {
       device::add_bf16_vectors(reinterpret_cast<int4 const*>(row), v0, num_vec, acc);
     } else {
-      // y = code * scale in fp32 (plain loads: the acquire above made the peer's row visible)
-      auto const* wire = reinterpret_cast<uint8_t const*>(row);
-      float token_scale = 0.0f;
+      // y = code * scale in fp32 (plain loads: the acquire above made the peer's row visible); the weighted bf16 sum
+      // reads the row as bf16 and uses neither of the next two
+      [[maybe_unused]] auto const* wire = reinterpret_cast<uint8_t const*>(row);
+      [[maybe_unused]] float token_scale = 0.0f;
       if constexpr (kFormat == WireFormat::nvfp4)
         token_scale = *reinterpret_cast<float const*>(wire + wl.token_scale_offset);
 #pragma unroll
