@@ -556,9 +556,7 @@ void run_backward(Spec const& spec, int num_ctas) {
 }
 
 void run_rows(std::vector<std::vector<std::string>> const& table) {
-  run_virtual_rows(
-      table, cuda_ep::kMaxLandCtas, parse_spec, [](Spec const& s) { check_row(user_config(s), s.world, s); },
-      run_backward);
+  run_virtual_rows(table, cuda_ep::kMaxLandCtas, parse_spec, user_config, run_backward);
 }
 
 // The rows of one world: the count exchange with masked entries and uneven tokens (0 included), every entry with a

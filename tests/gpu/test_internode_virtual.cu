@@ -541,8 +541,7 @@ std::string run_case(Spec const& spec, int num_ctas) {
 }
 
 void run_rows(std::vector<std::vector<std::string>> const& table) {
-  auto const check = [](Spec const& s) { check_row(user_config(s), s.world, s); };
-  run_virtual_rows(table, cuda_ep::kMaxLandCtas, parse_spec, check, [](Spec const& spec, int ctas) {
+  run_virtual_rows(table, cuda_ep::kMaxLandCtas, parse_spec, user_config, [](Spec const& spec, int ctas) {
     std::string const failure = run_case(spec, ctas);
     ASSERT_TRUE(failure.empty()) << failure;
   });

@@ -220,9 +220,7 @@ void run_virtual(Spec const& spec, int num_ctas) {
 // Runs each row (key=value words: CaseShape's, and world=, capacity=, dispatch=, combine=, layout=, hook=1) with a
 // fresh seed (run_virtual_rows).
 void run_rows(std::vector<std::vector<std::string>> const& table) {
-  run_virtual_rows(
-      table, cuda_ep::kMaxLlCtas, parse_spec, [](Spec const& s) { check_row(user_config(s), s.world, s); },
-      run_virtual);
+  run_virtual_rows(table, cuda_ep::kMaxLlCtas, parse_spec, user_config, run_virtual);
 }
 
 // The shapes of one world, bf16 on both legs: DeepSeek's decode shape, tokens that differ per rank (0 included) with

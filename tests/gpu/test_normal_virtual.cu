@@ -62,7 +62,6 @@ Spec parse_spec(std::vector<std::string> const& words) {
 // analytic grids).
 using VirtualNormalRanks = VirtualRanks<Buffers, cuda_ep::allocate_buffers, cuda_ep::free_buffers>;
 
-// Runs `spec` on spec.world virtual ranks of num_ctas CTAs each; fails the calling test at the first mismatch.
 // The config a user would pass for `spec` (backend_config validates and resolves it): an expert capacity in every
 // case, so the expert-major combine runs in each (entries past it have no slot: the reference drops them too).
 EpConfig user_config(Spec const& spec) {
@@ -72,6 +71,7 @@ EpConfig user_config(Spec const& spec) {
   return user;
 }
 
+// Runs `spec` on spec.world virtual ranks of num_ctas CTAs each; fails the calling test at the first mismatch.
 void run_virtual(Spec const& spec, int num_ctas) {
   int const world = spec.world;
   std::vector<int> const tokens = per_rank(spec.tokens, world);  // the lists repeat over the ranks
@@ -178,9 +178,7 @@ void run_virtual(Spec const& spec, int num_ctas) {
 }
 
 void run_rows(std::vector<std::vector<std::string>> const& table) {
-  run_virtual_rows(
-      table, cuda_ep::kMaxLandCtas, parse_spec, [](Spec const& s) { check_row(user_config(s), s.world, s); },
-      run_virtual);
+  run_virtual_rows(table, cuda_ep::kMaxLandCtas, parse_spec, user_config, run_virtual);
 }
 
 // The shapes of one world: a decode batch of DeepSeek's shape (the landing zone), tokens that differ per rank (0

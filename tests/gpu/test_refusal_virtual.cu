@@ -378,8 +378,7 @@ std::vector<std::vector<std::string>> rows_of(std::vector<std::string> const& mo
 }
 
 void run_rows(std::vector<std::vector<std::string>> const& table, int max_ctas) {
-  run_virtual_rows(
-      table, max_ctas, parse_spec, [](Spec const& s) { check_row(user_config(s), s.world, s); }, run_case);
+  run_virtual_rows(table, max_ctas, parse_spec, user_config, run_case);
 }
 
 TEST(RefusalVirtualRanks, NormalCountExchange) {

@@ -389,13 +389,13 @@ inline void check_row(EpConfig const& user, int world, CaseShape const& shape) {
 }
 
 // Runs each row of `table` (key=value words) with a fresh seed: parse(words) gives the row's spec (its `world` the
-// virtual ranks), check(spec) makes the host's checks of it (check_row; throws on a bad row), run(spec, ctas) runs it
-// on ctas CTAs per rank (at most max_ctas) and fails the calling test at its first mismatch. Every row is parsed and
+// virtual ranks), user_config(spec) the config a user would pass for it (checked with check_row), run(spec, ctas) runs
+// it on ctas CTAs per rank (at most max_ctas) and fails the calling test at its first mismatch. Every row is parsed and
 // checked first, with or without a GPU; then the test skips without a GPU, and a row whose world the GPU cannot hold is
 // skipped with the reason (the test too, when no row ran).
-template <typename Parse, typename Check, typename Run>
+template <typename Parse, typename UserConfig, typename Run>
 void run_virtual_rows(std::vector<std::vector<std::string>> const& table, int max_ctas, Parse const& parse,
-                      Check const& check, Run const& run) {
+                      UserConfig const& user_config, Run const& run) {
   // FERRY_TEST_ROWS="w1 w2 ...": only the rows holding every one of these words (a short device call reruns a few)
   std::vector<std::string> wanted;
   if (char const* text = std::getenv("FERRY_TEST_ROWS")) {
@@ -418,7 +418,7 @@ void run_virtual_rows(std::vector<std::vector<std::string>> const& table, int ma
     words.push_back("seed=" + std::to_string(seed));
     try {
       Spec spec = parse(words);
-      check(spec);
+      check_row(user_config(spec), spec.world, spec);
       picked.emplace_back(label + "seed=" + std::to_string(seed), std::move(spec));
     } catch (std::exception const& e) {
       ADD_FAILURE() << "row " << label << "is not one the host accepts: " << e.what();
