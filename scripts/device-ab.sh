@@ -6,7 +6,7 @@
 # (which scripts/device-check.sh then completes), the base's into /tmp/ferry-ab-base/.
 #
 # usage: scripts/device-ab.sh BASE_TAR [--rounds N] [--iters N] [--seed S] [--quick] [--also "ARGS"] [--host-time]
-#                              [--kernel-time] [--budget S]
+#                              [--kernel-time] [--host-only] [--budget S]
 #   default workloads: normal mode 128 and 4096 tokens, low-latency mode 1, 128 and 512 tokens, dispatch and combine
 #   in bf16 and fp8 (hidden 7168, topk 8, 256 experts, random routing, graph mode); --quick: normal 128 and LL 1/128,
 #   bf16 only
@@ -15,6 +15,7 @@
 #   --host-time: also builds the Python module of both trees and runs this tree's python/bench_overhead.py at 1 token
 #   (world 1, lazy calls) with each module, A B A B, in normal mode and in low-latency mode: the host time of a
 #   dispatch + combine pair from Python and from C++ (the same script on both sides: only the library differs)
+#   --host-only: with --host-time, no `ferry bench` rounds: the budget goes to host-time rounds (N of --rounds)
 #   --kernel-time: also the low-latency kernels' own time at 1 token (bf16 and fp8), without the gaps a graph's launches
 #   leave between them: ncu (--clock-control none --cache-control none) on `ferry bench --mode ll --tokens 1`, A B A B,
 #   the median over a run's launches of each kernel's duration and warp instructions (about 50 s)
@@ -30,7 +31,7 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 BASE_TAR="${1:-}"
 [[ -f "$BASE_TAR" ]] || { echo "device-ab: give the base tree's tarball as the first argument (see --help)" >&2; exit 2; }
 shift
-ROUNDS=2 ITERS=30 SEED=7 QUICK=0 HOST_TIME=0 KERNEL_TIME=0 BUDGET=570
+ROUNDS=2 ITERS=30 SEED=7 QUICK=0 HOST_TIME=0 HOST_ONLY=0 KERNEL_TIME=0 BUDGET=570
 ALSO=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -39,6 +40,7 @@ while [[ $# -gt 0 ]]; do
     --seed) SEED="$2"; shift 2 ;;
     --quick) QUICK=1; shift ;;
     --host-time) HOST_TIME=1; shift ;;
+    --host-only) HOST_ONLY=1; shift ;;
     --kernel-time) KERNEL_TIME=1; shift ;;
     --budget) BUDGET="$2"; shift 2 ;;
     --also) ALSO+=("$2"); shift 2 ;;
@@ -46,6 +48,7 @@ while [[ $# -gt 0 ]]; do
     *) echo "device-ab: unknown argument '$1'; see --help" >&2; exit 2 ;;
   esac
 done
+[[ $HOST_ONLY -eq 1 && $HOST_TIME -eq 0 ]] && { echo "device-ab: --host-only needs --host-time" >&2; exit 2; }
 LOGS="${OUT:-build-device/ab-logs}"
 mkdir -p "$LOGS"
 START=$SECONDS
@@ -97,7 +100,9 @@ fi
 RUNS+=("${ALSO[@]}")
 ROUND_S=0  # the last round's duration: a round that would not fit in the budget is not started
 ROUNDS_RUN=0
-for ((round = 1; round <= ROUNDS; ++round)); do
+LEG_ROUNDS=$ROUNDS
+[[ $HOST_ONLY -eq 1 ]] && LEG_ROUNDS=0
+for ((round = 1; round <= LEG_ROUNDS; ++round)); do
   if ! fits "$ROUND_S"; then
     echo "device-ab: round $round and later not run: $((BUDGET - (SECONDS - START))) s of the budget left, a round took ${ROUND_S} s"
     break
