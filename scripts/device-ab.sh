@@ -6,7 +6,7 @@
 # (which scripts/device-check.sh then completes), the base's into /tmp/ferry-ab-base/.
 #
 # usage: scripts/device-ab.sh BASE_TAR [--rounds N] [--iters N] [--seed S] [--quick] [--also "ARGS"] [--host-time]
-#                              [--kernel-time] [--host-only] [--budget S]
+#                              [--kernel-time] [--host-only] [--source-counters "KERNEL|ARGS"] [--budget S]
 #   default workloads: normal mode 128 and 4096 tokens, low-latency mode 1, 128 and 512 tokens, dispatch and combine
 #   in bf16 and fp8 (hidden 7168, topk 8, 256 experts, random routing, graph mode); --quick: normal 128 and LL 1/128,
 #   bf16 only
@@ -19,6 +19,10 @@
 #   --kernel-time: also the low-latency kernels' own time at 1 token (bf16 and fp8), without the gaps a graph's launches
 #   leave between them: ncu (--clock-control none --cache-control none) on `ferry bench --mode ll --tokens 1`, A B A B,
 #   the median over a run's launches of each kernel's duration and warp instructions (about 50 s)
+#   --source-counters "KERNEL|ARGS": ncu's per-instruction counters (SourceCounters) of KERNEL (its function name, e.g.
+#   dispatch_kernel) over 20 launches of `ferry bench ARGS` (e.g. "--mode normal --tokens 128 --dispatch fp8 --combine
+#   fp8"), A and B (repeatable); the exports go to source-counters.tgz in the logs and scripts/ncu-source-diff.py
+#   compares them (its summary is printed here): where B's instructions and stalls differ from A's (about 40 s each)
 #   --budget S: seconds the script may take (default 570, under a device call's 600): a round (or a host-time round)
 #   that the last one's duration says would not fit is not started, and the table is made of the rounds that ran
 # The base's build is kept in /tmp/ferry-ab-base and reused by a later call with the same tarball (a warm machine),
@@ -27,12 +31,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
-[[ "${1:-}" == -h || "${1:-}" == --help ]] && { sed -n '2,25p' "$0"; exit 0; }
+[[ "${1:-}" == -h || "${1:-}" == --help ]] && { sed -n '2,29p' "$0"; exit 0; }
 BASE_TAR="${1:-}"
 [[ -f "$BASE_TAR" ]] || { echo "device-ab: give the base tree's tarball as the first argument (see --help)" >&2; exit 2; }
 shift
 ROUNDS=2 ITERS=30 SEED=7 QUICK=0 HOST_TIME=0 HOST_ONLY=0 KERNEL_TIME=0 BUDGET=570
 ALSO=()
+SOURCE_COUNTERS=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --rounds) ROUNDS="$2"; shift 2 ;;
@@ -44,7 +49,8 @@ while [[ $# -gt 0 ]]; do
     --kernel-time) KERNEL_TIME=1; shift ;;
     --budget) BUDGET="$2"; shift 2 ;;
     --also) ALSO+=("$2"); shift 2 ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    --source-counters) SOURCE_COUNTERS+=("$2"); shift 2 ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
     *) echo "device-ab: unknown argument '$1'; see --help" >&2; exit 2 ;;
   esac
 done
@@ -121,8 +127,42 @@ for ((round = 1; round <= LEG_ROUNDS; ++round)); do
   stamp "round $round done"
 done
 
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
+if [[ ${#SOURCE_COUNTERS[@]} -gt 0 ]]; then
+  if [[ -z "$NCU" ]]; then
+    echo "device-ab: --source-counters needs ncu, which this machine lacks"
+  else
+    exports=()
+    for i in "${!SOURCE_COUNTERS[@]}"; do
+      kernel="${SOURCE_COUNTERS[$i]%%|*}"
+      bench_args="${SOURCE_COUNTERS[$i]#*|}"
+      for side in a b; do
+        if ! fits 45; then
+          echo "device-ab: source counters of $kernel ($side) and later not run:" \
+            "$((BUDGET - (SECONDS - START))) s of the budget left"
+          break 2
+        fi
+        bin=$([[ $side == a ]] && echo "$BASE/build/ferry" || echo build-device/ferry)
+        report="/tmp/ferry-ab-sc-$i-$side"
+        # shellcheck disable=SC2086
+        timeout 150 "$NCU" --clock-control none --cache-control none -k "$kernel" --launch-skip 5 -c 20 \
+          --section SourceCounters -o "$report" -f "$bin" bench $bench_args --iters 25 --warmup 2 --seed "$SEED" \
+          >"$LOGS/sc-$i-$side.log" 2>&1 || echo "device-ab: ncu source counters $i $side exit $?"
+        "$NCU" -i "$report.ncu-rep" --page source --csv --print-source sass >"$LOGS/sc-$i-$side.csv" \
+          2>>"$LOGS/sc-$i-$side.log" && exports+=("sc-$i-$side.csv")
+      done
+      echo "== source counters $i: $kernel, ferry bench $bench_args"
+      python3 scripts/ncu-source-diff.py "$LOGS/sc-$i-a.csv" "$LOGS/sc-$i-b.csv" --top 8 2>&1 | sed -n '3,4p'
+    done
+    # one file for the device call to bring back, not two per workload
+    if [[ ${#exports[@]} -gt 0 ]] && tar -czf "$LOGS/source-counters.tgz" -C "$LOGS" "${exports[@]}"; then
+      rm -f "${exports[@]/#/$LOGS/}"
+    fi
+  fi
+  stamp "source counters done"
+fi
+
 if [[ $KERNEL_TIME -eq 1 ]]; then
-  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
   if [[ -z "$NCU" ]]; then
     echo "device-ab: --kernel-time needs ncu, which this machine lacks"
   elif ! fits 60; then
