@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU tests that need no communicator (virtual ranks on one GPU, emulated nodes), from a test binary built on
-# this machine, so that a device call spends its time on the tests instead of on scripts/device-check.sh's build
+# The GPU tests (the virtual-rank and emulated-node suites; the others where the device has the NCCL below) from a
+# test binary built on this machine, so that a device call spends its time on the tests instead of on scripts/device-check.sh's build
 # (about 300 s of a 600 s call). Two steps:
 #
 #   scripts/device-prebuilt.sh pack [BUILD]      here, after `ninja -C BUILD tests/ferry_gpu_tests` (a cuda build for
@@ -15,11 +15,13 @@
 #                                                every log in $OUT (else build-pack/logs)
 #   --rows "WORDS"   FERRY_TEST_ROWS: only the rows of a table holding every word (tests/support/virtual_ranks.hpp)
 #
-# What this cannot run: tests that start a communicator (NormalMode.*, LowLatency.*, EpBufferCycles.*, ...). The
-# binary was compiled against this machine's NCCL headers, and Ferry refuses a loaded libnccl of another version
-# (cuda_communicator.cu: the device structs change inside a minor series); those need device-check.sh, which builds
-# against the device's NCCL. The virtual-rank tests link libnccl but never create a communicator, so the device's
-# libnccl.so.2 (any 2.28) serves them.
+# The suites that start a communicator (NormalMode.*, LowLatency.*, EpBufferCycles.*, ...) need the device's
+# libnccl.so.2 to be the NCCL whose headers the binary was compiled against (Ferry refuses another version:
+# cuda_communicator.cu, the device structs change inside a minor series). pack records that version in
+# build-pack/nccl-version; run looks for it in torch's wheel (where the device's own builds take their NCCL) and then
+# the system's, and says which it found. Without a match they fail at their setup and the rest runs (the virtual-rank
+# tests link libnccl but never create a communicator, so any 2.28 serves them); device-check.sh, which builds
+# against the device's NCCL, runs them then.
 # Exit status: non-zero when a test failed or the binary could not be unpacked.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -53,6 +55,10 @@ pack() {
     return 2
   fi
   xz -T0 -6 -f "$PACK_DIR/ferry_gpu_tests" || return 2
+  # the NCCL the binary was compiled against: run looks for a libnccl.so.2 of that version on the device
+  local nccl_h
+  nccl_h="$(sed -n 's/^FERRY_NCCL_INCLUDE_DIR:PATH=//p' "$build/CMakeCache.txt")/nccl.h"
+  sed -n 's/^#define NCCL_VERSION_CODE \([0-9]*\).*/\1/p' "$nccl_h" >"$PACK_DIR/nccl-version"
   echo "device-prebuilt: $PACK ($(du -h "$PACK" | cut -f1)) from $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src tests || echo ' + uncommitted changes'); carry: [\"$PACK_DIR\"]"
 }
 
@@ -73,10 +79,25 @@ run() {
   mkdir -p "$logs"
   [[ -f "$PACK" ]] || { echo "device-prebuilt: no $PACK (pack it here, then carry $PACK_DIR)" >&2; return 2; }
   xz -dc "$PACK" >"$bin" && chmod +x "$bin" || return 2
-  # the device's libnccl.so.2: the system's, else the one in torch's wheel
-  local nccl
-  nccl=$(ldconfig -p | awk '/libnccl\.so\.2 /{print $NF; exit}')
-  [[ -z "$nccl" ]] && nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(nvidia.nccl.__path__[0], "lib", "libnccl.so.2"))' 2>/dev/null)
+  # the device's libnccl.so.2 of the version the binary was compiled against, if it has one (torch's wheel, where
+  # the device's own builds take their NCCL, before the system's): then the suites that start a communicator run too
+  local nccl="" want candidate version py
+  want=$(cat "$PACK_DIR/nccl-version" 2>/dev/null)
+  local candidates=()
+  for py in /opt/torch/.venv/bin/python3 python3; do
+    candidate=$("$py" -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null) &&
+      [[ -f "$candidate" ]] && candidates+=("$candidate")
+  done
+  candidate=$(ldconfig -p | awk '/libnccl\.so\.2 /{print $NF; exit}')
+  [[ -n "$candidate" ]] && candidates+=("$candidate")
+  for candidate in "${candidates[@]}"; do
+    version=$(python3 -c 'import ctypes, sys; v = ctypes.c_int(); ctypes.CDLL(sys.argv[1]).ncclGetVersion(ctypes.byref(v)); print(v.value)' "$candidate" 2>/dev/null)
+    echo "device-prebuilt: $candidate is NCCL ${version:-of unknown version}"
+    [[ -z "$nccl" ]] && nccl="$candidate"  # the first found, when none matches
+    if [[ -n "$want" && "$version" == "$want" ]]; then nccl="$candidate"; break; fi
+  done
+  [[ -n "$want" && "$version" != "$want" ]] &&
+    echo "device-prebuilt: no libnccl.so.2 here is NCCL $want, the binary's headers: the suites that start a communicator will refuse it"
   if [[ -n "$nccl" ]]; then
     LD_LIBRARY_PATH="$(dirname "$nccl")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     export LD_LIBRARY_PATH
@@ -110,6 +131,6 @@ run() {
 case "${1:-}" in
   pack) shift; pack "$@" ;;
   run) shift; run "$@" ;;
-  -h|--help|"") sed -n '2,23p' "$0"; [[ -n "${1:-}" ]] ;;
+  -h|--help|"") sed -n '2,25p' "$0"; [[ -n "${1:-}" ]] ;;
   *) echo "device-prebuilt: unknown command '$1'; see --help" >&2; exit 2 ;;
 esac
