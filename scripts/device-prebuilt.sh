@@ -8,12 +8,16 @@
 #                                                libcudart may differ), strips it, and writes
 #                                                build-pack/ferry_gpu_tests.xz (about 40 MB: name build-pack in the
 #                                                device call's carry)
-#   scripts/device-prebuilt.sh run [--tests FILTER] [--rows "WORDS"] [--budget S]
+#   scripts/device-prebuilt.sh run [--tests FILTER] [--rows "WORDS"] [--budget S] [--resume STATUS]
 #                                                on the GPU machine: every test of the gtest FILTER (default: the
-#                                                virtual-rank and emulated-node suites) in its own process, each
-#                                                bounded by what is left of the budget (default 540 s); a table last,
-#                                                every log in $OUT (else build-pack/logs)
+#                                                virtual-rank and emulated-node suites; '*': every test) in its own
+#                                                process, each bounded by what is left of the budget (default 540 s)
+#                                                and by 450 s, the fast-path walk last; a table last, every log and
+#                                                prebuilt.status (name status) in $OUT (else build-pack/logs)
 #   --rows "WORDS"   FERRY_TEST_ROWS: only the rows of a table holding every word (tests/support/virtual_ranks.hpp)
+#   --resume STATUS  an earlier call's prebuilt.status (copied into the checkout): its passed and skipped tests are
+#                    not run again, so that a pass over every test spans calls; `cut` (stopped by the budget) is
+#                    reported, not a failure
 #
 # The suites that start a communicator (NormalMode.*, LowLatency.*, EpBufferCycles.*, ...) need the device's
 # libnccl.so.2 to be the NCCL whose headers the binary was compiled against (Ferry refuses another version:
@@ -66,12 +70,13 @@ run() {
   # the suites that start no communicator (test_comm, test_ll, test_normal_*, test_gin, test_trace,
   # test_buffer_cycles do)
   local filter='*VirtualRanks*:*Virtual.*:*AcrossNodes.*:QuantDevice.*:DeviceMemory.*'
-  local budget=540
+  local budget=540 resume=""
   while [[ $# -gt 0 ]]; do
     case "$1" in
       --tests) filter="$2"; shift 2 ;;
       --rows) export FERRY_TEST_ROWS="$2"; shift 2 ;;
       --budget) budget="$2"; shift 2 ;;
+      --resume) resume="$2"; shift 2 ;;
       *) echo "device-prebuilt run: unknown argument '$1'; see --help" >&2; return 2 ;;
     esac
   done
@@ -106,21 +111,35 @@ run() {
   nvidia-smi -L 2>/dev/null || echo "device-prebuilt: no nvidia-smi here (the tests will skip)"
   echo "device-prebuilt: libnccl ${nccl:-not found}; tests \"$filter\"${FERRY_TEST_ROWS:+; rows \"$FERRY_TEST_ROWS\"}"
   local names
+  # the fast-path walk (minutes of virtual-rank cases) last, as device-check.sh runs it: a short budget leaves it out
   mapfile -t names < <("$bin" --gtest_list_tests --gtest_filter="$filter" |
-    awk '/^[^ ]/{suite=$1} /^  /{print suite $1}')
-  local rc=0 table="" name status left limit out
+    awk '/^[^ ]/{suite=$1} /^  /{print suite $1}' | awk '/^FastPathVirtualRanks\./{last[++n]=$0; next} {print}
+      END {for (i = 1; i <= n; ++i) print last[i]}')
+  local rc=0 table="" name status left limit out earlier
+  : >"$logs/prebuilt.status"
   for name in "${names[@]}"; do
+    earlier=$([[ -n "$resume" ]] && awk -v n="$name" '$1 == n && ($2 == "passed" || $2 == "skipped") {print $2}' "$resume")
+    if [[ -n "$earlier" ]]; then
+      echo "$name $earlier" >>"$logs/prebuilt.status"
+      table+=$(printf '%-64s %s' "$name" "$earlier (earlier call)")$'\n'
+      continue
+    fi
     left=$((budget - (SECONDS - start)))
-    if [[ $left -lt 20 ]]; then table+=$(printf '%-64s %s' "$name" "not-run (budget)")$'\n'; continue; fi
-    limit=$((left - 10))
+    if [[ $left -lt 20 ]]; then
+      echo "$name not-run" >>"$logs/prebuilt.status"
+      table+=$(printf '%-64s %s' "$name" "not-run (budget)")$'\n'
+      continue
+    fi
+    limit=$((left - 10 < 450 ? left - 10 : 450))  # 450 s: a test's own bound, as device-check.sh gives it
     out="$logs/${name//[^A-Za-z0-9_.-]/_}.log"
     local t0=$SECONDS
     timeout "$limit" "$bin" --gtest_filter="$name" >"$out" 2>&1
     case $? in
       0) if grep -q '^\[  SKIPPED \]' "$out"; then status=skipped; else status=passed; fi ;;
-      124) status="cut ($limit s)"; rc=1 ;;
+      124) if [[ $limit -lt 450 ]]; then status="cut"; else status=failed; rc=1; fi ;;  # cut: stopped by the budget
       *) status=failed; rc=1; grep -E -A4 'Failure|what\(\)' "$out" | cut -c1-240 | head -n 12 ;;
     esac
+    echo "$name $status" >>"$logs/prebuilt.status"
     table+=$(printf '%-64s %-10s %4d s' "$name" "$status" $((SECONDS - t0)))$'\n'
   done
   echo "== device-prebuilt: $((SECONDS - start)) s"
@@ -131,6 +150,6 @@ run() {
 case "${1:-}" in
   pack) shift; pack "$@" ;;
   run) shift; run "$@" ;;
-  -h|--help|"") sed -n '2,25p' "$0"; [[ -n "${1:-}" ]] ;;
+  -h|--help|"") sed -n '2,29p' "$0"; [[ -n "${1:-}" ]] ;;
   *) echo "device-prebuilt: unknown command '$1'; see --help" >&2; exit 2 ;;
 esac
