@@ -152,7 +152,9 @@ if [[ ${#SOURCE_COUNTERS[@]} -gt 0 ]]; then
           2>>"$LOGS/sc-$i-$side.log" && exports+=("sc-$i-$side.csv")
       done
       echo "== source counters $i: $kernel, ferry bench $bench_args"
-      python3 scripts/ncu-source-diff.py "$LOGS/sc-$i-a.csv" "$LOGS/sc-$i-b.csv" --top 8 2>&1 | sed -n '3,4p'
+      # its two summary lines (a note comes before them when A's and B's kernel names differ), or its error
+      python3 scripts/ncu-source-diff.py "$LOGS/sc-$i-a.csv" "$LOGS/sc-$i-b.csv" --top 8 2>&1 |
+        grep -E '^  [AB]: |ncu-source-diff'
     done
     # one file for the device call to bring back, not two per workload
     if [[ ${#exports[@]} -gt 0 ]] && tar -czf "$LOGS/source-counters.tgz" -C "$LOGS" "${exports[@]}"; then

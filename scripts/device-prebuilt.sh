@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tests (the virtual-rank and emulated-node suites; the others where the device has the NCCL below) from a
-# test binary built on this machine, so that a device call spends its time on the tests instead of on scripts/device-check.sh's build
-# (about 300 s of a 600 s call). Two steps:
+# test binary built on this machine, so that a device call spends its time on the tests instead of on
+# scripts/device-check.sh's build (about 300 s of a 600 s call). Two steps:
 #
 #   scripts/device-prebuilt.sh pack [BUILD]      here, after `ninja -C BUILD tests/ferry_gpu_tests` (a cuda build for
 #                                                sm_90a): relinks the binary with the static CUDA runtime (the device's
@@ -116,6 +116,7 @@ run() {
     awk '/^[^ ]/{suite=$1} /^  /{print suite $1}' | awk '/^FastPathVirtualRanks\./{last[++n]=$0; next} {print}
       END {for (i = 1; i <= n; ++i) print last[i]}')
   local rc=0 table="" name status left limit out earlier
+  local -r test_bound=450  # a test's own bound, as device-check.sh gives it: a timeout under it is the budget's
   : >"$logs/prebuilt.status"
   for name in "${names[@]}"; do
     earlier=$([[ -n "$resume" ]] && awk -v n="$name" '$1 == n && ($2 == "passed" || $2 == "skipped") {print $2}' "$resume")
@@ -130,13 +131,13 @@ run() {
       table+=$(printf '%-64s %s' "$name" "not-run (budget)")$'\n'
       continue
     fi
-    limit=$((left - 10 < 450 ? left - 10 : 450))  # 450 s: a test's own bound, as device-check.sh gives it
+    limit=$((left - 10 < test_bound ? left - 10 : test_bound))
     out="$logs/${name//[^A-Za-z0-9_.-]/_}.log"
     local t0=$SECONDS
     timeout "$limit" "$bin" --gtest_filter="$name" >"$out" 2>&1
     case $? in
       0) if grep -q '^\[  SKIPPED \]' "$out"; then status=skipped; else status=passed; fi ;;
-      124) if [[ $limit -lt 450 ]]; then status="cut"; else status=failed; rc=1; fi ;;  # cut: stopped by the budget
+      124) if [[ $limit -lt $test_bound ]]; then status="cut"; else status=failed; rc=1; fi ;;
       *) status=failed; rc=1; grep -E -A4 'Failure|what\(\)' "$out" | cut -c1-240 | head -n 12 ;;
     esac
     echo "$name $status" >>"$logs/prebuilt.status"
