@@ -12,8 +12,10 @@
 #                                                on the GPU machine: every test of the gtest FILTER (default: the
 #                                                virtual-rank and emulated-node suites; '*': every test) in its own
 #                                                process, each bounded by what is left of the budget (default 540 s)
-#                                                and by 450 s, the fast-path walk last; a table last, every log and
-#                                                prebuilt.status (name status) in $OUT (else build-pack/logs)
+#                                                and by 450 s, the fast-path walk last; a table and a count by
+#                                                status last; prebuilt.status (name status) and the logs of failed
+#                                                or cut tests in $OUT (else build-pack/logs), every log in
+#                                                /tmp/ferry-prebuilt-logs
 #   --rows "WORDS"   FERRY_TEST_ROWS: only the rows of a table holding every word (tests/support/virtual_ranks.hpp)
 #   --resume STATUS  an earlier call's prebuilt.status (copied into the checkout): its passed and skipped tests are
 #                    not run again, so that a pass over every test spans calls; `cut` (stopped by the budget) is
@@ -80,8 +82,10 @@ run() {
       *) echo "device-prebuilt run: unknown argument '$1'; see --help" >&2; return 2 ;;
     esac
   done
-  local logs="${OUT:-$PACK_DIR/logs}" bin=/tmp/ferry_gpu_tests start=$SECONDS
-  mkdir -p "$logs"
+  # every test's log in $work; $logs (a device call's $OUT, which brings back only a few files) gets the status file
+  # and the logs of the tests that failed or were cut
+  local logs="${OUT:-$PACK_DIR/logs}" work="${TMPDIR:-/tmp}/ferry-prebuilt-logs" bin=/tmp/ferry_gpu_tests start=$SECONDS
+  mkdir -p "$logs" "$work"
   [[ -f "$PACK" ]] || { echo "device-prebuilt: no $PACK (pack it here, then carry $PACK_DIR)" >&2; return 2; }
   xz -dc "$PACK" >"$bin" && chmod +x "$bin" || return 2
   # the device's libnccl.so.2 of the version the binary was compiled against, if it has one (torch's wheel, where
@@ -132,7 +136,7 @@ run() {
       continue
     fi
     limit=$((left - 10 < test_bound ? left - 10 : test_bound))
-    out="$logs/${name//[^A-Za-z0-9_.-]/_}.log"
+    out="$work/${name//[^A-Za-z0-9_.-]/_}.log"
     local t0=$SECONDS
     timeout "$limit" "$bin" --gtest_filter="$name" >"$out" 2>&1
     case $? in
@@ -141,16 +145,18 @@ run() {
       *) status=failed; rc=1; grep -E -A4 'Failure|what\(\)' "$out" | cut -c1-240 | head -n 12 ;;
     esac
     echo "$name $status" >>"$logs/prebuilt.status"
+    [[ $status == failed || $status == cut ]] && cp "$out" "$logs/"
     table+=$(printf '%-64s %-10s %4d s' "$name" "$status" $((SECONDS - t0)))$'\n'
   done
   echo "== device-prebuilt: $((SECONDS - start)) s"
   printf '%s' "$table"
+  echo "== device-prebuilt: $(awk '{n[$2]++} END {for (s in n) printf "%s %d  ", s, n[s]}' "$logs/prebuilt.status")(status: $logs/prebuilt.status)"
   return $rc
 }
 
 case "${1:-}" in
   pack) shift; pack "$@" ;;
   run) shift; run "$@" ;;
-  -h|--help|"") sed -n '2,29p' "$0"; [[ -n "${1:-}" ]] ;;
+  -h|--help|"") sed -n '2,31p' "$0"; [[ -n "${1:-}" ]] ;;
   *) echo "device-prebuilt: unknown command '$1'; see --help" >&2; exit 2 ;;
 esac
