@@ -3,13 +3,17 @@
 # e.g. `git archive PARENT -o build-ab/base.tar`, carried to the machine) and this tree (B), same seeds, every row
 # checked, rounds interleaved A B A B so that a drift of the machine falls on both; then a table of the medians of
 # each leg, A, B and B / A, each the median over the rounds. This tree's CLI (and module) is built into build-device/
-# (which scripts/device-check.sh then completes), the base's into /tmp/ferry-ab-base/.
+# (which scripts/device-check.sh then completes), the base's into /tmp/ferry-ab-base/. Or, with no build on the GPU
+# machine, the ferry CLIs built here (`scripts/device-prebuilt.sh pack-cli`): then each side is one CLI, A the base
+# and every other (B, C, ...) against it, e.g. the commits of a bisection.
 #
-# usage: scripts/device-ab.sh BASE_TAR [--rounds N] [--iters N] [--seed S] [--quick] [--also "ARGS"] [--host-time]
+# usage: scripts/device-ab.sh BASE_TAR | --prebuilt DIR [--rounds N] [--iters N] [--seed S] [--quick] [--also "ARGS"] [--host-time]
 #                              [--kernel-time] [--host-only] [--source-counters "KERNEL|ARGS"] [--budget S]
 #   default workloads: normal mode 128 and 4096 tokens, low-latency mode 1, 128 and 512 tokens, dispatch and combine
 #   in bf16 and fp8 (hidden 7168, topk 8, 256 experts, random routing, graph mode); --quick: normal 128 and LL 1/128,
 #   bf16 only
+#   --runs "ARGS": a workload in place of the default ones, `ferry bench ARGS` (repeatable), e.g. the legs in question
+#   alone for more rounds: "--mode ll --tokens 1 --dispatch bf16,fp8 --combine bf16"
 #   --also "ARGS": one more workload, `ferry bench ARGS` (repeatable), e.g. "--mode normal --layout expert --tokens
 #   128,4096 --dispatch bf16,fp8 --combine bf16,fp8" (the expand); the table keys rows by layout too
 #   --host-time: also builds the Python module of both trees and runs this tree's python/bench_overhead.py at 1 token
@@ -23,6 +27,8 @@
 #   dispatch_kernel) over 20 launches of `ferry bench ARGS` (e.g. "--mode normal --tokens 128 --dispatch fp8 --combine
 #   fp8"), A and B (repeatable); the exports go to source-counters.tgz in the logs and scripts/ncu-source-diff.py
 #   compares them (its summary is printed here): where B's instructions and stalls differ from A's (about 40 s each)
+#   --prebuilt DIR: the sides are DIR/a.xz (A), DIR/b.xz, ... (what each was built from in DIR/NAME.txt; their NCCL
+#   version in DIR/nccl-version: the device's libnccl of that version is loaded); not with --host-time
 #   --budget S: seconds the script may take (default 570, under a device call's 600): a round (or a host-time round)
 #   that the last one's duration says would not fit is not started, and the table is made of the rounds that ran
 # The base's build is kept in /tmp/ferry-ab-base and reused by a later call with the same tarball (a warm machine),
@@ -30,13 +36,22 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+HELP_END=35  # the last line of the comment above
 
-[[ "${1:-}" == -h || "${1:-}" == --help ]] && { sed -n '2,29p' "$0"; exit 0; }
-BASE_TAR="${1:-}"
-[[ -f "$BASE_TAR" ]] || { echo "device-ab: give the base tree's tarball as the first argument (see --help)" >&2; exit 2; }
-shift
+[[ "${1:-}" == -h || "${1:-}" == --help ]] && { sed -n "2,$HELP_END""p" "$0"; exit 0; }
+BASE_TAR="" PREBUILT=""
+if [[ "${1:-}" == --prebuilt ]]; then
+  PREBUILT="${2:-}"
+  [[ -f "$PREBUILT/a.xz" ]] || { echo "device-ab: --prebuilt DIR needs DIR/a.xz, the base's CLI (see --help)" >&2; exit 2; }
+  shift 2
+else
+  BASE_TAR="${1:-}"
+  [[ -f "$BASE_TAR" ]] || { echo "device-ab: give the base tree's tarball as the first argument (see --help)" >&2; exit 2; }
+  shift
+fi
 ROUNDS=2 ITERS=30 SEED=7 QUICK=0 HOST_TIME=0 HOST_ONLY=0 KERNEL_TIME=0 BUDGET=570
 ALSO=()
+ONLY=()
 SOURCE_COUNTERS=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -49,12 +64,15 @@ while [[ $# -gt 0 ]]; do
     --kernel-time) KERNEL_TIME=1; shift ;;
     --budget) BUDGET="$2"; shift 2 ;;
     --also) ALSO+=("$2"); shift 2 ;;
+    --runs) ONLY+=("$2"); shift 2 ;;
     --source-counters) SOURCE_COUNTERS+=("$2"); shift 2 ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    -h|--help) sed -n "2,$HELP_END""p" "$0"; exit 0 ;;
     *) echo "device-ab: unknown argument '$1'; see --help" >&2; exit 2 ;;
   esac
 done
 [[ $HOST_ONLY -eq 1 && $HOST_TIME -eq 0 ]] && { echo "device-ab: --host-only needs --host-time" >&2; exit 2; }
+[[ -n "$PREBUILT" && $HOST_TIME -eq 1 ]] &&
+  { echo "device-ab: --host-time builds each side's Python module: not with --prebuilt" >&2; exit 2; }
 LOGS="${OUT:-build-device/ab-logs}"
 mkdir -p "$LOGS"
 START=$SECONDS
@@ -64,38 +82,60 @@ stamp() { echo "== [$((SECONDS - START)) s] $*"; }
 fits() { (( SECONDS - START + $1 + 15 <= BUDGET )); }
 
 BASE=/tmp/ferry-ab-base
-TAR_SUM=$(sha256sum "$BASE_TAR" | cut -d' ' -f1)
-if [[ -f "$BASE/.tar-sha256" && "$(cat "$BASE/.tar-sha256")" == "$TAR_SUM" ]]; then
-  stamp "the base tree of this tarball is already in $BASE: its build is reused"
+SIDES=(a b)
+# the ferry CLI of a side
+bin_of() {
+  if [[ -n "$PREBUILT" ]]; then echo "/tmp/ferry-ab-bin/$1"; elif [[ $1 == a ]]; then echo "$BASE/build/ferry"; else
+    echo build-device/ferry; fi
+}
+if [[ -n "$PREBUILT" ]]; then
+  mkdir -p /tmp/ferry-ab-bin
+  SIDES=()
+  for packed in "$PREBUILT"/[a-z].xz; do
+    side=$(basename "$packed" .xz)
+    xz -dc "$packed" >"/tmp/ferry-ab-bin/$side" && chmod +x "/tmp/ferry-ab-bin/$side" ||
+      { echo "device-ab: cannot unpack $packed"; exit 2; }
+    SIDES+=("$side")
+    echo "device-ab: side ${side^^}: $(cat "$PREBUILT/$side.txt" 2>/dev/null)"
+  done
+  [[ ${#SIDES[@]} -ge 2 ]] || { echo "device-ab: --prebuilt $PREBUILT has one side; pack another"; exit 2; }
+  nccl=$(scripts/device-prebuilt.sh nccl-dir "$(cat "$PREBUILT/nccl-version" 2>/dev/null)")
+  [[ -n "$nccl" ]] && export LD_LIBRARY_PATH="$nccl${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  stamp "unpacked ${SIDES[*]} (no build); libnccl from ${nccl:-the default search path}"
 else
-  rm -rf "$BASE" && mkdir -p "$BASE" && tar -xf "$BASE_TAR" -C "$BASE" || { echo "device-ab: cannot unpack $BASE_TAR"; exit 2; }
-  echo "$TAR_SUM" >"$BASE/.tar-sha256"
-fi
-stamp "configure + build: this tree (build-device) and the base ($BASE/build)"
-PY=python3
-[[ -x /opt/torch/.venv/bin/python3 ]] && PY=/opt/torch/.venv/bin/python3
-PY_ARGS=()
-TARGETS=(--target ferry_cli)
-if [[ $HOST_TIME -eq 1 ]]; then
-  PY_ARGS=(-DFERRY_BUILD_PYTHON=ON "-DPython_EXECUTABLE=$PY")
-  TARGETS=(--target ferry_cli ferry_python)
-fi
-cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release "${PY_ARGS[@]}" >"$LOGS/configure-b.log" 2>&1 ||
-  { tail "$LOGS/configure-b.log"; exit 2; }
-cmake -S "$BASE" -B "$BASE/build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${PY_ARGS[@]}" >"$LOGS/configure-a.log" 2>&1 ||
-  { tail "$LOGS/configure-a.log"; exit 2; }
-JOBS=$(nproc)
-# the same targets on both sides, half the cores each (the GPU tests are device-check.sh's, which builds them after)
-(cmake --build build-device -j $((JOBS / 2)) "${TARGETS[@]}" >"$LOGS/build-b.log" 2>&1; echo $? >"$LOGS/build-b.rc") &
-(cmake --build "$BASE/build" -j $((JOBS / 2)) "${TARGETS[@]}" >"$LOGS/build-a.log" 2>&1; echo $? >"$LOGS/build-a.rc") &
-wait
-for side in a b; do
-  if [[ "$(cat "$LOGS/build-$side.rc")" != 0 ]]; then
-    grep -E "FAILED|error" "$LOGS/build-$side.log" | head -n 10
-    [[ -x "$([[ $side == a ]] && echo "$BASE/build" || echo build-device)/ferry" ]] || { echo "device-ab: build $side failed"; exit 1; }
+  TAR_SUM=$(sha256sum "$BASE_TAR" | cut -d' ' -f1)
+  if [[ -f "$BASE/.tar-sha256" && "$(cat "$BASE/.tar-sha256")" == "$TAR_SUM" ]]; then
+    stamp "the base tree of this tarball is already in $BASE: its build is reused"
+  else
+    rm -rf "$BASE" && mkdir -p "$BASE" && tar -xf "$BASE_TAR" -C "$BASE" || { echo "device-ab: cannot unpack $BASE_TAR"; exit 2; }
+    echo "$TAR_SUM" >"$BASE/.tar-sha256"
   fi
-done
-stamp "built"
+  stamp "configure + build: this tree (build-device) and the base ($BASE/build)"
+  PY=python3
+  [[ -x /opt/torch/.venv/bin/python3 ]] && PY=/opt/torch/.venv/bin/python3
+  PY_ARGS=()
+  TARGETS=(--target ferry_cli)
+  if [[ $HOST_TIME -eq 1 ]]; then
+    PY_ARGS=(-DFERRY_BUILD_PYTHON=ON "-DPython_EXECUTABLE=$PY")
+    TARGETS=(--target ferry_cli ferry_python)
+  fi
+  cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release "${PY_ARGS[@]}" >"$LOGS/configure-b.log" 2>&1 ||
+    { tail "$LOGS/configure-b.log"; exit 2; }
+  cmake -S "$BASE" -B "$BASE/build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${PY_ARGS[@]}" >"$LOGS/configure-a.log" 2>&1 ||
+    { tail "$LOGS/configure-a.log"; exit 2; }
+  JOBS=$(nproc)
+  # the same targets on both sides, half the cores each (the GPU tests are device-check.sh's, which builds them after)
+  (cmake --build build-device -j $((JOBS / 2)) "${TARGETS[@]}" >"$LOGS/build-b.log" 2>&1; echo $? >"$LOGS/build-b.rc") &
+  (cmake --build "$BASE/build" -j $((JOBS / 2)) "${TARGETS[@]}" >"$LOGS/build-a.log" 2>&1; echo $? >"$LOGS/build-a.rc") &
+  wait
+  for side in a b; do
+    if [[ "$(cat "$LOGS/build-$side.rc")" != 0 ]]; then
+      grep -E "FAILED|error" "$LOGS/build-$side.log" | head -n 10
+      [[ -x "$([[ $side == a ]] && echo "$BASE/build" || echo build-device)/ferry" ]] || { echo "device-ab: build $side failed"; exit 1; }
+    fi
+  done
+  stamp "built"
+fi
 
 if [[ $QUICK -eq 1 ]]; then
   RUNS=("--mode normal --tokens 128 --dispatch bf16 --combine bf16" "--mode ll --tokens 1,128 --dispatch bf16 --combine bf16")
@@ -103,6 +143,7 @@ else
   RUNS=("--mode normal --tokens 128,4096 --dispatch bf16,fp8 --combine bf16,fp8"
         "--mode ll --tokens 1,128,512 --dispatch bf16,fp8 --combine bf16,fp8")
 fi
+[[ ${#ONLY[@]} -gt 0 ]] && RUNS=("${ONLY[@]}")
 RUNS+=("${ALSO[@]}")
 ROUND_S=0  # the last round's duration: a round that would not fit in the budget is not started
 ROUNDS_RUN=0
@@ -114,8 +155,8 @@ for ((round = 1; round <= LEG_ROUNDS; ++round)); do
     break
   fi
   round_start=$SECONDS
-  for side in a b; do
-    bin=$([[ $side == a ]] && echo "$BASE/build/ferry" || echo build-device/ferry)
+  for side in "${SIDES[@]}"; do
+    bin=$(bin_of "$side")
     for i in "${!RUNS[@]}"; do
       # shellcheck disable=SC2086
       timeout 150 "$bin" bench ${RUNS[$i]} --graph --check --iters "$ITERS" --seed "$SEED" \
@@ -136,13 +177,13 @@ if [[ ${#SOURCE_COUNTERS[@]} -gt 0 ]]; then
     for i in "${!SOURCE_COUNTERS[@]}"; do
       kernel="${SOURCE_COUNTERS[$i]%%|*}"
       bench_args="${SOURCE_COUNTERS[$i]#*|}"
-      for side in a b; do
+      for side in "${SIDES[@]}"; do
         if ! fits 45; then
           echo "device-ab: source counters of $kernel ($side) and later not run:" \
             "$((BUDGET - (SECONDS - START))) s of the budget left"
           break 2
         fi
-        bin=$([[ $side == a ]] && echo "$BASE/build/ferry" || echo build-device/ferry)
+        bin=$(bin_of "$side")
         report="/tmp/ferry-ab-sc-$i-$side"
         # shellcheck disable=SC2086
         timeout 150 "$NCU" --clock-control none --cache-control none -k "$kernel" --launch-skip 5 -c 20 \
@@ -153,8 +194,11 @@ if [[ ${#SOURCE_COUNTERS[@]} -gt 0 ]]; then
       done
       echo "== source counters $i: $kernel, ferry bench $bench_args"
       # its two summary lines (a note comes before them when A's and B's kernel names differ), or its error
-      python3 scripts/ncu-source-diff.py "$LOGS/sc-$i-a.csv" "$LOGS/sc-$i-b.csv" --top 8 2>&1 |
-        grep -E '^  [AB]: |ncu-source-diff'
+      for side in "${SIDES[@]:1}"; do
+        [[ ${#SIDES[@]} -gt 2 ]] && echo "A against ${side^^} (as B):"
+        python3 scripts/ncu-source-diff.py "$LOGS/sc-$i-a.csv" "$LOGS/sc-$i-$side.csv" --top 8 2>&1 |
+          grep -E '^  [AB]: |ncu-source-diff'
+      done
     done
     # one file for the device call to bring back, not two per workload
     if [[ ${#exports[@]} -gt 0 ]] && tar -czf "$LOGS/source-counters.tgz" -C "$LOGS" "${exports[@]}"; then
@@ -171,8 +215,8 @@ if [[ $KERNEL_TIME -eq 1 ]]; then
     echo "device-ab: kernel time not run: $((BUDGET - (SECONDS - START))) s of the budget left"
   else
     for round in 1 2; do
-      for side in a b; do
-        bin=$([[ $side == a ]] && echo "$BASE/build/ferry" || echo build-device/ferry)
+      for side in "${SIDES[@]}"; do
+        bin=$(bin_of "$side")
         for fmt in bf16 fp8; do
           timeout 100 "$NCU" --clock-control none --cache-control none -k regex:ll_ -c 40 --csv \
             --metrics gpu__time_duration.sum,sm__inst_executed.sum \
@@ -182,7 +226,7 @@ if [[ $KERNEL_TIME -eq 1 ]]; then
         done
       done
     done
-    python3 - "$LOGS" <<'PY'
+    python3 - "$LOGS" "${SIDES[@]}" <<'PY'
 import collections, csv, glob, os, re, statistics, sys
 # (side, format, leg) -> metric -> [median of each run]
 runs = collections.defaultdict(lambda: collections.defaultdict(list))
@@ -197,17 +241,20 @@ for path in glob.glob(os.path.join(sys.argv[1], "ncu-*.csv")):
     for leg, metrics in values.items():
         for name, v in metrics.items():
             runs[(side, fmt, leg)][name].append(statistics.median(v))
+sides = sys.argv[2:]
 print("kernel time at 1 token (ncu; median of each run's launches, then of the runs)")
-print(f"{'leg':<16}{'A ns':>10}{'B ns':>10}{'B/A':>8}{'A instr':>12}{'B instr':>12}")
+print(f"{'leg':<16}" + "".join(f"{x.upper() + ' ns':>10}" for x in sides) +
+      "".join(f"{x.upper() + '/A':>8}" for x in sides[1:]) + "".join(f"{x.upper() + ' instr':>12}" for x in sides))
 for fmt in ("bf16", "fp8"):
     for leg in ("dispatch", "combine"):
-        a, b = runs.get(("a", fmt, leg)), runs.get(("b", fmt, leg))
-        if not a or not b:
+        got = [runs.get((x, fmt, leg)) for x in sides]
+        if not all(got):
             print(f"{fmt + ' ' + leg:<16} missing (see ncu-*.err)")
             continue
-        t = [statistics.median(x["gpu__time_duration.sum"]) for x in (a, b)]
-        i = [statistics.median(x["sm__inst_executed.sum"]) for x in (a, b)]
-        print(f"{fmt + ' ' + leg:<16}{t[0]:>10.0f}{t[1]:>10.0f}{t[1] / t[0]:>8.3f}{i[0]:>12.0f}{i[1]:>12.0f}")
+        t = [statistics.median(x["gpu__time_duration.sum"]) for x in got]
+        i = [statistics.median(x["sm__inst_executed.sum"]) for x in got]
+        print(f"{fmt + ' ' + leg:<16}" + "".join(f"{v:>10.0f}" for v in t) +
+              "".join(f"{v / t[0]:>8.3f}" for v in t[1:]) + "".join(f"{v:>12.0f}" for v in i))
 PY
   fi
   stamp "kernel time done"
@@ -236,12 +283,12 @@ if [[ $HOST_TIME -eq 1 ]]; then
   stamp "host time done"
 fi
 
-python3 - "$LOGS" "$ROUNDS_RUN" "${#RUNS[@]}" <<'PY'
+python3 - "$LOGS" "$ROUNDS_RUN" "${#RUNS[@]}" "${SIDES[@]}" <<'PY'
 import json, os, statistics, sys
-logs, rounds, runs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-med = {"a": {}, "b": {}}
-checks = {"a": set(), "b": set()}
-for side in "ab":
+logs, rounds, runs, sides = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+med = {side: {} for side in sides}
+checks = {side: set() for side in sides}
+for side in sides:
     for r in range(1, rounds + 1):
         for i in range(runs):
             path = os.path.join(logs, f"{side}-{r}-{i}.json")
@@ -254,16 +301,19 @@ for side in "ab":
                        rec.get("dispatch_format", rec.get("format")), rec.get("combine_format", rec.get("format")))
                 med[side].setdefault(key, []).append(rec["median_us"])
                 checks[side].add(rec["check"])
-# each leg: the median over the rounds of A and B, B / A, and the rounds' range of each side (the noise)
+# each leg: the median over the rounds of each side, each side / A, and the rounds' range of each side (the noise)
 span = lambda v: f"{min(v):.2f}-{max(v):.2f}" if v else "-"
-print(f"{'mode':<7} {'layout':<7} {'leg':<9} {'tokens':>6} {'dispatch':<9} {'combine':<9} {'A us':>8} {'B us':>8} "
-      f"{'B/A':>6}  {'A rounds':<13} {'B rounds':<13}")
-for key in sorted(set(med["a"]) | set(med["b"])):
-    va, vb = med["a"].get(key, []), med["b"].get(key, [])
-    a = statistics.median(va) if va else float("nan")
-    b = statistics.median(vb) if vb else float("nan")
-    print(f"{key[0]:<7} {key[1]:<7} {key[2]:<9} {key[3]:>6} {key[4]:<9} {key[5]:<9} {a:8.2f} {b:8.2f} {b / a:6.3f}  "
-          f"{span(va):<13} {span(vb):<13}")
-print(f"checks: A {sorted(checks['a'])}, B {sorted(checks['b'])}")
+med_of = lambda v: statistics.median(v) if v else float("nan")
+up = [x.upper() for x in sides]
+print(f"{'mode':<7} {'layout':<7} {'leg':<9} {'tokens':>6} {'dispatch':<9} {'combine':<9} " +
+      " ".join(f"{x + ' us':>8}" for x in up) + " " + " ".join(f"{x + '/A':>6}" for x in up[1:]) + "  " +
+      " ".join(f"{x + ' rounds':<13}" for x in up))
+for key in sorted(set().union(*(med[x] for x in sides))):
+    v = [med[x].get(key, []) for x in sides]
+    m = [med_of(x) for x in v]
+    print(f"{key[0]:<7} {key[1]:<7} {key[2]:<9} {key[3]:>6} {key[4]:<9} {key[5]:<9} " +
+          " ".join(f"{x:8.2f}" for x in m) + " " + " ".join(f"{x / m[0]:6.3f}" for x in m[1:]) + "  " +
+          " ".join(f"{span(x):<13}" for x in v))
+print("checks: " + ", ".join(f"{x.upper()} {sorted(checks[x])}" for x in sides))
 PY
 stamp "done"

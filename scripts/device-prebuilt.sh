@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU tests (the virtual-rank and emulated-node suites; the others where the device has the NCCL below) from a
-# test binary built on this machine, so that a device call spends its time on the tests instead of on
-# scripts/device-check.sh's build (about 300 s of a 600 s call). Two steps:
+# Binaries built on this machine for the GPU machine, so that a device call spends its time on the tests or the
+# bench rounds instead of on a build (about 300 s of a 600 s call): the GPU tests (the virtual-rank and emulated-node
+# suites; the others where the device has the NCCL below), and the ferry CLI of the sides of an A/B. Its commands:
 #
 #   scripts/device-prebuilt.sh pack [BUILD]      here, after `ninja -C BUILD tests/ferry_gpu_tests` (a cuda build for
 #                                                sm_90a): relinks the binary with the static CUDA runtime (the device's
@@ -16,6 +16,12 @@
 #                                                status last; prebuilt.status (name status) and the logs of failed
 #                                                or cut tests in $OUT (else build-pack/logs), every log in
 #                                                /tmp/ferry-prebuilt-logs
+#   scripts/device-prebuilt.sh pack-cli NAME BUILD NOTE
+#                                                here: BUILD's ferry CLI (a cuda build for sm_90a; -DFERRY_CUDA_ARCH=
+#                                                90a-real -DFERRY_BUILD_TESTS=OFF halves it) as build-ab/NAME.xz, side
+#                                                NAME of `scripts/device-ab.sh --prebuilt build-ab` (about 22 MB each:
+#                                                two sides fit a device call's carry), NOTE in build-ab/NAME.txt
+#   scripts/device-prebuilt.sh nccl-dir VERSION  on the GPU machine: the directory of a libnccl.so.2 of VERSION
 #   --rows "WORDS"   FERRY_TEST_ROWS: only the rows of a table holding every word (tests/support/virtual_ranks.hpp)
 #   --resume STATUS  an earlier call's prebuilt.status (copied into the checkout): its passed and skipped tests are
 #                    not run again, so that a pass over every test spans calls; `cut` (stopped by the budget) is
@@ -36,36 +42,77 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 PACK_DIR="build-pack"
 PACK="$PACK_DIR/ferry_gpu_tests.xz"
 
-pack() {
-  local build="${1:-build}"
-  [[ -x "$build/tests/ferry_gpu_tests" ]] || {
-    echo "device-prebuilt: $build/tests/ferry_gpu_tests is not built (ninja -C $build tests/ferry_gpu_tests)" >&2
+# Relinks TARGET of BUILD (a path relative to it) into OUT with the static CUDA runtime (the device's libcudart may
+# differ), strips it, compresses it to OUT.xz and writes the NCCL version of BUILD's headers to OUT_DIR/nccl-version.
+relink_static() {
+  local build="$1" target="$2" out="$3"
+  [[ -x "$build/$target" ]] || {
+    echo "device-prebuilt: $build/$target is not built (ninja -C $build $target)" >&2
     return 2
   }
   local link
-  link=$(cd "$build" && ninja -t commands tests/ferry_gpu_tests | tail -n 1)
-  [[ "$link" == *" -o tests/ferry_gpu_tests "* ]] || {
-    echo "device-prebuilt: the last build command of tests/ferry_gpu_tests is not its link:" >&2
+  link=$(cd "$build" && ninja -t commands "$target" | tail -n 1)
+  [[ "$link" == *" -o $target "* ]] || {
+    echo "device-prebuilt: the last build command of $target is not its link:" >&2
     echo "$link" >&2
     return 2
   }
   # the shared CUDA runtime out (the static one, which the link line also names, stays), its rpath too
-  link=$(sed -e 's# [^ ]*/libcudart\.so # #g' -e 's# -Wl,-rpath,[^ ]*##g' \
-    -e "s# -o tests/ferry_gpu_tests # -o $PWD/$PACK_DIR/ferry_gpu_tests #" <<<"$link")
+  link=$(sed -e 's# [^ ]*/libcudart\.so # #g' -e 's# -Wl,-rpath,[^ ]*##g' -e "s# -o $target # -o $out #" <<<"$link")
   [[ "$link" == *cudart_static* ]] || link="$link -lcudart_static -ldl -lrt"
-  mkdir -p "$PACK_DIR"
+  mkdir -p "$(dirname "$out")"
   (cd "$build" && eval "$link") || return 2
-  strip "$PACK_DIR/ferry_gpu_tests" || return 2
-  if ldd "$PACK_DIR/ferry_gpu_tests" | grep -q libcudart; then
-    echo "device-prebuilt: the binary still loads a shared libcudart" >&2
+  strip "$out" || return 2
+  if ldd "$out" | grep -q libcudart; then
+    echo "device-prebuilt: $out still loads a shared libcudart" >&2
     return 2
   fi
-  xz -T0 -6 -f "$PACK_DIR/ferry_gpu_tests" || return 2
-  # the NCCL the binary was compiled against: run looks for a libnccl.so.2 of that version on the device
+  xz -T0 -6 -f "$out" || return 2
+  # the NCCL the binary was compiled against: the device side looks for a libnccl.so.2 of that version
   local nccl_h
   nccl_h="$(sed -n 's/^FERRY_NCCL_INCLUDE_DIR:PATH=//p' "$build/CMakeCache.txt")/nccl.h"
-  sed -n 's/^#define NCCL_VERSION_CODE \([0-9]*\).*/\1/p' "$nccl_h" >"$PACK_DIR/nccl-version"
+  sed -n 's/^#define NCCL_VERSION_CODE \([0-9]*\).*/\1/p' "$nccl_h" >"$(dirname "$out")/nccl-version"
+}
+
+pack() {
+  local build="${1:-build}"
+  relink_static "$build" tests/ferry_gpu_tests "$PWD/$PACK_DIR/ferry_gpu_tests" || return 2
   echo "device-prebuilt: $PACK ($(du -h "$PACK" | cut -f1)) from $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src tests || echo ' + uncommitted changes'); carry: [\"$PACK_DIR\"]"
+}
+
+# The ferry CLI of BUILD as side NAME of scripts/device-ab.sh --prebuilt: build-ab/NAME.xz, and build-ab/NAME.txt
+# saying what it was built from (NOTE, e.g. the commit).
+pack_cli() {
+  local name="${1:-}" build="${2:-}" note="${3:-}"
+  [[ "$name" =~ ^[a-z]$ && -n "$build" && -n "$note" ]] || {
+    echo "device-prebuilt: pack-cli NAME BUILD NOTE: NAME one letter (a: the base), NOTE what BUILD was built from" >&2
+    return 2
+  }
+  relink_static "$build" ferry "$PWD/build-ab/$name" || return 2
+  echo "$note" >"build-ab/$name.txt"
+  echo "device-prebuilt: build-ab/$name.xz ($(du -h "build-ab/$name.xz" | cut -f1)): $note; carry: [\"build-ab\"]"
+}
+
+# The directory of a libnccl.so.2 of NCCL version WANT on this machine (torch's wheel, where the device's own builds
+# take their NCCL, before the system's), else of the first one found; what it found goes to stderr.
+nccl_dir() {
+  local want="${1:-}" nccl="" candidate version="" py
+  local candidates=()
+  for py in /opt/torch/.venv/bin/python3 python3; do
+    candidate=$("$py" -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null) &&
+      [[ -f "$candidate" ]] && candidates+=("$candidate")
+  done
+  candidate=$(ldconfig -p | awk '/libnccl\.so\.2 /{print $NF; exit}')
+  [[ -n "$candidate" ]] && candidates+=("$candidate")
+  for candidate in "${candidates[@]}"; do
+    version=$(python3 -c 'import ctypes, sys; v = ctypes.c_int(); ctypes.CDLL(sys.argv[1]).ncclGetVersion(ctypes.byref(v)); print(v.value)' "$candidate" 2>/dev/null)
+    echo "device-prebuilt: $candidate is NCCL ${version:-of unknown version}" >&2
+    [[ -z "$nccl" ]] && nccl="$candidate"  # the first found, when none matches
+    if [[ -n "$want" && "$version" == "$want" ]]; then nccl="$candidate"; break; fi
+  done
+  [[ -n "$want" && "$version" != "$want" ]] &&
+    echo "device-prebuilt: no libnccl.so.2 here is NCCL $want, the binary's headers: a communicator will refuse it" >&2
+  [[ -n "$nccl" ]] && dirname "$nccl"
 }
 
 run() {
@@ -88,29 +135,11 @@ run() {
   mkdir -p "$logs" "$work"
   [[ -f "$PACK" ]] || { echo "device-prebuilt: no $PACK (pack it here, then carry $PACK_DIR)" >&2; return 2; }
   xz -dc "$PACK" >"$bin" && chmod +x "$bin" || return 2
-  # the device's libnccl.so.2 of the version the binary was compiled against, if it has one (torch's wheel, where
-  # the device's own builds take their NCCL, before the system's): then the suites that start a communicator run too
-  local nccl="" want candidate version py
-  want=$(cat "$PACK_DIR/nccl-version" 2>/dev/null)
-  local candidates=()
-  for py in /opt/torch/.venv/bin/python3 python3; do
-    candidate=$("$py" -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null) &&
-      [[ -f "$candidate" ]] && candidates+=("$candidate")
-  done
-  candidate=$(ldconfig -p | awk '/libnccl\.so\.2 /{print $NF; exit}')
-  [[ -n "$candidate" ]] && candidates+=("$candidate")
-  for candidate in "${candidates[@]}"; do
-    version=$(python3 -c 'import ctypes, sys; v = ctypes.c_int(); ctypes.CDLL(sys.argv[1]).ncclGetVersion(ctypes.byref(v)); print(v.value)' "$candidate" 2>/dev/null)
-    echo "device-prebuilt: $candidate is NCCL ${version:-of unknown version}"
-    [[ -z "$nccl" ]] && nccl="$candidate"  # the first found, when none matches
-    if [[ -n "$want" && "$version" == "$want" ]]; then nccl="$candidate"; break; fi
-  done
-  [[ -n "$want" && "$version" != "$want" ]] &&
-    echo "device-prebuilt: no libnccl.so.2 here is NCCL $want, the binary's headers: the suites that start a communicator will refuse it"
-  if [[ -n "$nccl" ]]; then
-    LD_LIBRARY_PATH="$(dirname "$nccl")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    export LD_LIBRARY_PATH
-  fi
+  # the device's libnccl.so.2 of the version the binary was compiled against, if it has one: then the suites that
+  # start a communicator run too
+  local nccl
+  nccl=$(nccl_dir "$(cat "$PACK_DIR/nccl-version" 2>/dev/null)")
+  [[ -n "$nccl" ]] && export LD_LIBRARY_PATH="$nccl${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export FERRY_TEST_WORLD="${FERRY_TEST_WORLD:-1}"
   nvidia-smi -L 2>/dev/null || echo "device-prebuilt: no nvidia-smi here (the tests will skip)"
   echo "device-prebuilt: libnccl ${nccl:-not found}; tests \"$filter\"${FERRY_TEST_ROWS:+; rows \"$FERRY_TEST_ROWS\"}"
@@ -156,7 +185,9 @@ run() {
 
 case "${1:-}" in
   pack) shift; pack "$@" ;;
+  pack-cli) shift; pack_cli "$@" ;;
+  nccl-dir) shift; nccl_dir "$@" ;;
   run) shift; run "$@" ;;
-  -h|--help|"") sed -n '2,31p' "$0"; [[ -n "${1:-}" ]] ;;
+  -h|--help|"") sed -n '2,37p' "$0"; [[ -n "${1:-}" ]] ;;
   *) echo "device-prebuilt: unknown command '$1'; see --help" >&2; exit 2 ;;
 esac
