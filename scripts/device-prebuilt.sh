@@ -16,6 +16,12 @@
 #                                                status last; prebuilt.status (name status) and the logs of failed
 #                                                or cut tests in $OUT (else build-pack/logs), every log in
 #                                                /tmp/ferry-prebuilt-logs
+#   scripts/device-prebuilt.sh pack-example [BUILD]
+#                                                here, after pack: examples/cpp built against `cmake --install` of
+#                                                BUILD (tests/install/consume.sh; it runs on the cpu backend here),
+#                                                as build-pack/moe_round_trip.xz (about 22 MB from a 90a-real build,
+#                                                more from 90a); run runs it first, with --cuda, in a pass over every
+#                                                test ('*') or when FILTER names Example
 #   scripts/device-prebuilt.sh pack-cli NAME BUILD NOTE
 #                                                here: BUILD's ferry CLI (a cuda build for sm_90a; -DFERRY_CUDA_ARCH=
 #                                                90a-real -DFERRY_BUILD_TESTS=OFF halves it) as build-ab/NAME.xz, side
@@ -41,6 +47,7 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 
 PACK_DIR="build-pack"
 PACK="$PACK_DIR/ferry_gpu_tests.xz"
+EXAMPLE_TEST="Example.InstalledPackageOnCuda"  # run's name for the packed example (pack-example)
 
 # Relinks TARGET of BUILD (a path relative to it) into OUT with the static CUDA runtime (the device's libcudart may
 # differ), strips it, compresses it to OUT.xz and writes the NCCL version of BUILD's headers to OUT_DIR/nccl-version.
@@ -58,8 +65,14 @@ relink_static() {
     return 2
   }
   # the shared CUDA runtime out (the static one, which the link line also names, stays), its rpath too
+  # (a link without the static one, the installed example's, takes it from the shared one's folder)
+  local cudart_dir
+  cudart_dir=$(grep -o ' [^ ]*/libcudart\.so ' <<<"$link" | head -n 1 | xargs -r dirname)
   link=$(sed -e 's# [^ ]*/libcudart\.so # #g' -e 's# -Wl,-rpath,[^ ]*##g' -e "s# -o $target # -o $out #" <<<"$link")
-  [[ "$link" == *cudart_static* ]] || link="$link -lcudart_static -ldl -lrt"
+  local static_cudart="-lcudart_static"
+  [[ -n "$cudart_dir" && -f "$cudart_dir/libcudart_static.a" ]] && static_cudart="$cudart_dir/libcudart_static.a"
+  # (ninja's link line ends in "&& :": the libraries go before it)
+  [[ "$link" == *cudart_static* ]] || link="${link% && :} $static_cudart -ldl -lrt"
   mkdir -p "$(dirname "$out")"
   (cd "$build" && eval "$link") || return 2
   strip "$out" || return 2
@@ -68,16 +81,32 @@ relink_static() {
     return 2
   fi
   xz -T0 -6 -f "$out" || return 2
-  # the NCCL the binary was compiled against: the device side looks for a libnccl.so.2 of that version
+  # the NCCL the binary was compiled against (a Ferry build's cache names its headers; the example's does not, and
+  # takes the build's): the device side looks for a libnccl.so.2 of that version
   local nccl_h
   nccl_h="$(sed -n 's/^FERRY_NCCL_INCLUDE_DIR:PATH=//p' "$build/CMakeCache.txt")/nccl.h"
-  sed -n 's/^#define NCCL_VERSION_CODE \([0-9]*\).*/\1/p' "$nccl_h" >"$(dirname "$out")/nccl-version"
+  [[ -f "$nccl_h" ]] && sed -n 's/^#define NCCL_VERSION_CODE \([0-9]*\).*/\1/p' "$nccl_h" >"$(dirname "$out")/nccl-version"
+  return 0
 }
 
 pack() {
   local build="${1:-build}"
   relink_static "$build" tests/ferry_gpu_tests "$PWD/$PACK_DIR/ferry_gpu_tests" || return 2
   echo "device-prebuilt: $PACK ($(du -h "$PACK" | cut -f1)) from $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src tests || echo ' + uncommitted changes'); carry: [\"$PACK_DIR\"]"
+}
+
+# examples/cpp built against `cmake --install` of BUILD (tests/install/consume.sh, which also runs it here on the
+# cpu backend), packed for `run`, which runs it on the cuda backend: the installed package on the GPU without a build
+# there. BUILD must use the NCCL headers of the build `pack` took (run loads one libnccl for both).
+pack_example() {
+  local build="${1:-build}"
+  tests/install/consume.sh "$build" "$PWD" >"$PACK_DIR/example-here.log" 2>&1 || {
+    echo "device-prebuilt: the installed-package example failed here (cpu backend): $PACK_DIR/example-here.log" >&2
+    return 2
+  }
+  relink_static "$build/install-check/consumer" moe_round_trip "$PWD/$PACK_DIR/moe_round_trip" || return 2
+  echo "device-prebuilt: $PACK_DIR/moe_round_trip.xz ($(du -h "$PACK_DIR/moe_round_trip.xz" | cut -f1)); run runs it" \
+    "as $EXAMPLE_TEST (carry: [\"$PACK_DIR\"], $(du -sh "$PACK_DIR" | cut -f1) in all)"
 }
 
 # The ferry CLI of BUILD as side NAME of scripts/device-ab.sh --prebuilt: build-ab/NAME.xz, and build-ab/NAME.txt
@@ -148,6 +177,11 @@ run() {
   mapfile -t names < <("$bin" --gtest_list_tests --gtest_filter="$filter" |
     awk '/^[^ ]/{suite=$1} /^  /{print suite $1}' | awk '/^FastPathVirtualRanks\./{last[++n]=$0; next} {print}
       END {for (i = 1; i <= n; ++i) print last[i]}')
+  # the installed-package example (pack-example), first: in a pass over every test, or when the filter names it
+  local example=/tmp/moe_round_trip
+  if [[ -f "$PACK_DIR/moe_round_trip.xz" && ("$filter" == '*' || "$filter" == *Example*) ]]; then
+    xz -dc "$PACK_DIR/moe_round_trip.xz" >"$example" && chmod +x "$example" && names=("$EXAMPLE_TEST" "${names[@]}")
+  fi
   local rc=0 table="" name status left limit out earlier
   local -r test_bound=450  # a test's own bound, as device-check.sh gives it: a timeout under it is the budget's
   : >"$logs/prebuilt.status"
@@ -167,7 +201,11 @@ run() {
     limit=$((left - 10 < test_bound ? left - 10 : test_bound))
     out="$work/${name//[^A-Za-z0-9_.-]/_}.log"
     local t0=$SECONDS
-    timeout "$limit" "$bin" --gtest_filter="$name" >"$out" 2>&1
+    if [[ "$name" == "$EXAMPLE_TEST" ]]; then
+      timeout "$limit" "$example" --cuda >"$out" 2>&1
+    else
+      timeout "$limit" "$bin" --gtest_filter="$name" >"$out" 2>&1
+    fi
     case $? in
       0) if grep -q '^\[  SKIPPED \]' "$out"; then status=skipped; else status=passed; fi ;;
       124) if [[ $limit -lt $test_bound ]]; then status="cut"; else status=failed; rc=1; fi ;;
@@ -185,9 +223,10 @@ run() {
 
 case "${1:-}" in
   pack) shift; pack "$@" ;;
+  pack-example) shift; pack_example "$@" ;;
   pack-cli) shift; pack_cli "$@" ;;
   nccl-dir) shift; nccl_dir "$@" ;;
   run) shift; run "$@" ;;
-  -h|--help|"") sed -n '2,37p' "$0"; [[ -n "${1:-}" ]] ;;
+  -h|--help|"") sed -n '2,43p' "$0"; [[ -n "${1:-}" ]] ;;
   *) echo "device-prebuilt: unknown command '$1'; see --help" >&2; exit 2 ;;
 esac
