@@ -27,6 +27,9 @@
 #                                                90a-real -DFERRY_BUILD_TESTS=OFF halves it) as build-ab/NAME.xz, side
 #                                                NAME of `scripts/device-ab.sh --prebuilt build-ab` (about 22 MB each:
 #                                                two sides fit a device call's carry), NOTE in build-ab/NAME.txt
+#   scripts/device-prebuilt.sh side NAME COMMIT  here: COMMIT's ferry CLI built from `git archive` (90a-real, no
+#                                                tests) and packed as side NAME (pack-cli), kept in build-sides/ for
+#                                                the next time it is asked for, e.g. the commits of a bisection
 #   scripts/device-prebuilt.sh nccl-dir VERSION  on the GPU machine: the directory of a libnccl.so.2 of VERSION
 #   --rows "WORDS"   FERRY_TEST_ROWS: only the rows of a table holding every word (tests/support/virtual_ranks.hpp)
 #   --resume STATUS  an earlier call's prebuilt.status (copied into the checkout): its passed and skipped tests are
@@ -120,6 +123,31 @@ pack_cli() {
   relink_static "$build" ferry "$PWD/build-ab/$name" || return 2
   echo "$note" >"build-ab/$name.txt"
   echo "device-prebuilt: build-ab/$name.xz ($(du -h "build-ab/$name.xz" | cut -f1)): $note; carry: [\"build-ab\"]"
+}
+
+# Side NAME of the A/B is COMMIT's ferry CLI: built here from `git archive COMMIT` (sm_90a SASS only, no tests; a few
+# minutes on two cores) unless build-sides/COMMIT.xz holds it already, then packed as pack-cli does.
+side() {
+  local name="${1:-}" commit="${2:-}"
+  [[ "$name" =~ ^[a-z]$ && -n "$commit" ]] || { echo "device-prebuilt: side NAME COMMIT (NAME one letter)" >&2; return 2; }
+  local full
+  full=$(git rev-parse --verify --quiet "$commit^{commit}") || { echo "device-prebuilt: no commit $commit" >&2; return 2; }
+  local short=${full:0:7} note
+  note="$short $(git log -1 --format=%s "$full" | cut -c1-100)"
+  if [[ ! -f "build-sides/$short.xz" ]]; then
+    local src="${TMPDIR:-/tmp}/ferry-side-$short"
+    rm -rf "$src" && mkdir -p "$src" && git archive "$full" | tar -x -C "$src" || return 2
+    cmake -S "$src" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFERRY_CUDA_ARCH=90a-real \
+      -DFERRY_BUILD_TESTS=OFF >"$src/configure.log" 2>&1 || { tail -n 5 "$src/configure.log" >&2; return 2; }
+    cmake --build "$src/build" --target ferry_cli >"$src/build.log" 2>&1 || { tail -n 5 "$src/build.log" >&2; return 2; }
+    pack_cli "$name" "$src/build" "$note" >/dev/null || return 2
+    mkdir -p build-sides && cp "build-ab/$name.xz" "build-sides/$short.xz" && cp build-ab/nccl-version build-sides/
+    rm -rf "$src"
+  else
+    cp "build-sides/$short.xz" "build-ab/$name.xz" && cp build-sides/nccl-version build-ab/ && echo "$note" >"build-ab/$name.txt"
+  fi
+  echo "device-prebuilt: side ${name^^} = $note (build-ab/$name.xz, $(du -h "build-ab/$name.xz" | cut -f1));" \
+    "build-ab holds $(du -sh build-ab | cut -f1) (carry: [\"build-ab\"])"
 }
 
 # The directory of a libnccl.so.2 of NCCL version WANT on this machine (torch's wheel, where the device's own builds
@@ -225,8 +253,9 @@ case "${1:-}" in
   pack) shift; pack "$@" ;;
   pack-example) shift; pack_example "$@" ;;
   pack-cli) shift; pack_cli "$@" ;;
+  side) shift; side "$@" ;;
   nccl-dir) shift; nccl_dir "$@" ;;
   run) shift; run "$@" ;;
-  -h|--help|"") sed -n '2,43p' "$0"; [[ -n "${1:-}" ]] ;;
+  -h|--help|"") sed -n '2,46p' "$0"; [[ -n "${1:-}" ]] ;;
   *) echo "device-prebuilt: unknown command '$1'; see --help" >&2; exit 2 ;;
 esac
