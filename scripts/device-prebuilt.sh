@@ -201,9 +201,11 @@ run() {
   nvidia-smi -L 2>/dev/null || echo "device-prebuilt: no nvidia-smi here (the tests will skip)"
   echo "device-prebuilt: libnccl ${nccl:-not found}; tests \"$filter\"${FERRY_TEST_ROWS:+; rows \"$FERRY_TEST_ROWS\"}"
   local names
-  # the fast-path walk (minutes of virtual-rank cases) last, as device-check.sh runs it: a short budget leaves it out
+  # the fast-path walk (minutes of virtual-rank cases) last, as device-check.sh runs it: a short budget leaves it out;
+  # disabled tests (gtest runs none of them) not listed
   mapfile -t names < <("$bin" --gtest_list_tests --gtest_filter="$filter" |
-    awk '/^[^ ]/{suite=$1} /^  /{print suite $1}' | awk '/^FastPathVirtualRanks\./{last[++n]=$0; next} {print}
+    awk '/^[^ ]/{suite=$1} /^  /{print suite $1}' | grep -v -E '(^|\.)DISABLED_' |
+    awk '/^FastPathVirtualRanks\./{last[++n]=$0; next} {print}
       END {for (i = 1; i <= n; ++i) print last[i]}')
   # the installed-package example (pack-example), first: in a pass over every test, or when the filter names it
   local example=/tmp/moe_round_trip
