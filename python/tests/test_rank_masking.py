@@ -22,7 +22,10 @@ print(f"python tests: seed {SEED} (FERRY_TEST_SEED={SEED} replays it)")
 POISON = 0xFFBF
 WORLD = 4
 SKIPPED = 3
-TIMEOUT_S = "0.5"
+# Not shorter: the ranks are processes of one machine, and on a loaded 2-core machine (CI's, with a compile beside it)
+# a present rank missed a 0.5 s window and the others timed out waiting for it (as in test_rank_masking_cpu.cpp).
+TIMEOUT = 2.0
+TIMEOUT_S = str(TIMEOUT)
 
 
 def _config(world: int) -> ref.Config:
@@ -65,7 +68,7 @@ def _body(ctx, config: ref.Config, num_tokens, seed):
     inputs = ref.make_inputs(config, num_tokens, seed, 0.1)
     out = {"first": _call(buf, config, ctx.world, ctx.rank, inputs[ctx.rank], seed)}
     if ctx.rank == SKIPPED:
-        time.sleep(3.0)  # the others finish call 2 without it meanwhile (one wait of FERRY_TIMEOUT_S)
+        time.sleep(TIMEOUT + 3.0)  # the others finish call 2 without it meanwhile (one wait of FERRY_TIMEOUT_S)
         try:
             buf.dispatch(inputs[ctx.rank].x, inputs[ctx.rank].topk_idx, inputs[ctx.rank].topk_weights)
             out["own_call"] = "passed"
@@ -113,7 +116,7 @@ def test_a_skipped_rank_is_masked_and_the_others_match_the_reference():
             continue
         _check(config, WORLD, inputs, got["second"], {SKIPPED}, SEED + 1, rank, "call 2 (rank 3 masked)")
         assert got["masked"] == [SKIPPED]
-        assert got["second_s"] < 2.5, got["second_s"]
+        assert got["second_s"] < TIMEOUT + 1.5, got["second_s"]  # one wait of FERRY_TIMEOUT_S, not two
 
 
 def _config_errors_body(ctx):
