@@ -7,8 +7,9 @@
 # machine, the ferry CLIs built here (`scripts/device-prebuilt.sh pack-cli`): then each side is one CLI, A the base
 # and every other (B, C, ...) against it, e.g. the commits of a bisection.
 #
-# usage: scripts/device-ab.sh BASE_TAR | --prebuilt DIR [--rounds N] [--iters N] [--seed S] [--quick] [--also "ARGS"] [--host-time]
-#                              [--kernel-time] [--host-only] [--source-counters "KERNEL|ARGS"] [--budget S]
+# usage: scripts/device-ab.sh BASE_TAR | --prebuilt DIR [--rounds N] [--iters N] [--seed S] [--quick] [--runs "ARGS"]
+#                              [--also "ARGS"] [--host-time] [--kernel-time] [--host-only]
+#                              [--source-counters "KERNEL|ARGS"] [--budget S]
 #   default workloads: normal mode 128 and 4096 tokens, low-latency mode 1, 128 and 512 tokens, dispatch and combine
 #   in bf16 and fp8 (hidden 7168, topk 8, 256 experts, random routing, graph mode); --quick: normal 128 and LL 1/128,
 #   bf16 only
@@ -36,7 +37,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-HELP_END=35  # the last line of the comment above
+HELP_END=36  # the last line of the comment above
 
 [[ "${1:-}" == -h || "${1:-}" == --help ]] && { sed -n "2,$HELP_END""p" "$0"; exit 0; }
 BASE_TAR="" PREBUILT=""
