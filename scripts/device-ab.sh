@@ -37,9 +37,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-HELP_END=36  # the last line of the comment above
+help() { awk 'NR == 1 {next} /^#/ {print; next} {exit}' "$0"; }  # the comment above
 
-[[ "${1:-}" == -h || "${1:-}" == --help ]] && { sed -n "2,$HELP_END""p" "$0"; exit 0; }
+[[ "${1:-}" == -h || "${1:-}" == --help ]] && { help; exit 0; }
 BASE_TAR="" PREBUILT=""
 if [[ "${1:-}" == --prebuilt ]]; then
   PREBUILT="${2:-}"
@@ -67,7 +67,7 @@ while [[ $# -gt 0 ]]; do
     --also) ALSO+=("$2"); shift 2 ;;
     --runs) ONLY+=("$2"); shift 2 ;;
     --source-counters) SOURCE_COUNTERS+=("$2"); shift 2 ;;
-    -h|--help) sed -n "2,$HELP_END""p" "$0"; exit 0 ;;
+    -h|--help) help; exit 0 ;;
     *) echo "device-ab: unknown argument '$1'; see --help" >&2; exit 2 ;;
   esac
 done
@@ -132,7 +132,7 @@ else
   for side in a b; do
     if [[ "$(cat "$LOGS/build-$side.rc")" != 0 ]]; then
       grep -E "FAILED|error" "$LOGS/build-$side.log" | head -n 10
-      [[ -x "$([[ $side == a ]] && echo "$BASE/build" || echo build-device)/ferry" ]] || { echo "device-ab: build $side failed"; exit 1; }
+      [[ -x "$(bin_of "$side")" ]] || { echo "device-ab: build $side failed"; exit 1; }
     fi
   done
   stamp "built"

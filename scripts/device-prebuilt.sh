@@ -126,7 +126,8 @@ pack_cli() {
 }
 
 # Side NAME of the A/B is COMMIT's ferry CLI: built here from `git archive COMMIT` (sm_90a SASS only, no tests; a few
-# minutes on two cores) unless build-sides/COMMIT.xz holds it already, then packed as pack-cli does.
+# minutes on two cores; relinked and packed as pack-cli does) into build-sides/COMMIT.xz unless that holds it already,
+# then copied to build-ab/NAME.xz.
 side() {
   local name="${1:-}" commit="${2:-}"
   [[ "$name" =~ ^[a-z]$ && -n "$commit" ]] || { echo "device-prebuilt: side NAME COMMIT (NAME one letter)" >&2; return 2; }
@@ -140,12 +141,10 @@ side() {
     cmake -S "$src" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFERRY_CUDA_ARCH=90a-real \
       -DFERRY_BUILD_TESTS=OFF >"$src/configure.log" 2>&1 || { tail -n 5 "$src/configure.log" >&2; return 2; }
     cmake --build "$src/build" --target ferry_cli >"$src/build.log" 2>&1 || { tail -n 5 "$src/build.log" >&2; return 2; }
-    pack_cli "$name" "$src/build" "$note" >/dev/null || return 2
-    mkdir -p build-sides && cp "build-ab/$name.xz" "build-sides/$short.xz" && cp build-ab/nccl-version build-sides/
+    relink_static "$src/build" ferry "$PWD/build-sides/$short" || return 2
     rm -rf "$src"
-  else
-    cp "build-sides/$short.xz" "build-ab/$name.xz" && cp build-sides/nccl-version build-ab/ && echo "$note" >"build-ab/$name.txt"
   fi
+  cp "build-sides/$short.xz" "build-ab/$name.xz" && cp build-sides/nccl-version build-ab/ && echo "$note" >"build-ab/$name.txt"
   echo "device-prebuilt: side ${name^^} = $note (build-ab/$name.xz, $(du -h "build-ab/$name.xz" | cut -f1));" \
     "build-ab holds $(du -sh build-ab | cut -f1) (carry: [\"build-ab\"])"
 }
@@ -258,6 +257,6 @@ case "${1:-}" in
   side) shift; side "$@" ;;
   nccl-dir) shift; nccl_dir "$@" ;;
   run) shift; run "$@" ;;
-  -h|--help|"") sed -n '2,46p' "$0"; [[ -n "${1:-}" ]] ;;
+  -h|--help|"") awk 'NR == 1 {next} /^#/ {print; next} {exit}' "$0"; [[ -n "${1:-}" ]] ;;
   *) echo "device-prebuilt: unknown command '$1'; see --help" >&2; exit 2 ;;
 esac
