@@ -21,9 +21,13 @@
 #   (world 1, lazy calls) with each module, A B A B, in normal mode and in low-latency mode: the host time of a
 #   dispatch + combine pair from Python and from C++ (the same script on both sides: only the library differs)
 #   --host-only: with --host-time, no `ferry bench` rounds: the budget goes to host-time rounds (N of --rounds)
-#   --kernel-time: also the low-latency kernels' own time at 1 token (bf16 and fp8), without the gaps a graph's launches
-#   leave between them: ncu (--clock-control none --cache-control none) on `ferry bench --mode ll --tokens 1`, A B A B,
-#   the median over a run's launches of each kernel's duration and warp instructions (about 50 s)
+#   --kernel-time: also the kernels' own time, without the gaps a graph's launches leave between them: ncu
+#   (--clock-control none --cache-control none) on `ferry bench --mode ll --tokens 1` in bf16 and fp8, every side, two
+#   rounds; per kernel (its name with template arguments) the median over a run's launches of its duration, warp
+#   instructions, grid and registers per thread, then the median of the runs (about 50 s)
+#   --kernel-runs "ARGS": --kernel-time on `ferry bench ARGS` in place of the two default workloads (repeatable)
+#   --kernel-stalls: with --kernel-time, also why warps waited (ncu's warp-state counters, stalled warps per issued
+#   instruction by reason; the reasons that differ most between the sides are printed; about twice the time)
 #   --source-counters "KERNEL|ARGS": ncu's per-instruction counters (SourceCounters) of KERNEL (its function name, e.g.
 #   dispatch_kernel) over 20 launches of `ferry bench ARGS` (e.g. "--mode normal --tokens 128 --dispatch fp8 --combine
 #   fp8"), A and B (repeatable); the exports go to source-counters.tgz in the logs and scripts/ncu-source-diff.py
@@ -50,10 +54,11 @@ else
   [[ -f "$BASE_TAR" ]] || { echo "device-ab: give the base tree's tarball as the first argument (see --help)" >&2; exit 2; }
   shift
 fi
-ROUNDS=2 ITERS=30 SEED=7 QUICK=0 HOST_TIME=0 HOST_ONLY=0 KERNEL_TIME=0 BUDGET=570
+ROUNDS=2 ITERS=30 SEED=7 QUICK=0 HOST_TIME=0 HOST_ONLY=0 KERNEL_TIME=0 KERNEL_STALLS=0 BUDGET=570
 ALSO=()
 ONLY=()
 SOURCE_COUNTERS=()
+KERNEL_RUNS=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --rounds) ROUNDS="$2"; shift 2 ;;
@@ -63,6 +68,8 @@ while [[ $# -gt 0 ]]; do
     --host-time) HOST_TIME=1; shift ;;
     --host-only) HOST_ONLY=1; shift ;;
     --kernel-time) KERNEL_TIME=1; shift ;;
+    --kernel-runs) KERNEL_TIME=1; KERNEL_RUNS+=("$2"); shift 2 ;;
+    --kernel-stalls) KERNEL_TIME=1; KERNEL_STALLS=1; shift ;;
     --budget) BUDGET="$2"; shift 2 ;;
     --also) ALSO+=("$2"); shift 2 ;;
     --runs) ONLY+=("$2"); shift 2 ;;
@@ -210,52 +217,89 @@ if [[ ${#SOURCE_COUNTERS[@]} -gt 0 ]]; then
 fi
 
 if [[ $KERNEL_TIME -eq 1 ]]; then
+  [[ ${#KERNEL_RUNS[@]} -eq 0 ]] && KERNEL_RUNS=("--mode ll --tokens 1 --dispatch bf16 --combine bf16"
+    "--mode ll --tokens 1 --dispatch fp8 --combine fp8")
   if [[ -z "$NCU" ]]; then
     echo "device-ab: --kernel-time needs ncu, which this machine lacks"
-  elif ! fits 60; then
+  elif ! fits $((30 * ${#KERNEL_RUNS[@]})); then
     echo "device-ab: kernel time not run: $((BUDGET - (SECONDS - START))) s of the budget left"
   else
+    METRICS=gpu__time_duration.sum,sm__inst_executed.sum,launch__grid_size,launch__registers_per_thread
+    [[ $KERNEL_STALLS -eq 1 ]] && METRICS+=',regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio'
     for round in 1 2; do
       for side in "${SIDES[@]}"; do
         bin=$(bin_of "$side")
-        for fmt in bf16 fp8; do
-          timeout 100 "$NCU" --clock-control none --cache-control none -k regex:ll_ -c 40 --csv \
-            --metrics gpu__time_duration.sum,sm__inst_executed.sum \
-            "$bin" bench --mode ll --tokens 1 --dispatch $fmt --combine $fmt --iters 10 --seed "$SEED" \
-            >"$LOGS/ncu-$side-$fmt-$round.csv" 2>"$LOGS/ncu-$side-$fmt-$round.err" ||
-            echo "device-ab: ncu $side $fmt $round exit $?"
+        for w in "${!KERNEL_RUNS[@]}"; do
+          # shellcheck disable=SC2086  # a workload is a list of arguments
+          timeout 100 "$NCU" --clock-control none --cache-control none -c 60 --csv \
+            --metrics "$METRICS" \
+            "$bin" bench ${KERNEL_RUNS[$w]} --iters 10 --seed "$SEED" \
+            >"$LOGS/ncu-$side-$w-$round.csv" 2>"$LOGS/ncu-$side-$w-$round.err" ||
+            echo "device-ab: ncu $side workload $w round $round exit $?"
         done
       done
     done
-    python3 - "$LOGS" "${SIDES[@]}" <<'PY'
+    python3 - "$LOGS" "${#KERNEL_RUNS[@]}" "${SIDES[@]}" "${KERNEL_RUNS[@]}" <<'PY'
 import collections, csv, glob, os, re, statistics, sys
-# (side, format, leg) -> metric -> [median of each run]
+logs, n = sys.argv[1], int(sys.argv[2])
+sides, workloads = sys.argv[3:len(sys.argv) - n], sys.argv[len(sys.argv) - n:]
+metrics = ("gpu__time_duration.sum", "sm__inst_executed.sum", "launch__grid_size", "launch__registers_per_thread")
+STALL = "smsp__average_warps_issue_stalled_"
+
+def short(name):  # the kernel's function name and template arguments, without namespaces and casts
+    name = re.sub(r"\((?:ferry::)?[\w:]+\)", "", name)
+    name = re.sub(r"^void\s+", "", name)
+    return re.sub(r"\b(?:[a-z_]\w*::)+", "", name).replace(" ", "")[:70]
+
+# A kernel is matched across the sides by its function name and the order in which its instances first ran (the
+# sides' template arguments may differ: a later tree adds some); shown by its name with A's template arguments.
+# (workload, function, instance) -> metric -> [median of each run]
 runs = collections.defaultdict(lambda: collections.defaultdict(list))
-for path in glob.glob(os.path.join(sys.argv[1], "ncu-*.csv")):
-    side, fmt = os.path.basename(path).split("-")[1:3]
+shown = {}
+for path in sorted(glob.glob(os.path.join(logs, "ncu-*-*-*.csv"))):
+    side, w = os.path.basename(path).split("-")[1:3]
     values = collections.defaultdict(lambda: collections.defaultdict(list))
+    order = collections.defaultdict(list)  # function -> its instances' names, in the order they first ran
     with open(path) as f:
         for r in csv.DictReader(line for line in f if line.startswith('"')):
-            leg = re.search(r"ll_(dispatch|combine)_kernel", r.get("Kernel Name", ""))
-            if leg:
-                values[leg.group(1)][r["Metric Name"]].append(float(r["Metric Value"].replace(",", "")))
-    for leg, metrics in values.items():
-        for name, v in metrics.items():
-            runs[(side, fmt, leg)][name].append(statistics.median(v))
-sides = sys.argv[2:]
-print("kernel time at 1 token (ncu; median of each run's launches, then of the runs)")
-print(f"{'leg':<16}" + "".join(f"{x.upper() + ' ns':>10}" for x in sides) +
-      "".join(f"{x.upper() + '/A':>8}" for x in sides[1:]) + "".join(f"{x.upper() + ' instr':>12}" for x in sides))
-for fmt in ("bf16", "fp8"):
-    for leg in ("dispatch", "combine"):
-        got = [runs.get((x, fmt, leg)) for x in sides]
-        if not all(got):
-            print(f"{fmt + ' ' + leg:<16} missing (see ncu-*.err)")
-            continue
-        t = [statistics.median(x["gpu__time_duration.sum"]) for x in got]
-        i = [statistics.median(x["sm__inst_executed.sum"]) for x in got]
-        print(f"{fmt + ' ' + leg:<16}" + "".join(f"{v:>10.0f}" for v in t) +
-              "".join(f"{v / t[0]:>8.3f}" for v in t[1:]) + "".join(f"{v:>12.0f}" for v in i))
+            if r.get("Metric Name") in metrics or r.get("Metric Name", "").startswith(STALL):
+                name = short(r["Kernel Name"])
+                function = name.split("<")[0]
+                if name not in order[function]:
+                    order[function].append(name)
+                key = (function, order[function].index(name))
+                shown.setdefault((int(w), key, side), name)
+                values[key][r["Metric Name"]].append(float(r["Metric Value"].replace(",", "")))
+    for key, got in values.items():
+        for name, v in got.items():
+            runs[(int(w), key, side)][name].append(statistics.median(v))
+print("kernel time (ncu; median of each run's launches, then of the runs; grid in CTAs, registers per thread)")
+for w, args in enumerate(workloads):
+    print(f"ferry bench {args}")
+    kernels = sorted({k for (x, k, _) in runs if x == w})
+    if not kernels:
+        print("  no kernels (see ncu-*.err)")
+    for k in kernels:
+        got = [runs.get((w, k, x)) for x in sides]
+        print("  " + next(shown[(w, k, x)] for x in sides if (w, k, x) in shown))
+        cols = []
+        for x, g in zip(sides, got):
+            if not g:
+                cols.append(f"{x.upper()}: -")
+                continue
+            t, i, grid, regs = (statistics.median(g[m]) if g[m] else float("nan") for m in metrics)
+            cols.append(f"{x.upper()}: {t:.0f} ns {i:.0f} instr {grid:.0f}x{regs:.0f}")
+        t0 = statistics.median(got[0][metrics[0]]) if got[0] else None
+        ratios = " ".join(f"{x.upper()}/A {statistics.median(g[metrics[0]]) / t0:.3f}" for x, g in zip(sides[1:], got[1:])
+                          if g and t0)
+        print("    " + " | ".join(cols) + (f" | {ratios}" if ratios else ""))
+        if all(got):  # stalled warps per issued instruction, the six reasons that differ most between the sides
+            reasons = sorted({m for g in got for m in g if m.startswith(STALL)})
+            per = {m: [statistics.median(g[m]) if g.get(m) else 0.0 for g in got] for m in reasons}
+            top = sorted(per, key=lambda m: max(per[m]) - min(per[m]), reverse=True)[:6]
+            for m in top:
+                name = m[len(STALL):].replace("_per_issue_active.ratio", "")
+                print(f"      stalled {name:<20}" + " ".join(f"{x.upper()} {v:6.3f}" for x, v in zip(sides, per[m])))
 PY
   fi
   stamp "kernel time done"
