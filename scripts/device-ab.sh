@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repo root: an A/B of `ferry bench` between a base tree (A: a tarball of another commit,
 # e.g. `git archive PARENT -o build-ab/base.tar`, carried to the machine) and this tree (B), same seeds, every row
-# checked, rounds interleaved A B A B so that a drift of the machine falls on both; then a table of the medians of
-# each leg, A, B and B / A, each the median over the rounds. This tree's CLI (and module) is built into build-device/
-# (which scripts/device-check.sh then completes), the base's into /tmp/ferry-ab-base/. Or, with no build on the GPU
-# machine, the ferry CLIs built here (`scripts/device-prebuilt.sh pack-cli`): then each side is one CLI, A the base
-# and every other (B, C, ...) against it, e.g. the commits of a bisection.
+# checked, rounds interleaved so that a drift of the machine falls on every side (each round starts one side later:
+# A B, B A, ...; A B C, B C A, C A B, ...); then a table of the medians of each leg, A, B and B / A, each the median
+# over the rounds. This tree's CLI (and module) is built into build-device/ (which scripts/device-check.sh then
+# completes), the base's into /tmp/ferry-ab-base/. Or, with no build on the GPU machine, the ferry CLIs built here
+# (`scripts/device-prebuilt.sh pack-cli`): then each side is one CLI, A the base and every other (B, C, ...) against it,
+# e.g. the commits of a bisection.
 #
 # usage: scripts/device-ab.sh BASE_TAR | --prebuilt DIR [--rounds N] [--iters N] [--seed S] [--quick] [--runs "ARGS"]
 #                              [--also "ARGS"] [--host-time] [--kernel-time] [--host-only]
@@ -163,7 +164,10 @@ for ((round = 1; round <= LEG_ROUNDS; ++round)); do
     break
   fi
   round_start=$SECONDS
-  for side in "${SIDES[@]}"; do
+  # each round starts one side later (A B C, B C A, C A B, ...): no side always runs first, after the idle machine
+  n=${#SIDES[@]}
+  for ((k = 0; k < n; ++k)); do
+    side=${SIDES[$(((round - 1 + k) % n))]}
     bin=$(bin_of "$side")
     for i in "${!RUNS[@]}"; do
       # shellcheck disable=SC2086
