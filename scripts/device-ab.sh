@@ -25,10 +25,11 @@
 #   --kernel-time: also the kernels' own time, without the gaps a graph's launches leave between them: ncu
 #   (--clock-control none --cache-control none) on `ferry bench --mode ll --tokens 1` in bf16 and fp8, every side, two
 #   rounds; per kernel (its name with template arguments) the median over a run's launches of its duration, warp
-#   instructions, grid and registers per thread, then the median of the runs (about 50 s)
+#   instructions, grid and registers per thread, then the median of the runs (about 8 s per side, workload and round)
 #   --kernel-runs "ARGS": --kernel-time on `ferry bench ARGS` in place of the two default workloads (repeatable)
 #   --kernel-stalls: with --kernel-time, also why warps waited (ncu's warp-state counters, stalled warps per issued
-#   instruction by reason; the reasons that differ most between the sides are printed; about twice the time)
+#   instruction by reason; the reasons that differ most between the sides are printed; about 14 s per side,
+#   workload and round)
 #   --source-counters "KERNEL|ARGS": ncu's per-instruction counters (SourceCounters) of KERNEL (its function name, e.g.
 #   dispatch_kernel) over 20 launches of `ferry bench ARGS` (e.g. "--mode normal --tokens 128 --dispatch fp8 --combine
 #   fp8"), A and B (repeatable); the exports go to source-counters.tgz in the logs and scripts/ncu-source-diff.py
@@ -92,6 +93,12 @@ fits() { (( SECONDS - START + $1 + 15 <= BUDGET )); }
 
 BASE=/tmp/ferry-ab-base
 SIDES=(a b)
+# the sides in round ROUND's order: each round starts one side later (A B C, B C A, C A B, ...), so that no side always
+# runs first, after the idle machine
+sides_of_round() {
+  local n=${#SIDES[@]} k
+  for ((k = 0; k < n; ++k)); do echo "${SIDES[$((($1 - 1 + k) % n))]}"; done
+}
 # the ferry CLI of a side
 bin_of() {
   if [[ -n "$PREBUILT" ]]; then echo "/tmp/ferry-ab-bin/$1"; elif [[ $1 == a ]]; then echo "$BASE/build/ferry"; else
@@ -164,10 +171,7 @@ for ((round = 1; round <= LEG_ROUNDS; ++round)); do
     break
   fi
   round_start=$SECONDS
-  # each round starts one side later (A B C, B C A, C A B, ...): no side always runs first, after the idle machine
-  n=${#SIDES[@]}
-  for ((k = 0; k < n; ++k)); do
-    side=${SIDES[$(((round - 1 + k) % n))]}
+  for side in $(sides_of_round "$round"); do
     bin=$(bin_of "$side")
     for i in "${!RUNS[@]}"; do
       # shellcheck disable=SC2086
@@ -225,13 +229,13 @@ if [[ $KERNEL_TIME -eq 1 ]]; then
     "--mode ll --tokens 1 --dispatch fp8 --combine fp8")
   if [[ -z "$NCU" ]]; then
     echo "device-ab: --kernel-time needs ncu, which this machine lacks"
-  elif ! fits $((30 * ${#KERNEL_RUNS[@]})); then
+  elif ! fits $((2 * ${#SIDES[@]} * ${#KERNEL_RUNS[@]} * (KERNEL_STALLS == 1 ? 14 : 8))); then
     echo "device-ab: kernel time not run: $((BUDGET - (SECONDS - START))) s of the budget left"
   else
     METRICS=gpu__time_duration.sum,sm__inst_executed.sum,launch__grid_size,launch__registers_per_thread
     [[ $KERNEL_STALLS -eq 1 ]] && METRICS+=',regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio'
     for round in 1 2; do
-      for side in "${SIDES[@]}"; do
+      for side in $(sides_of_round "$round"); do
         bin=$(bin_of "$side")
         for w in "${!KERNEL_RUNS[@]}"; do
           # shellcheck disable=SC2086  # a workload is a list of arguments
@@ -286,16 +290,11 @@ for w, args in enumerate(workloads):
     for k in kernels:
         got = [runs.get((w, k, x)) for x in sides]
         print("  " + next(shown[(w, k, x)] for x in sides if (w, k, x) in shown))
-        cols = []
-        for x, g in zip(sides, got):
-            if not g:
-                cols.append(f"{x.upper()}: -")
-                continue
-            t, i, grid, regs = (statistics.median(g[m]) if g[m] else float("nan") for m in metrics)
-            cols.append(f"{x.upper()}: {t:.0f} ns {i:.0f} instr {grid:.0f}x{regs:.0f}")
-        t0 = statistics.median(got[0][metrics[0]]) if got[0] else None
-        ratios = " ".join(f"{x.upper()}/A {statistics.median(g[metrics[0]]) / t0:.3f}" for x, g in zip(sides[1:], got[1:])
-                          if g and t0)
+        # each side's duration, instructions, grid and registers (None: the kernel did not run there)
+        vals = [[statistics.median(g[m]) if g[m] else float("nan") for m in metrics] if g else None for g in got]
+        cols = [f"{x.upper()}: " + (f"{v[0]:.0f} ns {v[1]:.0f} instr {v[2]:.0f}x{v[3]:.0f}" if v else "-")
+                for x, v in zip(sides, vals)]
+        ratios = " ".join(f"{x.upper()}/A {v[0] / vals[0][0]:.3f}" for x, v in zip(sides[1:], vals[1:]) if v and vals[0])
         print("    " + " | ".join(cols) + (f" | {ratios}" if ratios else ""))
         if all(got):  # stalled warps per issued instruction, the six reasons that differ most between the sides
             reasons = sorted({m for g in got for m in g if m.startswith(STALL)})
