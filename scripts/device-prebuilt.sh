@@ -27,6 +27,8 @@
 #                                                90a-real -DFERRY_BUILD_TESTS=OFF halves it) as build-ab/NAME.xz, side
 #                                                NAME of `scripts/device-ab.sh --prebuilt build-ab` (about 22 MB each:
 #                                                two sides fit a device call's carry), NOTE in build-ab/NAME.txt
+#                                                (FERRY_SIDES_DIR=DIR: DIR in place of build-ab, for side too, e.g. a
+#                                                folder per experiment, so that its sides leave another's alone)
 #   scripts/device-prebuilt.sh side NAME COMMIT  here: COMMIT's ferry CLI built from `git archive` (90a-real, no
 #                                                tests) and packed as side NAME (pack-cli), kept in build-sides/ for
 #                                                the next time it is asked for, e.g. the commits of a bisection
@@ -49,6 +51,7 @@ cd "$(dirname "$0")/.." || exit 2
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
 PACK_DIR="build-pack"
+SIDES_DIR="${FERRY_SIDES_DIR:-build-ab}"
 PACK="$PACK_DIR/ferry_gpu_tests.xz"
 EXAMPLE_TEST="Example.InstalledPackageOnCuda"  # run's name for the packed example (pack-example)
 
@@ -112,7 +115,7 @@ pack_example() {
     "as $EXAMPLE_TEST (carry: [\"$PACK_DIR\"], $(du -sh "$PACK_DIR" | cut -f1) in all)"
 }
 
-# The ferry CLI of BUILD as side NAME of scripts/device-ab.sh --prebuilt: build-ab/NAME.xz, and build-ab/NAME.txt
+# The ferry CLI of BUILD as side NAME of scripts/device-ab.sh --prebuilt: SIDES_DIR/NAME.xz, and SIDES_DIR/NAME.txt
 # saying what it was built from (NOTE, e.g. the commit).
 pack_cli() {
   local name="${1:-}" build="${2:-}" note="${3:-}"
@@ -120,14 +123,14 @@ pack_cli() {
     echo "device-prebuilt: pack-cli NAME BUILD NOTE: NAME one letter (a: the base), NOTE what BUILD was built from" >&2
     return 2
   }
-  relink_static "$build" ferry "$PWD/build-ab/$name" || return 2
-  echo "$note" >"build-ab/$name.txt"
-  echo "device-prebuilt: build-ab/$name.xz ($(du -h "build-ab/$name.xz" | cut -f1)): $note; carry: [\"build-ab\"]"
+  mkdir -p "$SIDES_DIR" && relink_static "$build" ferry "$(cd "$SIDES_DIR" && pwd)/$name" || return 2
+  echo "$note" >"$SIDES_DIR/$name.txt"
+  echo "device-prebuilt: $SIDES_DIR/$name.xz ($(du -h "$SIDES_DIR/$name.xz" | cut -f1)): $note; carry: [\"$SIDES_DIR\"]"
 }
 
 # Side NAME of the A/B is COMMIT's ferry CLI: built here from `git archive COMMIT` (sm_90a SASS only, no tests; a few
 # minutes on two cores; relinked and packed as pack-cli does) into build-sides/COMMIT.xz unless that holds it already,
-# then copied to build-ab/NAME.xz.
+# then copied to SIDES_DIR/NAME.xz.
 side() {
   local name="${1:-}" commit="${2:-}"
   [[ "$name" =~ ^[a-z]$ && -n "$commit" ]] || { echo "device-prebuilt: side NAME COMMIT (NAME one letter)" >&2; return 2; }
@@ -144,9 +147,10 @@ side() {
     relink_static "$src/build" ferry "$PWD/build-sides/$short" || return 2
     rm -rf "$src"
   fi
-  cp "build-sides/$short.xz" "build-ab/$name.xz" && cp build-sides/nccl-version build-ab/ && echo "$note" >"build-ab/$name.txt"
-  echo "device-prebuilt: side ${name^^} = $note (build-ab/$name.xz, $(du -h "build-ab/$name.xz" | cut -f1));" \
-    "build-ab holds $(du -sh build-ab | cut -f1) (carry: [\"build-ab\"])"
+  mkdir -p "$SIDES_DIR" && cp "build-sides/$short.xz" "$SIDES_DIR/$name.xz" && cp build-sides/nccl-version "$SIDES_DIR/" &&
+    echo "$note" >"$SIDES_DIR/$name.txt"
+  echo "device-prebuilt: side ${name^^} = $note ($SIDES_DIR/$name.xz, $(du -h "$SIDES_DIR/$name.xz" | cut -f1));" \
+    "$SIDES_DIR holds $(du -sh "$SIDES_DIR" | cut -f1) (carry: [\"$SIDES_DIR\"])"
 }
 
 # The directory of a libnccl.so.2 of NCCL version WANT on this machine (torch's wheel, where the device's own builds
