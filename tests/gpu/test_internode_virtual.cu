@@ -660,8 +660,9 @@ TEST(InternodeVirtual, AbsentNodeIsNamedAsANode) {
 
 // The test can fail: the rail forwarding rows before the network's signal says they arrived must deliver wrong rows
 // under the emulated network (its puts land only when their signal is sent, after a delay). The rail's own signals
-// are delayed too, so one call may still read its records in time: up to 8 calls per case (on the H200, 2x1 was
-// caught at its second call; 2x2, before this test checked the dispatch first, made its combine read poisoned rows).
+// are delayed too, so one call may still read its records in time: up to 32 calls per case, each stopping at the
+// first wrong row (a bound of 8 let 2x1 in bf16 pass all 8 calls once; 2x2, before this test checked the dispatch
+// first, made its combine read poisoned rows).
 // The quantized cases forward split wire rows (payload, scales, token scale), checked by the quantized comparison.
 TEST(InternodeVirtual, MissingRailWaitIsCaught) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU, found 0";
@@ -675,7 +676,7 @@ TEST(InternodeVirtual, MissingRailWaitIsCaught) {
     uint64_t const seed = fresh_seed();
     Spec const spec = parse_spec({std::string("topology=") + c.topology, std::string("dispatch=") + c.dispatch,
                                   "tokens=128", "hidden=2048", "topk=8", "experts=64", "delay_ns=200000",
-                                  "skip_rail_wait=1", "iters=8", "seed=" + std::to_string(seed)});
+                                  "skip_rail_wait=1", "iters=32", "seed=" + std::to_string(seed)});
     int const ctas = virtual_ctas_per_rank(spec.world, cuda_ep::kMaxLandCtas);
     std::string const failure = run_case(spec, ctas);
     std::printf("without the rail's wait (topology %s, dispatch %s, seed %llu): %s\n", c.topology, c.dispatch,
