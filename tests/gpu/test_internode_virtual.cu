@@ -660,9 +660,9 @@ TEST(InternodeVirtual, AbsentNodeIsNamedAsANode) {
 
 // The test can fail: the rail forwarding rows before the network's signal says they arrived must deliver wrong rows
 // under the emulated network (its puts land only when their signal is sent, after a delay). The rail's own signals
-// are delayed too, so one call may still read its records in time: up to 32 calls per case, each stopping at the
-// first wrong row (a bound of 8 let 2x1 in bf16 pass all 8 calls once; 2x2, before this test checked the dispatch
-// first, made its combine read poisoned rows).
+// are delayed too (the emulated network delivers in the sender's thread), so a call may still read its records in
+// time, several calls in a row: up to 32 calls per case, each stopping at the first wrong row. The dispatch is
+// checked first, so a miss there is named as the dispatch's, not as poisoned rows in the combine.
 // The quantized cases forward split wire rows (payload, scales, token scale), checked by the quantized comparison.
 TEST(InternodeVirtual, MissingRailWaitIsCaught) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU, found 0";

@@ -332,8 +332,8 @@ void run_absent_rank(Ranks const& ranks, VirtualSpec const& spec, std::vector<in
 }
 
 // fn(r) for every rank r of world, on up to one thread per core: the host side of an iteration, where each rank's
-// reference and inputs depend on the shared inputs only (a row at hidden 7168 spent about a second per iteration
-// generating the expert-major combine inputs on one core). The first exception is rethrown here.
+// reference and inputs depend on the shared inputs only, and generating every rank's expert-major combine inputs is
+// most of a large row's host time. The first exception is rethrown here.
 template <typename Fn>
 void for_each_rank_parallel(int world, Fn&& fn) {
   int const threads = std::min(world, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
