@@ -34,16 +34,21 @@ __host__ __device__ __forceinline__ Slot* row(Slot* stats, int leg, int world) {
 
 // Runs wait() (a bounded wait that returns whether it saw its signal) and, when `row` is set and this is CTA 0, adds
 // its duration to row[source]. Returns what wait() returned; a wait that failed counts too (its time is the bound).
+// One call site of wait(), whether or not it is timed: an early return for the untimed case would make the compiler
+// inline the wait twice, and the hot kernels carry the second copy (the timed one, taken only with the statistics on)
+// on every call.
 template <typename Wait>
 __device__ __forceinline__ bool timed(Slot* row, int source, Wait&& wait) {
-  if (row == nullptr || blockIdx.x != 0) return wait();
-  uint64_t const start = device::arch::global_timer_ns();
+  bool const record = row != nullptr && blockIdx.x == 0;
+  uint64_t const start = record ? device::arch::global_timer_ns() : 0;
   bool const ok = wait();
-  unsigned long long const ns = device::arch::global_timer_ns() - start;
-  Slot* const slot = row + source;
-  atomicAdd(&slot->waits, 1ull);
-  atomicAdd(&slot->total_ns, ns);
-  atomicMax(&slot->max_ns, ns);
+  if (record) {
+    unsigned long long const ns = device::arch::global_timer_ns() - start;
+    Slot* const slot = row + source;
+    atomicAdd(&slot->waits, 1ull);
+    atomicAdd(&slot->total_ns, ns);
+    atomicMax(&slot->max_ns, ns);
+  }
   return ok;
 }
 
