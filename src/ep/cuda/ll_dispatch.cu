@@ -22,7 +22,8 @@ LlDispatchParams ll_dispatch_params(Buffers const& b, DispatchArgs const& args, 
   LlDispatchParams p{};
   static_cast<cuda_ll::LlParams&>(p) = ll_params(b, refuse, TraceKernel::ll_dispatch);
   set_dispatch_inputs(p, args);
-  p.x_repeat = args.x_repeat;
+  FERRY_CHECK(args.x_repeat >= 1, "x_repeat=", args.x_repeat, " reached the kernel (EpBuffer refuses it)");
+  p.x_row = ferry::detail::RowDivider::of(args.x_repeat);
   p.x_scales = args.x_scales;
   p.x_token_scales = args.x_token_scales;
   p.num_experts = b.config.num_experts;

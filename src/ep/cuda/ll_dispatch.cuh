@@ -68,7 +68,7 @@ __device__ __forceinline__ void copy_payload_warp(void* dst, void const* src, st
 
 // The row of x (and of x_scales, x_token_scales) that token t sends (DispatchArgs::x_repeat).
 __device__ __forceinline__ int x_row(LlDispatchParams const& p, int t) {
-  return p.x_repeat == 1 ? t : t / p.x_repeat;
+  return p.x_row(t);
 }
 
 // A quantized dispatch_format's send of chunk `chunk` of `chunks` of token t (device_push.cuh): quantized once from

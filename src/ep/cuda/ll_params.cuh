@@ -26,6 +26,7 @@
 #include "comm/device/bf16x8.cuh"
 #include "comm/transport/group.cuh"
 #include "core/rank_words.hpp"
+#include "core/row_divider.hpp"
 #include "ep/cuda/params.cuh"
 #include "ep/cuda/wait_stats.cuh"
 #include "ferry/device_view.hpp"
@@ -82,8 +83,9 @@ struct LlDispatchParams : LlParams {
   float const* x_token_scales;
   void const* topk_idx;
   float const* topk_weights;
+  // token t reads row x_row(t) = t / x_repeat of x, x_scales and x_token_scales (DispatchArgs::x_repeat)
+  ferry::detail::RowDivider x_row;
   int num_tokens;
-  int x_repeat;  // token t reads row t / x_repeat of x, x_scales and x_token_scales (DispatchArgs::x_repeat)
   int num_experts;
   int num_local_experts;
   int32_t* expert_counts;   // [num_local_experts]
