@@ -302,6 +302,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
     if (tid == 0) {
       // release (cumulative): the barrier orders every thread's words before this thread's signals
       uint64_t const word0 = tag | (s_bad ? kCountAbort : 0ull) | static_cast<uint32_t>(p.num_tokens);
+      // not unrolled: each store is a system-scope release (a fence and a store), and unrolled the loop is some 30 of
+      // them, about 250 instructions for a loop that runs a few times (the smaller kernel is the faster one)
+#pragma unroll 1
       for (int d = 0; d < world; ++d) p.net.store_signal(d, count_offset(p.layout, parity, world, rank, 0), word0);
     }
     FERRY_TRACE_END(trace, dispatch_count_exchange);
@@ -430,7 +433,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
     unsigned long long const old = atomicAdd(reinterpret_cast<unsigned long long*>(&p.state->dispatch_done), 1ull);
     s_last = old == static_cast<unsigned long long>(p.num_ctas - 1);
     if (s_last) {
-      device::arch::fence_acq_rel_sys();  // every CTA's rows (ordered by their fences and arrivals) before the signals
+      // every CTA's rows (ordered by their fences and arrivals) before the signals, sent in a loop not unrolled (as
+      // the count exchange's)
+      device::arch::fence_acq_rel_sys();
+#pragma unroll 1
       for (int d = 0; d < world; ++d) p.net.store_signal(d, p.layout.data_signal + rank * sizeof(uint64_t), seq);
     }
   }
