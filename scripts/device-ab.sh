@@ -32,8 +32,9 @@
 #   workload and round)
 #   --source-counters "KERNEL|ARGS": ncu's per-instruction counters (SourceCounters) of KERNEL (its function name, e.g.
 #   dispatch_kernel) over 20 launches of `ferry bench ARGS` (e.g. "--mode normal --tokens 128 --dispatch fp8 --combine
-#   fp8"), A and B (repeatable); the exports go to source-counters.tgz in the logs and scripts/ncu-source-diff.py
-#   compares them (its summary is printed here): where B's instructions and stalls differ from A's (about 40 s each)
+#   fp8"), A and B (repeatable); the exports go to source-counters.tgz ($OUT's, on the GPU machine) and
+#   scripts/ncu-source-diff.py compares them (its summary is printed here): where B's instructions and stalls differ
+#   from A's (about 40 s each)
 #   --prebuilt DIR: the sides are DIR/a.xz (A), DIR/b.xz, ... (what each was built from in DIR/NAME.txt; their NCCL
 #   version in DIR/nccl-version: the device's libnccl of that version is loaded); not with --host-time
 #   --budget S: seconds the script may take (default 570, under a device call's 600): a round (or a host-time round)
@@ -83,7 +84,20 @@ done
 [[ $HOST_ONLY -eq 1 && $HOST_TIME -eq 0 ]] && { echo "device-ab: --host-only needs --host-time" >&2; exit 2; }
 [[ -n "$PREBUILT" && $HOST_TIME -eq 1 ]] &&
   { echo "device-ab: --host-time builds each side's Python module: not with --prebuilt" >&2; exit 2; }
-LOGS="${OUT:-build-device/ab-logs}"
+# On the GPU machine (OUT set) the logs go to a scratch folder and come back as one archive, $OUT/ab-logs.tgz, with
+# the source counters' exports beside it: a device call returns at most 8 files, and a run writes two per side and
+# round besides the kernel-time exports.
+if [[ -n "${OUT:-}" ]]; then
+  LOGS=/tmp/ferry-ab-logs
+  rm -rf "$LOGS"
+  pack_logs() {
+    [[ -f "$LOGS/source-counters.tgz" ]] && mv "$LOGS/source-counters.tgz" "$OUT/"
+    tar -czf "$OUT/ab-logs.tgz" -C "$LOGS" . || echo "device-ab: the logs could not be packed; they are in $LOGS"
+  }
+  trap pack_logs EXIT
+else
+  LOGS="build-device/ab-logs"
+fi
 mkdir -p "$LOGS"
 START=$SECONDS
 stamp() { echo "== [$((SECONDS - START)) s] $*"; }
