@@ -32,6 +32,25 @@ def test_moe_layer_example_on_the_cpu_backend():
     assert len(lines) == 2 and all(line.endswith("OK") for line in lines), done.stdout
 
 
+def test_no_leak_report_at_exit_with_torch_views_alive(tmp_path):
+    # A program that ends with an EpBuffer, its cached torch views and a result still alive: nanobind used to print
+    # "nanobind: leaked 1 instances! ... Communicator" at exit (torch releases the views after nanobind's teardown).
+    pytest.importorskip("torch")
+    script = tmp_path / "views_at_exit.py"
+    script.write_text(
+        "import torch, ferry\n"
+        "comm = ferry.init(backend='cpu')\n"
+        "buf = ferry.EpBuffer(comm, hidden=64, num_experts=8, topk=2, max_tokens_per_rank=4, mode='ll',\n"
+        "                     expert_capacity=4)\n"
+        "x = torch.zeros((1, 64), dtype=torch.bfloat16)\n"
+        "result = buf.dispatch(x, torch.tensor([[0, 1]]), torch.ones((1, 2)))\n"
+        "print('dispatched', tuple(result.expert_x.shape))\n")
+    done = _run(["--nproc", "1", "--timeout", "100", str(script)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "dispatched" in done.stdout, done.stdout + done.stderr
+    assert "leaked" not in done.stderr, done.stderr
+
+
 def test_environment_and_failure_status(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(
