@@ -36,7 +36,9 @@
 #   scripts/ncu-source-diff.py compares them (its summary is printed here): where B's instructions and stalls differ
 #   from A's (about 40 s each)
 #   --prebuilt DIR: the sides are DIR/a.xz (A), DIR/b.xz, ... (what each was built from in DIR/NAME.txt; their NCCL
-#   version in DIR/nccl-version: the device's libnccl of that version is loaded); not with --host-time
+#   version in DIR/nccl-version: the device's libnccl of that version is loaded); not with --host-time. A side may
+#   be another's CLI in another environment: DIR/NAME.env, its first line cli=SIDE, then VAR=VALUE lines (e.g.
+#   cli=b and CUDA_MODULE_LOADING=EAGER)
 #   --budget S: seconds the script may take (default 570, under a device call's 600): a round (or a host-time round)
 #   that the last one's duration says would not fit is not started, and the table is made of the rounds that ran
 # The base's build is kept in /tmp/ferry-ab-base and reused by a later call with the same tarball (a warm machine),
@@ -119,7 +121,7 @@ bin_of() {
     echo build-device/ferry; fi
 }
 if [[ -n "$PREBUILT" ]]; then
-  mkdir -p /tmp/ferry-ab-bin
+  rm -rf /tmp/ferry-ab-bin && mkdir -p /tmp/ferry-ab-bin
   SIDES=()
   for packed in "$PREBUILT"/[a-z].xz; do
     side=$(basename "$packed" .xz)
@@ -127,6 +129,26 @@ if [[ -n "$PREBUILT" ]]; then
       { echo "device-ab: cannot unpack $packed"; exit 2; }
     SIDES+=("$side")
     echo "device-ab: side ${side^^}: $(cat "$PREBUILT/$side.txt" 2>/dev/null)"
+  done
+  # A side NAME.env without NAME.xz: another side's CLI (its first line, cli=SIDE) run with the environment of its
+  # other lines (VAR=VALUE each), e.g. the same build with CUDA_MODULE_LOADING=EAGER, in the same rounds.
+  for env_file in "$PREBUILT"/[a-z].env; do
+    [[ -f "$env_file" ]] || continue
+    side=$(basename "$env_file" .env)
+    [[ -f "$PREBUILT/$side.xz" ]] && { echo "device-ab: $env_file beside $side.xz; an env side has no CLI of its own"; exit 2; }
+    cli=$(sed -n '1s/^cli=\([a-z]\)$/\1/p' "$env_file")
+    [[ -n "$cli" && -x "/tmp/ferry-ab-bin/$cli" ]] ||
+      { echo "device-ab: $env_file: its first line must be cli=SIDE, a side packed in $PREBUILT"; exit 2; }
+    assignments=()
+    while read -r line; do
+      [[ "$line" =~ ^[A-Za-z_][A-Za-z0-9_]*=[^[:space:]]*$ ]] ||
+        { echo "device-ab: $env_file: '$line' is not VAR=VALUE"; exit 2; }
+      assignments+=("$line")
+    done < <(tail -n +2 "$env_file")
+    printf '#!/bin/sh\nexec env %s /tmp/ferry-ab-bin/%s "$@"\n' "${assignments[*]}" "$cli" >"/tmp/ferry-ab-bin/$side"
+    chmod +x "/tmp/ferry-ab-bin/$side"
+    SIDES+=("$side")
+    echo "device-ab: side ${side^^}: side ${cli^^}'s CLI with ${assignments[*]}"
   done
   [[ ${#SIDES[@]} -ge 2 ]] || { echo "device-ab: --prebuilt $PREBUILT has one side; pack another"; exit 2; }
   nccl=$(scripts/device-prebuilt.sh nccl-dir "$(cat "$PREBUILT/nccl-version" 2>/dev/null)")
