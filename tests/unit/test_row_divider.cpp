@@ -5,6 +5,7 @@
 // failed at its first pair, d = 3, n = 3 (0 instead of 1).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <random>

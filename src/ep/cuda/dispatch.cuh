@@ -302,8 +302,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams co
     if (tid == 0) {
       // release (cumulative): the barrier orders every thread's words before this thread's signals
       uint64_t const word0 = tag | (s_bad ? kCountAbort : 0ull) | static_cast<uint32_t>(p.num_tokens);
-      // not unrolled: each store is a system-scope release (a fence and a store), and unrolled the loop is some 30 of
-      // them, about 250 instructions for a loop that runs a few times (the smaller kernel is the faster one)
+      // not unrolled: each store is a system-scope release (a fence and a store), and unrolled ptxas copies that
+      // sequence many times for a loop that runs `world` times; code the kernel carries costs time on every call
 #pragma unroll 1
       for (int d = 0; d < world; ++d) p.net.store_signal(d, count_offset(p.layout, parity, world, rank, 0), word0);
     }
