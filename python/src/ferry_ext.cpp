@@ -1588,9 +1588,10 @@ NB_MODULE(_ext, m) {
   // NOTE: nanobind lists, when the interpreter exits, the instances still alive after its own state is torn down. A
   // torch view of an EpBuffer's memory (the cached views of the last dispatch, or a result the program kept) holds
   // the EpBuffer and through it the Communicator, and the torch tensors still alive at exit are released only after
-  // that teardown, so every such program printed "nanobind: leaked 1 instances! ... Communicator" and a hint of a
-  // reference-counting bug in the binding. Nothing leaks while the program runs (an EpBuffer dropped with its views
-  // is freed), and freeing the buffers at exit would mean CUDA and NCCL calls during process teardown.
+  // that teardown, so with the report on every such program prints "nanobind: leaked 1 instances! ...
+  // Communicator" and a hint of a reference-counting bug in the binding. Nothing leaks while the program runs (an
+  // EpBuffer dropped with its views is freed), and freeing the buffers at exit would mean CUDA and NCCL calls during
+  // process teardown.
   nb::set_leak_warnings(false);
 
   // ---- errors: the C++ family, same messages. Translators run last-registered first, so subclasses come after Error.

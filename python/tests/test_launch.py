@@ -33,8 +33,9 @@ def test_moe_layer_example_on_the_cpu_backend():
 
 
 def test_no_leak_report_at_exit_with_torch_views_alive(tmp_path):
-    # A program that ends with an EpBuffer, its cached torch views and a result still alive: nanobind used to print
-    # "nanobind: leaked 1 instances! ... Communicator" at exit (torch releases the views after nanobind's teardown).
+    # A program that ends with an EpBuffer, its cached torch views and a result still alive: with nanobind's leak
+    # report on, it prints "nanobind: leaked 1 instances! ... Communicator" at exit (torch releases the views after
+    # nanobind's teardown).
     pytest.importorskip("torch")
     script = tmp_path / "views_at_exit.py"
     script.write_text(
