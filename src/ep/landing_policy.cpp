@@ -18,9 +18,6 @@ namespace {
 // Empty when the landing zone can serve the config, else the rule it breaks.
 std::string landing_unsupported(EpConfig const& config, int world) {
   if (config.mode != Mode::normal) return "the landing zone is a normal-mode dispatch";
-  if (config.dispatch_format != WireFormat::bf16)
-    return concat("dispatch_format=", wire_format_name(config.dispatch_format),
-                  ": the landing zone carries bf16 rows (quantized rows take the count exchange)");
   int64_t const worst = static_cast<int64_t>(world) * config.max_tokens_per_rank;
   if (config.recv_capacity(world) < worst)
     return concat("max_recv_tokens=", config.recv_capacity(world), " caps the receive buffers below world * ",

@@ -84,6 +84,24 @@ struct CtaRowMax {
   }
 };
 
+// nvfp4: the token scale of the row (row `row` of x) whose chunk `chunk` of `chunks` this warp holds, in a send loop
+// whose row chunks all sit in one CTA (cta_chunks_per_row): given (x_token_scales non-null: pre-quantized input), or
+// the max of the row's chunks' amaxes, met over the CTA's warps that hold them (s_amax). Every thread of the CTA calls
+// it once per step of the loop (a barrier when quantized here); valid: this warp has an item this step.
+template <int kUnitElems, int kCtaWarps>
+__device__ __forceinline__ float cta_chunk_token_scale(void const* x, float const* x_token_scales, int hidden, int row,
+                                                       CtaRowMax<kCtaWarps>& s_amax, int step, int chunk, int chunks,
+                                                       bool valid) {
+  if (x_token_scales != nullptr) return valid ? __ldg(x_token_scales + row) : 0.0f;
+  int const lane = static_cast<int>(threadIdx.x) & 31;
+  int const warp = static_cast<int>(threadIdx.x) >> 5;
+  float const amax =
+      valid ? chunk_finite_amax<kUnitElems>(static_cast<int4 const*>(x) + static_cast<std::size_t>(row) * (hidden / 8),
+                                            hidden, chunk, chunks, lane)
+            : 0.0f;
+  return quant::nvfp4_token_scale(s_amax.meet(step, amax, warp - chunk, chunks));
+}
+
 // Pushes chunk `chunk` of `chunks` of a row (the scale groups chunk_range gives it) to every destination d of `send`
 // (a 32- or 64-bit set, device/bits.cuh),
 // at places_of(d) (QuantRowPlaces): quantized unit by unit (kInFlight units per lane loaded before the conversions),

@@ -1,6 +1,6 @@
 // The fast-path test (DESIGN "No silent slow paths"): walks worlds 1, 2, 4 and 8 (virtual ranks on one GPU,
 // support/virtual_ranks.hpp), topk 1..9 and hidden 2048 / 4096 / 7168, in normal mode (a small batch: the landing
-// zone; a large one: the count exchange) and in low-latency mode, bf16 and fp8. Each case runs a dispatch and a
+// zone; a large one: the count exchange) and in low-latency mode, bf16 and fp8 in each. Each case runs a dispatch and a
 // combine of real tokens through the backend's own decisions (detail::choose_protocol, plan_dispatch /
 // plan_combine, ll_grid, the instance tables of instances.cuh, which record what ran in a detail::LegRecord) and
 // asserts that no leg recorded a fallback. The check can fail: ForcedFallbackIsDetected sets the test-only
@@ -136,11 +136,12 @@ std::vector<FastCase> grid() {
   for (int world : {1, 2, 4, 8})
     for (int topk = 1; topk <= 9; ++topk)
       for (int hidden : {2048, 4096, 7168}) {
-        for (WireFormat format : {WireFormat::bf16, WireFormat::fp8_e4m3})
+        for (WireFormat format : {WireFormat::bf16, WireFormat::fp8_e4m3}) {
           cases.push_back({Mode::low_latency, format, world, topk, hidden, 16});
-        // normal mode: a small batch (landing zone, bf16 rows) and a large one (count exchange)
-        cases.push_back({Mode::normal, WireFormat::bf16, world, topk, hidden, 16});
-        cases.push_back({Mode::normal, WireFormat::bf16, world, topk, hidden, 1024 / world + 1});
+          // normal mode: a small batch (landing zone) and a large one (count exchange)
+          cases.push_back({Mode::normal, format, world, topk, hidden, 16});
+          cases.push_back({Mode::normal, format, world, topk, hidden, 1024 / world + 1});
+        }
       }
   return cases;
 }

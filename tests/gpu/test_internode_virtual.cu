@@ -8,8 +8,9 @@
 // rank with the reference bit for bit: the dispatch with ref::dispatch of the whole world (a token crosses the
 // network once per node, yet every rank receives what one node of N x M ranks would), the combines with
 // ref::combine_*(config, topology, ...) (the order across nodes: a remote node's rows summed in fp32 by its rail and
-// sent once). Topologies 2x1, 2x2, 2x4 and 4x2; 1x8 runs today's one-node path against the int-world reference (which
-// the topology reference equals there). Routings random, grouped and hot, ranks and a whole node without tokens,
+// sent once). Topologies 2x1, 2x2, 2x4 and 4x2; 1x8 runs the one-node path (the count exchange, or with
+// protocol=landing the landing zone: QuantizedLandingOneNode at 1x2, 1x4 and 1x8) against the int-world reference
+// (which the topology reference equals there). Routings random, grouped and hot, ranks and a whole node without tokens,
 // hidden 2048 and 7168, topk 8, dispatch in bf16 and every quantized format (delivered quantized in row-major and the
 // other scale layouts, or dequantized; quantized here or pre-quantized by the caller), combine in bf16, fp8, nvfp4 and
 // mxfp4 (bit-exact: the reference models the same quantization). MissingRailWaitIsCaught shows the test can fail: with
@@ -27,6 +28,7 @@
 
 #include "ep/cuda/buffers.hpp"
 #include "ep/ep_impl.hpp"
+#include "ep/landing_policy.hpp"
 #include "ep/reference.hpp"
 #include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
@@ -58,6 +60,8 @@ struct Spec : VirtualSpec {
   bool graph = false;    // graph=1: iteration 0 runs the legs directly, the later ones replay one CUDA graph per rank
   int handles = 0;       // handles=n: n dispatches saved into handles, the first restored for its combine and backward
   int absent_node = -1;  // absent_node=n: every rank of node n skips the dispatch (absent_leg=combine: the combine)
+  // protocol=counts|landing: one node's dispatch protocol (FERRY_NORMAL_LANDING off / on); across nodes, hierarchical
+  std::string protocol = "counts";
   // the bound of the device waits: short when a node is meant to be absent
   double timeout_s() const { return absent_node >= 0 ? kAbsentTimeoutS : VirtualSpec::timeout_s(); }
 };
@@ -82,6 +86,9 @@ Spec parse_spec(std::vector<std::string> const& words) {
   s.handles = args.integer("handles", 0);
   s.absent_node = args.integer("absent_node", -1);
   s.absent_leg = args.text("absent_leg", s.absent_leg);
+  s.protocol = args.text("protocol", s.protocol);
+  FERRY_CHECK(s.protocol == "counts" || s.protocol == "landing", "protocol=", s.protocol, " is not counts or landing");
+  FERRY_CHECK(s.protocol == "counts" || s.topology.nodes == 1, "protocol=landing is a one-node protocol");
   FERRY_CHECK(s.absent_node < s.topology.nodes, "absent_node=", s.absent_node, " is not a node of ",
               topology_name(s.topology));
   FERRY_CHECK(!s.prequant || (s.dispatch_format != WireFormat::bf16 && s.refuse < 0 && !s.handles && s.absent_node < 0),
@@ -209,7 +216,12 @@ std::string run_case(Spec const& spec, int num_ctas) {
   bool const hierarchical = topology.nodes > 1;
   std::vector<int> const tokens = per_rank(spec.tokens, world);
   EpConfig const config = backend_config(user_config(spec), world);
-  cuda_ep::Protocol const protocol = hierarchical ? cuda_ep::Protocol::hierarchical : cuda_ep::Protocol::push;
+  // one node: the protocol pinned as FERRY_NORMAL_LANDING pins it (a pin the config cannot honour throws)
+  cuda_ep::Protocol const protocol =
+      hierarchical ? cuda_ep::Protocol::hierarchical
+      : detail::choose_normal_landing(config, world, spec.protocol == "landing" ? "on" : "off").use
+          ? cuda_ep::Protocol::landing
+          : cuda_ep::Protocol::push;
   cuda_ep::SymLayout const layout = hierarchical ? cuda_ep::make_hier_sym_layout(config, topology)
                                                  : cuda_ep::make_sym_layout(config, world, protocol);
   VirtualHierRanks ranks(
@@ -234,7 +246,10 @@ std::string run_case(Spec const& spec, int num_ctas) {
       config.hidden, config.topk, config.num_experts, config.expert_slots(), spec.expand,
       wire_format_name(config.dispatch_format), config.dispatch_dequantize ? " (dequantized)" : "",
       spec.prequant ? " (pre-quantized)" : "", scale_layout_name(config.recv_scale_layout),
-      wire_format_name(config.combine_format), hierarchical ? "emulated" : "none (one node: today's path)",
+      wire_format_name(config.combine_format),
+      hierarchical                             ? "emulated"
+      : protocol == cuda_ep::Protocol::landing ? "none (one node: the landing zone)"
+                                               : "none (one node: the count exchange)",
       spec.delay_ns, spec.skip_rail_wait ? " [rail wait dropped]" : "");
   std::fflush(stdout);
   std::vector<VirtualRankIo> io;
@@ -614,6 +629,45 @@ TEST(InternodeVirtual, QuantizedDispatchAcrossNodes) {
                      "combine=fp8", "iters=2"});
     table.push_back({t, "dispatch=nvfp4", "prequant=1", "scales=blocked_128x4", "routing=hot", "expand=1",
                      "tokens=48,5", "hidden=2048", "topk=8", "experts=64", "capacity=128", "iters=2"});
+  }
+  run_rows(table);
+}
+
+// One node's landing zone (normal mode's small batches) with every quantized dispatch_format, at worlds 2, 4 and 8:
+// a row is quantized once by its source and its wire row lands in every destination's slot (the source's own too);
+// the receiver delivers the payload, the scales (row-major, and the other scale layouts) and nvfp4's token scale, or
+// dequantizes, every row exact against the reference's host codec bytes. Pre-quantized input, expand, ranks without
+// tokens, 16-element nvfp4 units (8-byte payload pieces), a refusal seen by every rank, and graph replay.
+TEST(InternodeVirtual, QuantizedLandingOneNode) {
+  std::vector<std::vector<std::string>> table;
+  for (std::string const topology : {"1x2", "1x4", "1x8"}) {
+    std::string const t = "topology=" + topology;
+    std::string const last = "refuse=" + std::to_string(parse_topology(topology).world() - 1);
+    table.push_back({t, "protocol=landing", "dispatch=fp8", "expand=1", "tokens=128,37", "hidden=7168", "topk=8",
+                     "experts=64", "capacity=128", "combine=fp8", "iters=2"});
+    table.push_back({t, "protocol=landing", "dispatch=fp8", "scales=mn_major_tma", "tokens=0,77", "hidden=2048",
+                     "topk=8", "experts=64", "mask=0.2", "iters=2"});
+    table.push_back({t, "protocol=landing", "dispatch=fp8_ue8m0", "scales=mn_major_tma_packed_ue8m0", "routing=grouped",
+                     "expand=1", "tokens=64,5,100", "hidden=2048", "topk=8", "experts=64", "capacity=256",
+                     "combine=fp8_ue8m0", "iters=2"});
+    table.push_back({t, "protocol=landing", "dispatch=nvfp4", "scales=blocked_128x4", "routing=hot", "tokens=48,0,96",
+                     "hidden=2048", "topk=8", "experts=64", "combine=nvfp4", "iters=2"});
+    table.push_back({t, "protocol=landing", "dispatch=nvfp4", "expand=1", "tokens=33,70", "hidden=2064", "topk=8",
+                     "experts=64", "capacity=128", "iters=2"});
+    table.push_back({t, "protocol=landing", "dispatch=mxfp4", "scales=mn_major_tma_packed_ue8m0", "tokens=100,17",
+                     "hidden=2048", "topk=8", "experts=64", "combine=mxfp4", "iters=2"});
+    table.push_back({t, "protocol=landing", "dispatch=fp8_ue8m0", "dequantize=1", "tokens=0,77", "hidden=2048",
+                     "topk=8", "experts=64", "mask=0.2", "iters=2"});
+    table.push_back({t, "protocol=landing", "dispatch=nvfp4", "dequantize=1", "tokens=40,20", "hidden=2064", "topk=8",
+                     "experts=64", "iters=2"});
+    table.push_back({t, "protocol=landing", "dispatch=fp8", "prequant=1", "tokens=64,0,21", "hidden=2048", "topk=8",
+                     "experts=64", "iters=2"});
+    table.push_back({t, "protocol=landing", "dispatch=nvfp4", "prequant=1", "scales=blocked_128x4", "expand=1",
+                     "tokens=48,5", "hidden=2048", "topk=8", "experts=64", "capacity=128", "iters=2"});
+    table.push_back({t, "protocol=landing", "dispatch=mxfp4", last, "tokens=64,17", "hidden=2048", "topk=8",
+                     "experts=64", "iters=2"});
+    table.push_back({t, "protocol=landing", "dispatch=fp8", "graph=1", "expand=1", "tokens=50,3", "hidden=2048",
+                     "topk=8", "experts=64", "capacity=128", "iters=3"});
   }
   run_rows(table);
 }

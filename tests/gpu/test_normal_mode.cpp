@@ -217,14 +217,7 @@ int normal_mode_case() {
       comm->check_errors(stream);
     }
 
-    if (iter == 0 && spec.protocol != "any") {
-      bool const landing = buffer.explain().find("nvlink-landing") != std::string::npos;
-      if (landing != (spec.protocol == "landing")) {
-        std::fprintf(stderr, "rank %d: protocol=%s expected, explain: %s\n", rank, spec.protocol.c_str(),
-                     buffer.explain().c_str());
-        return 1;
-      }
-    }
+    if (iter == 0 && check_protocol(buffer, spec.protocol, rank) != 0) return 1;
 
     // dispatch outputs (poisoned from the second call on, when the result's pointers are known)
     if (int const code = check_normal_dispatch(config, world, rank, iter, mine, result, iter > 0, spec.expand))

@@ -49,6 +49,9 @@ struct Spec : CaseShape {
   bool prequantized = false;
   bool expand = false;
   int blocks = 0;  // blocks=: pins the dispatch grid (EpConfig::dispatch_geometry; 0: the default)
+  // protocol=landing|counts|any: the dispatch protocol explain() must name (run_cases pins it with
+  // FERRY_NORMAL_LANDING)
+  std::string protocol = "any";
 };
 
 Spec parse_spec(std::vector<std::string> const& words) {
@@ -62,6 +65,7 @@ Spec parse_spec(std::vector<std::string> const& words) {
   s.prequantized = args.flag("prequant", s.prequantized);
   s.expand = args.flag("expand", s.expand);
   s.blocks = args.integer("blocks", s.blocks);
+  s.protocol = args.text("protocol", s.protocol);
   return s;
 }
 
@@ -258,6 +262,7 @@ int run_spec(std::shared_ptr<Communicator> const& comm, Spec const& spec) {
     }
 
     std::fprintf(stderr, "rank %d: %.0f ms: iter %d dispatched\n", rank, elapsed_ms(), iter);
+    if (iter == 0 && check_protocol(buffer, spec.protocol, rank) != 0) return 1;
     // 1. dispatch: metadata as in bf16 transport
     int32_t const num_recv = to_host<int32_t>(result.num_recv, 1)[0];
     if (num_recv != mine.num_recv) return fail("num_recv", rank, iter, num_recv);
@@ -341,18 +346,31 @@ std::string seed_arg() {
   return "seed=" + std::to_string(seed);
 }
 
+// The dispatch protocol a case runs (FERRY_NORMAL_LANDING): the landing zone, the count exchange, or the automatic
+// choice (the landing zone up to world * max_tokens_per_rank = 1024 landing slots, docs/design-notes.md).
+enum class Protocol { landing, counts, automatic };
+
 // Runs the shapes (each a list of key=value words; a fresh seed is added to each) in one rank case on gpu_test_world()
-// ranks.
-void run_cases(std::vector<std::vector<std::string>> const& shapes) {
+// ranks, over `protocol` (pinned: each shape checks that explain() names it).
+void run_cases(std::vector<std::vector<std::string>> const& shapes, Protocol protocol = Protocol::automatic) {
   std::vector<std::string> args;
   for (auto const& shape : shapes) {
     if (!args.empty()) args.push_back("|");
     args.push_back(seed_arg());
     args.insert(args.end(), shape.begin(), shape.end());
+    if (protocol != Protocol::automatic)
+      args.push_back(protocol == Protocol::landing ? "protocol=landing" : "protocol=counts");
   }
+  std::vector<std::pair<std::string, std::string>> env;
+  if (protocol != Protocol::automatic)
+    env.emplace_back("FERRY_NORMAL_LANDING", protocol == Protocol::landing ? "on" : "off");
+  std::printf("dispatch protocol: %s\n", protocol == Protocol::landing  ? "landing zone (pinned)"
+                                         : protocol == Protocol::counts ? "count exchange (pinned)"
+                                                                        : "automatic");
   auto const start = std::chrono::steady_clock::now();
   // NOTE: a shape takes about a second; the bound turns a stuck case into a failure instead of eating the suite
-  run_gpu_case(gpu_test_world(), "normal_quant", std::move(args), {}, std::chrono::seconds(40 + 15 * shapes.size()));
+  run_gpu_case(gpu_test_world(), "normal_quant", std::move(args), std::move(env),
+               std::chrono::seconds(40 + 15 * shapes.size()));
   std::printf("%zu shapes took %.1f s\n", shapes.size(),
               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   std::fflush(stdout);
@@ -360,8 +378,9 @@ void run_cases(std::vector<std::vector<std::string>> const& shapes) {
 
 #endif  // FERRY_HAVE_CUDA
 
-// Each dispatch format delivered quantized, in two scale layouts each (row_major: the senders write every scale in
-// place; the others: the receiver pass), with a different combine format each time, expand on.
+// Each dispatch format delivered quantized, in two scale layouts each (row_major: the count exchange's senders write
+// every scale in place; the others: its receiver pass; the landing zone's receiver writes both), with a different
+// combine format each time, expand on; over both dispatch protocols.
 TEST(NormalQuant, DeliverQuantizedEveryFormatAndLayout) {
 #if FERRY_HAVE_CUDA
   struct Row {
@@ -387,13 +406,14 @@ TEST(NormalQuant, DeliverQuantizedEveryFormatAndLayout) {
                       std::string("combine=") + row.combine, std::string("tokens=") + row.tokens,
                       "hidden=" + std::to_string(row.hidden), "experts=64", "topk=8", "expand=1", "iters=2",
                       "mask=0.1"});
-  run_cases(shapes);
+  run_cases(shapes, Protocol::landing);
+  run_cases(shapes, Protocol::counts);
 #else
   GTEST_SKIP() << "built without the cuda backend";
 #endif
 }
 
-// Pre-quantized input (payload + scales + token scales) is forwarded byte for byte.
+// Pre-quantized input (payload + scales + token scales) is forwarded byte for byte, over both dispatch protocols.
 TEST(NormalQuant, PrequantizedInputForwarded) {
 #if FERRY_HAVE_CUDA
   std::vector<std::vector<std::string>> shapes;
@@ -401,13 +421,14 @@ TEST(NormalQuant, PrequantizedInputForwarded) {
     shapes.push_back({std::string("format=") + format, "prequant=1",
                       std::string("layout=") + (std::string(format) == "fp8" ? "mn_major_tma" : "row_major"),
                       "tokens=150,90", "hidden=2048", "expand=1", "iters=2"});
-  run_cases(shapes);
+  run_cases(shapes, Protocol::landing);
+  run_cases(shapes, Protocol::counts);
 #else
   GTEST_SKIP() << "built without the cuda backend";
 #endif
 }
 
-// dispatch_dequantize: wire rows land, the receiver dequantizes them to bf16.
+// dispatch_dequantize: wire rows land, the receiver dequantizes them to bf16; over both dispatch protocols.
 TEST(NormalQuant, DequantizedDelivery) {
 #if FERRY_HAVE_CUDA
   std::vector<std::vector<std::string>> shapes;
@@ -415,7 +436,8 @@ TEST(NormalQuant, DequantizedDelivery) {
     shapes.push_back({std::string("format=") + format, "dequantize=1", "combine=bf16", "tokens=180,120", "hidden=2048",
                       "expand=1", "iters=2", "mask=0.2"});
   shapes.push_back({"format=nvfp4", "dequantize=1", "prequant=1", "tokens=64,64", "hidden=2048", "iters=1"});
-  run_cases(shapes);
+  run_cases(shapes, Protocol::landing);
+  run_cases(shapes, Protocol::counts);
 #else
   GTEST_SKIP() << "built without the cuda backend";
 #endif
@@ -439,33 +461,41 @@ TEST(NormalQuant, CombineEveryFormat) {
 #endif
 }
 
-// Captured graphs of a quantized dispatch + both combines, replayed with new inputs.
+// Captured graphs of a quantized dispatch + both combines, replayed with new inputs, over both dispatch protocols.
 TEST(NormalQuant, GraphReplay) {
 #if FERRY_HAVE_CUDA
-  run_cases({{"format=fp8", "layout=mn_major_tma", "combine=fp8", "tokens=128,128", "hidden=7168", "expand=1",
-              "graph=1", "iters=8"},
-             {"format=nvfp4", "layout=blocked_128x4", "combine=nvfp4", "prequant=1", "tokens=96,160", "hidden=2048",
-              "expand=1", "graph=1", "iters=6"}});
+  std::vector<std::vector<std::string>> const shapes{
+      {"format=fp8", "layout=mn_major_tma", "combine=fp8", "tokens=128,128", "hidden=7168", "expand=1", "graph=1",
+       "iters=8"},
+      {"format=nvfp4", "layout=blocked_128x4", "combine=nvfp4", "prequant=1", "tokens=96,160", "hidden=2048",
+       "expand=1", "graph=1", "iters=6"}};
+  run_cases(shapes, Protocol::landing);
+  run_cases(shapes, Protocol::counts);
 #else
   GTEST_SKIP() << "built without the cuda backend";
 #endif
 }
 
-// nvfp4 with hidden % 32 != 0: 16-element units (8-byte payload pieces, 8-byte row copies in expand), both legs.
+// nvfp4 with hidden % 32 != 0: 16-element units (8-byte payload pieces, 8-byte row copies in expand and in the
+// landing zone's delivery), both legs, over both dispatch protocols.
 TEST(NormalQuant, Nvfp4HiddenNotMultipleOf32) {
 #if FERRY_HAVE_CUDA
-  run_cases(
-      {{"format=nvfp4", "layout=row_major", "combine=nvfp4", "tokens=33,70", "hidden=2064", "expand=1", "iters=2"},
-       {"format=nvfp4", "dequantize=1", "combine=nvfp4", "tokens=40,20", "hidden=2064", "iters=2"}});
+  std::vector<std::vector<std::string>> const shapes{
+      {"format=nvfp4", "layout=row_major", "combine=nvfp4", "tokens=33,70", "hidden=2064", "expand=1", "iters=2"},
+      {"format=nvfp4", "dequantize=1", "combine=nvfp4", "tokens=40,20", "hidden=2064", "iters=2"}};
+  run_cases(shapes, Protocol::landing);
+  run_cases(shapes, Protocol::counts);
 #else
   GTEST_SKIP() << "built without the cuda backend";
 #endif
 }
 
-// nvfp4 quantized here with many rows per warp (a pinned grid of a few CTAs): every row's token scale comes from the
-// pass over the CTA's rows before the push, read back by the warp that pushes the row; rows that no rank takes (topk 1
-// with a high mask rate: every entry masked) among them. 32- and 16-element units, both delivery kinds. (The
-// bench's 4096-token --check was the only run with several rows per warp before.)
+// nvfp4 quantized here with many rows per warp. The count exchange (a pinned grid of a few CTAs): every row's token
+// scale comes from the pass over the CTA's rows before the push, read back by the warp that pushes the row; rows that
+// no rank takes (topk 1 with a high mask rate: every entry masked) among them; 32- and 16-element units, both delivery
+// kinds. The landing zone (its grid is fixed, so more tokens than its warps, pinned past the automatic bound): every
+// warp of a CTA meets its rows' amaxes step after step. (The bench's 4096-token --check was the only run with several
+// rows per warp before.)
 TEST(NormalQuant, Nvfp4ManyRowsPerWarp) {
 #if FERRY_HAVE_CUDA
   run_cases({{"format=nvfp4", "layout=row_major", "combine=nvfp4", "tokens=600,450", "hidden=7168", "blocks=8",
@@ -473,7 +503,13 @@ TEST(NormalQuant, Nvfp4ManyRowsPerWarp) {
              {"format=nvfp4", "layout=mn_major_tma", "combine=bf16", "tokens=500,700", "hidden=2064", "blocks=5",
               "topk=1", "mask=0.4", "iters=2"},
              {"format=nvfp4", "dequantize=1", "combine=bf16", "tokens=400,300", "hidden=4096", "blocks=3", "topk=1",
-              "mask=0.5", "iters=1"}});
+              "mask=0.5", "iters=1"}},
+            Protocol::counts);
+  run_cases({{"format=nvfp4", "layout=row_major", "combine=nvfp4", "tokens=5000,3100", "hidden=2048", "expand=1",
+              "iters=2", "mask=0.1"},
+             {"format=nvfp4", "dequantize=1", "combine=bf16", "tokens=4400,4500", "hidden=2064", "topk=1", "mask=0.4",
+              "iters=1"}},
+            Protocol::landing);
 #else
   GTEST_SKIP() << "built without the cuda backend";
 #endif

@@ -8,8 +8,10 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "ep/reference.hpp"
@@ -20,6 +22,17 @@
 #if FERRY_HAVE_CUDA
 
 namespace ferry::test {
+
+// The dispatch protocol an EpBuffer's explain() names against the one a case pinned (protocol: "landing", "counts" or
+// "any"): 0, or 1 after printing what explain() said.
+inline int check_protocol(EpBuffer const& buffer, std::string const& protocol, int rank) {
+  if (protocol == "any") return 0;
+  std::string const why = buffer.explain();
+  bool const landing = why.find("nvlink-landing") != std::string::npos;
+  if (landing == (protocol == "landing")) return 0;
+  std::fprintf(stderr, "rank %d: protocol=%s expected, explain: %s\n", rank, protocol.c_str(), why.c_str());
+  return 1;
+}
 
 // Poisons (0xEE) what a bf16 dispatch writes: recv_x, the metadata and expert_counts, and expert_x when the result
 // has it (an expanding dispatch).

@@ -1,12 +1,13 @@
 // The choice between normal mode's two dispatch protocols (src/ep/landing_policy.hpp), made once per EpBuffer on the
-// host: the landing zone for small bf16 batches whose rows no receiver can drop, the count exchange otherwise, and
-// FERRY_NORMAL_LANDING's pins with a clear error for a pin the config cannot honour.
+// host: the landing zone for small batches (every wire format) whose rows no receiver can drop, the count exchange
+// otherwise, and FERRY_NORMAL_LANDING's pins with a clear error for a pin the config cannot honour.
 #include <gtest/gtest.h>
 
 #include <string>
 
 #include "ep/landing_policy.hpp"
 #include "ferry/error.hpp"
+#include "ferry/wire_format.hpp"
 #include "support/host_fixtures.hpp"
 
 namespace ferry::detail {
@@ -53,13 +54,24 @@ TEST(LandingPolicy, AutoTakesTheLandingZoneUpToTheSlotBound) {
   EXPECT_FALSE(choose_normal_landing(small_config(1024), 2, "auto").use);
 }
 
-TEST(LandingPolicy, AutoKeepsTheCountExchangeWhereTheLandingZoneCannotServe) {
-  EpConfig quantized = small_config(128);
-  quantized.dispatch_format = WireFormat::fp8_e4m3;
-  LandingChoice const q = choose_normal_landing(quantized, 2, "auto");
-  EXPECT_FALSE(q.use);
-  EXPECT_TRUE(contains(q.why, "dispatch_format=fp8")) << q.why;
+// Every wire format lands: a quantized row travels as its wire row, delivered quantized or dequantized.
+TEST(LandingPolicy, AutoTakesTheLandingZoneForEveryDispatchFormat) {
+  for (WireFormat const format :
+       {WireFormat::bf16, WireFormat::fp8_e4m3, WireFormat::fp8_e4m3_ue8m0, WireFormat::nvfp4, WireFormat::mxfp4}) {
+    for (bool const dequantize : {false, true}) {
+      EpConfig config = small_config(128);
+      config.dispatch_format = format;
+      config.dispatch_dequantize = dequantize && format != WireFormat::bf16;
+      LandingChoice const choice = choose_normal_landing(config, 2, "auto");
+      EXPECT_TRUE(choice.use) << wire_format_name(format) << ": " << choice.why;
+      EXPECT_FALSE(choice.fallback) << wire_format_name(format);
+      EXPECT_TRUE(choose_normal_landing(config, 2, "on").use) << wire_format_name(format);
+      EXPECT_FALSE(choose_normal_landing(config, 2, "off").use) << wire_format_name(format);
+    }
+  }
+}
 
+TEST(LandingPolicy, AutoKeepsTheCountExchangeWhereTheLandingZoneCannotServe) {
   EpConfig capped = small_config(128);
   capped.max_recv_tokens = 200;  // below 2 * 128: a receiver may drop rows the senders cannot know about
   LandingChoice const c = choose_normal_landing(capped, 2, "auto");
@@ -81,11 +93,11 @@ TEST(LandingPolicy, PinsOverrideTheBoundAndRefuseWhatCannotWork) {
   EXPECT_FALSE(choose_normal_landing(small_config(1), 2, "off").use);
   EXPECT_FALSE(choose_normal_landing(small_config(1), 2, "0").use);
 
-  EpConfig quantized = small_config(16);
-  quantized.dispatch_format = WireFormat::mxfp4;
-  std::string const refused = config_error(quantized, 2, "on");
+  EpConfig capped = small_config(16);
+  capped.max_recv_tokens = 20;  // below 2 * 16: a receiver may drop rows
+  std::string const refused = config_error(capped, 2, "on");
   EXPECT_TRUE(contains(refused, "FERRY_NORMAL_LANDING=on")) << refused;
-  EXPECT_TRUE(contains(refused, "dispatch_format=mxfp4")) << refused;
+  EXPECT_TRUE(contains(refused, "max_recv_tokens=20")) << refused;
 
   // the receiver's shared memory: one int per landing slot of every source, plus one per local expert
   EpConfig huge = small_config(8192);

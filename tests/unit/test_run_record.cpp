@@ -66,14 +66,17 @@ TEST(RunRecord, ProtocolFallbackIsASmallBatchOnTheCountExchange) {
   ll.mode = Mode::low_latency;
   EXPECT_EQ(choose_protocol(ll, 2, "auto").protocol, Protocol::ll);
   EXPECT_FALSE(choose_protocol(ll, 2, "auto").fallback);
-  // a small batch the landing zone cannot serve: the slower protocol for its size
+  // a small quantized batch lands too: no fallback
   ProtocolChoice const quantized = choose_protocol(small(16, WireFormat::fp8_e4m3), 2, "auto");
-  EXPECT_EQ(quantized.protocol, Protocol::push);
-  EXPECT_TRUE(quantized.fallback) << quantized.why;
-  EXPECT_TRUE(contains(quantized.why, "dispatch_format=fp8")) << quantized.why;
+  EXPECT_EQ(quantized.protocol, Protocol::landing);
+  EXPECT_FALSE(quantized.fallback) << quantized.why;
+  // a small batch the landing zone cannot serve (a receiver may drop rows): the slower protocol for its size
   EpConfig capped = small(128);
   capped.max_recv_tokens = 200;
-  EXPECT_TRUE(choose_protocol(capped, 2, "auto").fallback);
+  ProtocolChoice const dropping = choose_protocol(capped, 2, "auto");
+  EXPECT_EQ(dropping.protocol, Protocol::push);
+  EXPECT_TRUE(dropping.fallback) << dropping.why;
+  EXPECT_TRUE(contains(dropping.why, "max_recv_tokens=200")) << dropping.why;
   // ... but a large quantized batch takes the count exchange anyway: no fallback
   EXPECT_FALSE(choose_protocol(small(4096, WireFormat::fp8_e4m3), 2, "auto").fallback);
 }

@@ -102,7 +102,8 @@ SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol, 
                                     static_cast<std::size_t>(dispatch_wire.scale_bytes));
     if (dispatch_wire.has_token_scale) layout.recv_token_scales = areas.take(cap * sizeof(float));
   }
-  if (dequantize) layout.recv_wire = areas.take(cap * dispatch_wire.row_bytes);
+  // (the landing zone dequantizes straight from its landing slots)
+  if (dequantize && protocol != Protocol::landing) layout.recv_wire = areas.take(cap * dispatch_wire.row_bytes);
   layout.recv_idx = areas.take(cap * topk * sizeof(int32_t));
   layout.recv_w = areas.take(cap * topk * sizeof(float));
   layout.recv_src = areas.take(cap * 2 * sizeof(int32_t));
@@ -118,7 +119,7 @@ SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol, 
     layout.land_tokens = areas.take(2 * w * sizeof(uint64_t));
     layout.land_abort = areas.take(2 * w * sizeof(uint64_t));
     layout.land_meta = areas.take(slots * landing::record_bytes(config.topk));
-    layout.land_rows = areas.take(slots * static_cast<std::size_t>(config.hidden) * 2);
+    layout.land_rows = areas.take(slots * dispatch_wire.row_bytes);  // wire rows: bf16 rows, or quantized ones
   }
   layout.total = areas.total();
   return layout;

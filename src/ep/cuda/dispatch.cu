@@ -121,8 +121,7 @@ void launch_kernel(DispatchParams const& p, std::size_t smem, bool cooperative, 
 
 using LaunchFn = void (*)(DispatchParams const&, std::size_t, bool, cudaStream_t);
 
-// The family's instances (instances.cuh): codec x (protocol: count exchange or landing zone) x index type. The landing
-// zone carries bf16 rows only (choose_normal_landing).
+// The family's instances (instances.cuh): codec x (protocol: count exchange or landing zone) x index type.
 struct DispatchFamily : InstanceFamily<LaunchFn, 4, true> {
   static constexpr char const* kName = "normal dispatch";
   static constexpr char const* kFormatField = "dispatch_format";
@@ -133,10 +132,10 @@ struct DispatchFamily : InstanceFamily<LaunchFn, 4, true> {
   static constexpr Kernel kernel() {
     constexpr Codec codec = kCodecs[kCodec];
     using IdxT = std::conditional_t<kVariant % 2 == 1, int64_t, int32_t>;
-    if constexpr (kVariant / 2 == 0) return launch_kernel<dispatch_kernel<IdxT, codec.format, codec.unit>>;
-    if constexpr (kVariant / 2 == 1 && codec.format == WireFormat::bf16)
-      return launch_kernel<land_dispatch_kernel<IdxT>>;
-    return nullptr;
+    if constexpr (kVariant / 2 == 0)
+      return launch_kernel<dispatch_kernel<IdxT, codec.format, codec.unit>>;
+    else
+      return launch_kernel<land_dispatch_kernel<IdxT, codec.format, codec.unit>>;
   }
 };
 

@@ -91,20 +91,13 @@ __device__ __forceinline__ void send_quantized_chunk(LlDispatchParams const& p, 
       lane);
 }
 
-// nvfp4: the token scale of the row that chunk `chunk` of `chunks` belongs to (given, or the max of its chunks'
-// amaxes, which the row's warps of this CTA meet in s_amax). Every thread of the CTA calls it once per step of the
-// send loop (a barrier); `valid`: this warp has an item this step.
+// nvfp4: the token scale of the row that chunk `chunk` of `chunks` belongs to (device_push.cuh). Every thread of the
+// CTA calls it once per step of the send loop (a barrier); `valid`: this warp has an item this step.
 template <int kUnitElems>
 __device__ __forceinline__ float nvfp4_chunk_token_scale(LlDispatchParams const& p, device::CtaRowMax<kWarps>& s_amax,
                                                          int step, int t, int chunk, int chunks, bool valid) {
-  if (p.x_scales != nullptr) return valid ? __ldg(p.x_token_scales + x_row(p, t)) : 0.0f;
-  int const lane = static_cast<int>(threadIdx.x) & 31;
-  int const warp = static_cast<int>(threadIdx.x) >> 5;
-  float const amax = valid ? device::chunk_finite_amax<kUnitElems>(
-                                 static_cast<int4 const*>(p.x) + static_cast<std::size_t>(x_row(p, t)) * (p.hidden / 8),
-                                 p.hidden, chunk, chunks, lane)
-                           : 0.0f;
-  return quant::nvfp4_token_scale(s_amax.meet(step, amax, warp - chunk, chunks));
+  return device::cta_chunk_token_scale<kUnitElems>(p.x, p.x_scales != nullptr ? p.x_token_scales : nullptr, p.hidden,
+                                                   x_row(p, t), s_amax, step, chunk, chunks, valid);
 }
 
 // ---- the expansion into expert_x, shared by the send half (this rank's own rows, bf16) and the receive half ----
