@@ -33,16 +33,10 @@ namespace ferry::cuda_ep {
 template <bool kExpertMajor, WireFormat kFormat, int kUnitElems, class Net>
 __global__ void __launch_bounds__(kThreads, 1) hier_combine_push_kernel(HierCombineParams<Net> const p) {
   __shared__ int s_last;
-  auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
-  int const local = p.local;
-  int const nodes = p.nodes;
-  int const own_node = rank / local;
-  int const local_rank = rank % local;
-  int const global_warp = cta * kWarps + warp;
-  int const num_warps = p.num_ctas * kWarps;
+  auto const [world, rank, tid, lane, warp, cta, nodes, local, own_node, local_rank, global_warp, num_warps] =
+      hier_ids(p);
+  auto const [seq, parity] = hier_call(p.state->combine_seq);
   int const num_vec = p.hidden / 8;
-  uint64_t const seq = p.state->combine_seq + 1;  // the sum kernel's last CTA advances it
-  int const parity = static_cast<int>(seq & 1);
   std::size_t const max_tokens = static_cast<std::size_t>(p.max_tokens);
   std::size_t const bf16_row = static_cast<std::size_t>(p.hidden) * 2;
 
@@ -139,16 +133,10 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_sum_kernel(HierCombi
   __shared__ int s_ok;
   __shared__ uint32_t s_refused;
   __shared__ int32_t s_fwd_first[kMaxCudaWorld + 1];
-  auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
-  int const local = p.local;
-  int const nodes = p.nodes;
-  int const own_node = rank / local;
-  int const local_rank = rank % local;
-  int const global_warp = cta * kWarps + warp;
-  int const num_warps = p.num_ctas * kWarps;
+  auto const [world, rank, tid, lane, warp, cta, nodes, local, own_node, local_rank, global_warp, num_warps] =
+      hier_ids(p);
+  auto const [seq, parity] = hier_call(p.state->combine_seq);
   int const num_vec = p.hidden / 8;
-  uint64_t const seq = p.state->combine_seq + 1;
-  int const parity = static_cast<int>(seq & 1);
   std::size_t const max_tokens = static_cast<std::size_t>(p.max_tokens);
   std::size_t const bf16_row = static_cast<std::size_t>(p.hidden) * 2;
   std::size_t const landing_bytes = p.landing_row_bytes;
@@ -197,12 +185,8 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_sum_kernel(HierCombi
   unsigned long long network_messages = 0;
   rail_params.x = p.rail_partials;
   for (int item = global_warp; !aborted && item < s_fwd_first[nodes]; item += num_warps) {
-    int n = 0;
-    int j = 0;
-    hier_item(s_fwd_first, nodes, item, n, j);
+    auto const [n, at, record] = hier_rail_item(p, own, s_fwd_first, item);
     int const source = n * local + local_rank;
-    std::size_t const at = static_cast<std::size_t>(n) * max_tokens + j;
-    HierRecord const record = hier_record(own + p.layout.hier_fwd_meta + at * p.layout.hier_meta_bytes, local, p.topk);
     std::size_t const t = static_cast<std::size_t>(*record.token);
     int const row = lane < local ? record.rows[lane] : -1;
     uint32_t const holders = __ballot_sync(0xffffffffu, row >= 0 && row < p.recv_capacity);

@@ -60,17 +60,14 @@ __global__ void __launch_bounds__(kThreads, 1) hier_layout_kernel(HierDispatchPa
   __shared__ int32_t s_warp_off[kWarps][kMaxHierColumns];
   __shared__ int s_bad;
 
-  auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
+  auto const [world, rank, tid, lane, warp, cta, nodes, local, own_node, local_rank, global_warp, num_warps] =
+      hier_ids(p);
+  auto const [seq, parity] = hier_call(p.state->dispatch_seq);
   int const topk = p.topk;
   int const num_experts = p.num_experts;
   int const num_local = p.num_local_experts;
-  int const nodes = p.nodes;
-  int const local = p.local;
-  int const own_node = rank / local;
   int const columns = world + nodes;
   auto const* topk_idx = static_cast<IdxT const*>(p.topk_idx);
-  uint64_t const seq = p.state->dispatch_seq + 1;  // the grid kernel's last CTA advances it
-  int const parity = static_cast<int>(seq & 1);
   if (tid == 0) s_bad = 0;
   for (int i = tid; i < columns + num_experts; i += kThreads) s_cnt[i] = 0;
   __syncthreads();
@@ -211,18 +208,12 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
   __shared__ int s_total;
   __shared__ int s_num_recv;
 
-  auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
+  auto const [world, rank, tid, lane, warp, cta, nodes, local, own_node, local_rank, global_warp, num_warps] =
+      hier_ids(p);
+  auto const [seq, parity] = hier_call(p.state->dispatch_seq);
   int const topk = p.topk;
   int const num_experts = p.num_experts;
   int const num_local = p.num_local_experts;
-  int const nodes = p.nodes;
-  int const local = p.local;
-  int const own_node = rank / local;
-  int const local_rank = rank % local;
-  int const global_warp = cta * kWarps + warp;
-  int const num_warps = p.num_ctas * kWarps;
-  uint64_t const seq = p.state->dispatch_seq + 1;
-  int const parity = static_cast<int>(seq & 1);
   char* const own = p.net.local();
   auto const* topk_idx = static_cast<IdxT const*>(p.topk_idx);
   if (tid == 0) {
@@ -413,12 +404,8 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
     if (!ok) return;
   }
   for (int item = global_warp; !aborted && item < s_fwd_first[nodes]; item += num_warps) {
-    int n = 0;
-    int j = 0;
-    hier_item(s_fwd_first, nodes, item, n, j);
+    auto const [n, at, record] = hier_rail_item(p, own, s_fwd_first, item);
     int const source = n * local + local_rank;
-    std::size_t const at = static_cast<std::size_t>(n) * max_tokens + j;
-    HierRecord const record = hier_record(own + p.layout.hier_fwd_meta + at * meta_bytes, local, topk);
     char const* const fwd_row = own + p.layout.hier_fwd_rows + at * wire_bytes;
     int const t = *record.token;
     int row = -1;
