@@ -3,7 +3,7 @@
 # with the build's flags: the gin transport (tests/build_check/gin_exchange.cu: an all-to-all kernel over Gin), its
 # host setup (src/comm/cuda/gin_setup.cu), the cuda communicator, and the hierarchical EP kernels instantiated over
 # Gin with their backend (src/ep/cuda/hier_*.cu, cuda_ep.cu), and rank masking's agreement and counter realignment over
-# Gin (src/ep/cuda/ll_mask.cu). The normal build compiles them against the installed
+# Gin (src/ep/cuda/ll/mask.cu). The normal build compiles them against the installed
 # NCCL; this keeps the code honest for the NCCL clusters run (docs/gin.md, "Version guards"). The wheel's include folder is kept per version in
 # BUILD/gin-headers/<version>/ (the wheel itself, ~300 MB, is deleted once unpacked), so a second run only asks PyPI
 # which version is the newest.
@@ -57,7 +57,7 @@ FLAGS=(-std=c++20 -arch=sm_90a --expt-relaxed-constexpr -DFERRY_HAVE_CUDA=1 -I"$
   -I"$INCLUDE" -DFERRY_EXPECT_NCCL_VERSION_CODE="$CODE")
 STATUS=0
 for tu in tests/build_check/gin_exchange.cu src/comm/cuda/gin_setup.cu src/comm/cuda/cuda_communicator.cu \
-  src/ep/cuda/hier_dispatch.cu src/ep/cuda/hier_combine.cu src/ep/cuda/cuda_ep.cu src/ep/cuda/ll_mask.cu; do
+  src/ep/cuda/hier/dispatch.cu src/ep/cuda/hier/combine.cu src/ep/cuda/cuda_ep.cu src/ep/cuda/ll/mask.cu; do
   OBJECT="$CACHE/$(basename "$tu").o"
   if "$NVCC" "${FLAGS[@]}" -c "$SRC/$tu" -o "$OBJECT"; then
     echo "check-gin-headers: OK   $tu against NCCL $VERSION"

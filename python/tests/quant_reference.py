@@ -2,7 +2,7 @@
 the receiver scale layouts, an fp8 (e4m3, fp32 scale per 128) quantizer bit for bit with the host codec, and the
 documented error bounds.
 
-Everything here is read off docs/quant.md; the C++ (src/quant/) is the implementation under test.
+Everything here is read off docs/quant.md; the C++ (src/wire/) is the implementation under test.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def dequantize(fmt: str, payload: np.ndarray, scales: np.ndarray, token_scales: 
         return (elements * scale).astype(np.float32)
 
 
-# ---- fp8 quantizer (fp8_e4m3, fp32 scale per 128), bit for bit with src/quant/host_codec.cpp -----------------------
+# ---- fp8 quantizer (fp8_e4m3, fp32 scale per 128), bit for bit with src/wire/host_codec.cpp -----------------------
 
 _E4M3_POSITIVE = E4M3[:127].astype(np.float64)  # codes 0..126, ascending
 

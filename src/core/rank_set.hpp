@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "ferry/device_view.hpp"
+#include "ferry/limits.hpp"
 #include "ferry/error.hpp"
 
 namespace ferry::detail {

@@ -1,4 +1,4 @@
-// The normal combine's token tiles (combine.cuh), shared by the kernel, its host launcher and the host tests
+// The normal combine's token tiles (normal/combine.cuh), shared by the kernel, its host launcher and the host tests
 // (tests/unit/test_combine_tiles.cpp).
 #pragma once
 

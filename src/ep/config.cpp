@@ -3,6 +3,7 @@
 
 #include "comm/transport/transport.hpp"
 #include "ep/ep_impl.hpp"
+#include "ep/tuning_key.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
 
@@ -157,7 +158,7 @@ namespace detail {
 void check_cuda_world(EpConfig const& config, Topology const& topology) {
   // NOTE: one node's kernels, normal mode's and rank masking's agreement keep a set of ranks in one 32-bit word and
   // per-rank arrays of kMaxCudaWorld entries (shared memory, Params, the lsa transport's windows by world rank); only
-  // low-latency mode's kernels across nodes are sized for kMaxWorld (src/ep/cuda/ll_params.cuh "Wider worlds").
+  // low-latency mode's kernels across nodes are sized for kMaxWorld (src/ep/cuda/ll/params.cuh "Wider worlds").
   int const world = topology.world();
   if (world <= kMaxCudaWorld) return;
   bool const ll = config.mode == Mode::low_latency;
@@ -176,3 +177,17 @@ void check_cuda_world(EpConfig const& config, Topology const& topology) {
 }  // namespace detail
 
 }  // namespace ferry
+
+namespace ferry::detail {
+
+tuning::TuningKey tuning_key(std::string_view gpu, int world, EpConfig const& config) {
+  return {tuning::canonical_gpu_name(gpu),
+          world,
+          config.hidden,
+          config.topk,
+          wire_format_name(config.dispatch_format),
+          wire_format_name(config.combine_format),
+          mode_name(config.mode)};
+}
+
+}  // namespace ferry::detail

@@ -5,7 +5,7 @@
 #include "ep/reference.hpp"
 #include "ep_impl.hpp"
 #include "ferry/error.hpp"
-#include "quant/layout.hpp"
+#include "wire/layout.hpp"
 
 namespace ferry {
 namespace detail {
@@ -388,7 +388,7 @@ void EpBuffer::copy_received(ReceivedCopy const& to, cudaStream_t stream) {
   };
   area(from.recv_x, to.recv_x, rows * from.recv_row_bytes);
   if (to.recv_scales != nullptr) {
-    WireRowLayout const wire = quant::make_row_layout(config_.dispatch_format, config_.hidden);
+    WireRowLayout const wire = wire::make_row_layout(config_.dispatch_format, config_.hidden);
     area(from.recv_scales, to.recv_scales, rows * static_cast<std::size_t>(wire.num_scales) * wire.scale_bytes);
   }
   area(from.recv_token_scales, to.recv_token_scales, rows * sizeof(float));

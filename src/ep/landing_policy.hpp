@@ -1,6 +1,6 @@
 // Which protocol an EpBuffer of the cuda backend runs, decided once at construction (host code, so CI tests it):
-// low-latency mode's (ll_dispatch.cuh / ll_combine.cuh), or in normal mode the count exchange (dispatch.cuh: rows
-// pushed straight into their final rank-major row), or, for small batches, the landing zone (land_dispatch.cuh: rows
+// low-latency mode's (ll/dispatch.cuh / ll/combine.cuh), or in normal mode the count exchange (normal/dispatch.cuh: rows
+// pushed straight into their final rank-major row), or, for small batches, the landing zone (normal/land_dispatch.cuh: rows
 // land in fixed per-source slots, no count exchange, and the receiver compacts them). Both deliver the same outputs.
 // Every rank must decide the same: the inputs are the config and FERRY_NORMAL_LANDING, which must be the same on every
 // rank.
@@ -36,9 +36,9 @@ struct LandingChoice {
 // "on" for a config the landing zone cannot serve is a ConfigError naming the rule.
 LandingChoice choose_normal_landing(EpConfig const& config, int world, std::string const& pin);
 
-// The protocols of the cuda backend: normal mode's count exchange + push (dispatch.cuh), normal mode's landing zone
-// (land_dispatch.cuh; combine is the push's), low-latency mode (ll_dispatch.cuh, ll_combine.cuh), and normal mode
-// over several nodes (hier_dispatch.cuh, hier_combine.cuh: a token crosses the network once per node, to its rail).
+// The protocols of the cuda backend: normal mode's count exchange + push (normal/dispatch.cuh), normal mode's landing zone
+// (normal/land_dispatch.cuh; combine is the push's), low-latency mode (ll/dispatch.cuh, ll/combine.cuh), and normal mode
+// over several nodes (hier/dispatch.cuh, hier/combine.cuh: a token crosses the network once per node, to its rail).
 enum class Protocol : uint8_t { push, landing, ll, hierarchical };
 
 struct ProtocolChoice {

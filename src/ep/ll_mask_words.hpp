@@ -1,6 +1,6 @@
 // Rank masking on the cuda backend (low-latency mode, docs/internode.md "Rank masking"): the words the device keeps of
 // one EpBuffer's mask (DeviceState::ll_mask, local memory, zeroed at construction and by clear_mask) and the host's
-// reading of them. Plain data, no CUDA: the kernels (src/ep/cuda/ll_mask.cuh) write these words, CudaEp and the tests
+// reading of them. Plain data, no CUDA: the kernels (src/ep/cuda/ll/mask.cuh) write these words, CudaEp and the tests
 // read them, and the host logic here is unit-tested without a GPU.
 #pragma once
 

@@ -5,7 +5,7 @@
 #include <cstring>
 
 #include "ferry/error.hpp"
-#include "quant/codec.hpp"
+#include "wire/codec.hpp"
 
 namespace ferry::ref {
 namespace {
@@ -155,8 +155,8 @@ void accumulate_combined_row(WireFormat format, int hidden, uint16_t const* row,
   }
   wire_scratch.resize(wire_row_bytes(format, hidden));
   value_scratch.resize(static_cast<std::size_t>(hidden));
-  quant::quantize_row(format, row, hidden, wire_scratch.data());
-  quant::dequantize_row(format, wire_scratch.data(), hidden, value_scratch.data());
+  wire::quantize_row(format, row, hidden, wire_scratch.data());
+  wire::dequantize_row(format, wire_scratch.data(), hidden, value_scratch.data());
   for (int h = 0; h < hidden; ++h) acc[h] += value_scratch[static_cast<std::size_t>(h)];
 }
 
@@ -307,7 +307,7 @@ RankDispatch dispatch(EpConfig const& config, int world, int rank, std::span<Ran
     if (config.dispatch_format == WireFormat::bf16)
       std::memcpy(out.recv_x.data() + at(i, hidden), wire, wire_bytes);
     else
-      quant::dequantize_row(config.dispatch_format, wire, hidden, out.recv_x.data() + at(i, hidden));
+      wire::dequantize_row(config.dispatch_format, wire, hidden, out.recv_x.data() + at(i, hidden));
     for (int k = 0; k < topk; ++k) {
       int64_t const id = input.topk_idx[at(t, topk) + k];
       bool const local = id >= lo && id < hi;
@@ -374,7 +374,7 @@ std::vector<uint8_t> source_wire_rows(EpConfig const& config, RankInput const& i
     return wire;
   }
   for (int t = 0; t < input.num_tokens; ++t)
-    quant::quantize_row(config.dispatch_format, input.x.data() + at(t, hidden), hidden,
+    wire::quantize_row(config.dispatch_format, input.x.data() + at(t, hidden), hidden,
                         wire.data() + at(t, static_cast<int64_t>(row_bytes)));
   return wire;
 }
@@ -442,11 +442,11 @@ DeliveredRows deliver(EpConfig const& config, std::span<uint8_t const> wire, int
   std::vector<uint8_t> padded(at(tensor_rows, static_cast<int64_t>(layout.row_bytes)), 0);
   if (num_rows > 0) std::memcpy(padded.data(), wire.data(), at(num_rows, static_cast<int64_t>(layout.row_bytes)));
   out.scales.resize(scale_tensor_bytes(format, config.recv_scale_layout, tensor_rows, config.hidden));
-  quant::write_scale_tensor(format, config.recv_scale_layout, padded.data(), layout.row_bytes, tensor_rows,
+  wire::write_scale_tensor(format, config.recv_scale_layout, padded.data(), layout.row_bytes, tensor_rows,
                             config.hidden, out.scales.data());
   if (layout.has_token_scale) {
     out.token_scales.resize(static_cast<std::size_t>(tensor_rows));
-    quant::write_token_scales(format, padded.data(), layout.row_bytes, tensor_rows, config.hidden,
+    wire::write_token_scales(format, padded.data(), layout.row_bytes, tensor_rows, config.hidden,
                               out.token_scales.data());
   }
   return out;

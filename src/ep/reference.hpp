@@ -18,11 +18,11 @@
 //   bf16_rne(p)) and added dequantized. One node is the rule above; one rank per node too (bf16_rne(float(row)) ==
 //   row).
 // - fp32 arithmetic is IEEE binary32 with subnormals (no flush to zero), fmaf rounded once.
-// - Wire formats (docs/quant.md): every row travels as its wire row (quant::quantize_row of the bf16 row;
+// - Wire formats (docs/quant.md): every row travels as its wire row (wire::quantize_row of the bf16 row;
 //   bf16 is the row's own bytes). Dispatch: the source quantizes each token once (or forwards its pre-quantized wire
 //   row); the receiver gets those bytes (recv_wire) and delivers either the payload + scales (ref::deliver) or the
 //   dequantized bf16 rows (recv_x). Combine: the bf16 row a receiver sends back travels as
-//   quantize_row(combine_format, row); the source adds its dequantized fp32 values (quant::dequantize_row) in the
+//   quantize_row(combine_format, row); the source adds its dequantized fp32 values (wire::dequantize_row) in the
 //   order above. With bf16 on both legs this is exactly the bf16 arithmetic.
 // Expert-major slots: each valid (row, k) entry of a local expert takes one slot; slots of an expert follow the
 // rank-major rows starting at the receiving rank's own first row (own_first_row: its own tokens first, then the

@@ -9,7 +9,7 @@
 
 #include "ferry/error.hpp"
 #include "trace/decode.hpp"
-#include "util/json.hpp"
+#include "core/util/json.hpp"
 
 namespace ferry::trace {
 namespace {

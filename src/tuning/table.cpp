@@ -14,7 +14,7 @@
 #include "ferry/env.hpp"
 #include "ferry/error.hpp"
 #include "tuning/embedded.hpp"
-#include "util/json.hpp"
+#include "core/util/json.hpp"
 
 namespace ferry::tuning {
 namespace {
@@ -226,16 +226,6 @@ std::string table_file_stem(std::string_view gpu) {
     out += std::isalnum(u) ? static_cast<char>(std::tolower(u)) : '-';
   }
   return out.empty() ? std::string("unknown") : out;
-}
-
-TuningKey make_key(std::string_view gpu, int world, EpConfig const& config) {
-  return {canonical_gpu_name(gpu),
-          world,
-          config.hidden,
-          config.topk,
-          wire_format_name(config.dispatch_format),
-          wire_format_name(config.combine_format),
-          mode_name(config.mode)};
 }
 
 std::string describe(TuningKey const& key) {

@@ -16,7 +16,6 @@
 #include <string_view>
 #include <vector>
 
-#include "ferry/ep.hpp"
 #include "ferry/tuning.hpp"
 
 namespace ferry::tuning {
@@ -41,8 +40,7 @@ struct TuningKey {
   std::string mode;  // mode_name(): "normal" | "ll"
   bool operator==(TuningKey const&) const = default;
 };
-// The key of an EpBuffer with this config on `world` ranks of GPU model `gpu` (any spelling).
-TuningKey make_key(std::string_view gpu, int world, EpConfig const& config);
+// The key of an EpBuffer's config: detail::tuning_key (src/ep/tuning_key.hpp; the ep layer knows EpConfig).
 // "H200 world 8 hidden 7168 topk 8 bf16/bf16 normal"
 std::string describe(TuningKey const& key);
 

@@ -1,5 +1,5 @@
 // Low-latency mode on the cuda backend with quantized wire formats, compared byte for byte with the reference
-// (src/ep/reference.hpp, host codecs of src/quant/codec.hpp): expert-major payload rows, scale tensors (every entry of
+// (src/ep/reference.hpp, host codecs of src/wire/codec.hpp): expert-major payload rows, scale tensors (every entry of
 // every filled slot, and the padding, which must stay zero) and nvfp4 token scales equal ref::deliver of
 // ref::expand_wire per expert; pre-quantized input is forwarded as is; dispatch_dequantize equals the reference's
 // expanded recv_x; both combine layouts with each combine format equal the reference bit for bit; the hook path and

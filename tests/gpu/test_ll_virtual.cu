@@ -402,7 +402,7 @@ TEST(LowLatencyAcrossNodes, AbsentRankIsNamedAcrossNodes) {
 }
 
 // Worlds past 32 ranks: low-latency mode across nodes addresses up to kMaxWorld (a token's destinations in
-// ceil(world / 32) words, a thread per source in the waits, the node's windows by local index; ll_params.cuh "Wider
+// ceil(world / 32) words, a thread per source in the waits, the node's windows by local index; ll/params.cuh "Wider
 // worlds"). 8x8 and 16x4 (64 ranks, 2 CTAs each on 132 SMs), 3x12 (36: a node's ranks straddle two words of a
 // destination mask), 64x2 (128 ranks, one CTA each); both routes, bf16 and quantized rows, the hook with graph
 // replay; every row of every rank against the reference, bit for bit.

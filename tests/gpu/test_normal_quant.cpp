@@ -1,5 +1,5 @@
 // Normal-mode dispatch / expand / combine with quantized wire formats on the cuda backend, compared bit for bit with
-// the reference (src/ep/reference.hpp, host codecs of src/quant/codec.hpp):
+// the reference (src/ep/reference.hpp, host codecs of src/wire/codec.hpp):
 //  - quantized delivery: every received row's payload bytes, block scales (at their offsets in recv_scale_layout) and
 //    nvfp4 token scale equal ref::deliver of the reference's wire rows;
 //  - pre-quantized input (DispatchArgs::x_scales): the caller's pieces arrive unchanged;

@@ -1,4 +1,4 @@
-// Device codecs (src/quant/device_codec.cuh) against the host codecs (src/quant/host_codec.cpp): one warp per row,
+// Device codecs (src/wire/device_codec.cuh) against the host codecs (src/wire/host_codec.cpp): one warp per row,
 // fresh random rows (seed printed) plus zeros, denormals, NaN and Inf; device quantize == host quantize byte for
 // byte (padding included, the output poisoned first), device dequantize == host dequantize (bf16 bit for bit, fp32 bit
 // for bit except that NaN only has to be NaN). Skips below 1 GPU.
@@ -23,8 +23,8 @@
 
 #include "core/cuda_check.hpp"
 #include "ferry/wire_format.hpp"
-#include "quant/codec.hpp"
-#include "quant/device_codec.cuh"
+#include "wire/codec.hpp"
+#include "wire/device_codec.cuh"
 #include "support/rank_case.hpp"
 #endif
 
@@ -85,9 +85,9 @@ __global__ void scale_offset_kernel(OffsetQuery const* queries, int count, std::
   int const i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
   if (i >= count) return;
   OffsetQuery const q = queries[i];
-  offsets[i] = quant::scale_offset(q.format, q.layout, static_cast<std::size_t>(q.rows), q.hidden,
+  offsets[i] = wire::scale_offset(q.format, q.layout, static_cast<std::size_t>(q.rows), q.hidden,
                                    static_cast<std::size_t>(q.row), static_cast<std::size_t>(q.block));
-  tensor_bytes[i] = quant::scale_tensor_size(q.format, q.layout, static_cast<std::size_t>(q.rows), q.hidden);
+  tensor_bytes[i] = wire::scale_tensor_size(q.format, q.layout, static_cast<std::size_t>(q.rows), q.hidden);
 }
 
 template <typename T>
@@ -209,7 +209,7 @@ std::vector<float> test_rows(std::mt19937_64& rng, int rows, int hidden) {
 
 std::vector<uint16_t> to_bf16(std::vector<float> const& x) {
   std::vector<uint16_t> out(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) out[i] = quant::bf16_from_float(x[i]);
+  for (std::size_t i = 0; i < x.size(); ++i) out[i] = wire::bf16_from_float(x[i]);
   return out;
 }
 
@@ -266,9 +266,9 @@ TEST(QuantDevice, QuantizeMatchesHostByteForByte) {
       std::vector<uint16_t> const x16 = to_bf16(x);
       std::vector<uint8_t> host_f32(row_bytes * rows), host_bf16(row_bytes * rows);
       for (int r = 0; r < rows; ++r) {
-        quant::quantize_row(format, x.data() + static_cast<std::size_t>(r) * hidden, hidden,
+        wire::quantize_row(format, x.data() + static_cast<std::size_t>(r) * hidden, hidden,
                             host_f32.data() + r * row_bytes);
-        quant::quantize_row(format, x16.data() + static_cast<std::size_t>(r) * hidden, hidden,
+        wire::quantize_row(format, x16.data() + static_cast<std::size_t>(r) * hidden, hidden,
                             host_bf16.data() + r * row_bytes);
       }
       expect_same_bytes(device_quantize<float>(format, x, rows, hidden), host_f32, row_bytes, what + " fp32 in");
@@ -296,14 +296,14 @@ TEST(QuantDevice, DequantizeMatchesHost) {
       std::vector<float> const x = test_rows(rng, rows, hidden);
       std::vector<uint8_t> wire(row_bytes * rows);
       for (int r = 0; r < rows; ++r)
-        quant::quantize_row(format, x.data() + static_cast<std::size_t>(r) * hidden, hidden,
+        wire::quantize_row(format, x.data() + static_cast<std::size_t>(r) * hidden, hidden,
                             wire.data() + r * row_bytes);
       std::vector<float> host_f32(x.size());
       std::vector<uint16_t> host_bf16(x.size());
       for (int r = 0; r < rows; ++r) {
-        quant::dequantize_row(format, wire.data() + r * row_bytes, hidden,
+        wire::dequantize_row(format, wire.data() + r * row_bytes, hidden,
                               host_f32.data() + static_cast<std::size_t>(r) * hidden);
-        quant::dequantize_row(format, wire.data() + r * row_bytes, hidden,
+        wire::dequantize_row(format, wire.data() + r * row_bytes, hidden,
                               host_bf16.data() + static_cast<std::size_t>(r) * hidden);
       }
       std::vector<float> const dev_f32 = device_dequantize<float>(format, wire, rows, hidden);
@@ -329,7 +329,7 @@ TEST(QuantDevice, DequantizeMatchesHost) {
 
 #if FERRY_HAVE_CUDA
 __global__ void e2m1_pair_values_kernel(float2* out) {
-  out[threadIdx.x] = device::quant_detail::e2m1_pair_values(threadIdx.x);
+  out[threadIdx.x] = device::wire_detail::e2m1_pair_values(threadIdx.x);
 }
 #endif
 
@@ -347,8 +347,8 @@ TEST(QuantDevice, E2m1PairValuesOfEveryByte) {
   std::vector<float2> out(256);
   FERRY_CHECK_CUDA(cudaMemcpy(out.data(), d_out.ptr, 256 * sizeof(float2), cudaMemcpyDeviceToHost));
   for (int byte = 0; byte < 256; ++byte) {
-    float const lo = quant::e2m1_to_float(static_cast<uint8_t>(byte & 0xF));
-    float const hi = quant::e2m1_to_float(static_cast<uint8_t>(byte >> 4));
+    float const lo = wire::e2m1_to_float(static_cast<uint8_t>(byte & 0xF));
+    float const hi = wire::e2m1_to_float(static_cast<uint8_t>(byte >> 4));
     uint32_t bits[4];
     std::memcpy(&bits[0], &out[byte].x, 4);
     std::memcpy(&bits[1], &lo, 4);
@@ -360,7 +360,7 @@ TEST(QuantDevice, E2m1PairValuesOfEveryByte) {
 #endif
 }
 
-// The scale-tensor offsets kernels use (quant::scale_offset on the device) equal the host's scale_byte_offset and
+// The scale-tensor offsets kernels use (wire::scale_offset on the device) equal the host's scale_byte_offset and
 // scale_tensor_bytes for every supported (format, layout), odd and aligned row counts, every (row, block) corner and
 // random ones.
 TEST(QuantDevice, ScaleOffsetsMatchHost) {

@@ -11,7 +11,7 @@
 // a timeout. A refused dispatch delivers no row anywhere (num_recv 0) and leaves no token for the combine that
 // follows on every rank (its y stays poisoned). Then one more iteration on every rank with fresh inputs, checked bit
 // for bit against the reference (the protocol's sequence numbers, parities and buffers stayed in step).
-// A check that fails: with the abort word's publish taken out of the LL send half (ll_dispatch.cuh), the bad_id rows
+// A check that fails: with the abort word's publish taken out of the LL send half (ll/dispatch.cuh), the bad_id rows
 // of mode=ll fail at the refusal check: the peers record no refusal and deliver the other ranks' rows (num_recv > 0).
 #include <gtest/gtest.h>
 

@@ -19,7 +19,7 @@
 #include "support/gpu_case.hpp"
 #include "trace/decode.hpp"
 #include "trace/trace_file.hpp"
-#include "util/json.hpp"
+#include "core/util/json.hpp"
 #include "workloads/routing.hpp"
 
 #if FERRY_HAVE_CUDA

@@ -246,7 +246,7 @@ TEST(WaitStatsVirtual, EveryPeerCountedOncePerCallWorld4) {
   run_stats(4);
 }
 
-// ---- rank masking (EpConfig::rank_masking; src/ep/cuda/ll_mask.cuh): one node, then across emulated nodes below ----
+// ---- rank masking (EpConfig::rank_masking; src/ep/cuda/ll/mask.cuh): one node, then across emulated nodes below ----
 
 // Every rank of `who` after its call: no failure recorded, its dispatch equal to the reference of the world without
 // the ranks of `masked` (ref::without_ranks), its combine's y too (expert-major), and its mask words what the call

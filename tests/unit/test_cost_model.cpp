@@ -9,7 +9,7 @@
 #include "ferry/error.hpp"
 #include "ferry/wire_format.hpp"
 #include "support/host_fixtures.hpp"
-#include "util/json.hpp"
+#include "core/util/json.hpp"
 #include "workloads/cost_model.hpp"
 
 namespace ferry::model {

@@ -3,7 +3,7 @@
 //    ref::deliver of the reference's wire rows; pre-quantized input is forwarded exactly; dispatch_dequantize gives
 //    the reference's dequantized rows; the expert-major layout likewise per expert;
 //  - combine in every format: bit-exact with the reference, and within the derived error bound
-//    (quant::combine_error_bound, docs/quant.md) of the exact sum of the unquantized rows;
+//    (wire::combine_error_bound, docs/quant.md) of the exact sum of the unquantized rows;
 //  - bad configurations and arguments: ConfigError / InputError naming the field.
 #include <gtest/gtest.h>
 
@@ -22,7 +22,7 @@
 #include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
-#include "quant/codec.hpp"
+#include "wire/codec.hpp"
 #include "support/host_fixtures.hpp"
 #include "support/rank_case.hpp"
 #include "workloads/inputs.hpp"
@@ -82,7 +82,7 @@ std::vector<Variant> variants() {
   return out;
 }
 
-// Checks |y - sum_i x_i| against quant::combine_error_bound for every element of every token: terms[t] holds the
+// Checks |y - sum_i x_i| against wire::combine_error_bound for every element of every token: terms[t] holds the
 // bf16 rows (one per destination that received token t) the destinations sent back.
 std::string check_error_bound(WireFormat format, int hidden,
                               std::vector<std::vector<std::vector<uint16_t>>> const& terms,
@@ -91,7 +91,7 @@ std::string check_error_bound(WireFormat format, int hidden,
     if (terms[t].empty()) continue;
     std::vector<uint16_t const*> rows;
     for (auto const& row : terms[t]) rows.push_back(row.data());
-    quant::CombineRowError const measured = quant::measure_combine_row(
+    wire::CombineRowError const measured = wire::measure_combine_row(
         format, hidden, rows.data(), static_cast<int>(rows.size()), y.data() + at(static_cast<int64_t>(t), hidden));
     *worst_ratio = std::max(*worst_ratio, measured.worst_ratio);
     if (measured.first_over >= 0)

@@ -1,6 +1,6 @@
 // The host's reading of the cuda backend's rank-masking words (src/ep/ll_mask_words.hpp): what mask_status reports,
 // the Error a masked rank's calls throw, and how clear_mask merges the ranks' counters. No GPU: the words are what
-// the agreement kernel (src/ep/cuda/ll_mask.cuh) writes.
+// the agreement kernel (src/ep/cuda/ll/mask.cuh) writes.
 #include <gtest/gtest.h>
 
 #include <vector>

@@ -1,4 +1,4 @@
-// Host codecs of the wire formats (src/quant/codec.hpp, docs/quant.md): element conversions (bit-exact with CUDA's
+// Host codecs of the wire formats (src/wire/codec.hpp, docs/quant.md): element conversions (bit-exact with CUDA's
 // host-callable ones over every bf16 input where the CUDA headers exist), row layouts and receiver scale layouts,
 // round trips within the derived error bounds on fresh random data, zeros, denormals, NaN and Inf, and the combine
 // bound.
@@ -18,8 +18,8 @@
 
 #include "ferry/error.hpp"
 #include "ferry/wire_format.hpp"
-#include "quant/codec.hpp"
-#include "quant/rules.hpp"
+#include "wire/codec.hpp"
+#include "wire/rules.hpp"
 #include "support/rank_case.hpp"
 
 #if FERRY_HAVE_CUDA
@@ -28,7 +28,7 @@
 #include <cuda_fp8.h>
 #endif
 
-namespace ferry::quant {
+namespace ferry::wire {
 namespace {
 
 constexpr WireFormat kAllFormats[] = {WireFormat::bf16, WireFormat::fp8_e4m3, WireFormat::fp8_e4m3_ue8m0,
@@ -829,4 +829,4 @@ TEST(QuantCombine, BoundsGrowWithTermsAndOutputRounding) {
 }
 
 }  // namespace
-}  // namespace ferry::quant
+}  // namespace ferry::wire

@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "support/host_fixtures.hpp"
-#include "util/json.hpp"
-#include "util/result_file.hpp"
+#include "core/util/json.hpp"
+#include "core/util/result_file.hpp"
 
 namespace ferry::util {
 namespace {

@@ -23,7 +23,7 @@
 #include "trace/synthetic.hpp"
 #include "trace/trace_file.hpp"
 #include "trace/trace_format.hpp"
-#include "util/json.hpp"
+#include "core/util/json.hpp"
 
 namespace ferry::trace {
 namespace {

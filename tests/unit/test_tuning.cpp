@@ -27,8 +27,9 @@
 #include "tuning/choose.hpp"
 #include "tuning/embedded.hpp"
 #include "tuning/picker.hpp"
+#include "ep/tuning_key.hpp"
 #include "tuning/table.hpp"
-#include "util/json.hpp"
+#include "core/util/json.hpp"
 
 namespace ferry::tuning {
 namespace {
@@ -361,7 +362,7 @@ TEST(TuningLookup, GpuNameAliases) {
     EXPECT_TRUE(set.find(key).has_value()) << name;
   }
   EXPECT_FALSE(set.find(h200_key(4)).has_value());
-  EXPECT_EQ(make_key("NVIDIA H200", 8, EpConfig{}), h200_key());
+  EXPECT_EQ(detail::tuning_key("NVIDIA H200", 8, EpConfig{}), h200_key());
 }
 
 TEST(TuningLookup, BucketMatchIsInclusiveThenNearest) {

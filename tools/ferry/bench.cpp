@@ -27,10 +27,10 @@
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
 #include "options.hpp"
-#include "quant/codec.hpp"
+#include "wire/codec.hpp"
 #include "ranks.hpp"
 #include "trace/trace_file.hpp"
-#include "util/result_file.hpp"
+#include "core/util/result_file.hpp"
 #include "workloads/cost_model.hpp"
 #include "workloads/routing.hpp"
 #if FERRY_HAVE_CUDA && __has_include("nccl_baseline.hpp")
@@ -311,7 +311,7 @@ std::vector<int> destinations(EpConfig const& config, int world, ref::RankInput 
 // nodes" there) the partials of another node are first summed in fp32 and rounded to bf16, and that row travels in
 // combine_format instead (pass one node of every rank for a route that sums the ranks as one node does: low-latency
 // mode's direct route). Needs only this rank's input. Also measures the combine's error against the exact sum of
-// the rows that travelled in combine_format, and its derived bound (quant::combine_error_bound): the largest |error| /
+// the rows that travelled in combine_format, and its derived bound (wire::combine_error_bound): the largest |error| /
 // bound, and the relative L2 error.
 struct IdentityCombine {
   std::vector<uint16_t> y;
@@ -340,8 +340,8 @@ IdentityCombine expected_identity_combine(EpConfig const& config, Topology const
       for (int h = 0; h < hidden; ++h) delivered[h] = ref::bf16_to_float(x[h]);
     } else {
       std::vector<uint16_t> row(hidden);
-      quant::quantize_row(dformat, x, hidden, wire.data());
-      quant::dequantize_row(dformat, wire.data(), hidden, row.data());
+      wire::quantize_row(dformat, x, hidden, wire.data());
+      wire::dequantize_row(dformat, wire.data(), hidden, row.data());
       for (int h = 0; h < hidden; ++h) delivered[h] = ref::bf16_to_float(row[h]);
     }
     partials.clear();
@@ -387,8 +387,8 @@ IdentityCombine expected_identity_combine(EpConfig const& config, Topology const
     // error against the exact sum of the partials, and the bound for this element
     std::vector<uint16_t const*> rows;
     for (auto const& partial : partials) rows.push_back(partial.data());
-    quant::CombineRowError const measured =
-        quant::measure_combine_row(cformat, hidden, rows.data(), static_cast<int>(rows.size()), y);
+    wire::CombineRowError const measured =
+        wire::measure_combine_row(cformat, hidden, rows.data(), static_cast<int>(rows.size()), y);
     out.worst_bound_ratio = std::max(out.worst_bound_ratio, measured.worst_ratio);
     err2 += measured.error_sq;
     ref2 += measured.exact_sq;

@@ -11,7 +11,7 @@
 #include "ferry/error.hpp"
 #include "ferry/wire_format.hpp"
 #include "options.hpp"
-#include "util/result_file.hpp"
+#include "core/util/result_file.hpp"
 #include "workloads/cost_model.hpp"
 #include "workloads/routing.hpp"
 

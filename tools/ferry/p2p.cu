@@ -28,7 +28,7 @@
 #include "p2p_settings.hpp"
 #include "p2p_timing.cuh"
 #include "ranks.hpp"
-#include "util/result_file.hpp"
+#include "core/util/result_file.hpp"
 
 namespace ferry::cli {
 namespace {

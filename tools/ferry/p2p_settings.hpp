@@ -9,7 +9,7 @@
 
 #include "comm/transport/transport.hpp"
 #include "options.hpp"
-#include "util/result_file.hpp"
+#include "core/util/result_file.hpp"
 
 namespace ferry::cli::p2p {
 

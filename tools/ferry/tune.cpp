@@ -30,8 +30,9 @@
 #include "options.hpp"
 #include "ranks.hpp"
 #include "tuning/picker.hpp"
+#include "ep/tuning_key.hpp"
 #include "tuning/table.hpp"
-#include "util/result_file.hpp"
+#include "core/util/result_file.hpp"
 #include "workloads/routing.hpp"
 #if FERRY_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -273,7 +274,7 @@ int run_tune_rank(Options const& options) {
   sweep.routings = routings;
   for (int b : blocks) sweep.candidates.push_back({b});
   EpConfig probe = make_config(options, world, 1);
-  tuning::TuningKey const key = tuning::make_key(gpu, world, probe);
+  tuning::TuningKey const key = detail::tuning_key(gpu, world, probe);
   std::optional<tuning::Entry> verified;
   if (verify) {
     // the buckets are the table's, and its rows are candidates too

@@ -1,4 +1,4 @@
-// Arithmetic of the kernels' (row, chunk) work items, shared by the device code (dispatch.cuh, combine.cuh, the LL
+// Arithmetic of the kernels' (row, chunk) work items, shared by the device code (normal/dispatch.cuh, normal/combine.cuh, the LL
 // kernels) and the host tests (tests/unit/test_work_items.cpp): a row of n 16-byte vectors is split into `chunks`
 // near-equal parts, and a small batch picks enough chunks per row that every warp of its grid has an item.
 #pragma once

@@ -100,7 +100,7 @@ inline Lsa make_lsa(SymmetricView const& view, int rank, int world) {
 
 // The lsa transport over the ranks of this rank's node only (`local` ranks a node, a part of its load/store team),
 // by local index: window(l) is the node's l-th rank's, rank is this rank's local index. What low-latency mode's
-// kernels across nodes hold (a world of up to kMaxWorld ranks; ll_params.cuh "Wider worlds").
+// kernels across nodes hold (a world of up to kMaxWorld ranks; ll/params.cuh "Wider worlds").
 inline Lsa make_node_lsa(SymmetricView const& view, int rank, int local) {
   FERRY_CHECK(local >= 1 && local <= kMaxCudaWorld, "make_node_lsa: local=", local, " is outside [1, ", kMaxCudaWorld,
               "]");

@@ -48,7 +48,7 @@
 #include "ep/ep_impl.hpp"
 #include "ep/reference.hpp"
 #include "ferry/error.hpp"
-#include "quant/codec.hpp"
+#include "wire/codec.hpp"
 
 namespace ferry::detail {
 namespace {
@@ -820,7 +820,7 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
     if (format == WireFormat::bf16) return reinterpret_cast<uint8_t const*>(x + at(t, hidden_));
     uint8_t* wire = wire_scratch_.data();
     if (!prequantized) {
-      quant::quantize_row(format, x + at(t, hidden_), hidden_, wire);
+      wire::quantize_row(format, x + at(t, hidden_), hidden_, wire);
       return wire;
     }
     ref::join_wire_row(dispatch_wire_, payload + at(t, 1) * dispatch_wire_.payload_bytes, scales + at(t, 1) * scale_row,
@@ -939,16 +939,16 @@ DispatchResult CpuEp::receive_dispatch() {
     else if (format == WireFormat::bf16)
       std::memcpy(out, wire, row_bytes_);
     else
-      quant::dequantize_row(format, wire, hidden_, reinterpret_cast<uint16_t*>(out));
+      wire::dequantize_row(format, wire, hidden_, reinterpret_cast<uint16_t*>(out));
   };
   if (!low_latency_ && format != WireFormat::bf16) {
     for (int i = 0; i < num_recv; ++i)
       deliver_row(landing + at(i, 1) * wire_bytes, recv_out_.data() + at(i, 1) * out_row_bytes_);
     if (quantized_out) {
-      quant::write_scale_tensor(format, config_.recv_scale_layout, landing, wire_bytes, capacity_, hidden_,
+      wire::write_scale_tensor(format, config_.recv_scale_layout, landing, wire_bytes, capacity_, hidden_,
                                 recv_scales_.data());
       if (dispatch_wire_.has_token_scale)
-        quant::write_token_scales(format, landing, wire_bytes, capacity_, hidden_, recv_token_scales_.data());
+        wire::write_token_scales(format, landing, wire_bytes, capacity_, hidden_, recv_token_scales_.data());
     }
   }
   if (expand) {
@@ -966,10 +966,10 @@ DispatchResult CpuEp::receive_dispatch() {
       if (quantized_out) {
         // NOTE: unfilled slots' scale entries are unspecified (the kernels leave them); zero rows here
         std::memset(gather_scratch_.data() + at(filled, 1) * wire_bytes, 0, at(slots_ - filled, 1) * wire_bytes);
-        quant::write_scale_tensor(format, config_.recv_scale_layout, gather_scratch_.data(), wire_bytes, slots_,
+        wire::write_scale_tensor(format, config_.recv_scale_layout, gather_scratch_.data(), wire_bytes, slots_,
                                   hidden_, expert_scales_.data() + at(e, 1) * scale_tensor);
         if (dispatch_wire_.has_token_scale)
-          quant::write_token_scales(format, gather_scratch_.data(), wire_bytes, slots_, hidden_,
+          wire::write_token_scales(format, gather_scratch_.data(), wire_bytes, slots_, hidden_,
                                     expert_token_scales_.data() + at(e, slots_));
       }
     }
@@ -1102,7 +1102,7 @@ void CpuEp::reduce_forwarded(WireFormat format) {
       if (format == WireFormat::bf16)
         std::memcpy(out, row_scratch_.data(), row_bytes_);
       else
-        quant::quantize_row(format, row_scratch_.data(), hidden_, out);
+        wire::quantize_row(format, row_scratch_.data(), hidden_, out);
       link_bytes_.combine.network_bytes += wire_bytes;
       link_bytes_.combine.network_messages += 1;
     }
@@ -1156,7 +1156,7 @@ void CpuEp::run_combine(CombineArgs const& args, bool unit_weights, bool y_fp32)
     if (format == WireFormat::bf16)
       std::memcpy(wire, row, row_bytes_);
     else
-      quant::quantize_row(format, row, hidden_, wire);
+      wire::quantize_row(format, row, hidden_, wire);
     if (source != rank_ && on_my_node(source)) link_bytes_.combine.nvlink_bytes += wire_bytes;
     if (!on_my_node(source)) {  // direct route
       link_bytes_.combine.network_bytes += wire_bytes;
@@ -1213,7 +1213,7 @@ void CpuEp::receive_combine() {
       ref::accumulate_row(hidden_, reinterpret_cast<uint16_t const*>(sent), scratch_.data());
       return;
     }
-    quant::dequantize_row(format, sent, hidden_, values.data());
+    wire::dequantize_row(format, sent, hidden_, values.data());
     for (int h = 0; h < hidden_; ++h) scratch_[static_cast<std::size_t>(h)] += values[static_cast<std::size_t>(h)];
   };
   // nodes ascending; the own node's ranks one by one, every other node's one row from its rail (ref::, "Across

@@ -10,7 +10,7 @@
 #include "ep/cuda/device_memory.hpp"
 #include "ep/cuda/landing.cuh"
 #include "ferry/error.hpp"
-#include "quant/layout.hpp"
+#include "wire/layout.hpp"
 
 namespace ferry::cuda_ep {
 
@@ -126,7 +126,7 @@ SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol, 
 }
 
 std::size_t ll_mask_area_bytes(int world) {
-  return quant::align_up(5 * static_cast<std::size_t>(world) * sizeof(uint64_t), 256);
+  return wire::align_up(5 * static_cast<std::size_t>(world) * sizeof(uint64_t), 256);
 }
 
 LlMaskArea ll_mask_area(SymLayout const& layout, int world) {
@@ -346,7 +346,7 @@ LinkBytes hier_link_bytes(Buffers const& b, LinkLeg leg, cudaStream_t stream) {
 KernelParams common_params(Buffers const& b, int ctas, bool refuse, std::optional<TraceKernel> traced) {
   KernelParams p{};
   p.view = b.view;
-  // every rank's window by world rank; low-latency mode across nodes holds its node's (ll_params.cuh "Wider worlds")
+  // every rank's window by world rank; low-latency mode across nodes holds its node's (ll/params.cuh "Wider worlds")
   p.net = b.protocol == Protocol::ll && b.layout.nodes > 1 ? transport::make_node_lsa(b.sym, b.rank, b.layout.local)
                                                            : transport::make_lsa(b.sym, b.rank, b.world);
   p.layout = b.layout;

@@ -1,5 +1,5 @@
 // Host-side description of one EpBuffer's device memory on the cuda backend, every protocol's (normal push, normal
-// landing, low-latency), shared by the launchers (dispatch.cu, expand.cu, combine.cu, ll_dispatch.cu, ll_combine.cu),
+// landing, low-latency), shared by the launchers (normal/dispatch.cu, normal/expand.cu, normal/combine.cu, ll/dispatch.cu, ll/combine.cu),
 // the backend (cuda_ep.cu) and the virtual-rank tests (several ranks' buffers on one GPU). One allocator, one
 // symmetric-layout builder, one Params prologue (buffers.cu). Included by .cu files only (params.cuh is CUDA).
 #pragma once
@@ -12,7 +12,7 @@
 
 #include "comm/transport/emulated.cuh"
 #include "comm/transport/gin.cuh"
-#include "ep/cuda/ll_params.cuh"
+#include "ep/cuda/ll/params.cuh"
 #include "ep/cuda/params.cuh"
 #include "ep/ep_impl.hpp"
 #include "ep/landing_policy.hpp"
@@ -20,7 +20,7 @@
 #include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
-#include "quant/layout.hpp"
+#include "wire/layout.hpp"
 #include "trace/cuda/recorder.hpp"
 #include "tuning/choose.hpp"
 
@@ -32,7 +32,7 @@ class AreaPacker {
  public:
   std::size_t take(std::size_t bytes) {
     std::size_t const at = offset_;
-    offset_ = quant::align_up(offset_ + bytes, kAlign);
+    offset_ = wire::align_up(offset_ + bytes, kAlign);
     return at;
   }
   std::size_t total() const { return offset_; }
@@ -91,9 +91,9 @@ struct Buffers {
   tuning::LegTuning dispatch_tuning;
   tuning::LegTuning combine_tuning;
 
-  // Hierarchical normal mode (nodes > 1; hier_dispatch.cuh, hier_combine.cuh). The caller sets topology and the
+  // Hierarchical normal mode (nodes > 1; hier/dispatch.cuh, hier/combine.cuh). The caller sets topology and the
   // network: GIN (gin, from the communicator), or the emulated transport (its fields: windows, rank, world, seed,
-  // delays; allocate_buffers its endpoints' areas). with_network (hier_params.cuh) hands the kernels the one in use.
+  // delays; allocate_buffers its endpoints' areas). with_network (hier/params.cuh) hands the kernels the one in use.
   Topology topology{};
   transport::Kind network_kind = transport::Kind::emulated;
   transport::Emulated network{};
@@ -117,7 +117,7 @@ struct Buffers {
   // per token, the local ranks here that hold it (written by the dispatch's forward, read by the combine's reduction).
   int32_t* ll_fwd_num = nullptr;    // [nodes]
   uint32_t* ll_fwd_mask = nullptr;  // [nodes, max_tokens]
-  // Rank masking (EpConfig::rank_masking; ll_mask.cuh): the request and this rank's verdict in mapped host memory
+  // Rank masking (EpConfig::rank_masking; ll/mask.cuh): the request and this rank's verdict in mapped host memory
   // (mask_host: the host's address, mask_host_device: the kernels'), and the entries' ranks of the last dispatch
   // (DeviceState::ll_mask.entry_rank points here). Null when off.
   detail::LlMaskHost* mask_host = nullptr;
@@ -238,7 +238,7 @@ void with_network(Buffers const& b, int num_ctas, char const* leg, Launch&& laun
   launch(b.network);
 }
 
-// Rank masking across nodes (ll_mask.cu): calls launch(legs, agreement) with the networks its kernels reach the other
+// Rank masking across nodes (ll/mask.cu): calls launch(legs, agreement) with the networks its kernels reach the other
 // nodes' ranks by: over GIN the legs' Gin and the agreement's own (each with its signal range), else the emulated
 // network for both (its counters are window words). Thread s of those one-warp kernels opens endpoint s < 32.
 template <class Launch>
@@ -250,7 +250,7 @@ void with_mask_networks(Buffers const& b, char const* what, Launch&& launch) {
   with_network(b, 2, what, [&](auto const& network) { launch(network, network); });
 }
 
-// The Params of a hierarchical leg (hier_params.cuh): the one-node leg's `base` plus the network, the topology and the
+// The Params of a hierarchical leg (hier/params.cuh): the one-node leg's `base` plus the network, the topology and the
 // last dispatch's senders per token; the leg's launcher adds its own fields.
 template <template <class> class HierParams, class Base, class Net>
 HierParams<Net> hier_params(Buffers const& b, Base const& base, Net const& network) {
@@ -263,8 +263,8 @@ HierParams<Net> hier_params(Buffers const& b, Base const& base, Net const& netwo
   return p;
 }
 
-// The hierarchical protocol (nodes > 1): launch_dispatch / launch_combine hand their Params here (hier_dispatch.cu,
-// hier_combine.cu), which add the network transport and the topology and launch the two kernels of the leg.
+// The hierarchical protocol (nodes > 1): launch_dispatch / launch_combine hand their Params here (hier/dispatch.cu,
+// hier/combine.cu), which add the network transport and the topology and launch the two kernels of the leg.
 void launch_hier_dispatch(Buffers const& buffers, DispatchParams const& params, IndexType ids, cudaStream_t stream,
                           detail::LegRecord* record);
 void launch_hier_combine(Buffers const& buffers, CombineParams const& params, CombineLayout layout, cudaStream_t stream,
@@ -276,7 +276,7 @@ void launch_hier_combine(Buffers const& buffers, CombineParams const& params, Co
 enum class LinkLeg { dispatch = 0, combine = 1 };
 LinkBytes hier_link_bytes(Buffers const& buffers, LinkLeg leg, cudaStream_t stream);
 
-// A dispatch handle's device storage (EpBuffer::make_handle; handle.cu): byte offsets of its areas, each 256-byte
+// A dispatch handle's device storage (EpBuffer::make_handle; normal/handle.cu): byte offsets of its areas, each 256-byte
 // aligned. What the normal-mode combine and expand read of their dispatch (the rank-major metadata of this rank's
 // symmetric region, recv_slot, token_mask, the layout words of DeviceState, expert_counts) and the source's own ids
 // (int32) and weights, for a cached dispatch.
@@ -290,7 +290,7 @@ struct HandleLayout {
   std::size_t expert_counts = 0;  // [num_local_experts] int32
   std::size_t topk_idx = 0;       // [max_tokens, topk] int32
   std::size_t topk_weights = 0;   // [max_tokens, topk] float
-  // hierarchical protocol only (what its combine reads of its dispatch, hier_combine.cuh): the senders of each token,
+  // hierarchical protocol only (what its combine reads of its dispatch, hier/combine.cuh): the senders of each token,
   // the records this rank received as a rail per source node, and their forward records
   std::size_t hier_mask = 0;       // [max_tokens] uint32
   std::size_t hier_fwd_count = 0;  // [kMaxCudaWorld] int32
@@ -312,7 +312,7 @@ void launch_restore_handle(Buffers const& buffers, void const* storage, int num_
 // EpBuffer::copy_received's copies (the handle copy kernel: whole words, int32 ids widened to int64 with ids_64).
 void launch_received_copy(Buffers const& buffers, detail::EpBackendImpl::CopyPlan const& plan, cudaStream_t stream);
 
-// combine_backward's weight step (weight_grad.cuh), after the cached expert-major dispatch of grad_y (expert_x holds
+// combine_backward's weight step (normal/weight_grad.cuh), after the cached expert-major dispatch of grad_y (expert_x holds
 // grad_y per filled slot): two kernels. The first (the grid, never waits): per filled slot of entry (row, k) the dot
 // of expert_x with x (skipped with x null: 0) goes back to its source's weight_grad word (token, k), and expert_x
 // becomes bf16(w * grad_y); then an arrival on every rank. The second (kWeightGradWaitCtas CTAs): waits for every
@@ -339,17 +339,17 @@ void launch_ll_dispatch(Buffers const& buffers, DispatchArgs const& args, Half h
 void launch_ll_combine(Buffers const& buffers, CombineArgs const& args, int num_tokens, Half half, cudaStream_t stream,
                        bool refuse = false, detail::LegRecord* record = nullptr);
 
-// Across nodes (layout.nodes > 1): the legs' instances over the buffers' network (ll_dispatch_net.cu,
-// ll_combine_net.cu), from the one-node launchers' Params and variant.
+// Across nodes (layout.nodes > 1): the legs' instances over the buffers' network (ll/dispatch_net.cu,
+// ll/combine_net.cu), from the one-node launchers' Params and variant.
 void launch_ll_dispatch_net(Buffers const& buffers, cuda_ll::LlDispatchParams const& params, int variant,
                             std::size_t smem, cudaStream_t stream, detail::LegRecord* record);
 void launch_ll_combine_net(Buffers const& buffers, cuda_ll::LlCombineParams const& params, int variant,
                            cudaStream_t stream, detail::LegRecord* record);
 
-// Rank masking (EpConfig::rank_masking; ll_mask.cu): the legs' launchers above run the agreement first
+// Rank masking (EpConfig::rank_masking; ll/mask.cu): the legs' launchers above run the agreement first
 // (launch_ll_agreement, on the leg's stream, with every half but the hook's receive half) and then the masked
-// instances: one node (ll_masked.cu), across nodes over the buffers' network, the direct route
-// (ll_masked_dispatch_net.cu, ll_masked_combine_net.cu).
+// instances: one node (ll/masked.cu), across nodes over the buffers' network, the direct route
+// (ll/masked_dispatch_net.cu, ll/masked_combine_net.cu).
 void launch_ll_masked_dispatch(Buffers const& buffers, cuda_ll::LlDispatchParams const& params, int variant,
                                std::size_t smem, cudaStream_t stream, detail::LegRecord* record);
 void launch_ll_masked_combine(Buffers const& buffers, cuda_ll::LlCombineParams const& params, int variant,
@@ -367,7 +367,7 @@ void request_ll_mask(Buffers const& buffers, uint32_t ranks);
 // detail::merge_call_counters) the reset of its counters, its region's arrival counters and its mask, on `stream`.
 detail::LlCallCounters ll_call_counters(Buffers const& buffers, cudaStream_t stream);
 void reset_ll_mask(Buffers const& buffers, detail::LlCallCounters const& to, cudaStream_t stream);
-// clear_mask across nodes (ll_mask.cuh, ll_counters_kernel): the counters the ranks of other nodes add to, put back
+// clear_mask across nodes (ll/mask.cuh, ll_counters_kernel): the counters the ranks of other nodes add to, put back
 // in step through the network. read_network_counters: this rank's counters of each other node's source,
 // [kNetworkCounters][world] (synchronises `stream`; zeros on one node). realign_network_counters, with every rank's
 // reads (counters[r]: rank r's): adds to each rank of another node what its counters of this rank lack of the

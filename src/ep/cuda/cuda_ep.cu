@@ -1,6 +1,6 @@
 // The cuda backend of EpBuffer, every mode: owns the symmetric region and the local buffers (buffers.cu), chooses the
 // protocol at construction (normal mode's count exchange or landing zone, low-latency mode's one kernel per leg),
-// sequences its kernels (dispatch.cu, expand.cu, combine.cu; ll_dispatch.cu, ll_combine.cu, or their halves with
+// sequences its kernels (normal/dispatch.cu, normal/expand.cu, normal/combine.cu; ll/dispatch.cu, ll/combine.cu, or their halves with
 // return_recv_hook), records what each call ran (run_record.hpp: a POD, explain()'s text is built when asked) and, in
 // eager mode, synchronises and raises device-side errors. No host synchronisation, memset or string per lazy call.
 #include <cuda_runtime.h>
@@ -13,11 +13,12 @@
 #include "core/cuda_check.hpp"
 #include "ep/cuda/buffers.hpp"
 #include "ep/cuda/device_memory.hpp"
-#include "ep/cuda/ll_params.cuh"
+#include "ep/cuda/ll/params.cuh"
 #include "ep/ep_impl.hpp"
 #include "ep/landing_policy.hpp"
 #include "ep/ll_mask_words.hpp"
 #include "ep/run_record.hpp"
+#include "ep/tuning_key.hpp"
 #include "ferry/env.hpp"
 #include "ferry/error.hpp"
 
@@ -148,7 +149,7 @@ class CudaEp final : public detail::EpBackendImpl {
     b.topology = topology;
     cudaDeviceProp prop{};
     FERRY_CHECK_CUDA(cudaGetDeviceProperties(&prop, comm.device()));
-    tuning::TuningKey const key = tuning::make_key(prop.name, world, config);
+    tuning::TuningKey const key = detail::tuning_key(prop.name, world, config);
     auto const tables = tuning::active_tables();
     b.dispatch_tuning = tuning::resolve_leg(tuning::Leg::dispatch, key, config.dispatch_geometry, *tables);
     b.combine_tuning = tuning::resolve_leg(tuning::Leg::combine, key, config.combine_geometry, *tables);
@@ -224,7 +225,7 @@ class CudaEp final : public detail::EpBackendImpl {
   }
 
   // combine_backward's cached dispatch: the expand fills the slots' layout but not their rows, which the weight step
-  // writes scaled from recv_x (weight_grad.cuh): one pass over the slots instead of a copy and a pass in place.
+  // writes scaled from recv_x (normal/weight_grad.cuh): one pass over the slots instead of a copy and a pass in place.
   DispatchResult dispatch_gradients(DispatchArgs const& args, cudaStream_t stream) override {
     return run_dispatch(args, stream, args.expand);
   }
@@ -356,7 +357,7 @@ class CudaEp final : public detail::EpBackendImpl {
   }
 
   void save_handle(detail::HandleState& handle, DispatchArgs const& args, cudaStream_t stream) override {
-    // NOTE: the handle keeps the hierarchical layout too (handle.cu), and InternodeVirtual.HandlesAcrossNodes (a handle
+    // NOTE: the handle keeps the hierarchical layout too (normal/handle.cu), and InternodeVirtual.HandlesAcrossNodes (a handle
     // restored after a second dispatch, its combine and dispatch_backward, on virtual ranks) passed on the H200; the
     // cached dispatch across nodes and this path through EpBuffer have not run on a GPU, so handles stay refused
     // across nodes until they have.
@@ -430,7 +431,7 @@ class CudaEp final : public detail::EpBackendImpl {
                          hier_link_bytes(buffers_, LinkLeg::combine, stream)};
   }
 
-  // Rank masking (low-latency mode; ll_mask.cuh): the words the agreements and the kernels keep, after the
+  // Rank masking (low-latency mode; ll/mask.cuh): the words the agreements and the kernels keep, after the
   // last call's stream (synchronised).
   MaskStatus mask_status() const override {
     if (mask_stream_ == nullptr) return detail::mask_status_of(detail::LlMaskWords{}, buffers_.world);

@@ -1,6 +1,6 @@
 // The expert-major layout (ref::expert_layout), one algorithm for every kernel that builds it: the low-latency
-// dispatch (ll_dispatch.cuh: the landed records in its receive half, this rank's own tokens in its send half) and
-// normal mode's expand (expand.cuh: the rank-major rows the dispatch received). The caller says where the records
+// dispatch (ll/dispatch.cuh: the landed records in its receive half, this rank's own tokens in its send half) and
+// normal mode's expand (normal/expand.cuh: the rank-major rows the dispatch received). The caller says where the records
 // come from (load(r) -> HitRecord, r in the scan's order, which must be the layout's order: each expert's slots follow
 // its hits in that order) and what to do with each slot and each window of hits; this file holds the rest.
 //

@@ -11,7 +11,7 @@
 #include "ep/run_record.hpp"
 #include "ferry/error.hpp"
 #include "ferry/wire_format.hpp"
-#include "quant/device_unit_codec.cuh"
+#include "wire/device_unit_codec.cuh"
 
 namespace ferry::cuda_ep {
 

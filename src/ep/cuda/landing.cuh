@@ -1,5 +1,5 @@
-// The send side of a landing-zone dispatch, shared by low-latency mode (ll_dispatch.cuh) and normal mode's small
-// batches (land_dispatch.cuh): every source owns a fixed slot per token on every destination, so a sender needs no
+// The send side of a landing-zone dispatch, shared by low-latency mode (ll/dispatch.cuh) and normal mode's small
+// batches (normal/land_dispatch.cuh): every source owns a fixed slot per token on every destination, so a sender needs no
 // count exchange before its first NVLink write.
 //  - a token's metadata record (its local expert ids on that rank, -1 elsewhere, and the weights) goes to EVERY rank,
 //    so a receiver can scan a source's tokens in order and tell which rows it holds;

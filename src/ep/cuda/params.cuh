@@ -1,7 +1,7 @@
 // The Params family of the cuda backend's kernels (every protocol: normal push, normal landing, low-latency): the
 // device state word block, the layout of the symmetric region, the part every kernel's Params shares (KernelParams,
 // filled by one prologue, common_params in buffers.cu) and the normal-mode kernels' own parts. The low-latency parts
-// derive from the same KernelParams in ll_params.cuh. Built and validated on the host by the launchers' to_params().
+// derive from the same KernelParams in ll/params.cuh. Built and validated on the host by the launchers' to_params().
 #pragma once
 
 #include <cstddef>
@@ -28,14 +28,14 @@ __host__ __device__ inline std::size_t dispatch_smem_bytes(int world, int num_ex
   return static_cast<std::size_t>(world + num_experts) * sizeof(int32_t);
 }
 
-// Small-batch dispatch (land_dispatch.cuh): most CTAs of its grid (per-CTA sequence words), and what the CTAs of one
+// Small-batch dispatch (normal/land_dispatch.cuh): most CTAs of its grid (per-CTA sequence words), and what the CTAs of one
 // source add to a destination's arrival counter per call, whatever the source's grid: CTA 0 adds
 // kLandArrivalsPerCall - (ctas - 1), every other CTA 1.
 inline constexpr int kMaxLandCtas = 256;
 inline constexpr uint64_t kLandArrivalsPerCall = 1ull << 20;
 // Most CTAs of a low-latency grid (its per-CTA sequence words are sized for it).
 inline constexpr int kMaxLlCtas = 256;
-// combine_backward's weight step (weight_grad.cuh): what the CTAs of one rank add to a source's arrival counter per
+// combine_backward's weight step (normal/weight_grad.cuh): what the CTAs of one rank add to a source's arrival counter per
 // call, whatever the grid (CTA 0 adds kWeightGradArrivalsPerCall - (ctas - 1), every other CTA 1), and the CTAs of
 // its wait kernel (few: 8 virtual ranks' waits on one GPU must leave SMs to the ranks still sending).
 inline constexpr uint64_t kWeightGradArrivalsPerCall = kLandArrivalsPerCall;
@@ -56,18 +56,18 @@ struct DeviceState {
   int32_t src_count[kMaxCudaWorld];   // rows of source s that were delivered
   int32_t src_tokens[kMaxCudaWorld];  // tokens source s passed to the last dispatch
   uint64_t land_seq[kMaxLandCtas];    // small-batch dispatch: calls this CTA ran (each CTA only touches its own)
-  // Low-latency mode (ll_params.cuh), per CTA: calls whose send / receive half this CTA ran (num_tokens is written by
+  // Low-latency mode (ll/params.cuh), per CTA: calls whose send / receive half this CTA ran (num_tokens is written by
   // the send half's CTA 0, num_recv by the receive half's CTA of expert 0).
   uint64_t dispatch_send_seq[kMaxLlCtas];
   uint64_t dispatch_recv_seq[kMaxLlCtas];
   uint64_t combine_send_seq[kMaxLlCtas];
   uint64_t combine_recv_seq[kMaxLlCtas];
-  // Normal mode, combine_backward's weight step (weight_grad.cuh): the last call whose weight gradients this rank
+  // Normal mode, combine_backward's weight step (normal/weight_grad.cuh): the last call whose weight gradients this rank
   // collected (its wait kernel's last CTA advances it), and the CTAs of the running wait kernel that finished.
   uint64_t weight_grad_seq;
   uint64_t weight_grad_done;
   // Hierarchical normal mode: the records this rank (a rail) received from each source node in the last dispatch
-  // (hier_dispatch.cuh; its combine sends one row back per record).
+  // (hier/dispatch.cuh; its combine sends one row back per record).
   int32_t hier_fwd_count[kMaxCudaWorld];
   // Hierarchical normal mode: what this rank sent to other ranks (EpBuffer::link_bytes, docs/internode.md "Counting
   // the bytes": rows and their metadata, not the control words), [leg: 0 dispatch, 1 combine][0 network bytes,
@@ -75,13 +75,13 @@ struct DeviceState {
   // moves them) and the last finished call's.
   unsigned long long hier_bytes_running[2][3];
   unsigned long long hier_bytes[2][3];
-  // Low-latency mode with rank masking (EpConfig::rank_masking; ll_mask.cuh): the mask and its counts (last: the
+  // Low-latency mode with rank masking (EpConfig::rank_masking; ll/mask.cuh): the mask and its counts (last: the
   // kernels without masking never read it, and every word above keeps its place).
   detail::LlMaskWords ll_mask;
 };
 
 // The words of DeviceState a normal-mode combine (and expand) reads of its dispatch, in their order there: what a
-// dispatch handle keeps of them (handle.cu). num_recv, num_tokens, src_offset, src_count, src_tokens.
+// dispatch handle keeps of them (normal/handle.cu). num_recv, num_tokens, src_offset, src_count, src_tokens.
 inline constexpr int kHandleStateWords = 2 + 3 * kMaxCudaWorld;
 static_assert(offsetof(DeviceState, num_tokens) == offsetof(DeviceState, num_recv) + 4 &&
                   offsetof(DeviceState, src_offset) == offsetof(DeviceState, num_recv) + 8 &&
@@ -93,13 +93,13 @@ static_assert(offsetof(DeviceState, num_tokens) == offsetof(DeviceState, num_rec
 // id, or its host's refusal). A token count is below 2^31, so the bit never collides with one.
 inline constexpr uint64_t kCountAbort = 1ull << 31;
 
-// The hierarchical protocol (hier_dispatch.cuh): what the CTAs of one rank add to a rail's (or a source's) arrival
+// The hierarchical protocol (hier/dispatch.cuh): what the CTAs of one rank add to a rail's (or a source's) arrival
 // counter per call, whatever the grid: warp 0 of the grid adds kHierArrivalsPerCall - (warps - 1), every other warp 1.
 inline constexpr uint64_t kHierArrivalsPerCall = 1ull << 20;
 // Most count-matrix columns of the hierarchical layout (world destination ranks + nodes).
 inline constexpr int kMaxHierColumns = 64;
 
-// A forwarded token's record (hier_dispatch.cuh), next to its row: int32 token, int32 rows[local] (its final row on
+// A forwarded token's record (hier/dispatch.cuh), next to its row: int32 token, int32 rows[local] (its final row on
 // each rank of the rail's node, -1: none), int32 ids[topk] (global, -1: none), float weights[topk]; 16-byte multiple.
 __host__ __device__ inline std::size_t hier_record_bytes(int local, int topk) {
   return (static_cast<std::size_t>(1 + local + 2 * topk) * 4 + 15) / 16 * 16;
@@ -124,20 +124,20 @@ struct SymLayout {
                                   // protocol)
   std::size_t tile_flags = 0;     // [world senders][kMaxCombineTiles] uint64 = 2 * seq of the combine that filled the
                                   // tile (+1: that sender refused the call and filled nothing)
-  // Small-batch dispatch only (land_dispatch.cuh; empty otherwise): every source's rows land in fixed slots
+  // Small-batch dispatch only (normal/land_dispatch.cuh; empty otherwise): every source's rows land in fixed slots
   // (parity, source, token) and the receiver compacts them into recv_x.
   std::size_t land_arrivals = 0;  // [world sources] u64: sum over calls of kLandArrivalsPerCall
   std::size_t land_tokens = 0;    // [2 parities][world sources] u64: tokens of the source's call
   std::size_t land_abort = 0;     // [2 parities][world sources] u64: seq of the source's last refused call (abort)
   std::size_t land_meta = 0;      // [2][world][max_tokens] records (landing::record_bytes(topk) each)
   std::size_t land_rows = 0;      // [2][world][max_tokens] bf16 rows
-  // combine_backward's weight step (weight_grad.cuh), normal mode: the dots of this rank's entries come back from the
+  // combine_backward's weight step (normal/weight_grad.cuh), normal mode: the dots of this rank's entries come back from the
   // ranks holding their experts (each entry has one such rank, so no sender dimension).
   std::size_t weight_grad = 0;           // [2 parities][max_tokens][topk] u64: (seq << 32 | fp32 bits)
   std::size_t weight_grad_arrivals = 0;  // [world senders] u64: sum over calls of kWeightGradArrivalsPerCall
   int count_words = 0;  // 1 (tokens) + world (rows per destination) + num_local_experts (entries per expert)
                         // (+ nodes: tokens per node, rounded up to an even count, in the hierarchical protocol)
-  // Hierarchical normal mode only (hier_dispatch.cuh, hier_combine.cuh; empty otherwise). The rail of node n for a
+  // Hierarchical normal mode only (hier/dispatch.cuh, hier/combine.cuh; empty otherwise). The rail of node n for a
   // rank s of another node is rank n * local + local_of(s). Counters only grow (the network has no remote "set").
   std::size_t hier_count_send = 0;    // [world destinations][count_words] u64: this rank's count rows (put sources)
   std::size_t hier_count_signal = 0;  // [world sources] u64 counter: +1 per dispatch (its count row is in `counts`)
@@ -158,7 +158,7 @@ struct SymLayout {
   std::size_t hier_meta_bytes = 0;  // one forward record (hier_record_bytes)
   int nodes = 1;
   int local = 0;  // ranks per node (the hierarchical protocol; 0 otherwise)
-  // Low-latency mode (ll_params.cuh); "source" is the sending rank:
+  // Low-latency mode (ll/params.cuh); "source" is the sending rank:
   std::size_t dispatch_arrivals = 0;   // [world sources] u64: send CTAs of that source finished, over all calls
   std::size_t combine_arrivals = 0;    // [world sources] u64
   std::size_t dispatch_tokens = 0;     // [2 parities][world sources] u64: tokens of the source's call
@@ -280,7 +280,7 @@ struct ExpandParams : KernelParams {
   int expert_slots;
   int32_t* recv_slot;  // [recv_capacity, topk]
   void* expert_x;      // [num_local_experts, expert_slots, row_bytes] (copy only)
-  // copy only: fill expert_src_row but leave the rows to combine_backward's weight step (weight_grad.cuh), which writes
+  // copy only: fill expert_src_row but leave the rows to combine_backward's weight step (normal/weight_grad.cuh), which writes
   // each slot scaled from its row in recv_x: one pass over the slots instead of a copy and a pass in place
   bool skip_rows;
   int32_t* expert_src_row;  // [num_local_experts, expert_slots] (copy only)
@@ -302,7 +302,7 @@ struct CombineParams : KernelParams {
   bool y_fp32;
 };
 
-// The copy of a dispatch's layout into a handle's storage or back (handle.cuh): areas of 4-byte words (7 of the
+// The copy of a dispatch's layout into a handle's storage or back (normal/handle.cuh): areas of 4-byte words (7 of the
 // one-node layout, the saved weights, 3 of the hierarchical protocol; room to spare).
 inline constexpr int kMaxHandleAreas = 12;
 struct HandleArea {
@@ -325,7 +325,7 @@ struct HandleCopyParams {
   int num_ids;
 };
 
-// combine_backward's weight step (weight_grad.cuh), after the cached expert-major dispatch of grad_y.
+// combine_backward's weight step (normal/weight_grad.cuh), after the cached expert-major dispatch of grad_y.
 struct WeightGradParams : KernelParams {
   void const* x;             // the forward combine's expert outputs [num_local_experts, expert_slots, hidden] (null:
                              // no dots: every entry sends 0)
