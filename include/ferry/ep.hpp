@@ -13,15 +13,14 @@
 #include <vector>
 
 #include "ferry/communicator.hpp"
+#include "ferry/limits.hpp"
+#include "ferry/mode.hpp"
 #include "ferry/trace.hpp"
 #include "ferry/tuning.hpp"
 #include "ferry/wire_format.hpp"
 
 namespace ferry {
 
-enum class Mode { normal, low_latency };
-char const* mode_name(Mode mode);
-Mode parse_mode(std::string const& name);  // "normal" | "ll"
 
 // How low-latency rows reach the ranks of other nodes (docs/internode.md): forward: once per destination node, to
 // the rank of the source's local index there, which forwards them over NVLink (and combine reduces each node's rows
@@ -32,8 +31,6 @@ char const* internode_route_name(InternodeRoute route);
 InternodeRoute parse_internode_route(std::string const& name);  // "automatic" | "forward" | "direct"
 inline constexpr int kDirectRouteTokens = 2;
 
-// The largest topk any path supports.
-inline constexpr int kMaxTopk = 16;
 // The most tokens per rank low-latency mode accepts: its buffers are sized for the worst case (every token of every
 // rank to every local expert), which past this is better served by normal mode.
 inline constexpr int kMaxLowLatencyTokens = 1024;

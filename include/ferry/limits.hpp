@@ -13,4 +13,13 @@ inline constexpr int kMaxWorld = 256;
 // holds one pointer per rank of the team. Peers outside the team are reached through the network transport.
 inline constexpr int kMaxLsaTeam = 32;
 
+// Most ranks of a world that the cuda kernels of one node, normal mode's and rank masking's address: their sets of
+// ranks are one 32-bit word, and they keep per-rank arrays of this size in shared memory and in the lsa transport
+// (windows by world rank). Low-latency mode's kernels across nodes go up to kMaxWorld (src/ep/cuda/ll/params.cuh
+// "Wider worlds"); EpBuffer refuses the rest past this bound at construction (detail::check_cuda_world).
+inline constexpr int kMaxCudaWorld = 32;
+
+// The largest topk any path supports.
+inline constexpr int kMaxTopk = 16;
+
 }  // namespace ferry

@@ -9,10 +9,6 @@
 
 namespace ferry {
 
-char const* mode_name(Mode mode) {
-  return mode == Mode::normal ? "normal" : "ll";
-}
-
 char const* internode_route_name(InternodeRoute route) {
   switch (route) {
     case InternodeRoute::automatic:
@@ -35,12 +31,6 @@ InternodeRoute EpConfig::route() const {
   if (mode == Mode::normal) return InternodeRoute::forward;
   if (internode_route != InternodeRoute::automatic) return internode_route;
   return max_tokens_per_rank <= kDirectRouteTokens ? InternodeRoute::direct : InternodeRoute::forward;
-}
-
-Mode parse_mode(std::string const& name) {
-  if (name == "normal") return Mode::normal;
-  if (name == "ll" || name == "low_latency") return Mode::low_latency;
-  FERRY_THROW(ConfigError, "config", "mode '", name, "' is unknown; use normal or ll");
 }
 
 namespace {

@@ -16,7 +16,10 @@
 #include <string_view>
 #include <vector>
 
+#include "ferry/limits.hpp"
+#include "ferry/mode.hpp"
 #include "ferry/tuning.hpp"
+#include "ferry/wire_format.hpp"
 
 namespace ferry::tuning {
 
