@@ -6,7 +6,7 @@
 
 namespace ferry::detail {
 
-Network network_of(std::string const& value) {
+Network parse_network(std::string const& value) {
   if (value == "auto") return Network::automatic;
   if (value == "emulated") return Network::emulated;
   if (value == "gin") return Network::gin;

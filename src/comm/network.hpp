@@ -17,7 +17,7 @@ enum class Network : uint8_t {
 };
 
 // FERRY_NETWORK's value ("auto", "emulated", "gin"); ConfigError naming the allowed values for another.
-Network network_of(std::string const& value);
+Network parse_network(std::string const& value);
 char const* network_name(Network network);
 
 // Whether a cuda communicator of `world` ranks whose NVLink team has `lsa_size` of them sets up GIN.

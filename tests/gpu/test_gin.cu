@@ -14,7 +14,7 @@
 #include <memory>
 #include <string>
 
-#include "comm/cuda/gin_setup.hpp"
+#include "comm/cuda/cuda_communicator.hpp"
 #include "ferry/bootstrap.hpp"
 #include "ferry/error.hpp"
 #include "support/host_fixtures.hpp"
@@ -35,7 +35,7 @@ FERRY_RANK_CASE(gin_network_choice) {
   // 1. auto and emulated at world 1: no GIN, and no Gin to be had
   for (char const* network : {"auto", "emulated"}) {
     auto comm = make_comm_with(network);
-    FERRY_CHECK(!detail::has_gin(*comm), "FERRY_NETWORK=", network, " set GIN up at world 1");
+    FERRY_CHECK(detail::network_transport(*comm) != transport::Kind::gin, "FERRY_NETWORK=", network, " set GIN up at world 1");
     SymmetricRegion const region = comm->alloc_symmetric(1 << 16);
     bool refused = false;
     try {
@@ -59,7 +59,7 @@ FERRY_RANK_CASE(gin_network_choice) {
       FERRY_CHECK(contains(what, says), "'", says, "' missing from the GIN refusal: ", what);
     return 0;
   }
-  FERRY_CHECK(detail::has_gin(*comm), "FERRY_NETWORK=gin built a communicator without GIN");
+  FERRY_CHECK(detail::network_transport(*comm) == transport::Kind::gin, "FERRY_NETWORK=gin built a communicator without GIN");
   SymmetricRegion const region = comm->alloc_symmetric(1 << 16);
   transport::Gin const gin = detail::gin_transport(*comm, region, 4096, 64);
   FERRY_CHECK(gin.num_contexts >= 1 && gin.window != nullptr && gin.local_window == region.local &&

@@ -20,13 +20,13 @@ namespace {
 using detail::Network;
 
 TEST(Network, ParsesTheThreeValuesAndRefusesOthers) {
-  EXPECT_EQ(detail::network_of("auto"), Network::automatic);
-  EXPECT_EQ(detail::network_of("emulated"), Network::emulated);
-  EXPECT_EQ(detail::network_of("gin"), Network::gin);
+  EXPECT_EQ(detail::parse_network("auto"), Network::automatic);
+  EXPECT_EQ(detail::parse_network("emulated"), Network::emulated);
+  EXPECT_EQ(detail::parse_network("gin"), Network::gin);
   for (Network network : {Network::automatic, Network::emulated, Network::gin})
-    EXPECT_EQ(detail::network_of(detail::network_name(network)), network);
+    EXPECT_EQ(detail::parse_network(detail::network_name(network)), network);
   try {
-    detail::network_of("rdma");
+    detail::parse_network("rdma");
     FAIL() << "FERRY_NETWORK=rdma was accepted";
   } catch (ConfigError const& error) {
     EXPECT_TRUE(contains(error.what(), "FERRY_NETWORK=rdma is not one of auto, emulated, gin")) << error.what();
@@ -39,11 +39,11 @@ TEST(Network, IsDeclaredInTheEnvTableWithDefaultAuto) {
   EXPECT_EQ(env_problem(param, "gin"), "");
   EXPECT_EQ(env_problem(param, "emulated"), "");
   EXPECT_TRUE(contains(env_problem(param, "ib"), "FERRY_NETWORK=ib is not one of auto, emulated, gin"));
-  // the value the communicator reads parses (the table's words and network_of's agree)
+  // the value the communicator reads parses (the table's words and parse_network's agree)
   ScopedEnv const unset("FERRY_NETWORK", std::nullopt);
-  EXPECT_EQ(detail::network_of(env_string("FERRY_NETWORK")), Network::automatic);
+  EXPECT_EQ(detail::parse_network(env_string("FERRY_NETWORK")), Network::automatic);
   ScopedEnv const forced("FERRY_NETWORK", "gin");
-  EXPECT_EQ(detail::network_of(env_string("FERRY_NETWORK")), Network::gin);
+  EXPECT_EQ(detail::parse_network(env_string("FERRY_NETWORK")), Network::gin);
 }
 
 TEST(Network, GinOnlyWhereAskedOrWherePeersAreBeyondNvlink) {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "comm/comm_impl.hpp"
+#include "comm/cuda/cuda_communicator.hpp"
 #include "comm/cuda/gin_setup.hpp"
 #include "comm/device/barrier.cuh"
 #include "comm/network.hpp"
@@ -261,7 +262,7 @@ void CudaCommunicator::init(CommunicatorOptions const& options) {
                      " ranks, more than the ", kMaxLsaTeam,
                      " (kMaxLsaTeam) that a SymmetricView holds pointers for; start at most ", kMaxLsaTeam,
                      " ranks per NVLink domain");
-  Network const network = network_of(env_string("FERRY_NETWORK"));
+  Network const network = parse_network(env_string("FERRY_NETWORK"));
   gin_ = wants_gin(network, world, lsa.nRanks);
   FERRY_CHECK_CONFIG(gin_ || lsa.nRanks == world, "only ", lsa.nRanks, " of ", world,
                      " ranks share load/store access (NVLink) with rank ", rank, " (topology ",
@@ -614,9 +615,9 @@ std::unique_ptr<Communicator> make_cuda_communicator(std::unique_ptr<Bootstrap> 
   return comm;
 }
 
-bool has_gin(Communicator const& comm) {
+transport::Kind network_transport(Communicator const& comm) {
   auto const* cuda = dynamic_cast<CudaCommunicator const*>(&comm);
-  return cuda != nullptr && cuda->has_gin();
+  return cuda != nullptr && cuda->has_gin() ? transport::Kind::gin : transport::Kind::emulated;
 }
 
 transport::Gin gin_transport(Communicator& comm, SymmetricRegion const& region, std::size_t signals_off,

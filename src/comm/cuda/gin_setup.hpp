@@ -42,15 +42,4 @@ transport::Gin make_gin(ncclDevComm const& dev_comm, ncclWindow_t window, char* 
 // the caller's construction ends in a barrier before any peer's kernel can.
 void reset_gin_signals(ncclDevComm const& dev_comm, uint32_t first, uint32_t count);
 
-// The communicator's side (cuda_communicator.cu), for the EP backends that hand a Gin to their kernels:
-// whether `comm` is a cuda communicator that set GIN up (FERRY_NETWORK=gin, or auto with peers outside the NVLink
-// team), and the gin transport over `region` (one of comm's live symmetric regions) whose counters are the window
-// words [signals_off, signals_off + 8 * num_signals): the communicator hands the region a range of its GIN signals
-// (reset, and given back with the region). Collective: every rank calls it for the same regions in the same order,
-// so the ids agree. gin_transport throws ConfigError for a communicator without GIN, a region that is not its own,
-// or no free range.
-bool has_gin(Communicator const& comm);
-transport::Gin gin_transport(Communicator& comm, SymmetricRegion const& region, std::size_t signals_off,
-                             uint32_t num_signals);
-
 }  // namespace ferry::detail

@@ -44,15 +44,7 @@
 
 #include <cstdint>
 
-namespace ferry {
-
-// Most ranks of a world that the cuda kernels of one node, normal mode's and rank masking's address: their sets of
-// ranks are one 32-bit word, and they keep per-rank arrays of this size in shared memory and in the lsa transport
-// (windows by world rank). Low-latency mode's kernels across nodes go up to kMaxWorld (ep/cuda/ll/params.cuh "Wider
-// worlds"); EpBuffer refuses the rest past this bound at construction (detail::check_cuda_world).
-inline constexpr int kMaxCudaWorld = 32;
-
-}  // namespace ferry
+#include "ferry/limits.hpp"
 
 namespace ferry::transport {
 

@@ -9,7 +9,7 @@
 #include <cstring>
 #include <vector>
 
-#include "comm/cuda/gin_setup.hpp"
+#include "comm/cuda/cuda_communicator.hpp"
 #include "core/cuda_check.hpp"
 #include "ep/cuda/buffers.hpp"
 #include "ep/cuda/device_memory.hpp"
@@ -92,7 +92,7 @@ class CudaEp final : public detail::EpBackendImpl {
     detail::check_cuda_world(config, topology);  // the one place a world too large for the kernels is refused
     bool const across = topology.nodes > 1;
     bool const hierarchical = !ll && across;
-    transport::Kind const network = detail::has_gin(comm) ? transport::Kind::gin : transport::Kind::emulated;
+    transport::Kind const network = detail::network_transport(comm);
     FERRY_CHECK_CONFIG(!hierarchical || topology.world() + topology.nodes <= kMaxHierColumns, "topology ",
                        topology_name(topology), " has more ranks and nodes than the hierarchical layout's ",
                        kMaxHierColumns, " columns");
