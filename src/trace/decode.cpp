@@ -176,13 +176,13 @@ std::vector<std::string> slot_names() {
   return std::vector<std::string>(std::begin(kSlotNames), std::end(kSlotNames));
 }
 
-Decoded decode(std::span<TraceBuffer const> buffers, DecodeOptions const& options, int threads) {
-  Decoded out;
-  for (TraceBuffer const& b : buffers) check_geometry(b);
+namespace {
 
-  // 1. each rank's t = 0 on its raw clock
+// Step 1: each rank's t = 0 on its raw clock (the earliest of its buffers' first events, the first end of the
+// alignment slot, or everyone's first event: Align), and each buffer's raw extent.
+std::map<int, int64_t> rank_zeros(std::span<TraceBuffer const> buffers, DecodeOptions const& options,
+                                  std::vector<std::pair<int64_t, int64_t>>& extents, Decoded& out) {
   std::map<int, int64_t> t0;  // rank -> raw time of its t = 0
-  std::vector<std::pair<int64_t, int64_t>> extents;
   int64_t global_first = std::numeric_limits<int64_t>::max();
   for (TraceBuffer const& b : buffers) {
     extents.push_back(raw_extent(b));
@@ -208,15 +208,121 @@ Decoded decode(std::span<TraceBuffer const> buffers, DecodeOptions const& option
         ++out.unaligned_ranks;
     }
   }
+  return t0;
+}
 
-  // 2. one pass over every warp's events: spans by matching begin/end on a small stack, instants as they come. Warp j
-  //    writes its spans at its bound (events / 2 before it), threads take contiguous runs of warps, and a serial pass
-  //    closes the gaps, so the output is in (buffer, warp) order whatever the number of threads.
-  struct WarpJob {
-    uint32_t buffer;
-    uint32_t warp;
-    std::size_t bound;  // first span slot of the warp
-  };
+// One warp's events of step 2, and the spans it wrote at its bound.
+struct WarpJob {
+  uint32_t buffer;
+  uint32_t warp;
+  std::size_t bound;  // first span slot of the warp
+};
+
+// What a thread of step 2 counts.
+struct Counters {
+  int64_t dropped = 0, orphan_begins = 0, orphan_ends = 0, bad = 0;
+  std::vector<Instant> instants;
+};
+
+// Step 2 for one warp: spans by matching begin/end on a small stack (written from dst on), instants as they come.
+// Returns the spans written.
+uint32_t decode_warp(TraceBuffer const& b, int w, int64_t zero, Span* dst, Counters& c) {
+  Span* const first = dst;
+  uint32_t const count = b.counts[w];
+  uint32_t const n = std::min<uint32_t>(count, static_cast<uint32_t>(b.capacity));
+  c.dropped += count - n;
+  uint64_t const ids =
+      event_meta(0, 0, static_cast<uint32_t>(w / b.warps_per_cta), static_cast<uint32_t>(w % b.warps_per_cta), 0);
+  uint32_t const tid = static_cast<uint32_t>(w);
+  uint16_t const rank = static_cast<uint16_t>(b.rank);
+  TraceEvent const* ev = b.events.data() + static_cast<std::size_t>(w) * b.capacity;
+  Open stack[kMaxDepth];
+  int depth = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    uint64_t const meta = ev[i].meta;
+    uint32_t const slot = meta_slot(meta);
+    uint32_t const kind = meta_kind(meta);
+    if (slot >= static_cast<uint32_t>(kNumSlots) || kSlotKernel[slot] != b.kernel || (meta & kIdMask) != ids) {
+      ++c.bad;
+      continue;
+    }
+    int64_t const t = static_cast<int64_t>(ev[i].time_ns) - zero;
+    if (kind == static_cast<uint32_t>(TraceEventKind::begin)) {
+      if (depth == kMaxDepth) {
+        ++c.bad;  // deeper than any kernel nests
+        continue;
+      }
+      stack[depth++] = {t, static_cast<uint8_t>(slot)};
+    } else if (kind == static_cast<uint32_t>(TraceEventKind::end)) {
+      int k = depth - 1;
+      while (k >= 0 && stack[k].slot != slot) --k;
+      if (k < 0) {
+        ++c.orphan_ends;
+        continue;
+      }
+      c.orphan_begins += depth - 1 - k;  // spans opened inside this one and never ended
+      depth = k;
+      *dst++ = Span{stack[k].begin, t, tid, rank, static_cast<uint8_t>(slot), static_cast<uint8_t>(k)};
+    } else if (kind == static_cast<uint32_t>(TraceEventKind::instant)) {
+      c.instants.push_back(Instant{t, tid, meta_payload(meta), rank, static_cast<uint8_t>(slot)});
+    } else {
+      ++c.bad;
+    }
+  }
+  c.orphan_begins += depth;
+  return static_cast<uint32_t>(dst - first);
+}
+
+// Where step 2's threads split the jobs: contiguous runs of warps with about the same number of events each
+// (num_threads + 1 cuts, the first 0 and the last jobs.size()).
+std::vector<std::size_t> job_cuts(std::span<TraceBuffer const> buffers, std::vector<WarpJob> const& jobs,
+                                  std::size_t total_events, std::size_t num_threads) {
+  std::vector<std::size_t> cuts{0};
+  std::size_t acc = 0, next = 1;
+  for (std::size_t j = 0; j < jobs.size() && next < num_threads; ++j) {
+    TraceBuffer const& b = buffers[jobs[j].buffer];
+    acc += std::min<uint32_t>(b.counts[jobs[j].warp], static_cast<uint32_t>(b.capacity));
+    if (acc * num_threads >= total_events * next) {
+      cuts.push_back(j + 1);
+      ++next;
+    }
+  }
+  while (cuts.size() <= num_threads) cuts.push_back(jobs.size());
+  return cuts;
+}
+
+// Step 3: what each buffer holds, on its rank's clock.
+void describe_buffers(std::span<TraceBuffer const> buffers, std::map<int, int64_t> const& t0,
+                      std::vector<std::pair<int64_t, int64_t>> const& extents, Decoded& out) {
+  for (std::size_t bi = 0; bi < buffers.size(); ++bi) {
+    TraceBuffer const& b = buffers[bi];
+    int64_t const zero = t0.at(b.rank);
+    BufferInfo info;
+    info.rank = b.rank;
+    info.kernel = b.kernel;
+    info.ctas = b.ctas;
+    info.warps_per_cta = b.warps_per_cta;
+    info.t0_ns = zero;
+    bool const any = extents[bi].first != std::numeric_limits<int64_t>::max();
+    info.first_ns = any ? extents[bi].first - zero : 0;
+    info.last_ns = any ? extents[bi].second - zero : 0;
+    for (uint32_t c : b.counts) info.events += std::min<uint32_t>(c, static_cast<uint32_t>(b.capacity));
+    out.events += info.events;
+    out.buffers.push_back(info);
+  }
+}
+
+}  // namespace
+
+Decoded decode(std::span<TraceBuffer const> buffers, DecodeOptions const& options, int threads) {
+  Decoded out;
+  for (TraceBuffer const& b : buffers) check_geometry(b);
+  std::vector<std::pair<int64_t, int64_t>> extents;
+  std::map<int, int64_t> const t0 = rank_zeros(buffers, options, extents, out);  // 1.
+
+  // 2. one pass over every warp's events. Warp j writes its spans at its bound (events / 2 before it), threads take
+  //    contiguous runs of warps, and a serial pass closes the gaps, so the output is in (buffer, warp) order whatever
+  //    the number of threads.
   std::vector<WarpJob> jobs;
   std::size_t total_bound = 0, total_events = 0;
   for (std::size_t bi = 0; bi < buffers.size(); ++bi) {
@@ -230,60 +336,10 @@ Decoded decode(std::span<TraceBuffer const> buffers, DecodeOptions const& option
   }
   out.spans.resize(total_bound);
   std::vector<uint32_t> kept(jobs.size(), 0);  // spans each warp kept
-  struct Counters {
-    int64_t dropped = 0, orphan_begins = 0, orphan_ends = 0, bad = 0;
-    std::vector<Instant> instants;
-  };
   auto run = [&](std::size_t job_begin, std::size_t job_end, Counters& c) {
-    Span* const spans = out.spans.data();
     for (std::size_t j = job_begin; j < job_end; ++j) {
       TraceBuffer const& b = buffers[jobs[j].buffer];
-      int const w = static_cast<int>(jobs[j].warp);
-      int64_t const zero = t0.at(b.rank);
-      uint32_t const count = b.counts[w];
-      uint32_t const n = std::min<uint32_t>(count, static_cast<uint32_t>(b.capacity));
-      c.dropped += count - n;
-      uint64_t const ids =
-          event_meta(0, 0, static_cast<uint32_t>(w / b.warps_per_cta), static_cast<uint32_t>(w % b.warps_per_cta), 0);
-      uint32_t const tid = static_cast<uint32_t>(w);
-      uint16_t const rank = static_cast<uint16_t>(b.rank);
-      TraceEvent const* ev = b.events.data() + static_cast<std::size_t>(w) * b.capacity;
-      Span* dst = spans + jobs[j].bound;
-      Open stack[kMaxDepth];
-      int depth = 0;
-      for (uint32_t i = 0; i < n; ++i) {
-        uint64_t const meta = ev[i].meta;
-        uint32_t const slot = meta_slot(meta);
-        uint32_t const kind = meta_kind(meta);
-        if (slot >= static_cast<uint32_t>(kNumSlots) || kSlotKernel[slot] != b.kernel || (meta & kIdMask) != ids) {
-          ++c.bad;
-          continue;
-        }
-        int64_t const t = static_cast<int64_t>(ev[i].time_ns) - zero;
-        if (kind == static_cast<uint32_t>(TraceEventKind::begin)) {
-          if (depth == kMaxDepth) {
-            ++c.bad;  // deeper than any kernel nests
-            continue;
-          }
-          stack[depth++] = {t, static_cast<uint8_t>(slot)};
-        } else if (kind == static_cast<uint32_t>(TraceEventKind::end)) {
-          int k = depth - 1;
-          while (k >= 0 && stack[k].slot != slot) --k;
-          if (k < 0) {
-            ++c.orphan_ends;
-            continue;
-          }
-          c.orphan_begins += depth - 1 - k;  // spans opened inside this one and never ended
-          depth = k;
-          *dst++ = Span{stack[k].begin, t, tid, rank, static_cast<uint8_t>(slot), static_cast<uint8_t>(k)};
-        } else if (kind == static_cast<uint32_t>(TraceEventKind::instant)) {
-          c.instants.push_back(Instant{t, tid, meta_payload(meta), rank, static_cast<uint8_t>(slot)});
-        } else {
-          ++c.bad;
-        }
-      }
-      c.orphan_begins += depth;
-      kept[j] = static_cast<uint32_t>(dst - (spans + jobs[j].bound));
+      kept[j] = decode_warp(b, static_cast<int>(jobs[j].warp), t0.at(b.rank), out.spans.data() + jobs[j].bound, c);
     }
   };
   // NOTE: unless the caller asks for a number, a thread is worth its start-up only per few million events.
@@ -293,18 +349,7 @@ Decoded decode(std::span<TraceBuffer const> buffers, DecodeOptions const& option
   std::size_t const num_threads = std::clamp<std::size_t>(wanted, 1, std::max<std::size_t>(1, jobs.size()));
   std::vector<Counters> counters(num_threads);
   {
-    // contiguous runs of warps with about the same number of events each
-    std::vector<std::size_t> cuts{0};
-    std::size_t acc = 0, next = 1;
-    for (std::size_t j = 0; j < jobs.size() && next < num_threads; ++j) {
-      TraceBuffer const& b = buffers[jobs[j].buffer];
-      acc += std::min<uint32_t>(b.counts[jobs[j].warp], static_cast<uint32_t>(b.capacity));
-      if (acc * num_threads >= total_events * next) {
-        cuts.push_back(j + 1);
-        ++next;
-      }
-    }
-    while (cuts.size() <= num_threads) cuts.push_back(jobs.size());
+    std::vector<std::size_t> const cuts = job_cuts(buffers, jobs, total_events, num_threads);
     std::vector<std::thread> workers;
     for (std::size_t t = 1; t < num_threads; ++t)
       workers.emplace_back(run, cuts[t], cuts[t + 1], std::ref(counters[t]));
@@ -326,22 +371,7 @@ Decoded decode(std::span<TraceBuffer const> buffers, DecodeOptions const& option
     out.bad_events += c.bad;
     out.instants.insert(out.instants.end(), c.instants.begin(), c.instants.end());
   }
-  for (std::size_t bi = 0; bi < buffers.size(); ++bi) {
-    TraceBuffer const& b = buffers[bi];
-    int64_t const zero = t0.at(b.rank);
-    BufferInfo info;
-    info.rank = b.rank;
-    info.kernel = b.kernel;
-    info.ctas = b.ctas;
-    info.warps_per_cta = b.warps_per_cta;
-    info.t0_ns = zero;
-    bool const any = extents[bi].first != std::numeric_limits<int64_t>::max();
-    info.first_ns = any ? extents[bi].first - zero : 0;
-    info.last_ns = any ? extents[bi].second - zero : 0;
-    for (uint32_t c : b.counts) info.events += std::min<uint32_t>(c, static_cast<uint32_t>(b.capacity));
-    out.events += info.events;
-    out.buffers.push_back(info);
-  }
+  describe_buffers(buffers, t0, extents, out);  // 3.
   return out;
 }
 
