@@ -17,9 +17,8 @@ namespace ferry::detail {
 
 // Most landing slots per receiver (world * max_tokens_per_rank) that take the landing zone when FERRY_NORMAL_LANDING is
 // auto. The landing zone trades the count exchange's serial chain (a fixed cost) for a local copy of every received
-// row (which grows with world * tokens). Measured at EP2 (docs/perf.md, session 5): landing faster at 256 and 512
-// tokens per rank (21.4 vs 27.9 us, 35.9 vs 38.3), slower at 1024 (67.2 vs 59.6). EP4 / EP8 are not measured; the
-// same slot bound gives them 256 / 128 tokens per rank.
+// row (which grows with world * tokens). The bound is where the landing zone stopped being faster at EP2
+// (docs/design-notes.md, "Normal-mode dispatch of small batches"); at EP4 / EP8 the same slot bound gives 256 / 128 tokens per rank.
 inline constexpr int kLandingAutoMaxSlots = 1024;
 // Shared memory the landing receiver may use: one int per landing slot of every source plus one per local expert.
 inline constexpr std::size_t kLandingMaxSmem = 200 * 1024;

@@ -141,7 +141,7 @@ struct LlWorld {
   uint64_t load_masked_kernels() {
     uint32_t const masked = static_cast<uint32_t>(detail::LlMaskSelf::asked);
     for (int r = 0; r < world; ++r)
-      CK(cudaMemcpy(&ranks[r].state->ll_mask.self, &masked, sizeof(masked), cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(&ranks[r].state->ll.mask.self, &masked, sizeof(masked), cudaMemcpyHostToDevice));
     uint64_t calls = 0;
     for (bool hook : {false, true}) {
       dispatch(all(), hook);

@@ -35,146 +35,24 @@ void configure_buffers(Buffers& b, EpConfig const& config, int world, int rank, 
 SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol, int nodes) {
   SymLayout layout;
   AreaPacker areas;
-  std::size_t const w = static_cast<std::size_t>(world);
-  // [2 parities][world][max_tokens]: the landing slots of the landing zone and of low-latency mode
-  std::size_t const slots = 2 * w * static_cast<std::size_t>(config.max_tokens_per_rank);
   if (protocol == Protocol::ll) {
-    layout.meta_bytes = landing::record_bytes(config.topk);
-    // NOTE: landing rows are wire rows (multiples of 16 bytes): a quantized leg's zone shrinks with its format.
-    layout.dispatch_row_bytes = wire_row_bytes(config.dispatch_format, config.hidden);
-    layout.combine_row_bytes = wire_row_bytes(config.combine_format, config.hidden);
+    lay_out_ll(layout.ll, areas, config, world, nodes);
     if (nodes > 1) {
-      // across nodes the arrival counters are one range: the network's signals (ll_signals)
-      std::size_t const n = static_cast<std::size_t>(nodes);
-      layout.ll_num_signals = static_cast<uint32_t>(2 * w + n);
-      layout.ll_signals = areas.take((2 * w + n) * sizeof(uint64_t));
-      layout.dispatch_arrivals = layout.ll_signals;
-      layout.combine_arrivals = layout.ll_signals + w * sizeof(uint64_t);
-      layout.ll_fwd_arrivals = layout.ll_signals + 2 * w * sizeof(uint64_t);
-    } else {
-      layout.dispatch_arrivals = areas.take(w * sizeof(uint64_t));
-      layout.combine_arrivals = areas.take(w * sizeof(uint64_t));
-    }
-    layout.dispatch_tokens = areas.take(2 * w * sizeof(uint64_t));
-    layout.dispatch_abort = areas.take(2 * w * sizeof(uint64_t));
-    layout.combine_abort = areas.take(2 * w * sizeof(uint64_t));
-    layout.dispatch_meta = areas.take(slots * layout.meta_bytes);
-    layout.dispatch_rows = areas.take(slots * layout.dispatch_row_bytes);
-    layout.combine_rows = areas.take(slots * layout.combine_row_bytes);
-    if (nodes > 1) {
-      std::size_t const max_tokens = static_cast<std::size_t>(config.max_tokens_per_rank);
       layout.nodes = nodes;
       layout.local = world / nodes;
-      layout.ll_send_rows = areas.take(2 * max_tokens * layout.dispatch_row_bytes);
-      layout.ll_send_meta = areas.take(slots * layout.meta_bytes);
-      layout.ll_combine_send = areas.take(slots * layout.combine_row_bytes);
-      if (config.route() == InternodeRoute::forward) {
-        std::size_t const n = static_cast<std::size_t>(nodes);
-        std::size_t const per_node = 2 * n * max_tokens;  // [2][nodes][max_tokens]
-        layout.ll_fwd_rows = areas.take(per_node * layout.dispatch_row_bytes);
-        layout.ll_fwd_meta = areas.take(per_node * layout.meta_bytes);
-        layout.ll_fwd_tokens = areas.take(2 * n * sizeof(uint64_t));
-        layout.ll_fwd_abort = areas.take(2 * n * sizeof(uint64_t));
-        layout.ll_partials =
-            areas.take(per_node * static_cast<std::size_t>(layout.local) * static_cast<std::size_t>(config.hidden) * 2);
-        layout.ll_partial_arrivals = areas.take(w * sizeof(uint64_t));
-        layout.ll_rail_send = areas.take(per_node * layout.combine_row_bytes);
-      }
     }
-    // rank masking: the agreement's words, the region's last area (ll_mask_area finds them from the total, so that
-    // SymLayout, and with it every kernel's Params, is the same with masking off)
-    if (config.rank_masking) areas.take(ll_mask_area_bytes(world));
-    layout.total = areas.total();
-    return layout;
-  }
-  std::size_t const cap = static_cast<std::size_t>(config.recv_capacity(world));
-  std::size_t const topk = static_cast<std::size_t>(config.topk);
-  // The areas a format needs (docs/quant.md "Row layout on the wire"): a quantized delivery lands the payload in
-  // recv_x and the scales row-major in recv_scales (+ the nvfp4 token scales); dispatch_dequantize lands whole wire
-  // rows in recv_wire and delivers bf16 in recv_x; combine rows come back as wire rows of combine_format.
-  WireRowLayout const dispatch_wire = wire_row_layout(config.dispatch_format, config.hidden);
-  bool const dequantize = config.dispatch_format != WireFormat::bf16 && config.dispatch_dequantize;
-  std::size_t const combine_row = wire_row_bytes(config.combine_format, config.hidden);
-  layout.count_words = 1 + world + config.num_local_experts(world);
-  layout.recv_x = areas.take(cap * config.recv_row_bytes());
-  if (config.delivers_quantized()) {
-    layout.recv_scales = areas.take(cap * static_cast<std::size_t>(dispatch_wire.num_scales) *
-                                    static_cast<std::size_t>(dispatch_wire.scale_bytes));
-    if (dispatch_wire.has_token_scale) layout.recv_token_scales = areas.take(cap * sizeof(float));
-  }
-  // (the landing zone dequantizes straight from its landing slots)
-  if (dequantize && protocol != Protocol::landing) layout.recv_wire = areas.take(cap * dispatch_wire.row_bytes);
-  layout.recv_idx = areas.take(cap * topk * sizeof(int32_t));
-  layout.recv_w = areas.take(cap * topk * sizeof(float));
-  layout.recv_src = areas.take(cap * 2 * sizeof(int32_t));
-  layout.counts = areas.take(2 * w * layout.count_words * sizeof(uint64_t));
-  layout.data_signal = areas.take(w * sizeof(uint64_t));
-  layout.combine_abort = areas.take(2 * w * sizeof(uint64_t));
-  layout.tile_flags = areas.take(w * kMaxCombineTiles * sizeof(uint64_t));
-  layout.landing = areas.take(slots * combine_row);
-  layout.weight_grad = areas.take(2 * static_cast<std::size_t>(config.max_tokens_per_rank) * topk * sizeof(uint64_t));
-  layout.weight_grad_arrivals = areas.take(w * sizeof(uint64_t));
-  if (protocol == Protocol::landing) {
-    layout.land_arrivals = areas.take(w * sizeof(uint64_t));
-    layout.land_tokens = areas.take(2 * w * sizeof(uint64_t));
-    layout.land_abort = areas.take(2 * w * sizeof(uint64_t));
-    layout.land_meta = areas.take(slots * landing::record_bytes(config.topk));
-    layout.land_rows = areas.take(slots * dispatch_wire.row_bytes);  // wire rows: bf16 rows, or quantized ones
+  } else {
+    lay_out_normal(layout.normal, areas, config, world, protocol == Protocol::landing);
   }
   layout.total = areas.total();
   return layout;
 }
 
-std::size_t ll_mask_area_bytes(int world) {
-  return wire::align_up(5 * static_cast<std::size_t>(world) * sizeof(uint64_t), 256);
-}
-
-LlMaskArea ll_mask_area(SymLayout const& layout, int world) {
-  std::size_t const words = static_cast<std::size_t>(world) * sizeof(uint64_t);
-  std::size_t const first = layout.total - ll_mask_area_bytes(world);
-  LlMaskArea area{};
-  area.arrive = first;
-  area.verdict = first + words;
-  area.arrive_signals = first + 3 * words;
-  area.verdict_signals = first + 4 * words;
-  area.signals = area.arrive_signals;
-  area.num_signals = static_cast<uint32_t>(2 * world);
-  return area;
-}
-
 SymLayout make_hier_sym_layout(EpConfig const& config, Topology const& topology) {
-  int const world = topology.world();
-  SymLayout layout = make_sym_layout(config, world, Protocol::push);
-  std::size_t const w = static_cast<std::size_t>(world);
-  std::size_t const n = static_cast<std::size_t>(topology.nodes);
-  std::size_t const max_tokens = static_cast<std::size_t>(config.max_tokens_per_rank);
-  std::size_t const row = wire_row_bytes(config.dispatch_format, config.hidden);
-  std::size_t const combine_row = wire_row_bytes(config.combine_format, config.hidden);
-  // NOTE: a count row is one put: 16-byte multiples (an even number of words), every row 16-byte aligned.
-  layout.count_words = 1 + world + config.num_local_experts(world) + topology.nodes;
-  layout.count_words += layout.count_words % 2;
+  SymLayout layout;
   AreaPacker areas;
-  areas.take(layout.total);
-  layout.counts = areas.take(2 * w * layout.count_words * sizeof(uint64_t));  // replaces the push's (wider rows)
-  layout.hier_count_send = areas.take(w * layout.count_words * sizeof(uint64_t));
-  // the counters the network signals, adjacent (the GIN transport's signal range): per source of count rows, per
-  // source node of forwarded rows, per sender of combine rows, per rail of combine rows
-  std::size_t const counters = 3 * w + n;
-  layout.hier_signals = areas.take(counters * sizeof(uint64_t));
-  layout.hier_num_signals = static_cast<uint32_t>(counters);
-  layout.hier_count_signal = layout.hier_signals;
-  layout.hier_fwd_signal = layout.hier_count_signal + w * sizeof(uint64_t);
-  layout.hier_arrive = layout.hier_fwd_signal + n * sizeof(uint64_t);
-  layout.hier_rail_signal = layout.hier_arrive + w * sizeof(uint64_t);
-  layout.hier_meta_bytes = hier_record_bytes(topology.local, config.topk);
-  layout.hier_send_rows = areas.take(max_tokens * row);
-  layout.hier_send_meta = areas.take(n * max_tokens * layout.hier_meta_bytes);
-  layout.hier_fwd_rows = areas.take(n * max_tokens * row);
-  layout.hier_fwd_meta = areas.take(n * max_tokens * layout.hier_meta_bytes);
-  layout.hier_partials = areas.take(2 * n * static_cast<std::size_t>(topology.local) * max_tokens *
-                                    static_cast<std::size_t>(config.hidden) * 2);
-  layout.hier_combine_send = areas.take(n * max_tokens * combine_row);
-  layout.hier_abort = areas.take(2 * w * sizeof(uint64_t));
+  lay_out_normal(layout.normal, areas, config, topology.world(), false);
+  lay_out_hier(layout.hier, layout.normal, areas, config, topology);
   layout.nodes = topology.nodes;
   layout.local = topology.local;
   layout.total = areas.total();
@@ -217,7 +95,7 @@ void allocate_buffers(Buffers& b) {
       b.recv_idx = device_alloc<int32_t>(rows * topk);
       b.recv_w = device_alloc<float>(rows * topk);
       b.own_slot = device_alloc<int32_t>(max_tokens * topk);
-      if (b.layout.ll_fwd_rows != 0) {
+      if (b.layout.ll.fwd_rows != 0) {
         // the forward route: what the rail placed, for its combine (per source node: tokens, their ranks here)
         std::size_t const nodes = static_cast<std::size_t>(b.layout.nodes);
         b.ll_fwd_num = device_zeroed<int32_t>(nodes);
@@ -230,7 +108,7 @@ void allocate_buffers(Buffers& b) {
         *b.mask_host = detail::LlMaskHost{0, 0};
         FERRY_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&b.mask_host_device), b.mask_host, 0));
         b.ll_entry_rank = device_alloc<int8_t>(max_tokens * topk);
-        FERRY_CHECK_CUDA(cudaMemcpy(&b.state->ll_mask.entry_rank, &b.ll_entry_rank, sizeof(b.ll_entry_rank),
+        FERRY_CHECK_CUDA(cudaMemcpy(&b.state->ll.mask.entry_rank, &b.ll_entry_rank, sizeof(b.ll_entry_rank),
                                     cudaMemcpyHostToDevice));
       }
       if (b.layout.nodes > 1 && b.network_kind == transport::Kind::emulated) {
@@ -323,21 +201,21 @@ DispatchResult dispatch_result(Buffers const& b, bool expand) {
     return result;
   }
   char* const sym = b.sym.peer(b.rank);
-  result.recv_x = sym + b.layout.recv_x;
+  result.recv_x = sym + b.layout.normal.recv_x;
   if (b.config.delivers_quantized()) {
-    result.recv_scales = b.recv_scales_final ? b.recv_scales_final : sym + b.layout.recv_scales;
+    result.recv_scales = b.recv_scales_final ? b.recv_scales_final : sym + b.layout.normal.recv_scales;
     if (b.config.dispatch_format == WireFormat::nvfp4)
-      result.recv_token_scales = reinterpret_cast<float*>(sym + b.layout.recv_token_scales);
+      result.recv_token_scales = reinterpret_cast<float*>(sym + b.layout.normal.recv_token_scales);
   }
-  result.recv_topk_idx = reinterpret_cast<int32_t*>(sym + b.layout.recv_idx);
-  result.recv_topk_weights = reinterpret_cast<float*>(sym + b.layout.recv_w);
-  result.recv_src = reinterpret_cast<int32_t*>(sym + b.layout.recv_src);
+  result.recv_topk_idx = reinterpret_cast<int32_t*>(sym + b.layout.normal.recv_idx);
+  result.recv_topk_weights = reinterpret_cast<float*>(sym + b.layout.normal.recv_w);
+  result.recv_src = reinterpret_cast<int32_t*>(sym + b.layout.normal.recv_src);
   return result;
 }
 
 LinkBytes hier_link_bytes(Buffers const& b, LinkLeg leg, cudaStream_t stream) {
   unsigned long long words[3] = {0, 0, 0};
-  FERRY_CHECK_CUDA(cudaMemcpyAsync(words, b.state->hier_bytes[static_cast<int>(leg)], sizeof(words),
+  FERRY_CHECK_CUDA(cudaMemcpyAsync(words, b.state->hier.bytes[static_cast<int>(leg)], sizeof(words),
                                    cudaMemcpyDeviceToHost, stream));
   FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
   return LinkBytes{words[0], words[1], words[2]};
@@ -367,7 +245,7 @@ cuda_ll::LlParams ll_params(Buffers const& b, bool refuse, TraceKernel traced) {
   static_cast<KernelParams&>(p) = common_params(b, b.num_ctas, refuse, traced);
   p.local = ll_ranks_per_node(b);
   p.nodes = b.layout.nodes > 1 ? b.layout.nodes : 1;
-  p.forward = b.layout.ll_fwd_rows != 0;
+  p.forward = b.layout.ll.fwd_rows != 0;
   p.fwd_num = b.ll_fwd_num;
   p.fwd_mask = b.ll_fwd_mask;
   p.expert_slots = b.expert_slots;

@@ -12,8 +12,9 @@
 
 #include "comm/transport/emulated.cuh"
 #include "comm/transport/gin.cuh"
+#include "ep/cuda/area_packer.hpp"
 #include "ep/cuda/ll/params.cuh"
-#include "ep/cuda/params.cuh"
+#include "ep/cuda/normal/params.cuh"
 #include "ep/ep_impl.hpp"
 #include "ep/landing_policy.hpp"
 #include "ep/run_record.hpp"
@@ -26,21 +27,6 @@
 
 namespace ferry::cuda_ep {
 
-// Places areas one after another, each starting 256-byte aligned: every row and word area on its own cache lines, and
-// 16-byte vectors aligned (the symmetric region's layout, make_sym_layout, and a handle's, make_handle_layout).
-class AreaPacker {
- public:
-  std::size_t take(std::size_t bytes) {
-    std::size_t const at = offset_;
-    offset_ = wire::align_up(offset_ + bytes, kAlign);
-    return at;
-  }
-  std::size_t total() const { return offset_; }
-
- private:
-  static constexpr std::size_t kAlign = 256;
-  std::size_t offset_ = 0;
-};
 
 using detail::Protocol;
 
@@ -141,22 +127,6 @@ void configure_buffers(Buffers& b, EpConfig const& config, int world, int rank, 
 // across nodes): with the areas the network leg sends from, and the arrival counters as one signal range.
 SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol, int nodes = 1);
 
-// Rank masking (EpConfig::rank_masking, low-latency mode): where the agreement's words are in a layout that
-// make_sym_layout made with masking on (the region's last area, so that SymLayout is the same with masking off).
-// arrive: [world sources] u64 (epoch << 32 | the source's request); verdict: [2 parities][world sources] u64
-// (epoch << 32 | the ranks the source saw). Across nodes a source of another node puts its words through the network
-// and counts them in arrive_signals / verdict_signals ([world sources] counters each, adjacent: one signal range,
-// `signals` .. + num_signals words), one per agreement it took part in.
-struct LlMaskArea {
-  std::size_t arrive;
-  std::size_t verdict;
-  std::size_t arrive_signals;
-  std::size_t verdict_signals;
-  std::size_t signals;
-  uint32_t num_signals;
-};
-std::size_t ll_mask_area_bytes(int world);
-LlMaskArea ll_mask_area(SymLayout const& layout, int world);
 
 // The symmetric layout of the hierarchical protocol: the count exchange's (make_sym_layout, push) with a count row
 // that also counts tokens per node, and the hierarchical areas (SymLayout).

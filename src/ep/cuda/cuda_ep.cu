@@ -189,11 +189,11 @@ class CudaEp final : public detail::EpBackendImpl {
       b.network_kind = network;
       if (across && network == transport::Kind::gin) {
         // the network between the nodes: GIN over this region's window, the layout's counters as GIN signals
-        b.gin = ll ? detail::gin_transport(comm, region_, b.layout.ll_signals, b.layout.ll_num_signals)
-                   : detail::gin_transport(comm, region_, b.layout.hier_signals, b.layout.hier_num_signals);
+        b.gin = ll ? detail::gin_transport(comm, region_, b.layout.ll.signals, b.layout.ll.num_signals)
+                   : detail::gin_transport(comm, region_, b.layout.hier.signals, b.layout.hier.num_signals);
         if (ll && config.rank_masking) {
           // rank masking's agreement counts its words from other nodes in signals of its own (LlMaskArea)
-          LlMaskArea const area = ll_mask_area(b.layout, world);
+          LlMaskArea const area = ll_mask_area(b.layout.total, world);
           b.mask_gin = detail::gin_transport(comm, region_, area.signals, area.num_signals);
         }
       } else if (across) {

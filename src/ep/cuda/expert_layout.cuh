@@ -9,7 +9,7 @@
 //     ascending) are numbered consecutively in the scan's order;
 //  2. share (cta_share): CTA c of C takes the hits [c H / C, (c + 1) H / C) of the H hits (spread evenly over the
 //     grid: with one CTA per expert, the CTA of the busiest expert, about twice the mean rows with random routing,
-//     set the leg's length; docs/perf-history.md, session 10);
+//     set the leg's length; docs/design-notes.md);
 //  3. windows of at most kThreads hits of the share (run_windows): the caller's fill puts the window's hits into
 //     shared memory, and at the first fill counts each expert's hits before the share (s_before: the share's first
 //     slot of each expert);

@@ -10,7 +10,7 @@
 //     a. rail: per record the rail forwarded in the dispatch (token t of a source s on node n), the partial
 //        p = 0.0f; p += float(row_d) over the ranks d of this node that hold t, ascending; rounded to bf16, quantized
 //        to combine_format into this rank's window and put to s's landing zone at [this rank][t]: one row per
-//        (token, node) crosses the network. Every warp then signals every source it serves (kHierArrivalsPerCall);
+//        (token, node) crosses the network. Every warp then signals every source it serves (device::kArrivalsPerCall per call);
 //     b. sums: once every other node's rail signalled, y[t] = sum over the senders of t ascending (hier_mask: the
 //        ranks of the own node that hold t, and the rail of every other node that does) of the dequantized landing
 //        rows, in fp32 from +0.0f, rounded once (or fp32 for dispatch_backward): the nodes ascending, and inside the
@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_push_kernel(HierComb
   __shared__ int s_last;
   auto const [world, rank, tid, lane, warp, cta, nodes, local, own_node, local_rank, global_warp, num_warps] =
       hier_ids(p);
-  auto const [seq, parity] = hier_call(p.state->combine_seq);
+  auto const [seq, parity] = hier_call(p.state->normal.combine_seq);
   int const num_vec = p.hidden / 8;
   std::size_t const max_tokens = static_cast<std::size_t>(p.max_tokens);
   std::size_t const bf16_row = static_cast<std::size_t>(p.hidden) * 2;
@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_push_kernel(HierComb
   // 1. warp per received row: to the source's landing zone (this node) or to this node's rail for it (bf16)
   int const num_recv = p.abort ? 0 : p.state->num_recv;
   unsigned long long nvlink_bytes = 0;  // what this warp sent to other ranks (warp-uniform)
-  auto const* recv_src = reinterpret_cast<int2 const*>(p.net.local() + p.layout.recv_src);
+  auto const* recv_src = reinterpret_cast<int2 const*>(p.net.local() + p.layout.normal.recv_src);
   for (int row = global_warp; row < num_recv; row += num_warps) {
     int2 const from = recv_src[row];
     int const s = from.x;
@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_push_kernel(HierComb
     char* dst = nullptr;
     bool const near = s / local == own_node;
     if (near) {
-      dst = p.net.window(s) + p.layout.landing +
+      dst = p.net.window(s) + p.layout.normal.landing +
             ((static_cast<std::size_t>(parity) * world + rank) * max_tokens + t) * p.landing_row_bytes;
       if (s != rank) nvlink_bytes += p.landing_row_bytes;
     } else {
@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_push_kernel(HierComb
       if (rail != rank) nvlink_bytes += bf16_row;
       std::size_t const at =
           ((static_cast<std::size_t>(parity) * nodes + s / local) * local + local_rank) * max_tokens + t;
-      dst = p.net.window(rail) + p.layout.hier_partials + at * bf16_row;
+      dst = p.net.window(rail) + p.layout.hier.partials + at * bf16_row;
     }
     if constexpr (kFormat != WireFormat::bf16) {
       if (near) {
@@ -75,13 +75,13 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_push_kernel(HierComb
     }
   }
 
-  if (lane == 0) atomicAdd(&p.state->hier_bytes_running[1][1], nvlink_bytes);
+  if (lane == 0) atomicAdd(&p.state->hier.bytes_running[1][1], nvlink_bytes);
 
   // 2. arrival; the last CTA publishes this rank's abort word and arrival on every rank
   __syncthreads();
   if (tid == 0) {
     device::arch::fence_acq_rel_sys();  // this CTA's rows before the arrival (the barrier ordered every thread's)
-    unsigned long long const old = atomicAdd(reinterpret_cast<unsigned long long*>(&p.state->combine_done), 1ull);
+    unsigned long long const old = atomicAdd(reinterpret_cast<unsigned long long*>(&p.state->normal.combine_done), 1ull);
     s_last = old == static_cast<unsigned long long>(p.num_ctas - 1);
     if (s_last) device::arch::fence_acq_rel_sys();  // every CTA's rows before the signals below
   }
@@ -91,8 +91,8 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_push_kernel(HierComb
   auto net = p.network.open(transport::Cta{}, 0);
   uint64_t const abort_word = p.abort ? seq : 0;
   std::size_t const abort_at =
-      p.layout.hier_abort + (static_cast<std::size_t>(parity) * world + rank) * sizeof(uint64_t);
-  std::size_t const arrive_at = p.layout.hier_arrive + static_cast<std::size_t>(rank) * sizeof(uint64_t);
+      p.layout.hier.abort + (static_cast<std::size_t>(parity) * world + rank) * sizeof(uint64_t);
+  std::size_t const arrive_at = p.layout.hier.arrive + static_cast<std::size_t>(rank) * sizeof(uint64_t);
   for (int d = 0; d < world; ++d) {
     if (d / local == own_node) {
       lsa.put_value(d, abort_at, abort_word);
@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_push_kernel(HierComb
   }
   net.flush();
   net.close();
-  if (tid == 0) p.state->combine_done = 0;  // every CTA has arrived
+  if (tid == 0) p.state->normal.combine_done = 0;  // every CTA has arrived
 }
 
 // The rail's partial of one record: p = 0.0f; p += float(row_l[t]) for the ranks l of this node in `holders`,
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_sum_kernel(HierCombi
   __shared__ int32_t s_fwd_first[kMaxCudaWorld + 1];
   auto const [world, rank, tid, lane, warp, cta, nodes, local, own_node, local_rank, global_warp, num_warps] =
       hier_ids(p);
-  auto const [seq, parity] = hier_call(p.state->combine_seq);
+  auto const [seq, parity] = hier_call(p.state->normal.combine_seq);
   int const num_vec = p.hidden / 8;
   std::size_t const max_tokens = static_cast<std::size_t>(p.max_tokens);
   std::size_t const bf16_row = static_cast<std::size_t>(p.hidden) * 2;
@@ -151,12 +151,12 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_sum_kernel(HierCombi
     // NOTE: past a failed wait the loop goes on: the later waits stop at once (device_failed), each recording its
     // sender if absent, so the error names every missing rank (a whole node), not only the first
     for (int d = 0; d < world; ++d) {
-      std::size_t const counter = p.layout.hier_arrive + static_cast<std::size_t>(d) * sizeof(uint64_t);
+      std::size_t const counter = p.layout.hier.arrive + static_cast<std::size_t>(d) * sizeof(uint64_t);
       bool const arrived = d / local == own_node ? lsa.wait(p.view, counter, seq, d, WaitPhase::combine_data)
                                                  : net.wait(p.view, counter, seq, d, WaitPhase::combine_data);
       ok = ok && arrived;
       uint64_t const* const abort_word = reinterpret_cast<uint64_t const*>(
-          own + p.layout.hier_abort + (static_cast<std::size_t>(parity) * world + d) * sizeof(uint64_t));
+          own + p.layout.hier.abort + (static_cast<std::size_t>(parity) * world + d) * sizeof(uint64_t));
       if (ok && device::arch::load_relaxed_sys_u64(abort_word) == seq) refused |= 1u << d;
     }
     net.close();
@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_sum_kernel(HierCombi
     int32_t total = 0;
     for (int n = 0; n < nodes; ++n) {
       s_fwd_first[n] = total;
-      total += p.state->hier_fwd_count[n];
+      total += p.state->hier.fwd_count[n];
     }
     s_fwd_first[nodes] = total;
   }
@@ -190,9 +190,9 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_sum_kernel(HierCombi
     std::size_t const t = static_cast<std::size_t>(*record.token);
     int const row = lane < local ? record.rows[lane] : -1;
     uint32_t const holders = __ballot_sync(0xffffffffu, row >= 0 && row < p.recv_capacity);
-    char const* const partials = own + p.layout.hier_partials +
+    char const* const partials = own + p.layout.hier.partials +
                                  ((static_cast<std::size_t>(parity) * nodes + n) * local * max_tokens + t) * bf16_row;
-    std::size_t const send = p.layout.hier_combine_send + at * landing_bytes;
+    std::size_t const send = p.layout.hier.combine_send + at * landing_bytes;
     if constexpr (kFormat == WireFormat::bf16) {
       rail_partial(partials, rank_stride, holders, num_vec, reinterpret_cast<int4*>(own + send), lane);
     } else {
@@ -206,17 +206,17 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_sum_kernel(HierCombi
     network_bytes += landing_bytes;
     ++network_messages;
     net.put(source,
-            p.layout.landing + ((static_cast<std::size_t>(parity) * world + rank) * max_tokens + t) * landing_bytes,
+            p.layout.normal.landing + ((static_cast<std::size_t>(parity) * world + rank) * max_tokens + t) * landing_bytes,
             send, landing_bytes);
   }
   for (int n = 0; n < nodes; ++n)
     if (n != own_node)
-      net.signal(n * local + local_rank, p.layout.hier_rail_signal + static_cast<std::size_t>(rank) * sizeof(uint64_t),
-                 hier_arrival(global_warp, num_warps));
+      net.signal(n * local + local_rank, p.layout.hier.rail_signal + static_cast<std::size_t>(rank) * sizeof(uint64_t),
+                 device::arrival_share(global_warp, num_warps));
   net.flush();
   if (lane == 0) {
-    atomicAdd(&p.state->hier_bytes_running[1][0], network_bytes);
-    atomicAdd(&p.state->hier_bytes_running[1][2], network_messages);
+    atomicAdd(&p.state->hier.bytes_running[1][0], network_bytes);
+    atomicAdd(&p.state->hier.bytes_running[1][2], network_messages);
   }
   // 2b. every other node's rail (warp 0; the network's wait), then the sums of this CTA's share of the tokens
   bool ok = true;
@@ -225,8 +225,8 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_sum_kernel(HierCombi
       if (n == own_node) continue;
       int const rail = n * local + local_rank;
       bool const arrived =
-          net.wait(p.view, p.layout.hier_rail_signal + static_cast<std::size_t>(rail) * sizeof(uint64_t),
-                   seq * kHierArrivalsPerCall, rail, WaitPhase::combine_data);
+          net.wait(p.view, p.layout.hier.rail_signal + static_cast<std::size_t>(rail) * sizeof(uint64_t),
+                   device::arrivals_for(seq), rail, WaitPhase::combine_data);
       ok = ok && arrived;
     }
     if (lane == 0 && !ok) s_ok = 0;
@@ -252,12 +252,12 @@ __global__ void __launch_bounds__(kThreads, 1) hier_combine_sum_kernel(HierCombi
   __syncthreads();
   if (tid == 0) {
     __threadfence();  // this CTA's byte counts before its arrival
-    unsigned long long const old = atomicAdd(reinterpret_cast<unsigned long long*>(&p.state->combine_done), 1ull);
+    unsigned long long const old = atomicAdd(reinterpret_cast<unsigned long long*>(&p.state->normal.combine_done), 1ull);
     if (old == static_cast<unsigned long long>(p.num_ctas - 1)) {
       __threadfence();
-      for (int i = 0; i < 3; ++i) p.state->hier_bytes[1][i] = atomicExch(&p.state->hier_bytes_running[1][i], 0ull);
-      p.state->combine_done = 0;
-      p.state->combine_seq = seq;
+      for (int i = 0; i < 3; ++i) p.state->hier.bytes[1][i] = atomicExch(&p.state->hier.bytes_running[1][i], 0ull);
+      p.state->normal.combine_done = 0;
+      p.state->normal.combine_seq = seq;
     }
   }
 }

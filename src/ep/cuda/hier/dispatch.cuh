@@ -16,7 +16,7 @@
 //        rows (NVLink stores); for every other node that holds it, the row once into this rank's window (the network
 //        reads registered memory) and a record (token, its final row on each rank of that node, global ids,
 //        weights), both put to that node's rail, compact per node (node_pos). Every warp then signals every rail
-//        (kHierArrivalsPerCall per call from the grid). A quantized dispatch_format quantizes the row once in
+//        (device::kArrivalsPerCall per call from the grid). A quantized dispatch_format quantizes the row once in
 //        registers (or forwards pre-quantized pieces: device_push.cuh) and stores the pieces into the own node's
 //        destinations and into the staged wire row in one pass: a token crosses the network as its wire row;
 //     d. rail: waits for the signal of each of its sources on other nodes, then forwards each record's row to the
@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_layout_kernel(HierDispatchPa
 
   auto const [world, rank, tid, lane, warp, cta, nodes, local, own_node, local_rank, global_warp, num_warps] =
       hier_ids(p);
-  auto const [seq, parity] = hier_call(p.state->dispatch_seq);
+  auto const [seq, parity] = hier_call(p.state->normal.dispatch_seq);
   int const topk = p.topk;
   int const num_experts = p.num_experts;
   int const num_local = p.num_local_experts;
@@ -133,9 +133,9 @@ __global__ void __launch_bounds__(kThreads, 1) hier_layout_kernel(HierDispatchPa
 
   // 2. this rank's count row for every destination, staged in its window (the puts' source)
   bool const refuse = p.abort || s_bad != 0;
-  int const words = p.layout.count_words;
+  int const words = p.layout.normal.count_words;
   uint64_t const tag = seq << 32;
-  auto* const staged = reinterpret_cast<uint64_t*>(p.net.local() + p.layout.hier_count_send);
+  auto* const staged = reinterpret_cast<uint64_t*>(p.net.local() + p.layout.hier.count_send);
   for (int i = tid; i < world * words; i += kThreads) {
     int const d = i / words;
     int const w = i % words;
@@ -157,9 +157,9 @@ __global__ void __launch_bounds__(kThreads, 1) hier_layout_kernel(HierDispatchPa
   auto net = p.network.open(transport::Cta{}, 0);
   std::size_t const row_bytes = static_cast<std::size_t>(words) * sizeof(uint64_t);
   std::size_t const dst = count_offset(p.layout, parity, world, rank, 0);
-  std::size_t const signal = p.layout.hier_count_signal + static_cast<std::size_t>(rank) * sizeof(uint64_t);
+  std::size_t const signal = p.layout.hier.count_signal + static_cast<std::size_t>(rank) * sizeof(uint64_t);
   for (int d = 0; d < world; ++d) {
-    std::size_t const src = p.layout.hier_count_send + static_cast<std::size_t>(d) * row_bytes;
+    std::size_t const src = p.layout.hier.count_send + static_cast<std::size_t>(d) * row_bytes;
     if (d / local == own_node)
       lsa.put_signal(d, dst, src, row_bytes, signal, 1);
     else
@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
 
   auto const [world, rank, tid, lane, warp, cta, nodes, local, own_node, local_rank, global_warp, num_warps] =
       hier_ids(p);
-  auto const [seq, parity] = hier_call(p.state->dispatch_seq);
+  auto const [seq, parity] = hier_call(p.state->normal.dispatch_seq);
   int const topk = p.topk;
   int const num_experts = p.num_experts;
   int const num_local = p.num_local_experts;
@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
     // NOTE: past a failed wait the loop goes on: the later waits stop at once (device_failed), each recording its
     // source if absent, so the error names every missing rank (a whole node), not only the first
     for (int s = 0; s < world; ++s) {
-      std::size_t const counter = p.layout.hier_count_signal + static_cast<std::size_t>(s) * sizeof(uint64_t);
+      std::size_t const counter = p.layout.hier.count_signal + static_cast<std::size_t>(s) * sizeof(uint64_t);
       bool const arrived = s / local == own_node ? lsa.wait(p.view, counter, seq, s, WaitPhase::count_exchange)
                                                  : net.wait(p.view, counter, seq, s, WaitPhase::count_exchange);
       ok = ok && arrived;
@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
               ? 0
               : count_value(device::arch::load_relaxed_sys_u64(count_word(
                     own, p.layout, parity, world, n * local + local_rank, 1 + world + num_local + own_node)));
-      if (cta == 0) p.state->hier_fwd_count[n] = count;
+      if (cta == 0) p.state->hier.fwd_count[n] = count;
       total += count;
     }
     s_fwd_first[nodes] = total;
@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
   // what crosses the network per token and node: the bf16 row, or the wire row (payload, scales, token scale)
   WireRowLayout const wire = wire::make_row_layout(kFormat, p.hidden);
   std::size_t const wire_bytes = kFormat == WireFormat::bf16 ? row_bytes : wire.row_bytes;
-  std::size_t const meta_bytes = p.layout.hier_meta_bytes;
+  std::size_t const meta_bytes = p.layout.hier.meta_bytes;
   std::size_t const max_tokens = static_cast<std::size_t>(p.max_tokens);
   uint32_t const own_bits = node_bits(own_node, local);
   std::size_t const meta_row = static_cast<std::size_t>(topk) * 8 + sizeof(int2);  // recv_idx, recv_w, recv_src
@@ -327,18 +327,18 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
       char* const dst = p.net.window(d);
       if (lane < topk) {
         bool const mine = e_valid && static_cast<int>(e) / num_local == d;
-        reinterpret_cast<int32_t*>(dst + p.layout.recv_idx)[r * topk + lane] =
+        reinterpret_cast<int32_t*>(dst + p.layout.normal.recv_idx)[r * topk + lane] =
             mine ? static_cast<int32_t>(e) - d * num_local : -1;
-        reinterpret_cast<float*>(dst + p.layout.recv_w)[r * topk + lane] = mine ? w : 0.0f;
+        reinterpret_cast<float*>(dst + p.layout.normal.recv_w)[r * topk + lane] = mine ? w : 0.0f;
       }
-      if (lane == 0) reinterpret_cast<int2*>(dst + p.layout.recv_src)[r] = make_int2(rank, t);
+      if (lane == 0) reinterpret_cast<int2*>(dst + p.layout.normal.recv_src)[r] = make_int2(rank, t);
     }
     // c2. other nodes (those the layout counted, dropped rows included: the record says -1 there): the row once into
     //     this rank's window, a record per node, both put to the node's rail at the token's place among its records
     uint32_t far = 0;
     for (int n = 0; n < nodes; ++n)
       if (n != own_node && (mask & node_bits(n, local)) != 0) far |= 1u << n;
-    std::size_t const send_row = p.layout.hier_send_rows + static_cast<std::size_t>(t) * wire_bytes;
+    std::size_t const send_row = p.layout.hier.send_rows + static_cast<std::size_t>(t) * wire_bytes;
     auto const* const x_row =
         reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes);
     if constexpr (kFormat == WireFormat::bf16) {
@@ -346,7 +346,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
         landing::send_row_chunk<kDispatchUnroll>(
             x_row, 0, p.hidden / 8, near,
             [&](int d) {
-              return reinterpret_cast<int4*>(p.net.window(d) + p.layout.recv_x +
+              return reinterpret_cast<int4*>(p.net.window(d) + p.layout.normal.recv_x +
                                              static_cast<std::size_t>(s_row[warp][d]) * row_bytes);
             },
             lane);
@@ -366,7 +366,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
     for (uint32_t m = far; m != 0; m &= m - 1) {
       int const n = __ffs(m) - 1;
       std::size_t const send_meta =
-          p.layout.hier_send_meta + (static_cast<std::size_t>(n) * max_tokens + t) * meta_bytes;
+          p.layout.hier.send_meta + (static_cast<std::size_t>(n) * max_tokens + t) * meta_bytes;
       HierRecord const record = hier_record(own + send_meta, local, topk);
       if (lane == 0) *record.token = t;
       if (lane < local) record.rows[lane] = s_row[warp][n * local + lane];
@@ -378,16 +378,16 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
       int const rail = n * local + local_rank;
       std::size_t const j = static_cast<std::size_t>(p.node_pos[static_cast<std::size_t>(t) * nodes + n]);
       std::size_t const at = static_cast<std::size_t>(own_node) * max_tokens + j;
-      net.put(rail, p.layout.hier_fwd_rows + at * wire_bytes, send_row, wire_bytes);
-      net.put(rail, p.layout.hier_fwd_meta + at * meta_bytes, send_meta, meta_bytes);
+      net.put(rail, p.layout.hier.fwd_rows + at * wire_bytes, send_row, wire_bytes);
+      net.put(rail, p.layout.hier.fwd_meta + at * meta_bytes, send_meta, meta_bytes);
     }
   }
   // every warp's arrival at every other node's rail (the signal covers this warp's puts to it)
   for (int n = 0; n < nodes; ++n)
     if (n != own_node)
       net.signal(n * local + local_rank,
-                 p.layout.hier_fwd_signal + static_cast<std::size_t>(own_node) * sizeof(uint64_t),
-                 hier_arrival(global_warp, num_warps));
+                 p.layout.hier.fwd_signal + static_cast<std::size_t>(own_node) * sizeof(uint64_t),
+                 device::arrival_share(global_warp, num_warps));
   net.flush();
   net.close();
 
@@ -397,8 +397,8 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
     bool ok = true;
     for (int n = 0; n < nodes && ok; ++n) {
       if (n == own_node || p.skip_rail_wait) continue;
-      ok = rail.wait(p.view, p.layout.hier_fwd_signal + static_cast<std::size_t>(n) * sizeof(uint64_t),
-                     seq * kHierArrivalsPerCall, n * local + local_rank, WaitPhase::dispatch_data);
+      ok = rail.wait(p.view, p.layout.hier.fwd_signal + static_cast<std::size_t>(n) * sizeof(uint64_t),
+                     device::arrivals_for(seq), n * local + local_rank, WaitPhase::dispatch_data);
     }
     rail.close();
     if (!ok) return;
@@ -406,7 +406,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
   for (int item = global_warp; !aborted && item < s_fwd_first[nodes]; item += num_warps) {
     auto const [n, at, record] = hier_rail_item(p, own, s_fwd_first, item);
     int const source = n * local + local_rank;
-    char const* const fwd_row = own + p.layout.hier_fwd_rows + at * wire_bytes;
+    char const* const fwd_row = own + p.layout.hier.fwd_rows + at * wire_bytes;
     int const t = *record.token;
     int row = -1;
     if (lane < local) {
@@ -423,15 +423,15 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
       char* const dst = p.net.window(d);
       if (lane < topk) {
         bool const mine = id >= 0 && id / num_local == d;
-        reinterpret_cast<int32_t*>(dst + p.layout.recv_idx)[static_cast<std::size_t>(r) * topk + lane] =
+        reinterpret_cast<int32_t*>(dst + p.layout.normal.recv_idx)[static_cast<std::size_t>(r) * topk + lane] =
             mine ? id - d * num_local : -1;
-        reinterpret_cast<float*>(dst + p.layout.recv_w)[static_cast<std::size_t>(r) * topk + lane] =
+        reinterpret_cast<float*>(dst + p.layout.normal.recv_w)[static_cast<std::size_t>(r) * topk + lane] =
             mine ? weight : 0.0f;
       }
-      if (lane == 0) reinterpret_cast<int2*>(dst + p.layout.recv_src)[r] = make_int2(source, t);
+      if (lane == 0) reinterpret_cast<int2*>(dst + p.layout.normal.recv_src)[r] = make_int2(source, t);
       // coherent loads: the network wrote the row during this kernel
       if constexpr (kFormat == WireFormat::bf16) {
-        device::copy_16B<false>(dst + p.layout.recv_x + static_cast<std::size_t>(r) * row_bytes, fwd_row, row_bytes,
+        device::copy_16B<false>(dst + p.layout.normal.recv_x + static_cast<std::size_t>(r) * row_bytes, fwd_row, row_bytes,
                                 lane, 32);
       } else {
         std::size_t const rr = static_cast<std::size_t>(r);
@@ -446,9 +446,9 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
   }
 
   if (lane == 0) {
-    atomicAdd(&p.state->hier_bytes_running[0][0], network_bytes);
-    atomicAdd(&p.state->hier_bytes_running[0][1], nvlink_bytes);
-    atomicAdd(&p.state->hier_bytes_running[0][2], network_messages);
+    atomicAdd(&p.state->hier.bytes_running[0][0], network_bytes);
+    atomicAdd(&p.state->hier.bytes_running[0][1], nvlink_bytes);
+    atomicAdd(&p.state->hier.bytes_running[0][2], network_messages);
   }
 
   // e. arrival; the last CTA signals every rank of this node, for its own rows and every source it forwarded
@@ -456,17 +456,17 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
   __syncthreads();
   if (tid == 0) {
     device::arch::fence_acq_rel_sys();
-    unsigned long long const old = atomicAdd(reinterpret_cast<unsigned long long*>(&p.state->dispatch_done), 1ull);
+    unsigned long long const old = atomicAdd(reinterpret_cast<unsigned long long*>(&p.state->normal.dispatch_done), 1ull);
     s_last = old == static_cast<unsigned long long>(p.num_ctas - 1);
     if (s_last) {
       device::arch::fence_acq_rel_sys();  // every CTA's rows before the signals
       for (int l = 0; l < local; ++l) {
         int const d = own_node * local + l;
-        p.net.store_signal(d, p.layout.data_signal + static_cast<std::size_t>(rank) * sizeof(uint64_t), seq);
+        p.net.store_signal(d, p.layout.normal.data_signal + static_cast<std::size_t>(rank) * sizeof(uint64_t), seq);
         for (int n = 0; n < nodes; ++n)
           if (n != own_node)
             p.net.store_signal(
-                d, p.layout.data_signal + static_cast<std::size_t>(n * local + local_rank) * sizeof(uint64_t), seq);
+                d, p.layout.normal.data_signal + static_cast<std::size_t>(n * local + local_rank) * sizeof(uint64_t), seq);
       }
     }
   }
@@ -476,7 +476,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
   if (!s_last && !recv_pass) return;
   if (tid < world) {
     uint64_t observed = 0;
-    if (!device::wait_signal_geq_value(p.view, reinterpret_cast<uint64_t const*>(own + p.layout.data_signal) + tid, seq,
+    if (!device::wait_signal_geq_value(p.view, reinterpret_cast<uint64_t const*>(own + p.layout.normal.data_signal) + tid, seq,
                                        tid, WaitPhase::dispatch_data, &observed)) {
       s_ok = 0;
     } else if (observed != seq) {
@@ -500,47 +500,14 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
     __syncthreads();
   }
 
-  // outputs (as normal/dispatch.cuh step 8): rows per source, num_recv, expert counts
-  if (tid == 0) {
-    int32_t offset = 0;
-    for (int s = 0; s < world; ++s) {
-      uint64_t const* words = count_word(own, p.layout, parity, world, s, 0);
-      int32_t const count = aborted ? 0 : count_value(device::arch::load_relaxed_sys_u64(words + 1 + rank));
-      int32_t const first = offset < p.recv_capacity ? offset : p.recv_capacity;
-      int32_t const room = p.recv_capacity - first;
-      p.state->src_offset[s] = first;
-      p.state->src_count[s] = count < room ? count : room;
-      p.state->src_tokens[s] = aborted ? 0 : count_value(device::arch::load_relaxed_sys_u64(words));
-      offset += count;
-    }
-    s_total = offset;
-    p.state->num_recv = offset < p.recv_capacity ? offset : p.recv_capacity;
-    p.state->num_tokens = aborted ? 0 : p.num_tokens;
-  }
-  __syncthreads();
-  if (s_total <= p.recv_capacity) {
-    for (int el = tid; el < num_local; el += kThreads) {
-      int32_t sum = 0;
-      for (int s = 0; s < world && !aborted; ++s)
-        sum += count_value(
-            device::arch::load_relaxed_sys_u64(count_word(own, p.layout, parity, world, s, 1 + world + el)));
-      p.expert_counts[el] = sum;
-    }
-  } else {  // rows were dropped: count the delivered rows' entries
-    for (int el = tid; el < num_local; el += kThreads) p.expert_counts[el] = 0;
-    __syncthreads();
-    auto const* recv_idx = reinterpret_cast<int32_t const volatile*>(own + p.layout.recv_idx);
-    for (int f = tid; f < p.recv_capacity * topk; f += kThreads) {
-      int32_t const el = recv_idx[f];
-      if (el >= 0 && el < num_local) atomicAdd(&p.expert_counts[el], 1);
-    }
-  }
+  // outputs (normal/dispatch.cuh's step 8; the expert counts, where rows were dropped, counted in place)
+  write_dispatch_outputs(p, own, parity, aborted, p.expert_counts, s_total);
   __syncthreads();
   if (tid == 0) {
     // every CTA added its bytes before its arrival (fenced): the call's totals
-    for (int i = 0; i < 3; ++i) p.state->hier_bytes[0][i] = atomicExch(&p.state->hier_bytes_running[0][i], 0ull);
-    p.state->dispatch_done = 0;  // every CTA has arrived
-    p.state->dispatch_seq = seq;
+    for (int i = 0; i < 3; ++i) p.state->hier.bytes[0][i] = atomicExch(&p.state->hier.bytes_running[0][i], 0ull);
+    p.state->normal.dispatch_done = 0;  // every CTA has arrived
+    p.state->normal.dispatch_seq = seq;
   }
 }
 

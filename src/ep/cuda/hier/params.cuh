@@ -7,7 +7,8 @@
 #include <cstdint>
 
 #include "comm/transport/group.cuh"
-#include "ep/cuda/params.cuh"
+#include "comm/device/arrivals.cuh"
+#include "ep/cuda/normal/params.cuh"
 
 namespace ferry::cuda_ep {
 
@@ -84,12 +85,6 @@ __device__ __forceinline__ HierRecord hier_record(char* base, int local, int top
   return HierRecord{words, words + 1, words + 1 + local, reinterpret_cast<float*>(words + 1 + local + topk)};
 }
 
-// The warp-uniform arrival a warp of the grid adds to a counter, so that the grid adds kHierArrivalsPerCall per call
-// whatever its size (warp 0 adds the rest).
-__device__ __forceinline__ uint64_t hier_arrival(int global_warp, int num_warps) {
-  return global_warp == 0 ? kHierArrivalsPerCall - static_cast<uint64_t>(num_warps - 1) : 1ull;
-}
-
 // Item `item` of the forward records this rank received as a rail, over the source nodes (first[n] is node n's first
 // item, ascending; first[nodes] = the total): the node it came from, its slot in the forward areas (node * max_tokens
 // + index, the slot of its row in hier_fwd_rows too) and its record. The dispatch's forward reads the records, and the
@@ -105,7 +100,7 @@ __device__ __forceinline__ HierRailItem hier_rail_item(Params const& p, char* ow
   int node = 0;
   while (node + 1 < p.nodes && item >= first[node + 1]) ++node;
   std::size_t const at = static_cast<std::size_t>(node) * p.max_tokens + (item - first[node]);
-  char* const meta = own + p.layout.hier_fwd_meta + at * p.layout.hier_meta_bytes;
+  char* const meta = own + p.layout.hier.fwd_meta + at * p.layout.hier.meta_bytes;
   return HierRailItem{node, at, hier_record(meta, p.local, p.topk)};
 }
 

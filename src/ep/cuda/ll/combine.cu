@@ -32,11 +32,12 @@ LlCombineParams to_params(Buffers const& b, CombineArgs const& args, int num_tok
 void launch_ll_combine(Buffers const& buffers, CombineArgs const& args, int num_tokens, Half half, cudaStream_t stream,
                        bool refuse, detail::LegRecord* record) {
   // num_tokens is only checked here; the kernel reads the device copy of the last dispatch's count
-  LlCombineParams const p = to_params(buffers, args, num_tokens, refuse);
-  int const variant = LlCombineFamily<cuda_ll::OneNode>::variant(half, args.layout, args.group_weights != nullptr);
+  LlCombineParams p = to_params(buffers, args, num_tokens, refuse);
+  p.halves = halves_of(half);
+  int const variant = LlCombineFamily<cuda_ll::OneNode>::variant(args.layout, args.group_weights != nullptr);
   if (buffers.config.rank_masking) {
     // NOTE: as launch_ll_dispatch: the agreement first (the send half's); across nodes the direct route
-    FERRY_CHECK(buffers.layout.nodes == 1 || buffers.layout.ll_fwd_rows == 0,
+    FERRY_CHECK(buffers.layout.nodes == 1 || buffers.layout.ll.fwd_rows == 0,
                 "rank masking across nodes runs the direct route");
     if (half != Half::recv) launch_ll_agreement(buffers, detail::LlMaskLeg::combine, stream);
     if (buffers.layout.nodes > 1)

@@ -44,16 +44,17 @@ LlDispatchParams ll_dispatch_params(Buffers const& b, DispatchArgs const& args, 
 
 void launch_ll_dispatch(Buffers const& buffers, DispatchArgs const& args, Half half, cudaStream_t stream, bool refuse,
                         detail::LegRecord* record) {
-  LlDispatchParams const p = ll_dispatch_params(buffers, args, refuse);
+  LlDispatchParams p = ll_dispatch_params(buffers, args, refuse);
+  p.halves = halves_of(half);
   FERRY_CHECK(args.topk_idx_type == IndexType::int32 || args.topk_idx_type == IndexType::int64,
               "topk_idx_type=", static_cast<int>(args.topk_idx_type), " is not int32 or int64");
-  int const variant = LlDispatchFamily<cuda_ll::OneNode>::variant(half, args.topk_idx_type);
+  int const variant = LlDispatchFamily<cuda_ll::OneNode>::variant(args.topk_idx_type);
   // both halves expand (the send half a bf16 dispatch's own rows): per-expert counters in shared memory
   std::size_t const smem = cuda_ll::expand_smem_bytes(p.num_local_experts);
   detail::LegRecord* const leg = half == Half::recv ? nullptr : record;  // the send half's codec is the leg's
   if (buffers.config.rank_masking) {
     // NOTE: the agreement opens the call (its send half); across nodes CudaEp runs the direct route with masking
-    FERRY_CHECK(buffers.layout.nodes == 1 || buffers.layout.ll_fwd_rows == 0,
+    FERRY_CHECK(buffers.layout.nodes == 1 || buffers.layout.ll.fwd_rows == 0,
                 "rank masking across nodes runs the direct route");
     if (half != Half::recv) launch_ll_agreement(buffers, detail::LlMaskLeg::dispatch, stream);
     if (buffers.layout.nodes > 1)

@@ -14,7 +14,7 @@ void launch_ll_agreement(Buffers const& b, detail::LlMaskLeg leg, cudaStream_t s
   cuda_ll::LlAgreementParams p{};
   p.view = b.view;
   p.net = transport::make_lsa(b.sym, b.rank, b.world);
-  LlMaskArea const area = ll_mask_area(b.layout, b.world);
+  LlMaskArea const area = ll_mask_area(b.layout.total, b.world);
   p.arrive = area.arrive;
   p.verdict = area.verdict;
   p.arrive_signals = area.arrive_signals;
@@ -23,7 +23,7 @@ void launch_ll_agreement(Buffers const& b, detail::LlMaskLeg leg, cudaStream_t s
   p.state = b.state;
   p.host = b.mask_host_device;
   p.leg = leg;
-  p.send_seq = leg == detail::LlMaskLeg::dispatch ? b.state->dispatch_send_seq : b.state->combine_send_seq;
+  p.send_seq = leg == detail::LlMaskLeg::dispatch ? b.state->ll.dispatch_send_seq : b.state->ll.combine_send_seq;
   auto const launch = [&](auto const& network) {
     using Net = std::decay_t<decltype(network)>;
     cuda_ll::NetParams<cuda_ll::LlAgreementParams, Net> params{};
@@ -40,7 +40,7 @@ void launch_ll_agreement(Buffers const& b, detail::LlMaskLeg leg, cudaStream_t s
 
 detail::LlMaskWords read_ll_mask(Buffers const& b, cudaStream_t stream) {
   detail::LlMaskWords words{};
-  FERRY_CHECK_CUDA(cudaMemcpyAsync(&words, &b.state->ll_mask, sizeof(words), cudaMemcpyDeviceToHost, stream));
+  FERRY_CHECK_CUDA(cudaMemcpyAsync(&words, &b.state->ll.mask, sizeof(words), cudaMemcpyDeviceToHost, stream));
   FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
   return words;
 }
@@ -54,8 +54,8 @@ void request_ll_mask(Buffers const& b, uint32_t ranks) {
 detail::LlCallCounters ll_call_counters(Buffers const& b, cudaStream_t stream) {
   uint64_t seq[4] = {0, 0, 0, 0};
   DeviceState* const s = b.state;
-  for (auto [i, word] : {std::pair{0, s->dispatch_send_seq}, std::pair{1, s->dispatch_recv_seq},
-                         std::pair{2, s->combine_send_seq}, std::pair{3, s->combine_recv_seq}})
+  for (auto [i, word] : {std::pair{0, s->ll.dispatch_send_seq}, std::pair{1, s->ll.dispatch_recv_seq},
+                         std::pair{2, s->ll.combine_send_seq}, std::pair{3, s->ll.combine_recv_seq}})
     FERRY_CHECK_CUDA(cudaMemcpyAsync(&seq[i], word, sizeof(uint64_t), cudaMemcpyDeviceToHost, stream));
   detail::LlMaskWords const words = read_ll_mask(b, stream);
   return detail::LlCallCounters{std::max(seq[0], seq[1]), std::max(seq[2], seq[3]), words.epoch};
@@ -65,8 +65,8 @@ void reset_ll_mask(Buffers const& b, detail::LlCallCounters const& to, cudaStrea
   cuda_ll::LlMaskResetParams p{};
   p.state = b.state;
   char* const region = b.sym.peer(b.rank);
-  p.dispatch_arrivals = reinterpret_cast<uint64_t*>(region + b.layout.dispatch_arrivals);
-  p.combine_arrivals = reinterpret_cast<uint64_t*>(region + b.layout.combine_arrivals);
+  p.dispatch_arrivals = reinterpret_cast<uint64_t*>(region + b.layout.ll.dispatch_arrivals);
+  p.combine_arrivals = reinterpret_cast<uint64_t*>(region + b.layout.ll.combine_arrivals);
   p.host = b.mask_host_device;
   p.world = b.world;
   p.rank = b.rank;
@@ -84,8 +84,8 @@ cuda_ll::LlCounterParams counter_params(Buffers const& b, detail::LlCallCounters
   cuda_ll::LlCounterParams p{};
   p.view = b.view;
   p.local = b.layout.local;
-  LlMaskArea const area = ll_mask_area(b.layout, b.world);
-  std::size_t const counters[cuda_ll::kNetworkCounters] = {b.layout.dispatch_arrivals, b.layout.combine_arrivals,
+  LlMaskArea const area = ll_mask_area(b.layout.total, b.world);
+  std::size_t const counters[cuda_ll::kNetworkCounters] = {b.layout.ll.dispatch_arrivals, b.layout.ll.combine_arrivals,
                                                            area.arrive_signals, area.verdict_signals};
   uint64_t const per_call = static_cast<uint64_t>(b.num_ctas);
   uint64_t const target[cuda_ll::kNetworkCounters] = {to.dispatch_seq * per_call, to.combine_seq * per_call, to.epoch,

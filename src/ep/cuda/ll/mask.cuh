@@ -102,7 +102,7 @@ __device__ __forceinline__ bool wait_word(LlAgreementParams const& p, Net const&
 // so a host that sees it reads the rest after a sync).
 __device__ __forceinline__ void mask_self(LlAgreementParams const& p, LlMaskSelf why, uint64_t epoch, uint32_t view,
                                           uint32_t lost, int by) {
-  detail::LlMaskWords& m = p.state->ll_mask;
+  detail::LlMaskWords& m = p.state->ll.mask;
   m.epoch = epoch;
   m.self = static_cast<uint32_t>(why);
   m.self_epoch = epoch;
@@ -121,8 +121,8 @@ __global__ void __launch_bounds__(kAgreementThreads, 1) ll_agreement_kernel(NetP
   int const lane = static_cast<int>(threadIdx.x);
   int const world = p.view.world;
   int const rank = p.view.rank;
-  decltype(auto) network = network_of<Net>(p);
-  detail::LlMaskWords& m = p.state->ll_mask;
+  decltype(auto) network = network_in<Net>(p);
+  detail::LlMaskWords& m = p.state->ll.mask;
   if (m.self != 0) return;  // masked already: nothing to agree on (the leg's kernel returns too)
   uint64_t const start = device::arch::global_timer_ns();
   uint64_t const epoch = m.epoch + 1;
@@ -206,20 +206,20 @@ struct LlMaskResetParams {
 __global__ void __launch_bounds__(cuda_ep::kMaxLlCtas, 1) ll_mask_reset_kernel(LlMaskResetParams const p) {
   int const tid = static_cast<int>(threadIdx.x);
   cuda_ep::DeviceState& s = *p.state;
-  s.dispatch_send_seq[tid] = p.to.dispatch_seq;
-  s.dispatch_recv_seq[tid] = p.to.dispatch_seq;
-  s.combine_send_seq[tid] = p.to.combine_seq;
-  s.combine_recv_seq[tid] = p.to.combine_seq;
+  s.ll.dispatch_send_seq[tid] = p.to.dispatch_seq;
+  s.ll.dispatch_recv_seq[tid] = p.to.dispatch_seq;
+  s.ll.combine_send_seq[tid] = p.to.combine_seq;
+  s.ll.combine_recv_seq[tid] = p.to.combine_seq;
   uint64_t const per_call = static_cast<uint64_t>(p.num_ctas);
   if (tid < p.world && tid / p.local == p.rank / p.local) {
     p.dispatch_arrivals[tid] = p.to.dispatch_seq * per_call;
     p.combine_arrivals[tid] = p.to.combine_seq * per_call;
   }
   if (tid == 0) {
-    int8_t* const entry_rank = s.ll_mask.entry_rank;
-    s.ll_mask = detail::LlMaskWords{};
-    s.ll_mask.entry_rank = entry_rank;
-    s.ll_mask.epoch = p.to.epoch;
+    int8_t* const entry_rank = s.ll.mask.entry_rank;
+    s.ll.mask = detail::LlMaskWords{};
+    s.ll.mask.entry_rank = entry_rank;
+    s.ll.mask.epoch = p.to.epoch;
     s.num_tokens = 0;  // the dispatch before the clear is forgotten (dispatch again before a combine)
     p.host->request = 0;
     p.host->self = 0;

@@ -72,7 +72,13 @@ struct LlParams : KernelParams {
   uint32_t* fwd_mask;  // forward: [nodes, max_tokens] their local ranks here (Buffers::ll_fwd_mask)
   wait_stats::Slot*
       wait_stats;  // [kLegs][world] per-source waits of the receive halves (null: EpConfig::wait_stats off)
+  // The halves this launch runs (kSendHalf | kRecvHalf: the one-kernel leg; one of them: the hook's). A runtime value,
+  // so that a leg is one kernel symbol whether it runs once or as two launches (profilers find a leg by its name).
+  uint32_t halves;
 };
+
+inline constexpr uint32_t kSendHalf = 1;
+inline constexpr uint32_t kRecvHalf = 2;
 
 // The areas of the symmetric region are SymLayout's low-latency part; the state words DeviceState's.
 struct LlDispatchParams : LlParams {
@@ -129,7 +135,7 @@ struct WithNetwork : Base {
 template <class Base, class Net>
 using NetParams = std::conditional_t<kAcrossNodes<Net>, WithNetwork<Base, Net>, Base>;
 template <class Net, class P>
-__device__ __forceinline__ decltype(auto) network_of(P const& p) {
+__device__ __forceinline__ decltype(auto) network_in(P const& p) {
   if constexpr (kAcrossNodes<Net>)
     return (p.network);
   else
@@ -146,7 +152,7 @@ __device__ __forceinline__ bool same_node(LlParams const& p, int d) {
 //  - p.net holds this node's windows by local index (make_node_lsa): this node's rank d is window(d - first), with
 //    first = view.rank - net.rank (near_window); this rank's own window is net.local();
 //  - sets of this node's ranks are one word by local index (bit d - first), and what goes to the other nodes is
-//    staged once (bit kStaged of the 64-bit send sets);
+//    staged once (bit kStagedRow of the 64-bit send sets);
 //  - a token's destinations (token_mask) are rank_words(world) words; shared arrays by source hold kMaxWorld.
 // Rank masking keeps one 32-bit word of ranks (EpBuffer refuses it past kMaxCudaWorld ranks).
 template <bool kNet>
@@ -190,7 +196,7 @@ __device__ __forceinline__ bool wait_network(LlParams const& p, Net const& netwo
 template <bool kMasking>
 __device__ __forceinline__ uint32_t live_ranks(KernelParams const& p) {
   if constexpr (kMasking)
-    return ~p.state->ll_mask.masked;
+    return ~p.state->ll.mask.masked;
   else
     return 0xffffffffu;
 }
@@ -207,14 +213,14 @@ __device__ __forceinline__ bool is_live(uint32_t live, int d) {
 template <bool kMasking>
 __device__ __forceinline__ bool masked_out(KernelParams const& p) {
   if constexpr (kMasking)
-    return p.state->ll_mask.self != 0;
+    return p.state->ll.mask.self != 0;
   else
     return false;
 }
 // Adds n entries of this rank's tokens whose expert's rank is masked to a leg's counts (this call's, and since the
 // buffer was made or cleared). One thread per warp, only when n > 0: off the path of a call that masks nothing.
 __device__ __forceinline__ void count_masked_entries(KernelParams const& p, detail::LlMaskLeg leg, unsigned n) {
-  detail::LlMaskWords& m = p.state->ll_mask;
+  detail::LlMaskWords& m = p.state->ll.mask;
   bool const dispatch = leg == detail::LlMaskLeg::dispatch;
   atomicAdd(dispatch ? &m.last_dispatch_entries : &m.last_combine_entries, static_cast<unsigned long long>(n));
   atomicAdd(dispatch ? &m.dispatch_entries : &m.combine_entries, static_cast<unsigned long long>(n));
@@ -223,14 +229,15 @@ __device__ __forceinline__ void count_masked_entries(KernelParams const& p, deta
 using device::bf16x8_to_float;
 using device::float_to_bf16x8;
 
-// 0. of an LL kernel: this CTA's sequence numbers of the halves it runs, into s_seq[0] (send) and s_seq[1] (receive),
-// from its own words (no other CTA touches them; stream order carries them across calls). Every thread calls it.
-template <bool kSend, bool kRecv>
-__device__ __forceinline__ void next_sequences(uint64_t* send_seq, uint64_t* recv_seq, uint64_t (&s_seq)[2]) {
+// 0. of an LL kernel: this CTA's sequence numbers of the halves it runs (LlParams::halves), into s_seq[0] (send) and
+// s_seq[1] (receive), from its own words (no other CTA touches them; stream order carries them across calls). Every
+// thread calls it.
+__device__ __forceinline__ void next_sequences(uint32_t halves, uint64_t* send_seq, uint64_t* recv_seq,
+                                               uint64_t (&s_seq)[2]) {
   int const cta = static_cast<int>(blockIdx.x);
   if (threadIdx.x == 0) {
-    if constexpr (kSend) s_seq[0] = ++send_seq[cta];
-    if constexpr (kRecv) s_seq[1] = ++recv_seq[cta];
+    if (halves & kSendHalf) s_seq[0] = ++send_seq[cta];
+    if (halves & kRecvHalf) s_seq[1] = ++recv_seq[cta];
   }
   __syncthreads();
 }

@@ -38,7 +38,7 @@
 #include "comm/device/signal.cuh"
 #include "ep/cuda/entry_reduce.cuh"
 #include "ep/cuda/landing.cuh"  // publish_abort
-#include "ep/cuda/params.cuh"
+#include "ep/cuda/normal/params.cuh"
 #include "wire/device_unit_codec.cuh"
 #include "wire/layout.hpp"
 #include "trace/device_trace.cuh"
@@ -68,13 +68,13 @@ __device__ __forceinline__ RowEntry expert_entry(CombineParams const& p, int row
   RowEntry out;
   int const topk = p.topk;
   if (lane < topk) {
-    int32_t const el = reinterpret_cast<int32_t const*>(p.net.local() + p.layout.recv_idx)[row * topk + lane];
+    int32_t const el = reinterpret_cast<int32_t const*>(p.net.local() + p.layout.normal.recv_idx)[row * topk + lane];
     int32_t const slot = p.recv_slot[row * topk + lane];
     out.valid = el >= 0 && slot >= 0;
     if (out.valid) {
       // dispatch_backward: the gradient of a dispatched row is summed unweighted
       out.w =
-          p.unit_weights ? 1.0f : reinterpret_cast<float const*>(p.net.local() + p.layout.recv_w)[row * topk + lane];
+          p.unit_weights ? 1.0f : reinterpret_cast<float const*>(p.net.local() + p.layout.normal.recv_w)[row * topk + lane];
       out.entry = static_cast<int4 const*>(p.x) + (static_cast<std::size_t>(el) * p.expert_slots + slot) * num_vec;
     }
   }
@@ -342,7 +342,7 @@ __device__ __forceinline__ void sum_tokens(CombineParams const& p, int t_begin, 
   int const world = p.view.world;
   int const num_vec = p.hidden / 8;
   std::size_t const landing_bytes = p.landing_row_bytes;
-  char const* const landing = p.net.window(p.view.rank) + p.layout.landing;
+  char const* const landing = p.net.window(p.view.rank) + p.layout.normal.landing;
   // bf16 rows split by 16-byte vectors, wire rows by units
   int const row_items = kFormat == WireFormat::bf16 ? num_vec : p.hidden / (kUnitElems > 0 ? kUnitElems : 1);
   int const chunks = device::chunks_per_row(tokens, kWarps, row_items);
@@ -386,119 +386,173 @@ __device__ __forceinline__ void sum_piece(CombineParams const& p, SumPiece const
     sum_tokens<kFormat, kUnitElems, false>(p, piece.begin, piece.end - piece.begin, parity, warp, lane);
 }
 
-template <bool kExpertMajor, WireFormat kFormat, int kUnitElems>
-__global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams const p) {
-  static_assert((kFormat == WireFormat::bf16) == (kUnitElems == 0), "bf16 rows are copied; quantized rows need a unit");
-  __shared__ uint64_t s_seq;
-  __shared__ int s_ok;
-  __shared__ int s_rows[2];
-  __shared__ int s_claim;
+// What one CTA of combine_kernel keeps in shared memory.
+struct CombineShared {
+  uint64_t seq;
+  int ok;
+  int rows[2];
+  int claim;
+};
 
+// Tiles rank s waits for from this rank: tile 0 always (every rank hears of a refusal), then one per tile of its
+// tokens.
+__device__ __forceinline__ int combine_tiles_of(int src_tokens) {
+  return max(1, combine_num_tiles(src_tokens));
+}
+
+// Every rank's flag of this rank's tile j (acquire: its rows of the tile are visible after the barrier). Thread d of
+// tile 0's reader learns whether rank d refused this call (refused_by). False (for the whole CTA) when a rank did not
+// arrive or is out of step (recorded).
+__device__ __forceinline__ bool wait_tile(CombineParams const& p, CombineShared& s, uint64_t seq, int parity, int j,
+                                          unsigned sleep_ns, bool& refused_by) {
+  int const world = p.view.world;
+  int const rank = p.view.rank;
+  int const tid = static_cast<int>(threadIdx.x);
+  auto const* flags = reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.layout.normal.tile_flags);
+  auto const* aborts =
+      reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.layout.normal.combine_abort) + parity * world;
+  if (tid < world) {
+    uint64_t flag = 0;
+    if (!device::wait_signal_geq_value(p.view, flags + tid * kMaxCombineTiles + j, 2 * seq, tid,
+                                       WaitPhase::combine_data, &flag, sleep_ns)) {
+      s.ok = 0;
+    } else if ((flag >> 1) > seq + 1) {
+      device::record_out_of_step(p.view, tid, WaitPhase::combine_data, seq, flag >> 1);
+      s.ok = 0;
+    } else if (j == 0) {
+      // a flag of call seq + 1 replaced this call's: the abort word (written before any flag of this call or later,
+      // so visible after the acquire) keeps this call's refusal
+      refused_by = (flag >> 1) == seq ? (flag & 1) != 0 : device::arch::load_relaxed_sys_u64(aborts + tid) == seq;
+    }
+  }
+  __syncthreads();
+  return s.ok != 0;
+}
+
+// 1'. refusal (CTA 0): this rank's abort word on every peer (threads d < world), then every tile every source waits
+//     for from this rank flagged 2 * seq + 1 (release: the barrier orders those words before every thread's flags)
+__device__ __forceinline__ void combine_refuse(CombineParams const& p, uint64_t seq, int parity) {
+  auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
+  landing::publish_abort(p.net, p.layout.normal.combine_abort, parity, world, rank, seq);
+  __syncthreads();
+  for (int src = 0; src < world; ++src)
+    for (int j = tid; j < combine_tiles_of(p.state->src_tokens[src]); j += kThreads)
+      p.net.store_signal(src, p.layout.normal.tile_flags + (rank * kMaxCombineTiles + j) * sizeof(uint64_t),
+                         2 * seq + 1);
+}
+
+// 1. push role: items (tile j, source s) in tile order; sources rotated so ranks start on different peers. Each tile's
+//    rows go into the source's landing zone, then its flag (release).
+template <bool kExpertMajor, WireFormat kFormat, int kUnitElems>
+__device__ __forceinline__ void combine_push_tiles(CombineParams const& p, CombineShared& s, uint64_t seq, int parity
+                                                   FERRY_TRACE_PARAM(trace)) {
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   int const num_vec = p.hidden / 8;
   std::size_t const landing_bytes = p.landing_row_bytes;  // a row of the landing zone (the wire row)
+  int max_tiles = 0;
+  for (int src = 0; src < world; ++src) max_tiles = max(max_tiles, combine_tiles_of(p.state->src_tokens[src]));
+  auto const* recv_src = reinterpret_cast<int2 const*>(p.net.window(rank) + p.layout.normal.recv_src);
+  for (int q = cta; q < max_tiles * world; q += p.num_push_ctas) {
+    int const j = q / world;
+    int const src = (rank + 1 + q % world) % world;
+    int const src_tokens = p.state->src_tokens[src];
+    if (j >= combine_tiles_of(src_tokens)) continue;  // tile 0 of a source without tokens: no rows, only its flag
+    FERRY_TRACE_BEGIN(trace, combine_push);
+    int const tile = combine_tile_tokens(src_tokens);
+    if (warp < 2) {  // warp 0: the tile's first row, warp 1: the row past its last
+      int const first = p.state->src_offset[src];
+      int const token = warp == 0 ? j * tile : min((j + 1) * tile, src_tokens);
+      int const row = lower_bound_token_warp(recv_src, first, first + p.state->src_count[src], token, lane);
+      if (lane == 0) s.rows[warp] = row;
+    }
+    __syncthreads();
+    char* landing = p.net.window(src) + p.layout.normal.landing +
+                    static_cast<std::size_t>(parity * world + rank) * p.max_tokens * landing_bytes;
+    // items (row, chunk): a tile with fewer rows than warps splits each bf16 row into chunks, so every warp has bytes
+    // in flight (a small batch is latency-bound: a warp per row left most of the CTA idle); quantized rows stay whole
+    // (their codec works on whole rows)
+    int const rows = s.rows[1] - s.rows[0];
+    int const chunks = kFormat == WireFormat::bf16 ? device::chunks_per_row(rows, kWarps, num_vec) : 1;
+    for (int item = warp; item < rows * chunks; item += kWarps) {
+      int const row = s.rows[0] + item % rows;
+      int const chunk = item / rows;
+      auto const [v_begin, v_end] = device::chunk_range(num_vec, chunk, chunks);
+      int const t = recv_src[row].y;
+      auto* dst = reinterpret_cast<int4*>(landing + static_cast<std::size_t>(t) * landing_bytes);
+      if constexpr (kFormat != WireFormat::bf16) {
+        push_quantized_partial<kExpertMajor, kFormat, kUnitElems>(p, row, reinterpret_cast<uint8_t*>(dst), lane);
+      } else if constexpr (kExpertMajor) {
+        reduce_expert_row(p, row, dst, lane, v_begin, v_end);
+      } else {
+        auto const* x_row = static_cast<int4 const*>(p.x) + static_cast<std::size_t>(row) * num_vec;
+        device::copy_16B<true, kCombineUnroll>(dst + v_begin, x_row + v_begin,
+                                               static_cast<std::size_t>(v_end - v_begin) * 16, lane, 32);
+      }
+    }
+    // NOTE: no per-thread fence (it would drain every thread's NVLink stores after each tile and stall the
+    // pipeline): the barrier orders every thread's rows before thread 0's release, which is cumulative.
+    __syncthreads();
+    // release: every row of the tile (all threads, ordered by the barrier) before the flag
+    if (tid == 0)
+      p.net.store_signal(src, p.layout.normal.tile_flags + (rank * kMaxCombineTiles + j) * sizeof(uint64_t), 2 * seq);
+    FERRY_TRACE_END(trace, combine_push);
+  }
+}
+
+// 3. the rest of the sums, claimed in order by every CTA done with its own items, sum CTAs and push CTAs alike
+//    (CombineSums): whole tiles, then the last wave in parts. Push CTAs whose items end early sum the tiles the sum
+//    CTAs have not reached, and the last wave, whose flags come with the last pushes, is summed by many SMs at once
+//    instead of by one CTA per tile. A claim ahead of the pushes polls its flags with pauses, so that dozens of
+//    waiting CTAs do not load the memory system the pushes go through.
+template <WireFormat kFormat, int kUnitElems>
+__device__ __forceinline__ void sum_claimed_pieces(CombineParams const& p, CombineShared& s, CombineSums const& sums,
+                                                   uint64_t seq, int parity,
+                                                   bool& refused_by FERRY_TRACE_PARAM(trace)) {
+  int const warp = static_cast<int>(threadIdx.x) >> 5;
+  int const lane = static_cast<int>(threadIdx.x) & 31;
+  while (s.ok && !p.abort && sums.num_claims() > 0) {
+    if (threadIdx.x == 0) s.claim = static_cast<int>(atomicAdd(&p.state->normal.combine_claim, 1u));
+    __syncthreads();
+    int const claim = s.claim;
+    if (claim >= sums.num_claims()) break;
+    SumPiece const piece = combine_claimed(sums, claim);
+    FERRY_TRACE_BEGIN(trace, combine_wait_tile);
+    if (!wait_tile(p, s, seq, parity, piece.tile, kClaimPollSleepNs, refused_by)) break;
+    FERRY_TRACE_END(trace, combine_wait_tile);
+    FERRY_TRACE_BEGIN(trace, combine_sum);
+    sum_piece<kFormat, kUnitElems>(p, piece, parity, warp, lane);
+    __syncthreads();  // s.claim is rewritten only after every warp is done with this piece
+    FERRY_TRACE_END(trace, combine_sum);
+  }
+}
+
+template <bool kExpertMajor, WireFormat kFormat, int kUnitElems>
+__global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams const p) {
+  static_assert((kFormat == WireFormat::bf16) == (kUnitElems == 0), "bf16 rows are copied; quantized rows need a unit");
+  __shared__ CombineShared s;
+  auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   FERRY_TRACE_WARP(trace, p.trace);
 
   // 0. this call's sequence number (written by the previous call's last CTA; stream order makes it visible)
   if (tid == 0) {
-    s_seq = p.state->combine_seq + 1;
-    s_ok = 1;
+    s.seq = p.state->normal.combine_seq + 1;
+    s.ok = 1;
   }
   __syncthreads();
-  uint64_t const seq = s_seq;
+  uint64_t const seq = s.seq;
   int const parity = static_cast<int>(seq & 1);
   CombineSums const sums = combine_sums(p.state->num_tokens, p.num_ctas - p.num_push_ctas);
-  // every rank's flag of this rank's tile j (acquire: its rows of the tile are visible after the barrier)
-  auto const* flags = reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.layout.tile_flags);
-  auto const* aborts = reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.layout.combine_abort) + parity * world;
   bool refused_by = false;  // thread d of tile 0's reader: rank d refused this call (recorded in step 4)
-  auto wait_tile = [&](int j, unsigned sleep_ns) {
-    if (tid < world) {
-      uint64_t flag = 0;
-      if (!device::wait_signal_geq_value(p.view, flags + tid * kMaxCombineTiles + j, 2 * seq, tid,
-                                         WaitPhase::combine_data, &flag, sleep_ns)) {
-        s_ok = 0;
-      } else if ((flag >> 1) > seq + 1) {
-        device::record_out_of_step(p.view, tid, WaitPhase::combine_data, seq, flag >> 1);
-        s_ok = 0;
-      } else if (j == 0) {
-        // a flag of call seq + 1 replaced this call's: the abort word (written before any flag of this call or later,
-        // so visible after the acquire) keeps this call's refusal
-        refused_by = (flag >> 1) == seq ? (flag & 1) != 0 : device::arch::load_relaxed_sys_u64(aborts + tid) == seq;
-      }
-    }
-    __syncthreads();
-    return s_ok != 0;
-  };
-  // tiles rank s waits for from this rank: tile 0 always (every rank hears of a refusal), then one per tile of its
-  // tokens
-  auto tiles_of = [](int src_tokens) { return max(1, combine_num_tiles(src_tokens)); };
 
   if (p.abort) {
-    // 1'. refusal: this rank's abort word on every peer (threads d < world), then every tile every source waits for
-    //     from this rank flagged 2 * seq + 1 (release: the barrier orders those words before every thread's flags)
-    if (cta == 0) {
-      landing::publish_abort(p.net, p.layout.combine_abort, parity, world, rank, seq);
-      __syncthreads();
-      for (int s = 0; s < world; ++s)
-        for (int j = tid; j < tiles_of(p.state->src_tokens[s]); j += kThreads)
-          p.net.store_signal(s, p.layout.tile_flags + (rank * kMaxCombineTiles + j) * sizeof(uint64_t), 2 * seq + 1);
-    }
+    if (cta == 0) combine_refuse(p, seq, parity);  // 1'.
   } else if (cta < p.num_push_ctas) {
-    // 1. push role: items (tile j, source s) in tile order; sources rotated so ranks start on different peers
-    int max_tiles = 0;
-    for (int s = 0; s < world; ++s) max_tiles = max(max_tiles, tiles_of(p.state->src_tokens[s]));
-    auto const* recv_src = reinterpret_cast<int2 const*>(p.net.window(rank) + p.layout.recv_src);
-    for (int q = cta; q < max_tiles * world; q += p.num_push_ctas) {
-      int const j = q / world;
-      int const s = (rank + 1 + q % world) % world;
-      int const src_tokens = p.state->src_tokens[s];
-      if (j >= tiles_of(src_tokens)) continue;  // tile 0 of a source without tokens: no rows, only its flag
-      FERRY_TRACE_BEGIN(trace, combine_push);
-      int const tile = combine_tile_tokens(src_tokens);
-      if (warp < 2) {  // warp 0: the tile's first row, warp 1: the row past its last
-        int const first = p.state->src_offset[s];
-        int const token = warp == 0 ? j * tile : min((j + 1) * tile, src_tokens);
-        int const row = lower_bound_token_warp(recv_src, first, first + p.state->src_count[s], token, lane);
-        if (lane == 0) s_rows[warp] = row;
-      }
-      __syncthreads();
-      char* landing = p.net.window(s) + p.layout.landing +
-                      static_cast<std::size_t>(parity * world + rank) * p.max_tokens * landing_bytes;
-      // items (row, chunk): a tile with fewer rows than warps splits each bf16 row into chunks, so every warp has
-      // bytes in flight (a small batch is latency-bound: a warp per row left most of the CTA idle); quantized rows stay
-      // whole (their codec works on whole rows)
-      int const rows = s_rows[1] - s_rows[0];
-      int const chunks = kFormat == WireFormat::bf16 ? device::chunks_per_row(rows, kWarps, num_vec) : 1;
-      for (int item = warp; item < rows * chunks; item += kWarps) {
-        int const row = s_rows[0] + item % rows;
-        int const chunk = item / rows;
-        auto const [v_begin, v_end] = device::chunk_range(num_vec, chunk, chunks);
-        int const t = recv_src[row].y;
-        auto* dst = reinterpret_cast<int4*>(landing + static_cast<std::size_t>(t) * landing_bytes);
-        if constexpr (kFormat != WireFormat::bf16) {
-          push_quantized_partial<kExpertMajor, kFormat, kUnitElems>(p, row, reinterpret_cast<uint8_t*>(dst), lane);
-        } else if constexpr (kExpertMajor) {
-          reduce_expert_row(p, row, dst, lane, v_begin, v_end);
-        } else {
-          auto const* src = static_cast<int4 const*>(p.x) + static_cast<std::size_t>(row) * num_vec;
-          device::copy_16B<true, kCombineUnroll>(dst + v_begin, src + v_begin,
-                                                 static_cast<std::size_t>(v_end - v_begin) * 16, lane, 32);
-        }
-      }
-      // NOTE: no per-thread fence (it would drain every thread's NVLink stores after each tile and stall the
-      // pipeline): the barrier orders every thread's rows before thread 0's release, which is cumulative.
-      __syncthreads();
-      // release: every row of the tile (all threads, ordered by the barrier) before the flag
-      if (tid == 0)
-        p.net.store_signal(s, p.layout.tile_flags + (rank * kMaxCombineTiles + j) * sizeof(uint64_t), 2 * seq);
-      FERRY_TRACE_END(trace, combine_push);
-    }
+    combine_push_tiles<kExpertMajor, kFormat, kUnitElems>(p, s, seq, parity FERRY_TRACE_ARG(trace));  // 1.
   } else if (int const j = cta - p.num_push_ctas; j < sums.first_claimed || (j == 0 && sums.num_tiles == 0)) {
     // 2. sum role: tile (cta - num_push_ctas) without a claim (a call of one wave of tiles needs none); without
     //    tokens the first sum CTA still waits for every rank's tile 0 (its flag may carry a refusal)
     FERRY_TRACE_BEGIN(trace, combine_wait_tile);
-    if (wait_tile(j, 0) && sums.num_tiles > 0) {
+    if (wait_tile(p, s, seq, parity, j, 0, refused_by) && sums.num_tiles > 0) {
       FERRY_TRACE_END(trace, combine_wait_tile);
       FERRY_TRACE_BEGIN(trace, combine_sum);
       SumPiece const piece = combine_sum_tile(sums, j);
@@ -507,41 +561,22 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams cons
       FERRY_TRACE_END(trace, combine_sum);
     }
   }
-
-  // 3. the rest of the sums, claimed in order by every CTA done with its own items, sum CTAs and push CTAs alike
-  //    (CombineSums): whole tiles, then the last wave in parts. Push CTAs whose items end early sum the tiles the sum
-  //    CTAs have not reached (at world 1 the fp8 pushes ended at 40 us and 44 sum CTAs summed alone until 94), and the
-  //    last wave, whose flags come with the last pushes, is summed by many SMs at once (a 16-token tile summed by one
-  //    CTA took 10-13 us after the last push). A claim ahead of the pushes polls its flags with pauses, so that dozens
-  //    of waiting CTAs do not load the memory system the pushes go through.
-  while (s_ok && !p.abort && sums.num_claims() > 0) {
-    if (tid == 0) s_claim = static_cast<int>(atomicAdd(&p.state->combine_claim, 1u));
-    __syncthreads();
-    int const claim = s_claim;
-    if (claim >= sums.num_claims()) break;
-    SumPiece const piece = combine_claimed(sums, claim);
-    FERRY_TRACE_BEGIN(trace, combine_wait_tile);
-    if (!wait_tile(piece.tile, kClaimPollSleepNs)) break;
-    FERRY_TRACE_END(trace, combine_wait_tile);
-    FERRY_TRACE_BEGIN(trace, combine_sum);
-    sum_piece<kFormat, kUnitElems>(p, piece, parity, warp, lane);
-    __syncthreads();  // s_claim is rewritten only after every warp is done with this piece
-    FERRY_TRACE_END(trace, combine_sum);
-  }
+  sum_claimed_pieces<kFormat, kUnitElems>(p, s, sums, seq, parity, refused_by FERRY_TRACE_ARG(trace));  // 3.
 
   // 4. tile 0's reader: the refusals of this call, unless this rank refused it too (its own is its host's InputError,
-  //    and a peer's record would surface as a refusal of a later call); the last CTA advances
-  //    the sequence (every CTA read it at step 0) and resets the arrival and claim counters
+  //    and a peer's record would surface as a refusal of a later call); the last CTA advances the sequence (every CTA
+  //    read it at step 0) and resets the arrival and claim counters
   FERRY_TRACE_BEGIN(trace, combine_finish);
   if (cta == p.num_push_ctas && tid < world && tid != rank && refused_by && !p.abort)
     device::record_refusal(p.view, tid, WaitPhase::combine_data);
   __syncthreads();
   if (tid == 0) {
-    unsigned long long const old = atomicAdd(reinterpret_cast<unsigned long long*>(&p.state->combine_done), 1ull);
+    unsigned long long const old =
+        atomicAdd(reinterpret_cast<unsigned long long*>(&p.state->normal.combine_done), 1ull);
     if (old == static_cast<unsigned long long>(p.num_ctas - 1)) {
-      p.state->combine_done = 0;
-      p.state->combine_claim = 0;  // every CTA has made its last claim
-      p.state->combine_seq = seq;
+      p.state->normal.combine_done = 0;
+      p.state->normal.combine_claim = 0;  // every CTA has made its last claim
+      p.state->normal.combine_seq = seq;
     }
   }
   FERRY_TRACE_END(trace, combine_finish);

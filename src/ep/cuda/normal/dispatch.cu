@@ -81,20 +81,20 @@ DispatchParams to_params(Buffers const& b, DispatchArgs const& args, LaunchPlan 
     WireRowLayout const wire = wire_row_layout(format, b.config.hidden);
     if (b.config.dispatch_dequantize) {
       // whole wire rows land in recv_wire; the receiver dequantizes them into recv_x
-      p.qdst = QuantDst{b.layout.recv_wire,
+      p.qdst = QuantDst{b.layout.normal.recv_wire,
                         wire.row_bytes,
-                        b.layout.recv_wire + wire.scales_offset,
+                        b.layout.normal.recv_wire + wire.scales_offset,
                         wire.row_bytes,
-                        b.layout.recv_wire + wire.token_scale_offset,
+                        b.layout.normal.recv_wire + wire.token_scale_offset,
                         wire.row_bytes};
       p.recv_pass = RecvPass::dequantize;
     } else {
       // the payload, the scales (row-major) and the token scale straight into the delivered buffers
-      p.qdst = QuantDst{b.layout.recv_x,
+      p.qdst = QuantDst{b.layout.normal.recv_x,
                         wire.payload_bytes,
-                        b.layout.recv_scales,
+                        b.layout.normal.recv_scales,
                         static_cast<std::size_t>(wire.num_scales) * wire.scale_bytes,
-                        b.layout.recv_token_scales,
+                        b.layout.normal.recv_token_scales,
                         sizeof(float)};
       if (b.config.recv_scale_layout != ScaleLayout::row_major) {
         p.recv_pass = RecvPass::relayout;

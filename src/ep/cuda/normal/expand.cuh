@@ -17,7 +17,7 @@
 #include "comm/device/memory.cuh"
 #include "comm/device/signal.cuh"
 #include "ep/cuda/expert_layout.cuh"
-#include "ep/cuda/params.cuh"
+#include "ep/cuda/normal/params.cuh"
 #include "wire/layout.hpp"
 
 namespace ferry::cuda_ep {
@@ -38,7 +38,7 @@ __device__ __forceinline__ void copy_slot_scales(ExpandParams const& p, int e, i
   wire::FormatTraits const traits = wire::format_traits(p.format);
   int const num_scales = p.hidden / traits.block_elems;
   std::size_t const elem = static_cast<std::size_t>(traits.scale_bytes);
-  auto const* src = reinterpret_cast<uint8_t const*>(p.sym_local + p.layout.recv_scales) +
+  auto const* src = reinterpret_cast<uint8_t const*>(p.sym_local + p.layout.normal.recv_scales) +
                     static_cast<std::size_t>(row) * num_scales * elem;
   auto* dst = static_cast<uint8_t*>(p.expert_scales) + static_cast<std::size_t>(e) * p.expert_scale_bytes;
   for (int j = lane; j < num_scales; j += 32) {
@@ -51,7 +51,7 @@ __device__ __forceinline__ void copy_slot_scales(ExpandParams const& p, int e, i
   }
   if (traits.token_scale_bytes != 0 && lane == 0)
     p.expert_token_scales[static_cast<std::size_t>(e) * p.expert_slots + slot] =
-        reinterpret_cast<float const*>(p.sym_local + p.layout.recv_token_scales)[row];
+        reinterpret_cast<float const*>(p.sym_local + p.layout.normal.recv_token_scales)[row];
 }
 
 // The received rows in the layout's order: scan index r is rank-major row (own_first + r) mod num_recv, this rank's
@@ -109,11 +109,11 @@ __global__ void __launch_bounds__(kThreads) expand_kernel(ExpandParams const p) 
   int32_t* const s_before = s_counts;
   int32_t* const s_total = s_counts + num_local;
   for (int i = tid; i < 2 * num_local; i += kThreads) s_counts[i] = 0;
-  ReceivedRows const rows{reinterpret_cast<int32_t const*>(p.sym_local + p.layout.recv_idx), topk,
+  ReceivedRows const rows{reinterpret_cast<int32_t const*>(p.sym_local + p.layout.normal.recv_idx), topk,
                           min(p.state->src_offset[p.view.rank], num_recv), num_recv};
   // bf16 rows: hidden * 2, the code of bf16 transport; quantized delivery: the payload (EpConfig::recv_row_bytes)
   std::size_t const row_bytes = kQuantized ? p.row_bytes : static_cast<std::size_t>(p.hidden) * 2;
-  char const* const recv_x = p.sym_local + p.layout.recv_x;
+  char const* const recv_x = p.sym_local + p.layout.normal.recv_x;
 
   // 1. each row once (first fill): its hits into each expert's total; the row's entries of no local expert get slot
   //    -1 (row r of the scan: CTA r % num_ctas)

@@ -16,9 +16,9 @@ HandleLayout make_handle_layout(EpConfig const& config, int world, SymLayout con
   std::size_t const rows = static_cast<std::size_t>(config.recv_capacity(world));
   std::size_t const topk = static_cast<std::size_t>(config.topk);
   std::size_t const tokens = static_cast<std::size_t>(config.max_tokens_per_rank);
-  layout.recv_idx = areas.take(rows * topk * sizeof(int32_t));
-  layout.recv_w = areas.take(rows * topk * sizeof(float));
-  layout.recv_src = areas.take(rows * 2 * sizeof(int32_t));
+  layout.normal.recv_idx = areas.take(rows * topk * sizeof(int32_t));
+  layout.normal.recv_w = areas.take(rows * topk * sizeof(float));
+  layout.normal.recv_src = areas.take(rows * 2 * sizeof(int32_t));
   layout.recv_slot = areas.take(rows * topk * sizeof(int32_t));
   layout.token_mask = areas.take(tokens * sizeof(uint32_t));
   layout.state_words = areas.take(kHandleStateWords * sizeof(int32_t));
@@ -28,7 +28,7 @@ HandleLayout make_handle_layout(EpConfig const& config, int world, SymLayout con
   if (sym.nodes > 1) {
     layout.hier_mask = areas.take(tokens * sizeof(uint32_t));
     layout.hier_fwd_count = areas.take(kMaxCudaWorld * sizeof(int32_t));
-    layout.hier_fwd_meta = areas.take(static_cast<std::size_t>(sym.nodes) * tokens * sym.hier_meta_bytes);
+    layout.hier.fwd_meta = areas.take(static_cast<std::size_t>(sym.nodes) * tokens * sym.hier_meta_bytes);
   }
   layout.total = areas.total();
   return layout;
@@ -61,21 +61,21 @@ void layout_areas(LayoutAreas& areas, Buffers const& b, char* storage, int num_t
   char* const sym = b.sym.peer(b.rank);
   int const topk = b.config.topk;
   int const cap = b.recv_capacity;
-  areas.add(sym + b.layout.recv_idx, storage + hl.recv_idx, topk, cap, true);
-  areas.add(sym + b.layout.recv_w, storage + hl.recv_w, topk, cap, true);
-  areas.add(sym + b.layout.recv_src, storage + hl.recv_src, 2, cap, true);
+  areas.add(sym + b.layout.normal.recv_idx, storage + hl.recv_idx, topk, cap, true);
+  areas.add(sym + b.layout.normal.recv_w, storage + hl.recv_w, topk, cap, true);
+  areas.add(sym + b.layout.normal.recv_src, storage + hl.recv_src, 2, cap, true);
   if (expanded) areas.add(b.recv_slot, storage + hl.recv_slot, topk, cap, true);
   areas.add(b.token_mask, storage + hl.token_mask, 1, num_tokens, false);
   areas.add(&b.state->num_recv, storage + hl.state_words, kHandleStateWords, 1, false);
   areas.add(b.expert_counts, storage + hl.expert_counts, b.num_local_experts, 1, false);
   if (b.protocol != Protocol::hierarchical) return;
-  FERRY_CHECK(b.layout.hier_meta_bytes % sizeof(uint32_t) == 0, "forward records of ", b.layout.hier_meta_bytes,
+  FERRY_CHECK(b.layout.hier.meta_bytes % sizeof(uint32_t) == 0, "forward records of ", b.layout.hier.meta_bytes,
               " bytes are not whole words");
   int const records = b.layout.nodes * b.config.max_tokens_per_rank;
   areas.add(b.hier_mask, storage + hl.hier_mask, 1, num_tokens, false);
-  areas.add(b.state->hier_fwd_count, storage + hl.hier_fwd_count, kMaxCudaWorld, 1, false);
-  areas.add(sym + b.layout.hier_fwd_meta, storage + hl.hier_fwd_meta,
-            static_cast<int>(b.layout.hier_meta_bytes / sizeof(uint32_t)), records, false);
+  areas.add(b.state->hier.fwd_count, storage + hl.hier_fwd_count, kMaxCudaWorld, 1, false);
+  areas.add(sym + b.layout.hier.fwd_meta, storage + hl.hier_fwd_meta,
+            static_cast<int>(b.layout.hier.meta_bytes / sizeof(uint32_t)), records, false);
 }
 
 void launch_copy(Buffers const& b, HandleCopyParams const& p, cudaStream_t stream) {

@@ -11,7 +11,7 @@
 
 #include <cstdint>
 
-#include "ep/cuda/params.cuh"
+#include "ep/cuda/normal/params.cuh"
 
 namespace ferry::cuda_ep {
 

@@ -6,13 +6,13 @@
 // (landing.cuh), so the rows move first and the receiver puts them in order itself:
 //  1. send (every CTA, warp per (token, chunk of its row)): the token's metadata record to every rank, its row to the
 //     ranks holding one of its experts, into landing slot (parity, source, token); then per CTA: barrier, and one
-//     release add per destination (CTA 0 adds kLandArrivalsPerCall - (ctas - 1), the others 1: a source's call adds
-//     exactly kLandArrivalsPerCall whatever its grid). A bf16 row goes to the other ranks only (the receiver copies
+//     release add per destination (device::arrival_share: a source's call adds device::kArrivalsPerCall
+//     whatever its grid). A bf16 row goes to the other ranks only (the receiver copies
 //     its own rows straight from x). A quantized row is quantized once, in registers, and its pieces (payload, block
 //     scales, nvfp4's token scale) go into the wire row of every destination's slot, this rank's own too
 //     (device_push.cuh); its chunks are whole scale groups, all in one CTA, where nvfp4's token scale (the max over
 //     the chunks' amaxes) is met in shared memory;
-//  2. wait until every source's arrivals reach seq * kLandArrivalsPerCall (acquire; bounded);
+//  2. wait until every source's arrivals reach device::arrivals_for(seq) (acquire; bounded);
 //  3. every CTA scans the landed records in (source, token) order (a CTA scan): a record is present when one of its
 //     ids is local, and its rank-major row is the count of present records before it: the order of the
 //     count-exchange dispatch and of ref::dispatch. Row r's metadata (recv_src, recv_idx, recv_w) is written by CTA
@@ -38,10 +38,11 @@
 
 #include <cuda_bf16.h>
 
+#include "comm/device/arrivals.cuh"
 #include "comm/device/memory.cuh"
 #include "comm/device/signal.cuh"
 #include "ep/cuda/landing.cuh"
-#include "ep/cuda/params.cuh"
+#include "ep/cuda/normal/params.cuh"
 #include "wire/device_codec.cuh"
 #include "wire/device_push.cuh"
 #include "wire/layout.hpp"
@@ -114,143 +115,111 @@ __device__ __forceinline__ void land_deliver_quantized(DispatchParams const& p, 
   }
 }
 
-template <typename IdxT, WireFormat kFormat, int kUnitElems>
-__global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchParams const p) {
-  static_assert(sizeof(IdxT) == 4 || sizeof(IdxT) == 8, "topk_idx is int32 or int64");
-  static_assert((kFormat == WireFormat::bf16) == (kUnitElems == 0), "bf16 rows are copied; quantized rows need a unit");
-  constexpr bool kQuantized = kFormat != WireFormat::bf16;
-  extern __shared__ int32_t s_dyn[];  // [world * max_tokens] landing slot of each rank-major row, [num_local] entries
-  __shared__ int32_t s_base[kMaxCudaWorld + 1];  // first landed record of each source
-  __shared__ int32_t s_src_rows[kMaxCudaWorld];  // CTA 0: present rows per source
-  __shared__ landing::ScanShared<kWarps> s_scan;
-  __shared__ uint64_t s_seq;
-  __shared__ int s_ok;
-  __shared__ int s_refuse;        // this CTA saw a bad or repeated id
-  __shared__ uint32_t s_aborted;  // sources that refused this call
+// What one CTA of land_dispatch_kernel keeps in shared memory besides its dynamic part (s_land: the landing slot of
+// each rank-major row, [world * max_tokens]; s_entries: [num_local] entries per local expert).
+struct LandShared {
+  int32_t base[kMaxCudaWorld + 1];  // first landed record of each source
+  int32_t src_rows[kMaxCudaWorld];  // CTA 0: present rows per source
+  landing::ScanShared<kWarps> scan;
+  uint64_t seq;
+  int ok;
+  int refuse;        // this CTA saw a bad or repeated id
+  uint32_t aborted;  // sources that refused this call
+};
 
+// Token t's destinations (warp-wide, returned as a mask); chunk 0 reports bad ids and writes its mask and its record
+// to every rank, at landing slot `slot`.
+template <typename IdxT>
+__device__ __forceinline__ uint32_t land_route(DispatchParams const& p, LandShared& s, int t, int chunk,
+                                               std::size_t slot, int lane) {
+  landing::Routing const routing{p.view, p.topk_idx, p.topk_weights, p.topk, p.num_experts, p.num_local_experts};
+  int64_t e;
+  float w;
+  bool refused;
+  int const dest = landing::token_destination<IdxT>(routing, t, lane, chunk == 0, e, w, refused);
+  uint32_t const mask = __reduce_or_sync(0xffffffffu, dest >= 0 ? 1u << dest : 0u);
+  if (refused) s.refuse = 1;  // any lane: every writer writes 1
+  if (chunk == 0) {
+    if (lane == 0) p.token_mask[t] = mask;  // no receiver drops a row here: every destination holds it
+    landing::write_records(p.net, p.view.world, p.layout.normal.land_meta, slot, landing::record_bytes(p.topk), p.topk,
+                           p.num_local_experts, dest, e, w, lane);
+  }
+  return mask;
+}
+
+// 1, bf16: items (token, chunk); the row to the other destinations only (this rank's copy step takes its own rows
+// straight from x).
+template <typename IdxT>
+__device__ __forceinline__ void land_send_bf16(DispatchParams const& p, LandShared& s, int parity) {
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
-  int const ctas = p.num_ctas;
-  int const topk = p.topk;
-  int const num_local = p.num_local_experts;
-  int const max_tokens = p.max_tokens;
+  int const total_warps = p.num_ctas * kWarps;
   int const num_vec = p.hidden / 8;
-  int const total_warps = ctas * kWarps;
   std::size_t const row_bytes = static_cast<std::size_t>(p.hidden) * 2;
-  // a landing slot's row: the bf16 row, or the format's wire row
-  std::size_t const land_row_bytes = kQuantized ? wire::make_row_layout(kFormat, p.hidden).row_bytes : row_bytes;
+  int const send_chunks = device::chunks_per_row(p.num_tokens, total_warps, num_vec);
+  for (int item = cta * kWarps + warp; item < p.num_tokens * send_chunks; item += total_warps) {
+    int const t = item / send_chunks;
+    int const chunk = item % send_chunks;
+    std::size_t const slot = landing::slot_index(parity, world, rank, p.max_tokens, t);
+    uint32_t const mask = land_route<IdxT>(p, s, t, chunk, slot, lane);
+    auto const [v_begin, v_end] = device::chunk_range(num_vec, chunk, send_chunks);
+    std::size_t const at = p.layout.normal.land_rows + slot * row_bytes;
+    landing::send_row_chunk<kDispatchUnroll>(
+        reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes),
+        v_begin, v_end, mask & ~(1u << rank), [&](int d) { return reinterpret_cast<int4*>(p.net.window(d) + at); },
+        lane);
+  }
+}
+
+// 1, quantized: a row's chunks are whole scale groups, a power of two of them in one CTA (cta_chunks_per_row), and
+// every warp of a CTA runs the same steps: nvfp4 meets its chunks' amaxes with a barrier a step. The pieces go to
+// every destination, this rank's own slot too, so a row is quantized once and every delivered row is read from a slot.
+template <typename IdxT, WireFormat kFormat, int kUnitElems>
+__device__ __forceinline__ void land_send_quantized(DispatchParams const& p, LandShared& s, int parity) {
+  auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
+  using Codec = device::UnitCodec<kFormat, kUnitElems>;
+  __shared__ device::CtaRowMax<kWarps> s_amax;
+  int const total_warps = p.num_ctas * kWarps;
+  WireRowLayout const wl = wire::make_row_layout(kFormat, p.hidden);
+  int const chunks = device::cta_chunks_per_row(p.num_tokens, total_warps,
+                                                device::scale_groups<kFormat, kUnitElems>(p.hidden), kWarps);
+  int const items = p.num_tokens * chunks;
+  for (int base = cta * kWarps, step = 0; base < items; base += total_warps, ++step) {
+    int const item = base + warp;
+    int const t = item / chunks;
+    int const chunk = item % chunks;
+    float token_scale = 0.0f;
+    if constexpr (kFormat == WireFormat::nvfp4)
+      token_scale = device::cta_chunk_token_scale<kUnitElems>(p.x, p.x_scales != nullptr ? p.x_token_scales : nullptr,
+                                                              p.hidden, t, s_amax, step, chunk, chunks, item < items);
+    if (item >= items) continue;
+    std::size_t const slot = landing::slot_index(parity, world, rank, p.max_tokens, t);
+    uint32_t const mask = land_route<IdxT>(p, s, t, chunk, slot, lane);
+    if (mask == 0) continue;
+    device::QuantRowInput const in = device::quant_row_input<kFormat, kUnitElems>(p.x, p.x_scales, p.hidden, t);
+    device::push_quantized_chunk<kFormat, kUnitElems, kDispatchUnroll / Codec::kVecs>(
+        in, p.hidden, chunk, chunks, mask, token_scale,
+        [&](int d) {
+          char* const row = p.net.window(d) + p.layout.normal.land_rows + slot * wl.row_bytes;
+          return device::QuantRowPlaces{row, row + wl.scales_offset,
+                                        reinterpret_cast<float*>(row + wl.token_scale_offset)};
+        },
+        lane);
+  }
+}
+
+// 3. ordered scan of the landed records, kThreads per step (every CTA: each needs the whole order): s_land gets each
+//    row's slot, row r's metadata is written by CTA r % ctas, and CTA 0 counts rows per source (s.src_rows) and
+//    entries per local expert (s_entries). Returns the rows received.
+__device__ __forceinline__ int land_scan(DispatchParams const& p, LandShared& s, int32_t* s_land, int32_t* s_entries,
+                                         int parity, int num_landed) {
+  auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
+  int const topk = p.topk;
+  int const max_tokens = p.max_tokens;
   std::size_t const record_bytes = landing::record_bytes(topk);
-  int32_t* const s_land = s_dyn;
-  int32_t* const s_entries = s_dyn + world * max_tokens;
-  FERRY_TRACE_WARP(trace, p.trace);
-
-  // 0. this CTA's sequence number (its own word: stream order carries it across calls)
-  if (tid == 0) {
-    s_seq = ++p.state->land_seq[cta];
-    s_ok = 1;
-    s_refuse = p.abort;
-    s_aborted = 0;
-  }
-  if (cta == 0) {
-    for (int i = tid; i < num_local; i += kThreads) s_entries[i] = 0;
-    if (tid < world) s_src_rows[tid] = 0;
-  }
-  __syncthreads();
-  uint64_t const seq = s_seq;
-  int const parity = static_cast<int>(seq & 1);
-
-  // 1. send: this call's token count to every destination (covered by CTA 0's release), then items (token, chunk)
-  FERRY_TRACE_BEGIN(trace, dispatch_land_send);
-  if (cta == 0 && tid < world)
-    *(reinterpret_cast<uint64_t volatile*>(p.net.window(tid) + p.layout.land_tokens) + parity * world + rank) =
-        static_cast<uint64_t>(p.num_tokens);
-  if (cta == 0 && tid == 0) p.state->num_tokens = p.num_tokens;
-  landing::Routing const routing{p.view, p.topk_idx, p.topk_weights, topk, p.num_experts, num_local};
-  // token t's destinations (warp-wide); chunk 0 reports bad ids and writes its mask and its record to every rank
-  auto const route = [&](int t, int chunk, std::size_t slot) {
-    int64_t e;
-    float w;
-    bool refused;
-    int const dest = landing::token_destination<IdxT>(routing, t, lane, chunk == 0, e, w, refused);
-    uint32_t const mask = __reduce_or_sync(0xffffffffu, dest >= 0 ? 1u << dest : 0u);
-    if (refused) s_refuse = 1;  // any lane: every writer writes 1
-    if (chunk == 0) {
-      if (lane == 0) p.token_mask[t] = mask;  // no receiver drops a row here: every destination holds it
-      landing::write_records(p.net, world, p.layout.land_meta, slot, record_bytes, topk, num_local, dest, e, w, lane);
-    }
-    return mask;
-  };
-  if constexpr (!kQuantized) {
-    int const send_chunks = device::chunks_per_row(p.num_tokens, total_warps, num_vec);
-    for (int item = cta * kWarps + warp; item < p.num_tokens * send_chunks; item += total_warps) {
-      int const t = item / send_chunks;
-      int const chunk = item % send_chunks;
-      std::size_t const slot = landing::slot_index(parity, world, rank, max_tokens, t);
-      uint32_t const mask = route(t, chunk, slot);
-      // the row to the other destinations only: this rank's receive half copies its own rows straight from x
-      auto const [v_begin, v_end] = device::chunk_range(num_vec, chunk, send_chunks);
-      std::size_t const at = p.layout.land_rows + slot * row_bytes;
-      landing::send_row_chunk<kDispatchUnroll>(
-          reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes),
-          v_begin, v_end, mask & ~(1u << rank), [&](int d) { return reinterpret_cast<int4*>(p.net.window(d) + at); },
-          lane);
-    }
-  } else {
-    // A row's chunks are whole scale groups, a power of two of them in one CTA (cta_chunks_per_row), and every warp
-    // of a CTA runs the same steps: nvfp4 meets its chunks' amaxes with a barrier a step. The pieces go to every
-    // destination, this rank's own slot too, so a row is quantized once and every delivered row is read from a slot.
-    using Codec = device::UnitCodec<kFormat, kUnitElems>;
-    __shared__ device::CtaRowMax<kWarps> s_amax;
-    WireRowLayout const wl = wire::make_row_layout(kFormat, p.hidden);
-    int const chunks = device::cta_chunks_per_row(p.num_tokens, total_warps,
-                                                  device::scale_groups<kFormat, kUnitElems>(p.hidden), kWarps);
-    int const items = p.num_tokens * chunks;
-    for (int base = cta * kWarps, step = 0; base < items; base += total_warps, ++step) {
-      int const item = base + warp;
-      int const t = item / chunks;
-      int const chunk = item % chunks;
-      float token_scale = 0.0f;
-      if constexpr (kFormat == WireFormat::nvfp4)
-        token_scale = device::cta_chunk_token_scale<kUnitElems>(p.x, p.x_scales != nullptr ? p.x_token_scales : nullptr,
-                                                                p.hidden, t, s_amax, step, chunk, chunks, item < items);
-      if (item >= items) continue;
-      std::size_t const slot = landing::slot_index(parity, world, rank, max_tokens, t);
-      uint32_t const mask = route(t, chunk, slot);
-      if (mask == 0) continue;
-      device::QuantRowInput const in = device::quant_row_input<kFormat, kUnitElems>(p.x, p.x_scales, p.hidden, t);
-      device::push_quantized_chunk<kFormat, kUnitElems, kDispatchUnroll / Codec::kVecs>(
-          in, p.hidden, chunk, chunks, mask, token_scale,
-          [&](int d) {
-            char* const row = p.net.window(d) + p.layout.land_rows + slot * wl.row_bytes;
-            return device::QuantRowPlaces{row, row + wl.scales_offset,
-                                          reinterpret_cast<float*>(row + wl.token_scale_offset)};
-          },
-          lane);
-    }
-  }
-  // the barrier orders every thread's stores (the abort words too) before the release adds, cumulative over them
-  __syncthreads();
-  if (s_refuse) landing::publish_abort(p.net, p.layout.land_abort, parity, world, rank, seq);
-  if (tid < world)
-    p.net.add_signal(tid, p.layout.land_arrivals + rank * sizeof(uint64_t),
-                     cta == 0 ? kLandArrivalsPerCall - static_cast<uint64_t>(ctas - 1) : 1ull);
-  FERRY_TRACE_END(trace, dispatch_land_send);
-
-  // 2. every source's send CTAs of this call (thread s waits for source s; acquire, bounded)
-  FERRY_TRACE_BEGIN(trace, dispatch_land_wait);
-  int const num_landed = landing::wait_sources(
-      p.view, reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.layout.land_arrivals), seq, kLandArrivalsPerCall,
-      reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) + p.layout.land_tokens) + parity * world,
-      reinterpret_cast<uint64_t const volatile*>(p.net.window(rank) + p.layout.land_abort) + parity * world,
-      WaitPhase::dispatch_data, s_base, &s_aborted, &s_ok);
-  if (num_landed < 0) return;
-  FERRY_TRACE_END(trace, dispatch_land_wait);
-
-  // 3. ordered scan of the landed records, kThreads per step (every CTA: each needs the whole order)
-  FERRY_TRACE_BEGIN(trace, dispatch_land_scan);
   char* const sym = p.net.window(rank);
-  auto* const recv_src = reinterpret_cast<int2*>(sym + p.layout.recv_src);
-  auto* const recv_idx = reinterpret_cast<int32_t*>(sym + p.layout.recv_idx);
-  auto* const recv_w = reinterpret_cast<float*>(sym + p.layout.recv_w);
+  auto* const recv_src = reinterpret_cast<int2*>(sym + p.layout.normal.recv_src);
+  auto* const recv_idx = reinterpret_cast<int32_t*>(sym + p.layout.normal.recv_idx);
+  auto* const recv_w = reinterpret_cast<float*>(sym + p.layout.normal.recv_w);
   int num_recv = 0;
   for (int base = 0; base < num_landed; base += kThreads) {
     int const r = base + tid;
@@ -260,19 +229,20 @@ __global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchPara
     int32_t ids[kMaxTopk];
     bool present = false;
     if (r < num_landed) {
-      while (s_base[source + 1] <= r) ++source;
-      token = r - s_base[source];
-      record = reinterpret_cast<int32_t const*>(
-          sym + p.layout.land_meta + landing::slot_index(parity, world, source, max_tokens, token) * record_bytes);
+      while (s.base[source + 1] <= r) ++source;
+      token = r - s.base[source];
+      record = reinterpret_cast<int32_t const*>(sym + p.layout.normal.land_meta +
+                                                landing::slot_index(parity, world, source, max_tokens, token) *
+                                                    record_bytes);
       landing::load_record_ids(record, topk, ids);
 #pragma unroll
       for (int k = 0; k < kMaxTopk; ++k) present |= ids[k] >= 0;
     }
-    landing::ScanOffsets const step = landing::scan_step<false>(present, 0, s_scan, warp, lane);
+    landing::ScanOffsets const step = landing::scan_step<false>(present, 0, s.scan, warp, lane);
     if (present) {
       int const row = num_recv + step.row;
       s_land[row] = source * max_tokens + token;
-      if (row % ctas == cta) {
+      if (row % p.num_ctas == cta) {
         float const* weights = reinterpret_cast<float const*>(record + topk);
         recv_src[row] = make_int2(source, token);
 #pragma unroll
@@ -283,7 +253,7 @@ __global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchPara
         }
       }
       if (cta == 0) {
-        atomicAdd(&s_src_rows[source], 1);
+        atomicAdd(&s.src_rows[source], 1);
 #pragma unroll
         for (int k = 0; k < kMaxTopk; ++k)
           if (ids[k] >= 0) atomicAdd(&s_entries[ids[k]], 1);
@@ -292,17 +262,28 @@ __global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchPara
     num_recv += step.rows;
     __syncthreads();  // the scan words are reused by the next step
   }
-  FERRY_TRACE_END(trace, dispatch_land_scan);
+  return num_recv;
+}
 
-  // 4. the rows into their delivered places, over the grid
-  FERRY_TRACE_BEGIN(trace, dispatch_land_copy);
+// 4. the rows into their delivered places, over the grid. bf16: items (row, chunk) into recv_x, a peer's from the
+//    landing zone (coherent loads: written during this kernel), this rank's own from x (one coherent copy loop for
+//    both: a second, non-coherent one spilled). Quantized: dequantized (dispatch_dequantize) or delivered as is.
+template <WireFormat kFormat>
+__device__ __forceinline__ void land_copy(DispatchParams const& p, int32_t const* s_land, int parity, int num_recv) {
+  auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
+  int const max_tokens = p.max_tokens;
+  int const total_warps = p.num_ctas * kWarps;
+  std::size_t const row_bytes = static_cast<std::size_t>(p.hidden) * 2;
+  // a landing slot's row: the bf16 row, or the format's wire row
+  std::size_t const land_row_bytes =
+      kFormat != WireFormat::bf16 ? wire::make_row_layout(kFormat, p.hidden).row_bytes : row_bytes;
+  char* const sym = p.net.window(rank);
   char const* const landed =
-      sym + p.layout.land_rows +
+      sym + p.layout.normal.land_rows +
       static_cast<std::size_t>(parity) * world * static_cast<std::size_t>(max_tokens) * land_row_bytes;
-  if constexpr (!kQuantized) {
-    // items (row, chunk) into recv_x: a peer's from the landing zone (coherent loads: written during this kernel),
-    // this rank's own from x (one coherent copy loop for both: a second, non-coherent one spilled)
-    char* const recv_x = sym + p.layout.recv_x;
+  if constexpr (kFormat == WireFormat::bf16) {
+    int const num_vec = p.hidden / 8;
+    char* const recv_x = sym + p.layout.normal.recv_x;
     int const copy_chunks = device::chunks_per_row(num_recv, total_warps, num_vec);
     for (int item = cta * kWarps + warp; item < num_recv * copy_chunks; item += total_warps) {
       int const row = item / copy_chunks;
@@ -320,7 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchPara
     auto const wire_row = [&](int row) { return landed + static_cast<std::size_t>(s_land[row]) * land_row_bytes; };
     if (p.recv_pass == RecvPass::dequantize) {
       // warp per row: the wire row -> a bf16 row (the device codec: y = code * scale in fp32, rounded once)
-      auto* const out = reinterpret_cast<__nv_bfloat16*>(sym + p.layout.recv_x);
+      auto* const out = reinterpret_cast<__nv_bfloat16*>(sym + p.layout.normal.recv_x);
       for (int row = cta * kWarps + warp; row < num_recv; row += total_warps)
         device::dequantize_row_warp<kFormat, __nv_bfloat16>(reinterpret_cast<uint8_t const*>(wire_row(row)), p.hidden,
                                                             out + static_cast<std::size_t>(row) * p.hidden);
@@ -328,20 +309,89 @@ __global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchPara
       land_deliver_quantized<kFormat>(p, num_recv, wire_row);
     }
   }
-  if (cta == 0) {
-    if (tid == 0) {
-      int32_t offset = 0;
-      for (int s = 0; s < world; ++s) {
-        p.state->src_offset[s] = offset;
-        p.state->src_count[s] = s_src_rows[s];
-        p.state->src_tokens[s] = s_base[s + 1] - s_base[s];
-        offset += s_src_rows[s];
-      }
-      p.state->num_recv = num_recv;
-      if (s_aborted != 0) p.state->num_tokens = 0;  // a refused call leaves no tokens for a combine
+}
+
+// The outputs (CTA 0, every thread): the per-source offsets, rows and tokens, num_recv, the expert counts.
+__device__ __forceinline__ void land_outputs(DispatchParams const& p, LandShared const& s, int32_t const* s_entries,
+                                             int num_recv) {
+  int const world = p.view.world;
+  int const tid = static_cast<int>(threadIdx.x);
+  if (tid == 0) {
+    int32_t offset = 0;
+    for (int src = 0; src < world; ++src) {
+      p.state->src_offset[src] = offset;
+      p.state->src_count[src] = s.src_rows[src];
+      p.state->src_tokens[src] = s.base[src + 1] - s.base[src];
+      offset += s.src_rows[src];
     }
-    for (int el = tid; el < num_local; el += kThreads) p.expert_counts[el] = s_entries[el];
+    p.state->num_recv = num_recv;
+    if (s.aborted != 0) p.state->num_tokens = 0;  // a refused call leaves no tokens for a combine
   }
+  for (int el = tid; el < p.num_local_experts; el += kThreads) p.expert_counts[el] = s_entries[el];
+}
+
+template <typename IdxT, WireFormat kFormat, int kUnitElems>
+__global__ void __launch_bounds__(kThreads, 1) land_dispatch_kernel(DispatchParams const p) {
+  static_assert(sizeof(IdxT) == 4 || sizeof(IdxT) == 8, "topk_idx is int32 or int64");
+  static_assert((kFormat == WireFormat::bf16) == (kUnitElems == 0), "bf16 rows are copied; quantized rows need a unit");
+  extern __shared__ int32_t s_dyn[];  // [world * max_tokens] landing slot of each rank-major row, [num_local] entries
+  __shared__ LandShared s;
+  auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
+  int32_t* const s_land = s_dyn;
+  int32_t* const s_entries = s_dyn + world * p.max_tokens;
+  FERRY_TRACE_WARP(trace, p.trace);
+
+  // 0. this CTA's sequence number (its own word: stream order carries it across calls)
+  if (tid == 0) {
+    s.seq = ++p.state->normal.land_seq[cta];
+    s.ok = 1;
+    s.refuse = p.abort;
+    s.aborted = 0;
+  }
+  if (cta == 0) {
+    for (int i = tid; i < p.num_local_experts; i += kThreads) s_entries[i] = 0;
+    if (tid < world) s.src_rows[tid] = 0;
+  }
+  __syncthreads();
+  uint64_t const seq = s.seq;
+  int const parity = static_cast<int>(seq & 1);
+
+  // 1. send: this call's token count to every destination (covered by CTA 0's release), then items (token, chunk)
+  FERRY_TRACE_BEGIN(trace, dispatch_land_send);
+  if (cta == 0 && tid < world)
+    *(reinterpret_cast<uint64_t volatile*>(p.net.window(tid) + p.layout.normal.land_tokens) + parity * world + rank) =
+        static_cast<uint64_t>(p.num_tokens);
+  if (cta == 0 && tid == 0) p.state->num_tokens = p.num_tokens;
+  if constexpr (kFormat == WireFormat::bf16)
+    land_send_bf16<IdxT>(p, s, parity);
+  else
+    land_send_quantized<IdxT, kFormat, kUnitElems>(p, s, parity);
+  // the barrier orders every thread's stores (the abort words too) before the release adds, cumulative over them
+  __syncthreads();
+  if (s.refuse) landing::publish_abort(p.net, p.layout.normal.land_abort, parity, world, rank, seq);
+  if (tid < world)
+    p.net.add_signal(tid, p.layout.normal.land_arrivals + rank * sizeof(uint64_t),
+                     device::arrival_share(cta, p.num_ctas));
+  FERRY_TRACE_END(trace, dispatch_land_send);
+
+  // 2. every source's send CTAs of this call (thread s waits for source s; acquire, bounded)
+  FERRY_TRACE_BEGIN(trace, dispatch_land_wait);
+  char* const sym = p.net.window(rank);
+  int const num_landed = landing::wait_sources(
+      p.view, reinterpret_cast<uint64_t const*>(sym + p.layout.normal.land_arrivals), seq, device::kArrivalsPerCall,
+      reinterpret_cast<uint64_t const volatile*>(sym + p.layout.normal.land_tokens) + parity * world,
+      reinterpret_cast<uint64_t const volatile*>(sym + p.layout.normal.land_abort) + parity * world,
+      WaitPhase::dispatch_data, s.base, &s.aborted, &s.ok);
+  if (num_landed < 0) return;
+  FERRY_TRACE_END(trace, dispatch_land_wait);
+
+  FERRY_TRACE_BEGIN(trace, dispatch_land_scan);
+  int const num_recv = land_scan(p, s, s_land, s_entries, parity, num_landed);  // 3.
+  FERRY_TRACE_END(trace, dispatch_land_scan);
+
+  FERRY_TRACE_BEGIN(trace, dispatch_land_copy);
+  land_copy<kFormat>(p, s_land, parity, num_recv);  // 4.
+  if (cta == 0) land_outputs(p, s, s_entries, num_recv);
   FERRY_TRACE_END(trace, dispatch_land_copy);
 }
 

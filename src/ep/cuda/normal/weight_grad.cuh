@@ -11,10 +11,10 @@
 //     row (once from memory, then from the L2) and x, and writes the slot. The dot goes back to the source
 //     s = recv_src[i].rank as the word (seq << 32 | bits) at weight_grad[parity][t][k] of s: each entry has one rank
 //     holding its expert, so that rank alone writes the word. An entry of a local expert without a slot (past
-//     expert_capacity) sends a tagged 0. Then every CTA adds its share of kWeightGradArrivalsPerCall to every rank's
+//     expert_capacity) sends a tagged 0. Then every CTA adds its share of device::kArrivalsPerCall to every rank's
 //     arrival counter of this rank (release, after the CTA's barrier: cumulative over the CTA's word stores), so the
 //     sum per call does not depend on the grid.
-//  2. collect (kWeightGradWaitCtas CTAs): thread d waits until rank d's arrivals reach seq * kWeightGradArrivalsPerCall
+//  2. collect (kWeightGradWaitCtas CTAs): thread d waits until rank d's arrivals reach device::arrivals_for(seq)
 //     (acquire, bounded, naming d on expiry; past (seq + 1) per call is an out-of-step error), then grad_w[t, k] =
 //     the word's value when its tag is seq, else 0 (an id of -1, or a row dropped by the receive capacity: no rank
 //     wrote it this call). The last CTA advances DeviceState::weight_grad_seq (both kernels read it at their start).
@@ -28,10 +28,11 @@
 
 #include <cstdint>
 
+#include "comm/device/arrivals.cuh"
 #include "comm/device/bf16x8.cuh"
 #include "comm/device/memory.cuh"
 #include "comm/device/signal.cuh"
-#include "ep/cuda/params.cuh"
+#include "ep/cuda/normal/params.cuh"
 
 namespace ferry::cuda_ep {
 
@@ -40,7 +41,7 @@ inline constexpr int kWeightGradUnroll = 4;
 
 // Byte offset of word (parity, token, k) of the weight_grad area.
 __device__ __forceinline__ std::size_t weight_grad_offset(KernelParams const& p, int parity, int token, int k) {
-  return p.layout.weight_grad +
+  return p.layout.normal.weight_grad +
          ((static_cast<std::size_t>(parity) * p.max_tokens + token) * p.topk + k) * sizeof(uint64_t);
 }
 
@@ -87,7 +88,7 @@ __global__ void __launch_bounds__(kThreads) weight_grad_send_kernel(WeightGradPa
   __shared__ uint64_t s_seq;
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   // 0. this call's sequence number (advanced by the previous call's collect kernel; stream order makes it visible)
-  if (tid == 0) s_seq = p.state->weight_grad_seq + 1;
+  if (tid == 0) s_seq = p.state->normal.weight_grad_seq + 1;
   __syncthreads();
   uint64_t const seq = s_seq;
   int const parity = static_cast<int>(seq & 1);
@@ -97,9 +98,9 @@ __global__ void __launch_bounds__(kThreads) weight_grad_send_kernel(WeightGradPa
   if (!p.abort) {
     // 1. a warp per entry of the cached dispatch's rows (its layout is the handle's)
     char const* const sym = p.net.local();
-    auto const* recv_idx = reinterpret_cast<int32_t const*>(sym + p.layout.recv_idx);
-    auto const* recv_w = reinterpret_cast<float const*>(sym + p.layout.recv_w);
-    auto const* recv_src = reinterpret_cast<int2 const*>(sym + p.layout.recv_src);
+    auto const* recv_idx = reinterpret_cast<int32_t const*>(sym + p.layout.normal.recv_idx);
+    auto const* recv_w = reinterpret_cast<float const*>(sym + p.layout.normal.recv_w);
+    auto const* recv_src = reinterpret_cast<int2 const*>(sym + p.layout.normal.recv_src);
     int const num_recv = p.state->num_recv;
     int const total_warps = p.num_ctas * kWarps;
     // NOTE: a warp per entry (i, k), not per row: at 128 tokens a warp per row left 128 warps each walking its row's
@@ -124,7 +125,7 @@ __global__ void __launch_bounds__(kThreads) weight_grad_send_kernel(WeightGradPa
       std::size_t const at = (static_cast<std::size_t>(el) * p.expert_slots + slot) * num_vec;
       int4 const* const x = p.x != nullptr ? static_cast<int4 const*>(p.x) + at : nullptr;
       int4 const* const g =
-          reinterpret_cast<int4 const*>(sym + p.layout.recv_x) + static_cast<std::size_t>(row) * num_vec;
+          reinterpret_cast<int4 const*>(sym + p.layout.normal.recv_x) + static_cast<std::size_t>(row) * num_vec;
       float const dot = dot_and_scale(static_cast<int4*>(p.expert_x) + at, g, x, recv_w[item], num_vec, lane);
       if (lane == 0) *reinterpret_cast<uint64_t volatile*>(word) = (seq << 32) | __float_as_uint(dot);
     }
@@ -133,8 +134,8 @@ __global__ void __launch_bounds__(kThreads) weight_grad_send_kernel(WeightGradPa
   // 2. this CTA's arrival on every rank (release: the barrier orders every thread's word stores before it)
   __syncthreads();
   if (tid < world)
-    p.net.add_signal(tid, p.layout.weight_grad_arrivals + rank * sizeof(uint64_t),
-                     cta == 0 ? kWeightGradArrivalsPerCall - static_cast<uint64_t>(p.num_ctas - 1) : 1ull);
+    p.net.add_signal(tid, p.layout.normal.weight_grad_arrivals + rank * sizeof(uint64_t),
+                     device::arrival_share(cta, p.num_ctas));
 }
 
 __global__ void __launch_bounds__(kThreads) weight_grad_collect_kernel(WeightGradParams const p) {
@@ -142,7 +143,7 @@ __global__ void __launch_bounds__(kThreads) weight_grad_collect_kernel(WeightGra
   __shared__ int s_ok;
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   if (tid == 0) {
-    s_seq = p.state->weight_grad_seq + 1;
+    s_seq = p.state->normal.weight_grad_seq + 1;
     s_ok = 1;
   }
   __syncthreads();
@@ -151,14 +152,14 @@ __global__ void __launch_bounds__(kThreads) weight_grad_collect_kernel(WeightGra
 
   // 1. every rank's send CTAs of this call (thread d waits for rank d; acquire, bounded)
   if (tid < world) {
-    auto const* arrivals = reinterpret_cast<uint64_t const*>(p.net.local() + p.layout.weight_grad_arrivals);
+    auto const* arrivals = reinterpret_cast<uint64_t const*>(p.net.local() + p.layout.normal.weight_grad_arrivals);
     uint64_t observed = 0;
-    if (!device::wait_signal_geq_value(p.view, arrivals + tid, seq * kWeightGradArrivalsPerCall, tid,
+    if (!device::wait_signal_geq_value(p.view, arrivals + tid, device::arrivals_for(seq), tid,
                                        WaitPhase::weight_gradients, &observed)) {
       s_ok = 0;
-    } else if (observed > (seq + 1) * kWeightGradArrivalsPerCall) {
+    } else if (observed > device::arrivals_for(seq + 1)) {
       // two calls ahead: that rank ran more weight steps on this buffer than this rank
-      device::record_out_of_step(p.view, tid, WaitPhase::weight_gradients, seq, observed / kWeightGradArrivalsPerCall);
+      device::record_out_of_step(p.view, tid, WaitPhase::weight_gradients, seq, device::calls_of(observed));
       s_ok = 0;
     }
   }
@@ -178,10 +179,10 @@ __global__ void __launch_bounds__(kThreads) weight_grad_collect_kernel(WeightGra
   // 3. the last CTA advances the sequence (every CTA of both kernels read it at its start) and resets the counter
   __syncthreads();
   if (tid == 0) {
-    unsigned long long const old = atomicAdd(reinterpret_cast<unsigned long long*>(&p.state->weight_grad_done), 1ull);
+    unsigned long long const old = atomicAdd(reinterpret_cast<unsigned long long*>(&p.state->normal.weight_grad_done), 1ull);
     if (old == static_cast<unsigned long long>(p.num_ctas - 1)) {
-      p.state->weight_grad_done = 0;
-      p.state->weight_grad_seq = seq;
+      p.state->normal.weight_grad_done = 0;
+      p.state->normal.weight_grad_seq = seq;
     }
   }
 }
