@@ -196,89 +196,109 @@ __device__ __forceinline__ void push_hier_quantized_row(HierDispatchParams<Net> 
       lane);
 }
 
-template <typename IdxT, WireFormat kFormat, int kUnitElems, class Net>
-__global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatchParams<Net> const p) {
-  static_assert((kFormat == WireFormat::bf16) == (kUnitElems == 0), "bf16 rows are copied; quantized rows need a unit");
-  __shared__ int32_t s_dest_base[kMaxCudaWorld];
-  __shared__ int32_t s_row[kWarps][kMaxCudaWorld];
-  __shared__ int32_t s_fwd_first[kMaxCudaWorld + 1];
-  __shared__ int s_ok;
-  __shared__ uint32_t s_aborted;
-  __shared__ int s_last;
-  __shared__ int s_total;
-  __shared__ int s_num_recv;
+// What one CTA of hier_dispatch_kernel keeps in shared memory.
+struct HierShared {
+  int32_t dest_base[kMaxCudaWorld];
+  int32_t row[kWarps][kMaxCudaWorld];
+  int32_t fwd_first[kMaxCudaWorld + 1];  // this rail's first record of each source node (fwd_first[nodes]: all)
+  int ok;
+  uint32_t aborted;
+  int last;
+  int total;
+  int num_recv;
+};
 
+// What a warp sent to other ranks, by link (warp-uniform; EpBuffer::link_bytes).
+struct LinkCount {
+  unsigned long long network_bytes = 0;
+  unsigned long long nvlink_bytes = 0;
+  unsigned long long network_messages = 0;
+};
+
+// a. every source's count row (warp 0; acquire): NVLink's wait for this node's sources, the network's for the rest;
+//    s.aborted collects the sources that refuse the call. False (the whole CTA) when a source did not arrive or is
+//    out of step (recorded).
+template <class Net>
+__device__ __forceinline__ bool wait_hier_count_rows(HierDispatchParams<Net> const& p, HierShared& s, uint64_t seq,
+                                                     int parity) {
   auto const [world, rank, tid, lane, warp, cta, nodes, local, own_node, local_rank, global_warp, num_warps] =
       hier_ids(p);
-  auto const [seq, parity] = hier_call(p.state->normal.dispatch_seq);
-  int const topk = p.topk;
-  int const num_experts = p.num_experts;
-  int const num_local = p.num_local_experts;
   char* const own = p.net.local();
-  auto const* topk_idx = static_cast<IdxT const*>(p.topk_idx);
-  if (tid == 0) {
-    s_ok = 1;
-    s_aborted = 0;
-  }
-  __syncthreads();
-
-  // a. every source's count row (warp 0; acquire): NVLink's wait for this node's sources, the network's for the rest
   if (warp == 0) {
     auto lsa = p.net.open(transport::Warp{});
     auto net = p.network.open(transport::Warp{}, global_warp);
     bool ok = true;
     // NOTE: past a failed wait the loop goes on: the later waits stop at once (device_failed), each recording its
     // source if absent, so the error names every missing rank (a whole node), not only the first
-    for (int s = 0; s < world; ++s) {
-      std::size_t const counter = p.layout.hier.count_signal + static_cast<std::size_t>(s) * sizeof(uint64_t);
-      bool const arrived = s / local == own_node ? lsa.wait(p.view, counter, seq, s, WaitPhase::count_exchange)
-                                                 : net.wait(p.view, counter, seq, s, WaitPhase::count_exchange);
+    for (int src = 0; src < world; ++src) {
+      std::size_t const counter = p.layout.hier.count_signal + static_cast<std::size_t>(src) * sizeof(uint64_t);
+      bool const arrived = src / local == own_node ? lsa.wait(p.view, counter, seq, src, WaitPhase::count_exchange)
+                                                   : net.wait(p.view, counter, seq, src, WaitPhase::count_exchange);
       ok = ok && arrived;
       if (ok && lane == 0) {
-        uint64_t const word0 = device::arch::load_relaxed_sys_u64(count_word(own, p.layout, parity, world, s, 0));
+        uint64_t const word0 = device::arch::load_relaxed_sys_u64(count_word(own, p.layout, parity, world, src, 0));
         if ((word0 >> 32) != (seq & 0xffffffffull)) {
           // the row in this parity's slot is another call's: that source ran more (or fewer) dispatches
-          device::record_out_of_step(p.view, s, WaitPhase::count_exchange, seq & 0xffffffffull, word0 >> 32);
-          s_ok = 0;
+          device::record_out_of_step(p.view, src, WaitPhase::count_exchange, seq & 0xffffffffull, word0 >> 32);
+          s.ok = 0;
         } else if ((word0 & kCountAbort) != 0) {
-          s_aborted |= 1u << s;
+          s.aborted |= 1u << src;
         }
       }
-      ok = __shfl_sync(0xffffffffu, ok && s_ok, 0);
+      ok = __shfl_sync(0xffffffffu, ok && s.ok, 0);
     }
     net.close();
-    if (lane == 0 && !ok) s_ok = 0;
+    if (lane == 0 && !ok) s.ok = 0;
   }
   __syncthreads();
-  if (!s_ok) return;
-  bool const aborted = s_aborted != 0;  // the same on every CTA of every rank
-  if (cta == 0 && tid < world && tid != rank && ((s_aborted >> tid) & 1u) != 0 && ((s_aborted >> rank) & 1u) == 0)
+  return s.ok != 0;
+}
+
+// b. the refusals recorded (as one node's), this rank's base on every destination (rows of lower sources there), and
+//    the records per source node of the rail (s.fwd_first; CTA 0 keeps the counts for the combine).
+template <class Net>
+__device__ __forceinline__ void hier_bases(HierDispatchParams<Net> const& p, HierShared& s, int parity, bool aborted) {
+  auto const [world, rank, tid, lane, warp, cta, nodes, local, own_node, local_rank, global_warp, num_warps] =
+      hier_ids(p);
+  char* const own = p.net.local();
+  if (cta == 0 && tid < world && tid != rank && ((s.aborted >> tid) & 1u) != 0 && ((s.aborted >> rank) & 1u) == 0)
     device::record_refusal(p.view, tid, WaitPhase::count_exchange);
-  // b. this rank's base on every destination (rows of lower sources there); the records per source node of the rail
   if (tid < world) {
     int32_t base = 0;
-    for (int s = 0; s < rank; ++s)
-      base += count_value(device::arch::load_relaxed_sys_u64(count_word(own, p.layout, parity, world, s, 1 + tid)));
-    s_dest_base[tid] = base;
+    for (int src = 0; src < rank; ++src)
+      base += count_value(device::arch::load_relaxed_sys_u64(count_word(own, p.layout, parity, world, src, 1 + tid)));
+    s.dest_base[tid] = base;
   }
   if (tid == 0) {
     int32_t total = 0;
     for (int n = 0; n < nodes; ++n) {
-      s_fwd_first[n] = total;
+      s.fwd_first[n] = total;
       int32_t const count =
           n == own_node || aborted
               ? 0
-              : count_value(device::arch::load_relaxed_sys_u64(count_word(
-                    own, p.layout, parity, world, n * local + local_rank, 1 + world + num_local + own_node)));
+              : count_value(device::arch::load_relaxed_sys_u64(
+                    count_word(own, p.layout, parity, world, n * local + local_rank,
+                               1 + world + p.num_local_experts + own_node)));
       if (cta == 0) p.state->hier.fwd_count[n] = count;
       total += count;
     }
-    s_fwd_first[nodes] = total;
+    s.fwd_first[nodes] = total;
   }
   __syncthreads();
+}
 
-  // c. push: warp per token. The node's destinations get the row and metadata in their final rows; every other node
-  //    that holds the token gets it once, through the network, at its rail.
+// c. one token's push (a warp): the node's destinations get the row and metadata in their final rows; every other
+//    node that holds the token gets it once, through the network, at its rail: the row once into this rank's window,
+//    a record per node, both put to the node's rail at the token's place among its records.
+template <typename IdxT, WireFormat kFormat, int kUnitElems, class Net, class Endpoint>
+__device__ __forceinline__ void hier_push_token(HierDispatchParams<Net> const& p, HierShared& s, Endpoint& net, int t,
+                                                LinkCount& link) {
+  auto const [world, rank, tid, lane, warp, cta, nodes, local, own_node, local_rank, global_warp, num_warps] =
+      hier_ids(p);
+  char* const own = p.net.local();
+  int const topk = p.topk;
+  int const num_local = p.num_local_experts;
+  auto const* topk_idx = static_cast<IdxT const*>(p.topk_idx);
   std::size_t const row_bytes = static_cast<std::size_t>(p.hidden) * 2;  // a bf16 row of x
   // what crosses the network per token and node: the bf16 row, or the wire row (payload, scales, token scale)
   WireRowLayout const wire = wire::make_row_layout(kFormat, p.hidden);
@@ -287,111 +307,111 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
   std::size_t const max_tokens = static_cast<std::size_t>(p.max_tokens);
   uint32_t const own_bits = node_bits(own_node, local);
   std::size_t const meta_row = static_cast<std::size_t>(topk) * 8 + sizeof(int2);  // recv_idx, recv_w, recv_src
-  unsigned long long network_bytes = 0;  // what this warp sent to other ranks, by link (warp-uniform)
-  unsigned long long nvlink_bytes = 0;
-  unsigned long long network_messages = 0;
-  auto net = p.network.open(transport::Warp{}, global_warp);
-  for (int t = global_warp; !aborted && t < p.num_tokens; t += num_warps) {
-    uint32_t const mask = p.token_mask[t];
-    int row = -1;
-    if (lane < world && ((mask >> lane) & 1u)) {
-      row = s_dest_base[lane] + p.token_pos[static_cast<std::size_t>(t) * world + lane];
-      if (row >= p.recv_capacity) {  // past the receiver's capacity: dropped and counted, as on one node
-        device::record_input_error(p.view, row, true);
-        row = -1;
-      }
-    }
-    uint32_t const send = __ballot_sync(0xffffffffu, row >= 0);
-    if (lane < world) s_row[warp][lane] = row;
-    __syncwarp();
-    if (lane == 0) {
-      // the combine's senders of t: the ranks of this node that hold it, and the rail of every other node that does
-      uint32_t senders = send & own_bits;
-      for (int n = 0; n < nodes; ++n)
-        if (n != own_node && (send & node_bits(n, local)) != 0) senders |= 1u << (n * local + local_rank);
-      p.hier_mask[t] = senders;
-      if (send != mask) p.token_mask[t] = send;
-    }
-    int64_t e = -1;
-    float w = 0.0f;
-    if (lane < topk) {
-      e = static_cast<int64_t>(topk_idx[static_cast<std::size_t>(t) * topk + lane]);
-      w = p.topk_weights[static_cast<std::size_t>(t) * topk + lane];
-    }
-    bool const e_valid = e >= 0 && e < num_experts;
-    // c1. this node: metadata (lane k: column k) and the row, straight into the final rows
-    uint32_t const near = send & own_bits;
-    for (uint32_t m = near; m != 0; m &= m - 1) {
-      int const d = __ffs(m) - 1;
-      std::size_t const r = static_cast<std::size_t>(s_row[warp][d]);
-      char* const dst = p.net.window(d);
-      if (lane < topk) {
-        bool const mine = e_valid && static_cast<int>(e) / num_local == d;
-        reinterpret_cast<int32_t*>(dst + p.layout.normal.recv_idx)[r * topk + lane] =
-            mine ? static_cast<int32_t>(e) - d * num_local : -1;
-        reinterpret_cast<float*>(dst + p.layout.normal.recv_w)[r * topk + lane] = mine ? w : 0.0f;
-      }
-      if (lane == 0) reinterpret_cast<int2*>(dst + p.layout.normal.recv_src)[r] = make_int2(rank, t);
-    }
-    // c2. other nodes (those the layout counted, dropped rows included: the record says -1 there): the row once into
-    //     this rank's window, a record per node, both put to the node's rail at the token's place among its records
-    uint32_t far = 0;
-    for (int n = 0; n < nodes; ++n)
-      if (n != own_node && (mask & node_bits(n, local)) != 0) far |= 1u << n;
-    std::size_t const send_row = p.layout.hier.send_rows + static_cast<std::size_t>(t) * wire_bytes;
-    auto const* const x_row =
-        reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes);
-    if constexpr (kFormat == WireFormat::bf16) {
-      if (near != 0)
-        landing::send_row_chunk<kDispatchUnroll>(
-            x_row, 0, p.hidden / 8, near,
-            [&](int d) {
-              return reinterpret_cast<int4*>(p.net.window(d) + p.layout.normal.recv_x +
-                                             static_cast<std::size_t>(s_row[warp][d]) * row_bytes);
-            },
-            lane);
-      if (far != 0) device::copy_16B<true>(own + send_row, x_row, row_bytes, lane, 32);
-    } else {
-      // one quantization for the own node's destinations and the staged wire row: the staged row stands in the push
-      // as the rail of the first other node (a rank outside this node, so never one of `near`)
-      uint32_t const stage = far != 0 ? 1u << ((__ffs(far) - 1) * local + local_rank) : 0u;
-      if ((near | stage) != 0)
-        push_hier_quantized_row<kFormat, kUnitElems>(p, t, near | stage, s_row[warp], own + send_row, wire, lane);
-    }
-    nvlink_bytes += static_cast<unsigned long long>(__popc(near & ~(1u << rank))) * (wire_bytes + meta_row);
-    // a row to a rail counts as a row to a rank (its record's rows are control words)
-    network_bytes += static_cast<unsigned long long>(__popc(far)) * (wire_bytes + meta_row);
-    network_messages += static_cast<unsigned long long>(__popc(far));
-    if (far == 0) continue;
-    for (uint32_t m = far; m != 0; m &= m - 1) {
-      int const n = __ffs(m) - 1;
-      std::size_t const send_meta =
-          p.layout.hier.send_meta + (static_cast<std::size_t>(n) * max_tokens + t) * meta_bytes;
-      HierRecord const record = hier_record(own + send_meta, local, topk);
-      if (lane == 0) *record.token = t;
-      if (lane < local) record.rows[lane] = s_row[warp][n * local + lane];
-      if (lane < topk) {
-        record.ids[lane] = e_valid ? static_cast<int32_t>(e) : -1;
-        record.weights[lane] = e_valid ? w : 0.0f;
-      }
-      __syncwarp();
-      int const rail = n * local + local_rank;
-      std::size_t const j = static_cast<std::size_t>(p.node_pos[static_cast<std::size_t>(t) * nodes + n]);
-      std::size_t const at = static_cast<std::size_t>(own_node) * max_tokens + j;
-      net.put(rail, p.layout.hier.fwd_rows + at * wire_bytes, send_row, wire_bytes);
-      net.put(rail, p.layout.hier.fwd_meta + at * meta_bytes, send_meta, meta_bytes);
+
+  uint32_t const mask = p.token_mask[t];
+  int row = -1;
+  if (lane < world && ((mask >> lane) & 1u)) {
+    row = s.dest_base[lane] + p.token_pos[static_cast<std::size_t>(t) * world + lane];
+    if (row >= p.recv_capacity) {  // past the receiver's capacity: dropped and counted, as on one node
+      device::record_input_error(p.view, row, true);
+      row = -1;
     }
   }
-  // every warp's arrival at every other node's rail (the signal covers this warp's puts to it)
+  uint32_t const send = __ballot_sync(0xffffffffu, row >= 0);
+  if (lane < world) s.row[warp][lane] = row;
+  __syncwarp();
+  if (lane == 0) {
+    // the combine's senders of t: the ranks of this node that hold it, and the rail of every other node that does
+    uint32_t senders = send & own_bits;
+    for (int n = 0; n < nodes; ++n)
+      if (n != own_node && (send & node_bits(n, local)) != 0) senders |= 1u << (n * local + local_rank);
+    p.hier_mask[t] = senders;
+    if (send != mask) p.token_mask[t] = send;
+  }
+  int64_t e = -1;
+  float w = 0.0f;
+  if (lane < topk) {
+    e = static_cast<int64_t>(topk_idx[static_cast<std::size_t>(t) * topk + lane]);
+    w = p.topk_weights[static_cast<std::size_t>(t) * topk + lane];
+  }
+  bool const e_valid = e >= 0 && e < p.num_experts;
+  // c1. this node: metadata (lane k: column k) and the row, straight into the final rows
+  uint32_t const near = send & own_bits;
+  for (uint32_t m = near; m != 0; m &= m - 1) {
+    int const d = __ffs(m) - 1;
+    std::size_t const r = static_cast<std::size_t>(s.row[warp][d]);
+    char* const dst = p.net.window(d);
+    if (lane < topk) {
+      bool const mine = e_valid && static_cast<int>(e) / num_local == d;
+      reinterpret_cast<int32_t*>(dst + p.layout.normal.recv_idx)[r * topk + lane] =
+          mine ? static_cast<int32_t>(e) - d * num_local : -1;
+      reinterpret_cast<float*>(dst + p.layout.normal.recv_w)[r * topk + lane] = mine ? w : 0.0f;
+    }
+    if (lane == 0) reinterpret_cast<int2*>(dst + p.layout.normal.recv_src)[r] = make_int2(rank, t);
+  }
+  // c2. other nodes (those the layout counted, dropped rows included: the record says -1 there)
+  uint32_t far = 0;
   for (int n = 0; n < nodes; ++n)
-    if (n != own_node)
-      net.signal(n * local + local_rank,
-                 p.layout.hier.fwd_signal + static_cast<std::size_t>(own_node) * sizeof(uint64_t),
-                 device::arrival_share(global_warp, num_warps));
-  net.flush();
-  net.close();
+    if (n != own_node && (mask & node_bits(n, local)) != 0) far |= 1u << n;
+  std::size_t const send_row = p.layout.hier.send_rows + static_cast<std::size_t>(t) * wire_bytes;
+  auto const* const x_row =
+      reinterpret_cast<int4 const*>(static_cast<char const*>(p.x) + static_cast<std::size_t>(t) * row_bytes);
+  if constexpr (kFormat == WireFormat::bf16) {
+    if (near != 0)
+      landing::send_row_chunk<kDispatchUnroll>(
+          x_row, 0, p.hidden / 8, near,
+          [&](int d) {
+            return reinterpret_cast<int4*>(p.net.window(d) + p.layout.normal.recv_x +
+                                           static_cast<std::size_t>(s.row[warp][d]) * row_bytes);
+          },
+          lane);
+    if (far != 0) device::copy_16B<true>(own + send_row, x_row, row_bytes, lane, 32);
+  } else {
+    // one quantization for the own node's destinations and the staged wire row: the staged row stands in the push as
+    // the rail of the first other node (a rank outside this node, so never one of `near`)
+    uint32_t const stage = far != 0 ? 1u << ((__ffs(far) - 1) * local + local_rank) : 0u;
+    if ((near | stage) != 0)
+      push_hier_quantized_row<kFormat, kUnitElems>(p, t, near | stage, s.row[warp], own + send_row, wire, lane);
+  }
+  link.nvlink_bytes += static_cast<unsigned long long>(__popc(near & ~(1u << rank))) * (wire_bytes + meta_row);
+  // a row to a rail counts as a row to a rank (its record's rows are control words)
+  link.network_bytes += static_cast<unsigned long long>(__popc(far)) * (wire_bytes + meta_row);
+  link.network_messages += static_cast<unsigned long long>(__popc(far));
+  for (uint32_t m = far; m != 0; m &= m - 1) {
+    int const n = __ffs(m) - 1;
+    std::size_t const send_meta = p.layout.hier.send_meta + (static_cast<std::size_t>(n) * max_tokens + t) * meta_bytes;
+    HierRecord const record = hier_record(own + send_meta, local, topk);
+    if (lane == 0) *record.token = t;
+    if (lane < local) record.rows[lane] = s.row[warp][n * local + lane];
+    if (lane < topk) {
+      record.ids[lane] = e_valid ? static_cast<int32_t>(e) : -1;
+      record.weights[lane] = e_valid ? w : 0.0f;
+    }
+    __syncwarp();
+    int const rail = n * local + local_rank;
+    std::size_t const j = static_cast<std::size_t>(p.node_pos[static_cast<std::size_t>(t) * nodes + n]);
+    std::size_t const at = static_cast<std::size_t>(own_node) * max_tokens + j;
+    net.put(rail, p.layout.hier.fwd_rows + at * wire_bytes, send_row, wire_bytes);
+    net.put(rail, p.layout.hier.fwd_meta + at * meta_bytes, send_meta, meta_bytes);
+  }
+}
 
-  // d. rail: the records of this rank's peers on other nodes, once their signals say every put arrived
+// d. rail: the records of this rank's peers on other nodes, once their signals say every put arrived (a CTA-wide
+//    bounded wait; false for the whole CTA when one did not), each record's row forwarded to the ranks of its node
+//    named in it (NVLink stores of the row and its metadata into their final rows; a wire row split into the
+//    delivered payload, scales and token scale, bytes unchanged).
+template <WireFormat kFormat, class Net>
+__device__ __forceinline__ bool hier_forward(HierDispatchParams<Net> const& p, HierShared const& s, uint64_t seq,
+                                             bool aborted, LinkCount& link) {
+  auto const [world, rank, tid, lane, warp, cta, nodes, local, own_node, local_rank, global_warp, num_warps] =
+      hier_ids(p);
+  char* const own = p.net.local();
+  int const topk = p.topk;
+  int const num_local = p.num_local_experts;
+  std::size_t const row_bytes = static_cast<std::size_t>(p.hidden) * 2;
+  WireRowLayout const wire = wire::make_row_layout(kFormat, p.hidden);
+  std::size_t const wire_bytes = kFormat == WireFormat::bf16 ? row_bytes : wire.row_bytes;
+  std::size_t const meta_row = static_cast<std::size_t>(topk) * 8 + sizeof(int2);
   {
     auto rail = p.network.open(transport::Cta{}, cta * kWarps);
     bool ok = true;
@@ -401,10 +421,10 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
                      device::arrivals_for(seq), n * local + local_rank, WaitPhase::dispatch_data);
     }
     rail.close();
-    if (!ok) return;
+    if (!ok) return false;
   }
-  for (int item = global_warp; !aborted && item < s_fwd_first[nodes]; item += num_warps) {
-    auto const [n, at, record] = hier_rail_item(p, own, s_fwd_first, item);
+  for (int item = global_warp; !aborted && item < s.fwd_first[nodes]; item += num_warps) {
+    auto const [n, at, record] = hier_rail_item(p, own, s.fwd_first, item);
     int const source = n * local + local_rank;
     char const* const fwd_row = own + p.layout.hier.fwd_rows + at * wire_bytes;
     int const t = *record.token;
@@ -419,22 +439,19 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
       int const r = __shfl_sync(0xffffffffu, row, l);
       if (r < 0) continue;
       int const d = own_node * local + l;
-      if (d != rank) nvlink_bytes += wire_bytes + meta_row;
+      if (d != rank) link.nvlink_bytes += wire_bytes + meta_row;
       char* const dst = p.net.window(d);
+      std::size_t const rr = static_cast<std::size_t>(r);
       if (lane < topk) {
         bool const mine = id >= 0 && id / num_local == d;
-        reinterpret_cast<int32_t*>(dst + p.layout.normal.recv_idx)[static_cast<std::size_t>(r) * topk + lane] =
-            mine ? id - d * num_local : -1;
-        reinterpret_cast<float*>(dst + p.layout.normal.recv_w)[static_cast<std::size_t>(r) * topk + lane] =
-            mine ? weight : 0.0f;
+        reinterpret_cast<int32_t*>(dst + p.layout.normal.recv_idx)[rr * topk + lane] = mine ? id - d * num_local : -1;
+        reinterpret_cast<float*>(dst + p.layout.normal.recv_w)[rr * topk + lane] = mine ? weight : 0.0f;
       }
       if (lane == 0) reinterpret_cast<int2*>(dst + p.layout.normal.recv_src)[r] = make_int2(source, t);
       // coherent loads: the network wrote the row during this kernel
       if constexpr (kFormat == WireFormat::bf16) {
-        device::copy_16B<false>(dst + p.layout.normal.recv_x + static_cast<std::size_t>(r) * row_bytes, fwd_row, row_bytes,
-                                lane, 32);
+        device::copy_16B<false>(dst + p.layout.normal.recv_x + rr * row_bytes, fwd_row, row_bytes, lane, 32);
       } else {
-        std::size_t const rr = static_cast<std::size_t>(r);
         copy_piece_warp(dst + p.qdst.payload + rr * p.qdst.payload_stride, fwd_row, wire.payload_bytes, lane);
         copy_piece_warp(dst + p.qdst.scales + rr * p.qdst.scales_stride, fwd_row + wire.scales_offset,
                         static_cast<std::size_t>(wire.num_scales) * wire.scale_bytes, lane);
@@ -444,21 +461,22 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
       }
     }
   }
+  return true;
+}
 
-  if (lane == 0) {
-    atomicAdd(&p.state->hier.bytes_running[0][0], network_bytes);
-    atomicAdd(&p.state->hier.bytes_running[0][1], nvlink_bytes);
-    atomicAdd(&p.state->hier.bytes_running[0][2], network_messages);
-  }
-
-  // e. arrival; the last CTA signals every rank of this node, for its own rows and every source it forwarded
-  // NOTE: one fence per CTA, as normal/dispatch.cuh: the barrier orders every thread's stores before thread 0's fence.
+// e. arrival; the last CTA (s.last) signals every rank of this node, for its own rows and every source it forwarded.
+// NOTE: one fence per CTA, as normal/dispatch.cuh: the barrier orders every thread's stores before thread 0's fence.
+template <class Net>
+__device__ __forceinline__ void hier_signal_rows(HierDispatchParams<Net> const& p, HierShared& s, uint64_t seq) {
+  auto const [world, rank, tid, lane, warp, cta, nodes, local, own_node, local_rank, global_warp, num_warps] =
+      hier_ids(p);
   __syncthreads();
   if (tid == 0) {
     device::arch::fence_acq_rel_sys();
-    unsigned long long const old = atomicAdd(reinterpret_cast<unsigned long long*>(&p.state->normal.dispatch_done), 1ull);
-    s_last = old == static_cast<unsigned long long>(p.num_ctas - 1);
-    if (s_last) {
+    unsigned long long const old =
+        atomicAdd(reinterpret_cast<unsigned long long*>(&p.state->normal.dispatch_done), 1ull);
+    s.last = old == static_cast<unsigned long long>(p.num_ctas - 1);
+    if (s.last) {
       device::arch::fence_acq_rel_sys();  // every CTA's rows before the signals
       for (int l = 0; l < local; ++l) {
         int const d = own_node * local + l;
@@ -466,42 +484,65 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
         for (int n = 0; n < nodes; ++n)
           if (n != own_node)
             p.net.store_signal(
-                d, p.layout.normal.data_signal + static_cast<std::size_t>(n * local + local_rank) * sizeof(uint64_t), seq);
+                d, p.layout.normal.data_signal + static_cast<std::size_t>(n * local + local_rank) * sizeof(uint64_t),
+                seq);
       }
     }
   }
   __syncthreads();
-  // without a receiver pass only the last CTA waits; with one, every CTA waits for every source's rows
-  bool const recv_pass = kFormat != WireFormat::bf16 && p.recv_pass != RecvPass::none && !aborted;
-  if (!s_last && !recv_pass) return;
-  if (tid < world) {
-    uint64_t observed = 0;
-    if (!device::wait_signal_geq_value(p.view, reinterpret_cast<uint64_t const*>(own + p.layout.normal.data_signal) + tid, seq,
-                                       tid, WaitPhase::dispatch_data, &observed)) {
-      s_ok = 0;
-    } else if (observed != seq) {
-      device::record_out_of_step(p.view, tid, WaitPhase::dispatch_data, seq, observed);
-      s_ok = 0;
-    }
+}
+
+template <typename IdxT, WireFormat kFormat, int kUnitElems, class Net>
+__global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatchParams<Net> const p) {
+  static_assert((kFormat == WireFormat::bf16) == (kUnitElems == 0), "bf16 rows are copied; quantized rows need a unit");
+  __shared__ HierShared s;
+  auto const [world, rank, tid, lane, warp, cta, nodes, local, own_node, local_rank, global_warp, num_warps] =
+      hier_ids(p);
+  auto const [seq, parity] = hier_call(p.state->normal.dispatch_seq);
+  if (tid == 0) {
+    s.ok = 1;
+    s.aborted = 0;
   }
   __syncthreads();
-  if (!s_ok) return;
+
+  if (!wait_hier_count_rows(p, s, seq, parity)) return;  // a.
+  bool const aborted = s.aborted != 0;                     // the same on every CTA of every rank
+  hier_bases(p, s, parity, aborted);                       // b.
+
+  // c. push: warp per token; then every warp's arrival at every other node's rail (the signal covers this warp's
+  //    puts to it)
+  LinkCount link;
+  auto net = p.network.open(transport::Warp{}, global_warp);
+  for (int t = global_warp; !aborted && t < p.num_tokens; t += num_warps)
+    hier_push_token<IdxT, kFormat, kUnitElems>(p, s, net, t, link);
+  for (int n = 0; n < nodes; ++n)
+    if (n != own_node)
+      net.signal(n * local + local_rank,
+                 p.layout.hier.fwd_signal + static_cast<std::size_t>(own_node) * sizeof(uint64_t),
+                 device::arrival_share(global_warp, num_warps));
+  net.flush();
+  net.close();
+
+  if (!hier_forward<kFormat>(p, s, seq, aborted, link)) return;  // d.
+  if (lane == 0) {
+    atomicAdd(&p.state->hier.bytes_running[0][0], link.network_bytes);
+    atomicAdd(&p.state->hier.bytes_running[0][1], link.nvlink_bytes);
+    atomicAdd(&p.state->hier.bytes_running[0][2], link.network_messages);
+  }
+
+  hier_signal_rows(p, s, seq);  // e.
+  // without a receiver pass only the last CTA waits; with one, every CTA waits for every source's rows
+  bool const recv_pass = kFormat != WireFormat::bf16 && p.recv_pass != RecvPass::none && !aborted;
+  if (!s.last && !recv_pass) return;
+  if (!wait_rows(p, s, seq)) return;
   if (recv_pass) {
-    // the local pass over the received rows (every source's rows have landed: acquired above)
-    if (tid == 0) {
-      int32_t total = 0;
-      for (int s = 0; s < world; ++s)
-        total += count_value(device::arch::load_relaxed_sys_u64(count_word(own, p.layout, parity, world, s, 1 + rank)));
-      s_num_recv = total < p.recv_capacity ? total : p.recv_capacity;
-    }
-    __syncthreads();
-    if constexpr (kFormat != WireFormat::bf16) dispatch_recv_pass<kFormat>(p, s_num_recv);
-    if (!s_last) return;
+    if constexpr (kFormat != WireFormat::bf16) run_recv_pass<kFormat>(p, s, parity);
+    if (!s.last) return;
     __syncthreads();
   }
 
   // outputs (normal/dispatch.cuh's step 8; the expert counts, where rows were dropped, counted in place)
-  write_dispatch_outputs(p, own, parity, aborted, p.expert_counts, s_total);
+  write_dispatch_outputs(p, p.net.local(), parity, aborted, p.expert_counts, s.total);
   __syncthreads();
   if (tid == 0) {
     // every CTA added its bytes before its arrival (fenced): the call's totals

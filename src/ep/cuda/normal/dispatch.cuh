@@ -514,8 +514,9 @@ __device__ __forceinline__ void signal_rows(DispatchParams const& p, DispatchSha
 }
 
 // 6b. every source's rows (thread s waits for source s's signal; acquire). False (for the whole CTA) when a source
-//     did not arrive or is out of step (recorded).
-__device__ __forceinline__ bool wait_rows(DispatchParams const& p, DispatchShared& s, uint64_t seq) {
+//     did not arrive or is out of step (recorded). (The hierarchical dispatch's too: Shared has ok.)
+template <class Shared>
+__device__ __forceinline__ bool wait_rows(DispatchParams const& p, Shared& s, uint64_t seq) {
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   if (tid < world) {
     uint64_t observed = 0;
@@ -534,9 +535,9 @@ __device__ __forceinline__ bool wait_rows(DispatchParams const& p, DispatchShare
 }
 
 // 7. the local pass over the received rows (every source's rows have landed: acquired by wait_rows), spread over the
-//    grid: num_recv from the count rows first.
-template <WireFormat kFormat>
-__device__ __forceinline__ void run_recv_pass(DispatchParams const& p, DispatchShared& s, int parity) {
+//    grid: num_recv from the count rows first. (The hierarchical dispatch's too: Shared has ok and num_recv.)
+template <WireFormat kFormat, class Shared>
+__device__ __forceinline__ void run_recv_pass(DispatchParams const& p, Shared& s, int parity) {
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   if (tid == 0) {
     int32_t total = 0;
