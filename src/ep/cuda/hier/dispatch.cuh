@@ -36,7 +36,7 @@
 
 #include "comm/device/memory.cuh"
 #include "comm/device/signal.cuh"
-#include "ep/cuda/normal/dispatch.cuh"  // count_offset, count_word, count_value, repeated_id
+#include "ep/cuda/normal/dispatch.cuh"  // count_offset, count_word, count_value, token_destinations
 #include "ep/cuda/hier/params.cuh"
 #include "ep/cuda/landing.cuh"  // send_row_chunk
 
@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_layout_kernel(HierDispatchPa
   int const topk = p.topk;
   int const num_experts = p.num_experts;
   int const num_local = p.num_local_experts;
-  int const columns = world + nodes;
+  int const columns = world + nodes;  // destination ranks, then the other nodes
   auto const* topk_idx = static_cast<IdxT const*>(p.topk_idx);
   if (tid == 0) s_bad = 0;
   for (int i = tid; i < columns + num_experts; i += kThreads) s_cnt[i] = 0;
@@ -77,27 +77,8 @@ __global__ void __launch_bounds__(kThreads, 1) hier_layout_kernel(HierDispatchPa
   for (int base = 0; base < p.num_tokens; base += kThreads) {
     int const t = base + tid;
     bool const valid = t < p.num_tokens;
-    int64_t ids[kMaxTopk];
-#pragma unroll
-    for (int k = 0; k < kMaxTopk; ++k)
-      ids[k] = valid && k < topk ? static_cast<int64_t>(topk_idx[static_cast<std::size_t>(t) * topk + k]) : -1;
-    uint32_t mask = 0;
-#pragma unroll
-    for (int k = 0; k < kMaxTopk; ++k) {
-      int64_t const e = ids[k];
-      if (e == -1) continue;
-      if (e < -1 || e >= num_experts) {  // counted, and the call is refused on every rank (step 2)
-        device::record_bad_expert_id(p.view, e);
-        s_bad = 1;
-        continue;
-      }
-      mask |= 1u << (static_cast<int>(e) / num_local);
-      atomicAdd(&s_cnt[columns + static_cast<int>(e)], 1);  // a sum: the order does not matter
-    }
-    if (int64_t const repeated = repeated_id(ids, topk); repeated >= 0) {
-      device::record_bad_expert_id(p.view, repeated);
-      s_bad = 1;
-    }
+    // a bad or repeated id refuses the call on every rank (step 2)
+    uint32_t const mask = token_destinations(p, topk_idx, t, valid, s_cnt + columns, s_bad);
     uint32_t node_mask = 0;
     for (int n = 0; n < nodes; ++n)
       if (n != own_node && (mask & node_bits(n, local)) != 0) node_mask |= 1u << n;
@@ -297,8 +278,6 @@ __device__ __forceinline__ void hier_push_token(HierDispatchParams<Net> const& p
       hier_ids(p);
   char* const own = p.net.local();
   int const topk = p.topk;
-  int const num_local = p.num_local_experts;
-  auto const* topk_idx = static_cast<IdxT const*>(p.topk_idx);
   std::size_t const row_bytes = static_cast<std::size_t>(p.hidden) * 2;  // a bf16 row of x
   // what crosses the network per token and node: the bf16 row, or the wire row (payload, scales, token scale)
   WireRowLayout const wire = wire::make_row_layout(kFormat, p.hidden);
@@ -328,27 +307,10 @@ __device__ __forceinline__ void hier_push_token(HierDispatchParams<Net> const& p
     p.hier_mask[t] = senders;
     if (send != mask) p.token_mask[t] = send;
   }
-  int64_t e = -1;
-  float w = 0.0f;
-  if (lane < topk) {
-    e = static_cast<int64_t>(topk_idx[static_cast<std::size_t>(t) * topk + lane]);
-    w = p.topk_weights[static_cast<std::size_t>(t) * topk + lane];
-  }
-  bool const e_valid = e >= 0 && e < p.num_experts;
-  // c1. this node: metadata (lane k: column k) and the row, straight into the final rows
+  TokenEntry const entry = token_entry<IdxT>(p, t, lane);
+  // c1. this node: metadata (as one node's push) and the row, straight into the final rows
   uint32_t const near = send & own_bits;
-  for (uint32_t m = near; m != 0; m &= m - 1) {
-    int const d = __ffs(m) - 1;
-    std::size_t const r = static_cast<std::size_t>(s.row[warp][d]);
-    char* const dst = p.net.window(d);
-    if (lane < topk) {
-      bool const mine = e_valid && static_cast<int>(e) / num_local == d;
-      reinterpret_cast<int32_t*>(dst + p.layout.normal.recv_idx)[r * topk + lane] =
-          mine ? static_cast<int32_t>(e) - d * num_local : -1;
-      reinterpret_cast<float*>(dst + p.layout.normal.recv_w)[r * topk + lane] = mine ? w : 0.0f;
-    }
-    if (lane == 0) reinterpret_cast<int2*>(dst + p.layout.normal.recv_src)[r] = make_int2(rank, t);
-  }
+  push_metadata(p, t, near, s.row[warp], entry, lane);
   // c2. other nodes (those the layout counted, dropped rows included: the record says -1 there)
   uint32_t far = 0;
   for (int n = 0; n < nodes; ++n)
@@ -384,8 +346,8 @@ __device__ __forceinline__ void hier_push_token(HierDispatchParams<Net> const& p
     if (lane == 0) *record.token = t;
     if (lane < local) record.rows[lane] = s.row[warp][n * local + lane];
     if (lane < topk) {
-      record.ids[lane] = e_valid ? static_cast<int32_t>(e) : -1;
-      record.weights[lane] = e_valid ? w : 0.0f;
+      record.ids[lane] = entry.valid ? static_cast<int32_t>(entry.e) : -1;
+      record.weights[lane] = entry.valid ? entry.w : 0.0f;
     }
     __syncwarp();
     int const rail = n * local + local_rank;

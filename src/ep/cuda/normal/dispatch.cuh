@@ -241,6 +241,39 @@ __device__ __forceinline__ CtaTokens cta_tokens(DispatchParams const& p, int cta
                    static_cast<int>(static_cast<int64_t>(p.num_tokens) * (cta + 1) / p.num_ctas)};
 }
 
+// A token's destination ranks (bit d for rank d; world <= 32) from its topk ids, each valid id counted in
+// expert_counts[e] (shared-memory counters: a sum, whose order does not matter). A bad id (outside [-1,
+// num_experts)) or a valid id repeated in the token's row is recorded and sets `bad` (the call is refused on every
+// rank). A token's ids are all loaded before the first is used (one round trip, where a loop that used each id as it
+// came waited for each). Not valid: no ids (a thread past the tokens of its step).
+template <typename IdxT>
+__device__ __forceinline__ uint32_t token_destinations(DispatchParams const& p, IdxT const* topk_idx, int t, bool valid,
+                                                       int32_t* expert_counts, int& bad) {
+  int const topk = p.topk;
+  int64_t ids[kMaxTopk];
+#pragma unroll
+  for (int k = 0; k < kMaxTopk; ++k)
+    ids[k] = valid && k < topk ? static_cast<int64_t>(topk_idx[static_cast<std::size_t>(t) * topk + k]) : -1;
+  uint32_t mask = 0;
+#pragma unroll
+  for (int k = 0; k < kMaxTopk; ++k) {
+    int64_t const e = ids[k];
+    if (e == -1) continue;
+    if (e < -1 || e >= p.num_experts) {
+      device::record_bad_expert_id(p.view, e);
+      bad = 1;
+      continue;
+    }
+    mask |= 1u << (static_cast<int>(e) / p.num_local_experts);
+    atomicAdd(&expert_counts[static_cast<int>(e)], 1);
+  }
+  if (int64_t const repeated = repeated_id(ids, topk); repeated >= 0) {
+    device::record_bad_expert_id(p.view, repeated);
+    bad = 1;
+  }
+  return mask;
+}
+
 // 1. layout of this CTA's tokens, kThreads tokens per step: per token its mask of destinations (token_mask), its
 //    position among this CTA's rows for each (token_pos: warp ballots + a scan over warps), and its entries per expert
 //    (s_cnt). A token's ids are all loaded before the first is used (one round trip, where a loop that used each id as
@@ -249,34 +282,11 @@ template <typename IdxT>
 __device__ __forceinline__ void dispatch_layout(DispatchParams const& p, DispatchShared& s, int32_t* s_cnt,
                                                 CtaTokens tokens) {
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
-  int const topk = p.topk;
-  int const num_experts = p.num_experts;
-  int const num_local = p.num_local_experts;
   auto const* topk_idx = static_cast<IdxT const*>(p.topk_idx);
   for (int base = tokens.t0; base < tokens.t1; base += kThreads) {
     int const t = base + tid;
     bool const valid = t < tokens.t1;
-    int64_t ids[kMaxTopk];
-#pragma unroll
-    for (int k = 0; k < kMaxTopk; ++k)
-      ids[k] = valid && k < topk ? static_cast<int64_t>(topk_idx[static_cast<std::size_t>(t) * topk + k]) : -1;
-    uint32_t mask = 0;
-#pragma unroll
-    for (int k = 0; k < kMaxTopk; ++k) {
-      int64_t const e = ids[k];
-      if (e == -1) continue;
-      if (e < -1 || e >= num_experts) {  // counted, and the call is refused on every rank (step 3)
-        device::record_bad_expert_id(p.view, e);
-        s.bad = 1;
-        continue;
-      }
-      mask |= 1u << (static_cast<int>(e) / num_local);
-      atomicAdd(&s_cnt[world + static_cast<int>(e)], 1);
-    }
-    if (int64_t const repeated = repeated_id(ids, topk); repeated >= 0) {
-      device::record_bad_expert_id(p.view, repeated);
-      s.bad = 1;
-    }
+    uint32_t const mask = token_destinations(p, topk_idx, t, valid, s_cnt + world, s.bad);
     for (int d = 0; d < world; ++d) {
       uint32_t const bits = __ballot_sync(0xffffffffu, (mask >> d) & 1u);
       if (lane == 0) s.warp_cnt[warp][d] = __popc(bits);
@@ -409,31 +419,40 @@ __device__ __forceinline__ void destination_bases(DispatchParams const& p, Dispa
   __syncthreads();
 }
 
+// Lane k's entry of token t (k < topk): its global expert id and weight; -1 and 0 past topk.
+struct TokenEntry {
+  int64_t e;
+  float w;
+  bool valid;  // e is an expert (in [0, num_experts))
+};
+
+template <typename IdxT>
+__device__ __forceinline__ TokenEntry token_entry(DispatchParams const& p, int t, int lane) {
+  int64_t e = -1;
+  float w = 0.0f;
+  if (lane < p.topk) {
+    e = static_cast<int64_t>(static_cast<IdxT const*>(p.topk_idx)[static_cast<std::size_t>(t) * p.topk + lane]);
+    w = p.topk_weights[static_cast<std::size_t>(t) * p.topk + lane];
+  }
+  return TokenEntry{e, w, e >= 0 && e < p.num_experts};
+}
+
 // A token's metadata on every destination of `send` (its rows[d]): lane k writes column k, the local expert id there
 // (-1 where that expert is elsewhere) and its weight, and lane 0 the source (rank, token).
-template <typename IdxT>
 __device__ __forceinline__ void push_metadata(DispatchParams const& p, int t, uint32_t send, int32_t const* rows,
-                                              int lane) {
+                                              TokenEntry const& entry, int lane) {
   int const rank = p.view.rank;
   int const topk = p.topk;
   int const num_local = p.num_local_experts;
-  auto const* topk_idx = static_cast<IdxT const*>(p.topk_idx);
-  int64_t e = -1;
-  float w = 0.0f;
-  if (lane < topk) {
-    e = static_cast<int64_t>(topk_idx[static_cast<std::size_t>(t) * topk + lane]);
-    w = p.topk_weights[static_cast<std::size_t>(t) * topk + lane];
-  }
-  bool const e_valid = e >= 0 && e < p.num_experts;
   for (uint32_t m = send; m != 0; m &= m - 1) {
     int const d = __ffs(m) - 1;
     std::size_t const r = static_cast<std::size_t>(rows[d]);
     char* dst = p.net.window(d);
     if (lane < topk) {
-      bool const local = e_valid && static_cast<int>(e) / num_local == d;
+      bool const local = entry.valid && static_cast<int>(entry.e) / num_local == d;
       reinterpret_cast<int32_t*>(dst + p.layout.normal.recv_idx)[r * topk + lane] =
-          local ? static_cast<int32_t>(e) - d * num_local : -1;
-      reinterpret_cast<float*>(dst + p.layout.normal.recv_w)[r * topk + lane] = local ? w : 0.0f;
+          local ? static_cast<int32_t>(entry.e) - d * num_local : -1;
+      reinterpret_cast<float*>(dst + p.layout.normal.recv_w)[r * topk + lane] = local ? entry.w : 0.0f;
     }
     if (lane == 0) reinterpret_cast<int2*>(dst + p.layout.normal.recv_src)[r] = make_int2(rank, t);
   }
@@ -470,7 +489,7 @@ __device__ __forceinline__ void push_rows(DispatchParams const& p, DispatchShare
       // the source learns which destinations really hold the token (combine sums only those); another chunk of
       // this token may read the updated word, which yields the same `send`
       if (lane == 0 && send != mask) p.token_mask[t] = send;
-      push_metadata<IdxT>(p, t, send, s.row[warp], lane);
+      push_metadata(p, t, send, s.row[warp], token_entry<IdxT>(p, t, lane), lane);
     }
 
     if constexpr (kFormat != WireFormat::bf16) {
