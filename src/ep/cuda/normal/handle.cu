@@ -16,9 +16,9 @@ HandleLayout make_handle_layout(EpConfig const& config, int world, SymLayout con
   std::size_t const rows = static_cast<std::size_t>(config.recv_capacity(world));
   std::size_t const topk = static_cast<std::size_t>(config.topk);
   std::size_t const tokens = static_cast<std::size_t>(config.max_tokens_per_rank);
-  layout.normal.recv_idx = areas.take(rows * topk * sizeof(int32_t));
-  layout.normal.recv_w = areas.take(rows * topk * sizeof(float));
-  layout.normal.recv_src = areas.take(rows * 2 * sizeof(int32_t));
+  layout.recv_idx = areas.take(rows * topk * sizeof(int32_t));
+  layout.recv_w = areas.take(rows * topk * sizeof(float));
+  layout.recv_src = areas.take(rows * 2 * sizeof(int32_t));
   layout.recv_slot = areas.take(rows * topk * sizeof(int32_t));
   layout.token_mask = areas.take(tokens * sizeof(uint32_t));
   layout.state_words = areas.take(kHandleStateWords * sizeof(int32_t));
@@ -28,7 +28,7 @@ HandleLayout make_handle_layout(EpConfig const& config, int world, SymLayout con
   if (sym.nodes > 1) {
     layout.hier_mask = areas.take(tokens * sizeof(uint32_t));
     layout.hier_fwd_count = areas.take(kMaxCudaWorld * sizeof(int32_t));
-    layout.hier.fwd_meta = areas.take(static_cast<std::size_t>(sym.nodes) * tokens * sym.hier_meta_bytes);
+    layout.hier_fwd_meta = areas.take(static_cast<std::size_t>(sym.nodes) * tokens * sym.hier.meta_bytes);
   }
   layout.total = areas.total();
   return layout;
