@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Compares the machine code (SASS, sm_90a) of the cuda backend's kernels between a base tree and this one, on a
 machine without a GPU: for a change meant to leave the kernels' work as it was (a refactor, a seam), or to see what
-a change did to a hot kernel before its A/B is run on the GPU machine.
+a change did to a hot kernel before its A/B is run on a GPU machine.
 
-    scripts/sass-compare.py BASE [FILE.cu ...] [--build DIR] [--kernel REGEX] [--rename PATTERN REPL]
+    tools/dev/sass-compare.py BASE [FILE.cu ...] [--build DIR] [--kernel REGEX] [--rename PATTERN REPL]
                             [--require-same] [--show N]
 
-  BASE       a commit (read with `git archive`) or a tarball of the base tree (as scripts/device-ab.sh takes)
+  BASE       a commit (read with `git archive`) or a tarball of the base tree (as `scripts/gpu-check.sh ab` takes)
   FILE.cu    sources of libferry to compile in both trees (default: every src/ep/cuda/*.cu that both have)
   --build    the configured build of this tree whose compile_commands.json gives the flags (default build)
   --kernel   only the kernels whose demangled name matches REGEX
@@ -46,7 +46,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # tools/dev/ of the source tree
 
 
 def die(message: str) -> None:

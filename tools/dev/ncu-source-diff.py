@@ -3,10 +3,10 @@
 the per-instruction source counters Nsight Compute exports: for a change that leaves a kernel's code nearly the same
 but its time not (sass-compare.py says what changed in the code; this says where the time went).
 
-    scripts/ncu-source-diff.py A.csv B.csv [--region N] [--top N]
+    tools/dev/ncu-source-diff.py A.csv B.csv [--region N] [--top N]
 
   A.csv, B.csv  `ncu -i REPORT --page source --csv --print-source sass` of a report taken with
-                `--section SourceCounters` (scripts/device-ab.sh --source-counters makes both); a report of several
+                `--section SourceCounters` (`scripts/gpu-check.sh ab --source-counters` makes both); a report of several
                 launches of the kernel is summed over them
   --region N    instructions of A per region of the stall table (default 150)
   --top N       rows of each table (default 20)

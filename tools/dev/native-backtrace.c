@@ -1,5 +1,5 @@
-// A preload for locating native crashes on machines without a debugger (the GPU machine has no gdb):
-//   cc -shared -fPIC -O1 -o libnative-backtrace.so scripts/native-backtrace.c -ldl
+// A preload for locating native crashes on machines without a debugger:
+//   cc -shared -fPIC -O1 -o libnative-backtrace.so tools/dev/native-backtrace.c -ldl
 //   LD_PRELOAD=$PWD/libnative-backtrace.so python3 ...
 // On SIGSEGV / SIGBUS / SIGILL / SIGFPE / SIGABRT it writes the faulting address and every frame as
 // "library+offset (nearest exported symbol+offset)" to stderr, then re-raises the signal with the handler that was
