@@ -98,16 +98,14 @@ std::string expect_input_error(Fn&& fn, std::vector<std::string> const& parts) {
   return expect_error<InputError>(std::forward<Fn>(fn), parts);
 }
 
-#ifdef FERRY_CLI_PATH
 struct CliRun {
   int code = -1;       // exit status (-1: did not exit normally)
   std::string output;  // stdout and stderr
 };
 
-// Runs `ferry ARGS` through the shell, stdout and stderr captured together.
-inline CliRun run_ferry(std::string const& args) {
-  std::string const command = std::string(FERRY_CLI_PATH) + " " + args + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
+// Runs a shell command line, stdout and stderr captured together.
+inline CliRun run_shell(std::string const& command) {
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
   CliRun run;
   if (!pipe) return run;
   std::array<char, 4096> buf;
@@ -116,6 +114,12 @@ inline CliRun run_ferry(std::string const& args) {
   int const status = pclose(pipe);
   run.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return run;
+}
+
+#ifdef FERRY_CLI_PATH
+// Runs `ferry ARGS` through the shell, stdout and stderr captured together.
+inline CliRun run_ferry(std::string const& args) {
+  return run_shell(std::string(FERRY_CLI_PATH) + " " + args);
 }
 #endif
 

@@ -1,6 +1,6 @@
 // `ferry p2p`'s options and result records (tools/ferry/p2p_settings.cpp), on the host: the transports and the ops
 // each measures, the emulated transport's knobs, --one-gpu, every refusal naming the option, the value and what is
-// allowed, and the fields that label a record's transport. The measures run in scripts/device-check.sh --p2p.
+// allowed, and the fields that label a record's transport. The measures run in `scripts/gpu-check.sh p2p`.
 #include <gtest/gtest.h>
 
 #include <string>
