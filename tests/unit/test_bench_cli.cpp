@@ -1,12 +1,13 @@
 // `ferry bench` on the cpu backend (tools/ferry/bench.cpp): every mode, routing and wire format at several world sizes,
 // every leg checked against the reference, the --json result file, and bad use of `ferry bench` and `ferry tune`
 // refused by the launching process before any rank starts. The cuda legs and the NCCL baseline run in
-// scripts/device-check.sh; `ferry tune`'s sweep in test_tuning.cpp.
+// `scripts/gpu-check.sh bench`; `ferry tune`'s sweep in test_tuning.cpp.
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <string>
 
+#include "core/util/json.hpp"
 #include "support/host_fixtures.hpp"
 
 namespace ferry::test {
@@ -83,6 +84,134 @@ TEST_F(BenchCli, BackwardLegsPassTheCheckInBothLayouts) {
     EXPECT_EQ(count(records, "\"leg\": \"combine_backward\""), 2) << records;
     EXPECT_EQ(count(records, "\"backward_over_forward\""), 4) << records;
     EXPECT_EQ(count(records, "\"check\": \"pass\""), 8) << records;
+  }
+}
+
+// The --json records field by field: which fields each kind of record has, in which order, and the values a cpu run
+// fixes (the case's shape, formats, layout, route, check; the link bytes equal to ferry model's). Scripts and the
+// A/B tables read these records, so a change of the bench's code must not change them silently. Checked to fail:
+// with host_us written after the fields of a run across nodes, every record of the first run failed the order.
+std::vector<std::string> keys_of(util::json::Value const& record) {
+  std::vector<std::string> keys;
+  for (auto const& member : record.members) keys.push_back(member.first);
+  return keys;
+}
+
+std::string text_of(util::json::Value const& record, char const* key) {
+  util::json::Value const* value = record.find(key);
+  return value && value->is(util::json::Value::Kind::string) ? value->text : "(missing " + std::string(key) + ")";
+}
+
+double number_of(util::json::Value const& record, char const* key) {
+  util::json::Value const* value = record.find(key);
+  return value && value->is(util::json::Value::Kind::number) ? value->number : -1.0;
+}
+
+TEST_F(BenchCli, JsonRecordsKeepTheirFieldsOrderAndValues) {
+  std::vector<std::string> const common = {
+      "mode",        "leg",       "tokens",          "hidden",         "topk",        "experts",
+      "routing",     "format",    "dispatch_format", "combine_format", "layout",      "graph",
+      "graph_calls", "median_us", "p10_us",          "p90_us",         "nvlink_gbps", "logical_gbps",
+      "check"};
+  auto const with = [&](std::vector<std::string> keys, std::vector<std::string> const& more) {
+    keys.insert(keys.end(), more.begin(), more.end());
+    return keys;
+  };
+  std::vector<std::string> const across = {
+      "topology",          "network", "route", "network_bytes", "nvlink_bytes", "network_gbps", "model_network_bytes",
+      "model_nvlink_bytes"};
+  std::vector<std::string> const error = {"error_over_bound", "rel_l2_error"};
+  TempDir const dir;
+  // 1. across emulated nodes, both modes, two format pairs, the host time: every field but the backward ratio
+  std::string const json = dir.file("bench.json");
+  CliRun const run = run_ferry(
+      "bench --backend cpu --topology 2x2 --tokens 8 --hidden 256 --mode both --layout expert --dispatch bf16,fp8"
+      " --combine bf16,fp8 --check --host-time --iters 2 --warmup 1 --seed 5 --json " +
+      json);
+  ASSERT_EQ(run.code, 0) << run.output;
+  EXPECT_TRUE(contains(run.output,
+                       "\nnormal  tokens 8/rank  hidden 256  topk 8  experts 256  routing random  layout "
+                       "expert  world 4  route hierarchical  cpu  dispatch fp8 (row_major)  combine fp8\n"
+                       "leg        median_us     p10_us     p90_us  nvlink_GB/s  logical_GB/s     nccl_us "
+                       " speedup  check\n"))
+      << run.output;
+  util::json::Value const doc = util::json::parse(read_file(json), json);
+  std::vector<std::string> header;
+  for (auto const& member : doc.members) header.push_back(member.first);
+  EXPECT_EQ(header, (std::vector<std::string>{"tool", "version", "commit", "date", "device", "world", "records"}));
+  std::vector<util::json::Value> const& records = doc.find("records")->items;
+  // the cases in order (mode, then the format pairs), dispatch before combine in each; low-latency mode's automatic
+  // route forwards past 2 tokens per rank
+  struct Want {
+    char const* mode;
+    char const* leg;
+    char const* dispatch;
+    char const* combine;
+    char const* route;
+  };
+  std::vector<Want> const want = {{"normal", "dispatch", "bf16", "bf16", "hierarchical"},
+                                  {"normal", "combine", "bf16", "bf16", "hierarchical"},
+                                  {"normal", "dispatch", "fp8", "fp8", "hierarchical"},
+                                  {"normal", "combine", "fp8", "fp8", "hierarchical"},
+                                  {"ll", "dispatch", "bf16", "bf16", "forward"},
+                                  {"ll", "combine", "bf16", "bf16", "forward"},
+                                  {"ll", "dispatch", "fp8", "fp8", "forward"},
+                                  {"ll", "combine", "fp8", "fp8", "forward"}};
+  ASSERT_EQ(records.size(), want.size()) << read_file(json);
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    util::json::Value const& r = records[i];
+    bool const combine = std::string(want[i].leg) == "combine";
+    bool const quantized_combine = combine && std::string(want[i].combine) != "bf16";
+    std::vector<std::string> keys = with(common, quantized_combine ? error : std::vector<std::string>{});
+    keys = with(keys, {"host_us"});
+    EXPECT_EQ(keys_of(r), with(keys, across)) << "record " << i;
+    EXPECT_EQ(text_of(r, "mode"), want[i].mode) << i;
+    EXPECT_EQ(text_of(r, "leg"), want[i].leg) << i;
+    EXPECT_EQ(text_of(r, "dispatch_format"), want[i].dispatch) << i;
+    EXPECT_EQ(text_of(r, "combine_format"), want[i].combine) << i;
+    EXPECT_EQ(text_of(r, "format"), combine ? want[i].combine : want[i].dispatch) << i;
+    EXPECT_EQ(text_of(r, "route"), want[i].route) << i;
+    EXPECT_EQ(text_of(r, "layout"), "expert") << i;
+    EXPECT_EQ(text_of(r, "routing"), "random") << i;
+    EXPECT_EQ(text_of(r, "check"), "pass") << i;
+    EXPECT_EQ(text_of(r, "topology"), "2x2") << i;
+    EXPECT_EQ(text_of(r, "network"), "emulated") << i;
+    EXPECT_EQ(number_of(r, "tokens"), 8) << i;
+    EXPECT_EQ(number_of(r, "hidden"), 256) << i;
+    EXPECT_EQ(number_of(r, "topk"), 8) << i;
+    EXPECT_EQ(number_of(r, "experts"), 256) << i;
+    EXPECT_EQ(number_of(r, "graph_calls"), 1) << i;
+    EXPECT_TRUE(r.find("graph") && r.find("graph")->is(util::json::Value::Kind::boolean) && !r.find("graph")->boolean);
+    EXPECT_GT(number_of(r, "network_bytes"), 0) << i;
+    EXPECT_EQ(number_of(r, "network_bytes"), number_of(r, "model_network_bytes")) << i;
+    for (char const* key : {"median_us", "p10_us", "p90_us", "nvlink_gbps", "logical_gbps", "host_us"})
+      EXPECT_GT(number_of(r, key), 0) << i << " " << key;
+    EXPECT_LE(number_of(r, "p10_us"), number_of(r, "median_us")) << i;
+    EXPECT_LE(number_of(r, "median_us"), number_of(r, "p90_us")) << i;
+    if (quantized_combine) EXPECT_LE(number_of(r, "error_over_bound"), 1.0) << i;
+  }
+  // 2. one node, --backward: the backward records carry their ratio to the forward leg of the same bytes
+  std::string const backward_json = dir.file("backward.json");
+  CliRun const backward = run_ferry(
+      "bench --backend cpu --nproc 2 --tokens 8 --hidden 256 --backward --check --iters 2"
+      " --warmup 1 --seed 5 --json " +
+      backward_json);
+  ASSERT_EQ(backward.code, 0) << backward.output;
+  util::json::Value const bdoc = util::json::parse(read_file(backward_json), backward_json);
+  std::vector<util::json::Value> const& brecords = bdoc.find("records")->items;
+  ASSERT_EQ(brecords.size(), 4u) << read_file(backward_json);
+  char const* const legs[] = {"dispatch", "combine", "dispatch_backward", "combine_backward"};
+  for (std::size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(text_of(brecords[i], "leg"), legs[i]);
+    EXPECT_EQ(keys_of(brecords[i]), i < 2 ? common : with(common, {"backward_over_forward"})) << legs[i];
+    EXPECT_EQ(text_of(brecords[i], "layout"), "rank");
+    EXPECT_EQ(text_of(brecords[i], "check"), "pass");
+  }
+  // each backward leg's ratio is its median over its forward twin's (the combine's bytes for dispatch_backward);
+  // the file holds 6 significant digits
+  for (auto const [backward_leg, forward_leg] : {std::pair{2, 1}, std::pair{3, 0}}) {
+    double const ratio = number_of(brecords[backward_leg], "median_us") / number_of(brecords[forward_leg], "median_us");
+    EXPECT_NEAR(number_of(brecords[backward_leg], "backward_over_forward"), ratio, 1e-4 * ratio) << legs[backward_leg];
   }
 }
 

@@ -655,520 +655,682 @@ void print_floor(Options const& options, Communicator& comm, Backend backend, bo
   }
 }
 
-int run_bench_rank(Options const& options) {
-  Backend const backend = choose_backend(options, false);
-  CommunicatorOptions comm_options;
-  comm_options.backend = backend;
-  comm_options.topology = options.str("topology");
-  auto comm = std::shared_ptr<Communicator>(
-      Communicator::create(make_socket_bootstrap(socket_bootstrap_options_from_env()), comm_options));
-  Topology const topology = comm->topology();
-  bool const across_nodes = topology.nodes > 1;
-  Bootstrap& bootstrap = comm->bootstrap();
-  int const world = comm->world();
-  int const rank = comm->rank();
-  bool const graph = options.flag("graph");
-  bool const check = options.flag("check");
-  bool const backward = options.flag("backward");
-  std::string const baseline = options.str("baseline");
-  check_run_options(options, backend);
-  CombineLayout const user_layout =
-      options.str("layout") == "expert" ? CombineLayout::expert_major : CombineLayout::rank_major;
-
-  // One seed for every rank: rank 0 draws it (or takes --seed) and broadcasts it.
-  uint64_t seed = static_cast<uint64_t>(options.integer("seed"));
-  if (seed == 0) seed = (static_cast<uint64_t>(std::random_device{}()) << 20) ^ std::random_device{}();
-  bootstrap.broadcast(&seed, sizeof(seed), 0);
-  std::string const device = device_name(backend);
-  if (rank == 0)
-    std::printf("ferry bench: %d ranks, backend %s (%s), seed %llu%s%s\n", world, backend_name(backend), device.c_str(),
-                static_cast<unsigned long long>(seed), graph ? ", graph mode" : "",
-                across_nodes ? detail::concat(", topology ", topology_name(topology),
-                                              " (emulated nodes on one host: the network figures are not network "
-                                              "measurements)")
-                                   .c_str()
-                             : "");
-
-  if (options.flag("floor")) print_floor(options, *comm, backend, graph);
-
+// The run: what every case shares. Set up by start_run (collective: every rank makes the communicator and learns the
+// seed), added to by each case (its records), read at the end (the comparisons and --json).
+struct BenchRun {
+  Options const& options;
+  Backend backend = Backend::cpu;
+  std::shared_ptr<Communicator> comm;
+  Topology topology;
+  bool across_nodes = false;
+  int world = 0, rank = 0;
+  bool graph = false, check = false, backward = false;
+  int warmup = 0, iters = 0, graph_calls = 0;
+  CombineLayout user_layout = CombineLayout::rank_major;
+  uint64_t seed = 0;
+  std::string device;
   std::vector<Record> records;
-  Shape last_shape;
-  int const warmup = options.integer("warmup");
-  int const iters = options.integer("iters");
-  int const graph_calls = options.integer("graph-calls");
-  for (RoutingKind kind : routing_kinds(options)) {
-    // (mode, tokens, formats, route): --mode both times both modes at each size, every format pair at each, and
-    // low-latency mode every --route (normal mode always forwards: its route stays automatic)
-    std::vector<std::tuple<Mode, int, std::pair<WireFormat, WireFormat>, InternodeRoute>> runs;
-    for (int tokens : options.int_list("tokens"))
-      for (Mode mode : bench_modes(options)) {
-        // --mode both: low-latency mode stops at kMaxLowLatencyTokens; larger sizes run in normal mode only
-        if (mode == Mode::low_latency && tokens > kMaxLowLatencyTokens && bench_modes(options).size() > 1) {
-          if (rank == 0 && kind == routing_kinds(options).front())
-            std::printf("note: %d tokens/rank is past low-latency mode's %d: normal mode only at that size\n", tokens,
-                        kMaxLowLatencyTokens);
-          continue;
-        }
-        for (auto const& formats : format_pairs(options))
-          for (InternodeRoute route : mode == Mode::low_latency
-                                          ? bench_routes(options)
-                                          : std::vector<InternodeRoute>{InternodeRoute::automatic})
-            runs.emplace_back(mode, tokens, formats, route);
+  Shape last_shape;  // the last case's: --json's hidden, topk and experts
+};
+
+// The communicator, the options every case reads, and one seed for every rank (rank 0 draws it or takes --seed and
+// broadcasts it); rank 0 prints the run's first line.
+BenchRun start_run(Options const& options) {
+  BenchRun run{options};
+  run.backend = choose_backend(options, false);
+  CommunicatorOptions comm_options;
+  comm_options.backend = run.backend;
+  comm_options.topology = options.str("topology");
+  run.comm = std::shared_ptr<Communicator>(
+      Communicator::create(make_socket_bootstrap(socket_bootstrap_options_from_env()), comm_options));
+  run.topology = run.comm->topology();
+  run.across_nodes = run.topology.nodes > 1;
+  run.world = run.comm->world();
+  run.rank = run.comm->rank();
+  run.graph = options.flag("graph");
+  run.check = options.flag("check");
+  run.backward = options.flag("backward");
+  check_run_options(options, run.backend);
+  run.user_layout = options.str("layout") == "expert" ? CombineLayout::expert_major : CombineLayout::rank_major;
+  run.warmup = options.integer("warmup");
+  run.iters = options.integer("iters");
+  run.graph_calls = options.integer("graph-calls");
+
+  run.seed = static_cast<uint64_t>(options.integer("seed"));
+  if (run.seed == 0) run.seed = (static_cast<uint64_t>(std::random_device{}()) << 20) ^ std::random_device{}();
+  run.comm->bootstrap().broadcast(&run.seed, sizeof(run.seed), 0);
+  run.device = device_name(run.backend);
+  if (run.rank == 0)
+    std::printf("ferry bench: %d ranks, backend %s (%s), seed %llu%s%s\n", run.world, backend_name(run.backend),
+                run.device.c_str(), static_cast<unsigned long long>(run.seed), run.graph ? ", graph mode" : "",
+                run.across_nodes ? detail::concat(", topology ", topology_name(run.topology),
+                                                  " (emulated nodes on one host: the network figures are not network "
+                                                  "measurements)")
+                                       .c_str()
+                                 : "");
+  return run;
+}
+
+// One case of the run: a routing, a mode, a size, a pair of wire formats and a route.
+struct CaseKey {
+  RoutingKind kind;
+  Mode mode;
+  int tokens;
+  std::pair<WireFormat, WireFormat> formats;
+  InternodeRoute route;
+};
+
+// The cases of one routing: --mode both times both modes at each size, every format pair at each, and low-latency
+// mode every --route (normal mode always forwards: its route stays automatic).
+std::vector<CaseKey> routing_cases(BenchRun const& run, RoutingKind kind) {
+  Options const& options = run.options;
+  std::vector<CaseKey> cases;
+  for (int tokens : options.int_list("tokens"))
+    for (Mode mode : bench_modes(options)) {
+      // --mode both: low-latency mode stops at kMaxLowLatencyTokens; larger sizes run in normal mode only
+      if (mode == Mode::low_latency && tokens > kMaxLowLatencyTokens && bench_modes(options).size() > 1) {
+        if (run.rank == 0 && kind == routing_kinds(options).front())
+          std::printf("note: %d tokens/rank is past low-latency mode's %d: normal mode only at that size\n", tokens,
+                      kMaxLowLatencyTokens);
+        continue;
       }
-    for (auto const& [mode, tokens, formats, user_route] : runs) {
-      Shape shape = make_shape(options, world, tokens, kind, seed + tokens, mode, formats, user_route);
-      EpConfig& config = shape.config;
-      bool const ll = mode == Mode::low_latency;
-      // NOTE: low-latency mode returns the expert-major layout (its slots default to the worst case), so its combine
-      // takes expert outputs: identity experts = a copy of expert_x.
-      CombineLayout const layout = ll ? CombineLayout::expert_major : user_layout;
-      // Every rank's input (a pure function of the seed): the reference needs them all.
-      std::vector<ref::RankInput> inputs;
-      for (int r = 0; r < world; ++r) inputs.push_back(make_input(shape, world, r, tokens));
-      ref::RankInput const& mine = inputs[rank];
-      if (layout == CombineLayout::expert_major && !ll) {
-        int capacity = options.integer("expert-capacity");
-        if (capacity == 0) {
-          // The largest load any local expert of any rank sees under this routing.
-          std::vector<int> load(config.num_experts, 0);
-          for (auto const& in : inputs)
-            for (int64_t e : in.topk_idx)
-              if (e >= 0) ++load[e];
-          capacity = std::max(1, *std::max_element(load.begin(), load.end()));
-        }
-        config.expert_capacity = capacity;
-      }
-      EpBuffer buffer(comm, config);
-      config = buffer.config();  // resolved (ll: expert slots)
-      // across nodes: the route the legs take (normal mode: forward, hierarchical); low-latency mode's direct route
-      // sums the ranks' rows as one node of every rank does, so its combine reference is that node's
-      InternodeRoute const route = config.route();
-      char const* const route_label = !across_nodes ? "" : ll ? internode_route_name(route) : "hierarchical";
-      Topology const combine_topology =
-          ll && route == InternodeRoute::direct ? Topology{1, topology.world()} : topology;
-      BenchMemory memory(backend);
-      int const hidden = config.hidden;
-      std::size_t const row_bytes = static_cast<std::size_t>(hidden) * 2;
-      void* x = memory.alloc(std::max<std::size_t>(1, tokens * row_bytes));
-      void* idx = memory.alloc(std::max<std::size_t>(1, mine.topk_idx.size() * sizeof(int64_t)));
-      void* weights = memory.alloc(std::max<std::size_t>(1, mine.topk_weights.size() * sizeof(float)));
-      void* y = memory.alloc(std::max<std::size_t>(1, tokens * row_bytes));
-      memory.upload(x, mine.x.data(), tokens * row_bytes);
-      memory.upload(idx, mine.topk_idx.data(), mine.topk_idx.size() * sizeof(int64_t));
-      memory.upload(weights, mine.topk_weights.data(), mine.topk_weights.size() * sizeof(float));
+      for (auto const& formats : format_pairs(options))
+        for (InternodeRoute route :
+             mode == Mode::low_latency ? bench_routes(options) : std::vector<InternodeRoute>{InternodeRoute::automatic})
+          cases.push_back({kind, mode, tokens, formats, route});
+    }
+  return cases;
+}
 
-      DispatchArgs dargs;
-      dargs.x = x;
-      dargs.num_tokens = tokens;
-      dargs.topk_idx = idx;
-      dargs.topk_idx_type = IndexType::int64;
-      dargs.topk_weights = static_cast<float const*>(weights);
-      dargs.expand = layout == CombineLayout::expert_major;
+// Every rank's input of a case (a pure function of the seed: the reference needs them all).
+std::vector<ref::RankInput> make_inputs(Shape const& shape, int world, int tokens) {
+  std::vector<ref::RankInput> inputs;
+  for (int r = 0; r < world; ++r) inputs.push_back(make_input(shape, world, r, tokens));
+  return inputs;
+}
 
-      // 1. one eager dispatch: exact counts, and the combine input (identity experts: the bf16 rows that arrived; for
-      //    a quantized delivery, their dequantized values, computed by the reference)
-      DispatchResult result = buffer.dispatch(dargs, memory.stream());
-      int64_t const num_recv = result.num_recv_host;
-      bool const quantized_out = config.delivers_quantized();
-      std::optional<ref::RankDispatch> want;  // every rank's inputs through the reference (quantized delivery, --check)
-      if (quantized_out || check) want = ref::dispatch(config, world, rank, inputs);
-      std::size_t const combine_rows =
-          layout == CombineLayout::expert_major
-              ? static_cast<std::size_t>(config.num_local_experts(world)) * config.expert_slots()
-              : static_cast<std::size_t>(std::max<int64_t>(num_recv, 1));
-      void* combine_in = memory.alloc(combine_rows * row_bytes);
-      auto const fill_combine_input = [&](DispatchResult const& from) {
-        if (!quantized_out) {
-          memory.copy(
-              combine_in, layout == CombineLayout::expert_major ? from.expert_x : from.recv_x,
-              (layout == CombineLayout::expert_major ? combine_rows : static_cast<std::size_t>(num_recv)) * row_bytes);
-        } else if (layout == CombineLayout::expert_major) {
-          std::vector<uint16_t> const rows = ref::expand(config, world, *want);
-          memory.upload(combine_in, rows.data(), rows.size() * 2);
-        } else {
-          memory.upload(combine_in, want->recv_x.data(), want->recv_x.size() * 2);
-        }
-      };
-      fill_combine_input(result);
-      memory.synchronize();
-      CombineArgs cargs;
-      cargs.layout = layout;
-      cargs.x = combine_in;
-      cargs.y = y;
+// The config a case's EpBuffer is made with: normal mode's expert-major layout gets --expert-capacity, or (0) the
+// largest load any local expert of any rank sees under this routing.
+EpConfig with_expert_capacity(EpConfig config, Options const& options, CombineLayout layout, bool ll,
+                              std::vector<ref::RankInput> const& inputs) {
+  if (layout != CombineLayout::expert_major || ll) return config;
+  int capacity = options.integer("expert-capacity");
+  if (capacity == 0) {
+    std::vector<int> load(config.num_experts, 0);
+    for (auto const& in : inputs)
+      for (int64_t e : in.topk_idx)
+        if (e >= 0) ++load[e];
+    capacity = std::max(1, *std::max_element(load.begin(), load.end()));
+  }
+  config.expert_capacity = capacity;
+  return config;
+}
 
-      // 2. timed legs; a barrier before each so the ranks start together
-      dargs.eager = false;
-      cargs.eager = false;
-      auto const time_leg = [&](std::function<void()> const& enqueue, bool use_graph) {
-        return summarize(bench::time_leg(memory, *comm, enqueue, use_graph, warmup, iters, graph_calls));
-      };
-      LegStats const dispatch_stats = time_leg([&] { buffer.dispatch(dargs, memory.stream()); }, graph);
-      LegStats const combine_stats = time_leg([&] { buffer.combine(cargs, memory.stream()); }, graph);
-      // 2a. --host-time: the host's side of the same lazy calls (each leg alone, then dispatch + combine pairs)
-      std::vector<double> host_us;  // dispatch, combine, pair
-      if (options.flag("host-time")) {
-        auto const host_leg = [&](std::function<void()> const& enqueue) {
-          return summarize(bench::host_time(memory, *comm, enqueue, warmup, iters, kHostTimeCalls)).median_us;
-        };
-        double const d = host_leg([&] { buffer.dispatch(dargs, memory.stream()); });
-        double const c = host_leg([&] { buffer.combine(cargs, memory.stream()); });
-        double const pair = host_leg([&] {
-          buffer.dispatch(dargs, memory.stream());
-          buffer.combine(cargs, memory.stream());
-        });
-        host_us = max_over_ranks(bootstrap, {d, c, pair}, options.flag("per-rank"), "host time");
-      }
+// A case set up: its shape, every rank's inputs, the buffer, this rank's tensors and one eager dispatch (exact counts,
+// and the combine input of identity experts: the bf16 rows that arrived; for a quantized delivery, their dequantized
+// values, computed by the reference). Members are made in this order (the buffer before the bench's memory).
+struct Case {
+  Case(BenchRun const& run, CaseKey const& key);
+  Case(Case const&) = delete;
+  Case& operator=(Case const&) = delete;
 
-      // 2b. --trace: one more call of each leg with the in-kernel recorder on, dumped per rank (ferry trace reads it)
-      if (!options.str("trace").empty()) {
-        int64_t const events = env_optional_int("FERRY_TRACE_EVENTS").value_or(0);  // events per warp
-        buffer.enable_trace(events > 0 ? static_cast<int>(events) : 1024);
-        comm->barrier(memory.stream());
-        buffer.dispatch(dargs, memory.stream());
-        comm->barrier(memory.stream());
-        buffer.combine(cargs, memory.stream());
-        // one label per case: the wire formats too, or a later format pair would overwrite this one's files
-        std::string const label =
-            detail::concat(mode_name(mode), "-", routing_name(kind), "-", tokens, "-", wire_format_name(formats.first),
-                           "-", wire_format_name(formats.second));
-        bool const ll = mode == Mode::low_latency;
-        for (TraceKernel kernel : {ll ? TraceKernel::ll_dispatch : TraceKernel::dispatch,
-                                   ll ? TraceKernel::ll_combine : TraceKernel::combine})
-          trace::write_trace_files(options.str("trace"), label, buffer.read_trace(kernel, memory.stream()));
-        buffer.enable_trace(0);
-        if (rank == 0) std::printf("trace: %s written to %s\n", label.c_str(), options.str("trace").c_str());
-      }
+  // Copies (or uploads) the combine input from a dispatch's result.
+  void fill_combine_input(DispatchResult const& from);
 
-      LegStats baseline_dispatch, baseline_combine;
+  CaseKey key;
+  bool ll;
+  // NOTE: low-latency mode returns the expert-major layout (its slots default to the worst case), so its combine
+  // takes expert outputs: identity experts = a copy of expert_x.
+  CombineLayout layout;
+  Shape shape;
+  std::vector<ref::RankInput> inputs;
+  EpBuffer buffer;
+  EpConfig& config;  // shape.config: resolved by the buffer (ll: expert slots)
+  ref::RankInput const& mine;
+  // across nodes: the route the legs take (normal mode: forward, hierarchical); low-latency mode's direct route sums
+  // the ranks' rows as one node of every rank does, so its combine reference is that node's
+  InternodeRoute route = InternodeRoute::automatic;
+  char const* route_label = "";
+  Topology combine_topology;
+  BenchMemory memory;
+  int hidden = 0;
+  std::size_t row_bytes = 0;
+  void* x = nullptr;
+  void* idx = nullptr;
+  void* weights = nullptr;
+  void* y = nullptr;
+  DispatchArgs dargs;
+  DispatchResult result;
+  int64_t num_recv = 0;
+  bool quantized_out = false;
+  std::optional<ref::RankDispatch> want;  // every rank's inputs through the reference (quantized delivery, --check)
+  std::size_t combine_rows = 0;
+  void* combine_in = nullptr;
+  CombineArgs cargs;
+  // --backward: the handle of this dispatch's layout, and the backward legs' arguments
+  DispatchHandle handle;
+  DispatchBackwardArgs bargs;
+  CombineBackwardArgs cbargs;
+  void* grad_w = nullptr;
+};
+
+Case::Case(BenchRun const& run, CaseKey const& k)
+    : key(k),
+      ll(k.mode == Mode::low_latency),
+      layout(ll ? CombineLayout::expert_major : run.user_layout),
+      shape(make_shape(run.options, run.world, k.tokens, k.kind, run.seed + k.tokens, k.mode, k.formats, k.route)),
+      inputs(make_inputs(shape, run.world, k.tokens)),
+      buffer(run.comm, with_expert_capacity(shape.config, run.options, layout, ll, inputs)),
+      config(shape.config),
+      mine(inputs[run.rank]),
+      memory(run.backend) {
+  config = buffer.config();
+  route = config.route();
+  route_label = !run.across_nodes ? "" : ll ? internode_route_name(route) : "hierarchical";
+  combine_topology = ll && route == InternodeRoute::direct ? Topology{1, run.topology.world()} : run.topology;
+  hidden = config.hidden;
+  row_bytes = static_cast<std::size_t>(hidden) * 2;
+  int const tokens = key.tokens;
+  x = memory.alloc(std::max<std::size_t>(1, tokens * row_bytes));
+  idx = memory.alloc(std::max<std::size_t>(1, mine.topk_idx.size() * sizeof(int64_t)));
+  weights = memory.alloc(std::max<std::size_t>(1, mine.topk_weights.size() * sizeof(float)));
+  y = memory.alloc(std::max<std::size_t>(1, tokens * row_bytes));
+  memory.upload(x, mine.x.data(), tokens * row_bytes);
+  memory.upload(idx, mine.topk_idx.data(), mine.topk_idx.size() * sizeof(int64_t));
+  memory.upload(weights, mine.topk_weights.data(), mine.topk_weights.size() * sizeof(float));
+
+  dargs.x = x;
+  dargs.num_tokens = tokens;
+  dargs.topk_idx = idx;
+  dargs.topk_idx_type = IndexType::int64;
+  dargs.topk_weights = static_cast<float const*>(weights);
+  dargs.expand = layout == CombineLayout::expert_major;
+
+  // 1. one eager dispatch: exact counts, and the combine input
+  result = buffer.dispatch(dargs, memory.stream());
+  num_recv = result.num_recv_host;
+  quantized_out = config.delivers_quantized();
+  if (quantized_out || run.check) want = ref::dispatch(config, run.world, run.rank, inputs);
+  combine_rows = layout == CombineLayout::expert_major
+                     ? static_cast<std::size_t>(config.num_local_experts(run.world)) * config.expert_slots()
+                     : static_cast<std::size_t>(std::max<int64_t>(num_recv, 1));
+  combine_in = memory.alloc(combine_rows * row_bytes);
+  fill_combine_input(result);
+  memory.synchronize();
+  cargs.layout = layout;
+  cargs.x = combine_in;
+  cargs.y = y;
+}
+
+void Case::fill_combine_input(DispatchResult const& from) {
+  int const world = static_cast<int>(inputs.size());
+  if (!quantized_out) {
+    memory.copy(
+        combine_in, layout == CombineLayout::expert_major ? from.expert_x : from.recv_x,
+        (layout == CombineLayout::expert_major ? combine_rows : static_cast<std::size_t>(num_recv)) * row_bytes);
+  } else if (layout == CombineLayout::expert_major) {
+    std::vector<uint16_t> const rows = ref::expand(config, world, *want);
+    memory.upload(combine_in, rows.data(), rows.size() * 2);
+  } else {
+    memory.upload(combine_in, want->recv_x.data(), want->recv_x.size() * 2);
+  }
+}
+
+// The times of a case's legs, each rank's own (the slowest rank's are taken when the records are made).
+struct CaseTimes {
+  LegStats dispatch, combine;
+  LegStats baseline_dispatch, baseline_combine;  // --baseline nccl
+  LegStats dispatch_backward, combine_backward;  // --backward
+  std::vector<double> host_us;                   // --host-time: dispatch, combine, pair (the slowest rank's)
+};
+
+LegStats time_case_leg(BenchRun const& run, Case& c, std::function<void()> const& enqueue, bool use_graph) {
+  return summarize(bench::time_leg(c.memory, *run.comm, enqueue, use_graph, run.warmup, run.iters, run.graph_calls));
+}
+
+// 2. the timed legs (lazy calls); a barrier before each so the ranks start together
+void time_forward_legs(BenchRun const& run, Case& c, CaseTimes& times) {
+  c.dargs.eager = false;
+  c.cargs.eager = false;
+  times.dispatch = time_case_leg(
+      run, c, [&] { c.buffer.dispatch(c.dargs, c.memory.stream()); }, run.graph);
+  times.combine = time_case_leg(
+      run, c, [&] { c.buffer.combine(c.cargs, c.memory.stream()); }, run.graph);
+}
+
+// 2a. --host-time: the host's side of the same lazy calls (each leg alone, then dispatch + combine pairs)
+std::vector<double> time_host(BenchRun const& run, Case& c) {
+  auto const host_leg = [&](std::function<void()> const& enqueue) {
+    return summarize(bench::host_time(c.memory, *run.comm, enqueue, run.warmup, run.iters, kHostTimeCalls)).median_us;
+  };
+  double const d = host_leg([&] { c.buffer.dispatch(c.dargs, c.memory.stream()); });
+  double const cb = host_leg([&] { c.buffer.combine(c.cargs, c.memory.stream()); });
+  double const pair = host_leg([&] {
+    c.buffer.dispatch(c.dargs, c.memory.stream());
+    c.buffer.combine(c.cargs, c.memory.stream());
+  });
+  return max_over_ranks(run.comm->bootstrap(), {d, cb, pair}, run.options.flag("per-rank"), "host time");
+}
+
+// 2b. --trace: one more call of each leg with the in-kernel recorder on, dumped per rank (ferry trace reads it)
+void trace_case(BenchRun const& run, Case& c) {
+  std::string const& dir = run.options.str("trace");
+  int64_t const events = env_optional_int("FERRY_TRACE_EVENTS").value_or(0);  // events per warp
+  c.buffer.enable_trace(events > 0 ? static_cast<int>(events) : 1024);
+  run.comm->barrier(c.memory.stream());
+  c.buffer.dispatch(c.dargs, c.memory.stream());
+  run.comm->barrier(c.memory.stream());
+  c.buffer.combine(c.cargs, c.memory.stream());
+  // one label per case: the wire formats too, or a later format pair would overwrite this one's files
+  std::string const label =
+      detail::concat(mode_name(c.key.mode), "-", routing_name(c.key.kind), "-", c.key.tokens, "-",
+                     wire_format_name(c.key.formats.first), "-", wire_format_name(c.key.formats.second));
+  for (TraceKernel kernel :
+       {c.ll ? TraceKernel::ll_dispatch : TraceKernel::dispatch, c.ll ? TraceKernel::ll_combine : TraceKernel::combine})
+    trace::write_trace_files(dir, label, c.buffer.read_trace(kernel, c.memory.stream()));
+  c.buffer.enable_trace(0);
+  if (run.rank == 0) std::printf("trace: %s written to %s\n", label.c_str(), dir.c_str());
+}
+
+// 2c. --baseline nccl. The NCCL dispatcher syncs the host on the counts, so it cannot be captured: its legs are timed
+//     as plain launches. It has no expert-major layout; its combine takes its own rank-major rows (identity experts).
+void time_baseline(BenchRun const& run, Case& c, CaseTimes& times) {
 #if FERRY_BENCH_NCCL
-      if (baseline == "nccl") {
-        // The NCCL dispatcher syncs the host on the counts, so it cannot be captured: its legs are timed as plain
-        // launches. It has no expert-major layout; its combine takes its own rank-major rows (identity experts).
-        NcclBaseline nccl(*comm, config);
-        DispatchArgs bargs = dargs;
-        bargs.expand = false;
-        DispatchResult const got = nccl.dispatch(bargs, memory.stream());
-        void* rows = memory.alloc(std::max<int64_t>(got.num_recv_host, 1) * row_bytes);
-        memory.copy(rows, got.recv_x, std::max<int64_t>(got.num_recv_host, 0) * row_bytes);
-        memory.synchronize();
-        baseline_dispatch = time_leg([&] { nccl.dispatch(bargs, memory.stream()); }, false);
-        baseline_combine = time_leg([&] { nccl.combine(rows, y, memory.stream()); }, false);
-      }
+  NcclBaseline nccl(*run.comm, c.config);
+  DispatchArgs bargs = c.dargs;
+  bargs.expand = false;
+  DispatchResult const got = nccl.dispatch(bargs, c.memory.stream());
+  void* rows = c.memory.alloc(std::max<int64_t>(got.num_recv_host, 1) * c.row_bytes);
+  c.memory.copy(rows, got.recv_x, std::max<int64_t>(got.num_recv_host, 0) * c.row_bytes);
+  c.memory.synchronize();
+  times.baseline_dispatch = time_case_leg(
+      run, c, [&] { nccl.dispatch(bargs, c.memory.stream()); }, false);
+  times.baseline_combine = time_case_leg(
+      run, c, [&] { nccl.combine(rows, c.y, c.memory.stream()); }, false);
+#else
+  (void)run, (void)c, (void)times;
 #endif
+}
 
-      // 2c. --backward: a handle of this dispatch's layout (one eager dispatch saves it), then the backward legs on it.
-      //     The gradients: of the delivered rows, the combine input (identity experts); grad_y, the tokens' own rows;
-      //     the forward combine's expert outputs (expert layout), the combine input.
-      LegStats dispatch_backward_stats, combine_backward_stats;
-      DispatchHandle handle;
-      DispatchBackwardArgs bargs;
-      CombineBackwardArgs cbargs;
-      void* grad_w = nullptr;
-      if (backward) {
-        handle = buffer.make_handle();
-        DispatchArgs save = dargs;
-        save.save_handle = &handle;
-        save.eager = true;
-        buffer.dispatch(save, memory.stream());
-        grad_w = memory.alloc(std::max<std::size_t>(1, mine.topk_weights.size() * sizeof(float)));
-        bargs.handle = &handle;
-        bargs.layout = layout;
-        bargs.grad = combine_in;
-        bargs.grad_x = y;
-        bargs.eager = false;
-        cbargs.handle = &handle;
-        cbargs.layout = layout;
-        cbargs.grad_y = x;
-        if (layout == CombineLayout::expert_major) {
-          cbargs.x = combine_in;
-          cbargs.grad_topk_weights = static_cast<float*>(grad_w);
-        }
-        cbargs.eager = false;
-        dispatch_backward_stats = time_leg([&] { buffer.dispatch_backward(bargs, memory.stream()); }, graph);
-        combine_backward_stats = time_leg([&] { buffer.combine_backward(cbargs, memory.stream()); }, graph);
-      }
+// 2d. --backward: a handle of this dispatch's layout (one eager dispatch saves it), then the backward legs on it. The
+//     gradients: of the delivered rows, the combine input (identity experts); grad_y, the tokens' own rows; the
+//     forward combine's expert outputs (expert layout), the combine input.
+void time_backward(BenchRun const& run, Case& c, CaseTimes& times) {
+  c.handle = c.buffer.make_handle();
+  DispatchArgs save = c.dargs;
+  save.save_handle = &c.handle;
+  save.eager = true;
+  c.buffer.dispatch(save, c.memory.stream());
+  c.grad_w = c.memory.alloc(std::max<std::size_t>(1, c.mine.topk_weights.size() * sizeof(float)));
+  c.bargs.handle = &c.handle;
+  c.bargs.layout = c.layout;
+  c.bargs.grad = c.combine_in;
+  c.bargs.grad_x = c.y;
+  c.bargs.eager = false;
+  c.cbargs.handle = &c.handle;
+  c.cbargs.layout = c.layout;
+  c.cbargs.grad_y = c.x;
+  if (c.layout == CombineLayout::expert_major) {
+    c.cbargs.x = c.combine_in;
+    c.cbargs.grad_topk_weights = static_cast<float*>(c.grad_w);
+  }
+  c.cbargs.eager = false;
+  times.dispatch_backward = time_case_leg(
+      run, c, [&] { c.buffer.dispatch_backward(c.bargs, c.memory.stream()); }, run.graph);
+  times.combine_backward = time_case_leg(
+      run, c, [&] { c.buffer.combine_backward(c.cbargs, c.memory.stream()); }, run.graph);
+}
 
-      // 3. check: the last outputs against the reference (poisoned first, then one more eager call of each leg)
-      std::string check_result = "skipped";
-      double combine_bound_ratio = -1, combine_rel_l2 = -1;
-      if (check) {
-        bool ok = true;
-        std::string why;
-        std::size_t const out_row = config.recv_row_bytes();
-        std::size_t const expert_rows =
-            static_cast<std::size_t>(config.num_local_experts(world)) * config.expert_slots();
-        if (result.recv_x)
-          memory.fill(result.recv_x, 0xff, static_cast<std::size_t>(config.recv_capacity(world)) * out_row);
-        if (result.expert_x) memory.fill(result.expert_x, 0xff, expert_rows * out_row);
-        if (result.recv_scales)
-          memory.fill(result.recv_scales, 0xff,
-                      scale_tensor_bytes(config.dispatch_format, config.recv_scale_layout, config.recv_capacity(world),
-                                         hidden));
-        memory.fill(y, 0xff, tokens * row_bytes);
-        dargs.eager = true;
-        cargs.eager = true;
-        result = buffer.dispatch(dargs, memory.stream());
-        ref::RankDispatch const& ref_dispatch = *want;
-        std::vector<uint16_t> got_x(static_cast<std::size_t>(ref_dispatch.num_recv) * hidden);
-        std::vector<int32_t> got_idx(static_cast<std::size_t>(ref_dispatch.num_recv) * config.topk);
-        std::vector<float> got_w(got_idx.size());
-        std::vector<int32_t> got_src(static_cast<std::size_t>(ref_dispatch.num_recv) * 2);
-        if (result.num_recv_host != ref_dispatch.num_recv) {
-          ok = false;
-          why = detail::concat("num_recv ", result.num_recv_host, " != ", ref_dispatch.num_recv);
-        } else if (quantized_out) {
-          std::string const problem = check_quantized_delivery(config, world, ref_dispatch, result, memory);
-          if (!problem.empty()) ok = false, why = problem;
-        } else {
-          if (result.recv_x) memory.download(got_x.data(), result.recv_x, got_x.size() * 2);
-          if (result.recv_x && got_x != ref_dispatch.recv_x) ok = false, why = "recv_x differs";
-          if (!result.recv_x) {  // ll: the expert-major rows (filled slots) instead
-            std::vector<uint16_t> const want_ex = ref::expand(config, world, ref_dispatch);
-            std::vector<uint16_t> got_ex(want_ex.size());
-            memory.download(got_ex.data(), result.expert_x, got_ex.size() * 2);
-            int const slots = config.expert_slots();
-            for (int e = 0; e < config.num_local_experts(world) && ok; ++e) {
-              std::size_t const first = static_cast<std::size_t>(e) * slots * hidden;
-              std::size_t const filled =
-                  static_cast<std::size_t>(std::min(ref_dispatch.expert_counts[e], slots)) * hidden;
-              if (!std::equal(got_ex.begin() + first, got_ex.begin() + first + filled, want_ex.begin() + first))
-                ok = false, why = "expert_x differs";
-            }
-          }
-        }
-        if (result.num_recv_host == ref_dispatch.num_recv) {
-          memory.download(got_idx.data(), result.recv_topk_idx, got_idx.size() * 4);
-          memory.download(got_w.data(), result.recv_topk_weights, got_w.size() * 4);
-          memory.download(got_src.data(), result.recv_src, got_src.size() * 4);
-          if (got_idx != ref_dispatch.recv_topk_idx) ok = false, why = "recv_topk_idx differs";
-          if (got_src != ref_dispatch.recv_src) ok = false, why = "recv_src differs";
-          for (std::size_t i = 0; i < got_w.size() && ok; ++i)
-            if (ref_dispatch.recv_topk_idx[i] >= 0 && got_w[i] != ref_dispatch.recv_topk_weights[i])
-              ok = false, why = "recv_topk_weights differ";
-        }
-        fill_combine_input(result);
-        buffer.combine(cargs, memory.stream());
-        std::vector<uint16_t> got_y(static_cast<std::size_t>(tokens) * hidden);
-        memory.download(got_y.data(), y, got_y.size() * 2);
-        IdentityCombine const expected = expected_identity_combine(config, combine_topology, rank, mine, layout);
-        if (got_y != expected.y) ok = false, why += " combine y differs";
-        if (expected.worst_bound_ratio > 1.0) ok = false, why += " combine error exceeds its derived bound";
-        if (config.combine_format != WireFormat::bf16) {
-          // the worst rank's error figures
-          std::vector<double> const worst =
-              max_over_ranks(bootstrap, {expected.worst_bound_ratio, expected.rel_l2}, false, "error");
-          combine_bound_ratio = worst[0];
-          combine_rel_l2 = worst[1];
-        }
-        if (backward) {
-          std::string const problem = check_backward(config, world, rank, inputs, layout, buffer, dargs, handle, bargs,
-                                                     cbargs, fill_combine_input, y, grad_w, memory);
-          if (!problem.empty()) ok = false, why += " " + problem;
-        }
-        // Every rank must pass.
-        int const failed = sum_over_ranks(bootstrap, ok ? 0.0 : 1.0) > 0;
-        check_result = failed ? "fail" : "pass";
-        if (!ok)
-          std::fprintf(stderr, "ferry bench: rank %d check failed at %d tokens: %s\n", rank, tokens, why.c_str());
-      }
+// The check's outcome: "pass", "fail" or "skipped", and the worst rank's error figures of a quantized combine.
+struct CheckOutcome {
+  std::string result = "skipped";
+  double bound_ratio = -1, rel_l2 = -1;
+};
 
-      // 4. bytes and rates
-      int const per_rank = config.num_experts / world;
-      double rows_to_others = 0, rows_received = 0;
-      for (int t = 0; t < tokens; ++t)
-        for (int d : destinations(config, world, mine, t)) rows_to_others += d != rank;
-      for (auto const& in : inputs)
-        for (int t = 0; t < in.num_tokens; ++t)
-          for (int k = 0, hit = 0; k < config.topk && !hit; ++k) {
-            int64_t const e = in.topk_idx[static_cast<std::size_t>(t) * config.topk + k];
-            if (e >= 0 && e / per_rank == rank) hit = 1, rows_received += 1;
-          }
-      double const meta_bytes = config.topk * (4.0 + 4.0) + 8.0;
-      double const dispatch_bytes = rows_to_others * (wire_row_bytes(config.dispatch_format, hidden) + meta_bytes);
-      double const combine_bytes = rows_to_others * wire_row_bytes(config.combine_format, hidden);
-      std::vector<double> const slow = max_over_ranks(
-          bootstrap,
-          {dispatch_stats.median_us, dispatch_stats.p10_us, dispatch_stats.p90_us, combine_stats.median_us,
-           combine_stats.p10_us, combine_stats.p90_us, baseline_dispatch.median_us, baseline_combine.median_us,
-           dispatch_backward_stats.median_us, dispatch_backward_stats.p10_us, dispatch_backward_stats.p90_us,
-           combine_backward_stats.median_us, combine_backward_stats.p10_us, combine_backward_stats.p90_us},
-          options.flag("per-rank"), "medians");
-      double const mean_dispatch_bytes = sum_over_ranks(bootstrap, dispatch_bytes) / world;
-      double const mean_combine_bytes = sum_over_ranks(bootstrap, combine_bytes) / world;
-      double const mean_logical = sum_over_ranks(bootstrap, rows_received * row_bytes) / world;
-      Record dispatch_record{mode_name(mode),
-                             "dispatch",
-                             tokens,
-                             routing_name(kind),
-                             wire_format_name(config.dispatch_format),
-                             {slow[0], slow[1], slow[2]},
-                             mean_dispatch_bytes / slow[0] / 1e3,
-                             mean_logical / slow[0] / 1e3,
-                             check_result,
-                             slow[6]};
-      Record combine_record{mode_name(mode),
-                            "combine",
-                            tokens,
-                            routing_name(kind),
-                            wire_format_name(config.combine_format),
-                            {slow[3], slow[4], slow[5]},
-                            mean_combine_bytes / slow[3] / 1e3,
-                            mean_logical / slow[3] / 1e3,
-                            check_result,
-                            slow[7],
-                            combine_bound_ratio,
-                            combine_rel_l2};
-      // --backward: dispatch_backward moves the forward combine's bytes, combine_backward the forward dispatch's; each
-      // record is its forward twin's with the backward leg's times (slow[first..first + 2]) and their ratio
-      auto const backward_record = [&](Record const& forward, char const* leg, int first, double bytes) {
-        Record record = forward;
-        record.leg = leg;
-        record.stats = {slow[first], slow[first + 1], slow[first + 2]};
-        record.nvlink_gbps = bytes / slow[first] / 1e3;
-        record.logical_gbps = mean_logical / slow[first] / 1e3;
-        record.baseline_us = -1;
-        record.bound_ratio = -1;
-        record.forward_ratio = slow[first] / forward.stats.median_us;
-        return record;
-      };
-      Record dispatch_backward_record = backward_record(combine_record, "dispatch_backward", 8, mean_combine_bytes);
-      Record combine_backward_record = backward_record(dispatch_record, "combine_backward", 11, mean_dispatch_bytes);
-      if (across_nodes) {
-        // what the protocol sent (the last call of each leg: the same routing as every timed one), and the model's
-        // count from the routing: they must be equal (no rows are dropped here). The model's protocol is the one
-        // that ran: hierarchical (normal mode; the cpu backend's forward route moves the same rows) or direct (the
-        // cpu backend's direct route); the cuda low-latency kernels have their own (records to every rank, rows
-        // without metadata: the model's ll-cuda and ll-cuda-fwd counts) and count nothing on the device
-        // (EpBuffer::link_bytes is zero there), so only the model's count is printed for them.
-        bool const cuda_ll = ll && backend == Backend::cuda;
-        CallLinkBytes const sent = buffer.link_bytes(memory.stream());
-        model::Traffic const predicted = model::count_traffic(config, topology, shape.routing, tokens);
-        bool const direct = ll && route == InternodeRoute::direct;
-        model::LegTraffic const& model_dispatch = cuda_ll
-                                                      ? (direct ? predicted.ll_dispatch : predicted.ll_fwd_dispatch)
-                                                      : (direct ? predicted.direct_dispatch : predicted.hier_dispatch);
-        model::LegTraffic const& model_combine = cuda_ll ? (direct ? predicted.ll_combine : predicted.ll_fwd_combine)
-                                                         : (direct ? predicted.direct_combine : predicted.hier_combine);
-        auto const fill = [&](Record& record, LinkBytes const& link, model::LegTraffic const& model_leg) {
-          record.counted = !cuda_ll;
-          record.model_network_bytes = model_leg.network_bytes_mean;
-          record.model_nvlink_bytes = model_leg.nvlink_bytes_mean;
-          record.route = route_label;
-          if (!record.counted) return;
-          record.network_bytes = sum_over_ranks(bootstrap, static_cast<double>(link.network_bytes)) / world;
-          record.nvlink_bytes = sum_over_ranks(bootstrap, static_cast<double>(link.nvlink_bytes)) / world;
-          record.network_gbps = record.network_bytes / record.stats.median_us / 1e3;
-          record.nvlink_gbps = record.nvlink_bytes / record.stats.median_us / 1e3;
-        };
-        fill(dispatch_record, sent.dispatch, model_dispatch);
-        fill(combine_record, sent.combine, model_combine);
+// Poisons every output of the last dispatch and y, so that a row the next calls do not write reads as wrong.
+void poison_outputs(BenchRun const& run, Case& c) {
+  std::size_t const out_row = c.config.recv_row_bytes();
+  std::size_t const expert_rows =
+      static_cast<std::size_t>(c.config.num_local_experts(run.world)) * c.config.expert_slots();
+  if (c.result.recv_x)
+    c.memory.fill(c.result.recv_x, 0xff, static_cast<std::size_t>(c.config.recv_capacity(run.world)) * out_row);
+  if (c.result.expert_x) c.memory.fill(c.result.expert_x, 0xff, expert_rows * out_row);
+  if (c.result.recv_scales)
+    c.memory.fill(c.result.recv_scales, 0xff,
+                  scale_tensor_bytes(c.config.dispatch_format, c.config.recv_scale_layout,
+                                     c.config.recv_capacity(run.world), c.hidden));
+  c.memory.fill(c.y, 0xff, c.key.tokens * c.row_bytes);
+}
+
+// The rows of a bf16 delivery against the reference: recv_x, or (ll) the filled slots of expert_x. "" when they match.
+std::string check_delivered_rows(BenchRun const& run, Case& c, ref::RankDispatch const& want) {
+  if (c.result.recv_x) {
+    std::vector<uint16_t> got_x(static_cast<std::size_t>(want.num_recv) * c.hidden);
+    c.memory.download(got_x.data(), c.result.recv_x, got_x.size() * 2);
+    return got_x != want.recv_x ? "recv_x differs" : "";
+  }
+  std::vector<uint16_t> const want_ex = ref::expand(c.config, run.world, want);
+  std::vector<uint16_t> got_ex(want_ex.size());
+  c.memory.download(got_ex.data(), c.result.expert_x, got_ex.size() * 2);
+  int const slots = c.config.expert_slots();
+  for (int e = 0; e < c.config.num_local_experts(run.world); ++e) {
+    std::size_t const first = static_cast<std::size_t>(e) * slots * c.hidden;
+    std::size_t const filled = static_cast<std::size_t>(std::min(want.expert_counts[e], slots)) * c.hidden;
+    if (!std::equal(got_ex.begin() + first, got_ex.begin() + first + filled, want_ex.begin() + first))
+      return "expert_x differs";
+  }
+  return "";
+}
+
+// The received metadata against the reference: ids and sources, and (rows_ok: nothing found wrong before) the weights
+// of every valid entry. "" when they match; else the last difference found.
+std::string check_metadata(Case& c, ref::RankDispatch const& want, bool rows_ok) {
+  std::vector<int32_t> got_idx(static_cast<std::size_t>(want.num_recv) * c.config.topk);
+  std::vector<float> got_w(got_idx.size());
+  std::vector<int32_t> got_src(static_cast<std::size_t>(want.num_recv) * 2);
+  c.memory.download(got_idx.data(), c.result.recv_topk_idx, got_idx.size() * 4);
+  c.memory.download(got_w.data(), c.result.recv_topk_weights, got_w.size() * 4);
+  c.memory.download(got_src.data(), c.result.recv_src, got_src.size() * 4);
+  std::string why;
+  if (got_idx != want.recv_topk_idx) why = "recv_topk_idx differs";
+  if (got_src != want.recv_src) why = "recv_src differs";
+  if (!why.empty() || !rows_ok) return why;
+  for (std::size_t i = 0; i < got_w.size(); ++i)
+    if (want.recv_topk_idx[i] >= 0 && got_w[i] != want.recv_topk_weights[i]) return "recv_topk_weights differ";
+  return "";
+}
+
+// 3. check: the last outputs against the reference (poisoned first, then one more eager call of each leg), and the
+//    backward legs with --backward. Every rank must pass.
+CheckOutcome check_case(BenchRun const& run, Case& c) {
+  CheckOutcome out;
+  bool ok = true;
+  std::string why;
+  poison_outputs(run, c);
+  c.dargs.eager = true;
+  c.cargs.eager = true;
+  c.result = c.buffer.dispatch(c.dargs, c.memory.stream());
+  ref::RankDispatch const& want = *c.want;
+  bool const counted = c.result.num_recv_host == want.num_recv;
+  if (!counted) {
+    ok = false;
+    why = detail::concat("num_recv ", c.result.num_recv_host, " != ", want.num_recv);
+  } else if (c.quantized_out) {
+    why = check_quantized_delivery(c.config, run.world, want, c.result, c.memory);
+  } else {
+    why = check_delivered_rows(run, c, want);
+  }
+  ok = ok && why.empty();
+  if (counted) {
+    std::string const problem = check_metadata(c, want, ok);
+    if (!problem.empty()) ok = false, why = problem;
+  }
+  c.fill_combine_input(c.result);
+  c.buffer.combine(c.cargs, c.memory.stream());
+  std::vector<uint16_t> got_y(static_cast<std::size_t>(c.key.tokens) * c.hidden);
+  c.memory.download(got_y.data(), c.y, got_y.size() * 2);
+  IdentityCombine const expected = expected_identity_combine(c.config, c.combine_topology, run.rank, c.mine, c.layout);
+  if (got_y != expected.y) ok = false, why += " combine y differs";
+  if (expected.worst_bound_ratio > 1.0) ok = false, why += " combine error exceeds its derived bound";
+  if (c.config.combine_format != WireFormat::bf16) {
+    // the worst rank's error figures
+    std::vector<double> const worst =
+        max_over_ranks(run.comm->bootstrap(), {expected.worst_bound_ratio, expected.rel_l2}, false, "error");
+    out.bound_ratio = worst[0];
+    out.rel_l2 = worst[1];
+  }
+  if (run.backward) {
+    std::string const problem = check_backward(
+        c.config, run.world, run.rank, c.inputs, c.layout, c.buffer, c.dargs, c.handle, c.bargs, c.cbargs,
+        [&](DispatchResult const& from) { c.fill_combine_input(from); }, c.y, c.grad_w, c.memory);
+    if (!problem.empty()) ok = false, why += " " + problem;
+  }
+  int const failed = sum_over_ranks(run.comm->bootstrap(), ok ? 0.0 : 1.0) > 0;
+  out.result = failed ? "fail" : "pass";
+  if (!ok)
+    std::fprintf(stderr, "ferry bench: rank %d check failed at %d tokens: %s\n", run.rank, c.key.tokens, why.c_str());
+  return out;
+}
+
+// A case's records: the forward legs, and with --backward the backward legs (each beside its forward twin).
+struct CaseRecords {
+  Record dispatch, combine, dispatch_backward, combine_backward;
+};
+
+// 4. bytes and rates: the slowest rank's times, and the bytes each rank sent and received (means over the ranks).
+//    Collective.
+CaseRecords make_records(BenchRun const& run, Case const& c, CaseTimes const& t, CheckOutcome const& check) {
+  EpConfig const& config = c.config;
+  int const world = run.world;
+  int const per_rank = config.num_experts / world;
+  double rows_to_others = 0, rows_received = 0;
+  for (int tok = 0; tok < c.key.tokens; ++tok)
+    for (int d : destinations(config, world, c.mine, tok)) rows_to_others += d != run.rank;
+  for (auto const& in : c.inputs)
+    for (int tok = 0; tok < in.num_tokens; ++tok)
+      for (int k = 0, hit = 0; k < config.topk && !hit; ++k) {
+        int64_t const e = in.topk_idx[static_cast<std::size_t>(tok) * config.topk + k];
+        if (e >= 0 && e / per_rank == run.rank) hit = 1, rows_received += 1;
       }
-      std::vector<Record*> legs = {&dispatch_record, &combine_record};
-      if (backward) legs.insert(legs.end(), {&dispatch_backward_record, &combine_backward_record});
-      if (rank == 0) {
+  double const meta_bytes = config.topk * (4.0 + 4.0) + 8.0;
+  double const dispatch_bytes = rows_to_others * (wire_row_bytes(config.dispatch_format, c.hidden) + meta_bytes);
+  double const combine_bytes = rows_to_others * wire_row_bytes(config.combine_format, c.hidden);
+  Bootstrap& bootstrap = run.comm->bootstrap();
+  std::vector<double> const slow =
+      max_over_ranks(bootstrap,
+                     {t.dispatch.median_us, t.dispatch.p10_us, t.dispatch.p90_us, t.combine.median_us, t.combine.p10_us,
+                      t.combine.p90_us, t.baseline_dispatch.median_us, t.baseline_combine.median_us,
+                      t.dispatch_backward.median_us, t.dispatch_backward.p10_us, t.dispatch_backward.p90_us,
+                      t.combine_backward.median_us, t.combine_backward.p10_us, t.combine_backward.p90_us},
+                     run.options.flag("per-rank"), "medians");
+  double const mean_dispatch_bytes = sum_over_ranks(bootstrap, dispatch_bytes) / world;
+  double const mean_combine_bytes = sum_over_ranks(bootstrap, combine_bytes) / world;
+  double const mean_logical = sum_over_ranks(bootstrap, rows_received * c.row_bytes) / world;
+  // a forward leg's record: its times (slow[first..first + 2]), rates over its bytes, and the baseline's time
+  auto const forward_record = [&](char const* leg, WireFormat format, int first, double bytes, double baseline_us) {
+    return Record{mode_name(c.key.mode),
+                  leg,
+                  c.key.tokens,
+                  routing_name(c.key.kind),
+                  wire_format_name(format),
+                  {slow[first], slow[first + 1], slow[first + 2]},
+                  bytes / slow[first] / 1e3,
+                  mean_logical / slow[first] / 1e3,
+                  check.result,
+                  baseline_us};
+  };
+  CaseRecords r;
+  r.dispatch = forward_record("dispatch", config.dispatch_format, 0, mean_dispatch_bytes, slow[6]);
+  r.combine = forward_record("combine", config.combine_format, 3, mean_combine_bytes, slow[7]);
+  r.combine.bound_ratio = check.bound_ratio;
+  r.combine.rel_l2 = check.rel_l2;
+  // --backward: dispatch_backward moves the forward combine's bytes, combine_backward the forward dispatch's; each
+  // record is its forward twin's with the backward leg's times (slow[first..first + 2]) and their ratio
+  auto const backward_record = [&](Record const& forward, char const* leg, int first, double bytes) {
+    Record record = forward;
+    record.leg = leg;
+    record.stats = {slow[first], slow[first + 1], slow[first + 2]};
+    record.nvlink_gbps = bytes / slow[first] / 1e3;
+    record.logical_gbps = mean_logical / slow[first] / 1e3;
+    record.baseline_us = -1;
+    record.bound_ratio = -1;
+    record.forward_ratio = slow[first] / forward.stats.median_us;
+    return record;
+  };
+  r.dispatch_backward = backward_record(r.combine, "dispatch_backward", 8, mean_combine_bytes);
+  r.combine_backward = backward_record(r.dispatch, "combine_backward", 11, mean_dispatch_bytes);
+  return r;
+}
+
+// 5. across nodes: what the protocol sent (the last call of each leg: the same routing as every timed one), and the
+//    model's count from the routing: they must be equal (no rows are dropped here). The model's protocol is the one
+//    that ran: hierarchical (normal mode; the cpu backend's forward route moves the same rows) or direct (the cpu
+//    backend's direct route); the cuda low-latency kernels have their own (records to every rank, rows without
+//    metadata: the model's ll-cuda and ll-cuda-fwd counts) and count nothing on the device (EpBuffer::link_bytes is
+//    zero there), so only the model's count is printed for them. Collective.
+void count_link_bytes(BenchRun const& run, Case& c, CaseRecords& r) {
+  bool const cuda_ll = c.ll && run.backend == Backend::cuda;
+  CallLinkBytes const sent = c.buffer.link_bytes(c.memory.stream());
+  model::Traffic const predicted = model::count_traffic(c.config, run.topology, c.shape.routing, c.key.tokens);
+  bool const direct = c.ll && c.route == InternodeRoute::direct;
+  model::LegTraffic const& model_dispatch = cuda_ll ? (direct ? predicted.ll_dispatch : predicted.ll_fwd_dispatch)
+                                                    : (direct ? predicted.direct_dispatch : predicted.hier_dispatch);
+  model::LegTraffic const& model_combine = cuda_ll ? (direct ? predicted.ll_combine : predicted.ll_fwd_combine)
+                                                   : (direct ? predicted.direct_combine : predicted.hier_combine);
+  auto const fill = [&](Record& record, LinkBytes const& link, model::LegTraffic const& model_leg) {
+    record.counted = !cuda_ll;
+    record.model_network_bytes = model_leg.network_bytes_mean;
+    record.model_nvlink_bytes = model_leg.nvlink_bytes_mean;
+    record.route = c.route_label;
+    if (!record.counted) return;
+    record.network_bytes = sum_over_ranks(run.comm->bootstrap(), static_cast<double>(link.network_bytes)) / run.world;
+    record.nvlink_bytes = sum_over_ranks(run.comm->bootstrap(), static_cast<double>(link.nvlink_bytes)) / run.world;
+    record.network_gbps = record.network_bytes / record.stats.median_us / 1e3;
+    record.nvlink_gbps = record.nvlink_bytes / record.stats.median_us / 1e3;
+  };
+  fill(r.dispatch, sent.dispatch, model_dispatch);
+  fill(r.combine, sent.combine, model_combine);
+}
+
+// The case's header line: its shape, layout, world, route, backend and formats.
+void print_case_header(BenchRun const& run, Case const& c) {
+  EpConfig const& config = c.config;
+  std::printf(
+      "\n%s  tokens %d/rank  hidden %d  topk %d  experts %d  routing %s  layout %s  world %d%s%s  %s%s  "
+      "dispatch %s%s  combine %s\n",
+      mode_name(c.key.mode), c.key.tokens, c.hidden, config.topk, config.num_experts, routing_name(c.key.kind),
+      c.layout == CombineLayout::expert_major ? "expert" : "rank", run.world, run.across_nodes ? "  route " : "",
+      c.route_label, backend_name(run.backend), run.graph ? detail::concat("  graph x", run.graph_calls).c_str() : "",
+      wire_format_name(config.dispatch_format),
+      config.dispatch_format == WireFormat::bf16
+          ? ""
+          : (config.dispatch_dequantize
+                 ? " (dequantized)"
+                 : detail::concat(" (", scale_layout_name(config.recv_scale_layout), ")").c_str()),
+      wire_format_name(config.combine_format));
+}
+
+// The case's table (rank 0): a row per leg, then what the legs say besides their times.
+void print_case(BenchRun const& run, Case& c, CaseRecords const& r, std::vector<Record const*> const& legs,
+                std::vector<double> const& host_us) {
+  print_case_header(run, c);
+  int const leg_width = run.backward ? 17 : 9;
+  std::printf("%-*s %10s %10s %10s %12s %13s %11s %8s %6s%s\n", leg_width, "leg", "median_us", "p10_us", "p90_us",
+              "nvlink_GB/s", "logical_GB/s", "nccl_us", "speedup", "check", run.backward ? "  vs_forward" : "");
+  for (Record const* leg : legs) {
+    std::printf("%-*s %10.1f %10.1f %10.1f %12.1f %13.1f", leg_width, leg->leg.c_str(), leg->stats.median_us,
+                leg->stats.p10_us, leg->stats.p90_us, leg->nvlink_gbps, leg->logical_gbps);
+    if (leg->baseline_us > 0)
+      std::printf(" %11.1f %7.2fx", leg->baseline_us, leg->baseline_us / leg->stats.median_us);
+    else
+      std::printf(" %11s %8s", "-", "-");
+    std::printf(" %6s", leg->check == "pass" ? "PASS" : leg->check == "fail" ? "FAIL" : "-");
+    if (leg->forward_ratio >= 0)
+      std::printf("  %9.2fx", leg->forward_ratio);
+    else if (run.backward)
+      std::printf("  %10s", "-");
+    std::printf("\n");
+  }
+  if (run.backward)
+    std::printf(
+        "backward / forward of the same bytes: dispatch_backward / combine %.2fx, combine_backward / dispatch %.2fx\n",
+        r.dispatch_backward.forward_ratio, r.combine_backward.forward_ratio);
+  if (r.combine.bound_ratio >= 0)
+    std::printf("combine %s error: max |y - exact| / derived bound = %.3f (must be <= 1), relative L2 error %.3g\n",
+                r.combine.format.c_str(), r.combine.bound_ratio, r.combine.rel_l2);
+  if (run.across_nodes)
+    for (Record const* leg : {&r.dispatch, &r.combine}) {
+      if (leg->counted)
         std::printf(
-            "\n%s  tokens %d/rank  hidden %d  topk %d  experts %d  routing %s  layout %s  world %d%s%s  %s%s  "
-            "dispatch %s%s  combine %s\n",
-            mode_name(mode), tokens, hidden, config.topk, config.num_experts, routing_name(kind),
-            layout == CombineLayout::expert_major ? "expert" : "rank", world, across_nodes ? "  route " : "",
-            route_label, backend_name(backend), graph ? detail::concat("  graph x", graph_calls).c_str() : "",
-            wire_format_name(config.dispatch_format),
-            config.dispatch_format == WireFormat::bf16
-                ? ""
-                : (config.dispatch_dequantize
-                       ? " (dequantized)"
-                       : detail::concat(" (", scale_layout_name(config.recv_scale_layout), ")").c_str()),
-            wire_format_name(config.combine_format));
-        int const leg_width = backward ? 17 : 9;
-        std::printf("%-*s %10s %10s %10s %12s %13s %11s %8s %6s%s\n", leg_width, "leg", "median_us", "p10_us", "p90_us",
-                    "nvlink_GB/s", "logical_GB/s", "nccl_us", "speedup", "check", backward ? "  vs_forward" : "");
-        for (Record const* r : legs) {
-          std::printf("%-*s %10.1f %10.1f %10.1f %12.1f %13.1f", leg_width, r->leg.c_str(), r->stats.median_us,
-                      r->stats.p10_us, r->stats.p90_us, r->nvlink_gbps, r->logical_gbps);
-          if (r->baseline_us > 0)
-            std::printf(" %11.1f %7.2fx", r->baseline_us, r->baseline_us / r->stats.median_us);
-          else
-            std::printf(" %11s %8s", "-", "-");
-          std::printf(" %6s", r->check == "pass" ? "PASS" : r->check == "fail" ? "FAIL" : "-");
-          if (r->forward_ratio >= 0)
-            std::printf("  %9.2fx", r->forward_ratio);
-          else if (backward)
-            std::printf("  %10s", "-");
-          std::printf("\n");
-        }
-        if (backward)
-          std::printf(
-              "backward / forward of the same bytes: dispatch_backward / combine %.2fx, combine_backward / "
-              "dispatch %.2fx\n",
-              dispatch_backward_record.forward_ratio, combine_backward_record.forward_ratio);
-        if (combine_record.bound_ratio >= 0)
-          std::printf(
-              "combine %s error: max |y - exact| / derived bound = %.3f (must be <= 1), relative L2 error %.3g\n",
-              combine_record.format.c_str(), combine_record.bound_ratio, combine_record.rel_l2);
-        if (across_nodes)
-          for (Record const* r : {&dispatch_record, &combine_record}) {
-            if (r->counted)
-              std::printf(
-                  "%s across nodes: network %.0f B/rank (ferry model: %.0f, %s), NVLink %.0f B/rank, network %.1f "
-                  "GB/s (emulated)\n",
-                  r->leg.c_str(), r->network_bytes, r->model_network_bytes,
-                  r->network_bytes == r->model_network_bytes ? "equal" : "DIFFERENT", r->nvlink_bytes, r->network_gbps);
-            else
-              std::printf(
-                  "%s across nodes: ferry model (%s): network %.0f B/rank, NVLink %.0f B/rank; not counted by the "
-                  "cuda low-latency kernels\n",
-                  r->leg.c_str(), route == InternodeRoute::direct ? "ll-cuda" : "ll-cuda-fwd", r->model_network_bytes,
-                  r->model_nvlink_bytes);
-          }
-        if (!host_us.empty())
-          std::printf("host time (%s): dispatch %.2f us/call, combine %.2f us/call, dispatch + combine %.2f us/pair\n",
-                      backend == Backend::cuda ? "lazy calls, enqueue only" : "the cpu backend runs the whole call",
-                      host_us[0], host_us[1], host_us[2]);
-        if (options.flag("explain")) std::printf("explain: %s\n", buffer.explain().c_str());
+            "%s across nodes: network %.0f B/rank (ferry model: %.0f, %s), NVLink %.0f B/rank, network %.1f GB/s "
+            "(emulated)\n",
+            leg->leg.c_str(), leg->network_bytes, leg->model_network_bytes,
+            leg->network_bytes == leg->model_network_bytes ? "equal" : "DIFFERENT", leg->nvlink_bytes,
+            leg->network_gbps);
+      else
+        std::printf(
+            "%s across nodes: ferry model (%s): network %.0f B/rank, NVLink %.0f B/rank; not counted by the cuda "
+            "low-latency kernels\n",
+            leg->leg.c_str(), c.route == InternodeRoute::direct ? "ll-cuda" : "ll-cuda-fwd", leg->model_network_bytes,
+            leg->model_nvlink_bytes);
+    }
+  if (!host_us.empty())
+    std::printf("host time (%s): dispatch %.2f us/call, combine %.2f us/call, dispatch + combine %.2f us/pair\n",
+                run.backend == Backend::cuda ? "lazy calls, enqueue only" : "the cpu backend runs the whole call",
+                host_us[0], host_us[1], host_us[2]);
+  if (run.options.flag("explain")) std::printf("explain: %s\n", c.buffer.explain().c_str());
+}
+
+// One case, start to end: set up, the timed legs and what the options add, the check, the records (collective: every
+// rank runs every step in this order).
+void run_case(BenchRun& run, CaseKey const& key) {
+  Options const& options = run.options;
+  Case c(run, key);
+  CaseTimes times;
+  time_forward_legs(run, c, times);
+  if (options.flag("host-time")) times.host_us = time_host(run, c);
+  if (!options.str("trace").empty()) trace_case(run, c);
+  if (options.str("baseline") == "nccl") time_baseline(run, c, times);
+  if (run.backward) time_backward(run, c, times);
+  CheckOutcome const check = run.check ? check_case(run, c) : CheckOutcome{};
+  CaseRecords r = make_records(run, c, times, check);
+  if (run.across_nodes) count_link_bytes(run, c, r);
+  std::vector<Record*> legs = {&r.dispatch, &r.combine};
+  if (run.backward) legs.insert(legs.end(), {&r.dispatch_backward, &r.combine_backward});
+  if (run.rank == 0) print_case(run, c, r, {legs.begin(), legs.end()}, times.host_us);
+  if (!times.host_us.empty()) r.dispatch.host_us = times.host_us[0], r.combine.host_us = times.host_us[1];
+  for (Record* leg : legs) {
+    leg->dispatch_format = wire_format_name(c.config.dispatch_format);
+    leg->combine_format = wire_format_name(c.config.combine_format);
+    leg->layout = c.layout == CombineLayout::expert_major ? "expert" : "rank";
+    run.records.push_back(*leg);
+  }
+  run.last_shape = c.shape;
+}
+
+// --mode both: normal and ll side by side at the same sizes (slowest rank's medians); across nodes a row per
+// low-latency route.
+void print_mode_comparison(std::vector<Record> const& records) {
+  std::printf("\nnormal vs ll (median us, slowest rank)\n%-9s %-9s %-10s %8s %-9s %10s %10s %8s\n", "routing", "leg",
+              "format", "tokens", "ll_route", "normal_us", "ll_us", "ll_gain");
+  for (Record const& n : records) {
+    if (n.mode != "normal") continue;
+    for (Record const& l : records)
+      if (l.mode == "ll" && l.leg == n.leg && l.tokens == n.tokens && l.routing == n.routing && l.format == n.format)
+        std::printf("%-9s %-9s %-10s %8d %-9s %10.1f %10.1f %7.2fx\n", n.routing.c_str(), n.leg.c_str(),
+                    n.format.c_str(), n.tokens, l.route.empty() ? "-" : l.route.c_str(), n.stats.median_us,
+                    l.stats.median_us, n.stats.median_us / l.stats.median_us);
+  }
+}
+
+// Several formats: each quantized leg against the bf16 leg of the same run (same mode, size and routing).
+void print_format_comparison(std::vector<Record> const& records) {
+  std::printf("\nwire formats vs bf16 (median us, slowest rank)\n%-6s %-9s %-9s %8s %-10s %10s %10s %7s\n", "mode",
+              "routing", "leg", "tokens", "format", "bf16_us", "format_us", "ratio");
+  for (Record const& q : records) {
+    if (q.format == "bf16") continue;
+    for (Record const& b : records)
+      if (b.format == "bf16" && b.mode == q.mode && b.leg == q.leg && b.tokens == q.tokens && b.routing == q.routing &&
+          b.route == q.route) {
+        std::printf("%-6s %-9s %-9s %8d %-10s %10.1f %10.1f %6.2fx\n", q.mode.c_str(), q.routing.c_str(), q.leg.c_str(),
+                    q.tokens, q.format.c_str(), b.stats.median_us, q.stats.median_us,
+                    q.stats.median_us / b.stats.median_us);
+        break;
       }
-      if (!host_us.empty()) dispatch_record.host_us = host_us[0], combine_record.host_us = host_us[1];
-      for (Record* r : legs) {
-        r->dispatch_format = wire_format_name(config.dispatch_format);
-        r->combine_format = wire_format_name(config.combine_format);
-        r->layout = layout == CombineLayout::expert_major ? "expert" : "rank";
-      }
-      for (Record const* r : legs) records.push_back(*r);
-      last_shape = shape;
-    }
   }
-  if (rank == 0 && bench_modes(options).size() > 1) {
-    // --mode both: normal and ll side by side at the same sizes (slowest rank's medians); across nodes a row per
-    // low-latency route
-    std::printf("\nnormal vs ll (median us, slowest rank)\n%-9s %-9s %-10s %8s %-9s %10s %10s %8s\n", "routing", "leg",
-                "format", "tokens", "ll_route", "normal_us", "ll_us", "ll_gain");
-    for (Record const& n : records) {
-      if (n.mode != "normal") continue;
-      for (Record const& l : records)
-        if (l.mode == "ll" && l.leg == n.leg && l.tokens == n.tokens && l.routing == n.routing && l.format == n.format)
-          std::printf("%-9s %-9s %-10s %8d %-9s %10.1f %10.1f %7.2fx\n", n.routing.c_str(), n.leg.c_str(),
-                      n.format.c_str(), n.tokens, l.route.empty() ? "-" : l.route.c_str(), n.stats.median_us,
-                      l.stats.median_us, n.stats.median_us / l.stats.median_us);
-    }
-  }
-  if (rank == 0 && format_pairs(options).size() > 1) {
-    // several formats: each quantized leg against the bf16 leg of the same run (same mode, size and routing)
-    std::printf("\nwire formats vs bf16 (median us, slowest rank)\n%-6s %-9s %-9s %8s %-10s %10s %10s %7s\n", "mode",
-                "routing", "leg", "tokens", "format", "bf16_us", "format_us", "ratio");
-    for (Record const& q : records) {
-      if (q.format == "bf16") continue;
-      for (Record const& b : records)
-        if (b.format == "bf16" && b.mode == q.mode && b.leg == q.leg && b.tokens == q.tokens &&
-            b.routing == q.routing && b.route == q.route) {
-          std::printf("%-6s %-9s %-9s %8d %-10s %10.1f %10.1f %6.2fx\n", q.mode.c_str(), q.routing.c_str(),
-                      q.leg.c_str(), q.tokens, q.format.c_str(), b.stats.median_us, q.stats.median_us,
-                      q.stats.median_us / b.stats.median_us);
-          break;
-        }
-    }
-  }
-  if (rank == 0 && !options.str("json").empty())
-    write_json(options.str("json"), options, last_shape, device, world, graph, records);
-  bool const any_fail = std::any_of(records.begin(), records.end(), [](Record const& r) { return r.check == "fail"; });
+}
+
+int run_bench_rank(Options const& options) {
+  BenchRun run = start_run(options);
+  if (options.flag("floor")) print_floor(options, *run.comm, run.backend, run.graph);
+  for (RoutingKind kind : routing_kinds(options))
+    for (CaseKey const& key : routing_cases(run, kind)) run_case(run, key);
+  if (run.rank == 0 && bench_modes(options).size() > 1) print_mode_comparison(run.records);
+  if (run.rank == 0 && format_pairs(options).size() > 1) print_format_comparison(run.records);
+  if (run.rank == 0 && !options.str("json").empty())
+    write_json(options.str("json"), options, run.last_shape, run.device, run.world, run.graph, run.records);
+  bool const any_fail =
+      std::any_of(run.records.begin(), run.records.end(), [](Record const& r) { return r.check == "fail"; });
   return any_fail ? 3 : 0;
 }
 
