@@ -196,14 +196,10 @@ std::string table_path(Options const& options, std::string const& gpu) {
   return source_tables + "/" + file;
 }
 
-// One bucket's measurements, reduced over ranks: us[leg][candidate][routing].
-using Scores = std::vector<std::vector<std::vector<double>>>;
-
 struct Sweep {
   std::vector<int> buckets;
   std::vector<RoutingKind> routings;
   std::vector<Geometry> candidates;
-  std::vector<Scores> scores;  // per bucket
 };
 
 // What the run's options resolve to on this machine. read_settings checks every option that needs no communicator
@@ -247,95 +243,123 @@ Settings read_settings(Options const& options, Backend backend, int device) {
   return s;
 }
 
-int run_tune_rank(Options const& options) {
-  Backend const backend = choose_backend(options);
-  auto comm = std::shared_ptr<Communicator>(
-      Communicator::create(make_socket_bootstrap(socket_bootstrap_options_from_env()), {backend}));
-  Bootstrap& bootstrap = comm->bootstrap();
-  int const world = comm->world();
-  int const rank = comm->rank();
-  bool const verify = options.flag("verify");
-  Settings const settings = read_settings(options, backend, comm->device());
-  bool const graph = settings.graph;
-  int const rounds = settings.rounds;
-  int const warmup = settings.warmup;
-  int const iters = settings.iters;
-  int const graph_calls = settings.graph_calls;
-  double const tolerance = settings.tolerance;
-  std::vector<int> const& blocks = settings.blocks;
-
-  // 1. the device, its candidates and the table
-  std::string const device = bench::device_name(backend);
-  std::string const gpu = backend == Backend::cuda ? tuning::canonical_gpu_name(device) : std::string("CPU");
-  std::string const path = table_path(options, gpu);
-  std::vector<RoutingKind> const routings = routing_kinds(options);
-
+// The tuning run: what its steps share. start_tune sets it up (collective: every rank makes the communicator, reads
+// the table under --verify and learns the seed).
+struct TuneRun {
+  Options const& options;
+  Backend backend = Backend::cpu;
+  std::shared_ptr<Communicator> comm;
+  int world = 0, rank = 0;
+  bool verify = false;
+  bool ll = false;
+  Settings settings;
+  std::string device, gpu, path;  // the device's name, its canonical GPU name, the table file
+  tuning::TuningKey key;
   Sweep sweep;
-  sweep.routings = routings;
-  for (int b : blocks) sweep.candidates.push_back({b});
-  EpConfig probe = make_config(options, world, 1);
-  tuning::TuningKey const key = detail::tuning_key(gpu, world, probe);
-  std::optional<tuning::Entry> verified;
-  if (verify) {
-    // the buckets are the table's, and its rows are candidates too
-    tuning::Table const table = tuning::read_table_file(path);
-    for (tuning::Entry const& entry : table.entries)
-      if (entry.key == key) verified = entry;
-    FERRY_CHECK_CONFIG(verified.has_value(), "--verify: ", path, " has no entry for ", tuning::describe(key),
-                       "; run ferry tune without --verify first");
-    std::set<int> bounds;
-    for (Leg leg : kLegs)
-      for (tuning::Bucket const& bucket : verified->buckets(leg)) {
-        bounds.insert(bucket.max_tokens);
-        if (std::find(sweep.candidates.begin(), sweep.candidates.end(), bucket.geometry) == sweep.candidates.end())
-          sweep.candidates.push_back(bucket.geometry);
-      }
-    sweep.buckets.assign(bounds.begin(), bounds.end());
-  } else {
-    sweep.buckets = token_buckets(options);
-  }
-  FERRY_CHECK_CONFIG(!sweep.buckets.empty(), "--verify: the entry for ", tuning::describe(key), " has no buckets");
-  int const max_tokens = sweep.buckets.back();
+  std::optional<tuning::Entry> verified;  // --verify: the table's entry for this shape
+  uint64_t seed = 0;
+};
 
-  uint64_t seed = static_cast<uint64_t>(options.integer("seed"));
-  if (seed == 0) seed = (static_cast<uint64_t>(std::random_device{}()) << 20) ^ std::random_device{}();
-  bootstrap.broadcast(&seed, sizeof(seed), 0);
-  if (rank == 0) {
-    std::printf("ferry tune%s: %d ranks, backend %s (%s), seed %llu, %s\n", verify ? " --verify" : "", world,
-                backend_name(backend), device.c_str(), static_cast<unsigned long long>(seed),
-                tuning::describe(key).c_str());
-    std::printf("table %s\n", path.c_str());
-    std::printf("%zu candidates (blocks ", sweep.candidates.size());
-    for (std::size_t i = 0; i < blocks.size(); ++i) std::printf("%s%d", i ? "," : "", blocks[i]);
-    std::printf(")%s, %zu buckets, %zu routings, %d rounds x (%d warmup + %d timed)%s\n",
-                sweep.candidates.size() > blocks.size() ? " + the table's rows" : "", sweep.buckets.size(),
-                routings.size(), rounds, warmup, iters, graph ? ", graph replays" : "");
-    if (backend == Backend::cpu)
-      std::printf(
-          "notice: cpu backend: the launch geometry has no effect on the cpu reference backend; this run "
-          "exercises the tuning machinery only and its picks mean nothing for a GPU\n");
-    std::fflush(stdout);
-  }
+// --verify: the table's entry for the run's key; its buckets are the sweep's, and its rows are candidates too.
+void plan_verify(TuneRun& run) {
+  tuning::Table const table = tuning::read_table_file(run.path);
+  for (tuning::Entry const& entry : table.entries)
+    if (entry.key == run.key) run.verified = entry;
+  FERRY_CHECK_CONFIG(run.verified.has_value(), "--verify: ", run.path, " has no entry for ", tuning::describe(run.key),
+                     "; run ferry tune without --verify first");
+  std::set<int> bounds;
+  std::vector<Geometry>& candidates = run.sweep.candidates;
+  for (Leg leg : kLegs)
+    for (tuning::Bucket const& bucket : run.verified->buckets(leg)) {
+      bounds.insert(bucket.max_tokens);
+      if (std::find(candidates.begin(), candidates.end(), bucket.geometry) == candidates.end())
+        candidates.push_back(bucket.geometry);
+    }
+  run.sweep.buckets.assign(bounds.begin(), bounds.end());
+}
 
-  // 2. inputs per routing for the largest bucket (a token's routing does not depend on the tokens after it, so a
-  //    bucket uses a prefix)
-  bool const ll = probe.mode == Mode::low_latency;
-  EpConfig const config = make_config(options, world, max_tokens);
-  BenchMemory memory(backend);
-  std::size_t const row_bytes = static_cast<std::size_t>(config.hidden) * 2;
+// 1. the device, its candidates, the table and the buckets; one seed for every rank (rank 0 draws it or takes
+//    --seed and broadcasts it)
+TuneRun start_tune(Options const& options) {
+  TuneRun run{options};
+  run.backend = choose_backend(options);
+  run.comm = std::shared_ptr<Communicator>(
+      Communicator::create(make_socket_bootstrap(socket_bootstrap_options_from_env()), {run.backend}));
+  run.world = run.comm->world();
+  run.rank = run.comm->rank();
+  run.verify = options.flag("verify");
+  run.settings = read_settings(options, run.backend, run.comm->device());
+  run.device = bench::device_name(run.backend);
+  run.gpu = run.backend == Backend::cuda ? tuning::canonical_gpu_name(run.device) : std::string("CPU");
+  run.path = table_path(options, run.gpu);
+  run.sweep.routings = routing_kinds(options);
+  for (int b : run.settings.blocks) run.sweep.candidates.push_back({b});
+  EpConfig const probe = make_config(options, run.world, 1);
+  run.ll = probe.mode == Mode::low_latency;
+  run.key = detail::tuning_key(run.gpu, run.world, probe);
+  if (run.verify)
+    plan_verify(run);
+  else
+    run.sweep.buckets = token_buckets(options);
+  FERRY_CHECK_CONFIG(!run.sweep.buckets.empty(), "--verify: the entry for ", tuning::describe(run.key),
+                     " has no buckets");
+  run.seed = static_cast<uint64_t>(options.integer("seed"));
+  if (run.seed == 0) run.seed = (static_cast<uint64_t>(std::random_device{}()) << 20) ^ std::random_device{}();
+  run.comm->bootstrap().broadcast(&run.seed, sizeof(run.seed), 0);
+  return run;
+}
+
+void print_tune_header(TuneRun const& run) {
+  Settings const& s = run.settings;
+  std::printf("ferry tune%s: %d ranks, backend %s (%s), seed %llu, %s\n", run.verify ? " --verify" : "", run.world,
+              backend_name(run.backend), run.device.c_str(), static_cast<unsigned long long>(run.seed),
+              tuning::describe(run.key).c_str());
+  std::printf("table %s\n", run.path.c_str());
+  std::printf("%zu candidates (blocks ", run.sweep.candidates.size());
+  for (std::size_t i = 0; i < s.blocks.size(); ++i) std::printf("%s%d", i ? "," : "", s.blocks[i]);
+  std::printf(")%s, %zu buckets, %zu routings, %d rounds x (%d warmup + %d timed)%s\n",
+              run.sweep.candidates.size() > s.blocks.size() ? " + the table's rows" : "", run.sweep.buckets.size(),
+              run.sweep.routings.size(), s.rounds, s.warmup, s.iters, s.graph ? ", graph replays" : "");
+  if (run.backend == Backend::cpu)
+    std::printf(
+        "notice: cpu backend: the launch geometry has no effect on the cpu reference backend; this run "
+        "exercises the tuning machinery only and its picks mean nothing for a GPU\n");
+  std::fflush(stdout);
+}
+
+// 2. this rank's tensors: inputs per routing for the largest bucket (a token's routing does not depend on the tokens
+//    after it, so a bucket uses a prefix), the combine input and y.
+struct TuneTensors {
+  TuneTensors(TuneRun const& run);
+  TuneTensors(TuneTensors const&) = delete;
+  TuneTensors& operator=(TuneTensors const&) = delete;
+
   struct Inputs {
     void* x;
     void* idx;
     void* weights;
   };
-  std::vector<Inputs> inputs;
-  for (RoutingKind kind : routings) {
-    RoutingOptions const routing = make_routing(options, kind, seed + static_cast<uint64_t>(kind));
+  EpConfig config;  // of the largest bucket
+  BenchMemory memory;
+  std::size_t row_bytes;
+  std::vector<Inputs> inputs;  // per routing
+  void* combine_in = nullptr;
+  void* y = nullptr;
+};
+
+TuneTensors::TuneTensors(TuneRun const& run)
+    : config(make_config(run.options, run.world, run.sweep.buckets.back())),
+      memory(run.backend),
+      row_bytes(static_cast<std::size_t>(config.hidden) * 2) {
+  int const world = run.world;
+  int const max_tokens = run.sweep.buckets.back();
+  for (RoutingKind kind : run.sweep.routings) {
+    RoutingOptions const routing = make_routing(run.options, kind, run.seed + static_cast<uint64_t>(kind));
     validate_routing(routing, config.num_experts, world, config.topk);
-    std::vector<uint16_t> const x = generate_tokens(routing.seed, rank, max_tokens, config.hidden);
+    std::vector<uint16_t> const x = generate_tokens(routing.seed, run.rank, max_tokens, config.hidden);
     std::vector<int64_t> idx(static_cast<std::size_t>(max_tokens) * config.topk);
     std::vector<float> weights(idx.size());
-    generate_routing(routing, config.num_experts, world, rank, max_tokens, config.topk, idx, weights);
+    generate_routing(routing, config.num_experts, world, run.rank, max_tokens, config.topk, idx, weights);
     Inputs in{memory.alloc(x.size() * 2), memory.alloc(idx.size() * 8), memory.alloc(weights.size() * 4)};
     memory.upload(in.x, x.data(), x.size() * 2);
     memory.upload(in.idx, idx.data(), idx.size() * 8);
@@ -344,121 +368,174 @@ int run_tune_rank(Options const& options) {
   }
   // the combine input: the bf16 rows received (rank-major in normal mode, expert-major in ll), or, when the dispatch
   // delivers quantized rows, bf16 rows of that count (combine's time does not depend on the values)
-  std::size_t const combine_rows = ll ? static_cast<std::size_t>(config.num_local_experts(world)) * world * max_tokens
-                                      : static_cast<std::size_t>(config.recv_capacity(world));
-  void* combine_in = memory.alloc(combine_rows * row_bytes);
+  std::size_t const combine_rows = run.ll
+                                       ? static_cast<std::size_t>(config.num_local_experts(world)) * world * max_tokens
+                                       : static_cast<std::size_t>(config.recv_capacity(world));
+  combine_in = memory.alloc(combine_rows * row_bytes);
   memory.fill(combine_in, 0x3c, combine_rows * row_bytes);
-  void* y = memory.alloc(static_cast<std::size_t>(max_tokens) * row_bytes);
+  y = memory.alloc(static_cast<std::size_t>(max_tokens) * row_bytes);
+}
 
-  // samples[bucket][routing][candidate][leg]
-  std::size_t const num_candidates = sweep.candidates.size();
-  auto const slot = [&](std::size_t b, std::size_t r, std::size_t c, int leg) {
-    return ((b * routings.size() + r) * num_candidates + c) * 2 + static_cast<std::size_t>(leg);
-  };
-  std::vector<std::vector<double>> samples(sweep.buckets.size() * routings.size() * num_candidates * 2);
+// Every timed sample of the sweep: samples[bucket][routing][candidate][leg], flattened.
+struct Samples {
+  Samples(Sweep const& sweep)
+      : routings(sweep.routings.size()),
+        candidates(sweep.candidates.size()),
+        values(sweep.buckets.size() * routings * candidates * 2) {}
+  std::size_t slot(std::size_t b, std::size_t r, std::size_t c, int leg) const {
+    return ((b * routings + r) * candidates + c) * 2 + static_cast<std::size_t>(leg);
+  }
+  std::size_t routings, candidates;
+  std::vector<std::vector<double>> values;
+};
+
+// One eager dispatch of bucket b's tokens of routing r on `buffer`, then every leg of candidate c timed.
+void measure(TuneRun const& run, TuneTensors& t, Samples& samples, EpBuffer& buffer, std::size_t b, std::size_t r,
+             std::size_t c) {
+  Settings const& s = run.settings;
+  DispatchArgs dargs;
+  dargs.x = t.inputs[r].x;
+  dargs.num_tokens = run.sweep.buckets[b];
+  dargs.topk_idx = t.inputs[r].idx;
+  dargs.topk_idx_type = IndexType::int64;
+  dargs.topk_weights = static_cast<float const*>(t.inputs[r].weights);
+  DispatchResult const result = buffer.dispatch(dargs, t.memory.stream());
+  if (!buffer.config().delivers_quantized()) {
+    std::size_t const rows =
+        run.ll ? static_cast<std::size_t>(buffer.config().num_local_experts(run.world)) * buffer.config().expert_slots()
+               : static_cast<std::size_t>(result.num_recv_host);
+    t.memory.copy(t.combine_in, run.ll ? result.expert_x : result.recv_x, rows * t.row_bytes);
+  }
+  t.memory.synchronize();
+  CombineArgs cargs;
+  cargs.layout = run.ll ? CombineLayout::expert_major : CombineLayout::rank_major;
+  cargs.x = t.combine_in;
+  cargs.y = t.y;
+  dargs.eager = false;
+  cargs.eager = false;
   auto const time_leg = [&](std::function<void()> const& enqueue, std::vector<double>& out) {
-    std::vector<double> const timed = bench::time_leg(memory, *comm, enqueue, graph, warmup, iters, graph_calls);
+    std::vector<double> const timed =
+        bench::time_leg(t.memory, *run.comm, enqueue, s.graph, s.warmup, s.iters, s.graph_calls);
     out.insert(out.end(), timed.begin(), timed.end());
   };
-  // one eager dispatch of `tokens` tokens of routing r on `buffer`, then every leg of candidate c timed
-  auto const measure = [&](EpBuffer& buffer, std::size_t b, std::size_t r, std::size_t c) {
-    DispatchArgs dargs;
-    dargs.x = inputs[r].x;
-    dargs.num_tokens = sweep.buckets[b];
-    dargs.topk_idx = inputs[r].idx;
-    dargs.topk_idx_type = IndexType::int64;
-    dargs.topk_weights = static_cast<float const*>(inputs[r].weights);
-    DispatchResult const result = buffer.dispatch(dargs, memory.stream());
-    if (!buffer.config().delivers_quantized()) {
-      std::size_t const rows =
-          ll ? static_cast<std::size_t>(buffer.config().num_local_experts(world)) * buffer.config().expert_slots()
-             : static_cast<std::size_t>(result.num_recv_host);
-      memory.copy(combine_in, ll ? result.expert_x : result.recv_x, rows * row_bytes);
-    }
-    memory.synchronize();
-    CombineArgs cargs;
-    cargs.layout = ll ? CombineLayout::expert_major : CombineLayout::rank_major;
-    cargs.x = combine_in;
-    cargs.y = y;
-    dargs.eager = false;
-    cargs.eager = false;
-    time_leg([&] { buffer.dispatch(dargs, memory.stream()); }, samples[slot(b, r, c, 0)]);
-    time_leg([&] { buffer.combine(cargs, memory.stream()); }, samples[slot(b, r, c, 1)]);
-  };
+  time_leg([&] { buffer.dispatch(dargs, t.memory.stream()); }, samples.values[samples.slot(b, r, c, 0)]);
+  time_leg([&] { buffer.combine(cargs, t.memory.stream()); }, samples.values[samples.slot(b, r, c, 1)]);
+}
 
-  // 3. the sweep. Normal mode: rounds outermost, so slow drift (clocks, temperature) touches every candidate alike;
-  //    one EpBuffer, candidates through the variables. ll: an EpBuffer per (bucket, candidate), rounds inside it.
-  auto const start = std::chrono::steady_clock::now();
-  std::size_t const steps = static_cast<std::size_t>(rounds) * sweep.buckets.size() * (ll ? num_candidates : 1);
-  std::size_t step = 0;
-  auto const progress = [&](int round, std::size_t b, char const* what) {
-    ++step;
-    if (rank != 0) return;
-    double const elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    std::printf("  [%3zu/%zu] round %d/%d  %5d tokens  %s  %.1f s\n", step, steps, round + 1, rounds, sweep.buckets[b],
-                what, elapsed);
+// Rank 0's progress line after each step of the sweep.
+class Progress {
+ public:
+  Progress(TuneRun const& run, std::size_t steps) : run_(run), steps_(steps) {}
+  void step(int round, std::size_t b, std::string const& what) {
+    ++step_;
+    if (run_.rank != 0) return;
+    double const elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    std::printf("  [%3zu/%zu] round %d/%d  %5d tokens  %s  %.1f s\n", step_, steps_, round + 1, run_.settings.rounds,
+                run_.sweep.buckets[b], what.c_str(), elapsed);
     std::fflush(stdout);
-  };
-  if (!ll) {
-    EpBuffer buffer(comm, config);
-    for (int round = 0; round < rounds; ++round)
-      for (std::size_t b = 0; b < sweep.buckets.size(); ++b) {
-        for (std::size_t r = 0; r < routings.size(); ++r)
-          for (std::size_t c = 0; c < num_candidates; ++c) {
-            apply_candidate(sweep.candidates[c]);
-            measure(buffer, b, r, c);
-          }
-        apply_candidate({});
-        progress(round, b, detail::concat(num_candidates, " candidates x ", routings.size(), " routings").c_str());
-      }
-  } else {
-    for (std::size_t b = 0; b < sweep.buckets.size(); ++b)
-      for (std::size_t c = 0; c < num_candidates; ++c) {
-        EpConfig pinned = make_config(options, world, sweep.buckets[b]);
-        pinned.dispatch_geometry = sweep.candidates[c];
-        EpBuffer buffer(comm, pinned);
-        for (int round = 0; round < rounds; ++round) {
-          for (std::size_t r = 0; r < routings.size(); ++r) measure(buffer, b, r, c);
-          progress(round, b,
-                   detail::concat("blocks ", sweep.candidates[c].blocks, " x ", routings.size(), " routings").c_str());
-        }
-      }
   }
 
-  // 4. scores: each rank's median, then the slowest rank's (a collective leg is as slow as its slowest member)
-  std::vector<double> mine(samples.size());
-  for (std::size_t i = 0; i < samples.size(); ++i) mine[i] = median(samples[i]);
-  std::vector<double> all(mine.size() * world);
-  bootstrap.allgather(mine.data(), all.data(), mine.size() * sizeof(double));
+ private:
+  TuneRun const& run_;
+  std::size_t steps_;
+  std::size_t step_ = 0;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+};
+
+// 3. the sweep. Normal mode: rounds outermost, so slow drift (clocks, temperature) touches every candidate alike; one
+//    EpBuffer, candidates through the variables. ll: an EpBuffer per (bucket, candidate), rounds inside it.
+Samples run_sweep(TuneRun const& run, TuneTensors& t) {
+  Sweep const& sweep = run.sweep;
+  int const rounds = run.settings.rounds;
+  std::size_t const num_candidates = sweep.candidates.size();
+  std::size_t const num_routings = sweep.routings.size();
+  Samples samples(sweep);
+  Progress progress(run, static_cast<std::size_t>(rounds) * sweep.buckets.size() * (run.ll ? num_candidates : 1));
+  if (!run.ll) {
+    EpBuffer buffer(run.comm, t.config);
+    for (int round = 0; round < rounds; ++round)
+      for (std::size_t b = 0; b < sweep.buckets.size(); ++b) {
+        for (std::size_t r = 0; r < num_routings; ++r)
+          for (std::size_t c = 0; c < num_candidates; ++c) {
+            apply_candidate(sweep.candidates[c]);
+            measure(run, t, samples, buffer, b, r, c);
+          }
+        apply_candidate({});
+        progress.step(round, b, detail::concat(num_candidates, " candidates x ", num_routings, " routings"));
+      }
+    return samples;
+  }
+  for (std::size_t b = 0; b < sweep.buckets.size(); ++b)
+    for (std::size_t c = 0; c < num_candidates; ++c) {
+      EpConfig pinned = make_config(run.options, run.world, sweep.buckets[b]);
+      pinned.dispatch_geometry = sweep.candidates[c];
+      EpBuffer buffer(run.comm, pinned);
+      for (int round = 0; round < rounds; ++round) {
+        for (std::size_t r = 0; r < num_routings; ++r) measure(run, t, samples, buffer, b, r, c);
+        progress.step(round, b,
+                      detail::concat("blocks ", sweep.candidates[c].blocks, " x ", num_routings, " routings"));
+      }
+    }
+  return samples;
+}
+
+// 4. scores: each rank's median, then the slowest rank's (a collective leg is as slow as its slowest member)
+std::vector<double> slowest_medians(TuneRun const& run, Samples const& samples) {
+  std::vector<double> mine(samples.values.size());
+  for (std::size_t i = 0; i < samples.values.size(); ++i) mine[i] = median(samples.values[i]);
+  std::vector<double> all(mine.size() * run.world);
+  run.comm->bootstrap().allgather(mine.data(), all.data(), mine.size() * sizeof(double));
   std::vector<double> slowest(mine.size(), 0.0);
-  for (int q = 0; q < world; ++q)
+  for (int q = 0; q < run.world; ++q)
     for (std::size_t i = 0; i < mine.size(); ++i)
       slowest[i] = std::max(slowest[i], all[static_cast<std::size_t>(q) * mine.size() + i]);
-  if (rank != 0) return 0;
+  return slowest;
+}
 
-  // 5. picks (rank 0 prints and writes)
+// --verify: the table's row of bucket `tokens` (if it has one) against the sweep's best; prints PASS or FAIL and
+// returns whether it failed.
+bool verify_row(TuneRun const& run, Leg leg, char const* label, int tokens, tuning::Pick const& pick,
+                std::vector<tuning::Measurement> const& measured) {
+  std::vector<tuning::Bucket> const& rows = run.verified->buckets(leg);
+  auto const row =
+      std::find_if(rows.begin(), rows.end(), [&](tuning::Bucket const& bucket) { return bucket.max_tokens == tokens; });
+  if (row == rows.end()) return false;
+  auto const it = std::find_if(measured.begin(), measured.end(),
+                               [&](tuning::Measurement const& m) { return m.geometry == row->geometry; });
+  FERRY_CHECK(it != measured.end(), "--verify: row blocks ", row->geometry.blocks, " was not measured");
+  double ratio = 0;
+  for (std::size_t r = 0; r < run.sweep.routings.size(); ++r) ratio = std::max(ratio, it->us[r] / pick.best_us[r]);
+  bool const pass = ratio <= 1.0 + run.options.number("verify-tolerance");
+  std::printf("  verify %-8s <=%-6d row blocks %d: %.3f x the best  %s\n", label, tokens, row->geometry.blocks, ratio,
+              pass ? "PASS" : "FAIL");
+  return !pass;
+}
+
+// 5. per bucket and leg (ll: one geometry serves both legs, scored on their sum): every candidate's scores, the pick,
+//    and under --verify the table's row against the best; else the pick goes into `entry`. Returns the failed rows.
+int report_picks(TuneRun const& run, Samples const& samples, std::vector<double> const& slowest, tuning::Entry& entry) {
+  Sweep const& sweep = run.sweep;
+  double const tolerance = run.settings.tolerance;
   int failures = 0;
-  tuning::Entry entry;
-  entry.key = key;
   for (std::size_t b = 0; b < sweep.buckets.size(); ++b) {
     int const tokens = sweep.buckets[b];
     std::printf("\nbucket <=%d tokens\n  %-9s %6s", tokens, "leg", "blocks");
-    for (RoutingKind kind : routings) std::printf(" %11s_us", routing_name(kind));
+    for (RoutingKind kind : sweep.routings) std::printf(" %11s_us", routing_name(kind));
     std::printf(" %7s\n", "worst");
-    // ll: one geometry serves both legs, scored on their sum
-    for (int leg = 0; leg < (ll ? 1 : 2); ++leg) {
-      char const* const label = ll ? "both legs" : tuning::leg_name(kLegs[leg]);
+    for (int leg = 0; leg < (run.ll ? 1 : 2); ++leg) {
+      char const* const label = run.ll ? "both legs" : tuning::leg_name(kLegs[leg]);
       std::vector<tuning::Measurement> measured;
-      for (std::size_t c = 0; c < num_candidates; ++c) {
+      for (std::size_t c = 0; c < sweep.candidates.size(); ++c) {
         tuning::Measurement m{sweep.candidates[c], {}};
-        for (std::size_t r = 0; r < routings.size(); ++r)
-          m.us.push_back(ll ? slowest[slot(b, r, c, 0)] + slowest[slot(b, r, c, 1)] : slowest[slot(b, r, c, leg)]);
+        for (std::size_t r = 0; r < sweep.routings.size(); ++r)
+          m.us.push_back(run.ll ? slowest[samples.slot(b, r, c, 0)] + slowest[samples.slot(b, r, c, 1)]
+                                : slowest[samples.slot(b, r, c, leg)]);
         measured.push_back(m);
       }
       tuning::Pick const pick = tuning::pick_geometry(measured, tolerance);
       for (tuning::Measurement const& m : measured) {
         double worst = 0;
-        for (std::size_t r = 0; r < routings.size(); ++r) worst = std::max(worst, m.us[r] / pick.best_us[r]);
+        for (std::size_t r = 0; r < sweep.routings.size(); ++r) worst = std::max(worst, m.us[r] / pick.best_us[r]);
         std::printf("  %-9s %6d", label, m.geometry.blocks);
         for (double us : m.us) std::printf(" %14.1f", us);
         std::printf(" %7.3f%s\n", worst, m.geometry == pick.geometry ? "  <- pick" : "");
@@ -468,20 +545,8 @@ int run_tune_rank(Options const& options) {
             "  %s: no candidate is within %.0f%% of the best under every routing; picked the smallest "
             "worst ratio (%.3f)\n",
             label, tolerance * 100, pick.worst_ratio);
-      if (verified) {
-        std::vector<tuning::Bucket> const& rows = verified->buckets(kLegs[leg]);
-        auto const row = std::find_if(rows.begin(), rows.end(),
-                                      [&](tuning::Bucket const& bucket) { return bucket.max_tokens == tokens; });
-        if (row == rows.end()) continue;
-        auto const it = std::find_if(measured.begin(), measured.end(),
-                                     [&](tuning::Measurement const& m) { return m.geometry == row->geometry; });
-        FERRY_CHECK(it != measured.end(), "--verify: row blocks ", row->geometry.blocks, " was not measured");
-        double ratio = 0;
-        for (std::size_t r = 0; r < routings.size(); ++r) ratio = std::max(ratio, it->us[r] / pick.best_us[r]);
-        bool const pass = ratio <= 1.0 + options.number("verify-tolerance");
-        failures += !pass;
-        std::printf("  verify %-8s <=%-6d row blocks %d: %.3f x the best  %s\n", label, tokens, row->geometry.blocks,
-                    ratio, pass ? "PASS" : "FAIL");
+      if (run.verified) {
+        failures += verify_row(run, kLegs[leg], label, tokens, pick, measured);
       } else {
         double slower = 0;
         for (double us : pick.us) slower = std::max(slower, us);
@@ -490,35 +555,56 @@ int run_tune_rank(Options const& options) {
     }
   }
   std::fflush(stdout);
-  if (verified) {
-    std::printf("\nverify: %s (tolerance %.0f%%)%s\n", failures ? "FAIL" : "PASS",
-                options.number("verify-tolerance") * 100,
-                backend == Backend::cpu ? "; cpu backend: the geometry has no effect there" : "");
-    return failures ? 3 : 0;
-  }
+  return failures;
+}
 
-  // 6. merge into the table: other keys untouched, buckets with the same bound replaced
-  entry.provenance = tuning::Provenance{
-      std::string("ferry tune ") + FERRY_VERSION, git_commit(), util::utc_now_iso(), device, rounds, tolerance};
+// 6. merge into the table: other keys untouched, buckets with the same bound replaced
+void write_table(TuneRun const& run, tuning::Entry entry) {
+  entry.provenance = tuning::Provenance{std::string("ferry tune ") + FERRY_VERSION,
+                                        git_commit(),
+                                        util::utc_now_iso(),
+                                        run.device,
+                                        run.settings.rounds,
+                                        run.settings.tolerance};
   tuning::Table table;
-  table.source = path;
-  if (std::filesystem::exists(path)) table = tuning::read_table_file(path);
+  table.source = run.path;
+  if (std::filesystem::exists(run.path)) table = tuning::read_table_file(run.path);
   tuning::Table const merged = tuning::merge_entry(table, entry);
-  std::printf("\n%s %s, entry %s:\n", options.flag("dry-run") ? "would write" : "wrote", path.c_str(),
-              tuning::describe(key).c_str());
+  bool const dry_run = run.options.flag("dry-run");
+  std::printf("\n%s %s, entry %s:\n", dry_run ? "would write" : "wrote", run.path.c_str(),
+              tuning::describe(run.key).c_str());
   for (Leg leg : kLegs)
     for (tuning::Bucket const& bucket : entry.buckets(leg))
       std::printf("  %-8s <=%-6d blocks %3d  (%.1f us, slower routing)\n", tuning::leg_name(leg), bucket.max_tokens,
                   bucket.geometry.blocks, bucket.us.value_or(0));
-  if (!options.flag("dry-run")) {
-    tuning::write_table_file(path, merged);
+  if (!dry_run) {
+    tuning::write_table_file(run.path, merged);
     std::printf(
         "other entries of the table untouched (%zu in all). The library reads it after a rebuild (it embeds "
         "src/tuning/tables/), or now with FERRY_TUNING_DIR=%s\n",
-        merged.entries.size(), std::filesystem::path(path).parent_path().string().c_str());
+        merged.entries.size(), std::filesystem::path(run.path).parent_path().string().c_str());
   }
-  if (backend == Backend::cpu)
+  if (run.backend == Backend::cpu)
     std::printf("cpu backend: these rows exercise the machinery only; never commit them to a GPU table\n");
+}
+
+int run_tune_rank(Options const& options) {
+  TuneRun run = start_tune(options);
+  if (run.rank == 0) print_tune_header(run);
+  TuneTensors tensors(run);
+  Samples const samples = run_sweep(run, tensors);
+  std::vector<double> const slowest = slowest_medians(run, samples);
+  if (run.rank != 0) return 0;
+  tuning::Entry entry;
+  entry.key = run.key;
+  int const failures = report_picks(run, samples, slowest, entry);
+  if (run.verified) {
+    std::printf("\nverify: %s (tolerance %.0f%%)%s\n", failures ? "FAIL" : "PASS",
+                options.number("verify-tolerance") * 100,
+                run.backend == Backend::cpu ? "; cpu backend: the geometry has no effect there" : "");
+    return failures ? 3 : 0;
+  }
+  write_table(run, entry);
   return 0;
 }
 
