@@ -3,6 +3,7 @@
 
 #include <memory>
 
+#include "comm/device_error.hpp"  // describe_device_error, describe_absent
 #include "ferry/communicator.hpp"
 
 namespace ferry::detail {
@@ -14,16 +15,6 @@ std::unique_ptr<Communicator> make_cuda_communicator(std::unique_ptr<Bootstrap> 
                                                      CommunicatorOptions const& options);
 int cuda_visible_devices();  // cudaGetDeviceCount, 0 on any error (no driver, no device)
 #endif
-
-// The message of a recorded device failure ("rank 0 timed out in phase barrier waiting for rank 1: expected >= 3,
-// observed 2 after 30 s"); empty when status is 0.
-std::string describe_device_error(DeviceErrorBlock const& block, double timeout_s);
-// ...across nodes: the peer is also named by its node and local rank.
-std::string describe_device_error(DeviceErrorBlock const& block, double timeout_s, Topology const& topology);
-
-// The ranks a wait found absent, for a timeout's message: "rank(s) 4, 5" and, across nodes, where they are; when
-// they are every rank of one node, says that node is absent as a whole (down, or its network unreachable).
-std::string describe_absent(std::vector<int> const& missing, Topology const& topology);
 
 // Bytes of one rank's refusal reason (Communicator::post_refusal), the terminating zero included.
 inline constexpr std::size_t kRefusalBytes = 1024;

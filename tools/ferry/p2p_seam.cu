@@ -7,8 +7,8 @@
 #include <cstring>
 #include <vector>
 
-#include "comm/comm_impl.hpp"
 #include "comm/cuda/cuda_communicator.hpp"
+#include "comm/device_error.hpp"
 #include "comm/transport/emulated.cuh"
 #include "comm/transport/lsa.cuh"
 #include "core/cuda_check.hpp"
