@@ -83,8 +83,9 @@ inline void enqueue_empty_params(BenchMemory&, int, int, LaunchApi) {}
 // Times one leg warmup + iters times and returns the timed samples (us per call). Before each: a device-side delay
 // (the host queues the leg behind it) and a barrier over the ranks (they start together). In graph mode `graph_calls`
 // consecutive calls of the leg are captured into one graph, each sample is one replay divided by graph_calls: the
-// time a leg takes inside a captured forward pass (kernel after kernel), without the ~4-6 us of event records and
-// graph launch that a lone call adds (`ferry bench --floor` measures that floor). graph_calls = 1 times one call per
+// time a leg takes inside a captured forward pass (kernel after kernel), without the event records and graph launch
+// that a lone call adds (`ferry bench --floor` measures that floor; docs/design-notes.md, "Measuring a leg inside a
+// graph"). graph_calls = 1 times one call per
 // replay. Raises a device error recorded meanwhile (Communicator::check_errors).
 std::vector<double> time_leg(BenchMemory& memory, Communicator& comm, std::function<void()> const& enqueue, bool graph,
                              int warmup, int iters, int graph_calls = 1);

@@ -1,9 +1,9 @@
 // Which protocol an EpBuffer of the cuda backend runs, decided once at construction (host code, so CI tests it):
-// low-latency mode's (ll/dispatch.cuh / ll/combine.cuh), or in normal mode the count exchange (normal/dispatch.cuh: rows
-// pushed straight into their final rank-major row), or, for small batches, the landing zone (normal/land_dispatch.cuh: rows
-// land in fixed per-source slots, no count exchange, and the receiver compacts them). Both deliver the same outputs.
-// Every rank must decide the same: the inputs are the config and FERRY_NORMAL_LANDING, which must be the same on every
-// rank.
+// low-latency mode's (ll/dispatch.cuh / ll/combine.cuh), or in normal mode the count exchange (normal/dispatch.cuh:
+// rows pushed straight into their final rank-major row), or, for small batches, the landing zone
+// (normal/land_dispatch.cuh: rows land in fixed per-source slots, no count exchange, and the receiver compacts them).
+// Both deliver the same outputs. Every rank must decide the same: the inputs are the config and FERRY_NORMAL_LANDING,
+// which must be the same on every rank.
 #pragma once
 
 #include <cstddef>
@@ -17,8 +17,8 @@ namespace ferry::detail {
 
 // Most landing slots per receiver (world * max_tokens_per_rank) that take the landing zone when FERRY_NORMAL_LANDING is
 // auto. The landing zone trades the count exchange's serial chain (a fixed cost) for a local copy of every received
-// row (which grows with world * tokens). The bound is where the landing zone stopped being faster at EP2
-// (docs/design-notes.md, "Normal-mode dispatch of small batches"); at EP4 / EP8 the same slot bound gives 256 / 128 tokens per rank.
+// row (which grows with world * tokens). The bound is where the two crossed at EP2 (docs/design-notes.md, "Normal-mode
+// dispatch of small batches", has the figures); the same slot bound gives EP4 / EP8 256 / 128 tokens per rank.
 inline constexpr int kLandingAutoMaxSlots = 1024;
 // Shared memory the landing receiver may use: one int per landing slot of every source plus one per local expert.
 inline constexpr std::size_t kLandingMaxSmem = 200 * 1024;
@@ -35,9 +35,10 @@ struct LandingChoice {
 // "on" for a config the landing zone cannot serve is a ConfigError naming the rule.
 LandingChoice choose_normal_landing(EpConfig const& config, int world, std::string const& pin);
 
-// The protocols of the cuda backend: normal mode's count exchange + push (normal/dispatch.cuh), normal mode's landing zone
-// (normal/land_dispatch.cuh; combine is the push's), low-latency mode (ll/dispatch.cuh, ll/combine.cuh), and normal mode
-// over several nodes (hier/dispatch.cuh, hier/combine.cuh: a token crosses the network once per node, to its rail).
+// The protocols of the cuda backend: normal mode's count exchange + push (normal/dispatch.cuh), normal mode's landing
+// zone (normal/land_dispatch.cuh; combine is the push's), low-latency mode (ll/dispatch.cuh, ll/combine.cuh), and
+// normal mode over several nodes (hier/dispatch.cuh, hier/combine.cuh: a token crosses the network once per node, to
+// its rail).
 enum class Protocol : uint8_t { push, landing, ll, hierarchical };
 
 struct ProtocolChoice {

@@ -167,12 +167,12 @@ __device__ __forceinline__ void e4m3_codes(float const (&x)[kN], float inverse, 
 
 // ---- e2m1 conversions
 // sm_100 and later convert in hardware. sm_90 has no fp4 instruction: cuda_fp4.hpp emulates it (encode through
-// double, decode through fp6), tens of instructions per element, which made the fp4 legs 9-25x slower than bf16 on an
-// H200. On sm_90 the encode is the same conversion (round to nearest even, saturating at +-6, a zero result keeps the
-// sign) in one fp32 addition and a few integer operations (wire::e2m1_code_not_nan, equal to wire::e2m1_from_float
-// on every fp32 but NaN, itself bit-exact with cuda_fp4.h; the device tests compare every row). The quantizers call
-// it with x = element * inverse scale of a block whose elements are all finite (a block with an Inf or a NaN gets a
-// NaN scale and zero codes), so x is never NaN and the NaN test (NaN -> +6) is left out.
+// double, decode through fp6), tens of instructions per element (docs/design-notes.md, "The e2m1 conversions", has
+// what that cost). On sm_90 the encode is the same conversion (round to nearest even, saturating at +-6, a zero result
+// keeps the sign) in one fp32 addition and a few integer operations (wire::e2m1_code_not_nan, equal to
+// wire::e2m1_from_float on every fp32 but NaN, itself bit-exact with cuda_fp4.h; the device tests compare every row).
+// The quantizers call it with x = element * inverse scale of a block whose elements are all finite (a block with an Inf
+// or a NaN gets a NaN scale and zero codes), so x is never NaN and the NaN test (NaN -> +6) is left out.
 __device__ __forceinline__ uint32_t e2m1_code_not_nan(float x) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
   return static_cast<uint32_t>(__nv_cvt_float_to_fp4(x, __NV_E2M1, cudaRoundNearest)) & 0xFu;

@@ -135,7 +135,7 @@ struct LlWorld {
   // Rank masking: loads the masked instances this world launches before any agreement runs. A kernel's first launch
   // in the process loads it and waits for the device (CUDA's lazy loading), and one host thread launches every
   // virtual rank: an agreement running then waits for ranks whose launches that host thread has not reached, and
-  // masks them (seen on the H200 in the first fp8 case). Each rank marked masked meanwhile, so that every kernel
+  // masks them. Each rank marked masked meanwhile, so that every kernel
   // (the agreement too) returns at once; then the words and counters as clear_mask leaves them.
   // Returns the calls of each leg it made (the counters go on from there: the next dispatch is #calls + 1).
   uint64_t load_masked_kernels() {
