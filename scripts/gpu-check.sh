@@ -51,9 +51,10 @@ usage() { awk 'NR == 1 {next} /^#/ {sub(/^# ?/, ""); print; next} {exit}' "$0"; 
 help_all() {
   cat <<'EOF'
 usage: scripts/gpu-check.sh all OUT_DIR [OPTIONS]
-Builds (Release, --arch, default 90a), runs every GPU test one by one, the installed example and a short
-`ferry bench --check` (normal mode with wire formats at 128 / 4096 tokens, normal against low-latency at 1 / 128,
-with the NCCL baseline), then prints the table. One command on a fresh GPU machine checks everything.
+Builds (Release, --arch, default 90a), runs the installed example, a short `ferry bench --check` (normal mode with
+wire formats at 128 / 4096 tokens, normal against low-latency at 1 / 128, with the NCCL baseline) and every GPU test
+one by one (last, so that a --budget that runs out leaves out tests, which `test --resume` runs later), then prints
+the table. One command on a fresh GPU machine checks everything.
   --tests FILTER      only these GPU tests (a gtest filter, e.g. 'NormalMode.*:LowLatency.*')
   --resume FILE       an earlier run's OUT_DIR/tests/status: its passed and skipped tests are not run again
   --no-example        skip the installed example
@@ -1542,8 +1543,8 @@ step_all() {
     esac
   done
   parse_test_options "${test_args[@]}"
+  # the short steps first, the GPU tests last: a budget that runs out leaves out tests, which --resume runs later
   step_build
-  if [[ $DRY -eq 1 || -x "$BUILD/tests/ferry_gpu_tests" ]]; then step_test; else record tests FAILED "not built"; fi
   if [[ $example -eq 1 ]]; then
     if [[ $(left) -lt 60 ]]; then record example skipped "budget"; else step_example; fi
   fi
@@ -1554,6 +1555,7 @@ step_all() {
     if [[ $(left) -lt 60 ]]; then record p2p skipped "budget"; else step_p2p; fi
   fi
   [[ $python -eq 1 ]] && step_python
+  if [[ $DRY -eq 1 || -x "$BUILD/tests/ferry_gpu_tests" ]]; then step_test; else record tests FAILED "not built"; fi
   return 0
 }
 
