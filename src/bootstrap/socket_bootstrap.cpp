@@ -894,6 +894,11 @@ void validate(SocketBootstrapOptions const& o) {
   check(o.world == 1 || !o.master_addr.empty(), "master_addr is empty; set MASTER_ADDR to rank 0's host");
   check(o.timeout.count() > 0, "timeout=", o.timeout.count(),
         " ms must be positive (every bootstrap wait is bounded); check FERRY_BOOTSTRAP_TIMEOUT_S");
+  // NOTE: the deadlines are the clock plus the timeout in 64-bit nanoseconds; kMaxTimeoutSeconds keeps far from the
+  // wrap-around that would make every wait end at once.
+  check(o.timeout.count() <= static_cast<int64_t>(kMaxTimeoutSeconds) * 1000, "timeout=", o.timeout.count(),
+        " ms is more than the longest bound a wait takes, ", static_cast<int64_t>(kMaxTimeoutSeconds),
+        " s (about 31 years); check FERRY_BOOTSTRAP_TIMEOUT_S");
 }
 
 // A whole number from an env text, or a BootstrapError naming the variable and what it should hold.
