@@ -234,13 +234,13 @@ CpuCommunicator::CpuCommunicator(std::unique_ptr<Bootstrap> bootstrap, Communica
   FERRY_CHECK_CONFIG(bootstrap_->local_world() == world_, "backend cpu needs every rank on one host: world=", world_,
                      " but local_world=", bootstrap_->local_world(), "; use backend cuda across hosts");
   timeout_s_ = env_double("FERRY_TIMEOUT_S");  // its rule (positive) is the env table's
-  topology_ = topology_of(world_, bootstrap_->local_world(),
-                          options.topology.empty() ? env_string("FERRY_TOPOLOGY") : options.topology);
-  // NOTE: a node is this rank's load/store team, and SymmetricView holds a pointer per rank of the team.
-  FERRY_CHECK_CONFIG(topology_.local <= kMaxLsaTeam, "topology ", topology_name(topology_), ": a node of ",
-                     topology_.local, " ranks is more than the ", kMaxLsaTeam,
-                     " ranks of one load/store team (kMaxLsaTeam); emulate smaller nodes, e.g. FERRY_TOPOLOGY=",
-                     topology_name(smallest_nodes(world_)));
+  topology_ = agree_on_topology(*bootstrap_, options.topology, [&](Topology const& topology) {
+    // NOTE: a node is this rank's load/store team, and SymmetricView holds a pointer per rank of the team.
+    FERRY_CHECK_CONFIG(topology.local <= kMaxLsaTeam, "topology ", topology_name(topology), ": a node of ",
+                       topology.local, " ranks is more than the ", kMaxLsaTeam,
+                       " ranks of one load/store team (kMaxLsaTeam); emulate smaller nodes, e.g. FERRY_TOPOLOGY=",
+                       topology_name(smallest_nodes(world_)));
+  });
   // 1. a name prefix no other job uses: rank 0's pid plus random bits, the same on every rank
   char prefix[kNameBytes] = {};
   if (rank_ == 0) {

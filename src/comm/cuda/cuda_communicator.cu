@@ -220,8 +220,7 @@ void CudaCommunicator::init(CommunicatorOptions const& options) {
   FERRY_CHECK_CONFIG(world >= 1 && world <= kMaxWorld, "world=", world, " is outside [1, ", kMaxWorld,
                      "] (kMaxWorld), the ranks of one world");
   timeout_s_ = env_double("FERRY_TIMEOUT_S");  // its rule (positive) is the env table's
-  topology_ = topology_of(world, bootstrap_->local_world(),
-                          options.topology.empty() ? env_string("FERRY_TOPOLOGY") : options.topology);
+  topology_ = agree_on_topology(*bootstrap_, options.topology);
 
   // 2. the GPU of this rank
   int num_devices = 0;
