@@ -200,6 +200,7 @@ class CpuCommunicator final : public Communicator {
   bool failed() const override { return failed_; }
   void ensure_usable() const override {
     if (failed_) FERRY_THROW(Error, "ferry", "communicator failed earlier: ", failure_, "; create a new communicator");
+    bootstrap_->check_alive();  // a job stopped by its bootstrap (two jobs on one port) stops its calls too
   }
   void barrier(cudaStream_t stream) override;
 

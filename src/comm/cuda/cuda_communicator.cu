@@ -151,6 +151,7 @@ class CudaCommunicator final : public Communicator {
   transport::Gin gin_transport(SymmetricRegion const& region, std::size_t signals_off, uint32_t num_signals);
   void ensure_usable() const override {
     if (failed_) FERRY_THROW(Error, "ferry", "communicator failed earlier: ", failure_, "; create a new communicator");
+    bootstrap_->check_alive();  // a job stopped by its bootstrap (two jobs on one port) stops its calls too
   }
 
   void barrier(cudaStream_t stream) override {
