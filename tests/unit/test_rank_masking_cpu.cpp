@@ -629,10 +629,11 @@ std::string kill_call(EpBuffer& buffer, Topology const& topology, Topology const
     return exact ? ""
                  : concat("y (ranks masked: ", after.text(), "): ", differs("y", y.data(), whole.data(), whole.size()));
   }
-  // masked at the combine: at its last step every sum was done (y whole); at its first, y lacks what they held
+  // masked at the combine: at its last step every sum was done (y whole); at its first, y lacks what they held (the
+  // two are the same for a rank none of whose entries went to the lost ranks)
   std::vector<uint16_t> const without =
       combine_without(config, topology, order, r, w, lost, RankSet::range(0, world) - dispatched);
-  what = exact ? "masked at the combine's last step" : "masked at the combine";
+  what = "masked at the combine";
   return exact || differs("y", y.data(), without.data(), without.size()).empty()
              ? ""
              : concat("y with rank(s) ", lost.text(),
@@ -725,7 +726,10 @@ TEST(RankMaskingKills, SurvivorsGoOn) {
       outcome = how;
     }
     if (!ok) {
-      failures.push_back(concat(trial, ": ", result.describe()));
+      std::string reports;
+      for (int r = 0; r < 4; ++r)
+        reports += concat("; rank ", r, " reported '", test::read_file(dir.file("rank" + std::to_string(r))), "'");
+      failures.push_back(concat(trial, ": ", result.describe(), reports));
       outcome = "failed";
     }
     ++outcomes[outcome];
