@@ -41,9 +41,9 @@ test-gpu: build
 # SIGKILLed at a random moment of a loop of low-latency calls on the cpu backend (one node, and 2x2 on both routes; hook
 # on and off); every survivor must get each call exact for the ranks in it, or a TimeoutError with the rank masked,
 # and then 10 more exact calls. Prints the seed (FERRY_TEST_SEED=... replays it), each kill and a summary; about
-# 2 s per kill with KILLS_TIMEOUT_S=1. `make test` runs 3 of them (RankMaskingKills.SurvivorsGoOn).
+# 3 s per kill with KILLS_TIMEOUT_S=2. `make test` runs 3 of them (RankMaskingKills.SurvivorsGoOn).
 KILLS ?= 200
-KILLS_TIMEOUT_S ?= 1
+KILLS_TIMEOUT_S ?= 2
 test-kills: configure
 	cmake --build $(BUILD) -j $(JOBS) --target ferry_unit_tests
 	FERRY_TEST_KILLS=$(KILLS) FERRY_TEST_KILLS_TIMEOUT_S=$(KILLS_TIMEOUT_S) \

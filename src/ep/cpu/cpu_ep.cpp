@@ -24,14 +24,14 @@
 // masking every sync is an agreement: each rank announces its arrival and waits for the others (bounded by
 // FERRY_TIMEOUT_S); the ranks it saw are its view, its first estimate of the call's ranks. Then rounds of estimates
 // (agree()): each rank writes its estimate into every rank, waits for those of the ranks it still hears from, and
-// takes the intersection; a rank that heard every one it waited for has decided, says so in its next round's word
-// and goes on; a rank that reads a decision adopts it. A rank that dies part way through writing its words (seen by
-// some ranks and not others) only delays the decision by a round: the estimates still meet, and every rank that
-// stays computes the same set, however the writes were cut (docs/internode.md "Rank masking", "Who decides"). A
-// rank's view holds every rank that arrived before its own deadline, so a late rank is left out by
-// every rank and learns it from the same words when it comes. A call's entry exchange (join_call) goes on without the
-// ranks it masked; a later sync of the call that masks one fails the call (its rows may be half written), and the
-// final one of a combine goes on (every sum is done).
+// takes the intersection, less the ranks it no longer hears from; a rank that heard every one it waited for has
+// decided, says so in its next round's word and goes on; a rank that reads a decision adopts it. A rank that dies part
+// way through writing its words (seen by some ranks and not others) only delays the decision by a round: the estimates
+// still meet, and every rank that stays computes the same set, however the writes were cut (docs/internode.md "Rank
+// masking", "Who decides"). A rank's view holds every rank that arrived before its own deadline, so a late rank is left
+// out by every rank and learns it from the same words when it comes. A call's entry exchange (join_call) goes on
+// without the ranks it masked; a later sync of the call that masks one fails the call (its rows may be half written),
+// and the final one of a combine goes on (every sum is done).
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -51,6 +51,7 @@
 #include "core/log.hpp"
 #include "core/rank_set.hpp"
 #include "ep/ep_impl.hpp"
+#include "ep/ll_mask_words.hpp"
 #include "ep/reference.hpp"
 #include "ferry/error.hpp"
 #include "wire/codec.hpp"
@@ -131,11 +132,6 @@ struct HeaderCopy {
 // word of a rewrite that the reader saw makes the mark visible to its second load of the tag (no fences, which
 // ThreadSanitizer does not model).
 constexpr uint64_t kRewritten = UINT64_MAX;  // a header's mark (a verdict's is 0: its readers wait for the epoch)
-
-// Rounds of estimates an agreement waits through at most: each round after the first that ends undecided was caused
-// by a rank that died while writing that round's words, so these take that many deaths inside one agreement (ranks
-// gone before it, any number, cost none). Past them the ranks may disagree, and the communicator fails.
-constexpr int kEstimateRounds = 4;
 
 void open_slot(uint64_t* tag, uint64_t mark) {
   std::atomic_ref<uint64_t>(*tag).store(mark, std::memory_order_relaxed);
@@ -262,9 +258,10 @@ class CpuEp final : public EpBackendImpl {
   // The rounds of estimates that follow a masking sync's arrivals (see the top of the file): the ranks of the call,
   // the same on every rank that stays. `present`: the ranks whose arrival this rank saw. Throws Error when this rank
   // learns it is masked, and fails the communicator when more ranks died inside this one agreement than its rounds
-  // take (kEstimateRounds).
+  // take (kMaskEstimateRounds).
   RankSet agree(uint64_t epoch, RankSet const& present, std::chrono::steady_clock::time_point start, WaitPhase phase);
-  // The estimate word of `round` (2.. kEstimateRounds + 2) of the sync `epoch` that rank `from` writes into rank `to`
+  // The estimate word of `round` (2.. kMaskEstimateRounds + 2) of the sync `epoch` that rank `from` writes into rank
+  // `to`
   uint64_t* estimate_slot(int to, int from, int round, uint64_t epoch) const {
     std::size_t const slot = at(round - 2, 2) + (epoch & 1);
     return reinterpret_cast<uint64_t*>(sync_.of(to)) + world_ + at(slot, world_) * verdict_words_ +
@@ -366,7 +363,7 @@ class CpuEp final : public EpBackendImpl {
   int fwd_slots_;             // blocks of the forward areas (fwd_slot)
   int set_words_;             // RankSet::words_for(world): a set of ranks in shared memory
   std::size_t header_bytes_;  // a CallHeader and its proposed ranks
-  // per rank: [world] arrival epochs (word p written by rank p), then [kEstimateRounds + 1 rounds][2 parities][world]
+  // per rank: [world] arrival epochs (word p written by rank p), then [kMaskEstimateSlots rounds][2 parities][world]
   // estimates of verdict_words_ each (a tag: the epoch << 1 | decided; then the ranks its writer holds for the call)
   SymmetricRegion sync_;
   std::size_t verdict_words_;
@@ -489,7 +486,7 @@ CpuEp::CpuEp(Communicator& comm, EpConfig const& config)
       net_rows_ = comm_.alloc_symmetric(entries * combine_wire_.row_bytes);
     }
     if (own_sync_)  // zeroed: epoch 0
-      sync_ = comm_.alloc_symmetric((at(world_, 1) + at(2 * (kEstimateRounds + 1), world_) * verdict_words_) *
+      sync_ = comm_.alloc_symmetric((at(world_, 1) + at(2 * kMaskEstimateSlots, world_) * verdict_words_) *
                                     sizeof(uint64_t));
   } catch (...) {
     release_regions();  // the destructor does not run for a constructor that throws
@@ -762,7 +759,7 @@ RankSet CpuEp::agree(uint64_t epoch, RankSet const& present, std::chrono::steady
     if (decided) return estimate;
     // NOTE: a round that ends undecided saw a rank die while writing (it reached some ranks and not others); one
     // more such death than the rounds take, and the ranks may hold different sets: nothing after can be trusted
-    if (round > kEstimateRounds + 1) fail_communicator(phase, present - alive - RankSet::range(rank_, 1), epoch);
+    if (round > kMaskEstimateSlots) fail_communicator(phase, present - alive - RankSet::range(rank_, 1), epoch);
     // b. the estimates of this round from the ranks still heard from, or a decision of this round or the next
     //    (NOTE: the absolute deadlines leave a rank that arrived up to FERRY_TIMEOUT_S later, and each round after,
     //    half a timeout of margin: a live rank is never taken for a dead one)
@@ -796,11 +793,12 @@ RankSet CpuEp::agree(uint64_t epoch, RankSet const& present, std::chrono::steady
       if (std::chrono::steady_clock::now() > deadline) break;
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
-    // c. adopt a decision, or decide when every rank waited for was heard (else those not heard died: go round again)
+    // c. adopt a decision, or decide when every rank waited for was heard (else those not heard died, and leave the
+    //    estimate: go round again)
     if (adopted) {
       estimate = *adopted;
     } else {
-      estimate = meet;
+      estimate = meet - (alive - heard);
       decided = heard == alive;
       alive = heard;
       if (!decided) continue;
@@ -1026,7 +1024,7 @@ DispatchResult CpuEp::receive_dispatch() {
       deliver_row(landing + at(i, 1) * wire_bytes, recv_out_.data() + at(i, 1) * out_row_bytes_);
     if (quantized_out) {
       wire::write_scale_tensor(format, config_.recv_scale_layout, landing, wire_bytes, capacity_, hidden_,
-                                recv_scales_.data());
+                               recv_scales_.data());
       if (dispatch_wire_.has_token_scale)
         wire::write_token_scales(format, landing, wire_bytes, capacity_, hidden_, recv_token_scales_.data());
     }
@@ -1046,11 +1044,11 @@ DispatchResult CpuEp::receive_dispatch() {
       if (quantized_out) {
         // NOTE: unfilled slots' scale entries are unspecified (the kernels leave them); zero rows here
         std::memset(gather_scratch_.data() + at(filled, 1) * wire_bytes, 0, at(slots_ - filled, 1) * wire_bytes);
-        wire::write_scale_tensor(format, config_.recv_scale_layout, gather_scratch_.data(), wire_bytes, slots_,
-                                  hidden_, expert_scales_.data() + at(e, 1) * scale_tensor);
+        wire::write_scale_tensor(format, config_.recv_scale_layout, gather_scratch_.data(), wire_bytes, slots_, hidden_,
+                                 expert_scales_.data() + at(e, 1) * scale_tensor);
         if (dispatch_wire_.has_token_scale)
           wire::write_token_scales(format, gather_scratch_.data(), wire_bytes, slots_, hidden_,
-                                    expert_token_scales_.data() + at(e, slots_));
+                                   expert_token_scales_.data() + at(e, slots_));
       }
     }
   }
