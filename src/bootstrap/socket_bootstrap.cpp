@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "bootstrap/bootstrap_util.hpp"
+#include "core/interrupt.hpp"
 #include "ferry/bootstrap.hpp"
 #include "ferry/env.hpp"
 #include "ferry/error.hpp"
@@ -165,13 +166,21 @@ struct Deadline {
   }
 };
 
-// poll() that resumes after signals. Returns the number of ready descriptors (0 on timeout).
+// poll() that resumes after signals. Returns the number of ready descriptors (0 on timeout). With an interrupt check
+// set (include/ferry/interrupt.hpp) it polls in slices and throws Interrupted when the check asks.
 int poll_until(std::vector<pollfd>& fds, Deadline const& deadline) {
   while (true) {
-    int const ready = ::poll(fds.data(), fds.size(), deadline.poll_ms());
-    if (ready >= 0) return ready;
-    if (errno != EINTR)
+    bool const checking = detail::interrupt_check_set();
+    int const slice_ms =
+        checking ? std::min<int>(deadline.poll_ms(), detail::kInterruptPoll.count()) : deadline.poll_ms();
+    int const ready = ::poll(fds.data(), fds.size(), slice_ms);
+    if (ready > 0 || (ready == 0 && deadline.passed())) return ready;
+    if (ready < 0 && errno != EINTR)
       FERRY_THROW(BootstrapError, "bootstrap", "poll() failed: ", std::strerror(errno), "; this is a system error");
+    if (checking && detail::interrupt_requested())
+      FERRY_THROW(Interrupted, "bootstrap",
+                  "a bootstrap wait was interrupted (a signal: KeyboardInterrupt in Python); this bootstrap is "
+                  "unusable, and the other ranks are told (rank 0) or see this rank leave");
   }
 }
 
@@ -521,10 +530,22 @@ class SocketBootstrap final : public Bootstrap {
       if (desc.op == BootstrapOp::kAllgather && desc.bytes > 0 && send != recv) std::memmove(recv, send, desc.bytes);
       return;
     }
-    if (options_.rank == 0)
-      master_collective(desc, seq, send, recv);
-    else
-      worker_collective(desc, seq, send, recv);
+    try {
+      if (options_.rank == 0)
+        master_collective(desc, seq, send, recv);
+      else
+        worker_collective(desc, seq, send, recv);
+    } catch (Interrupted const& interrupted) {
+      // this rank left the operation midway: it fails for good, and rank 0 tells the others why
+      failure_ = concat("rank ", options_.rank, " was interrupted in ", describe(desc), " (operation #", seq, ")");
+      if (options_.rank == 0) {
+        std::lock_guard<std::mutex> const lock(peers_mutex_);
+        send_abort(failure_);
+      } else {
+        master_.close();
+      }
+      throw;
+    }
   }
 
   FrameHeader make_header(uint32_t kind) const {
@@ -1066,6 +1087,10 @@ class SocketBootstrap final : public Bootstrap {
                     "); check that MASTER_ADDR/MASTER_PORT name rank 0's host and port, that rank 0 was started and "
                     "that no firewall blocks the port (raise FERRY_BOOTSTRAP_TIMEOUT_S if rank 0 starts slowly)"));
       std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline.at - Clock::now()));
+      if (detail::interrupt_requested())
+        FERRY_THROW(Interrupted, "bootstrap", "rank ", options_.rank,
+                    " was interrupted while connecting to rank 0 (master) at ", master_endpoint(),
+                    " (a signal: KeyboardInterrupt in Python)");
       backoff = std::min(backoff * 2, kMaxConnectBackoff);
     }
   }

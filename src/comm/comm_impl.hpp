@@ -36,6 +36,11 @@ std::string describe_device_error(DeviceErrorBlock const& block, double timeout_
 // they are every rank of one node, says that node is absent as a whole (down, or its network unreachable).
 std::string describe_absent(std::vector<int> const& missing, Topology const& topology);
 
+// A host wait of this rank (cpu backend: a barrier, an exchange of an EpBuffer) was ended by the interrupt check in
+// the middle of an exchange: records it in the error block (kErrorInterrupted, the first failure wins) and raises it
+// through check_errors, which throws Interrupted and leaves the communicator failed.
+[[noreturn]] void fail_interrupted(Communicator& comm, WaitPhase phase);
+
 // Bytes of one rank's refusal reason (Communicator::post_refusal), the terminating zero included.
 inline constexpr std::size_t kRefusalBytes = 1024;
 

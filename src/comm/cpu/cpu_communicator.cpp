@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "comm/comm_impl.hpp"
+#include "core/interrupt.hpp"
 #include "core/log.hpp"
 #include "ferry/env.hpp"
 #include "ferry/error.hpp"
@@ -458,6 +459,7 @@ void CpuCommunicator::barrier(cudaStream_t stream) {
       if (missing.empty()) return;  // arrived at the last moment
       record_timeout(WaitPhase::barrier, missing, epoch, observed);
     }
+    if (interrupt_requested()) fail_interrupted(*this, WaitPhase::barrier);
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
 }
@@ -467,8 +469,19 @@ void CpuCommunicator::check_errors(cudaStream_t stream) {
                     static_cast<void*>(stream));
   ensure_usable();
 
-  // 1. a recorded timeout (the cpu barrier throws at once; this catches one recorded by another host-side wait)
-  if (std::atomic_ref<uint32_t>(error_->status).load(std::memory_order_acquire) == kErrorTimeout) {
+  // 1. a recorded timeout (the cpu barrier throws at once; this catches one recorded by another host-side wait), or
+  //    an interrupted wait: this rank left an exchange midway, so nothing later can be paired
+  uint32_t const status = std::atomic_ref<uint32_t>(error_->status).load(std::memory_order_acquire);
+  if (status == kErrorInterrupted) {
+    failure_ = format_error(
+        "interrupted", __FILE__, __LINE__,
+        concat("rank ", rank_, "'s wait in phase '", wait_phase_name(static_cast<WaitPhase>(error_->phase)),
+               "' was interrupted (a signal: KeyboardInterrupt in Python); it left the exchange "
+               "midway, so this communicator is now unusable: destroy it and create a new one"));
+    failed_ = true;
+    throw Interrupted(failure_);
+  }
+  if (status == kErrorTimeout) {
     failure_ = format_error("timeout", __FILE__, __LINE__,
                             concat(describe_device_error(*error_, timeout_s_, topology_),
                                    "; this communicator is now unusable: destroy it and create a new one"));

@@ -503,7 +503,7 @@ SymmetricRegion CudaCommunicator::alloc_region(std::size_t bytes) {
 
 void CudaCommunicator::check_errors(cudaStream_t stream) {
   ensure_usable();
-  if (stream != nullptr) FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
+  if (stream != nullptr) synchronize_stream(stream);  // a late peer: interruptible (include/ferry/interrupt.hpp)
 
   // 1. a recorded failure: status reaches its final value only after the kernel filled the fields (and fenced at
   //    system scope). A timeout (a peer may be gone) and calls out of step (nothing later can be paired) both fail

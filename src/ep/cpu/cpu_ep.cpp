@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "comm/comm_impl.hpp"
+#include "core/interrupt.hpp"
 #include "core/log.hpp"
 #include "core/rank_set.hpp"
 #include "ep/ep_impl.hpp"
@@ -658,6 +659,8 @@ RankSet CpuEp::wait_words(uint64_t const* words, std::size_t stride, RankSet con
       continue;
     }
     if (std::chrono::steady_clock::now() > deadline) return seen;
+    if (interrupt_requested())
+      fail_interrupted(comm_, leg == StatsLeg::combine ? WaitPhase::ll_combine : WaitPhase::ll_dispatch);
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
 }
@@ -791,6 +794,7 @@ RankSet CpuEp::agree(uint64_t epoch, RankSet const& present, std::chrono::steady
         continue;
       }
       if (std::chrono::steady_clock::now() > deadline) break;
+      if (interrupt_requested()) fail_interrupted(comm_, phase);
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
     // c. adopt a decision, or decide when every rank waited for was heard (else those not heard died, and leave the
