@@ -69,13 +69,20 @@ def test_ctrl_c_ends_a_wait_for_a_late_peer(backend):
     assert results[0] < 1.5, f"the wait ended {results[0]:.2f} s after the signal"
 
 
-def _rendezvous_without_peer(ctx):
+def _seconds_to_interrupt(call, what: str) -> float:
+    """How long after the signal call() ended with KeyboardInterrupt."""
     signal_at = _sigint_soon()
     try:
-        ferry.init(backend="cpu", rank=0, world=2, master_port=free_port(), timeout_s=30.0)
+        call()
     except KeyboardInterrupt:
         return time.monotonic() - signal_at
-    raise AssertionError("the rendezvous returned without rank 1")
+    raise AssertionError(f"{what} returned before the signal")
+
+
+def _rendezvous_without_peer(ctx):
+    return _seconds_to_interrupt(
+        lambda: ferry.init(backend="cpu", rank=0, world=2, master_port=free_port(), timeout_s=30.0),
+        "the rendezvous without rank 1")
 
 
 def test_ctrl_c_ends_a_rendezvous_wait():
@@ -86,12 +93,7 @@ def test_ctrl_c_ends_a_rendezvous_wait():
 def _launch_of_sleepers(ctx):
     from ferry.launch import launch
 
-    signal_at = _sigint_soon()
-    try:
-        launch(["/bin/sleep", "30"], nproc=2)
-    except KeyboardInterrupt:
-        return time.monotonic() - signal_at
-    raise AssertionError("the launch returned although its ranks sleep 30 s")
+    return _seconds_to_interrupt(lambda: launch(["/bin/sleep", "30"], nproc=2), "a launch of ranks that sleep 30 s")
 
 
 def test_ctrl_c_ends_the_launchers_wait():

@@ -171,13 +171,7 @@ TEST(EnvRules, TimeoutsPastTheCeilingAreRefused) {
 // clock), instead of a timeout at once.
 TEST(EnvRules, TheLongestBoundStillWaits) {
   ScopedEnv const timeout("FERRY_TIMEOUT_S", std::string("1e9"));
-  EpConfig config;
-  config.mode = Mode::low_latency;
-  config.hidden = 64;
-  config.num_experts = 4;
-  config.topk = 2;
-  config.max_tokens_per_rank = 4;
-  config.rank_masking = true;
+  EpConfig const config = small_masked_ll_config();
   std::vector<std::string> const failures = run_cpu_ranks(2, [&](int rank, std::shared_ptr<Communicator> const& comm) {
     auto const late = [&] {
       if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));

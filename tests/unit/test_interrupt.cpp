@@ -61,17 +61,6 @@ class ScopedInterrupt {
   Clock::time_point start_;
 };
 
-EpConfig masked_ll() {
-  EpConfig config;
-  config.mode = Mode::low_latency;
-  config.hidden = 64;
-  config.num_experts = 4;
-  config.topk = 2;
-  config.max_tokens_per_rank = 4;
-  config.rank_masking = true;
-  return config;
-}
-
 // Rank 0 waits in a low-latency exchange (rank masking: the buffer's own waits) and in the communicator's barrier
 // for rank 1, which never comes: each wait ends within a second of the check, with Interrupted, and the communicator
 // says it failed at every later call.
@@ -81,7 +70,7 @@ TEST(Interrupt, CpuWaitsForALatePeerEndSoon) {
     std::atomic<bool> done{false};
     std::vector<std::string> const failures = run_cpu_ranks(2, [&](int rank,
                                                                    std::shared_ptr<Communicator> const& comm) {
-      EpBuffer buffer(comm, masked_ll());
+      EpBuffer buffer(comm, small_masked_ll_config());
       if (rank == 1) {  // never comes to the call; stays until rank 0 is done so that its memory stays mapped
         while (!done) std::this_thread::sleep_for(std::chrono::milliseconds(5));
         return;

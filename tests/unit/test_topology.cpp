@@ -213,13 +213,7 @@ FERRY_RANK_CASE(topology_differs) {
   std::string const error = expect_error<ConfigError>(
       [] {
         std::shared_ptr<Communicator> const comm = connect_rank(Backend::cpu);
-        EpConfig config;
-        config.mode = Mode::low_latency;
-        config.hidden = 64;
-        config.num_experts = 2;
-        config.topk = 1;
-        config.max_tokens_per_rank = 2;
-        EpBuffer buffer(comm, config);
+        EpBuffer buffer(comm, small_masked_ll_config());
       },
       {"rank 0 FERRY_TOPOLOGY unset, 2 ranks per host (LOCAL_WORLD_SIZE): 1x2; rank 1 FERRY_TOPOLOGY=2x1: 2x1"});
   double const seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

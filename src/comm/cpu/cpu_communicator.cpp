@@ -442,6 +442,8 @@ void CpuCommunicator::barrier(cudaStream_t stream) {
       ++arrived_upto;
     if (arrived_upto == world_) return;
     if (spin < 64) continue;
+    // (asked in the yields too: on a loaded host a thousand yields last seconds)
+    if (interrupt_requested()) fail_interrupted(*this, WaitPhase::barrier);
     if (spin < 1024) {
       std::this_thread::yield();
       continue;
@@ -459,7 +461,6 @@ void CpuCommunicator::barrier(cudaStream_t stream) {
       if (missing.empty()) return;  // arrived at the last moment
       record_timeout(WaitPhase::barrier, missing, epoch, observed);
     }
-    if (interrupt_requested()) fail_interrupted(*this, WaitPhase::barrier);
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
 }

@@ -654,13 +654,14 @@ RankSet CpuEp::wait_words(uint64_t const* words, std::size_t stride, RankSet con
     if (seen == want) return seen;
     // as the communicator's barrier: spin briefly, then yield, then sleep, so oversubscribed hosts make progress
     if (spin < 64) continue;
+    // (asked in the yields too: on a loaded host a thousand yields last seconds)
+    if (interrupt_requested())
+      fail_interrupted(comm_, leg == StatsLeg::combine ? WaitPhase::ll_combine : WaitPhase::ll_dispatch);
     if (spin < 1024) {
       std::this_thread::yield();
       continue;
     }
     if (std::chrono::steady_clock::now() > deadline) return seen;
-    if (interrupt_requested())
-      fail_interrupted(comm_, leg == StatsLeg::combine ? WaitPhase::ll_combine : WaitPhase::ll_dispatch);
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
 }
@@ -789,12 +790,12 @@ RankSet CpuEp::agree(uint64_t epoch, RankSet const& present, std::chrono::steady
       }
       if (adopted || heard == alive) break;
       if (spin < 64) continue;
+      if (interrupt_requested()) fail_interrupted(comm_, phase);
       if (spin < 1024) {
         std::this_thread::yield();
         continue;
       }
       if (std::chrono::steady_clock::now() > deadline) break;
-      if (interrupt_requested()) fail_interrupted(comm_, phase);
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
     // c. adopt a decision, or decide when every rank waited for was heard (else those not heard died, and leave the
