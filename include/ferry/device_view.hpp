@@ -32,11 +32,14 @@ inline constexpr uint32_t kErrorTimeout = 2;  // a bounded wait expired: peer di
 // A wait saw a peer's signal of a later call of the same kind: the peer ran more calls of that kind on the buffer
 // than this rank (expected / observed hold this rank's and the peer's sequence numbers).
 inline constexpr uint32_t kErrorOutOfStep = 3;
+// A host wait of this rank was ended by the interrupt check (include/ferry/interrupt.hpp) in the middle of an exchange:
+// its peers may be anywhere in it, so nothing later can be paired (the cpu backend).
+inline constexpr uint32_t kErrorInterrupted = 4;
 
 // Host-visible (mapped pinned memory on cuda) record of the first failure a kernel saw. The first writer wins
 // (status moves 0 -> 1 by compare-and-swap, then the fields are filled, then status moves to 2).
 struct DeviceErrorBlock {
-  uint32_t status;        // 0 none, 1 being written, kErrorTimeout, kErrorOutOfStep
+  uint32_t status;        // 0 none, 1 being written, kErrorTimeout, kErrorOutOfStep, kErrorInterrupted
   int32_t rank;           // the rank that waited
   int32_t peer;           // the rank it waited for (-1: several or unknown)
   int32_t phase;          // WaitPhase

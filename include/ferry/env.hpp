@@ -11,6 +11,10 @@
 
 namespace ferry {
 
+// The largest bound any timeout takes (FERRY_TIMEOUT_S, FERRY_BOOTSTRAP_TIMEOUT_S, SocketBootstrapOptions::timeout),
+// in seconds: about 31 years, far below the 9.2e9 s that signed 64-bit nanoseconds hold.
+inline constexpr double kMaxTimeoutSeconds = 1e9;
+
 // What a value must be (an unset or empty variable always passes: it means the default).
 enum class EnvKind : uint8_t {
   text,     // anything (a path, an address)

@@ -50,6 +50,13 @@ class BootstrapError : public Error {
   using Error::Error;
 };
 
+// A host wait was ended early because the interrupt check asked (set_interrupt_check, include/ferry/interrupt.hpp;
+// Python's Ctrl-C): the message says what was waited for and what is left usable (docs/errors.md).
+class Interrupted : public Error {
+ public:
+  using Error::Error;
+};
+
 namespace detail {
 
 // Streams every argument into one string ("a", 3, "b" -> "a3b").

@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -14,6 +15,7 @@
 #include "binding.hpp"
 #include "core/launcher.hpp"
 #include "ferry/env.hpp"
+#include "ferry/interrupt.hpp"
 
 namespace ferry::python {
 namespace {
@@ -65,6 +67,7 @@ EpConfig make_config(int hidden, int num_experts, int topk, int max_tokens_per_r
   if (kind == "NcclError") FERRY_THROW(NcclError, "test", message);
   if (kind == "TimeoutError") FERRY_THROW(TimeoutError, "test", message);
   if (kind == "BootstrapError") FERRY_THROW(BootstrapError, "test", message);
+  if (kind == "Interrupted") FERRY_THROW(Interrupted, "test", message);
   throw std::runtime_error(message);
 }
 
@@ -83,6 +86,19 @@ void bind_errors(nb::module_& m) {
       "A bounded wait expired; the message names the rank that did not arrive.";
   nb::exception<BootstrapError>(m, "BootstrapError", error).attr("__doc__") =
       "The rendezvous between ranks failed: a rank is missing, died, or sent something else.";
+  // Ctrl-C in a wait for a late peer: the library asks this check every 100 ms and throws Interrupted when a signal
+  // handler raised (its exception, KeyboardInterrupt for SIGINT, is then what Python sees)
+  nb::register_exception_translator([](std::exception_ptr const& thrown, void*) {
+    try {
+      std::rethrow_exception(thrown);
+    } catch (Interrupted const& interrupted) {
+      if (PyErr_Occurred() == nullptr) PyErr_SetString(PyExc_KeyboardInterrupt, interrupted.what());
+    }
+  });
+  set_interrupt_check([] {
+    nb::gil_scoped_acquire gil;
+    return PyErr_CheckSignals() != 0;  // runs the handlers (main thread only); nonzero: one raised
+  });
   m.def("_raise_for_test", &raise_for_test, "kind"_a, "message"_a,
         "Throws the C++ exception `kind` (tests of the exception translation).");
   m.def("_use_exchange_api", &use_exchange_api, "on"_a,

@@ -1,4 +1,7 @@
 #include "comm/comm_impl.hpp"
+
+#include <atomic>
+
 #include "ferry/env.hpp"
 #include "ferry/error.hpp"
 
@@ -135,6 +138,21 @@ std::string describe_refusal(int refusing_rank, WaitPhase phase, std::string con
       phase == WaitPhase::none ? std::string() : concat(" (seen in the '", wait_phase_name(phase), "' exchange)"),
       ", so every rank refuses it and returns nothing of it: ", reason.empty() ? "(no reason posted)" : reason,
       "; fix that rank's input. This rank's buffer and communicator stay usable");
+}
+
+void fail_interrupted(Communicator& comm, WaitPhase phase) {
+  DeviceErrorBlock& block = *comm.device_view().error;
+  std::atomic_ref<uint32_t> status(block.status);
+  uint32_t idle = 0;
+  if (status.compare_exchange_strong(idle, 1U, std::memory_order_acq_rel)) {  // the first failure wins
+    block.rank = comm.rank();
+    block.peer = -1;
+    block.phase = static_cast<int32_t>(phase);
+    status.store(kErrorInterrupted, std::memory_order_release);
+  }
+  comm.check_errors(nullptr);  // raises it (or the failure recorded first) and marks the communicator failed
+  FERRY_THROW(Interrupted, "interrupted", "rank ", comm.rank(), "'s wait in phase '", wait_phase_name(phase),
+              "' was interrupted; create a new communicator");
 }
 
 }  // namespace detail

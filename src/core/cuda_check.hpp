@@ -7,6 +7,10 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <chrono>
+#include <thread>
+
+#include "core/interrupt.hpp"
 #include "ferry/error.hpp"
 
 namespace ferry::detail {
@@ -63,3 +67,28 @@ inline constexpr char kCudaAdvice[] =
     ncclResult_t const ferry_nccl_result_ = (expr);                                                                    \
     if (ferry_nccl_result_ != ncclSuccess) ::ferry::detail::raise_nccl(__FILE__, __LINE__, #expr, ferry_nccl_result_); \
   } while (0)
+
+namespace ferry::detail {
+
+// cudaStreamSynchronize; with an interrupt check set (include/ferry/interrupt.hpp), cudaStreamQuery in a loop that
+// asks it every kInterruptPoll and throws Interrupted when it says so. The stream's work goes on: a kernel waiting for
+// a late peer ends (or times out) on the device, and the next synchronisation reports it.
+inline void synchronize_stream(cudaStream_t stream) {
+  if (!interrupt_check_set()) {
+    FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
+    return;
+  }
+  auto const spin_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(1);
+  while (true) {
+    cudaError_t const status = cudaStreamQuery(stream);
+    if (status == cudaSuccess) return;
+    if (status != cudaErrorNotReady) raise_cuda(__FILE__, __LINE__, "cudaStreamQuery(stream)", status);
+    if (interrupt_requested())
+      FERRY_THROW(Interrupted, "cuda",
+                  "interrupted (a signal: KeyboardInterrupt in Python) while waiting for the GPU; its kernels go on, "
+                  "and the next call or check_errors reports how they ended");
+    if (std::chrono::steady_clock::now() > spin_until) std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+}  // namespace ferry::detail

@@ -24,18 +24,22 @@ constexpr EnvParam geometry_pin(char const* name, char const* meaning) {
 }
 
 constexpr std::array kParams = {
+    // NOTE: the waits add the bound to a clock in signed 64-bit nanoseconds, which holds about 9.2e9 s: a larger
+    // bound wrapped around and every wait timed out at once. kMaxTimeoutSeconds (about 31 years) stays far below.
     EnvParam{.name = "FERRY_TIMEOUT_S",
              .default_value = "30",
              .meaning = "bound of every device and host wait, in seconds (a hang becomes TimeoutError)",
              .kind = EnvKind::number,
-             .allowed = "a positive number of seconds (every wait is bounded)",
-             .min = 0},
+             .allowed = "a positive number of seconds, at most 1e9 (every wait is bounded)",
+             .min = 0,
+             .max = kMaxTimeoutSeconds},
     EnvParam{.name = "FERRY_BOOTSTRAP_TIMEOUT_S",
              .default_value = "60",
              .meaning = "deadline for the rendezvous of all ranks (connect retries, first exchange)",
              .kind = EnvKind::integer,
              .allowed = "a positive number of seconds, a whole number (every bootstrap wait is bounded)",
              .min = 1,
+             .max = kMaxTimeoutSeconds,
              .rendezvous = true},
     EnvParam{.name = "FERRY_LOG",
              .default_value = "warn",
@@ -130,6 +134,10 @@ constexpr std::array kParams = {
              .meaning = "rank within this host; selects the GPU (torchrun)",
              .kind = EnvKind::integer,
              .allowed = "this process's rank on its host",
+             .rendezvous = true},
+    EnvParam{.name = "TORCHELASTIC_RUN_ID",
+             .default_value = "",
+             .meaning = "the job's run id (torchrun sets it): rank 0 refuses a rank of another run id on its port",
              .rendezvous = true},
     EnvParam{.name = "FERRY_TOPOLOGY",
              .default_value = "",

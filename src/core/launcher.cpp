@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/interrupt.hpp"
 #include "ferry/env.hpp"
 #include "ferry/error.hpp"
 
@@ -244,6 +245,12 @@ LaunchResult launch_ranks(LaunchOptions const& options) {
         kill(pids[rank], SIGKILL);
         result.ranks[rank].killed_by_launcher = true;
       }
+    }
+    if (detail::interrupt_requested()) {  // a signal the caller asked to end waits for (include/ferry/interrupt.hpp)
+      kill_started(pids);
+      FERRY_THROW(Interrupted, "launch",
+                  "interrupted (a signal: KeyboardInterrupt in Python) while waiting for the ranks; every rank "
+                  "still running was killed");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }

@@ -2,6 +2,7 @@
 #include <cstring>
 #include <vector>
 
+#include "ep/buffer_memory.hpp"
 #include "ep/reference.hpp"
 #include "ep_impl.hpp"
 #include "ferry/error.hpp"
@@ -199,6 +200,39 @@ constexpr ConfigField kConfigFields[] = {
 };
 constexpr std::size_t kNumConfigFields = sizeof(kConfigFields) / sizeof(kConfigFields[0]);
 
+// Collective, before anything is allocated: every rank's buffers must fit in what its host or GPU has free
+// (buffer_memory's formula), else every rank raises ConfigError naming the ranks that lack memory, with the bytes the
+// config needs and the bytes free. A size far past the machine (expert_capacity=2**28) otherwise mapped tens of GiB,
+// or got the process killed by the kernel's OOM killer.
+void check_memory(Communicator& comm, EpConfig const& config) {
+  detail::BufferMemory const need = detail::buffer_memory(config, comm.topology(), comm.backend());
+  detail::FreeMemory const free = detail::free_memory(comm);
+  // NOTE: the cpu backend's ranks share one host (CpuCommunicator refuses others); each cuda rank has its own GPU
+  int const ranks_on_host = comm.backend() == Backend::cpu ? comm.world() : 1;
+  detail::FreeMemory mine = free;
+  std::vector<detail::FreeMemory> all(static_cast<std::size_t>(comm.world()));
+  comm.bootstrap().allgather(&mine, all.data(), sizeof(mine));
+  std::string lacking;
+  for (int r = 0; r < comm.world(); ++r)
+    if (std::string const short_of =
+            detail::memory_shortfall(need, all[static_cast<std::size_t>(r)], comm.backend(), ranks_on_host);
+        !short_of.empty())
+      lacking += detail::concat(lacking.empty() ? "" : "; ", "rank ", r, " ", short_of);
+  if (lacking.empty()) return;
+  int64_t const most_rows = static_cast<int64_t>(comm.world()) * config.max_tokens_per_rank;
+  std::string const hint =
+      config.expert_capacity && *config.expert_capacity > most_rows
+          ? detail::concat("no expert receives more than world x max_tokens_per_rank = ", most_rows,
+                           " rows, so expert_capacity=", *config.expert_capacity,
+                           " holds slots that never fill: use at most ", most_rows)
+          : std::string(
+                "lower expert_capacity, max_tokens_per_rank, max_recv_tokens or hidden, or use a quantized "
+                "dispatch_format");
+  FERRY_THROW(ConfigError, "config", "this EpBuffer needs ", need.describe(), " per rank (", need.symmetric,
+              " bytes symmetric, ", need.local, " bytes local, backend ", backend_name(comm.backend()),
+              "), more than is free: ", lacking, "; nothing was allocated on any rank: ", hint);
+}
+
 }  // namespace
 
 EpBuffer::EpBuffer(std::shared_ptr<Communicator> comm, EpConfig const& config)
@@ -215,6 +249,7 @@ EpBuffer::EpBuffer(std::shared_ptr<Communicator> comm, EpConfig const& config)
   }
   agree_on_config(config, invalid);
   config_ = config_.resolved(comm_->world());
+  check_memory(*comm_, config_);
   switch (comm_->backend()) {
     case Backend::cpu:
       impl_ = detail::make_cpu_ep(*comm_, config_);

@@ -12,6 +12,15 @@
 
 namespace ferry::detail {
 
+// The agreement of every masked exchange, on both backends (docs/internode.md "Rank masking", "Who decides"): the
+// arrivals, then rounds of estimates. Each round after the first that ends undecided was caused by a rank that died
+// while writing that round's words (it reached some ranks and not others), so kMaskEstimateRounds rounds take that
+// many deaths inside one agreement (ranks gone before it, any number, cost none); past them the ranks could disagree
+// and the communicator fails. A rank that decides writes one round more (its decision), so the words of an agreement
+// hold kMaskEstimateSlots rounds: round r (2 ..) in slot r - 2.
+inline constexpr int kMaskEstimateRounds = 4;
+inline constexpr int kMaskEstimateSlots = kMaskEstimateRounds + 1;
+
 // Why a rank learned at an agreement that it is masked (LlMaskWords::self; 0: it is not).
 enum class LlMaskSelf : uint32_t {
   none = 0,
@@ -42,6 +51,10 @@ struct LlMaskWords {
   // [max_tokens, topk] the rank of each entry of the last dispatch (-1: none), written by its send half for the
   // combine's count (Buffers::ll_entry_rank; set once at allocation)
   int8_t* entry_rank;
+  // Across nodes: the agreement that this rank last sent each round's estimate to each rank in (the signal of a put
+  // adds the difference, so a receiver's counter of a round holds the agreement its word belongs to; clear_mask sets
+  // them to the epoch every rank starts from, as it sets the counters)
+  uint64_t signaled[kMaskEstimateSlots][kMaxCudaWorld];
 };
 
 // The mapped host words of one EpBuffer's mask: the request (EpBuffer::mask_ranks, written by the host and carried by

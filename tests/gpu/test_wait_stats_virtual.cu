@@ -16,10 +16,12 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "ep/cuda/buffers.hpp"
+#include "ep/cuda/ll/layout.hpp"
 #include "ep/cuda/wait_stats.cuh"
 #include "ep/ep_impl.hpp"
 #include "ep/landing_policy.hpp"
@@ -448,6 +450,70 @@ TEST(RankMaskingVirtual, RankLostAtTheCombine) {
   ASSERT_TRUE(expect_masked_world(w, next, others, 1u << gone, 1));
 }
 
+// A rank that dies inside the dispatch's agreement (its kernels stop at a chosen moment): its arrival reached some of
+// the others and not the rest, or every one of them but no estimate of it followed. The test writes the words the
+// victim's agreement wrote before it stopped (across nodes its counters too, as its puts and signals would have) and
+// never launches its kernels again. Every other rank must agree, no failure recorded, to mask it: the call returns
+// the reference of the world without it, and ten more calls without it are exact. Before, a rank silent after its
+// arrival was a timeout recorded by the ranks that had seen it, which failed the communicator of every survivor
+// (the cpu backend's kill test, RankMaskingKills.SurvivorsGoOn, is the same protocol with real kills).
+void run_dies_inside_agreement(int world, int victim, bool arrived_everywhere, Topology topology = {1, 0}) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU, found 0";
+  int const ctas = virtual_ctas_per_rank(world, cuda_ep::kMaxLlCtas);
+  if (ctas < 1) GTEST_SKIP() << "fewer SMs than " << world << " ranks";
+  uint64_t const seed = fresh_seed();
+  LlWorld w(ll_config(world, false, true, WireFormat::bf16, topology), world, ctas, kAbsentTimeoutS, topology, seed);
+  w.load_masked_kernels();
+  uint32_t const others = w.all() & ~(1u << victim);
+  // 1. a whole call
+  VirtualIteration const whole = w.iteration(seed);
+  w.dispatch(w.all(), false);
+  w.combine(w.all(), false);
+  ASSERT_TRUE(expect_masked_world(w, whole, w.all(), 0, 0));
+  // 2. the victim's agreement of the next dispatch stops after writing its arrival into `reached`
+  uint64_t const epoch = w.words(victim).epoch + 1;
+  uint32_t reached = others;
+  if (!arrived_everywhere) {
+    std::mt19937_64 rng(seed);
+    do reached = static_cast<uint32_t>(rng()) & others;
+    while (reached == 0 || reached == others);
+  }
+  std::printf(
+      "world %d (%s), rank %d dies inside the agreement: its arrival reached ranks 0x%x of 0x%x, no estimate; "
+      "seed %llu\n",
+      world, topology_name(w.topology).c_str(), victim, reached, others, static_cast<unsigned long long>(seed));
+  cuda_ep::LlMaskArea const area = cuda_ep::ll_mask_area(w.ranks[victim].layout.total, world);
+  for (int s = 0; s < world; ++s) {
+    if (!w.in(reached, s)) continue;
+    char* const region = w.ranks[s].sym.peer(s);
+    uint64_t const word = epoch << 32;
+    CK(cudaMemcpy(region + area.arrive + victim * sizeof(uint64_t), &word, sizeof(word), cudaMemcpyHostToDevice));
+    if (s / w.topology.local != victim / w.topology.local)  // its put came with a signal: one per agreement
+      CK(cudaMemcpy(region + area.arrive_signals + victim * sizeof(uint64_t), &epoch, sizeof(epoch),
+                    cudaMemcpyHostToDevice));
+  }
+  VirtualIteration const lost = w.iteration(seed + 1);
+  auto const start = std::chrono::steady_clock::now();
+  w.dispatch(others, false);
+  w.combine(others, false);
+  ASSERT_TRUE(expect_masked_world(w, lost, others, 1u << victim, 1));
+  double const took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(took, 5 * kAbsentTimeoutS) << "the others did not agree within their bounds";
+  std::printf("  masked in %.2f s (bound %.1f s)\n", took, kAbsentTimeoutS);
+  // 3. ten more calls without it, whole and hooked
+  for (int call = 2; call < 12; ++call) {
+    VirtualIteration const it = w.iteration(seed + static_cast<uint64_t>(call));
+    w.dispatch(others, call % 2 == 1);
+    w.combine(others, call % 2 == 1);
+    ASSERT_TRUE(expect_masked_world(w, it, others, 1u << victim, call));
+  }
+}
+
+TEST(RankMaskingVirtual, RankDyingInsideTheAgreementIsMaskedEverywhere) {
+  run_dies_inside_agreement(4, 1, false);
+  run_dies_inside_agreement(4, 3, true);
+}
+
 // ---- across emulated nodes: the direct route (cuda_route_for_masking), the agreement's words to the ranks of other
 // nodes through the emulated network (seeded delays and reordering), the masked instances over it ----
 
@@ -469,6 +535,10 @@ TEST(RankMaskingAcrossNodes, RankNeverArrivesFp8At2x2) {
 }
 TEST(RankMaskingAcrossNodes, RankOfAnotherNodeAskedOut2x2) {
   run_asked_out(4, 3, Topology{2, 2});
+}
+TEST(RankMaskingAcrossNodes, RankDyingInsideTheAgreementIsMaskedEverywhere2x2) {
+  run_dies_inside_agreement(4, 2, false, Topology{2, 2});
+  run_dies_inside_agreement(4, 0, true, Topology{2, 2});
 }
 
 }  // namespace

@@ -28,6 +28,19 @@ inline DispatchArgs host_dispatch_args(ref::RankInput const& in, bool expand = f
   return args;
 }
 
+// A small low-latency config with rank masking on (hidden 64, 4 experts, topk 2, 4 tokens per rank): the host tests of
+// waits, at a world of 1, 2 or 4.
+inline EpConfig small_masked_ll_config() {
+  EpConfig config;
+  config.mode = Mode::low_latency;
+  config.hidden = 64;
+  config.num_experts = 4;
+  config.topk = 2;
+  config.max_tokens_per_rank = 4;
+  config.rank_masking = true;
+  return config;
+}
+
 // Runs fn(rank, communicator) on `world` threads, each communicator made with `options` (its backend must be cpu).
 // Returns each rank's failure: what it threw ("" when it returned).
 inline std::vector<std::string> run_cpu_ranks(int world,

@@ -691,6 +691,155 @@ TEST(SocketBootstrap, ForeignConnectionIsRejected) {
   EXPECT_NE(answer.find("not a Ferry rank"), std::string::npos) << answer.size() << " bytes";
 }
 
+// ---- two jobs, one port --------------------------------------------------------------------------------------
+
+// One rank of a job started by hand, on a thread: its bootstrap (made in the thread), or what that threw.
+class HandRank {
+ public:
+  explicit HandRank(ferry::SocketBootstrapOptions const& options)
+      : thread_([this, options] {
+          try {
+            bootstrap_ = ferry::make_socket_bootstrap(options);
+          } catch (ferry::BootstrapError const& error) {
+            error_ = error.what();
+          }
+        }) {}
+  ~HandRank() {
+    if (thread_.joinable()) thread_.join();
+  }
+  // Waits for the rendezvous to end; the bootstrap, or null with error() saying why.
+  ferry::Bootstrap* joined() {
+    if (thread_.joinable()) thread_.join();
+    return bootstrap_.get();
+  }
+  std::string const& error() {
+    joined();
+    return error_;
+  }
+
+ private:
+  std::unique_ptr<ferry::Bootstrap> bootstrap_;
+  std::string error_;
+  std::thread thread_;
+};
+
+ferry::SocketBootstrapOptions job_rank(int rank, int port, std::string const& run_id,
+                                       std::chrono::milliseconds timeout) {
+  auto options = loopback_options(rank, 2, port, timeout);
+  options.run_id = run_id;
+  return options;
+}
+
+// The ranks of the jobs that are made, each on its thread, allgather a value that names its job and rank (job 0xA0:
+// 0xA0, 0xA1; job 0xB0: 0xB0, 0xB1). Returns, per rank, the values it got, or its error.
+std::vector<std::string> job_allgathers(std::vector<std::pair<ferry::Bootstrap*, int>> const& ranks) {
+  std::vector<std::string> out(ranks.size());
+  std::vector<std::thread> threads;
+  for (std::size_t i = 0; i < ranks.size(); ++i)
+    threads.emplace_back([&, i] {
+      int const mine = ranks[i].second;
+      std::vector<int> all(2, -1);
+      try {
+        ranks[i].first->allgather(&mine, all.data(), sizeof(int));
+        char text[32];
+        std::snprintf(text, sizeof(text), "%X %X", all[0], all[1]);
+        out[i] = text;
+      } catch (ferry::BootstrapError const& error) {
+        out[i] = std::string("BootstrapError: ") + error.what();
+      }
+    });
+  for (auto& thread : threads) thread.join();
+  return out;
+}
+
+// Two jobs of 2 ranks on one port with run ids (torchrun's TORCHELASTIC_RUN_ID), ranks started by hand in the order
+// that mixed them before: job B's rank 1 connects to job A's rank 0 first. It is refused (another run id) and A's
+// rendezvous goes on; B's rank 0 finds the port held and is told by whom; A meets its own rank 1 and computes with
+// its own ranks only. Before, B's rank 1 became A's rank 1, and A's allgather returned B's value.
+// Checked to fail: with is_other_job's refusal taken out of the rendezvous, B's rank 1 joined job A ("no error").
+TEST(SocketBootstrap, TwoJobsWithRunIdsNeverMeet) {
+  int const port = ferry::pick_free_port();
+  std::string const held = "MASTER_PORT=" + std::to_string(port) + " is held by another Ferry job";
+  HandRank a0(job_rank(0, port, "job-a", 5s));
+  HandRank b1(job_rank(1, port, "job-b", 5s));
+  EXPECT_EQ(b1.joined(), nullptr) << "job B's rank 1 joined job A";
+  for (std::string const& part : {std::string("rank 1 (WORLD_SIZE=2, TORCHELASTIC_RUN_ID=job-b) could not join"), held,
+                                  std::string("TORCHELASTIC_RUN_ID=job-a"), std::string("its own MASTER_PORT")})
+    EXPECT_TRUE(ferry::test::contains(b1.error(), part)) << part << " not in: " << b1.error();
+  HandRank b0(job_rank(0, port, "job-b", 5s));
+  EXPECT_EQ(b0.joined(), nullptr) << "job B's rank 0 listened on a held port";
+  EXPECT_TRUE(ferry::test::contains(b0.error(), "rank 0 could not listen on MASTER_PORT=" + std::to_string(port)))
+      << b0.error();
+  EXPECT_TRUE(ferry::test::contains(b0.error(), held)) << b0.error();
+  HandRank a1(job_rank(1, port, "job-a", 5s));
+  ASSERT_NE(a0.joined(), nullptr) << a0.error();
+  ASSERT_NE(a1.joined(), nullptr) << a1.error();
+  for (std::string const& got : job_allgathers({{a0.joined(), 0xA0}, {a1.joined(), 0xA1}})) EXPECT_EQ(got, "A0 A1");
+}
+
+// Without run ids (ranks started by hand, MASTER_PORT as the default): a job started after another's rendezvous
+// window is refused, both its ranks, naming the job that holds the port; the running job goes on. Before, rank 0 had
+// closed the port after the rendezvous, and the second job met on it.
+// Checked to fail: with the port closed after the rendezvous (no doorman), job B's two ranks met on it (both made
+// their bootstrap: "b0.joined() Which is: 0x7fc0d4000da0").
+TEST(SocketBootstrap, ALaterJobOnAHeldPortIsRefused) {
+  int const port = ferry::pick_free_port();
+  HandRank a0(job_rank(0, port, "", 1s));
+  HandRank a1(job_rank(1, port, "", 1s));
+  ASSERT_NE(a0.joined(), nullptr) << a0.error();
+  ASSERT_NE(a1.joined(), nullptr) << a1.error();
+  std::this_thread::sleep_for(1200ms);  // past job A's rendezvous window (rank 0's start + 1 s)
+  HandRank b0(job_rank(0, port, "", 1s));
+  HandRank b1(job_rank(1, port, "", 1s));
+  EXPECT_EQ(b0.joined(), nullptr);
+  EXPECT_EQ(b1.joined(), nullptr);
+  std::string const running = "MASTER_PORT=" + std::to_string(port) +
+                              " is held by another Ferry job, which is running (rank 0 is process " +
+                              std::to_string(getpid());
+  EXPECT_TRUE(ferry::test::contains(b0.error(), running)) << b0.error();
+  EXPECT_TRUE(ferry::test::contains(b1.error(), running)) << b1.error();
+  EXPECT_TRUE(ferry::test::contains(b1.error(), "TORCHELASTIC_RUN_ID unset) could not join")) << b1.error();
+  EXPECT_NO_THROW(a0.joined()->check_alive());
+  EXPECT_NO_THROW(a1.joined()->check_alive());
+  for (std::string const& got : job_allgathers({{a0.joined(), 0xA0}, {a1.joined(), 0xA1}})) EXPECT_EQ(got, "A0 A1");
+}
+
+// Without run ids, in the order that mixed the jobs in 5 of 6 trials: B's rank 1 reaches A's rank 0 first and is
+// taken as A's rank 1 (nothing tells them apart). The clash shows when B's rank 0 finds the port held and asks who
+// holds it, and again when A's own rank 1 asks for a rank A already has: within A's rendezvous window, so A stops on
+// every rank (its collectives and check_alive raise the clash), and B's rank 0 and A's rank 1 are refused with it.
+// No job computes: before, A (with B's rank 1) and B (with A's rank 1) both met and returned each other's values.
+// Checked to fail: with stop_job's abort taken out, A's rank 0 and B's rank 1 allgathered "A0 B1".
+TEST(SocketBootstrap, InterleavedJobsWithoutRunIdsStopInsteadOfMixing) {
+  int const port = ferry::pick_free_port();
+  HandRank a0(job_rank(0, port, "", 10s));
+  HandRank b1(job_rank(1, port, "", 10s));
+  ASSERT_NE(b1.joined(), nullptr) << b1.error();  // indistinguishable from A's rank 1: it joins job A
+  ASSERT_NE(a0.joined(), nullptr) << a0.error();
+  HandRank b0(job_rank(0, port, "", 10s));
+  HandRank a1(job_rank(1, port, "", 10s));
+  std::string const clash = "two jobs share MASTER_PORT=" + std::to_string(port);
+  EXPECT_EQ(b0.joined(), nullptr);
+  EXPECT_TRUE(ferry::test::contains(b0.error(), clash)) << b0.error();
+  EXPECT_EQ(a1.joined(), nullptr);
+  EXPECT_TRUE(ferry::test::contains(a1.error(), clash)) << a1.error();
+  // the stopped job's ranks learn it between collectives too (an EpBuffer call checks), within a second
+  auto const start = Clock::now();
+  std::string alive_error;
+  while (alive_error.empty() && seconds_since(start) < 2) {
+    try {
+      b1.joined()->check_alive();
+    } catch (ferry::BootstrapError const& error) {
+      alive_error = error.what();
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_TRUE(ferry::test::contains(alive_error, clash)) << alive_error;
+  EXPECT_THROW(a0.joined()->check_alive(), ferry::BootstrapError);
+  for (std::string const& got : job_allgathers({{a0.joined(), 0xA0}, {b1.joined(), 0xB1}}))
+    EXPECT_TRUE(ferry::test::contains(got, "BootstrapError") && ferry::test::contains(got, clash)) << got;
+}
+
 // ---- socket_bootstrap_options_from_env -------------------------------------------------------------------------
 
 // Sets (or, for nullopt, unsets) variables for the scope and restores them after.
@@ -754,6 +903,10 @@ TEST(SocketBootstrapEnv, ReadsTheTorchrunVariables) {
   EXPECT_EQ(options.local_rank, 1);
   EXPECT_EQ(options.local_world, 4);
   EXPECT_EQ(options.timeout, 7s);
+  EXPECT_EQ(options.run_id, "");
+  EnvGuard const run_id(
+      std::vector<std::pair<std::string, std::optional<std::string>>>{{"TORCHELASTIC_RUN_ID", "job-7"}});
+  EXPECT_EQ(ferry::socket_bootstrap_options_from_env().run_id, "job-7");
 }
 
 TEST(SocketBootstrapEnv, DefaultsForTheOptionalVariables) {
@@ -778,9 +931,10 @@ TEST(SocketBootstrapEnv, MissingOrMalformedVariablesAreNamed) {
             std::string::npos);
   EXPECT_NE(env_error({{"MASTER_PORT", "70000"}}).find("check MASTER_PORT"), std::string::npos);
   EXPECT_NE(env_error({{"LOCAL_RANK", "4"}}).find("check LOCAL_RANK and LOCAL_WORLD_SIZE"), std::string::npos);
-  EXPECT_NE(env_error({{"FERRY_BOOTSTRAP_TIMEOUT_S", "0"}})
-                .find("FERRY_BOOTSTRAP_TIMEOUT_S=0 must be a positive number of seconds"),
-            std::string::npos);
+  EXPECT_NE(
+      env_error({{"FERRY_BOOTSTRAP_TIMEOUT_S", "0"}})
+          .find("FERRY_BOOTSTRAP_TIMEOUT_S=0 is outside [1, 1000000000]: it must be a positive number of seconds"),
+      std::string::npos);
 }
 
 }  // namespace

@@ -3,11 +3,19 @@
 // FERRY_LOG=verbose was accepted silently: these tests failed so.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <string>
+#include <thread>
 #include <tuple>
+#include <vector>
 
+#include "ep/reference.hpp"
+#include "ferry/bootstrap.hpp"
+#include "ferry/communicator.hpp"
 #include "ferry/env.hpp"
+#include "ferry/ep.hpp"
 #include "ferry/error.hpp"
+#include "support/cpu_ranks.hpp"
 #include "support/host_fixtures.hpp"
 
 namespace ferry::test {
@@ -117,6 +125,72 @@ TEST(EnvCli, OtherCommandsRefuseABadValueBeforeStarting) {
     EXPECT_TRUE(contains(run.output, says)) << run.output;
     EXPECT_FALSE(contains(run.output, "rank 0")) << run.output;
   }
+}
+
+// A bound past what the waits' 64-bit nanoseconds hold (about 9.2e9 s) wrapped around, and every wait timed out at
+// once. Every bound is refused past kMaxTimeoutSeconds, by the library and by `ferry env`, with one message.
+// Checked to fail: with the ceiling taken out of the table's rule, FERRY_TIMEOUT_S=9.3e9 was accepted (and the
+// barrier of TheLongestBoundStillWaits, run with it, failed at once: "timed out after 9.3e+09 s").
+TEST(EnvRules, TimeoutsPastTheCeilingAreRefused) {
+  for (char const* value : {"9.3e9", "1e10", "1e300"}) {
+    std::string const refusal = library_refusal("FERRY_TIMEOUT_S", value);
+    EXPECT_TRUE(contains(
+        refusal, std::string("FERRY_TIMEOUT_S=") + value + " must be a positive number of seconds, at most 1e9"))
+        << refusal;
+    ScopedEnv const set("FERRY_TIMEOUT_S", std::string(value));
+    CliRun const run = run_ferry("env");
+    EXPECT_EQ(run.code, 1) << run.output;
+    EXPECT_TRUE(contains(run.output, "ferry env: refused: " + env_problem(env_param("FERRY_TIMEOUT_S"), value)))
+        << run.output;
+  }
+  EXPECT_EQ(library_refusal("FERRY_TIMEOUT_S", "1e9"), "");
+  std::string const bootstrap = library_refusal("FERRY_BOOTSTRAP_TIMEOUT_S", "9300000000");
+  EXPECT_TRUE(contains(bootstrap, "FERRY_BOOTSTRAP_TIMEOUT_S=9300000000 is outside [1, 1000000000]")) << bootstrap;
+  EXPECT_EQ(library_refusal("FERRY_BOOTSTRAP_TIMEOUT_S", "1000000000"), "");
+  {
+    ScopedEnv const set("FERRY_BOOTSTRAP_TIMEOUT_S", std::string("9300000000"));
+    EXPECT_THROW(env_int("FERRY_BOOTSTRAP_TIMEOUT_S"), BootstrapError);  // a rendezvous variable
+  }
+  // the C++ option the variable fills
+  SocketBootstrapOptions options;
+  options.world = 2;
+  options.rank = 1;
+  options.local_rank = 1;
+  options.local_world = 2;
+  options.timeout = std::chrono::milliseconds(9'300'000'000'000);
+  EXPECT_EQ(expect_error<BootstrapError>([&] { make_socket_bootstrap(options); },
+                                         {"ms is more than the longest bound a wait takes, 1000000000 s"}),
+            "");
+  CliRun const launch = run_ferry("launch --nproc 1 --timeout 1e10 true");
+  EXPECT_NE(launch.code, 0) << launch.output;
+  EXPECT_TRUE(contains(launch.output, "--timeout=1e+10: must be at most 1e+09 s")) << launch.output;
+}
+
+// The largest bound accepted still waits: a peer 300 ms late is waited for by the communicator's barrier and by a
+// low-latency call's own exchange with rank masking (the two host waits of the cpu backend that add the bound to a
+// clock), instead of a timeout at once.
+TEST(EnvRules, TheLongestBoundStillWaits) {
+  ScopedEnv const timeout("FERRY_TIMEOUT_S", std::string("1e9"));
+  EpConfig const config = small_masked_ll_config();
+  std::vector<std::string> const failures = run_cpu_ranks(2, [&](int rank, std::shared_ptr<Communicator> const& comm) {
+    auto const late = [&] {
+      if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    };
+    auto const start = std::chrono::steady_clock::now();
+    late();
+    comm->barrier();
+    EpBuffer buffer(comm, config);
+    ref::RankInput in;
+    in.num_tokens = 2;
+    in.x.assign(static_cast<std::size_t>(2 * config.hidden), 0);
+    in.topk_idx = {0, 2, 1, 3};
+    in.topk_weights.assign(4, 0.5f);
+    late();
+    buffer.dispatch(host_dispatch_args(in));
+    FERRY_CHECK(std::chrono::steady_clock::now() - start >= std::chrono::milliseconds(550), "rank ", rank,
+                " did not wait for rank 1");
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(failures[static_cast<std::size_t>(r)], "") << "rank " << r;
 }
 
 }  // namespace

@@ -4,14 +4,22 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <functional>
+#include <optional>
 #include <string>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
 #include "support/cpu_ranks.hpp"
 #include "support/host_fixtures.hpp"
+#include "support/rank_case.hpp"
 
 namespace ferry::test {
 namespace {
@@ -118,30 +126,110 @@ TEST(Topology, CpuCommunicatorPastThirtyTwoRanks) {
   for (std::size_t r = 0; r < failures.size(); ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
 }
 
-// The cpu communicator refuses, before any collective step, a world past kMaxWorld and a node past the load/store
-// team bound (kMaxLsaTeam), naming the value, the bound and what to do.
+// Runs Communicator::create on `world` threads, rank r with CommunicatorOptions::topology topologies(r), and returns
+// what each threw ("" when it made one).
+std::vector<std::string> create_errors(int world, std::function<std::string(int)> const& topologies) {
+  auto bootstraps = make_local_bootstraps(world, std::chrono::seconds(20));
+  std::vector<std::string> errors(static_cast<std::size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      CommunicatorOptions options{Backend::cpu};
+      options.topology = topologies(r);
+      try {
+        Communicator::create(std::move(bootstraps[static_cast<std::size_t>(r)]), options);
+      } catch (ConfigError const& error) {
+        errors[static_cast<std::size_t>(r)] = error.what();
+      } catch (std::exception const& error) {
+        errors[static_cast<std::size_t>(r)] = std::string("not a ConfigError: ") + error.what();
+      }
+    });
+  for (auto& thread : threads) thread.join();
+  return errors;
+}
+
+// The cpu communicator refuses a world past kMaxWorld (before any collective step) and a node past the load/store
+// team bound (kMaxLsaTeam, on every rank), naming the value, the bound and what to do.
 TEST(Topology, CpuCommunicatorRefusesPastItsBounds) {
-  auto const refusal = [](int world, std::string const& topology) -> std::string {
-    auto bootstraps = make_local_bootstraps(world, std::chrono::seconds(5));
-    CommunicatorOptions options{Backend::cpu};
-    options.topology = topology;
-    try {
-      Communicator::create(std::move(bootstraps.front()), options);  // rank 0 alone: it throws before any exchange
-    } catch (ConfigError const& error) {
-      return error.what();
-    }
-    return "";
-  };
-  std::string const world = refusal(kMaxWorld + 1, "");
-  EXPECT_NE(world.find("world=257 is outside [1, 256] (kMaxWorld)"), std::string::npos) << world;
-  std::string const node = refusal(40, "");
-  EXPECT_NE(node.find("topology 1x40: a node of 40 ranks is more than the 32 ranks of one load/store team"),
-            std::string::npos)
-      << node;
-  EXPECT_NE(node.find("FERRY_TOPOLOGY=2x20"), std::string::npos) << node;
-  std::string const forced = refusal(33, "1x33");
-  EXPECT_NE(forced.find("a node of 33 ranks"), std::string::npos) << forced;
-  EXPECT_NE(forced.find("FERRY_TOPOLOGY=3x11"), std::string::npos) << forced;
+  {
+    auto bootstraps = make_local_bootstraps(kMaxWorld + 1, std::chrono::seconds(5));
+    std::string const world = expect_error<ConfigError>(
+        [&] { Communicator::create(std::move(bootstraps.front()), CommunicatorOptions{Backend::cpu}); },
+        {"world=257 is outside [1, 256] (kMaxWorld)"});
+    EXPECT_EQ(world, "");
+  }
+  ScopedEnv const unset("FERRY_TOPOLOGY", std::nullopt);
+  std::vector<std::string> const node = create_errors(40, [](int) { return std::string(); });
+  for (std::string const& error : node) {
+    EXPECT_NE(error.find("topology 1x40: a node of 40 ranks is more than the 32 ranks of one load/store team"),
+              std::string::npos)
+        << error;
+    EXPECT_NE(error.find("FERRY_TOPOLOGY=2x20"), std::string::npos) << error;
+  }
+  std::vector<std::string> const forced = create_errors(33, [](int) { return std::string("1x33"); });
+  for (std::string const& error : forced) {
+    EXPECT_NE(error.find("a node of 33 ranks"), std::string::npos) << error;
+    EXPECT_NE(error.find("FERRY_TOPOLOGY=3x11"), std::string::npos) << error;
+  }
+}
+
+// The ranks compare their topologies when the communicator is made: ranks that resolve different ones are refused on
+// every rank, each listing which ranks have which setting; a setting one rank refuses is named by the others; the
+// same topology reached two ways (forced on one rank, from the local world on the others) is accepted. Before, the
+// ranks built on different topologies and the first call across them ended in a TimeoutError naming no cause.
+// Checked to fail: with the comparison taken out of agree_on_topology (its own topology returned after the exchange),
+// every rank made its communicator (errors "").
+TEST(Topology, RanksCompareTheirTopologies) {
+  ScopedEnv const unset("FERRY_TOPOLOGY", std::nullopt);
+  std::vector<std::string> const differ =
+      create_errors(4, [](int r) { return r % 2 == 0 ? std::string("2x2") : std::string(); });
+  for (int r = 0; r < 4; ++r) {
+    std::string const& error = differ[static_cast<std::size_t>(r)];
+    EXPECT_NE(error.find("the ranks disagree on the world's topology (ranks 0, 2 topology=2x2 (CommunicatorOptions): "
+                         "2x2; ranks 1, 3 FERRY_TOPOLOGY unset, 4 ranks per host (LOCAL_WORLD_SIZE): 1x4)"),
+              std::string::npos)
+        << "rank " << r << ": " << error;
+    EXPECT_NE(error.find("set the same FERRY_TOPOLOGY on every rank"), std::string::npos) << error;
+  }
+  std::vector<std::string> const refused =
+      create_errors(3, [](int r) { return r == 2 ? std::string("3x") : std::string(); });
+  EXPECT_NE(refused[2].find("topology '3x' is not of the form NxM"), std::string::npos) << refused[2];
+  for (int r : {0, 1})
+    EXPECT_NE(refused[static_cast<std::size_t>(r)].find(
+                  "the topology of another rank is refused, so no rank creates this communicator: rank 2 "
+                  "(topology=3x (CommunicatorOptions)): config error"),
+              std::string::npos)
+        << "rank " << r << ": " << refused[static_cast<std::size_t>(r)];
+  std::vector<std::string> const same =
+      create_errors(4, [](int r) { return r == 0 ? std::string("1x4") : std::string(); });
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(same[static_cast<std::size_t>(r)], "") << "rank " << r;
+}
+
+// FERRY_TOPOLOGY set on one rank process only: both ranks are refused at once, each naming both settings (before,
+// rank 1 ran 2 emulated nodes and rank 0 one, and their first call timed out).
+FERRY_RANK_CASE(topology_differs) {
+  if (std::getenv("RANK") != nullptr && std::string(std::getenv("RANK")) == "1") setenv("FERRY_TOPOLOGY", "2x1", 1);
+  auto const start = std::chrono::steady_clock::now();
+  std::string const error = expect_error<ConfigError>(
+      [] {
+        std::shared_ptr<Communicator> const comm = connect_rank(Backend::cpu);
+        EpBuffer buffer(comm, small_masked_ll_config());
+      },
+      {"rank 0 FERRY_TOPOLOGY unset, 2 ranks per host (LOCAL_WORLD_SIZE): 1x2; rank 1 FERRY_TOPOLOGY=2x1: 2x1"});
+  double const seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (!error.empty() || seconds > 5) {
+    std::fprintf(stderr, "rank %s after %.1f s: %s\n", std::getenv("RANK"), seconds, error.c_str());
+    return 1;
+  }
+  return 0;
+}
+
+TEST(Topology, RankProcessesCompareFerryTopology) {
+  RankCaseOptions options;
+  options.env = {{"FERRY_TOPOLOGY", ""}, {"FERRY_TIMEOUT_S", "3"}};
+  options.timeout = std::chrono::seconds(60);
+  LaunchResult const result = run_rank_case("topology_differs", 2, options);
+  EXPECT_TRUE(result.ok()) << result.describe();
 }
 
 // Normal mode across emulated nodes runs the hierarchical protocol (tests/unit/test_internode_cpu.cpp checks its

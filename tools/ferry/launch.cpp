@@ -15,6 +15,7 @@
 #include "commands.hpp"
 #include "core/launcher.hpp"
 #include "ferry/communicator.hpp"
+#include "ferry/env.hpp"
 #include "ferry/error.hpp"
 #include "options.hpp"
 
@@ -96,6 +97,11 @@ int launch_main(int argc, char** argv) {
   launch.master_addr = options.str("master-addr");
   launch.master_port = options.integer("master-port");
   double const timeout = options.number("timeout");
+  // NOTE: milliseconds in 64 bits, added to a clock in nanoseconds: a larger bound would wrap around
+  for (char const* name : {"timeout", "grace"})
+    if (options.number(name) > kMaxTimeoutSeconds)
+      FERRY_THROW(ConfigError, "launch", "--", name, "=", options.number(name), ": must be at most ",
+                  kMaxTimeoutSeconds, " s (about 31 years)");
   if (options.number("grace") >= 0)
     launch.grace = std::chrono::milliseconds(static_cast<int64_t>(options.number("grace") * 1000));
   if (timeout < 0) FERRY_THROW(ConfigError, "launch", "--timeout=", timeout, ": must be 0 (none) or more");

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "comm/comm_impl.hpp"
+#include "core/interrupt.hpp"
 #include "core/log.hpp"
 #include "ferry/env.hpp"
 #include "ferry/error.hpp"
@@ -200,6 +201,7 @@ class CpuCommunicator final : public Communicator {
   bool failed() const override { return failed_; }
   void ensure_usable() const override {
     if (failed_) FERRY_THROW(Error, "ferry", "communicator failed earlier: ", failure_, "; create a new communicator");
+    bootstrap_->check_alive();  // a job stopped by its bootstrap (two jobs on one port) stops its calls too
   }
   void barrier(cudaStream_t stream) override;
 
@@ -234,13 +236,13 @@ CpuCommunicator::CpuCommunicator(std::unique_ptr<Bootstrap> bootstrap, Communica
   FERRY_CHECK_CONFIG(bootstrap_->local_world() == world_, "backend cpu needs every rank on one host: world=", world_,
                      " but local_world=", bootstrap_->local_world(), "; use backend cuda across hosts");
   timeout_s_ = env_double("FERRY_TIMEOUT_S");  // its rule (positive) is the env table's
-  topology_ = topology_of(world_, bootstrap_->local_world(),
-                          options.topology.empty() ? env_string("FERRY_TOPOLOGY") : options.topology);
-  // NOTE: a node is this rank's load/store team, and SymmetricView holds a pointer per rank of the team.
-  FERRY_CHECK_CONFIG(topology_.local <= kMaxLsaTeam, "topology ", topology_name(topology_), ": a node of ",
-                     topology_.local, " ranks is more than the ", kMaxLsaTeam,
-                     " ranks of one load/store team (kMaxLsaTeam); emulate smaller nodes, e.g. FERRY_TOPOLOGY=",
-                     topology_name(smallest_nodes(world_)));
+  topology_ = agree_on_topology(*bootstrap_, options.topology, [&](Topology const& topology) {
+    // NOTE: a node is this rank's load/store team, and SymmetricView holds a pointer per rank of the team.
+    FERRY_CHECK_CONFIG(topology.local <= kMaxLsaTeam, "topology ", topology_name(topology), ": a node of ",
+                       topology.local, " ranks is more than the ", kMaxLsaTeam,
+                       " ranks of one load/store team (kMaxLsaTeam); emulate smaller nodes, e.g. FERRY_TOPOLOGY=",
+                       topology_name(smallest_nodes(world_)));
+  });
   // 1. a name prefix no other job uses: rank 0's pid plus random bits, the same on every rank
   char prefix[kNameBytes] = {};
   if (rank_ == 0) {
@@ -440,6 +442,8 @@ void CpuCommunicator::barrier(cudaStream_t stream) {
       ++arrived_upto;
     if (arrived_upto == world_) return;
     if (spin < 64) continue;
+    // (asked in the yields too: on a loaded host a thousand yields last seconds)
+    if (interrupt_requested()) fail_interrupted(*this, WaitPhase::barrier);
     if (spin < 1024) {
       std::this_thread::yield();
       continue;
@@ -466,8 +470,19 @@ void CpuCommunicator::check_errors(cudaStream_t stream) {
                     static_cast<void*>(stream));
   ensure_usable();
 
-  // 1. a recorded timeout (the cpu barrier throws at once; this catches one recorded by another host-side wait)
-  if (std::atomic_ref<uint32_t>(error_->status).load(std::memory_order_acquire) == kErrorTimeout) {
+  // 1. a recorded timeout (the cpu barrier throws at once; this catches one recorded by another host-side wait), or
+  //    an interrupted wait: this rank left an exchange midway, so nothing later can be paired
+  uint32_t const status = std::atomic_ref<uint32_t>(error_->status).load(std::memory_order_acquire);
+  if (status == kErrorInterrupted) {
+    failure_ = format_error(
+        "interrupted", __FILE__, __LINE__,
+        concat("rank ", rank_, "'s wait in phase '", wait_phase_name(static_cast<WaitPhase>(error_->phase)),
+               "' was interrupted (a signal: KeyboardInterrupt in Python); it left the exchange "
+               "midway, so this communicator is now unusable: destroy it and create a new one"));
+    failed_ = true;
+    throw Interrupted(failure_);
+  }
+  if (status == kErrorTimeout) {
     failure_ = format_error("timeout", __FILE__, __LINE__,
                             concat(describe_device_error(*error_, timeout_s_, topology_),
                                    "; this communicator is now unusable: destroy it and create a new one"));

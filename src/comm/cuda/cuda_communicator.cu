@@ -151,6 +151,7 @@ class CudaCommunicator final : public Communicator {
   transport::Gin gin_transport(SymmetricRegion const& region, std::size_t signals_off, uint32_t num_signals);
   void ensure_usable() const override {
     if (failed_) FERRY_THROW(Error, "ferry", "communicator failed earlier: ", failure_, "; create a new communicator");
+    bootstrap_->check_alive();  // a job stopped by its bootstrap (two jobs on one port) stops its calls too
   }
 
   void barrier(cudaStream_t stream) override {
@@ -220,8 +221,7 @@ void CudaCommunicator::init(CommunicatorOptions const& options) {
   FERRY_CHECK_CONFIG(world >= 1 && world <= kMaxWorld, "world=", world, " is outside [1, ", kMaxWorld,
                      "] (kMaxWorld), the ranks of one world");
   timeout_s_ = env_double("FERRY_TIMEOUT_S");  // its rule (positive) is the env table's
-  topology_ = topology_of(world, bootstrap_->local_world(),
-                          options.topology.empty() ? env_string("FERRY_TOPOLOGY") : options.topology);
+  topology_ = agree_on_topology(*bootstrap_, options.topology);
 
   // 2. the GPU of this rank
   int num_devices = 0;
@@ -503,7 +503,7 @@ SymmetricRegion CudaCommunicator::alloc_region(std::size_t bytes) {
 
 void CudaCommunicator::check_errors(cudaStream_t stream) {
   ensure_usable();
-  if (stream != nullptr) FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
+  if (stream != nullptr) synchronize_stream(stream);  // a late peer: interruptible (include/ferry/interrupt.hpp)
 
   // 1. a recorded failure: status reaches its final value only after the kernel filled the fields (and fenced at
   //    system scope). A timeout (a peer may be gone) and calls out of step (nothing later can be paired) both fail

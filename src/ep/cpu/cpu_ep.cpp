@@ -21,13 +21,17 @@
 //
 // Rank masking and the wait statistics (EpConfig::rank_masking / wait_stats, low-latency mode) replace the
 // communicator's barrier by this buffer's own (sync()), over the ranks not masked, with a time per source. With
-// masking every sync is an agreement in two rounds: each rank announces its arrival and waits for the others (bounded
-// by FERRY_TIMEOUT_S), then announces which ranks it saw and waits for the verdicts of those; the ranks in the call
-// are the intersection of the verdicts. A rank's view holds every rank that arrived before its own deadline, so the
-// views are nested and every rank computes the same intersection: the view of the first rank to arrive. The rank
-// left out learns it from the same words when it comes. A call's entry exchange (join_call) goes on without the ranks
-// it masked; a later sync of the call that masks one fails the call (its rows may be half written), and the final
-// one of a combine goes on (every sum is done). docs/internode.md "Rank masking".
+// masking every sync is an agreement: each rank announces its arrival and waits for the others (bounded by
+// FERRY_TIMEOUT_S); the ranks it saw are its view, its first estimate of the call's ranks. Then rounds of estimates
+// (agree()): each rank writes its estimate into every rank, waits for those of the ranks it still hears from, and
+// takes the intersection, less the ranks it no longer hears from; a rank that heard every one it waited for has
+// decided, says so in its next round's word and goes on; a rank that reads a decision adopts it. A rank that dies part
+// way through writing its words (seen by some ranks and not others) only delays the decision by a round: the estimates
+// still meet, and every rank that stays computes the same set, however the writes were cut (docs/internode.md "Rank
+// masking", "Who decides"). A rank's view holds every rank that arrived before its own deadline, so a late rank is left
+// out by every rank and learns it from the same words when it comes. A call's entry exchange (join_call) goes on
+// without the ranks it masked; a later sync of the call that masks one fails the call (its rows may be half written),
+// and the final one of a combine goes on (every sum is done).
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -37,15 +41,18 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "comm/comm_impl.hpp"
+#include "core/interrupt.hpp"
 #include "core/log.hpp"
 #include "core/rank_set.hpp"
 #include "ep/ep_impl.hpp"
+#include "ep/ll_mask_words.hpp"
 #include "ep/reference.hpp"
 #include "ferry/error.hpp"
 #include "wire/codec.hpp"
@@ -249,6 +256,19 @@ class CpuEp final : public EpBackendImpl {
   // the ranks seen. With `leg`, each seen rank's wait goes to the statistics.
   // Word p is words[p * stride].
   RankSet wait_words(uint64_t const* words, std::size_t stride, RankSet const& want, uint64_t least, StatsLeg leg);
+  // The rounds of estimates that follow a masking sync's arrivals (see the top of the file): the ranks of the call,
+  // the same on every rank that stays. `present`: the ranks whose arrival this rank saw. Throws Error when this rank
+  // learns it is masked, and fails the communicator when more ranks died inside this one agreement than its rounds
+  // take (kMaskEstimateRounds).
+  RankSet agree(uint64_t epoch, RankSet const& present, std::chrono::steady_clock::time_point start, WaitPhase phase);
+  // The estimate word of `round` (2.. kMaskEstimateRounds + 2) of the sync `epoch` that rank `from` writes into rank
+  // `to`
+  uint64_t* estimate_slot(int to, int from, int round, uint64_t epoch) const {
+    std::size_t const slot = at(round - 2, 2) + (epoch & 1);
+    return reinterpret_cast<uint64_t*>(sync_.of(to)) + world_ + at(slot, world_) * verdict_words_ +
+           at(from, verdict_words_);
+  }
+  [[noreturn]] void mask_self_ahead(int by, uint64_t epoch_seen);
   // A timeout that fails the communicator (no masking): recorded in the error block, raised by check_errors.
   [[noreturn]] void fail_communicator(WaitPhase phase, RankSet const& missing, uint64_t expected);
   void check_not_masked() const {
@@ -344,8 +364,8 @@ class CpuEp final : public EpBackendImpl {
   int fwd_slots_;             // blocks of the forward areas (fwd_slot)
   int set_words_;             // RankSet::words_for(world): a set of ranks in shared memory
   std::size_t header_bytes_;  // a CallHeader and its proposed ranks
-  // per rank: [world] arrival epochs (word p written by rank p), then [2 parities][world] verdicts of verdict_words_
-  // each (the epoch, then the ranks its writer saw)
+  // per rank: [world] arrival epochs (word p written by rank p), then [kMaskEstimateSlots rounds][2 parities][world]
+  // estimates of verdict_words_ each (a tag: the epoch << 1 | decided; then the ranks its writer holds for the call)
   SymmetricRegion sync_;
   std::size_t verdict_words_;
   uint64_t epoch_ = 0;             // syncs of this buffer so far
@@ -467,7 +487,8 @@ CpuEp::CpuEp(Communicator& comm, EpConfig const& config)
       net_rows_ = comm_.alloc_symmetric(entries * combine_wire_.row_bytes);
     }
     if (own_sync_)  // zeroed: epoch 0
-      sync_ = comm_.alloc_symmetric((at(world_, 1) + at(2 * world_, 1) * verdict_words_) * sizeof(uint64_t));
+      sync_ = comm_.alloc_symmetric((at(world_, 1) + at(2 * kMaskEstimateSlots, world_) * verdict_words_) *
+                                    sizeof(uint64_t));
   } catch (...) {
     release_regions();  // the destructor does not run for a constructor that throws
     throw;
@@ -633,6 +654,9 @@ RankSet CpuEp::wait_words(uint64_t const* words, std::size_t stride, RankSet con
     if (seen == want) return seen;
     // as the communicator's barrier: spin briefly, then yield, then sleep, so oversubscribed hosts make progress
     if (spin < 64) continue;
+    // (asked in the yields too: on a loaded host a thousand yields last seconds)
+    if (interrupt_requested())
+      fail_interrupted(comm_, leg == StatsLeg::combine ? WaitPhase::ll_combine : WaitPhase::ll_dispatch);
     if (spin < 1024) {
       std::this_thread::yield();
       continue;
@@ -666,6 +690,7 @@ void CpuEp::sync(SyncPoint point, StatsLeg leg) {
   }
   check_not_masked();
   uint64_t const epoch = ++epoch_;
+  auto const start = std::chrono::steady_clock::now();
   auto* const mine = static_cast<uint64_t*>(sync_.local);
   std::size_t const arrival = static_cast<std::size_t>(rank_) * sizeof(uint64_t);
   WaitPhase const phase = leg == StatsLeg::combine ? WaitPhase::ll_combine : WaitPhase::ll_dispatch;
@@ -679,33 +704,8 @@ void CpuEp::sync(SyncPoint point, StatsLeg leg) {
     if (present != active_) fail_communicator(phase, active_ - present, epoch);
     return;
   }
-  // 2. the verdict: what this rank saw, after its epoch, into every rank in the call (a rank it did not see reads it
-  //    when it comes); then the verdicts of the ranks it saw, which are all coming (they arrived). The ranks' words
-  //    first, then the epoch with a release store, which the reader acquires before it reads them. Two slots by
-  //    parity: a rank one sync ahead writes the other, and it gets two ahead only once this rank arrived at the next
-  //    sync (done reading this one) or was left out of it (the sequence lock tells: kRewritten).
-  std::size_t const verdicts = at(world_, 1) + at(epoch & 1, world_) * verdict_words_;
-  std::size_t const my_verdict = verdicts + at(rank_, verdict_words_);
-  for (int const r : active_) {
-    auto* const verdict = reinterpret_cast<uint64_t*>(sync_.of(r)) + my_verdict;
-    open_slot(verdict, 0);  // (a sequence lock: see kRewritten)
-    store_set(verdict + 1, present, set_words_);
-    publish_slot(verdict, epoch);
-  }
-  RankSet const heard = wait_words(mine + verdicts, verdict_words_, present, epoch, StatsLeg::none);
-  // NOTE: a rank that arrived and then said nothing for FERRY_TIMEOUT_S died inside the agreement itself: the ranks
-  // may now disagree, so nothing after it can be trusted
-  if (heard != present) fail_communicator(phase, present - heard, epoch);
-  RankSet agreed = present;
-  for (int const p : present) {
-    uint64_t const* const verdict = mine + verdicts + at(p, verdict_words_);
-    uint64_t const tag = slot_tag(verdict);
-    RankSet const view = load_set(verdict + 1, set_words_);
-    if (tag == epoch && slot_unchanged(verdict, tag))
-      agreed &= view;
-    else
-      agreed.reset(rank_);  // a verdict of a later sync: p went on without this rank (it left it out of the next one)
-  }
+  // 2. the rounds of estimates: the ranks of the call, the same on every rank that stays
+  RankSet const agreed = agree(epoch, present, start, phase);
   RankSet const lost = active_ - agreed;
   if (lost.empty()) return;
   if (lost.test(rank_)) {
@@ -727,6 +727,89 @@ void CpuEp::sync(SyncPoint point, StatsLeg leg) {
                        ", which entered the call but did not reach its next step within FERRY_TIMEOUT_S; no data of ",
                        "this call is returned. Rank masking is on: they are masked now and later calls skip them ",
                        "(this communicator stays usable)"));
+}
+
+void CpuEp::mask_self_ahead(int by, uint64_t epoch_seen) {
+  self_view_ = all_ranks_ - active_;
+  self_view_.set(rank_);
+  self_masked_ = format_error(
+      "ferry", __FILE__, __LINE__,
+      concat("rank ", rank_, " is masked on this EpBuffer: at ", call_text(), " rank ", by, " was already ",
+             epoch_seen == kRewritten ? std::string("in a later exchange")
+                                      : concat("in exchange ", epoch_seen, " of the buffer"),
+             ", past this call without this rank; its calls are refused until every rank "
+             "calls clear_mask()"));
+  throw Error(self_masked_);
+}
+
+RankSet CpuEp::agree(uint64_t epoch, RankSet const& present, std::chrono::steady_clock::time_point start,
+                     WaitPhase phase) {
+  auto const timeout = std::chrono::nanoseconds(comm_.device_view().timeout_ns);
+  RankSet estimate = present;
+  RankSet alive = present;  // the ranks this rank still hears from
+  alive.reset(rank_);
+  bool decided = false;
+  for (int round = 2;; ++round) {
+    // a. this rank's estimate into every rank in the call (the tag last, release: see kRewritten); a rank that
+    //    decided writes it once more, marked, and goes on
+    uint64_t const tag = epoch << 1 | (decided ? 1 : 0);
+    for (int const r : active_) {
+      if (r == rank_) continue;
+      uint64_t* const slot = estimate_slot(r, rank_, round, epoch);
+      open_slot(slot, 0);
+      store_set(slot + 1, estimate, set_words_);
+      publish_slot(slot, tag);
+    }
+    if (decided) return estimate;
+    // NOTE: a round that ends undecided saw a rank die while writing (it reached some ranks and not others); one
+    // more such death than the rounds take, and the ranks may hold different sets: nothing after can be trusted
+    if (round > kMaskEstimateSlots) fail_communicator(phase, present - alive - RankSet::range(rank_, 1), epoch);
+    // b. the estimates of this round from the ranks still heard from, or a decision of this round or the next
+    //    (NOTE: the absolute deadlines leave a rank that arrived up to FERRY_TIMEOUT_S later, and each round after,
+    //    half a timeout of margin: a live rank is never taken for a dead one)
+    auto const deadline = start + timeout * round + timeout * (round - 1) / 2;
+    RankSet heard;
+    RankSet meet = estimate;
+    std::optional<RankSet> adopted;
+    for (uint64_t spin = 0; !adopted && heard != alive; ++spin) {
+      for (int const s : alive) {
+        for (int const ahead : {round, round + 1}) {
+          uint64_t const* const slot = estimate_slot(rank_, s, ahead, epoch);
+          uint64_t const seen = slot_tag(slot);
+          if ((seen >> 1) < epoch) continue;  // not written yet (0: being written)
+          RankSet const view = load_set(slot + 1, set_words_);
+          // NOTE: a rank gets two exchanges ahead (the parity slot rewritten) only by going on without this rank
+          bool const intact = slot_unchanged(slot, seen);
+          if (!intact || (seen >> 1) > epoch) mask_self_ahead(s, intact ? seen >> 1 : kRewritten);
+          if ((seen & 1) != 0) adopted = view;  // every decision of one agreement is the same set
+          if (ahead == round && !heard.test(s)) {
+            heard.set(s);
+            meet &= view;
+          }
+        }
+      }
+      if (adopted || heard == alive) break;
+      if (spin < 64) continue;
+      if (interrupt_requested()) fail_interrupted(comm_, phase);
+      if (spin < 1024) {
+        std::this_thread::yield();
+        continue;
+      }
+      if (std::chrono::steady_clock::now() > deadline) break;
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    // c. adopt a decision, or decide when every rank waited for was heard (else those not heard died, and leave the
+    //    estimate: go round again)
+    if (adopted) {
+      estimate = *adopted;
+    } else {
+      estimate = meet - (alive - heard);
+      decided = heard == alive;
+      alive = heard;
+      if (!decided) continue;
+    }
+    decided = true;
+  }
 }
 
 void CpuEp::refuse_dispatch(cudaStream_t) {
@@ -946,7 +1029,7 @@ DispatchResult CpuEp::receive_dispatch() {
       deliver_row(landing + at(i, 1) * wire_bytes, recv_out_.data() + at(i, 1) * out_row_bytes_);
     if (quantized_out) {
       wire::write_scale_tensor(format, config_.recv_scale_layout, landing, wire_bytes, capacity_, hidden_,
-                                recv_scales_.data());
+                               recv_scales_.data());
       if (dispatch_wire_.has_token_scale)
         wire::write_token_scales(format, landing, wire_bytes, capacity_, hidden_, recv_token_scales_.data());
     }
@@ -966,11 +1049,11 @@ DispatchResult CpuEp::receive_dispatch() {
       if (quantized_out) {
         // NOTE: unfilled slots' scale entries are unspecified (the kernels leave them); zero rows here
         std::memset(gather_scratch_.data() + at(filled, 1) * wire_bytes, 0, at(slots_ - filled, 1) * wire_bytes);
-        wire::write_scale_tensor(format, config_.recv_scale_layout, gather_scratch_.data(), wire_bytes, slots_,
-                                  hidden_, expert_scales_.data() + at(e, 1) * scale_tensor);
+        wire::write_scale_tensor(format, config_.recv_scale_layout, gather_scratch_.data(), wire_bytes, slots_, hidden_,
+                                 expert_scales_.data() + at(e, 1) * scale_tensor);
         if (dispatch_wire_.has_token_scale)
           wire::write_token_scales(format, gather_scratch_.data(), wire_bytes, slots_, hidden_,
-                                    expert_token_scales_.data() + at(e, slots_));
+                                   expert_token_scales_.data() + at(e, slots_));
       }
     }
   }

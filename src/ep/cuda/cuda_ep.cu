@@ -555,7 +555,7 @@ class CudaEp final : public detail::EpBackendImpl {
   }
 
   void sync_and_check(cudaStream_t stream) {
-    FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
+    detail::synchronize_stream(stream);  // a late peer: interruptible (include/ferry/interrupt.hpp)
     comm_.check_errors(stream);
     if (masking_ && *reinterpret_cast<uint32_t const volatile*>(&buffers_.mask_host->self) != 0) {
       // eager: the call that met the mask throws at once (its kernels moved nothing)

@@ -57,19 +57,20 @@ void lay_out_ll(LlLayout& layout, AreaPacker& areas, EpConfig const& config, int
 }
 
 std::size_t ll_mask_area_bytes(int world) {
-  return wire::align_up(5 * static_cast<std::size_t>(world) * sizeof(uint64_t), 256);
+  std::size_t const words = (2 + 3 * static_cast<std::size_t>(detail::kMaskEstimateSlots)) * world;
+  return wire::align_up(words * sizeof(uint64_t), 256);
 }
 
 LlMaskArea ll_mask_area(std::size_t region_total, int world) {
   std::size_t const words = static_cast<std::size_t>(world) * sizeof(uint64_t);
-  std::size_t const first = region_total - ll_mask_area_bytes(world);
+  std::size_t const slots = static_cast<std::size_t>(detail::kMaskEstimateSlots);
   LlMaskArea area{};
-  area.arrive = first;
-  area.verdict = first + words;
-  area.arrive_signals = first + 3 * words;
-  area.verdict_signals = first + 4 * words;
+  area.arrive = region_total - ll_mask_area_bytes(world);
+  area.estimates = area.arrive + words;
+  area.arrive_signals = area.estimates + 2 * slots * words;
+  area.estimate_signals = area.arrive_signals + words;
   area.signals = area.arrive_signals;
-  area.num_signals = static_cast<uint32_t>(2 * world);
+  area.num_signals = static_cast<uint32_t>((1 + slots) * world);
   return area;
 }
 

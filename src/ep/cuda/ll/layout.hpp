@@ -66,15 +66,16 @@ void lay_out_ll(LlLayout& layout, AreaPacker& areas, EpConfig const& config, int
 
 // Rank masking (EpConfig::rank_masking, low-latency mode): where the agreement's words are in a layout that
 // lay_out_ll made with masking on (the region's last area, so that the layout is the same with masking off).
-// arrive: [world sources] u64 (epoch << 32 | the source's request); verdict: [2 parities][world sources] u64
-// (epoch << 32 | the ranks the source saw). Across nodes a source of another node puts its words through the network
-// and counts them in arrive_signals / verdict_signals ([world sources] counters each, adjacent: one signal range,
-// `signals` .. + num_signals words), one per agreement it took part in.
+// arrive: [world sources] u64 (epoch << 32 | the source's request); estimates: [kMaskEstimateSlots rounds][2
+// parities][world sources] u64 (the tag, epoch << 1 | decided, << 32 | the ranks the source holds for the call).
+// Across nodes a source of another node puts its words through the network and counts them in arrive_signals ([world
+// sources]: one per agreement it took part in) and estimate_signals ([kMaskEstimateSlots][world sources]: the
+// agreement of the round's last word), adjacent: one signal range, `signals` .. + num_signals words.
 struct LlMaskArea {
   std::size_t arrive;
-  std::size_t verdict;
+  std::size_t estimates;
   std::size_t arrive_signals;
-  std::size_t verdict_signals;
+  std::size_t estimate_signals;
   std::size_t signals;
   uint32_t num_signals;
 };

@@ -16,9 +16,9 @@ void launch_ll_agreement(Buffers const& b, detail::LlMaskLeg leg, cudaStream_t s
   p.net = transport::make_lsa(b.sym, b.rank, b.world);
   LlMaskArea const area = ll_mask_area(b.layout.total, b.world);
   p.arrive = area.arrive;
-  p.verdict = area.verdict;
+  p.estimates = area.estimates;
   p.arrive_signals = area.arrive_signals;
-  p.verdict_signals = area.verdict_signals;
+  p.estimate_signals = area.estimate_signals;
   p.local = ll_ranks_per_node(b);
   p.state = b.state;
   p.host = b.mask_host_device;
@@ -85,14 +85,16 @@ cuda_ll::LlCounterParams counter_params(Buffers const& b, detail::LlCallCounters
   p.view = b.view;
   p.local = b.layout.local;
   LlMaskArea const area = ll_mask_area(b.layout.total, b.world);
-  std::size_t const counters[cuda_ll::kNetworkCounters] = {b.layout.ll.dispatch_arrivals, b.layout.ll.combine_arrivals,
-                                                           area.arrive_signals, area.verdict_signals};
   uint64_t const per_call = static_cast<uint64_t>(b.num_ctas);
-  uint64_t const target[cuda_ll::kNetworkCounters] = {to.dispatch_seq * per_call, to.combine_seq * per_call, to.epoch,
-                                                      to.epoch};
-  for (int k = 0; k < cuda_ll::kNetworkCounters; ++k) {
-    p.counters[k] = counters[k];
-    p.target[k] = target[k];
+  p.counters[0] = b.layout.ll.dispatch_arrivals;
+  p.target[0] = to.dispatch_seq * per_call;
+  p.counters[1] = b.layout.ll.combine_arrivals;
+  p.target[1] = to.combine_seq * per_call;
+  // the agreement's: its arrivals count agreements, and each round's estimates hold the agreement of their last word
+  for (int k = 2; k < cuda_ll::kNetworkCounters; ++k) {
+    p.counters[k] = k == 2 ? area.arrive_signals
+                           : area.estimate_signals + static_cast<std::size_t>(k - 3) * b.world * sizeof(uint64_t);
+    p.target[k] = to.epoch;
   }
   return p;
 }

@@ -1,26 +1,32 @@
 // Rank masking in low-latency mode (EpConfig::rank_masking; docs/internode.md "Rank masking"): the agreement that
 // opens every call of a leg, a kernel of one warp launched on the leg's stream before the leg's kernel (its send half
-// with the hook), so a captured graph replays it with the mask of the moment. Lane s speaks for rank s.
+// with the hook), so a captured graph replays it with the mask of the moment. Lane s speaks for rank s. The protocol
+// is the cpu backend's (src/ep/cpu/cpu_ep.cpp, agree()), word for word:
 //  1. arrival: (epoch << 32 | this rank's request) into this rank's arrive word on every live rank (release);
 //  2. wait for the live ranks' arrivals of this epoch, all lanes against one deadline, FERRY_TIMEOUT_S from the
-//     kernel's start: the ranks seen are this rank's view. A word of a later epoch means that rank is past this
-//     agreement without this rank: this rank is masked;
-//  3. verdict: (epoch << 32 | view) into this rank's verdict word of the epoch's parity on every live rank (release;
-//     a rank it did not see reads it when it comes);
-//  4. wait for the verdicts of the ranks it saw (they arrived, so they answer; one that does not within
-//     FERRY_TIMEOUT_S died inside the agreement: a timeout, recorded, which fails the communicator);
-//  5. the ranks of the call are the intersection of those verdicts: the views are nested (each holds every rank that
-//     arrived before its own deadline), so every rank computes the same set, the view of the first to arrive. The
-//     requests of the ranks in it are applied too (their union). A rank left out, or asked for, is masked on every
-//     rank; this rank, when it is one of them, records why (LlMaskWords::self, and the host's word) and its leg
-//     kernels return at once from then on.
-// Parities: a rank one epoch ahead writes the other verdict slot; two ahead only past an agreement that left this
-// rank out (it would have waited for this rank's verdict), which step 2 or 4 then sees as a later epoch.
+//     kernel's start: the ranks seen are this rank's view, its first estimate of the ranks of the call. A word of a
+//     later epoch means that rank is past this agreement without this rank: this rank is masked;
+//  3. rounds of estimates (2, 3, ...): this rank's estimate (tag: epoch << 1 | decided) into its word of the round
+//     and the epoch's parity on every live rank; then the estimates of the round from the ranks it still hears from,
+//     or a decision (a word of this round or the next marked decided), until the round's deadline (absolute, from
+//     the kernel's start: round x FERRY_TIMEOUT_S plus half a timeout per round before it, so that a rank that
+//     arrived up to a timeout later is never taken for a dead one). A decision is adopted at once; else the estimate
+//     becomes the intersection of those heard, less the ranks not heard (they died), and a round in which every rank
+//     waited for was heard decides (the next round's word says so, and the rank goes on). A rank that died while
+//     writing a round (its words reached some ranks and not others) costs one more round; past kMaskEstimateRounds the
+//     ranks could disagree: a timeout, recorded, which fails the communicator;
+//  4. the ranks of the call are the decision, the same on every rank that stays. The requests of the ranks in it are
+//     applied too (their union). A rank left out, or asked for, is masked on every rank; this rank, when it is one of
+//     them, records why (LlMaskWords::self, and the host's word) and its leg kernels return at once from then on.
+// Parities: a rank one epoch ahead writes the other slots; two ahead only past an agreement that left this rank out,
+// which step 2 or 3 then sees as a later epoch. Epochs in words are compared modulo 2^32 (arrivals) and 2^31
+// (estimates), so they wrap around safely: ranks in step are at most two agreements apart.
 // Across nodes (Net: the network to the ranks of other nodes) a word to a rank of another node is a put of the value
-// through the network, then +1 on that rank's counter of this source (arrive_signals / verdict_signals: the signal
-// covers the put); a lane waits for its rank's counter to reach the epoch (one signal per agreement the source took
-// part in; clear_mask sets the counters to the epoch every rank starts from), then reads the word the put brought.
-// The words and the rules are the same, so the ranks of every node compute the same set.
+// through the network, then a signal on that rank's counter of this source that covers the put: the arrivals' +1
+// (one per agreement the source took part in), an estimate's the difference to the epoch (LlMaskWords::signaled),
+// so a round's counter holds the agreement of its last word; clear_mask sets every counter to the epoch every rank
+// starts from. A lane waits for its rank's counter to reach the epoch, then reads the word the put brought. The words
+// and the rules are the same, so the ranks of every node compute the same set.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +40,8 @@
 
 namespace ferry::cuda_ll {
 
+using detail::kMaskEstimateRounds;
+using detail::kMaskEstimateSlots;
 using detail::LlMaskLeg;
 using detail::LlMaskSelf;
 
@@ -41,9 +49,9 @@ struct LlAgreementParams {
   DeviceView view;
   transport::Lsa net;  // the ranks of this node (load/store)
   std::size_t arrive;  // the area's offsets in every rank's region (cuda_ep::ll_mask_area)
-  std::size_t verdict;
-  std::size_t arrive_signals;  // across nodes: [world] counters of the words put by the ranks of other nodes
-  std::size_t verdict_signals;
+  std::size_t estimates;
+  std::size_t arrive_signals;  // across nodes: counters of the words put by the ranks of other nodes
+  std::size_t estimate_signals;
   int local;  // ranks per node (world on one node)
   cuda_ep::DeviceState* state;
   detail::LlMaskHost* host;  // mapped: the request (host), this rank's LlMaskSelf (written here when it is masked)
@@ -53,17 +61,43 @@ struct LlAgreementParams {
 
 inline constexpr int kAgreementThreads = 32;
 
-// This rank's word for rank s (lane s): into s's `words` at this rank's index (plus `at`, the verdict's parity
-// offset). On this node a release store; across nodes a put of the value, then +1 on s's counter of this rank.
+// How far the epoch of a word is from `epoch`: > 0 a later agreement, 0 this one, < 0 an earlier one (or none yet).
+__device__ __forceinline__ int32_t arrival_ahead(uint64_t word, uint64_t epoch) {
+  return static_cast<int32_t>(static_cast<uint32_t>(word >> 32) - static_cast<uint32_t>(epoch));
+}
+__device__ __forceinline__ int32_t estimate_ahead(uint64_t word, uint64_t epoch) {
+  // the tag is epoch << 1 | decided in 32 bits: compare the 31-bit epochs, sign-extended from bit 30
+  uint32_t const seen = static_cast<uint32_t>(word >> 33);
+  return static_cast<int32_t>((seen - static_cast<uint32_t>(epoch)) << 1) >> 1;
+}
+__device__ __forceinline__ uint64_t estimate_word(uint64_t epoch, bool decided, uint32_t ranks) {
+  uint32_t const tag = static_cast<uint32_t>(epoch) << 1 | (decided ? 1u : 0u);
+  return static_cast<uint64_t>(tag) << 32 | ranks;
+}
+__device__ __forceinline__ bool estimate_decided(uint64_t word) {
+  return ((word >> 32) & 1u) != 0;
+}
+
+// Offsets of this round's words and counters (round 2.. : slot round - 2) in every rank's region.
+__device__ __forceinline__ std::size_t estimate_words(LlAgreementParams const& p, int round, uint64_t epoch) {
+  std::size_t const slot = static_cast<std::size_t>(round - 2) * 2 + static_cast<std::size_t>(epoch & 1);
+  return p.estimates + slot * static_cast<std::size_t>(p.view.world) * sizeof(uint64_t);
+}
+__device__ __forceinline__ std::size_t estimate_counters(LlAgreementParams const& p, int round) {
+  return p.estimate_signals + static_cast<std::size_t>(round - 2) * p.view.world * sizeof(uint64_t);
+}
+
+// This rank's word for rank s (lane s): into s's `words` at this rank's index. On this node a release store; across
+// nodes a put of the value, then `add` on s's counter of this rank (at `signals`), which covers the put.
 template <class Net>
 __device__ __forceinline__ void send_word(LlAgreementParams const& p, Net const& network, int s, std::size_t words,
-                                          std::size_t signals, uint64_t word) {
+                                          std::size_t signals, uint64_t word, uint64_t add) {
   int const rank = p.view.rank;
   if constexpr (kAcrossNodes<Net>) {
     if (s / p.local != rank / p.local) {
       auto ep = network.open(transport::Thread{}, s);
       ep.put_value(s, words + static_cast<std::size_t>(rank) * sizeof(uint64_t), word);
-      ep.signal(s, signals + static_cast<std::size_t>(rank) * sizeof(uint64_t), 1);
+      ep.signal(s, signals + static_cast<std::size_t>(rank) * sizeof(uint64_t), add);
       ep.close();
       return;
     }
@@ -71,29 +105,34 @@ __device__ __forceinline__ void send_word(LlAgreementParams const& p, Net const&
   device::signal_set(reinterpret_cast<uint64_t*>(p.net.window(s) + words) + rank, word);
 }
 
-// Lane s waits until rank s's word in this rank's `words` holds `epoch` or a later one, until start_ns + the bound.
-// On this node the word itself tells (its epoch); across nodes s's counter of this rank reaching `epoch` says that
-// the put of this epoch's word has arrived, then the word is read. Returns whether it did, with the word in *word.
+// Whether rank s's word in this rank's `words` may be read: on this node always (the word carries its epoch); across
+// nodes once s's counter of this rank reaches `epoch` (the put of this epoch's word, or of a later one, has landed).
 template <class Net>
-__device__ __forceinline__ bool wait_word(LlAgreementParams const& p, Net const& network, int s, std::size_t words,
-                                          std::size_t signals, uint64_t epoch, uint64_t start_ns, uint64_t bound_ns,
-                                          uint64_t* word) {
-  auto const* at = reinterpret_cast<uint64_t const*>(p.net.local() + words) + s;
+__device__ __forceinline__ bool word_landed(LlAgreementParams const& p, Net const& network, int s, std::size_t signals,
+                                            uint64_t epoch) {
   if constexpr (kAcrossNodes<Net>) {
     if (s / p.local != p.view.rank / p.local) {
       auto ep = network.open(transport::Thread{}, s);
-      while (true) {
-        if (ep.read(signals + static_cast<std::size_t>(s) * sizeof(uint64_t)) >= epoch) {
-          *word = device::arch::load_acquire_sys_u64(at);
-          return true;
-        }
-        if (device::arch::global_timer_ns() - start_ns > bound_ns) return false;
-      }
+      return ep.read(signals + static_cast<std::size_t>(s) * sizeof(uint64_t)) >= epoch;
     }
   }
+  return true;
+}
+
+__device__ __forceinline__ uint64_t read_word(LlAgreementParams const& p, std::size_t words, int s) {
+  return device::arch::load_acquire_sys_u64(reinterpret_cast<uint64_t const*>(p.net.local() + words) + s);
+}
+
+// Lane s waits until rank s's arrival word in this rank holds `epoch` or a later one, until start_ns + the bound.
+// Returns whether it did, with the word in *word.
+template <class Net>
+__device__ __forceinline__ bool wait_arrival(LlAgreementParams const& p, Net const& network, int s, uint64_t epoch,
+                                             uint64_t start_ns, uint64_t bound_ns, uint64_t* word) {
   while (true) {
-    *word = device::arch::load_acquire_sys_u64(at);
-    if ((*word >> 32) >= epoch) return true;
+    if (word_landed(p, network, s, p.arrive_signals, epoch)) {
+      *word = read_word(p, p.arrive, s);
+      if (arrival_ahead(*word, epoch) >= 0) return true;
+    }
     if (device::arch::global_timer_ns() - start_ns > bound_ns) return false;
   }
 }
@@ -115,6 +154,64 @@ __device__ __forceinline__ void mask_self(LlAgreementParams const& p, LlMaskSelf
   *reinterpret_cast<uint32_t volatile*>(&p.host->self) = static_cast<uint32_t>(why);
 }
 
+// What one round of estimates brought (step 3): the ranks heard and the intersection of their estimates, or a
+// decision to adopt, or the rank that is past this agreement (ahead >= 0: this rank is masked).
+struct RoundRead {
+  uint32_t heard = 0;
+  uint32_t meet = 0xffffffffu;
+  bool adopted = false;
+  uint32_t decision = 0;
+  int ahead = -1;
+};
+
+// 3b. Lane s reads rank s's estimate of `round` (and its word of the next round, where a decision shows first) until
+//     every rank in `alive` was heard, a decision or a later epoch is seen, or the deadline.
+template <class Net>
+__device__ RoundRead read_round(LlAgreementParams const& p, Net const& network, int round, uint64_t epoch,
+                                uint32_t alive, uint64_t deadline_ns) {
+  int const lane = static_cast<int>(threadIdx.x);
+  bool const mine = ((alive >> lane) & 1u) != 0;
+  bool heard = false;
+  uint32_t view = 0xffffffffu;
+  while (true) {
+    bool ahead = false;
+    bool adopt = false;
+    uint32_t decision = 0;
+    for (int r = round; mine && r <= round + 1 && r <= kMaskEstimateSlots + 1; ++r) {
+      if ((r == round && heard) || !word_landed(p, network, lane, estimate_counters(p, r), epoch)) continue;
+      uint64_t const word = read_word(p, estimate_words(p, r, epoch), lane);
+      int32_t const ahead_by = estimate_ahead(word, epoch);
+      ahead = ahead || ahead_by > 0;
+      if (ahead_by != 0) continue;
+      if (r == round) {
+        heard = true;
+        view = static_cast<uint32_t>(word);
+      }
+      if (estimate_decided(word)) {  // every decision of one agreement is the same set
+        adopt = true;
+        decision = static_cast<uint32_t>(word);
+      }
+    }
+    RoundRead out;
+    uint32_t const aheads = __ballot_sync(0xffffffffu, ahead);
+    uint32_t const adopters = __ballot_sync(0xffffffffu, adopt);
+    out.heard = __ballot_sync(0xffffffffu, heard) & alive;
+    if (aheads != 0) {
+      out.ahead = __ffs(aheads) - 1;
+      return out;
+    }
+    if (adopters != 0) {
+      out.adopted = true;
+      out.decision = __shfl_sync(0xffffffffu, decision, __ffs(adopters) - 1);
+      return out;
+    }
+    if (out.heard == alive || device::arch::global_timer_ns() > deadline_ns) {
+      out.meet = __reduce_and_sync(0xffffffffu, heard ? view : 0xffffffffu);
+      return out;
+    }
+  }
+}
+
 // Net: OneNode (every rank on this node), or the network to the ranks of other nodes (NetParams: Emulated, Gin).
 template <class Net = OneNode>
 __global__ void __launch_bounds__(kAgreementThreads, 1) ll_agreement_kernel(NetParams<LlAgreementParams, Net> const p) {
@@ -125,49 +222,73 @@ __global__ void __launch_bounds__(kAgreementThreads, 1) ll_agreement_kernel(NetP
   detail::LlMaskWords& m = p.state->ll.mask;
   if (m.self != 0) return;  // masked already: nothing to agree on (the leg's kernel returns too)
   uint64_t const start = device::arch::global_timer_ns();
+  uint64_t const timeout = p.view.timeout_ns;
   uint64_t const epoch = m.epoch + 1;
   uint32_t const all = world >= 32 ? 0xffffffffu : (1u << world) - 1u;
   uint32_t const live = all & ~m.masked;
   uint32_t const mine = 1u << rank;
   uint32_t const request = __shfl_sync(0xffffffffu, *reinterpret_cast<uint32_t const volatile*>(&p.host->request), 0);
   bool const peer = lane < world && ((live >> lane) & 1u) != 0;
-  std::size_t const parity = static_cast<std::size_t>(epoch & 1) * world * sizeof(uint64_t);
 
-  // 1. arrival (release: the leg's rows come after the verdicts, which order them)
-  if (peer) send_word(p, network, lane, p.arrive, p.arrive_signals, epoch << 32 | request);
-  // 2. the live ranks' arrivals, one deadline for all
+  // 1. arrival (release: the leg's rows come after the agreement, which orders them)
+  if (peer) send_word(p, network, lane, p.arrive, p.arrive_signals, epoch << 32 | request, 1);
+  // 2. the live ranks' arrivals, one deadline for all: this rank's view, its first estimate
   uint64_t arrival = 0;
-  bool const seen =
-      peer && wait_word(p, network, lane, p.arrive, p.arrive_signals, epoch, start, p.view.timeout_ns, &arrival);
+  bool const seen = peer && wait_arrival(p, network, lane, epoch, start, timeout, &arrival);
   uint32_t const present = __ballot_sync(0xffffffffu, seen);
-  uint32_t const ahead = __ballot_sync(0xffffffffu, seen && (arrival >> 32) > epoch);
+  uint32_t const ahead = __ballot_sync(0xffffffffu, seen && arrival_ahead(arrival, epoch) > 0);
   if (ahead != 0) {
     if (lane == 0) mask_self(p, LlMaskSelf::ahead, epoch, (all & ~live) | mine, 0, __ffs(ahead) - 1);
     return;
   }
-  // 3. verdict
-  if (peer) send_word(p, network, lane, p.verdict + parity, p.verdict_signals, epoch << 32 | present);
-  // 4. the verdicts of the ranks seen (bounded; a rank silent here died inside the agreement)
-  uint64_t verdict = 0;
-  bool const heard =
-      ((present >> lane) & 1u) != 0 && wait_word(p, network, lane, p.verdict + parity, p.verdict_signals, epoch,
-                                                 device::arch::global_timer_ns(), p.view.timeout_ns, &verdict);
-  uint32_t const silent = present & ~__ballot_sync(0xffffffffu, heard);
-  if (silent != 0) {
-    if (((silent >> lane) & 1u) != 0)
-      device::record_timeout(p.view, lane,
-                             p.leg == LlMaskLeg::dispatch ? WaitPhase::ll_dispatch : WaitPhase::ll_combine, epoch << 32,
-                             verdict);
-    if (lane == 0) m.epoch = epoch;
-    return;
+  // 3. rounds of estimates, until this rank decides or adopts a decision
+  uint32_t estimate = present;
+  uint32_t alive = present & ~mine;  // the ranks it still hears from
+  bool decided = false;
+  for (int round = 2;; ++round) {
+    // a. this rank's estimate into every live rank; a rank that decided writes it once more, marked, and goes on
+    if (peer && lane != rank) {
+      uint64_t add = 0;
+      if constexpr (kAcrossNodes<Net>) {
+        add = epoch - m.signaled[round - 2][lane];
+        m.signaled[round - 2][lane] = epoch;
+      }
+      send_word(p, network, lane, estimate_words(p, round, epoch), estimate_counters(p, round),
+                estimate_word(epoch, decided, estimate), add);
+    }
+    if (decided) break;
+    // NOTE: one round more than the slots hold: more ranks died inside this agreement than it takes, and the ranks
+    // may now disagree, so nothing after it can be trusted
+    if (round > kMaskEstimateSlots) {
+      uint32_t const lost = present & ~alive & ~mine;
+      if (((lost >> lane) & 1u) != 0)
+        device::record_timeout(p.view, lane,
+                               p.leg == LlMaskLeg::dispatch ? WaitPhase::ll_dispatch : WaitPhase::ll_combine,
+                               epoch << 32, 0);
+      if (lane == 0) m.epoch = epoch;
+      return;
+    }
+    // b. the estimates of this round, or a decision (the deadline leaves a rank that arrived up to a timeout later,
+    //    and each round before, half a timeout of margin)
+    uint64_t const deadline = start + static_cast<uint64_t>(round) * timeout + (round - 1) * (timeout / 2);
+    RoundRead const read = read_round(p, network, round, epoch, alive, deadline);
+    if (read.ahead >= 0) {
+      if (lane == 0) mask_self(p, LlMaskSelf::ahead, epoch, (all & ~live) | mine, 0, read.ahead);
+      return;
+    }
+    // c. adopt a decision, or decide when every rank waited for was heard (else those not heard died, and leave the
+    //    estimate: go round again)
+    if (read.adopted) {
+      estimate = read.decision;
+      decided = true;
+      continue;
+    }
+    estimate &= read.meet & ~(alive & ~read.heard);
+    decided = read.heard == alive;
+    alive = read.heard;
   }
-  uint32_t const later = __ballot_sync(0xffffffffu, heard && (verdict >> 32) > epoch);
-  if (later != 0) {
-    if (lane == 0) mask_self(p, LlMaskSelf::ahead, epoch, (all & ~live) | mine, 0, __ffs(later) - 1);
-    return;
-  }
-  // 5. the ranks of the call, and the requests of those ranks
-  uint32_t const agreed = present & __reduce_and_sync(0xffffffffu, heard ? static_cast<uint32_t>(verdict) : all);
+  // 4. the ranks of the call, and the requests of those ranks
+  uint32_t const agreed = estimate;
   uint32_t const asked =
       __reduce_or_sync(0xffffffffu, ((agreed >> lane) & 1u) != 0 ? static_cast<uint32_t>(arrival) : 0u) & agreed;
   uint32_t const lost = live & ~agreed;
@@ -220,6 +341,9 @@ __global__ void __launch_bounds__(cuda_ep::kMaxLlCtas, 1) ll_mask_reset_kernel(L
     s.ll.mask = detail::LlMaskWords{};
     s.ll.mask.entry_rank = entry_rank;
     s.ll.mask.epoch = p.to.epoch;
+    // the network's counters of the estimates now hold to.epoch (realign_network_counters): the next word adds 1
+    for (auto& round : s.ll.mask.signaled)
+      for (uint64_t& sent : round) sent = p.to.epoch;
     s.num_tokens = 0;  // the dispatch before the clear is forgotten (dispatch again before a combine)
     p.host->request = 0;
     p.host->self = 0;
@@ -234,12 +358,13 @@ __global__ void __launch_bounds__(cuda_ep::kMaxLlCtas, 1) ll_mask_reset_kernel(L
 //     largest call counters of everyone, as the reset kernel sets the local ones) with one signal each;
 //  3. wait: every rank waits, bounded, until its counters of the other nodes' sources reach the targets.
 // Thread s (of one warp) speaks for rank s; the ranks of this node are the reset kernel's (load/store).
-inline constexpr int kNetworkCounters = 4;  // dispatch arrivals, combine arrivals, agreement arrivals, verdicts
+// dispatch arrivals, combine arrivals, the agreement's arrivals, its estimates of each round
+inline constexpr int kNetworkCounters = 3 + kMaskEstimateSlots;
 
 struct LlCounterParams {
   DeviceView view;
   int local;                                      // ranks per node
-  std::size_t counters[kNetworkCounters];         // offsets of the four [world] arrays (by source)
+  std::size_t counters[kNetworkCounters];         // offsets of the [world] arrays (by source)
   uint64_t target[kNetworkCounters];              // what every counter must hold
   uint64_t* read;                                 // step 1: [kNetworkCounters][world] this rank's counters
   uint64_t add[kNetworkCounters][kMaxCudaWorld];  // step 2: what to add to each rank's counters of this one
