@@ -55,7 +55,7 @@ constexpr std::array kParams = {
              .default_value = "landing",
              .meaning = "low-latency bf16 dispatch: a rank's own rows staged in its landing zone (landing), or copied "
                         "from x into their slots by the send half while the peers' rows are on the wire (direct; "
-                        "slower on 2 x H200, docs/perf.md)",
+                        "slower on 2 x H200 at 1-512 tokens; docs/design-notes.md, \"Own rows direct\")",
              .kind = EnvKind::choice,
              .allowed = "landing, direct"},
     EnvParam{.name = "FERRY_TUNING_DIR",

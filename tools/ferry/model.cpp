@@ -1,5 +1,5 @@
 // ferry model: the traffic and the predicted time of expert-parallel legs on N nodes x M GPUs, from the routing and a
-// link model whose every input is printed (src/ep/cost_model.hpp, docs/internode.md). Runs on the host; nothing is
+// link model whose every input is printed (workloads/cost_model.hpp, docs/internode.md). Runs on the host; nothing is
 // measured. Its figures are predictions, for a cluster run to be compared with.
 #include <cstdio>
 #include <sstream>
