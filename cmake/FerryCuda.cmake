@@ -59,6 +59,11 @@ if(FERRY_HAVE_CUDA)
   if(NOT FERRY_NCCL_INCLUDE_DIR OR NOT FERRY_NCCL_LIBRARY)
     message(FATAL_ERROR "NCCL 2.28+ not found: set FERRY_NCCL_ROOT to a prefix with include/nccl.h and lib/libnccl.so.2")
   endif()
+  # Installed binaries (the CLI, the Python module) find the CUDA runtime and the NCCL they were built against where
+  # they were at build time (a torch process that already loaded its libnccl.so.2 uses that one: the communicator
+  # checks the version).
+  get_filename_component(_nccl_dir "${FERRY_NCCL_LIBRARY}" DIRECTORY)
+  set(FERRY_CUDA_INSTALL_RPATH "${CUDAToolkit_LIBRARY_DIR};${_nccl_dir}")
   file(STRINGS "${FERRY_NCCL_INCLUDE_DIR}/nccl.h" _nccl_code REGEX "#define NCCL_VERSION_CODE")
   message(STATUS "Ferry: cuda backend ON (arch ${FERRY_CUDA_ARCH}); NCCL headers ${FERRY_NCCL_INCLUDE_DIR} "
                  "(${_nccl_code}), library ${FERRY_NCCL_LIBRARY}")

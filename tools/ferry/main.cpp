@@ -5,9 +5,11 @@
 #include <exception>
 #include <string>
 
+#include "build_info.hpp"
 #include "commands.hpp"
 #include "ferry/env.hpp"
 #include "ferry/error.hpp"
+#include "ferry/version.hpp"
 
 namespace {
 
@@ -24,8 +26,16 @@ void print_usage() {
       "  model   predict traffic and time of dispatch / combine on N nodes x M GPUs (a model, with its inputs)\n"
       "  trace   decode ferry bench --trace DIR: Chrome trace + per-phase table (builds with -DFERRY_TRACE=ON)\n"
       "  launch  run any program as N ranks of this host with the torchrun environment (C++ programs without torch)\n"
-      "  env     the FERRY_* environment parameters, their defaults and the values in force\n\n"
+      "  env     the FERRY_* environment parameters, their defaults and the values in force\n"
+      "  version this ferry's version (also --version), the commit it was built from, and its backends\n\n"
       "`ferry <command> --help` lists a command's options with their defaults.\n");
+}
+
+// One line: the version (CMakeLists.txt's project(VERSION), as the library reports it), then the build's details.
+void print_version() {
+  char const* commit = ferry::cli::git_commit();
+  std::printf("ferry %s (%s%s, %s)\n", ferry::version(), *commit ? "commit " : "no git commit recorded", commit,
+              FERRY_HAVE_CUDA ? "cuda and cpu backends" : "cpu backend only: built without the cuda backend");
 }
 
 }  // namespace
@@ -36,6 +46,10 @@ int main(int argc, char** argv) {
     return argc < 2 ? 2 : 0;
   }
   std::string const command = argv[1];
+  if (command == "--version" || command == "version") {
+    print_version();
+    return 0;
+  }
   try {
     if (command == "env") return ferry::cli::env_main(argc - 2, argv + 2);  // reports refused values itself
     ferry::check_env();  // every other command refuses a bad FERRY_* value before it starts anything
