@@ -2,11 +2,11 @@
 # Runs the Python tests (python/tests) against the module built in the CMake build directory $1 (default: build), as
 # `make test` does after the C++ tests:
 #   1. a virtual environment, BUILD/venv (python3 -m venv --system-site-packages: a system torch or numpy is still
-#      seen), created once; into it, from PyPI, what is missing: nanobind (to build the module), numpy and pytest (to
-#      run the tests), torch (ferry.deep_ep, the DeepEP-compatible layer, takes torch tensors and a torch.distributed
-#      group; its tests, python/tests/test_deep_ep_compat.py, run on the cpu backend with torch CPU tensors). PyPI's
-#      torch brings its CUDA libraries (about 3 GB, a few minutes once; the venv is kept). Nothing is installed into
-#      the Python you run this with;
+#      seen), created once; into it, from PyPI, what pyproject.toml declares and is missing: nanobind (a build
+#      requirement: to build the module), numpy (the package's dependency), pytest (the extra "test") and torch (the
+#      extra "torch": ferry.deep_ep, ferry.autograd and the torch examples take torch tensors; their tests run on the
+#      cpu backend with torch CPU tensors). PyPI's torch brings its CUDA libraries (about 3 GB, a few minutes once;
+#      the venv is kept). Nothing is installed into the Python you run this with;
 #   2. reconfigures that build with -DFERRY_BUILD_PYTHON=ON and the environment's python, and builds the target
 #      ferry_python: the module (linked against the library the build already compiled) and the package files, in
 #      BUILD/python/ferry;
@@ -40,10 +40,31 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PYTHON_PATH="$VENV/bin/python"
 
+# "module requirement" per line, from pyproject.toml: the build's requirements but scikit-build-core (CMake builds the
+# module here), the dependencies, and the extras test and torch
+wanted=$("$PYTHON_PATH" - <<'PY'
+import re
+
+text = open("pyproject.toml").read()
+try:
+    import tomllib
+
+    data = tomllib.loads(text)
+    lists = [data["build-system"]["requires"], data["project"]["dependencies"],
+             data["project"]["optional-dependencies"]["test"], data["project"]["optional-dependencies"]["torch"]]
+except ModuleNotFoundError:  # Python < 3.11: the same one-line arrays, read as text
+    lists = [re.findall(r'"([^"]+)"', re.search(rf"^{key} = \[(.*)\]", text, re.M).group(1))
+             for key in ("requires", "dependencies", "test", "torch")]
+for requirement in (r for values in lists for r in values):
+    name = re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0]
+    if name != "scikit-build-core":
+        print(name.replace("-", "_"), requirement)
+PY
+)
 missing=()
-for module in nanobind numpy pytest torch; do
-  "$PYTHON_PATH" -c "import $module" >/dev/null 2>&1 || missing+=("$module")
-done
+while read -r module requirement; do
+  "$PYTHON_PATH" -c "import $module" >/dev/null 2>&1 || missing+=("$requirement")
+done <<<"$wanted"
 if [ ${#missing[@]} -gt 0 ]; then
   echo "python tests: installing ${missing[*]} into $VENV (pip)"
   "$PYTHON_PATH" -m pip install --quiet --disable-pip-version-check "${missing[@]}"
