@@ -267,7 +267,12 @@ std::string removed_env_problem(RemovedEnvParam const& param, std::string const&
   return detail::concat(param.name, "=", value, " is no longer read: ", param.why, "; unset it");
 }
 
+namespace detail {
+void warn_unknown_env_names();  // env_names.cpp
+}  // namespace detail
+
 void check_env() {
+  detail::warn_unknown_env_names();
   for (EnvParam const& param : kParams) env_string(param.name);
   for (RemovedEnvParam const& param : kRemoved) {
     char const* value = std::getenv(param.name);
