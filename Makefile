@@ -8,7 +8,7 @@ TSAN_BUILD ?= build-tsan
 JOBS ?= $(shell nproc)
 GENERATOR := $(shell command -v ninja >/dev/null 2>&1 && echo Ninja || echo "Unix Makefiles")
 
-.PHONY: all deps configure build test test-unit test-gpu test-sanitize test-tsan bench format clean
+.PHONY: all deps configure build test test-unit test-gpu test-sanitize test-tsan wheel-check bench format clean
 
 all: build
 
@@ -66,6 +66,16 @@ test-tsan:
 	cmake --build $(TSAN_BUILD) -j $(JOBS)
 	cd $(TSAN_BUILD) && TSAN_OPTIONS=second_deadlock_stack=1 \
 	  ctest -L unit -E '^(Install|Build)\.' --output-on-failure --timeout 1800 -j $(JOBS)
+
+# The Python wheel as pip builds it (cpu backend only, so a few minutes; WHEEL_ARGS for other -C options), then
+# scripts/check-wheel.py: its file list (the package, the module, the ferry CLI as a script, the licence), its
+# metadata, and, installed into a scratch environment, `ferry --version` and `import ferry`. Not part of `make test`
+# (it compiles the library again); CI checks the same install rules in seconds (ctest Install.PythonWheelLayout).
+WHEEL_ARGS ?= -C cmake.define.FERRY_ENABLE_CUDA=OFF
+wheel-check:
+	rm -rf $(BUILD)/wheel
+	python3 -m pip wheel --no-deps --disable-pip-version-check -w $(BUILD)/wheel $(WHEEL_ARGS) .
+	python3 scripts/check-wheel.py --wheel $$(ls $(BUILD)/wheel/ferry-*.whl)
 
 # ferry bench on every local GPU, or on 4 cpu ranks (with a notice) when there is none.
 bench: build
