@@ -8,7 +8,7 @@ TSAN_BUILD ?= build-tsan
 JOBS ?= $(shell nproc)
 GENERATOR := $(shell command -v ninja >/dev/null 2>&1 && echo Ninja || echo "Unix Makefiles")
 
-.PHONY: all deps configure build test test-unit test-gpu test-kills test-sanitize test-tsan bench format clean
+.PHONY: all deps configure build test test-unit test-gpu test-kills test-sanitize test-tsan wheel-check bench format clean
 
 all: build
 
@@ -25,9 +25,13 @@ build: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
 # Every test this machine can run: host unit tests always; GPU tests run (or skip with a message) by themselves; then
-# the Python tests (scripts/python-tests.sh: a virtual environment in $(BUILD)/venv). The line before pytest's
-# summary says what was skipped in both and why (from ctest's junit file and pytest's reports).
-test: build
+# the Python tests (scripts/python-tests.sh: a virtual environment in $(BUILD)/venv). The lines before pytest's
+# summary say what was skipped in both and why (from ctest's junit file and pytest's reports). The Python
+# environment is prepared before the build (torch, a download of about 3 GB, installs in the background meanwhile),
+# so that the build compiles the Python module with the rest.
+test: configure
+	@scripts/python-tests.sh --prepare $(BUILD)
+	cmake --build $(BUILD) -j $(JOBS)
 	cd $(BUILD) && ctest --output-on-failure --timeout 600 -j $(JOBS) --output-junit ctest-junit.xml
 	@FERRY_CTEST_JUNIT=$(abspath $(BUILD))/ctest-junit.xml scripts/python-tests.sh $(BUILD)
 
@@ -78,6 +82,16 @@ test-tsan:
 	cmake --build $(TSAN_BUILD) -j $(JOBS)
 	cd $(TSAN_BUILD) && TSAN_OPTIONS=second_deadlock_stack=1 \
 	  ctest -L unit -E '^(Install|Build)\.' --output-on-failure --timeout 1800 -j $(JOBS)
+
+# The Python wheel as pip builds it (cpu backend only, so a few minutes; WHEEL_ARGS for other -C options), then
+# scripts/check-wheel.py: its file list (the package, the module, the ferry CLI as a script, the licence), its
+# metadata, and, installed into a scratch environment, `ferry --version` and `import ferry`. Not part of `make test`
+# (it compiles the library again); CI checks the same install rules in seconds (ctest Install.PythonWheelLayout).
+WHEEL_ARGS ?= -C cmake.define.FERRY_ENABLE_CUDA=OFF
+wheel-check:
+	rm -rf $(BUILD)/wheel
+	python3 -m pip wheel --no-deps --disable-pip-version-check -w $(BUILD)/wheel $(WHEEL_ARGS) .
+	python3 scripts/check-wheel.py --wheel $$(ls $(BUILD)/wheel/ferry-*.whl)
 
 # ferry bench on every local GPU, or on 4 cpu ranks (with a notice) when there is none.
 bench: build

@@ -22,6 +22,25 @@ if(NOT FERRY_ENABLE_CUDA STREQUAL "OFF")
     set(CMAKE_CUDA_EXTENSIONS OFF)
     find_package(CUDAToolkit REQUIRED)
     set(FERRY_HAVE_CUDA ON)
+    # NOTE: FERRY_CUDA_FAST_COMPILE is for CI, which compiles every kernel and runs none (no GPU). At nvcc's
+    # --Ofast-compile=max each kernel still goes through cudafe, cicc and ptxas (one that does not compile fails there
+    # too), with most of their optimisations off: a sixth of the CPU time of a release compile, and a twentieth for
+    # the heaviest translation units. A build whose kernels run (tests on a GPU, ferry bench, a wheel) leaves it
+    # empty; `ferry --version` and `ferry bench` name the level.
+    if(NOT FERRY_CUDA_FAST_COMPILE STREQUAL "")
+      if(NOT FERRY_CUDA_FAST_COMPILE MATCHES "^(max|mid|min)$")
+        message(FATAL_ERROR "FERRY_CUDA_FAST_COMPILE=${FERRY_CUDA_FAST_COMPILE}: must be max, mid or min (or empty: "
+                            "off, the release build)")
+      endif()
+      execute_process(COMMAND ${CMAKE_CUDA_COMPILER} --help OUTPUT_VARIABLE _nvcc_help ERROR_QUIET)
+      if(NOT _nvcc_help MATCHES "--Ofast-compile")
+        message(FATAL_ERROR "FERRY_CUDA_FAST_COMPILE needs nvcc's --Ofast-compile, which ${CMAKE_CUDA_COMPILER} "
+                            "(${CMAKE_CUDA_COMPILER_VERSION}) does not have; leave it empty")
+      endif()
+      add_compile_options($<$<COMPILE_LANGUAGE:CUDA>:--Ofast-compile=${FERRY_CUDA_FAST_COMPILE}>)
+      message(STATUS "Ferry: kernels compiled with nvcc --Ofast-compile=${FERRY_CUDA_FAST_COMPILE} "
+                     "(FERRY_CUDA_FAST_COMPILE; CI only: slow kernels)")
+    endif()
   elseif(FERRY_ENABLE_CUDA STREQUAL "ON")
     message(FATAL_ERROR "FERRY_ENABLE_CUDA=ON but no CUDA compiler (nvcc) was found; install the CUDA toolkit or "
                         "configure with -DFERRY_ENABLE_CUDA=OFF")
@@ -59,6 +78,11 @@ if(FERRY_HAVE_CUDA)
   if(NOT FERRY_NCCL_INCLUDE_DIR OR NOT FERRY_NCCL_LIBRARY)
     message(FATAL_ERROR "NCCL 2.28+ not found: set FERRY_NCCL_ROOT to a prefix with include/nccl.h and lib/libnccl.so.2")
   endif()
+  # Installed binaries (the CLI, the Python module) find the CUDA runtime and the NCCL they were built against where
+  # they were at build time (a torch process that already loaded its libnccl.so.2 uses that one: the communicator
+  # checks the version).
+  get_filename_component(_nccl_dir "${FERRY_NCCL_LIBRARY}" DIRECTORY)
+  set(FERRY_CUDA_INSTALL_RPATH "${CUDAToolkit_LIBRARY_DIR};${_nccl_dir}")
   file(STRINGS "${FERRY_NCCL_INCLUDE_DIR}/nccl.h" _nccl_code REGEX "#define NCCL_VERSION_CODE")
   message(STATUS "Ferry: cuda backend ON (arch ${FERRY_CUDA_ARCH}); NCCL headers ${FERRY_NCCL_INCLUDE_DIR} "
                  "(${_nccl_code}), library ${FERRY_NCCL_LIBRARY}")

@@ -1,4 +1,5 @@
 """An MoE layer written the way an engine writes it against DeepEP's Buffer, running on Ferry through ferry.deep_ep.
+Needs torch (`pip install .[torch]`).
 
     python -m ferry.launch --nproc 2 examples/deep_ep_moe.py     # anywhere: cpu backend, torch CPU tensors
     torchrun --nproc-per-node 2 examples/deep_ep_moe.py          # GPUs: cuda backend, the decode step in a CUDA graph
@@ -32,8 +33,16 @@ import argparse
 import os
 import sys
 
-import torch
-import torch.distributed as dist
+try:
+    import torch
+    import torch.distributed as dist
+except ModuleNotFoundError as missing:  # one line from rank 0, not a traceback per rank
+    if missing.name != "torch":
+        raise
+    if os.environ.get("RANK", "0") == "0":
+        sys.stderr.write("examples/deep_ep_moe.py needs torch: pip install torch (or, from the repository, "
+                         "pip install .[torch])\n")
+    sys.exit(1)
 
 import ferry.deep_ep as deep_ep  # the engine's `import deep_ep`
 

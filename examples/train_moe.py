@@ -1,5 +1,5 @@
 """Trains an MoE layer (ferry.autograd.MoE) with Adam to imitate a fixed random teacher MoE; checks its gradients once
-against a dense single-process model.
+against a dense single-process model. Needs torch (`pip install .[torch]`).
 
     python -m ferry.launch --nproc 2 examples/train_moe.py                   # cpu backend, 2 processes
     python -m ferry.launch --nproc 4 examples/train_moe.py --layout rank     # rank-major layout
@@ -34,8 +34,16 @@ import os
 import sys
 import time
 
-import torch
-import torch.distributed as dist
+try:
+    import torch
+    import torch.distributed as dist
+except ModuleNotFoundError as missing:  # one line from rank 0, not a traceback per rank
+    if missing.name != "torch":
+        raise
+    if os.environ.get("RANK", "0") == "0":
+        sys.stderr.write("examples/train_moe.py needs torch: pip install torch (or, from the repository, "
+                         "pip install .[torch])\n")
+    sys.exit(1)
 
 import ferry
 from ferry import autograd as fa

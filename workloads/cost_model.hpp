@@ -57,7 +57,7 @@ struct Traffic {
 };
 
 // Counts the traffic of `tokens_per_rank` tokens on every rank, routed by `routing` (the generators of
-// ep/routing.hpp, as ferry bench routes). config.num_experts must divide by topology.world().
+// workloads/routing.hpp, as ferry bench routes). config.num_experts must divide by topology.world().
 // ll_ctas: the low-latency grid of each rank (its control messages are per CTA and remote rank).
 Traffic count_traffic(EpConfig const& config, Topology const& topology, RoutingOptions const& routing,
                       int tokens_per_rank, int ll_ctas = 132);

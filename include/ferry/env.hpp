@@ -8,6 +8,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 namespace ferry {
 
@@ -67,5 +68,12 @@ std::string removed_env_problem(RemovedEnvParam const& param, std::string const&
 // Called where a job starts (communicator creation, every `ferry` command) so that a bad value is refused at once,
 // not when (or if) the code that reads it runs.
 void check_env();
+
+// One warning per FERRY_* variable set in this environment that Ferry does not read (neither declared above, nor
+// removed, nor one of the build and test scripts' own, nor a FERRY_TEST_* of the tests): a misspelt name
+// (FERRY_TIMOUT_S=5) would otherwise change nothing, in silence. Each names the variable and, where one is close,
+// the declared name it may have meant ("... did you mean FERRY_TIMEOUT_S?"). check_env() logs them (at warn, once per
+// process, in the first process of each host: LOCAL_RANK unset or 0); `ferry env` prints them after its table.
+std::vector<std::string> unknown_env_warnings();
 
 }  // namespace ferry

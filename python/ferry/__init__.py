@@ -18,12 +18,36 @@ from __future__ import annotations
 import importlib.util as _importlib_util
 import sys as _sys
 
-# NOTE: torch, when installed, is imported before the compiled module. Both load libnccl.so.2 and the first one loaded
-# serves the whole process: torch's libraries need the NCCL they ship with (one that Ferry was built against may lack
-# symbols they need, and `import torch` then fails with an undefined symbol), while Ferry's cuda communicator checks
-# the loaded NCCL's version itself and, on a mismatch, says which one to load or build against.
-if "torch" not in _sys.modules and _importlib_util.find_spec("torch") is not None:
-    import torch  # noqa: F401
+from . import _build_config
+
+
+def _load_torch_cuda_libraries() -> None:
+    """Loads the CUDA runtime and NCCL of the installed torch wheel (process-wide, RTLD_GLOBAL), without importing
+    torch, before the compiled module loads its own.
+
+    NOTE: the first libnccl.so.2 (and libcudart.so.N) a process loads serves it whole: a library loaded later that
+    needs one by that name gets the one already there. torch's libraries need the NCCL they ship with (after an older
+    one, `import torch` fails with an undefined symbol), so where torch is installed its copies come first, as if torch
+    had been imported first; Ferry's cuda communicator checks the loaded NCCL's version itself and, on a mismatch, says
+    which one to build against. torch finds them through its RPATH, $ORIGIN/../../nvidia/*/lib from torch/lib, the
+    folders searched here. A module built without the cuda backend links neither: nothing to do then.
+    """
+    torch = _importlib_util.find_spec("torch")
+    if torch is None or not torch.submodule_search_locations:
+        return
+    import ctypes
+    import glob
+    import os
+
+    nvidia = os.path.join(os.path.dirname(list(torch.submodule_search_locations)[0]), "nvidia")
+    for soname in (f"libcudart.so.{_build_config.CUDA_MAJOR}", "libnccl.so.2"):
+        found = sorted(glob.glob(os.path.join(nvidia, "*", "lib", soname)))
+        if found:
+            ctypes.CDLL(found[0], mode=ctypes.RTLD_GLOBAL)
+
+
+if _build_config.CUDA_BACKEND and "torch" not in _sys.modules:
+    _load_torch_cuda_libraries()
 
 from ._ext import (  # noqa: F401  (the public names)
     BootstrapError,

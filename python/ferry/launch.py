@@ -4,8 +4,10 @@
     python -m ferry.launch --nproc 2 -m some.module [args...]
     python -m ferry.launch --nproc 2 --no-python ./engine [args...]      (any executable; `ferry launch` does the same)
 
-Each rank gets MASTER_ADDR, MASTER_PORT (a free port unless given), RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE
-and the NVLink-multicast safety variables; ferry.init() reads them. It is Ferry's C++ launcher (the one `ferry launch`
+Each rank gets MASTER_ADDR, MASTER_PORT (a free port unless given), RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+the NVLink-multicast safety variables and, when it is unset and there is more than one rank, OMP_NUM_THREADS=1 (as
+torchrun does: N ranks of torch on the cpu, each with a thread per core, oversubscribe the host many times over; a
+one-line notice says so); ferry.init() reads them. It is Ferry's C++ launcher (the one `ferry launch`
 uses, with the same rules): the first rank that fails ends the others after a grace period (default FERRY_TIMEOUT_S
 + 5 s, time for them to report their own TimeoutError naming the rank that died; their output goes where this
 process's goes), ranks die with the launcher, and an optional deadline kills everything, so a launch never hangs.
@@ -70,10 +72,17 @@ def main(args: list[str] | None = None) -> int:
         argv = [sys.executable] + (["-m", opts.program] if opts.module else [opts.program]) + opts.program_args
     if opts.grace is not None and opts.grace < 0:
         parser.error(f"--grace={opts.grace} must be 0 or more (leave it out for FERRY_TIMEOUT_S + 5)")
-    ok, description, _, status = launch(
-        argv, opts.nproc, master_addr=opts.master_addr, master_port=opts.master_port,
-        timeout_s=opts.timeout, grace_s=opts.grace,
-    )
+    if opts.nproc > 1 and not os.environ.get("OMP_NUM_THREADS"):  # the launcher's rule (omp_threads_defaulted)
+        sys.stderr.write("ferry.launch: OMP_NUM_THREADS=1 for each rank (it was unset): each rank's OpenMP pool would "
+                         "otherwise start a thread per core; set OMP_NUM_THREADS to choose another count\n")
+    try:
+        ok, description, _, status = launch(
+            argv, opts.nproc, master_addr=opts.master_addr, master_port=opts.master_port,
+            timeout_s=opts.timeout, grace_s=opts.grace,
+        )
+    except _ext.Error as error:  # a refused setting (FERRY_TIMEOUT_S=abc), a fork that failed: the message says it
+        sys.stderr.write(f"ferry.launch: {error}\n")
+        return 2
     if ok:
         return 0
     for line in description.strip().splitlines():

@@ -1,8 +1,12 @@
-"""The line `make test` ends its test output with, before pytest's own summary: what was skipped, in ctest and in
+"""The lines `make test` ends its test output with, before pytest's own summary: what was skipped, in ctest and in
 pytest, and why, built from the runs' results (ctest's --output-junit file, pytest's skip reports). CTest's "100%
-tests passed" counts a skipped GPU test as passed; this line says it was not run:
+tests passed" counts a skipped GPU test as passed; these lines say it was not run, one line per reason (the most
+frequent first), long reasons wrapped:
 
-    skipped: 28 C++ tests (built without the cuda backend), 5 C++ tests (needs 2 GPUs, found 0), 7 python tests (...)
+    skipped: 40 tests (33 C++, 7 python), by reason:
+      28 C++     built without the cuda backend
+       5 C++     needs 2 GPUs, found 0
+       7 python  ...
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+import textwrap
 import xml.etree.ElementTree as ElementTree
 
 
@@ -33,12 +38,20 @@ def pytest_skip_reason(report) -> str:
     return reason.removeprefix("Skipped: ").strip()
 
 
-def summary_line(ctest_reasons: list[str], pytest_reasons: list[str]) -> str:
-    parts = []
-    for kind, reasons in (("C++", ctest_reasons), ("python", pytest_reasons)):
+def summary_lines(ctest_reasons: list[str], pytest_reasons: list[str], width: int = 120) -> list[str]:
+    if not ctest_reasons and not pytest_reasons:
+        return ["skipped: none"]
+    total = len(ctest_reasons) + len(pytest_reasons)
+    kinds = [(kind, reasons) for kind, reasons in (("C++", ctest_reasons), ("python", pytest_reasons)) if reasons]
+    lines = [f"skipped: {total} test{'s' if total != 1 else ''} ("
+             + ", ".join(f"{len(reasons)} {kind}" for kind, reasons in kinds) + "), by reason:"]
+    count_width = len(str(max(collections.Counter(r).most_common(1)[0][1] for _, r in kinds)))
+    for kind, reasons in kinds:
         for reason, count in collections.Counter(reasons).most_common():
-            parts.append(f"{count} {kind} test{'s' if count != 1 else ''} ({reason})")
-    return "skipped: " + (", ".join(parts) if parts else "none")
+            head = f"  {count:>{count_width}} {kind:<7} "
+            lines += textwrap.wrap(reason, width=width, initial_indent=head, subsequent_indent=" " * len(head),
+                                   break_on_hyphens=False) or [head.rstrip()]
+    return lines
 
 
 def terminal_summary(terminalreporter) -> None:
@@ -48,4 +61,5 @@ def terminal_summary(terminalreporter) -> None:
         return
     ctest = ctest_skip_reasons(junit) if os.path.exists(junit) else []
     pytest = [pytest_skip_reason(report) for report in terminalreporter.stats.get("skipped", [])]
-    terminalreporter.write_line(summary_line(ctest, pytest))
+    for line in summary_lines(ctest, pytest):
+        terminalreporter.write_line(line)

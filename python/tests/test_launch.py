@@ -16,8 +16,8 @@ import ferry
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _run(args, timeout=120, env=None):
-    env = dict(os.environ, **(env or {}))
+def _run(args, timeout=120, env=None, unset=()):
+    env = {name: value for name, value in dict(os.environ, **(env or {})).items() if name not in unset}
     package_root = str(Path(ferry.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     return subprocess.run([sys.executable, "-m", "ferry.launch"] + args, capture_output=True, text=True,
@@ -116,3 +116,48 @@ def test_survivors_report_the_dead_rank_before_the_grace_ends(tmp_path):
     assert "ferry.launch: rank 1: exit 3 (failed first)" in done.stderr, done.stderr
     assert "ferry.launch: rank 0: exit 1\n" in done.stderr, done.stderr  # it ended by itself, not killed
     assert re.search(r"TimeoutError: .*rank\(s\) 1 did not arrive", done.stderr), done.stderr
+
+
+def test_omp_num_threads_is_one_where_unset_and_kept_where_set(tmp_path):
+    # As torchrun does (2 ranks of torch on the cpu, each with a thread per core, ran examples/train_moe.py 30x
+    # slower): OMP_NUM_THREADS=1 in every rank when it is unset and there are several ranks, with a one-line notice;
+    # kept when set; a single rank left alone. Failed before the launcher's default: the ranks printed "unset".
+    report = ["--no-python", "sh", "-c", f'echo "${{OMP_NUM_THREADS-unset}}" > {tmp_path}/omp$RANK']
+    done = _run(["--nproc", "2"] + report, unset=("OMP_NUM_THREADS",))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [(tmp_path / f"omp{r}").read_text() for r in range(2)] == ["1\n", "1\n"]
+    assert done.stderr.startswith("ferry.launch: OMP_NUM_THREADS=1 for each rank (it was unset)"), done.stderr
+
+    one = _run(["--nproc", "1"] + report, unset=("OMP_NUM_THREADS",))
+    assert one.returncode == 0 and (tmp_path / "omp0").read_text() == "unset\n", one.stderr
+    assert "OMP_NUM_THREADS" not in one.stderr, one.stderr
+
+    kept = _run(["--nproc", "2"] + report, env={"OMP_NUM_THREADS": "3"})
+    assert kept.returncode == 0, kept.stdout + kept.stderr
+    assert [(tmp_path / f"omp{r}").read_text() for r in range(2)] == ["3\n", "3\n"]
+    assert "OMP_NUM_THREADS" not in kept.stderr, kept.stderr
+
+
+def test_a_refused_setting_is_one_line_without_a_traceback():
+    # The launcher's default grace reads FERRY_TIMEOUT_S; a value the library refuses printed a whole traceback around
+    # the one line that says what is wrong.
+    done = _run(["--nproc", "2", "--no-python", "true"], env={"FERRY_TIMEOUT_S": "abc", "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ferry.launch: ") and "FERRY_TIMEOUT_S=abc is not a number" in (
+        lines[0]), done.stderr
+
+
+@pytest.mark.parametrize("example", ["train_moe.py", "deep_ep_moe.py"])
+def test_torch_examples_without_torch_say_so_in_one_line(tmp_path, example):
+    # torch hidden from the ranks (a sitecustomize that makes `import torch` fail as it does where torch is not
+    # installed): one line saying what to install, from rank 0; no traceback (two ranks' tracebacks came interleaved).
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None\n")
+    pythonpath = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    done = _run(["--nproc", "2", "--timeout", "60", str(REPO / "examples" / example)],
+                env={"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"})
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    said = [line for line in done.stderr.splitlines() if not line.startswith("ferry.launch: ")]
+    assert said == [f"examples/{example} needs torch: pip install torch (or, from the repository, pip install .[torch])"], (
+        done.stderr)

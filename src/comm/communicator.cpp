@@ -64,6 +64,12 @@ std::unique_ptr<Communicator> Communicator::create(std::unique_ptr<Bootstrap> bo
       return detail::make_cpu_communicator(std::move(bootstrap), options);
     case Backend::cuda:
 #if FERRY_HAVE_CUDA
+      // NOTE: said here, in words: the runtime's own answer on a machine without a driver is
+      // cudaErrorInsufficientDriver ("CUDA driver version is insufficient"), which reads as a version problem.
+      FERRY_CHECK_AS(CudaError, "cuda", cuda_device_count() > 0,
+                     "backend cuda needs a GPU, and this process sees none (no NVIDIA driver loaded, no device, or "
+                     "CUDA_VISIBLE_DEVICES hides them; nvidia-smi lists the GPUs); run on a machine with GPUs, or "
+                     "use backend cpu");
       return detail::make_cuda_communicator(std::move(bootstrap), options);
 #else
       FERRY_THROW(ConfigError, "config",

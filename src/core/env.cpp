@@ -59,7 +59,7 @@ constexpr std::array kParams = {
              .default_value = "landing",
              .meaning = "low-latency bf16 dispatch: a rank's own rows staged in its landing zone (landing), or copied "
                         "from x into their slots by the send half while the peers' rows are on the wire (direct; "
-                        "measured slower, docs/design-notes.md)",
+                        "slower on 2 x H200 at 1-512 tokens; docs/design-notes.md, \"Own rows direct\")",
              .kind = EnvKind::choice,
              .allowed = "landing, direct"},
     EnvParam{.name = "FERRY_TUNING_DIR",
@@ -275,7 +275,12 @@ std::string removed_env_problem(RemovedEnvParam const& param, std::string const&
   return detail::concat(param.name, "=", value, " is no longer read: ", param.why, "; unset it");
 }
 
+namespace detail {
+void warn_unknown_env_names();  // env_names.cpp
+}  // namespace detail
+
 void check_env() {
+  detail::warn_unknown_env_names();
   for (EnvParam const& param : kParams) env_string(param.name);
   for (RemovedEnvParam const& param : kRemoved) {
     char const* value = std::getenv(param.name);

@@ -49,13 +49,13 @@ bool LaunchResult::ok() const {
   return true;
 }
 
-std::string LaunchResult::describe() const {
+std::string LaunchResult::describe(std::string const& prefix) const {
   std::string out;
-  if (timed_out) out += "the launch ran past its deadline and was killed\n";
+  if (timed_out) out += prefix + "the launch ran past its deadline and was killed\n";
   for (std::size_t r = 0; r < ranks.size(); ++r) {
     RankExit const& rank = ranks[r];
     if (rank.exit_code == 0) continue;
-    out += detail::concat("rank ", r, ": ");
+    out += detail::concat(prefix, "rank ", r, ": ");
     if (rank.signal)
       out +=
           detail::concat("killed by signal ", rank.signal, rank.killed_by_launcher ? " (stopped by the launcher)" : "");
@@ -64,6 +64,20 @@ std::string LaunchResult::describe() const {
     out += static_cast<int>(r) == first_failed ? " (failed first)\n" : "\n";
   }
   return out;
+}
+
+bool omp_threads_defaulted(LaunchOptions const& options) {
+  if (options.nproc < 2) return false;
+  char const* set = std::getenv("OMP_NUM_THREADS");
+  if (set && *set) return false;
+  for (auto const& [name, value] : options.env)
+    if (name == "OMP_NUM_THREADS" && !value.empty()) return false;
+  return true;
+}
+
+std::string omp_threads_notice() {
+  return "OMP_NUM_THREADS=1 for each rank (it was unset): each rank's OpenMP pool would otherwise start a thread per "
+         "core; set OMP_NUM_THREADS to choose another count";
 }
 
 int LaunchResult::exit_status() const {
@@ -159,6 +173,7 @@ LaunchResult launch_ranks(LaunchOptions const& options) {
   argv.push_back(nullptr);
   std::vector<std::string> base_env;
   for (char** entry = environ; *entry; ++entry) base_env.emplace_back(*entry);
+  if (omp_threads_defaulted(options)) set_env_entry(base_env, "OMP_NUM_THREADS", "1");
   std::vector<std::vector<std::string>> child_env(options.nproc);
   std::vector<std::vector<char*>> child_envp(options.nproc);
   for (int rank = 0; rank < options.nproc; ++rank) {

@@ -1,6 +1,7 @@
 // Starts one process per rank on this host (what `ferry` and the multi-GPU tests use), torchrun-style: each child
-// gets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and the NVLink-multicast safety
-// variables. The first child that fails (or the deadline) ends the others, so a launch never hangs.
+// gets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, the NVLink-multicast safety
+// variables, and OMP_NUM_THREADS=1 where it is unset. The first child that fails (or the deadline) ends the others, so
+// a launch never hangs.
 #pragma once
 
 #include <chrono>
@@ -39,8 +40,8 @@ struct LaunchResult {
   bool timed_out = false;
   bool ok() const;
   // One line per failed rank ("rank 1: exit 3 (failed first)", "rank 0: killed by signal 9 (stopped by the
-  // launcher)").
-  std::string describe() const;
+  // launcher)"), each starting with `prefix` (a launcher's "ferry launch: ").
+  std::string describe(std::string const& prefix = "") const;
   // What a launcher exits with: 0 when ok, else the status of the rank that failed first (its exit code, or
   // 128 + signal), else (the deadline killed every rank) 128 + the signal.
   int exit_status() const;
@@ -48,6 +49,13 @@ struct LaunchResult {
 
 // Blocks until every child has ended. Throws Error if a process cannot be started.
 LaunchResult launch_ranks(LaunchOptions const& options);
+
+// True when launch_ranks gives every rank OMP_NUM_THREADS=1: more than one rank, and neither this process's
+// environment nor options.env sets it (an empty value counts as unset). Why, as torchrun does: each rank's OpenMP pool
+// (torch on the cpu, BLAS) starts a thread per core, and N ranks of them on one host oversubscribe it many times over
+// (the 2-rank training example ran 30x slower). The launchers print omp_threads_notice() then.
+bool omp_threads_defaulted(LaunchOptions const& options);
+std::string omp_threads_notice();
 
 // A TCP port on 127.0.0.1 that was free a moment ago.
 int pick_free_port();

@@ -43,7 +43,7 @@ def layer_of(path):
 
 
 def target_path(include):
-    """The repository path an include names: "ferry/x.hpp" is include/ferry/x.hpp, anything else is under src/."""
+    """The repository path an include names: "ferry/ep.hpp" is include/ferry/ep.hpp, anything else is under src/."""
     return "include/" + include if include.startswith("ferry/") else "src/" + include
 
 

@@ -185,7 +185,7 @@ TEST(Trace, EveryPhaseOnEveryRank) {
   if (!trace_compiled_in()) GTEST_SKIP() << "in-kernel tracing is not compiled in (configure with -DFERRY_TRACE=ON)";
   int const gpus = cuda_device_count();
   int const world = gpu_test_world();
-  if (gpus < world) GTEST_SKIP() << "needs " << world << " GPUs, found " << gpus;
+  if (gpus < world) GTEST_SKIP() << needs_gpus_message(world, gpus);
   std::filesystem::path const dir =
       std::filesystem::temp_directory_path() /
       ("ferry-trace-gpu-" + std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));

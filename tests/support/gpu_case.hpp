@@ -68,7 +68,7 @@ inline void run_gpu_case(int world, char const* name, std::vector<std::string> a
                          std::vector<std::pair<std::string, std::string>> env = {},
                          std::chrono::seconds timeout = std::chrono::seconds(300)) {
   int const gpus = ferry::cuda_device_count();
-  if (gpus < world) GTEST_SKIP() << "needs " << world << " GPUs, found " << gpus;
+  if (gpus < world) GTEST_SKIP() << needs_gpus_message(world, gpus);
   RankCaseOptions options;
   options.args = std::move(args);
   options.env = std::move(env);

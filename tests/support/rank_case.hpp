@@ -14,13 +14,18 @@
 #include "ferry/communicator.hpp"
 
 // In a gtest body (the caller includes gtest): skip, with a message naming both counts, below n visible GPUs.
-#define FERRY_REQUIRE_GPUS(n)                                                                 \
-  do {                                                                                        \
-    int const ferry_gpus_ = ::ferry::cuda_device_count();                                     \
-    if (ferry_gpus_ < (n)) GTEST_SKIP() << "needs " << (n) << " GPUs, found " << ferry_gpus_; \
+#define FERRY_REQUIRE_GPUS(n)                                                                   \
+  do {                                                                                          \
+    int const ferry_gpus_ = ::ferry::cuda_device_count();                                       \
+    if (ferry_gpus_ < (n)) GTEST_SKIP() << ::ferry::test::needs_gpus_message((n), ferry_gpus_); \
   } while (0)
 
 namespace ferry::test {
+
+// The skip message of a test below its GPU count: "needs 1 GPU, found 0", "needs 2 GPUs, found 1".
+inline std::string needs_gpus_message(int needed, int found) {
+  return "needs " + std::to_string(needed) + (needed == 1 ? " GPU" : " GPUs") + ", found " + std::to_string(found);
+}
 
 // Returns the process exit code (0 = pass). Exceptions escaping it are printed and turned into exit code 1.
 using RankCaseFn = int (*)();

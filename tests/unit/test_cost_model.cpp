@@ -1,4 +1,4 @@
-// The cost model of `ferry model` (src/ep/cost_model.hpp): traffic counted from the routing, checked against counts
+// The cost model of `ferry model` (workloads/cost_model.hpp): traffic counted from the routing, checked against counts
 // worked out by hand for ring routing, against the topologies whose answer is known (one node: nothing on the
 // network; one rank per node: nothing forwarded), against the averages of random routing, and the time arithmetic.
 #include <gtest/gtest.h>

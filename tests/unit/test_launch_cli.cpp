@@ -1,6 +1,7 @@
 // `ferry launch`: any program as N ranks of this host with the torchrun environment (tools/ferry/launch.cpp).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -88,6 +89,49 @@ TEST(LaunchCli, DeadlineKillsEveryRank) {
   double const seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_NE(run.code, 0) << run.output;
   EXPECT_LT(seconds, 30.0) << "the deadline did not end the ranks";
+}
+
+// As torchrun does: each rank gets OMP_NUM_THREADS=1 when it is unset and there is more than one rank (2 ranks of torch
+// on the cpu, each with a pool of a thread per core, ran the training example 30x slower), with a one-line notice; a
+// value that is set is kept, and a single rank is left alone. Failed without the launcher's default: the ranks printed
+// "unset".
+TEST(LaunchCli, OmpNumThreadsIsOneWhereUnsetAndKeptWhereSet) {
+  TempDir const dir;
+  std::string const report = "-- sh -c 'echo \"${OMP_NUM_THREADS-unset}\" > " + dir.file("omp") + "$RANK'";
+  {
+    ScopedEnv const unset("OMP_NUM_THREADS", std::nullopt);
+    CliRun const run = run_ferry("launch --nproc 2 " + report);
+    ASSERT_EQ(run.code, 0) << run.output;
+    EXPECT_EQ(read_file(dir.file("omp0")), "1\n");
+    EXPECT_EQ(read_file(dir.file("omp1")), "1\n");
+    EXPECT_TRUE(contains(run.output, "ferry launch: OMP_NUM_THREADS=1 for each rank")) << run.output;
+
+    CliRun const one = run_ferry("launch --nproc 1 " + report);
+    ASSERT_EQ(one.code, 0) << one.output;
+    EXPECT_EQ(read_file(dir.file("omp0")), "unset\n");
+    EXPECT_FALSE(contains(one.output, "OMP_NUM_THREADS")) << one.output;
+  }
+  ScopedEnv const set("OMP_NUM_THREADS", "3");
+  CliRun const run = run_ferry("launch --nproc 2 " + report);
+  ASSERT_EQ(run.code, 0) << run.output;
+  EXPECT_EQ(read_file(dir.file("omp0")), "3\n");
+  EXPECT_EQ(read_file(dir.file("omp1")), "3\n");
+  EXPECT_FALSE(contains(run.output, "OMP_NUM_THREADS")) << run.output;
+}
+
+// Every line the launcher writes after the ranks ended carries its prefix (the second failed rank's line had none).
+TEST(LaunchCli, ClosingLinesAllCarryThePrefix) {
+  CliRun const run = run_ferry("launch --nproc 3 --grace 5 -- sh -c 'exit 3'");
+  EXPECT_EQ(run.code, 3) << run.output;
+  int lines = 0;
+  for (std::size_t begin = 0; begin < run.output.size();) {
+    std::size_t const end = std::min(run.output.find('\n', begin), run.output.size());
+    std::string const line = run.output.substr(begin, end - begin);
+    EXPECT_EQ(line.rfind("ferry launch: ", 0), 0u) << "'" << line << "' in:\n" << run.output;
+    lines += contains(line, ": exit 3") ? 1 : 0;
+    begin = end + 1;
+  }
+  EXPECT_EQ(lines, 3) << run.output;
 }
 
 TEST(LaunchCli, BadUseIsRefusedWithTheReason) {

@@ -1,4 +1,4 @@
-// Properties of the routing generators (src/ep/routing.hpp) and the token generator.
+// Properties of the routing generators (workloads/routing.hpp) and the token generator.
 #include <gtest/gtest.h>
 
 #include <algorithm>

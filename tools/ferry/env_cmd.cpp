@@ -14,7 +14,8 @@ int env_main(int argc, char** argv) {
       "env",
       "Lists every environment parameter Ferry reads, its default, the value in force, and meaning. A value "
       "the library refuses is marked 'refused' and its refusal printed after the table (exit status 1), as is a "
-      "variable Ferry no longer reads that is set.",
+      "variable Ferry no longer reads that is set. A FERRY_* variable Ferry does not know (a misspelt name) is "
+      "named after the table with the closest one it reads.",
       {});
   if (!options.parse(argc, argv)) return 0;
   std::printf("%-28s %-10s %-12s %s\n", "variable", "default", "in force", "meaning");
@@ -37,6 +38,9 @@ int env_main(int argc, char** argv) {
   }
   std::fflush(stdout);
   for (std::string const& refusal : refusals) std::fprintf(stderr, "ferry env: refused: %s\n", refusal.c_str());
+  // A name Ferry does not read is ignored, not refused (a warning; the exit status says only what is refused).
+  for (std::string const& warning : unknown_env_warnings())
+    std::fprintf(stderr, "ferry env: warning: %s\n", warning.c_str());
   return refusals.empty() ? 0 : 1;
 }
 

@@ -1,7 +1,8 @@
 // ferry launch: runs any program as N ranks of this host, torchrun-style (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
-// LOCAL_RANK, LOCAL_WORLD_SIZE and the NVLink-multicast safety variables in each), through the launcher the other
-// commands and the tests use: the first rank that fails ends the others after a grace period, so a launch never
-// hangs. What a C++ program needs to start its ranks without torch (socket_bootstrap_options_from_env reads them).
+// LOCAL_RANK, LOCAL_WORLD_SIZE, the NVLink-multicast safety variables and, where unset, OMP_NUM_THREADS=1 in each),
+// through the launcher the other commands and the tests use: the first rank that fails ends the others after a grace
+// period, so a launch never hangs. What a C++ program needs to start its ranks without torch
+// (socket_bootstrap_options_from_env reads them).
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -70,7 +71,8 @@ int launch_main(int argc, char** argv) {
       "launch",
       "ferry launch [options] [--] PROGRAM [ARGS...]: runs PROGRAM with ARGS as N ranks of this host with the "
       "torchrun environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), NVLink "
-      "multicast off. The first rank that fails ends the others after --grace seconds; the exit status is 0 when "
+      "multicast off, and OMP_NUM_THREADS=1 where it is unset (as torchrun does). The first rank that fails ends the "
+      "others after --grace seconds; the exit status is 0 when "
       "every rank exited 0, else the exit status of the rank that failed first (128 + signal when killed).",
       {{"nproc", "0", "ranks to start (0: one per local GPU)"},
        {"master-addr", "127.0.0.1", "rendezvous address given to the ranks"},
@@ -107,9 +109,10 @@ int launch_main(int argc, char** argv) {
   if (timeout < 0) FERRY_THROW(ConfigError, "launch", "--timeout=", timeout, ": must be 0 (none) or more");
   launch.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000));
 
+  if (omp_threads_defaulted(launch)) std::fprintf(stderr, "ferry launch: %s\n", omp_threads_notice().c_str());
   LaunchResult const result = launch_ranks(launch);
   if (result.ok()) return 0;
-  std::fprintf(stderr, "ferry launch: %s", result.describe().c_str());
+  std::fprintf(stderr, "%s", result.describe("ferry launch: ").c_str());
   return result.exit_status();
 }
 

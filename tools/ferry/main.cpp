@@ -1,13 +1,16 @@
 // ferry: the command-line tool. `ferry bench`, `ferry p2p`, `ferry tune` start one process per local GPU themselves (or
 // join a job launched by torchrun from the environment); `ferry launch` starts any program that way.
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <string>
 
+#include "build_info.hpp"
 #include "commands.hpp"
 #include "ferry/env.hpp"
 #include "ferry/error.hpp"
+#include "ferry/version.hpp"
 
 namespace {
 
@@ -24,8 +27,33 @@ void print_usage() {
       "  model   predict traffic and time of dispatch / combine on N nodes x M GPUs (a model, with its inputs)\n"
       "  trace   decode ferry bench --trace DIR: Chrome trace + per-phase table (builds with -DFERRY_TRACE=ON)\n"
       "  launch  run any program as N ranks of this host with the torchrun environment (C++ programs without torch)\n"
-      "  env     the FERRY_* environment parameters, their defaults and the values in force\n\n"
+      "  env     the FERRY_* environment parameters, their defaults and the values in force\n"
+      "  version this ferry's version (also --version), the commit it was built from, and its backends\n\n"
       "`ferry <command> --help` lists a command's options with their defaults.\n");
+}
+
+// The kernels' nvcc --Ofast-compile level when the build chose one (FERRY_CUDA_FAST_COMPILE, a CI setting), else "".
+constexpr char kKernelFastCompile[] = FERRY_KERNEL_FAST_COMPILE;
+
+// One line: the version (CMakeLists.txt's project(VERSION), as the library reports it), then the build's details.
+void print_version() {
+  char const* commit = ferry::cli::git_commit();
+  std::printf("ferry %s (%s%s, %s%s%s)\n", ferry::version(), *commit ? "commit " : "no git commit recorded", commit,
+              FERRY_HAVE_CUDA ? "cuda and cpu backends" : "cpu backend only: built without the cuda backend",
+              FERRY_HAVE_CUDA && *kKernelFastCompile ? ", kernels at nvcc --Ofast-compile=" : "",
+              FERRY_HAVE_CUDA ? kKernelFastCompile : "");
+}
+
+// A command that times kernels says so when they were built for compile speed (once, not per rank).
+void warn_if_kernels_not_optimised(std::string const& command) {
+  bool const times_kernels = command == "bench" || command == "tune" || command == "p2p";
+  char const* rank = std::getenv("RANK");
+  if (!FERRY_HAVE_CUDA || !*kKernelFastCompile || !times_kernels || (rank && *rank)) return;
+  std::fprintf(stderr,
+               "ferry %s: this build's kernels were compiled with nvcc --Ofast-compile=%s (FERRY_CUDA_FAST_COMPILE, a "
+               "CI setting): cuda timings are not representative; reconfigure with -DFERRY_CUDA_FAST_COMPILE= for a "
+               "release build\n",
+               command.c_str(), kKernelFastCompile);
 }
 
 }  // namespace
@@ -36,9 +64,14 @@ int main(int argc, char** argv) {
     return argc < 2 ? 2 : 0;
   }
   std::string const command = argv[1];
+  if (command == "--version" || command == "version") {
+    print_version();
+    return 0;
+  }
   try {
     if (command == "env") return ferry::cli::env_main(argc - 2, argv + 2);  // reports refused values itself
     ferry::check_env();  // every other command refuses a bad FERRY_* value before it starts anything
+    warn_if_kernels_not_optimised(command);
     if (command == "bench") return ferry::cli::bench_main(argc - 2, argv + 2);
     if (command == "launch") return ferry::cli::launch_main(argc - 2, argv + 2);
     if (command == "tune") return ferry::cli::tune_main(argc - 2, argv + 2);

@@ -1,5 +1,5 @@
 // ferry model: the traffic and the predicted time of expert-parallel legs on N nodes x M GPUs, from the routing and a
-// link model whose every input is printed (src/ep/cost_model.hpp, docs/internode.md). Runs on the host; nothing is
+// link model whose every input is printed (workloads/cost_model.hpp, docs/internode.md). Runs on the host; nothing is
 // measured. Its figures are predictions, for a cluster run to be compared with.
 #include <cstdio>
 #include <sstream>
@@ -92,6 +92,10 @@ int model_main(int argc, char** argv) {
   std::stringstream list(options.str("topology"));
   for (std::string item; std::getline(list, item, ',');) topologies.push_back(model::parse_topology(item));
   std::vector<int> const tokens = options.int_list("tokens");
+  // Every count first: a topology or token count the model refuses is an error before anything is printed.
+  std::vector<model::Traffic> traffics;
+  for (model::Topology const& topo : topologies)
+    for (int t : tokens) traffics.push_back(model::count_traffic(config, topo, routing, t, ll_ctas));
 
   std::printf("ferry model: predictions, not measurements (nothing runs). Inputs:\n");
   std::printf(
@@ -109,9 +113,10 @@ int model_main(int argc, char** argv) {
   std::printf("%-8s %6s %-11s %-9s %9s %9s %9s %9s %9s  %s\n", "topology", "tokens", "protocol", "leg", "net MB",
               "nvlink MB", "us", "net GB/s", "logical", "bound");
   std::vector<util::ResultRecord> records;
+  auto next_traffic = traffics.begin();
   for (model::Topology const& topo : topologies) {
     for (int t : tokens) {
-      model::Traffic const traffic = model::count_traffic(config, topo, routing, t, ll_ctas);
+      model::Traffic const& traffic = *next_traffic++;
       model::Prediction const p = model::predict(traffic, links);
       std::string const name = std::to_string(topo.nodes) + "x" + std::to_string(topo.local);
       struct Row {

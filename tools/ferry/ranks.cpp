@@ -28,7 +28,7 @@ int launch_self(std::string const& command, int argc, char** argv, int nproc) {
   options.nproc = nproc;  // grace: the launcher's default (the others report their own error first)
   LaunchResult const result = launch_ranks(options);
   if (result.ok()) return 0;
-  std::fprintf(stderr, "ferry %s: %s", command.c_str(), result.describe().c_str());
+  std::fprintf(stderr, "%s", result.describe("ferry " + command + ": ").c_str());
   return result.exit_status();
 }
 
