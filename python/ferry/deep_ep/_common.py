@@ -65,6 +65,12 @@ def normal_bytes(payload_bytes: int, topk: int, world: int, tokens_per_rank: int
     return world * tokens_per_rank * (payload_bytes + topk * 8 + ROW_META_BYTES)
 
 
+def max_tokens_cap(world: int, topk: int) -> int:
+    """The most max_tokens_per_rank an EpBuffer takes at this world and topk (EpConfig::validate: a rank's rows of
+    topk entries, and two source words each, are indexed with int32; at most 2^20 tokens)."""
+    return min(1 << 20, (2**31 - 1) // (world * max(topk, 2)))
+
+
 def fp8_payload_bytes(hidden: int) -> int:
     return hidden + hidden // 128 * 4  # e4m3 elements + one float32 scale per 128
 

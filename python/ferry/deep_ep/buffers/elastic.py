@@ -64,12 +64,31 @@ class EPHandle:
     rank of each entry, -1 for none). token_metadata_at_forward and channel_linked_list (DeepEP's hybrid kernels'
     bookkeeping) are None."""
 
+    # NOTE: the fields derived on the device (torch ops) are made when first read, from the layout (_Layout): a
+    # dispatch followed by its combine makes none of them. Assigning one (DeepEP's test slices recv_src_metadata)
+    # replaces it as any attribute.
+    _DERIVED = {
+        "psum_num_recv_tokens_per_scaleup_rank": lambda h: h._layout.psum_per_scaleup(),
+        "psum_num_recv_tokens_per_expert": lambda h: h._layout.psum_per_expert(h.do_expand),
+        "num_unaligned_recv_tokens_per_expert": lambda h: h._layout.counts().to(torch.int32),
+        "recv_src_metadata": lambda h: h._layout.metadata(),
+        "dst_buffer_slot_idx": lambda h: h._layout.destinations(h.topk_idx),
+    }
+
     def __init__(self, **fields):
         self.token_metadata_at_forward = None
         self.channel_linked_list = None
         self.cached_recv_src_metadata_before_sort = None
         for name, value in fields.items():
             setattr(self, name, value)
+
+    def __getattr__(self, name):
+        make = EPHandle._DERIVED.get(name)
+        if make is None or "_layout" not in self.__dict__:
+            raise AttributeError(f"'EPHandle' object has no attribute {name!r}")
+        value = make(self)
+        setattr(self, name, value)
+        return value
 
     def deterministic_sort(self, *args, **kwargs) -> None:
         """Nothing to sort: Ferry's rows always come in (source rank, source token) order, the order DeepEP's
@@ -274,6 +293,9 @@ class ElasticBuffer(PoolOwner):
         topk_weights), handle, event), as DeepEP V2 (see the module's docstring)."""
         self._alive("dispatch()")
         check_torch_deterministic()
+        # NOTE: DeepEP's test programs pass their flags as ints (argparse); the binding takes bools
+        do_expand, do_zero_padding, do_handle_copy = bool(do_expand), bool(do_zero_padding), bool(do_handle_copy)
+        do_cpu_sync = None if do_cpu_sync is None else bool(do_cpu_sync)
         if do_zero_padding and not do_expand:
             raise ferry.InputError("ferry.deep_ep: do_zero_padding=True needs do_expand=True (as DeepEP)")
         if previous_event is not None and not allocate_on_comm_stream:
@@ -313,20 +335,22 @@ class ElasticBuffer(PoolOwner):
         buf = pool.buffers[slot]
         recv_x, recv_sf, recv_idx, recv_w, counts, saved, num_recv, src = buf.dispatch_owned(
             x, topk_idx, weights, x_scales=sf, eager=eager, save_handle=True, with_src=True)
-        layout = _Layout(self, pool, recv_idx, src, num_recv, counts, eager, alignment, max_tokens)
+        if not eager:  # rows at or past num_recv hold nothing: their ids -1
+            valid = torch.arange(recv_idx.size(0), device=recv_idx.device) < num_recv.to(recv_idx.device)
+            recv_idx.masked_fill_(~valid.unsqueeze(1), -1)
+        # NOTE: the layout keeps its own ids: the caller owns recv_topk_idx and may change it before the handle's
+        # derived fields are first read
+        layout = _Layout(self, pool, recv_idx if do_expand else recv_idx.clone(), src, None if eager else valid,
+                         counts, alignment, max_tokens)
         if cumulative_local_expert_recv_stats is not None:
-            cumulative_local_expert_recv_stats.add_(layout.counts.to(cumulative_local_expert_recv_stats.dtype))
+            cumulative_local_expert_recv_stats.add_(layout.counts().to(cumulative_local_expert_recv_stats.dtype))
         handle = EPHandle(
             do_expand=do_expand, num_experts=num_experts, expert_alignment=alignment,
             num_max_tokens_per_rank=max_tokens, num_sms=num_sms,
             topk_idx=topk_idx.clone() if do_handle_copy else topk_idx, num_recv_tokens=layout.rows,
             num_expanded_tokens=layout.num_expanded, num_recv_tokens_per_expert_list=layout.aligned_list,
-            psum_num_recv_tokens_per_scaleup_rank=layout.psum_per_scaleup,
-            psum_num_recv_tokens_per_expert=layout.psum_expanded if do_expand else layout.psum_aligned,
-            num_unaligned_recv_tokens_per_expert=layout.counts.to(torch.int32), recv_src_metadata=layout.metadata,
-            dst_buffer_slot_idx=layout.destinations(topk_idx),
-            _pool=pool, _slot=slot, _ferry=saved, _kind=(hidden, kind), _lazy=not eager, _rows=recv_x.size(0),
-            _recv_topk_idx=recv_idx, _slots=layout.slots)
+            _layout=layout, _pool=pool, _slot=slot, _ferry=saved, _kind=(hidden, kind), _rows=recv_x.size(0),
+            _recv_topk_idx=recv_idx)
         if do_expand:
             recv_x, recv_sf, recv_w = layout.expand(recv_x, recv_sf, recv_w if topk_weights is not None else None,
                                                     do_zero_padding)
@@ -396,8 +420,7 @@ class ElasticBuffer(PoolOwner):
         recv_x, recv_sf = recv_x[:rows], None if recv_sf is None else recv_sf[:rows]
         recv_w = None if recv_w is None else recv_w[:rows]
         if do_expand:
-            layout = _Layout.of_handle(handle)
-            recv_x, recv_sf, recv_w = layout.expand(recv_x, recv_sf, recv_w, do_zero_padding)
+            recv_x, recv_sf, recv_w = handle._layout.expand(recv_x, recv_sf, recv_w, do_zero_padding)
             recv_idx = None
         else:
             recv_idx = handle._recv_topk_idx
@@ -422,7 +445,7 @@ class ElasticBuffer(PoolOwner):
             raise ferry.InputError(f"ferry.deep_ep: combine x must be [rows, hidden] bfloat16, got {shape_text(x)}")
         pool = handle._pool
         buf = pool.buffers[handle._slot]
-        layout = _Layout.of_handle(handle)
+        layout = handle._layout
         wait_event(previous_event)
         wait_event(previous_event_before_epilogue)
         weights = None
@@ -437,7 +460,7 @@ class ElasticBuffer(PoolOwner):
             x = layout.reduce_expanded(x)
         elif topk_weights is not None:
             check_weights(topk_weights, x.size(0), x.device, "combine")
-            weights = topk_weights[:handle._rows].masked_fill(handle._recv_topk_idx < 0, 0.0)
+            weights = topk_weights[:handle._rows].masked_fill(layout.recv_idx < 0, 0.0)
         num_tokens = handle.topk_idx.size(0)
         if bias is None:
             y = buf.combine(x, "rank", eager=False, handle=handle._ferry)
@@ -452,63 +475,84 @@ class ElasticBuffer(PoolOwner):
 
 
 class _Layout:
-    """A dispatch's received layout in DeepEP V2's terms, computed on the device from Ferry's rank-major outputs
-    (no host synchronisation unless the dispatch was eager, whose counts are on the host already)."""
+    """A dispatch's received layout in DeepEP V2's terms, derived on the device from Ferry's rank-major outputs when
+    first asked for (no host synchronisation unless the dispatch was eager, whose counts are on the host already):
+    the per-expert counts, the expanded row of each (row, k) entry, the metadata and the prefix sums."""
 
-    def __init__(self, owner: ElasticBuffer, pool: Pool, recv_idx, src, num_recv, counts, eager: bool, alignment: int,
+    def __init__(self, owner: ElasticBuffer, pool: Pool, recv_idx, src, valid, counts, alignment: int,
                  max_tokens: int):
         world, topk = owner.num_ranks, pool.topk
-        self.local = pool.num_experts // world
-        self.alignment, self.topk = alignment, topk
-        rows = recv_idx.size(0)
-        device = recv_idx.device
-        if not eager:  # rows at or past num_recv hold nothing: their ids -1, their source counted nowhere
-            valid = torch.arange(rows, device=device) < num_recv.to(device)
-            recv_idx.masked_fill_(~valid.unsqueeze(1), -1)
-        else:
-            valid = None
-        self.rows = rows
-        ids = recv_idx.long()
-        flat = torch.where(ids >= 0, ids, self.local).view(-1)
-        self.counts = torch.bincount(flat, minlength=self.local + 1)[:self.local]
-        aligned = (self.counts + alignment - 1) // alignment * alignment
-        self.psum_aligned = aligned.cumsum(0).to(torch.int32)
-        self.start = aligned.cumsum(0) - aligned
-        self.psum_expanded = (self.start + self.counts).to(torch.int32)
-        if eager:
+        self.world, self.scaleup, self.local = world, owner.num_scaleup_ranks, pool.num_experts // world
+        self.alignment, self.topk, self.max_tokens = alignment, topk, max_tokens
+        self.recv_idx, self.src = recv_idx, src
+        self.rows = recv_idx.size(0)
+        self.valid = valid  # lazy dispatches: the rows below num_recv (the others' ids are -1, their source nothing)
+        if valid is None:
             self.aligned_list = [-(-c // alignment) * alignment for c in counts]
             self.num_expanded = sum(self.aligned_list)
         else:
             self.aligned_list = []
             worst = world * max_tokens * min(topk, self.local) + (alignment - 1) * self.local
             self.num_expanded = _align(worst, alignment)
-        source = src[:, 0].long()
-        if valid is not None:
-            source = torch.where(valid, source, world)
-        per_source = torch.bincount(source, minlength=world + 1)[:world]
-        scaleup = owner.num_scaleup_ranks
-        self.psum_per_scaleup = per_source.view(-1, scaleup).sum(0).cumsum(0).to(torch.int32)
-        # each entry's expanded row: entries grouped by local expert, in (row, k) order within one
-        order = torch.argsort(flat, stable=True)
-        first = self.counts.cumsum(0) - self.counts
-        sorted_e = flat[order]
-        in_range = sorted_e < self.local
-        expert = sorted_e.clamp(max=self.local - 1)
-        dst = torch.where(in_range, self.start[expert] + torch.arange(flat.numel(), device=device) - first[expert], -1)
-        slots = torch.empty_like(flat)
-        slots[order] = dst
-        self.slots = slots.view(rows, topk)
-        self.metadata = torch.empty((rows, 2 + topk), dtype=torch.int32, device=device)
-        self.metadata[:, 0] = src[:, 0] * max_tokens + src[:, 1]
-        self.metadata[:, 1] = src[:, 0] * topk + (ids >= 0).to(torch.int32).argmax(dim=1).to(torch.int32)
-        self.metadata[:, 2:] = self.slots.to(torch.int32)
+        self._cache: dict = {}
 
-    @classmethod
-    def of_handle(cls, handle: EPHandle) -> "_Layout":
-        layout = cls.__new__(cls)
-        layout.slots, layout.num_expanded, layout.rows = handle._slots, handle.num_expanded_tokens, handle._rows
-        layout.topk = handle.topk_idx.size(1)
-        return layout
+    def _once(self, name: str, make):
+        value = self._cache.get(name)
+        if value is None:
+            value = self._cache[name] = make()
+        return value
+
+    def _flat(self) -> torch.Tensor:
+        """Each (row, k) entry's local expert, num_local where none."""
+        return self._once("flat", lambda: torch.where(self.recv_idx >= 0, self.recv_idx.long(), self.local).view(-1))
+
+    def counts(self) -> torch.Tensor:
+        return self._once("counts", lambda: torch.bincount(self._flat(), minlength=self.local + 1)[:self.local])
+
+    def _starts(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(each expert's aligned count, its first expanded row)."""
+        def make():
+            aligned = (self.counts() + self.alignment - 1) // self.alignment * self.alignment
+            return aligned, aligned.cumsum(0) - aligned
+        return self._once("starts", make)
+
+    def psum_per_expert(self, expanded: bool) -> torch.Tensor:
+        """DeepEP's two definitions: inclusive sums of the aligned counts; expanded: each expert's aligned start
+        plus its count."""
+        aligned, start = self._starts()
+        return (start + self.counts() if expanded else aligned.cumsum(0)).to(torch.int32)
+
+    def psum_per_scaleup(self) -> torch.Tensor:
+        """Inclusive sums of the rows received from each scale-up index (the sources of every node folded)."""
+        source = self.src[:, 0].long()
+        if self.valid is not None:
+            source = torch.where(self.valid, source, self.world)
+        per_source = torch.bincount(source, minlength=self.world + 1)[:self.world]
+        return per_source.view(-1, self.scaleup).sum(0).cumsum(0).to(torch.int32)
+
+    def slots(self) -> torch.Tensor:
+        """[rows, topk] the expanded row of each entry (-1: none): entries grouped by local expert from its aligned
+        start, in (row, k) order within one."""
+        def make():
+            flat = self._flat()
+            order = torch.argsort(flat, stable=True)
+            first = self.counts().cumsum(0) - self.counts()
+            sorted_e = flat[order]
+            expert = sorted_e.clamp(max=self.local - 1)
+            position = torch.arange(flat.numel(), device=flat.device) - first[expert]
+            dst = torch.where(sorted_e < self.local, self._starts()[1][expert] + position, -1)
+            slots = torch.empty_like(flat)
+            slots[order] = dst
+            return slots.view(self.rows, self.topk)
+        return self._once("slots", make)
+
+    def metadata(self) -> torch.Tensor:
+        """recv_src_metadata [rows, 2 + topk] int32 (EPHandle)."""
+        meta = torch.empty((self.rows, 2 + self.topk), dtype=torch.int32, device=self.src.device)
+        meta[:, 0] = self.src[:, 0] * self.max_tokens + self.src[:, 1]
+        meta[:, 1] = self.src[:, 0] * self.topk + (self.recv_idx >= 0).to(torch.int32).argmax(dim=1).to(torch.int32)
+        meta[:, 2:] = self.slots().to(torch.int32)
+        return meta
 
     def destinations(self, topk_idx: torch.Tensor) -> torch.Tensor:
         """The destination rank of each (token, k) (-1: none): Ferry's counterpart of DeepEP's slot table."""
@@ -517,25 +561,23 @@ class _Layout:
     def expand(self, recv_x, recv_sf, recv_w, zero_padding: bool):
         """The rank-major rows copied into the expanded layout: one row per (token, local expert) entry at its
         slot (DeepEP's do_expand), padding rows zeroed with zero_padding; the weights one per slot."""
-        flat = self.slots.view(-1)
-        valid = flat >= 0
-        target = torch.where(valid, flat, self.num_expanded)  # one row past the end catches the entries without one
+        flat = self.slots().view(-1)
+        target = torch.where(flat >= 0, flat, self.num_expanded)  # one row past the end takes the entries without one
         row_of = torch.arange(flat.numel(), device=flat.device) // self.topk
+        fill = torch.zeros if zero_padding else torch.empty
 
         def scatter(rows):
             if rows is None:
                 return None
-            raw = rows.view(torch.uint8) if rows.element_size() == 1 else rows
-            shape = (self.num_expanded + 1,) + tuple(raw.shape[1:])
-            out = (torch.zeros if zero_padding else torch.empty)(shape, dtype=raw.dtype, device=raw.device)
+            raw = rows.view(torch.uint8) if rows.element_size() == 1 else rows  # (fp8: moved as bytes)
+            out = fill((self.num_expanded + 1,) + tuple(raw.shape[1:]), dtype=raw.dtype, device=raw.device)
             out[target] = raw[row_of]
             out = out[:self.num_expanded]
             return out.view(rows.dtype) if raw is not rows else out
 
         weights = None
         if recv_w is not None:
-            weights = (torch.zeros if zero_padding else torch.empty)(
-                (self.num_expanded + 1,), dtype=torch.float32, device=recv_w.device)
+            weights = fill((self.num_expanded + 1,), dtype=torch.float32, device=recv_w.device)
             weights[target] = recv_w.reshape(-1)
             weights = weights[:self.num_expanded]
         return scatter(recv_x), scatter(recv_sf), weights
@@ -546,13 +588,14 @@ class _Layout:
         if x.size(0) < self.num_expanded:
             raise ferry.InputError(f"ferry.deep_ep: combine x has {x.size(0)} rows; the handle's expanded layout has "
                                    f"{self.num_expanded}")
+        slots = self.slots()
         acc = torch.zeros((self.rows, x.size(1)), dtype=torch.float32, device=x.device)
         for k in range(self.topk):  # NOTE: one add per entry, in top-k order (a torch.sum could reorder)
-            s = self.slots[:, k]
+            s = slots[:, k]
             acc = acc + torch.where((s >= 0).unsqueeze(1), x.index_select(0, s.clamp(min=0)).float(), 0.0)
         return acc.to(torch.bfloat16)
 
     def fold_weights(self, weights: torch.Tensor) -> torch.Tensor:
         """[rows, topk] from one weight per expanded row (0 where an entry has no row here)."""
-        return torch.where(self.slots >= 0, weights.index_select(0, self.slots.clamp(min=0).view(-1)).view(
-            self.slots.shape), 0.0)
+        slots = self.slots()
+        return torch.where(slots >= 0, weights.index_select(0, slots.clamp(min=0).view(-1)).view(slots.shape), 0.0)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import ferry
 
 from .._common import (MAX_TOPK, POOL_SIZE, Pool, PoolOwner, check_weights, combine_weights, combine_with_bias,
-                       fp8_payload_bytes, normal_bytes, refuse, refused_call, shape_text)
+                       fp8_payload_bytes, max_tokens_cap, normal_bytes, refuse, refused_call, shape_text)
 from ..utils.event import EventHandle, EventOverlap, wait_event
 
 __all__ = ["Buffer", "Config", "topk_idx_t"]
@@ -366,7 +366,7 @@ class Buffer(PoolOwner):
         payload = fp8_payload_bytes(hidden) if fp8 else hidden * 2
         if max_tokens is None:
             per_token = normal_bytes(payload, topk, world, 1)
-            max_tokens = self.num_nvl_bytes // per_token
+            max_tokens = min(self.num_nvl_bytes // per_token, max_tokens_cap(world, topk))
             if max_tokens < 1:
                 refuse(f"num_nvl_bytes={self.num_nvl_bytes} for normal-mode dispatch of hidden={hidden}",
                        f"one token per rank needs {per_token} bytes (world {world} x {payload} payload + topk "
