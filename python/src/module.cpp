@@ -13,6 +13,7 @@
 
 #include "binding.hpp"
 #include "core/launcher.hpp"
+#include "ep/tuning_key.hpp"
 #include "ferry/env.hpp"
 #include "tuning/choose.hpp"
 #include "tuning/table.hpp"
@@ -550,7 +551,7 @@ std::pair<int, std::string> tuned_blocks(std::string const& leg_name, std::strin
   config.dispatch_format = parse_wire_format(dispatch_format);
   config.mode = parse_mode(mode);
   tuning::LegTuning const tuned =
-      tuning::resolve_leg(leg, tuning::make_key(gpu, world, config), std::nullopt, *tuning::active_tables());
+      tuning::resolve_leg(leg, detail::tuning_key(gpu, world, config), std::nullopt, *tuning::active_tables());
   tuning::BucketMatch const match = tuning::match_bucket(tuned.rows, num_tokens);
   if (match.bucket == nullptr) return {0, tuned.rows_from};
   return {match.bucket->geometry.blocks, tuned.rows_from};

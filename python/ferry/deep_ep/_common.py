@@ -3,7 +3,7 @@ and the two combine steps DeepEP has and Ferry's combine does not (the bias, and
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple, Union
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -172,5 +172,3 @@ def check_weights(topk_weights, rows: int, device, call: str) -> int:
                                "pass both on the same device")
     return topk_weights.size(1)
 
-
-XType = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]

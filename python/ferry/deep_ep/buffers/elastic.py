@@ -25,7 +25,6 @@ How it maps onto Ferry:
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 from typing import Optional, Tuple
 
@@ -251,7 +250,8 @@ class ElasticBuffer(PoolOwner):
         kwargs = dict(hidden=hidden, num_experts=num_experts, topk=topk, max_tokens_per_rank=max_tokens,
                       dispatch_format=fmt)
         pool = self._pools[key] = Pool(key, self, lambda: (ferry.EpBuffer(self.comm, **kwargs), None))
-        pool.hidden, pool.num_experts, pool.topk, pool.kind, pool.max_tokens = hidden, num_experts, topk, kind, max_tokens
+        pool.hidden, pool.num_experts, pool.topk = hidden, num_experts, topk
+        pool.kind, pool.max_tokens = kind, max_tokens
         pool.zeros = torch.zeros((max_tokens * topk,), dtype=torch.float32, device=self._device)
         return pool
 

@@ -120,7 +120,8 @@ class _DispatchHandle:
     def __getitem__(self, i):
         fields = self._fields()
         if not isinstance(i, int) or not -len(fields) <= i < len(fields):
-            raise IndexError(f"ferry.deep_ep: handle index {i!r} is outside the {len(fields)} fields of DeepEP's handle")
+            raise IndexError(f"ferry.deep_ep: handle index {i!r} is outside the {len(fields)} fields of DeepEP's "
+                             "handle")
         name = fields[i % len(fields)]
         if name == "is_token_in_rank" and self.is_token_in_rank is not None:
             return self.is_token_in_rank

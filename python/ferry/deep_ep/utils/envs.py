@@ -32,7 +32,8 @@ def _nodes_and_local(group) -> Tuple[int, int]:
         try:
             nodes, local = int(nodes), int(local)
         except ValueError:
-            raise ferry.ConfigError(f"ferry.deep_ep: FERRY_TOPOLOGY={forced!r} is not NxM (N nodes of M ranks)") from None
+            raise ferry.ConfigError(f"ferry.deep_ep: FERRY_TOPOLOGY={forced!r} is not NxM (N nodes of M "
+                                    "ranks)") from None
         if nodes * local != world:
             raise ferry.ConfigError(f"ferry.deep_ep: FERRY_TOPOLOGY={forced} has {nodes * local} ranks but the group "
                                     f"has {world}")

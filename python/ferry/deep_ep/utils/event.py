@@ -66,9 +66,9 @@ class EventOverlap:
 
     def current_stream_wait(self, release_handle: bool = False) -> None:
         if self.event is None:
-            raise ferry.InputError("ferry.deep_ep: EventOverlap.current_stream_wait() on an empty event; a call returns "
-                                   "an event only when asked to finish asynchronously (async_finish=True, or "
-                                   "async_with_compute_stream=True on an ElasticBuffer), as in DeepEP")
+            raise ferry.InputError("ferry.deep_ep: EventOverlap.current_stream_wait() on an empty event; a call "
+                                   "returns an event only when asked to finish asynchronously (async_finish=True, "
+                                   "or async_with_compute_stream=True on an ElasticBuffer), as in DeepEP")
         self.event.current_stream_wait()
         if self.hook_after_wait is not None:
             hook, self.hook_after_wait = self.hook_after_wait, None
