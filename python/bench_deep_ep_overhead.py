@@ -11,6 +11,8 @@ Pairs of calls, in loops of --iters, layer and native loops interleaved, the med
                                                                    call the layer makes) + combine(handle=)
   ll       deep_ep: low_latency_dispatch + low_latency_combine     native: EpBuffer.dispatch + combine("expert") of an
            (bf16, no hook, out given)                              LL EpBuffer of topk K (lazy, out given)
+  elastic  deep_ep V2: ElasticBuffer.dispatch + combine(handle)    native: EpBuffer.dispatch_owned(with_src=True,
+           (bf16, cpu sync, not expanded)                          save_handle) + combine(handle=)
            --graph: the same ll pairs captured in CUDA graphs, a replay's host time each
 The difference is what the layer adds per pair: its argument checks, pool and handle bookkeeping, and (normal) the
 copies of the outputs (DeepEP returns fresh tensors). On GPUs calls are lazy where the layer's are (normal dispatch is
@@ -31,6 +33,7 @@ sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != os.path.di
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+import ferry  # noqa: E402
 import ferry.deep_ep as deep_ep  # noqa: E402
 
 
@@ -72,7 +75,7 @@ def main() -> int:
     parser.add_argument("--graph", action="store_true", help="GPU: also time CUDA-graph replays of the ll pairs")
     args = parser.parse_args()
 
-    cuda = torch.cuda.is_available() and deep_ep.ferry.cuda_available()
+    cuda = torch.cuda.is_available() and ferry.cuda_available()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
@@ -98,7 +101,7 @@ def main() -> int:
 
     # normal mode
     layout = buffer.get_dispatch_layout(idx, E)
-    native = deep_ep.ferry.EpBuffer(comm, hidden=H, num_experts=E, topk=K,
+    native = ferry.EpBuffer(comm, hidden=H, num_experts=E, topk=K,
                                     max_tokens_per_rank=buffer._normal_pool(H, E, K, False, 0).max_tokens)
 
     def layer_normal():
@@ -118,7 +121,7 @@ def main() -> int:
 
     # low-latency mode: the layer against the native calls a Ferry user makes for the same work (one EpBuffer of
     # topk K: the weights go with the dispatch and the combine applies them)
-    native_ll = deep_ep.ferry.EpBuffer(comm, hidden=H, num_experts=E, topk=K, max_tokens_per_rank=ll_max, mode="ll")
+    native_ll = ferry.EpBuffer(comm, hidden=H, num_experts=E, topk=K, max_tokens_per_rank=ll_max, mode="ll")
     y = torch.empty((T, H), dtype=torch.bfloat16, device=device)
 
     def layer_ll():
@@ -140,9 +143,23 @@ def main() -> int:
         torch.empty((T, K), dtype=torch.float32, device=device)
         torch.empty((max(handle_bytes, 1),), dtype=torch.uint8, device=device)
 
+    # V2: ElasticBuffer.dispatch (cpu sync, not expanded) + combine against the native calls it makes: a fresh-output
+    # dispatch with its sources (dispatch_owned(with_src=True)) and the combine of its saved layout
+    elastic = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=T, hidden=H, num_topk=K)
+    native_v2 = ferry.EpBuffer(comm, hidden=H, num_experts=E, topk=K, max_tokens_per_rank=T)
+
+    def layer_elastic():
+        recv_x, _, _, handle, _ = elastic.dispatch(x, idx, w, num_experts=E)
+        elastic.combine(recv_x, handle)
+
+    def native_elastic():
+        got = native_v2.dispatch_owned(x, idx, w, save_handle=True, with_src=True)
+        native_v2.combine(got[0], "rank", eager=False, handle=got[5])
+
     results = {}
     for name, layer_fn, native_fn in (("normal", layer_normal, native_normal),
-                                      ("normal vs owned", layer_normal, native_owned), ("ll", layer_ll, native_ll_pair)):
+                                      ("normal vs owned", layer_normal, native_owned), ("ll", layer_ll, native_ll_pair),
+                                      ("elastic vs owned", layer_elastic, native_elastic)):
         results[name] = summary(*timed_pair(layer_fn, native_fn, args.iters, args.repeats, args.warmup, sync))
     ft, nt = timed_pair(fresh_outputs, lambda: None, args.iters, args.repeats, args.warmup, sync)
     fresh = statistics.median(ft) - statistics.median(nt)

@@ -20,6 +20,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+import ferry  # noqa: E402
 import ferry.deep_ep as deep_ep  # noqa: E402
 
 # ops that make no kernel and allocate nothing (metadata only)
@@ -61,7 +62,7 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=10)
     args = parser.parse_args()
 
-    cuda = torch.cuda.is_available() and deep_ep.ferry.cuda_available()
+    cuda = torch.cuda.is_available() and ferry.cuda_available()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:

@@ -54,7 +54,9 @@ struct DeviceErrorBlock {
   uint32_t refusals;
   int32_t refusing_rank;
   int32_t refused_phase;  // WaitPhase of the exchange that carried the flag
-  uint32_t reserved;
+  // 1 + the first rank whose receive capacity a dropped row (overflow_rows) exceeded, recorded on every rank of the
+  // call (a drop is an error on every rank); 0: not recorded (the rows were counted by the rank that dropped them)
+  uint32_t overflow_rank;
   // Every rank a wait of this rank gave up on (bit r % 32 of word r / 32): the timed-out wait's peer, and the peers
   // of the waits that stopped early because of it and had still not seen their signal. The host names them all, and
   // a whole node when every rank of one is in it.

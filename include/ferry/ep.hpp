@@ -204,6 +204,13 @@ struct DispatchResult {
   // because their expert's rank is masked (0 without masking). Cumulative counts: EpBuffer::mask_status. On the cuda
   // backend the count is on the device: an eager call returns it, a lazy one -1 (mask_status has it).
   int64_t masked_entries = 0;
+  // Rows this call did not deliver, over every rank of the call (the same number on every rank): rank-major rows past
+  // a rank's receive capacity (max_recv_tokens) and, on ranks that expanded, entries past expert_capacity. A call
+  // that drops is an error on every rank (docs/errors.md, "Capacities"): an eager call throws InputError instead of
+  // returning; a lazy one returns this count, its drop is raised by the next check on every rank, and no combine,
+  // cached dispatch or backward pass over its layout runs (InputError on every rank). -1: known on the device only
+  // (cuda, lazy): the next check reports it.
+  int64_t dropped_rows = 0;
 };
 
 enum class CombineLayout { rank_major, expert_major };
@@ -245,6 +252,7 @@ struct ReceivedCopy {
   float* recv_topk_weights = nullptr;  // [rows, topk]
   void* recv_topk_idx = nullptr;       // [rows, topk] of recv_topk_idx_type: int32, or int64 (sign-extended)
   IndexType recv_topk_idx_type = IndexType::int32;
+  int32_t* recv_src = nullptr;  // [rows, 2] (source rank, source token)
 };
 
 // The backward pass of a dispatch (docs/training.md): a combine of the gradients of the rows the dispatch delivered,
@@ -378,6 +386,12 @@ class EpBuffer {
   // Not collective; allocates, so make handles before capturing a graph.
   DispatchHandle make_handle(void* storage = nullptr, std::size_t storage_bytes = 0) const;
   std::size_t handle_bytes() const;  // 0 on the cpu backend (its handles live in host memory)
+  // The count matrix of the dispatch the handle saved: out[s * world + d] = the rows rank s sent to rank d (int32,
+  // world * world, 4-byte aligned memory of this communicator's device; host memory on cpu), enqueued on `stream`.
+  // What a caller needs for per-source offsets (DeepEP's rank_prefix_matrix is its prefix sum over s). Local, not
+  // collective. InputError for a handle that does not fit or holds no layout; ConfigError on a backend whose handles
+  // do not keep the matrix in this version (cuda).
+  void copy_rank_counts(DispatchHandle const& handle, int32_t* out, cudaStream_t stream = nullptr) const;
   // Collective, like dispatch and combine (their refusal rules apply). dispatch_backward is a combine leg (it uses
   // combine_format on the wire); combine_backward is a dispatch leg (dispatch_format) and returns its views: recv_x
   // (rank_major) or expert_x (expert_major) hold the gradient rows, valid until the next dispatch on this buffer.
@@ -454,6 +468,7 @@ class EpBuffer {
   Pending pending_ = Pending::none;
   // The last dispatch, as combine refers to it (set only when it succeeded on this rank).
   bool have_dispatch_ = false;
+  int64_t last_dropped_ = 0;    // DispatchResult::dropped_rows of the last dispatch (> 0: no combine over it)
   bool last_expand_ = false;    // it filled the expert-major layout
   DispatchResult last_result_;  // its views (copy_received)
   int last_num_tokens_ = 0;

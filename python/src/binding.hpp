@@ -198,6 +198,7 @@ struct PyDispatchResult {
   int recv_capacity = 0;
   int expert_slots = 0;
   int64_t masked_entries = 0;  // rank masking: this call's entries not sent (their rank is masked)
+  int64_t dropped_rows = 0;    // rows the call did not deliver, over every rank (DispatchResult::dropped_rows)
 };
 
 // A DispatchResult as the Python object a call returns (typed as one in the signature).
@@ -245,7 +246,8 @@ class PyEpBuffer {
                         nb::handle x_token_scales, bool expand, bool eager, bool return_recv_hook,
                         nb::handle save_handle, nb::handle handle, nb::handle stream, int x_repeat);
   nb::tuple dispatch_owned(nb::handle x, nb::handle topk_idx, nb::handle topk_weights, nb::handle x_scales, bool eager,
-                           bool save_handle, nb::handle handle, nb::handle stream);
+                           bool save_handle, nb::handle handle, nb::handle stream, bool with_src);
+  nb::object rank_counts(nb::handle handle, nb::handle out, nb::handle stream);
   ResultObject complete_dispatch(nb::handle stream);
   void complete_combine(nb::handle stream);
   nb::object combine(nb::handle x, std::string const& layout, nb::handle out, bool eager, bool return_recv_hook,
@@ -280,7 +282,7 @@ class PyEpBuffer {
   struct CombineBackwardInputs;
   // dispatch_owned's fresh outputs and the copy that fills them
   struct OwnedOutputs {
-    nb::object recv_x, recv_scales, ids, weights;
+    nb::object recv_x, recv_scales, ids, weights, src;
     ReceivedCopy to;
   };
 
@@ -308,7 +310,7 @@ class PyEpBuffer {
                               bool return_recv_hook, PyDispatchHandle* save, PyDispatchHandle* cached,
                               int x_repeat = 1) const;
   DispatchResult run_dispatch(Inputs const& in, PyDispatchHandle* save);
-  OwnedOutputs owned_outputs(nb::handle device, int64_t rows, bool routing, IndexType idx_type) const;
+  OwnedOutputs owned_outputs(nb::handle device, int64_t rows, bool routing, IndexType idx_type, bool with_src) const;
   CombineBackwardInputs combine_backward_inputs(nb::handle grad_y, PyDispatchHandle* h, bool expert_major, nb::handle x,
                                                 std::optional<bool> want_grad_weights, nb::handle grad_topk_weights,
                                                 bool eager, nb::handle stream) const;

@@ -65,7 +65,8 @@ bool same_result(PyDispatchResult const& a, PyDispatchResult const& b) {
          a.expert_x.is(b.expert_x) && a.expert_src_row.is(b.expert_src_row) && a.recv_scales.is(b.recv_scales) &&
          a.recv_token_scales.is(b.recv_token_scales) && a.expert_scales.is(b.expert_scales) &&
          a.expert_token_scales.is(b.expert_token_scales) && a.num_recv_host == b.num_recv_host &&
-         a.recv_capacity == b.recv_capacity && a.expert_slots == b.expert_slots && a.masked_entries == b.masked_entries;
+         a.recv_capacity == b.recv_capacity && a.expert_slots == b.expert_slots &&
+         a.masked_entries == b.masked_entries && a.dropped_rows == b.dropped_rows;
 }
 
 // Fresh torch tensors on a device (torch's allocator: on cuda its caching allocator, on the current stream), for
@@ -292,7 +293,8 @@ ResultObject PyEpBuffer::dispatch(nb::handle x, nb::handle topk_idx, nb::handle 
 // recv_topk_idx has topk_idx's dtype (int64 or int32); with handle= (a cached dispatch) the ids, weights and counts
 // are None. Refusals as dispatch().
 nb::tuple PyEpBuffer::dispatch_owned(nb::handle x, nb::handle topk_idx, nb::handle topk_weights, nb::handle x_scales,
-                                     bool eager, bool save_handle, nb::handle handle, nb::handle stream) {
+                                     bool eager, bool save_handle, nb::handle handle, nb::handle stream,
+                                     bool with_src) {
   nb::object saved = nb::none();
   nb::object device;  // x's torch.device: the outputs' and the handle's
   PyDispatchHandle* save = nullptr;
@@ -319,7 +321,7 @@ nb::tuple PyEpBuffer::dispatch_owned(nb::handle x, nb::handle topk_idx, nb::hand
   }
   DispatchResult const got = run_dispatch(in, save);
   int64_t const rows = eager && got.num_recv_host >= 0 ? got.num_recv_host : capacity_;
-  OwnedOutputs out = owned_outputs(device, rows, cached == nullptr, in.args.topk_idx_type);
+  OwnedOutputs out = owned_outputs(device, rows, cached == nullptr, in.args.topk_idx_type, with_src);
   nb::object counts = nb::none();
   if (eager && !cached) {
     nb::list list;
@@ -332,20 +334,24 @@ nb::tuple PyEpBuffer::dispatch_owned(nb::handle x, nb::handle topk_idx, nb::hand
     buffer_->copy_received(out.to, in.stream);
   }
   nb::object const num_recv = view(views_[kTorch].num_recv, got.num_recv, kTorch, ViewSpec(kI32, {1}));
-  return nb::make_tuple(out.recv_x, out.recv_scales, out.ids, out.weights, counts, saved, num_recv);
+  return nb::make_tuple(out.recv_x, out.recv_scales, out.ids, out.weights, counts, saved, num_recv, out.src);
 }
 
 // Fresh tensors of `rows` rows from torch's allocator (on the current stream) for copy_received to fill in one copy
 // (one kernel on cuda): recv_x, row-major recv_scales (quantized delivery), and with routing the ids (of idx_type)
 // and weights; None where not made.
-PyEpBuffer::OwnedOutputs PyEpBuffer::owned_outputs(nb::handle device, int64_t rows, bool routing,
-                                                   IndexType idx_type) const {
+PyEpBuffer::OwnedOutputs PyEpBuffer::owned_outputs(nb::handle device, int64_t rows, bool routing, IndexType idx_type,
+                                                   bool with_src) const {
   Owned const owned(nb::borrow(device));
   OwnedOutputs out;
   out.to.rows = static_cast<int>(rows);
   out.recv_x = owned.empty(rows, static_cast<int64_t>(recv_x_spec_.dims[1]), recv_x_spec_.dtype);
   out.to.recv_x = Owned::data_of(out.recv_x);
-  out.recv_scales = out.ids = out.weights = nb::none();
+  out.recv_scales = out.ids = out.weights = out.src = nb::none();
+  if (with_src) {
+    out.src = owned.empty(rows, 2, kI32);
+    out.to.recv_src = static_cast<int32_t*>(Owned::data_of(out.src));
+  }
   if (quantized_) {
     FERRY_CHECK_INPUT(scale_layout_ == ScaleLayout::row_major, "this call returns row-major recv_scales only");
     out.recv_scales = owned.empty(rows, wire_.num_scales, wire_.scale_bytes == 4 ? kF32 : kU8);
@@ -518,6 +524,31 @@ PyDispatchHandle PyEpBuffer::make_handle(nb::handle device) const {
     out.handle = buffer_->make_handle();
   }
   return out;
+}
+
+// The count matrix of the handle's dispatch (EpBuffer::copy_rank_counts) as an int32 [world, world] array: into out
+// when given, else a new one (a torch tensor on this buffer's device when torch is loaded, else NumPy).
+nb::object PyEpBuffer::rank_counts(nb::handle handle, nb::handle out, nb::handle stream) {
+  PyDispatchHandle* const h = required_handle(handle, "rank_counts");
+  int64_t const world = buffer_->communicator().world();
+  nb::object result;
+  if (!out.is_none()) {
+    result = nb::borrow(out);
+  } else if (torch_tensor_type() != nullptr) {
+    Frameworks const& f = frameworks();
+    nb::object const on =
+        placement_.backend() == Backend::cuda ? nb::str(concat("cuda:", placement_.device()).c_str()) : nb::str("cpu");
+    result = f.torch_empty(nb::make_tuple(world, world), "dtype"_a = f.torch_int32, "device"_a = on);
+  } else {
+    numpy_ndarray_type();
+    result = frameworks().numpy_empty(nb::make_tuple(world, world), "dtype"_a = "int32");
+  }
+  ArrayArg const a = placement_.import(result, "out", {world, world}, "", Placement::Access::write);
+  check_dtype(a.dtype(), "out", {kI32}, "int32");
+  cudaStream_t const s = resolve_stream(stream, framework_of(result));
+  nb::gil_scoped_release release;
+  buffer_->copy_rank_counts(h->handle, static_cast<int32_t*>(a.data()), s);
+  return result;
 }
 
 // After a call that made the handle's layout the buffer's current one (EpBuffer: combine with a handle and the
@@ -910,6 +941,7 @@ PyDispatchResult PyEpBuffer::result(DispatchResult const& got, Framework framewo
   }
   out.recv_capacity = got.recv_capacity;
   out.masked_entries = got.masked_entries;
+  out.dropped_rows = got.dropped_rows;
   out.expert_slots = got.expert_slots;
   return out;
 }

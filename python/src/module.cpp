@@ -14,8 +14,11 @@
 
 #include "binding.hpp"
 #include "core/launcher.hpp"
+#include "ep/tuning_key.hpp"
 #include "ferry/env.hpp"
 #include "ferry/interrupt.hpp"
+#include "tuning/choose.hpp"
+#include "tuning/table.hpp"
 
 namespace ferry::python {
 namespace {
@@ -297,7 +300,11 @@ void bind_results(nb::module_& m) {
       .def_ro("recv_capacity", &PyDispatchResult::recv_capacity)
       .def_ro("expert_slots", &PyDispatchResult::expert_slots)
       .def_ro("masked_entries", &PyDispatchResult::masked_entries,
-              "Rank masking: this call's (token, k) entries of this rank's tokens not sent (their rank is masked).");
+              "Rank masking: this call's (token, k) entries of this rank's tokens not sent (their rank is masked).")
+      .def_ro("dropped_rows", &PyDispatchResult::dropped_rows,
+              "Rows this call did not deliver over every rank (a receive capacity or expert_capacity exceeded; the "
+              "same on every rank): > 0 only on a lazy call, whose drop the next check raises and over whose layout "
+              "every combine is refused; -1 when only the device knows (cuda, lazy).");
 
   nb::class_<PyDispatchHandle>(
       m, "DispatchHandle",
@@ -388,6 +395,12 @@ nb::class_<PyEpBuffer> bind_ep_buffer(nb::module_& m) {
           "A DispatchHandle for this buffer's layout shape (normal mode; ConfigError for mode='ll'). Not collective; "
           "on the cuda backend its storage is a torch uint8 tensor of handle_bytes() on this GPU (torch's caching "
           "allocator, on the current stream).")
+      .def("rank_counts", &PyEpBuffer::rank_counts, "handle"_a, nb::kw_only(), "out"_a = nb::none(),
+           "stream"_a = nb::none(),
+           "The count matrix of the dispatch that saved handle: [world, world] int32, entry [s, d] = rows rank s sent "
+           "to rank d (its prefix sum over s is DeepEP's rank_prefix_matrix). Into out when given, else a new array "
+           "(torch on this buffer's device when torch is loaded, else NumPy). Local; ConfigError on a backend whose "
+           "handles do not keep it.")
       .def_prop_ro(
           "handle_bytes", [](PyEpBuffer const& b) { return b.buffer().handle_bytes(); },
           "Device bytes of one DispatchHandle (0 on the cpu backend, whose handles live in host memory).")
@@ -411,12 +424,13 @@ nb::class_<PyEpBuffer> bind_ep_buffer(nb::module_& m) {
            "-1 or an entry without a slot), written into grad_topk_weights when given; else None.")
       .def("dispatch_owned", &PyEpBuffer::dispatch_owned, "x"_a, "topk_idx"_a.none() = nb::none(),
            "topk_weights"_a.none() = nb::none(), nb::kw_only(), "x_scales"_a.none() = nb::none(), "eager"_a = true,
-           "save_handle"_a = false, "handle"_a.none() = nb::none(), "stream"_a = nb::none(),
+           "save_handle"_a = false, "handle"_a.none() = nb::none(), "stream"_a = nb::none(), "with_src"_a = false,
            "A normal-mode dispatch of torch tensors whose rank-major outputs are fresh torch tensors the caller owns "
            "(torch's allocator, on the current stream), valid after later dispatches, filled in one launch: "
            "(recv_x, recv_scales or None, recv_topk_idx (topk_idx's dtype), recv_topk_weights, expert counts as a "
            "list (eager) or None, the DispatchHandle saved into (save_handle=True) or None, num_recv [1] int32 (a "
-           "view)). eager: exactly num_recv rows; lazy: recv_capacity rows, those at or past num_recv unspecified. "
+           "view), with with_src=True recv_src [rows, 2] int32 (source rank, source token) else None). eager: "
+           "exactly num_recv rows; lazy: recv_capacity rows, those at or past num_recv unspecified. "
            "handle=h: a cached dispatch (no ids or weights; they and the counts come back None). Refusals as "
            "dispatch().")
       .def("complete_dispatch", &PyEpBuffer::complete_dispatch, "stream"_a = nb::none(),
@@ -537,6 +551,28 @@ void bind_ep_buffer_state(nb::class_<PyEpBuffer>& cls) {
            "Host seconds of iters dispatch + combine pairs in a C++ loop (for bench_overhead.py).");
 }
 
+// What Ferry's tuning says of a leg's CTA count (docs/tuning.md), without an EpBuffer: FERRY_*_BLOCKS, else the
+// table row of this key in the bucket of num_tokens. (0, why) when neither speaks (the kernels' default applies).
+std::pair<int, std::string> tuned_blocks(std::string const& leg_name, std::string const& gpu, int world, int hidden,
+                                         int topk, std::string const& dispatch_format, std::string const& mode,
+                                         int num_tokens) {
+  FERRY_CHECK_INPUT(leg_name == "dispatch" || leg_name == "combine", "leg='", leg_name,
+                    "' is not 'dispatch' or 'combine'");
+  tuning::Leg const leg = leg_name == "dispatch" ? tuning::Leg::dispatch : tuning::Leg::combine;
+  tuning::EnvPin const env = tuning::read_env_pin(leg);
+  if (env.blocks) return {*env.blocks, concat("FERRY_", leg_name == "dispatch" ? "DISPATCH" : "COMBINE", "_BLOCKS")};
+  EpConfig config;
+  config.hidden = hidden;
+  config.topk = topk;
+  config.dispatch_format = parse_wire_format(dispatch_format);
+  config.mode = parse_mode(mode);
+  tuning::LegTuning const tuned =
+      tuning::resolve_leg(leg, detail::tuning_key(gpu, world, config), std::nullopt, *tuning::active_tables());
+  tuning::BucketMatch const match = tuning::match_bucket(tuned.rows, num_tokens);
+  if (match.bucket == nullptr) return {0, tuned.rows_from};
+  return {match.bucket->geometry.blocks, tuned.rows_from};
+}
+
 // The launcher (ferry.launch).
 void bind_launcher(nb::module_& m) {
   m.def(
@@ -589,4 +625,8 @@ NB_MODULE(_ext, m) {
   nb::class_<PyEpBuffer> ep_buffer = bind_ep_buffer(m);
   bind_ep_buffer_state(ep_buffer);
   bind_launcher(m);
+  m.def("_tuned_blocks", &tuned_blocks, "leg"_a, "gpu"_a, "world"_a, "hidden"_a, "topk"_a, "dispatch_format"_a,
+        "mode"_a, "num_tokens"_a,
+        "(CTAs, source) Ferry's tuning gives a leg of this shape (FERRY_*_BLOCKS, else the table row in the bucket "
+        "of num_tokens), or (0, why none applies): what ferry.deep_ep's get_theoretical_num_sms reads.");
 }

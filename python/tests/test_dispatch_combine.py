@@ -138,18 +138,57 @@ def _check(config, num_tokens, mask_rate, idx_dtype, expand, layout, eager, resu
         np.testing.assert_array_equal(results[rank]["y"], want_y, err_msg=f"rank {rank} y")
 
 
-def test_capacity_drops_are_reported_and_the_rest_is_exact():
-    # max_recv_tokens cuts rank-major rows, expert_capacity cuts slots; both are InputError at the check, and the
-    # delivered part matches the reference.
-    config = ref.Config(32, 4, 2, 10, expert_capacity=3, max_recv_tokens=6)
-    num_tokens = [10, 10]
-    results = run_ranks(_body, 2, config, num_tokens, SEED, 0.0, np.int64, True, "expert", False, "numpy")
-    inputs = ref.make_inputs(config, num_tokens, SEED)
-    received = [ref.dispatch(config, 2, d, inputs) for d in range(2)]
-    for rank in range(2):
-        if received[rank].dropped_rows or received[rank].dropped_slots:
-            assert "were dropped because a capacity was exceeded" in results[rank]["dropped"]
-    _check(config, num_tokens, 0.0, np.int64, True, "expert", False, results)
+def _drop_body(ctx, eager: bool, expand: bool):
+    """Every token of both ranks goes to rank 1's experts: rank 1 receives 2 * 8 rows for max_recv_tokens=10 (or,
+    expanded, 16 entries of one expert for expert_capacity=6); rank 0 receives nothing and drops nothing itself."""
+    comm = ctx.init()
+    config = dict(hidden=32, num_experts=4, topk=1, max_tokens_per_rank=8)
+    config.update(expert_capacity=6, max_recv_tokens=16) if expand else config.update(max_recv_tokens=10)
+    buf = ferry.EpBuffer(comm, **config)
+    x = ref.float_to_bf16(np.random.default_rng([SEED, ctx.rank]).standard_normal((8, 32), dtype=np.float32))
+    idx = np.full((8, 1), 2, np.int64)  # expert 2 lives on rank 1
+    w = np.ones((8, 1), np.float32)
+    out = {}
+    try:
+        got = buf.dispatch(x, idx, w, expand=expand, eager=eager)
+    except ferry.InputError as error:
+        out["dispatch"] = str(error)
+    else:
+        out["dropped_rows"] = got.dropped_rows
+        out["rows"] = None if got.recv_x is None else np.array(got.recv_x[: got.num_recv_host], copy=True)
+        try:
+            comm.check_errors()
+        except ferry.InputError as error:
+            out["check"] = str(error)
+    y_in = np.zeros((2, 6, 32) if expand else (16, 32), np.uint16)
+    try:
+        buf.combine(y_in, "expert" if expand else "rank")
+    except ferry.InputError as error:
+        out["combine"] = str(error)
+    return out
+
+
+@pytest.mark.parametrize("expand", [False, True], ids=["max_recv_tokens", "expert_capacity"])
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "lazy"])
+def test_capacity_drop_is_an_error_on_every_rank(eager, expand):
+    # The rule (docs/errors.md, "Capacities"): rows not delivered because a capacity was exceeded are an InputError on
+    # every rank (at the call when eager, else at the next check), naming the total and the rank, and no combine over
+    # the layout returns numbers. Rank 0 drops nothing itself: it must still report. Made to fail once on purpose: with
+    # the drop counted on the receiving rank alone (the rule before), rank 0 reported nothing and combined numbers.
+    results = run_ranks(_drop_body, 2, eager, expand)
+    dropped = 10 if expand else 6  # 16 entries for 6 slots; 16 rows for 10
+    report = f"{dropped} row(s) were not delivered because rank 1's capacity was exceeded"
+    for rank, got in enumerate(results):
+        where = "dispatch" if eager else "check"
+        assert report in got.get(where, ""), (rank, got)
+        assert "combine" in got and "refers to a dispatch that did not deliver" in got["combine"] or \
+            "without a successful dispatch" in got["combine"], (rank, got)
+        if not eager:
+            assert got["dropped_rows"] == dropped, (rank, got)
+    if not eager and not expand:  # the delivered rows are the first rows in (source rank, source token) order
+        inputs = [ref.float_to_bf16(np.random.default_rng([SEED, r]).standard_normal((8, 32), dtype=np.float32))
+                  for r in range(2)]
+        np.testing.assert_array_equal(results[1]["rows"], np.concatenate(inputs)[:10])
 
 
 def test_torch_cpu_tensors():

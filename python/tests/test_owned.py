@@ -38,7 +38,7 @@ def _body(ctx):
     gen = torch.Generator().manual_seed(SEED + rank)
     x, idx, w = _inputs(gen, experts)
 
-    recv_x, scales, ids, weights, counts, handle, num_recv = buf.dispatch_owned(x, idx, w, save_handle=True)
+    recv_x, scales, ids, weights, counts, handle, num_recv, _ = buf.dispatch_owned(x, idx, w, save_handle=True)
     view = buf.dispatch(x, idx, w)  # the same routing: the same rows, as views of the buffer
     rows = view.num_recv_host
     assert scales is None and isinstance(handle, ferry.DispatchHandle) and int(num_recv[0]) == rows
@@ -64,7 +64,7 @@ def _body(ctx):
     assert torch.equal(y, (x.float() * ranks_hit).to(torch.bfloat16))
 
     # int32 ids come back int32; lazy: recv_capacity rows and no counts; cached: no ids, weights or counts
-    _, _, ids32, _, _, _, _ = buf.dispatch_owned(x, idx.int(), w)
+    _, _, ids32, _, _, _, _, _ = buf.dispatch_owned(x, idx.int(), w)
     assert ids32.dtype == torch.int32 and torch.equal(ids32.long(), kept[1])
     lazy = buf.dispatch_owned(x, idx, w, eager=False)
     assert lazy[0].shape[0] == buf.recv_capacity and lazy[4] is None

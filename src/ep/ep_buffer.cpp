@@ -31,6 +31,10 @@ DispatchArgs EpBackendImpl::cached_args(HandleState const&, DispatchArgs) const 
 void EpBackendImpl::restore_handle(HandleState const&, cudaStream_t) {
   FERRY_THROW(ConfigError, "config", "this backend has no dispatch handles (use mode=normal)");
 }
+void EpBackendImpl::copy_rank_counts(HandleState const&, int32_t*, cudaStream_t) const {
+  FERRY_THROW(ConfigError, "config", "this backend's dispatch handles do not keep the count matrix in this version ",
+              "(copy_rank_counts: the cpu backend has it)");
+}
 void EpBackendImpl::combine_unweighted(CombineArgs const&, bool, cudaStream_t) {
   FERRY_THROW(ConfigError, "config", "this backend has no backward passes (train with mode=normal)");
 }
@@ -313,6 +317,26 @@ void check_hook_mode(EpConfig const& config, bool hook, char const* leg) {
   FERRY_CHECK_INPUT(!hook || config.mode == Mode::low_latency, leg, " return_recv_hook=true needs mode=ll (this ",
                     "EpBuffer is mode=", mode_name(config.mode), ")");
 }
+// NOTE: the rows a dispatch did not deliver are missing from every sum over its layout, so nothing over it runs; every
+// rank of that dispatch knows it dropped (DispatchResult::dropped_rows is the same on every rank), so every rank
+// refuses the same call. The drop report still pending in the error block (a lazy dispatch) is consumed here and
+// quoted: it is this same drop, and it would otherwise be raised again by the next call.
+void check_not_dropped(Communicator& comm, int64_t dropped, char const* call, cudaStream_t stream) {
+  if (dropped <= 0) return;
+  std::string cause = "a capacity was exceeded (max_recv_tokens, or expert_capacity for expert-major rows)";
+  try {
+    comm.check_errors(stream);
+  } catch (InputError const& report) {
+    // the report names the rank: "... because rank R's capacity was exceeded (...); every rank ..."
+    std::string const text = report.what();
+    std::size_t const from = text.find("rank ");
+    std::size_t const to = text.find(')', from);
+    if (from != std::string::npos && to != std::string::npos) cause = text.substr(from, to + 1 - from);
+  }
+  FERRY_THROW(InputError, "input", call, " refers to a dispatch that did not deliver ", dropped, " row(s) because ",
+              cause, "; a sum over its layout would miss them, so every rank refuses it: raise the capacity or send ",
+              "fewer tokens per call, and dispatch again");
+}
 }  // namespace
 
 // NOTE: a call made while this rank's hook is pending, or on a failed communicator, is refused here alone: the
@@ -339,6 +363,7 @@ DispatchResult EpBuffer::dispatch(DispatchArgs const& args, cudaStream_t stream)
       FERRY_CHECK_INPUT(args.num_tokens == handle.num_tokens,
                         "a cached dispatch has the handle's num_tokens=", handle.num_tokens,
                         ", got num_tokens=", args.num_tokens);
+      check_not_dropped(*comm_, handle.dropped, "a cached dispatch (handle)", stream);
       run = impl_->cached_args(handle, args);
     }
     detail::validate_dispatch_args(config_, run);
@@ -350,6 +375,7 @@ DispatchResult EpBuffer::dispatch(DispatchArgs const& args, cudaStream_t stream)
   }
   DispatchResult result = impl_->dispatch(run, stream);
   have_dispatch_ = true;
+  last_dropped_ = result.dropped_rows;
   last_result_ = result;
   last_expand_ = args.expand || config_.mode == Mode::low_latency;
   last_num_tokens_ = args.num_tokens;
@@ -360,6 +386,7 @@ DispatchResult EpBuffer::dispatch(DispatchArgs const& args, cudaStream_t stream)
     handle.saved = true;
     handle.num_tokens = args.num_tokens;
     handle.expanded = args.expand;
+    handle.dropped = result.dropped_rows;
     ++handle.version;
     make_current(args.save_handle->state_);
   } else if (args.handle != nullptr) {
@@ -377,8 +404,10 @@ void EpBuffer::combine(CombineArgs const& args, cudaStream_t stream) {
     if (args.handle != nullptr) {
       detail::HandleState const& handle = check_handle(*args.handle, "combine handle", true);
       detail::validate_combine_args(config_, args, true, handle.expanded, handle.num_tokens);
+      check_not_dropped(*comm_, handle.dropped, "combine (handle)", stream);
     } else {
       detail::validate_combine_args(config_, args, have_dispatch_, last_expand_, last_num_tokens_);
+      check_not_dropped(*comm_, last_dropped_, "combine", stream);
     }
   } catch (InputError const& error) {
     join_refused(Leg::combine, error.what(), stream);
@@ -428,6 +457,7 @@ void EpBuffer::copy_received(ReceivedCopy const& to, cudaStream_t stream) {
   }
   area(from.recv_token_scales, to.recv_token_scales, rows * sizeof(float));
   area(from.recv_topk_weights, to.recv_topk_weights, rows * topk * sizeof(float));
+  area(from.recv_src, to.recv_src, rows * 2 * sizeof(int32_t));
   if (to.recv_topk_idx != nullptr && rows > 0) {
     plan.ids = from.recv_topk_idx;
     plan.ids_dst = to.recv_topk_idx;
@@ -465,6 +495,16 @@ DispatchHandle EpBuffer::make_handle(void* storage, std::size_t storage_bytes) c
   return handle;
 }
 
+void EpBuffer::copy_rank_counts(DispatchHandle const& handle, int32_t* out, cudaStream_t stream) const {
+  comm_->ensure_usable();
+  check_stream(*comm_, stream);
+  detail::HandleState const& h = check_handle(handle, "copy_rank_counts handle", true);
+  FERRY_CHECK_INPUT(out != nullptr, "copy_rank_counts out is null");
+  FERRY_CHECK_INPUT(reinterpret_cast<uintptr_t>(out) % 4 == 0, "copy_rank_counts out=", static_cast<void*>(out),
+                    " is not 4-byte aligned");
+  impl_->copy_rank_counts(h, out, stream);
+}
+
 std::size_t EpBuffer::handle_bytes() const {
   return config_.mode == Mode::normal ? impl_->handle_bytes() : 0;
 }
@@ -486,6 +526,7 @@ void EpBuffer::dispatch_backward(DispatchBackwardArgs const& args, cudaStream_t 
     detail::HandleState const& handle = check_handle(*args.handle, "dispatch_backward handle", true);
     FERRY_CHECK_INPUT(args.layout != CombineLayout::expert_major || handle.expanded,
                       "dispatch_backward layout=expert_major needs a handle saved by a dispatch with expand=true");
+    check_not_dropped(*comm_, handle.dropped, "dispatch_backward", stream);
     FERRY_CHECK_INPUT(args.grad != nullptr, "dispatch_backward grad is null");
     FERRY_CHECK_INPUT(reinterpret_cast<uintptr_t>(args.grad) % 16 == 0, "dispatch_backward grad=", args.grad,
                       " is not 16-byte aligned");
@@ -515,6 +556,7 @@ DispatchResult EpBuffer::combine_backward(CombineBackwardArgs const& args, cudaS
     FERRY_CHECK_INPUT(args.handle != nullptr, "combine_backward needs the forward dispatch's handle (saved with ",
                       "DispatchArgs::save_handle)");
     detail::HandleState const& handle = check_handle(*args.handle, "combine_backward handle", true);
+    check_not_dropped(*comm_, handle.dropped, "combine_backward", stream);
     FERRY_CHECK_INPUT(!config_.delivers_quantized(),
                       "combine_backward dispatches grad_y and needs bf16 rows "
                       "delivered; this EpBuffer has dispatch_format=",
@@ -556,6 +598,7 @@ DispatchResult EpBuffer::combine_backward(CombineBackwardArgs const& args, cudaS
     throw;
   }
   have_dispatch_ = true;
+  last_dropped_ = result.dropped_rows;
   last_expand_ = expert_major;
   last_num_tokens_ = run.num_tokens;
   make_current(args.handle->state_);
@@ -599,6 +642,7 @@ void EpBuffer::use_handle(std::shared_ptr<detail::HandleState> const& handle, cu
     make_current(handle);
   }
   have_dispatch_ = true;
+  last_dropped_ = handle->dropped;
   last_expand_ = handle->expanded;
   last_num_tokens_ = handle->num_tokens;
 }
@@ -635,7 +679,15 @@ DispatchResult EpBuffer::complete_dispatch(cudaStream_t stream) {
       *pending_hook() ? detail::concat("the pending hook is of ", pending_hook()) : std::string("none is pending"),
       "); call it once after each dispatch with return_recv_hook=true");
   pending_ = Pending::none;
-  return impl_->complete_dispatch(stream);
+  DispatchResult result;
+  try {
+    result = impl_->complete_dispatch(stream);
+  } catch (...) {
+    have_dispatch_ = false;  // raised after the send half (a drop in eager mode, a peer lost): nothing to combine
+    throw;
+  }
+  last_dropped_ = result.dropped_rows;
+  return result;
 }
 
 void EpBuffer::complete_combine(cudaStream_t stream) {

@@ -31,6 +31,7 @@ struct HandleState {
   bool saved = false;
   int num_tokens = 0;
   bool expanded = false;
+  int64_t dropped = 0;   // DispatchResult::dropped_rows of the saved dispatch (> 0: every call that reads it refuses)
   uint64_t version = 0;  // bumps at every save: EpBuffer knows whether its current layout is this save
   std::unique_ptr<HandleStorage> storage;
 };
@@ -94,6 +95,9 @@ class EpBackendImpl {
   }
   // Make the handle's layout the current one (what combine reads), replacing the last dispatch's.
   virtual void restore_handle(HandleState const& handle, cudaStream_t stream);
+  // The count matrix of the dispatch the handle saved (EpBuffer::copy_rank_counts), enqueued on the stream. The
+  // default throws ConfigError: a backend whose handles do not keep it yet.
+  virtual void copy_rank_counts(HandleState const& handle, int32_t* out, cudaStream_t stream) const;
   // dispatch_backward's combine: as combine, but expert-major entries take the weight 1 (not recv_topk_weights) and,
   // with y_fp32, y is fp32 (the source's sum, not rounded). A refused one is refuse_combine.
   virtual void combine_unweighted(CombineArgs const& args, bool y_fp32, cudaStream_t stream);
@@ -113,7 +117,7 @@ class EpBackendImpl {
       void* dst = nullptr;
       std::size_t bytes = 0;
     };
-    Area areas[4];
+    Area areas[6];
     int num_areas = 0;
     int32_t const* ids = nullptr;
     void* ids_dst = nullptr;

@@ -247,6 +247,18 @@ ExpertLayout expert_layout(EpConfig const& config, int world, int num_recv, std:
   return layout;
 }
 
+CallDrops call_drops(std::span<RankDispatch const> received, std::vector<bool> const& expanded) {
+  FERRY_CHECK(received.size() == expanded.size(), "call_drops: ", received.size(), " ranks received but ",
+              expanded.size(), " expand flags");
+  CallDrops drops;
+  for (std::size_t r = 0; r < received.size(); ++r) {
+    int64_t const mine = received[r].dropped_rows + (expanded[r] ? received[r].dropped_slots : 0);
+    if (mine > 0 && drops.first_rank < 0) drops.first_rank = static_cast<int>(r);
+    drops.rows += mine;
+  }
+  return drops;
+}
+
 MaskedWorld without_ranks(EpConfig const& config, int world, std::span<RankInput const> inputs,
                           detail::RankSet const& masked) {
   int const num_local = config.num_local_experts(world);

@@ -39,6 +39,11 @@
 //   expert), the filled slots of e are min(expert_counts[e], expert_slots), and dropped_slots counts the rest. The
 //   expert-major combine skips entries without a slot. Without an expert capacity (expert_slots() == 0) there is no
 //   expert-major layout: no slots and nothing counted as dropped.
+// - A call that drops (rows or, where the receiver expands, slots: "rows not delivered") is an error on every rank,
+//   not only on the ranks whose capacity was exceeded (call_drops: the total and the first rank that dropped, the same
+//   on every rank): raised at the call when it is eager, else at the next check; and no combine, cached dispatch or
+//   backward pass over its layout returns numbers (docs/errors.md). The reference still computes what was delivered,
+//   so that a backend's rows can be compared up to the capacity.
 #pragma once
 
 #include <bit>
@@ -123,6 +128,14 @@ struct ExpertLayout {
 };
 ExpertLayout expert_layout(EpConfig const& config, int world, int num_recv, std::span<int32_t const> recv_topk_idx,
                            int own_first_row);
+
+// What one call dropped over all its ranks: received[r] is what rank r received, expanded[r] whether r filled the
+// expert-major layout (its dropped_slots count then). first_rank: the lowest rank that dropped (-1: none).
+struct CallDrops {
+  int64_t rows = 0;
+  int first_rank = -1;
+};
+CallDrops call_drops(std::span<RankDispatch const> received, std::vector<bool> const& expanded);
 // The first of num_recv rank-major rows (recv_src: [num_recv * 2] (source, token), sources ascending) whose source is
 // `rank` or above: the receiving rank's own first row.
 int own_first_row(std::span<int32_t const> recv_src, int num_recv, int rank);

@@ -263,19 +263,30 @@ TEST_P(BackwardCpu, BackwardPassesMatchTheReference) {
 }
 
 // Slots past the expert capacity are dropped: their rows get no gradient and their weights' gradient is 0.
-TEST_P(BackwardCpu, DroppedSlotsGetNoGradient) {
+// A dispatch that dropped slots (expert_capacity) leaves a layout no backward pass may run over: its drop is reported
+// on every rank, and combine_backward / dispatch_backward of its handle are refused on every rank (docs/errors.md,
+// "Capacities"), not run with the dropped entries' gradients missing.
+TEST_P(BackwardCpu, BackwardPassesOverALayoutThatDroppedAreRefused) {
   int const world = GetParam();
   EpConfig config = small_config(world);
   config.expert_capacity = 3;
   World const w = make_world(config, world, test_seed(), false);
+  std::vector<bool> const expanded(static_cast<std::size_t>(world), true);
+  ref::CallDrops const drops = ref::call_drops(w.received, expanded);
+  ASSERT_GT(drops.rows, 0) << "the capacity dropped no slot";
   run_world(world, [&](int r, std::shared_ptr<Communicator> const& comm) {
     EpBuffer buffer(comm, config);
     DispatchHandle h = buffer.make_handle();
     std::size_t const R = static_cast<std::size_t>(r);
     DispatchArgs args = test::host_dispatch_args(w.inputs[R], true);
     args.save_handle = &h;
-    args.eager = false;  // the drops are reported by the next eager call's check
-    buffer.dispatch(args);
+    args.eager = false;  // the drop is reported by the next check, on every rank
+    DispatchResult const got = buffer.dispatch(args);
+    FERRY_CHECK(got.dropped_rows == drops.rows, "rank ", r, ": dropped_rows ", got.dropped_rows, ", want ", drops.rows);
+    std::string problem = test::expect_input_error(
+        [&] { comm->check_errors(); },
+        {detail::concat(drops.rows, " row(s) were not delivered because rank ", drops.first_rank, "'s capacity")});
+    FERRY_CHECK(problem.empty(), "rank ", r, ": ", problem);
     std::vector<float> grad_w(at(w.inputs[R].num_tokens, config.topk), std::nanf(""));
     CombineBackwardArgs cb;
     cb.handle = &h;
@@ -283,18 +294,20 @@ TEST_P(BackwardCpu, DroppedSlotsGetNoGradient) {
     cb.x = w.expert_out[R].data();
     cb.grad_topk_weights = grad_w.data();
     cb.eager = false;
-    DispatchResult const moved = buffer.combine_backward(cb);
-    require_same(differs_slots(
-        "expert_x", static_cast<uint16_t const*>(moved.expert_x),
-        ref::combine_backward_rows(config, world, r, w.inputs, w.received, w.grad_y, CombineLayout::expert_major),
-        w.received[R], config.hidden));
-    std::vector<float> const want =
-        ref::combine_backward_weights(config, world, r, w.inputs, w.received, w.grad_y, w.expert_out);
-    require_same(differs("grad_topk_weights", grad_w.data(), want));
-    // the drops are there to be skipped: some entry with a valid id has no slot and a zero gradient
-    int zero_valid = 0;
-    for (std::size_t i = 0; i < want.size(); ++i) zero_valid += w.inputs[R].topk_idx[i] >= 0 && want[i] == 0.0f ? 1 : 0;
-    if (r == world - 1) FERRY_CHECK(zero_valid > 0, "the capacity dropped no slot of rank ", r);
+    problem = test::expect_input_error([&] { buffer.combine_backward(cb); },
+                                       {"combine_backward refers to a dispatch that did not deliver"});
+    FERRY_CHECK(problem.empty(), "rank ", r, ": ", problem);
+    FERRY_CHECK(std::all_of(grad_w.begin(), grad_w.end(), [](float v) { return std::isnan(v); }), "rank ", r,
+                ": a refused combine_backward wrote grad_topk_weights");
+    std::vector<uint16_t> grad_x(at(w.inputs[R].num_tokens, config.hidden));
+    DispatchBackwardArgs db;
+    db.handle = &h;
+    db.layout = CombineLayout::expert_major;
+    db.grad = w.expert_out[R].data();
+    db.grad_x = grad_x.data();
+    problem = test::expect_input_error([&] { buffer.dispatch_backward(db); },
+                                       {"dispatch_backward refers to a dispatch that did not deliver"});
+    FERRY_CHECK(problem.empty(), "rank ", r, ": ", problem);
   });
 }
 

@@ -381,16 +381,17 @@ std::vector<std::string> run_sub_case(std::shared_ptr<Communicator> const& comm,
   for (int d = 0; d < world; ++d) want.push_back(ref::dispatch(config, world, d, inputs));
   ref::RankInput const& in = inputs[static_cast<std::size_t>(rank)];
   ref::RankDispatch const& mine = want[static_cast<std::size_t>(rank)];
-  bool const drops = mine.dropped_rows + mine.dropped_slots > 0;
+  // a drop anywhere is reported on every rank, with the total over the ranks and the first rank that dropped
+  ref::CallDrops const drops = ref::call_drops(want, std::vector<bool>(static_cast<std::size_t>(world), true));
   auto expect_drop_report = [&] {
     try {
       comm->check_errors();
-      if (drops) note("the dropped rows were not reported");
+      if (drops.rows > 0) note("the dropped rows were not reported on this rank");
     } catch (InputError const& error) {
-      if (!drops) note(concat("InputError without drops: ", error.what()));
-      if (!contains(error.what(), concat(mine.dropped_rows + mine.dropped_slots, " row(s)")))
-        note(
-            concat("drop report does not give the count ", mine.dropped_rows + mine.dropped_slots, ": ", error.what()));
+      if (drops.rows == 0) note(concat("InputError without drops: ", error.what()));
+      if (!contains(error.what(), concat(drops.rows, " row(s) were not delivered because rank ", drops.first_rank)))
+        note(concat("drop report does not give the count ", drops.rows, " and rank ", drops.first_rank, ": ",
+                    error.what()));
     }
   };
 
@@ -447,11 +448,24 @@ std::vector<std::string> run_sub_case(std::shared_ptr<Communicator> const& comm,
       note(concat(problem, " (expert ", e, ")"));
   }
 
-  // 4. expert-major combine of arbitrary expert outputs (every rank can build every rank's)
-  std::vector<std::vector<uint16_t>> expert_out;
-  for (int d = 0; d < world; ++d) expert_out.push_back(generate_tokens(seed ^ 0xe0e0, d, num_local * slots, hidden));
+  // 4. no combine over a layout that dropped rows: refused on every rank (the lazy dispatch's report was consumed
+  //    above), and the refusal is all a combine of it returns
   std::vector<uint16_t> y(at(in.num_tokens + 1, hidden), kPoison16);
   CombineArgs combine;
+  if (drops.rows > 0) {
+    std::vector<uint16_t> const dummy_rows(at(static_cast<int64_t>(num_local) * slots + 1, hidden));
+    combine.layout = CombineLayout::expert_major;
+    combine.x = dummy_rows.data();
+    combine.y = y.data();
+    note(expect_input_error([&] { buffer.combine(combine); },
+                            {"combine refers to a dispatch that did not deliver ", concat(drops.rows, " row(s)")}));
+    if (std::any_of(y.begin(), y.end(), [](uint16_t v) { return v != kPoison16; })) note("a refused combine wrote y");
+    return problems;
+  }
+
+  // 5. expert-major combine of arbitrary expert outputs (every rank can build every rank's)
+  std::vector<std::vector<uint16_t>> expert_out;
+  for (int d = 0; d < world; ++d) expert_out.push_back(generate_tokens(seed ^ 0xe0e0, d, num_local * slots, hidden));
   combine.layout = CombineLayout::expert_major;
   combine.x = expert_out[static_cast<std::size_t>(rank)].data();
   combine.y = y.data();
@@ -462,7 +476,7 @@ std::vector<std::string> run_sub_case(std::shared_ptr<Communicator> const& comm,
   if (in.num_tokens > 0 && !std::all_of(want_y.end() - hidden, want_y.end(), [](uint16_t v) { return v == 0; }))
     note("a token without experts did not get 0");
 
-  // 5. rank-major combine of arbitrary rows
+  // 6. rank-major combine of arbitrary rows
   std::vector<std::vector<uint16_t>> rows;
   for (int d = 0; d < world; ++d)
     rows.push_back(generate_tokens(seed ^ 0x7070, d, want[static_cast<std::size_t>(d)].num_recv, hidden));
@@ -511,13 +525,17 @@ TEST(CpuEpThreads, CopyReceivedAndHostCountsMatchTheReference) {
     std::vector<uint16_t> x(static_cast<std::size_t>(n + 1) * hidden, 0xeeee);
     std::vector<float> w(static_cast<std::size_t>(n + 1) * topk, -3.0f);
     std::vector<int64_t> ids(static_cast<std::size_t>(n + 1) * topk, -9);
+    std::vector<int32_t> src(static_cast<std::size_t>(n + 1) * 2, -5);
     ReceivedCopy to;
     to.rows = n;
     to.recv_x = x.data();
     to.recv_topk_weights = w.data();
     to.recv_topk_idx = ids.data();
     to.recv_topk_idx_type = IndexType::int64;
+    to.recv_src = src.data();
     buffer.copy_received(to);
+    if (!std::equal(mine.recv_src.begin(), mine.recv_src.end(), src.begin())) fail("recv_src differs");
+    if (src[static_cast<std::size_t>(n) * 2] != -5) fail("recv_src written past the rows asked for");
     if (std::memcmp(x.data(), mine.recv_x.data(), static_cast<std::size_t>(n) * hidden * 2) != 0)
       fail("recv_x rows differ");
     for (std::size_t i = 0; i < static_cast<std::size_t>(n) * topk; ++i) {
@@ -541,6 +559,45 @@ TEST(CpuEpThreads, CopyReceivedAndHostCountsMatchTheReference) {
     lazy.eager = false;
     problem = expect_input_error([&] { buffer.dispatch(lazy); }, {"expert_counts_host is set on a lazy call"});
     if (!problem.empty()) fail(problem);
+  }));
+}
+
+// copy_rank_counts: the count matrix of the dispatch a handle saved, [s * world + d] = rows s sent to d, against the
+// reference's rows per (source, destination), and still the handle's after a later dispatch of other tokens.
+TEST(CpuEpThreads, HandlesKeepTheCountMatrixOfTheirDispatch) {
+  int const world = 3;
+  EpConfig config;
+  config.hidden = 32;
+  config.num_experts = 6;
+  config.topk = 2;
+  config.max_tokens_per_rank = 12;
+  RoutingOptions routing;
+  routing.seed = test_seed();
+  routing.mask_rate = 0.1;
+  std::vector<int> const tokens = {12, 5, 0};
+  std::vector<int> const later_tokens = {3, 12, 7};
+  std::vector<ref::RankInput> const inputs = ref::generate_inputs(config, world, routing, tokens);
+  std::vector<ref::RankInput> const later = ref::generate_inputs(config, world, routing, later_tokens);
+  std::vector<int32_t> want(static_cast<std::size_t>(world * world), 0);
+  for (int d = 0; d < world; ++d) {
+    ref::RankDispatch const got = ref::dispatch(config, world, d, inputs);
+    for (int i = 0; i < got.num_recv; ++i)
+      ++want[static_cast<std::size_t>(got.recv_src[static_cast<std::size_t>(i * 2)] * world + d)];
+  }
+  expect_all_passed(test::run_cpu_ranks(world, [&](int r, std::shared_ptr<Communicator> const& comm) {
+    EpBuffer buffer(comm, config);
+    DispatchHandle h = buffer.make_handle();
+    DispatchArgs args = test::host_dispatch_args(inputs[static_cast<std::size_t>(r)]);
+    args.save_handle = &h;
+    buffer.dispatch(args);
+    buffer.dispatch(test::host_dispatch_args(later[static_cast<std::size_t>(r)]));
+    std::vector<int32_t> got(static_cast<std::size_t>(world * world), -1);
+    buffer.copy_rank_counts(h, got.data());
+    FERRY_CHECK(got == want, "rank ", r, ": the handle's count matrix differs from the reference's");
+    DispatchHandle empty = buffer.make_handle();
+    std::string const problem =
+        expect_input_error([&] { buffer.copy_rank_counts(empty, got.data()); }, {"holds no layout yet"});
+    FERRY_CHECK(problem.empty(), problem);
   }));
 }
 

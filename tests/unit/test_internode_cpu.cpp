@@ -236,6 +236,27 @@ TEST_P(InternodeCpu, EveryRowMatchesTheReference) {
 
         std::size_t const tokens = at(in.num_tokens, hidden);
         std::vector<uint16_t> y(tokens + 64, 0xffff);  // poisoned, with a guard past the end
+        if (c.capped) {
+          // a drop anywhere: reported on every rank with the total and the first rank, and no combine over the layout
+          ref::CallDrops const drops =
+              ref::call_drops(w.received, std::vector<bool>(static_cast<std::size_t>(world), true));
+          FERRY_CHECK(drops.rows > 0 && got.dropped_rows == drops.rows, "rank ", r, ": dropped_rows ", got.dropped_rows,
+                      ", want ", drops.rows);
+          std::string problem = test::expect_input_error(
+              [&] { comm->check_errors(); }, {detail::concat(drops.rows, " row(s) were not delivered because rank ",
+                                                             drops.first_rank, "'s capacity")});
+          FERRY_CHECK(problem.empty(), "rank ", r, ": ", problem);
+          CombineArgs refused;
+          refused.layout = CombineLayout::rank_major;
+          refused.x = w.rank_rows[R].data();
+          refused.y = y.data();
+          problem = test::expect_input_error([&] { buffer.combine(refused); },
+                                             {"combine refers to a dispatch that did not deliver"});
+          FERRY_CHECK(problem.empty(), "rank ", r, ": ", problem);
+          FERRY_CHECK(std::all_of(y.begin(), y.end(), [](uint16_t v) { return v == 0xffff; }), "rank ", r,
+                      ": a refused combine wrote y");
+          return;
+        }
         CombineArgs ca;
         ca.layout = CombineLayout::expert_major;
         ca.x = w.expert_out[R].data();

@@ -190,6 +190,7 @@ struct CpuHandle final : HandleStorage {
   std::vector<int32_t> recv_src;  // [num_recv * 2]
   std::vector<int32_t> recv_slot;
   std::vector<int32_t> expert_counts;
+  std::vector<int32_t> rank_counts;  // [world * world] rows rank s sent to rank d (EpBuffer::copy_rank_counts)
 };
 
 char const* call_kind_name(uint32_t kind) {
@@ -225,6 +226,7 @@ class CpuEp final : public EpBackendImpl {
   void save_handle(HandleState& handle, DispatchArgs const& args, cudaStream_t stream) override;
   DispatchArgs cached_args(HandleState const& handle, DispatchArgs args) const override;
   void restore_handle(HandleState const& handle, cudaStream_t stream) override;
+  void copy_rank_counts(HandleState const& handle, int32_t* out, cudaStream_t stream) const override;
   void combine_unweighted(CombineArgs const& args, bool y_fp32, cudaStream_t stream) override;
   void combine_backward_weights(HandleState const& handle, void const* x, float* grad_w, bool eager,
                                 cudaStream_t stream) override;
@@ -310,7 +312,13 @@ class CpuEp final : public EpBackendImpl {
   uint64_t const* proposed_words(CallHeader const* header) const {
     return reinterpret_cast<uint64_t const*>(header + 1);
   }
-  void report_drops(int64_t dropped, bool eager);
+  // Rows the current dispatch did not deliver, over every rank (the same on every rank): rank-major rows past a
+  // receive capacity, found by every rank in the count matrix; entries past expert_capacity, which only their
+  // receiver finds, agreed on in one more barrier where the config can drop them (agree_slot_drops). Recorded in
+  // every rank's error block and raised now when the call is eager.
+  void report_drops(int64_t dropped, int first_rank, bool eager);
+  // Every active rank's entries past expert_capacity in this call (mine: this rank's), and the first rank with any.
+  int64_t agree_slot_drops(int64_t mine, int& first_rank);
   DispatchResult receive_dispatch();  // the receive half: expert-major layout, results, drop report
   void receive_combine();             // the receive half: sum into y
 
@@ -340,6 +348,8 @@ class CpuEp final : public EpBackendImpl {
   SymmetricRegion recv_weights_;  // [capacity x topk] float
   SymmetricRegion recv_src_;      // [capacity x 2] int32 (source rank, source token)
   SymmetricRegion combine_rows_;  // [capacity x combine wire row], the rows this rank sends back in combine
+  SymmetricRegion slot_drops_;    // [world] int64: entry r = rank r's entries past expert_capacity in the current
+                                  // dispatch (only where the config can drop slots: slots_can_drop_)
   SymmetricRegion headers_;       // [2 parities] CallHeader and its proposed ranks, header_bytes_ each, of this rank
                                   // (peers read it from their mapping)
   SymmetricRegion grad_w_;        // [max_tokens x topk] float: combine_backward's weight gradients of this rank's
@@ -386,6 +396,7 @@ class CpuEp final : public EpBackendImpl {
   int32_t num_recv_ = 0;
   std::vector<RankSet> dest_mask_;    // [num_tokens] the ranks the token went to
   std::vector<int64_t> dest_offset_;  // [world] first row of this rank's tokens on rank d
+  std::vector<int32_t> rank_counts_;  // [world * world] the count matrix, copied before a peer can overwrite it
   ref::ExpertLayout layout_;
   LocalPages expert_x_;  // [num_local x slots x out_row_bytes_], only with an expert capacity
   // quantized formats: what is delivered (payload + scales, or dequantized bf16 rows), in local memory
@@ -399,10 +410,14 @@ class CpuEp final : public EpBackendImpl {
   std::vector<uint16_t> row_scratch_;       // one bf16 row
   std::vector<float> scratch_;
   bool low_latency_ = false;
+  // An expert's entries can outnumber its slots (expert_capacity below the receive capacity): every dispatch then
+  // agrees on the slots it dropped (agree_slot_drops). The same on every rank (the configs are compared).
+  bool slots_can_drop_ = false;
   // what the receive half of the current call needs from its send half
   bool pending_expand_ = false;
   bool pending_eager_ = true;
-  int64_t pending_total_recv_ = 0;
+  int64_t pending_row_drops_ = 0;  // rows past a receive capacity, over every rank (from the count matrix)
+  int pending_drop_rank_ = -1;     // the first rank whose receive capacity was exceeded
   void* pending_y_ = nullptr;
   bool pending_y_fp32_ = false;
   int32_t* counts_host_ = nullptr;                // DispatchArgs::expert_counts_host of the last dispatch
@@ -477,6 +492,8 @@ CpuEp::CpuEp(Communicator& comm, EpConfig const& config)
     recv_weights_ = comm_.alloc_symmetric(at(capacity_, topk_) * sizeof(float));
     recv_src_ = comm_.alloc_symmetric(at(capacity_, 2) * sizeof(int32_t));
     combine_rows_ = comm_.alloc_symmetric(at(capacity_, 1) * combine_stride_);
+    slots_can_drop_ = slots_ > 0 && slots_ < capacity_;
+    if (slots_can_drop_) slot_drops_ = comm_.alloc_symmetric(at(world_, sizeof(int64_t)));
     headers_ = comm_.alloc_symmetric(2 * header_bytes_);  // zeroed: step 0 is "no call yet"
     if (!low_latency_) grad_w_ = comm_.alloc_symmetric(at(config.max_tokens_per_rank, topk_) * sizeof(float));
     if (hierarchical_) {
@@ -528,8 +545,9 @@ CpuEp::~CpuEp() {
 }
 
 void CpuEp::release_regions() noexcept {
-  for (SymmetricRegion* region : {&counts_, &recv_x_, &recv_idx_, &recv_weights_, &recv_src_, &combine_rows_, &headers_,
-                                  &grad_w_, &fwd_x_, &fwd_meta_, &fwd_count_, &net_rows_, &sync_})
+  for (SymmetricRegion* region :
+       {&counts_, &recv_x_, &recv_idx_, &recv_weights_, &recv_src_, &combine_rows_, &slot_drops_, &headers_, &grad_w_,
+        &fwd_x_, &fwd_meta_, &fwd_count_, &net_rows_, &sync_})
     if (region->local != nullptr) comm_.release_symmetric(*region);
 }
 
@@ -821,12 +839,31 @@ void CpuEp::refuse_combine(cudaStream_t) {
   join_call(CallKind::combine, true);
 }
 
-void CpuEp::report_drops(int64_t dropped, bool eager) {
+void CpuEp::report_drops(int64_t dropped, int first_rank, bool eager) {
   if (dropped > 0) {
     DeviceErrorBlock& block = *comm_.device_view().error;
     block.overflow_rows += static_cast<uint32_t>(std::min<int64_t>(dropped, UINT32_MAX - block.overflow_rows));
+    if (block.overflow_rank == 0) block.overflow_rank = static_cast<uint32_t>(first_rank + 1);
   }
   if (eager) comm_.check_errors(nullptr);
+}
+
+int64_t CpuEp::agree_slot_drops(int64_t mine, int& first_rank) {
+  // NOTE: a peer writes this rank's word again only in the receive half of its next dispatch, which cannot start
+  // before this rank joined that call's entry exchange: the words read after this sync are this call's
+  for (int const r : active_)
+    std::atomic_ref<int64_t>(reinterpret_cast<int64_t*>(slot_drops_.of(r))[rank_])
+        .store(mine, std::memory_order_relaxed);
+  sync(SyncPoint::inner, StatsLeg::none);
+  auto const* const words = reinterpret_cast<int64_t const*>(slot_drops_.local);
+  int64_t total = 0;
+  first_rank = -1;
+  for (int const r : active_) {
+    int64_t const theirs = std::atomic_ref<int64_t const>(words[r]).load(std::memory_order_relaxed);
+    if (theirs > 0 && first_rank < 0) first_rank = r;
+    total += theirs;
+  }
+  return total;
 }
 
 DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
@@ -886,6 +923,23 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
   }
   for (int s = 0; s < world_; ++s) total_recv += active(s) ? matrix[at(s, world_) + rank_] : 0;
   int32_t const num_recv = static_cast<int32_t>(std::min<int64_t>(total_recv, capacity_));
+  // NOTE: kept for handles (EpBuffer::copy_rank_counts) now: a peer past this call's last barrier overwrites its row
+  rank_counts_.resize(at(world_, world_));
+  for (int s = 0; s < world_; ++s)
+    for (int d = 0; d < world_; ++d)
+      rank_counts_[at(s, world_) + static_cast<std::size_t>(d)] =
+          active(s) && active(d) ? static_cast<int32_t>(matrix[at(s, world_) + d]) : 0;
+  // 4b. every rank's rows past its capacity: every rank reads the same matrix, so every rank knows the call dropped
+  pending_row_drops_ = 0;
+  pending_drop_rank_ = -1;
+  for (int d = 0; d < world_; ++d) {
+    if (!active(d)) continue;
+    int64_t to_d = 0;
+    for (int s = 0; s < world_; ++s) to_d += active(s) ? matrix[at(s, world_) + d] : 0;
+    if (to_d <= capacity_) continue;
+    if (pending_drop_rank_ < 0) pending_drop_rank_ = d;
+    pending_row_drops_ += to_d - capacity_;
+  }
 
   // 5. push each row and its metadata into its final slot on the destination; rows past its capacity are dropped
   //    (and counted by the receiver)
@@ -976,7 +1030,6 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
   // NOTE: low-latency mode always fills the expert-major layout (its output contract).
   pending_expand_ = args.expand || low_latency_;
   pending_eager_ = args.eager;
-  pending_total_recv_ = total_recv;
   last_dispatch_ = LastDispatch{DispatchRan::dispatch, args.expand, args.return_recv_hook};
   if (args.return_recv_hook) {
     // the send half is done: this rank's rows are on every destination. Views are valid after complete_dispatch.
@@ -1085,9 +1138,16 @@ DispatchResult CpuEp::receive_dispatch() {
     }
   }
 
-  // 7. drops: rows past max_recv_tokens, and with expand, entries past expert_capacity (reported as InputError by the
-  //    check eager calls make; the result stays valid for the rows that fit)
-  report_drops((pending_total_recv_ - num_recv) + (expand ? layout_.dropped_slots : 0), pending_eager_);
+  // 7. drops over every rank: rows past a receive capacity, and with expand, entries past expert_capacity (an
+  //    InputError on every rank: now when eager, else at the next check; EpBuffer refuses combines over the layout)
+  int slot_rank = -1;
+  int64_t const slot_drops = slots_can_drop_ ? agree_slot_drops(expand ? layout_.dropped_slots : 0, slot_rank) : 0;
+  int64_t const dropped = pending_row_drops_ + slot_drops;
+  int const first = pending_drop_rank_ < 0 ? slot_rank
+                    : slot_rank < 0        ? pending_drop_rank_
+                                           : std::min(pending_drop_rank_, slot_rank);
+  result.dropped_rows = dropped;
+  report_drops(dropped, first, pending_eager_);
   return result;
 }
 
@@ -1383,6 +1443,12 @@ void CpuEp::save_handle(HandleState& handle, DispatchArgs const& args, cudaStrea
   h.expert_counts = layout_.expert_counts;
   h.fwd_rows = fwd_rows_;
   h.fwd_num = fwd_num_;
+  h.rank_counts = rank_counts_;
+}
+
+void CpuEp::copy_rank_counts(HandleState const& handle, int32_t* out, cudaStream_t) const {
+  auto const& h = static_cast<CpuHandle const&>(*handle.storage);
+  std::copy(h.rank_counts.begin(), h.rank_counts.end(), out);
 }
 
 DispatchArgs CpuEp::cached_args(HandleState const& handle, DispatchArgs args) const {

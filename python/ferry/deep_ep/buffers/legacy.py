@@ -1,109 +1,48 @@
-"""DeepEP's `deep_ep.Buffer` API over Ferry: an engine written against DeepEP switches with one import,
-
-    import ferry.deep_ep as deep_ep
-
-and keeps its calls (`Buffer(group, num_nvl_bytes, num_rdma_bytes, ...)`, `get_dispatch_layout`, `dispatch`,
-`combine`, `low_latency_dispatch`, `low_latency_combine`, ...): the same argument names, shapes, dtypes and return
-tuples. docs/deep_ep.md lists every function and argument with its status: supported, mapped (how), or refused (the
-message). What differs from DeepEP and how it is mapped, in short:
+"""DeepEP's `deep_ep.Buffer` (deep_ep/buffers/legacy.py) over Ferry: the same argument names, shapes, dtypes and
+return tuples. docs/deep_ep.md lists every function and argument with its status: supported, mapped (how), or refused
+(the message). What differs from DeepEP and how it is mapped, in short:
 
 - Ferry buffers are shaped (ferry.EpBuffer: hidden, num_experts, topk, max_tokens_per_rank, mode, formats), DeepEP's
   are byte budgets that learn shapes per call. A Buffer creates Ferry buffers lazily, one pool per (leg kind, shape,
   format), at the first call that needs it (every rank makes the same calls, so every rank creates it at the same
   call: EpBuffer construction is collective). Each pool holds two EpBuffers used in turn, as DeepEP's low-latency
   mode double-buffers: in low-latency mode a dispatch's layout stays valid for its combine while one more dispatch
-  of the same shape runs (two micro-batches in flight), and a handle from an older dispatch of that pool is
-  refused, never combined. Normal-mode handles carry their layout (below) and stay valid.
-- Normal mode: `num_nvl_bytes` sizes each EpBuffer's receive rows: max_tokens_per_rank = num_nvl_bytes // (world *
-  bytes of one received row); a call with more tokens is refused with the size that would take it. The outputs are
-  copies (DeepEP's are fresh tensors). Each dispatch saves its layout into a Ferry DispatchHandle of its own (the
-  layer's handle holds it), so a handle never goes stale, as DeepEP's: a cached dispatch (`handle=`) is Ferry's
-  cached dispatch (DispatchArgs::handle: the same rows in the same order, routed by the ids and weights the handle
-  keeps where the buffers live) and combine reads the handle's layout (CombineArgs::handle), whatever dispatches ran
-  in between. combine(topk_weights=...) (the backward of dispatch) sends each received row's fp32 weights back to
-  the source bit for bit (ferry._exact, through a small EpBuffer of the same layout shape) and sums them there over
-  the ranks in ascending order, in fp32, as DeepEP's intranode combine does.
+  of the same shape runs, and a handle from an older dispatch of that pool is refused, never combined. Normal-mode
+  handles carry their layout (a Ferry DispatchHandle) and stay valid.
+- Normal mode: `num_nvl_bytes` sizes each EpBuffer's receive rows. The outputs are copies (DeepEP's are fresh
+  tensors). A cached dispatch (`handle=`) is Ferry's cached dispatch, in the handle's format or another (the layout
+  does not depend on the format); combine reads the handle's layout. A dispatch by rank membership alone
+  (is_token_in_rank, no topk_idx) routes through Ferry's one mechanism: a synthesized routing of one id per
+  destination rank. combine(topk_weights=...) sends each received row's fp32 weights back bit for bit (ferry._exact)
+  and sums them over the ranks in ascending order, in fp32, as DeepEP's intranode combine does; a bias is added in
+  fp32 before the one rounding.
 - Low-latency mode: DeepEP's combine takes the weights, its dispatch does not, while Ferry's combine applies the
   weights its dispatch carried. The layer therefore dispatches each (token, k) pair as its own row (topk = 1 in the
-  EpBuffer, as DeepEP's low-latency kernels send one message per selected expert), combines the expert outputs back
-  unweighted (exact: one term each) and reduces them on the source with combine's topk_weights in fp32, rounded once
-  to bf16, as DeepEP does.
+  EpBuffer, as DeepEP's low-latency kernels send one message per selected expert), and the combine sums each
+  token's entries with combine's topk_weights in fp32, rounded once to bf16, as DeepEP does.
 - Streams: Ferry runs on the caller's current stream; DeepEP's comm stream, `previous_event`, `async_finish` and
-  `allocate_on_comm_stream` map onto it (see EventOverlap).
-
-Needs torch (tensors in and out, a torch.distributed group for the ranks). The cuda backend is used when
-ferry.cuda_available(), else the cpu backend with torch CPU tensors.
+  `allocate_on_comm_stream` map onto it (utils/event.py).
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
+import torch.distributed as dist
 
 import ferry
-from ferry import _exact
 
-__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "topk_idx_t"]
+from .._common import (MAX_TOPK, POOL_SIZE, Pool, PoolOwner, check_weights, combine_weights, combine_with_bias,
+                       fp8_payload_bytes, max_tokens_cap, normal_bytes, refuse, refused_call, shape_text)
+from ..utils.event import EventHandle, EventOverlap, wait_event
+
+__all__ = ["Buffer", "Config", "topk_idx_t"]
 
 topk_idx_t = torch.int64  # DeepEP's index dtype (int32 is taken too: Ferry reads either)
 _FLOAT32 = torch.float32
-
-_POOL_SIZE = 2  # EpBuffers per (kind, shape, format): DeepEP's low-latency double buffering
 _DEFAULT_HINT_TOKENS = 4096  # tokens per rank Config.get_nvl_buffer_size_hint sizes for (EpConfig's default)
-
-
-def _refuse(what: str, why: str, instead: str, error=ferry.InputError):
-    raise error(f"ferry.deep_ep: {what} is not supported: {why}; {instead}")
-
-
-# ---- events and configs ----------------------------------------------------------------------------------------
-
-
-class EventHandle:
-    """A point on the current stream (DeepEP's EventHandle): a CUDA event recorded on torch's current stream when
-    CUDA is available; on the cpu backend every call has completed when it returns, so the handle is already
-    complete and waiting on it does nothing."""
-
-    def __init__(self) -> None:
-        self._event = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            self._event = torch.cuda.Event()
-            self._event.record(torch.cuda.current_stream())
-
-    def current_stream_wait(self) -> None:
-        if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
-
-
-class EventOverlap:
-    """DeepEP's EventOverlap: an optional EventHandle and the tensors to keep alive until it completes.
-
-    Ferry enqueues every call on the caller's current stream (DeepEP: on its comm stream), so the work an event
-    stands for is already ordered before whatever the current stream runs next: current_stream_wait() and the `with`
-    form are correct and cost one event wait. `event` is None unless the call had async_finish=True (as in DeepEP).
-    """
-
-    def __init__(self, event: Optional[EventHandle] = None, extra_tensors: Optional[Tuple[torch.Tensor]] = None):
-        self.event = event
-        self.extra_tensors = extra_tensors
-
-    def current_stream_wait(self) -> None:
-        if self.event is None:
-            raise ferry.InputError("ferry.deep_ep: EventOverlap.current_stream_wait() on an empty event; the call "
-                                   "returns an event only with async_finish=True (as DeepEP)")
-        self.event.current_stream_wait()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc_val, exc_tb) -> None:
-        if self.event is not None:
-            self.event.current_stream_wait()
-
-
-# what a call without async_finish returns (DeepEP: an EventOverlap holding no event); one object, none made per call
-_NO_EVENT = EventOverlap(None)
+_MAX_LL_ROWS = 1024  # ferry::kMaxLowLatencyTokens
 
 
 class Config:
@@ -130,10 +69,10 @@ class Config:
         self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        return _normal_bytes(hidden_bytes, _MAX_TOPK, num_ranks, _DEFAULT_HINT_TOKENS)
+        return normal_bytes(hidden_bytes, MAX_TOPK, num_ranks, _DEFAULT_HINT_TOKENS)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        return 0  # within one node, as DeepEP's for num_ranks <= 8: Ferry's normal mode uses no RDMA buffer
+        return 0  # Ferry's normal mode takes its network rows from the same budget (num_nvl_bytes)
 
     def __repr__(self) -> str:
         return (f"Config(num_sms={self.num_sms}, num_max_nvl_chunked_send_tokens="
@@ -141,67 +80,60 @@ class Config:
                 f"{self.num_max_nvl_chunked_recv_tokens}, ...)")
 
 
-_MAX_TOPK = 16  # ferry::kMaxTopk: the topk a size hint plans for
-_ROW_META_BYTES = 8  # recv_src (source rank, source token) per received row
-
-
-def _normal_bytes(payload_bytes: int, topk: int, world: int, tokens_per_rank: int) -> int:
-    """Bytes of one normal-mode EpBuffer's receive rows for tokens_per_rank tokens from each of world ranks."""
-    return world * tokens_per_rank * (payload_bytes + topk * 8 + _ROW_META_BYTES)
-
-
-def _fp8_payload_bytes(hidden: int) -> int:
-    return hidden + hidden // 128 * 4  # e4m3 elements + one float32 scale per 128
-
-
 # ---- handles -----------------------------------------------------------------------------------------------------
 
-
-class _Pool:
-    """_POOL_SIZE EpBuffers of one shape, used in turn; low-latency: each counts the dispatches it ran, so a handle
-    knows whether its dispatch's layout is still the one its EpBuffer holds."""
-
-    def __init__(self, make: Callable[[], tuple]):
-        self.make = make
-        self.buffers: list = [None] * _POOL_SIZE
-        self.views: list = [None] * _POOL_SIZE  # low-latency: each buffer's cached views
-        # low-latency: the number of the dispatch each buffer holds (a handle keeps the number of its own)
-        self.generation: list = [0] * _POOL_SIZE
-        self.extras: list = [dict() for _ in range(_POOL_SIZE)]
-        self.next = 0
-        self.value_buffer = None  # normal mode: the EpBuffer combine(topk_weights=...) sends the weights back through
-        self.row_index = None  # normal mode, num_worst_tokens: [rows, 1] int64 row numbers (the -1 fill past the count)
-
-    def fill(self) -> None:
-        # NOTE: all at once, at the pool's first call: a CUDA graph captured after one eager call (an engine's
-        # warm-up) then never creates a buffer (collective, allocating) inside the capture
-        for j in range(_POOL_SIZE):
-            self.buffers[j], self.views[j] = self.make()
-
-    def take(self) -> int:
-        i = self.next
-        self.next = (i + 1) % _POOL_SIZE
-        if self.buffers[i] is None:
-            self.fill()
-        self.generation[i] += 1
-        return i
+# DeepEP's normal-mode handle tuples, and what each position is here (the others are DeepEP's channel bookkeeping,
+# which Ferry's layout does not have: reading them raises).
+_INTRANODE_FIELDS = ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
+                     "is_token_in_rank", "send_head")
+_INTERNODE_FIELDS = ("is_token_in_rank", "rdma_channel_prefix_matrix", "gbl_channel_prefix_matrix",
+                     "recv_rdma_channel_prefix_matrix", "recv_rdma_rank_prefix_sum", "recv_gbl_channel_prefix_matrix",
+                     "recv_gbl_rank_prefix_sum", "recv_src_meta", "send_rdma_head", "send_nvl_head")
 
 
 class _DispatchHandle:
-    """Normal mode's handle: opaque. Holds the Ferry DispatchHandle the dispatch saved its layout into (it fits every
-    EpBuffer of the pool: same layout shape), the pool and the slot of the EpBuffer that ran it."""
+    """Normal mode's handle, indexable as DeepEP's tuple where Ferry has the field (docs/deep_ep.md): intranode
+    handle[0] rank_prefix_matrix [W, W] int32 (entry [i, j]: rows ranks 0..i sent to rank j, the prefix sum of the
+    handle's count matrix) and handle[4] is_token_in_rank; across nodes handle[0] is_token_in_rank and handle[6]
+    (handle[-4]) recv_gbl_rank_prefix_sum [W] int32 (the rows this rank received from ranks 0..i). Computed when
+    first read (local: no communication). Holds the Ferry DispatchHandle the dispatch saved its layout into (it fits
+    every EpBuffer of the pool's layout shape), the pool and the slot of the EpBuffer that ran it."""
 
-    __slots__ = ("pool", "slot", "x_kind", "ferry_handle", "num_tokens", "lazy")
+    __slots__ = ("pool", "slot", "x_kind", "ferry_handle", "num_tokens", "lazy", "is_token_in_rank", "_counts")
 
-    def __init__(self, pool: _Pool, slot: int, x_kind, ferry_handle, num_tokens: int, lazy: bool):
+    def __init__(self, pool: Pool, slot: int, x_kind, ferry_handle, num_tokens: int, lazy: bool, is_token_in_rank):
         self.pool, self.slot, self.x_kind, self.ferry_handle = pool, slot, x_kind, ferry_handle
-        self.num_tokens, self.lazy = num_tokens, lazy
+        self.num_tokens, self.lazy, self.is_token_in_rank = num_tokens, lazy, is_token_in_rank
+        self._counts = None
+
+    def _fields(self):
+        return _INTERNODE_FIELDS if self.pool.internode else _INTRANODE_FIELDS
+
+    def __len__(self) -> int:
+        return len(self._fields())
+
+    def _rank_counts(self) -> torch.Tensor:
+        if self._counts is None:
+            self._counts = self.pool.buffers[self.slot].rank_counts(self.ferry_handle)
+        return self._counts
 
     def __getitem__(self, i):
+        fields = self._fields()
+        if not isinstance(i, int) or not -len(fields) <= i < len(fields):
+            raise IndexError(f"ferry.deep_ep: handle index {i!r} is outside the {len(fields)} fields of DeepEP's "
+                             "handle")
+        name = fields[i % len(fields)]
+        if name == "is_token_in_rank" and self.is_token_in_rank is not None:
+            return self.is_token_in_rank
+        if name == "rank_prefix_matrix":
+            return self._rank_counts().cumsum(0, dtype=torch.int32)
+        if name == "recv_gbl_rank_prefix_sum":
+            return self._rank_counts()[:, self.pool.rank].cumsum(0, dtype=torch.int32)
         raise ferry.InputError(
-            f"ferry.deep_ep: handle[{i}] is not supported: a Ferry dispatch handle is opaque (DeepEP's prefix matrices "
-            "and send heads do not exist in Ferry, whose layout is a DispatchHandle); pass the handle to combine() or "
-            "dispatch(handle=...) only")
+            f"ferry.deep_ep: handle[{i}] ({name}) is not supported: Ferry's layout has no such field (DeepEP's "
+            "channel and send-head bookkeeping); the handle provides " + ", ".join(
+                f"[{j}] {f}" for j, f in enumerate(fields)
+                if f in ("rank_prefix_matrix", "recv_gbl_rank_prefix_sum", "is_token_in_rank")))
 
 
 class _LowLatencyHandle:
@@ -247,7 +179,7 @@ class _LowLatencyHandle:
 # ---- the buffer --------------------------------------------------------------------------------------------------
 
 
-class Buffer:
+class Buffer(PoolOwner):
     """DeepEP's Buffer over Ferry. Normal mode: get_dispatch_layout, dispatch, combine; low-latency mode (with
     low_latency_mode=True): low_latency_dispatch, low_latency_combine, get_next_low_latency_combine_buffer. See the
     module's docstring and docs/deep_ep.md."""
@@ -256,25 +188,29 @@ class Buffer:
 
     def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
-                 allow_mnnvl: bool = False, use_fabric: bool = False, explicitly_destroy: bool = False,
-                 enable_shrink: bool = False, comm=None) -> None:
-        refuse = lambda what, why, instead: _refuse(what, why, instead, ferry.ConfigError)  # noqa: E731
+                 allow_mnnvl: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm=None, *, use_fabric: bool = False) -> None:
+        # NOTE: the positional order is DeepEP's newest (v2's legacy Buffer); use_fabric, which DeepEP before v2 had
+        # between allow_mnnvl and explicitly_destroy, is taken by name only
+        refuse_config = lambda what, why, instead: refuse(what, why, instead, ferry.ConfigError)  # noqa: E731
         if comm is not None:
-            refuse("comm= (an mpi4py communicator)", "Ferry's layer finds its ranks through torch.distributed",
-                   "pass group= (a torch.distributed process group)")
+            refuse_config("comm= (an mpi4py communicator)", "Ferry's layer finds its ranks through torch.distributed",
+                          "pass group= (a torch.distributed process group)")
         if group is None:
             raise ValueError("ferry.deep_ep: Buffer needs group= (a torch.distributed process group)")
         if not allow_nvlink_for_low_latency_mode:
-            refuse("allow_nvlink_for_low_latency_mode=False", "Ferry's low-latency mode moves rows over NVLink "
-                   "(load/store) within a node", "leave it True")
+            refuse_config("allow_nvlink_for_low_latency_mode=False", "Ferry's low-latency mode moves rows over NVLink "
+                          "(load/store) within a node", "leave it True")
         if allow_mnnvl:
-            refuse("allow_mnnvl=True", "Ferry runs within one node's NVLink domain", "leave it False")
+            refuse_config("allow_mnnvl=True", "Ferry's NVLink team is one node (multi-node NVLink is not used)",
+                          "leave it False")
         if use_fabric:
-            refuse("use_fabric=True", "Ferry allocates its windows through NCCL (ncclMemAlloc)", "leave it False")
+            refuse_config("use_fabric=True", "Ferry allocates its windows through NCCL (ncclMemAlloc)",
+                          "leave it False")
         if enable_shrink:
-            refuse("enable_shrink=True", "this layer does not wire Ferry's rank masking (ferry.EpBuffer("
-                   "rank_masking=True, mode='ll'), cpu backend only in this version) to DeepEP's shrink API",
-                   "leave it False, or use ferry.EpBuffer directly")
+            refuse_config("enable_shrink=True", "this layer does not wire Ferry's rank masking (ferry.EpBuffer("
+                          "rank_masking=True, mode='ll'), cpu backend only in this version) to DeepEP's shrink API",
+                          "leave it False, or use ferry.EpBuffer directly")
         if num_nvl_bytes < 0 or num_rdma_bytes < 0:
             raise ferry.ConfigError(f"ferry.deep_ep: num_nvl_bytes={num_nvl_bytes} and num_rdma_bytes="
                                     f"{num_rdma_bytes} must be >= 0")
@@ -287,12 +223,13 @@ class Buffer:
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
-        self.num_qps_per_rank = num_qps_per_rank  # NOTE: no queue pairs in Ferry (NVLink within a node): carried only
+        self.num_qps_per_rank = num_qps_per_rank  # NOTE: Ferry sets up no queue pairs of its own: carried only
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
         backend = "cuda" if ferry.cuda_available() else "cpu"
         device = torch.cuda.current_device() if backend == "cuda" else -1
         self.comm = ferry.init(group=group, backend=backend, device=device)
+        self._nodes = self.comm.topology[0]
         self._pools: dict = {}
 
     # ---- static API
@@ -319,7 +256,7 @@ class Buffer:
         if num_experts % num_ranks:
             raise ferry.ConfigError(f"ferry.deep_ep: num_experts={num_experts} is not a multiple of num_ranks="
                                     f"{num_ranks}")
-        return _ll_bytes(num_max_dispatch_tokens_per_rank, hidden * 2, num_ranks, num_experts, _MAX_TOPK)
+        return _ll_bytes(num_max_dispatch_tokens_per_rank, hidden * 2, num_ranks, num_experts, MAX_TOPK)
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
@@ -329,53 +266,29 @@ class Buffer:
     def get_combine_config(num_ranks: int) -> Config:
         return Config(Buffer.num_sms, 6, 256, 6, 128)
 
-    # ---- refused parts of DeepEP's surface
-    def get_comm_stream(self):
-        _refuse("get_comm_stream()", "Ferry has no communication stream of its own: every call runs on the caller's "
-                "current stream", "order work with the current stream (torch.cuda.current_stream())")
-
-    def get_local_buffer_tensor(self, *args, **kwargs):
-        _refuse("get_local_buffer_tensor()", "Ferry's windows are not one raw byte buffer",
-                "use the tensors the calls return (get_next_low_latency_combine_buffer for zero-copy combine input)")
-
-    def internode_dispatch(self, *args, **kwargs):
-        _refuse("internode_dispatch()", "this layer runs within one node", "call dispatch() within a node")
-
-    def internode_combine(self, *args, **kwargs):
-        _refuse("internode_combine()", "this layer runs within one node", "call combine() within a node")
-
-    def low_latency_update_mask_buffer(self, *args, **kwargs):
-        _refuse("low_latency_update_mask_buffer()", "this layer does not wire Ferry's rank masking",
-                "use ferry.EpBuffer(rank_masking=True): mask_ranks(), mask_status(), clear_mask()")
-
-    def low_latency_query_mask_buffer(self, *args, **kwargs):
-        _refuse("low_latency_query_mask_buffer()", "this layer does not wire Ferry's rank masking",
-                "use ferry.EpBuffer(rank_masking=True): mask_ranks(), mask_status(), clear_mask()")
-
-    def low_latency_clean_mask_buffer(self, *args, **kwargs):
-        _refuse("low_latency_clean_mask_buffer()", "this layer does not wire Ferry's rank masking",
-                "use ferry.EpBuffer(rank_masking=True): mask_ranks(), mask_status(), clear_mask()")
-
-    def destroy(self) -> None:
-        if not self.explicitly_destroy:
-            raise ferry.InputError("ferry.deep_ep: destroy() needs Buffer(explicitly_destroy=True) (as DeepEP)")
-        self._pools = {}
-        self.comm = None
+    # ---- refused parts of DeepEP's surface (get_comm_stream: PoolOwner)
+    get_local_buffer_tensor = refused_call(
+        "get_local_buffer_tensor()", "Ferry's windows are not one raw byte buffer",
+        "use the tensors the calls return (get_next_low_latency_combine_buffer for zero-copy combine input)")
+    internode_dispatch = refused_call("internode_dispatch()", "it is DeepEP's internal entry point (dispatch() "
+                                      "chooses it when the ranks span nodes)",
+                                      "call dispatch(): Ferry's normal mode crosses nodes by itself (hierarchical)")
+    internode_combine = refused_call("internode_combine()", "it is DeepEP's internal entry point (combine() chooses "
+                                     "it when the ranks span nodes)", "call combine()")
+    _NO_MASKING = ("this layer does not wire Ferry's rank masking",
+                   "use ferry.EpBuffer(rank_masking=True): mask_ranks(), mask_status(), clear_mask()")
+    low_latency_update_mask_buffer = refused_call("low_latency_update_mask_buffer()", *_NO_MASKING)
+    low_latency_query_mask_buffer = refused_call("low_latency_query_mask_buffer()", *_NO_MASKING)
+    low_latency_clean_mask_buffer = refused_call("low_latency_clean_mask_buffer()", *_NO_MASKING)
 
     # ---- helpers
-    def _pool(self, key, make) -> _Pool:
+    def _pool(self, key, make) -> Pool:
         pool = self._pools.get(key)
         if pool is None:
-            if self.comm is None:
-                raise ferry.InputError("ferry.deep_ep: the Buffer was destroyed")
-            pool = self._pools[key] = _Pool(make)
-            pool.key = key
+            self._alive("a call")
+            pool = self._pools[key] = Pool(key, self, make)
+            pool.rank, pool.world, pool.internode = self.rank, self.group_size, self._nodes > 1
         return pool
-
-    @staticmethod
-    def _wait_previous(previous_event: Optional[EventOverlap]) -> None:
-        if previous_event is not None:
-            previous_event.current_stream_wait()
 
     @staticmethod
     def _check_config(config) -> None:
@@ -384,24 +297,42 @@ class Buffer:
 
     @staticmethod
     def _event(async_finish: bool, tensors=None) -> EventOverlap:
-        return EventOverlap(EventHandle(), tensors) if async_finish else _NO_EVENT
+        return EventOverlap(EventHandle(), tensors) if async_finish else EventOverlap(None)
 
-    def _check_stream_args(self, previous_event, allocate_on_comm_stream) -> None:
+    @staticmethod
+    def _check_stream_args(previous_event, allocate_on_comm_stream) -> None:
         if allocate_on_comm_stream and previous_event is None:
             raise ferry.InputError("ferry.deep_ep: allocate_on_comm_stream=True needs previous_event (as DeepEP)")
+
+    def _check_handle(self, handle, kind, call: str) -> None:
+        """A handle of this Buffer's live pools (another Buffer's, or one kept past a destroy(), named)."""
+        self._alive(call)
+        if not isinstance(handle, kind):
+            what = "dispatch()" if kind is _DispatchHandle else "low_latency_dispatch()"
+            raise ferry.InputError(f"ferry.deep_ep: {call} needs handle= a handle of this layer's {what}, got "
+                                   f"{type(handle).__name__}")
+        pool = handle.pool
+        if pool.destroyed:
+            raise ferry.InputError(f"ferry.deep_ep: {call} got a handle kept past its Buffer's destroy(): its layout "
+                                   "is gone with that Buffer; pass the handle of a dispatch of this Buffer")
+        if pool.owner is not self or self._pools.get(pool.key) is not pool:
+            raise ferry.InputError(f"ferry.deep_ep: {call} got a handle of another Buffer's dispatch; pass the handle "
+                                   "of a dispatch of this Buffer")
 
     # ---- normal mode
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False):
-        """(num_tokens_per_rank [W] int32, None, num_tokens_per_expert [E] int32, is_token_in_rank [T, W] bool,
-        event), computed with torch ops on topk_idx's device (no synchronisation, graph-capturable)."""
+        """(num_tokens_per_rank [W] int32, num_tokens_per_rdma_rank [nodes] int32 or None on one node,
+        num_tokens_per_expert [E] int32, is_token_in_rank [T, W] bool, event), computed with torch ops on topk_idx's
+        device (no synchronisation, graph-capturable)."""
         self._check_stream_args(previous_event, allocate_on_comm_stream)
-        self._wait_previous(previous_event)
+        wait_event(previous_event)
         world = self.group_size
-        if topk_idx.dim() != 2 or topk_idx.dtype not in (torch.int64, torch.int32):
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or \
+                topk_idx.dtype not in (torch.int64, torch.int32):
             raise ferry.InputError(f"ferry.deep_ep: topk_idx must be [num_tokens, num_topk] int64 (or int32), got "
-                                   f"{tuple(topk_idx.shape)} {topk_idx.dtype}")
+                                   f"{shape_text(topk_idx)}")
         if num_experts % world:
             raise ferry.InputError(f"ferry.deep_ep: num_experts={num_experts} is not a multiple of the {world} ranks")
         idx = topk_idx.to(torch.int64)
@@ -412,34 +343,55 @@ class Buffer:
         in_rank.scatter_(1, rank_of, True)
         is_token_in_rank = in_rank[:, :world].contiguous()
         num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
+        num_tokens_per_rdma_rank = None
+        if self._nodes > 1:  # a token counts once per node it goes to
+            in_node = is_token_in_rank.view(idx.size(0), self._nodes, world // self._nodes).any(dim=2)
+            num_tokens_per_rdma_rank = in_node.sum(dim=0, dtype=torch.int32)
         counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=idx.device)
         counts.scatter_add_(0, torch.where(valid, idx, num_experts).view(-1),
                             torch.ones(idx.numel(), dtype=torch.int32, device=idx.device))
         num_tokens_per_expert = counts[:num_experts]
-        return (num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank,
+        return (num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank,
                 self._event(async_finish, (topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)))
 
-    def _normal_pool(self, hidden: int, num_experts: int, topk: int, fp8: bool, num_worst_tokens: int) -> _Pool:
-        key = ("normal", hidden, num_experts, topk, fp8, num_worst_tokens)
-        if key in self._pools:
-            return self._pools[key]
+    def _normal_pool(self, hidden: int, num_experts: int, topk: int, fp8: bool, num_worst_tokens: int,
+                     max_tokens: Optional[int] = None) -> Pool:
+        """The pool of this shape: max_tokens_per_rank from num_nvl_bytes, or (a cached dispatch in another format
+        or hidden size) the handle's, so that its layout fits."""
+        key = ("normal", hidden, num_experts, topk, fp8, num_worst_tokens) + (() if max_tokens is None else
+                                                                              (max_tokens,))
+        pool = self._pools.get(key)
+        if pool is not None:
+            return pool
         world = self.group_size
-        payload = _fp8_payload_bytes(hidden) if fp8 else hidden * 2
-        per_token = _normal_bytes(payload, topk, world, 1)
-        max_tokens = self.num_nvl_bytes // per_token
-        if max_tokens < 1:
-            _refuse(f"num_nvl_bytes={self.num_nvl_bytes} for normal-mode dispatch of hidden={hidden}",
-                    f"one token per rank needs {per_token} bytes (world {world} x {payload} payload + topk "
-                    f"{topk} x 8 + 8 bytes per received row)",
-                    "create the Buffer with num_nvl_bytes = Config().get_nvl_buffer_size_hint(hidden * 2, num_ranks) "
-                    "or more", ferry.ConfigError)
+        payload = fp8_payload_bytes(hidden) if fp8 else hidden * 2
+        if max_tokens is None:
+            per_token = normal_bytes(payload, topk, world, 1)
+            max_tokens = min(self.num_nvl_bytes // per_token, max_tokens_cap(world, topk))
+            if max_tokens < 1:
+                refuse(f"num_nvl_bytes={self.num_nvl_bytes} for normal-mode dispatch of hidden={hidden}",
+                       f"one token per rank needs {per_token} bytes (world {world} x {payload} payload + topk "
+                       f"{topk} x 8 + 8 bytes per received row)",
+                       "create the Buffer with num_nvl_bytes = Config().get_nvl_buffer_size_hint(hidden * 2, "
+                       "num_ranks) or more", ferry.ConfigError)
         kwargs = dict(hidden=hidden, num_experts=num_experts, topk=topk, max_tokens_per_rank=max_tokens,
                       dispatch_format="fp8" if fp8 else "bf16")
         if num_worst_tokens:
             kwargs["max_recv_tokens"] = num_worst_tokens
         pool = self._pool(key, lambda: (ferry.EpBuffer(self.comm, **kwargs), None))
-        pool.max_tokens, pool.topk = max_tokens, topk
+        pool.max_tokens, pool.topk, pool.num_experts, pool.worst = max_tokens, topk, num_experts, num_worst_tokens
         return pool
+
+    @staticmethod
+    def _split_x(x):
+        x, x_scales = x if isinstance(x, tuple) else (x, None)
+        if x_scales is not None:
+            if x_scales.dtype != torch.float32 or x_scales.dim() != 2:
+                refuse(f"x_scales of dtype {x_scales.dtype} and shape {tuple(x_scales.shape)}",
+                       "Ferry's fp8 input takes one float32 scale per 128 elements",
+                       "pass (x [T, hidden] float8_e4m3fn, scales [T, hidden // 128] float32)")
+            x_scales = x_scales.contiguous()  # DeepEP takes column-major scales too; Ferry reads row-major
+        return x, x_scales
 
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle=None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
@@ -451,84 +403,53 @@ class Buffer:
                  allocate_on_comm_stream: bool = False):
         """Normal-mode dispatch. Returns (recv_x or (recv_x, recv_x_scales), recv_topk_idx, recv_topk_weights,
         num_recv_tokens_per_expert_list, handle, event) as DeepEP: rows ordered by (source rank, source token);
-        recv_topk_idx int64 local expert ids (-1 elsewhere), recv_topk_weights float32 (0 where -1)."""
+        recv_topk_idx local expert ids (-1 elsewhere), recv_topk_weights float32 (0 where -1)."""
         if config is not None:
             self._check_config(config)
         if allocate_on_comm_stream:
             self._check_stream_args(previous_event, allocate_on_comm_stream)
-        if num_tokens_per_rdma_rank is not None:
-            _refuse("num_tokens_per_rdma_rank", "this layer runs within one node (get_dispatch_layout returns None "
-                    "for it)", "pass None")
         if expert_alignment < 1:
             raise ferry.InputError(f"ferry.deep_ep: expert_alignment={expert_alignment} must be >= 1")
-        x, x_scales = x if isinstance(x, tuple) else (x, None)
-        fp8 = x_scales is not None
-        if fp8:
-            if x_scales.dtype != torch.float32 or x_scales.dim() != 2:
-                _refuse(f"x_scales of dtype {x_scales.dtype} and shape {tuple(x_scales.shape)}",
-                        "Ferry's fp8 input takes one float32 scale per 128 elements",
-                        "pass (x [T, hidden] float8_e4m3fn, scales [T, hidden // 128] float32)")
-            x_scales = x_scales.contiguous()  # DeepEP takes column-major scales too; Ferry reads row-major
+        x, x_scales = self._split_x(x)
         if handle is not None:
-            # cached dispatch: Ferry's, by the handle's saved layout (the same rows, same order; no routing inputs)
-            if topk_idx is not None or topk_weights is not None:
-                raise ferry.InputError("ferry.deep_ep: dispatch(handle=...) takes no topk_idx / topk_weights (as "
-                                       "DeepEP: the handle holds the routing)")
-            self._normal_handle(handle, "dispatch(handle=...)")
-            if x.size(0) != handle.num_tokens or handle.x_kind != (x.size(1), fp8):
-                # NOTE: a Ferry handle fits any EpBuffer of its layout shape, but the pool of another hidden size or
-                # input format has another max_tokens_per_rank (num_nvl_bytes // its row bytes), so it does not fit
-                raise ferry.InputError(
-                    f"ferry.deep_ep: dispatch(handle=...) got x of {tuple(x.shape)} ({'fp8' if fp8 else 'bf16'}); the "
-                    f"handle's dispatch had {handle.num_tokens} tokens of hidden={handle.x_kind[0]} "
-                    f"({'fp8' if handle.x_kind[1] else 'bf16'}); a cached dispatch takes x of that shape and format")
-            if num_worst_tokens or expert_alignment != 1:
-                raise ferry.InputError("ferry.deep_ep: dispatch(handle=...) takes the num_worst_tokens and "
-                                       "expert_alignment of the handle's dispatch; leave them at their defaults")
-            self._wait_previous(previous_event)
-            buf = handle.pool.buffers[handle.slot]
-            recv_x, recv_scales = buf.dispatch_owned(x, x_scales=x_scales, eager=not handle.lazy,
-                                                     handle=handle.ferry_handle)[:2]
-            event = self._event(async_finish, (x,))
-            return (recv_x, recv_scales) if fp8 else recv_x, None, None, None, None, event
-        if topk_idx is None or topk_weights is None:
-            _refuse("dispatch without topk_idx / topk_weights (routing by is_token_in_rank alone)",
-                    "Ferry routes by expert id", "pass topk_idx and topk_weights (or handle= for a cached dispatch)")
+            return self._cached_dispatch(x, x_scales, handle, topk_idx, topk_weights, num_worst_tokens,
+                                         expert_alignment, previous_event, async_finish)
         if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
             raise ferry.InputError("ferry.deep_ep: dispatch needs num_tokens_per_rank, is_token_in_rank and "
                                    "num_tokens_per_expert from get_dispatch_layout (as DeepEP)")
+        if topk_idx is None and topk_weights is None:
+            return self._rank_dispatch(x, x_scales, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                       num_tokens_per_expert, expert_alignment, num_worst_tokens, previous_event,
+                                       async_finish)
+        if topk_idx is None or topk_weights is None:
+            raise ferry.InputError("ferry.deep_ep: dispatch takes topk_idx and topk_weights together (or neither, "
+                                   "to route by is_token_in_rank alone)")
         world = self.group_size
         try:
             num_tokens, hidden = x.shape
             _, topk = topk_idx.shape
         except (AttributeError, ValueError):
             raise ferry.InputError(f"ferry.deep_ep: x must be [num_tokens, hidden] and topk_idx [num_tokens, num_topk],"
-                                   f" got x {_shape_text(x)} and topk_idx {_shape_text(topk_idx)}") from None
+                                   f" got x {shape_text(x)} and topk_idx {shape_text(topk_idx)}") from None
         num_experts = num_tokens_per_expert.numel()
         # NOTE: the layout tensors are what get_dispatch_layout derives from topk_idx; Ferry derives the same layout
         # itself (its count exchange), so only their shapes are checked here: num_tokens_per_expert gives num_experts.
         # The binding checks x, topk_idx and topk_weights (shapes, dtypes, placement), collectively.
-        if num_tokens_per_rank.shape != (world,) or is_token_in_rank.shape != (num_tokens, world):
-            raise ferry.InputError(
-                f"ferry.deep_ep: num_tokens_per_rank {tuple(num_tokens_per_rank.shape)} / is_token_in_rank "
-                f"{tuple(is_token_in_rank.shape)} must be [{world}] / [{num_tokens}, {world}] (get_dispatch_layout)")
+        self._check_layout_shapes(num_tokens, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank)
+        fp8 = x_scales is not None
         pool = self._pools.get(("normal", hidden, num_experts, topk, fp8, num_worst_tokens))
         if pool is None:
             pool = self._normal_pool(hidden, num_experts, topk, fp8, num_worst_tokens)
-        if num_tokens > pool.max_tokens:
-            need = _normal_bytes(_fp8_payload_bytes(hidden) if fp8 else hidden * 2, topk, world, num_tokens)
-            _refuse(f"dispatch of {num_tokens} tokens with num_nvl_bytes={self.num_nvl_bytes}",
-                    f"that budget holds {pool.max_tokens} tokens per rank at hidden={hidden}, topk={topk}",
-                    f"create the Buffer with num_nvl_bytes >= {need}")
+        self._check_budget(pool, num_tokens, hidden, topk, fp8)
         if previous_event is not None:
-            previous_event.current_stream_wait()
+            wait_event(previous_event)
         slot = pool.take()
         lazy = num_worst_tokens > 0
         # NOTE: the binding copies the rows, ids (int64 when topk_idx is) and weights into fresh tensors (DeepEP's
         # outputs are the caller's) and reads the counts, with no torch op here
-        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, counts, saved, num_recv = pool.buffers[
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, counts, saved, num_recv, _ = pool.buffers[
             slot].dispatch_owned(x, topk_idx, topk_weights, x_scales=x_scales, eager=not lazy, save_handle=True)
-        handle = _DispatchHandle(pool, slot, (hidden, fp8), saved, num_tokens, lazy)
+        handle = _DispatchHandle(pool, slot, (hidden, fp8), saved, num_tokens, lazy, is_token_in_rank)
         if lazy:
             # rows past the count: -1 ids (as DeepEP), found on the device (no synchronisation)
             rows = pool.row_index
@@ -538,109 +459,167 @@ class Buffer:
             counts = []
         elif expert_alignment != 1:
             counts = [-(-c // expert_alignment) * expert_alignment for c in counts]
-        event = _NO_EVENT if not async_finish else self._event(True, (x,))
+        event = EventOverlap(None) if not async_finish else self._event(True, (x,))
         return (recv_x, recv_scales) if fp8 else recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event
+
+    def _check_layout_shapes(self, num_tokens, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank):
+        world = self.group_size
+        if tuple(num_tokens_per_rank.shape) != (world,) or tuple(is_token_in_rank.shape) != (num_tokens, world):
+            raise ferry.InputError(
+                f"ferry.deep_ep: num_tokens_per_rank {tuple(num_tokens_per_rank.shape)} / is_token_in_rank "
+                f"{tuple(is_token_in_rank.shape)} must be [{world}] / [{num_tokens}, {world}] (get_dispatch_layout)")
+        # NOTE: within a node DeepEP does not read num_tokens_per_rdma_rank either; across nodes its shape is checked
+        if self._nodes > 1 and num_tokens_per_rdma_rank is not None and \
+                tuple(num_tokens_per_rdma_rank.shape) != (self._nodes,):
+            raise ferry.InputError(f"ferry.deep_ep: num_tokens_per_rdma_rank {tuple(num_tokens_per_rdma_rank.shape)} "
+                                   f"must be [{self._nodes}] (one count per node, get_dispatch_layout)")
+
+    def _check_budget(self, pool: Pool, num_tokens: int, hidden: int, topk: int, fp8: bool) -> None:
+        if num_tokens > pool.max_tokens:
+            need = normal_bytes(fp8_payload_bytes(hidden) if fp8 else hidden * 2, topk, self.group_size, num_tokens)
+            refuse(f"dispatch of {num_tokens} tokens with num_nvl_bytes={self.num_nvl_bytes}",
+                   f"that budget holds {pool.max_tokens} tokens per rank at hidden={hidden}, topk={topk}",
+                   f"create the Buffer with num_nvl_bytes >= {need}")
+
+    def _rank_dispatch(self, x, x_scales, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                       num_tokens_per_expert, expert_alignment, num_worst_tokens, previous_event, async_finish):
+        """Dispatch by rank membership alone (is_token_in_rank, no topk_idx): Ferry's dispatch of a synthesized
+        routing, one column per rank, naming that rank's first expert where the token goes there (-1 elsewhere), so
+        the wire carries each token once per marked rank, exactly as routed rows. recv_topk_idx / recv_topk_weights
+        are None (as DeepEP); the per-expert counts are the sums over the ranks of num_tokens_per_expert of this
+        rank's experts (one all_reduce of the group, eager calls only)."""
+        world = self.group_size
+        if world > MAX_TOPK:
+            refuse(f"dispatch by is_token_in_rank alone at {world} ranks", f"Ferry's routing carries at most "
+                   f"{MAX_TOPK} destinations per token (one synthesized id per rank)",
+                   "pass topk_idx and topk_weights (the routing by expert takes any world)")
+        try:
+            num_tokens, hidden = x.shape
+        except (AttributeError, ValueError):
+            raise ferry.InputError(f"ferry.deep_ep: x must be [num_tokens, hidden], got {shape_text(x)}") from None
+        self._check_layout_shapes(num_tokens, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank)
+        num_experts = num_tokens_per_expert.numel()
+        if is_token_in_rank.dtype != torch.bool or num_experts % world:
+            raise ferry.InputError(f"ferry.deep_ep: is_token_in_rank must be bool and num_tokens_per_expert hold a "
+                                   f"multiple of {world} experts, got {shape_text(is_token_in_rank)} and "
+                                   f"{shape_text(num_tokens_per_expert)}")
+        fp8 = x_scales is not None
+        pool = self._normal_pool(hidden, num_experts, world, fp8, num_worst_tokens)
+        self._check_budget(pool, num_tokens, hidden, world, fp8)
+        firsts = pool.extras[0].get("rank_firsts")
+        if firsts is None or firsts.device != is_token_in_rank.device:
+            firsts = torch.arange(world, dtype=torch.int64, device=is_token_in_rank.device) * (num_experts // world)
+            ones = torch.ones((pool.max_tokens * world,), dtype=torch.float32, device=is_token_in_rank.device)
+            pool.extras[0].update(rank_firsts=firsts, ones=ones)
+        topk_idx = torch.where(is_token_in_rank, firsts, -1)
+        weights = pool.extras[0]["ones"][:num_tokens * world].view(num_tokens, world)
+        wait_event(previous_event)
+        slot = pool.take()
+        lazy = num_worst_tokens > 0
+        recv_x, recv_scales, _, _, _, saved, _, _ = pool.buffers[slot].dispatch_owned(
+            x, topk_idx, weights, x_scales=x_scales, eager=not lazy, save_handle=True)
+        handle = _DispatchHandle(pool, slot, (hidden, fp8), saved, num_tokens, lazy, is_token_in_rank)
+        counts = []
+        if not lazy:
+            total = num_tokens_per_expert.to(torch.int32, copy=True)
+            dist.all_reduce(total, group=self.group)
+            counts = [-(-c // expert_alignment) * expert_alignment for c in total.view(world, -1)[self.rank].tolist()]
+        event = self._event(async_finish, (x,))
+        return (recv_x, recv_scales) if fp8 else recv_x, None, None, counts, handle, event
+
+    def _cached_dispatch(self, x, x_scales, handle, topk_idx, topk_weights, num_worst_tokens, expert_alignment,
+                         previous_event, async_finish):
+        """Ferry's cached dispatch (DispatchArgs::handle): the same rows in the same order, routed by the layout the
+        handle keeps where the buffers live (no host copies, no synchronisation). x may be in another format or of
+        another hidden size than the handle's dispatch (the layout does not depend on either): its EpBuffer is then
+        one of the handle's layout shape in that format."""
+        if topk_idx is not None or topk_weights is not None:
+            raise ferry.InputError("ferry.deep_ep: dispatch(handle=...) takes no topk_idx / topk_weights (as DeepEP: "
+                                   "the handle holds the routing)")
+        if type(handle) is not _DispatchHandle or handle.pool.owner is not self or handle.pool.destroyed:
+            self._check_handle(handle, _DispatchHandle, "dispatch(handle=...)")
+        if num_worst_tokens or expert_alignment != 1:
+            raise ferry.InputError("ferry.deep_ep: dispatch(handle=...) takes the num_worst_tokens and "
+                                   "expert_alignment of the handle's dispatch; leave them at their defaults")
+        fp8 = x_scales is not None
+        try:
+            num_tokens, hidden = x.shape
+        except (AttributeError, ValueError):
+            raise ferry.InputError(f"ferry.deep_ep: x must be [num_tokens, hidden], got {shape_text(x)}") from None
+        if num_tokens != handle.num_tokens:
+            raise ferry.InputError(f"ferry.deep_ep: dispatch(handle=...) got x of {num_tokens} tokens; the handle's "
+                                   f"dispatch had {handle.num_tokens}, and a cached dispatch sends the same tokens")
+        pool = handle.pool
+        buf = pool.buffers[handle.slot]
+        if handle.x_kind != (hidden, fp8):
+            pool = self._normal_pool(hidden, pool.num_experts, pool.topk, fp8, pool.worst, max_tokens=pool.max_tokens)
+            if pool.buffers[0] is None:
+                pool.fill()
+            buf = pool.buffers[0]
+        wait_event(previous_event)
+        recv_x, recv_scales = buf.dispatch_owned(x, x_scales=x_scales, eager=not handle.lazy,
+                                                 handle=handle.ferry_handle)[:2]
+        event = self._event(async_finish, (x,))
+        return (recv_x, recv_scales) if fp8 else recv_x, None, None, None, None, event
 
     def combine(self, x: torch.Tensor, handle, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None, config: Optional[Config] = None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False):
         """Normal-mode combine of the handle's dispatch: the sum of each token's rows over the ranks it went to (no
-        weights), bf16 accumulated in fp32 and rounded once. With topk_weights [num_recv_rows, topk] float32 (the
-        backward of dispatch: the gradient of recv_topk_weights) also combined_topk_weights [T, topk] float32, the
-        fp32 sum of each token's topk_weights rows over the ranks it went to, in ascending rank order (DeepEP's
-        intranode combine), bit for bit. Returns (combined_x [T, hidden] bf16, combined_topk_weights or None,
-        event)."""
+        weights), accumulated in fp32 and rounded once, with the bias (one tensor or two) added in fp32 before the
+        rounding. With topk_weights [rows of x, topk] float32 (the backward of dispatch) also combined_topk_weights
+        [T, topk] float32, the fp32 sum of each token's topk_weights rows over the ranks it went to, in ascending
+        rank order (DeepEP's intranode combine), bit for bit. Returns (combined_x [T, hidden] bf16,
+        combined_topk_weights or None, event)."""
         if config is not None:
             self._check_config(config)
         if allocate_on_comm_stream:
             self._check_stream_args(previous_event, allocate_on_comm_stream)
-        if bias is not None:
-            _refuse("combine(bias=...)", "Ferry's combine fuses no bias (adding it afterwards rounds twice, which "
-                    "DeepEP does not)", "add the bias to combined_x yourself")
-        if type(handle) is not _DispatchHandle or self._pools.get(handle.pool.key) is not handle.pool:
-            self._normal_handle(handle, "combine()")  # raises
+        if type(handle) is not _DispatchHandle or handle.pool.owner is not self or handle.pool.destroyed or \
+                self.comm is None:
+            self._check_handle(handle, _DispatchHandle, "combine()")
         pool = handle.pool
+        buf = pool.buffers[handle.slot]
         if topk_weights is not None:
-            if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32 or \
-                    tuple(topk_weights.shape) != (x.size(0), pool.topk):
-                got = (f"{tuple(topk_weights.shape)} {topk_weights.dtype}" if isinstance(topk_weights, torch.Tensor)
-                       else type(topk_weights).__name__)
-                raise ferry.InputError(
-                    f"ferry.deep_ep: combine(topk_weights=...) must be [{x.size(0)}, {pool.topk}] float32 (a row of "
-                    f"top-k weights per row of x, as DeepEP), got {got}")
-            if topk_weights.device != x.device:
-                raise ferry.InputError(f"ferry.deep_ep: combine(topk_weights=...) is on {topk_weights.device}, x on "
-                                       f"{x.device}; pass both on the same device")
+            check_weights(topk_weights, x.size(0), x.device, "combine")
         if previous_event is not None:
-            previous_event.current_stream_wait()
-        y = pool.buffers[handle.slot].combine(x, "rank", eager=False, handle=handle.ferry_handle)
+            wait_event(previous_event)
+        if bias is None:
+            y = buf.combine(x, "rank", eager=False, handle=handle.ferry_handle)
+        else:
+            y = combine_with_bias(buf, handle.ferry_handle, x, bias, handle.num_tokens, x.size(1))
         if topk_weights is None:
-            return y, None, _NO_EVENT if not async_finish else self._event(True, (x, y))
-        combined_w = self._combine_weights(pool, handle, topk_weights)
+            return y, None, EventOverlap(None) if not async_finish else self._event(True, (x, y))
+        combined_w = combine_weights(self.comm, pool, handle.ferry_handle, topk_weights, self.group_size, self.rank)
         return y, combined_w, self._event(async_finish, (x, y, combined_w))
-
-    def _combine_weights(self, pool: _Pool, handle: _DispatchHandle, topk_weights: torch.Tensor) -> torch.Tensor:
-        """combined[t, k] = fp32 sum over r ascending of rank r's topk_weights row of token t (0 where r did not
-        receive t): each rank's rows travel back in their own columns (rank r's in columns r * topk.., so each column
-        has one sender: ferry._exact's contract), and the source adds the ranks in order, as DeepEP's kernel does."""
-        world, rank, topk = self.group_size, self.rank, pool.topk
-        if pool.value_buffer is None:
-            # NOTE: collective, at the pool's first combine with topk_weights (every rank makes the same calls)
-            pool.value_buffer = _exact.value_buffer(self.comm, pool.buffers[0], world * topk)
-        rows = topk_weights.size(0)
-        values = torch.zeros((rows, world, topk), dtype=torch.float32, device=topk_weights.device)
-        values[:, rank] = topk_weights
-        per_rank = _exact.send_back(pool.value_buffer, handle.ferry_handle, values.view(rows, world * topk),
-                                    eager=False).view(-1, world, topk)
-        combined = torch.zeros((per_rank.size(0), topk), dtype=torch.float32, device=per_rank.device)
-        for r in range(world):  # NOTE: one fp32 add per rank, in rank order (a torch.sum could reorder)
-            combined = combined + per_rank[:, r]
-        return combined
-
-    def _normal_handle(self, handle, call: str) -> None:
-        if not isinstance(handle, _DispatchHandle):
-            raise ferry.InputError(f"ferry.deep_ep: {call} needs handle= a handle of this layer's dispatch(), got "
-                                   f"{type(handle).__name__}")
-        if self._pools.get(handle.pool.key) is not handle.pool:
-            raise ferry.InputError(f"ferry.deep_ep: {call} got a handle of another Buffer's dispatch (or of this "
-                                   "Buffer before destroy()); pass the handle of this Buffer's dispatch")
-
-    def _current(self, handle, kind, call: str):
-        if not isinstance(handle, kind):
-            raise ferry.InputError(f"ferry.deep_ep: handle is not a handle of this layer's {call}()")
-        if handle.pool.generation[handle.slot] != handle.generation:
-            raise ferry.InputError(
-                f"ferry.deep_ep: this handle's {call} was overwritten by later calls of the same shape: a Buffer keeps "
-                f"the layouts of the last {_POOL_SIZE} dispatches per shape (as DeepEP's low-latency double buffer); "
-                "combine before that, or use another Buffer for more micro-batches in flight")
-        return handle.pool.buffers[handle.slot]
 
     # ---- low-latency mode
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Nothing to clean in Ferry: every call carries a sequence number, so its buffers never need zeroing between
         normal and low-latency calls. Checks the arguments as a low-latency call of these shapes would."""
+        self._alive("clean_low_latency_buffer()")
         self._ll_check(num_max_dispatch_tokens_per_rank, hidden, num_experts, 1)
 
     def _ll_check(self, max_tokens: int, hidden: int, num_experts: int, topk: int) -> None:
         if not self.low_latency_mode:
-            _refuse("a low-latency call on a Buffer(low_latency_mode=False)", "its buffers are sized for normal mode",
+            refuse("a low-latency call on a Buffer(low_latency_mode=False)", "its buffers are sized for normal mode",
                     "create the Buffer with low_latency_mode=True and num_rdma_bytes from "
                     "get_low_latency_rdma_size_hint", ferry.ConfigError)
         if num_experts % self.group_size:
             raise ferry.InputError(f"ferry.deep_ep: num_experts={num_experts} is not a multiple of the "
                                    f"{self.group_size} ranks")
         if max_tokens * topk > _MAX_LL_ROWS:
-            _refuse(f"num_max_dispatch_tokens_per_rank={max_tokens} with num_topk={topk}",
+            refuse(f"num_max_dispatch_tokens_per_rank={max_tokens} with num_topk={topk}",
                     f"the layer sends each (token, k) pair as a row and Ferry's low-latency mode takes at most "
                     f"{_MAX_LL_ROWS} rows per rank", f"use num_max_dispatch_tokens_per_rank <= {_MAX_LL_ROWS // topk}")
         need = _ll_bytes(max_tokens, hidden * 2, self.group_size, num_experts, topk)
         if self.num_rdma_bytes < need:
-            _refuse(f"num_rdma_bytes={self.num_rdma_bytes} for low-latency calls of "
+            refuse(f"num_rdma_bytes={self.num_rdma_bytes} for low-latency calls of "
                     f"num_max_dispatch_tokens_per_rank={max_tokens}, hidden={hidden}, num_experts={num_experts}",
                     f"they need {need} bytes", "size it with Buffer.get_low_latency_rdma_size_hint", ferry.ConfigError)
 
-    def _ll_pool(self, max_tokens, hidden, num_experts, topk, fmt) -> _Pool:
+    def _ll_pool(self, max_tokens, hidden, num_experts, topk, fmt) -> Pool:
         key = ("ll", max_tokens, hidden, num_experts, topk, fmt)
         pool = self._pools.get(key)
         if pool is not None:
@@ -666,13 +645,23 @@ class Buffer:
 
         device = torch.device("cuda", self.comm.device) if self.comm.backend == "cuda" else torch.device("cpu")
         pool = self._pool(key, make)
-        pool.rank, pool.world, pool.max_tokens, pool.hidden, pool.num_experts = (self.rank, world, max_tokens, hidden,
-                                                                                 num_experts)
+        pool.max_tokens, pool.hidden, pool.num_experts = max_tokens, hidden, num_experts
         # the entries' weights (1), made with the pool (outside any capture), and their [T, topk] views per T
         pool.ones_base = torch.ones((max_tokens * topk,), dtype=torch.float32, device=device)
         pool.ones = {}
         pool.fill()  # (collective; if it raises, the pool's next call makes them again: take())
         return pool
+
+    def _current(self, handle, call: str):
+        """The EpBuffer of a low-latency handle of this Buffer whose layout is still held (the reasons named)."""
+        self._check_handle(handle, _LowLatencyHandle, call)
+        if handle.pool.generation[handle.slot] != handle.generation:
+            raise ferry.InputError(
+                f"ferry.deep_ep: {call}: this handle's low_latency_dispatch was overwritten by later calls of the same "
+                f"shape: a Buffer keeps the layouts of the last {POOL_SIZE} dispatches per shape (as DeepEP's "
+                "low-latency double buffer); combine before that, or use another Buffer for more micro-batches in "
+                "flight")
+        return handle.pool.buffers[handle.slot]
 
     @staticmethod
     def _ll_views(views, got):
@@ -692,8 +681,10 @@ class Buffer:
         num_max_dispatch_tokens_per_rank, hidden] bf16, or with use_fp8 (float8_e4m3fn rows, scales [E_local, rows,
         hidden // 128] float32, or with use_ue8m0 [E_local, rows, hidden // 512] int32 packed exponents; the scales'
         last two dimensions column-major). Valid until the second next low-latency dispatch of the same shape."""
+        if self.comm is None:
+            self._alive("low_latency_dispatch()")
         if dispatch_wait_recv_cost_stats is not None:
-            _refuse("dispatch_wait_recv_cost_stats", "Ferry records no per-rank receive wait times",
+            refuse("dispatch_wait_recv_cost_stats", "Ferry records no per-rank receive wait times",
                     "pass None (ferry trace records per-phase times: docs/design.md)")
         if async_finish and return_recv_hook:
             raise ferry.InputError("ferry.deep_ep: async_finish and return_recv_hook cannot both be set (as DeepEP)")
@@ -713,7 +704,7 @@ class Buffer:
         if idx_tokens is None or idx_tokens != num_tokens:
             raise ferry.InputError(
                 f"ferry.deep_ep: x must be [num_tokens, hidden] bfloat16 and topk_idx [num_tokens, num_topk], got x "
-                f"{_shape_text(x)} and topk_idx {_shape_text(topk_idx)}")
+                f"{shape_text(x)} and topk_idx {shape_text(topk_idx)}")
         if num_tokens > num_max_dispatch_tokens_per_rank:
             raise ferry.InputError(f"ferry.deep_ep: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank="
                                    f"{num_max_dispatch_tokens_per_rank}")
@@ -740,7 +731,7 @@ class Buffer:
             else:
                 self._ll_views(got, sent)
             return (got.expert_x, got.expert_counts, handle,
-                    _NO_EVENT if not async_finish else self._event(True, (x, topk_idx)), hook)
+                    EventOverlap(None) if not async_finish else self._event(True, (x, topk_idx)), hook)
         if not return_recv_hook:
             self._ll_views(got, sent)
         rows = got.expert_slots
@@ -774,7 +765,7 @@ class Buffer:
     def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
         """The [num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden] bf16 tensor that
         low_latency_combine(..., zero_copy=True) combines from (instead of x) for this handle's combine."""
-        self._current(handle, _LowLatencyHandle, "low_latency_dispatch")
+        self._current(handle, "get_next_low_latency_combine_buffer()")
         extras = handle.pool.extras[handle.slot]
         staged = extras.get("combine_input")
         if staged is None:
@@ -791,14 +782,15 @@ class Buffer:
         """y[t] = sum_k topk_weights[t, k] * x(t, k) over the k with topk_idx[t, k] >= 0, in fp32, rounded once to
         bf16. Returns (combined_x [num_tokens, hidden] bf16 (out when given), event, hook)."""
         if use_logfmt:
-            _refuse("use_logfmt=True", "Ferry has no LogFMT wire format (its combine formats are bf16, fp8 and fp4: "
+            refuse("use_logfmt=True", "Ferry has no LogFMT wire format (its combine formats are bf16, fp8 and fp4: "
                     "docs/quant.md)", "pass use_logfmt=False")
         if combine_wait_recv_cost_stats is not None:
-            _refuse("combine_wait_recv_cost_stats", "Ferry records no per-rank receive wait times", "pass None")
+            refuse("combine_wait_recv_cost_stats", "Ferry records no per-rank receive wait times", "pass None")
         if async_finish and return_recv_hook:
             raise ferry.InputError("ferry.deep_ep: async_finish and return_recv_hook cannot both be set (as DeepEP)")
-        if type(handle) is not _LowLatencyHandle or handle.pool.generation[handle.slot] != handle.generation:
-            self._current(handle, _LowLatencyHandle, "low_latency_dispatch")  # raises
+        if type(handle) is not _LowLatencyHandle or handle.pool.owner is not self or handle.pool.destroyed or \
+                handle.pool.generation[handle.slot] != handle.generation or self.comm is None:
+            self._current(handle, "low_latency_combine()")  # raises
         buf = handle.pool.buffers[handle.slot]
         num_tokens, topk = handle.num_tokens, handle.topk
         if topk_idx is handle.topk_idx:
@@ -812,7 +804,7 @@ class Buffer:
             weights = topk_weights.masked_fill(topk_idx < 0, 0.0) if shapes_ok else None
         if not shapes_ok:
             raise ferry.InputError(
-                f"ferry.deep_ep: topk_idx {_shape_text(topk_idx)} and topk_weights {_shape_text(topk_weights)} must "
+                f"ferry.deep_ep: topk_idx {shape_text(topk_idx)} and topk_weights {shape_text(topk_weights)} must "
                 f"be [{num_tokens}, {topk}], those of the handle's dispatch")
         if weights.dtype is not _FLOAT32:
             weights = weights.float()
@@ -822,15 +814,8 @@ class Buffer:
         # (CombineArgs::group), into out; the binding checks x, out and the weights' dtype and layout
         out = buf.combine(source, "expert", out=out, eager=False, return_recv_hook=return_recv_hook, group=topk,
                           group_weights=weights)
-        return (out, _NO_EVENT if not async_finish else self._event(True, (x, topk_idx, topk_weights, out)),
+        return (out, EventOverlap(None) if not async_finish else self._event(True, (x, topk_idx, topk_weights, out)),
                 buf.complete_combine if return_recv_hook else None)
-
-
-def _shape_text(t) -> str:
-    return f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-
-
-_MAX_LL_ROWS = 1024  # ferry::kMaxLowLatencyTokens
 
 
 def _ll_bytes(max_tokens: int, row_bytes: int, world: int, num_experts: int, topk: int) -> int:
@@ -839,7 +824,7 @@ def _ll_bytes(max_tokens: int, row_bytes: int, world: int, num_experts: int, top
     local = num_experts // world
     expert_rows = local * world * max_tokens * row_bytes
     pair_rows = world * max_tokens * topk * (row_bytes + 16)
-    return _POOL_SIZE * 2 * (expert_rows + pair_rows)
+    return POOL_SIZE * 2 * (expert_rows + pair_rows)
 
 
 def _ll_src_info(handle: _LowLatencyHandle) -> torch.Tensor:
