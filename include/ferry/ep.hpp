@@ -21,7 +21,6 @@
 
 namespace ferry {
 
-
 // How low-latency rows reach the ranks of other nodes (docs/internode.md): forward: once per destination node, to
 // the rank of the source's local index there, which forwards them over NVLink (and combine reduces each node's rows
 // first, as normal mode always does); direct: one put per (token, remote rank), combine summing the ranks as on one
@@ -389,8 +388,8 @@ class EpBuffer {
   // The count matrix of the dispatch the handle saved: out[s * world + d] = the rows rank s sent to rank d (int32,
   // world * world, 4-byte aligned memory of this communicator's device; host memory on cpu), enqueued on `stream`.
   // What a caller needs for per-source offsets (DeepEP's rank_prefix_matrix is its prefix sum over s). Local, not
-  // collective. InputError for a handle that does not fit or holds no layout; ConfigError on a backend whose handles
-  // do not keep the matrix in this version (cuda).
+  // collective. InputError for a handle that does not fit or holds no layout; ConfigError where the dispatch
+  // exchanged no count matrix (cuda's landing zone for small batches: FERRY_NORMAL_LANDING=off keeps it).
   void copy_rank_counts(DispatchHandle const& handle, int32_t* out, cudaStream_t stream = nullptr) const;
   // Collective, like dispatch and combine (their refusal rules apply). dispatch_backward is a combine leg (it uses
   // combine_format on the wire); combine_backward is a dispatch leg (dispatch_format) and returns its views: recv_x

@@ -35,6 +35,11 @@ Topology agree_on_topology(Bootstrap& bootstrap, std::string const& options_topo
 // Bytes of one rank's refusal reason (Communicator::post_refusal), the terminating zero included.
 inline constexpr std::size_t kRefusalBytes = 1024;
 
+// The message of the ids and rows a device dropped (DeviceErrorBlock::input_errors / overflow_rows): what every rank
+// of a call that dropped rows raises, naming the rank whose capacity was exceeded (overflow_rank - 1; 0: this rank,
+// self). Empty when nothing was dropped.
+std::string describe_drops(DeviceErrorBlock const& block, int self);
+
 // The message every peer of a refused call raises (InputError): names the refusing rank and carries its reason.
 std::string describe_refusal(int refusing_rank, WaitPhase phase, std::string const& reason);
 

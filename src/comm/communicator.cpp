@@ -138,6 +138,20 @@ std::string describe_absent(std::vector<int> const& missing, Topology const& top
   return text;
 }
 
+std::string describe_drops(DeviceErrorBlock const& block, int self) {
+  std::string message;
+  if (block.input_errors != 0)
+    message += concat(block.input_errors, " id(s) outside the allowed range were dropped (first bad value ",
+                      block.first_bad_value, "); check topk_idx against [-1, num_experts)");
+  if (block.overflow_rows != 0)
+    message += concat(message.empty() ? "" : "; ", block.overflow_rows, " row(s) were not delivered because rank ",
+                      block.overflow_rank != 0 ? static_cast<int>(block.overflow_rank) - 1 : self,
+                      "'s capacity was exceeded (max_recv_tokens, or expert_capacity for expert-major rows); every ",
+                      "rank of the dispatch reports it, and no combine over its layout returns numbers: raise the "
+                      "capacity or send fewer tokens per call");
+  return message;
+}
+
 std::string describe_refusal(int refusing_rank, WaitPhase phase, std::string const& reason) {
   return concat(
       "rank ", refusing_rank, " refused this call on input",

@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "ep/buffer_memory.hpp"
+#include "ep/capacity.hpp"
 #include "ep/reference.hpp"
 #include "ep_impl.hpp"
 #include "ferry/error.hpp"
@@ -369,6 +370,16 @@ DispatchResult EpBuffer::dispatch(DispatchArgs const& args, cudaStream_t stream)
     detail::validate_dispatch_args(config_, run);
     // ids on the host are checked here; the cuda backend checks them on the device and refuses the call there
     if (comm_->backend() == Backend::cpu) detail::validate_host_topk_idx(config_, comm_->rank(), run);
+    // NOTE: backend cuda's low-latency kernels find an entry past expert_capacity on its receiver alone: an eager
+    // call raises there, and that rank refuses its combine, so every rank's combine raises; a lazy call could let the
+    // other ranks' combine sum without the dropped entries before anyone checks (docs/errors.md, "Capacities").
+    FERRY_CHECK_INPUT(comm_->backend() != Backend::cuda || config_.mode != Mode::low_latency || run.eager ||
+                          !detail::slot_drops_possible(config_, comm_->world()),
+                      "dispatch eager=false with expert_capacity=", config_.expert_slots(),
+                      " below world * max_tokens_per_rank=", comm_->world() * config_.max_tokens_per_rank,
+                      " in mode=ll on backend cuda: an entry past the capacity is found by its receiver alone, and a "
+                      "lazy call (a captured graph) could not stop the other ranks from summing without it; dispatch "
+                      "with eager=true, or leave expert_capacity unset (the worst case) to capture the call");
   } catch (InputError const& error) {
     join_refused(Leg::dispatch, error.what(), stream);
     throw;

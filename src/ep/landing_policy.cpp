@@ -2,6 +2,7 @@
 
 #include <cstdint>
 
+#include "ep/capacity.hpp"
 #include "ep/run_record.hpp"
 #include "ferry/error.hpp"
 
@@ -22,6 +23,10 @@ std::string landing_unsupported(EpConfig const& config, int world) {
   if (config.recv_capacity(world) < worst)
     return concat("max_recv_tokens=", config.recv_capacity(world), " caps the receive buffers below world * ",
                   "max_tokens_per_rank=", worst, ": senders could not tell which rows the receiver drops");
+  if (slot_drops_possible(config, world))
+    return concat("expert_capacity=", config.expert_slots(), " is below the receive capacity ",
+                  config.recv_capacity(world), ": an expert's entries past it would be known to its receiver alone, ",
+                  "and the count exchange carries every expert's count to every rank");
   if (landing_smem_bytes(config, world) > kLandingMaxSmem)
     return concat("world * max_tokens_per_rank=", worst, " landing slots need ", landing_smem_bytes(config, world),
                   " bytes of shared memory in the receiver, more than ", kLandingMaxSmem);

@@ -128,8 +128,7 @@ class BackwardRanks {
               cuda_ep::configure_buffers(b, config, world, r, protocol_(), num_ctas);
               b.layout = layout_;
             },
-            timeout_s),
-        overflow_(world, 0) {}
+            timeout_s) {}
 
   Buffers const& operator[](int r) const { return ranks_[r]; }
   cudaStream_t stream(int r) const { return ranks_.stream(r); }
@@ -195,14 +194,18 @@ class BackwardRanks {
       cuda_ep::launch_weight_grad(ranks_[r], x[r].ptr, static_cast<float*>(grad_w[r].ptr), tokens_[r], false,
                                   stream(r));
   }
-  // The entries an expand with copies of `layouts` drops past expert_capacity (counted in the error block).
+  // The entries an expand with copies of `layouts` drops past expert_capacity: every rank records them all, and the
+  // lowest rank that dropped (ref::call_drops).
   void expect_drops(std::vector<ref::RankDispatch> const& layouts) {
-    for (int r = 0; r < world_; ++r) overflow_[r] += layouts[r].dropped_slots;
+    ref::CallDrops const call = ref::call_drops(layouts, std::vector<bool>(layouts.size(), true));
+    drops_.rows += call.rows;
+    if (call.first_rank >= 0 && (drops_.first_rank < 0 || call.first_rank < drops_.first_rank))
+      drops_.first_rank = call.first_rank;
   }
   // Every rank's error block: clean, with exactly the entries the expands dropped.
   std::string synchronize() {
-    std::string const failure = ranks_.synchronize(overflow_);
-    std::fill(overflow_.begin(), overflow_.end(), 0);
+    std::string const failure = ranks_.synchronize(drops_);
+    drops_ = ref::CallDrops{};
     return failure;
   }
 
@@ -215,7 +218,7 @@ class BackwardRanks {
   detail::LandingChoice landing_;
   cuda_ep::SymLayout layout_;
   VirtualNormalRanks ranks_;
-  std::vector<int> overflow_;
+  ref::CallDrops drops_;  // what the expands since the last synchronize dropped
 };
 
 template <typename Make>

@@ -463,9 +463,8 @@ std::string run_case(Spec const& spec, int num_ctas) {
       CK(cudaDeviceSynchronize());
       if (!graphs.captured()) graphs.capture(ranks, enqueue_legs);
       graphs.launch(ranks);
-      std::vector<int> overflow(world, 0);
-      for (int r = 0; r < world; ++r) overflow[r] = spec.expand ? it.expected[r].dropped_slots : 0;
-      if (std::string const failure = ranks.synchronize(overflow); !failure.empty())
+      ref::CallDrops const drops = ref::call_drops(it.expected, std::vector<bool>(world, spec.expand));
+      if (std::string const failure = ranks.synchronize(drops); !failure.empty())
         return "iter " + std::to_string(iter) + " (graph replay): device errors:\n" + failure;
       for (int r = 0; r < world; ++r)
         if (check_any_dispatch(config, world, r, iter, it.expected[r], cuda_ep::dispatch_result(ranks[r], spec.expand),
@@ -497,10 +496,9 @@ std::string run_case(Spec const& spec, int num_ctas) {
       cuda_ep::launch_dispatch(ranks[r], dargs[r], cuda_ep::plan_dispatch(ranks[r], tokens[r]), ranks.stream(r));
     if (spec.expand)
       for (int r = 0; r < world; ++r) cuda_ep::launch_expand(ranks[r], /*copy_rows=*/true, ranks.stream(r));
-    // the expand that copies rows counts each entry past expert_capacity once (the reference's dropped_slots)
-    std::vector<int> overflow(world, 0);
-    for (int r = 0; r < world; ++r) overflow[r] = spec.expand ? it.expected[r].dropped_slots : 0;
-    if (std::string const failure = ranks.synchronize(overflow); !failure.empty())
+    // the expand that copies rows records every rank's entries past expert_capacity, on every rank (ref::call_drops)
+    ref::CallDrops const drops = ref::call_drops(it.expected, std::vector<bool>(world, spec.expand));
+    if (std::string const failure = ranks.synchronize(drops); !failure.empty())
       return "iter " + std::to_string(iter) + ": dispatch device errors:\n" + failure;
     for (int r = 0; r < world; ++r)
       if (check_any_dispatch(config, world, r, iter, it.expected[r], cuda_ep::dispatch_result(ranks[r], spec.expand),
@@ -644,16 +642,16 @@ TEST(InternodeVirtual, QuantizedLandingOneNode) {
     std::string const t = "topology=" + topology;
     std::string const last = "refuse=" + std::to_string(parse_topology(topology).world() - 1);
     table.push_back({t, "protocol=landing", "dispatch=fp8", "expand=1", "tokens=128,37", "hidden=7168", "topk=8",
-                     "experts=64", "capacity=128", "combine=fp8", "iters=2"});
+                     "experts=64", "combine=fp8", "iters=2"});
     table.push_back({t, "protocol=landing", "dispatch=fp8", "scales=mn_major_tma", "tokens=0,77", "hidden=2048",
                      "topk=8", "experts=64", "mask=0.2", "iters=2"});
     table.push_back({t, "protocol=landing", "dispatch=fp8_ue8m0", "scales=mn_major_tma_packed_ue8m0", "routing=grouped",
-                     "expand=1", "tokens=64,5,100", "hidden=2048", "topk=8", "experts=64", "capacity=256",
-                     "combine=fp8_ue8m0", "iters=2"});
+                     "expand=1", "tokens=64,5,100", "hidden=2048", "topk=8", "experts=64", "combine=fp8_ue8m0",
+                     "iters=2"});
     table.push_back({t, "protocol=landing", "dispatch=nvfp4", "scales=blocked_128x4", "routing=hot", "tokens=48,0,96",
                      "hidden=2048", "topk=8", "experts=64", "combine=nvfp4", "iters=2"});
     table.push_back({t, "protocol=landing", "dispatch=nvfp4", "expand=1", "tokens=33,70", "hidden=2064", "topk=8",
-                     "experts=64", "capacity=128", "iters=2"});
+                     "experts=64", "iters=2"});
     table.push_back({t, "protocol=landing", "dispatch=mxfp4", "scales=mn_major_tma_packed_ue8m0", "tokens=100,17",
                      "hidden=2048", "topk=8", "experts=64", "combine=mxfp4", "iters=2"});
     table.push_back({t, "protocol=landing", "dispatch=fp8_ue8m0", "dequantize=1", "tokens=0,77", "hidden=2048",
@@ -663,11 +661,11 @@ TEST(InternodeVirtual, QuantizedLandingOneNode) {
     table.push_back({t, "protocol=landing", "dispatch=fp8", "prequant=1", "tokens=64,0,21", "hidden=2048", "topk=8",
                      "experts=64", "iters=2"});
     table.push_back({t, "protocol=landing", "dispatch=nvfp4", "prequant=1", "scales=blocked_128x4", "expand=1",
-                     "tokens=48,5", "hidden=2048", "topk=8", "experts=64", "capacity=128", "iters=2"});
+                     "tokens=48,5", "hidden=2048", "topk=8", "experts=64", "iters=2"});
     table.push_back({t, "protocol=landing", "dispatch=mxfp4", last, "tokens=64,17", "hidden=2048", "topk=8",
                      "experts=64", "iters=2"});
     table.push_back({t, "protocol=landing", "dispatch=fp8", "graph=1", "expand=1", "tokens=50,3", "hidden=2048",
-                     "topk=8", "experts=64", "capacity=128", "iters=3"});
+                     "topk=8", "experts=64", "iters=3"});
   }
   run_rows(table);
 }

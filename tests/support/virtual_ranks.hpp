@@ -129,10 +129,11 @@ class VirtualWorld {
   }
 
   // Waits for every rank's stream, then reads and clears every rank's error block: "" when each rank recorded no
-  // timeout, no bad id, no peer's refusal and exactly overflow[r] entries dropped past expert_capacity (the
-  // reference's dropped_slots), else what each rank recorded (a timeout names the rank, the peer it waited for and
-  // the phase).
-  std::string synchronize(std::vector<int> const& overflow) const {
+  // timeout, no bad id, no peer's refusal and exactly overflow[r] entries dropped past expert_capacity (low-latency
+  // mode: the reference's dropped_slots of rank r, which only r records), else what each rank recorded (a timeout
+  // names the rank, the peer it waited for and the phase). first_rank >= -1: every rank that records a drop also names
+  // the rank whose capacity it exceeded, first_rank (normal mode: the call's drops, on every rank).
+  std::string synchronize(std::vector<int> const& overflow, int first_rank = -2) const {
     std::vector<DeviceErrorBlock> const blocks = take_errors();
     std::string out;
     for (int r = 0; r < world(); ++r) {
@@ -144,11 +145,21 @@ class VirtualWorld {
         out += "rank " + std::to_string(r) + ": input_errors " + std::to_string(block.input_errors) +
                " (first bad value " + std::to_string(block.first_bad_value) + "), overflow_rows " +
                std::to_string(block.overflow_rows) + " (the reference drops " + std::to_string(overflow[r]) + ")\n";
+      if (first_rank >= -1 && block.overflow_rows != 0 && block.overflow_rank != static_cast<uint32_t>(first_rank + 1))
+        out += "rank " + std::to_string(r) + ": overflow_rank " + std::to_string(block.overflow_rank) +
+               " (the reference's first rank that dropped, + 1: " + std::to_string(first_rank + 1) + ")\n";
       if (block.refusals != 0)
         out += "rank " + std::to_string(r) + ": " + std::to_string(block.refusals) + " refusal(s), the first by rank " +
                std::to_string(block.refusing_rank) + "\n";
     }
     return out;
+  }
+
+  // After normal-mode calls that may drop (recv_capacity, expert_capacity): every rank records the calls' drops, the
+  // same rows and the same first rank on each (ref::call_drops; over several calls, their sum and the lowest rank).
+  std::string synchronize(ref::CallDrops const& drops) const {
+    return synchronize(std::vector<int>(static_cast<std::size_t>(world()), static_cast<int>(drops.rows)),
+                       drops.first_rank);
   }
 
   // Waits for every rank's stream, then reads and clears every rank's error block.

@@ -83,6 +83,20 @@ TEST(LandingPolicy, AutoKeepsTheCountExchangeWhereTheLandingZoneCannotServe) {
   EpConfig ll = small_config(128);
   ll.mode = Mode::low_latency;
   EXPECT_FALSE(choose_normal_landing(ll, 2, "auto").use);
+
+  // an expert capacity below the receive capacity can drop entries that only their receiver would find: the count
+  // exchange carries every expert's counts to every rank instead (a drop is an error on every rank)
+  EpConfig slots = small_config(128);
+  slots.expert_capacity = 255;
+  LandingChoice const s = choose_normal_landing(slots, 2, "auto");
+  EXPECT_FALSE(s.use);
+  EXPECT_TRUE(s.fallback);
+  EXPECT_TRUE(contains(s.why, "expert_capacity=255 is below the receive capacity 256")) << s.why;
+  std::string const pinned = config_error(slots, 2, "on");
+  EXPECT_TRUE(contains(pinned, "FERRY_NORMAL_LANDING=on")) << pinned;
+  EXPECT_TRUE(contains(pinned, "expert_capacity=255")) << pinned;
+  slots.expert_capacity = 256;  // every entry has a slot
+  EXPECT_TRUE(choose_normal_landing(slots, 2, "auto").use);
 }
 
 TEST(LandingPolicy, PinsOverrideTheBoundAndRefuseWhatCannotWork) {

@@ -500,25 +500,12 @@ void CpuCommunicator::check_errors(cudaStream_t stream) {
 
   // 3. rows or ids that were dropped: an input problem of the last calls; nothing was corrupted, so the communicator
   //    stays usable and the counters start again from 0
-  uint32_t const input_errors = error_->input_errors;
-  uint32_t const overflow_rows = error_->overflow_rows;
-  if (input_errors == 0 && overflow_rows == 0) return;
-  int32_t const first_bad = error_->first_bad_value;
-  uint32_t const overflow_rank = error_->overflow_rank;
+  std::string const message = describe_drops(*error_, rank_);
+  if (message.empty()) return;
   error_->input_errors = 0;
   error_->overflow_rows = 0;
   error_->overflow_rank = 0;
   error_->first_bad_value = 0;
-  std::string message;
-  if (input_errors != 0)
-    message += concat(input_errors, " id(s) outside the allowed range were dropped (first bad value ", first_bad,
-                      "); check topk_idx against [-1, num_experts)");
-  if (overflow_rows != 0)
-    message += concat(message.empty() ? "" : "; ", overflow_rows, " row(s) were not delivered because rank ",
-                      overflow_rank != 0 ? static_cast<int>(overflow_rank) - 1 : rank_,
-                      "'s capacity was exceeded (max_recv_tokens, or expert_capacity for expert-major rows); every ",
-                      "rank of the dispatch reports it, and no combine over its layout returns numbers: raise the "
-                      "capacity or send fewer tokens per call");
   FERRY_THROW(InputError, "input", message);
 }
 

@@ -529,22 +529,17 @@ void CudaCommunicator::check_errors(cudaStream_t stream) {
   }
 
   // 3. ids the device dropped: an input problem of the last calls, the communicator stays usable
-  uint32_t const input_errors = __atomic_load_n(&error_host_->input_errors, __ATOMIC_ACQUIRE);
-  uint32_t const overflow_rows = __atomic_load_n(&error_host_->overflow_rows, __ATOMIC_ACQUIRE);
-  if (input_errors != 0 || overflow_rows != 0) {
-    int32_t const first_bad = __atomic_load_n(&error_host_->first_bad_value, __ATOMIC_ACQUIRE);
+  DeviceErrorBlock block{};
+  block.input_errors = __atomic_load_n(&error_host_->input_errors, __ATOMIC_ACQUIRE);
+  block.overflow_rows = __atomic_load_n(&error_host_->overflow_rows, __ATOMIC_ACQUIRE);
+  if (block.input_errors != 0 || block.overflow_rows != 0) {
+    block.first_bad_value = __atomic_load_n(&error_host_->first_bad_value, __ATOMIC_ACQUIRE);
+    block.overflow_rank = __atomic_load_n(&error_host_->overflow_rank, __ATOMIC_ACQUIRE);
     __atomic_store_n(&error_host_->input_errors, 0u, __ATOMIC_RELEASE);
     __atomic_store_n(&error_host_->overflow_rows, 0u, __ATOMIC_RELEASE);
+    __atomic_store_n(&error_host_->overflow_rank, 0u, __ATOMIC_RELEASE);
     __atomic_store_n(&error_host_->first_bad_value, 0, __ATOMIC_RELEASE);
-    std::string message;
-    if (input_errors != 0)
-      message += concat(input_errors, " id(s) outside the allowed range were dropped on the device (first bad value ",
-                        first_bad, "); check topk_idx against [-1, num_experts)");
-    if (overflow_rows != 0)
-      message += concat(message.empty() ? "" : "; ", overflow_rows,
-                        " row(s) were dropped because a capacity was exceeded; raise expert_capacity / "
-                        "max_recv_tokens or send fewer tokens per call");
-    FERRY_THROW(InputError, "input", message);
+    FERRY_THROW(InputError, "input", describe_drops(block, bootstrap_->rank()));
   }
 }
 

@@ -134,6 +134,21 @@ __device__ __forceinline__ void record_input_error(DeviceView const& view, int b
   }
 }
 
+// Records what a call did not deliver because a capacity was exceeded: `rows` over every rank of the call and the
+// lowest rank whose capacity it exceeded. Every rank of the call records the same, found in what every rank reads (the
+// count matrix), so that the drop is an error on every rank (docs/errors.md, "Capacities"). Rows and slots of one call
+// may be recorded by two kernels: the rank kept is the lowest.
+__device__ __forceinline__ void record_call_drops(DeviceView const& view, uint32_t rows, int first_rank) {
+  atomicAdd(&view.error->overflow_rows, rows);
+  uint32_t const mine = static_cast<uint32_t>(first_rank) + 1u;  // 0: none recorded
+  uint32_t seen = view.error->overflow_rank;
+  while (seen == 0u || seen > mine) {
+    uint32_t const was = atomicCAS(&view.error->overflow_rank, seen, mine);
+    if (was == seen) break;
+    seen = was;
+  }
+}
+
 // Counts an expert id outside [-1, num_experts), or a valid id repeated in one topk row, that made this rank refuse
 // the call (its abort flag goes into the call's exchange); the reported value is the id clamped to int.
 __device__ __forceinline__ void record_bad_expert_id(DeviceView const& view, int64_t id) {

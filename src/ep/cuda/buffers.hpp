@@ -1,7 +1,8 @@
 // Host-side description of one EpBuffer's device memory on the cuda backend, every protocol's (normal push, normal
-// landing, low-latency), shared by the launchers (normal/dispatch.cu, normal/expand.cu, normal/combine.cu, ll/dispatch.cu, ll/combine.cu),
-// the backend (cuda_ep.cu) and the virtual-rank tests (several ranks' buffers on one GPU). One allocator, one
-// symmetric-layout builder, one Params prologue (buffers.cu). Included by .cu files only (params.cuh is CUDA).
+// landing, low-latency), shared by the launchers (normal/dispatch.cu, normal/expand.cu, normal/combine.cu,
+// ll/dispatch.cu, ll/combine.cu), the backend (cuda_ep.cu) and the virtual-rank tests (several ranks' buffers on one
+// GPU). One allocator, one symmetric-layout builder, one Params prologue (buffers.cu). Included by .cu files only
+// (params.cuh is CUDA).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -21,12 +22,11 @@
 #include "ferry/communicator.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/error.hpp"
-#include "wire/layout.hpp"
 #include "trace/cuda/recorder.hpp"
 #include "tuning/choose.hpp"
+#include "wire/layout.hpp"
 
 namespace ferry::cuda_ep {
-
 
 using detail::Protocol;
 
@@ -126,7 +126,6 @@ void configure_buffers(Buffers& b, EpConfig const& config, int world, int rank, 
 // The symmetric region's layout for a config and protocol (the same on every rank). nodes > 1 (low-latency mode
 // across nodes): with the areas the network leg sends from, and the arrival counters as one signal range.
 SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol, int nodes = 1);
-
 
 // The symmetric layout of the hierarchical protocol: the count exchange's (make_sym_layout, push) with a count row
 // that also counts tokens per node, and the hierarchical areas (SymLayout).
@@ -246,10 +245,10 @@ void launch_hier_combine(Buffers const& buffers, CombineParams const& params, Co
 enum class LinkLeg { dispatch = 0, combine = 1 };
 LinkBytes hier_link_bytes(Buffers const& buffers, LinkLeg leg, cudaStream_t stream);
 
-// A dispatch handle's device storage (EpBuffer::make_handle; normal/handle.cu): byte offsets of its areas, each 256-byte
-// aligned. What the normal-mode combine and expand read of their dispatch (the rank-major metadata of this rank's
-// symmetric region, recv_slot, token_mask, the layout words of DeviceState, expert_counts) and the source's own ids
-// (int32) and weights, for a cached dispatch.
+// A dispatch handle's device storage (EpBuffer::make_handle; normal/handle.cu): byte offsets of its areas, each
+// 256-byte aligned. What the normal-mode combine and expand read of their dispatch (the rank-major metadata of this
+// rank's symmetric region, recv_slot, token_mask, the layout words of DeviceState, expert_counts) and the source's own
+// ids (int32) and weights, for a cached dispatch.
 struct HandleLayout {
   std::size_t recv_idx = 0;       // [recv_capacity, topk] int32
   std::size_t recv_w = 0;         // [recv_capacity, topk] float
@@ -260,6 +259,7 @@ struct HandleLayout {
   std::size_t expert_counts = 0;  // [num_local_experts] int32
   std::size_t topk_idx = 0;       // [max_tokens, topk] int32
   std::size_t topk_weights = 0;   // [max_tokens, topk] float
+  std::size_t rank_counts = 0;    // [world, world] int32: the count matrix (count exchange only: not the landing zone)
   // hierarchical protocol only (what its combine reads of its dispatch, hier/combine.cuh): the senders of each token,
   // the records this rank received as a rail per source node, and their forward records
   std::size_t hier_mask = 0;       // [max_tokens] uint32
@@ -282,9 +282,9 @@ void launch_restore_handle(Buffers const& buffers, void const* storage, int num_
 // EpBuffer::copy_received's copies (the handle copy kernel: whole words, int32 ids widened to int64 with ids_64).
 void launch_received_copy(Buffers const& buffers, detail::EpBackendImpl::CopyPlan const& plan, cudaStream_t stream);
 
-// combine_backward's weight step (normal/weight_grad.cuh), after the cached expert-major dispatch of grad_y (expert_x holds
-// grad_y per filled slot): two kernels. The first (the grid, never waits): per filled slot of entry (row, k) the dot
-// of expert_x with x (skipped with x null: 0) goes back to its source's weight_grad word (token, k), and expert_x
+// combine_backward's weight step (normal/weight_grad.cuh), after the cached expert-major dispatch of grad_y (expert_x
+// holds grad_y per filled slot): two kernels. The first (the grid, never waits): per filled slot of entry (row, k) the
+// dot of expert_x with x (skipped with x null: 0) goes back to its source's weight_grad word (token, k), and expert_x
 // becomes bf16(w * grad_y); then an arrival on every rank. The second (kWeightGradWaitCtas CTAs): waits for every
 // rank's arrival (bounded) and writes grad_w [num_tokens, topk] (null: writes nothing). refuse: a refused
 // combine_backward joins with no stores of its own (x, grad_w null).

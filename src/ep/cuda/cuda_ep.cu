@@ -1,8 +1,9 @@
 // The cuda backend of EpBuffer, every mode: owns the symmetric region and the local buffers (buffers.cu), chooses the
 // protocol at construction (normal mode's count exchange or landing zone, low-latency mode's one kernel per leg),
-// sequences its kernels (normal/dispatch.cu, normal/expand.cu, normal/combine.cu; ll/dispatch.cu, ll/combine.cu, or their halves with
-// return_recv_hook), records what each call ran (run_record.hpp: a POD, explain()'s text is built when asked) and, in
-// eager mode, synchronises and raises device-side errors. No host synchronisation, memset or string per lazy call.
+// sequences its kernels (normal/dispatch.cu, normal/expand.cu, normal/combine.cu; ll/dispatch.cu, ll/combine.cu, or
+// their halves with return_recv_hook), records what each call ran (run_record.hpp: a POD, explain()'s text is built
+// when asked) and, in eager mode, synchronises and raises device-side errors. No host synchronisation, memset or string
+// per lazy call.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 
 #include "comm/cuda/cuda_communicator.hpp"
 #include "core/cuda_check.hpp"
+#include "ep/capacity.hpp"
 #include "ep/cuda/buffers.hpp"
 #include "ep/cuda/device_memory.hpp"
 #include "ep/cuda/ll/params.cuh"
@@ -357,9 +359,9 @@ class CudaEp final : public detail::EpBackendImpl {
   }
 
   void save_handle(detail::HandleState& handle, DispatchArgs const& args, cudaStream_t stream) override {
-    // NOTE: the handle keeps the hierarchical layout too (normal/handle.cu), and InternodeVirtual.HandlesAcrossNodes (a handle
-    // restored after a second dispatch, its combine and dispatch_backward, on virtual ranks) passed on the H200; the
-    // cached dispatch across nodes and this path through EpBuffer have not run on a GPU, so handles stay refused
+    // NOTE: the handle keeps the hierarchical layout too (normal/handle.cu), and InternodeVirtual.HandlesAcrossNodes (a
+    // handle restored after a second dispatch, its combine and dispatch_backward, on virtual ranks) passed on the H200;
+    // the cached dispatch across nodes and this path through EpBuffer have not run on a GPU, so handles stay refused
     // across nodes until they have.
     FERRY_CHECK_CONFIG(buffers_.protocol != Protocol::hierarchical,
                        "dispatch handles (combine by handle, the cached dispatch, the backward passes) are not "
@@ -374,6 +376,16 @@ class CudaEp final : public detail::EpBackendImpl {
     args.topk_idx_type = IndexType::int32;
     args.topk_weights = reinterpret_cast<float const*>(base + handle_layout_.topk_weights);
     return args;
+  }
+
+  void copy_rank_counts(detail::HandleState const& handle, int32_t* out, cudaStream_t stream) const override {
+    FERRY_CHECK_CONFIG(buffers_.protocol != Protocol::landing,
+                       "copy_rank_counts: this EpBuffer dispatches through the landing zone (", protocol_why_,
+                       "), which exchanges no count matrix: each rank learns only the rows sent to it; create the "
+                       "EpBuffer with FERRY_NORMAL_LANDING=off to keep the matrix");
+    std::size_t const bytes = static_cast<std::size_t>(buffers_.world) * buffers_.world * sizeof(int32_t);
+    FERRY_CHECK_CUDA(
+        cudaMemcpyAsync(out, storage_of(handle) + handle_layout_.rank_counts, bytes, cudaMemcpyDeviceToDevice, stream));
   }
 
   void restore_handle(detail::HandleState const& handle, cudaStream_t stream) override {
@@ -518,6 +530,11 @@ class CudaEp final : public detail::EpBackendImpl {
     DispatchResult result = dispatch_result(buffers_, expand);
     // rank masking: the entries left out are known on the host after a sync (eager), else in mask_status()
     if (masking_) result.masked_entries = -1;
+    // a drop is recorded on every rank's device (an eager call raises it below); a lazy one is known there only
+    EpConfig const& config = buffers_.config;
+    if (detail::row_drops_possible(config, buffers_.world) ||
+        (expand && detail::slot_drops_possible(config, buffers_.world)))
+      result.dropped_rows = -1;
     if (eager) {
       int32_t* const words = buffers_.host_words;
       std::size_t const counts_bytes = static_cast<std::size_t>(buffers_.num_local_experts) * sizeof(int32_t);
@@ -527,6 +544,7 @@ class CudaEp final : public detail::EpBackendImpl {
         FERRY_CHECK_CUDA(
             cudaMemcpyAsync(words + 1, buffers_.expert_counts, counts_bytes, cudaMemcpyDeviceToHost, stream));
       sync_and_check(stream);
+      result.dropped_rows = 0;
       result.num_recv_host = words[0];
       if (counts_host != nullptr) std::memcpy(counts_host, words + 1, counts_bytes);
       if (masking_) result.masked_entries = static_cast<int64_t>(read_ll_mask(buffers_, stream).last_dispatch_entries);

@@ -1,11 +1,11 @@
 // Normal-mode dispatch over several nodes (hierarchical; docs/internode.md): the same outputs as the one-node dispatch
-// of the whole world (normal/dispatch.cuh), rows ordered by (source rank, source token), but a token crosses the network
-// once per destination node other than its own, to that node's rail for it (rank node * local + local_of(source)),
-// which forwards it over NVLink into its final rows there. Two kernels per call:
+// of the whole world (normal/dispatch.cuh), rows ordered by (source rank, source token), but a token crosses the
+// network once per destination node other than its own, to that node's rail for it (rank node * local +
+// local_of(source)), which forwards it over NVLink into its final rows there. Two kernels per call:
 //  1. hier_layout_kernel (one CTA, in token order, so no atomics decide an order): per token the mask of destination
 //     ranks and its position among this rank's tokens for every destination rank and every other node; the entries
-//     per expert; a bad or repeated id refuses the call (as normal/dispatch.cuh). Then this rank's row of the count matrix
-//     (tokens + abort flag, rows per destination rank, entries per expert of that destination, tokens per node),
+//     per expert; a bad or repeated id refuses the call (as normal/dispatch.cuh). Then this rank's row of the count
+//     matrix (tokens + abort flag, rows per destination rank, entries per expert of that destination, tokens per node),
 //     staged in its window and put to every rank: over NVLink inside the node, over the network to the others, each
 //     with a signal (+1 per call on the destination's counter of this source).
 //  2. hier_dispatch_kernel (the grid; an instance per wire codec of dispatch_format):
@@ -36,9 +36,9 @@
 
 #include "comm/device/memory.cuh"
 #include "comm/device/signal.cuh"
-#include "ep/cuda/normal/dispatch.cuh"  // count_offset, count_word, count_value, token_destinations
 #include "ep/cuda/hier/params.cuh"
-#include "ep/cuda/landing.cuh"  // send_row_chunk
+#include "ep/cuda/landing.cuh"          // send_row_chunk
+#include "ep/cuda/normal/dispatch.cuh"  // count_offset, count_word, count_value, token_destinations
 
 namespace ferry::cuda_ep {
 
@@ -115,6 +115,7 @@ __global__ void __launch_bounds__(kThreads, 1) hier_layout_kernel(HierDispatchPa
   // 2. this rank's count row for every destination, staged in its window (the puts' source)
   bool const refuse = p.abort || s_bad != 0;
   int const words = p.layout.normal.count_words;
+  int const expert_words = p.layout.normal.expert_words;  // the destination's experts, or every expert (every_expert)
   uint64_t const tag = seq << 32;
   auto* const staged = reinterpret_cast<uint64_t*>(p.net.local() + p.layout.hier.count_send);
   for (int i = tid; i < world * words; i += kThreads) {
@@ -125,10 +126,10 @@ __global__ void __launch_bounds__(kThreads, 1) hier_layout_kernel(HierDispatchPa
       value = p.num_tokens;
     else if (w <= world)
       value = s_cnt[w - 1];
-    else if (w <= world + num_local)
-      value = s_cnt[columns + d * num_local + (w - 1 - world)];
-    else if (w <= world + num_local + nodes)
-      value = s_cnt[world + (w - 1 - world - num_local)];
+    else if (w <= world + expert_words)
+      value = s_cnt[columns + (p.layout.normal.every_expert ? 0 : d * num_local) + (w - 1 - world)];
+    else if (w <= world + expert_words + nodes)
+      value = s_cnt[world + (w - 1 - world - expert_words)];
     staged[i] = tag | (w == 0 && refuse ? kCountAbort : 0ull) | static_cast<uint32_t>(value);
   }
   __syncthreads();
@@ -254,12 +255,10 @@ __device__ __forceinline__ void hier_bases(HierDispatchParams<Net> const& p, Hie
     int32_t total = 0;
     for (int n = 0; n < nodes; ++n) {
       s.fwd_first[n] = total;
-      int32_t const count =
-          n == own_node || aborted
-              ? 0
-              : count_value(device::arch::load_relaxed_sys_u64(
-                    count_word(own, p.layout, parity, world, n * local + local_rank,
-                               1 + world + p.num_local_experts + own_node)));
+      int32_t const count = n == own_node || aborted ? 0
+                                                     : count_value(device::arch::load_relaxed_sys_u64(count_word(
+                                                           own, p.layout, parity, world, n * local + local_rank,
+                                                           1 + world + p.layout.normal.expert_words + own_node)));
       if (cta == 0) p.state->hier.fwd_count[n] = count;
       total += count;
     }
@@ -291,10 +290,7 @@ __device__ __forceinline__ void hier_push_token(HierDispatchParams<Net> const& p
   int row = -1;
   if (lane < world && ((mask >> lane) & 1u)) {
     row = s.dest_base[lane] + p.token_pos[static_cast<std::size_t>(t) * world + lane];
-    if (row >= p.recv_capacity) {  // past the receiver's capacity: dropped and counted, as on one node
-      device::record_input_error(p.view, row, true);
-      row = -1;
-    }
+    if (row >= p.recv_capacity) row = -1;  // past the receiver's capacity: dropped (as on one node)
   }
   uint32_t const send = __ballot_sync(0xffffffffu, row >= 0);
   if (lane < world) s.row[warp][lane] = row;
@@ -468,8 +464,8 @@ __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierDispatch
   __syncthreads();
 
   if (!wait_hier_count_rows(p, s, seq, parity)) return;  // a.
-  bool const aborted = s.aborted != 0;                     // the same on every CTA of every rank
-  hier_bases(p, s, parity, aborted);                       // b.
+  bool const aborted = s.aborted != 0;                   // the same on every CTA of every rank
+  hier_bases(p, s, parity, aborted);                     // b.
 
   // c. push: warp per token; then every warp's arrival at every other node's rail (the signal covers this warp's
   //    puts to it)

@@ -15,7 +15,7 @@ void lay_out_hier(HierLayout& layout, NormalLayout& normal, AreaPacker& areas, E
   std::size_t const row = wire_row_bytes(config.dispatch_format, config.hidden);
   std::size_t const combine_row = wire_row_bytes(config.combine_format, config.hidden);
   // NOTE: a count row is one put: 16-byte multiples (an even number of words), every row 16-byte aligned.
-  normal.count_words = 1 + world + config.num_local_experts(world) + topology.nodes;
+  normal.count_words = 1 + world + normal.expert_words + topology.nodes;
   normal.count_words += normal.count_words % 2;
   normal.counts = areas.take(2 * w * normal.count_words * sizeof(uint64_t));  // replaces the push's (wider rows)
   layout.count_send = areas.take(w * normal.count_words * sizeof(uint64_t));

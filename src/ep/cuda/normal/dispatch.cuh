@@ -42,29 +42,12 @@
 #include "comm/device/signal.cuh"
 #include "ep/cuda/landing.cuh"  // send_row_chunk
 #include "ep/cuda/normal/params.cuh"
+#include "trace/device_trace.cuh"
 #include "wire/device_codec.cuh"
 #include "wire/device_push.cuh"
 #include "wire/layout.hpp"
-#include "trace/device_trace.cuh"
 
 namespace ferry::cuda_ep {
-
-// Byte offset in a window of word `word` of source `source`'s row of the count matrix (parity `parity`).
-__device__ __forceinline__ std::size_t count_offset(SymLayout const& layout, int parity, int world, int source,
-                                                    int word) {
-  return layout.normal.counts +
-         (static_cast<std::size_t>(parity * world + source) * layout.normal.count_words + word) * sizeof(uint64_t);
-}
-
-__device__ __forceinline__ uint64_t* count_word(char* window, SymLayout const& layout, int parity, int world,
-                                                int source, int word) {
-  return reinterpret_cast<uint64_t*>(window + count_offset(layout, parity, world, source, word));
-}
-
-// The count in a word of the count matrix (word 0 without its abort flag).
-__device__ __forceinline__ int32_t count_value(uint64_t word) {
-  return static_cast<int32_t>(static_cast<uint32_t>(word & (kCountAbort - 1)));
-}
 
 // The first valid id that appears twice in a token's row of ids (-1 entries, and those past topk, may repeat); -1 when
 // none does. A token picks distinct experts: a repeated one is refused as a bad id is.
@@ -132,7 +115,8 @@ __device__ __forceinline__ void dispatch_recv_pass(DispatchParams const& p, int 
     auto* const out = reinterpret_cast<__nv_bfloat16*>(sym + p.layout.normal.recv_x);
     for (int row = cta * kWarps + (tid >> 5); row < num_recv; row += p.num_ctas * kWarps)
       device::dequantize_row_warp<kFormat, __nv_bfloat16>(
-          reinterpret_cast<uint8_t const*>(sym + p.layout.normal.recv_wire + static_cast<std::size_t>(row) * wire_bytes),
+          reinterpret_cast<uint8_t const*>(sym + p.layout.normal.recv_wire +
+                                           static_cast<std::size_t>(row) * wire_bytes),
           p.hidden, out + static_cast<std::size_t>(row) * p.hidden);
   } else if (p.recv_pass == RecvPass::relayout) {
     // thread per scale: row-major -> recv_scale_layout. MN-major layouts take rows fastest (their stores coalesce).
@@ -150,7 +134,7 @@ __device__ __forceinline__ void dispatch_recv_pass(DispatchParams const& p, int 
       std::size_t const from = (static_cast<std::size_t>(row) * num_scales + block) * kScaleBytes;
       std::size_t const to =
           wire::scale_offset(kFormat, p.scale_layout, static_cast<std::size_t>(p.recv_capacity), p.hidden,
-                              static_cast<std::size_t>(row), static_cast<std::size_t>(block));
+                             static_cast<std::size_t>(row), static_cast<std::size_t>(block));
       // volatile loads: peers wrote the scales during this kernel (never the non-coherent path)
       if constexpr (kScaleBytes == 4)
         *reinterpret_cast<uint32_t*>(dst + to) = *reinterpret_cast<uint32_t const volatile*>(src + from);
@@ -158,6 +142,26 @@ __device__ __forceinline__ void dispatch_recv_pass(DispatchParams const& p, int 
         dst[to] = *reinterpret_cast<uint8_t const volatile*>(src + from);
     }
   }
+}
+
+// Every rank's rows past its receive capacity, by one warp (lane d: destination d; world <= 32): every rank reads the
+// same count matrix, so every rank records the same drop (signal.cuh, record_call_drops) and the call is an error on
+// every rank, not only on the ranks that lost rows. A refused call delivers nothing and drops nothing.
+template <class Params>
+__device__ __forceinline__ void record_row_drops(Params const& p, char* own, int parity, bool aborted) {
+  int const world = p.view.world;
+  int const lane = static_cast<int>(threadIdx.x);
+  int32_t over = 0;
+  if (lane < world && !aborted) {
+    int32_t total = 0;
+    for (int s = 0; s < world; ++s)
+      total += count_value(device::arch::load_relaxed_sys_u64(count_word(own, p.layout, parity, world, s, 1 + lane)));
+    over = total > p.recv_capacity ? total - p.recv_capacity : 0;
+  }
+  uint32_t const dropped = __ballot_sync(0xffffffffu, over > 0);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) over += __shfl_xor_sync(0xffffffffu, over, offset);
+  if (lane == 0 && dropped != 0) device::record_call_drops(p.view, static_cast<uint32_t>(over), __ffs(dropped) - 1);
 }
 
 // Step 8, the dispatch's outputs (the hierarchical dispatch's too), by every thread of the last CTA once every source's
@@ -189,13 +193,14 @@ __device__ __forceinline__ void write_dispatch_outputs(Params const& p, char* ow
     p.state->num_recv = offset < p.recv_capacity ? offset : p.recv_capacity;
     p.state->num_tokens = aborted ? 0 : p.num_tokens;
   }
+  if (tid < 32 && p.recv_capacity < world * p.max_tokens) record_row_drops(p, own, parity, aborted);
   __syncthreads();
   if (s_total <= p.recv_capacity) {
     for (int el = tid; el < num_local; el += kThreads) {
+      int const word = expert_word(p.layout.normal, world, rank, num_local, el);
       int32_t sum = 0;
       for (int s = 0; s < world && !aborted; ++s)
-        sum += count_value(
-            device::arch::load_relaxed_sys_u64(count_word(own, p.layout, parity, world, s, 1 + world + el)));
+        sum += count_value(device::arch::load_relaxed_sys_u64(count_word(own, p.layout, parity, world, s, word)));
       p.expert_counts[el] = sum;
     }
   } else {  // rows were dropped: count the delivered rows' entries (the exchanged counts include the dropped ones)
@@ -338,8 +343,8 @@ __device__ __forceinline__ void dispatch_grid_arrival(DispatchParams const& p, D
 // 3. by the last CTA to arrive: the totals (read and zeroed for the next call: every CTA has added its counts), and
 //    this rank's row of the count matrix into every rank; the last total says whether any CTA refuses the call (read
 //    in the same pass as the counts: a read of its own would add a round trip before the count words)
-__device__ __forceinline__ void send_count_row(DispatchParams const& p, DispatchShared& s, int32_t* s_cnt,
-                                               uint64_t seq, int parity) {
+__device__ __forceinline__ void send_count_row(DispatchParams const& p, DispatchShared& s, int32_t* s_cnt, uint64_t seq,
+                                               int parity) {
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   int const num_counts = world + p.num_experts;
   int const num_local = p.num_local_experts;
@@ -357,7 +362,9 @@ __device__ __forceinline__ void send_count_row(DispatchParams const& p, Dispatch
     int const d = i / words;
     int const w = i % words;
     if (w == 0) continue;  // word 0 is the signal, written last
-    int32_t const value = w <= world ? s_cnt[w - 1] : s_cnt[world + d * num_local + (w - 1 - world)];
+    // entries per expert: the destination's experts, or every expert (the same row to every rank: every_expert)
+    int const first_expert = p.layout.normal.every_expert ? 0 : d * num_local;
+    int32_t const value = w <= world ? s_cnt[w - 1] : s_cnt[world + first_expert + (w - 1 - world)];
     *reinterpret_cast<uint64_t volatile*>(count_word(p.net.window(d), p.layout, parity, world, rank, w)) =
         tag | static_cast<uint32_t>(value);
   }
@@ -475,10 +482,7 @@ __device__ __forceinline__ void push_rows(DispatchParams const& p, DispatchShare
     int row = -1;
     if (lane < world && ((mask >> lane) & 1u)) {
       row = s.dest_base[lane] + p.token_pos[static_cast<std::size_t>(t) * world + lane];
-      if (row >= p.recv_capacity) {  // past the receiver's capacity: dropped and counted (once, by chunk 0)
-        if (chunk == 0) device::record_input_error(p.view, row, true);
-        row = -1;
-      }
+      if (row >= p.recv_capacity) row = -1;  // past the receiver's capacity: dropped (step 8 counts every rank's)
     }
     uint32_t const send = __ballot_sync(0xffffffffu, row >= 0);
     if (lane < world) s.row[warp][lane] = row;
@@ -525,8 +529,7 @@ __device__ __forceinline__ void signal_rows(DispatchParams const& p, DispatchSha
       // the count exchange's)
       device::arch::fence_acq_rel_sys();
 #pragma unroll 1
-      for (int d = 0; d < world; ++d)
-        p.net.store_signal(d, p.layout.normal.data_signal + rank * sizeof(uint64_t), seq);
+      for (int d = 0; d < world; ++d) p.net.store_signal(d, p.layout.normal.data_signal + rank * sizeof(uint64_t), seq);
     }
   }
   __syncthreads();
@@ -540,8 +543,8 @@ __device__ __forceinline__ bool wait_rows(DispatchParams const& p, Shared& s, ui
   if (tid < world) {
     uint64_t observed = 0;
     if (!device::wait_signal_geq_value(
-            p.view, reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.layout.normal.data_signal) + tid, seq,
-            tid, WaitPhase::dispatch_data, &observed)) {
+            p.view, reinterpret_cast<uint64_t const*>(p.net.window(rank) + p.layout.normal.data_signal) + tid, seq, tid,
+            WaitPhase::dispatch_data, &observed)) {
       s.ok = 0;
     } else if (observed != seq) {
       // the source's next call signals only after this rank's next count row: a later one means it is out of step

@@ -31,6 +31,7 @@ ExpandParams to_params(Buffers const& b, bool copy_rows, bool skip_rows) {
   p.expert_token_scales = b.expert_token_scales;
   p.num_local_experts = b.num_local_experts;
   p.expert_slots = b.expert_slots;
+  p.recv_capacity = b.recv_capacity;
   p.recv_slot = b.recv_slot;
   p.expert_x = b.expert_x;
   p.expert_src_row = b.expert_src_row;

@@ -43,7 +43,7 @@ __device__ __forceinline__ void copy_slot_scales(ExpandParams const& p, int e, i
   auto* dst = static_cast<uint8_t*>(p.expert_scales) + static_cast<std::size_t>(e) * p.expert_scale_bytes;
   for (int j = lane; j < num_scales; j += 32) {
     std::size_t const to = wire::scale_offset(p.format, p.scale_layout, static_cast<std::size_t>(p.expert_slots),
-                                               p.hidden, static_cast<std::size_t>(slot), static_cast<std::size_t>(j));
+                                              p.hidden, static_cast<std::size_t>(slot), static_cast<std::size_t>(j));
     if (elem == 4)
       *reinterpret_cast<uint32_t*>(dst + to) = *reinterpret_cast<uint32_t const*>(src + j * elem);
     else
@@ -93,6 +93,49 @@ __device__ __forceinline__ HitRecord load_received(ReceivedRows const& rows, int
   return rec;
 }
 
+// Every rank's entries past expert_capacity, by CTA 0 of the expand that copies (it follows its dispatch, whose count
+// rows are in this rank's window): the rows carry every expert's counts where an expert can drop entries
+// (NormalLayout::every_expert), so every rank reads the same totals and records the same drop, and the call is an
+// error on every rank (signal.cuh, record_call_drops). Nothing is counted for a refused call, nor where rows were
+// dropped already (the counts include rows that never landed; that drop is the call's error).
+__device__ __forceinline__ void record_slot_drops(ExpandParams const& p) {
+  __shared__ unsigned long long s_over;  // entries past their expert's slots, over every expert
+  __shared__ int s_first;                // the lowest rank with such an expert
+  __shared__ int s_skip;
+  int const tid = static_cast<int>(threadIdx.x);
+  int const world = p.view.world;
+  int const num_local = p.num_local_experts;
+  int const parity = static_cast<int>(p.state->normal.dispatch_seq & 1);
+  char* const own = p.sym_local;
+  auto const count = [&](int source, int word) {
+    return device::arch::load_relaxed_sys_u64(count_word(own, p.layout, parity, world, source, word));
+  };
+  if (tid == 0) {
+    s_over = 0;
+    s_first = world;
+    s_skip = 0;
+  }
+  __syncthreads();
+  if (tid < world) {  // thread d: source d refused the call, or destination d dropped rows
+    int32_t rows = 0;
+    for (int s = 0; s < world; ++s) rows += count_value(count(s, 1 + tid));
+    if ((count(tid, 0) & kCountAbort) != 0 || rows > p.recv_capacity) atomicOr(&s_skip, 1);
+  }
+  __syncthreads();
+  if (s_skip != 0) return;
+  for (int e = tid; e < world * num_local; e += kThreads) {
+    int32_t total = 0;
+    for (int s = 0; s < world; ++s) total += count_value(count(s, 1 + world + e));
+    if (total > p.expert_slots) {
+      atomicAdd(&s_over, static_cast<unsigned long long>(total - p.expert_slots));
+      atomicMin(&s_first, e / num_local);
+    }
+  }
+  __syncthreads();
+  if (tid == 0 && s_over > 0)
+    device::record_call_drops(p.view, static_cast<uint32_t>(s_over < 0xffffffffull ? s_over : 0xffffffffull), s_first);
+}
+
 // kQuantized (with kCopyRows): the rows are payloads and their scales are copied too (an instance of its own, so the
 // bf16 copy keeps its registers).
 template <bool kCopyRows, bool kQuantized = false>
@@ -109,6 +152,7 @@ __global__ void __launch_bounds__(kThreads) expand_kernel(ExpandParams const p) 
   int32_t* const s_before = s_counts;
   int32_t* const s_total = s_counts + num_local;
   for (int i = tid; i < 2 * num_local; i += kThreads) s_counts[i] = 0;
+  if (kCopyRows && cta == 0 && p.layout.normal.every_expert) record_slot_drops(p);
   ReceivedRows const rows{reinterpret_cast<int32_t const*>(p.sym_local + p.layout.normal.recv_idx), topk,
                           min(p.state->src_offset[p.view.rank], num_recv), num_recv};
   // bf16 rows: hidden * 2, the code of bf16 transport; quantized delivery: the payload (EpConfig::recv_row_bytes)
@@ -132,16 +176,14 @@ __global__ void __launch_bounds__(kThreads) expand_kernel(ExpandParams const p) 
       if (rec.ids[k] < 0) p.recv_slot[entry0 + k] = -1;
     }
   };
-  // 2. every hit's slot (in window order): recv_slot, expert_src_row; past expert_capacity dropped, counted once (by
-  //    the expand that copies)
+  // 2. every hit's slot (in window order): recv_slot, expert_src_row; past expert_capacity dropped
   auto const on_slot = [&](WindowHit const& hit, int slot) {
     std::size_t const entry = static_cast<std::size_t>(hit.landing) * topk + hit.k;
     if (slot < slots) {
       p.recv_slot[entry] = slot;
       if constexpr (kCopyRows) p.expert_src_row[static_cast<std::size_t>(hit.expert) * slots + slot] = hit.landing;
     } else {
-      p.recv_slot[entry] = -1;
-      if constexpr (kCopyRows) device::record_input_error(p.view, slot, true);
+      p.recv_slot[entry] = -1;  // past expert_capacity: dropped (record_slot_drops counts every rank's)
     }
   };
   // 3. the window's rows into expert_x (recv_x was written by the dispatch, an earlier kernel: non-coherent loads)

@@ -1,5 +1,5 @@
-// Host launchers of the handle copy kernel (normal/handle.cuh): a dispatch handle's storage layout, the save after a dispatch
-// and the restore before a combine that refers to an older layout.
+// Host launchers of the handle copy kernel (normal/handle.cuh): a dispatch handle's storage layout, the save after a
+// dispatch and the restore before a combine that refers to an older layout.
 #include <algorithm>
 
 #include "core/cuda_check.hpp"
@@ -25,6 +25,7 @@ HandleLayout make_handle_layout(EpConfig const& config, int world, SymLayout con
   layout.expert_counts = areas.take(static_cast<std::size_t>(config.num_local_experts(world)) * sizeof(int32_t));
   layout.topk_idx = areas.take(tokens * topk * sizeof(int32_t));
   layout.topk_weights = areas.take(tokens * topk * sizeof(float));
+  layout.rank_counts = areas.take(static_cast<std::size_t>(world) * world * sizeof(int32_t));
   if (sym.nodes > 1) {
     layout.hier_mask = areas.take(tokens * sizeof(uint32_t));
     layout.hier_fwd_count = areas.take(kMaxCudaWorld * sizeof(int32_t));
@@ -52,10 +53,10 @@ struct LayoutAreas {
 };
 
 // The areas every direction copies: what combine and expand read of their dispatch (grep p.state, p.layout,
-// token_mask and recv_slot in normal/combine.cuh and normal/expand.cuh): the rank-major metadata of received rows, their slots
-// (only when the dispatch expanded: recv_slot is written by expand alone), the source's destination masks of its
-// num_tokens tokens, the layout words of DeviceState and the expert counts; across nodes also the senders of each
-// token, and as a rail the records it forwarded (all of them: their count is on the device).
+// token_mask and recv_slot in normal/combine.cuh and normal/expand.cuh): the rank-major metadata of received rows,
+// their slots (only when the dispatch expanded: recv_slot is written by expand alone), the source's destination masks
+// of its num_tokens tokens, the layout words of DeviceState and the expert counts; across nodes also the senders of
+// each token, and as a rail the records it forwarded (all of them: their count is on the device).
 void layout_areas(LayoutAreas& areas, Buffers const& b, char* storage, int num_tokens, bool expanded) {
   HandleLayout const hl = make_handle_layout(b.config, b.world, b.layout);
   char* const sym = b.sym.peer(b.rank);
@@ -111,6 +112,13 @@ void launch_save_handle(Buffers const& b, void* storage, DispatchArgs const& arg
   p.ids_64 = args.topk_idx_type == IndexType::int64;
   p.ids_dst = reinterpret_cast<int32_t*>(base + hl.topk_idx);
   p.num_ids = args.num_tokens * topk;
+  if (b.protocol != Protocol::landing) {  // the landing zone exchanges no count matrix
+    p.counts = reinterpret_cast<uint64_t const*>(b.sym.peer(b.rank) + b.layout.normal.counts);
+    p.seq = &b.state->normal.dispatch_seq;
+    p.count_words = b.layout.normal.count_words;
+    p.world = b.world;
+    p.counts_dst = reinterpret_cast<int32_t*>(base + hl.rank_counts);
+  }
   launch_copy(b, p, stream);
 }
 

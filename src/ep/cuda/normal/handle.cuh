@@ -39,6 +39,12 @@ __global__ void __launch_bounds__(kThreads) handle_copy_kernel(HandleCopyParams 
     copy_words(static_cast<uint32_t*>(area.dst), static_cast<uint32_t const*>(area.src),
                static_cast<std::size_t>(rows) * area.words_per_row, thread, threads);
   }
+  if (p.counts != nullptr) {
+    std::size_t const world = static_cast<std::size_t>(p.world);
+    uint64_t const* const rows = p.counts + (*p.seq & 1) * world * p.count_words;
+    for (std::size_t i = thread; i < world * world; i += threads)
+      p.counts_dst[i] = count_value(rows[i / world * p.count_words + 1 + i % world]);
+  }
   // save: the ids as int32; an int64 id outside int32 (a bad id: that dispatch was refused) stays a bad id (-2)
   for (std::size_t i = thread; i < static_cast<std::size_t>(p.num_ids); i += threads) {
     if (p.widen) {

@@ -1,9 +1,10 @@
 // Normal mode's areas of the symmetric region (normal/layout.hpp).
 #include "ep/cuda/normal/layout.hpp"
 
+#include "ep/capacity.hpp"
 #include "ep/combine_tiles.hpp"
-#include "ep/cuda/landing.cuh"
 #include "ep/cuda/area_packer.hpp"
+#include "ep/cuda/landing.cuh"
 #include "wire/layout.hpp"
 
 namespace ferry::cuda_ep {
@@ -20,7 +21,9 @@ void lay_out_normal(NormalLayout& layout, AreaPacker& areas, EpConfig const& con
   WireRowLayout const dispatch_wire = wire_row_layout(config.dispatch_format, config.hidden);
   bool const dequantize = config.dispatch_format != WireFormat::bf16 && config.dispatch_dequantize;
   std::size_t const combine_row = wire_row_bytes(config.combine_format, config.hidden);
-  layout.count_words = 1 + world + config.num_local_experts(world);
+  layout.every_expert = detail::slot_drops_possible(config, world);
+  layout.expert_words = layout.every_expert ? config.num_experts : config.num_local_experts(world);
+  layout.count_words = 1 + world + layout.expert_words;
   layout.recv_x = areas.take(cap * config.recv_row_bytes());
   if (config.delivers_quantized()) {
     layout.recv_scales = areas.take(cap * static_cast<std::size_t>(dispatch_wire.num_scales) *

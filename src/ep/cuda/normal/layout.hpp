@@ -43,18 +43,23 @@ struct NormalLayout {
   // holding their experts (each entry has one such rank, so no sender dimension).
   std::size_t weight_grad = 0;           // [2 parities][max_tokens][topk] u64: (seq << 32 | fp32 bits)
   std::size_t weight_grad_arrivals = 0;  // [world senders] u64 arrival counter (device::kArrivalsPerCall per call)
-  int count_words = 0;  // 1 (tokens) + world (rows per destination) + num_local_experts (entries per expert)
+  int count_words = 0;  // 1 (tokens) + world (rows per destination) + expert_words (entries per expert)
                         // (+ nodes: tokens per node, rounded up to an even count, in the hierarchical protocol)
+  // Entries per expert in a count row: the destination's num_local_experts, or every expert's (num_experts, the same
+  // row to every rank) where an expert can drop entries (expert_slots below the receive capacity): then every rank
+  // finds every rank's slot drops in the matrix, and a drop is an error on every rank (expand.cuh).
+  int expert_words = 0;
+  bool every_expert = false;
 };
 
 // Normal mode's device words (the hierarchical protocol's too: it is normal mode across nodes).
 struct NormalState {
-  uint64_t dispatch_seq;       // sequence number of the last finished dispatch (the next one uses +1)
-  uint64_t combine_seq;        // same for combine
-  uint64_t dispatch_arrive;    // CTAs of the running dispatch that finished their layout (reset by the last CTA)
-  uint64_t dispatch_done;      // CTAs of the running dispatch that finished pushing (reset by the last CTA)
-  uint64_t combine_done;       // CTAs of the running combine that finished (reset by the last CTA)
-  unsigned int combine_claim;  // the combine's sum pieces claimed so far (CombineSums; reset by the last CTA)
+  uint64_t dispatch_seq;            // sequence number of the last finished dispatch (the next one uses +1)
+  uint64_t combine_seq;             // same for combine
+  uint64_t dispatch_arrive;         // CTAs of the running dispatch that finished their layout (reset by the last CTA)
+  uint64_t dispatch_done;           // CTAs of the running dispatch that finished pushing (reset by the last CTA)
+  uint64_t combine_done;            // CTAs of the running combine that finished (reset by the last CTA)
+  unsigned int combine_claim;       // the combine's sum pieces claimed so far (CombineSums; reset by the last CTA)
   uint64_t land_seq[kMaxLandCtas];  // small-batch dispatch: calls this CTA ran (each CTA only touches its own)
   // combine_backward's weight step: the last call whose weight gradients this rank collected (its wait kernel's last
   // CTA advances it), and the CTAs of the running wait kernel that finished.

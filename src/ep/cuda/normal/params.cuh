@@ -20,10 +20,31 @@ __host__ __device__ inline std::size_t dispatch_smem_bytes(int world, int num_ex
   return static_cast<std::size_t>(world + num_experts) * sizeof(int32_t);
 }
 
-
 // Word 0 of a source's count row: its token count, and this bit when the source refuses the call (a bad or repeated
 // id, or its host's refusal). A token count is below 2^31, so the bit never collides with one.
 inline constexpr uint64_t kCountAbort = 1ull << 31;
+
+// Byte offset in a window of word `word` of source `source`'s row of the count matrix (parity `parity`).
+__device__ __forceinline__ std::size_t count_offset(SymLayout const& layout, int parity, int world, int source,
+                                                    int word) {
+  return layout.normal.counts +
+         (static_cast<std::size_t>(parity * world + source) * layout.normal.count_words + word) * sizeof(uint64_t);
+}
+
+__device__ __forceinline__ uint64_t* count_word(char* window, SymLayout const& layout, int parity, int world,
+                                                int source, int word) {
+  return reinterpret_cast<uint64_t*>(window + count_offset(layout, parity, world, source, word));
+}
+
+// The word of a count row that holds the entries of local expert `el` of rank `rank`.
+__device__ __forceinline__ int expert_word(NormalLayout const& layout, int world, int rank, int num_local, int el) {
+  return 1 + world + (layout.every_expert ? rank * num_local : 0) + el;
+}
+
+// The count in a word of the count matrix (word 0 without its abort flag).
+__device__ __forceinline__ int32_t count_value(uint64_t word) {
+  return static_cast<int32_t>(static_cast<uint32_t>(word & (kCountAbort - 1)));
+}
 
 // Where the pieces of a quantized dispatch row land on its destination: byte offsets inside the symmetric region of
 // row 0 and strides per row. Quantized delivery: the payload in recv_x, the scales in recv_scales (row-major), the
@@ -80,10 +101,11 @@ struct ExpandParams : KernelParams {
   float* expert_token_scales;      // nvfp4: [num_local_experts, expert_slots]
   int num_local_experts;
   int expert_slots;
+  int recv_capacity;
   int32_t* recv_slot;  // [recv_capacity, topk]
   void* expert_x;      // [num_local_experts, expert_slots, row_bytes] (copy only)
-  // copy only: fill expert_src_row but leave the rows to combine_backward's weight step (normal/weight_grad.cuh), which writes
-  // each slot scaled from its row in recv_x: one pass over the slots instead of a copy and a pass in place
+  // copy only: fill expert_src_row but leave the rows to combine_backward's weight step (normal/weight_grad.cuh), which
+  // writes each slot scaled from its row in recv_x: one pass over the slots instead of a copy and a pass in place
   bool skip_rows;
   int32_t* expert_src_row;  // [num_local_experts, expert_slots] (copy only)
 };
@@ -125,6 +147,13 @@ struct HandleCopyParams {
   bool widen;
   void* ids_dst;
   int num_ids;
+  // save, count exchange: the dispatch's count matrix, [world sources][world destinations] int32, from the count rows
+  // of its parity (*seq: the dispatch's sequence number) in this rank's window (EpBuffer::copy_rank_counts)
+  uint64_t const* counts;  // the count rows of parity 0; null: not kept
+  uint64_t const* seq;
+  int count_words;
+  int world;
+  int32_t* counts_dst;
 };
 
 // combine_backward's weight step (normal/weight_grad.cuh), after the cached expert-major dispatch of grad_y.
