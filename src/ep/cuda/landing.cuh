@@ -15,6 +15,8 @@
 #include "comm/device/bits.cuh"
 #include "comm/device/signal.cuh"
 #include "comm/transport/lsa.cuh"
+#include "ep/cuda/layout.hpp"
+#include "ep/cuda/params.cuh"
 #include "ep/cuda/wait_stats.cuh"
 #include "ferry/device_view.hpp"
 #include "ferry/ep.hpp"
@@ -33,7 +35,7 @@ __device__ __forceinline__ std::size_t slot_index(int parity, int world, int sou
 // Bytes of one metadata record: topk int32 local ids, then topk float weights, 16-byte aligned (the ids are read as
 // 16-byte vectors).
 __host__ __device__ constexpr std::size_t record_bytes(int topk) {
-  return (static_cast<std::size_t>(topk) * 8 + 15) / 16 * 16;
+  return landing_record_bytes(topk);
 }
 
 // What a token's routing needs from the caller's inputs.
