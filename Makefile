@@ -8,7 +8,7 @@ TSAN_BUILD ?= build-tsan
 JOBS ?= $(shell nproc)
 GENERATOR := $(shell command -v ninja >/dev/null 2>&1 && echo Ninja || echo "Unix Makefiles")
 
-.PHONY: all deps configure build test test-unit test-gpu test-kills test-sanitize test-tsan wheel-check bench format clean
+.PHONY: all deps configure build test test-unit test-gpu test-kills test-wide test-sanitize test-tsan wheel-check bench format clean
 
 all: build
 
@@ -52,6 +52,13 @@ test-kills: configure
 	cmake --build $(BUILD) -j $(JOBS) --target ferry_unit_tests
 	FERRY_TEST_KILLS=$(KILLS) FERRY_TEST_KILLS_TIMEOUT_S=$(KILLS_TIMEOUT_S) \
 	  $(BUILD)/tests/ferry_unit_tests --gtest_filter='RankMaskingKills.*'
+
+# Wide EP on the cpu backend (tests/wide/test_wide_cpu.cpp): every row of both modes, every wire format and rank
+# masking past rank 32 at 64 and 128 ranks by default (emulated nodes of 8, ranks as threads; about 30 s on 2 cores),
+# so not part of `make test`. WIDE_TOPOLOGIES=128x8 is the 1024-rank run of docs/internode.md.
+WIDE_TOPOLOGIES ?= 8x8,16x8
+test-wide: build
+	FERRY_WIDE_TOPOLOGIES=$(WIDE_TOPOLOGIES) $(BUILD)/tests/ferry_wide_tests
 
 # The host code and the unit tests under AddressSanitizer (leaks included) and UndefinedBehaviorSanitizer, in a build
 # of their own without the cuda backend; any report fails its test. Then the Python tests against that build's module

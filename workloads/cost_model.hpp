@@ -39,7 +39,7 @@ struct LegTraffic {
   double nvlink_bytes_max = 0, nvlink_bytes_mean = 0;
   double network_messages_max = 0;  // puts over the network (one per row and destination)
   double network_rows_mean = 0;     // rows that cross the network, per rank
-  double control_messages = 0;      // per rank, besides network_messages_max: signals and counts (ll protocol only)
+  double control_messages = 0;      // per rank, besides network_messages_max: signals, counts and abort words
 };
 
 struct Traffic {
@@ -58,9 +58,10 @@ struct Traffic {
 
 // Counts the traffic of `tokens_per_rank` tokens on every rank, routed by `routing` (the generators of
 // workloads/routing.hpp, as ferry bench routes). config.num_experts must divide by topology.world().
-// ll_ctas: the low-latency grid of each rank (its control messages are per CTA and remote rank).
+// ll_ctas: the low-latency grid of each rank (its control messages are per CTA and remote rank); normal_ctas: normal
+// mode's grid (the hierarchical protocol signals per warp of it and remote node).
 Traffic count_traffic(EpConfig const& config, Topology const& topology, RoutingOptions const& routing,
-                      int tokens_per_rank, int ll_ctas = 132);
+                      int tokens_per_rank, int ll_ctas = 132, int normal_ctas = 132);
 
 // The links, with the values the predictions use (printed with them). Defaults: a 400G ConnectX-7 NIC per GPU
 // (50 GB/s a direction), NVLink as measured on 2 x H200 (push, both ways at once: 362 GB/s a direction), and the
@@ -95,6 +96,25 @@ struct Prediction {
   LegPrediction ll_dispatch, ll_combine;
   LegPrediction ll_fwd_dispatch, ll_fwd_combine;  // its forward route: one network put and one NVLink hop in series
 };
+
+// The symmetric memory of one rank (the bytes of the region every rank of an EpBuffer allocates), by protocol, from
+// the builder the cuda buffers are laid out with (src/ep/cuda/layout.hpp), for `config` (its max_tokens_per_rank,
+// max_recv_tokens, formats) on `topology`; and DeepEP V2's hint for the same shape. 0 where a protocol does not run.
+struct Memory {
+  std::size_t normal = 0;      // normal mode: one node's count exchange and push, or across nodes the hierarchical one
+  std::size_t ll = 0;          // low-latency mode (across nodes the route config.route() picks)
+  std::size_t ll_forward = 0;  // low-latency mode across nodes, forward route (0 on one node)
+  std::size_t ll_direct = 0;   // ...direct route (0 on one node)
+  std::size_t deepep_v2 = 0;   // DeepEP V2's ElasticBuffer.get_buffer_size_hint(num_topk=topk, use_fp8_dispatch=fp8)
+};
+Memory memory_per_rank(EpConfig const& config, Topology const& topology);
+
+// DeepEP V2's ElasticBuffer.get_buffer_size_hint (deep_ep/buffers/elastic.py, csrc/elastic/buffer.hpp
+// calculate_buffer_size, at deepseek-ai/DeepEP dd758ca) for `nodes` x `local` ranks on NVLink (scale-up) domains of
+// `local`, allow_hybrid_mode and allow_multiple_reduction as default: the larger of its dispatch and combine layouts,
+// 2 MiB-aligned. Written from its formula (a figure to compare with, never code run).
+std::size_t deepep_v2_buffer_size_hint(int max_tokens_per_rank, int hidden, int topk, bool fp8_dispatch, int nodes,
+                                       int local);
 
 // Time of a leg = its fixed cost + the slower of its network and NVLink transfers (they overlap: the forward starts
 // as rows arrive) + the latency of the hops it adds in series (one network put; one NVLink forward when rows are

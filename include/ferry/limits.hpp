@@ -4,11 +4,11 @@
 
 namespace ferry {
 
-// Most ranks of one world (32 nodes x 8 GPUs). What is sized from it: DeviceErrorBlock::absent (a bit per rank) and
-// the barrier slots of the signal area ([0, world) of kSignalSlots). The buffers' int32 row indices do not bind it: a
-// rank receives at most world x max_tokens_per_rank rows of topk entries, and EpConfig::validate derives the token
-// bound from the world (at 256 ranks and topk 16, 2^19 tokens per rank still index in int32).
-inline constexpr int kMaxWorld = 256;
+// Most ranks of one world (128 nodes x 8 GPUs). What is sized from it: DeviceErrorBlock::absent (a bit per rank), the
+// barrier slots of the signal area ([0, world) of kSignalSlots), the host's rank sets (RankSet) and the kernels'
+// per-source arrays across nodes. The buffers' int32 row indices do not bind it: EpConfig::validate derives the token
+// bound from the world (at 1024 ranks and topk 16, 2^17 - 1 tokens per rank still index in int32).
+inline constexpr int kMaxWorld = 1024;
 // Most ranks of one load/store team (an NVLink domain, NCCL's LSA team; a node on the cpu backend): a SymmetricView
 // holds one pointer per rank of the team. Peers outside the team are reached through the network transport.
 inline constexpr int kMaxLsaTeam = 32;

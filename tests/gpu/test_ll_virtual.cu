@@ -414,7 +414,11 @@ TEST(LowLatencyAcrossNodes, WorldsPast32) {
     table.push_back({"topology=3x12", route, "tokens=32,5", "hidden=2048", "topk=9", "shared=1", "experts=324",
                      "iters=2", "own=direct"});
     table.push_back({"topology=64x2", route, "tokens=8,1,0", "hidden=1024", "topk=8", "experts=256", "iters=2"});
+    // 128 ranks (16 nodes of 8, wide EP's decode shapes): one SM a virtual rank
+    table.push_back({"topology=16x8", route, "tokens=8,1,0", "hidden=1024", "topk=8", "experts=256", "iters=2"});
   }
+  table.push_back({"topology=16x8", "dispatch=fp8", "combine=bf16", "tokens=8", "hidden=1024", "topk=8",
+                   "experts=256", "iters=2"});
   table.push_back({"topology=3x12", "routing=grouped", "tokens=24", "hidden=2048", "topk=8", "experts=144",
                    "capacity=24", "iters=2"});
   table.push_back({"topology=16x4", "dispatch=fp8", "combine=fp8", "layout=mn_major_tma", "tokens=32,8", "hidden=2048",
@@ -430,7 +434,8 @@ TEST(LowLatencyAcrossNodes, WorldsPast32) {
 TEST(LowLatencyAcrossNodes, AbsentRankPast32IsNamed) {
   run_rows({{"topology=8x8", "absent=37", "tokens=16", "hidden=2048", "topk=8", "experts=64", "iters=1"},
             {"topology=8x8", "absent=63", "hook=1", "absent_leg=combine", "tokens=16,4", "hidden=2048", "topk=8",
-             "experts=64", "iters=1"}});
+             "experts=64", "iters=1"},
+            {"topology=16x8", "absent=100", "tokens=8", "hidden=1024", "topk=8", "experts=256", "iters=1"}});
 }
 
 }  // namespace

@@ -101,16 +101,16 @@ TEST(Config, GeometryAndWorld) {
   config.max_tokens_per_rank = EpConfig{}.max_tokens_per_rank;
   expect_message(EpConfig{}, 0, {"world=0"});
   config = EpConfig{};
-  config.num_experts = 257 * 4;
-  expect_message(config, 257, {"world=257", "[1, 256]", "kMaxWorld"});
+  config.num_experts = 1025 * 4;
+  expect_message(config, 1025, {"world=1025", "[1, 1024]", "kMaxWorld"});
 }
 
-// The world bound (kMaxWorld: 32 nodes x 8) and the token bound derived from it: a rank receives up to world x
+// The world bound (kMaxWorld: 128 nodes x 8) and the token bound derived from it: a rank receives up to world x
 // max_tokens_per_rank rows of topk entries, indexed with int32.
 TEST(Config, WorldsUpToTheBoundAndTheirTokenBound) {
   EpConfig config;
   config.topk = 16;
-  for (int world : {33, 64, 256}) {
+  for (int world : {33, 64, 256, 1024}) {
     config.num_experts = world * 16;
     EXPECT_EQ(config_error(config, world), "") << "world " << world;
   }
@@ -119,13 +119,17 @@ TEST(Config, WorldsUpToTheBoundAndTheirTokenBound) {
   config.max_tokens_per_rank = (1 << 19) - 1;
   EXPECT_EQ(config_error(config, 256), "");
   EXPECT_EQ(config_error(config, 32), "");
+  config.max_tokens_per_rank = 1 << 17;  // 1024 x 2^17 x 16 = 2^31
+  expect_message(config, 1024, {"max_tokens_per_rank=131072", "outside [1, 131071]", "world=1024", "int32"});
+  config.max_tokens_per_rank = (1 << 17) - 1;
+  EXPECT_EQ(config_error(config, 1024), "");
   config.max_tokens_per_rank = (1 << 20) + 1;  // the bound at any world
   expect_message(config, 1, {"max_tokens_per_rank=1048577", "outside [1, 1048576]"});
 }
 
 // The cuda backend's EpBuffer refuses, at construction, a world its kernels cannot address: past 32 ranks only
-// low-latency mode across nodes runs (its kernels' rank sets are sized for 256), without rank masking (its agreement
-// keeps one 32-bit word). The check is host code, called first by make_cuda_ep.
+// low-latency mode across nodes runs (its kernels' rank sets are sized for kMaxWorld), without rank masking (its
+// agreement keeps one 32-bit word). The check is host code, called first by make_cuda_ep.
 TEST(Config, CudaBackendRefusesAWorldPastItsKernels) {
   auto const refusal = [](EpConfig const& config, Topology const& topology) -> std::string {
     try {
@@ -149,13 +153,14 @@ TEST(Config, CudaBackendRefusesAWorldPastItsKernels) {
     EXPECT_EQ(refusal(config, Topology{4, 8}), "");
     EXPECT_EQ(refusal(config, Topology{32, 1}), "");
   }
-  for (Topology const topology : {Topology{2, 17}, Topology{8, 8}, Topology{3, 12}, Topology{32, 8}, Topology{256, 1}})
+  for (Topology const topology :
+       {Topology{2, 17}, Topology{8, 8}, Topology{3, 12}, Topology{32, 8}, Topology{128, 8}, Topology{1024, 1}})
     EXPECT_EQ(refusal(ll, topology), "") << topology_name(topology);
   expect_parts(refusal(normal, Topology{5, 8}),
-               {"world=40", "topology 5x8", "backend cuda", "mode=normal", "32 ranks", "mode=ll across nodes", "256"});
-  expect_parts(refusal(ll, Topology{1, 33}), {"world=33", "mode=ll on one node", "32 ranks", "256"});
+               {"world=40", "topology 5x8", "backend cuda", "mode=normal", "32 ranks", "mode=ll across nodes", "1024"});
+  expect_parts(refusal(ll, Topology{1, 33}), {"world=33", "mode=ll on one node", "32 ranks", "1024"});
   expect_parts(refusal(masked, Topology{8, 8}),
-               {"rank_masking with world=64", "backend cuda", "32-bit word", "up to 32 ranks", "256"});
+               {"rank_masking with world=64", "backend cuda", "32-bit word", "up to 32 ranks", "1024"});
 }
 
 TEST(Config, LowLatencyRules) {

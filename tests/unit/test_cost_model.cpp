@@ -6,10 +6,10 @@
 #include <cmath>
 #include <string>
 
+#include "core/util/json.hpp"
 #include "ferry/error.hpp"
 #include "ferry/wire_format.hpp"
 #include "support/host_fixtures.hpp"
-#include "core/util/json.hpp"
 #include "workloads/cost_model.hpp"
 
 namespace ferry::model {
@@ -165,11 +165,18 @@ TEST(CostModel, FerryModelPrintsItsInputsAndWritesItsRecords) {
   util::json::Value const doc = util::json::parse(test::read_file(json), json);
   EXPECT_EQ(doc.find("tool")->text, "ferry model");
   util::json::Value const& records = *doc.find("records");
-  ASSERT_EQ(records.items.size(), 20u) << "2 topologies x 1 token count x 5 protocols x 2 legs";
+  ASSERT_EQ(records.items.size(), 22u)
+      << "2 topologies x 1 token count x 5 protocols x 2 legs, then a memory record per topology and token count";
   EXPECT_EQ(records.items[0].find("dispatch_format")->text, "fp8");
   EXPECT_GT(records.items[0].find("predicted_us")->number, 0.0);
   EXPECT_EQ(records.items[9].find("world")->integer(), 16);
   EXPECT_EQ(records.items[10].find("world")->integer(), 32);
+  util::json::Value const& memory = records.items[21];
+  EXPECT_EQ(memory.find("protocol")->text, "memory");
+  EXPECT_EQ(memory.find("world")->integer(), 32);
+  EXPECT_GT(memory.find("normal_bytes")->number, 0.0);
+  EXPECT_GT(memory.find("deepep_v2_bytes")->number, 0.0);
+  EXPECT_TRUE(test::contains(run.output, "deepep-v2")) << run.output;
 
   test::CliRun const bad = test::run_ferry("model --topology 2by8");
   EXPECT_EQ(bad.code, 2) << bad.output;

@@ -460,10 +460,10 @@ TEST(InternodeCpuFailures, AbsentNodeIsNamedAsANode) {
   block.absent[0] = 1u << 2;  // one rank of a one-node world: the message is the first timeout's alone
   EXPECT_EQ(detail::describe_device_error(block, 1.0, Topology{1, 4}).find("absent from"), std::string::npos);
   block.absent[0] = 0;
-  block.absent[kAbsentWords - 1] = 1u << 31;  // the last of 256 ranks
+  block.absent[kAbsentWords - 1] = 1u << 31;  // the last of 1024 ranks
   block.absent[1] = 1u;                       // rank 32
-  std::string const wide = detail::describe_device_error(block, 1.0, Topology{32, 8});
-  EXPECT_NE(wide.find("rank(s) 32, 255 (1 of node 4; 1 of node 31, topology 32x8)"), std::string::npos) << wide;
+  std::string const wide = detail::describe_device_error(block, 1.0, Topology{128, 8});
+  EXPECT_NE(wide.find("rank(s) 32, 1023 (1 of node 4; 1 of node 127, topology 128x8)"), std::string::npos) << wide;
 
   test::ScopedEnv const timeout("FERRY_TIMEOUT_S", std::string("1"));
   CommunicatorOptions options;

@@ -1,5 +1,5 @@
 // The world's topology (Topology in include/ferry/communicator.hpp): parsing, the split from LOCAL_WORLD_SIZE or
-// FERRY_TOPOLOGY, worlds far past one node (256 ranks), the cpu communicator's load/store reachability over emulated
+// FERRY_TOPOLOGY, worlds far past one node (1024 ranks), the cpu communicator's load/store reachability over emulated
 // nodes, and the refusal of an EpBuffer that spans nodes (the inter-node protocols are not built), on every rank.
 #include <gtest/gtest.h>
 
@@ -44,7 +44,7 @@ TEST(Topology, ParsesNodesByRanks) {
   EXPECT_TRUE(t.same_node(8, 15));
   EXPECT_FALSE(t.same_node(7, 8));
   EXPECT_EQ(topology_name(t), "32x8");
-  for (char const* bad : {"8", "2x", "x8", "0x8", "2x0", "2x8x", "ax8", "2*8", "2 x 8", "", "33x8", "1x257"}) {
+  for (char const* bad : {"8", "2x", "x8", "0x8", "2x0", "2x8x", "ax8", "2*8", "2 x 8", "", "129x8", "1x1025"}) {
     try {
       parse_topology(bad);
       ADD_FAILURE() << "'" << bad << "' accepted";
@@ -57,8 +57,9 @@ TEST(Topology, ParsesNodesByRanks) {
 
 // A world has at most kMaxWorld ranks: one more is refused naming the text, its ranks and the bound.
 TEST(Topology, WorldsPastTheBoundAreRefused) {
-  EXPECT_EQ(parse_topology("1x256").world(), 256);
-  for (auto [text, ranks] : {std::pair{"33x8", "264"}, std::pair{"1x257", "257"}, std::pair{"257x1", "257"}}) {
+  EXPECT_EQ(parse_topology("1x1024").world(), 1024);
+  EXPECT_EQ(parse_topology("128x8").world(), 1024);
+  for (auto [text, ranks] : {std::pair{"129x8", "1032"}, std::pair{"1x1025", "1025"}, std::pair{"1025x1", "1025"}}) {
     try {
       parse_topology(text);
       ADD_FAILURE() << text << " accepted";
@@ -66,7 +67,7 @@ TEST(Topology, WorldsPastTheBoundAreRefused) {
       std::string const message = error.what();
       EXPECT_NE(message.find(std::string("topology '") + text + "' has " + ranks + " ranks"), std::string::npos)
           << message;
-      EXPECT_NE(message.find("at most 256 (kMaxWorld"), std::string::npos) << message;
+      EXPECT_NE(message.find("at most 1024 (kMaxWorld"), std::string::npos) << message;
     }
   }
 }
@@ -155,7 +156,7 @@ TEST(Topology, CpuCommunicatorRefusesPastItsBounds) {
     auto bootstraps = make_local_bootstraps(kMaxWorld + 1, std::chrono::seconds(5));
     std::string const world = expect_error<ConfigError>(
         [&] { Communicator::create(std::move(bootstraps.front()), CommunicatorOptions{Backend::cpu}); },
-        {"world=257 is outside [1, 256] (kMaxWorld)"});
+        {"world=1025 is outside [1, 1024] (kMaxWorld)"});
     EXPECT_EQ(world, "");
   }
   ScopedEnv const unset("FERRY_TOPOLOGY", std::nullopt);

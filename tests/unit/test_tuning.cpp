@@ -22,14 +22,14 @@
 #include <tuple>
 #include <vector>
 
+#include "core/util/json.hpp"
+#include "ep/tuning_key.hpp"
 #include "ferry/error.hpp"
 #include "support/host_fixtures.hpp"
 #include "tuning/choose.hpp"
 #include "tuning/embedded.hpp"
 #include "tuning/picker.hpp"
-#include "ep/tuning_key.hpp"
 #include "tuning/table.hpp"
-#include "core/util/json.hpp"
 
 namespace ferry::tuning {
 namespace {
@@ -236,8 +236,8 @@ TEST(TuningTable, RejectsUnknownFieldsAndBadValues) {
       {table_json({entry_json("H200", "{\"max_tokens\": 128, \"blocks\": 8.5}")}),
        {"entry 0 (H200", "blocks must be an integer, not 8.5"}},
       {table_json({entry_json("H200", "{\"max_tokens\": 128}")}), {"entry 0 (H200", "has no \"blocks\""}},
-      {table_json({"{\"key\": " + key_json("H200", 0) + "}"}), {"entry 0", "key.world=0 is outside [1, 256]"}},
-      {table_json({"{\"key\": " + key_json("H200", 257) + "}"}), {"entry 0", "key.world=257 is outside [1, 256]"}},
+      {table_json({"{\"key\": " + key_json("H200", 0) + "}"}), {"entry 0", "key.world=0 is outside [1, 1024]"}},
+      {table_json({"{\"key\": " + key_json("H200", 1025) + "}"}), {"entry 0", "key.world=1025 is outside [1, 1024]"}},
       {table_json({"{\"key\": {\"gpu\": \"H200\", \"world\": 8, \"hidden\": 7168, \"topk\": 8, \"dispatch_format\": "
                    "\"fp9\", \"combine_format\": \"bf16\", \"mode\": \"normal\"}}"}),
        {"entry 0", "key.dispatch_format=\"fp9\" is not a wire format"}},

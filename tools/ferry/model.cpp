@@ -48,6 +48,7 @@ Options make_options() {
           {"ll-fixed-us", text(links.ll_fixed_us), "fixed cost of a low-latency leg"},
           {"nic-mmsgs", text(links.nic_mmsgs), "network messages per us (millions/s) the NIC issues: an assumption"},
           {"ll-ctas", "132", "the low-latency grid per rank (its signals are per CTA and remote rank)"},
+          {"normal-ctas", "132", "normal mode's grid per rank (the hierarchical protocol signals per warp and node)"},
           {"json", "", "write the records to this file (the result-file format of docs/design.md)"},
       });
 }
@@ -85,9 +86,11 @@ int model_main(int argc, char** argv) {
   links.ll_fixed_us = options.number("ll-fixed-us");
   links.nic_mmsgs = options.number("nic-mmsgs");
   int const ll_ctas = options.integer("ll-ctas");
+  int const normal_ctas = options.integer("normal-ctas");
   FERRY_CHECK_CONFIG(links.nic_gbps > 0 && links.nvlink_gbps > 0, "--nic-gbps and --nvlink-gbps must be positive");
   FERRY_CHECK_CONFIG(links.nic_mmsgs > 0, "--nic-mmsgs must be positive, got ", links.nic_mmsgs);
   FERRY_CHECK_CONFIG(ll_ctas >= 1, "--ll-ctas must be at least 1, got ", ll_ctas);
+  FERRY_CHECK_CONFIG(normal_ctas >= 1, "--normal-ctas must be at least 1, got ", normal_ctas);
   std::vector<model::Topology> topologies;
   std::stringstream list(options.str("topology"));
   for (std::string item; std::getline(list, item, ',');) topologies.push_back(model::parse_topology(item));
@@ -95,7 +98,7 @@ int model_main(int argc, char** argv) {
   // Every count first: a topology or token count the model refuses is an error before anything is printed.
   std::vector<model::Traffic> traffics;
   for (model::Topology const& topo : topologies)
-    for (int t : tokens) traffics.push_back(model::count_traffic(config, topo, routing, t, ll_ctas));
+    for (int t : tokens) traffics.push_back(model::count_traffic(config, topo, routing, t, ll_ctas, normal_ctas));
 
   std::printf("ferry model: predictions, not measurements (nothing runs). Inputs:\n");
   std::printf(
@@ -108,10 +111,11 @@ int model_main(int argc, char** argv) {
       links.normal_fixed_us, links.ll_fixed_us, config.hidden, config.topk, config.num_experts,
       routing_name(routing.kind), wire_format_name(config.dispatch_format), wire_format_name(config.combine_format));
   std::printf(
-      "  per rank, the slowest rank: MB sent over the network / NVLink, predicted us, network GB/s (physical: at "
-      "most the NIC's), logical network GB/s (rows every remote rank receives, once per rank / us)\n\n");
-  std::printf("%-8s %6s %-11s %-9s %9s %9s %9s %9s %9s  %s\n", "topology", "tokens", "protocol", "leg", "net MB",
-              "nvlink MB", "us", "net GB/s", "logical", "bound");
+      "  per rank, the slowest rank: MB sent over the network / NVLink, messages over the network (rows, counts, "
+      "signals: the protocols as built), predicted us, network GB/s (physical: at most the NIC's), logical network "
+      "GB/s (rows every remote rank receives, once per rank / us)\n\n");
+  std::printf("%-8s %6s %-11s %-9s %9s %9s %9s %9s %9s %9s  %s\n", "topology", "tokens", "protocol", "leg", "net MB",
+              "nvlink MB", "net msgs", "us", "net GB/s", "logical", "bound");
   std::vector<util::ResultRecord> records;
   auto next_traffic = traffics.begin();
   for (model::Topology const& topo : topologies) {
@@ -138,10 +142,10 @@ int model_main(int argc, char** argv) {
           {"ll-cuda-fwd", "combine", traffic.ll_fwd_combine, p.ll_fwd_combine},
       };
       for (Row const& row : rows) {
-        std::printf("%-8s %6d %-11s %-9s %9s %9s %9.1f %9.1f %9.1f  %s\n", name.c_str(), t, row.protocol, row.leg,
-                    mb(row.traffic.network_bytes_max).c_str(), mb(row.traffic.nvlink_bytes_max).c_str(),
-                    row.prediction.us, row.prediction.network_gbps, row.prediction.logical_network_gbps,
-                    row.prediction.bound.c_str());
+        std::printf("%-8s %6d %-11s %-9s %9s %9s %9.0f %9.1f %9.1f %9.1f  %s\n", name.c_str(), t, row.protocol,
+                    row.leg, mb(row.traffic.network_bytes_max).c_str(), mb(row.traffic.nvlink_bytes_max).c_str(),
+                    row.traffic.network_messages_max + row.traffic.control_messages, row.prediction.us,
+                    row.prediction.network_gbps, row.prediction.logical_network_gbps, row.prediction.bound.c_str());
         util::ResultRecord& rec = records.emplace_back();
         rec.add("topology", name).add("world", topo.world()).add("tokens", t).add("protocol", row.protocol);
         rec.add("leg", row.leg).add("hidden", config.hidden).add("topk", config.topk);
@@ -157,6 +161,31 @@ int model_main(int argc, char** argv) {
       }
       std::printf("%-8s %6d   a token reaches %.2f ranks: %.2f remote nodes, %.2f ranks on them\n", name.c_str(), t,
                   traffic.dest_ranks_per_token, traffic.remote_nodes_per_token, traffic.remote_ranks_per_token);
+    }
+  }
+  std::printf(
+      "\nsymmetric memory of one rank, MB (the region each rank allocates: the builder the buffers use), and DeepEP "
+      "V2's get_buffer_size_hint for the same shape:\n");
+  std::printf("%-8s %6s %12s %12s %12s %12s %12s\n", "topology", "tokens", "normal", "ll", "ll-direct", "ll-forward",
+              "deepep-v2");
+  for (model::Topology const& topo : topologies) {
+    for (int t : tokens) {
+      EpConfig shape = config;
+      shape.max_tokens_per_rank = t;
+      model::Memory const m = model::memory_per_rank(shape, topo);
+      std::string const name = std::to_string(topo.nodes) + "x" + std::to_string(topo.local);
+      auto const cell = [](std::size_t bytes) { return bytes == 0 ? std::string("-") : mb(static_cast<double>(bytes)); };
+      std::printf("%-8s %6d %12s %12s %12s %12s %12s\n", name.c_str(), t, cell(m.normal).c_str(), cell(m.ll).c_str(),
+                  cell(m.ll_direct).c_str(), cell(m.ll_forward).c_str(), cell(m.deepep_v2).c_str());
+      util::ResultRecord& rec = records.emplace_back();
+      rec.add("topology", name).add("world", topo.world()).add("tokens", t).add("protocol", "memory");
+      rec.add("hidden", config.hidden).add("topk", config.topk).add("experts", config.num_experts);
+      rec.add("dispatch_format", wire_format_name(config.dispatch_format));
+      rec.add("combine_format", wire_format_name(config.combine_format));
+      rec.add("normal_bytes", static_cast<double>(m.normal)).add("ll_bytes", static_cast<double>(m.ll));
+      rec.add("ll_direct_bytes", static_cast<double>(m.ll_direct));
+      rec.add("ll_forward_bytes", static_cast<double>(m.ll_forward));
+      rec.add("deepep_v2_bytes", static_cast<double>(m.deepep_v2));
     }
   }
   std::printf(

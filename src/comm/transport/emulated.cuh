@@ -23,6 +23,9 @@
 
 namespace ferry::transport {
 
+// Most ranks the emulated network connects: one host's (its GPUs, or the virtual ranks of one GPU, one SM at least
+// each). Past it a world is a cluster's, over GIN.
+inline constexpr int kMaxEmulatedWorld = 256;
 inline constexpr int kEmulatedOps = 64;                  // puts one endpoint holds before it delivers early
 inline constexpr std::size_t kEmulatedSnapshot = 32768;  // bytes of flushed sources one endpoint keeps
 
@@ -53,7 +56,7 @@ struct Emulated {
   static constexpr Kind kKind = Kind::emulated;
   static constexpr bool kLoadStore = false;
 
-  char* windows[kMaxWorld];  // every rank's window, by world rank (shared memory; only the leader copies)
+  char* windows[kMaxEmulatedWorld];  // every rank's window, by world rank (shared memory; only the leader copies)
   int32_t rank;
   int32_t world;
   EmulatedArea* areas;  // this rank's endpoints

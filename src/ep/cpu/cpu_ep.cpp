@@ -1,9 +1,10 @@
 // The cpu reference backend of EpBuffer: the normal-mode protocol of docs/design.md ("Modes") as host loops over the
-// communicator's shared memory. Dispatch: count exchange (each rank writes its row of the W x W count matrix into
-// every peer), barrier, each sender computes its offsets in every destination and pushes rows and metadata straight
-// into their final slots, barrier. Combine: each receiver reduces its rows into its own send-back area, barrier,
-// each source pulls and sums its tokens' rows over the destinations in ascending order, barrier. The per-row
-// arithmetic is ref::reduce_row / accumulate_row / round_row, so results are bit-identical with ref::.
+// communicator's shared memory. Dispatch: count exchange (each rank publishes its row of the W x W count matrix in its
+// own region and reads the others' rows from theirs), barrier, each sender computes its offsets in every destination
+// and pushes rows and metadata straight into their final slots, barrier. Combine: each receiver reduces its rows into
+// its own send-back area, barrier, each source pulls and sums its tokens' rows over the destinations in ascending
+// order, barrier. The per-row arithmetic is ref::reduce_row / accumulate_row / round_row, so results are bit-identical
+// with ref::.
 //
 // Across nodes (a topology of N nodes x M ranks, normal mode: docs/internode.md) the protocol is hierarchical, as the
 // cuda one: a source's row for another node goes once to that node's rail (the rank with the source's local index),
@@ -277,6 +278,8 @@ class CpuEp final : public EpBackendImpl {
     if (!self_masked_.empty()) throw Error(self_masked_);
   }
   bool active(int r) const { return active_.test(r); }
+  // Row s of this dispatch's count matrix, in rank s's own region (after the count exchange's barrier).
+  int64_t const* count_row(int s) const { return reinterpret_cast<int64_t const*>(counts_.of(s)); }
   // The rank of node n that relays `source`'s rows there (forward route): the one of the source's local index, or,
   // when that one is masked (in `live`), the next live local index, ascending and wrapping; -1 when node n has none.
   int rail_of(int n, int source, RankSet const& live) const {
@@ -342,9 +345,9 @@ class CpuEp final : public EpBackendImpl {
   std::size_t combine_stride_;  // a row of combine_rows_: its wire row, or (across nodes) the bf16 row for the rail
 
   // symmetric memory (every rank's copy reachable from here)
-  SymmetricRegion counts_;        // [world x world] int64: entry (s, d) = rows rank s sends to rank d
-  SymmetricRegion recv_x_;        // [capacity x dispatch wire row], rank-major landing zone (bf16: recv_x itself)
-  SymmetricRegion recv_idx_;      // [capacity x topk] int32 local expert or -1
+  SymmetricRegion counts_;    // [world] int64 on rank s: entry d = rows rank s sends to rank d (its row of the matrix)
+  SymmetricRegion recv_x_;    // [capacity x dispatch wire row], rank-major landing zone (bf16: recv_x itself)
+  SymmetricRegion recv_idx_;  // [capacity x topk] int32 local expert or -1
   SymmetricRegion recv_weights_;  // [capacity x topk] float
   SymmetricRegion recv_src_;      // [capacity x 2] int32 (source rank, source token)
   SymmetricRegion combine_rows_;  // [capacity x combine wire row], the rows this rank sends back in combine
@@ -486,7 +489,9 @@ CpuEp::CpuEp(Communicator& comm, EpConfig const& config)
   for (auto& leg : waits_) leg.assign(static_cast<std::size_t>(world_), PeerWaitStats{});
   // Collective: every rank allocates the same regions in the same order.
   try {
-    counts_ = comm_.alloc_symmetric(at(world_, world_) * sizeof(int64_t));
+    // One row per rank, read in place by the others: the matrix is W x W over the world, not on every rank (which
+    // would be W^3 bytes in one host's shared memory at a wide world).
+    counts_ = comm_.alloc_symmetric(at(world_, sizeof(int64_t)));
     recv_x_ = comm_.alloc_symmetric(at(capacity_, 1) * dispatch_wire_.row_bytes);
     recv_idx_ = comm_.alloc_symmetric(at(capacity_, topk_) * sizeof(int32_t));
     recv_weights_ = comm_.alloc_symmetric(at(capacity_, topk_) * sizeof(float));
@@ -889,10 +894,9 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
   }
   num_tokens_ = num_tokens;
 
-  // 3. count exchange: this rank's row of the count matrix into every rank (no one reads the matrix after the last
-  //    barrier of the previous dispatch, so it is free to overwrite)
-  for (int p = 0; p < world_; ++p)
-    std::memcpy(counts_.of(p) + at(rank_, world_) * sizeof(int64_t), sends.data(), at(world_, sizeof(int64_t)));
+  // 3. count exchange: this rank publishes its row of the count matrix (no one reads it after the last barrier of the
+  //    previous dispatch, so it is free to overwrite)
+  std::memcpy(counts_.local, sends.data(), at(world_, sizeof(int64_t)));
   // counts visible everywhere (release/acquire in the barrier), and every rank in this call: else nothing moves.
   // The wait statistics time each source here: a late source is waited for at this exchange, its rows follow.
   join_call(CallKind::dispatch, false, StatsLeg::dispatch);
@@ -914,14 +918,14 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
   }
 
   // 4. offsets: rank s's rows on rank d follow the rows of ranks 0..s-1 (rank-major order, no atomics)
-  auto const* matrix = reinterpret_cast<int64_t const*>(counts_.local);
   int64_t total_recv = 0;
-  for (int d = 0; d < world_; ++d) {
-    int64_t offset = 0;
-    for (int s = 0; s < rank_; ++s) offset += active(s) ? matrix[at(s, world_) + d] : 0;
-    dest_offset_[static_cast<std::size_t>(d)] = offset;
+  std::fill(dest_offset_.begin(), dest_offset_.end(), 0);
+  for (int s = 0; s < rank_; ++s) {
+    if (!active(s)) continue;
+    int64_t const* row = count_row(s);
+    for (int d = 0; d < world_; ++d) dest_offset_[static_cast<std::size_t>(d)] += row[d];
   }
-  for (int s = 0; s < world_; ++s) total_recv += active(s) ? matrix[at(s, world_) + rank_] : 0;
+  for (int s = 0; s < world_; ++s) total_recv += active(s) ? count_row(s)[rank_] : 0;
   int32_t const num_recv = static_cast<int32_t>(std::min<int64_t>(total_recv, capacity_));
   // NOTE: kept for handles (EpBuffer::copy_rank_counts) now: a peer past this call's last barrier overwrites its row
   rank_counts_.resize(at(world_, world_));
@@ -1164,7 +1168,6 @@ void CpuEp::forward_rows() {
   // for the sources whose rail of that index is masked, rail_of). A source's rows on local rank l follow the rows of
   // every lower source there (the count matrix), in token order, as a source places its own rows: so the rows land
   // exactly where a direct push would put them.
-  auto const* matrix = reinterpret_cast<int64_t const*>(counts_.local);
   auto const* counts = reinterpret_cast<int64_t const*>(fwd_count_.local);
   int const my_node = topology_.node_of(rank_);
   int const local = topology_.local;
@@ -1176,7 +1179,7 @@ void CpuEp::forward_rows() {
     fwd_num_[block] = num;
     for (int l = 0; l < local; ++l) {
       int64_t offset = 0;
-      for (int s = 0; s < source; ++s) offset += active(s) ? matrix[at(s, world_) + my_node * local + l] : 0;
+      for (int s = 0; s < source; ++s) offset += active(s) ? count_row(s)[my_node * local + l] : 0;
       next[static_cast<std::size_t>(l)] = offset;
     }
     for (int64_t j = 0; j < num; ++j) {

@@ -32,33 +32,6 @@ void configure_buffers(Buffers& b, EpConfig const& config, int world, int rank, 
   b.land_ctas = std::min(num_sms, kMaxLandCtas);
 }
 
-SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol, int nodes) {
-  SymLayout layout;
-  AreaPacker areas;
-  if (protocol == Protocol::ll) {
-    lay_out_ll(layout.ll, areas, config, world, nodes);
-    if (nodes > 1) {
-      layout.nodes = nodes;
-      layout.local = world / nodes;
-    }
-  } else {
-    lay_out_normal(layout.normal, areas, config, world, protocol == Protocol::landing);
-  }
-  layout.total = areas.total();
-  return layout;
-}
-
-SymLayout make_hier_sym_layout(EpConfig const& config, Topology const& topology) {
-  SymLayout layout;
-  AreaPacker areas;
-  lay_out_normal(layout.normal, areas, config, topology.world(), false);
-  lay_out_hier(layout.hier, layout.normal, areas, config, topology);
-  layout.nodes = topology.nodes;
-  layout.local = topology.local;
-  layout.total = areas.total();
-  return layout;
-}
-
 void allocate_buffers(Buffers& b) {
   EpConfig const& config = b.config;
   std::size_t const max_tokens = static_cast<std::size_t>(config.max_tokens_per_rank);

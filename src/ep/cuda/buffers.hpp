@@ -13,7 +13,7 @@
 
 #include "comm/transport/emulated.cuh"
 #include "comm/transport/gin.cuh"
-#include "ep/cuda/area_packer.hpp"
+#include "ep/cuda/layout.hpp"
 #include "ep/cuda/ll/params.cuh"
 #include "ep/cuda/normal/params.cuh"
 #include "ep/ep_impl.hpp"
@@ -123,13 +123,7 @@ struct Buffers {
 // tuning are the caller's.
 void configure_buffers(Buffers& b, EpConfig const& config, int world, int rank, Protocol protocol, int num_sms);
 
-// The symmetric region's layout for a config and protocol (the same on every rank). nodes > 1 (low-latency mode
-// across nodes): with the areas the network leg sends from, and the arrival counters as one signal range.
-SymLayout make_sym_layout(EpConfig const& config, int world, Protocol protocol, int nodes = 1);
 
-// The symmetric layout of the hierarchical protocol: the count exchange's (make_sym_layout, push) with a count row
-// that also counts tokens per node, and the hierarchical areas (SymLayout).
-SymLayout make_hier_sym_layout(EpConfig const& config, Topology const& topology);
 
 // Allocates a rank's local device buffers for its protocol (configure_buffers set the inputs); zeroes the state, the
 // counters and the scale tensors with cudaMemset (the default stream: synchronize the device before another stream

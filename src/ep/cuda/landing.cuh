@@ -15,6 +15,8 @@
 #include "comm/device/bits.cuh"
 #include "comm/device/signal.cuh"
 #include "comm/transport/lsa.cuh"
+#include "ep/cuda/layout.hpp"
+#include "ep/cuda/params.cuh"
 #include "ep/cuda/wait_stats.cuh"
 #include "ferry/device_view.hpp"
 #include "ferry/ep.hpp"
@@ -33,7 +35,7 @@ __device__ __forceinline__ std::size_t slot_index(int parity, int world, int sou
 // Bytes of one metadata record: topk int32 local ids, then topk float weights, 16-byte aligned (the ids are read as
 // 16-byte vectors).
 __host__ __device__ constexpr std::size_t record_bytes(int topk) {
-  return (static_cast<std::size_t>(topk) * 8 + 15) / 16 * 16;
+  return landing_record_bytes(topk);
 }
 
 // What a token's routing needs from the caller's inputs.
@@ -164,34 +166,42 @@ __device__ __forceinline__ int wait_sources(DeviceView const& view, uint64_t con
                                             uint64_t const volatile* aborts, WaitPhase phase, int32_t* s_base,
                                             uint32_t* s_aborted, int* s_ok, wait_stats::Slot* stats = nullptr,
                                             Remote const& remote = {}) {
-  static_assert(kMaxSources % 32 == 0 && kMaxSources <= 512, "a bit per source in whole words; a thread per source");
+  static_assert(kMaxSources % 32 == 0, "a bit per source in whole words");
   constexpr int kWords = kMaxSources / 32;
   int const tid = static_cast<int>(threadIdx.x);
   int const world = view.world;
-  if (tid < world && remote.skip(tid)) {
-    s_base[tid + 1] = 0;
-  } else if (tid < world) {
+  // source s: its wait, token count and abort word (a thread per source; past kThreads sources, several each)
+  auto const wait_source = [&](int s) {
+    if (remote.skip(s)) {
+      s_base[s + 1] = 0;
+      return;
+    }
     uint64_t observed = 0;
-    if (remote.of(tid)) {
-      if (!wait_stats::timed(stats, tid, [&] { return remote.wait(tid, seq * per_call); })) *s_ok = 0;
-    } else if (!wait_stats::timed(stats, tid, [&] {
-                 return device::wait_signal_geq_value(view, arrivals + tid, seq * per_call, tid, phase, &observed);
+    if (remote.of(s)) {
+      if (!wait_stats::timed(stats, s, [&] { return remote.wait(s, seq * per_call); })) *s_ok = 0;
+    } else if (!wait_stats::timed(stats, s, [&] {
+                 return device::wait_signal_geq_value(view, arrivals + s, seq * per_call, s, phase, &observed);
                })) {
       *s_ok = 0;
     } else if (observed > (seq + 1) * per_call) {
-      device::record_out_of_step(view, tid, phase, seq, observed / per_call);
+      device::record_out_of_step(view, s, phase, seq, observed / per_call);
       *s_ok = 0;
     }
     // both loads after the acquire and before either value is used: one round trip, not two
-    uint64_t const num_tokens = tokens[tid];
-    uint64_t const abort_seq = aborts[tid];
-    s_base[tid + 1] = static_cast<int32_t>(num_tokens);
+    uint64_t const num_tokens = tokens[s];
+    uint64_t const abort_seq = aborts[s];
+    s_base[s + 1] = static_cast<int32_t>(num_tokens);
     if (abort_seq == seq) {
       if constexpr (kWords == 1)
-        atomicOr(s_aborted, 1u << tid);
+        atomicOr(s_aborted, 1u << s);
       else
-        atomicOr(s_aborted + (tid >> 5), 1u << (tid & 31));
+        atomicOr(s_aborted + (s >> 5), 1u << (s & 31));
     }
+  };
+  if constexpr (kMaxSources <= kThreads) {
+    if (tid < world) wait_source(tid);
+  } else {
+    for (int s = tid; s < world; s += kThreads) wait_source(s);
   }
   __syncthreads();
   if (!*s_ok) return -1;
@@ -209,8 +219,9 @@ __device__ __forceinline__ int wait_sources(DeviceView const& view, uint64_t con
     if (tid == 0) bases(aborted_mask != 0);
   } else {
     auto const refused = [&](int s) { return ((s_aborted[s >> 5] >> (s & 31)) & 1u) != 0; };
-    if (blockIdx.x == 0 && tid < world && tid != view.rank && refused(tid) && !refused(view.rank))
-      device::record_refusal(view, tid, phase);
+    if (blockIdx.x == 0 && !refused(view.rank))
+      for (int s = tid; s < world; s += kThreads)
+        if (s != view.rank && refused(s)) device::record_refusal(view, s, phase);
     if (tid == 0) {
       bool aborted = false;
       for (int w = 0; w < (world + 31) / 32; ++w) aborted |= s_aborted[w] != 0;

@@ -10,9 +10,7 @@
 
 #include "comm/transport/lsa.cuh"
 #include "ep/combine_tiles.hpp"
-#include "ep/cuda/hier/layout.hpp"
-#include "ep/cuda/ll/layout.hpp"
-#include "ep/cuda/normal/layout.hpp"
+#include "ep/cuda/layout.hpp"
 #include "ferry/device_view.hpp"
 #include "ferry/wire_format.hpp"
 #include "trace/trace_format.hpp"
@@ -45,16 +43,6 @@ static_assert(offsetof(DeviceState, num_tokens) == offsetof(DeviceState, num_rec
                   offsetof(DeviceState, src_tokens) == offsetof(DeviceState, src_count) + 4 * kMaxCudaWorld,
               "a handle copies the layout words of DeviceState as one run of kHandleStateWords int32 words");
 
-// Byte offsets inside the symmetric region (the same on every rank; make_sym_layout, buffers.cu): each protocol's own
-// areas (its folder's layout.hpp). An EpBuffer runs one protocol; the other protocols' areas stay empty (0).
-struct SymLayout {
-  NormalLayout normal;  // normal mode (the hierarchical protocol's one-node part too)
-  HierLayout hier;      // normal mode across nodes
-  LlLayout ll;          // low-latency mode
-  int nodes = 1;        // the topology the region was laid out for: nodes, and ranks per node (0 on one node)
-  int local = 0;
-  std::size_t total = 0;
-};
 
 // Who a thread of an EP kernel is: its rank's place in the world, and its own in the grid (every kernel starts with
 // these six numbers; `auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);`).

@@ -88,58 +88,79 @@ __device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, Net co
   FERRY_TRACE_END(trace, ll_combine_send_arrival);
 }
 
-// 3. every rank's send CTAs of this call (thread d waits for rank d; acquire, bounded). abort_seen: CTA 0, thread d:
-//    rank d's abort word of this parity, checked after the sum. False (the whole CTA) when a rank did not arrive or is
-//    out of step (recorded).
+// Sources (ranks) each thread of a receive half answers for: one on one node, two where a world across nodes has more
+// ranks than a CTA has threads (kMaxWorld over kThreads).
+template <bool kNet>
+inline constexpr int kSourcesPerThread = (kMaxSources<kNet> + kThreads - 1) / kThreads;
+
+// The abort words a thread of CTA 0 loaded in step 3 (its sources' of this parity), checked after the sum.
+template <bool kNet>
+struct AbortsSeen {
+  uint64_t word[kSourcesPerThread<kNet>] = {};
+};
+
+// 3. every rank's send CTAs of this call (thread d waits for rank d, and d + kThreads; acquire, bounded). seen: CTA 0,
+//    the abort words of the thread's sources, checked after the sum. False (the whole CTA) when a rank did not arrive
+//    or is out of step (recorded).
 template <bool kMasking, class Net>
 __device__ __forceinline__ bool wait_combine_rows(LlCombineParams const& p, Net const& network, int& s_ok,
-                                                  uint32_t live, uint64_t seq, int parity, uint64_t& abort_seen) {
+                                                  uint32_t live, uint64_t seq, int parity,
+                                                  AbortsSeen<kAcrossNodes<Net>>& seen) {
   constexpr bool kNet = kAcrossNodes<Net>;
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   auto const own = [&] { return own_window<kNet>(p); };  // read where used (a register held across the wait costs)
+  auto const abort_word = [&](int d) {
+    return reinterpret_cast<uint64_t const volatile*>(own() + p.layout.ll.combine_abort)[parity * world + d];
+  };
   if (tid == 0) s_ok = 1;
   __syncthreads();
-  if (tid < world && (kNet ? is_live<kMasking>(live, tid) : ((live >> tid) & 1u) != 0)) {
+  uint64_t const per_call = static_cast<uint64_t>(p.num_ctas);
+  wait_stats::Slot* const stats = wait_stats::row(p.wait_stats, wait_stats::kCombine, world);
+#pragma unroll
+  for (int i = 0; i < kSourcesPerThread<kNet>; ++i) {
+    int const d = tid + i * kThreads;
+    if (d >= world || !(kNet ? is_live<kMasking>(live, d) : ((live >> d) & 1u) != 0)) continue;
     auto const* arrivals = reinterpret_cast<uint64_t const*>(own() + p.layout.ll.combine_arrivals);
-    uint64_t const per_call = static_cast<uint64_t>(p.num_ctas);
     uint64_t observed = 0;
     bool remote = false;
-    wait_stats::Slot* const stats = wait_stats::row(p.wait_stats, wait_stats::kCombine, world);
-    if constexpr (kNet) remote = !same_node(p, tid);
+    if constexpr (kNet) remote = !same_node(p, d);
     if (remote) {
       // a rank of another node: through the network (no out-of-step check: its counter is the transport's); the
       // forward route hears only from each node's rail for this rank, which relays its node's refusals
       if constexpr (kNet) {
-        if (!p.forward || tid % p.local == rank % p.local) {
-          if (!wait_stats::timed(stats, tid, [&] {
-                return wait_network(p, network, p.layout.ll.combine_arrivals, tid, seq * per_call,
+        if (!p.forward || d % p.local == rank % p.local) {
+          if (!wait_stats::timed(stats, d, [&] {
+                return wait_network(p, network, p.layout.ll.combine_arrivals, d, seq * per_call,
                                     WaitPhase::ll_combine);
               }))
             s_ok = 0;
           else if (cta == 0)
-            abort_seen =
-                reinterpret_cast<uint64_t const volatile*>(own() + p.layout.ll.combine_abort)[parity * world + tid];
+            seen.word[i] = abort_word(d);
         }
       }
-    } else if (!wait_stats::timed(stats, tid, [&] {
-                 return device::wait_signal_geq_value(p.view, arrivals + tid, seq * per_call, tid,
-                                                      WaitPhase::ll_combine, &observed);
+    } else if (!wait_stats::timed(stats, d, [&] {
+                 return device::wait_signal_geq_value(p.view, arrivals + d, seq * per_call, d, WaitPhase::ll_combine,
+                                                      &observed);
                })) {
       s_ok = 0;
     } else if (observed > (seq + 1) * per_call) {
-      device::record_out_of_step(p.view, tid, WaitPhase::ll_combine, seq, observed / per_call);
+      device::record_out_of_step(p.view, d, WaitPhase::ll_combine, seq, observed / per_call);
       s_ok = 0;
     } else if (cta == 0) {
       // after the acquire; not waited for here (the barrier does not wait for loads in flight)
-      abort_seen = reinterpret_cast<uint64_t const volatile*>(own() + p.layout.ll.combine_abort)[parity * world + tid];
+      seen.word[i] = abort_word(d);
     }
   }
   __syncthreads();
   if constexpr (kNet) {
     // the forward route: a rank of another node that is no rail here refused through its rail (relayed, after the
     // rail's wait above)
-    if (p.forward && cta == 0 && tid < world && !same_node(p, tid) && tid % p.local != rank % p.local)
-      abort_seen = reinterpret_cast<uint64_t const volatile*>(own() + p.layout.ll.combine_abort)[parity * world + tid];
+#pragma unroll
+    for (int i = 0; i < kSourcesPerThread<kNet>; ++i) {
+      int const d = tid + i * kThreads;
+      if (p.forward && cta == 0 && d < world && !same_node(p, d) && d % p.local != rank % p.local)
+        seen.word[i] = abort_word(d);
+    }
   }
   return s_ok != 0;
 }
@@ -288,8 +309,8 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
   uint32_t const first_mask = !kNet && first_item < items ? p.token_mask[first_item / num_chunks] & live : 0u;
 
   FERRY_TRACE_BEGIN(trace, ll_combine_wait_arrivals);
-  uint64_t abort_seen = 0;
-  bool const arrived = wait_combine_rows<kMasking>(p, network, s_ok, live, seq, parity, abort_seen);  // 3.
+  AbortsSeen<kNet> seen;
+  bool const arrived = wait_combine_rows<kMasking>(p, network, s_ok, live, seq, parity, seen);  // 3.
   if (!arrived || p.abort) return;  // a refusing rank has no y
   FERRY_TRACE_END(trace, ll_combine_wait_arrivals);
 
@@ -304,8 +325,11 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
   else
     sum_groups(sum, num_tokens, num_chunks);
   FERRY_TRACE_END(trace, ll_combine_sum);
-  if (cta == 0 && tid < world && tid != rank && abort_seen == seq)
-    device::record_refusal(p.view, tid, WaitPhase::ll_combine);
+#pragma unroll
+  for (int i = 0; i < kSourcesPerThread<kNet>; ++i) {
+    int const d = tid + i * kThreads;
+    if (cta == 0 && d < world && d != rank && seen.word[i] == seq) device::record_refusal(p.view, d, WaitPhase::ll_combine);
+  }
 }
 
 // kFormat: the combine_format.

@@ -51,7 +51,7 @@ inline constexpr int kChunkVecs = 32 * kUnroll;
 
 static_assert(kMaxTopk * 2 <= 32, "dispatch metadata is written by one warp: topk ids + topk weights, one per lane");
 static_assert(kMaxCudaWorld <= 32, "one node's destination masks are one 32-bit word");
-static_assert(kThreads >= kMaxWorld, "one thread per source waits for its arrivals, across nodes too");
+static_assert(kMaxWorld % kThreads == 0 || kThreads % kMaxWorld == 0, "a receive half's threads answer for whole rounds of sources");
 static_assert(kMaxLsaTeam <= 32, "a node's ranks are one 32-bit word (the forward route's fwd_mask, the send sets)");
 
 // What both low-latency legs share past KernelParams: the rank-major metadata the dispatch writes and the combine

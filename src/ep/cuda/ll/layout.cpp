@@ -1,8 +1,7 @@
 // Low-latency mode's areas of the symmetric region (ll/layout.hpp).
 #include "ep/cuda/ll/layout.hpp"
 
-#include "ep/cuda/landing.cuh"
-#include "ep/cuda/area_packer.hpp"
+#include "ep/cuda/layout.hpp"
 #include "wire/layout.hpp"
 
 namespace ferry::cuda_ep {
@@ -11,7 +10,7 @@ void lay_out_ll(LlLayout& layout, AreaPacker& areas, EpConfig const& config, int
   std::size_t const w = static_cast<std::size_t>(world);
   // [2 parities][world][max_tokens]: the landing slots
   std::size_t const slots = 2 * w * static_cast<std::size_t>(config.max_tokens_per_rank);
-  layout.meta_bytes = landing::record_bytes(config.topk);
+  layout.meta_bytes = landing_record_bytes(config.topk);
   // NOTE: landing rows are wire rows (multiples of 16 bytes): a quantized leg's zone shrinks with its format.
   layout.dispatch_row_bytes = wire_row_bytes(config.dispatch_format, config.hidden);
   layout.combine_row_bytes = wire_row_bytes(config.combine_format, config.hidden);

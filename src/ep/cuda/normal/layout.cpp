@@ -3,8 +3,7 @@
 
 #include "ep/capacity.hpp"
 #include "ep/combine_tiles.hpp"
-#include "ep/cuda/area_packer.hpp"
-#include "ep/cuda/landing.cuh"
+#include "ep/cuda/layout.hpp"
 #include "wire/layout.hpp"
 
 namespace ferry::cuda_ep {
@@ -46,7 +45,7 @@ void lay_out_normal(NormalLayout& layout, AreaPacker& areas, EpConfig const& con
     layout.land_arrivals = areas.take(w * sizeof(uint64_t));
     layout.land_tokens = areas.take(2 * w * sizeof(uint64_t));
     layout.land_abort = areas.take(2 * w * sizeof(uint64_t));
-    layout.land_meta = areas.take(slots * landing::record_bytes(config.topk));
+    layout.land_meta = areas.take(slots * landing_record_bytes(config.topk));
     layout.land_rows = areas.take(slots * dispatch_wire.row_bytes);  // wire rows: bf16 rows, or quantized ones
   }
 }

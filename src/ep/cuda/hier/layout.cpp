@@ -1,7 +1,7 @@
 // The hierarchical protocol's areas of the symmetric region (hier/layout.hpp).
 #include "ep/cuda/hier/layout.hpp"
 
-#include "ep/cuda/area_packer.hpp"
+#include "ep/cuda/layout.hpp"
 #include "wire/layout.hpp"
 
 namespace ferry::cuda_ep {
