@@ -932,14 +932,14 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
   for (int s = 0; s < world_; ++s)
     for (int d = 0; d < world_; ++d)
       rank_counts_[at(s, world_) + static_cast<std::size_t>(d)] =
-          active(s) && active(d) ? static_cast<int32_t>(matrix[at(s, world_) + d]) : 0;
+          active(s) && active(d) ? static_cast<int32_t>(count_row(s)[d]) : 0;
   // 4b. every rank's rows past its capacity: every rank reads the same matrix, so every rank knows the call dropped
   pending_row_drops_ = 0;
   pending_drop_rank_ = -1;
   for (int d = 0; d < world_; ++d) {
     if (!active(d)) continue;
     int64_t to_d = 0;
-    for (int s = 0; s < world_; ++s) to_d += active(s) ? matrix[at(s, world_) + d] : 0;
+    for (int s = 0; s < world_; ++s) to_d += active(s) ? count_row(s)[d] : 0;
     if (to_d <= capacity_) continue;
     if (pending_drop_rank_ < 0) pending_drop_rank_ = d;
     pending_row_drops_ += to_d - capacity_;
