@@ -228,6 +228,7 @@ class VirtualRanks {
   Buffers const& operator[](int r) const { return ranks_[r]; }
   cudaStream_t stream(int r) const { return world_.stream(r); }
   std::string synchronize(std::vector<int> const& overflow) const { return world_.synchronize(overflow); }
+  std::string synchronize(ref::CallDrops const& drops) const { return world_.synchronize(drops); }
   std::vector<DeviceErrorBlock> take_errors() const { return world_.take_errors(); }
   double timeout_s() const { return world_.timeout_s(); }
 

@@ -35,7 +35,7 @@ __device__ __forceinline__ std::size_t slot_index(int parity, int world, int sou
 // Bytes of one metadata record: topk int32 local ids, then topk float weights, 16-byte aligned (the ids are read as
 // 16-byte vectors).
 __host__ __device__ constexpr std::size_t record_bytes(int topk) {
-  return landing_record_bytes(topk);
+  return cuda_ep::landing_record_bytes(topk);
 }
 
 // What a token's routing needs from the caller's inputs.
@@ -198,10 +198,10 @@ __device__ __forceinline__ int wait_sources(DeviceView const& view, uint64_t con
         atomicOr(s_aborted + (s >> 5), 1u << (s & 31));
     }
   };
-  if constexpr (kMaxSources <= kThreads) {
+  if constexpr (kMaxSources <= cuda_ep::kThreads) {
     if (tid < world) wait_source(tid);
   } else {
-    for (int s = tid; s < world; s += kThreads) wait_source(s);
+    for (int s = tid; s < world; s += cuda_ep::kThreads) wait_source(s);
   }
   __syncthreads();
   if (!*s_ok) return -1;
@@ -220,7 +220,7 @@ __device__ __forceinline__ int wait_sources(DeviceView const& view, uint64_t con
   } else {
     auto const refused = [&](int s) { return ((s_aborted[s >> 5] >> (s & 31)) & 1u) != 0; };
     if (blockIdx.x == 0 && !refused(view.rank))
-      for (int s = tid; s < world; s += kThreads)
+      for (int s = tid; s < world; s += cuda_ep::kThreads)
         if (s != view.rank && refused(s)) device::record_refusal(view, s, phase);
     if (tid == 0) {
       bool aborted = false;
