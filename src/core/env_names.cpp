@@ -23,6 +23,9 @@ constexpr char const* kScriptNames[] = {
     "FERRY_PYTEST_PRELOAD",  // make test-sanitize: the sanitizers' runtimes, preloaded into pytest
     "FERRY_BUILD_DIR",       // scripts/gpu-check.sh: its build folder
     "FERRY_ENABLE_CUDA",     // scripts/gpu-check.sh python: the CMake option of its build
+    "FERRY_CUDA_ARCH",       // scripts/gpu-check.sh: --arch's default
+    "FERRY_NCCL_ROOT",       // scripts/gpu-check.sh: --nccl-root's default
+    "FERRY_GIN_CHECK_JOBS",  // scripts/check-gin-headers.sh: translation units compiled at a time
 };
 constexpr std::string_view kTestPrefix = "FERRY_TEST_";  // the tests' own (FERRY_TEST_SEED, FERRY_TEST_WORLD, ...)
 
