@@ -280,6 +280,8 @@ class CpuEp final : public EpBackendImpl {
   bool active(int r) const { return active_.test(r); }
   // Row s of this dispatch's count matrix, in rank s's own region (after the count exchange's barrier).
   int64_t const* count_row(int s) const { return reinterpret_cast<int64_t const*>(counts_.of(s)); }
+  // Step 4b of a dispatch: keeps the count matrix for handles and counts every rank's rows past its capacity.
+  void read_count_matrix();
   // The rank of node n that relays `source`'s rows there (forward route): the one of the source's local index, or,
   // when that one is masked (in `live`), the next live local index, ascending and wrapping; -1 when node n has none.
   int rail_of(int n, int source, RankSet const& live) const {
@@ -871,6 +873,26 @@ int64_t CpuEp::agree_slot_drops(int64_t mine, int& first_rank) {
   return total;
 }
 
+void CpuEp::read_count_matrix() {
+  // NOTE: kept for handles (EpBuffer::copy_rank_counts) now: a peer past this call's last barrier overwrites its row
+  rank_counts_.resize(at(world_, world_));
+  for (int s = 0; s < world_; ++s)
+    for (int d = 0; d < world_; ++d)
+      rank_counts_[at(s, world_) + static_cast<std::size_t>(d)] =
+          active(s) && active(d) ? static_cast<int32_t>(count_row(s)[d]) : 0;
+  // every rank's rows past its capacity: every rank reads the same matrix, so every rank knows the call dropped
+  pending_row_drops_ = 0;
+  pending_drop_rank_ = -1;
+  for (int d = 0; d < world_; ++d) {
+    if (!active(d)) continue;
+    int64_t to_d = 0;
+    for (int s = 0; s < world_; ++s) to_d += active(s) ? count_row(s)[d] : 0;
+    if (to_d <= capacity_) continue;
+    if (pending_drop_rank_ < 0) pending_drop_rank_ = d;
+    pending_row_drops_ += to_d - capacity_;
+  }
+}
+
 DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
   check_not_masked();
   int const num_tokens = args.num_tokens;
@@ -927,23 +949,7 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
   }
   for (int s = 0; s < world_; ++s) total_recv += active(s) ? count_row(s)[rank_] : 0;
   int32_t const num_recv = static_cast<int32_t>(std::min<int64_t>(total_recv, capacity_));
-  // NOTE: kept for handles (EpBuffer::copy_rank_counts) now: a peer past this call's last barrier overwrites its row
-  rank_counts_.resize(at(world_, world_));
-  for (int s = 0; s < world_; ++s)
-    for (int d = 0; d < world_; ++d)
-      rank_counts_[at(s, world_) + static_cast<std::size_t>(d)] =
-          active(s) && active(d) ? static_cast<int32_t>(count_row(s)[d]) : 0;
-  // 4b. every rank's rows past its capacity: every rank reads the same matrix, so every rank knows the call dropped
-  pending_row_drops_ = 0;
-  pending_drop_rank_ = -1;
-  for (int d = 0; d < world_; ++d) {
-    if (!active(d)) continue;
-    int64_t to_d = 0;
-    for (int s = 0; s < world_; ++s) to_d += active(s) ? count_row(s)[d] : 0;
-    if (to_d <= capacity_) continue;
-    if (pending_drop_rank_ < 0) pending_drop_rank_ = d;
-    pending_row_drops_ += to_d - capacity_;
-  }
+  read_count_matrix();
 
   // 5. push each row and its metadata into its final slot on the destination; rows past its capacity are dropped
   //    (and counted by the receiver)
