@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Fails when a document or a comment names a file of this repository that does not exist.
 
-Reads README.md, CHANGELOG.md, docs/*.md (but the history, docs/perf-history.md, whose names are those of the commits
-it records) and every tracked source, script and build file, and checks two kinds of names:
+Reads README.md, CHANGELOG.md, docs/*.md and every tracked source, script and build file, and checks two kinds of
+names:
   - a repository path: a word that starts with one of the top-level folders below (src/comm/network.cpp,
     scripts/python-tests.sh, tests/unit/*.cpp, src/{core,comm}/, tools/ferry/bench.cpp:120), not preceded by another
     path piece (BUILD/python/ferry and /usr/local/cuda/include are not names of this repository). Globs (*, ?) and
@@ -33,15 +33,21 @@ NOT_OURS = {
     "include/nccl.h": "NCCL's install prefix (FERRY_NCCL_ROOT)",
     "src/dev_runtime.cc": "NCCL's source tree",
     "tests/legacy/": "DeepEP's repository",
+    "tests/elastic/": "DeepEP's repository",
+    "tests/elastic/test_ep.py": "DeepEP's repository",
+    "tests/legacy/test_intranode.py": "DeepEP's repository",
+    "tests/legacy/test_low_latency.py": "DeepEP's repository",
+    "bench/*.log": "gpu-check.sh's output folder",
+    "python/build.log": "gpu-check.sh's output folder",
+    "python/configure.log": "gpu-check.sh's output folder",
     "tests/test_intranode.py": "DeepEP's repository",
     "tests/test_low_latency.py": "DeepEP's repository",
     "tests/utils.py": "DeepEP's repository",
     "tests/ferry_gpu_tests": "a build folder's GPU test binary",
     "tests/ferry_unit_tests": "a build folder's unit test binary",
 }
-# Files whose names are those of another commit: docs/perf-history.md records past measurements, each with the commit
-# it ran, and names the files as they were there.
-HISTORY = {"docs/perf-history.md"}
+# Files whose names are those of another commit (none today: the history is git's).
+HISTORY: set[str] = set()
 MARKDOWN_LINK = re.compile(r"\]\(([^)\s]+)\)")
 TEXT_SUFFIXES = (".md", ".cpp", ".hpp", ".cu", ".cuh", ".c", ".h", ".py", ".sh", ".cmake", ".in", ".toml", ".txt",
                  ".json")

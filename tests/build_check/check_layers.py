@@ -16,6 +16,7 @@ ROOT = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else pathlib.Path(__file__)
 LAYER_OF_DIR = {"core": 0, "bootstrap": 1, "comm": 2, "wire": 3, "trace": 4, "tuning": 4, "ep": 5}
 PUBLIC = {
     "error.hpp": "core", "env.hpp": "core", "limits.hpp": "core", "mode.hpp": "core", "interrupt.hpp": "core",
+    "version.hpp": "core",
     "bootstrap.hpp": "bootstrap",
     "communicator.hpp": "comm", "device_view.hpp": "comm",
     "wire_format.hpp": "wire",
