@@ -282,6 +282,8 @@ class CpuEp final : public EpBackendImpl {
   int64_t const* count_row(int s) const { return reinterpret_cast<int64_t const*>(counts_.of(s)); }
   // Step 4b of a dispatch: keeps the count matrix for handles and counts every rank's rows past its capacity.
   void read_count_matrix();
+  // Step 3b of a dispatch with rank masking: the masked ranks get nothing, and their entries are counted.
+  void mask_dispatch(std::vector<int64_t> const& ids, int num_tokens);
   // The rank of node n that relays `source`'s rows there (forward route): the one of the source's local index, or,
   // when that one is masked (in `live`), the next live local index, ascending and wrapping; -1 when node n has none.
   int rail_of(int n, int source, RankSet const& live) const {
@@ -873,6 +875,19 @@ int64_t CpuEp::agree_slot_drops(int64_t mine, int& first_rank) {
   return total;
 }
 
+void CpuEp::mask_dispatch(std::vector<int64_t> const& ids, int num_tokens) {
+  int64_t masked = 0;
+  for (int t = 0; t < num_tokens; ++t) {
+    dest_mask_[static_cast<std::size_t>(t)] &= active_;
+    for (int k = 0; k < topk_; ++k)
+      if (int64_t const id = ids[at(t, topk_) + k]; id >= 0 && !active(static_cast<int>(id / num_local_))) ++masked;
+  }
+  last_ids_ = ids;
+  dispatch_active_ = active_;
+  counts_of_masking_.last_dispatch_entries = masked;
+  counts_of_masking_.dispatch_entries += masked;
+}
+
 void CpuEp::read_count_matrix() {
   // NOTE: kept for handles (EpBuffer::copy_rank_counts) now: a peer past this call's last barrier overwrites its row
   rank_counts_.resize(at(world_, world_));
@@ -926,18 +941,7 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
   // 3b. rank masking: the ranks the entry exchange masked get nothing either, and their entries are counted. The
   //     count rows already sent name them in their own columns only, which nobody reads; a masked source's row
   //     (stale, or of a later call) is not read either.
-  if (masking_) {
-    int64_t masked = 0;
-    for (int t = 0; t < num_tokens; ++t) {
-      dest_mask_[static_cast<std::size_t>(t)] &= active_;
-      for (int k = 0; k < topk_; ++k)
-        if (int64_t const id = ids[at(t, topk_) + k]; id >= 0 && !active(static_cast<int>(id / num_local_))) ++masked;
-    }
-    last_ids_ = ids;
-    dispatch_active_ = active_;
-    counts_of_masking_.last_dispatch_entries = masked;
-    counts_of_masking_.dispatch_entries += masked;
-  }
+  if (masking_) mask_dispatch(ids, num_tokens);
 
   // 4. offsets: rank s's rows on rank d follow the rows of ranks 0..s-1 (rank-major order, no atomics)
   int64_t total_recv = 0;
