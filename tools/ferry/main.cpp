@@ -44,11 +44,22 @@ void print_version() {
               FERRY_HAVE_CUDA ? kKernelFastCompile : "");
 }
 
-// A command that times kernels says so when they were built for compile speed (once, not per rank).
-void warn_if_kernels_not_optimised(std::string const& command) {
+// Whether the command's arguments choose the cpu backend (--backend cpu, --backend=cpu): no kernel is timed then.
+bool names_cpu_backend(int argc, char** argv) {
+  for (int i = 2; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--backend=cpu") == 0) return true;
+    if (std::strcmp(argv[i], "--backend") == 0 && i + 1 < argc && std::strcmp(argv[i + 1], "cpu") == 0) return true;
+  }
+  return false;
+}
+
+// A command that times kernels says so when they were built for compile speed (once, not per rank; not for a run on
+// the cpu backend, which times no kernel).
+void warn_if_kernels_not_optimised(std::string const& command, int argc, char** argv) {
   bool const times_kernels = command == "bench" || command == "tune" || command == "p2p";
   char const* rank = std::getenv("RANK");
   if (!FERRY_HAVE_CUDA || !*kKernelFastCompile || !times_kernels || (rank && *rank)) return;
+  if (names_cpu_backend(argc, argv)) return;
   std::fprintf(stderr,
                "ferry %s: this build's kernels were compiled with nvcc --Ofast-compile=%s (FERRY_CUDA_FAST_COMPILE, a "
                "CI setting): cuda timings are not representative; reconfigure with -DFERRY_CUDA_FAST_COMPILE= for a "
@@ -71,7 +82,7 @@ int main(int argc, char** argv) {
   try {
     if (command == "env") return ferry::cli::env_main(argc - 2, argv + 2);  // reports refused values itself
     ferry::check_env();  // every other command refuses a bad FERRY_* value before it starts anything
-    warn_if_kernels_not_optimised(command);
+    warn_if_kernels_not_optimised(command, argc, argv);
     if (command == "bench") return ferry::cli::bench_main(argc - 2, argv + 2);
     if (command == "launch") return ferry::cli::launch_main(argc - 2, argv + 2);
     if (command == "tune") return ferry::cli::tune_main(argc - 2, argv + 2);
