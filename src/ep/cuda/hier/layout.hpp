@@ -1,6 +1,6 @@
 // The hierarchical protocol's memory (normal mode across nodes, hier/dispatch.cuh and hier/combine.cuh): its areas of
 // the symmetric region past normal mode's (NormalLayout, whose count rows it widens), byte offsets that are the same
-// on every rank (hier/layout.cu lays them out), and its words of the EpBuffer's device state. The rail of node n for
+// on every rank (hier/layout.cpp lays them out), and its words of the EpBuffer's device state. The rail of node n for
 // a rank s of another node is rank n * local + local_of(s). Counters only grow (the network has no remote "set").
 // Host and device includable.
 #pragma once

@@ -1,5 +1,5 @@
 // Low-latency mode's memory (ll/dispatch.cuh, ll/combine.cuh, ll/mask.cuh): its areas of the symmetric region, byte
-// offsets that are the same on every rank (ll/layout.cu lays them out), and its words of the EpBuffer's device state.
+// offsets that are the same on every rank (ll/layout.cpp lays them out), and its words of the EpBuffer's device state.
 // "Source" is the sending rank. Host and device includable.
 #pragma once
 

@@ -1,6 +1,6 @@
 // Normal mode's memory (the count exchange and push, the landing zone of small batches, the combine's landing zone and
 // tiles, combine_backward's weight step): its areas of the symmetric region, byte offsets that are the same on every
-// rank (normal/layout.cu lays them out), and its words of the EpBuffer's device state. Host and device includable.
+// rank (normal/layout.cpp lays them out), and its words of the EpBuffer's device state. Host and device includable.
 #pragma once
 
 #include <cstddef>
