@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -124,8 +125,7 @@ void check_rank(World const& w, EpBuffer& buffer, int r) {
   FERRY_CHECK(got.num_recv_host == want.num_recv, "rank ", r, ": num_recv ", got.num_recv_host, ", want ",
               want.num_recv);
   int const n = want.num_recv;
-  if (!ll)
-    require_same(r, "recv_x", static_cast<uint16_t const*>(got.recv_x), want.recv_x.data(), at(n, hidden));
+  if (!ll) require_same(r, "recv_x", static_cast<uint16_t const*>(got.recv_x), want.recv_x.data(), at(n, hidden));
   require_same(r, "recv_topk_idx", got.recv_topk_idx, want.recv_topk_idx.data(), at(n, config.topk));
   require_same(r, "recv_topk_weights", got.recv_topk_weights, want.recv_topk_weights.data(), at(n, config.topk));
   require_same(r, "recv_src", got.recv_src, want.recv_src.data(), at(n, 2));
@@ -146,14 +146,13 @@ void check_rank(World const& w, EpBuffer& buffer, int r) {
   ca.y = y.data();
   buffer.combine(ca);
   // the order of the sums: per node first (normal mode, and the low-latency forward route), else ranks ascending
-  Topology const order =
-      ll && config.route() == InternodeRoute::direct ? Topology{1, w.topology.world()} : w.topology;
+  Topology const order = ll && config.route() == InternodeRoute::direct ? Topology{1, w.topology.world()} : w.topology;
   std::vector<uint16_t> const want_em =
       ref::combine_expert_major(config, order, r, w.effective, w.received, w.expert_out);
   require_same(r, "y (expert-major)", y.data(), want_em.data(), tokens);
-  FERRY_CHECK(std::all_of(y.begin() + static_cast<std::ptrdiff_t>(tokens), y.end(),
-                          [](uint16_t v) { return v == 0xffff; }),
-              "rank ", r, ": combine wrote past y");
+  FERRY_CHECK(
+      std::all_of(y.begin() + static_cast<std::ptrdiff_t>(tokens), y.end(), [](uint16_t v) { return v == 0xffff; }),
+      "rank ", r, ": combine wrote past y");
   if (ll) return;
   // normal mode takes rank-major rows too (a dispatch first: combine refers to the last one)
   buffer.dispatch(test::host_dispatch_args(w.inputs[R], false));
@@ -173,6 +172,17 @@ struct WideCase {
   InternodeRoute route = InternodeRoute::automatic;
 };
 
+// Runs fn(rank, communicator) on every rank of `topology` (threads, cpu backend) and expects no rank to fail.
+void run_ranks(std::string const& topology, int world, uint64_t seed,
+               std::function<void(int, std::shared_ptr<Communicator> const&)> const& fn) {
+  CommunicatorOptions options;
+  options.backend = Backend::cpu;
+  options.topology = topology;
+  std::vector<std::string> const failures = test::run_cpu_ranks(world, fn, options);
+  for (std::size_t r = 0; r < failures.size(); ++r)
+    EXPECT_EQ(failures[r], "") << "rank " << r << ", seed " << seed << ", topology " << topology;
+}
+
 void run_case(std::string const& topology, WideCase const& c) {
   uint64_t const seed = test::test_seed();
   Topology const topo = parse_topology(topology);
@@ -180,18 +190,10 @@ void run_case(std::string const& topology, WideCase const& c) {
   EpConfig config = wide_config(world, c.mode, c.dispatch, c.combine);
   config.internode_route = c.route;
   World const w = make_world(topology, config, seed, {});
-  CommunicatorOptions options;
-  options.backend = Backend::cpu;
-  options.topology = topology;
-  std::vector<std::string> const failures = test::run_cpu_ranks(
-      world,
-      [&](int r, std::shared_ptr<Communicator> const& comm) {
-        EpBuffer buffer(comm, config);
-        check_rank(w, buffer, r);
-      },
-      options);
-  for (std::size_t r = 0; r < failures.size(); ++r)
-    EXPECT_EQ(failures[r], "") << "rank " << r << ", seed " << seed << ", topology " << topology;
+  run_ranks(topology, world, seed, [&](int r, std::shared_ptr<Communicator> const& comm) {
+    EpBuffer buffer(comm, config);
+    check_rank(w, buffer, r);
+  });
 }
 
 TEST(WideCpu, NormalModeEveryFormat) {
@@ -223,32 +225,24 @@ TEST(WideCpu, MaskingPastRank32) {
     EpConfig config = wide_config(world, Mode::low_latency, WireFormat::bf16, WireFormat::bf16);
     config.rank_masking = true;
     World const w = make_world(topology, config, seed, masked);
-    CommunicatorOptions options;
-    options.backend = Backend::cpu;
-    options.topology = topology;
-    std::vector<std::string> const failures = test::run_cpu_ranks(
-        world,
-        [&](int r, std::shared_ptr<Communicator> const& comm) {
-          EpBuffer buffer(comm, config);
-          bool const out = std::find(masked.begin(), masked.end(), r) != masked.end();
-          if (out) {
-            buffer.mask_ranks({r});
-            bool threw = false;
-            try {
-              buffer.dispatch(test::host_dispatch_args(w.inputs[static_cast<std::size_t>(r)], true));
-            } catch (Error const&) {
-              threw = true;
-            }
-            FERRY_CHECK(threw && buffer.mask_status().self, "rank ", r, " asked out but its dispatch went on");
-            return;
-          }
-          check_rank(w, buffer, r);
-          std::vector<int> const got = buffer.masked_ranks();
-          FERRY_CHECK(got == masked, "rank ", r, ": masked ranks ", got.size(), ", want 33 and ", world - 1);
-        },
-        options);
-    for (std::size_t r = 0; r < failures.size(); ++r)
-      EXPECT_EQ(failures[r], "") << "rank " << r << ", seed " << seed << ", topology " << topology;
+    run_ranks(topology, world, seed, [&](int r, std::shared_ptr<Communicator> const& comm) {
+      EpBuffer buffer(comm, config);
+      bool const out = std::find(masked.begin(), masked.end(), r) != masked.end();
+      if (out) {
+        buffer.mask_ranks({r});
+        bool threw = false;
+        try {
+          buffer.dispatch(test::host_dispatch_args(w.inputs[static_cast<std::size_t>(r)], true));
+        } catch (Error const&) {
+          threw = true;
+        }
+        FERRY_CHECK(threw && buffer.mask_status().self, "rank ", r, " asked out but its dispatch went on");
+        return;
+      }
+      check_rank(w, buffer, r);
+      std::vector<int> const got = buffer.masked_ranks();
+      FERRY_CHECK(got == masked, "rank ", r, ": masked ranks ", got.size(), ", want 33 and ", world - 1);
+    });
   }
 }
 
