@@ -20,7 +20,7 @@ namespace {
 std::string landing_unsupported(EpConfig const& config, int world) {
   if (config.mode != Mode::normal) return "the landing zone is a normal-mode dispatch";
   int64_t const worst = static_cast<int64_t>(world) * config.max_tokens_per_rank;
-  if (config.recv_capacity(world) < worst)
+  if (row_drops_possible(config, world))
     return concat("max_recv_tokens=", config.recv_capacity(world), " caps the receive buffers below world * ",
                   "max_tokens_per_rank=", worst, ": senders could not tell which rows the receiver drops");
   if (slot_drops_possible(config, world))

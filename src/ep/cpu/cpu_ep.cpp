@@ -52,6 +52,7 @@
 #include "core/interrupt.hpp"
 #include "core/log.hpp"
 #include "core/rank_set.hpp"
+#include "ep/capacity.hpp"
 #include "ep/ep_impl.hpp"
 #include "ep/ll_mask_words.hpp"
 #include "ep/reference.hpp"
@@ -280,8 +281,9 @@ class CpuEp final : public EpBackendImpl {
   bool active(int r) const { return active_.test(r); }
   // Row s of this dispatch's count matrix, in rank s's own region (after the count exchange's barrier).
   int64_t const* count_row(int s) const { return reinterpret_cast<int64_t const*>(counts_.of(s)); }
-  // Step 4b of a dispatch: keeps the count matrix for handles and counts every rank's rows past its capacity.
-  void read_count_matrix();
+  // Step 4b of a dispatch: keeps the count matrix for the handle it saves (for_handle), and counts every rank's rows
+  // past its capacity where the capacity can drop rows.
+  void read_count_matrix(bool for_handle);
   // Step 3b of a dispatch with rank masking: the masked ranks get nothing, and their entries are counted.
   void mask_dispatch(std::vector<int64_t> const& ids, int num_tokens);
   // The rank of node n that relays `source`'s rows there (forward route): the one of the source's local index, or,
@@ -888,16 +890,20 @@ void CpuEp::mask_dispatch(std::vector<int64_t> const& ids, int num_tokens) {
   counts_of_masking_.dispatch_entries += masked;
 }
 
-void CpuEp::read_count_matrix() {
-  // NOTE: kept for handles (EpBuffer::copy_rank_counts) now: a peer past this call's last barrier overwrites its row
-  rank_counts_.resize(at(world_, world_));
-  for (int s = 0; s < world_; ++s)
-    for (int d = 0; d < world_; ++d)
-      rank_counts_[at(s, world_) + static_cast<std::size_t>(d)] =
-          active(s) && active(d) ? static_cast<int32_t>(count_row(s)[d]) : 0;
-  // every rank's rows past its capacity: every rank reads the same matrix, so every rank knows the call dropped
+void CpuEp::read_count_matrix(bool for_handle) {
+  // NOTE: copied here, not in save_handle: a peer past this call's last barrier overwrites its row
+  if (for_handle) {
+    rank_counts_.resize(at(world_, world_));
+    for (int s = 0; s < world_; ++s)
+      for (int d = 0; d < world_; ++d)
+        rank_counts_[at(s, world_) + static_cast<std::size_t>(d)] =
+            active(s) && active(d) ? static_cast<int32_t>(count_row(s)[d]) : 0;
+  }
+  // every rank's rows past its capacity: every rank reads the same matrix, so every rank knows the call dropped (a rank
+  // receives at most world * max_tokens_per_rank rows, so without a smaller capacity there is nothing to count)
   pending_row_drops_ = 0;
   pending_drop_rank_ = -1;
+  if (!row_drops_possible(config_, world_)) return;
   for (int d = 0; d < world_; ++d) {
     if (!active(d)) continue;
     int64_t to_d = 0;
@@ -953,7 +959,7 @@ DispatchResult CpuEp::dispatch(DispatchArgs const& args, cudaStream_t) {
   }
   for (int s = 0; s < world_; ++s) total_recv += active(s) ? count_row(s)[rank_] : 0;
   int32_t const num_recv = static_cast<int32_t>(std::min<int64_t>(total_recv, capacity_));
-  read_count_matrix();
+  read_count_matrix(args.save_handle != nullptr);
 
   // 5. push each row and its metadata into its final slot on the destination; rows past its capacity are dropped
   //    (and counted by the receiver)
