@@ -15,18 +15,22 @@ extern char** environ;
 namespace ferry {
 namespace {
 
-// Variables of the FERRY_ namespace read by the build and test scripts, not by the library: setting one is no mistake.
+// Variables of the FERRY_ namespace read by the scripts and the Python package, not by the library: setting one is no
+// mistake.
 // (tests/unit/test_env_names.cpp checks that every FERRY_* name the scripts read is here or in the env table.)
 constexpr char const* kScriptNames[] = {
-    "FERRY_VENV",             // scripts/python-tests.sh: where the test environment lives
-    "FERRY_CTEST_JUNIT",      // make test: ctest's results, for pytest's "skipped:" summary
-    "FERRY_PYTEST_PRELOAD",   // make test-sanitize: the sanitizers' runtimes, preloaded into pytest
-    "FERRY_BUILD_DIR",        // scripts/gpu-check.sh: its build folder
-    "FERRY_ENABLE_CUDA",      // scripts/gpu-check.sh python: the CMake option of its build
-    "FERRY_CUDA_ARCH",        // scripts/gpu-check.sh: --arch's default
-    "FERRY_NCCL_ROOT",        // scripts/gpu-check.sh: --nccl-root's default
-    "FERRY_GIN_CHECK_JOBS",   // scripts/check-gin-headers.sh: translation units compiled at a time
-    "FERRY_WIDE_TOPOLOGIES",  // make test-wide: the topologies of tests/wide
+    "FERRY_VENV",              // scripts/python-tests.sh: where the test environment lives
+    "FERRY_CTEST_JUNIT",       // make test: ctest's results, for pytest's "skipped:" summary
+    "FERRY_PYTEST_PRELOAD",    // make test-sanitize: the sanitizers' runtimes, preloaded into pytest
+    "FERRY_BUILD_DIR",         // scripts/gpu-check.sh: its build folder
+    "FERRY_ENABLE_CUDA",       // scripts/gpu-check.sh python: the CMake option of its build
+    "FERRY_CUDA_ARCH",         // scripts/gpu-check.sh: --arch's default
+    "FERRY_NCCL_ROOT",         // scripts/gpu-check.sh: --nccl-root's default
+    "FERRY_GIN_CHECK_JOBS",    // scripts/check-gin-headers.sh: translation units compiled at a time
+    "FERRY_WIDE_TOPOLOGIES",   // make test-wide: the topologies of tests/wide
+    "FERRY_DEEP_EP",           // the Python package: `import deep_ep` resolves to ferry.deep_ep (docs/deep_ep.md)
+    "FERRY_DEEPEP_TIMEOUT_S",  // tools/dev/run-deepep-tests.sh: each DeepEP test program's time limit
+    "FERRY_DEEPEP_WORLDS",     // tools/dev/run-deepep-tests.sh: the worlds it runs
 };
 constexpr std::string_view kTestPrefix = "FERRY_TEST_";  // the tests' own (FERRY_TEST_SEED, FERRY_TEST_WORLD, ...)
 

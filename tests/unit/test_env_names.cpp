@@ -61,13 +61,17 @@ TEST(EnvNames, DeclaredRemovedScriptAndTestNamesAreNotWarnedAbout) {
 TEST(EnvNames, EveryNameTheScriptsReadIsKnown) {
   std::regex const read_in_shell(R"(\$\{?(FERRY_[A-Z0-9_]+))");
   std::regex const read_in_python(R"(environ(?:\.get\(|\[)\s*"(FERRY_[A-Z0-9_]+))");
+  std::regex const named_in_python(
+      R"re((?:^|\n)[A-Z_]+ = "(FERRY_[A-Z0-9_]+)")re");  // ENV = "FERRY_..." (then environ[ENV])
   std::set<std::string> names;
   namespace fs = std::filesystem;
-  for (fs::path const folder : {"scripts", "python/ferry", "python/tests", "examples", ".ci"}) {
+  for (fs::path const folder : {"scripts", "python", "examples", "tools", ".ci"}) {
     for (auto const& entry : fs::recursive_directory_iterator(fs::path(FERRY_SOURCE_DIR) / folder)) {
       if (!entry.is_regular_file()) continue;
+      // CMake's ${FERRY_...} are its variables, not the environment's
+      if (entry.path().filename() == "CMakeLists.txt" || entry.path().extension() == ".cmake") continue;
       std::string const text = read_file(entry.path().string());
-      for (std::regex const* pattern : {&read_in_shell, &read_in_python})
+      for (std::regex const* pattern : {&read_in_shell, &read_in_python, &named_in_python})
         for (std::sregex_iterator it(text.begin(), text.end(), *pattern), end; it != end; ++it)
           names.insert((*it)[1].str());
     }
@@ -76,6 +80,7 @@ TEST(EnvNames, EveryNameTheScriptsReadIsKnown) {
   for (std::sregex_iterator it(makefile.begin(), makefile.end(), read_in_shell), end; it != end; ++it)
     names.insert((*it)[1].str());
   ASSERT_TRUE(names.count("FERRY_VENV")) << "the scan found nothing: the patterns no longer match the scripts";
+  ASSERT_TRUE(names.count("FERRY_DEEP_EP")) << "the scan missed python/_ferry_deep_ep.py's ENV = \"FERRY_DEEP_EP\"";
   std::string const before = joined(unknown_env_warnings());
   for (std::string const& name : names) {
     ScopedEnv const set(name.c_str(), "1");
