@@ -161,7 +161,10 @@ struct DispatchArgs {
   // Low-latency mode only (InputError otherwise). Token i's row is row i / x_repeat of x (and of x_scales and
   // x_token_scales): x holds num_tokens / x_repeat rows, and num_tokens must be a multiple of x_repeat. A caller that
   // sends every (token, k) entry as a token of its own (topk 1, num_tokens = T * k, the ids of token t's entries
-  // consecutive) passes x unexpanded with x_repeat = k, instead of copying each row k times first.
+  // consecutive) passes x unexpanded with x_repeat = k, instead of copying each row k times first. With topk 1 a group
+  // of x_repeat tokens is one token's entries: their ids must differ (a repeat is refused on every rank, as within a
+  // token's topk), so one rank's call sends an expert at most ceil(max_tokens_per_rank / x_repeat) entries, and a lazy
+  // call on cuda needs expert_capacity >= world * that (docs/errors.md, "Capacities").
   int x_repeat = 1;
   // Eager calls only (InputError otherwise): also copy the expert counts (DispatchResult::expert_counts) into this
   // host memory of num_local_experts int32, within the call's one synchronisation (no second round trip).
@@ -325,6 +328,18 @@ struct WaitStats {
   std::vector<PeerWaitStats> dispatch;
   std::vector<PeerWaitStats> combine;
 };
+
+// The memory an EpBuffer of `config` holds on each rank of a world of `topology` on `backend`: the one formula its
+// constructor checks against the free memory before anything is allocated, for callers that size a config to a
+// budget (ferry.deep_ep sizes its buffers to DeepEP's num_nvl_bytes / num_bytes so). Not collective; ConfigError
+// for a config the constructor would refuse (EpConfig::validate).
+struct BufferFootprint {
+  uint64_t symmetric = 0;   // the region every rank maps (cpu: a shared-memory segment; cuda: device memory)
+  uint64_t local = 0;       // the rank's own buffers
+  std::string description;  // "7.2 GiB (7747721216 bytes): combine landing zone 7.2 GiB, ..." (the largest areas)
+  uint64_t total() const { return symmetric + local; }
+};
+BufferFootprint buffer_footprint(EpConfig const& config, Topology const& topology, Backend backend);
 
 namespace detail {
 class EpBackendImpl;

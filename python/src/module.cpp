@@ -365,6 +365,38 @@ nb::class_<PyEpBuffer> bind_ep_buffer(nb::module_& m) {
          "dispatch_geometry"_a = nb::none(), "combine_geometry"_a = nb::none(),
          "internode_route"_a = internode_route_name(defaults.internode_route), "rank_masking"_a = defaults.rank_masking,
          "wait_stats"_a = defaults.wait_stats)
+      .def_static(
+          "footprint",
+          [](int world, int nodes, std::string const& backend, int hidden, int num_experts, int topk,
+             int max_tokens_per_rank, std::optional<int> expert_capacity, std::optional<int> max_recv_tokens,
+             std::string const& dispatch_format, std::string const& combine_format, bool dispatch_dequantize,
+             std::string const& recv_scale_layout, std::string const& mode, std::string const& internode_route,
+             bool rank_masking) {
+            FERRY_CHECK_CONFIG(nodes >= 1 && world >= 1 && world % nodes == 0, "world=", world, " and nodes=", nodes,
+                               ": world must be a positive multiple of nodes");
+            EpConfig const config =
+                make_config(hidden, num_experts, topk, max_tokens_per_rank, expert_capacity, max_recv_tokens,
+                            dispatch_format, combine_format, dispatch_dequantize, recv_scale_layout, mode, std::nullopt,
+                            std::nullopt, internode_route, rank_masking, false);
+            BufferFootprint const f = buffer_footprint(config, Topology{nodes, world / nodes}, parse_backend(backend));
+            nb::dict out;
+            out["symmetric"] = f.symmetric;
+            out["local"] = f.local;
+            out["total"] = f.total();
+            out["description"] = f.description;
+            return out;
+          },
+          "world"_a, nb::kw_only(), "nodes"_a = 1, "backend"_a = "cuda", "hidden"_a = defaults.hidden,
+          "num_experts"_a = defaults.num_experts, "topk"_a = defaults.topk,
+          "max_tokens_per_rank"_a = defaults.max_tokens_per_rank, "expert_capacity"_a = nb::none(),
+          "max_recv_tokens"_a = nb::none(), "dispatch_format"_a = "bf16", "combine_format"_a = "bf16",
+          "dispatch_dequantize"_a = defaults.dispatch_dequantize,
+          "recv_scale_layout"_a = scale_layout_name(defaults.recv_scale_layout), "mode"_a = "normal",
+          "internode_route"_a = internode_route_name(defaults.internode_route),
+          "rank_masking"_a = defaults.rank_masking,
+          "The bytes an EpBuffer of these arguments holds on each rank of `world` ranks (`nodes` nodes) on `backend`: "
+          "{symmetric, local, total, description}, the formula its constructor checks against the free memory "
+          "(not collective; ConfigError where the constructor would refuse the config).")
       .def("dispatch", &PyEpBuffer::dispatch, "x"_a, "topk_idx"_a = nb::none(), "topk_weights"_a = nb::none(),
            nb::kw_only(), "x_scales"_a = nb::none(), "x_token_scales"_a = nb::none(), "expand"_a = false,
            "eager"_a = true, "return_recv_hook"_a = false, "save_handle"_a = nb::none(), "handle"_a = nb::none(),

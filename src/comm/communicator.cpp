@@ -141,8 +141,9 @@ std::string describe_absent(std::vector<int> const& missing, Topology const& top
 std::string describe_drops(DeviceErrorBlock const& block, int self) {
   std::string message;
   if (block.input_errors != 0)
-    message += concat(block.input_errors, " id(s) outside the allowed range were dropped (first bad value ",
-                      block.first_bad_value, "); check topk_idx against [-1, num_experts)");
+    message += concat(block.input_errors, " id(s) outside the allowed range, or repeated within a token (or within ",
+                      "an x_repeat group of entries), were refused (first bad value ", block.first_bad_value,
+                      "); check topk_idx against [-1, num_experts), each token's experts distinct");
   if (block.overflow_rows != 0)
     message += concat(message.empty() ? "" : "; ", block.overflow_rows, " row(s) were not delivered because rank ",
                       block.overflow_rank != 0 ? static_cast<int>(block.overflow_rank) - 1 : self,

@@ -148,7 +148,18 @@ std::vector<int64_t> host_topk_ids(EpConfig const& config, DispatchArgs const& a
 }
 
 void validate_host_topk_idx(EpConfig const& config, int rank, DispatchArgs const& args) {
-  ref::validate_topk_idx(config, rank, args.num_tokens, host_topk_ids(config, args));
+  std::vector<int64_t> const ids = host_topk_ids(config, args);
+  ref::validate_topk_idx(config, rank, args.num_tokens, ids);
+  if (config.topk != 1 || args.x_repeat <= 1) return;
+  // entries of one token sent as tokens of their own (x_repeat): distinct ids within a group, as within a token
+  for (int t = 0; t < args.num_tokens; ++t) {
+    int64_t const id = ids[static_cast<std::size_t>(t)];
+    for (int j = t - t % args.x_repeat; j < t && id >= 0; ++j)
+      FERRY_CHECK_INPUT(ids[static_cast<std::size_t>(j)] != id, "rank ", rank, ": topk_idx[", t, "]=", id,
+                        " repeats topk_idx[", j, "] of its x_repeat=", args.x_repeat,
+                        " group (the entries of one token); a token picks distinct experts (use -1 for an unused "
+                        "entry)");
+  }
 }
 
 }  // namespace detail
@@ -372,12 +383,16 @@ DispatchResult EpBuffer::dispatch(DispatchArgs const& args, cudaStream_t stream)
     if (comm_->backend() == Backend::cpu) detail::validate_host_topk_idx(config_, comm_->rank(), run);
     // NOTE: backend cuda's low-latency kernels find an entry past expert_capacity on its receiver alone: an eager
     // call raises there, and that rank refuses its combine, so every rank's combine raises; a lazy call could let the
-    // other ranks' combine sum without the dropped entries before anyone checks (docs/errors.md, "Capacities").
+    // other ranks' combine sum without the dropped entries before anyone checks (docs/errors.md, "Capacities"). A
+    // lazy call is taken where no rank's call can send an expert more than its share of the slots
+    // (entries_per_expert_from_rank: with x_repeat, one entry per group, the kernels refuse a repeat in a group).
     FERRY_CHECK_INPUT(comm_->backend() != Backend::cuda || config_.mode != Mode::low_latency || run.eager ||
-                          !detail::slot_drops_possible(config_, comm_->world()),
-                      "dispatch eager=false with expert_capacity=", config_.expert_slots(),
-                      " below world * max_tokens_per_rank=", comm_->world() * config_.max_tokens_per_rank,
-                      " in mode=ll on backend cuda: an entry past the capacity is found by its receiver alone, and a "
+                          !detail::call_slot_drops_possible(config_, comm_->world(), run.x_repeat),
+                      "dispatch eager=false with expert_capacity=", config_.expert_slots(), " below world * ",
+                      detail::entries_per_expert_from_rank(config_, run.x_repeat), " (the entries one rank's call ",
+                      "can send one expert: max_tokens_per_rank=", config_.max_tokens_per_rank,
+                      config_.topk == 1 && run.x_repeat > 1 ? detail::concat(" / x_repeat=", run.x_repeat) : "",
+                      ") in mode=ll on backend cuda: an entry past the capacity is found by its receiver alone, and a "
                       "lazy call (a captured graph) could not stop the other ranks from summing without it; dispatch "
                       "with eager=true, or leave expert_capacity unset (the worst case) to capture the call");
   } catch (InputError const& error) {

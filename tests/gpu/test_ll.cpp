@@ -354,6 +354,7 @@ int ll_entry_tokens_case() {
     ref::RankDispatch const& mine = want[static_cast<std::size_t>(rank)];
     int const t_count = tokens[static_cast<std::size_t>(rank)];
     bool const hook = call == 1;
+    bool const lazy = call == 2;  // allowed: no expert can get more than world * max_t entries (one per group)
     CK(cudaMemcpy(dev.x, ex.x[static_cast<std::size_t>(rank)].data(), t_count * row_bytes, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(dev.idx, in.topk_idx.data(), in.topk_idx.size() * 8, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(dev.w, in.topk_weights.data(), in.topk_weights.size() * 4, cudaMemcpyHostToDevice));
@@ -375,12 +376,14 @@ int ll_entry_tokens_case() {
     args.topk_idx = dev.idx;
     args.topk_weights = static_cast<float const*>(dev.w);
     args.return_recv_hook = hook;
+    args.eager = !lazy;
     DispatchResult got = buffer.dispatch(args);
     if (hook) got = buffer.complete_dispatch();
     CombineArgs combine{CombineLayout::expert_major, dev.eout, dev.y_em};
     combine.group = k;
     combine.group_weights = static_cast<float const*>(group_w);
     combine.return_recv_hook = hook;
+    combine.eager = !lazy;
     buffer.combine(combine);
     if (hook) buffer.complete_combine();
     CK(cudaDeviceSynchronize());
@@ -408,8 +411,41 @@ int ll_entry_tokens_case() {
         code = 1;
       }
     if (code == 0)
-      std::printf("rank %d call %d%s: %d tokens, every row exact\n", rank, call, hook ? " (hook)" : "", t_count);
+      std::printf("rank %d call %d%s: %d tokens, every row exact\n", rank, call,
+                  hook   ? " (hook)"
+                  : lazy ? " (lazy)"
+                         : "",
+                  t_count);
   }
+  // Rank 0's token 0 names one expert in two of its entries (a repeat within an x_repeat group, as within a token's
+  // topk): every rank's dispatch raises InputError, and the buffer stays usable (a call of distinct ids follows).
+  for (int repeat = 1; repeat >= 0 && code == 0; --repeat) {
+    std::vector<int64_t> ids(static_cast<std::size_t>(max_t) * k);
+    for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>((i / k + i % k) % config.num_experts);
+    if (repeat && rank == 0) ids[1] = ids[0];
+    CK(cudaMemcpy(dev.idx, ids.data(), ids.size() * 8, cudaMemcpyHostToDevice));
+    DispatchArgs args;
+    args.x = dev.x;
+    args.x_repeat = k;
+    args.num_tokens = max_t * k;
+    args.topk_idx = dev.idx;
+    args.topk_weights = static_cast<float const*>(dev.w);
+    bool raised = false;
+    try {
+      buffer.dispatch(args);
+    } catch (InputError const& error) {
+      raised = true;
+      if (!repeat || std::string(error.what()).find(rank == 0 ? "repeated" : "rank 0") == std::string::npos) {
+        std::fprintf(stderr, "rank %d: unexpected InputError: %s\n", rank, error.what());
+        code = 1;
+      }
+    }
+    if (repeat && !raised) {
+      std::fprintf(stderr, "rank %d: a repeated id within an x_repeat group was not refused\n", rank);
+      code = 1;
+    }
+  }
+  if (code == 0) std::printf("rank %d: a repeat within a group refused on every rank, the next call taken\n", rank);
   cudaFree(group_w);
   return code;
 }

@@ -261,7 +261,8 @@ FERRY_RANK_CASE(ll_cpu_entry_tokens) {
 
   // misuse: the same on every rank (each refusal is collective)
   std::vector<uint16_t> x(at(max_t, hidden));
-  std::vector<int64_t> ids(static_cast<std::size_t>(max_t * k), 0);
+  std::vector<int64_t> ids(static_cast<std::size_t>(max_t * k));
+  for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(i % 2);  // distinct in groups of 2
   std::vector<float> ones(ids.size(), 1.0f);
   DispatchArgs args;
   args.x = x.data();
@@ -273,6 +274,9 @@ FERRY_RANK_CASE(ll_cpu_entry_tokens) {
   args.x_repeat = 0;
   note(expect_input_error([&] { buffer.dispatch(args); }, {"x_repeat=0", "must be >= 1"}));
   args.x_repeat = 2;
+  ids[3] = ids[2];  // token 1's two entries name one expert (a repeat within a group, as within a token's topk)
+  note(expect_input_error([&] { buffer.dispatch(args); }, {"topk_idx[3]=0 repeats topk_idx[2]", "x_repeat=2 group"}));
+  ids[3] = 1;
   buffer.dispatch(args);
   std::vector<uint16_t> out(at(static_cast<int64_t>(num_local) * slots, hidden));
   std::vector<uint16_t> y(at(6, hidden));

@@ -11,7 +11,6 @@ import ferry
 from ferry import _exact
 
 MAX_TOPK = 16  # ferry::kMaxTopk: the topk a size hint plans for
-ROW_META_BYTES = 8  # recv_src (source rank, source token) per received row
 POOL_SIZE = 2  # EpBuffers per (kind, shape, format): DeepEP's low-latency double buffering
 
 
@@ -60,19 +59,36 @@ def shape_text(t) -> str:
     return f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-def normal_bytes(payload_bytes: int, topk: int, world: int, tokens_per_rank: int) -> int:
-    """Bytes of one normal-mode EpBuffer's receive rows for tokens_per_rank tokens from each of world ranks."""
-    return world * tokens_per_rank * (payload_bytes + topk * 8 + ROW_META_BYTES)
+def footprint_bytes(world: int, nodes: int, backend: str, **config) -> int:
+    """Bytes one EpBuffer of `config` (EpBuffer's keyword arguments) holds on each rank: ferry.EpBuffer.footprint,
+    the formula its constructor checks. What a DeepEP byte budget (num_nvl_bytes, num_bytes) pays for, per EpBuffer."""
+    return ferry.EpBuffer.footprint(world, nodes=nodes, backend=backend, **config)["total"]
+
+
+def hint_bytes(world: int, nodes: int, **config) -> int:
+    """footprint_bytes on whichever backend needs more (a size hint knows no communicator); its num_experts is the
+    smallest the world takes (the expert count moves no area of a normal-mode EpBuffer)."""
+    config.setdefault("num_experts", world * -(-max(config.get("topk", 1), 1) // world))
+    return max(footprint_bytes(world, nodes, backend, **config) for backend in ("cpu", "cuda"))
+
+
+def fitting_max_tokens(budget: int, cap: int, bytes_for: Callable[[int], int]) -> int:
+    """The largest max_tokens_per_rank in [1, cap] whose EpBuffer, bytes_for(tokens), fits in budget (0: none does).
+    Binary search: an EpBuffer's bytes grow with its tokens."""
+    low, high = 0, cap
+    while low < high:
+        middle = (low + high + 1) // 2
+        if bytes_for(middle) <= budget:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def max_tokens_cap(world: int, topk: int) -> int:
     """The most max_tokens_per_rank an EpBuffer takes at this world and topk (EpConfig::validate: a rank's rows of
     topk entries, and two source words each, are indexed with int32; at most 2^20 tokens)."""
     return min(1 << 20, (2**31 - 1) // (world * max(topk, 2)))
-
-
-def fp8_payload_bytes(hidden: int) -> int:
-    return hidden + hidden // 128 * 4  # e4m3 elements + one float32 scale per 128
 
 
 class Pool:

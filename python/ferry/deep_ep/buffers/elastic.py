@@ -33,7 +33,7 @@ import torch
 import ferry
 
 from .._common import (MAX_TOPK, Pool, PoolOwner, check_weights, combine_weights, combine_with_bias,
-                       fp8_payload_bytes, normal_bytes, refuse, refused_call, shape_text)
+                       footprint_bytes, hint_bytes, refuse, refused_call, shape_text)
 from ..utils.envs import check_torch_deterministic
 from ..utils.event import EventHandle, EventOverlap, wait_event
 
@@ -159,8 +159,9 @@ class ElasticBuffer(PoolOwner):
         """The num_bytes that holds a dispatch of these shapes: one Ferry EpBuffer's receive rows for
         num_max_tokens_per_rank tokens from every rank (payload, top-k ids and weights, source), at topk up to 16
         when num_topk is 0; a multiple of 2 MiB."""
-        payload = fp8_payload_bytes(hidden) if use_fp8_dispatch else hidden * 2
-        need = normal_bytes(payload, num_topk or MAX_TOPK, group.size(), num_max_tokens_per_rank)
+        need = hint_bytes(group.size(), 1, hidden=hidden, topk=num_topk or MAX_TOPK,
+                          max_tokens_per_rank=num_max_tokens_per_rank,
+                          dispatch_format="fp8" if use_fp8_dispatch else "bf16")
         return _align(max(need, 1), _ALIGNMENT)
 
     def get_physical_domain_size(self) -> Tuple[int, int]:
@@ -239,16 +240,15 @@ class ElasticBuffer(PoolOwner):
         pool = self._pools.get(key)
         if pool is not None:
             return pool
-        payload = hidden * 2 if kind == "bf16" else fp8_payload_bytes(hidden)
-        need = normal_bytes(payload, topk, self.num_ranks, max_tokens)
-        if need > self.num_bytes:
-            refuse(f"a dispatch of hidden={hidden}, topk={topk}, num_max_tokens_per_rank={max_tokens} with "
-                   f"num_bytes={self.num_bytes}", f"its receive rows take {need} bytes",
-                   f"create the ElasticBuffer with num_bytes >= {_align(need, _ALIGNMENT)} "
-                   "(ElasticBuffer.get_buffer_size_hint)", ferry.ConfigError)
         fmt = {"bf16": "bf16", "fp8": "fp8", "ue8m0": "fp8_ue8m0"}[kind]
         kwargs = dict(hidden=hidden, num_experts=num_experts, topk=topk, max_tokens_per_rank=max_tokens,
                       dispatch_format=fmt)
+        need = footprint_bytes(self.num_ranks, self.num_rdma_ranks, self.comm.backend, **kwargs)
+        if need > self.num_bytes:
+            refuse(f"a dispatch of hidden={hidden}, topk={topk}, num_max_tokens_per_rank={max_tokens} with "
+                   f"num_bytes={self.num_bytes}", f"its Ferry EpBuffer takes {need} bytes",
+                   f"create the ElasticBuffer with num_bytes >= {_align(need, _ALIGNMENT)} "
+                   "(ElasticBuffer.get_buffer_size_hint)", ferry.ConfigError)
         pool = self._pools[key] = Pool(key, self, lambda: (ferry.EpBuffer(self.comm, **kwargs), None))
         pool.hidden, pool.num_experts, pool.topk = hidden, num_experts, topk
         pool.kind, pool.max_tokens = kind, max_tokens

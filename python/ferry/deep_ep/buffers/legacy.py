@@ -34,7 +34,8 @@ import torch.distributed as dist
 import ferry
 
 from .._common import (MAX_TOPK, POOL_SIZE, Pool, PoolOwner, check_weights, combine_weights, combine_with_bias,
-                       fp8_payload_bytes, max_tokens_cap, normal_bytes, refuse, refused_call, shape_text)
+                       fitting_max_tokens, footprint_bytes, hint_bytes, max_tokens_cap, refuse, refused_call,
+                       shape_text)
 from ..utils.event import EventHandle, EventOverlap, wait_event
 
 __all__ = ["Buffer", "Config", "topk_idx_t"]
@@ -69,7 +70,9 @@ class Config:
         self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        return normal_bytes(hidden_bytes, MAX_TOPK, num_ranks, _DEFAULT_HINT_TOKENS)
+        # bf16 rows of at least hidden_bytes (a hidden EpConfig takes: a multiple of 128)
+        hidden = max(128, -(-hidden_bytes // 256) * 128)
+        return hint_bytes(num_ranks, 1, hidden=hidden, topk=MAX_TOPK, max_tokens_per_rank=_DEFAULT_HINT_TOKENS)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         return 0  # Ferry's normal mode takes its network rows from the same budget (num_nvl_bytes)
@@ -364,22 +367,25 @@ class Buffer(PoolOwner):
         if pool is not None:
             return pool
         world = self.group_size
-        payload = fp8_payload_bytes(hidden) if fp8 else hidden * 2
+        shape = dict(hidden=hidden, num_experts=num_experts, topk=topk, dispatch_format="fp8" if fp8 else "bf16")
+        if num_worst_tokens:
+            shape["max_recv_tokens"] = num_worst_tokens
+        nodes, backend = self._nodes, self.comm.backend
+
+        def bytes_for(tokens: int) -> int:  # one EpBuffer's whole footprint, the budget of num_nvl_bytes
+            return footprint_bytes(world, nodes, backend, max_tokens_per_rank=tokens, **shape)
+
         if max_tokens is None:
-            per_token = normal_bytes(payload, topk, world, 1)
-            max_tokens = min(self.num_nvl_bytes // per_token, max_tokens_cap(world, topk))
+            max_tokens = fitting_max_tokens(self.num_nvl_bytes, max_tokens_cap(world, topk), bytes_for)
             if max_tokens < 1:
                 refuse(f"num_nvl_bytes={self.num_nvl_bytes} for normal-mode dispatch of hidden={hidden}",
-                       f"one token per rank needs {per_token} bytes (world {world} x {payload} payload + topk "
-                       f"{topk} x 8 + 8 bytes per received row)",
+                       f"one token per rank needs {bytes_for(1)} bytes (a Ferry EpBuffer of this shape)",
                        "create the Buffer with num_nvl_bytes = Config().get_nvl_buffer_size_hint(hidden * 2, "
                        "num_ranks) or more", ferry.ConfigError)
-        kwargs = dict(hidden=hidden, num_experts=num_experts, topk=topk, max_tokens_per_rank=max_tokens,
-                      dispatch_format="fp8" if fp8 else "bf16")
-        if num_worst_tokens:
-            kwargs["max_recv_tokens"] = num_worst_tokens
+        kwargs = dict(shape, max_tokens_per_rank=max_tokens)
         pool = self._pool(key, lambda: (ferry.EpBuffer(self.comm, **kwargs), None))
         pool.max_tokens, pool.topk, pool.num_experts, pool.worst = max_tokens, topk, num_experts, num_worst_tokens
+        pool.bytes_for = bytes_for
         return pool
 
     @staticmethod
@@ -476,7 +482,7 @@ class Buffer(PoolOwner):
 
     def _check_budget(self, pool: Pool, num_tokens: int, hidden: int, topk: int, fp8: bool) -> None:
         if num_tokens > pool.max_tokens:
-            need = normal_bytes(fp8_payload_bytes(hidden) if fp8 else hidden * 2, topk, self.group_size, num_tokens)
+            need = pool.bytes_for(num_tokens)
             refuse(f"dispatch of {num_tokens} tokens with num_nvl_bytes={self.num_nvl_bytes}",
                    f"that budget holds {pool.max_tokens} tokens per rank at hidden={hidden}, topk={topk}",
                    f"create the Buffer with num_nvl_bytes >= {need}")

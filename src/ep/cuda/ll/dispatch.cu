@@ -24,6 +24,7 @@ LlDispatchParams ll_dispatch_params(Buffers const& b, DispatchArgs const& args, 
   set_dispatch_inputs(p, args);
   FERRY_CHECK(args.x_repeat >= 1, "x_repeat=", args.x_repeat, " reached the kernel (EpBuffer refuses it)");
   p.x_row = ferry::detail::RowDivider::of(args.x_repeat);
+  p.x_group = b.config.topk == 1 ? args.x_repeat : 1;
   p.x_scales = args.x_scales;
   p.x_token_scales = args.x_token_scales;
   p.num_experts = b.config.num_experts;

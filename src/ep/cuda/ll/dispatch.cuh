@@ -155,7 +155,7 @@ __device__ __forceinline__ void write_token_records(LlDispatchParams const& p, u
 // 2. items (token, chunk) of this CTA: the token's destinations (chunk 0 reports bad ids and writes its mask and
 //    metadata), then the row's chunk once per destination rank (with own_direct not to this rank: expand_own). Every
 //    warp of a CTA runs the same steps (nvfp4's barrier); a warp past the items only joins the barrier. s_refuse:
-//    this CTA saw a bad or repeated id.
+//    this CTA saw a bad or repeated id (within a token, or within an x_repeat group of entries: group_repeat).
 template <typename IdxT, WireFormat kFormat, int kUnitElems, bool kMasking, bool kNet>
 __device__ __forceinline__ void ll_send_items(LlDispatchParams const& p, uint32_t live, int first, int parity,
                                               int chunks, int items, int& s_refuse) {
@@ -177,6 +177,7 @@ __device__ __forceinline__ void ll_send_items(LlDispatchParams const& p, uint32_
     float w;
     bool refused;
     int dest = landing::token_destination<IdxT>(routing, t, lane, chunk == 0, e, w, refused);
+    if (p.x_group > 1) refused |= group_repeat<IdxT>(p, t, lane, chunk == 0);
     if constexpr (kMasking) dest = mask_destination(p, live, t, chunk == 0, lane, dest, e);
     SendSet<kNet> const send = send_set<kNet>(p, dest, first);
     std::size_t const slot = landing::slot_index(parity, world, rank, p.max_tokens, t);
@@ -278,7 +279,7 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Net 
 template <bool kNet>
 struct RecvShared {
   static constexpr int kSources = kMaxSources<kNet>;
-  int32_t base[kSources + 1];     // first rank-major landing row of each source
+  int32_t base[kSources + 1];  // first rank-major landing row of each source
   int ok;
   uint32_t aborted[kSources / 32];  // sources that refused this call, a bit each
 };

@@ -10,10 +10,10 @@
 #include "ep/cuda/expert_layout.cuh"
 #include "ep/cuda/landing.cuh"
 #include "ep/cuda/ll/params.cuh"
+#include "trace/device_trace.cuh"
 #include "wire/device_codec.cuh"
 #include "wire/device_push.cuh"
 #include "wire/device_scales.cuh"
-#include "trace/device_trace.cuh"
 
 namespace ferry::cuda_ll {
 
@@ -34,6 +34,21 @@ __device__ __forceinline__ void copy_payload_warp(void* dst, void const* src, st
 // The row of x (and of x_scales, x_token_scales) that token t sends (DispatchArgs::x_repeat).
 __device__ __forceinline__ int x_row(LlDispatchParams const& p, int t) {
   return p.x_row(t);
+}
+
+// Entries of one token sent as tokens of their own (p.x_group > 1: topk 1, DispatchArgs::x_repeat): whether entry
+// t's id repeats an earlier entry of its group, as a repeated id within a token's topk would (warp-wide, the same on
+// every lane). With `report`, counted as a bad id (the caller refuses the call: its abort flag into the exchange).
+template <typename IdxT>
+__device__ __forceinline__ bool group_repeat(LlDispatchParams const& p, int t, int lane, bool report) {
+  auto const* ids = static_cast<IdxT const*>(p.topk_idx);
+  int const first = x_row(p, t) * p.x_group;
+  int64_t const id = static_cast<int64_t>(ids[t]);
+  bool same = false;
+  for (int j = first + lane; j < t; j += 32) same |= static_cast<int64_t>(ids[j]) == id;
+  bool const repeat = id >= 0 && id < p.num_experts && __any_sync(0xffffffffu, same);
+  if (report && repeat && lane == 0) device::record_bad_expert_id(p.view, id);
+  return repeat;
 }
 
 // A quantized dispatch_format's send of chunk `chunk` of `chunks` of token t (device_push.cuh): quantized once from

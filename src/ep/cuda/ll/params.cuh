@@ -51,7 +51,8 @@ inline constexpr int kChunkVecs = 32 * kUnroll;
 
 static_assert(kMaxTopk * 2 <= 32, "dispatch metadata is written by one warp: topk ids + topk weights, one per lane");
 static_assert(kMaxCudaWorld <= 32, "one node's destination masks are one 32-bit word");
-static_assert(kMaxWorld % kThreads == 0 || kThreads % kMaxWorld == 0, "a receive half's threads answer for whole rounds of sources");
+static_assert(kMaxWorld % kThreads == 0 || kThreads % kMaxWorld == 0,
+              "a receive half's threads answer for whole rounds of sources");
 static_assert(kMaxLsaTeam <= 32, "a node's ranks are one 32-bit word (the forward route's fwd_mask, the send sets)");
 
 // What both low-latency legs share past KernelParams: the rank-major metadata the dispatch writes and the combine
@@ -91,6 +92,8 @@ struct LlDispatchParams : LlParams {
   float const* topk_weights;
   // token t reads row x_row(t) = t / x_repeat of x, x_scales and x_token_scales (DispatchArgs::x_repeat)
   ferry::detail::RowDivider x_row;
+  // x_repeat with topk 1 (a group's entries are one token's: their ids must differ, group_repeat), else 1
+  int x_group;
   int num_tokens;
   int num_experts;
   int num_local_experts;
