@@ -20,18 +20,20 @@ inline bool slot_drops_possible(EpConfig const& config, int world) {
   return config.expert_slots() > 0 && config.expert_slots() < config.recv_capacity(world);
 }
 
-// The entries one rank's call can send to one expert: max_tokens_per_rank, or, where a call sends the entries of
+// The entries one rank's call of num_tokens can send to one expert: num_tokens, or, where a call sends the entries of
 // tokens as tokens of their own (topk 1, DispatchArgs::x_repeat = k), one per group of k: a group's ids must differ,
 // as a token's topk ids must (a repeat is refused on every rank).
-inline int64_t entries_per_expert_from_rank(EpConfig const& config, int x_repeat) {
+inline int64_t entries_per_expert_from_rank(EpConfig const& config, int num_tokens, int x_repeat) {
   int64_t const group = config.topk == 1 && x_repeat > 1 ? x_repeat : 1;
-  return (config.max_tokens_per_rank + group - 1) / group;
+  return (num_tokens + group - 1) / group;
 }
 
-// slot_drops_possible, for a call of x_repeat: an expert's slots below what the world's calls can send it.
-inline bool call_slot_drops_possible(EpConfig const& config, int world, int x_repeat) {
+// Whether this rank's call can send an expert more than its share of the expert's slots (expert_capacity / world):
+// where no rank's call does, no expert's entries outnumber its slots.
+inline bool call_slot_drops_possible(EpConfig const& config, int world, int num_tokens, int x_repeat) {
   return slot_drops_possible(config, world) &&
-         config.expert_slots() < static_cast<int64_t>(world) * entries_per_expert_from_rank(config, x_repeat);
+         config.expert_slots() <
+             static_cast<int64_t>(world) * entries_per_expert_from_rank(config, num_tokens, x_repeat);
 }
 
 }  // namespace ferry::detail

@@ -384,17 +384,19 @@ DispatchResult EpBuffer::dispatch(DispatchArgs const& args, cudaStream_t stream)
     // NOTE: backend cuda's low-latency kernels find an entry past expert_capacity on its receiver alone: an eager
     // call raises there, and that rank refuses its combine, so every rank's combine raises; a lazy call could let the
     // other ranks' combine sum without the dropped entries before anyone checks (docs/errors.md, "Capacities"). A
-    // lazy call is taken where no rank's call can send an expert more than its share of the slots
-    // (entries_per_expert_from_rank: with x_repeat, one entry per group, the kernels refuse a repeat in a group).
+    // lazy call is taken where this rank's call cannot send an expert more than its share of the slots
+    // (expert_capacity / world; with x_repeat one entry per group, a repeat in a group is refused by the kernels): a
+    // rank past its share refuses the call, so every rank does.
     FERRY_CHECK_INPUT(comm_->backend() != Backend::cuda || config_.mode != Mode::low_latency || run.eager ||
-                          !detail::call_slot_drops_possible(config_, comm_->world(), run.x_repeat),
+                          !detail::call_slot_drops_possible(config_, comm_->world(), run.num_tokens, run.x_repeat),
                       "dispatch eager=false with expert_capacity=", config_.expert_slots(), " below world * ",
-                      detail::entries_per_expert_from_rank(config_, run.x_repeat), " (the entries one rank's call ",
-                      "can send one expert: max_tokens_per_rank=", config_.max_tokens_per_rank,
+                      detail::entries_per_expert_from_rank(config_, run.num_tokens, run.x_repeat),
+                      " (the entries this rank's call can send one expert: num_tokens=", run.num_tokens,
                       config_.topk == 1 && run.x_repeat > 1 ? detail::concat(" / x_repeat=", run.x_repeat) : "",
                       ") in mode=ll on backend cuda: an entry past the capacity is found by its receiver alone, and a "
                       "lazy call (a captured graph) could not stop the other ranks from summing without it; dispatch "
-                      "with eager=true, or leave expert_capacity unset (the worst case) to capture the call");
+                      "with eager=true, send fewer tokens, or raise expert_capacity (unset: the worst case) to "
+                      "capture the call");
   } catch (InputError const& error) {
     join_refused(Leg::dispatch, error.what(), stream);
     throw;

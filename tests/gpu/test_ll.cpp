@@ -446,6 +446,31 @@ int ll_entry_tokens_case() {
     }
   }
   if (code == 0) std::printf("rank %d: a repeat within a group refused on every rank, the next call taken\n", rank);
+  // A lazy call that could send an expert more than its share of the slots (x_repeat 1: max_t + 1 entries, the share
+  // world * max_t / world) is refused on every rank before anything runs, naming the capacity.
+  if (code == 0) {
+    void* x_long = nullptr;
+    CK(cudaMalloc(&x_long, (max_t + 1) * row_bytes));
+    DispatchArgs args;
+    args.x = x_long;
+    args.num_tokens = max_t + 1;
+    args.topk_idx = dev.idx;
+    args.topk_weights = static_cast<float const*>(dev.w);
+    args.eager = false;
+    try {
+      buffer.dispatch(args);
+      std::fprintf(stderr, "rank %d: a lazy call past its share of expert_capacity was taken\n", rank);
+      code = 1;
+    } catch (InputError const& error) {
+      if (std::string(error.what()).find("expert_capacity=" + std::to_string(slots)) == std::string::npos) {
+        std::fprintf(stderr, "rank %d: unexpected InputError: %s\n", rank, error.what());
+        code = 1;
+      }
+    }
+    CK(cudaDeviceSynchronize());
+    cudaFree(x_long);
+    if (code == 0) std::printf("rank %d: a lazy call past its share of the slots refused\n", rank);
+  }
   cudaFree(group_w);
   return code;
 }
