@@ -55,12 +55,14 @@ echo "check-gin-headers: $PACKAGE $VERSION, NCCL_VERSION_CODE $CODE, headers $IN
 #    (which holds the toolkit's nccl.h), and FERRY_EXPECT_NCCL_VERSION_CODE makes the kernel's TU prove it.
 #    NOTE: compiled for speed, not for running: with nvcc's --Ofast-compile=max, every TU still goes through the
 #    front end, cicc and ptxas, in a sixth of the time or less (an nvcc without it: to PTX only, -arch=compute_90a
-#    without ptxas and -G without cicc's optimiser). What newer headers can break (declarations, types, templates,
+#    without ptxas and -G without cicc's optimiser); for sm_90a alone (nvcc 13's -arch=sm_90a also compiles for
+#    compute_90: a second cicc and ptxas), and the host side checked by the host compiler's front end
+#    (-fsyntax-only: no object is written). What newer headers can break (declarations, types, templates,
 #    constants, inline PTX) is found so; the main build compiles the same sources against the installed headers. Two
 #    at a time (ctest runs this beside the other tests).
 NVCC_HELP=$("$NVCC" --help 2>/dev/null || true)
 if [[ "$NVCC_HELP" == *--Ofast-compile* ]]; then
-  SPEED=(-arch=sm_90a --Ofast-compile=max)
+  SPEED=(--generate-code=arch=compute_90a,code=sm_90a --Ofast-compile=max -Xcompiler=-fsyntax-only)
 else
   SPEED=(-arch=compute_90a -G)
 fi

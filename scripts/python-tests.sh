@@ -108,7 +108,9 @@ if ! large_in_flight; then
     rm -f "$LARGE_STATUS"
     (
       status=0
-      pip_install "${large[@]}" || status=$?
+      # --no-compile: no bytecode for torch's thousands of modules while the build has the cores (the ones imported
+      # are compiled by their first import)
+      pip_install --no-compile "${large[@]}" || status=$?
       echo "$status" >"$LARGE_STATUS"
     ) </dev/null >"$LARGE_LOG" 2>&1 &
     echo $! >"$LARGE_PID"

@@ -43,7 +43,7 @@
 #include "workloads/routing.hpp"
 
 namespace ferry::test {
-namespace {
+namespace test_backward_virtual {  // named, not anonymous: FERRY_UNITY_GPU_TESTS compiles several files as one
 
 using cuda_ep::Buffers;
 
@@ -588,5 +588,5 @@ TEST(BackwardVirtualRanks, World8) {
   run_rows(rows_of_world(8));
 }
 
-}  // namespace
+}  // namespace test_backward_virtual
 }  // namespace ferry::test

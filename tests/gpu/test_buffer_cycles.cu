@@ -24,7 +24,7 @@
 #include "support/rank_case.hpp"
 
 namespace ferry::test {
-namespace {
+namespace test_buffer_cycles {  // named, not anonymous: FERRY_UNITY_GPU_TESTS compiles several files as one
 
 // Bytes of the symmetric region an EpBuffer of `config` takes at `world` (what CudaEp allocates).
 std::size_t region_bytes(EpConfig const& user, int world) {
@@ -124,5 +124,5 @@ TEST(EpBufferCycles, LowLatencyFreeMemoryStaysFlat) {
   expect_flat_cycles("ll");
 }
 
-}  // namespace
+}  // namespace test_buffer_cycles
 }  // namespace ferry::test

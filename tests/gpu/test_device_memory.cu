@@ -22,7 +22,7 @@
 #endif
 
 namespace ferry::test {
-namespace {
+namespace test_device_memory {  // named, not anonymous: FERRY_UNITY_GPU_TESTS compiles several files as one
 
 #if FERRY_HAVE_CUDA
 
@@ -106,5 +106,5 @@ TEST(DeviceMemory, DealtCopyMovesEveryPairExactly) {
 #endif
 }
 
-}  // namespace
+}  // namespace test_device_memory
 }  // namespace ferry::test

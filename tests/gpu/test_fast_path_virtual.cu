@@ -22,7 +22,7 @@
 #include "support/virtual_ranks.hpp"
 
 namespace ferry::test {
-namespace {
+namespace test_fast_path_virtual {  // named, not anonymous: FERRY_UNITY_GPU_TESTS compiles several files as one
 
 using cuda_ep::Buffers;
 using cuda_ep::Half;
@@ -172,5 +172,5 @@ TEST(FastPathVirtualRanks, ForcedFallbackIsDetected) {
   EXPECT_TRUE(walk(cases, seed).empty());
 }
 
-}  // namespace
+}  // namespace test_fast_path_virtual
 }  // namespace ferry::test

@@ -21,7 +21,7 @@
 #endif
 
 namespace ferry::test {
-namespace {
+namespace test_gin {  // named, not anonymous: FERRY_UNITY_GPU_TESTS compiles several files as one
 
 #if FERRY_HAVE_CUDA
 
@@ -78,5 +78,5 @@ TEST(GinSetup, ForcedAtWorldOneGivesGinOrSaysWhatIsMissing) {
   EXPECT_TRUE(result.ok()) << result.describe();
 }
 
-}  // namespace
+}  // namespace test_gin
 }  // namespace ferry::test

@@ -41,7 +41,7 @@
 #include "workloads/routing.hpp"
 
 namespace ferry::test {
-namespace {
+namespace test_internode_virtual {  // named, not anonymous: FERRY_UNITY_GPU_TESTS compiles several files as one
 
 using cuda_ep::Buffers;
 
@@ -739,5 +739,5 @@ TEST(InternodeVirtual, MissingRailWaitIsCaught) {
       << "a rail that forwards before the network's signal must fail every emulated run";
 }
 
-}  // namespace
+}  // namespace test_internode_virtual
 }  // namespace ferry::test

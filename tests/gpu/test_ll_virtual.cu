@@ -32,7 +32,7 @@
 #include "workloads/routing.hpp"
 
 namespace ferry::test {
-namespace {
+namespace test_ll_virtual {  // named, not anonymous: FERRY_UNITY_GPU_TESTS compiles several files as one
 
 using cuda_ep::Buffers;
 using cuda_ep::Half;
@@ -438,5 +438,5 @@ TEST(LowLatencyAcrossNodes, AbsentRankPast32IsNamed) {
             {"topology=16x8", "absent=100", "tokens=8", "hidden=1024", "topk=8", "experts=256", "iters=1"}});
 }
 
-}  // namespace
+}  // namespace test_ll_virtual
 }  // namespace ferry::test

@@ -19,7 +19,7 @@
 #include "../../bench/nccl_baseline.cu"
 
 namespace ferry::test {
-namespace {
+namespace test_normal_mode_perf {  // named, not anonymous: FERRY_UNITY_GPU_TESTS compiles several files as one
 
 #define PK(expr)                                                                                   \
   do {                                                                                             \
@@ -191,5 +191,5 @@ TEST(NormalModePerf, DISABLED_Timing) {
   }
 }
 
-}  // namespace
+}  // namespace test_normal_mode_perf
 }  // namespace ferry::test

@@ -36,7 +36,7 @@
 #include "workloads/routing.hpp"
 
 namespace ferry::test {
-namespace {
+namespace test_normal_virtual {  // named, not anonymous: FERRY_UNITY_GPU_TESTS compiles several files as one
 
 using cuda_ep::Buffers;
 
@@ -235,5 +235,5 @@ TEST(NormalModeVirtualRanks, AbsentRankIsNamedByEveryOther) {
   run_rows(table);
 }
 
-}  // namespace
+}  // namespace test_normal_virtual
 }  // namespace ferry::test

@@ -29,7 +29,7 @@
 #endif
 
 namespace ferry::test {
-namespace {
+namespace test_quant_device {  // named, not anonymous: FERRY_UNITY_GPU_TESTS compiles several files as one
 
 #if FERRY_HAVE_CUDA
 
@@ -417,5 +417,5 @@ TEST(QuantDevice, ScaleOffsetsMatchHost) {
 #endif
 }
 
-}  // namespace
+}  // namespace test_quant_device
 }  // namespace ferry::test

@@ -37,7 +37,7 @@
 #include "workloads/routing.hpp"
 
 namespace ferry::test {
-namespace {
+namespace test_refusal_virtual {  // named, not anonymous: FERRY_UNITY_GPU_TESTS compiles several files as one
 
 using cuda_ep::Buffers;
 using cuda_ep::Half;
@@ -397,5 +397,5 @@ TEST(RefusalVirtualRanks, LowLatencyHookHalves) {
   run_rows(rows_of({"mode=ll", "hook=1", "tokens=48,5"}), cuda_ep::kMaxLlCtas);
 }
 
-}  // namespace
+}  // namespace test_refusal_virtual
 }  // namespace ferry::test

@@ -28,7 +28,7 @@
 #endif
 
 namespace ferry::test {
-namespace {
+namespace test_transport {  // named, not anonymous: FERRY_UNITY_GPU_TESTS compiles several files as one
 
 #if FERRY_HAVE_CUDA
 
@@ -272,5 +272,5 @@ TEST(TransportVirtualRanks, EmulatedTransportCatchesEachMissingRequirement) {
 #endif
 }
 
-}  // namespace
+}  // namespace test_transport
 }  // namespace ferry::test

@@ -35,7 +35,7 @@
 #include "workloads/routing.hpp"
 
 namespace ferry::test {
-namespace {
+namespace test_wait_stats_virtual {  // named, not anonymous: FERRY_UNITY_GPU_TESTS compiles several files as one
 
 using cuda_ep::Buffers;
 using cuda_ep::Half;
@@ -541,5 +541,5 @@ TEST(RankMaskingAcrossNodes, RankDyingInsideTheAgreementIsMaskedEverywhere2x2) {
   run_dies_inside_agreement(4, 0, true, Topology{2, 2});
 }
 
-}  // namespace
+}  // namespace test_wait_stats_virtual
 }  // namespace ferry::test
