@@ -25,15 +25,14 @@ build: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
 # Every test this machine can run: host unit tests always; GPU tests run (or skip with a message) by themselves; then
-# the Python tests (scripts/python-tests.sh: a virtual environment in $(BUILD)/venv). The lines before pytest's
-# summary say what was skipped in both and why (from ctest's junit file and pytest's reports). The Python
+# the Python tests (scripts/python-tests.sh: a virtual environment in $(BUILD)/venv), beside ctest
+# (scripts/run-tests.sh); the last lines say what was skipped in both and why (from the two junit files). The Python
 # environment is prepared before the build (torch, a download of about 3 GB, installs in the background meanwhile),
 # so that the build compiles the Python module with the rest.
 test: configure
 	@scripts/python-tests.sh --prepare $(BUILD)
 	cmake --build $(BUILD) -j $(JOBS)
-	cd $(BUILD) && ctest --output-on-failure --timeout 600 -j $(JOBS) --output-junit ctest-junit.xml
-	@FERRY_CTEST_JUNIT=$(abspath $(BUILD))/ctest-junit.xml scripts/python-tests.sh $(BUILD)
+	@scripts/run-tests.sh $(BUILD) $(JOBS)
 
 test-unit: build
 	cd $(BUILD) && ctest --output-on-failure -L unit -j $(JOBS)

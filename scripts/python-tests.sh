@@ -11,8 +11,9 @@
 #      builds the target ferry_python: the module (linked against the library the build already compiled) and the
 #      package files, in BUILD/python/ferry;
 #   3. runs pytest with BUILD/python first on PYTHONPATH. pytest's exit status 5 (no tests collected) is success.
-#      With FERRY_CTEST_JUNIT set (make test: ctest's --output-junit file), the lines before pytest's summary say
-#      what was skipped, in ctest and pytest, and why.
+#      With FERRY_CTEST_JUNIT set (ctest's --output-junit file), the lines before pytest's summary say what was
+#      skipped, in ctest and pytest, and why; FERRY_PYTEST_JUNIT writes pytest's results there (make test:
+#      scripts/run-tests.sh prints that summary once both ran).
 #
 #   scripts/python-tests.sh --prepare [BUILD]   step 1, with torch's install left running in the background (its log:
 #                                              VENV/torch-install.log), and step 2's configure where BUILD is
@@ -158,8 +159,8 @@ echo "python tests: module built in $(($(date +%s) - start)) s ($BUILD/python/fe
 
 export PYTHONPATH="$BUILD/python${PYTHONPATH:+:$PYTHONPATH}"
 status=0
-env ${FERRY_PYTEST_PRELOAD:+"LD_PRELOAD=$FERRY_PYTEST_PRELOAD"} "$PYTHON_PATH" -m pytest -q -rs python/tests ||
-  status=$?
+env ${FERRY_PYTEST_PRELOAD:+"LD_PRELOAD=$FERRY_PYTEST_PRELOAD"} "$PYTHON_PATH" -m pytest -q -rs \
+  ${FERRY_PYTEST_JUNIT:+"--junitxml=$FERRY_PYTEST_JUNIT"} python/tests || status=$?
 if [ "$status" -eq 5 ]; then
   echo "python tests: pytest collected no tests"
   status=0

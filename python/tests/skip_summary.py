@@ -1,7 +1,8 @@
 """The lines `make test` ends its test output with, before pytest's own summary: what was skipped, in ctest and in
 pytest, and why, built from the runs' results (ctest's --output-junit file, pytest's skip reports). CTest's "100%
 tests passed" counts a skipped GPU test as passed; these lines say it was not run, one line per reason (the most
-frequent first), long reasons wrapped:
+frequent first), long reasons wrapped. Printed by pytest's terminal summary where FERRY_CTEST_JUNIT names ctest's
+results, or by `python3 skip_summary.py CTEST_JUNIT PYTEST_JUNIT` (scripts/run-tests.sh, after both ran):
 
     skipped: 40 tests (33 C++, 7 python), by reason:
       28 C++     built without the cuda backend
@@ -29,6 +30,16 @@ def ctest_skip_reasons(junit_path: str) -> list[str]:
         out = case.findtext("system-out") or ""
         found = re.search(r": Skipped\n(.+)", out)
         reasons.append(found.group(1).strip() if found else skipped.get("message", "skipped"))
+    return reasons
+
+
+def pytest_junit_skip_reasons(junit_path: str) -> list[str]:
+    """One reason per skipped pytest test, from its --junitxml file."""
+    reasons = []
+    for case in ElementTree.parse(junit_path).getroot().iter("testcase"):
+        skipped = case.find("skipped")
+        if skipped is not None:
+            reasons.append(skipped.get("message", "skipped").removeprefix("Skipped: ").strip())
     return reasons
 
 
@@ -63,3 +74,13 @@ def terminal_summary(terminalreporter) -> None:
     pytest = [pytest_skip_reason(report) for report in terminalreporter.stats.get("skipped", [])]
     for line in summary_lines(ctest, pytest):
         terminalreporter.write_line(line)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3:
+        sys.exit("usage: skip_summary.py CTEST_JUNIT PYTEST_JUNIT (a missing file: that run's skips are not known)")
+    ctest_path, pytest_path = sys.argv[1:]
+    print("\n".join(summary_lines(ctest_skip_reasons(ctest_path) if os.path.exists(ctest_path) else [],
+                                  pytest_junit_skip_reasons(pytest_path) if os.path.exists(pytest_path) else [])))

@@ -20,7 +20,8 @@ namespace {
 // (tests/unit/test_env_names.cpp checks that every FERRY_* name the scripts read is here or in the env table.)
 constexpr char const* kScriptNames[] = {
     "FERRY_VENV",              // scripts/python-tests.sh: where the test environment lives
-    "FERRY_CTEST_JUNIT",       // make test: ctest's results, for pytest's "skipped:" summary
+    "FERRY_CTEST_JUNIT",       // scripts/python-tests.sh: ctest's results, for pytest's "skipped:" summary
+    "FERRY_PYTEST_JUNIT",      // scripts/python-tests.sh: where pytest writes its results (make test's summary)
     "FERRY_PYTEST_PRELOAD",    // make test-sanitize: the sanitizers' runtimes, preloaded into pytest
     "FERRY_BUILD_DIR",         // scripts/gpu-check.sh: its build folder
     "FERRY_ENABLE_CUDA",       // scripts/gpu-check.sh python: the CMake option of its build
