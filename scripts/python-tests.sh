@@ -15,6 +15,7 @@
 #      skipped, in ctest and pytest, and why; FERRY_PYTEST_JUNIT writes pytest's results there (make test:
 #      scripts/run-tests.sh prints that summary once both ran).
 #
+#   scripts/python-tests.sh [BUILD [PYTEST_ARGS...]]   (default: build, python/tests)
 #   scripts/python-tests.sh --prepare [BUILD]   step 1, with torch's install left running in the background (its log:
 #                                              VENV/torch-install.log), and step 2's configure where BUILD is
 #                                              configured already; the next run without --prepare waits for the
@@ -38,6 +39,9 @@ if ! ls python/tests/test_*.py >/dev/null 2>&1; then
 fi
 
 BUILD=${1:-build}
+shift || true
+# what pytest runs: the arguments after BUILD (files, -k ...), else every test
+[ $# -gt 0 ] || set -- python/tests
 case "$BUILD" in /*) ;; *) BUILD="$PWD/$BUILD" ;; esac
 PYTHON=${PYTHON:-python3}
 VENV=${FERRY_VENV:-$BUILD/venv}
@@ -153,14 +157,18 @@ if [ ${#large[@]} -gt 0 ]; then  # a background install that was killed, or neve
 fi
 
 start=$(date +%s)
+# one build at a time in a build folder (make test runs two streams of tests: scripts/run-tests.sh)
+exec 9>"$BUILD/.python-tests.lock"
+flock 9
 configure_for_module
 cmake --build "$BUILD" --target ferry_python -j "$(nproc)"
+flock -u 9
 echo "python tests: module built in $(($(date +%s) - start)) s ($BUILD/python/ferry)"
 
 export PYTHONPATH="$BUILD/python${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 env ${FERRY_PYTEST_PRELOAD:+"LD_PRELOAD=$FERRY_PYTEST_PRELOAD"} "$PYTHON_PATH" -m pytest -q -rs \
-  ${FERRY_PYTEST_JUNIT:+"--junitxml=$FERRY_PYTEST_JUNIT"} python/tests || status=$?
+  ${FERRY_PYTEST_JUNIT:+"--junitxml=$FERRY_PYTEST_JUNIT"} "$@" || status=$?
 if [ "$status" -eq 5 ]; then
   echo "python tests: pytest collected no tests"
   status=0

@@ -2,7 +2,7 @@
 pytest, and why, built from the runs' results (ctest's --output-junit file, pytest's skip reports). CTest's "100%
 tests passed" counts a skipped GPU test as passed; these lines say it was not run, one line per reason (the most
 frequent first), long reasons wrapped. Printed by pytest's terminal summary where FERRY_CTEST_JUNIT names ctest's
-results, or by `python3 skip_summary.py CTEST_JUNIT PYTEST_JUNIT` (scripts/run-tests.sh, after both ran):
+results, or by `python3 skip_summary.py CTEST_JUNIT PYTEST_JUNIT...` (scripts/run-tests.sh, after all ran):
 
     skipped: 40 tests (33 C++, 7 python), by reason:
       28 C++     built without the cuda backend
@@ -79,8 +79,9 @@ def terminal_summary(terminalreporter) -> None:
 if __name__ == "__main__":
     import sys
 
-    if len(sys.argv) != 3:
-        sys.exit("usage: skip_summary.py CTEST_JUNIT PYTEST_JUNIT (a missing file: that run's skips are not known)")
-    ctest_path, pytest_path = sys.argv[1:]
+    if len(sys.argv) < 3:
+        sys.exit("usage: skip_summary.py CTEST_JUNIT PYTEST_JUNIT... (a missing file: that run's skips are unknown)")
+    ctest_path, pytest_paths = sys.argv[1], sys.argv[2:]
     print("\n".join(summary_lines(ctest_skip_reasons(ctest_path) if os.path.exists(ctest_path) else [],
-                                  pytest_junit_skip_reasons(pytest_path) if os.path.exists(pytest_path) else [])))
+                                  [reason for path in pytest_paths if os.path.exists(path)
+                                   for reason in pytest_junit_skip_reasons(path)])))
