@@ -76,11 +76,10 @@ for tu in "${TUS[@]}"; do
     exit 1
   fi
 done
-# NOTE: the sources go through nvcc as two translation units that #include them (CACHE/unit-N.cu): they share most of
-# their headers, which cost more than their own code (the seven one by one: about 115 CPU-s; as two units: about
-# 45). hier/combine.cu has a unit of its own: it and hier/dispatch.cu each name a LaunchFn in an anonymous namespace.
+# NOTE: the sources go through nvcc as one translation unit that #includes them (CACHE/unit-0.cu): they share most of
+# their headers, which cost more than their own code (the seven one by one: about 115 CPU-s; as one unit: about 30).
 # The main build compiles each source as its own unit, which keeps each one's includes complete.
-UNITS=("${TUS[*]/src\/ep\/cuda\/hier\/combine.cu/}" "src/ep/cuda/hier/combine.cu")
+UNITS=("${TUS[*]}")
 JOBS=${FERRY_GIN_CHECK_JOBS:-2}
 compile() {
   local unit=$1 sources=$2 out="$CACHE/unit-$1"

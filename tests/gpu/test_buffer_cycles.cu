@@ -24,7 +24,7 @@
 #include "support/rank_case.hpp"
 
 namespace ferry::test {
-namespace test_buffer_cycles {  // named, not anonymous: FERRY_CI_TEST_BUILD compiles several files as one
+namespace test_buffer_cycles {  // named, not anonymous: FERRY_CI_BUILD compiles several files as one
 
 // Bytes of the symmetric region an EpBuffer of `config` takes at `world` (what CudaEp allocates).
 std::size_t region_bytes(EpConfig const& user, int world) {

@@ -14,7 +14,7 @@
 #include "ferry/ep.hpp"
 
 namespace ferry::test {
-namespace test_buffer_memory_layout {  // named, not anonymous: FERRY_CI_TEST_BUILD compiles several files as one
+namespace test_buffer_memory_layout {  // named, not anonymous: FERRY_CI_BUILD compiles several files as one
 
 void expect_close(EpConfig const& user, Topology const& topology, cuda_ep::Protocol protocol) {
   int const world = topology.world();

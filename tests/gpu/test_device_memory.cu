@@ -22,7 +22,7 @@
 #endif
 
 namespace ferry::test {
-namespace test_device_memory {  // named, not anonymous: FERRY_CI_TEST_BUILD compiles several files as one
+namespace test_device_memory {  // named, not anonymous: FERRY_CI_BUILD compiles several files as one
 
 #if FERRY_HAVE_CUDA
 

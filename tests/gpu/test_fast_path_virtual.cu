@@ -22,7 +22,7 @@
 #include "support/virtual_ranks.hpp"
 
 namespace ferry::test {
-namespace test_fast_path_virtual {  // named, not anonymous: FERRY_CI_TEST_BUILD compiles several files as one
+namespace test_fast_path_virtual {  // named, not anonymous: FERRY_CI_BUILD compiles several files as one
 
 using cuda_ep::Buffers;
 using cuda_ep::Half;

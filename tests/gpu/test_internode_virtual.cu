@@ -41,7 +41,7 @@
 #include "workloads/routing.hpp"
 
 namespace ferry::test {
-namespace test_internode_virtual {  // named, not anonymous: FERRY_CI_TEST_BUILD compiles several files as one
+namespace test_internode_virtual {  // named, not anonymous: FERRY_CI_BUILD compiles several files as one
 
 using cuda_ep::Buffers;
 

@@ -19,7 +19,7 @@
 #include "../../bench/nccl_baseline.cu"
 
 namespace ferry::test {
-namespace test_normal_mode_perf {  // named, not anonymous: FERRY_CI_TEST_BUILD compiles several files as one
+namespace test_normal_mode_perf {  // named, not anonymous: FERRY_CI_BUILD compiles several files as one
 
 #define PK(expr)                                                                                   \
   do {                                                                                             \

@@ -29,7 +29,7 @@
 #endif
 
 namespace ferry::test {
-namespace test_quant_device {  // named, not anonymous: FERRY_CI_TEST_BUILD compiles several files as one
+namespace test_quant_device {  // named, not anonymous: FERRY_CI_BUILD compiles several files as one
 
 #if FERRY_HAVE_CUDA
 

@@ -37,7 +37,7 @@
 #include "workloads/routing.hpp"
 
 namespace ferry::test {
-namespace test_refusal_virtual {  // named, not anonymous: FERRY_CI_TEST_BUILD compiles several files as one
+namespace test_refusal_virtual {  // named, not anonymous: FERRY_CI_BUILD compiles several files as one
 
 using cuda_ep::Buffers;
 using cuda_ep::Half;

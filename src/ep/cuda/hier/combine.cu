@@ -13,7 +13,7 @@ namespace ferry::cuda_ep {
 namespace {
 
 template <class Net>
-using LaunchFn = void (*)(HierCombineParams<Net> const&, bool, cudaStream_t);
+using HierCombineLaunch = void (*)(HierCombineParams<Net> const&, bool, cudaStream_t);
 
 template <bool kExpertMajor, WireFormat kFormat, int kUnitElems, class Net>
 void launch_kernels(HierCombineParams<Net> const& p, bool cooperative, cudaStream_t stream) {
@@ -25,8 +25,8 @@ void launch_kernels(HierCombineParams<Net> const& p, bool cooperative, cudaStrea
 
 // The family's instances (instances.cuh): codec x layout, over one network transport.
 template <class Net>
-struct HierCombineFamily : InstanceFamily<LaunchFn<Net>, 2, true> {
-  using Kernel = LaunchFn<Net>;
+struct HierCombineFamily : InstanceFamily<HierCombineLaunch<Net>, 2, true> {
+  using Kernel = HierCombineLaunch<Net>;
   static constexpr char const* kName = "hierarchical combine";
   static constexpr char const* kFormatField = "combine_format";
   static constexpr int variant(CombineLayout layout) { return layout == CombineLayout::expert_major ? 1 : 0; }

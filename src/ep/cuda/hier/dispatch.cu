@@ -14,7 +14,7 @@ namespace ferry::cuda_ep {
 namespace {
 
 template <class Net>
-using LaunchFn = void (*)(HierDispatchParams<Net> const&, std::size_t, bool, cudaStream_t);
+using HierDispatchLaunch = void (*)(HierDispatchParams<Net> const&, std::size_t, bool, cudaStream_t);
 
 template <typename IdxT, WireFormat kFormat, int kUnitElems, class Net>
 void launch_kernels(HierDispatchParams<Net> const& p, std::size_t layout_smem, bool cooperative, cudaStream_t stream) {
@@ -35,8 +35,8 @@ void launch_kernels(HierDispatchParams<Net> const& p, std::size_t layout_smem, b
 
 // The family's instances (instances.cuh): codec x index type, over one network transport.
 template <class Net>
-struct HierDispatchFamily : InstanceFamily<LaunchFn<Net>, 2, true> {
-  using Kernel = LaunchFn<Net>;
+struct HierDispatchFamily : InstanceFamily<HierDispatchLaunch<Net>, 2, true> {
+  using Kernel = HierDispatchLaunch<Net>;
   static constexpr char const* kName = "hierarchical dispatch";
   static constexpr char const* kFormatField = "dispatch_format";
   static constexpr int variant(IndexType ids) { return ids == IndexType::int64 ? 1 : 0; }

@@ -1,14 +1,15 @@
-// Host launcher of the normal-mode dispatch kernel (normal/dispatch.cuh): geometry, validation, template instance, launch.
+// Host launcher of the normal-mode dispatch kernel (normal/dispatch.cuh): geometry, validation, template instance,
+// launch.
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
 #include "core/cuda_check.hpp"
 #include "ep/cuda/buffers.hpp"
-#include "ep/cuda/normal/dispatch.cuh"
 #include "ep/cuda/instances.cuh"
-#include "ep/cuda/normal/land_dispatch.cuh"
 #include "ep/cuda/launch_grid.cuh"
+#include "ep/cuda/normal/dispatch.cuh"
+#include "ep/cuda/normal/land_dispatch.cuh"
 #include "ep/landing_policy.hpp"
 #include "tuning/choose.hpp"
 
@@ -119,10 +120,10 @@ void launch_kernel(DispatchParams const& p, std::size_t smem, bool cooperative, 
   cuda_grid::launch_grid<kThreads>(kKernel, p, p.num_ctas, smem, cooperative, stream);
 }
 
-using LaunchFn = void (*)(DispatchParams const&, std::size_t, bool, cudaStream_t);
+using NormalDispatchLaunch = void (*)(DispatchParams const&, std::size_t, bool, cudaStream_t);
 
 // The family's instances (instances.cuh): codec x (protocol: count exchange or landing zone) x index type.
-struct DispatchFamily : InstanceFamily<LaunchFn, 4, true> {
+struct DispatchFamily : InstanceFamily<NormalDispatchLaunch, 4, true> {
   static constexpr char const* kName = "normal dispatch";
   static constexpr char const* kFormatField = "dispatch_format";
   static constexpr int variant(Protocol protocol, IndexType ids) {
@@ -153,7 +154,7 @@ void launch_dispatch(Buffers const& buffers, DispatchArgs const& args, LaunchPla
               " CTAs differs from the ", buffers.land_ctas, " its sequence words were counted with");
   FERRY_CHECK(args.topk_idx_type == IndexType::int32 || args.topk_idx_type == IndexType::int64,
               "topk_idx_type=", static_cast<int>(args.topk_idx_type), " is not int32 or int64");
-  LaunchFn const launch =
+  NormalDispatchLaunch const launch =
       find_instance<DispatchFamily>(buffers.config.dispatch_format, buffers.config.hidden,
                                     DispatchFamily::variant(buffers.protocol, args.topk_idx_type), record);
   // the landing receiver's shared memory was checked at construction (choose_normal_landing)
