@@ -27,7 +27,6 @@ constexpr char const* kScriptNames[] = {
     "FERRY_ENABLE_CUDA",       // scripts/gpu-check.sh python: the CMake option of its build
     "FERRY_CUDA_ARCH",         // scripts/gpu-check.sh: --arch's default
     "FERRY_NCCL_ROOT",         // scripts/gpu-check.sh: --nccl-root's default
-    "FERRY_GIN_CHECK_JOBS",    // scripts/check-gin-headers.sh: translation units compiled at a time
     "FERRY_WIDE_TOPOLOGIES",   // make test-wide: the topologies of tests/wide
     "FERRY_DEEP_EP",           // the Python package: `import deep_ep` resolves to ferry.deep_ep (docs/deep_ep.md)
     "FERRY_DEEPEP_TIMEOUT_S",  // tools/dev/run-deepep-tests.sh: each DeepEP test program's time limit

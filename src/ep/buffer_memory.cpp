@@ -218,20 +218,6 @@ BufferMemory buffer_memory(EpConfig const& config, Topology const& topology, Bac
   return out;
 }
 
-}  // namespace ferry::detail
-
-namespace ferry {
-
-BufferFootprint buffer_footprint(EpConfig const& config, Topology const& topology, Backend backend) {
-  config.validate(topology.world());
-  detail::BufferMemory const memory = detail::buffer_memory(config.resolved(topology.world()), topology, backend);
-  return BufferFootprint{memory.symmetric, memory.local, memory.describe()};
-}
-
-}  // namespace ferry
-
-namespace ferry::detail {
-
 FreeMemory free_memory(Communicator const& comm) {
   FreeMemory free;
   if (comm.backend() == Backend::cpu) {
@@ -271,3 +257,13 @@ std::string memory_shortfall(BufferMemory const& need, FreeMemory const& free, B
 }
 
 }  // namespace ferry::detail
+
+namespace ferry {
+
+BufferFootprint buffer_footprint(EpConfig const& config, Topology const& topology, Backend backend) {
+  config.validate(topology.world());
+  detail::BufferMemory const memory = detail::buffer_memory(config.resolved(topology.world()), topology, backend);
+  return BufferFootprint{memory.symmetric, memory.local, memory.describe()};
+}
+
+}  // namespace ferry

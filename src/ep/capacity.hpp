@@ -20,11 +20,15 @@ inline bool slot_drops_possible(EpConfig const& config, int world) {
   return config.expert_slots() > 0 && config.expert_slots() < config.recv_capacity(world);
 }
 
-// The entries one rank's call of num_tokens can send to one expert: num_tokens, or, where a call sends the entries of
-// tokens as tokens of their own (topk 1, DispatchArgs::x_repeat = k), one per group of k: a group's ids must differ,
-// as a token's topk ids must (a repeat is refused on every rank).
+// The entries of one token in a call that sends them as tokens of their own (topk 1, DispatchArgs::x_repeat = k): k,
+// else 1. A group's ids must differ, as a token's topk ids must (a repeat is refused on every rank).
+inline int entry_group(EpConfig const& config, int x_repeat) {
+  return config.topk == 1 && x_repeat > 1 ? x_repeat : 1;
+}
+
+// The entries one rank's call of num_tokens can send to one expert: one per group (entry_group).
 inline int64_t entries_per_expert_from_rank(EpConfig const& config, int num_tokens, int x_repeat) {
-  int64_t const group = config.topk == 1 && x_repeat > 1 ? x_repeat : 1;
+  int64_t const group = entry_group(config, x_repeat);
   return (num_tokens + group - 1) / group;
 }
 

@@ -150,11 +150,11 @@ std::vector<int64_t> host_topk_ids(EpConfig const& config, DispatchArgs const& a
 void validate_host_topk_idx(EpConfig const& config, int rank, DispatchArgs const& args) {
   std::vector<int64_t> const ids = host_topk_ids(config, args);
   ref::validate_topk_idx(config, rank, args.num_tokens, ids);
-  if (config.topk != 1 || args.x_repeat <= 1) return;
+  int const group = entry_group(config, args.x_repeat);
   // entries of one token sent as tokens of their own (x_repeat): distinct ids within a group, as within a token
-  for (int t = 0; t < args.num_tokens; ++t) {
+  for (int t = 0; group > 1 && t < args.num_tokens; ++t) {
     int64_t const id = ids[static_cast<std::size_t>(t)];
-    for (int j = t - t % args.x_repeat; j < t && id >= 0; ++j)
+    for (int j = t - t % group; j < t && id >= 0; ++j)
       FERRY_CHECK_INPUT(ids[static_cast<std::size_t>(j)] != id, "rank ", rank, ": topk_idx[", t, "]=", id,
                         " repeats topk_idx[", j, "] of its x_repeat=", args.x_repeat,
                         " group (the entries of one token); a token picks distinct experts (use -1 for an unused "
@@ -387,16 +387,17 @@ DispatchResult EpBuffer::dispatch(DispatchArgs const& args, cudaStream_t stream)
     // lazy call is taken where this rank's call cannot send an expert more than its share of the slots
     // (expert_capacity / world; with x_repeat one entry per group, a repeat in a group is refused by the kernels): a
     // rank past its share refuses the call, so every rank does.
-    FERRY_CHECK_INPUT(comm_->backend() != Backend::cuda || config_.mode != Mode::low_latency || run.eager ||
-                          !detail::call_slot_drops_possible(config_, comm_->world(), run.num_tokens, run.x_repeat),
-                      "dispatch eager=false with expert_capacity=", config_.expert_slots(), " below world * ",
-                      detail::entries_per_expert_from_rank(config_, run.num_tokens, run.x_repeat),
-                      " (the entries this rank's call can send one expert: num_tokens=", run.num_tokens,
-                      config_.topk == 1 && run.x_repeat > 1 ? detail::concat(" / x_repeat=", run.x_repeat) : "",
-                      ") in mode=ll on backend cuda: an entry past the capacity is found by its receiver alone, and a "
-                      "lazy call (a captured graph) could not stop the other ranks from summing without it; dispatch "
-                      "with eager=true, send fewer tokens, or raise expert_capacity (unset: the worst case) to "
-                      "capture the call");
+    FERRY_CHECK_INPUT(
+        comm_->backend() != Backend::cuda || config_.mode != Mode::low_latency || run.eager ||
+            !detail::call_slot_drops_possible(config_, comm_->world(), run.num_tokens, run.x_repeat),
+        "dispatch eager=false with expert_capacity=", config_.expert_slots(), " below world * ",
+        detail::entries_per_expert_from_rank(config_, run.num_tokens, run.x_repeat),
+        " (the entries this rank's call can send one expert: num_tokens=", run.num_tokens,
+        detail::entry_group(config_, run.x_repeat) > 1 ? detail::concat(" / x_repeat=", run.x_repeat) : "",
+        ") in mode=ll on backend cuda: an entry past the capacity is found by its receiver alone, and a "
+        "lazy call (a captured graph) could not stop the other ranks from summing without it; dispatch "
+        "with eager=true, send fewer tokens, or raise expert_capacity (unset: the worst case) to "
+        "capture the call");
   } catch (InputError const& error) {
     join_refused(Leg::dispatch, error.what(), stream);
     throw;

@@ -1,6 +1,7 @@
 // Host launcher of the low-latency dispatch kernel (ll/dispatch.cuh): validation, template instance, launch. The
 // instances over a network (across nodes) are ll/dispatch_net.cu's.
 #include "core/cuda_check.hpp"
+#include "ep/capacity.hpp"
 #include "ep/cuda/buffers.hpp"
 #include "ep/cuda/ll/instances.cuh"
 
@@ -24,7 +25,7 @@ LlDispatchParams ll_dispatch_params(Buffers const& b, DispatchArgs const& args, 
   set_dispatch_inputs(p, args);
   FERRY_CHECK(args.x_repeat >= 1, "x_repeat=", args.x_repeat, " reached the kernel (EpBuffer refuses it)");
   p.x_row = ferry::detail::RowDivider::of(args.x_repeat);
-  p.x_group = b.config.topk == 1 ? args.x_repeat : 1;
+  p.x_group = ferry::detail::entry_group(b.config, args.x_repeat);
   p.x_scales = args.x_scales;
   p.x_token_scales = args.x_token_scales;
   p.num_experts = b.config.num_experts;

@@ -92,7 +92,7 @@ struct LlDispatchParams : LlParams {
   float const* topk_weights;
   // token t reads row x_row(t) = t / x_repeat of x, x_scales and x_token_scales (DispatchArgs::x_repeat)
   ferry::detail::RowDivider x_row;
-  // x_repeat with topk 1 (a group's entries are one token's: their ids must differ, group_repeat), else 1
+  // entry_group (capacity.hpp): x_repeat with topk 1, a group's entries one token's (ids distinct: group_repeat)
   int x_group;
   int num_tokens;
   int num_experts;
