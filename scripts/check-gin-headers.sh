@@ -58,8 +58,7 @@ echo "check-gin-headers: $PACKAGE $VERSION, NCCL_VERSION_CODE $CODE, headers $IN
 #    without ptxas and -G without cicc's optimiser); for sm_90a alone (nvcc 13's -arch=sm_90a also compiles for
 #    compute_90: a second cicc and ptxas), and the host side checked by the host compiler's front end
 #    (-fsyntax-only: no object is written). What newer headers can break (declarations, types, templates,
-#    constants, inline PTX) is found so; the main build compiles the same sources against the installed headers. Two
-#    at a time (ctest runs this beside the other tests).
+#    constants, inline PTX) is found so; the main build compiles the same sources against the installed headers.
 NVCC_HELP=$("$NVCC" --help 2>/dev/null || true)
 if [[ "$NVCC_HELP" == *--Ofast-compile* ]]; then
   SPEED=(--generate-code=arch=compute_90a,code=sm_90a --Ofast-compile=max -Xcompiler=-fsyntax-only)
@@ -76,38 +75,19 @@ for tu in "${TUS[@]}"; do
     exit 1
   fi
 done
-# NOTE: the sources go through nvcc as one translation unit that #includes them (CACHE/unit-0.cu): they share most of
+# NOTE: the sources go through nvcc as one translation unit that #includes them (CACHE/unit.cu): they share most of
 # their headers, which cost more than their own code (the seven one by one: about 115 CPU-s; as one unit: about 30).
 # The main build compiles each source as its own unit, which keeps each one's includes complete.
-UNITS=("${TUS[*]}")
-JOBS=${FERRY_GIN_CHECK_JOBS:-2}
-compile() {
-  local unit=$1 sources=$2 out="$CACHE/unit-$1"
-  local start=$SECONDS
-  {
-    echo "// made by scripts/check-gin-headers.sh"
-    for tu in $sources; do echo "#include \"$SRC/$tu\""; done
-  } >"$out.cu"
-  if "$NVCC" "${FLAGS[@]}" -c "$out.cu" -o "$out.o" >"$out.log" 2>&1; then
-    echo "check-gin-headers: OK   $(echo $sources) against NCCL $VERSION ($((SECONDS - start)) s)"
-  else
-    cat "$out.log"
-    echo "check-gin-headers: FAIL $(echo $sources) against NCCL $VERSION"
-    return 1
-  fi
-}
-STATUS=0
-running=0
-for unit in "${!UNITS[@]}"; do
-  if ((running >= JOBS)); then
-    wait -n || STATUS=1
-    running=$((running - 1))
-  fi
-  compile "$unit" "${UNITS[$unit]}" &
-  running=$((running + 1))
-done
-while ((running > 0)); do
-  wait -n || STATUS=1
-  running=$((running - 1))
-done
-exit $STATUS
+UNIT="$CACHE/unit"
+{
+  echo "// made by scripts/check-gin-headers.sh"
+  for tu in "${TUS[@]}"; do echo "#include \"$SRC/$tu\""; done
+} >"$UNIT.cu"
+start=$SECONDS
+if "$NVCC" "${FLAGS[@]}" -c "$UNIT.cu" -o "$UNIT.o" >"$UNIT.log" 2>&1; then
+  echo "check-gin-headers: OK   ${TUS[*]} against NCCL $VERSION ($((SECONDS - start)) s)"
+else
+  cat "$UNIT.log"
+  echo "check-gin-headers: FAIL ${TUS[*]} against NCCL $VERSION"
+  exit 1
+fi

@@ -19,9 +19,9 @@ import textwrap
 import xml.etree.ElementTree as ElementTree
 
 
-def ctest_skip_reasons(junit_path: str) -> list[str]:
-    """One reason per skipped ctest test: the gtest skip message (the line after "file:line: Skipped"), else
-    ctest's own."""
+def junit_skip_reasons(junit_path: str) -> list[str]:
+    """One reason per skipped test of a junit file: the gtest skip message (the line after "file:line: Skipped" in
+    ctest's captured output), else the file's own message (ctest's, or pytest's reason)."""
     reasons = []
     for case in ElementTree.parse(junit_path).getroot().iter("testcase"):
         skipped = case.find("skipped")
@@ -30,16 +30,6 @@ def ctest_skip_reasons(junit_path: str) -> list[str]:
         out = case.findtext("system-out") or ""
         found = re.search(r": Skipped\n(.+)", out)
         reasons.append(found.group(1).strip() if found else skipped.get("message", "skipped"))
-    return reasons
-
-
-def pytest_junit_skip_reasons(junit_path: str) -> list[str]:
-    """One reason per skipped pytest test, from its --junitxml file."""
-    reasons = []
-    for case in ElementTree.parse(junit_path).getroot().iter("testcase"):
-        skipped = case.find("skipped")
-        if skipped is not None:
-            reasons.append(skipped.get("message", "skipped").removeprefix("Skipped: ").strip())
     return reasons
 
 
@@ -70,7 +60,7 @@ def terminal_summary(terminalreporter) -> None:
     junit = os.environ.get("FERRY_CTEST_JUNIT")
     if not junit:
         return
-    ctest = ctest_skip_reasons(junit) if os.path.exists(junit) else []
+    ctest = junit_skip_reasons(junit) if os.path.exists(junit) else []
     pytest = [pytest_skip_reason(report) for report in terminalreporter.stats.get("skipped", [])]
     for line in summary_lines(ctest, pytest):
         terminalreporter.write_line(line)
@@ -82,6 +72,6 @@ if __name__ == "__main__":
     if len(sys.argv) < 3:
         sys.exit("usage: skip_summary.py CTEST_JUNIT PYTEST_JUNIT... (a missing file: that run's skips are unknown)")
     ctest_path, pytest_paths = sys.argv[1], sys.argv[2:]
-    print("\n".join(summary_lines(ctest_skip_reasons(ctest_path) if os.path.exists(ctest_path) else [],
+    print("\n".join(summary_lines(junit_skip_reasons(ctest_path) if os.path.exists(ctest_path) else [],
                                   [reason for path in pytest_paths if os.path.exists(path)
-                                   for reason in pytest_junit_skip_reasons(path)])))
+                                   for reason in junit_skip_reasons(path)])))

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from skip_summary import pytest_junit_skip_reasons, summary_lines
+from skip_summary import junit_skip_reasons, summary_lines
 
 
 def test_one_line_per_reason_counted_and_wrapped():
@@ -37,7 +37,7 @@ def test_the_two_junit_files_of_make_test(tmp_path):
     pytest_junit.write_text('<testsuites><testsuite><testcase name="c"><skipped type="pytest.skip" '
                             'message="needs torch">t.py:1: needs torch</skipped></testcase><testcase name="d"/>'
                             '</testsuite></testsuites>')
-    assert pytest_junit_skip_reasons(str(pytest_junit)) == ["needs torch"]
+    assert junit_skip_reasons(str(pytest_junit)) == ["needs torch"]
     script = Path(__file__).with_name("skip_summary.py")
     out = subprocess.run([sys.executable, str(script), str(ctest), str(pytest_junit)], capture_output=True,
                          text=True, check=True).stdout.splitlines()

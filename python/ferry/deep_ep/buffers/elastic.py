@@ -156,8 +156,8 @@ class ElasticBuffer(PoolOwner):
     def get_buffer_size_hint(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
                              use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
                              allow_multiple_reduction: bool = True) -> int:
-        """The num_bytes that holds a dispatch of these shapes: one Ferry EpBuffer's receive rows for
-        num_max_tokens_per_rank tokens from every rank (payload, top-k ids and weights, source), at topk up to 16
+        """The num_bytes that holds a dispatch of these shapes: one Ferry EpBuffer's footprint
+        (ferry.EpBuffer.footprint, the larger of the two backends) for num_max_tokens_per_rank tokens, at topk up to 16
         when num_topk is 0; a multiple of 2 MiB."""
         need = hint_bytes(group.size(), 1, hidden=hidden, topk=num_topk or MAX_TOPK,
                           max_tokens_per_rank=num_max_tokens_per_rank,
