@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "ferry/limits.hpp"
 #include "ferry/error.hpp"
+#include "ferry/limits.hpp"
 
 namespace ferry::detail {
 
@@ -31,6 +31,13 @@ class RankSet {
   static RankSet from_mask32(uint32_t bits) {
     RankSet out;
     out.words_[0] = bits;
+    return out;
+  }
+  // The ranks of 32-bit words (the cuda kernels' sets: bit r % 32 of word r / 32), num_words of them.
+  static RankSet from_words32(uint32_t const* words, int num_words) {
+    RankSet out;
+    for (int w = 0; w < num_words && w < 2 * kWords; ++w)
+      out.words_[w / 2] |= static_cast<uint64_t>(words[w]) << (32 * (w % 2));
     return out;
   }
   // A set stored with store(): num_words words (words_for(world)).

@@ -146,9 +146,10 @@ int EpConfig::recv_capacity(int world) const {
 namespace detail {
 
 void check_cuda_world(EpConfig const& config, Topology const& topology) {
-  // NOTE: one node's kernels, normal mode's and rank masking's agreement keep a set of ranks in one 32-bit word and
-  // per-rank arrays of kMaxCudaWorld entries (shared memory, Params, the lsa transport's windows by world rank); only
-  // low-latency mode's kernels across nodes are sized for kMaxWorld (src/ep/cuda/ll/params.cuh "Wider worlds").
+  // NOTE: one node's kernels and normal mode's keep a set of ranks in one 32-bit word and per-rank arrays of
+  // kMaxCudaWorld entries (shared memory, Params, the lsa transport's windows by world rank); low-latency mode's
+  // kernels across nodes and rank masking's agreement are sized for kMaxWorld (src/ep/cuda/ll/params.cuh "Wider
+  // worlds", ll/mask.cuh).
   int const world = topology.world();
   if (world <= kMaxCudaWorld) return;
   bool const ll = config.mode == Mode::low_latency;
@@ -156,12 +157,9 @@ void check_cuda_world(EpConfig const& config, Topology const& topology) {
                      ") is more than backend cuda's EpBuffer supports in ", ll ? "mode=ll on one node" : "mode=normal",
                      ": ", kMaxCudaWorld,
                      " ranks (those kernels keep a set of ranks in one 32-bit word). Backend cuda takes up to ",
-                     kMaxWorld, " ranks in mode=ll across nodes (topology NxM with N > 1); the cpu backend every mode");
-  FERRY_CHECK_CONFIG(!config.rank_masking, "rank_masking with world=", world,
-                     " on backend cuda: its agreement keeps the ranks in one 32-bit word (a lane per rank), so it runs "
-                     "up to ",
-                     kMaxCudaWorld, " ranks; turn rank_masking off past them (the cpu backend masks up to ", kMaxWorld,
-                     ")");
+                     kMaxWorld,
+                     " ranks in mode=ll across nodes (topology NxM with N > 1), rank masking included; the "
+                     "cpu backend every mode");
 }
 
 }  // namespace detail

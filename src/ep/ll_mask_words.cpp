@@ -22,8 +22,8 @@ MaskStatus mask_status_of(LlMaskWords const& words, int world) {
   MaskStatus status;
   status.enabled = true;
   status.self = words.self != static_cast<uint32_t>(LlMaskSelf::none);
-  // NOTE: the cuda kernels' words are 32-bit (check_cuda_world keeps their worlds within them)
-  RankSet const masked = RankSet::from_mask32(status.self ? words.self_view : words.masked) & RankSet::range(0, world);
+  RankSet const masked =
+      RankSet::from_words32(status.self ? words.self_view : words.masked, kMaskWords) & RankSet::range(0, world);
   status.ranks = masked.ranks();
   status.dispatch_entries = static_cast<int64_t>(words.dispatch_entries);
   status.combine_entries = static_cast<int64_t>(words.combine_entries);
@@ -39,13 +39,13 @@ std::string self_masked_message(LlMaskWords const& words, int rank, double timeo
   switch (static_cast<LlMaskSelf>(words.self)) {
     case LlMaskSelf::timeout:
       why = concat("the other ranks waited ", timeout_s, " s (FERRY_TIMEOUT_S) for it and went on without rank(s) ",
-                   RankSet::from_mask32(words.self_lost).text());
+                   RankSet::from_words32(words.self_lost, kMaskWords).text());
       break;
     case LlMaskSelf::ahead:
       why = concat("rank ", words.self_by, " was already past this call's agreement, without this rank");
       break;
     case LlMaskSelf::asked:
-      why = concat("mask_ranks asked for rank(s) ", RankSet::from_mask32(words.self_lost).text(),
+      why = concat("mask_ranks asked for rank(s) ", RankSet::from_words32(words.self_lost, kMaskWords).text(),
                    ", and the other ranks go on without it");
       break;
     case LlMaskSelf::none:

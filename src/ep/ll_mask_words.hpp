@@ -4,11 +4,13 @@
 // read them, and the host logic here is unit-tested without a GPU.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
 
 #include "ferry/ep.hpp"
+#include "ferry/limits.hpp"
 
 namespace ferry::detail {
 
@@ -20,6 +22,13 @@ namespace ferry::detail {
 // hold kMaskEstimateSlots rounds: round r (2 ..) in slot r - 2.
 inline constexpr int kMaskEstimateRounds = 4;
 inline constexpr int kMaskEstimateSlots = kMaskEstimateRounds + 1;
+
+// A set of ranks in the mask words: bit r % 32 of word r / 32, kMaskWords words for any world (the kernels touch the
+// world's first ceil(world / 32), mask_words(world)).
+inline constexpr int kMaskWords = kMaxWorld / 32;
+constexpr int mask_words(int world) {
+  return (world + 31) / 32;
+}
 
 // Why a rank learned at an agreement that it is masked (LlMaskWords::self; 0: it is not).
 enum class LlMaskSelf : uint32_t {
@@ -33,15 +42,15 @@ enum class LlMaskSelf : uint32_t {
 enum class LlMaskLeg : uint32_t { dispatch = 0, combine = 1 };
 
 struct LlMaskWords {
-  uint64_t epoch;       // agreements this rank ran (one per low-latency leg's entry), the next one's words carry +1
-  uint32_t masked;      // bit r: rank r is masked (masks only grow until clear_mask)
-  uint32_t self;        // LlMaskSelf: this rank is masked; every later leg kernel of it returns at once
-  uint64_t self_epoch;  // the agreement that masked it
-  uint64_t self_call;   // that leg's call number on this buffer (dispatch #n or combine #n)
-  uint32_t self_leg;    // LlMaskLeg of that call
-  uint32_t self_view;   // the masked ranks as this rank learned it (itself included)
-  uint32_t self_lost;   // the ranks that agreement left out (timeout) or was asked for (asked)
-  int32_t self_by;      // ahead: the rank that was past the agreement; else -1
+  uint64_t epoch;  // agreements this rank ran (one per low-latency leg's entry), the next one's words carry +1
+  uint32_t masked[kMaskWords];     // rank r is masked (masks only grow until clear_mask)
+  uint32_t self;                   // LlMaskSelf: this rank is masked; every later leg kernel of it returns at once
+  uint64_t self_epoch;             // the agreement that masked it
+  uint64_t self_call;              // that leg's call number on this buffer (dispatch #n or combine #n)
+  uint32_t self_leg;               // LlMaskLeg of that call
+  uint32_t self_view[kMaskWords];  // the masked ranks as this rank learned it (itself included)
+  uint32_t self_lost[kMaskWords];  // the ranks that agreement left out (timeout) or was asked for (asked)
+  int32_t self_by;                 // ahead: the rank that was past the agreement; else -1
   // this rank's (token, k) entries whose expert's rank is masked: not sent by the dispatches, missing from the
   // combines' y (the agreement of each leg zeroes its last_* word, the kernels add)
   unsigned long long last_dispatch_entries;
@@ -50,18 +59,21 @@ struct LlMaskWords {
   unsigned long long combine_entries;
   // [max_tokens, topk] the rank of each entry of the last dispatch (-1: none), written by its send half for the
   // combine's count (Buffers::ll_entry_rank; set once at allocation)
-  int8_t* entry_rank;
+  int16_t* entry_rank;
   // Across nodes: the agreement that this rank last sent each round's estimate to each rank in (the signal of a put
   // adds the difference, so a receiver's counter of a round holds the agreement its word belongs to; clear_mask sets
-  // them to the epoch every rank starts from, as it sets the counters)
-  uint64_t signaled[kMaskEstimateSlots][kMaxCudaWorld];
+  // them to the epoch every rank starts from, as it sets the counters). Last: the host's reads stop before it
+  // (kMaskWordsRead).
+  uint64_t signaled[kMaskEstimateSlots][kMaxWorld];
 };
+// The bytes of LlMaskWords the host reads (read_ll_mask): everything but the device's own `signaled`.
+inline constexpr std::size_t kMaskWordsRead = offsetof(LlMaskWords, signaled);
 
 // The mapped host words of one EpBuffer's mask: the request (EpBuffer::mask_ranks, written by the host and carried by
 // every later agreement: requests only grow until clear_mask, so a late read loses nothing) and this rank's
 // LlMaskSelf, copied there by the agreement that masked it (the host checks it at every call without a sync).
 struct LlMaskHost {
-  uint32_t request;
+  uint32_t request[kMaskWords];
   uint32_t self;
 };
 

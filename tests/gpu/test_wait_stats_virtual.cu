@@ -7,8 +7,8 @@
 // masking"): a rank that never arrives at worlds 2, 4, 8 (and with fp8), a rank asked out, a rank lost at the
 // combine; across emulated nodes (2x1, 2x2, 2x4, 4x2: the direct route, the agreement's words to other nodes through
 // the network, seeded delays and reordering) a rank and a whole node that never arrive, and a rank of another node
-// asked out; each with the hook, a replayed graph and clear_mask where it applies, every row against
-// ref::without_ranks.
+// asked out; past 32 ranks (8x8, 16x8) the same with ranks past the first word of a set; each with the hook, a
+// replayed graph and clear_mask where it applies, every row against ref::without_ranks.
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
@@ -16,10 +16,12 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <initializer_list>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "core/rank_set.hpp"
 #include "ep/cuda/buffers.hpp"
 #include "ep/cuda/ll/layout.hpp"
 #include "ep/cuda/wait_stats.cuh"
@@ -40,6 +42,17 @@ namespace test_wait_stats_virtual {  // named, not anonymous: FERRY_CI_BUILD com
 using cuda_ep::Buffers;
 using cuda_ep::Half;
 using VirtualLlRanks = VirtualRanks<Buffers, cuda_ep::allocate_buffers, cuda_ep::free_buffers>;
+using detail::RankSet;
+
+RankSet rank_set(std::initializer_list<int> ranks) {
+  RankSet out;
+  for (int r : ranks) out.set(r);
+  return out;
+}
+// The ranks a rank's words hold masked (LlMaskWords::masked: bit r % 32 of word r / 32).
+RankSet masked_of(detail::LlMaskWords const& words) {
+  return RankSet::from_words32(words.masked, detail::kMaskWords);
+}
 
 // Holds a stream for `ns` of %globaltimer: a source that comes late to its dispatch.
 __global__ void spin_for(uint64_t ns) {
@@ -111,7 +124,7 @@ struct LlWorld {
       em[r] = CombineArgs{CombineLayout::expert_major, io[r].eout.ptr, io[r].y_em.ptr};
     }
   }
-  bool in(uint32_t who, int r) const { return ((who >> r) & 1u) != 0; }
+  bool in(RankSet const& who, int r) const { return who.test(r); }
   // fresh inputs (uploaded, y poisoned) and every rank's dispatch outputs poisoned
   VirtualIteration iteration(uint64_t seed) {
     RoutingOptions routing;
@@ -123,17 +136,17 @@ struct LlWorld {
     return it;
   }
   // the legs of the ranks in `who`, whole or split by the hook (send halves of all, then receive halves)
-  void dispatch(uint32_t who, bool hook) {
+  void dispatch(RankSet const& who, bool hook) {
     for (Half half : hook ? std::vector<Half>{Half::send, Half::recv} : std::vector<Half>{Half::both})
       for (int r = 0; r < world; ++r)
         if (in(who, r)) cuda_ep::launch_ll_dispatch(ranks[r], dargs[r], half, ranks.stream(r));
   }
-  void combine(uint32_t who, bool hook) {
+  void combine(RankSet const& who, bool hook) {
     for (Half half : hook ? std::vector<Half>{Half::send, Half::recv} : std::vector<Half>{Half::both})
       for (int r = 0; r < world; ++r)
         if (in(who, r)) cuda_ep::launch_ll_combine(ranks[r], em[r], tokens[r], half, ranks.stream(r));
   }
-  uint32_t all() const { return world >= 32 ? 0xffffffffu : (1u << world) - 1u; }
+  RankSet all() const { return RankSet::range(0, world); }
   // Rank masking: loads the masked instances this world launches before any agreement runs. A kernel's first launch
   // in the process loads it and waits for the device (CUDA's lazy loading), and one host thread launches every
   // virtual rank: an agreement running then waits for ranks whose launches that host thread has not reached, and
@@ -253,9 +266,9 @@ TEST(WaitStatsVirtual, EveryPeerCountedOncePerCallWorld4) {
 // Every rank of `who` after its call: no failure recorded, its dispatch equal to the reference of the world without
 // the ranks of `masked` (ref::without_ranks), its combine's y too (expert-major), and its mask words what the call
 // agreed: those ranks masked, this rank's entries of them counted by both legs. Returns false at the first failure.
-bool expect_masked_world(LlWorld& w, VirtualIteration const& it, uint32_t who, uint32_t masked, int call) {
+bool expect_masked_world(LlWorld& w, VirtualIteration const& it, RankSet const& who, RankSet const& masked, int call) {
   EpConfig const& config = w.config;
-  ref::MaskedWorld const kept = ref::without_ranks(config, w.world, it.inputs, detail::RankSet::from_mask32(masked));
+  ref::MaskedWorld const kept = ref::without_ranks(config, w.world, it.inputs, masked);
   std::vector<ref::RankDispatch> want;
   for (int d = 0; d < w.world; ++d) want.push_back(ref::dispatch(config, w.world, d, kept.inputs));
   std::string const failure = w.ranks.synchronize(std::vector<int>(static_cast<std::size_t>(w.world), 0));
@@ -271,13 +284,13 @@ bool expect_masked_world(LlWorld& w, VirtualIteration const& it, uint32_t who, u
     int const combined = check_combined("y expert-major", w.io[r].y_em.ptr, y, kVirtualGuardElems, r, call);
     EXPECT_EQ(combined, 0) << "rank " << r << ", call " << call;
     detail::LlMaskWords const words = w.words(r);
-    bool const agreed = words.self == 0 && words.masked == masked &&
+    bool const agreed = words.self == 0 && masked_of(words) == masked &&
                         static_cast<int64_t>(words.last_dispatch_entries) == kept.masked_entries[r] &&
                         static_cast<int64_t>(words.last_combine_entries) == kept.masked_entries[r];
-    EXPECT_TRUE(agreed) << "rank " << r << ", call " << call << ": self " << words.self << ", masked " << words.masked
-                        << " (want " << masked << "), entries left out by the dispatch " << words.last_dispatch_entries
-                        << " and the combine " << words.last_combine_entries << " (want " << kept.masked_entries[r]
-                        << ")";
+    EXPECT_TRUE(agreed) << "rank " << r << ", call " << call << ": self " << words.self << ", masked "
+                        << masked_of(words).text() << " (want " << masked.text()
+                        << "), entries left out by the dispatch " << words.last_dispatch_entries << " and the combine "
+                        << words.last_combine_entries << " (want " << kept.masked_entries[r] << ")";
     if (dispatched != 0 || combined != 0 || !agreed) return false;
   }
   return true;
@@ -288,17 +301,17 @@ bool expect_masked_world(LlWorld& w, VirtualIteration const& it, uint32_t who, u
 // world without them, the combine too; then their own late call learns it (LlMaskSelf::timeout, their outputs
 // untouched), a hooked call and a replayed CUDA graph go on without them, and after clear_mask the whole world is
 // back, exact. topology: across nodes (nodes > 1) the ranks of other nodes only through the emulated network.
-void run_never_arrives(int world, WireFormat format, Topology topology = {1, 0}, uint32_t gone = 0) {
+void run_never_arrives(int world, WireFormat format, Topology topology = {1, 0}, RankSet gone = {}) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU, found 0";
   int const ctas = virtual_ctas_per_rank(world, cuda_ep::kMaxLlCtas);
   if (ctas < 1) GTEST_SKIP() << "fewer SMs than " << world << " ranks";
-  if (gone == 0) gone = 1u << (world / 2);
+  if (gone.empty()) gone.set(world / 2);
   uint64_t const seed = fresh_seed();
   LlWorld w(ll_config(world, false, true, format, topology), world, ctas, kAbsentTimeoutS, topology, seed);
   uint64_t const loaded = w.load_masked_kernels();
-  uint32_t const others = w.all() & ~gone;
-  std::printf("world %d (%s) x %d CTAs, dispatch_format %s, ranks 0x%x never arrive, seed %llu\n", world,
-              topology_name(w.topology).c_str(), ctas, wire_format_name(format), gone,
+  RankSet const others = w.all() - gone;
+  std::printf("world %d (%s) x %d CTAs, dispatch_format %s, rank(s) %s never arrive, seed %llu\n", world,
+              topology_name(w.topology).c_str(), ctas, wire_format_name(format), gone.text().c_str(),
               static_cast<unsigned long long>(seed));
 
   // 1. the call without them: masked within the bound, every row of the others the reference's without them
@@ -309,7 +322,7 @@ void run_never_arrives(int world, WireFormat format, Topology topology = {1, 0},
   ASSERT_TRUE(expect_masked_world(w, first, others, gone, 0));
   double const waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_LT(waited, 5 * kAbsentTimeoutS) << "the others did not finish within their bound";
-  int const someone = __builtin_ctz(others);
+  int const someone = others.lowest();
   std::printf("  masked in %.2f s (bound %.1f s); rank %d's entries left out: %llu\n", waited, kAbsentTimeoutS, someone,
               static_cast<unsigned long long>(w.words(someone).last_dispatch_entries));
   // the check sees the mask: the same outputs against the reference of the whole world differ (a check that can fail)
@@ -328,7 +341,7 @@ void run_never_arrives(int world, WireFormat format, Topology topology = {1, 0},
     detail::LlMaskWords const own = w.words(g);
     EXPECT_EQ(own.self, static_cast<uint32_t>(detail::LlMaskSelf::timeout)) << "rank " << g;
     EXPECT_EQ(own.self_call, loaded + 1) << "rank " << g << ": its first dispatch after the loading calls";
-    EXPECT_EQ(own.self_view & (1u << g), 1u << g) << "rank " << g;
+    EXPECT_TRUE(RankSet::from_words32(own.self_view, detail::kMaskWords).test(g)) << "rank " << g;
     EXPECT_EQ(w.ranks[g].mask_host->self, own.self) << "the host's word of masked rank " << g;
     EXPECT_EQ(to_host<uint32_t>(cuda_ep::dispatch_result(w.ranks[g], true).num_recv, 1)[0], 0xEEEEEEEEu)
         << "masked rank " << g << "'s dispatch wrote its outputs";
@@ -362,12 +375,13 @@ void run_never_arrives(int world, WireFormat format, Topology topology = {1, 0},
   w.clear();
   for (int r = 0; r < world; ++r) {
     detail::LlMaskWords const words = w.words(r);
-    EXPECT_TRUE(words.masked == 0 && words.self == 0 && words.dispatch_entries == 0) << "rank " << r << " kept a mask";
+    EXPECT_TRUE(masked_of(words).empty() && words.self == 0 && words.dispatch_entries == 0)
+        << "rank " << r << " kept a mask";
   }
   VirtualIteration const back = w.iteration(seed + 9);
   w.dispatch(w.all(), false);
   w.combine(w.all(), false);
-  ASSERT_TRUE(expect_masked_world(w, back, w.all(), 0, 9));
+  ASSERT_TRUE(expect_masked_world(w, back, w.all(), RankSet{}, 9));
 }
 
 TEST(RankMaskingVirtual, RankThatNeverArrivesIsMaskedWorld2) {
@@ -396,16 +410,16 @@ void run_asked_out(int world, int asked, Topology topology = {1, 0}) {
   std::printf("world %d (%s), rank 0 asks for rank %d, seed %llu\n", world, topology_name(w.topology).c_str(), asked,
               static_cast<unsigned long long>(seed));
   VirtualIteration const it = w.iteration(seed);
-  cuda_ep::request_ll_mask(w.ranks[0], 1u << asked);
+  cuda_ep::request_ll_mask(w.ranks[0], {asked});
   auto const start = std::chrono::steady_clock::now();
   w.dispatch(w.all(), false);
   w.combine(w.all(), false);
-  ASSERT_TRUE(expect_masked_world(w, it, w.all() & ~(1u << asked), 1u << asked, 0));
+  ASSERT_TRUE(expect_masked_world(w, it, w.all() - rank_set({asked}), rank_set({asked}), 0));
   double const took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_LT(took, kVirtualTimeoutS / 4) << "asking a rank out waited like a timeout";
   detail::LlMaskWords const own = w.words(asked);
   EXPECT_EQ(own.self, static_cast<uint32_t>(detail::LlMaskSelf::asked));
-  EXPECT_EQ(own.self_lost, 1u << asked);
+  EXPECT_EQ(RankSet::from_words32(own.self_lost, detail::kMaskWords), rank_set({asked}));
   std::printf("  done in %.3f s: %s\n", took, detail::self_masked_message(own, asked, kVirtualTimeoutS).c_str());
 }
 
@@ -415,39 +429,42 @@ TEST(RankMaskingVirtual, AskedOutWithoutATimeout) {
 
 // A rank present at the dispatch and absent from the combine: the others' combine masks it after the bound and
 // returns y without its expert outputs (its rows summed as zeros by the reference: +0 changes no sum), counting the
-// entries y misses; the next dispatch goes on without it.
-TEST(RankMaskingVirtual, RankLostAtTheCombine) {
+// entries y misses; the next dispatch goes on without it. topology: as run_never_arrives.
+void run_lost_at_combine(int world, int gone, Topology topology = {1, 0}) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU, found 0";
-  int const world = 4;
-  int const gone = 1;
   int const ctas = virtual_ctas_per_rank(world, cuda_ep::kMaxLlCtas);
   if (ctas < 1) GTEST_SKIP() << "fewer SMs than " << world << " ranks";
-  LlWorld w(ll_config(world, false, true), world, ctas, kAbsentTimeoutS);
-  w.load_masked_kernels();
-  uint32_t const others = w.all() & ~(1u << gone);
   uint64_t const seed = fresh_seed();
-  std::printf("world %d, rank %d skips the combine, seed %llu\n", world, gone, static_cast<unsigned long long>(seed));
+  LlWorld w(ll_config(world, false, true, WireFormat::bf16, topology), world, ctas, kAbsentTimeoutS, topology, seed);
+  w.load_masked_kernels();
+  RankSet const lost = rank_set({gone});
+  RankSet const others = w.all() - lost;
+  std::printf("world %d (%s), rank %d skips the combine, seed %llu\n", world, topology_name(w.topology).c_str(), gone,
+              static_cast<unsigned long long>(seed));
   VirtualIteration it = w.iteration(seed);
   w.dispatch(w.all(), false);
   ASSERT_TRUE(w.ranks.synchronize(std::vector<int>(static_cast<std::size_t>(world), 0)).empty());
   w.combine(others, false);
   ASSERT_TRUE(w.ranks.synchronize(std::vector<int>(static_cast<std::size_t>(world), 0)).empty());
   it.eout[gone].assign(it.eout[gone].size(), 0);  // its expert outputs never come back
-  ref::MaskedWorld const kept =
-      ref::without_ranks(w.config, world, it.inputs, detail::RankSet::from_mask32(1u << gone));
+  ref::MaskedWorld const kept = ref::without_ranks(w.config, world, it.inputs, lost);
   for (int r = 0; r < world; ++r) {
     if (r == gone) continue;
     auto const y = ref::combine_expert_major(w.config, world, r, it.inputs, it.expected, it.eout);
     EXPECT_EQ(check_combined("y expert-major", w.io[r].y_em.ptr, y, kVirtualGuardElems, r, 0), 0) << "rank " << r;
     detail::LlMaskWords const words = w.words(r);
-    EXPECT_EQ(words.masked, 1u << gone);
+    EXPECT_EQ(masked_of(words), lost) << "rank " << r << " masked " << masked_of(words).text();
     EXPECT_EQ(words.last_dispatch_entries, 0u);
     EXPECT_EQ(static_cast<int64_t>(words.last_combine_entries), kept.masked_entries[r]) << "rank " << r;
   }
   VirtualIteration const next = w.iteration(seed + 1);
   w.dispatch(others, false);
   w.combine(others, false);
-  ASSERT_TRUE(expect_masked_world(w, next, others, 1u << gone, 1));
+  ASSERT_TRUE(expect_masked_world(w, next, others, lost, 1));
+}
+
+TEST(RankMaskingVirtual, RankLostAtTheCombine) {
+  run_lost_at_combine(4, 1);
 }
 
 // A rank that dies inside the dispatch's agreement (its kernels stop at a chosen moment): its arrival reached some of
@@ -464,30 +481,37 @@ void run_dies_inside_agreement(int world, int victim, bool arrived_everywhere, T
   uint64_t const seed = fresh_seed();
   LlWorld w(ll_config(world, false, true, WireFormat::bf16, topology), world, ctas, kAbsentTimeoutS, topology, seed);
   w.load_masked_kernels();
-  uint32_t const others = w.all() & ~(1u << victim);
+  RankSet const victims = rank_set({victim});
+  RankSet const others = w.all() - victims;
   // 1. a whole call
   VirtualIteration const whole = w.iteration(seed);
   w.dispatch(w.all(), false);
   w.combine(w.all(), false);
-  ASSERT_TRUE(expect_masked_world(w, whole, w.all(), 0, 0));
+  ASSERT_TRUE(expect_masked_world(w, whole, w.all(), RankSet{}, 0));
   // 2. the victim's agreement of the next dispatch stops after writing its arrival into `reached`
   uint64_t const epoch = w.words(victim).epoch + 1;
-  uint32_t reached = others;
+  RankSet reached = others;
   if (!arrived_everywhere) {
     std::mt19937_64 rng(seed);
-    do reached = static_cast<uint32_t>(rng()) & others;
-    while (reached == 0 || reached == others);
+    do {
+      reached = RankSet{};
+      for (int r : others)
+        if ((rng() & 1u) != 0) reached.set(r);
+    } while (reached.empty() || reached == others);
   }
   std::printf(
-      "world %d (%s), rank %d dies inside the agreement: its arrival reached ranks 0x%x of 0x%x, no estimate; "
+      "world %d (%s), rank %d dies inside the agreement: its arrival reached rank(s) %s of %s, no estimate; "
       "seed %llu\n",
-      world, topology_name(w.topology).c_str(), victim, reached, others, static_cast<unsigned long long>(seed));
+      world, topology_name(w.topology).c_str(), victim, reached.text().c_str(), others.text().c_str(),
+      static_cast<unsigned long long>(seed));
   cuda_ep::LlMaskArea const area = cuda_ep::ll_mask_area(w.ranks[victim].layout.total, world);
+  int const stride = cuda_ep::ll_mask_set_stride(world);
   for (int s = 0; s < world; ++s) {
     if (!w.in(reached, s)) continue;
     char* const region = w.ranks[s].sym.peer(s);
-    uint64_t const word = epoch << 32;
-    CK(cudaMemcpy(region + area.arrive + victim * sizeof(uint64_t), &word, sizeof(word), cudaMemcpyHostToDevice));
+    std::vector<uint64_t> const set(static_cast<std::size_t>(stride), epoch << 32);  // its arrival: no request
+    CK(cudaMemcpy(region + area.arrive + static_cast<std::size_t>(victim) * stride * sizeof(uint64_t), set.data(),
+                  set.size() * sizeof(uint64_t), cudaMemcpyHostToDevice));
     if (s / w.topology.local != victim / w.topology.local)  // its put came with a signal: one per agreement
       CK(cudaMemcpy(region + area.arrive_signals + victim * sizeof(uint64_t), &epoch, sizeof(epoch),
                     cudaMemcpyHostToDevice));
@@ -496,7 +520,7 @@ void run_dies_inside_agreement(int world, int victim, bool arrived_everywhere, T
   auto const start = std::chrono::steady_clock::now();
   w.dispatch(others, false);
   w.combine(others, false);
-  ASSERT_TRUE(expect_masked_world(w, lost, others, 1u << victim, 1));
+  ASSERT_TRUE(expect_masked_world(w, lost, others, victims, 1));
   double const took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_LT(took, 5 * kAbsentTimeoutS) << "the others did not agree within their bounds";
   std::printf("  masked in %.2f s (bound %.1f s)\n", took, kAbsentTimeoutS);
@@ -505,7 +529,7 @@ void run_dies_inside_agreement(int world, int victim, bool arrived_everywhere, T
     VirtualIteration const it = w.iteration(seed + static_cast<uint64_t>(call));
     w.dispatch(others, call % 2 == 1);
     w.combine(others, call % 2 == 1);
-    ASSERT_TRUE(expect_masked_world(w, it, others, 1u << victim, call));
+    ASSERT_TRUE(expect_masked_world(w, it, others, victims, call));
   }
 }
 
@@ -518,20 +542,20 @@ TEST(RankMaskingVirtual, RankDyingInsideTheAgreementIsMaskedEverywhere) {
 // nodes through the emulated network (seeded delays and reordering), the masked instances over it ----
 
 TEST(RankMaskingAcrossNodes, OtherNodeNeverArrives2x1) {
-  run_never_arrives(2, WireFormat::bf16, Topology{2, 1}, 1u << 1);
+  run_never_arrives(2, WireFormat::bf16, Topology{2, 1}, rank_set({1}));
 }
 TEST(RankMaskingAcrossNodes, RankOfAnotherNodeNeverArrives2x2) {
-  run_never_arrives(4, WireFormat::bf16, Topology{2, 2}, 1u << 3);
+  run_never_arrives(4, WireFormat::bf16, Topology{2, 2}, rank_set({3}));
 }
 TEST(RankMaskingAcrossNodes, WholeNodeNeverArrives2x4) {
-  run_never_arrives(8, WireFormat::bf16, Topology{2, 4}, 0xf0u);
+  run_never_arrives(8, WireFormat::bf16, Topology{2, 4}, RankSet::range(4, 4));
 }
 TEST(RankMaskingAcrossNodes, WholeNodeNeverArrives4x2) {
-  run_never_arrives(8, WireFormat::bf16, Topology{4, 2}, 0x30u);
+  run_never_arrives(8, WireFormat::bf16, Topology{4, 2}, RankSet::range(4, 2));
 }
 // fp8 across nodes: the quantized rows through the network, the delivery byte for byte with the host codec's
 TEST(RankMaskingAcrossNodes, RankNeverArrivesFp8At2x2) {
-  run_never_arrives(4, WireFormat::fp8_e4m3, Topology{2, 2}, 1u << 2);
+  run_never_arrives(4, WireFormat::fp8_e4m3, Topology{2, 2}, rank_set({2}));
 }
 TEST(RankMaskingAcrossNodes, RankOfAnotherNodeAskedOut2x2) {
   run_asked_out(4, 3, Topology{2, 2});
@@ -539,6 +563,29 @@ TEST(RankMaskingAcrossNodes, RankOfAnotherNodeAskedOut2x2) {
 TEST(RankMaskingAcrossNodes, RankDyingInsideTheAgreementIsMaskedEverywhere2x2) {
   run_dies_inside_agreement(4, 2, false, Topology{2, 2});
   run_dies_inside_agreement(4, 0, true, Topology{2, 2});
+}
+
+// ---- past 32 ranks: a set of ranks is several 32-bit words (the agreement's words, LlMaskWords::masked, the legs'
+// LiveRanks), so a rank, a node, a request and a death past word 0, at 8x8 (64 ranks) and 16x8 (128, one CTA each)
+// ----
+
+TEST(RankMaskingWide, RankPast32NeverArrives8x8) {
+  run_never_arrives(64, WireFormat::bf16, Topology{8, 8}, rank_set({45}));
+}
+TEST(RankMaskingWide, WholeNodePast32NeverArrives16x8) {
+  run_never_arrives(128, WireFormat::bf16, Topology{16, 8}, RankSet::range(96, 8));
+}
+TEST(RankMaskingWide, RankNeverArrivesFp8At8x8) {
+  run_never_arrives(64, WireFormat::fp8_e4m3, Topology{8, 8}, rank_set({33}));
+}
+TEST(RankMaskingWide, RankAskedOut16x8) {
+  run_asked_out(128, 100, Topology{16, 8});
+}
+TEST(RankMaskingWide, RankLostAtTheCombine8x8) {
+  run_lost_at_combine(64, 50, Topology{8, 8});
+}
+TEST(RankMaskingWide, RankDyingInsideTheAgreement8x8) {
+  run_dies_inside_agreement(64, 40, false, Topology{8, 8});
 }
 
 }  // namespace test_wait_stats_virtual

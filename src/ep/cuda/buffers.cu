@@ -78,15 +78,16 @@ void allocate_buffers(Buffers& b) {
         // rank masking: the mapped words the host and the agreement share, and the entries' ranks for the combine
         FERRY_CHECK_CUDA(
             cudaHostAlloc(reinterpret_cast<void**>(&b.mask_host), sizeof(detail::LlMaskHost), cudaHostAllocMapped));
-        *b.mask_host = detail::LlMaskHost{0, 0};
+        *b.mask_host = detail::LlMaskHost{};
         FERRY_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&b.mask_host_device), b.mask_host, 0));
-        b.ll_entry_rank = device_alloc<int8_t>(max_tokens * topk);
+        b.ll_entry_rank = device_alloc<int16_t>(max_tokens * topk);
         FERRY_CHECK_CUDA(cudaMemcpy(&b.state->ll.mask.entry_rank, &b.ll_entry_rank, sizeof(b.ll_entry_rank),
                                     cudaMemcpyHostToDevice));
       }
       if (b.layout.nodes > 1 && b.network_kind == transport::Kind::emulated) {
-        // across nodes over the emulated network: an endpoint per warp of each leg's grid (dispatch, then combine)
-        b.network.num_areas = 2 * b.num_ctas * kWarps;
+        // across nodes over the emulated network: an endpoint per warp of each leg's grid (dispatch, then combine);
+        // rank masking's kernels, a thread per rank, one per rank
+        b.network.num_areas = std::max(2 * b.num_ctas * kWarps, config.rank_masking ? b.world : 0);
         b.network.areas = device_zeroed<transport::EmulatedArea>(static_cast<std::size_t>(b.network.num_areas));
       }
       return;

@@ -110,8 +110,8 @@ struct Buffers {
   detail::LlMaskHost* mask_host_device = nullptr;
   // What an eager call reads after its one synchronisation, copied there by async copies enqueued before it (pinned
   // memory): num_recv, then the expert counts (DispatchArgs::expert_counts_host).
-  int32_t* host_words = nullptr;    // [1 + num_local_experts]
-  int8_t* ll_entry_rank = nullptr;  // [max_tokens, topk]
+  int32_t* host_words = nullptr;     // [1 + num_local_experts]
+  int16_t* ll_entry_rank = nullptr;  // [max_tokens, topk]
   // Across nodes over GIN: the agreement's own Gin, whose signal range is LlMaskArea's counters (the legs' Gin covers
   // the layout's counters only). Over the emulated network the agreement uses `network` (its counters are window
   // words).
@@ -122,8 +122,6 @@ struct Buffers {
 // grid may take (the backend at construction, and each virtual rank of the tests); the grids, view, sym, layout and
 // tuning are the caller's.
 void configure_buffers(Buffers& b, EpConfig const& config, int world, int rank, Protocol protocol, int num_sms);
-
-
 
 // Allocates a rank's local device buffers for its protocol (configure_buffers set the inputs); zeroes the state, the
 // counters and the scale tensors with cudaMemset (the default stream: synchronize the device before another stream
@@ -203,14 +201,16 @@ void with_network(Buffers const& b, int num_ctas, char const* leg, Launch&& laun
 
 // Rank masking across nodes (ll/mask.cu): calls launch(legs, agreement) with the networks its kernels reach the other
 // nodes' ranks by: over GIN the legs' Gin and the agreement's own (each with its signal range), else the emulated
-// network for both (its counters are window words). Thread s of those one-warp kernels opens endpoint s < 32.
+// network for both (its counters are window words). Thread s of those kernels (a thread per rank) opens endpoint s.
 template <class Launch>
 void with_mask_networks(Buffers const& b, char const* what, Launch&& launch) {
   if (b.network_kind == transport::Kind::gin) {
     launch(b.gin, b.mask_gin);
     return;
   }
-  with_network(b, 2, what, [&](auto const& network) { launch(network, network); });
+  FERRY_CHECK(b.network.areas != nullptr && b.network.num_areas >= b.world, what,
+              " needs an emulated network endpoint per rank (", b.world, "), the buffers have ", b.network.num_areas);
+  launch(b.network, b.network);
 }
 
 // The Params of a hierarchical leg (hier/params.cuh): the one-node leg's `base` plus the network, the topology and the
@@ -325,8 +325,8 @@ void launch_ll_masked_combine_net(Buffers const& buffers, cuda_ll::LlCombinePara
 void launch_ll_agreement(Buffers const& buffers, detail::LlMaskLeg leg, cudaStream_t stream);
 // The mask words after `stream`'s work (synchronises it).
 detail::LlMaskWords read_ll_mask(Buffers const& buffers, cudaStream_t stream);
-// This rank's request (EpBuffer::mask_ranks: bit r asks for rank r), carried by its next agreements.
-void request_ll_mask(Buffers const& buffers, uint32_t ranks);
+// This rank's request (EpBuffer::mask_ranks: the ranks it asks for, in [0, world)), carried by its next agreements.
+void request_ll_mask(Buffers const& buffers, std::vector<int> const& ranks);
 // clear_mask's two steps on one rank (its stream idle): its counters, then (with everyone's merged:
 // detail::merge_call_counters) the reset of its counters, its region's arrival counters and its mask, on `stream`.
 detail::LlCallCounters ll_call_counters(Buffers const& buffers, cudaStream_t stream);

@@ -454,9 +454,7 @@ class CudaEp final : public detail::EpBackendImpl {
   }
 
   void mask_ranks(std::vector<int> const& ranks) override {
-    uint32_t bits = 0;
-    for (int r : ranks) bits |= 1u << r;  // EpBuffer checked the range
-    request_ll_mask(buffers_, bits);
+    request_ll_mask(buffers_, ranks);  // EpBuffer checked the range
   }
 
   // Collective over the whole world through the bootstrap (the masked ranks' calls are out of step with the others'):

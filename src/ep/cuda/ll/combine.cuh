@@ -30,9 +30,9 @@ namespace ferry::cuda_ll {
 // Rank masking, the receive half's warp of token t's first chunk: counts its entries whose rank is masked now (y
 // misses their expert outputs), from the ranks the dispatch kept (LlMaskWords::entry_rank).
 __device__ __forceinline__ void count_combine_misses(LlCombineParams const& p, int t, int lane) {
-  uint32_t const live = live_ranks<true>(p);
+  LiveRanks<true> const live = live_ranks<true>(p);
   int const d = lane < p.topk ? p.state->ll.mask.entry_rank[static_cast<std::size_t>(t) * p.topk + lane] : -1;
-  unsigned const n = __popc(__ballot_sync(0xffffffffu, d >= 0 && ((live >> d) & 1u) == 0));
+  unsigned const n = __popc(__ballot_sync(0xffffffffu, d >= 0 && !live.has(d)));
   if (lane == 0 && n != 0) count_masked_entries(p, detail::LlMaskLeg::combine, n);
 }
 
@@ -59,19 +59,19 @@ __device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, Net co
   //    Across nodes this node's ranks only; the network leg then reaches the others.
   FERRY_TRACE_BEGIN(trace, ll_combine_send_arrival);
   __syncthreads();
-  uint32_t const live = live_ranks<kMasking>(p);  // rank masking: nothing to a masked rank
+  LiveRanks<kMasking> const live = live_ranks<kMasking>(p);  // rank masking: nothing to a masked rank
   if constexpr (kNet) {
     // this node's ranks, thread l its l-th (the abort word first: the same thread's release add publishes it)
-    if (tid < p.local && is_live<kMasking>(live, node_first(p) + tid)) {
+    if (tid < p.local && live.has(node_first(p) + tid)) {
       if (p.abort && blockIdx.x == 0)
-        reinterpret_cast<uint64_t volatile*>(p.net.window(tid) + p.layout.ll.combine_abort)[parity * world + rank] = seq;
+        reinterpret_cast<uint64_t volatile*>(p.net.window(tid) + p.layout.ll.combine_abort)[parity * world + rank] =
+            seq;
       p.net.add_signal(tid, p.layout.ll.combine_arrivals + rank * sizeof(uint64_t), 1);
     }
   } else {
     if (p.abort && blockIdx.x == 0)
-      landing::publish_abort<!kMasking>(p.net, p.layout.ll.combine_abort, parity, world, rank, seq, live);
-    if (tid < world && ((live >> tid) & 1u) != 0)
-      p.net.add_signal(tid, p.layout.ll.combine_arrivals + rank * sizeof(uint64_t), 1);
+      landing::publish_abort<!kMasking>(p.net, p.layout.ll.combine_abort, parity, world, rank, seq, live.word);
+    if (tid < world && live.has(tid)) p.net.add_signal(tid, p.layout.ll.combine_arrivals + rank * sizeof(uint64_t), 1);
   }
   if constexpr (kNet && kMasking) {
     // rank masking across nodes runs the direct route (the backend refuses the forward one)
@@ -104,7 +104,7 @@ struct AbortsSeen {
 //    or is out of step (recorded).
 template <bool kMasking, class Net>
 __device__ __forceinline__ bool wait_combine_rows(LlCombineParams const& p, Net const& network, int& s_ok,
-                                                  uint32_t live, uint64_t seq, int parity,
+                                                  LiveRanks<kMasking> const& live, uint64_t seq, int parity,
                                                   AbortsSeen<kAcrossNodes<Net>>& seen) {
   constexpr bool kNet = kAcrossNodes<Net>;
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
@@ -119,7 +119,7 @@ __device__ __forceinline__ bool wait_combine_rows(LlCombineParams const& p, Net 
 #pragma unroll
   for (int i = 0; i < kSourcesPerThread<kNet>; ++i) {
     int const d = tid + i * kThreads;
-    if (d >= world || !(kNet ? is_live<kMasking>(live, d) : ((live >> d) & 1u) != 0)) continue;
+    if (d >= world || !live.has(d)) continue;
     auto const* arrivals = reinterpret_cast<uint64_t const*>(own() + p.layout.ll.combine_arrivals);
     uint64_t observed = 0;
     bool remote = false;
@@ -130,8 +130,7 @@ __device__ __forceinline__ bool wait_combine_rows(LlCombineParams const& p, Net 
       if constexpr (kNet) {
         if (!p.forward || d % p.local == rank % p.local) {
           if (!wait_stats::timed(stats, d, [&] {
-                return wait_network(p, network, p.layout.ll.combine_arrivals, d, seq * per_call,
-                                    WaitPhase::ll_combine);
+                return wait_network(p, network, p.layout.ll.combine_arrivals, d, seq * per_call, WaitPhase::ll_combine);
               }))
             s_ok = 0;
           else if (cta == 0)
@@ -171,14 +170,13 @@ struct RowSum {
   LlCombineParams const& p;
   char const* landing;  // this call's landing zone
   WireRowLayout wl;
-  uint32_t live;
+  LiveRanks<kMasking> live;
   int num_vec;
 
   // acc += the row of `token` from rank d (fp32; a quantized row dequantized first); weighted (std::true_type):
   // acc += w * row, the product rounded before the sum (CombineArgs::group)
   template <typename Weighted>
-  __device__ __forceinline__ void add_row(int d, int token, int v0, float (&acc)[kUnroll][8], Weighted,
-                                          float w) const {
+  __device__ __forceinline__ void add_row(int d, int token, int v0, float (&acc)[kUnroll][8], Weighted, float w) const {
     std::size_t const row_bytes = p.layout.ll.combine_row_bytes;
     char const* const row = landing + (static_cast<std::size_t>(d) * p.max_tokens + token) * row_bytes;
     if constexpr (kFormat == WireFormat::bf16 && !Weighted::value) {
@@ -208,14 +206,14 @@ struct RowSum {
   // ones); across nodes the words of its token_mask, where the forward route hears once from each other node that
   // holds it (from that node's rail for this rank) and from this node's ranks one by one.
   template <typename Weighted>
-  __device__ __forceinline__ void add_rows(uint32_t mask, int token, int v0, float (&acc)[kUnroll][8], Weighted weighted,
-                                           float w) const {
+  __device__ __forceinline__ void add_rows(uint32_t mask, int token, int v0, float (&acc)[kUnroll][8],
+                                           Weighted weighted, float w) const {
     if constexpr (kNet) {
       int const world = p.view.world;
       int const rank = p.view.rank;
       int const words = ferry::detail::rank_words(world);
       uint32_t const* const dests = p.token_mask + static_cast<std::size_t>(token) * words;
-      auto const word = [&](int i) { return i < words ? dests[i] & (kMasking && i == 0 ? live : ~0u) : 0u; };
+      auto const word = [&](int i) { return i < words ? dests[i] & live.words(i) : 0u; };
       if (p.forward) {
         int const own_node = rank / p.local;
         for (int n = 0; n < p.nodes; ++n) {
@@ -254,7 +252,7 @@ __device__ __forceinline__ void sum_tokens(RowSum<kFormat, kMasking, kNet> const
   for (int item = cta * kWarps + warp; item < items; item += p.num_ctas * kWarps) {
     int const token = item / num_chunks;
     int const v0 = (item % num_chunks) * kChunkVecs + lane;
-    uint32_t const mask = kNet ? 0u : item == first_item ? first_mask : p.token_mask[token] & sum.live;
+    uint32_t const mask = kNet ? 0u : item == first_item ? first_mask : p.token_mask[token] & sum.live.word;
     if constexpr (kMasking)
       if (item % num_chunks == 0) count_combine_misses(p, token, lane);
     float acc[kUnroll][8];
@@ -267,8 +265,7 @@ __device__ __forceinline__ void sum_tokens(RowSum<kFormat, kMasking, kNet> const
 // 4, grouped (CombineArgs::group): y[u] = sum over j ascending of w(u * group + j) * (that token's row), no fma. The
 // buffer has topk 1 (EpBuffer refuses a group otherwise), so a token's row comes from one rank (or its node's rail).
 template <WireFormat kFormat, bool kMasking, bool kNet>
-__device__ __forceinline__ void sum_groups(RowSum<kFormat, kMasking, kNet> const& sum, int num_tokens,
-                                           int num_chunks) {
+__device__ __forceinline__ void sum_groups(RowSum<kFormat, kMasking, kNet> const& sum, int num_tokens, int num_chunks) {
   LlCombineParams const& p = sum.p;
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   int const outputs = num_tokens / p.group;
@@ -281,7 +278,7 @@ __device__ __forceinline__ void sum_groups(RowSum<kFormat, kMasking, kNet> const
       int const token = out * p.group + j;
       if constexpr (kMasking)
         if (item % num_chunks == 0) count_combine_misses(p, token, lane);
-      uint32_t const mask = kNet ? 0u : p.token_mask[token] & sum.live;
+      uint32_t const mask = kNet ? 0u : p.token_mask[token] & sum.live.word;
       if (!kNet && mask == 0) continue;  // went nowhere (or to a rank masked since): adds nothing, whatever its weight
       sum.add_rows(mask, token, v0, acc, std::true_type{}, __ldg(p.group_weights + token));
     }
@@ -304,9 +301,10 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
   int const num_tokens = p.state->num_tokens;
   int const items = num_tokens * num_chunks;
   int const first_item = cta * kWarps + warp;
-  uint32_t const live = live_ranks<kMasking>(p);  // rank masking: a masked rank is not waited for, its rows not summed
+  // rank masking: a masked rank is not waited for, its rows not summed
+  LiveRanks<kMasking> const live = live_ranks<kMasking>(p);
   // (across nodes a token's mask is several words, read where it is summed)
-  uint32_t const first_mask = !kNet && first_item < items ? p.token_mask[first_item / num_chunks] & live : 0u;
+  uint32_t const first_mask = !kNet && first_item < items ? p.token_mask[first_item / num_chunks] & live.word : 0u;
 
   FERRY_TRACE_BEGIN(trace, ll_combine_wait_arrivals);
   AbortsSeen<kNet> seen;
@@ -316,10 +314,10 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
 
   FERRY_TRACE_BEGIN(trace, ll_combine_sum);
   std::size_t const row_bytes = p.layout.ll.combine_row_bytes;
-  RowSum<kFormat, kMasking, kNet> const sum{
-      p,
-      own_window<kNet>(p) + p.layout.ll.combine_rows + static_cast<std::size_t>(parity) * world * p.max_tokens * row_bytes,
-      wire::make_row_layout(kFormat, p.hidden), live, num_vec};
+  RowSum<kFormat, kMasking, kNet> const sum{p,
+                                            own_window<kNet>(p) + p.layout.ll.combine_rows +
+                                                static_cast<std::size_t>(parity) * world * p.max_tokens * row_bytes,
+                                            wire::make_row_layout(kFormat, p.hidden), live, num_vec};
   if constexpr (!kGrouped)
     sum_tokens(sum, items, num_chunks, first_item, first_mask);  // 4.
   else
@@ -328,7 +326,8 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
 #pragma unroll
   for (int i = 0; i < kSourcesPerThread<kNet>; ++i) {
     int const d = tid + i * kThreads;
-    if (cta == 0 && d < world && d != rank && seen.word[i] == seq) device::record_refusal(p.view, d, WaitPhase::ll_combine);
+    if (cta == 0 && d < world && d != rank && seen.word[i] == seq)
+      device::record_refusal(p.view, d, WaitPhase::ll_combine);
   }
 }
 
@@ -346,8 +345,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(NetParams<LlCom
   decltype(auto) network = network_in<Net>(p);
   if (p.halves & kSendHalf)
     ll_combine_send<kExpertMajor, kFormat, kMasking>(p, network, s_seq[0] FERRY_TRACE_ARG(trace));
-  if (p.halves & kRecvHalf)
-    ll_combine_recv<kFormat, kMasking, kGrouped>(p, network, s_seq[1] FERRY_TRACE_ARG(trace));
+  if (p.halves & kRecvHalf) ll_combine_recv<kFormat, kMasking, kGrouped>(p, network, s_seq[1] FERRY_TRACE_ARG(trace));
 }
 
 }  // namespace ferry::cuda_ll

@@ -10,10 +10,10 @@
 #include "ep/cuda/entry_reduce.cuh"
 #include "ep/cuda/landing.cuh"  // publish_abort
 #include "ep/cuda/ll/params.cuh"
+#include "trace/device_trace.cuh"
 #include "wire/device_codec.cuh"
 #include "wire/device_push.cuh"  // CtaRowMax
 #include "wire/device_scales.cuh"
-#include "trace/device_trace.cuh"
 
 namespace ferry::cuda_ll {
 
@@ -112,7 +112,7 @@ __device__ __forceinline__ void ll_combine_send_chunks(LlCombineParams const& p,
   int const total_warps = p.num_ctas * kWarps;
   int const chunks = combine_chunks<kFormat, kNet>(p, num_recv);
   int const items = num_recv * chunks;
-  uint32_t const live = live_ranks<kMasking>(p);
+  LiveRanks<kMasking> const live = live_ranks<kMasking>(p);
 
   for (int item = cta * kWarps + warp; item < items; item += total_warps) {
     int const row = item / chunks;
@@ -131,7 +131,7 @@ __device__ __forceinline__ void ll_combine_send_chunks(LlCombineParams const& p,
     int const source = p.recv_src[2 * row];
     int const token = p.recv_src[2 * row + 1];
     if constexpr (kMasking)
-      if (((live >> source) & 1u) == 0) continue;  // rank masking: masked since the dispatch, nothing to it
+      if (!live.has(source)) continue;  // rank masking: masked since the dispatch, nothing to it
     char* const dst_row = combine_row_at<kNet>(p, parity, source, token, row);
     auto* dst = reinterpret_cast<int4*>(dst_row);
     // the forward route's rows for another node go to its rail as bf16, whatever the combine_format
@@ -202,7 +202,7 @@ __device__ __forceinline__ void ll_combine_send_rows_nvfp4(LlCombineParams const
   int const row_warps = kWarps / rows_per_step;  // warps of the CTA per row
   int const row_of_step = warp / row_warps;      // this warp's row among the step's (>= rows_per_step: idle)
   int const first_chunk = warp % row_warps;
-  uint32_t const live = live_ranks<kMasking>(p);
+  LiveRanks<kMasking> const live = live_ranks<kMasking>(p);
 
   // The bf16 values (as fp32) of chunk c of row `row`, zeros past the row's end: what the reference quantizes.
   auto values = [&](int row, int c, float(&x)[kUnroll][8]) {
@@ -256,7 +256,7 @@ __device__ __forceinline__ void ll_combine_send_rows_nvfp4(LlCombineParams const
     int const source = p.recv_src[2 * row];
     int const token = p.recv_src[2 * row + 1];
     if constexpr (kMasking)
-      if (((live >> source) & 1u) == 0) continue;  // rank masking: masked since the dispatch (past the barrier)
+      if (!live.has(source)) continue;  // rank masking: masked since the dispatch (past the barrier)
     auto* const dst = reinterpret_cast<uint8_t*>(combine_row_at<kNet>(p, parity, source, token, row));
     // the forward route's rows for another node go to its rail as bf16
     bool const raw = kNet && p.forward && !same_node(p, source);

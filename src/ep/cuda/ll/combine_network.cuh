@@ -24,11 +24,11 @@ __device__ __forceinline__ void ll_combine_send_network(LlCombineParams const& p
   std::size_t const wire = p.layout.ll.combine_row_bytes;
   std::size_t const staged = p.layout.ll.combine_send + static_cast<std::size_t>(parity) * world * p.max_tokens * wire;
   std::size_t const landed = p.layout.ll.combine_rows + static_cast<std::size_t>(parity) * world * p.max_tokens * wire;
-  uint32_t const live = live_ranks<kMasking>(p);
+  LiveRanks<kMasking> const live = live_ranks<kMasking>(p);
   auto ep = network.open(transport::Warp{}, (p.num_ctas + cta) * kWarps + warp);
   for (int j = warp; j < world - p.local; j += kWarps) {
     int const d = remote_rank(p, j);
-    if (!is_live<kMasking>(live, d)) continue;
+    if (!live.has(d)) continue;
     auto const put_row = [&](int row, std::size_t begin, std::size_t bytes) {
       int const token = p.recv_src[2 * row + 1];
       ep.put(d, landed + (static_cast<std::size_t>(rank) * p.max_tokens + token) * wire + begin,

@@ -49,12 +49,12 @@ namespace ferry::cuda_ll {
 // Rank masking, a token's entry on lane k < topk (warp-wide; dest and e as token_destination left them): an entry
 // whose expert's rank is masked goes nowhere, as an id of -1 (ref::without_ranks). With `first` (the token's chunk
 // 0) its entries are counted and their ranks kept for the combine's count (LlMaskWords::entry_rank).
-__device__ __forceinline__ int mask_destination(LlDispatchParams const& p, uint32_t live, int t, bool first, int lane,
-                                                int dest, int64_t& e) {
-  bool const gone = dest >= 0 && ((live >> dest) & 1u) == 0;
+__device__ __forceinline__ int mask_destination(LlDispatchParams const& p, LiveRanks<true> const& live, int t,
+                                                bool first, int lane, int dest, int64_t& e) {
+  bool const gone = dest >= 0 && !live.has(dest);
   if (first) {
     if (lane < p.topk)
-      p.state->ll.mask.entry_rank[static_cast<std::size_t>(t) * p.topk + lane] = static_cast<int8_t>(dest);
+      p.state->ll.mask.entry_rank[static_cast<std::size_t>(t) * p.topk + lane] = static_cast<int16_t>(dest);
     unsigned const n = __popc(__ballot_sync(0xffffffffu, gone));
     if (lane == 0 && n != 0) count_masked_entries(p, detail::LlMaskLeg::dispatch, n);
   }
@@ -66,13 +66,14 @@ __device__ __forceinline__ int mask_destination(LlDispatchParams const& p, uint3
 // 1. this call's token count to every destination (covered by CTA 0's arrival); across nodes to this node's ranks,
 //    thread l to its l-th (the network leg puts it to the others). Not to a masked rank (rank masking).
 template <bool kNet, bool kMasking>
-__device__ __forceinline__ void send_token_count(LlDispatchParams const& p, uint32_t live, int first, int parity) {
+__device__ __forceinline__ void send_token_count(LlDispatchParams const& p, LiveRanks<kMasking> const& live, int first,
+                                                 int parity) {
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   if constexpr (kNet) {
-    if (cta == 0 && tid < p.local && is_live<kMasking>(live, first + tid))
+    if (cta == 0 && tid < p.local && live.has(first + tid))
       reinterpret_cast<uint64_t volatile*>(p.net.window(tid) + p.layout.ll.dispatch_tokens)[parity * world + rank] =
           static_cast<uint64_t>(p.num_tokens);
-  } else if (cta == 0 && tid < world && ((live >> tid) & 1u) != 0) {
+  } else if (cta == 0 && tid < world && live.has(tid)) {
     auto* word =
         reinterpret_cast<uint64_t volatile*>(p.net.window(tid) + p.layout.ll.dispatch_tokens) + parity * world + rank;
     *word = static_cast<uint64_t>(p.num_tokens);
@@ -121,9 +122,9 @@ __device__ __forceinline__ SendSet<kNet> send_set(LlDispatchParams const& p, int
 // one on one node; across nodes this node's ranks theirs, the direct route stages every other rank's, and the forward
 // route stages one record of global ids for every rail in this rank's own slot.
 template <bool kNet, bool kMasking>
-__device__ __forceinline__ void write_token_records(LlDispatchParams const& p, uint32_t live, int first, int parity,
-                                                    int t, std::size_t slot, SendSet<kNet> send, int dest, int64_t e,
-                                                    float w, int lane) {
+__device__ __forceinline__ void write_token_records(LlDispatchParams const& p, LiveRanks<kMasking> const& live,
+                                                    int first, int parity, int t, std::size_t slot, SendSet<kNet> send,
+                                                    int dest, int64_t e, float w, int lane) {
   int const world = p.view.world;
   if constexpr (kNet) {
     // the token's destinations for the combine, a word at a time
@@ -139,7 +140,7 @@ __device__ __forceinline__ void write_token_records(LlDispatchParams const& p, u
     bool const direct = kMasking || !p.forward;
     landing::write_records_where(
         direct ? 0 : first, direct ? world : first + p.local, p.topk, p.num_local_experts, dest, e, w, lane,
-        [&](int d) { return is_live<kMasking>(live, d); },
+        [&](int d) { return live.has(d); },
         [&](int d) -> char* {
           if (d < first || d >= first + p.local) return staged_record(d);
           return p.net.window(d - first) + p.layout.ll.dispatch_meta + slot * p.layout.ll.meta_bytes;
@@ -148,7 +149,7 @@ __device__ __forceinline__ void write_token_records(LlDispatchParams const& p, u
   } else {
     if (lane == 0) p.token_mask[t] = send;
     landing::write_records(p.net, world, p.layout.ll.dispatch_meta, slot, p.layout.ll.meta_bytes, p.topk,
-                           p.num_local_experts, dest, e, w, lane, live);
+                           p.num_local_experts, dest, e, w, lane, live.word);
   }
 }
 
@@ -157,8 +158,8 @@ __device__ __forceinline__ void write_token_records(LlDispatchParams const& p, u
 //    warp of a CTA runs the same steps (nvfp4's barrier); a warp past the items only joins the barrier. s_refuse:
 //    this CTA saw a bad or repeated id (within a token, or within an x_repeat group of entries: group_repeat).
 template <typename IdxT, WireFormat kFormat, int kUnitElems, bool kMasking, bool kNet>
-__device__ __forceinline__ void ll_send_items(LlDispatchParams const& p, uint32_t live, int first, int parity,
-                                              int chunks, int items, int& s_refuse) {
+__device__ __forceinline__ void ll_send_items(LlDispatchParams const& p, LiveRanks<kMasking> const& live, int first,
+                                              int parity, int chunks, int items, int& s_refuse) {
   __shared__ device::CtaRowMax<kWarps> s_amax;  // nvfp4: the chunks' amaxes of a step (nvfp4_chunk_token_scale)
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   std::size_t const row_bytes = static_cast<std::size_t>(p.hidden) * 2;
@@ -210,21 +211,21 @@ __device__ __forceinline__ void ll_send_items(LlDispatchParams const& p, uint32_
 //    node's ranks, thread l its l-th (the abort word first: the same thread's release add publishes it); the ranks
 //    of other nodes through the network leg.
 template <bool kNet, bool kMasking>
-__device__ __forceinline__ void send_arrival(LlDispatchParams const& p, uint32_t live, int first, int parity,
-                                             uint64_t seq, bool refuse) {
+__device__ __forceinline__ void send_arrival(LlDispatchParams const& p, LiveRanks<kMasking> const& live, int first,
+                                             int parity, uint64_t seq, bool refuse) {
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   __syncthreads();
   if constexpr (kNet) {
-    if (tid < p.local && is_live<kMasking>(live, first + tid)) {
+    if (tid < p.local && live.has(first + tid)) {
       if (refuse)
         reinterpret_cast<uint64_t volatile*>(p.net.window(tid) + p.layout.ll.dispatch_abort)[parity * world + rank] =
             seq;
       p.net.add_signal(tid, p.layout.ll.dispatch_arrivals + rank * sizeof(uint64_t), 1);
     }
   } else {
-    if (refuse) landing::publish_abort<!kMasking>(p.net, p.layout.ll.dispatch_abort, parity, world, rank, seq, live);
-    if (tid < world && ((live >> tid) & 1u) != 0)
-      p.net.add_signal(tid, p.layout.ll.dispatch_arrivals + rank * sizeof(uint64_t), 1);
+    if (refuse)
+      landing::publish_abort<!kMasking>(p.net, p.layout.ll.dispatch_abort, parity, world, rank, seq, live.word);
+    if (tid < world && live.has(tid)) p.net.add_signal(tid, p.layout.ll.dispatch_arrivals + rank * sizeof(uint64_t), 1);
   }
 }
 
@@ -237,8 +238,8 @@ __device__ __forceinline__ void ll_dispatch_send(LlDispatchParams const& p, Net 
   __shared__ int s_refuse;  // this CTA saw a bad or repeated id, or the host refuses the call
   int const tid = static_cast<int>(threadIdx.x);
   int const parity = static_cast<int>(seq & 1);
-  uint32_t const live = live_ranks<kMasking>(p);  // rank masking: nothing to a masked rank
-  int const first = kNet ? node_first(p) : 0;     // across nodes: this node's first rank
+  LiveRanks<kMasking> const live = live_ranks<kMasking>(p);  // rank masking: nothing to a masked rank
+  int const first = kNet ? node_first(p) : 0;                // across nodes: this node's first rank
 
   FERRY_TRACE_BEGIN(trace, ll_dispatch_send);
   send_token_count<kNet, kMasking>(p, live, first, parity);  // 1.
@@ -318,9 +319,10 @@ __device__ __forceinline__ int wait_landed(LlDispatchParams const& p, Net const&
                                           live_ranks<kMasking>(p)});
   } else if constexpr (kNet) {
     if (p.forward) return wait(landing::NoRemoteSources{});
-    return wait(NetworkSources<Net>{p, network, p.layout.ll.dispatch_arrivals, WaitPhase::ll_dispatch, 0xffffffffu});
+    return wait(
+        NetworkSources<Net>{p, network, p.layout.ll.dispatch_arrivals, WaitPhase::ll_dispatch, live_ranks<false>(p)});
   } else if constexpr (kMasking) {
-    return wait(landing::LiveSources{{}, live_ranks<kMasking>(p)});  // a masked source: no wait, no rows
+    return wait(landing::LiveSources{{}, live_ranks<kMasking>(p).word});  // a masked source: no wait, no rows
   } else {
     return wait(landing::NoRemoteSources{});
   }

@@ -27,11 +27,11 @@ __device__ __forceinline__ void ll_dispatch_send_network(LlDispatchParams const&
   std::size_t const record = p.layout.ll.meta_bytes;
   std::size_t const max_tokens = static_cast<std::size_t>(p.max_tokens);
   auto const* topk_idx = static_cast<IdxT const*>(p.topk_idx);
-  uint32_t const live = live_ranks<kMasking>(p);
+  LiveRanks<kMasking> const live = live_ranks<kMasking>(p);
   auto ep = network.open(transport::Warp{}, cta * kWarps + warp);
   for (int j = warp; j < world - p.local; j += kWarps) {
     int const d = remote_rank(p, j);
-    if (!is_live<kMasking>(live, d)) continue;
+    if (!live.has(d)) continue;
     int64_t const lo = static_cast<int64_t>(d) * p.num_local_experts;
     for (int base = cta * kWarps; base < items; base += total_warps) {
       for (int w = 0; w < kWarps && base + w < items; ++w) {
@@ -195,8 +195,8 @@ __device__ __forceinline__ bool ll_dispatch_forward(LlDispatchParams const& p, N
   if (tid < p.local)
     for (int m = 0; m < p.nodes; ++m)
       if (m != own_node)
-        p.net.add_signal(tid, p.layout.ll.dispatch_arrivals + static_cast<std::size_t>(m * p.local + rank % p.local) * 8,
-                         1);
+        p.net.add_signal(tid,
+                         p.layout.ll.dispatch_arrivals + static_cast<std::size_t>(m * p.local + rank % p.local) * 8, 1);
   return true;
 }
 
@@ -208,17 +208,12 @@ struct NetworkSources {
   Net const& network;
   std::size_t counters;
   WaitPhase phase;
-  uint32_t live;  // kMasking: the ranks still in the calls
+  LiveRanks<kMasking> live;
   __device__ __forceinline__ bool of(int s) const { return !same_node(p, s); }
   __device__ __forceinline__ bool wait(int s, uint64_t least) const {
     return wait_network(p, network, counters, s, least, phase);
   }
-  __device__ __forceinline__ bool skip(int s) const {
-    if constexpr (kMasking)
-      return ((live >> s) & 1u) == 0;
-    else
-      return false;
-  }
+  __device__ __forceinline__ bool skip(int s) const { return !live.has(s); }
 };
 
 }  // namespace ferry::cuda_ll

@@ -56,18 +56,24 @@ void lay_out_ll(LlLayout& layout, AreaPacker& areas, EpConfig const& config, int
 }
 
 std::size_t ll_mask_area_bytes(int world) {
-  std::size_t const words = (2 + 3 * static_cast<std::size_t>(detail::kMaskEstimateSlots)) * world;
+  std::size_t const w = static_cast<std::size_t>(world);
+  std::size_t const slots = static_cast<std::size_t>(detail::kMaskEstimateSlots);
+  std::size_t const set = static_cast<std::size_t>(ll_mask_set_stride(world));
+  std::size_t const words = (1 + 2 * slots) * w * set + 2 * (1 + slots) * set + (1 + slots) * w;
   return wire::align_up(words * sizeof(uint64_t), 256);
 }
 
 LlMaskArea ll_mask_area(std::size_t region_total, int world) {
-  std::size_t const words = static_cast<std::size_t>(world) * sizeof(uint64_t);
+  std::size_t const set = static_cast<std::size_t>(ll_mask_set_stride(world)) * sizeof(uint64_t);
+  std::size_t const sets = static_cast<std::size_t>(world) * set;
+  std::size_t const counters = static_cast<std::size_t>(world) * sizeof(uint64_t);
   std::size_t const slots = static_cast<std::size_t>(detail::kMaskEstimateSlots);
   LlMaskArea area{};
   area.arrive = region_total - ll_mask_area_bytes(world);
-  area.estimates = area.arrive + words;
-  area.arrive_signals = area.estimates + 2 * slots * words;
-  area.estimate_signals = area.arrive_signals + words;
+  area.estimates = area.arrive + sets;
+  area.outbox = area.estimates + 2 * slots * sets;
+  area.arrive_signals = area.outbox + 2 * (1 + slots) * set;
+  area.estimate_signals = area.arrive_signals + counters;
   area.signals = area.arrive_signals;
   area.num_signals = static_cast<uint32_t>((1 + slots) * world);
   return area;

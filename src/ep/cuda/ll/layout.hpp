@@ -66,19 +66,28 @@ void lay_out_ll(LlLayout& layout, AreaPacker& areas, EpConfig const& config, int
 
 // Rank masking (EpConfig::rank_masking, low-latency mode): where the agreement's words are in a layout that
 // lay_out_ll made with masking on (the region's last area, so that the layout is the same with masking off).
-// arrive: [world sources] u64 (epoch << 32 | the source's request); estimates: [kMaskEstimateSlots rounds][2
-// parities][world sources] u64 (the tag, epoch << 1 | decided, << 32 | the ranks the source holds for the call).
-// Across nodes a source of another node puts its words through the network and counts them in arrive_signals ([world
-// sources]: one per agreement it took part in) and estimate_signals ([kMaskEstimateSlots][world sources]: the
-// agreement of the round's last word), adjacent: one signal range, `signals` .. + num_signals words.
+// A source's set of ranks is mask_words(world) u64 words, word i = tag << 32 | ranks 32 i .. 32 i + 31 (each word
+// carries the tag, so a reader takes a set whose words all carry the one it waits for, never half of two), stored
+// ll_mask_set_stride(world) words apart (a whole number of 16 bytes: one put carries a set).
+// arrive: [world sources][stride] (tag: the epoch; the ranks: the source's request); estimates: [kMaskEstimateSlots
+// rounds][2 parities][world sources][stride] (tag: epoch << 1 | decided; the ranks the source holds for the call);
+// outbox: [2 parities][1 + kMaskEstimateSlots][stride] this rank's own sets (its arrival, then each round's
+// estimate), the source of the puts to the ranks of other nodes.
+// Across nodes a source of another node puts its set through the network with a signal that counts it, in
+// arrive_signals ([world sources]: one per agreement it took part in) and estimate_signals ([kMaskEstimateSlots][world
+// sources]: the agreement of the round's last set), adjacent: one signal range, `signals` .. + num_signals words.
 struct LlMaskArea {
   std::size_t arrive;
   std::size_t estimates;
+  std::size_t outbox;
   std::size_t arrive_signals;
   std::size_t estimate_signals;
   std::size_t signals;
   uint32_t num_signals;
 };
+constexpr int ll_mask_set_stride(int world) {
+  return (world + 63) / 64 * 2;  // mask_words(world), rounded up to an even count
+}
 std::size_t ll_mask_area_bytes(int world);
 // region_total: the symmetric region's size (SymLayout::total).
 LlMaskArea ll_mask_area(std::size_t region_total, int world);

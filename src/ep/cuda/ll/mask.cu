@@ -17,9 +17,12 @@ void launch_ll_agreement(Buffers const& b, detail::LlMaskLeg leg, cudaStream_t s
   LlMaskArea const area = ll_mask_area(b.layout.total, b.world);
   p.arrive = area.arrive;
   p.estimates = area.estimates;
+  p.outbox = area.outbox;
   p.arrive_signals = area.arrive_signals;
   p.estimate_signals = area.estimate_signals;
   p.local = ll_ranks_per_node(b);
+  p.words = detail::mask_words(b.world);
+  p.stride = ll_mask_set_stride(b.world);
   p.state = b.state;
   p.host = b.mask_host_device;
   p.leg = leg;
@@ -29,26 +32,29 @@ void launch_ll_agreement(Buffers const& b, detail::LlMaskLeg leg, cudaStream_t s
     cuda_ll::NetParams<cuda_ll::LlAgreementParams, Net> params{};
     static_cast<cuda_ll::LlAgreementParams&>(params) = p;
     if constexpr (cuda_ll::kAcrossNodes<Net>) params.network = network;
-    cuda_ll::ll_agreement_kernel<Net><<<1, cuda_ll::kAgreementThreads, 0, stream>>>(params);
+    cuda_ll::ll_agreement_kernel<Net><<<1, cuda_ll::agreement_threads(b.world), 0, stream>>>(params);
   };
   if (b.layout.nodes <= 1)
     launch(cuda_ll::OneNode{});
-  else  // lane s opens endpoint s (the legs' endpoints, idle between kernels on the stream; each lane closes its own)
+  else  // thread s opens endpoint s (the legs' endpoints, idle between kernels on the stream; each closes its own)
     with_mask_networks(b, "rank masking's agreement", [&](auto const&, auto const& agreement) { launch(agreement); });
   FERRY_CHECK_CUDA(cudaGetLastError());
 }
 
 detail::LlMaskWords read_ll_mask(Buffers const& b, cudaStream_t stream) {
   detail::LlMaskWords words{};
-  FERRY_CHECK_CUDA(cudaMemcpyAsync(&words, &b.state->ll.mask, sizeof(words), cudaMemcpyDeviceToHost, stream));
+  FERRY_CHECK_CUDA(cudaMemcpyAsync(&words, &b.state->ll.mask, detail::kMaskWordsRead, cudaMemcpyDeviceToHost, stream));
   FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
   return words;
 }
 
-void request_ll_mask(Buffers const& b, uint32_t ranks) {
+void request_ll_mask(Buffers const& b, std::vector<int> const& ranks) {
   FERRY_CHECK(b.mask_host != nullptr, "mask_ranks on buffers allocated without rank masking");
-  auto* const request = reinterpret_cast<uint32_t volatile*>(&b.mask_host->request);
-  *request = *request | ranks;
+  auto* const request = reinterpret_cast<uint32_t volatile*>(b.mask_host->request);
+  for (int r : ranks) {
+    FERRY_CHECK(r >= 0 && r < b.world, "request_ll_mask: rank ", r, " is outside [0, ", b.world, ")");
+    request[r / 32] = request[r / 32] | 1u << (r % 32);
+  }
 }
 
 detail::LlCallCounters ll_call_counters(Buffers const& b, cudaStream_t stream) {
@@ -107,7 +113,7 @@ void launch_counters(Buffers const& b, cuda_ll::LlCounterParams const& base, cud
     static_cast<cuda_ll::LlCounterParams&>(p) = base;
     p.legs = legs;
     p.agreement = agreement;
-    cuda_ll::ll_counters_kernel<Net, kStep><<<1, cuda_ll::kAgreementThreads, 0, stream>>>(p);
+    cuda_ll::ll_counters_kernel<Net, kStep><<<1, cuda_ll::agreement_threads(b.world), 0, stream>>>(p);
   };
   with_mask_networks(b, "clear_mask", launch);
   FERRY_CHECK_CUDA(cudaGetLastError());
@@ -138,18 +144,31 @@ void realign_network_counters(Buffers const& b, detail::LlCallCounters const& to
   if (b.layout.nodes <= 1) return;
   FERRY_CHECK(static_cast<int>(counters.size()) == b.world, "realign_network_counters needs every rank's counters");
   cuda_ll::LlCounterParams p = counter_params(b, to);
+  std::size_t const world = static_cast<std::size_t>(b.world);
+  std::vector<uint64_t> add(static_cast<std::size_t>(cuda_ll::kNetworkCounters) * world, 0);
   for (int d = 0; d < b.world; ++d) {
     if (d / b.layout.local == b.rank / b.layout.local) continue;
     for (int k = 0; k < cuda_ll::kNetworkCounters; ++k) {
-      uint64_t const has = counters[static_cast<std::size_t>(d)][static_cast<std::size_t>(k) * b.world + b.rank];
+      uint64_t const has = counters[static_cast<std::size_t>(d)][static_cast<std::size_t>(k) * world + b.rank];
       // NOTE: the targets are the largest counters of everyone, and a counter only ever holds what its source sent
       FERRY_CHECK(has <= p.target[k], "rank ", d, "'s counter ", k, " of rank ", b.rank, " holds ", has,
                   ", past the target ", p.target[k]);
-      p.add[k][d] = p.target[k] - has;
+      add[static_cast<std::size_t>(k) * world + d] = p.target[k] - has;
     }
   }
-  launch_counters<cuda_ll::LlCounterStep::add>(b, p, stream);
-  launch_counters<cuda_ll::LlCounterStep::wait>(b, p, stream);
+  uint64_t* device_add = detail::device_alloc<uint64_t>(add.size());
+  p.add = device_add;
+  try {
+    FERRY_CHECK_CUDA(
+        cudaMemcpyAsync(device_add, add.data(), add.size() * sizeof(uint64_t), cudaMemcpyHostToDevice, stream));
+    launch_counters<cuda_ll::LlCounterStep::add>(b, p, stream);
+    launch_counters<cuda_ll::LlCounterStep::wait>(b, p, stream);
+    FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
+  } catch (...) {
+    detail::device_free(device_add);
+    throw;
+  }
+  detail::device_free(device_add);
 }
 
 }  // namespace ferry::cuda_ep

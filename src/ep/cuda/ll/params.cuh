@@ -157,7 +157,7 @@ __device__ __forceinline__ bool same_node(LlParams const& p, int d) {
 //  - sets of this node's ranks are one word by local index (bit d - first), and what goes to the other nodes is
 //    staged once (bit kStagedRow of the 64-bit send sets);
 //  - a token's destinations (token_mask) are rank_words(world) words; shared arrays by source hold kMaxWorld.
-// Rank masking keeps one 32-bit word of ranks (EpBuffer refuses it past kMaxCudaWorld ranks).
+// Rank masking's sets are words of 32 ranks too (LiveRanks, LlMaskWords::masked).
 template <bool kNet>
 inline constexpr int kMaxSources = kNet ? kMaxWorld : kMaxCudaWorld;
 // The first rank of this rank's node (across nodes).
@@ -194,23 +194,33 @@ __device__ __forceinline__ bool wait_network(LlParams const& p, Net const& netwo
   return ep.wait(p.view, counters + static_cast<std::size_t>(s) * sizeof(uint64_t), least, s, phase);
 }
 
-// Rank masking (EpConfig::rank_masking; ll/mask.cuh runs the agreement at each leg's entry, before its kernel): what
-// the masked instances (kMasking) read of it. Without masking every rank is live and nothing is read.
+// Rank masking (EpConfig::rank_masking; ll/mask.cuh runs the agreement at each leg's entry, before its kernel): the
+// ranks still in the calls, as the masked instances (kMasking) read them: ranks 0..31 from a register (one node's
+// whole world), the others from the state's words. Without masking every rank is live and nothing is read.
 template <bool kMasking>
-__device__ __forceinline__ uint32_t live_ranks(KernelParams const& p) {
-  if constexpr (kMasking)
-    return ~p.state->ll.mask.masked;
-  else
-    return 0xffffffffu;
-}
-// Rank d is still in the calls (kMasking: its bit of live_ranks; world <= 32 then). Without masking every rank is,
-// whatever the world.
+struct LiveRanks {
+  uint32_t word;           // ranks 0..31 still in the calls
+  uint32_t const* masked;  // kMasking: LlMaskWords::masked
+  __device__ __forceinline__ bool has(int d) const {
+    if constexpr (kMasking)
+      return d < 32 ? ((word >> d) & 1u) != 0 : ((masked[d >> 5] >> (d & 31)) & 1u) == 0;
+    else
+      return true;
+  }
+  // ranks 32 k .. 32 k + 31 still in the calls
+  __device__ __forceinline__ uint32_t words(int k) const {
+    if constexpr (kMasking)
+      return k == 0 ? word : ~masked[k];
+    else
+      return 0xffffffffu;
+  }
+};
 template <bool kMasking>
-__device__ __forceinline__ bool is_live(uint32_t live, int d) {
+__device__ __forceinline__ LiveRanks<kMasking> live_ranks(KernelParams const& p) {
   if constexpr (kMasking)
-    return ((live >> d) & 1u) != 0;
+    return LiveRanks<kMasking>{~p.state->ll.mask.masked[0], p.state->ll.mask.masked};
   else
-    return true;
+    return LiveRanks<kMasking>{0xffffffffu, nullptr};
 }
 // This rank is masked: a masked instance returns at once (no row, no wait, no arrival; its peers skip it alike).
 template <bool kMasking>
