@@ -333,11 +333,13 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
 
 // kFormat: the combine_format.
 // Net: OneNode, or the network to the ranks of other nodes (NetParams).
-// kMasking: rank masking (ll_dispatch_kernel's rules; across nodes the direct route): a rank masked since the
+// kMasking: rank masking (leg::dispatch's rules; across nodes the direct route): a rank masked since the
 // dispatch gets no rows and adds none to y, and the entries y misses are counted.
 // kGrouped: the receive half sums groups of tokens with weights (CombineArgs::group; p.group_weights set).
+// The symbol is ferry::cuda_ll::leg::combine<...> (leg::dispatch says why).
+namespace leg {
 template <bool kExpertMajor, WireFormat kFormat, class Net = OneNode, bool kMasking = false, bool kGrouped = false>
-__global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(NetParams<LlCombineParams, Net> const p) {
+__global__ void __launch_bounds__(kThreads, 1) combine(NetParams<LlCombineParams, Net> const p) {
   __shared__ uint64_t s_seq[2];
   next_sequences(p.halves, p.state->ll.combine_send_seq, p.state->ll.combine_recv_seq, s_seq);
   if (masked_out<kMasking>(p)) return;
@@ -347,5 +349,6 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(NetParams<LlCom
     ll_combine_send<kExpertMajor, kFormat, kMasking>(p, network, s_seq[0] FERRY_TRACE_ARG(trace));
   if (p.halves & kRecvHalf) ll_combine_recv<kFormat, kMasking, kGrouped>(p, network, s_seq[1] FERRY_TRACE_ARG(trace));
 }
+}  // namespace leg
 
 }  // namespace ferry::cuda_ll

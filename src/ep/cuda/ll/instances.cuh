@@ -28,7 +28,7 @@ struct LlDispatchFamily : InstanceFamily<void (*)(cuda_ll::NetParams<cuda_ll::Ll
   static constexpr Kernel kernel() {
     constexpr Codec codec = kCodecs[kCodec];
     using IdxT = std::conditional_t<kVariant == 1, int64_t, int32_t>;
-    return cuda_ll::ll_dispatch_kernel<IdxT, codec.format, codec.unit, Net, kMasking>;
+    return cuda_ll::leg::dispatch<IdxT, codec.format, codec.unit, Net, kMasking>;
   }
 };
 
@@ -46,14 +46,15 @@ struct LlCombineFamily : InstanceFamily<void (*)(cuda_ll::NetParams<cuda_ll::LlC
   template <int kCodec, int kVariant>
   static constexpr Kernel kernel() {
     constexpr WireFormat format = kCodecs[kCodec].format;
-    return cuda_ll::ll_combine_kernel<kVariant % 2 == 1, format, Net, kMasking, (kVariant >= 2)>;
+    return cuda_ll::leg::combine<kVariant % 2 == 1, format, Net, kMasking, (kVariant >= 2)>;
   }
 };
 
 // The halves a launch runs (LlParams::halves).
 constexpr uint32_t halves_of(Half half) {
-  return half == Half::both ? cuda_ll::kSendHalf | cuda_ll::kRecvHalf
-                            : half == Half::send ? cuda_ll::kSendHalf : cuda_ll::kRecvHalf;
+  return half == Half::both   ? cuda_ll::kSendHalf | cuda_ll::kRecvHalf
+         : half == Half::send ? cuda_ll::kSendHalf
+                              : cuda_ll::kRecvHalf;
 }
 
 // The instance of a leg for its Params (`base`, OneNode's) over `network`, launched on the buffers' grid.
