@@ -73,7 +73,7 @@ EpConfig ll_config(int world, bool stats, bool masking = false, WireFormat forma
   EpConfig user;
   user.mode = Mode::low_latency;
   user.hidden = 2048;
-  user.num_experts = 16 * world;
+  user.num_experts = (world > 32 ? 2 : 16) * world;  // past 32: a receive area of 2 experts a rank fits 128 ranks
   user.topk = 4;
   user.max_tokens_per_rank = 64;
   user.wait_stats = stats;
@@ -106,6 +106,7 @@ struct LlWorld {
             [&](Buffers& b, int r, VirtualWorld const& vw) {
               cuda_ep::configure_buffers(b, c, w, r, cuda_ep::Protocol::ll, ctas);
               b.num_ctas = ctas;
+              b.test_agreement_apart = true;  // dispatch() and combine() launch every rank's agreement first
               b.layout = cuda_ep::make_sym_layout(c, w, cuda_ep::Protocol::ll, topology.nodes);
               set_emulated_nodes(b, topology, network_seed, r, 20000, vw, b.layout.total);
             },
@@ -136,17 +137,26 @@ struct LlWorld {
     return it;
   }
   // the legs of the ranks in `who`, whole or split by the hook (send halves of all, then receive halves)
+  // (with rank masking every rank's agreement first: Buffers::test_agreement_apart says why)
   void dispatch(RankSet const& who, bool hook) {
+    for (int r = 0; r < world; ++r)
+      if (in(who, r)) agree(r, detail::LlMaskLeg::dispatch);
     for (Half half : hook ? std::vector<Half>{Half::send, Half::recv} : std::vector<Half>{Half::both})
       for (int r = 0; r < world; ++r)
         if (in(who, r)) cuda_ep::launch_ll_dispatch(ranks[r], dargs[r], half, ranks.stream(r));
   }
   void combine(RankSet const& who, bool hook) {
+    for (int r = 0; r < world; ++r)
+      if (in(who, r)) agree(r, detail::LlMaskLeg::combine);
     for (Half half : hook ? std::vector<Half>{Half::send, Half::recv} : std::vector<Half>{Half::both})
       for (int r = 0; r < world; ++r)
         if (in(who, r)) cuda_ep::launch_ll_combine(ranks[r], em[r], tokens[r], half, ranks.stream(r));
   }
   RankSet all() const { return RankSet::range(0, world); }
+  // rank masking: the agreement that opens a leg's call, as the leg's launch would without test_agreement_apart
+  void agree(int r, detail::LlMaskLeg leg) {
+    if (config.rank_masking) cuda_ep::launch_ll_agreement(ranks[r], leg, ranks.stream(r));
+  }
   // Rank masking: loads the masked instances this world launches before any agreement runs. A kernel's first launch
   // in the process loads it and waits for the device (CUDA's lazy loading), and one host thread launches every
   // virtual rank: an agreement running then waits for ranks whose launches that host thread has not reached, and
@@ -359,15 +369,19 @@ void run_never_arrives(int world, WireFormat format, Topology topology = {1, 0},
   w.combine(w.all(), true);
   ASSERT_TRUE(expect_masked_world(w, hooked, others, gone, 1));
 
-  // 4. a captured graph of both legs, replayed with fresh inputs: the mask is read on the device at every replay
-  RankGraphs graphs(world);
-  graphs.capture(w.ranks, [&](int r) {
-    cuda_ep::launch_ll_dispatch(w.ranks[r], w.dargs[r], Half::both, w.ranks.stream(r));
+  // 4. captured graphs of both legs and their agreements, replayed with fresh inputs: the mask is read on the device
+  //    at every replay (a graph per step and rank, every rank's agreement before any leg, as dispatch() launches)
+  RankGraphs agree_dispatch(world), dispatches(world), agree_combine(world), combines(world);
+  agree_dispatch.capture(w.ranks, [&](int r) { w.agree(r, detail::LlMaskLeg::dispatch); });
+  dispatches.capture(
+      w.ranks, [&](int r) { cuda_ep::launch_ll_dispatch(w.ranks[r], w.dargs[r], Half::both, w.ranks.stream(r)); });
+  agree_combine.capture(w.ranks, [&](int r) { w.agree(r, detail::LlMaskLeg::combine); });
+  combines.capture(w.ranks, [&](int r) {
     cuda_ep::launch_ll_combine(w.ranks[r], w.em[r], w.tokens[r], Half::both, w.ranks.stream(r));
   });
   for (int replay = 0; replay < 2; ++replay) {
     VirtualIteration const it = w.iteration(seed + 2 + replay);
-    graphs.launch(w.ranks);
+    for (RankGraphs* graphs : {&agree_dispatch, &dispatches, &agree_combine, &combines}) graphs->launch(w.ranks);
     ASSERT_TRUE(expect_masked_world(w, it, others, gone, 2 + replay));
   }
 

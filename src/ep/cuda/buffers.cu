@@ -84,6 +84,8 @@ void allocate_buffers(Buffers& b) {
         FERRY_CHECK_CUDA(cudaMemcpy(&b.state->ll.mask.entry_rank, &b.ll_entry_rank, sizeof(b.ll_entry_rank),
                                     cudaMemcpyHostToDevice));
       }
+      if (config.rank_masking && b.layout.nodes > 1)
+        b.mask_counter_add = device_zeroed<uint64_t>(8 * static_cast<std::size_t>(b.world));
       if (b.layout.nodes > 1 && b.network_kind == transport::Kind::emulated) {
         // across nodes over the emulated network: an endpoint per warp of each leg's grid (dispatch, then combine);
         // rank masking's kernels, a thread per rank, one per rank
@@ -146,6 +148,7 @@ void free_buffers(Buffers& b) noexcept {
   device_free(b.ll_fwd_num);
   device_free(b.ll_fwd_mask);
   device_free(b.ll_entry_rank);
+  device_free(b.mask_counter_add);
   if (b.mask_host != nullptr) cudaFreeHost(b.mask_host);  // NOTE: never throws (free_buffers is noexcept)
   if (b.host_words != nullptr) cudaFreeHost(b.host_words);
   b.host_words = nullptr;

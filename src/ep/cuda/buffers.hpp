@@ -89,6 +89,11 @@ struct Buffers {
   uint16_t* rail_partials = nullptr;  // quantized combine_format: [nodes, max_tokens, hidden] the rail's bf16 sums
   // TEST ONLY: the rail reads forwarded rows without waiting for the network's signal (the test must then fail).
   bool test_skip_rail_wait = false;
+  // TEST ONLY (rank masking): the legs' launches leave out the agreement, which the test launches itself. Virtual
+  // ranks share one GPU's hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default): one host thread launching
+  // agreement then leg rank by rank queues a rank's agreement behind another rank's leg, which waits for its own
+  // agreement, which waits for the first: every rank's agreement must be launched before any leg.
+  bool test_agreement_apart = false;
 
   // Low-latency mode.
   int num_ctas = 0;  // the grid of both legs, the same on every rank (agreed at construction)
@@ -112,6 +117,8 @@ struct Buffers {
   // memory): num_recv, then the expert counts (DispatchArgs::expert_counts_host).
   int32_t* host_words = nullptr;     // [1 + num_local_experts]
   int16_t* ll_entry_rank = nullptr;  // [max_tokens, topk]
+  // across nodes: what clear_mask's realignment adds to each rank's counters of this one ([counters][world])
+  uint64_t* mask_counter_add = nullptr;
   // Across nodes over GIN: the agreement's own Gin, whose signal range is LlMaskArea's counters (the legs' Gin covers
   // the layout's counters only). Over the emulated network the agreement uses `network` (its counters are window
   // words).

@@ -39,7 +39,8 @@ void launch_ll_combine(Buffers const& buffers, CombineArgs const& args, int num_
     // NOTE: as launch_ll_dispatch: the agreement first (the send half's); across nodes the direct route
     FERRY_CHECK(buffers.layout.nodes == 1 || buffers.layout.ll.fwd_rows == 0,
                 "rank masking across nodes runs the direct route");
-    if (half != Half::recv) launch_ll_agreement(buffers, detail::LlMaskLeg::combine, stream);
+    if (half != Half::recv && !buffers.test_agreement_apart)
+      launch_ll_agreement(buffers, detail::LlMaskLeg::combine, stream);
     if (buffers.layout.nodes > 1)
       launch_ll_masked_combine_net(buffers, p, variant, stream, record);
     else

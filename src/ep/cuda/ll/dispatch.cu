@@ -58,7 +58,8 @@ void launch_ll_dispatch(Buffers const& buffers, DispatchArgs const& args, Half h
     // NOTE: the agreement opens the call (its send half); across nodes CudaEp runs the direct route with masking
     FERRY_CHECK(buffers.layout.nodes == 1 || buffers.layout.ll.fwd_rows == 0,
                 "rank masking across nodes runs the direct route");
-    if (half != Half::recv) launch_ll_agreement(buffers, detail::LlMaskLeg::dispatch, stream);
+    if (half != Half::recv && !buffers.test_agreement_apart)
+      launch_ll_agreement(buffers, detail::LlMaskLeg::dispatch, stream);
     if (buffers.layout.nodes > 1)
       launch_ll_masked_dispatch_net(buffers, p, variant, smem, stream, leg);
     else

@@ -13,7 +13,8 @@ void launch_ll_agreement(Buffers const& b, detail::LlMaskLeg leg, cudaStream_t s
   FERRY_CHECK(b.mask_host_device != nullptr, "the agreement of rank masking on buffers allocated without it");
   cuda_ll::LlAgreementParams p{};
   p.view = b.view;
-  p.net = transport::make_lsa(b.sym, b.rank, b.world);
+  // the ranks of this node by local index (across nodes a world is wider than an Lsa holds)
+  p.net = transport::make_node_lsa(b.sym, b.rank, ll_ranks_per_node(b));
   LlMaskArea const area = ll_mask_area(b.layout.total, b.world);
   p.arrive = area.arrive;
   p.estimates = area.estimates;
@@ -156,19 +157,15 @@ void realign_network_counters(Buffers const& b, detail::LlCallCounters const& to
       add[static_cast<std::size_t>(k) * world + d] = p.target[k] - has;
     }
   }
-  uint64_t* device_add = detail::device_alloc<uint64_t>(add.size());
-  p.add = device_add;
-  try {
-    FERRY_CHECK_CUDA(
-        cudaMemcpyAsync(device_add, add.data(), add.size() * sizeof(uint64_t), cudaMemcpyHostToDevice, stream));
-    launch_counters<cuda_ll::LlCounterStep::add>(b, p, stream);
-    launch_counters<cuda_ll::LlCounterStep::wait>(b, p, stream);
-    FERRY_CHECK_CUDA(cudaStreamSynchronize(stream));
-  } catch (...) {
-    detail::device_free(device_add);
-    throw;
-  }
-  detail::device_free(device_add);
+  static_assert(cuda_ll::kNetworkCounters == 8, "Buffers::mask_counter_add holds 8 counters a rank (buffers.cu)");
+  // NOTE: no sync here: every rank's add must be launched before any rank's wait can end (the caller launches all)
+  FERRY_CHECK(b.mask_counter_add != nullptr,
+              "realign_network_counters on buffers allocated without masking across nodes");
+  FERRY_CHECK_CUDA(
+      cudaMemcpyAsync(b.mask_counter_add, add.data(), add.size() * sizeof(uint64_t), cudaMemcpyHostToDevice, stream));
+  p.add = b.mask_counter_add;
+  launch_counters<cuda_ll::LlCounterStep::add>(b, p, stream);
+  launch_counters<cuda_ll::LlCounterStep::wait>(b, p, stream);
 }
 
 }  // namespace ferry::cuda_ep

@@ -52,7 +52,7 @@ using detail::LlMaskSelf;
 
 struct LlAgreementParams {
   DeviceView view;
-  transport::Lsa net;  // the ranks of this node (load/store)
+  transport::Lsa net;  // the ranks of this node (load/store), by local index: rank s is window(s - first rank)
   std::size_t arrive;  // the area's offsets in every rank's region (cuda_ep::ll_mask_area)
   std::size_t estimates;
   std::size_t outbox;
@@ -156,8 +156,9 @@ __device__ __forceinline__ void send_set(LlAgreementParams const& p, Net const& 
     }
   }
   uint64_t const high = static_cast<uint64_t>(tag) << 32;
+  char* const window = p.net.window(s - rank / p.local * p.local);
   for (int i = 0; i < p.words; ++i)
-    device::signal_set(reinterpret_cast<uint64_t*>(p.net.window(s) + set_word(p, area, rank, i)), high | ranks[i]);
+    device::signal_set(reinterpret_cast<uint64_t*>(window + set_word(p, area, rank, i)), high | ranks[i]);
 }
 
 // Whether rank s's words in this rank's area may be read: on this node always (each word carries its tag); across
