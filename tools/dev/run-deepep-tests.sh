@@ -16,7 +16,8 @@
 #   legacy/test_intranode.py                intranode dispatch/combine, then its tuning loops
 #   legacy/test_low_latency.py              low-latency, then DeepEP's kineto profile (bench_kineto), which finds
 #                                           each leg's kernel by name: one symbol per leg containing "::dispatch" /
-#                                           "::combine" (its checks all run before the profile)
+#                                           "::combine" (cuda_ll::leg::dispatch / leg::combine; its checks all run
+#                                           before the profile)
 #   legacy/test_internode.py                needs 8 ranks per node and more than one node (16 GPUs); skipped below
 #   elastic/test_ep.py --skip-perf-test     V2's ElasticBuffer; its performance section times DeepEP's kernels by
 #                                           name (dispatch_copy_epilogue_impl...), which Ferry does not have
