@@ -9,6 +9,7 @@
 #include <span>
 #include <string>
 
+#include "core/rank_words.hpp"
 #include "ferry/ep.hpp"
 #include "ferry/limits.hpp"
 
@@ -23,12 +24,9 @@ namespace ferry::detail {
 inline constexpr int kMaskEstimateRounds = 4;
 inline constexpr int kMaskEstimateSlots = kMaskEstimateRounds + 1;
 
-// A set of ranks in the mask words: bit r % 32 of word r / 32, kMaskWords words for any world (the kernels touch the
-// world's first ceil(world / 32), mask_words(world)).
-inline constexpr int kMaskWords = kMaxWorld / 32;
-constexpr int mask_words(int world) {
-  return (world + 31) / 32;
-}
+// A set of ranks in the mask words: bit r % 32 of word r / 32 (core/rank_words.hpp), kMaskWords words for any world
+// (the kernels touch the world's first rank_words(world)).
+inline constexpr int kMaskWords = rank_words(kMaxWorld);
 
 // Why a rank learned at an agreement that it is masked (LlMaskWords::self; 0: it is not).
 enum class LlMaskSelf : uint32_t {

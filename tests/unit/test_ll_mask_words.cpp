@@ -108,7 +108,7 @@ TEST(LlMaskWords, ClearTakesTheLargestOfEveryCounter) {
 }
 
 // The agreement's area at every world: inside the bytes the layout takes for it, its parts in order and apart, every
-// set a whole number of 16 bytes holding mask_words(world) words (one put carries it), every part 16-byte aligned,
+// set a whole number of 16 bytes holding rank_words(world) words (one put carries it), every part 16-byte aligned,
 // and the signal range the counters. Fails where a set is its odd word count (e.g. world 96: 3 words, 24 bytes).
 TEST(LlMaskArea, EveryWorldHoldsItsSetsAlignedAndApart) {
   for (int world = 1; world <= kMaxWorld; ++world) {
@@ -119,9 +119,9 @@ TEST(LlMaskArea, EveryWorldHoldsItsSetsAlignedAndApart) {
     std::size_t const w = static_cast<std::size_t>(world);
     std::size_t const slots = static_cast<std::size_t>(kMaskEstimateSlots);
     std::size_t const set = static_cast<std::size_t>(cuda_ep::ll_mask_set_stride(world)) * sizeof(uint64_t);
-    ASSERT_GE(set, static_cast<std::size_t>(mask_words(world)) * sizeof(uint64_t));
+    ASSERT_GE(set, static_cast<std::size_t>(rank_words(world)) * sizeof(uint64_t));
+    ASSERT_EQ(rank_words(world), (world + 31) / 32);
     ASSERT_EQ(set % 16, 0u) << "a set is one put: 16-byte multiples";
-    ASSERT_EQ(mask_words(world), (world + 31) / 32);
     ASSERT_EQ(a.arrive, total - bytes);
     ASSERT_EQ(a.estimates, a.arrive + w * set);
     ASSERT_EQ(a.outbox, a.estimates + 2 * slots * w * set);

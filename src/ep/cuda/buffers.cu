@@ -85,7 +85,7 @@ void allocate_buffers(Buffers& b) {
                                     cudaMemcpyHostToDevice));
       }
       if (config.rank_masking && b.layout.nodes > 1)
-        b.mask_counter_add = device_zeroed<uint64_t>(8 * static_cast<std::size_t>(b.world));
+        b.mask_counter_add = device_zeroed<uint64_t>(kLlMaskNetworkCounters * static_cast<std::size_t>(b.world));
       if (b.layout.nodes > 1 && b.network_kind == transport::Kind::emulated) {
         // across nodes over the emulated network: an endpoint per warp of each leg's grid (dispatch, then combine);
         // rank masking's kernels, a thread per rank, one per rank

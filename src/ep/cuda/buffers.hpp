@@ -117,7 +117,8 @@ struct Buffers {
   // memory): num_recv, then the expert counts (DispatchArgs::expert_counts_host).
   int32_t* host_words = nullptr;     // [1 + num_local_experts]
   int16_t* ll_entry_rank = nullptr;  // [max_tokens, topk]
-  // across nodes: what clear_mask's realignment adds to each rank's counters of this one ([counters][world])
+  // across nodes: what clear_mask's realignment adds to each rank's counters of this one
+  // ([kLlMaskNetworkCounters][world])
   uint64_t* mask_counter_add = nullptr;
   // Across nodes over GIN: the agreement's own Gin, whose signal range is LlMaskArea's counters (the legs' Gin covers
   // the layout's counters only). Over the emulated network the agreement uses `network` (its counters are window

@@ -66,7 +66,7 @@ void lay_out_ll(LlLayout& layout, AreaPacker& areas, EpConfig const& config, int
 
 // Rank masking (EpConfig::rank_masking, low-latency mode): where the agreement's words are in a layout that
 // lay_out_ll made with masking on (the region's last area, so that the layout is the same with masking off).
-// A source's set of ranks is mask_words(world) u64 words, word i = tag << 32 | ranks 32 i .. 32 i + 31 (each word
+// A source's set of ranks is rank_words(world) u64 words, word i = tag << 32 | ranks 32 i .. 32 i + 31 (each word
 // carries the tag, so a reader takes a set whose words all carry the one it waits for, never half of two), stored
 // ll_mask_set_stride(world) words apart (a whole number of 16 bytes: one put carries a set).
 // arrive: [world sources][stride] (tag: the epoch; the ranks: the source's request); estimates: [kMaskEstimateSlots
@@ -85,8 +85,11 @@ struct LlMaskArea {
   std::size_t signals;
   uint32_t num_signals;
 };
+// The counters of a world that clear_mask puts back in step through the network (ll/mask.cuh): the legs' dispatch and
+// combine arrivals, the agreement's arrivals and its estimates of each round.
+inline constexpr int kLlMaskNetworkCounters = 3 + detail::kMaskEstimateSlots;
 constexpr int ll_mask_set_stride(int world) {
-  return (world + 63) / 64 * 2;  // mask_words(world), rounded up to an even count
+  return (world + 63) / 64 * 2;  // rank_words(world), rounded up to an even count
 }
 std::size_t ll_mask_area_bytes(int world);
 // region_total: the symmetric region's size (SymLayout::total).

@@ -22,7 +22,7 @@ void launch_ll_agreement(Buffers const& b, detail::LlMaskLeg leg, cudaStream_t s
   p.arrive_signals = area.arrive_signals;
   p.estimate_signals = area.estimate_signals;
   p.local = ll_ranks_per_node(b);
-  p.words = detail::mask_words(b.world);
+  p.words = detail::rank_words(b.world);
   p.stride = ll_mask_set_stride(b.world);
   p.state = b.state;
   p.host = b.mask_host_device;
@@ -157,7 +157,6 @@ void realign_network_counters(Buffers const& b, detail::LlCallCounters const& to
       add[static_cast<std::size_t>(k) * world + d] = p.target[k] - has;
     }
   }
-  static_assert(cuda_ll::kNetworkCounters == 8, "Buffers::mask_counter_add holds 8 counters a rank (buffers.cu)");
   // NOTE: no sync here: every rank's add must be launched before any rank's wait can end (the caller launches all)
   FERRY_CHECK(b.mask_counter_add != nullptr,
               "realign_network_counters on buffers allocated without masking across nodes");

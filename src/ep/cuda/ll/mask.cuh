@@ -1,7 +1,7 @@
 // Rank masking in low-latency mode (EpConfig::rank_masking; docs/internode.md "Rank masking"): the agreement that
 // opens every call of a leg, a kernel of one CTA launched on the leg's stream before the leg's kernel (its send half
 // with the hook), so a captured graph replays it with the mask of the moment. Thread s speaks for rank s (a thread
-// per rank, up to kMaxWorld); a set of ranks is mask_words(world) words, each word of the area tagged with the
+// per rank, up to kMaxWorld); a set of ranks is rank_words(world) words, each word of the area tagged with the
 // agreement it belongs to (LlMaskArea). The protocol is the cpu backend's (src/ep/cpu/cpu_ep.cpp, agree()), step for
 // step:
 //  1. arrival: this rank's request, tagged with the epoch, into this rank's arrive words on every live rank (release);
@@ -37,6 +37,7 @@
 
 #include "comm/device/signal.cuh"
 #include "comm/transport/lsa.cuh"
+#include "ep/cuda/ll/layout.hpp"
 #include "ep/cuda/ll/params.cuh"
 #include "ep/cuda/params.cuh"
 #include "ep/ll_mask_words.hpp"
@@ -59,7 +60,7 @@ struct LlAgreementParams {
   std::size_t arrive_signals;  // across nodes: counters of the words put by the ranks of other nodes
   std::size_t estimate_signals;
   int local;   // ranks per node (world on one node)
-  int words;   // words of a set of ranks: detail::mask_words(world)
+  int words;   // words of a set of ranks: detail::rank_words(world)
   int stride;  // words between two sets: cuda_ep::ll_mask_set_stride(world)
   cuda_ep::DeviceState* state;
   detail::LlMaskHost* host;  // mapped: the request (host), this rank's LlMaskSelf (written here when it is masked)
@@ -246,6 +247,17 @@ struct AgreementSets {
   int first;  // the lowest rank found ahead, or the lowest adopter
 };
 
+// This rank is masked because rank `by` is past this agreement without it (every thread calls it): its view is the
+// ranks masked before, and itself.
+__device__ __forceinline__ void leave_ahead(LlAgreementParams const& p, AgreementSets& sets, uint64_t epoch, int by) {
+  int const s = static_cast<int>(threadIdx.x);
+  int const rank = p.view.rank;
+  if (s < p.words)
+    sets.view[s] = (world_word(p.view.world, s) & ~sets.live[s]) | (s == rank >> 5 ? 1u << (rank & 31) : 0u);
+  __syncthreads();
+  if (s == 0) mask_self(p, LlMaskSelf::ahead, epoch, sets.view, nullptr, by);
+}
+
 // What one round of estimates brought (step 3): sets.heard and sets.meet (the intersection of the estimates heard),
 // or a decision to adopt (in sets.meet), or the rank that is past this agreement (ahead >= 0: this rank is masked).
 struct RoundRead {
@@ -346,20 +358,18 @@ __global__ void __launch_bounds__(kMaxAgreementThreads, 1)
     send_set(p, network, s, p.arrive, p.arrive_signals, arrival_box, static_cast<uint32_t>(epoch), sets.request, 1);
   // 2. the live ranks' arrivals, one deadline for all: this rank's view, its first estimate
   uint32_t request[kMaskWords];  // rank s's request (its arrival's ranks)
-  for (int k = 0; k < words; ++k) request[k] = 0;
   SetRead const arrival = peer ? wait_arrival(p, network, s, epoch, start, timeout, request) : SetRead::pending;
   gather(sets.present, arrival != SetRead::pending);
   if (__syncthreads_or(arrival == SetRead::ahead)) {
     if (s == 0) sets.first = kMaxWorld;
     __syncthreads();
     if (arrival == SetRead::ahead) atomicMin(&sets.first, s);
-    if (s < words) sets.view[s] = (world_word(world, s) & ~sets.live[s]) | mine(s);
     __syncthreads();
-    if (s == 0) mask_self(p, LlMaskSelf::ahead, epoch, sets.view, nullptr, sets.first);
+    leave_ahead(p, sets, epoch, sets.first);
     return;
   }
-  for (int k = 0; k < words; ++k)
-    if (arrival != SetRead::ready) request[k] = 0;
+  if (arrival != SetRead::ready)  // none, or a half-read set of a rank not seen
+    for (int k = 0; k < words; ++k) request[k] = 0;
   // 3. rounds of estimates, until this rank decides or adopts a decision
   if (s < words) {
     sets.estimate[s] = sets.present[s];
@@ -396,9 +406,7 @@ __global__ void __launch_bounds__(kMaxAgreementThreads, 1)
     uint64_t const deadline = start + static_cast<uint64_t>(round) * timeout + (round - 1) * (timeout / 2);
     RoundRead const read = read_round(p, network, sets, round, epoch, deadline);
     if (read.ahead >= 0) {
-      if (s < words) sets.view[s] = (world_word(world, s) & ~sets.live[s]) | mine(s);
-      __syncthreads();
-      if (s == 0) mask_self(p, LlMaskSelf::ahead, epoch, sets.view, nullptr, read.ahead);
+      leave_ahead(p, sets, epoch, read.ahead);
       return;
     }
     // c. adopt a decision, or decide when every rank waited for was heard (else those not heard died, and leave the
@@ -422,15 +430,13 @@ __global__ void __launch_bounds__(kMaxAgreementThreads, 1)
     for (int k = 0; k < words; ++k)
       if (request[k] != 0) atomicOr(&sets.asked[k], request[k]);
   __syncthreads();
-  bool self_lost = false;
-  bool self_asked = false;
   if (s < words) {
     sets.asked[s] &= sets.estimate[s];
     sets.lost[s] = sets.live[s] & ~sets.estimate[s];
   }
   __syncthreads();
-  self_lost = (sets.lost[my_word] & my_bit) != 0;
-  self_asked = (sets.asked[my_word] & my_bit) != 0;
+  bool const self_lost = (sets.lost[my_word] & my_bit) != 0;
+  bool const self_asked = (sets.asked[my_word] & my_bit) != 0;
   if (s < words) {
     uint32_t const all = world_word(world, s);
     sets.view[s] =
@@ -518,8 +524,7 @@ __global__ void __launch_bounds__(cuda_ep::kMaxLlCtas, 1) ll_mask_reset_kernel(L
 //     largest call counters of everyone, as the reset kernel sets the local ones) with one signal each;
 //  3. wait: every rank waits, bounded, until its counters of the other nodes' sources reach the targets.
 // Thread s speaks for rank s; the ranks of this node are the reset kernel's (load/store).
-// dispatch arrivals, combine arrivals, the agreement's arrivals, its estimates of each round
-inline constexpr int kNetworkCounters = 3 + kMaskEstimateSlots;
+inline constexpr int kNetworkCounters = cuda_ep::kLlMaskNetworkCounters;
 
 struct LlCounterParams {
   DeviceView view;
