@@ -25,7 +25,8 @@
 # tokens, world 1.
 #
 # Environment: PYTHON (default python3), FERRY_DEEPEP_TIMEOUT_S per program (default 900), FERRY_DEEPEP_WORLDS to
-# choose the worlds (e.g. "1 2"). NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and the rest, exported here).
+# choose the worlds (e.g. "1 2"), FERRY_DEEPEP_ONLY to choose the programs (some of "intranode low_latency elastic
+# overhead"; default all). NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and the rest, exported here).
 set -u
 
 if [ $# -lt 2 ]; then
@@ -93,6 +94,9 @@ if [ -z "$WORLDS" ]; then
   for n in 2 4 8; do [ "$GPUS" -ge "$n" ] && WORLDS="$WORLDS $n"; done
 fi
 
+ONLY=" ${FERRY_DEEPEP_ONLY:-intranode low_latency elastic overhead} "
+chosen() { [[ $ONLY == *" $1 "* ]]; }
+
 declare -a ROWS
 port=29600
 # run NAME DIR LOG-NAME COMMAND...: one program, its log, one row of the table
@@ -110,11 +114,11 @@ run() {
 }
 
 for n in $WORLDS; do
-  run "legacy/test_intranode.py  world $n" "$DEEPEP_DIR/tests/legacy" "intranode-w$n" \
+  chosen intranode && run "legacy/test_intranode.py  world $n" "$DEEPEP_DIR/tests/legacy" "intranode-w$n" \
     "$PYTHON" test_intranode.py --num-processes "$n"
-  run "legacy/test_low_latency.py world $n" "$DEEPEP_DIR/tests/legacy" "low_latency-w$n" \
+  chosen low_latency && run "legacy/test_low_latency.py world $n" "$DEEPEP_DIR/tests/legacy" "low_latency-w$n" \
     "$PYTHON" test_low_latency.py --num-processes "$n"
-  run "elastic/test_ep.py world $n (--skip-perf-test)" "$DEEPEP_DIR/tests/elastic" "elastic-w$n" \
+  chosen elastic && run "elastic/test_ep.py world $n (--skip-perf-test)" "$DEEPEP_DIR/tests/elastic" "elastic-w$n" \
     "$PYTHON" test_ep.py --num-processes "$n" --skip-perf-test
 done
 if [ "$GPUS" -ge 16 ]; then
@@ -123,6 +127,7 @@ if [ "$GPUS" -ge 16 ]; then
 fi
 ROWS+=("$(printf '%-52s %-28s' "legacy/test_internode.py" "skipped: 8 ranks per node, >1 node ($GPUS GPUs here)")")
 for t in 1 128; do
+  chosen overhead || break
   run "bench_deep_ep_overhead.py --tokens $t" "$REPO" "overhead-t$t" \
     "$PYTHON" -m ferry.launch --nproc 1 python/bench_deep_ep_overhead.py --tokens "$t"
 done
