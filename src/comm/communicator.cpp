@@ -154,10 +154,16 @@ std::string describe_drops(DeviceErrorBlock const& block, int self) {
 }
 
 std::string describe_refusal(int refusing_rank, WaitPhase phase, std::string const& reason) {
+  // NOTE: a low-latency combine is also refused on the device, with no reason posted, by a rank whose dispatch dropped
+  // entries past expert_capacity (its receive half alone saw it); that rank reports the drop itself
+  std::string const unposted = phase == WaitPhase::ll_combine ? concat("(no reason posted: rank ", refusing_rank,
+                                                                       "'s dispatch may have dropped entries past ",
+                                                                       "expert_capacity, which that rank reports)")
+                                                              : std::string("(no reason posted)");
   return concat(
       "rank ", refusing_rank, " refused this call on input",
       phase == WaitPhase::none ? std::string() : concat(" (seen in the '", wait_phase_name(phase), "' exchange)"),
-      ", so every rank refuses it and returns nothing of it: ", reason.empty() ? "(no reason posted)" : reason,
+      ", so every rank refuses it and returns nothing of it: ", reason.empty() ? unposted : reason,
       "; fix that rank's input. This rank's buffer and communicator stay usable");
 }
 

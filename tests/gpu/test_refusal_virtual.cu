@@ -5,7 +5,10 @@
 // with one rank whose call is refused by:
 //  - bad_id: an expert id of 1234 in one token's row (seen on the device: every id check is there);
 //  - repeat: a valid id twice in one token's row;
-//  - refuse_dispatch / refuse_combine: its host (EpBackendImpl::refuse_*: the launchers' `refuse`, no rows).
+//  - refuse_dispatch / refuse_combine: its host (EpBackendImpl::refuse_*: the launchers' `refuse`, no rows);
+//  - drop (mode=ll): no host refuses, but the rank's dispatch drops an entry past expert_capacity, which its receive
+//    half alone sees; its combine refuses on the device (as EpBuffer's buffers do: refuse_combine_after_drop), so no
+//    rank sums without the entry.
 // After the refused leg every other rank must have recorded exactly one refusal naming that rank and nothing else; the
 // refusing rank its own input error (bad_id, repeat: the value) or nothing (its host raises the InputError); no rank
 // a timeout. A refused dispatch delivers no row anywhere (num_recv 0) and leaves no token for the combine that
@@ -13,6 +16,7 @@
 // for bit against the reference (the protocol's sequence numbers, parities and buffers stayed in step).
 // A check that fails: with the abort word's publish taken out of the LL send half (ll/dispatch.cuh), the bad_id rows
 // of mode=ll fail at the refusal check: the peers record no refusal and deliver the other ranks' rows (num_recv > 0).
+// With combine_refused (ll/params.cuh) ignoring the drop, the drop rows fail there: the peers record no refusal.
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
@@ -20,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <numeric>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -48,7 +53,7 @@ using VirtualLlRanks = VirtualRanks<Buffers, cuda_ep::allocate_buffers, cuda_ep:
 struct Spec : VirtualSpec {
   std::string mode = "counts";   // counts | landing (normal mode's dispatch protocols) | ll
   bool hook = false;             // ll: each leg as every rank's send half, then every receive half
-  std::string fault = "bad_id";  // bad_id | repeat | refuse_dispatch | refuse_combine
+  std::string fault = "bad_id";  // bad_id | repeat | refuse_dispatch | refuse_combine | drop (mode=ll)
   int faulty = 1;                // the rank whose call is refused
 };
 
@@ -61,6 +66,7 @@ Spec parse_spec(std::vector<std::string> const& words) {
   s.fault = args.text("fault", s.fault);
   s.faulty = args.integer("faulty", s.faulty);
   FERRY_CHECK(s.faulty >= 0 && s.faulty < s.world, "faulty=", s.faulty, " is not a rank of world ", s.world);
+  FERRY_CHECK(s.fault != "drop" || s.mode == "ll", "fault=drop is a low-latency fault, not mode=", s.mode);
   return s;
 }
 
@@ -187,13 +193,49 @@ void print_case(Spec const& spec, EpConfig const& config, int num_ctas) {
 
 // The config a user would pass for `spec` (backend_config validates and resolves it): mode=ll low-latency mode, the
 // others normal mode with an expert capacity.
+// fault=drop: one slot fewer than the tokens of the world, so that only an expert every token names drops (one entry).
 EpConfig user_config(Spec const& spec) {
   EpConfig user = spec.config();
   if (spec.mode == "ll")
     user.mode = Mode::low_latency;
   else
     user.expert_capacity = user.recv_capacity(spec.world);
+  if (spec.fault == "drop") {
+    std::vector<int> const tokens = per_rank(spec.tokens, spec.world);
+    user.expert_capacity = std::accumulate(tokens.begin(), tokens.end(), 0) - 1;
+  }
   return user;
+}
+
+// fault=drop, the first call: every token of every rank names the faulty rank's first expert (in place of its first
+// id where it does not), one entry more than its slots, so the faulty rank's receive half drops one entry, which no
+// other rank sees. Every rank then combines, no host refusing: the faulty rank refuses on the device, so every other
+// rank records one refusal naming it, the faulty rank records the dropped entry and no refusal, and its y stays
+// poisoned. (Without the device's refusal the other ranks would sum their tokens without the dropped entry.)
+template <typename Ranks, typename DispatchLeg, typename CombineLeg>
+void dropped_call(Spec const& spec, EpConfig const& config, Ranks const& ranks, VirtualIteration& it,
+                  std::vector<VirtualRankIo> const& io, DispatchLeg const& dispatch_leg,
+                  CombineLeg const& combine_leg) {
+  int const expert = spec.faulty * config.num_local_experts(spec.world);
+  int const topk = config.topk;
+  for (int r = 0; r < spec.world; ++r) {
+    std::vector<int64_t>& idx = it.inputs[r].topk_idx;
+    for (std::size_t t = 0; t + topk <= idx.size(); t += topk)
+      if (std::find(idx.begin() + t, idx.begin() + t + topk, expert) == idx.begin() + t + topk) idx[t] = expert;
+    upload(io[r].idx, idx);
+  }
+  CK(cudaDeviceSynchronize());
+  dispatch_leg(false);
+  combine_leg(false);
+  std::vector<DeviceErrorBlock> const blocks = ranks.take_errors();
+  std::string failure = check_refusal(blocks, spec.faulty, -1, ranks.timeout_s());
+  if (blocks[spec.faulty].overflow_rows != 1)
+    failure += "rank " + std::to_string(spec.faulty) + ": overflow_rows " +
+               std::to_string(blocks[spec.faulty].overflow_rows) + ", expected 1 (the entry past expert_capacity)\n";
+  std::vector<uint8_t> const y = to_host<uint8_t>(io[spec.faulty].y_rm.ptr, io[spec.faulty].y_rm.bytes);
+  if (std::any_of(y.begin(), y.end(), [](uint8_t v) { return v != 0xEE; }))
+    failure += "rank " + std::to_string(spec.faulty) + ": its refused combine wrote y\n";
+  ASSERT_TRUE(failure.empty()) << "the combine after the dropped entry:\n" << failure;
 }
 
 // ---- normal mode ----
@@ -283,6 +325,7 @@ void run_ll(Spec const& spec, int num_ctas) {
         cuda_ep::configure_buffers(b, config, world, r, cuda_ep::Protocol::ll, num_ctas);
         b.num_ctas = num_ctas;
         b.layout = layout;
+        b.refuse_combine_after_drop = true;  // as EpBuffer's (no other fault drops)
       },
       spec.timeout_s());
   print_case(spec, config, num_ctas);
@@ -331,6 +374,11 @@ void run_ll(Spec const& spec, int num_ctas) {
       poison_ll_dispatch(config, world, cuda_ep::dispatch_result(ranks[r], true), ranks[r].recv_slot);
     }
     CK(cudaDeviceSynchronize());
+    if (iter == 0 && spec.fault == "drop") {
+      dropped_call(spec, config, ranks, it, io, dispatch_leg, [&](bool refuse) { combine_leg(rm, refuse); });
+      if (::testing::Test::HasFatalFailure()) return;
+      continue;
+    }
     if (iter == 0) {
       refused_call(spec, ranks, io, break_ids(spec, config, it, io[faulty]), dropped, dispatch_leg,
                    [&](bool refuse) { combine_leg(rm, refuse); });
@@ -365,8 +413,10 @@ void run_case(Spec const& spec, int num_ctas) {
 std::vector<std::vector<std::string>> rows_of(std::vector<std::string> const& mode) {
   std::vector<std::vector<std::string>> table;
   int i = 0;
+  bool const ll = std::find(mode.begin(), mode.end(), "mode=ll") != mode.end();
   for (int world : {2, 4, 8})
-    for (char const* fault : {"bad_id", "repeat", "refuse_dispatch", "refuse_combine"}) {
+    for (char const* fault : {"bad_id", "repeat", "refuse_dispatch", "refuse_combine", "drop"}) {
+      if (!ll && std::string(fault) == "drop") continue;
       std::vector<std::string> row = mode;
       row.push_back("world=" + std::to_string(world));
       row.push_back(std::string("fault=") + fault);

@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/comm_impl.hpp"
 #include "ep/reference.hpp"
 #include "ferry/bootstrap.hpp"
 #include "ferry/communicator.hpp"
@@ -620,6 +621,20 @@ TEST(Lifecycle, StaleSegmentsOfDeadProcessesAreSweptAtTheNextStart) {
   // change and this start; then this process logs nothing, and only the file's absence is this test's to check
   if (!contains(log, concat("left by process ", child)))
     std::printf("note: the segment was swept by another process before this one's communicator started\n");
+}
+
+// A refusal the refusing rank's host did not post (a low-latency combine refused on the device after its dispatch
+// dropped entries past expert_capacity) says what it may be, naming that rank; a posted reason is quoted as is.
+TEST(RefusalMessages, AnUnpostedCombineRefusalPointsAtTheDrop) {
+  std::string const unposted = detail::describe_refusal(5, WaitPhase::ll_combine, "");
+  EXPECT_NE(unposted.find("rank 5 refused this call on input"), std::string::npos) << unposted;
+  EXPECT_NE(unposted.find("rank 5's dispatch may have dropped entries past expert_capacity"), std::string::npos)
+      << unposted;
+  std::string const posted = detail::describe_refusal(5, WaitPhase::ll_combine, "x is null");
+  EXPECT_NE(posted.find("x is null"), std::string::npos) << posted;
+  EXPECT_EQ(posted.find("expert_capacity"), std::string::npos) << posted;
+  std::string const dispatch = detail::describe_refusal(5, WaitPhase::ll_dispatch, "");
+  EXPECT_NE(dispatch.find("(no reason posted)"), std::string::npos) << dispatch;
 }
 
 }  // namespace

@@ -96,6 +96,10 @@ struct Buffers {
   bool test_agreement_apart = false;
 
   // Low-latency mode.
+  // A combine refuses on the device when its dispatch dropped an entry past expert_capacity
+  // (LlCombineParams::refuse_after_drop): EpBuffer's buffers; the kernel tests of what a sum without the dropped
+  // entries gives leave it off.
+  bool refuse_combine_after_drop = false;
   int num_ctas = 0;  // the grid of both legs, the same on every rank (agreed at construction)
   // bf16 dispatch: the send half copies this rank's own rows from x into their slots (FERRY_LL_OWN_ROWS=direct)
   // instead of staging them in the landing zone.

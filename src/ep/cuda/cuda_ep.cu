@@ -149,6 +149,7 @@ class CudaEp final : public detail::EpBackendImpl {
     FERRY_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, comm.device()));
     configure_buffers(b, config, world, comm.rank(), protocol.protocol, num_sms);
     b.topology = topology;
+    b.refuse_combine_after_drop = true;  // a drop is an error on every rank (docs/errors.md, "Capacities")
     cudaDeviceProp prop{};
     FERRY_CHECK_CUDA(cudaGetDeviceProperties(&prop, comm.device()));
     tuning::TuningKey const key = detail::tuning_key(prop.name, world, config);

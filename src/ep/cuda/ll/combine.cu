@@ -24,6 +24,7 @@ LlCombineParams to_params(Buffers const& b, CombineArgs const& args, int num_tok
               b.config.topk, " (EpBuffer allows topk 1 only: one row per token)");
   p.group = args.group;
   p.group_weights = args.group_weights;
+  p.refuse_after_drop = b.refuse_combine_after_drop;
   return p;
 }
 

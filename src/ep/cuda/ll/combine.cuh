@@ -44,9 +44,10 @@ __device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, Net co
   int const rank = p.view.rank;
   int const tid = static_cast<int>(threadIdx.x);
   int const parity = static_cast<int>(seq & 1);
+  bool const refused = combine_refused(p);
   // 1. the rows, into each source's landing zone (none when this rank refuses the call)
   FERRY_TRACE_BEGIN(trace, ll_combine_send);
-  if (!p.abort) {
+  if (!refused) {
     if constexpr (kFormat == WireFormat::nvfp4)
       ll_combine_send_rows_nvfp4<kExpertMajor, kNet, kMasking>(p, parity);
     else
@@ -63,13 +64,13 @@ __device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, Net co
   if constexpr (kNet) {
     // this node's ranks, thread l its l-th (the abort word first: the same thread's release add publishes it)
     if (tid < p.local && live.has(node_first(p) + tid)) {
-      if (p.abort && blockIdx.x == 0)
+      if (refused && blockIdx.x == 0)
         reinterpret_cast<uint64_t volatile*>(p.net.window(tid) + p.layout.ll.combine_abort)[parity * world + rank] =
             seq;
       p.net.add_signal(tid, p.layout.ll.combine_arrivals + rank * sizeof(uint64_t), 1);
     }
   } else {
-    if (p.abort && blockIdx.x == 0)
+    if (refused && blockIdx.x == 0)
       landing::publish_abort<!kMasking>(p.net, p.layout.ll.combine_abort, parity, world, rank, seq, live.word);
     if (tid < world && live.has(tid)) p.net.add_signal(tid, p.layout.ll.combine_arrivals + rank * sizeof(uint64_t), 1);
   }
@@ -309,7 +310,7 @@ __device__ __forceinline__ void ll_combine_recv(LlCombineParams const& p, Net co
   FERRY_TRACE_BEGIN(trace, ll_combine_wait_arrivals);
   AbortsSeen<kNet> seen;
   bool const arrived = wait_combine_rows<kMasking>(p, network, s_ok, live, seq, parity, seen);  // 3.
-  if (!arrived || p.abort) return;  // a refusing rank has no y
+  if (!arrived || combine_refused(p)) return;  // a refusing rank has no y
   FERRY_TRACE_END(trace, ll_combine_wait_arrivals);
 
   FERRY_TRACE_BEGIN(trace, ll_combine_sum);

@@ -20,7 +20,8 @@ __device__ __forceinline__ void ll_combine_send_network(LlCombineParams const& p
                                                         uint64_t seq) {
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   int const num_vec = p.hidden / 8;
-  int const num_recv = p.abort ? 0 : p.state->num_recv;  // a refusing rank sends no rows
+  bool const refused = combine_refused(p);
+  int const num_recv = refused ? 0 : p.state->num_recv;  // a refusing rank sends no rows
   std::size_t const wire = p.layout.ll.combine_row_bytes;
   std::size_t const staged = p.layout.ll.combine_send + static_cast<std::size_t>(parity) * world * p.max_tokens * wire;
   std::size_t const landed = p.layout.ll.combine_rows + static_cast<std::size_t>(parity) * world * p.max_tokens * wire;
@@ -64,7 +65,7 @@ __device__ __forceinline__ void ll_combine_send_network(LlCombineParams const& p
         }
       }
     }
-    if (p.abort && cta == 0)
+    if (refused && cta == 0)
       ep.put_value(d, p.layout.ll.combine_abort + (static_cast<std::size_t>(parity) * world + rank) * sizeof(uint64_t),
                    seq);
     ep.signal(d, p.layout.ll.combine_arrivals + static_cast<std::size_t>(rank) * sizeof(uint64_t), 1);
@@ -96,6 +97,7 @@ __device__ __forceinline__ bool ll_combine_rail(LlCombineParams const& p, Net co
   std::size_t const bf16_row = static_cast<std::size_t>(p.hidden) * 2;
   WireRowLayout const wl = wire::make_row_layout(kFormat, p.hidden);
   char* const own = p.net.local();
+  bool const refused = combine_refused(p);
   if (tid == 0) s_rail_ok = 1;
   __syncthreads();
   if (tid < p.local && !device::wait_signal_geq(
@@ -106,7 +108,7 @@ __device__ __forceinline__ bool ll_combine_rail(LlCombineParams const& p, Net co
   if (!s_rail_ok) return false;
 
   // 1. the reduction of each placed token into the staged row
-  for (int m = 0; m < p.nodes && !p.abort; ++m) {
+  for (int m = 0; m < p.nodes && !refused; ++m) {
     if (m == own_node) continue;
     int const n = p.fwd_num[m];
     for (int t = cta * kWarps + warp; t < n; t += total_warps) {
@@ -169,7 +171,7 @@ __device__ __forceinline__ bool ll_combine_rail(LlCombineParams const& p, Net co
   for (int j = warp; j < p.nodes - 1; j += kWarps) {
     int const m = j < own_node ? j : j + 1;
     int const source = m * p.local + rank % p.local;
-    int const n = p.abort ? 0 : p.fwd_num[m];
+    int const n = refused ? 0 : p.fwd_num[m];
     std::size_t const landed =
         p.layout.ll.combine_rows + ((static_cast<std::size_t>(parity) * world + rank) * max_tokens) * wire;
     for (int base = cta * kWarps; base < n; base += total_warps) {

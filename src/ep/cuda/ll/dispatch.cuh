@@ -391,19 +391,22 @@ __device__ __forceinline__ void copy_window_quantized(LlDispatchParams const& p,
   }
 }
 
-// 7. the counts of the experts this CTA owns (e % num_ctas == cta), -1 past each one's filled slots; CTA 0 writes
-//    num_recv, and a refused call leaves no tokens for the combine (the send half, earlier on the stream, wrote this
-//    rank's count).
+// 7. the counts of the experts this CTA owns (e % num_ctas == cta), -1 past each one's filled slots, and the call's
+//    seq in dropped_seq where one took more entries than its slots (its combine refuses); CTA 0 writes num_recv, and a
+//    refused call leaves no tokens for the combine (the send half, earlier on the stream, wrote this rank's count).
 template <bool kNet>
 __device__ __forceinline__ void finish_landed(LlDispatchParams const& p, RecvShared<kNet> const& r,
-                                              int32_t const* s_total, int rows) {
+                                              int32_t const* s_total, int rows, uint64_t seq) {
   int const tid = static_cast<int>(threadIdx.x);
   int const cta = static_cast<int>(blockIdx.x);
   int const slots = p.expert_slots;
   __syncthreads();  // s_total is complete after the first fill; the barrier orders it for every thread
   for (int e = cta; e < p.num_local_experts; e += p.num_ctas) {
     int const count = s_total[e];
-    if (tid == 0) p.expert_counts[e] = count;
+    if (tid == 0) {
+      p.expert_counts[e] = count;
+      if (count > slots) p.state->ll.dropped_seq = seq;  // every writer writes the same value
+    }
     for (int slot = min(count, slots) + tid; slot < slots; slot += kThreads)
       p.expert_src_row[static_cast<std::size_t>(e) * slots + slot] = -1;
   }
@@ -526,7 +529,7 @@ __device__ __forceinline__ void ll_dispatch_recv(LlDispatchParams const& p, Net 
   run_windows(s, s_before, share.begin, share.end, fill, on_slot, copy);
   FERRY_TRACE_END(trace, ll_dispatch_scan);
 
-  finish_landed(p, r, s_total, totals.rows);  // 7.
+  finish_landed(p, r, s_total, totals.rows, seq);  // 7.
 }
 
 // The halves a launch runs are LlParams::halves (both: the one-kernel leg; one: the hook's halves). kFormat: the

@@ -54,6 +54,9 @@ struct LlState {
   uint64_t dispatch_recv_seq[kMaxLlCtas];
   uint64_t combine_send_seq[kMaxLlCtas];
   uint64_t combine_recv_seq[kMaxLlCtas];
+  // The last dispatch (its receive half's seq) whose receive half dropped an entry past expert_capacity (0: none):
+  // the combine that follows it refuses (LlCombineParams::refuse_after_drop).
+  uint64_t dropped_seq;
   // Rank masking (EpConfig::rank_masking; ll/mask.cuh): the mask and its counts (the kernels without masking never
   // read it).
   detail::LlMaskWords mask;

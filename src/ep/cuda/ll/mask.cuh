@@ -483,6 +483,7 @@ __global__ void __launch_bounds__(cuda_ep::kMaxLlCtas, 1) ll_mask_reset_kernel(L
   s.ll.dispatch_recv_seq[tid] = p.to.dispatch_seq;
   s.ll.combine_send_seq[tid] = p.to.combine_seq;
   s.ll.combine_recv_seq[tid] = p.to.combine_seq;
+  if (tid == 0) s.ll.dropped_seq = 0;  // a drop before the realignment is no later call's
   uint64_t const per_call = static_cast<uint64_t>(p.num_ctas);
   if (tid < p.local) {  // this node's sources
     int const d = p.rank / p.local * p.local + tid;

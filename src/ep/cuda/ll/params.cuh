@@ -122,7 +122,18 @@ struct LlCombineParams : LlParams {
   // CombineArgs::group: y[u] is the weighted sum of tokens u * group + j (group_weights null: group 1, y[t] is t's)
   int group;
   float const* group_weights;
+  // Refuse (as abort) when this rank's dispatch dropped an entry past expert_capacity (LlState::dropped_seq): set by
+  // EpBuffer (Buffers::refuse_combine_after_drop); the kernel tests of the drops' sums leave it off.
+  bool refuse_after_drop;
 };
+
+// This rank refuses the combine: its host said so (abort), or its dispatch dropped an entry past expert_capacity. A
+// drop is seen by its receiver alone, and a lazy dispatch (a graph, the hook) returns before any host could know, so
+// this refusal is what makes every rank's combine fail instead of summing without the entry (docs/errors.md,
+// "Capacities"). Both words were written by the dispatch, earlier on the stream.
+__device__ __forceinline__ bool combine_refused(LlCombineParams const& p) {
+  return p.abort || (p.refuse_after_drop && p.state->ll.dropped_seq == p.state->ll.dispatch_recv_seq[0]);
+}
 
 // The ranks of other nodes. On one node the kernels take their Params alone (OneNode: nothing across nodes is
 // compiled); across nodes, WithNetwork adds the network transport (Emulated on one host, Gin on a cluster) that
