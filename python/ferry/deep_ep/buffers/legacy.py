@@ -416,7 +416,9 @@ class Buffer(PoolOwner):
             self._check_stream_args(previous_event, allocate_on_comm_stream)
         if expert_alignment < 1:
             raise ferry.InputError(f"ferry.deep_ep: expert_alignment={expert_alignment} must be >= 1")
-        x, x_scales = self._split_x(x)
+        x_scales = None
+        if isinstance(x, tuple):
+            x, x_scales = self._split_x(x)
         if handle is not None:
             return self._cached_dispatch(x, x_scales, handle, topk_idx, topk_weights, num_worst_tokens,
                                          expert_alignment, previous_event, async_finish)
@@ -430,7 +432,6 @@ class Buffer(PoolOwner):
         if topk_idx is None or topk_weights is None:
             raise ferry.InputError("ferry.deep_ep: dispatch takes topk_idx and topk_weights together (or neither, "
                                    "to route by is_token_in_rank alone)")
-        world = self.group_size
         try:
             num_tokens, hidden = x.shape
             _, topk = topk_idx.shape
@@ -440,13 +441,18 @@ class Buffer(PoolOwner):
         num_experts = num_tokens_per_expert.numel()
         # NOTE: the layout tensors are what get_dispatch_layout derives from topk_idx; Ferry derives the same layout
         # itself (its count exchange), so only their shapes are checked here: num_tokens_per_expert gives num_experts.
-        # The binding checks x, topk_idx and topk_weights (shapes, dtypes, placement), collectively.
-        self._check_layout_shapes(num_tokens, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank)
+        # The binding checks x, topk_idx and topk_weights (shapes, dtypes, placement), collectively. The checking
+        # methods run only where a check fails (a call per check would be host time on every dispatch).
+        world = self.group_size
+        if num_tokens_per_rank.shape != (world,) or is_token_in_rank.shape != (num_tokens, world) or \
+                (num_tokens_per_rdma_rank is not None and self._nodes > 1):
+            self._check_layout_shapes(num_tokens, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank)
         fp8 = x_scales is not None
         pool = self._pools.get(("normal", hidden, num_experts, topk, fp8, num_worst_tokens))
         if pool is None:
             pool = self._normal_pool(hidden, num_experts, topk, fp8, num_worst_tokens)
-        self._check_budget(pool, num_tokens, hidden, topk, fp8)
+        if num_tokens > pool.max_tokens:
+            self._check_budget(pool, num_tokens, hidden, topk, fp8)
         if previous_event is not None:
             wait_event(previous_event)
         slot = pool.take()
