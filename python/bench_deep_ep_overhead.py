@@ -14,6 +14,8 @@ Pairs of calls, in loops of --iters, layer and native loops interleaved, the med
            (bf16, no hook, out given)                              LL EpBuffer of topk K (lazy, out given)
   elastic  deep_ep V2: ElasticBuffer.dispatch + combine(handle)    native: EpBuffer.dispatch_owned(with_src=True,
            (bf16, cpu sync, not expanded)                          save_handle) + combine(handle=)
+           "elastic no copy": the same with do_handle_copy=False (DeepEP's default True copies topk_idx into the
+           handle, in DeepEP too)
            --graph: the same ll pairs captured in CUDA graphs, a replay's host time each
 The difference is what the layer adds per pair: its argument checks, pool and handle bookkeeping, and (normal) the
 copies of the outputs (DeepEP returns fresh tensors). On GPUs calls are lazy where the layer's are (normal dispatch is
@@ -112,7 +114,7 @@ def main() -> int:
     parser.add_argument("--graph", action="store_true", help="GPU: also time CUDA-graph replays of the ll pairs")
     parser.add_argument("--stub", action="store_true",
                         help="the layer's Python alone: EpBuffers answer with their first call's result")
-    parser.add_argument("--paths", default="normal,normal vs owned,ll,elastic vs owned",
+    parser.add_argument("--paths", default="normal,normal vs owned,ll,elastic vs owned,elastic no copy",
                         help="comma-separated pairs to time (default: all)")
     args = parser.parse_args()
     paths = args.paths.split(",")
@@ -191,11 +193,11 @@ def main() -> int:
     # V2: ElasticBuffer.dispatch (cpu sync, not expanded) + combine against the native calls it makes: a fresh-output
     # dispatch with its sources (dispatch_owned(with_src=True)) and the combine of its saved layout
     elastic = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=T, hidden=H, num_topk=K) \
-        if "elastic vs owned" in paths else None
+        if any(p.startswith("elastic") for p in paths) else None
     native_v2 = ferry.EpBuffer(comm, hidden=H, num_experts=E, topk=K, max_tokens_per_rank=T)
 
-    def layer_elastic():
-        recv_x, _, _, handle, _ = elastic.dispatch(x, idx, w, num_experts=E)
+    def layer_elastic(do_handle_copy: bool = True):
+        recv_x, _, _, handle, _ = elastic.dispatch(x, idx, w, num_experts=E, do_handle_copy=do_handle_copy)
         elastic.combine(recv_x, handle)
 
     def native_elastic():
@@ -204,7 +206,8 @@ def main() -> int:
 
     pairs = [(name, layer_fn, native_fn) for name, layer_fn, native_fn in (
         ("normal", layer_normal, native_normal), ("normal vs owned", layer_normal, native_owned),
-        ("ll", layer_ll, native_ll_pair), ("elastic vs owned", layer_elastic, native_elastic)) if name in paths]
+        ("ll", layer_ll, native_ll_pair), ("elastic vs owned", layer_elastic, native_elastic),
+        ("elastic no copy", lambda: layer_elastic(False), native_elastic)) if name in paths]
     if args.stub:  # every buffer made and called for real once; the next call of each method is the one kept
         for _, layer_fn, native_fn in pairs:
             layer_fn()
