@@ -35,7 +35,7 @@ import ferry
 from .._common import (MAX_TOPK, Pool, PoolOwner, check_weights, combine_weights, combine_with_bias,
                        footprint_bytes, hint_bytes, refuse, refused_call, shape_text)
 from ..utils.envs import check_torch_deterministic
-from ..utils.event import EventHandle, EventOverlap, wait_event
+from ..utils.event import EmptyEventOverlap, EventHandle, EventOverlap, wait_event
 
 __all__ = ["ElasticBuffer", "EPHandle"]
 
@@ -373,7 +373,7 @@ class ElasticBuffer(PoolOwner):
             recv_w = None
         if recv_sf is not None:
             recv_x = self._with_sf(recv_x, recv_sf, kind, use_tma_aligned_col_major_sf)
-        event = EventOverlap(EventHandle(), (x, topk_idx)) if async_with_compute_stream else EventOverlap(None)
+        event = EventOverlap(EventHandle(), (x, topk_idx)) if async_with_compute_stream else EmptyEventOverlap()
         return recv_x, recv_idx, recv_w, handle, event
 
     @staticmethod
@@ -438,7 +438,7 @@ class ElasticBuffer(PoolOwner):
             recv_idx = None
         else:
             recv_idx = handle._recv_topk_idx
-        event = EventOverlap(EventHandle(), (x,)) if async_with_compute_stream else EventOverlap(None)
+        event = EventOverlap(EventHandle(), (x,)) if async_with_compute_stream else EmptyEventOverlap()
         return self._with_sf(recv_x, recv_sf, kind, tma_col_major), recv_idx, recv_w, handle, event
 
     # ---- combine
@@ -485,7 +485,7 @@ class ElasticBuffer(PoolOwner):
         combined_w = None
         if weights is not None:
             combined_w = combine_weights(self.comm, pool, handle._ferry, weights, self.num_ranks, self.rank_idx)
-        event = EventOverlap(EventHandle(), (x, y)) if async_with_compute_stream else EventOverlap(None)
+        event = EventOverlap(EventHandle(), (x, y)) if async_with_compute_stream else EmptyEventOverlap()
         return y, combined_w, event
 
 
