@@ -2,6 +2,7 @@
 
     python -m ferry.launch --nproc 1 python/bench_deep_ep_overhead.py --tokens 1     # cpu backend, torch CPU tensors
     torchrun --nproc-per-node 1 python/bench_deep_ep_overhead.py --tokens 128         # GPU: torch CUDA tensors
+    python -m ferry.launch --nproc 1 python/bench_deep_ep_overhead.py --tokens 1 --stub  # the layer's Python alone
 
 Pairs of calls, in loops of --iters, layer and native loops interleaved, the median over --repeats loops of each after
 --warmup (the overhead: the median of the loop-by-loop differences):
@@ -13,10 +14,17 @@ Pairs of calls, in loops of --iters, layer and native loops interleaved, the med
            (bf16, no hook, out given)                              LL EpBuffer of topk K (lazy, out given)
   elastic  deep_ep V2: ElasticBuffer.dispatch + combine(handle)    native: EpBuffer.dispatch_owned(with_src=True,
            (bf16, cpu sync, not expanded)                          save_handle) + combine(handle=)
+           "elastic no copy": the same with do_handle_copy=False (DeepEP's default True copies topk_idx into the
+           handle, in DeepEP too)
            --graph: the same ll pairs captured in CUDA graphs, a replay's host time each
 The difference is what the layer adds per pair: its argument checks, pool and handle bookkeeping, and (normal) the
 copies of the outputs (DeepEP returns fresh tensors). On GPUs calls are lazy where the layer's are (normal dispatch is
 eager in both: it returns the count on the host, as DeepEP's). Every rank prints its own line.
+
+--stub times the layer's own Python without the noise of the native calls: every EpBuffer (the layer's and the
+native side's) answers each of its calls after the first with that first call's result, at once (StubEpBuffer), so
+both sides of a pair are Python only and the difference is the layer's Python, torch ops it makes included (no
+--graph then). --paths picks the pairs by name (default all).
 """
 
 from __future__ import annotations
@@ -35,6 +43,37 @@ import torch.distributed as dist  # noqa: E402
 
 import ferry  # noqa: E402
 import ferry.deep_ep as deep_ep  # noqa: E402
+
+
+class StubEpBuffer:
+    """An EpBuffer (made by the real constructor: collective, as every rank's) whose calls, once armed, return the
+    result of the first armed call of the same method at once, whatever the arguments: one call variant per method
+    per buffer, as this benchmark makes. The result is the same object each time (a layer that writes into its
+    outputs writes into the same tensors). Before arming (the set-up calls, a low-latency pool's empty dispatch
+    among them) every call is real; attributes other than the calls are always the real buffer's."""
+
+    native = None  # the real ferry.EpBuffer, set where --stub installs this class
+    armed = False
+    _CALLS = ("dispatch", "dispatch_owned", "combine", "complete_dispatch", "complete_combine", "dispatch_backward")
+
+    def __init__(self, *args, **kwargs):
+        self._real = StubEpBuffer.native(*args, **kwargs)
+
+    @staticmethod
+    def footprint(*args, **kwargs):
+        return StubEpBuffer.native.footprint(*args, **kwargs)
+
+    def __getattr__(self, name):
+        value = getattr(self._real, name)
+        if name not in StubEpBuffer._CALLS or not StubEpBuffer.armed:
+            return value
+
+        def first(*args, **kwargs):
+            result = value(*args, **kwargs)
+            setattr(self, name, lambda *a, **k: result)  # found before __getattr__ from now on
+            return result
+
+        return first
 
 
 def timed_pair(layer, native, iters: int, repeats: int, warmup: int, sync) -> tuple:
@@ -73,7 +112,15 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--graph", action="store_true", help="GPU: also time CUDA-graph replays of the ll pairs")
+    parser.add_argument("--stub", action="store_true",
+                        help="the layer's Python alone: EpBuffers answer with their first call's result")
+    parser.add_argument("--paths", default="normal,normal vs owned,ll,elastic vs owned,elastic no copy",
+                        help="comma-separated pairs to time (default: all)")
     args = parser.parse_args()
+    paths = args.paths.split(",")
+    if args.stub:
+        StubEpBuffer.native = ferry.EpBuffer
+        ferry.EpBuffer = StubEpBuffer
 
     cuda = torch.cuda.is_available() and ferry.cuda_available()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -145,25 +192,33 @@ def main() -> int:
 
     # V2: ElasticBuffer.dispatch (cpu sync, not expanded) + combine against the native calls it makes: a fresh-output
     # dispatch with its sources (dispatch_owned(with_src=True)) and the combine of its saved layout
-    elastic = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=T, hidden=H, num_topk=K)
+    elastic = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=T, hidden=H, num_topk=K) \
+        if any(p.startswith("elastic") for p in paths) else None
     native_v2 = ferry.EpBuffer(comm, hidden=H, num_experts=E, topk=K, max_tokens_per_rank=T)
 
-    def layer_elastic():
-        recv_x, _, _, handle, _ = elastic.dispatch(x, idx, w, num_experts=E)
+    def layer_elastic(do_handle_copy: bool = True):
+        recv_x, _, _, handle, _ = elastic.dispatch(x, idx, w, num_experts=E, do_handle_copy=do_handle_copy)
         elastic.combine(recv_x, handle)
 
     def native_elastic():
         got = native_v2.dispatch_owned(x, idx, w, save_handle=True, with_src=True)
         native_v2.combine(got[0], "rank", eager=False, handle=got[5])
 
+    pairs = [(name, layer_fn, native_fn) for name, layer_fn, native_fn in (
+        ("normal", layer_normal, native_normal), ("normal vs owned", layer_normal, native_owned),
+        ("ll", layer_ll, native_ll_pair), ("elastic vs owned", layer_elastic, native_elastic),
+        ("elastic no copy", lambda: layer_elastic(False), native_elastic)) if name in paths]
+    if args.stub:  # every buffer made and called for real once; the next call of each method is the one kept
+        for _, layer_fn, native_fn in pairs:
+            layer_fn()
+            native_fn()
+        StubEpBuffer.armed = True
     results = {}
-    for name, layer_fn, native_fn in (("normal", layer_normal, native_normal),
-                                      ("normal vs owned", layer_normal, native_owned), ("ll", layer_ll, native_ll_pair),
-                                      ("elastic vs owned", layer_elastic, native_elastic)):
+    for name, layer_fn, native_fn in pairs:
         results[name] = summary(*timed_pair(layer_fn, native_fn, args.iters, args.repeats, args.warmup, sync))
     ft, nt = timed_pair(fresh_outputs, lambda: None, args.iters, args.repeats, args.warmup, sync)
     fresh = statistics.median(ft) - statistics.median(nt)
-    if cuda and args.graph:
+    if cuda and args.graph and not args.stub:
         # the same pairs captured in CUDA graphs (as a decode step is): a replay's host time, layer against native
         graphs = {}
         for name, fn in (("layer", layer_ll), ("native", native_ll_pair)):
@@ -178,7 +233,8 @@ def main() -> int:
                      f"{v[2]:.1f} us per pair ({v[2] / 2:.1f} us per call; p10..p90 {v[3]:.1f}..{v[4]:.1f})"
                      for n, v in results.items())
     text += f"; normal's fresh outputs alone (4 torch.empty): {fresh:.1f} us per dispatch"
-    sys.stdout.write(f"rank {rank}/{world} [{'cuda' if cuda else 'cpu'}, {T} tokens, hidden {H}, topk {K}]: {text}\n")
+    where = ("cuda" if cuda else "cpu") + (", stub" if args.stub else "")
+    sys.stdout.write(f"rank {rank}/{world} [{where}, {T} tokens, hidden {H}, topk {K}]: {text}\n")
     sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()

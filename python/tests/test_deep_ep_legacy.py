@@ -10,7 +10,7 @@ test_low_latency.py, test_internode.py) and training clients go past the routed 
 - combine with a bias (one tensor or two), added in fp32 before the one rounding;
 - a capacity drop through num_worst_tokens: an error on every rank, never numbers (issue 58, item 2);
 - low-latency handles checked: another Buffer's, one kept past destroy(), and a call after destroy() are InputError
-  naming the problem (issue 58, item 4).
+  naming the problem (issue 58, item 4); the empty events of calls without async_finish are fresh per call.
 
 The expectations are computed here from every rank's inputs (each rank draws all ranks' with the seed), in the order
 Ferry delivers: (source rank, source token). cpu backend, torch CPU tensors, ranks as processes joined by a gloo
@@ -19,7 +19,7 @@ sent to the next rank (test_dispatch_by_rank_membership failed at worlds 2 and 4
 handle's own EpBuffer whatever the format (both worlds failed: the binding refused the other format); the bias
 added to the rounded combine (world 2 on the sums, world 1 on the bias shape no longer checked); EpBuffer's refusal
 of a combine over a layout that dropped removed (DID NOT RAISE on rank 0); the low-latency handle's owner checks
-removed (both worlds failed).
+removed (both worlds failed); one shared empty event returned by every call (a hook is already registered).
 """
 
 from __future__ import annotations
@@ -339,6 +339,14 @@ def _ll_handles_body(ctx, seed):
     recv_x, handle = pair(second)
     y, _, _ = second.low_latency_combine(recv_x, idx, w, handle)
     assert (y.float() - want.float()).abs().max() < 0.05
+    # calls without async_finish return fresh empty events, as DeepEP's: a hook registered on one stays with it (a
+    # shared one refuses the second hook)
+    events = [second.low_latency_dispatch(x, idx, 4, experts, use_fp8=False)[3] for _ in range(2)]
+    for event in events:
+        assert isinstance(event, deep_ep.EventOverlap) and event.event is None and event.extra_tensors is None
+        event.register_hook_after_wait(lambda: None)
+        with event:  # nothing to wait for
+            pass
     second.destroy()
     return True
 

@@ -35,7 +35,7 @@ import ferry
 from .._common import (MAX_TOPK, Pool, PoolOwner, check_weights, combine_weights, combine_with_bias,
                        footprint_bytes, hint_bytes, refuse, refused_call, shape_text)
 from ..utils.envs import check_torch_deterministic
-from ..utils.event import EventHandle, EventOverlap, wait_event
+from ..utils.event import EmptyEventOverlap, EventHandle, EventOverlap, wait_event
 
 __all__ = ["ElasticBuffer", "EPHandle"]
 
@@ -63,23 +63,33 @@ class EPHandle:
     rank of each entry, -1 for none). token_metadata_at_forward and channel_linked_list (DeepEP's hybrid kernels'
     bookkeeping) are None."""
 
-    # NOTE: the fields derived on the device (torch ops) are made when first read, from the layout (_Layout): a
-    # dispatch followed by its combine makes none of them. Assigning one (DeepEP's test slices recv_src_metadata)
-    # replaces it as any attribute.
+    # NOTE: the fields that follow from the layout (_Layout) are made when first read: on the device (torch ops) or
+    # from the counts on the host, so a dispatch followed by its combine makes none of them, and a dispatch sets
+    # only what it was given. Assigning one (DeepEP's test slices recv_src_metadata) replaces it as any attribute.
     _DERIVED = {
+        "num_recv_tokens": lambda h: h._layout.rows,
+        "num_expanded_tokens": lambda h: h._layout.num_expanded(),
+        "num_recv_tokens_per_expert_list": lambda h: h._layout.aligned_list(),
         "psum_num_recv_tokens_per_scaleup_rank": lambda h: h._layout.psum_per_scaleup(),
         "psum_num_recv_tokens_per_expert": lambda h: h._layout.psum_per_expert(h.do_expand),
         "num_unaligned_recv_tokens_per_expert": lambda h: h._layout.counts().to(torch.int32),
         "recv_src_metadata": lambda h: h._layout.metadata(),
         "dst_buffer_slot_idx": lambda h: h._layout.destinations(h.topk_idx),
     }
+    # DeepEP's hybrid kernels' bookkeeping, which Ferry does not have
+    token_metadata_at_forward = None
+    channel_linked_list = None
+    cached_recv_src_metadata_before_sort = None
 
-    def __init__(self, **fields):
-        self.token_metadata_at_forward = None
-        self.channel_linked_list = None
-        self.cached_recv_src_metadata_before_sort = None
-        for name, value in fields.items():
-            setattr(self, name, value)
+    def __init__(self, layout: "_Layout", pool: Pool, slot: int, ferry_handle, recv_topk_idx, topk_idx: torch.Tensor,
+                 do_expand: bool, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int, num_sms: int):
+        # the layout, the pool and slot of the EpBuffer that ran the dispatch, the Ferry DispatchHandle it saved, and
+        # the recv_topk_idx it returned (a cached dispatch returns it again)
+        self._layout, self._pool, self._slot, self._ferry, self._recv_topk_idx = (layout, pool, slot, ferry_handle,
+                                                                                  recv_topk_idx)
+        self.topk_idx, self.do_expand, self.num_experts, self.expert_alignment = (topk_idx, do_expand, num_experts,
+                                                                                  expert_alignment)
+        self.num_max_tokens_per_rank, self.num_sms = num_max_tokens_per_rank, num_sms
 
     def __getattr__(self, name):
         make = EPHandle._DERIVED.get(name)
@@ -252,6 +262,8 @@ class ElasticBuffer(PoolOwner):
         pool = self._pools[key] = Pool(key, self, lambda: (ferry.EpBuffer(self.comm, **kwargs), None))
         pool.hidden, pool.num_experts, pool.topk = hidden, num_experts, topk
         pool.kind, pool.max_tokens = kind, max_tokens
+        # what a layout of this pool's dispatches derives its fields with (_Layout)
+        pool.world, pool.scaleup, pool.local = self.num_ranks, self.num_scaleup_ranks, num_experts // self.num_ranks
         pool.zeros = torch.zeros((max_tokens * topk,), dtype=torch.float32, device=self._device)
         return pool
 
@@ -291,18 +303,21 @@ class ElasticBuffer(PoolOwner):
                  do_expand: bool = False, do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False):
         """Returns (recv_x or (recv_x, recv_sf), recv_topk_idx (None when expanded), recv_topk_weights (None without
         topk_weights), handle, event), as DeepEP V2 (see the module's docstring)."""
-        self._alive("dispatch()")
+        if self.comm is None:
+            self._alive("dispatch()")
         check_torch_deterministic()
-        # NOTE: DeepEP's test programs pass their flags as ints (argparse); the binding takes bools
-        do_expand, do_zero_padding, do_handle_copy = bool(do_expand), bool(do_zero_padding), bool(do_handle_copy)
-        do_cpu_sync = None if do_cpu_sync is None else bool(do_cpu_sync)
+        # NOTE: DeepEP's test programs pass their flags as ints (argparse); the binding and the handle take bools
+        do_expand = bool(do_expand)
         if do_zero_padding and not do_expand:
             raise ferry.InputError("ferry.deep_ep: do_zero_padding=True needs do_expand=True (as DeepEP)")
         if previous_event is not None and not allocate_on_comm_stream:
             raise ferry.InputError("ferry.deep_ep: previous_event needs allocate_on_comm_stream=True (as DeepEP)")
         if num_sms < 0 or num_qps < 0:
             raise ferry.InputError(f"ferry.deep_ep: num_sms={num_sms} and num_qps={num_qps} must be >= 0")
-        x, sf, kind = self._split_x(x)
+        if isinstance(x, tuple):
+            x, sf, kind = self._split_x(x)
+        else:
+            sf, kind = None, "bf16"
         if handle is not None:
             return self._cached_dispatch(x, sf, kind, handle, topk_idx, topk_weights, num_experts,
                                          num_max_tokens_per_rank, expert_alignment, do_cpu_sync, do_expand,
@@ -310,7 +325,7 @@ class ElasticBuffer(PoolOwner):
                                          previous_event_before_epilogue, async_with_compute_stream)
         max_tokens = self.num_max_tokens_per_rank if num_max_tokens_per_rank is None else num_max_tokens_per_rank
         alignment = 1 if expert_alignment is None else expert_alignment
-        eager = True if do_cpu_sync is None else do_cpu_sync
+        eager = True if do_cpu_sync is None else bool(do_cpu_sync)
         try:
             num_tokens, hidden = x.shape
             idx_tokens, topk = topk_idx.shape
@@ -325,41 +340,40 @@ class ElasticBuffer(PoolOwner):
                                    f"match and be at most num_max_tokens_per_rank={max_tokens}")
         if alignment < 1:
             raise ferry.InputError(f"ferry.deep_ep: expert_alignment={alignment} must be >= 1")
-        pool = self._pool(hidden, num_experts, topk, kind, max_tokens)
+        pool = self._pools.get(("elastic", hidden, num_experts, topk, kind, max_tokens))
+        if pool is None:
+            pool = self._pool(hidden, num_experts, topk, kind, max_tokens)
         weights = topk_weights
         if weights is None:  # DeepEP's weights are optional (a backward pass): Ferry carries zeros, none returned
             weights = pool.zeros[:num_tokens * topk].view(num_tokens, topk)
-        wait_event(previous_event)
-        wait_event(previous_event_before_epilogue)
+        if previous_event is not None:
+            wait_event(previous_event)
+        if previous_event_before_epilogue is not None:
+            wait_event(previous_event_before_epilogue)
         slot = pool.take()
-        buf = pool.buffers[slot]
-        recv_x, recv_sf, recv_idx, recv_w, counts, saved, num_recv, src = buf.dispatch_owned(
+        recv_x, recv_sf, recv_idx, recv_w, counts, saved, num_recv, src = pool.buffers[slot].dispatch_owned(
             x, topk_idx, weights, x_scales=sf, eager=eager, save_handle=True, with_src=True)
+        valid = None
         if not eager:  # rows at or past num_recv hold nothing: their ids -1
             valid = torch.arange(recv_idx.size(0), device=recv_idx.device) < num_recv.to(recv_idx.device)
             recv_idx.masked_fill_(~valid.unsqueeze(1), -1)
         # NOTE: the layout keeps its own ids: the caller owns recv_topk_idx and may change it before the handle's
-        # derived fields are first read
-        layout = _Layout(self, pool, recv_idx if do_expand else recv_idx.clone(), src, None if eager else valid,
-                         counts, alignment, max_tokens)
+        # derived fields are first read (an expanded dispatch returns no recv_topk_idx). The second copy per call
+        # is do_handle_copy's, DeepEP's own: the caller may change topk_idx after the call.
+        layout = _Layout(pool, recv_idx if do_expand else recv_idx.clone(), src, valid, counts, alignment, max_tokens)
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats.add_(layout.counts().to(cumulative_local_expert_recv_stats.dtype))
-        handle = EPHandle(
-            do_expand=do_expand, num_experts=num_experts, expert_alignment=alignment,
-            num_max_tokens_per_rank=max_tokens, num_sms=num_sms,
-            topk_idx=topk_idx.clone() if do_handle_copy else topk_idx, num_recv_tokens=layout.rows,
-            num_expanded_tokens=layout.num_expanded, num_recv_tokens_per_expert_list=layout.aligned_list,
-            _layout=layout, _pool=pool, _slot=slot, _ferry=saved, _kind=(hidden, kind), _rows=recv_x.size(0),
-            _recv_topk_idx=recv_idx)
+        handle = EPHandle(layout, pool, slot, saved, recv_idx, topk_idx.clone() if do_handle_copy else topk_idx,
+                          do_expand, num_experts, alignment, max_tokens, num_sms)
         if do_expand:
             recv_x, recv_sf, recv_w = layout.expand(recv_x, recv_sf, recv_w if topk_weights is not None else None,
                                                     do_zero_padding)
             recv_idx = None
         elif topk_weights is None:
             recv_w = None
-        recv_x = self._with_sf(recv_x, recv_sf, kind, use_tma_aligned_col_major_sf)
-        event = EventOverlap(EventHandle() if async_with_compute_stream else None,
-                             (x, topk_idx) if async_with_compute_stream else None)
+        if recv_sf is not None:
+            recv_x = self._with_sf(recv_x, recv_sf, kind, use_tma_aligned_col_major_sf)
+        event = EventOverlap(EventHandle(), (x, topk_idx)) if async_with_compute_stream else EmptyEventOverlap()
         return recv_x, recv_idx, recv_w, handle, event
 
     @staticmethod
@@ -403,8 +417,8 @@ class ElasticBuffer(PoolOwner):
                                    f"dispatch had do_expand={handle.do_expand}; pass the same")
         hidden = x.size(1) if isinstance(x, torch.Tensor) and x.dim() == 2 else -1
         base = handle._pool
-        pool = base if (hidden, kind) == handle._kind else self._pool(hidden, base.num_experts, base.topk, kind,
-                                                                         base.max_tokens)
+        pool = base if hidden == base.hidden and kind == base.kind else self._pool(hidden, base.num_experts, base.topk,
+                                                                                   kind, base.max_tokens)
         if pool.buffers[0] is None:
             pool.fill()
         buf = pool.buffers[handle._slot] if pool is base else pool.buffers[0]
@@ -416,7 +430,7 @@ class ElasticBuffer(PoolOwner):
         else:
             recv_x, recv_sf, _, recv_w = buf.dispatch_owned(x, handle.topk_idx, topk_weights, x_scales=sf,
                                                             eager=False)[:4]
-        rows = handle._rows
+        rows = handle._layout.rows
         recv_x, recv_sf = recv_x[:rows], None if recv_sf is None else recv_sf[:rows]
         recv_w = None if recv_w is None else recv_w[:rows]
         if do_expand:
@@ -424,8 +438,7 @@ class ElasticBuffer(PoolOwner):
             recv_idx = None
         else:
             recv_idx = handle._recv_topk_idx
-        event = EventOverlap(EventHandle() if async_with_compute_stream else None,
-                             (x,) if async_with_compute_stream else None)
+        event = EventOverlap(EventHandle(), (x,)) if async_with_compute_stream else EmptyEventOverlap()
         return self._with_sf(recv_x, recv_sf, kind, tma_col_major), recv_idx, recv_w, handle, event
 
     # ---- combine
@@ -437,7 +450,9 @@ class ElasticBuffer(PoolOwner):
         handle of an expanded dispatch, one row per expanded slot (reduced here, in top-k order). topk_weights:
         [rows, topk] (or [expanded rows] for an expanded handle) float32; each token's weight of entry k comes back
         from the rank that holds expert k."""
-        self._check_handle(handle, "combine()")
+        if type(handle) is not EPHandle or handle._pool.owner is not self or handle._pool.destroyed or \
+                self.comm is None:
+            self._check_handle(handle, "combine()")  # raises
         check_torch_deterministic()
         if previous_event is not None and not allocate_on_comm_stream:
             raise ferry.InputError("ferry.deep_ep: previous_event needs allocate_on_comm_stream=True (as DeepEP)")
@@ -446,8 +461,10 @@ class ElasticBuffer(PoolOwner):
         pool = handle._pool
         buf = pool.buffers[handle._slot]
         layout = handle._layout
-        wait_event(previous_event)
-        wait_event(previous_event_before_epilogue)
+        if previous_event is not None:
+            wait_event(previous_event)
+        if previous_event_before_epilogue is not None:
+            wait_event(previous_event_before_epilogue)
         weights = None
         if handle.do_expand:
             if topk_weights is not None:
@@ -460,17 +477,15 @@ class ElasticBuffer(PoolOwner):
             x = layout.reduce_expanded(x)
         elif topk_weights is not None:
             check_weights(topk_weights, x.size(0), x.device, "combine")
-            weights = topk_weights[:handle._rows].masked_fill(layout.recv_idx < 0, 0.0)
-        num_tokens = handle.topk_idx.size(0)
+            weights = topk_weights[:layout.rows].masked_fill(layout.recv_idx < 0, 0.0)
         if bias is None:
             y = buf.combine(x, "rank", eager=False, handle=handle._ferry)
         else:
-            y = combine_with_bias(buf, handle._ferry, x, bias, num_tokens, x.size(1))
+            y = combine_with_bias(buf, handle._ferry, x, bias, handle.topk_idx.size(0), x.size(1))
         combined_w = None
         if weights is not None:
             combined_w = combine_weights(self.comm, pool, handle._ferry, weights, self.num_ranks, self.rank_idx)
-        event = EventOverlap(EventHandle() if async_with_compute_stream else None,
-                             (x, y) if async_with_compute_stream else None)
+        event = EventOverlap(EventHandle(), (x, y)) if async_with_compute_stream else EmptyEventOverlap()
         return y, combined_w, event
 
 
@@ -479,22 +494,34 @@ class _Layout:
     first asked for (no host synchronisation unless the dispatch was eager, whose counts are on the host already):
     the per-expert counts, the expanded row of each (row, k) entry, the metadata and the prefix sums."""
 
-    def __init__(self, owner: ElasticBuffer, pool: Pool, recv_idx, src, valid, counts, alignment: int,
-                 max_tokens: int):
-        world, topk = owner.num_ranks, pool.topk
-        self.world, self.scaleup, self.local = world, owner.num_scaleup_ranks, pool.num_experts // world
-        self.alignment, self.topk, self.max_tokens = alignment, topk, max_tokens
-        self.recv_idx, self.src = recv_idx, src
-        self.rows = recv_idx.size(0)
+    # NOTE: made per dispatch, so it only keeps what it is given; the shape's constants are the pool's, and
+    # everything else is derived when first asked for
+    def __init__(self, pool: Pool, recv_idx, src, valid, counts, alignment: int, max_tokens: int):
+        self.pool, self.recv_idx, self.src = pool, recv_idx, src
         self.valid = valid  # lazy dispatches: the rows below num_recv (the others' ids are -1, their source nothing)
-        if valid is None:
-            self.aligned_list = [-(-c // alignment) * alignment for c in counts]
-            self.num_expanded = sum(self.aligned_list)
-        else:
-            self.aligned_list = []
-            worst = world * max_tokens * min(topk, self.local) + (alignment - 1) * self.local
-            self.num_expanded = _align(worst, alignment)
+        self.host_counts = counts  # eager dispatches: the received entries per local expert (a list)
+        self.alignment, self.max_tokens = alignment, max_tokens
         self._cache: dict = {}
+
+    world = property(lambda self: self.pool.world)
+    scaleup = property(lambda self: self.pool.scaleup)
+    local = property(lambda self: self.pool.local)
+    topk = property(lambda self: self.pool.topk)
+    rows = property(lambda self: self.recv_idx.shape[0])
+
+    def aligned_list(self) -> list:
+        """Each local expert's received entries rounded up to the alignment (empty without the counts on the
+        host)."""
+        if self.valid is not None:
+            return []
+        return self._once("aligned_list", lambda: [-(-c // self.alignment) * self.alignment for c in self.host_counts])
+
+    def num_expanded(self) -> int:
+        """The expanded layout's rows: exact with the counts on the host, else the worst case."""
+        if self.valid is None:
+            return self._once("num_expanded", lambda: sum(self.aligned_list()))
+        worst = self.world * self.max_tokens * min(self.topk, self.local) + (self.alignment - 1) * self.local
+        return _align(worst, self.alignment)
 
     def _once(self, name: str, make):
         value = self._cache.get(name)
@@ -562,7 +589,8 @@ class _Layout:
         """The rank-major rows copied into the expanded layout: one row per (token, local expert) entry at its
         slot (DeepEP's do_expand), padding rows zeroed with zero_padding; the weights one per slot."""
         flat = self.slots().view(-1)
-        target = torch.where(flat >= 0, flat, self.num_expanded)  # one row past the end takes the entries without one
+        expanded = self.num_expanded()
+        target = torch.where(flat >= 0, flat, expanded)  # one row past the end takes the entries without one
         row_of = torch.arange(flat.numel(), device=flat.device) // self.topk
         fill = torch.zeros if zero_padding else torch.empty
 
@@ -570,24 +598,24 @@ class _Layout:
             if rows is None:
                 return None
             raw = rows.view(torch.uint8) if rows.element_size() == 1 else rows  # (fp8: moved as bytes)
-            out = fill((self.num_expanded + 1,) + tuple(raw.shape[1:]), dtype=raw.dtype, device=raw.device)
+            out = fill((expanded + 1,) + tuple(raw.shape[1:]), dtype=raw.dtype, device=raw.device)
             out[target] = raw[row_of]
-            out = out[:self.num_expanded]
+            out = out[:expanded]
             return out.view(rows.dtype) if raw is not rows else out
 
         weights = None
         if recv_w is not None:
-            weights = fill((self.num_expanded + 1,), dtype=torch.float32, device=recv_w.device)
+            weights = fill((expanded + 1,), dtype=torch.float32, device=recv_w.device)
             weights[target] = recv_w.reshape(-1)
-            weights = weights[:self.num_expanded]
+            weights = weights[:expanded]
         return scatter(recv_x), scatter(recv_sf), weights
 
     def reduce_expanded(self, x: torch.Tensor) -> torch.Tensor:
         """One row per received token from the expanded rows: the sum of its entries' rows in top-k order, in fp32
         from +0.0, rounded once (what a rank-major combine takes)."""
-        if x.size(0) < self.num_expanded:
+        if x.size(0) < self.num_expanded():
             raise ferry.InputError(f"ferry.deep_ep: combine x has {x.size(0)} rows; the handle's expanded layout has "
-                                   f"{self.num_expanded}")
+                                   f"{self.num_expanded()}")
         slots = self.slots()
         acc = torch.zeros((self.rows, x.size(1)), dtype=torch.float32, device=x.device)
         for k in range(self.topk):  # NOTE: one add per entry, in top-k order (a torch.sum could reorder)

@@ -36,7 +36,7 @@ import ferry
 from .._common import (MAX_TOPK, POOL_SIZE, Pool, PoolOwner, check_weights, combine_weights, combine_with_bias,
                        fitting_max_tokens, footprint_bytes, hint_bytes, max_tokens_cap, refuse, refused_call,
                        shape_text)
-from ..utils.event import EventHandle, EventOverlap, wait_event
+from ..utils.event import EmptyEventOverlap, EventHandle, EventOverlap, wait_event
 
 __all__ = ["Buffer", "Config", "topk_idx_t"]
 
@@ -300,7 +300,7 @@ class Buffer(PoolOwner):
 
     @staticmethod
     def _event(async_finish: bool, tensors=None) -> EventOverlap:
-        return EventOverlap(EventHandle(), tensors) if async_finish else EventOverlap(None)
+        return EventOverlap(EventHandle(), tensors) if async_finish else EmptyEventOverlap()
 
     @staticmethod
     def _check_stream_args(previous_event, allocate_on_comm_stream) -> None:
@@ -416,7 +416,9 @@ class Buffer(PoolOwner):
             self._check_stream_args(previous_event, allocate_on_comm_stream)
         if expert_alignment < 1:
             raise ferry.InputError(f"ferry.deep_ep: expert_alignment={expert_alignment} must be >= 1")
-        x, x_scales = self._split_x(x)
+        x_scales = None
+        if isinstance(x, tuple):
+            x, x_scales = self._split_x(x)
         if handle is not None:
             return self._cached_dispatch(x, x_scales, handle, topk_idx, topk_weights, num_worst_tokens,
                                          expert_alignment, previous_event, async_finish)
@@ -430,7 +432,6 @@ class Buffer(PoolOwner):
         if topk_idx is None or topk_weights is None:
             raise ferry.InputError("ferry.deep_ep: dispatch takes topk_idx and topk_weights together (or neither, "
                                    "to route by is_token_in_rank alone)")
-        world = self.group_size
         try:
             num_tokens, hidden = x.shape
             _, topk = topk_idx.shape
@@ -440,13 +441,18 @@ class Buffer(PoolOwner):
         num_experts = num_tokens_per_expert.numel()
         # NOTE: the layout tensors are what get_dispatch_layout derives from topk_idx; Ferry derives the same layout
         # itself (its count exchange), so only their shapes are checked here: num_tokens_per_expert gives num_experts.
-        # The binding checks x, topk_idx and topk_weights (shapes, dtypes, placement), collectively.
-        self._check_layout_shapes(num_tokens, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank)
+        # The binding checks x, topk_idx and topk_weights (shapes, dtypes, placement), collectively. The checking
+        # methods run only where a check fails (a call per check would be host time on every dispatch).
+        world = self.group_size
+        if num_tokens_per_rank.shape != (world,) or is_token_in_rank.shape != (num_tokens, world) or \
+                (num_tokens_per_rdma_rank is not None and self._nodes > 1):
+            self._check_layout_shapes(num_tokens, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank)
         fp8 = x_scales is not None
         pool = self._pools.get(("normal", hidden, num_experts, topk, fp8, num_worst_tokens))
         if pool is None:
             pool = self._normal_pool(hidden, num_experts, topk, fp8, num_worst_tokens)
-        self._check_budget(pool, num_tokens, hidden, topk, fp8)
+        if num_tokens > pool.max_tokens:
+            self._check_budget(pool, num_tokens, hidden, topk, fp8)
         if previous_event is not None:
             wait_event(previous_event)
         slot = pool.take()
@@ -465,7 +471,7 @@ class Buffer(PoolOwner):
             counts = []
         elif expert_alignment != 1:
             counts = [-(-c // expert_alignment) * expert_alignment for c in counts]
-        event = EventOverlap(None) if not async_finish else self._event(True, (x,))
+        event = EmptyEventOverlap() if not async_finish else self._event(True, (x,))
         return (recv_x, recv_scales) if fp8 else recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event
 
     def _check_layout_shapes(self, num_tokens, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank):
@@ -596,7 +602,7 @@ class Buffer(PoolOwner):
         else:
             y = combine_with_bias(buf, handle.ferry_handle, x, bias, handle.num_tokens, x.size(1))
         if topk_weights is None:
-            return y, None, EventOverlap(None) if not async_finish else self._event(True, (x, y))
+            return y, None, EmptyEventOverlap() if not async_finish else self._event(True, (x, y))
         combined_w = combine_weights(self.comm, pool, handle.ferry_handle, topk_weights, self.group_size, self.rank)
         return y, combined_w, self._event(async_finish, (x, y, combined_w))
 
@@ -737,7 +743,7 @@ class Buffer(PoolOwner):
             else:
                 self._ll_views(got, sent)
             return (got.expert_x, got.expert_counts, handle,
-                    EventOverlap(None) if not async_finish else self._event(True, (x, topk_idx)), hook)
+                    EmptyEventOverlap() if not async_finish else self._event(True, (x, topk_idx)), hook)
         if not return_recv_hook:
             self._ll_views(got, sent)
         rows = got.expert_slots
@@ -820,7 +826,7 @@ class Buffer(PoolOwner):
         # (CombineArgs::group), into out; the binding checks x, out and the weights' dtype and layout
         out = buf.combine(source, "expert", out=out, eager=False, return_recv_hook=return_recv_hook, group=topk,
                           group_weights=weights)
-        return (out, EventOverlap(None) if not async_finish else self._event(True, (x, topk_idx, topk_weights, out)),
+        return (out, EmptyEventOverlap() if not async_finish else self._event(True, (x, topk_idx, topk_weights, out)),
                 buf.complete_combine if return_recv_hook else None)
 
 

@@ -55,14 +55,16 @@ class EventOverlap:
         with event(release_handle=True): ...   # and drops the event after the wait
     """
 
-    __slots__ = ("event", "extra_tensors", "_release_handle_by_call", "hook_after_wait")
+    # the defaults are the class's: an EmptyEventOverlap (below) is made without running __init__
+    event: Optional[EventHandle] = None
+    extra_tensors: Optional[Tuple[torch.Tensor, ...]] = None
+    _release_handle_by_call = False
+    hook_after_wait: Optional[Callable] = None
 
     def __init__(self, event: Optional[EventHandle] = None,
                  extra_tensors: Optional[Tuple[torch.Tensor, ...]] = None) -> None:
         self.event = event
         self.extra_tensors = extra_tensors
-        self._release_handle_by_call = False
-        self.hook_after_wait: Optional[Callable] = None
 
     def current_stream_wait(self, release_handle: bool = False) -> None:
         if self.event is None:
@@ -92,3 +94,12 @@ class EventOverlap:
         if self.event is not None:
             self.current_stream_wait(release_handle=self._release_handle_by_call)
         self._release_handle_by_call = False
+
+
+class EmptyEventOverlap(EventOverlap):
+    """The EventOverlap without an event that a call without async_finish (async_with_compute_stream) returns: a fresh
+    object per call, as DeepEP's (a hook registered on one stays with it), made without a Python __init__ (its fields
+    are EventOverlap's defaults). NOTE: the layer returns one per call, and a Python __init__ per call was a
+    measurable part of its own host time (docs/python.md, "The DeepEP-compatible layer")."""
+
+    __init__ = object.__init__
