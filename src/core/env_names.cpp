@@ -31,6 +31,7 @@ constexpr char const* kScriptNames[] = {
     "FERRY_DEEP_EP",           // the Python package: `import deep_ep` resolves to ferry.deep_ep (docs/deep_ep.md)
     "FERRY_DEEPEP_TIMEOUT_S",  // tools/dev/run-deepep-tests.sh: each DeepEP test program's time limit
     "FERRY_DEEPEP_WORLDS",     // tools/dev/run-deepep-tests.sh: the worlds it runs
+    "FERRY_DEEPEP_ONLY",       // tools/dev/run-deepep-tests.sh: the programs it runs
 };
 constexpr std::string_view kTestPrefix = "FERRY_TEST_";  // the tests' own (FERRY_TEST_SEED, FERRY_TEST_WORLD, ...)
 
