@@ -70,8 +70,8 @@ struct EpConfig {
   // (the default): a rank that does not arrive within FERRY_TIMEOUT_S fails the call on every rank (TimeoutError
   // naming it) and the communicator with it. On: the ranks that arrived agree to leave it out ("mask" it), and later
   // calls skip it (no row goes to it, no rank waits for it); what it would have contributed is counted
-  // (EpBuffer::mask_status). The cpu backend builds it; the cuda backend builds it on one node and refuses it
-  // (ConfigError) across nodes in this version.
+  // (EpBuffer::mask_status). Both backends, one node and across nodes; the cuda backend up to 32 ranks and, across
+  // nodes, on the direct route (docs/internode.md, "Rank masking").
   bool rank_masking = false;
   // Per-source wait statistics of the low-latency receive halves (EpBuffer::wait_stats), mode=ll only, opt-in; every
   // rank must set the same value. Off, the kernels pay one predictable branch per wait and record nothing.

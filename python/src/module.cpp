@@ -247,7 +247,8 @@ void bind_config(nb::module_& m) {
           "Across nodes, mode='ll': 'automatic', 'forward' or 'direct' (docs/internode.md).")
       .def_ro("rank_masking", &EpConfig::rank_masking,
               "mode='ll': a rank that times out (or is asked out with mask_ranks) is masked instead of failing every "
-              "call (docs/internode.md, 'Rank masking'); cpu backend only in this version.")
+              "call (docs/internode.md, 'Rank masking'); both backends (cuda: up to 32 ranks, across nodes the direct "
+              "route).")
       .def_ro("wait_stats", &EpConfig::wait_stats,
               "mode='ll': per-source wait statistics of the receive halves (EpBuffer.wait_stats()).")
       .def_prop_ro(
