@@ -10,7 +10,8 @@ test_low_latency.py, test_internode.py) and training clients go past the routed 
 - combine with a bias (one tensor or two), added in fp32 before the one rounding;
 - a capacity drop through num_worst_tokens: an error on every rank, never numbers (issue 58, item 2);
 - low-latency handles checked: another Buffer's, one kept past destroy(), and a call after destroy() are InputError
-  naming the problem (issue 58, item 4); the empty events of calls without async_finish are fresh per call.
+  naming the problem (issue 58, item 4); the empty events of calls without async_finish are fresh per call;
+- num_rdma_bytes pays for the low-latency pool's whole footprint, to the byte, and the size hint covers it.
 
 The expectations are computed here from every rank's inputs (each rank draws all ranks' with the seed), in the order
 Ferry delivers: (source rank, source token). cpu backend, torch CPU tensors, ranks as processes joined by a gloo
@@ -19,7 +20,8 @@ sent to the next rank (test_dispatch_by_rank_membership failed at worlds 2 and 4
 handle's own EpBuffer whatever the format (both worlds failed: the binding refused the other format); the bias
 added to the rounded combine (world 2 on the sums, world 1 on the bias shape no longer checked); EpBuffer's refusal
 of a combine over a layout that dropped removed (DID NOT RAISE on rank 0); the low-latency handle's owner checks
-removed (both worlds failed); one shared empty event returned by every call (a hook is already registered).
+removed (both worlds failed); one shared empty event returned by every call (a hook is already registered); the
+layer's own low-latency byte formula in place of the footprint (the pool held other than the refusal named).
 """
 
 from __future__ import annotations
@@ -354,3 +356,52 @@ def _ll_handles_body(ctx, seed):
 @pytest.mark.parametrize("world", [1, 2])
 def test_low_latency_handles_are_checked(world):
     assert run_torch_ranks(_ll_handles_body, world, SEED) == [True] * world
+
+
+# ---- num_rdma_bytes pays for the low-latency pool's whole footprint -------------------------------------------------
+
+
+def _ll_budget_body(ctx, seed):
+    import re
+
+    import ferry.deep_ep as deep_ep
+
+    group = _group(ctx)
+    world, rank = ctx.world, ctx.rank
+    experts, tokens = 2 * world, 4
+    topk = min(experts, 16)  # the largest a call of these shapes can use
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, HIDDEN, world, experts)
+    gen = torch.Generator().manual_seed(seed + rank)
+    x = torch.randn((tokens, HIDDEN), generator=gen).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)])
+
+    def dispatch(num_rdma_bytes):
+        """The call on a fresh Buffer; the whole footprint of the EpBuffers its low-latency pool made (from their
+        own configs)."""
+        buffer = deep_ep.Buffer(group, 0, num_rdma_bytes, low_latency_mode=True, num_qps_per_rank=2,
+                                explicitly_destroy=True)
+        try:
+            buffer.low_latency_dispatch(x, idx, tokens, experts, use_fp8=False)
+            made = [b.config for pool in buffer._pools.values() if pool.key[0] == "ll" for b in pool.buffers]
+            return sum(ferry.EpBuffer.footprint(
+                world, backend="cpu", hidden=c.hidden, num_experts=c.num_experts, topk=c.topk,
+                max_tokens_per_rank=c.max_tokens_per_rank, expert_capacity=c.expert_capacity,
+                dispatch_format=c.dispatch_format, recv_scale_layout=c.recv_scale_layout, mode=c.mode)["total"]
+                for c in made)
+        finally:
+            buffer.destroy()
+
+    with pytest.raises(ferry.ConfigError, match="get_low_latency_rdma_size_hint") as refused:
+        dispatch(1024)
+    need = int(re.search(r"they need (\d+) bytes", str(refused.value)).group(1))
+    assert 1024 < need <= hint, (need, hint)
+    with pytest.raises(ferry.ConfigError, match=f"they need {need} bytes"):
+        dispatch(need - 1)  # the budget is the footprint, to the byte
+    assert dispatch(need) == need  # what the refusal named is what the pool holds
+    dispatch(hint)
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_low_latency_budget_is_the_pools_footprint(world):
+    assert run_torch_ranks(_ll_budget_body, world, SEED) == [True] * world

@@ -253,13 +253,22 @@ class Buffer(PoolOwner):
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        """num_rdma_bytes a low-latency Buffer needs for these shapes (bf16, topk up to 16): Ferry's low-latency
-        EpBuffers hold, for each of the two of a pool, every rank's tokens for every local expert (rows and scales)
-        and the per-(token, k) rows that come back."""
+        """num_rdma_bytes a low-latency Buffer needs for these shapes (bf16, the largest topk a call of them can use:
+        up to 16, at most 1024 (token, k) rows per rank): the footprint of the POOL_SIZE low-latency EpBuffers of one
+        shape (ferry.EpBuffer.footprint, the formula their constructor checks) on whichever backend and split into
+        nodes (one, or nodes of 8, 4, 2 or 1 ranks) needs most, as a hint knows no communicator."""
         if num_experts % num_ranks:
             raise ferry.ConfigError(f"ferry.deep_ep: num_experts={num_experts} is not a multiple of num_ranks="
                                     f"{num_ranks}")
-        return _ll_bytes(num_max_dispatch_tokens_per_rank, hidden * 2, num_ranks, num_experts, MAX_TOPK)
+        topk = min(MAX_TOPK, _MAX_LL_ROWS // max(num_max_dispatch_tokens_per_rank, 1))
+        if topk < 1:
+            refuse(f"num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}",
+                   f"the layer sends each (token, k) pair as a row and Ferry's low-latency mode takes at most "
+                   f"{_MAX_LL_ROWS} rows per rank", f"use num_max_dispatch_tokens_per_rank <= {_MAX_LL_ROWS}",
+                   ferry.ConfigError)
+        config = _ll_config(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, topk, "bf16")
+        splits = {1} | {num_ranks // local for local in (8, 4, 2, 1) if num_ranks % local == 0}
+        return max(_ll_bytes(num_ranks, nodes, backend, config) for nodes in splits for backend in ("cpu", "cuda"))
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
@@ -611,9 +620,9 @@ class Buffer(PoolOwner):
         """Nothing to clean in Ferry: every call carries a sequence number, so its buffers never need zeroing between
         normal and low-latency calls. Checks the arguments as a low-latency call of these shapes would."""
         self._alive("clean_low_latency_buffer()")
-        self._ll_check(num_max_dispatch_tokens_per_rank, hidden, num_experts, 1)
+        self._ll_check(num_max_dispatch_tokens_per_rank, hidden, num_experts, 1, "bf16")
 
-    def _ll_check(self, max_tokens: int, hidden: int, num_experts: int, topk: int) -> None:
+    def _ll_check(self, max_tokens: int, hidden: int, num_experts: int, topk: int, fmt: str) -> None:
         if not self.low_latency_mode:
             refuse("a low-latency call on a Buffer(low_latency_mode=False)", "its buffers are sized for normal mode",
                     "create the Buffer with low_latency_mode=True and num_rdma_bytes from "
@@ -625,7 +634,8 @@ class Buffer(PoolOwner):
             refuse(f"num_max_dispatch_tokens_per_rank={max_tokens} with num_topk={topk}",
                     f"the layer sends each (token, k) pair as a row and Ferry's low-latency mode takes at most "
                     f"{_MAX_LL_ROWS} rows per rank", f"use num_max_dispatch_tokens_per_rank <= {_MAX_LL_ROWS // topk}")
-        need = _ll_bytes(max_tokens, hidden * 2, self.group_size, num_experts, topk)
+        need = _ll_bytes(self.group_size, self._nodes, self.comm.backend,
+                         _ll_config(max_tokens, hidden, self.group_size, num_experts, topk, fmt))
         if self.num_rdma_bytes < need:
             refuse(f"num_rdma_bytes={self.num_rdma_bytes} for low-latency calls of "
                     f"num_max_dispatch_tokens_per_rank={max_tokens}, hidden={hidden}, num_experts={num_experts}",
@@ -636,14 +646,8 @@ class Buffer(PoolOwner):
         pool = self._pools.get(key)
         if pool is not None:
             return pool
-        self._ll_check(max_tokens, hidden, num_experts, topk)
-        world = self.group_size
-        fmt_name, layout = {"bf16": ("bf16", "row_major"), "fp8": ("fp8", "mn_major_tma"),
-                            "fp8_round": ("fp8_ue8m0", "mn_major_tma"),
-                            "fp8_ue8m0": ("fp8_ue8m0", "mn_major_tma_packed_ue8m0")}[fmt]
-        kwargs = dict(hidden=hidden, num_experts=num_experts, topk=1, max_tokens_per_rank=max_tokens * topk,
-                      expert_capacity=world * max_tokens, mode="ll", dispatch_format=fmt_name,
-                      recv_scale_layout=layout)
+        self._ll_check(max_tokens, hidden, num_experts, topk, fmt)
+        kwargs = _ll_config(max_tokens, hidden, self.group_size, num_experts, topk, fmt)
 
         def make():
             # NOTE: a hooked dispatch returns its views only from the receive half, while DeepEP returns the tensors
@@ -830,13 +834,20 @@ class Buffer(PoolOwner):
                 buf.complete_combine if return_recv_hook else None)
 
 
-def _ll_bytes(max_tokens: int, row_bytes: int, world: int, num_experts: int, topk: int) -> int:
-    """Bytes the two low-latency EpBuffers of one pool hold: every rank's tokens for every local expert, each
-    rank's (token, k) rows in flight (sent and combined back)."""
-    local = num_experts // world
-    expert_rows = local * world * max_tokens * row_bytes
-    pair_rows = world * max_tokens * topk * (row_bytes + 16)
-    return POOL_SIZE * 2 * (expert_rows + pair_rows)
+def _ll_config(max_tokens: int, hidden: int, world: int, num_experts: int, topk: int, fmt: str) -> dict:
+    """The EpBuffer keyword arguments of a low-latency pool: each (token, k) entry a token of a topk-1 EpBuffer
+    (x_repeat), every rank's entries for an expert in its slots (at most max_tokens per rank: a token names an expert
+    once)."""
+    fmt_name, layout = {"bf16": ("bf16", "row_major"), "fp8": ("fp8", "mn_major_tma"),
+                        "fp8_round": ("fp8_ue8m0", "mn_major_tma"),
+                        "fp8_ue8m0": ("fp8_ue8m0", "mn_major_tma_packed_ue8m0")}[fmt]
+    return dict(hidden=hidden, num_experts=num_experts, topk=1, max_tokens_per_rank=max_tokens * topk,
+                expert_capacity=world * max_tokens, mode="ll", dispatch_format=fmt_name, recv_scale_layout=layout)
+
+
+def _ll_bytes(world: int, nodes: int, backend: str, config: dict) -> int:
+    """Bytes the POOL_SIZE low-latency EpBuffers of one pool hold on each rank (their whole footprint)."""
+    return POOL_SIZE * footprint_bytes(world, nodes, backend, **config)
 
 
 def _ll_src_info(handle: _LowLatencyHandle) -> torch.Tensor:
