@@ -124,6 +124,14 @@ std::string check_refusal(std::vector<DeviceErrorBlock> const& blocks, int fault
   return out;
 }
 
+// "" when rank r's rank-major y is still all poison, else that `what` wrote it.
+std::string check_y_poisoned(VirtualRankIo const& io, int r, char const* what) {
+  std::vector<uint8_t> const y = to_host<uint8_t>(io.y_rm.ptr, io.y_rm.bytes);
+  auto const written = std::find_if(y.begin(), y.end(), [](uint8_t v) { return v != 0xEE; });
+  if (written == y.end()) return "";
+  return "rank " + std::to_string(r) + ": " + what + " wrote y at byte " + std::to_string(written - y.begin()) + "\n";
+}
+
 // "" when every rank delivered no row (num_recv 0 on the device) and its y is still all poison.
 template <typename State>
 std::string check_nothing_moved(std::vector<State*> const& states, std::vector<VirtualRankIo> const& io) {
@@ -131,11 +139,7 @@ std::string check_nothing_moved(std::vector<State*> const& states, std::vector<V
   for (std::size_t r = 0; r < states.size(); ++r) {
     int32_t const num_recv = to_host<State>(states[r], 1)[0].num_recv;
     if (num_recv != 0) out += "rank " + std::to_string(r) + ": num_recv " + std::to_string(num_recv) + "\n";
-    std::vector<uint8_t> const y = to_host<uint8_t>(io[r].y_rm.ptr, io[r].y_rm.bytes);
-    auto const written = std::find_if(y.begin(), y.end(), [](uint8_t v) { return v != 0xEE; });
-    if (written != y.end())
-      out += "rank " + std::to_string(r) + ": the combine after the refused dispatch wrote y at byte " +
-             std::to_string(written - y.begin()) + "\n";
+    out += check_y_poisoned(io[r], static_cast<int>(r), "the combine after the refused dispatch");
   }
   return out;
 }
@@ -232,9 +236,7 @@ void dropped_call(Spec const& spec, EpConfig const& config, Ranks const& ranks, 
   if (blocks[spec.faulty].overflow_rows != 1)
     failure += "rank " + std::to_string(spec.faulty) + ": overflow_rows " +
                std::to_string(blocks[spec.faulty].overflow_rows) + ", expected 1 (the entry past expert_capacity)\n";
-  std::vector<uint8_t> const y = to_host<uint8_t>(io[spec.faulty].y_rm.ptr, io[spec.faulty].y_rm.bytes);
-  if (std::any_of(y.begin(), y.end(), [](uint8_t v) { return v != 0xEE; }))
-    failure += "rank " + std::to_string(spec.faulty) + ": its refused combine wrote y\n";
+  failure += check_y_poisoned(io[spec.faulty], spec.faulty, "its refused combine");
   ASSERT_TRUE(failure.empty()) << "the combine after the dropped entry:\n" << failure;
 }
 

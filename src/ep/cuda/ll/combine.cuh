@@ -76,14 +76,14 @@ __device__ __forceinline__ void ll_combine_send(LlCombineParams const& p, Net co
   }
   if constexpr (kNet && kMasking) {
     // rank masking across nodes runs the direct route (the backend refuses the forward one)
-    ll_combine_send_network<kFormat, true>(p, network, parity, seq);
+    ll_combine_send_network<kFormat, true>(p, network, parity, seq, refused);
   } else if constexpr (kNet) {
     if (p.forward) {
       // this rank's rows for the rails of its node are in (the same barrier orders them)
       if (tid < p.local) p.net.add_signal(tid, p.layout.ll.partial_arrivals + rank * sizeof(uint64_t), 1);
-      ll_combine_rail<kFormat>(p, network, parity, seq);
+      ll_combine_rail<kFormat>(p, network, parity, seq, refused);
     } else {
-      ll_combine_send_network<kFormat, false>(p, network, parity, seq);
+      ll_combine_send_network<kFormat, false>(p, network, parity, seq, refused);
     }
   }
   FERRY_TRACE_END(trace, ll_combine_send_arrival);

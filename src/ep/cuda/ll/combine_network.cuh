@@ -14,13 +14,12 @@ namespace ferry::cuda_ll {
 // row of the CTA, in the send's order; a row whole from its first chunk's item (combine_chunks keeps a row's chunks
 // in one CTA), a bf16 row wider than 16 of its 1024-element chunks a chunk's bytes per item; CTA 0 of a refusing
 // rank puts its abort word). The staged rows alternate by parity, as the landing zones. kMasking: a rank masked
-// since the dispatch gets nothing (its rows were not staged either).
+// since the dispatch gets nothing (its rows were not staged either). refused: combine_refused(p), the send's.
 template <WireFormat kFormat, bool kMasking, class Net>
 __device__ __forceinline__ void ll_combine_send_network(LlCombineParams const& p, Net const& network, int parity,
-                                                        uint64_t seq) {
+                                                        uint64_t seq, bool refused) {
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   int const num_vec = p.hidden / 8;
-  bool const refused = combine_refused(p);
   int const num_recv = refused ? 0 : p.state->num_recv;  // a refusing rank sends no rows
   std::size_t const wire = p.layout.ll.combine_row_bytes;
   std::size_t const staged = p.layout.ll.combine_send + static_cast<std::size_t>(parity) * world * p.max_tokens * wire;
@@ -81,10 +80,10 @@ __device__ __forceinline__ void ll_combine_send_network(LlCombineParams const& p
 // after the barrier warp w takes the other nodes j = w, w + kWarps, ...: to that node's source it puts the CTA's
 // staged rows into its landing zone at (this rail, token), relays (CTA 0) the abort word of every rank of this node
 // that refused the call, and signals +1. Returns false when a rank of the node did not send (the timeout recorded):
-// then nothing is signalled, and the sources time out on this rail.
+// then nothing is signalled, and the sources time out on this rail. refused: combine_refused(p), the send's.
 template <WireFormat kFormat, class Net>
-__device__ __forceinline__ bool ll_combine_rail(LlCombineParams const& p, Net const& network, int parity,
-                                                uint64_t seq) {
+__device__ __forceinline__ bool ll_combine_rail(LlCombineParams const& p, Net const& network, int parity, uint64_t seq,
+                                                bool refused) {
   __shared__ int s_rail_ok;
   auto const [world, rank, tid, lane, warp, cta] = thread_ids(p.view);
   int const own_node = rank / p.local;
@@ -97,7 +96,6 @@ __device__ __forceinline__ bool ll_combine_rail(LlCombineParams const& p, Net co
   std::size_t const bf16_row = static_cast<std::size_t>(p.hidden) * 2;
   WireRowLayout const wl = wire::make_row_layout(kFormat, p.hidden);
   char* const own = p.net.local();
-  bool const refused = combine_refused(p);
   if (tid == 0) s_rail_ok = 1;
   __syncthreads();
   if (tid < p.local && !device::wait_signal_geq(
